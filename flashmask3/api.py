@@ -1,0 +1,219 @@
+"""The public attention function, its argument checks and its ``torch.library`` registration.
+
+``flashmask_attention`` follows the established FlashMask interface so users can switch:
+q/k/v are ``[B, S, H, D]`` and the mask is the column-wise ``startend_row_indices`` tensor (or a
+:class:`~flashmask3.masks.FlashMask`). The computation is a ``torch.library`` custom op with
+fake (meta) implementations and an autograd formula, so it traces under ``torch.compile``
+without graph breaks.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Optional, Union
+
+import torch
+from torch import Tensor
+
+from .kernels import get_backend, resolve_backend
+from .masks.mask import FlashMask, validate_startend_row_indices
+
+_FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+
+
+# -- the custom ops -------------------------------------------------------------------------
+
+
+@torch.library.custom_op("flashmask3::attention_forward", mutates_args=())
+def _attention_forward(
+    q: Tensor, k: Tensor, v: Tensor, startend_row_indices: Optional[Tensor], causal: bool,
+    softmax_scale: float, backend: str,
+) -> tuple[Tensor, Tensor]:
+    out, lse = get_backend(backend).forward(q, k, v, startend_row_indices, causal, softmax_scale)
+    return out.contiguous(), lse.contiguous()
+
+
+@_attention_forward.register_fake
+def _attention_forward_fake(q, k, v, startend_row_indices, causal, softmax_scale, backend):
+    b, sq, hq, _ = q.shape
+    out = q.new_empty(b, sq, hq, v.shape[-1])
+    lse = q.new_empty(b, hq, sq, dtype=torch.float32)
+    return out, lse
+
+
+@torch.library.custom_op("flashmask3::attention_backward", mutates_args=())
+def _attention_backward(
+    dout: Tensor, dlse: Optional[Tensor], q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
+    startend_row_indices: Optional[Tensor], causal: bool, softmax_scale: float, backend: str,
+) -> tuple[Tensor, Tensor, Tensor]:
+    dq, dk, dv = get_backend(backend).backward(
+        dout, dlse, q, k, v, out, lse, startend_row_indices, causal, softmax_scale
+    )
+    return dq.contiguous(), dk.contiguous(), dv.contiguous()
+
+
+@_attention_backward.register_fake
+def _attention_backward_fake(dout, dlse, q, k, v, out, lse, startend_row_indices, causal,
+                             softmax_scale, backend):
+    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+
+
+def _setup_context(ctx, inputs, output):
+    q, k, v, startend_row_indices, causal, softmax_scale, backend = inputs
+    out, lse = output
+    ctx.save_for_backward(q, k, v, out, lse, startend_row_indices)
+    ctx.causal, ctx.softmax_scale, ctx.backend = causal, softmax_scale, backend
+
+
+def _backward(ctx, dout, dlse):
+    q, k, v, out, lse, startend_row_indices = ctx.saved_tensors
+    dq, dk, dv = _attention_backward(
+        dout.contiguous(), dlse, q, k, v, out, lse, startend_row_indices, ctx.causal,
+        ctx.softmax_scale, ctx.backend,
+    )
+    return dq, dk, dv, None, None, None, None
+
+
+_attention_forward.register_autograd(_backward, setup_context=_setup_context)
+
+
+# -- argument checks ------------------------------------------------------------------------
+
+
+def _check_qkv(q, k, v) -> None:
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(t, Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+        if t.dim() != 4:
+            raise ValueError(f"{name} must be 4-D [batch, seqlen, heads, head_dim], got shape {tuple(t.shape)}")
+        if t.dtype not in _FLOAT_DTYPES:
+            raise TypeError(f"{name} must be float16, bfloat16, float32 or float64, got {t.dtype}")
+    if not (q.dtype == k.dtype == v.dtype):
+        raise TypeError(f"q, k and v must share one dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
+    if not (q.device == k.device == v.device):
+        raise ValueError(f"q, k and v must be on one device, got {q.device}, {k.device}, {v.device}")
+    b, sq, hq, d = q.shape
+    if k.shape != v.shape[:3] + (k.shape[3],) or k.shape[:3] != v.shape[:3]:
+        raise ValueError(f"k and v must agree on [batch, seqlen_k, kv_heads], got {tuple(k.shape)} and {tuple(v.shape)}")
+    if k.shape[0] != b:
+        raise ValueError(f"k batch size {k.shape[0]} does not match q batch size {b}")
+    if k.shape[3] != d:
+        raise ValueError(f"k head_dim {k.shape[3]} does not match q head_dim {d}")
+    if v.shape[3] != d:
+        raise ValueError(f"v head_dim {v.shape[3]} must equal the q/k head_dim {d}")
+    hk = k.shape[2]
+    if hk == 0 or hq % hk != 0:
+        raise ValueError(f"the {hq} query heads must be a multiple of the {hk} key/value heads (GQA/MQA)")
+    if sq == 0 or k.shape[1] == 0 or d == 0:
+        raise ValueError(f"empty inputs are not supported: q {tuple(q.shape)}, k {tuple(k.shape)}")
+
+
+def _window_columns(window_size, causal: bool, batch: int, sq: int, sk: int, device) -> Tensor:
+    """Columns of a sliding-window mask aligned on the bottom-right diagonal (Sq != Sk ok).
+
+    Query ``i`` sees keys ``[i + off - left, i + off + right]`` with ``off = Sk - Sq``; ``-1``
+    means unlimited on that side; with ``causal`` the right side is the diagonal.
+    """
+    if isinstance(window_size, int) and not isinstance(window_size, bool):
+        left, right = window_size, window_size
+    elif isinstance(window_size, (tuple, list)) and len(window_size) == 2 and all(
+        isinstance(w, int) and not isinstance(w, bool) for w in window_size
+    ):
+        left, right = window_size
+    else:
+        raise TypeError(f"window_size must be an int or a (left, right) pair of ints, got {window_size!r}")
+    if left < -1 or right < -1:
+        raise ValueError(f"window_size entries must be >= 0 (or -1 for unlimited), got {window_size!r}")
+    off = sk - sq
+    j = torch.arange(sk, device=device, dtype=torch.int64)
+    lts = torch.full_like(j, sq) if left == -1 else (j - off + left + 1).clamp(0, sq)
+    if causal:
+        cols = lts.view(sk, 1)
+    else:
+        ute = torch.zeros_like(j) if right == -1 else (j - off - right).clamp(0, sq)
+        cols = torch.stack([lts, ute], -1)
+    return cols.to(torch.int32).view(1, 1, sk, -1).expand(batch, 1, sk, cols.shape[-1]).contiguous()
+
+
+def _choose_backend(q: Tensor) -> str:
+    name = resolve_backend(q.device)
+    if name == "triton":
+        reason = getattr(get_backend("triton"), "unsupported_reason", lambda *a: None)(q)
+        if reason is not None:
+            import os
+
+            if os.environ.get("FLASHMASK3_BACKEND", "auto").strip().lower() == "triton":
+                raise ValueError(f"FLASHMASK3_BACKEND=triton cannot run these inputs: {reason}")
+            return "torch"
+    return name
+
+
+# -- the public function --------------------------------------------------------------------
+
+
+def flashmask_attention(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    startend_row_indices: Union[Tensor, FlashMask, None] = None,
+    *,
+    causal: bool = False,
+    softmax_scale: Optional[float] = None,
+    window_size=None,
+    return_softmax_lse: bool = False,
+):
+    """Scaled dot-product attention under a column-wise sparse (FlashMask) mask.
+
+    Args:
+        q: ``[B, Sq, Hq, D]``; k, v: ``[B, Sk, Hk, D]`` with ``Hq % Hk == 0`` (GQA/MQA).
+        startend_row_indices: int32 ``[B, Hm, Sk, C]`` column mask (DESIGN.md §1), a
+            :class:`~flashmask3.masks.FlashMask` (which brings its own ``causal``), or ``None``
+            for full attention (plain bottom-right causal with ``causal=True``).
+        causal: whether the causal diagonal applies (selects the meaning of the C columns).
+        softmax_scale: defaults to ``1 / sqrt(D)``.
+        window_size: sliding window ``w`` or ``(left, right)`` (``-1`` = unlimited), used
+            instead of ``startend_row_indices`` (giving both is an error).
+        return_softmax_lse: also return the log-sum-exp ``[B, Hq, Sq]`` (float32, natural log,
+            ``-inf`` on fully masked rows). It is differentiable too.
+
+    Returns:
+        ``out [B, Sq, Hq, D]`` (the dtype of q), or ``(out, lse)``. Fully masked rows give zeros
+        and zero gradients.
+    """
+    _check_qkv(q, k, v)
+    b, sq, hq, d = q.shape
+    sk = k.shape[1]
+    if not isinstance(causal, bool):
+        raise TypeError(f"causal must be a bool, got {type(causal).__name__}")
+    check_values = not torch.compiler.is_compiling()
+    if isinstance(startend_row_indices, FlashMask):
+        mask = startend_row_indices
+        if causal and not mask.causal:
+            raise ValueError("causal=True conflicts with the given FlashMask, which has causal=False")
+        if mask.seqlen_q != sq:
+            raise ValueError(f"the FlashMask was built for seqlen_q={mask.seqlen_q}, but q has {sq} rows")
+        causal, startend_row_indices = mask.causal, mask.startend_row_indices
+        check_values = False  # validated when the mask was built
+    if window_size is not None:
+        if startend_row_indices is not None:
+            raise ValueError("pass either window_size or startend_row_indices, not both")
+        startend_row_indices = _window_columns(window_size, causal, b, sq, sk, q.device)
+        check_values = False
+    if startend_row_indices is not None:
+        validate_startend_row_indices(
+            startend_row_indices, causal=causal, batch_size=b, seqlen_q=sq, seqlen_k=sk,
+            num_heads=hq, check_values=check_values,
+        )
+        if startend_row_indices.device != q.device:
+            raise ValueError(
+                f"startend_row_indices is on {startend_row_indices.device} but q is on {q.device}"
+            )
+        startend_row_indices = startend_row_indices.contiguous()
+    if softmax_scale is None:
+        softmax_scale = 1.0 / math.sqrt(d)
+    elif not isinstance(softmax_scale, (int, float)) or isinstance(softmax_scale, bool) or softmax_scale <= 0:
+        raise ValueError(f"softmax_scale must be a positive number, got {softmax_scale!r}")
+    backend = _choose_backend(q)
+    q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))
+    out, lse = _attention_forward(q, k, v, startend_row_indices, causal, float(softmax_scale), backend)
+    return (out, lse) if return_softmax_lse else out
