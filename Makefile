@@ -1,0 +1,21 @@
+# The two entry points of the README. Both create or reuse the virtual environment first.
+VENV ?= .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.flashmask3-installed
+
+.PHONY: demo test venv clean
+
+venv: $(STAMP)
+
+$(STAMP): pyproject.toml scripts/bootstrap.sh
+	bash scripts/bootstrap.sh $(VENV)
+	touch $@
+
+demo: $(STAMP)
+	$(PY) -m flashmask3.demo
+
+test: $(STAMP)
+	$(PY) -m pytest -q tests
+
+clean:
+	rm -rf $(VENV) .pytest_cache .hypothesis
