@@ -1,0 +1,909 @@
+"""Triton FlashMask kernels (forward and backward) for Hopper, behind ``flashmask3.kernels``.
+
+Backend contract (docs/ARCHITECTURE.md): :func:`forward` and :func:`backward`. Layout is
+q ``[B, Sq, Hq, D]``, k/v ``[B, Sk, Hk, D]`` (GQA without repeating K/V), mask
+``startend_row_indices`` int32 ``[B, Hm, Sk, C]`` or ``None``, LSE fp32 ``[B, Hq, Sq]``.
+
+How the work is organised (DESIGN.md §2):
+
+1. **Block summaries** (:func:`_summary_kernel`, O(Sk)): for every key block of ``BLOCK_N``
+   columns, the min/max start and end of each masked row interval, 8 int32 per block.
+2. **Live ranges** (:func:`_range_kernel`, per mask head, not per query head): for every query
+   block the key blocks that are not SKIP, as at most two half-open ranges (a sliding window
+   plus global tokens is two runs of live blocks); and the same per key block over query
+   blocks for the dK/dV pass. The attention loops visit only these ranges.
+3. **Attention loops** classify each visited tile with :func:`_classify_rule` (the ``@jit``
+   twin of :func:`flashmask3.masks.blocks.classify_tiles`): UNMASKED tiles run with no mask
+   work; PARTIAL tiles (and the causal diagonal) apply the element-wise rule of DESIGN.md §1;
+   SKIP tiles inside a range are never computed (the loads are issued by the pipeline, the
+   matrix products are not).
+4. **Backward**: a delta pre-pass (``rowsum(dO*O) - dlse``, plus ``lse`` in base 2 with
+   ``+inf`` on fully masked rows), a dK/dV pass with one program per key block and KV head
+   that loops over the query heads of its GQA group, and a dQ pass with one program per query
+   block. No atomics, so the backward is deterministic.
+
+Hopper specifics: K/V (and Q/dO in the backward) are read through host-side tensor
+descriptors (TMA) when the GPU has compute capability >= 9; the loops are software pipelined
+(``num_stages``); block shapes and warps come from a small per-(kernel, D, causal, C, dtype)
+table that :func:`autotune` can refine on the device.
+
+The module imports without a GPU; under ``TRITON_INTERPRET=1`` it runs on CPU tensors
+(fp32/fp16), which is how CI tests it.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+import triton
+import triton.language as tl
+
+try:  # host-side TMA descriptors (triton >= 3.3)
+    from triton.tools.tensor_descriptor import TensorDescriptor
+except ImportError:  # pragma: no cover - older triton
+    TensorDescriptor = None
+
+LOG2E = 1.4426950408889634
+SKIP, PARTIAL, UNMASKED = 0, 1, 2
+#: int32 statistics per key block: for interval 0 and 1, max/min of start and max/min of end.
+NSTAT = 8
+
+
+# ---------------------------------------------------------------------------------------------
+# The tile rule (twin of flashmask3.masks.blocks.classify_tiles) and the element-wise rule
+# ---------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _classify_rule(r0, r1, c0, c1, Sq, Sk,
+                   s0max, s0min, e0max, e0min, s1max, s1min, e1max, e1min,
+                   CAUSAL: tl.constexpr, NI: tl.constexpr):
+    """Class of tile rows [r0, r1) x cols [c0, c1) (both clipped): 0 SKIP, 1 PARTIAL, 2 UNMASKED.
+
+    ``NI`` is the number of masked row intervals per column (0, 1 or 2); the statistics are
+    the block's min/max of each interval's start and end. Works on scalars and on vectors.
+    """
+    skip = r0 < 0  # all-False of the right shape
+    part = r0 < 0
+    if CAUSAL:
+        skip = skip | (c0 > r1 - 1 + (Sk - Sq))
+        part = part | (c1 - 1 > r0 + (Sk - Sq))
+    if NI >= 1:
+        skip = skip | ((r0 >= s0max) & (r1 <= e0min))
+        part = part | ((r0 < e0max) & (r1 > s0min))
+    if NI >= 2:
+        skip = skip | ((r0 >= s1max) & (r1 <= e1min))
+        part = part | ((r0 < e1max) & (r1 > s1min))
+    return tl.where(skip, 0, tl.where(part, 1, 2))
+
+
+@triton.jit
+def _load_stats(sum_ptr, n, valid):
+    """The 8 block statistics of key block(s) ``n`` (scalar or vector), ``valid`` masks lanes."""
+    p = sum_ptr + n * 8
+    s0max = tl.load(p + 0, mask=valid, other=0)
+    s0min = tl.load(p + 1, mask=valid, other=0)
+    e0max = tl.load(p + 2, mask=valid, other=0)
+    e0min = tl.load(p + 3, mask=valid, other=0)
+    s1max = tl.load(p + 4, mask=valid, other=0)
+    s1min = tl.load(p + 5, mask=valid, other=0)
+    e1max = tl.load(p + 6, mask=valid, other=0)
+    e1min = tl.load(p + 7, mask=valid, other=0)
+    return s0max, s0min, e0max, e0min, s1max, s1min, e1max, e1min
+
+
+@triton.jit
+def _tile_class(sum_ptr, m, n, Sq, Sk, valid,
+                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr,
+                NI: tl.constexpr):
+    """Class of tile (query block m, key block n) from the summaries (scalars or vectors)."""
+    r0 = m * BLOCK_M
+    r1 = tl.minimum(r0 + BLOCK_M, Sq)
+    c0 = n * BLOCK_N
+    c1 = tl.minimum(c0 + BLOCK_N, Sk)
+    if NI > 0:
+        s0max, s0min, e0max, e0min, s1max, s1min, e1max, e1min = _load_stats(sum_ptr, n, valid)
+    else:
+        s0max = 0
+        s0min = 0
+        e0max = 0
+        e0min = 0
+        s1max = 0
+        s1min = 0
+        e1max = 0
+        e1min = 0
+    return _classify_rule(r0, r1, c0, c1, Sq, Sk, s0max, s0min, e0max, e0min,
+                          s1max, s1min, e1max, e1min, CAUSAL, NI)
+
+
+@triton.jit
+def _column_intervals(col_ptr, cols, cvalid, Sq, CAUSAL: tl.constexpr, C: tl.constexpr):
+    """Masked row intervals [s0, e0) and [s1, e1) of columns ``cols`` (DESIGN.md §1 table)."""
+    if C == 0:
+        s0 = cols * 0 + Sq
+        e0 = s0
+        s1 = s0
+        e1 = s0
+    elif CAUSAL and C == 1:
+        s0 = tl.load(col_ptr + cols, mask=cvalid, other=0)
+        e0 = cols * 0 + Sq
+        s1 = e0
+        e1 = e0
+    elif CAUSAL:  # C == 2: [LTS, LTE)
+        s0 = tl.load(col_ptr + cols * 2, mask=cvalid, other=0)
+        e0 = tl.load(col_ptr + cols * 2 + 1, mask=cvalid, other=0)
+        s1 = cols * 0 + Sq
+        e1 = s1
+    elif C == 2:  # non-causal: [LTS, Sq) and [0, UTE)
+        s0 = tl.load(col_ptr + cols * 2, mask=cvalid, other=0)
+        e0 = cols * 0 + Sq
+        s1 = cols * 0
+        e1 = tl.load(col_ptr + cols * 2 + 1, mask=cvalid, other=0)
+    else:  # C == 4: [LTS, LTE) and [UTS, UTE)
+        s0 = tl.load(col_ptr + cols * 4, mask=cvalid, other=0)
+        e0 = tl.load(col_ptr + cols * 4 + 1, mask=cvalid, other=0)
+        s1 = tl.load(col_ptr + cols * 4 + 2, mask=cvalid, other=0)
+        e1 = tl.load(col_ptr + cols * 4 + 3, mask=cvalid, other=0)
+    return s0, e0, s1, e1
+
+
+@triton.jit
+def _element_masked(rows, cols, col_ptr, Sq, Sk, CAUSAL: tl.constexpr, C: tl.constexpr):
+    """True where (row, col) is masked; ``rows``/``cols`` are broadcastable 2-D index tensors.
+
+    Columns at or beyond ``Sk`` (padding of the last block) are masked too.
+    """
+    cvalid = cols < Sk
+    masked = cols >= Sk
+    if C > 0:
+        s0, e0, s1, e1 = _column_intervals(col_ptr, cols, cvalid, Sq, CAUSAL, C)
+        masked = masked | ((rows >= s0) & (rows < e0))
+        if (not CAUSAL) or C == 4:
+            masked = masked | ((rows >= s1) & (rows < e1))
+    if CAUSAL:
+        masked = masked | (cols > rows + (Sk - Sq))
+    return masked
+
+
+# ---------------------------------------------------------------------------------------------
+# Preprocessing: block summaries and live ranges
+# ---------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _summary_kernel(mask_ptr, sum_ptr, Sq, Sk, NKB, mask_bh_stride,
+                    BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr, C: tl.constexpr):
+    """One program per (key block, batch*mask head): min/max of interval starts and ends."""
+    n = tl.program_id(0)
+    bh = tl.program_id(1).to(tl.int64)
+    cols = n * BLOCK_N + tl.arange(0, BLOCK_N)
+    cvalid = cols < Sk
+    col_ptr = mask_ptr + bh * mask_bh_stride
+    s0, e0, s1, e1 = _column_intervals(col_ptr, cols, cvalid, Sq, CAUSAL, C)
+    big = 2147483647
+    out = sum_ptr + (bh * NKB + n) * 8
+    tl.store(out + 0, tl.max(tl.where(cvalid, s0, -big), 0))
+    tl.store(out + 1, tl.min(tl.where(cvalid, s0, big), 0))
+    tl.store(out + 2, tl.max(tl.where(cvalid, e0, -big), 0))
+    tl.store(out + 3, tl.min(tl.where(cvalid, e0, big), 0))
+    tl.store(out + 4, tl.max(tl.where(cvalid, s1, -big), 0))
+    tl.store(out + 5, tl.min(tl.where(cvalid, s1, big), 0))
+    tl.store(out + 6, tl.max(tl.where(cvalid, e1, -big), 0))
+    tl.store(out + 7, tl.min(tl.where(cvalid, e1, big), 0))
+
+
+@triton.jit
+def _range_kernel(sum_ptr, rng_ptr, Sq, Sk, NQB, NKB,
+                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr,
+                  NI: tl.constexpr, BY_KEY: tl.constexpr, CHUNK: tl.constexpr):
+    """Live ranges of one query block (BY_KEY=False) or one key block (BY_KEY=True).
+
+    Writes ``[lo0, hi0, lo1, hi1]``: the first run of live blocks is ``[lo0, hi0)``, and
+    ``[lo1, hi1)`` runs from the next live block to the last one (it may hold SKIP tiles,
+    which the kernels classify again). Three vector scans over the other axis.
+    """
+    fixed = tl.program_id(0)
+    bh = tl.program_id(1).to(tl.int64)
+    sptr = sum_ptr + bh * NKB * 8
+    if BY_KEY:
+        n_other = NQB
+    else:
+        n_other = NKB
+    offs = tl.arange(0, CHUNK)
+    lo = n_other
+    hi = 0
+    for start in range(0, n_other, CHUNK):
+        idx = start + offs
+        valid = idx < n_other
+        if BY_KEY:
+            cls = _tile_class(sptr, idx, fixed, Sq, Sk, fixed < NKB, BLOCK_M, BLOCK_N, CAUSAL, NI)
+        else:
+            cls = _tile_class(sptr, fixed, idx, Sq, Sk, valid, BLOCK_M, BLOCK_N, CAUSAL, NI)
+        live = valid & (cls != 0)
+        lo = tl.minimum(lo, tl.min(tl.where(live, idx, n_other), 0))
+        hi = tl.maximum(hi, tl.max(tl.where(live, idx + 1, 0), 0))
+    lo = tl.minimum(lo, hi)
+    gap = hi
+    for start in range(0, n_other, CHUNK):
+        idx = start + offs
+        valid = (idx > lo) & (idx < hi)
+        if BY_KEY:
+            cls = _tile_class(sptr, idx, fixed, Sq, Sk, fixed < NKB, BLOCK_M, BLOCK_N, CAUSAL, NI)
+        else:
+            cls = _tile_class(sptr, fixed, idx, Sq, Sk, valid, BLOCK_M, BLOCK_N, CAUSAL, NI)
+        dead = valid & (cls == 0)
+        gap = tl.minimum(gap, tl.min(tl.where(dead, idx, hi), 0))
+    lo1 = hi
+    for start in range(0, n_other, CHUNK):
+        idx = start + offs
+        valid = (idx >= gap) & (idx < hi)
+        if BY_KEY:
+            cls = _tile_class(sptr, idx, fixed, Sq, Sk, fixed < NKB, BLOCK_M, BLOCK_N, CAUSAL, NI)
+        else:
+            cls = _tile_class(sptr, fixed, idx, Sq, Sk, valid, BLOCK_M, BLOCK_N, CAUSAL, NI)
+        live = valid & (cls != 0)
+        lo1 = tl.minimum(lo1, tl.min(tl.where(live, idx, hi), 0))
+    if BY_KEY:
+        out = rng_ptr + (bh * NKB + fixed) * 4
+    else:
+        out = rng_ptr + (bh * NQB + fixed) * 4
+    tl.store(out + 0, lo)
+    tl.store(out + 1, gap)
+    tl.store(out + 2, lo1)
+    tl.store(out + 3, hi)
+
+
+# ---------------------------------------------------------------------------------------------
+# Forward
+# ---------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _fwd_inner(acc, l_i, m_i, q, offs_m, lo, hi,
+               k_ptr, v_ptr, k_desc, v_desc, kv_row0, kv_col, kv_stride,
+               sptr, col_ptr, m_blk, Sq, Sk, scale_log2,
+               D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+               CAUSAL: tl.constexpr, C: tl.constexpr, NI: tl.constexpr,
+               USE_TMA: tl.constexpr, PREC: tl.constexpr):
+    """Online-softmax accumulation of key blocks [lo, hi) into (acc, l_i, m_i)."""
+    offs_d = tl.arange(0, D)
+    offs_nb = tl.arange(0, BLOCK_N)
+    for n in tl.range(lo, hi):
+        c0 = n * BLOCK_N
+        if USE_TMA:
+            k = k_desc.load([kv_row0 + c0, kv_col])
+            v = v_desc.load([kv_row0 + c0, kv_col])
+        else:
+            offs_n = c0 + offs_nb
+            kv_off = (kv_row0 + offs_n).to(tl.int64)[:, None] * kv_stride + kv_col + offs_d[None, :]
+            kmask = (offs_n < Sk)[:, None]
+            k = tl.load(k_ptr + kv_off, mask=kmask, other=0.0)
+            v = tl.load(v_ptr + kv_off, mask=kmask, other=0.0)
+        cls = _tile_class(sptr, m_blk, n, Sq, Sk, True, BLOCK_M, BLOCK_N, CAUSAL, NI)
+        if c0 + BLOCK_N > Sk:
+            cls = tl.minimum(cls, 1)
+        qk = tl.dot(q, tl.trans(k), input_precision=PREC) * scale_log2
+        if cls != 2:
+            cols = (c0 + offs_nb)[None, :]
+            masked = _element_masked(offs_m[:, None], cols, col_ptr, Sq, Sk, CAUSAL, C)
+            qk = tl.where(masked, float("-inf"), qk)
+        m_new = tl.maximum(m_i, tl.max(qk, 1))
+        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+        p = tl.math.exp2(qk - m_use[:, None])
+        alpha = tl.math.exp2(m_i - m_use)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None]
+        acc = tl.dot(p.to(v.dtype), v, acc, input_precision=PREC)
+        m_i = m_new
+    return acc, l_i, m_i
+
+
+@triton.jit
+def _fwd_kernel(q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr, mask_ptr, sum_ptr, rng_ptr,
+                k_desc, v_desc,
+                scale_log2, Sq, Sk, Hq, Hk, Hm, NQB, NKB, mask_b_stride,
+                D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                CAUSAL: tl.constexpr, C: tl.constexpr, NI: tl.constexpr,
+                USE_TMA: tl.constexpr, PREC: tl.constexpr):
+    """One program per (query block, batch*query head): O and LSE of BLOCK_M query rows."""
+    pid = tl.program_id(0)
+    if CAUSAL:
+        m_blk = NQB - 1 - pid  # heavy (late) query blocks first
+    else:
+        m_blk = pid
+    bh = tl.program_id(1)
+    b = bh // Hq
+    h = bh % Hq
+    hk = h // (Hq // Hk)
+    hm = h // (Hq // Hm)
+    b64 = b.to(tl.int64)
+    offs_m = m_blk * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, D)
+    q_off = (b64 * Sq + offs_m)[:, None] * (Hq * D) + h * D + offs_d[None, :]
+    q = tl.load(q_ptr + q_off, mask=(offs_m < Sq)[:, None], other=0.0)
+
+    mbh = b64 * mask_b_stride + hm
+    sptr = sum_ptr + mbh * NKB * 8
+    col_ptr = mask_ptr + mbh * Sk * C
+    if C > 0:
+        rp = rng_ptr + (mbh * NQB + m_blk) * 4
+        lo0 = tl.load(rp)
+        hi0 = tl.load(rp + 1)
+        lo1 = tl.load(rp + 2)
+        hi1 = tl.load(rp + 3)
+    else:
+        lo0 = 0
+        if CAUSAL:
+            r1 = tl.minimum((m_blk + 1) * BLOCK_M, Sq)
+            last = r1 - 1 + (Sk - Sq)  # last visible column of the block
+            hi0 = tl.maximum(tl.minimum((last + BLOCK_N) // BLOCK_N, NKB), 0)
+            hi0 = tl.where(last < 0, 0, hi0)
+        else:
+            hi0 = NKB
+        lo1 = hi0
+        hi1 = hi0
+
+    acc = tl.zeros([BLOCK_M, D], dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    kv_row0 = b * Sk
+    kv_col = hk * D
+    kv_stride = Hk * D
+    acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, offs_m, lo0, hi0, k_ptr, v_ptr, k_desc, v_desc,
+                               kv_row0, kv_col, kv_stride, sptr, col_ptr, m_blk, Sq, Sk,
+                               scale_log2, D, BLOCK_M, BLOCK_N, CAUSAL, C, NI, USE_TMA, PREC)
+    acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, offs_m, lo1, hi1, k_ptr, v_ptr, k_desc, v_desc,
+                               kv_row0, kv_col, kv_stride, sptr, col_ptr, m_blk, Sq, Sk,
+                               scale_log2, D, BLOCK_M, BLOCK_N, CAUSAL, C, NI, USE_TMA, PREC)
+    empty = l_i == 0.0
+    l_safe = tl.where(empty, 1.0, l_i)
+    out = acc / l_safe[:, None]
+    lse = tl.where(empty, float("-inf"), (m_i + tl.math.log2(l_safe)) / 1.4426950408889634)
+    tl.store(o_ptr + q_off, out.to(o_ptr.dtype.element_ty), mask=(offs_m < Sq)[:, None])
+    tl.store(lse_ptr + (b64 * Hq + h) * Sq + offs_m, lse, mask=offs_m < Sq)
+
+
+# ---------------------------------------------------------------------------------------------
+# Backward
+# ---------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _bwd_pre_kernel(o_ptr, do_ptr, lse_ptr, dlse_ptr, delta_ptr, lse2_ptr, Sq, Hq,
+                    D: tl.constexpr, BLOCK_M: tl.constexpr, HAS_DLSE: tl.constexpr):
+    """delta = rowsum(dO * O) - dlse and lse2 = lse * log2(e) (+inf on fully masked rows)."""
+    m_blk = tl.program_id(0)
+    bh = tl.program_id(1)
+    b = (bh // Hq).to(tl.int64)
+    h = bh % Hq
+    offs_m = m_blk * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, D)
+    rmask = offs_m < Sq
+    off = (b * Sq + offs_m)[:, None] * (Hq * D) + h * D + offs_d[None, :]
+    o = tl.load(o_ptr + off, mask=rmask[:, None], other=0.0).to(tl.float32)
+    do = tl.load(do_ptr + off, mask=rmask[:, None], other=0.0).to(tl.float32)
+    delta = tl.sum(o * do, 1)
+    row = (b * Hq + h) * Sq + offs_m
+    if HAS_DLSE:
+        delta -= tl.load(dlse_ptr + row, mask=rmask, other=0.0).to(tl.float32)
+    lse = tl.load(lse_ptr + row, mask=rmask, other=0.0)
+    lse2 = tl.where(lse == float("-inf"), float("inf"), lse * 1.4426950408889634)
+    tl.store(delta_ptr + row, delta, mask=rmask)
+    tl.store(lse2_ptr + row, lse2, mask=rmask)
+
+
+@triton.jit
+def _dkdv_inner(dk, dv, k, v, lo, hi, q_ptr, do_ptr, q_desc, do_desc, lse2_ptr, delta_ptr,
+                q_row0, q_col, q_stride, stat_row0, sptr, col_ptr, n_blk, Sq, Sk, scale_log2,
+                D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                CAUSAL: tl.constexpr, C: tl.constexpr, NI: tl.constexpr,
+                USE_TMA: tl.constexpr, PREC: tl.constexpr):
+    """Accumulate dK, dV of one key block over query blocks [lo, hi) of one query head."""
+    offs_d = tl.arange(0, D)
+    offs_mb = tl.arange(0, BLOCK_M)
+    c0 = n_blk * BLOCK_N
+    offs_n = c0 + tl.arange(0, BLOCK_N)
+    for m in tl.range(lo, hi):
+        r0 = m * BLOCK_M
+        offs_m = r0 + offs_mb
+        rmask = offs_m < Sq
+        if USE_TMA:
+            q = q_desc.load([q_row0 + r0, q_col])
+            do = do_desc.load([q_row0 + r0, q_col])
+        else:
+            off = (q_row0 + offs_m).to(tl.int64)[:, None] * q_stride + q_col + offs_d[None, :]
+            q = tl.load(q_ptr + off, mask=rmask[:, None], other=0.0)
+            do = tl.load(do_ptr + off, mask=rmask[:, None], other=0.0)
+        lse2 = tl.load(lse2_ptr + stat_row0 + offs_m, mask=rmask, other=float("inf"))
+        delta = tl.load(delta_ptr + stat_row0 + offs_m, mask=rmask, other=0.0)
+        cls = _tile_class(sptr, m, n_blk, Sq, Sk, True, BLOCK_M, BLOCK_N, CAUSAL, NI)
+        if c0 + BLOCK_N > Sk:
+            cls = tl.minimum(cls, 1)
+        qkT = tl.dot(k, tl.trans(q), input_precision=PREC)
+        pT = tl.math.exp2(qkT * scale_log2 - lse2[None, :])
+        if cls != 2:
+            masked = _element_masked(offs_m[None, :], offs_n[:, None], col_ptr, Sq, Sk,
+                                     CAUSAL, C)
+            pT = tl.where(masked, 0.0, pT)
+        dv = tl.dot(pT.to(do.dtype), do, dv, input_precision=PREC)
+        dpT = tl.dot(v, tl.trans(do), input_precision=PREC)
+        dsT = pT * (dpT - delta[None, :])
+        dk = tl.dot(dsT.to(q.dtype), q, dk, input_precision=PREC)
+    return dk, dv
+
+
+@triton.jit
+def _dkdv_kernel(q_ptr, k_ptr, v_ptr, do_ptr, dk_ptr, dv_ptr, lse2_ptr, delta_ptr,
+                 mask_ptr, sum_ptr, rng_ptr, q_desc, do_desc,
+                 sm_scale, scale_log2, Sq, Sk, Hq, Hk, Hm, NQB, NKB, mask_b_stride,
+                 D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                 CAUSAL: tl.constexpr, C: tl.constexpr, NI: tl.constexpr,
+                 USE_TMA: tl.constexpr, PREC: tl.constexpr):
+    """One program per (key block, batch*KV head); loops over the query heads of its group."""
+    n_blk = tl.program_id(0)
+    bh = tl.program_id(1)
+    b = bh // Hk
+    hk = bh % Hk
+    b64 = b.to(tl.int64)
+    group = Hq // Hk
+    offs_n = n_blk * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, D)
+    kv_off = (b64 * Sk + offs_n)[:, None] * (Hk * D) + hk * D + offs_d[None, :]
+    nmask = (offs_n < Sk)[:, None]
+    k = tl.load(k_ptr + kv_off, mask=nmask, other=0.0)
+    v = tl.load(v_ptr + kv_off, mask=nmask, other=0.0)
+    dk = tl.zeros([BLOCK_N, D], dtype=tl.float32)
+    dv = tl.zeros([BLOCK_N, D], dtype=tl.float32)
+    for g in range(0, group):
+        h = hk * group + g
+        hm = h // (Hq // Hm)
+        mbh = b64 * mask_b_stride + hm
+        sptr = sum_ptr + mbh * NKB * 8
+        col_ptr = mask_ptr + mbh * Sk * C
+        if C > 0:
+            rp = rng_ptr + (mbh * NKB + n_blk) * 4
+            lo0 = tl.load(rp)
+            hi0 = tl.load(rp + 1)
+            lo1 = tl.load(rp + 2)
+            hi1 = tl.load(rp + 3)
+        else:
+            lo0 = 0
+            if CAUSAL:
+                first_row = n_blk * BLOCK_N - (Sk - Sq)  # first row that sees this block
+                lo0 = tl.maximum(first_row, 0) // BLOCK_M
+                lo0 = tl.minimum(lo0, NQB)
+            hi0 = NQB
+            lo1 = hi0
+            hi1 = hi0
+        stat_row0 = (b64 * Hq + h) * Sq
+        q_row0 = b * Sq
+        q_col = h * D
+        dk, dv = _dkdv_inner(dk, dv, k, v, lo0, hi0, q_ptr, do_ptr, q_desc, do_desc, lse2_ptr,
+                             delta_ptr, q_row0, q_col, Hq * D, stat_row0, sptr, col_ptr, n_blk,
+                             Sq, Sk, scale_log2, D, BLOCK_M, BLOCK_N, CAUSAL, C, NI, USE_TMA,
+                             PREC)
+        dk, dv = _dkdv_inner(dk, dv, k, v, lo1, hi1, q_ptr, do_ptr, q_desc, do_desc, lse2_ptr,
+                             delta_ptr, q_row0, q_col, Hq * D, stat_row0, sptr, col_ptr, n_blk,
+                             Sq, Sk, scale_log2, D, BLOCK_M, BLOCK_N, CAUSAL, C, NI, USE_TMA,
+                             PREC)
+    tl.store(dk_ptr + kv_off, (dk * sm_scale).to(dk_ptr.dtype.element_ty), mask=nmask)
+    tl.store(dv_ptr + kv_off, dv.to(dv_ptr.dtype.element_ty), mask=nmask)
+
+
+@triton.jit
+def _dq_inner(dq, q, do, lse2, delta, offs_m, lo, hi, k_ptr, v_ptr, k_desc, v_desc,
+              kv_row0, kv_col, kv_stride, sptr, col_ptr, m_blk, Sq, Sk, scale_log2,
+              D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+              CAUSAL: tl.constexpr, C: tl.constexpr, NI: tl.constexpr,
+              USE_TMA: tl.constexpr, PREC: tl.constexpr):
+    """Accumulate dQ of one query block over key blocks [lo, hi)."""
+    offs_d = tl.arange(0, D)
+    offs_nb = tl.arange(0, BLOCK_N)
+    for n in tl.range(lo, hi):
+        c0 = n * BLOCK_N
+        if USE_TMA:
+            k = k_desc.load([kv_row0 + c0, kv_col])
+            v = v_desc.load([kv_row0 + c0, kv_col])
+        else:
+            offs_n = c0 + offs_nb
+            kv_off = (kv_row0 + offs_n).to(tl.int64)[:, None] * kv_stride + kv_col + offs_d[None, :]
+            kmask = (offs_n < Sk)[:, None]
+            k = tl.load(k_ptr + kv_off, mask=kmask, other=0.0)
+            v = tl.load(v_ptr + kv_off, mask=kmask, other=0.0)
+        cls = _tile_class(sptr, m_blk, n, Sq, Sk, True, BLOCK_M, BLOCK_N, CAUSAL, NI)
+        if c0 + BLOCK_N > Sk:
+            cls = tl.minimum(cls, 1)
+        qk = tl.dot(q, tl.trans(k), input_precision=PREC)
+        p = tl.math.exp2(qk * scale_log2 - lse2[:, None])
+        if cls != 2:
+            cols = (c0 + offs_nb)[None, :]
+            masked = _element_masked(offs_m[:, None], cols, col_ptr, Sq, Sk, CAUSAL, C)
+            p = tl.where(masked, 0.0, p)
+        dp = tl.dot(do, tl.trans(v), input_precision=PREC)
+        ds = p * (dp - delta[:, None])
+        dq = tl.dot(ds.to(k.dtype), k, dq, input_precision=PREC)
+    return dq
+
+
+@triton.jit
+def _dq_kernel(q_ptr, k_ptr, v_ptr, do_ptr, dq_ptr, lse2_ptr, delta_ptr,
+               mask_ptr, sum_ptr, rng_ptr, k_desc, v_desc,
+               sm_scale, scale_log2, Sq, Sk, Hq, Hk, Hm, NQB, NKB, mask_b_stride,
+               D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+               CAUSAL: tl.constexpr, C: tl.constexpr, NI: tl.constexpr,
+               USE_TMA: tl.constexpr, PREC: tl.constexpr):
+    """One program per (query block, batch*query head): dQ of BLOCK_M rows."""
+    pid = tl.program_id(0)
+    if CAUSAL:
+        m_blk = NQB - 1 - pid
+    else:
+        m_blk = pid
+    bh = tl.program_id(1)
+    b = bh // Hq
+    h = bh % Hq
+    hk = h // (Hq // Hk)
+    hm = h // (Hq // Hm)
+    b64 = b.to(tl.int64)
+    offs_m = m_blk * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, D)
+    rmask = offs_m < Sq
+    q_off = (b64 * Sq + offs_m)[:, None] * (Hq * D) + h * D + offs_d[None, :]
+    q = tl.load(q_ptr + q_off, mask=rmask[:, None], other=0.0)
+    do = tl.load(do_ptr + q_off, mask=rmask[:, None], other=0.0)
+    row = (b64 * Hq + h) * Sq + offs_m
+    lse2 = tl.load(lse2_ptr + row, mask=rmask, other=float("inf"))
+    delta = tl.load(delta_ptr + row, mask=rmask, other=0.0)
+
+    mbh = b64 * mask_b_stride + hm
+    sptr = sum_ptr + mbh * NKB * 8
+    col_ptr = mask_ptr + mbh * Sk * C
+    if C > 0:
+        rp = rng_ptr + (mbh * NQB + m_blk) * 4
+        lo0 = tl.load(rp)
+        hi0 = tl.load(rp + 1)
+        lo1 = tl.load(rp + 2)
+        hi1 = tl.load(rp + 3)
+    else:
+        lo0 = 0
+        if CAUSAL:
+            r1 = tl.minimum((m_blk + 1) * BLOCK_M, Sq)
+            last = r1 - 1 + (Sk - Sq)
+            hi0 = tl.maximum(tl.minimum((last + BLOCK_N) // BLOCK_N, NKB), 0)
+            hi0 = tl.where(last < 0, 0, hi0)
+        else:
+            hi0 = NKB
+        lo1 = hi0
+        hi1 = hi0
+    dq = tl.zeros([BLOCK_M, D], dtype=tl.float32)
+    kv_row0 = b * Sk
+    kv_col = hk * D
+    dq = _dq_inner(dq, q, do, lse2, delta, offs_m, lo0, hi0, k_ptr, v_ptr, k_desc, v_desc,
+                   kv_row0, kv_col, Hk * D, sptr, col_ptr, m_blk, Sq, Sk, scale_log2,
+                   D, BLOCK_M, BLOCK_N, CAUSAL, C, NI, USE_TMA, PREC)
+    dq = _dq_inner(dq, q, do, lse2, delta, offs_m, lo1, hi1, k_ptr, v_ptr, k_desc, v_desc,
+                   kv_row0, kv_col, Hk * D, sptr, col_ptr, m_blk, Sq, Sk, scale_log2,
+                   D, BLOCK_M, BLOCK_N, CAUSAL, C, NI, USE_TMA, PREC)
+    tl.store(dq_ptr + q_off, (dq * sm_scale).to(dq_ptr.dtype.element_ty), mask=rmask[:, None])
+
+
+# ---------------------------------------------------------------------------------------------
+# Host side: configurations, preprocessing, launches
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Config:
+    """Tile shape and launch parameters of one kernel (BLOCK_M query rows, BLOCK_N keys)."""
+
+    block_m: int
+    block_n: int
+    num_warps: int
+    num_stages: int
+
+
+#: Default configurations per (kernel, head dim) on Hopper, and the candidates that
+#: :func:`autotune` times. Chosen from the compiler's register report (no spills; see
+#: benchmarks/NOTES.md) and the usual FlashAttention shapes on sm_90.
+CANDIDATES: dict[tuple[str, int], list[Config]] = {
+    ("fwd", 64): [Config(128, 128, 8, 3), Config(128, 64, 4, 3)],
+    ("fwd", 128): [Config(128, 128, 8, 2), Config(128, 64, 8, 3), Config(128, 64, 4, 3)],
+    ("fwd", 256): [Config(128, 64, 8, 2), Config(64, 64, 4, 2)],
+    ("dkdv", 64): [Config(64, 128, 8, 3), Config(64, 64, 4, 3)],
+    ("dkdv", 128): [Config(64, 128, 8, 2), Config(64, 64, 4, 2)],
+    ("dkdv", 256): [Config(64, 64, 8, 2), Config(32, 64, 4, 2)],
+    ("dq", 64): [Config(128, 64, 8, 3), Config(64, 64, 4, 3)],
+    ("dq", 128): [Config(128, 64, 8, 2), Config(64, 64, 4, 2)],
+    ("dq", 256): [Config(64, 64, 8, 2), Config(64, 32, 4, 2)],
+}
+
+#: Small tiles for the interpreter (CPU tests): several blocks even on 100-token sequences.
+INTERPRETER_CONFIG = Config(32, 16, 4, 1)
+
+#: Test hook / manual override: kernel name -> Config (takes precedence over everything).
+CONFIG_OVERRIDE: dict[str, Config] = {}
+
+#: Configurations chosen by :func:`autotune`, keyed on (kernel, D, causal, C, dtype).
+_TUNED: dict[tuple, Config] = {}
+
+
+def _interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+def _config(kind: str, d: int, causal: bool, c: int, dtype: torch.dtype) -> Config:
+    """The configuration for one kernel launch (override > interpreter > tuned > default)."""
+    if kind in CONFIG_OVERRIDE:
+        return CONFIG_OVERRIDE[kind]
+    if _interpreting():
+        return INTERPRETER_CONFIG
+    tuned = _TUNED.get((kind, d, causal, c, dtype))
+    if tuned is not None:
+        return tuned
+    return CANDIDATES[(kind, _dim_class(d))][0]
+
+
+def _dim_class(d: int) -> int:
+    """Head dims are padded to a power of two >= 16 for tl.arange; pick its config class."""
+    return 64 if d <= 64 else (128 if d <= 128 else 256)
+
+
+def _use_tma(x: torch.Tensor) -> bool:
+    """TMA descriptors on Hopper+ (env FLASHMASK3_TRITON_TMA=0 disables; =1 forces on)."""
+    flag = os.environ.get("FLASHMASK3_TRITON_TMA", "auto")
+    if TensorDescriptor is None or flag == "0":
+        return False
+    if flag == "1":
+        return True
+    return x.is_cuda and torch.cuda.get_device_capability(x.device)[0] >= 9
+
+
+def _num_intervals(causal: bool, c: int) -> int:
+    """Masked row intervals per column: causal C=1/2 -> 1, non-causal C=2/4 -> 2, none -> 0."""
+    if c == 0:
+        return 0
+    return 1 if causal else 2
+
+
+@dataclass
+class Plan:
+    """Preprocessed mask for one (BLOCK_M, BLOCK_N): block summaries and live ranges."""
+
+    mask: torch.Tensor  # [B, Hm, Sk, C] contiguous int32 (a dummy when there is no mask)
+    summary: torch.Tensor  # [Bm*Hm, NKB, 8] int32
+    ranges: torch.Tensor  # [Bm*Hm, NQB or NKB, 4] int32
+    c: int
+    ni: int
+    hm: int
+    mask_b_stride: int
+
+
+def _dummy(device) -> torch.Tensor:
+    return torch.zeros(8, dtype=torch.int32, device=device)
+
+
+def block_summaries(mask: torch.Tensor, causal: bool, seqlen_q: int, block_n: int) -> torch.Tensor:
+    """Per key block: max/min start and max/min end of both masked intervals, [Bm*Hm, NKB, 8]."""
+    bm, hm, sk, c = mask.shape
+    nkb = triton.cdiv(sk, block_n)
+    summary = torch.empty((bm * hm, nkb, NSTAT), dtype=torch.int32, device=mask.device)
+    if nkb > 0 and bm * hm > 0:
+        _summary_kernel[(nkb, bm * hm)](mask, summary, seqlen_q, sk, nkb, sk * c,
+                                        BLOCK_N=block_n, CAUSAL=causal, C=c, num_warps=4)
+    return summary
+
+
+def live_ranges(summary: torch.Tensor, causal: bool, ni: int, seqlen_q: int, seqlen_k: int,
+                block_m: int, block_n: int, by_key: bool) -> torch.Tensor:
+    """Two live ranges per query block (by_key=False) or per key block (by_key=True)."""
+    nqb = triton.cdiv(seqlen_q, block_m)
+    nkb = triton.cdiv(seqlen_k, block_n)
+    n_fixed = nkb if by_key else nqb
+    nbh = summary.shape[0]
+    ranges = torch.empty((nbh, n_fixed, 4), dtype=torch.int32, device=summary.device)
+    if n_fixed > 0 and nbh > 0:
+        _range_kernel[(n_fixed, nbh)](summary, ranges, seqlen_q, seqlen_k, nqb, nkb,
+                                      BLOCK_M=block_m, BLOCK_N=block_n, CAUSAL=causal, NI=ni,
+                                      BY_KEY=by_key, CHUNK=256, num_warps=4)
+    return ranges
+
+
+def make_plan(mask: Optional[torch.Tensor], causal: bool, seqlen_q: int, seqlen_k: int,
+              block_m: int, block_n: int, by_key: bool, device) -> Plan:
+    """Everything the attention kernels need to know about the mask for one tile shape."""
+    if mask is None:
+        d = _dummy(device)
+        return Plan(d, d, d, 0, 0, 1, 0)
+    mask = mask.contiguous()
+    bm, hm, _, c = mask.shape
+    ni = _num_intervals(causal, c)
+    summary = block_summaries(mask, causal, seqlen_q, block_n)
+    ranges = live_ranges(summary, causal, ni, seqlen_q, seqlen_k, block_m, block_n, by_key)
+    return Plan(mask, summary, ranges, c, ni, hm, hm if bm > 1 else 0)
+
+
+def preprocess(mask: Optional[torch.Tensor], causal: bool, seqlen_q: int, seqlen_k: int,
+               head_dim: int, dtype: torch.dtype, backward: bool = True) -> list[Plan]:
+    """All plans one forward (+ backward) call builds: what the benchmark times as 'mask prep'."""
+    c = 0 if mask is None else mask.shape[-1]
+    device = mask.device if mask is not None else "cpu"
+    out = []
+    for kind, by_key in (("fwd", False), ("dkdv", True), ("dq", False))[: 3 if backward else 1]:
+        cfg = _config(kind, head_dim, causal, c, dtype)
+        out.append(make_plan(mask, causal, seqlen_q, seqlen_k, cfg.block_m, cfg.block_n, by_key,
+                             device))
+    return out
+
+
+def _desc(x2d: torch.Tensor, rows: int, d: int):
+    return TensorDescriptor.from_tensor(x2d, [rows, d])
+
+
+def _dot_precision(dtype: torch.dtype) -> str:
+    return "ieee" if dtype == torch.float32 else "tf32"
+
+
+def _check_head_dim(d: int) -> None:
+    if d not in (16, 32, 64, 128, 256):
+        raise ValueError(f"the Triton FlashMask kernel supports head dims 16..256 powers of two, got {d}")
+
+
+def _launch_fwd(q, k, v, mask, causal, softmax_scale, cfg: Config, plan: Plan):
+    b, sq, hq, d = q.shape
+    _, sk, hk, _ = k.shape
+    out = torch.empty_like(q)
+    lse = torch.empty((b, hq, sq), dtype=torch.float32, device=q.device)
+    nqb, nkb = triton.cdiv(sq, cfg.block_m), triton.cdiv(sk, cfg.block_n)
+    tma = _use_tma(q)
+    k_desc = _desc(k.view(b * sk, hk * d), cfg.block_n, d) if tma else None
+    v_desc = _desc(v.view(b * sk, hk * d), cfg.block_n, d) if tma else None
+    _fwd_kernel[(nqb, b * hq)](
+        q, k, v, out, lse, plan.mask, plan.summary, plan.ranges, k_desc, v_desc,
+        softmax_scale * LOG2E, sq, sk, hq, hk, plan.hm, nqb, nkb, plan.mask_b_stride,
+        D=d, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, CAUSAL=causal, C=plan.c, NI=plan.ni,
+        USE_TMA=tma, PREC=_dot_precision(q.dtype), num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages)
+    return out, lse
+
+
+def _contig(*xs):
+    return [x.contiguous() for x in xs]
+
+
+def forward(q, k, v, startend_row_indices: Optional[torch.Tensor], causal: bool,
+            softmax_scale: float):
+    """Backend contract: masked attention forward, returns ``(out, lse)``."""
+    q, k, v = _contig(q, k, v)
+    b, sq, hq, d = q.shape
+    sk = k.shape[1]
+    _check_head_dim(d)
+    if sq == 0 or sk == 0:
+        return torch.zeros_like(q), torch.full((b, hq, sq), float("-inf"), device=q.device)
+    c = 0 if startend_row_indices is None else startend_row_indices.shape[-1]
+    if _autotune_enabled(q) and ("fwd", d, causal, c, q.dtype) not in _TUNED:
+        autotune("fwd", q, k, v, startend_row_indices, causal, softmax_scale)
+    cfg = _config("fwd", d, causal, c, q.dtype)
+    plan = make_plan(startend_row_indices, causal, sq, sk, cfg.block_m, cfg.block_n, False,
+                     q.device)
+    return _launch_fwd(q, k, v, startend_row_indices, causal, softmax_scale, cfg, plan)
+
+
+def _bwd_pre(out, dout, lse, dlse):
+    b, sq, hq, d = out.shape
+    delta = torch.empty((b, hq, sq), dtype=torch.float32, device=out.device)
+    lse2 = torch.empty_like(delta)
+    bm = 64 if d <= 128 else 32
+    has_dlse = dlse is not None
+    dl = dlse.to(torch.float32).contiguous() if has_dlse else delta
+    _bwd_pre_kernel[(triton.cdiv(sq, bm), b * hq)](out, dout, lse.contiguous(), dl, delta, lse2,
+                                                    sq, hq, D=d, BLOCK_M=bm, HAS_DLSE=has_dlse,
+                                                    num_warps=4)
+    return delta, lse2
+
+
+def _launch_dkdv(q, k, v, dout, lse2, delta, causal, softmax_scale, cfg: Config, plan: Plan):
+    b, sq, hq, d = q.shape
+    _, sk, hk, _ = k.shape
+    dk = torch.empty_like(k)
+    dv = torch.empty_like(v)
+    nqb, nkb = triton.cdiv(sq, cfg.block_m), triton.cdiv(sk, cfg.block_n)
+    tma = _use_tma(q)
+    q_desc = _desc(q.view(b * sq, hq * d), cfg.block_m, d) if tma else None
+    do_desc = _desc(dout.view(b * sq, hq * d), cfg.block_m, d) if tma else None
+    _dkdv_kernel[(nkb, b * hk)](
+        q, k, v, dout, dk, dv, lse2, delta, plan.mask, plan.summary, plan.ranges, q_desc, do_desc,
+        softmax_scale, softmax_scale * LOG2E, sq, sk, hq, hk, plan.hm, nqb, nkb,
+        plan.mask_b_stride, D=d, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, CAUSAL=causal,
+        C=plan.c, NI=plan.ni, USE_TMA=tma, PREC=_dot_precision(q.dtype),
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    return dk, dv
+
+
+def _launch_dq(q, k, v, dout, lse2, delta, causal, softmax_scale, cfg: Config, plan: Plan):
+    b, sq, hq, d = q.shape
+    _, sk, hk, _ = k.shape
+    dq = torch.empty_like(q)
+    nqb, nkb = triton.cdiv(sq, cfg.block_m), triton.cdiv(sk, cfg.block_n)
+    tma = _use_tma(q)
+    k_desc = _desc(k.view(b * sk, hk * d), cfg.block_n, d) if tma else None
+    v_desc = _desc(v.view(b * sk, hk * d), cfg.block_n, d) if tma else None
+    _dq_kernel[(nqb, b * hq)](
+        q, k, v, dout, dq, lse2, delta, plan.mask, plan.summary, plan.ranges, k_desc, v_desc,
+        softmax_scale, softmax_scale * LOG2E, sq, sk, hq, hk, plan.hm, nqb, nkb,
+        plan.mask_b_stride, D=d, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, CAUSAL=causal,
+        C=plan.c, NI=plan.ni, USE_TMA=tma, PREC=_dot_precision(q.dtype),
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    return dq
+
+
+def backward(dout, dlse, q, k, v, out, lse, startend_row_indices: Optional[torch.Tensor],
+             causal: bool, softmax_scale: float):
+    """Backend contract: gradients ``(dq, dk, dv)``; ``dlse`` (or None) is folded into delta."""
+    q, k, v, out, dout = _contig(q, k, v, out, dout)
+    b, sq, hq, d = q.shape
+    sk = k.shape[1]
+    _check_head_dim(d)
+    if sq == 0 or sk == 0:
+        return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
+    dout = dout.to(q.dtype)
+    c = 0 if startend_row_indices is None else startend_row_indices.shape[-1]
+    delta, lse2 = _bwd_pre(out, dout, lse, dlse)
+    if _autotune_enabled(q):
+        for kind in ("dkdv", "dq"):
+            if (kind, d, causal, c, q.dtype) not in _TUNED:
+                autotune(kind, q, k, v, startend_row_indices, causal, softmax_scale,
+                         dout=dout, lse2=lse2, delta=delta)
+    cfg = _config("dkdv", d, causal, c, q.dtype)
+    plan = make_plan(startend_row_indices, causal, sq, sk, cfg.block_m, cfg.block_n, True,
+                     q.device)
+    dk, dv = _launch_dkdv(q, k, v, dout, lse2, delta, causal, softmax_scale, cfg, plan)
+    cfg = _config("dq", d, causal, c, q.dtype)
+    plan = make_plan(startend_row_indices, causal, sq, sk, cfg.block_m, cfg.block_n, False,
+                     q.device)
+    dq = _launch_dq(q, k, v, dout, lse2, delta, causal, softmax_scale, cfg, plan)
+    return dq, dk, dv
+
+
+# ---------------------------------------------------------------------------------------------
+# Autotuning (on the device, once per key)
+# ---------------------------------------------------------------------------------------------
+
+
+def _autotune_enabled(x: torch.Tensor) -> bool:
+    """Opt-in timing of the candidate configs (env FLASHMASK3_TRITON_AUTOTUNE=1, CUDA only)."""
+    return (x.is_cuda and not _interpreting() and not CONFIG_OVERRIDE
+            and os.environ.get("FLASHMASK3_TRITON_AUTOTUNE", "0") == "1")
+
+
+def autotune(kind: str, q, k, v, mask, causal, softmax_scale, dout=None, lse2=None, delta=None):
+    """Time every candidate of ``kind`` on these inputs; remember the fastest for the key
+    (kernel, D, causal, C, dtype). Candidates that fail to compile (shared memory) are skipped.
+    """
+    from triton.testing import do_bench
+
+    b, sq, hq, d = q.shape
+    sk = k.shape[1]
+    c = 0 if mask is None else mask.shape[-1]
+    best, best_ms = None, float("inf")
+    for cfg in CANDIDATES[(kind, _dim_class(d))]:
+        by_key = kind == "dkdv"
+        plan = make_plan(mask, causal, sq, sk, cfg.block_m, cfg.block_n, by_key, q.device)
+        if kind == "fwd":
+            fn = lambda: _launch_fwd(q, k, v, mask, causal, softmax_scale, cfg, plan)  # noqa: E731
+        elif kind == "dkdv":
+            fn = lambda: _launch_dkdv(q, k, v, dout, lse2, delta, causal, softmax_scale, cfg, plan)  # noqa: E731,E501
+        else:
+            fn = lambda: _launch_dq(q, k, v, dout, lse2, delta, causal, softmax_scale, cfg, plan)  # noqa: E731,E501
+        try:
+            ms = do_bench(fn, warmup=5, rep=20, return_mode="median")
+        except Exception as exc:  # out of resources: try the next candidate
+            print(f"[flashmask3 autotune] {kind} {cfg} failed: {type(exc).__name__}")
+            continue
+        if ms < best_ms:
+            best, best_ms = cfg, ms
+    if best is not None:
+        _TUNED[(kind, d, causal, c, q.dtype)] = best
+    return best
