@@ -1,0 +1,227 @@
+"""Attention backends for the training harness, and a timer for the attention share of a step.
+
+``make_attention(backend, mask)`` returns the ``attention(q, k, v)`` callable the model calls in
+every layer (q ``[B, S, Hq, D]``, k/v ``[B, S, Hk, D]``, output ``[B, S, Hq, D]``):
+
+* ``flashmask3``: :func:`flashmask3.flashmask_attention` on the column mask (O(S) memory);
+* ``flex``: FlexAttention with a ``mask_mod`` that reads the same column vectors (compiled on
+  GPU; eager on CPU, where it materialises the scores and is only good for checking);
+* ``sdpa``: ``scaled_dot_product_attention`` with the dense ``[B, 1, S, S]`` boolean mask
+  (the O(S²) baseline).
+
+With context parallelism the callable is built from a plan instead (``make_cp_attention``).
+All three single-device backends compute the same function, so swapping them is a flag.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+
+from flashmask3.masks import FlashMask
+
+from .model import AttentionFn
+
+
+def make_attention(backend: str, mask: FlashMask) -> AttentionFn:
+    """The attention callable of ``backend`` for one batch's mask."""
+    if not isinstance(mask, FlashMask):
+        raise TypeError(f"mask must be a FlashMask, got {type(mask).__name__}")
+    if backend == "flashmask3":
+        return _flashmask3_attention(mask)
+    if backend == "flex":
+        return _flex_attention(mask)
+    if backend == "sdpa":
+        return _sdpa_attention(mask)
+    raise ValueError(f"attention backend must be one of ['flashmask3', 'flex', 'sdpa'], "
+                     f"got {backend!r}")
+
+
+def _flashmask3_attention(mask: FlashMask) -> AttentionFn:
+    from flashmask3 import flashmask_attention
+
+    def attention(q, k, v):
+        return flashmask_attention(q, k, v, mask)
+    return attention
+
+
+def _sdpa_attention(mask: FlashMask) -> AttentionFn:
+    dense = mask.to_dense()  # [B, Hm, S, S] bool, True = attend
+
+    def attention(q, k, v):
+        hq, hk = q.shape[2], k.shape[2]
+        m = dense if dense.shape[1] in (1, hq) else dense.repeat_interleave(hq // dense.shape[1], 1)
+        out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2),
+                                             v.transpose(1, 2), attn_mask=m,
+                                             enable_gqa=hq != hk)
+        return out.transpose(1, 2)
+    return attention
+
+
+# -- FlexAttention -------------------------------------------------------------------------------
+
+_COMPILED_FLEX = None
+
+
+def flex_available() -> bool:
+    """Whether ``torch.nn.attention.flex_attention`` can be imported."""
+    try:
+        import torch.nn.attention.flex_attention  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def _flex_fn(device: torch.device):
+    """``flex_attention``, compiled once on CUDA (the fused kernel), eager elsewhere."""
+    global _COMPILED_FLEX
+    from torch.nn.attention.flex_attention import flex_attention
+    if device.type != "cuda":
+        return flex_attention
+    if _COMPILED_FLEX is None:
+        _COMPILED_FLEX = torch.compile(flex_attention, dynamic=False)
+    return _COMPILED_FLEX
+
+
+def flex_mask_mod(mask: FlashMask):
+    """A FlexAttention ``mask_mod`` (True = attend) for the DESIGN.md §1 column semantics."""
+    cols = mask.startend_row_indices.to(torch.int64)
+    causal, c = mask.causal, cols.shape[-1]
+    per_head = cols.shape[1] > 1
+    col = (lambda b, h, kv, i: cols[b, h, kv, i]) if per_head else \
+        (lambda b, h, kv, i: cols[b, 0, kv, i])
+
+    def mask_mod(b, h, q_idx, kv_idx):
+        if causal and c == 1:
+            masked = q_idx >= col(b, h, kv_idx, 0)
+        elif causal:
+            masked = (q_idx >= col(b, h, kv_idx, 0)) & (q_idx < col(b, h, kv_idx, 1))
+        elif c == 2:
+            masked = (q_idx >= col(b, h, kv_idx, 0)) | (q_idx < col(b, h, kv_idx, 1))
+        else:
+            masked = ((q_idx >= col(b, h, kv_idx, 0)) & (q_idx < col(b, h, kv_idx, 1))) | \
+                     ((q_idx >= col(b, h, kv_idx, 2)) & (q_idx < col(b, h, kv_idx, 3)))
+        if causal:
+            masked = masked | (kv_idx > q_idx)
+        return ~masked
+    return mask_mod
+
+
+def _flex_attention(mask: FlashMask) -> AttentionFn:
+    if not flex_available():
+        raise RuntimeError("the flex backend needs torch.nn.attention.flex_attention "
+                           "(torch >= 2.5); pick --attention flashmask3 or sdpa")
+    from torch.nn.attention.flex_attention import create_block_mask
+    t = mask.startend_row_indices
+    s = mask.seqlen_q
+    heads = t.shape[1] if t.shape[1] > 1 else None
+    block_mask = create_block_mask(flex_mask_mod(mask), t.shape[0], heads, s, s,
+                                   device=t.device, _compile=t.device.type == "cuda")
+    fn = _flex_fn(t.device)
+
+    def attention(q, k, v):
+        out = fn(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), block_mask=block_mask,
+                 enable_gqa=q.shape[2] != k.shape[2])
+        return out.transpose(1, 2)
+    return attention
+
+
+# -- context parallelism ------------------------------------------------------------------------
+
+def make_cp_attention(plan, group, comm: str) -> AttentionFn:
+    """Attention over a context-parallel group: local q/k/v shards in, local output out."""
+    from flashmask3.distributed import cp_flashmask_attention
+
+    def attention(q, k, v):
+        return cp_flashmask_attention(q, k, v, plan, group=group, comm=comm)
+    return attention
+
+
+# -- timing ------------------------------------------------------------------------------------
+
+class AttentionTimer:
+    """Accumulates the wall time spent in attention, forward and backward.
+
+    ``wrap(fn)`` returns a callable that marks the start and end of the forward call and, through
+    two identity autograd functions around it, the start and end of its backward. On CUDA the
+    marks are events (no synchronisation until :meth:`collect`); on CPU ``perf_counter``.
+    With activation checkpointing the recomputed forward counts too, as it costs step time.
+    """
+
+    def __init__(self, device: torch.device, enabled: bool = True):
+        self.cuda = device.type == "cuda"
+        self.enabled = enabled
+        self._spans: list = []   # (start_mark, end_mark) pairs
+        self._open_bwd: list = []
+
+    def _mark(self):
+        if self.cuda:
+            ev = torch.cuda.Event(enable_timing=True)
+            ev.record()
+            return ev
+        return time.perf_counter()
+
+    def wrap(self, fn: AttentionFn) -> AttentionFn:
+        if not self.enabled:
+            return fn
+
+        def timed(q, k, v):
+            if torch.is_grad_enabled() and q.requires_grad:
+                q, k, v = _BackwardEnd.apply(self, q, k, v)
+            start = self._mark()
+            out = fn(q, k, v)
+            self._spans.append((start, self._mark()))
+            if torch.is_grad_enabled() and out.requires_grad:
+                out = _BackwardStart.apply(self, out)
+            return out
+        return timed
+
+    def collect(self) -> float:
+        """Seconds of attention since the last collect (synchronises CUDA)."""
+        if self.cuda:
+            torch.cuda.synchronize()
+            total = sum(a.elapsed_time(b) for a, b in self._spans) / 1000.0
+        else:
+            total = sum(b - a for a, b in self._spans)
+        self._spans, self._open_bwd = [], []
+        return total
+
+
+class _BackwardStart(torch.autograd.Function):
+    """Identity on the attention output; its backward marks where attention backward begins."""
+
+    @staticmethod
+    def forward(ctx, timer, out):
+        ctx.timer = timer
+        return out.view_as(out)
+
+    @staticmethod
+    def backward(ctx, grad):
+        ctx.timer._open_bwd.append(ctx.timer._mark())
+        return None, grad
+
+
+class _BackwardEnd(torch.autograd.Function):
+    """Identity on q, k, v; its backward marks where attention backward ends."""
+
+    @staticmethod
+    def forward(ctx, timer, q, k, v):
+        ctx.timer = timer
+        return q.view_as(q), k.view_as(k), v.view_as(v)
+
+    @staticmethod
+    def backward(ctx, dq, dk, dv):
+        timer = ctx.timer
+        if timer._open_bwd:
+            timer._spans.append((timer._open_bwd.pop(), timer._mark()))
+        return None, dq, dk, dv
+
+
+def attention_available(backend: str, device: torch.device) -> Optional[str]:
+    """None if ``backend`` can run on ``device``, else the reason it cannot."""
+    if backend == "flex" and not flex_available():
+        return "torch.nn.attention.flex_attention is not available in this torch"
+    return None

@@ -1,0 +1,327 @@
+"""The training loop: packed documents -> model -> AdamW, with CP, checkpoints and a summary.
+
+``train(cfg)`` validates the configuration in the calling process (so bad input fails before any
+process is spawned), then runs :func:`run_rank` on every rank (see :mod:`.parallel`). Each step:
+
+1. every rank packs the same global batch (documents, positions, mask);
+2. with CP, the plan assigns each rank its tokens and builds the attention over the group;
+   without CP, the selected backend runs on the whole mask;
+3. forward/backward under bf16 autocast on GPU; the loss of each rank is its share
+   ``Σ_local CE / (global target count)``, so gradients summed over ranks equal the single-rank
+   gradients (one all-reduce), and the logged loss is the same for every CP size;
+4. gradient clipping, AdamW with linear warm-up + cosine decay;
+5. periodic checkpoints with the data position and RNG states, so a resumed run repeats the
+   uninterrupted run's losses exactly.
+
+At the end rank 0 writes ``summary.json``, ``losses.csv``, ``loss.png`` and prints the throughput
+summary (tokens/s, model TFLOP/s, attention share of the step time, mask sparsity).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+import sys
+import time
+from pathlib import Path
+from typing import Optional
+
+import torch
+
+from .attention import AttentionTimer, attention_available, make_attention
+from .checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint, set_rng_state
+from .config import TrainConfig
+from .data import PackedBatch, make_packer, mask_sparsity
+from .model import (StepContext, Transformer, active_matmul_params, count_parameters,
+                    loss_terms, model_flops_per_step)
+from .parallel import (CPShard, DistEnv, all_reduce_gradients, launch, resolve_cp,
+                       resolve_device)
+
+
+# -- entry point --------------------------------------------------------------------------------
+
+def train(cfg: TrainConfig) -> Optional[dict]:
+    """Run the training described by ``cfg`` on all its ranks; returns rank 0's summary."""
+    if not isinstance(cfg, TrainConfig):
+        raise TypeError(f"cfg must be a TrainConfig, got {type(cfg).__name__}")
+    cfg.validate()
+    device = resolve_device(cfg.device)
+    cp = resolve_cp(cfg.cp, device)
+    if cp > 1 and cfg.attention != "flashmask3":
+        raise ValueError(f"attention={cfg.attention!r} has no context-parallel path; "
+                         "use --attention flashmask3 with --cp > 1")
+    if cp > 1 and cfg.seq_len % cp:
+        raise ValueError(f"seq_len ({cfg.seq_len}) must be divisible by cp ({cp})")
+    reason = attention_available(cfg.attention, device)
+    if reason:
+        raise ValueError(f"attention={cfg.attention!r} cannot run: {reason}")
+    make_packer(cfg)  # fail here, not in N spawned ranks, on bad data
+    if cfg.resume and (path := latest_checkpoint(cfg.out_dir)) is not None:
+        load_checkpoint(path, cfg.to_dict())
+    return launch(run_rank, cp, device, cfg)
+
+
+def lr_at(step: int, cfg: TrainConfig) -> float:
+    """Linear warm-up to ``lr``, then cosine decay to ``lr · min_lr_ratio`` at ``steps``."""
+    if cfg.warmup_steps and step <= cfg.warmup_steps:
+        return cfg.lr * step / cfg.warmup_steps
+    span = max(1, cfg.steps - cfg.warmup_steps)
+    t = min(1.0, (step - cfg.warmup_steps) / span)
+    return cfg.lr * (cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * t)))
+
+
+def build_optimizer(model: torch.nn.Module, cfg: TrainConfig) -> torch.optim.AdamW:
+    """AdamW; weight decay on matrices only (not on norms)."""
+    decay = [p for p in model.parameters() if p.dim() >= 2]
+    no_decay = [p for p in model.parameters() if p.dim() < 2]
+    groups = [{"params": decay, "weight_decay": cfg.weight_decay},
+              {"params": no_decay, "weight_decay": 0.0}]
+    return torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), foreach=True)
+
+
+def autocast_dtype(cfg: TrainConfig, device: torch.device) -> Optional[torch.dtype]:
+    """bf16 autocast on GPU by default, none (fp32) on CPU."""
+    if cfg.dtype == "bfloat16" or (cfg.dtype == "auto" and device.type == "cuda"):
+        return torch.bfloat16
+    return None
+
+
+# -- one step ----------------------------------------------------------------------------------
+
+def train_step(model, optimizer, batch: PackedBatch, cfg: TrainConfig, env: DistEnv,
+               timer: AttentionTimer, lr: float) -> dict:
+    """Forward, backward, gradient all-reduce and clipping, optimiser step. Returns metrics."""
+    tokens, labels, positions, attention = local_inputs(batch, cfg, env)
+    ctx = StepContext(timer.wrap(attention), num_tokens=batch.tokens.numel(),
+                      all_reduce=env.all_reduce_sum)
+    amp = autocast_dtype(cfg, env.device)
+    autocast = torch.autocast(env.device.type, dtype=amp) if amp else contextlib.nullcontext()
+    with autocast:
+        total, ce = loss_terms(model, tokens, labels, positions, ctx, batch.num_label_tokens,
+                               cfg.moe_aux_coef if cfg.moe_experts else 0.0)
+    optimizer.zero_grad(set_to_none=True)
+    total.backward()
+    params = [p for p in model.parameters() if p.grad is not None]
+    all_reduce_gradients(params, env)
+    max_norm = cfg.grad_clip if cfg.grad_clip > 0 else float("inf")
+    grad_norm = torch.nn.utils.clip_grad_norm_(params, max_norm)
+    for group in optimizer.param_groups:
+        group["lr"] = lr
+    optimizer.step()
+    loss = env.all_reduce_sum(torch.stack([ce.detach().float(), total.detach().float()]))
+    return {"loss": float(loss[0]), "total_loss": float(loss[1]), "grad_norm": float(grad_norm)}
+
+
+def local_inputs(batch: PackedBatch, cfg: TrainConfig, env: DistEnv):
+    """This rank's tokens, labels, positions (on its device) and the attention callable."""
+    dev = env.device
+    if env.group is None:
+        attention = make_attention(cfg.attention, batch.mask.to(dev))
+        return (batch.tokens.to(dev), batch.labels.to(dev), batch.position_ids.to(dev), attention)
+    shard = CPShard(batch, cfg, env)
+    return shard.tokens.to(dev), shard.labels.to(dev), shard.position_ids.to(dev), shard.attention
+
+
+# -- the run on one rank ------------------------------------------------------------------------
+
+def run_rank(env: DistEnv, cfg: TrainConfig) -> dict:
+    """The training loop on one rank; rank 0 returns (and writes) the summary."""
+    torch.manual_seed(cfg.seed)
+    model = Transformer(cfg).to(env.device)
+    optimizer = build_optimizer(model, cfg)
+    packer = make_packer(cfg)
+    history = {"step": [], "loss": [], "lr": [], "grad_norm": [], "step_time": [],
+               "attention_time": [], "sparsity": []}
+    start = _maybe_resume(cfg, model, optimizer, packer, history, env)
+    out_dir = Path(cfg.out_dir)
+    if env.is_main:
+        out_dir.mkdir(parents=True, exist_ok=True)
+        (out_dir / "config.json").write_text(cfg.to_json())
+        _print_header(cfg, model, env, packer, start)
+    timer = AttentionTimer(env.device, cfg.time_attention)
+    bar = _progress(cfg, env, start)
+    stats = RunStats(cfg, env)
+    end = min(cfg.steps, cfg.stop_at) if cfg.stop_at else cfg.steps
+    for step in range(start + 1, end + 1):
+        batch = packer.next_batch()
+        lr = lr_at(step, cfg)
+        t0 = time.perf_counter()
+        metrics = train_step(model, optimizer, batch, cfg, env, timer, lr)
+        if env.device.type == "cuda":
+            torch.cuda.synchronize()
+        step_time = time.perf_counter() - t0
+        attn_time = timer.collect()
+        sparsity = mask_sparsity(batch.mask)
+        stats.add(step - start, batch, step_time, attn_time)
+        for key, value in (("step", step), ("loss", metrics["loss"]), ("lr", lr),
+                           ("grad_norm", metrics["grad_norm"]), ("step_time", step_time),
+                           ("attention_time", attn_time), ("sparsity", sparsity["sparsity"])):
+            history[key].append(value)
+        _report(bar, env, cfg, step, metrics, batch.tokens.numel() / step_time)
+        if cfg.checkpoint_every and (step % cfg.checkpoint_every == 0 or step == cfg.steps):
+            _checkpoint(cfg, env, step, model, optimizer, packer, history)
+    if bar is not None:
+        bar.close()
+    if not env.is_main:
+        return None
+    summary = stats.summary(model, history, start, packer)
+    _write_outputs(cfg, history, summary)
+    return summary
+
+
+def _maybe_resume(cfg, model, optimizer, packer, history, env) -> int:
+    """Load the latest checkpoint of ``out_dir`` if resuming; returns the step to continue from."""
+    path = latest_checkpoint(cfg.out_dir) if cfg.resume else None
+    if path is None:
+        return 0
+    ckpt = load_checkpoint(path, cfg.to_dict())
+    model.load_state_dict(ckpt["model"])
+    optimizer.load_state_dict(ckpt["optimizer"])
+    packer.load_state_dict(ckpt["data"])
+    set_rng_state(ckpt["rng"])
+    for key in history:
+        history[key].extend(ckpt["history"].get(key, []))
+    if env.is_main:
+        print(f"[flashmask3] resumed from {path} (step {ckpt['step']})", flush=True)
+    return int(ckpt["step"])
+
+
+def _checkpoint(cfg, env, step, model, optimizer, packer, history) -> None:
+    if env.is_main:
+        save_checkpoint(cfg.out_dir, step, model, optimizer, packer.state_dict(),
+                        cfg.to_dict(), history)
+    env.barrier()
+
+
+# -- reporting ----------------------------------------------------------------------------------
+
+def _progress(cfg, env, start):
+    if not (env.is_main and cfg.progress):
+        return None
+    from tqdm import tqdm
+    return tqdm(total=cfg.steps, initial=start, desc="train", unit="step", dynamic_ncols=True,
+                file=sys.stderr)
+
+
+def _report(bar, env, cfg, step, metrics, tokens_per_s) -> None:
+    if not env.is_main:
+        return
+    if bar is not None:
+        bar.update(1)
+        bar.set_postfix(loss=f"{metrics['loss']:.3f}", tok_s=f"{tokens_per_s:,.0f}")
+    if step % cfg.log_every == 0 or step == 1:
+        line = (f"step {step:5d}/{cfg.steps}  loss {metrics['loss']:.4f}  "
+                f"grad_norm {metrics['grad_norm']:.3f}  tokens/s {tokens_per_s:,.0f}")
+        if bar is not None:
+            bar.write(line)
+        else:
+            print(line, flush=True)
+
+
+def _print_header(cfg, model, env, packer, start) -> None:
+    n_params = count_parameters(model)
+    ffn = (f"MoE {cfg.moe_experts} experts top-{cfg.moe_top_k}" if cfg.moe_experts
+           else f"SwiGLU {cfg.resolved_ffn_dim()}")
+    backend = "nccl" if env.device.type == "cuda" else "gloo"
+    par = (f"context parallel over {env.world_size} {backend} ranks (balance={cfg.balance}, "
+           f"comm={cfg.comm})" if env.world_size > 1 else "single rank (no CP)")
+    print(f"[flashmask3] model: {n_params / 1e6:.2f}M params, {cfg.n_layers} layers, dim "
+          f"{cfg.dim}, heads {cfg.n_heads}/{cfg.n_kv_heads} (GQA), {ffn}", flush=True)
+    print(f"[flashmask3] data: {cfg.data} ({len(packer.corpus)} documents), {cfg.batch_size} x "
+          f"{cfg.seq_len} byte tokens/step, mask {cfg.mask}", flush=True)
+    print(f"[flashmask3] {par}; attention={cfg.attention}; device={env.device}; "
+          f"steps {start + 1}..{cfg.steps}", flush=True)
+
+
+class RunStats:
+    """Throughput accounting over the steps after the warm-up ones."""
+
+    def __init__(self, cfg, env):
+        self.cfg, self.env = cfg, env
+        self.time = self.attn_time = self.flops = 0.0
+        self.tokens = self.steps = 0
+        self.pairs = self.causal_pairs = self.all_pairs = 0
+
+    def add(self, run_step: int, batch: PackedBatch, step_time: float, attn_time: float) -> None:
+        mask = batch.mask
+        s = mask.seqlen_q
+        pairs = mask.unmasked_pairs()
+        self.pairs += pairs
+        self.all_pairs += mask.batch_size * mask.num_heads * s * s
+        self.causal_pairs += mask.batch_size * mask.num_heads * s * (s + 1) // 2
+        if run_step <= self.cfg.warmup_exclude:
+            return
+        attn_fwd = mask.flops(self.cfg.n_heads, self.cfg.head_dim, "fwd")
+        self.flops += model_flops_per_step(self.cfg, batch.tokens.numel(), attn_fwd)
+        self.time += step_time
+        self.attn_time += attn_time
+        self.tokens += batch.tokens.numel()
+        self.steps += 1
+
+    def summary(self, model, history, start, packer) -> dict:
+        cfg, env = self.cfg, self.env
+        losses = history["loss"]
+        k = max(1, min(10, len(losses) // 5))
+        out = {
+            "steps_run": len(losses) - len([s for s in history["step"] if s <= start]),
+            "final_step": history["step"][-1] if history["step"] else start,
+            "loss_first": sum(losses[:k]) / k if losses else float("nan"),
+            "loss_last": sum(losses[-k:]) / k if losses else float("nan"),
+            "params": count_parameters(model),
+            "active_matmul_params": active_matmul_params(cfg),
+            "world_size": env.world_size, "device": str(env.device),
+            "attention": cfg.attention, "balance": cfg.balance, "comm": cfg.comm,
+            "mask": cfg.mask, "seq_len": cfg.seq_len, "batch_size": cfg.batch_size,
+            "mask_sparsity": 1 - self.pairs / self.all_pairs if self.all_pairs else 0.0,
+            "mask_skipped_vs_causal": 1 - self.pairs / self.causal_pairs if self.causal_pairs else 0.0,
+            "measured_steps": self.steps,
+            "data_epoch": packer.epoch,
+        }
+        if self.steps:
+            out.update({
+                "tokens_per_s": self.tokens / self.time,
+                "model_tflops": self.flops / self.time / 1e12,
+                "model_tflops_per_device": self.flops / self.time / 1e12 / env.world_size,
+                "attention_share": self.attn_time / self.time if cfg.time_attention else None,
+                "step_time_s": self.time / self.steps,
+            })
+        return out
+
+
+def format_summary(s: dict) -> str:
+    """The human-readable end-of-run summary."""
+    lines = ["", "== flashmask3 training summary ==",
+             f"loss           {s['loss_first']:.3f} -> {s['loss_last']:.3f} "
+             f"(mean of first/last steps, through step {s['final_step']})",
+             f"mask           {s['mask']}: {100 * s['mask_sparsity']:.1f}% of (query, key) pairs "
+             f"skipped, {100 * s['mask_skipped_vs_causal']:.1f}% fewer than plain causal"]
+    if s.get("tokens_per_s"):
+        share = s.get("attention_share")
+        lines += [
+            f"throughput     {s['tokens_per_s']:,.0f} tokens/s over {s['measured_steps']} steps "
+            f"({s['step_time_s'] * 1000:.0f} ms/step), {s['world_size']} rank(s) on {s['device']}",
+            f"model FLOP/s   {s['model_tflops']:.4g} TFLOP/s total, "
+            f"{s['model_tflops_per_device']:.4g} per device",
+            f"attention      {'n/a' if share is None else f'{100 * share:.1f}% of step time'} "
+            f"(backend {s['attention']}"
+            + (f", CP balance={s['balance']} comm={s['comm']})" if s["world_size"] > 1 else ")"),
+        ]
+    return "\n".join(lines)
+
+
+def _write_outputs(cfg, history, summary) -> None:
+    out_dir = Path(cfg.out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / "summary.json").write_text(json.dumps(summary, indent=2))
+    with open(out_dir / "losses.csv", "w") as fh:
+        fh.write("step,loss,lr,grad_norm,step_time,attention_time,sparsity\n")
+        for row in zip(*(history[k] for k in ("step", "loss", "lr", "grad_norm", "step_time",
+                                              "attention_time", "sparsity"))):
+            fh.write(",".join(f"{v:.6g}" if isinstance(v, float) else str(v) for v in row) + "\n")
+    if cfg.plot and history["step"]:
+        from .plotting import plot_loss
+        summary["loss_png"] = str(plot_loss(history, out_dir / "loss.png", summary))
+    print(format_summary(summary), flush=True)
+    print(f"outputs        {out_dir}/ (summary.json, losses.csv"
+          + (", loss.png" if cfg.plot else "") + ", checkpoints/)", flush=True)
