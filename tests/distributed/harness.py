@@ -1,0 +1,94 @@
+"""Run a function on a few gloo ranks in spawned processes, with hard timeouts.
+
+``run_distributed(fn, world, *args)`` starts ``world`` processes, each initialising a gloo
+process group (with a collective timeout) and calling ``fn(rank, world, *args)``. If any rank
+raises, the others are terminated and the parent raises with the original traceback; if the
+whole run exceeds ``timeout_s`` every rank is terminated and the parent raises TimeoutError.
+So a failing or deadlocked rank never leaves the test suite hanging.
+"""
+
+from __future__ import annotations
+
+import datetime
+import glob
+import os
+import tempfile
+import time
+import traceback
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+
+class RankError(RuntimeError):
+    """A rank raised: carries the traceback of the rank that failed first."""
+
+
+def _entry(rank, fn, world, store_path, timeout_s, args):
+    try:
+        _run_rank(rank, fn, world, store_path, timeout_s, args)
+    except BaseException:
+        _record(store_path, rank)
+        raise
+
+
+def _record(store_path, rank):
+    """Write when and what failed, once per rank: the first failure is the cause, later ones
+    are its echoes (peers see "connection closed" once the failing rank is gone)."""
+    path = f"{store_path}.err.{rank}"
+    if not os.path.exists(path):
+        with open(path, "w") as f:
+            f.write(f"{time.time()!r}\n{traceback.format_exc()}")
+
+
+def _first_error(store_path):
+    errors = []
+    for path in glob.glob(f"{store_path}.err.*"):
+        with open(path) as f:
+            stamp, _, tb = f.read().partition("\n")
+        errors.append((float(stamp), int(path.rsplit(".", 1)[1]), tb))
+    return min(errors) if errors else None
+
+
+def _run_rank(rank, fn, world, store_path, timeout_s, args):
+    os.environ["FLASHMASK3_BACKEND"] = "torch"
+    torch.set_num_threads(1)
+    dist.init_process_group(
+        "gloo", init_method=f"file://{store_path}", rank=rank, world_size=world,
+        timeout=datetime.timedelta(seconds=timeout_s),
+    )
+    try:
+        fn(rank, world, *args)
+        dist.barrier()
+    except BaseException:
+        _record(store_path, rank)  # before tearing down the group, which wakes the peers
+        raise
+    finally:
+        dist.destroy_process_group()
+
+
+def run_distributed(fn, world: int, *args, timeout_s: float = 240.0, collective_timeout_s: float = 60.0):
+    """Run ``fn(rank, world, *args)`` on ``world`` gloo ranks; raise the first rank error."""
+    with tempfile.TemporaryDirectory() as tmp:
+        store = os.path.join(tmp, "store")
+        ctx = mp.start_processes(_entry, args=(fn, world, store, collective_timeout_s, args),
+                                 nprocs=world, join=False, start_method="spawn")
+        deadline = time.monotonic() + timeout_s
+        try:
+            while not ctx.join(timeout=1.0):  # raises on the first rank that fails
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"distributed run of {fn.__name__} exceeded {timeout_s}s")
+        except (mp.ProcessRaisedException, mp.ProcessExitedException) as exc:
+            time.sleep(0.5)  # let a slower failing rank finish writing its record
+            first = _first_error(store)
+            if first is None:
+                raise
+            _, rank, tb = first
+            raise RankError(f"rank {rank} failed first:\n{tb}") from exc
+        finally:
+            for p in ctx.processes:
+                if p.is_alive():
+                    p.terminate()
+            for p in ctx.processes:
+                p.join(5)

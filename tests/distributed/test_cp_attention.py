@@ -1,0 +1,45 @@
+"""Context-parallel attention on gloo ranks equals single-process attention (fwd and grads).
+
+Each test spawns one process group and loops over many configurations inside it (spawning
+costs seconds; a configuration costs milliseconds). Every mask type, every balance x comm,
+flat and hierarchical routing (2 virtual nodes), cp_size 4 and the non-power-of-two 3,
+several chunk sizes, a DeviceMesh as the group, the returned LSE's gradient, and error paths.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.distributed.harness import RankError, run_distributed
+from tests.distributed.workers import (check_configs, check_mesh_and_lse, fail_on_rank_one,
+                                       stuck_rank, wrong_group_size)
+from tests.helpers import named_masks
+
+ALL_MASKS = sorted(named_masks(64))
+BALANCES = ["contiguous", "dual_chunk", "sparse"]
+COMMS = ["overlap", "allgather"]
+
+
+def test_cp4_every_mask_balance_comm_and_hierarchy():
+    run_distributed(check_configs, 4, 128, ALL_MASKS, BALANCES, COMMS, [1, 2], [None], 1)
+
+
+def test_cp4_chunk_sizes_and_cp3_non_power_of_two():
+    run_distributed(check_configs, 4, 128, ["causal_document", "sliding_window", "qk_sparse"],
+                    BALANCES, COMMS, [1, 2], [8, 16], 2)
+    run_distributed(check_configs, 3, 96, ALL_MASKS, BALANCES, COMMS, [1, 3], [None, 4], 3)
+
+
+def test_device_mesh_group_and_lse_gradient():
+    run_distributed(check_mesh_and_lse, 2, 64, 4)
+    run_distributed(wrong_group_size, 2, 64)
+
+
+def test_rank_error_surfaces_without_hanging():
+    with pytest.raises(Exception, match="deliberate failure on rank 1"):
+        run_distributed(fail_on_rank_one, 3, timeout_s=120, collective_timeout_s=30)
+
+
+def test_stuck_rank_times_out():
+    with pytest.raises((RankError, TimeoutError)):
+        run_distributed(stuck_rank, 2, timeout_s=40, collective_timeout_s=5)

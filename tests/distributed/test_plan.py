@@ -1,0 +1,118 @@
+"""Planning (no process group needed): ownership, work balance, rank-local masks, routing."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+import flashmask3.masks as M
+from flashmask3.distributed import plan
+from tests.helpers import named_masks
+
+MASKS = named_masks(96, batch_size=2, num_heads=2)
+
+
+@pytest.mark.parametrize("cp,nodes", [(4, 1), (4, 2), (3, 1)])
+def test_local_masks_every_mask_and_balance(cp, nodes):
+    for name in sorted(MASKS):
+        for balance in ("contiguous", "dual_chunk", "sparse"):
+            _check_local_masks(MASKS[name], balance, cp, nodes)
+
+
+def _check_local_masks(mask, balance, cp, nodes):
+    """Dense local mask == dense global mask on (rows, needed keys); dropped keys are dead."""
+    p = plan(mask, None, cp, balance=balance, chunk_size=4, nodes=nodes)
+    dense = mask.to_dense()
+    seen = torch.zeros(96, dtype=torch.long)
+    for r in range(cp):
+        rows, keys = p.rows(r), p.key_index(r)
+        seen[rows] += 1
+        local = p.local_mask(r)
+        assert local.causal is False
+        want = dense[:, :, rows][:, :, :, keys]
+        assert torch.equal(local.to_dense().expand_as(want), want)
+        dropped = torch.ones(96, dtype=torch.bool)
+        dropped[keys] = False
+        assert not dense[:, :, rows][:, :, :, dropped].any()
+        assert len(set(p.needed_chunks(r))) == len(p.needed_chunks(r))
+    assert torch.equal(seen, torch.ones(96, dtype=torch.long))  # a partition of the tokens
+
+
+def test_ownership_layouts_and_determinism():
+    mask = M.causal_document_mask(M.random_document_lengths(4096, 300, seed=1))
+    p = plan(mask, None, 4, balance="dual_chunk")
+    assert p.chunk_size == 512
+    assert [p.chunks(r) for r in range(4)] == [(0, 7), (1, 6), (2, 5), (3, 4)]
+    c = plan(mask, None, 4, balance="contiguous")
+    assert torch.equal(c.rows(1), torch.arange(1024, 2048))
+    a = plan(mask, None, 4, balance="sparse", chunk_size=64)
+    b = plan(mask.startend_row_indices.clone(), True, 4, balance="sparse", chunk_size=64)
+    assert np.array_equal(a.owner, b.owner) and a.rounds == b.rounds
+    assert all(len(a.chunks(r)) == 16 for r in range(4))
+
+
+def test_sparse_balances_document_masks():
+    docs = M.random_document_lengths(32768, 2048, seed=3)
+    mask = M.causal_document_mask(docs)
+    for cp in (8, 16):
+        dual = plan(mask, None, cp, balance="dual_chunk")
+        sparse = plan(mask, None, cp, balance="sparse")
+        assert sparse.imbalance <= 1.05, (cp, sparse.imbalance)
+        assert sparse.imbalance <= dual.imbalance
+        assert sum(sparse.works) == sum(dual.works) == int(sparse.chunk_work.sum())
+
+
+def test_routing_delivers_each_needed_chunk_once_and_never_more_than_allgather():
+    mask = M.causal_document_mask(M.random_document_lengths(4096, 200, seed=2))
+    for nodes in (1, 2, 4):
+        p = plan(mask, None, 8, balance="sparse", chunk_size=64, nodes=nodes)
+        for rnd in p.rounds:
+            pairs = [(t.src, t.dst) for t in rnd.transfers]
+            assert len(pairs) == len(set(pairs))  # one message per pair and round
+        for r in range(8):
+            got = [c for rnd in p.rounds for t in rnd.recvs(r) for c in t.chunks]
+            remote = {c for c in np.flatnonzero(p.need[r]) if p.owner[c] != r}
+            assert remote <= set(got)
+            assert len(got) == len(set(got))
+        assert p.kv_tokens_moved("overlap") < p.kv_tokens_moved("allgather")
+    flat = plan(mask, None, 8, balance="sparse", chunk_size=64)
+    hier = plan(mask, None, 8, balance="sparse", chunk_size=64, nodes=2)
+    assert hier.cross_node_transfers() < flat.cross_node_transfers(gpus_per_node=4)
+    full = plan(M.full_mask(256), None, 4, balance="sparse")
+    assert full.kv_tokens_moved("overlap") == full.kv_tokens_moved("allgather")
+
+
+def test_shard_unshard_roundtrip_keeps_global_positions():
+    p = plan(MASKS["causal_document"], None, 4, balance="sparse", chunk_size=8)
+    x = torch.randn(2, 96, 3)
+    pos = torch.arange(96).view(1, 96).expand(2, 96)
+    shards = [p.shard(x, r) for r in range(4)]
+    assert torch.equal(p.unshard(shards), x)
+    assert torch.equal(p.shard(pos, 2)[0], p.rows(2))
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(cp_size=5), "cannot split"),
+    (dict(cp_size=4, chunk_size=7), "chunk_size"),
+    (dict(cp_size=4, chunk_size=32, balance="dual_chunk"), "dual_chunk"),
+    (dict(cp_size=4, balance="ring"), "balance"),
+    (dict(cp_size=4, nodes=3), "nodes"),
+    (dict(cp_size=0), "cp_size"),
+])
+def test_bad_arguments_are_value_errors(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        plan(MASKS["causal"], None, **kwargs)
+
+
+def test_mask_argument_errors():
+    with pytest.raises(ValueError, match="seqlen"):
+        plan(None, True, 2)
+    with pytest.raises(ValueError, match="causal"):
+        plan(MASKS["causal"], False, 2)
+    with pytest.raises(TypeError, match="startend_row_indices"):
+        plan([1, 2], True, 2)
+    p = plan(None, True, 2, seqlen=64, balance="contiguous")
+    assert p.local_mask(1).startend_row_indices.shape == (1, 1, 64, 2)
+    with pytest.raises(ValueError, match="rank"):
+        p.rows(2)

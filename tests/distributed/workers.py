@@ -1,0 +1,124 @@
+"""Functions run on every rank by tests/distributed (must be importable by spawned children)."""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from flashmask3 import flashmask_attention
+from flashmask3.distributed import cp_flashmask_attention, plan
+from tests.helpers import named_masks
+
+B, HQ, HK, D = 2, 4, 2, 16
+
+
+def _inputs(seqlen, seed, dtype=torch.float32):
+    """Fresh random q, k, v, dout: identical on every rank (same seed)."""
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(B, seqlen, HQ, D, generator=g, dtype=dtype)
+    k = torch.randn(B, seqlen, HK, D, generator=g, dtype=dtype)
+    v = torch.randn(B, seqlen, HK, D, generator=g, dtype=dtype)
+    do = torch.randn(B, seqlen, HQ, D, generator=g, dtype=dtype)
+    return q, k, v, do
+
+
+def _reference(q, k, v, do, mask):
+    """Single-process flashmask_attention on the full sequence: out, lse, dq, dk, dv."""
+    q, k, v = (t.clone().requires_grad_() for t in (q, k, v))
+    out, lse = flashmask_attention(q, k, v, mask, return_softmax_lse=True)
+    out.backward(do)
+    return out.detach(), lse.detach(), q.grad, k.grad, v.grad
+
+
+def _run_cp(q, k, v, do, p, rank, comm, group=None, with_lse=False):
+    ql, kl, vl = (p.shard(t, rank).requires_grad_() for t in (q, k, v))
+    res = cp_flashmask_attention(ql, kl, vl, p, group=group, comm=comm, return_softmax_lse=with_lse)
+    out = res[0] if with_lse else res
+    out.backward(p.shard(do, rank))
+    return out.detach(), ql.grad, kl.grad, vl.grad, (res[1].detach() if with_lse else None)
+
+
+def _close(name, got, want, tag):
+    if not torch.allclose(got, want, rtol=2e-4, atol=2e-5):
+        err = (got - want).abs().max().item()
+        raise AssertionError(f"{tag}: {name} differs from single-process attention (max abs err {err:.3g})")
+
+
+def check_configs(rank, world, seqlen, mask_names, balances, comms, nodes_list, chunk_sizes, seed):
+    """Compare CP attention (outputs, dq, dk, dv) with single-process attention for every
+    combination; raise AssertionError naming the first failing configuration."""
+    masks = named_masks(seqlen, batch_size=B, num_heads=HK)
+    count = 0
+    for i, name in enumerate(mask_names):
+        mask = masks[name]
+        q, k, v, do = _inputs(seqlen, seed + i)
+        ref = _reference(q, k, v, do, mask)
+        for balance in balances:
+            for nodes in nodes_list:
+                for chunk in chunk_sizes:
+                    p = plan(mask, None, world, balance=balance, chunk_size=chunk, nodes=nodes)
+                    for comm in comms:
+                        tag = f"rank {rank} mask={name} balance={balance} comm={comm} nodes={nodes} chunk={chunk}"
+                        out, dq, dk, dv, _ = _run_cp(q, k, v, do, p, rank, comm)
+                        for label, got, want in (("out", out, ref[0]), ("dq", dq, ref[2]),
+                                                 ("dk", dk, ref[3]), ("dv", dv, ref[4])):
+                            _close(label, got, p.shard(want, rank), tag)
+                        count += 1
+    assert count > 0
+
+
+def check_mesh_and_lse(rank, world, seqlen, seed):
+    """A DeviceMesh (and a (mesh, dim) pair) as the group; the returned LSE and its gradient."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("cp",))
+    mask = named_masks(seqlen, batch_size=B, num_heads=HK)["causal_document"]
+    q, k, v, do = _inputs(seqlen, seed)
+    g = torch.Generator().manual_seed(seed + 1)
+    dlse = torch.randn(B, HQ, seqlen, generator=g)
+    qr, kr, vr = (t.clone().requires_grad_() for t in (q, k, v))
+    out_r, lse_r = flashmask_attention(qr, kr, vr, mask, return_softmax_lse=True)
+    ((out_r * do).sum() + (torch.where(torch.isinf(lse_r), 0, lse_r) * dlse).sum()).backward()
+    for group in (mesh, (mesh, "cp")):
+        for comm in ("overlap", "allgather"):
+            p = plan(mask, None, world, balance="sparse")
+            ql, kl, vl = (p.shard(t, rank).requires_grad_() for t in (q, k, v))
+            out, lse = cp_flashmask_attention(ql, kl, vl, p, group=group, comm=comm,
+                                              return_softmax_lse=True)
+            dl = p.shard(dlse, rank, dim=2)
+            ((out * p.shard(do, rank)).sum() + (torch.where(torch.isinf(lse), 0, lse) * dl).sum()).backward()
+            tag = f"rank {rank} mesh group={type(group).__name__} comm={comm}"
+            _close("out", out.detach(), p.shard(out_r.detach(), rank), tag)
+            _close("lse", lse.detach(), p.shard(lse_r.detach(), rank, dim=2), tag)
+            for label, got, want in (("dq", ql.grad, qr.grad), ("dk", kl.grad, kr.grad),
+                                     ("dv", vl.grad, vr.grad)):
+                _close(label, got, p.shard(want, rank), tag)
+
+
+def fail_on_rank_one(rank, world):
+    """Rank 1 raises while the others wait in a collective: the error must surface, no hang."""
+    if rank == 1:
+        raise RuntimeError("deliberate failure on rank 1")
+    dist.all_reduce(torch.ones(1))
+
+
+def wrong_group_size(rank, world, seqlen):
+    """A plan for a different cp_size is a ValueError on every rank (before any traffic)."""
+    mask = named_masks(seqlen)["causal"]
+    p = plan(mask, None, world * 2, balance="contiguous")
+    x = torch.randn(1, seqlen // (world * 2), 2, 8)
+    try:
+        cp_flashmask_attention(x, x, x, p)
+    except ValueError as e:
+        assert "cp_size" in str(e)
+    else:
+        raise AssertionError("expected ValueError for a plan of the wrong cp_size")
+
+
+def stuck_rank(rank, world):
+    """Rank 1 never joins the collective: the run must end with an error, not hang."""
+    if rank == 1:
+        import time
+
+        time.sleep(3600)
+    dist.all_reduce(torch.ones(1))
