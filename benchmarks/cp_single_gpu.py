@@ -1,0 +1,207 @@
+"""Per-rank attention cost of a context-parallel layout, measured on ONE GPU.
+
+For ``--cp`` ranks over a causal document mask of ``--tokens`` tokens, every rank's local
+attention problem (its query shard, its needed K/V chunks, its rank-local mask -- exactly what
+``cp_flashmask_attention`` computes on that rank, without the communication) is run one after
+another with ``flashmask3.flashmask_attention`` (the Triton kernel on CUDA). The slowest rank
+sets the step time of a real CP run, so we report it for ``dual_chunk`` vs ``sparse``.
+
+    python benchmarks/cp_single_gpu.py                              # H200: 128K, cp 8, bf16
+    python benchmarks/cp_single_gpu.py --device cpu --tokens 2048 --heads 2 --kv-heads 1 \
+        --head-dim 16 --dtype float32 --iters 1 --warmup 0           # CPU smoke run
+
+Writes benchmarks/results/cp_single_gpu.{md,json,png} (``--out`` to change).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import torch  # noqa: E402
+
+import flashmask3.masks as M  # noqa: E402
+from benchmarks.corpus import document_spreads  # noqa: E402
+from flashmask3 import flashmask_attention  # noqa: E402
+from flashmask3.distributed import plan  # noqa: E402
+
+RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
+DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+
+
+def _sync(device):
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def time_fwd_bwd(q, k, v, mask, warmup: int, iters: int) -> float:
+    """Median seconds of one forward+backward of ``flashmask_attention``."""
+    do = torch.randn_like(q)
+    q, k, v = (t.detach().requires_grad_() for t in (q, k, v))
+
+    def step():
+        out = flashmask_attention(q, k, v, mask)
+        out.backward(do)
+        q.grad = k.grad = v.grad = None
+
+    for _ in range(warmup):
+        step()
+    times = []
+    for _ in range(iters):
+        _sync(q.device)
+        t0 = time.perf_counter()
+        step()
+        _sync(q.device)
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def rank_problems(p, args, device, dtype):
+    """Yield (rank, q, k, v, local mask) for every rank of plan ``p``."""
+    g = torch.Generator(device="cpu").manual_seed(args.seed)
+    for r in range(p.cp_size):
+        sk = len(p.needed_chunks(r)) * p.chunk_size
+        q = torch.randn(1, p.local_seqlen, args.heads, args.head_dim, generator=g).to(device, dtype)
+        k = torch.randn(1, max(sk, 1), args.kv_heads, args.head_dim, generator=g).to(device, dtype)
+        v = torch.randn(1, max(sk, 1), args.kv_heads, args.head_dim, generator=g).to(device, dtype)
+        yield r, q, k, v, (p.local_mask(r).to(device) if sk else None), sk
+
+
+def measure_layout(mask, balance, args, device, dtype) -> dict:
+    p = plan(mask, None, args.cp, balance=balance)
+    ranks = []
+    for r, q, k, v, lm, sk in rank_problems(p, args, device, dtype):
+        if sk == 0:  # nothing live for this rank: no attention work at all
+            ranks.append({"rank": r, "seconds": 0.0, "keys": 0, "tflops": 0.0})
+            continue
+        sec = time_fwd_bwd(q, k, v, lm, args.warmup, args.iters)
+        flops = lm.flops(args.heads, args.head_dim, "fwd_bwd")
+        ranks.append({"rank": r, "seconds": sec, "keys": sk, "work": p.work(r),
+                      "tflops": flops / sec / 1e12})
+    slow = max(ranks, key=lambda x: x["seconds"])
+    return {"balance": balance, "chunk_size": p.chunk_size, "imbalance": p.imbalance,
+            "slowest_rank": slow["rank"], "slowest_seconds": slow["seconds"],
+            "mean_seconds": statistics.mean(x["seconds"] for x in ranks), "ranks": ranks}
+
+
+def full_problem(mask, args, device, dtype) -> float:
+    """Single-GPU time of the whole sequence (the ideal CP step is this / cp)."""
+    g = torch.Generator(device="cpu").manual_seed(args.seed)
+    s = args.tokens
+    q = torch.randn(1, s, args.heads, args.head_dim, generator=g).to(device, dtype)
+    k = torch.randn(1, s, args.kv_heads, args.head_dim, generator=g).to(device, dtype)
+    v = torch.randn(1, s, args.kv_heads, args.head_dim, generator=g).to(device, dtype)
+    return time_fwd_bwd(q, k, v, mask.to(device), args.warmup, args.iters)
+
+
+def environment(device) -> dict:
+    env = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+           "host": platform.node(), "python": platform.python_version(), "torch": torch.__version__,
+           "device": str(device), "command": " ".join([sys.executable] + sys.argv),
+           "backend": os.environ.get("FLASHMASK3_BACKEND", "auto")}
+    try:
+        import triton
+        env["triton"] = triton.__version__
+    except ImportError:
+        env["triton"] = None
+    if device.type == "cuda":
+        env["gpu"] = torch.cuda.get_device_name(device)
+    return env
+
+
+def markdown(res: dict) -> str:
+    a = res["args"]
+    lines = [f"# Slowest-rank attention fwd+bwd, cp={a['cp']}, {a['tokens']} tokens, one GPU",
+             "", f"{res['env'].get('gpu', res['env']['device'])}, {a['dtype']}, Hq={a['heads']}, "
+             f"Hk={a['kv_heads']}, D={a['head_dim']}; causal document masks; median of {a['iters']} "
+             f"iterations per rank. `{res['env']['command']}` ({res['env']['date']})", "",
+             "| spread | full seq / cp (ideal) ms | dual_chunk slowest ms | sparse slowest ms | sparse / dual "
+             "| imbalance dual | imbalance sparse |", "|---|---|---|---|---|---|---|"]
+    for spread, r in res["spreads"].items():
+        d, s = r["dual_chunk"], r["sparse"]
+        ratio = s["slowest_seconds"] / d["slowest_seconds"] if d["slowest_seconds"] else float("nan")
+        ideal = r["full_seconds"] / a["cp"] * 1e3 if r.get("full_seconds") else float("nan")
+        lines.append(f"| {spread} | {ideal:.2f} | {d['slowest_seconds'] * 1e3:.2f} | {s['slowest_seconds'] * 1e3:.2f} "
+                     f"| **{ratio:.3f}** | {d['imbalance']:.3f} | {s['imbalance']:.3f} |")
+    if "corpus" in res["spreads"]:
+        r = res["spreads"]["corpus"]
+        ratio = r["sparse"]["slowest_seconds"] / r["dual_chunk"]["slowest_seconds"]
+        lines += ["", f"Target: sparse <= 0.8x dual_chunk on the real-corpus mask: {ratio:.3f} — "
+                  f"{'met' if ratio <= 0.8 else 'NOT met'}."]
+    return "\n".join(lines) + "\n"
+
+
+def plot(res: dict, path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    spreads = list(res["spreads"])
+    fig, axes = plt.subplots(1, len(spreads), figsize=(4 * len(spreads), 3.5), squeeze=False)
+    for ax, spread in zip(axes[0], spreads):
+        for i, bal in enumerate(("dual_chunk", "sparse")):
+            ranks = res["spreads"][spread][bal]["ranks"]
+            xs = [x["rank"] + (i - 0.5) * 0.4 for x in ranks]
+            ax.bar(xs, [x["seconds"] * 1e3 for x in ranks], width=0.4, label=bal)
+        ax.set(title=spread, xlabel="rank", ylabel="fwd+bwd ms")
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--tokens", type=int, default=131072)
+    ap.add_argument("--cp", type=int, default=8)
+    ap.add_argument("--heads", type=int, default=16)
+    ap.add_argument("--kv-heads", type=int, default=8)
+    ap.add_argument("--head-dim", type=int, default=128)
+    ap.add_argument("--dtype", choices=sorted(DTYPES), default="bfloat16")
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--spreads", nargs="+", default=["corpus", "short", "mixed", "long"])
+    ap.add_argument("--warmup", type=int, default=2)
+    ap.add_argument("--iters", type=int, default=5)
+    ap.add_argument("--no-full", action="store_true", help="skip the whole-sequence reference timing")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--out", default=RESULTS)
+    args = ap.parse_args(argv)
+    device, dtype = torch.device(args.device), DTYPES[args.dtype]
+    spreads = document_spreads(args.tokens, seed=args.seed)
+    unknown = set(args.spreads) - set(spreads)
+    if unknown:
+        raise SystemExit(f"unknown spreads {sorted(unknown)}; choose from {sorted(spreads)}")
+    res = {"args": vars(args), "env": environment(device), "spreads": {}}
+    for name in args.spreads:
+        mask = M.causal_document_mask(spreads[name])
+        entry = {"docs": len(spreads[name]), "sparsity": mask.sparsity()}
+        for balance in ("dual_chunk", "sparse"):
+            entry[balance] = measure_layout(mask, balance, args, device, dtype)
+        if not args.no_full:
+            entry["full_seconds"] = full_problem(mask, args, device, dtype)
+        res["spreads"][name] = entry
+        d, s = entry["dual_chunk"]["slowest_seconds"], entry["sparse"]["slowest_seconds"]
+        print(f"{name:7s} slowest rank fwd+bwd: dual_chunk {d * 1e3:.2f} ms, sparse {s * 1e3:.2f} ms "
+              f"(sparse/dual {s / d:.3f})", flush=True)
+    os.makedirs(args.out, exist_ok=True)
+    base = os.path.join(args.out, "cp_single_gpu")
+    with open(base + ".json", "w") as f:
+        json.dump(res, f, indent=1)
+    with open(base + ".md", "w") as f:
+        f.write(markdown(res))
+    plot(res, base + ".png")
+    print(f"wrote {base}.md/.json/.png")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
