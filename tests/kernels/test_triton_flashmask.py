@@ -1,0 +1,268 @@
+"""The Triton FlashMask kernels, called through the backend contract.
+
+Without a GPU these run under ``TRITON_INTERPRET=1`` (tests/conftest.py) on small shapes in
+fp32/fp16; tests marked ``gpu`` run bf16/fp16 at realistic sizes on a CUDA device. Every
+numerical check compares with the float64 dense reference on fresh random inputs.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+import triton  # noqa: E402
+import triton.language as tl  # noqa: E402
+
+import flashmask3.masks as M  # noqa: E402
+from flashmask3.kernels import triton_flashmask as T  # noqa: E402
+from tests.helpers import LAYOUTS, named_masks, random_columns  # noqa: E402
+from tests.reference import reference_attention, rel_err  # noqa: E402
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+TOL = {torch.float32: 2e-4, torch.float16: 5e-3, torch.bfloat16: 2e-2}
+
+
+# ---------------------------------------------------------------------------------------------
+# The @jit twin of the tile rule and the live ranges
+# ---------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _classify_all_kernel(sum_ptr, out_ptr, Sq, Sk, NQB, NKB, BLOCK_M: tl.constexpr,
+                         BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr, NI: tl.constexpr,
+                         NKB_P2: tl.constexpr):
+    """Class of every tile of one (batch*mask head, query block) through the kernels' twin."""
+    m = tl.program_id(0)
+    bh = tl.program_id(1)
+    n = tl.arange(0, NKB_P2)
+    valid = n < NKB
+    cls = T._tile_class(sum_ptr + bh * NKB * 8, m, n, Sq, Sk, valid, BLOCK_M, BLOCK_N, CAUSAL, NI)
+    tl.store(out_ptr + (bh * NQB + m) * NKB + n, cls, mask=valid)
+
+
+def _twin_classes(cols, causal, sq, sk, bm, bn):
+    """[B, Hm, NQB, NKB] classes from the Triton summary kernel + the @jit rule."""
+    b, hm = (1, 1) if cols is None else cols.shape[:2]
+    nqb, nkb = triton.cdiv(sq, bm), triton.cdiv(sk, bn)
+    c = 0 if cols is None else cols.shape[-1]
+    summary = (torch.zeros(1, nkb, 8, dtype=torch.int32, device=DEVICE) if cols is None
+               else T.block_summaries(cols.contiguous(), causal, sq, bn))
+    out = torch.empty(b * hm, nqb, nkb, dtype=torch.int32, device=DEVICE)
+    _classify_all_kernel[(nqb, b * hm)](summary, out, sq, sk, nqb, nkb, BLOCK_M=bm, BLOCK_N=bn,
+                                        CAUSAL=causal, NI=T._num_intervals(causal, c),
+                                        NKB_P2=triton.next_power_of_2(nkb))
+    return out.view(b, hm, nqb, nkb)
+
+
+@pytest.mark.parametrize("causal,c", LAYOUTS + [(True, 0), (False, 0)])
+@pytest.mark.parametrize("sq,sk,bm,bn", [(100, 100, 16, 32), (64, 130, 32, 16), (130, 17, 32, 64)])
+def test_classification_twin_matches_classify_tiles(causal, c, sq, sk, bm, bn):
+    cols = None if c == 0 else random_columns(2, 3, sq, sk, causal, c, seed=sq + sk + c).to(DEVICE)
+    got = _twin_classes(cols, causal, sq, sk, bm, bn).cpu()
+    want = M.classify_tiles(None if cols is None else cols.cpu(), causal, sq, sk, bm, bn)
+    assert torch.equal(got, want.to(torch.int32).expand_as(got))
+
+
+@pytest.mark.parametrize("name", ["causal_document", "global_sliding_window", "sliding_window_two_sided",
+                                  "shared_question", "prefix_document"])
+def test_classification_twin_on_named_masks(name):
+    mask = named_masks(100, batch_size=2)[name]
+    got = _twin_classes(mask.startend_row_indices.to(DEVICE), mask.causal, 100, 100, 16, 16).cpu()
+    want = M.classify_tiles(mask.startend_row_indices, mask.causal, 100, 100, 16, 16)
+    assert torch.equal(got, want.to(torch.int32))
+
+
+def _covered(ranges, n):
+    """Boolean [.., n] of the blocks inside [lo0, hi0) or [lo1, hi1)."""
+    idx = torch.arange(n)
+    r = ranges.long().unsqueeze(-1)
+    return ((idx >= r[..., 0, :]) & (idx < r[..., 1, :])) | ((idx >= r[..., 2, :]) & (idx < r[..., 3, :]))
+
+
+@pytest.mark.parametrize("causal,c", LAYOUTS)
+@pytest.mark.parametrize("by_key", [False, True])
+def test_live_ranges_cover_every_live_tile(causal, c, by_key):
+    sq, sk, bm, bn = 130, 100, 16, 16
+    cols = random_columns(2, 2, sq, sk, causal, c, seed=7 + c).to(DEVICE)
+    summary = T.block_summaries(cols, causal, sq, bn)
+    ranges = T.live_ranges(summary, causal, T._num_intervals(causal, c), sq, sk, bm, bn, by_key).cpu()
+    cls = M.classify_tiles(cols.cpu(), causal, sq, sk, bm, bn).flatten(0, 1)  # [bh, nq, nk]
+    if by_key:
+        cls = cls.transpose(1, 2)
+    live = cls != M.SKIP
+    cov = _covered(ranges, cls.shape[-1])
+    assert not (live & ~cov).any(), "a live tile lies outside the ranges"
+    # The first range is one exact run of live tiles starting at the first live tile.
+    first = torch.where(live.any(-1), live.int().argmax(-1), 0)
+    has = live.any(-1)
+    assert torch.equal(ranges[..., 0][has], first[has].int())
+    idx = torch.arange(cls.shape[-1])
+    in_first = (idx >= ranges[..., 0:1].long()) & (idx < ranges[..., 1:2].long())
+    assert not (in_first & ~live).any()
+
+
+# ---------------------------------------------------------------------------------------------
+# Forward and backward against the float64 dense reference
+# ---------------------------------------------------------------------------------------------
+
+
+def _qkv(b, sq, sk, hq, hk, d, dtype, seed):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randn(b, s, h, d, generator=g).to(DEVICE, dtype) for s, h in ((sq, hq), (sk, hk), (sk, hk))]
+
+
+def _check(q, k, v, cols, causal, scale=None, with_dlse=True, tol=None):
+    """Run T.forward/T.backward and compare out, lse, dq, dk, dv with the float64 reference."""
+    d = q.shape[-1]
+    scale = 1.0 / math.sqrt(d) if scale is None else scale
+    tol = TOL[q.dtype] if tol is None else tol
+    out, lse = T.forward(q, k, v, cols, causal, scale)
+    q64, k64, v64 = (x.detach().double().requires_grad_() for x in (q, k, v))
+    ref_out, ref_lse = reference_attention(q64, k64, v64, cols, causal, scale)
+    assert out.dtype == q.dtype and lse.dtype == torch.float32
+    assert lse.shape == (q.shape[0], q.shape[2], q.shape[1])
+    assert torch.equal(torch.isinf(lse).cpu(), torch.isinf(ref_lse).cpu())
+    assert not torch.isnan(out).any()
+    dout = torch.randn_like(out)
+    dlse = torch.randn_like(lse).masked_fill(torch.isinf(lse), 0.0) if with_dlse else None
+    dq, dk, dv = T.backward(dout, dlse, q, k, v, out, lse, cols, causal, scale)
+    loss = (ref_out * dout.double()).sum()
+    if with_dlse:
+        loss = loss + (ref_lse.masked_fill(torch.isinf(ref_lse), 0) * dlse.double()).sum()
+    rq, rk, rv = torch.autograd.grad(loss, (q64, k64, v64))
+    errs = {"out": rel_err(out, ref_out), "lse": rel_err(lse, ref_lse), "dq": rel_err(dq, rq),
+            "dk": rel_err(dk, rk), "dv": rel_err(dv, rv)}
+    for name, g in (("dq", dq), ("dk", dk), ("dv", dv)):
+        assert g.dtype == q.dtype and not torch.isnan(g).any(), name
+    bad = {n: e for n, e in errs.items() if not e <= tol}
+    assert not bad, f"relative errors above {tol}: {bad}"
+    return errs
+
+
+@pytest.mark.parametrize("causal,c", LAYOUTS + [(True, 0), (False, 0)])
+@pytest.mark.parametrize("hm_kind", ["one", "kv", "q"])
+def test_forward_backward_random_columns(causal, c, hm_kind):
+    """GQA (Hq=4, Hk=2), Sq != Sk, lengths that are not block multiples, every Hm choice."""
+    b, sq, sk, hq, hk, d = 2, 100, 70, 4, 2, 32
+    if c == 0 and hm_kind != "one":
+        pytest.skip("no mask: Hm does not apply")
+    hm = {"one": 1, "kv": hk, "q": hq}[hm_kind]
+    cols = None if c == 0 else random_columns(b, hm, sq, sk, causal, c, seed=31 * c + hm).to(DEVICE)
+    q, k, v = _qkv(b, sq, sk, hq, hk, d, torch.float32, seed=c + 10 * hm)
+    _check(q, k, v, cols, causal)
+
+
+@pytest.mark.parametrize("name", ["causal_document", "global_sliding_window", "shared_question",
+                                  "prefix_lm", "random_eviction"])
+def test_named_masks_fp16(name):
+    mask = named_masks(64, batch_size=1)[name]
+    q, k, v = _qkv(1, 64, 64, 2, 1, 64, torch.float16, seed=len(name))
+    _check(q, k, v, mask.startend_row_indices.to(DEVICE), mask.causal)
+
+
+@pytest.mark.parametrize("sq,sk", [(17, 64), (64, 17)])
+def test_short_and_unequal_lengths_without_dlse(sq, sk):
+    cols = random_columns(1, 1, sq, sk, True, 1, seed=sq).to(DEVICE)
+    q, k, v = _qkv(1, sq, sk, 2, 2, 16, torch.float32, seed=sk)
+    _check(q, k, v, cols, True, scale=0.2, with_dlse=False)
+
+
+def test_tma_descriptor_path(monkeypatch):
+    """The tensor-descriptor (TMA) loads give the same results (interpreter emulates them);
+    B=2 makes loads cross the batch boundary, which the masks must neutralise."""
+    monkeypatch.setenv("FLASHMASK3_TRITON_TMA", "1")
+    mask = M.causal_document_mask([30, 41, 29], batch_size=2)
+    q, k, v = _qkv(2, 100, 100, 2, 1, 32, torch.float32, seed=3)
+    _check(q, k, v, mask.startend_row_indices.to(DEVICE), True)
+
+
+def test_other_tile_shapes(monkeypatch):
+    """Block shapes differ between passes (BLOCK_M != BLOCK_N, several per pass)."""
+    monkeypatch.setitem(T.CONFIG_OVERRIDE, "fwd", T.Config(16, 32, 4, 1))
+    monkeypatch.setitem(T.CONFIG_OVERRIDE, "dkdv", T.Config(32, 16, 4, 1))
+    monkeypatch.setitem(T.CONFIG_OVERRIDE, "dq", T.Config(16, 64, 4, 1))
+    cols = random_columns(1, 2, 90, 90, False, 4, seed=5).to(DEVICE)
+    q, k, v = _qkv(1, 90, 90, 2, 2, 16, torch.float32, seed=6)
+    _check(q, k, v, cols, False)
+
+
+def test_fully_masked_everything():
+    """Every row masked: zeros, -inf LSE, zero gradients, no NaN."""
+    cols = torch.zeros(1, 1, 40, 1, dtype=torch.int32, device=DEVICE)  # LTS=0: all masked
+    q, k, v = _qkv(1, 40, 40, 2, 1, 16, torch.float32, seed=8)
+    out, lse = T.forward(q, k, v, cols, True, 0.25)
+    assert torch.equal(out, torch.zeros_like(out)) and bool(torch.isneginf(lse).all())
+    dq, dk, dv = T.backward(torch.randn_like(out), None, q, k, v, out, lse, cols, True, 0.25)
+    for g in (dq, dk, dv):
+        assert torch.equal(g, torch.zeros_like(g))
+
+
+# ---------------------------------------------------------------------------------------------
+# GPU: bf16/fp16 at realistic sizes (skipped without CUDA)
+# ---------------------------------------------------------------------------------------------
+
+
+def _gpu_masks(s):
+    docs = M.random_document_lengths(s, max(64, s // 8), seed=s)
+    return {
+        "causal": (None, True),
+        "full": (None, False),
+        "causal_document": (M.causal_document_mask(docs), None),
+        "document": (M.document_mask(docs), None),
+        "sliding_window": (M.sliding_window_mask(s, s // 8), None),
+        "global_sliding_window": (M.global_sliding_window_mask(s, 64, s // 16), None),
+        "causal_blockwise": (M.causal_blockwise_mask([s // 4, s // 4, s // 2]), None),
+        "prefix_lm": (M.prefix_lm_mask(s, s // 3), None),
+    }
+
+
+#: (dtype, head dim, mask): every mask at bf16/D=128; the other dims and fp16 on a subset
+#: (each (D, layout, dtype) is a separate compile of three kernels).
+GPU_CASES = ([(torch.bfloat16, 128, n) for n in _gpu_masks(256)]
+             + [(torch.bfloat16, 64, n) for n in ("causal_document", "global_sliding_window", "full")]
+             + [(torch.bfloat16, 256, n) for n in ("causal_document", "document", "causal")]
+             + [(torch.float16, 128, "causal_document"), (torch.float16, 128, "sliding_window"),
+                (torch.float16, 64, "document")])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype,d,name", GPU_CASES)
+def test_gpu_against_float64_reference(dtype, d, name):
+    """S=1500 (not a block multiple), GQA 4:2 -> float64 dense reference on the GPU."""
+    s = 1500
+    mask, causal = _gpu_masks(s)[name]
+    cols = None if mask is None else mask.startend_row_indices.cuda()
+    causal = mask.causal if mask is not None else causal
+    q, k, v = _qkv(2 if cols is None else 1, s, s, 4, 2, d, dtype, seed=d)
+    _check(q, k, v, cols, causal)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name,s", [("causal_document", 32768), ("global_sliding_window", 32768),
+                                    ("causal", 16384)])
+def test_gpu_long_sequences_against_sdpa(name, s):
+    """32K bf16 against fp32 SDPA (memory-efficient backend) with the dense boolean mask."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    mask, causal = _gpu_masks(s)[name]
+    cols = None if mask is None else mask.startend_row_indices.cuda()
+    causal = mask.causal if mask is not None else causal
+    q, k, v = _qkv(1, s, s, 2, 2, 128, torch.bfloat16, seed=1)
+    scale = 1 / math.sqrt(128)
+    out, lse = T.forward(q, k, v, cols, causal, scale)
+    dout = torch.randn_like(out)
+    dq, dk, dv = T.backward(dout, None, q, k, v, out, lse, cols, causal, scale)
+    allowed = M.to_dense(None if cols is None else cols.cpu(), causal, s, s).cuda()
+    live = allowed.any(-1).view(1, 1, s, 1)
+    qf, kf, vf = (x.float().transpose(1, 2).requires_grad_() for x in (q, k, v))
+    with sdpa_kernel(SDPBackend.EFFICIENT_ATTENTION):
+        ref = torch.nn.functional.scaled_dot_product_attention(qf, kf, vf, attn_mask=allowed, scale=scale)
+    ref = torch.where(live, ref, 0.0)
+    ref.backward(dout.float().transpose(1, 2))
+    assert rel_err(out.transpose(1, 2), ref) < 2e-2
+    for g, rg in ((dq, qf.grad), (dk, kf.grad), (dv, vf.grad)):
+        assert not torch.isnan(g).any()
+        assert rel_err(g.transpose(1, 2), rg) < 3e-2
