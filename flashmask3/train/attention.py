@@ -220,8 +220,11 @@ class _BackwardEnd(torch.autograd.Function):
         return None, dq, dk, dv
 
 
-def attention_available(backend: str, device: torch.device) -> Optional[str]:
-    """None if ``backend`` can run on ``device``, else the reason it cannot."""
+def attention_available(backend: str, device: torch.device, training: bool = True
+                        ) -> Optional[str]:
+    """None if ``backend`` can run on ``device`` (with a backward when ``training``), else why not."""
     if backend == "flex" and not flex_available():
         return "torch.nn.attention.flex_attention is not available in this torch"
+    if backend == "flex" and training and device.type != "cuda":
+        return "FlexAttention has no backward on CPU (it is the GPU baseline); use a GPU"
     return None

@@ -44,6 +44,8 @@ class TrainConfig:
         "help": "prefix_document: fraction of each document that is a bidirectional prefix"})
     num_answers: int = field(default=2, metadata={
         "help": "shared_question: answers per document (the first half is the question)"})
+    max_doc_len: int = field(default=0, metadata={
+        "help": "cut longer documents into pieces of at most this many tokens (0: no limit)"})
     seed: int = field(default=0, metadata={"help": "seed for init and document order"})
 
     # -- model --------------------------------------------------------------------------------
@@ -122,7 +124,7 @@ class TrainConfig:
         for name in positive:
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
-        non_negative = ("ffn_dim", "moe_experts", "moe_ffn_dim", "cp", "chunk_size",
+        non_negative = ("max_doc_len", "ffn_dim", "moe_experts", "moe_ffn_dim", "cp", "chunk_size",
                         "warmup_steps", "checkpoint_every", "stop_at", "warmup_exclude",
                         "grad_clip", "weight_decay", "moe_aux_coef", "min_lr_ratio")
         for name in non_negative:
@@ -178,16 +180,17 @@ def _field_type(f: dataclasses.Field) -> type:
 
 PRESETS: dict[str, dict[str, Any]] = {
     # The README demo: ~0.8M params, 2 CPU ranks, a few minutes on 2 cores, loss clearly falling.
-    "demo": dict(seq_len=1024, batch_size=1, dim=128, n_layers=4, n_heads=4, n_kv_heads=2,
-                 ffn_dim=384, steps=300, lr=4e-3, warmup_steps=15, cp=0, checkpoint_every=100,
-                 log_every=25, out_dir="runs/demo"),
+    # Long files are cut into 256-byte documents so every sequence packs several of them.
+    "demo": dict(seq_len=1024, batch_size=1, max_doc_len=256, dim=128, n_layers=4, n_heads=4,
+                 n_kv_heads=2, ffn_dim=384, steps=300, lr=3e-3, warmup_steps=15, cp=0,
+                 checkpoint_every=100, log_every=25, out_dir="runs/demo"),
     # Unit tests: seconds on one core.
     "tiny": dict(seq_len=128, batch_size=2, dim=32, n_layers=2, n_heads=4, n_kv_heads=2,
                  ffn_dim=64, steps=6, lr=3e-3, warmup_steps=2, checkpoint_every=0, log_every=1,
                  warmup_exclude=1, progress=False, plot=False, out_dir="runs/tiny"),
     # A small MoE variant of the demo.
-    "demo-moe": dict(seq_len=1024, batch_size=1, dim=128, n_layers=4, n_heads=4, n_kv_heads=2,
-                     ffn_dim=192, moe_experts=4, moe_top_k=2, steps=300, lr=4e-3,
+    "demo-moe": dict(seq_len=1024, batch_size=1, max_doc_len=256, dim=128, n_layers=4, n_heads=4, n_kv_heads=2,
+                     ffn_dim=192, moe_experts=4, moe_top_k=2, steps=300, lr=3e-3,
                      warmup_steps=15, cp=0, checkpoint_every=100, log_every=25,
                      out_dir="runs/demo-moe"),
     # ~0.6B parameters for one H200 (benchmarks/train.py uses the same shape).

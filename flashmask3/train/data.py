@@ -32,6 +32,8 @@ import torch
 from flashmask3 import masks as fm_masks
 
 IGNORE_INDEX = -100
+MASK_TOKEN = 0          # NUL: never in text documents (binary files are skipped)
+MLM_FRACTION = 0.15     # bidirectional documents: share of tokens hidden and predicted
 DEFAULT_DOC_DIRS = ("/usr/share/doc",)
 _TEXT_SUFFIXES = {"", ".txt", ".md", ".rst", ".py", ".c", ".h", ".html", ".sh", ".pl", ".gz",
                   ".json", ".toml", ".cfg", ".ini", ".yaml", ".yml", ".css", ".js", ".tex"}
@@ -51,6 +53,10 @@ class Corpus:
 
     def fingerprint(self) -> str:
         """A short hash that identifies the corpus (checked on resume)."""
+        raise NotImplementedError
+
+    def size(self, index: int) -> int:
+        """Expected byte length of document ``index`` without reading it (0 if unknown)."""
         raise NotImplementedError
 
 
@@ -77,6 +83,17 @@ class FileCorpus(Corpus):
         if not raw or b"\x00" in raw[:4096]:
             return None
         return raw[:_MAX_FILE_BYTES]
+
+    def size(self, index: int) -> int:
+        path = self.paths[index]
+        try:
+            if path.suffix == ".gz":  # the gzip trailer holds the uncompressed size mod 2**32
+                with open(path, "rb") as fh:
+                    fh.seek(-4, os.SEEK_END)
+                    return min(int.from_bytes(fh.read(4), "little"), _MAX_FILE_BYTES)
+            return min(path.stat().st_size, _MAX_FILE_BYTES)
+        except OSError:
+            return 0
 
     def fingerprint(self) -> str:
         h = hashlib.sha256()
@@ -107,6 +124,9 @@ class JsonlCorpus(Corpus):
 
     def get(self, index: int) -> Optional[bytes]:
         return self.docs[index] or None
+
+    def size(self, index: int) -> int:
+        return len(self.docs[index])
 
     def fingerprint(self) -> str:
         return self._fingerprint
@@ -196,14 +216,20 @@ class PackedBatch:
 class DocumentPacker:
     """Packs shuffled corpus documents into ``batch_size`` x ``seq_len`` batches.
 
-    Documents are visited in a per-epoch permutation of ``np.random.default_rng((seed, epoch))``.
+    The packer walks *units* in a per-epoch permutation of ``np.random.default_rng((seed,
+    epoch))``: whole documents, or with ``max_doc_len`` the consecutive ``max_doc_len``-byte
+    pieces of every document (each then a document of its own, shuffled independently, so a
+    batch mixes many files). A unit that does not fit in the rest of a sequence is split there.
     ``state_dict()`` / ``load_state_dict()`` capture the exact data position.
     """
 
     def __init__(self, corpus: Corpus, seq_len: int, batch_size: int = 1, *, seed: int = 0,
-                 mask: str = "causal_document", prefix_frac: float = 0.5, num_answers: int = 2):
+                 mask: str = "causal_document", prefix_frac: float = 0.5, num_answers: int = 2,
+                 max_doc_len: int = 0):
         if not isinstance(corpus, Corpus):
             raise TypeError(f"corpus must be a Corpus, got {type(corpus).__name__}")
+        if not isinstance(max_doc_len, int) or max_doc_len < 0:
+            raise ValueError(f"max_doc_len must be an int >= 0, got {max_doc_len!r}")
         for name, value in (("seq_len", seq_len), ("batch_size", batch_size),
                             ("num_answers", num_answers)):
             if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
@@ -212,37 +238,58 @@ class DocumentPacker:
             raise ValueError(f"mask must be one of {sorted(MASK_BUILDERS)}, got {mask!r}")
         self.corpus, self.seq_len, self.batch_size, self.seed = corpus, seq_len, batch_size, seed
         self.mask_kind, self.prefix_frac, self.num_answers = mask, prefix_frac, num_answers
+        self.max_doc_len = max_doc_len
+        self._units = self._make_units() if max_doc_len else None
         self.epoch, self.cursor, self.offset = 0, 0, 0
         self._order = self._permutation(0)
 
     # -- state --------------------------------------------------------------------------------
     def state_dict(self) -> dict:
         return {"epoch": self.epoch, "cursor": self.cursor, "offset": self.offset,
-                "seed": self.seed, "corpus": self.corpus.fingerprint()}
+                "seed": self.seed, "corpus": self.corpus.fingerprint(),
+                "max_doc_len": self.max_doc_len}
 
     def load_state_dict(self, state: dict) -> None:
         """Restore a data position; the corpus and seed must be the ones it was saved with."""
         for key in ("epoch", "cursor", "offset", "seed", "corpus"):
             if key not in state:
                 raise ValueError(f"data state is missing {key!r}")
-        if state["corpus"] != self.corpus.fingerprint() or state["seed"] != self.seed:
-            raise ValueError("data state was saved for a different corpus or seed; "
-                             "resume with the same --data and --seed")
+        if (state["corpus"] != self.corpus.fingerprint() or state["seed"] != self.seed
+                or state.get("max_doc_len", 0) != self.max_doc_len):
+            raise ValueError("data state was saved for a different corpus, seed or max_doc_len; "
+                             "resume with the same --data, --seed and --max-doc-len")
         self.epoch, self.cursor, self.offset = state["epoch"], state["cursor"], state["offset"]
         self._order = self._permutation(self.epoch)
 
+    def _make_units(self) -> np.ndarray:
+        """``[n_units, 2]`` (document, byte start) for documents cut at ``max_doc_len``."""
+        step = self.max_doc_len
+        units = [(d, start) for d in range(len(self.corpus))
+                 for start in range(0, max(1, self.corpus.size(d)), step)]
+        return np.asarray(units, dtype=np.int64).reshape(-1, 2)
+
+    def _num_units(self) -> int:
+        return len(self.corpus) if self._units is None else len(self._units)
+
+    def _unit(self, u: int) -> Optional[bytes]:
+        if self._units is None:
+            return self.corpus.get(u)
+        doc, start = self._units[u]
+        data = self.corpus.get(int(doc))
+        return data[start:start + self.max_doc_len] or None if data is not None else None
+
     def _permutation(self, epoch: int) -> np.ndarray:
-        return np.random.default_rng((self.seed, epoch)).permutation(len(self.corpus))
+        return np.random.default_rng((self.seed, epoch)).permutation(self._num_units())
 
     # -- packing ------------------------------------------------------------------------------
     def _next_piece(self, room: int) -> bytes:
-        """Up to ``room`` bytes of the current document; advances the position."""
+        """Up to ``room`` bytes of the current unit; advances the position."""
         skipped = 0
         while True:
             if self.cursor >= len(self._order):
                 self.epoch, self.cursor, self.offset = self.epoch + 1, 0, 0
                 self._order = self._permutation(self.epoch)
-            doc = self.corpus.get(int(self._order[self.cursor]))
+            doc = self._unit(int(self._order[self.cursor]))
             if doc is not None and self.offset < len(doc):
                 piece = doc[self.offset:self.offset + room]
                 self.offset += len(piece)
@@ -251,7 +298,7 @@ class DocumentPacker:
                 return piece
             self.cursor, self.offset = self.cursor + 1, 0
             skipped += 1
-            if skipped > 2 * len(self.corpus):
+            if skipped > 2 * self._num_units():
                 raise ValueError("corpus has no readable (non-empty, non-binary) documents")
 
     def next_row(self) -> tuple[bytes, list[int]]:
@@ -265,9 +312,11 @@ class DocumentPacker:
         return b"".join(parts), lens
 
     def next_batch(self) -> PackedBatch:
+        # the masked-token choice (bidirectional documents) is a function of the data position
+        rng = np.random.default_rng((self.seed, self.epoch, self.cursor, self.offset, 1))
         rows = [self.next_row() for _ in range(self.batch_size)]
         return build_batch([r[0] for r in rows], [r[1] for r in rows], self.mask_kind,
-                           prefix_frac=self.prefix_frac, num_answers=self.num_answers)
+                           prefix_frac=self.prefix_frac, num_answers=self.num_answers, rng=rng)
 
     def __iter__(self):
         while True:
@@ -363,8 +412,14 @@ MASK_BUILDERS = {
 
 
 def build_batch(rows: list[bytes], doc_lens: list[list[int]], kind: str, *,
-                prefix_frac: float = 0.5, num_answers: int = 2) -> PackedBatch:
-    """Tensors + mask for packed rows of bytes with the given document pieces."""
+                prefix_frac: float = 0.5, num_answers: int = 2,
+                rng: Optional[np.random.Generator] = None) -> PackedBatch:
+    """Tensors + mask for packed rows of bytes with the given document pieces.
+
+    Causal kinds get next-token targets inside each segment. Bidirectional documents would see
+    their next token, so they get a masked-token objective instead: ``MLM_FRACTION`` of the
+    tokens (chosen by ``rng``) are replaced by ``MASK_TOKEN`` in the input and are the targets.
+    """
     seq_len = len(rows[0])
     if any(len(r) != seq_len or sum(d) != seq_len for r, d in zip(rows, doc_lens)):
         raise ValueError("every row must have seq_len bytes and doc_lens summing to seq_len")
@@ -376,8 +431,14 @@ def build_batch(rows: list[bytes], doc_lens: list[list[int]], kind: str, *,
         lab[:-1][keep[:-1]] = tokens[r, 1:].numpy()[keep[:-1]]
         positions.append(pos)
         labels.append(lab)
+    labels = np.stack(labels)
+    if kind == "document":
+        rng = rng if rng is not None else np.random.default_rng(0)
+        hidden = rng.random(tokens.shape) < MLM_FRACTION
+        labels = np.where(hidden, tokens.numpy(), IGNORE_INDEX)
+        tokens = tokens.masked_fill(torch.from_numpy(hidden), MASK_TOKEN)
     mask = build_mask(doc_lens, kind, prefix_frac=prefix_frac, num_answers=num_answers)
-    return PackedBatch(tokens, torch.from_numpy(np.stack(labels)),
+    return PackedBatch(tokens, torch.from_numpy(labels),
                        torch.from_numpy(np.stack(positions)), [list(d) for d in doc_lens], mask)
 
 
@@ -395,4 +456,5 @@ def make_packer(cfg) -> DocumentPacker:
     """The packer a TrainConfig describes."""
     corpus = open_corpus(cfg.data, cfg.text_key)
     return DocumentPacker(corpus, cfg.seq_len, cfg.batch_size, seed=cfg.seed, mask=cfg.mask,
-                          prefix_frac=cfg.prefix_frac, num_answers=cfg.num_answers)
+                          prefix_frac=cfg.prefix_frac, num_answers=cfg.num_answers,
+                          max_doc_len=cfg.max_doc_len)

@@ -56,9 +56,9 @@ def train(cfg: TrainConfig) -> Optional[dict]:
     reason = attention_available(cfg.attention, device)
     if reason:
         raise ValueError(f"attention={cfg.attention!r} cannot run: {reason}")
-    make_packer(cfg)  # fail here, not in N spawned ranks, on bad data
+    packer = make_packer(cfg)  # fail here, not in N spawned ranks, on bad data or checkpoints
     if cfg.resume and (path := latest_checkpoint(cfg.out_dir)) is not None:
-        load_checkpoint(path, cfg.to_dict())
+        packer.load_state_dict(load_checkpoint(path, cfg.to_dict())["data"])
     return launch(run_rank, cp, device, cfg)
 
 
