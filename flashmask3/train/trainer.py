@@ -318,7 +318,7 @@ def _write_outputs(cfg, history, summary) -> None:
         fh.write("step,loss,lr,grad_norm,step_time,attention_time,sparsity\n")
         for row in zip(*(history[k] for k in ("step", "loss", "lr", "grad_norm", "step_time",
                                               "attention_time", "sparsity"))):
-            fh.write(",".join(f"{v:.6g}" if isinstance(v, float) else str(v) for v in row) + "\n")
+            fh.write(",".join(repr(v) for v in row) + "\n")  # full precision
     if cfg.plot and history["step"]:
         from .plotting import plot_loss
         summary["loss_png"] = str(plot_loss(history, out_dir / "loss.png", summary))

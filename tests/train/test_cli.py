@@ -1,0 +1,64 @@
+"""The command line and the configuration: flags, presets, outputs, clear errors."""
+
+import json
+
+import pytest
+
+from flashmask3.train.cli import main
+from flashmask3.train.config import PRESETS, TrainConfig, from_preset
+
+
+def test_train_command_writes_summary_curve_and_checkpoints(tmp_path, jsonl_corpus, capsys):
+    out = tmp_path / "run"
+    rc = main(["train", "--preset", "tiny", "--data", jsonl_corpus, "--out-dir", str(out),
+               "--steps", "5", "--checkpoint-every", "5", "--plot", "--mask", "prefix_document"])
+    assert rc == 0
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["final_step"] == 5 and summary["mask"] == "prefix_document"
+    assert summary["tokens_per_s"] > 0 and summary["model_tflops"] > 0
+    assert 0 < summary["attention_share"] < 1
+    assert 0 < summary["mask_sparsity"] < 1
+    assert (out / "loss.png").stat().st_size > 1000
+    assert (out / "checkpoints" / "step_00000005.pt").is_file()
+    text = capsys.readouterr().out
+    assert "training summary" in text and "tokens/s" in text and "TFLOP/s" in text
+    assert "% of (query, key) pairs skipped" in text
+
+
+def test_data_command_reports_sparsity(jsonl_corpus, capsys):
+    assert main(["data", "--data", jsonl_corpus, "--seq-len", "128", "--batches", "3"]) == 0
+    assert "mask sparsity" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["train", "--preset", "tiny", "--dim", "30"], "dim (30) must be divisible by n_heads"),
+    (["train", "--preset", "tiny", "--steps", "0"], "steps must be > 0"),
+    (["train", "--preset", "tiny", "--data", "/no/such/dir"], "does not exist"),
+    (["train", "--preset", "tiny", "--attention", "flex", "--device", "cpu"],
+     "FlexAttention has no backward on CPU"),
+    (["train", "--preset", "tiny", "--moe-experts", "2", "--moe-top-k", "3"], "moe_top_k"),
+])
+def test_bad_settings_exit_with_a_clear_message(argv, message, capsys, tmp_path):
+    assert main(argv + ["--out-dir", str(tmp_path / "x")]) == 2
+    assert message in capsys.readouterr().err
+
+
+def test_unknown_choices_are_rejected_by_argparse(capsys):
+    with pytest.raises(SystemExit):
+        main(["train", "--balance", "zigzag"])
+    assert "invalid choice" in capsys.readouterr().err
+
+
+def test_config_validation_names_the_field():
+    with pytest.raises(TypeError, match="seq_len must be int"):
+        TrainConfig(seq_len="1024")
+    with pytest.raises(ValueError, match="mask must be one of"):
+        TrainConfig(mask="diagonal")
+    with pytest.raises(ValueError, match="n_heads .* divisible by n_kv_heads"):
+        TrainConfig(n_heads=4, n_kv_heads=3)
+    with pytest.raises(ValueError, match="preset must be one of"):
+        from_preset("huge")
+    with pytest.raises(ValueError, match="unknown config field"):
+        from_preset("tiny", layers=3)
+    assert all(isinstance(from_preset(name), TrainConfig) for name in PRESETS)
+    assert from_preset("demo").cp == 0  # the demo picks its ranks (2 CPU / all GPUs)
