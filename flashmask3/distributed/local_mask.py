@@ -38,19 +38,20 @@ def rank_local_columns(startend_row_indices: Optional[torch.Tensor], causal: boo
     ``rows``: sorted global query rows of the rank; ``keys``: global key positions of the local
     key axis, in local order. See the module table for the layouts.
     """
-    rows = rows.to(torch.int64)
-    keys = keys.to(torch.int64)
+    device = startend_row_indices.device if startend_row_indices is not None else rows.device
+    rows = rows.to(device=device, dtype=torch.int64)
+    keys = keys.to(device=device, dtype=torch.int64)
     n_rows, n_keys = rows.numel(), keys.numel()
     diag = count_below(rows, keys)  # map(j): rows strictly before key j
     if startend_row_indices is None:
-        lts = torch.full((n_keys,), n_rows, dtype=torch.int64)
-        ute = diag if causal else torch.zeros(n_keys, dtype=torch.int64)
+        lts = torch.full((n_keys,), n_rows, dtype=torch.int64, device=device)
+        ute = diag if causal else torch.zeros(n_keys, dtype=torch.int64, device=device)
         return torch.stack([lts, ute], -1).view(1, 1, n_keys, 2).to(torch.int32)
-    cols = startend_row_indices.index_select(2, keys.to(startend_row_indices.device)).to(torch.int64)
-    mapped = count_below(rows.to(cols.device), cols)
+    cols = startend_row_indices.index_select(2, keys).to(torch.int64)
+    mapped = count_below(rows, cols)
     if not causal:
         return mapped.to(torch.int32)
-    diag = diag.to(cols.device).view(1, 1, n_keys).expand(cols.shape[:3])
+    diag = diag.view(1, 1, n_keys).expand(cols.shape[:3])
     if cols.shape[-1] == 1:
         out = torch.stack([mapped[..., 0], diag], -1)
     else:

@@ -99,7 +99,8 @@ def _mask_args(startend_row_indices, causal, seqlen):
         raise ValueError(f"seqlen={seqlen} does not match the mask's {s} columns")
     validate_startend_row_indices(startend_row_indices, causal=causal,
                                   batch_size=startend_row_indices.shape[0], seqlen_q=s, seqlen_k=s)
-    return startend_row_indices.detach().to("cpu").contiguous(), causal, s
+    # Kept on its device: tile classification and local masks run there (GPU when training).
+    return startend_row_indices.detach().contiguous(), causal, s
 
 
 def _default_chunk_size(seqlen: int, cp_size: int, balance: str, tile: int) -> int:
@@ -148,7 +149,7 @@ def chunk_liveness(startend_row_indices: Optional[torch.Tensor], causal: bool, s
     alive = (cls != SKIP).flatten(0, 1)  # [B*Hm, nq, nk]
     work = alive.sum(dim=(0, 2), dtype=torch.int64).view(n, per).sum(1)
     live = alive.any(0).view(n, per, n, per).any(3).any(1)
-    return work.numpy(), live.numpy()
+    return work.cpu().numpy(), live.cpu().numpy()
 
 
 # -- ownership strategies -------------------------------------------------------------------------
