@@ -748,6 +748,18 @@ def _dot_precision(dtype: torch.dtype) -> str:
     return "ieee" if dtype == torch.float32 else "tf32"
 
 
+def unsupported_reason(q: torch.Tensor) -> Optional[str]:
+    """Why these inputs cannot run on the Triton kernels (None when they can); api.py falls
+    back to the torch path on ``auto``."""
+    if q.dtype not in (torch.float16, torch.bfloat16, torch.float32):
+        return f"dtype {q.dtype} (the Triton kernels take float16, bfloat16 and float32)"
+    if q.shape[-1] not in (16, 32, 64, 128, 256):
+        return f"head dim {q.shape[-1]} (the Triton kernels take 16, 32, 64, 128 or 256)"
+    if not q.is_cuda and not _interpreting():
+        return f"tensors on {q.device} (CUDA, or TRITON_INTERPRET=1 for CPU tensors)"
+    return None
+
+
 def _check_head_dim(d: int) -> None:
     if d not in (16, 32, 64, 128, 256):
         raise ValueError(f"the Triton FlashMask kernel supports head dims 16..256 powers of two, got {d}")

@@ -255,7 +255,7 @@ def test_gpu_long_sequences_against_sdpa(name, s):
     out, lse = T.forward(q, k, v, cols, causal, scale)
     dout = torch.randn_like(out)
     dq, dk, dv = T.backward(dout, None, q, k, v, out, lse, cols, causal, scale)
-    allowed = M.to_dense(None if cols is None else cols.cpu(), causal, s, s).cuda()
+    allowed = M.to_dense(cols, causal, s, s).cuda()
     live = allowed.any(-1).view(1, 1, s, 1)
     qf, kf, vf = (x.float().transpose(1, 2).requires_grad_() for x in (q, k, v))
     with sdpa_kernel(SDPBackend.EFFICIENT_ATTENTION):

@@ -1,0 +1,634 @@
+"""Kernel benchmark: flashmask3 (Triton) against FlexAttention, SDPA and varlen on one GPU.
+
+One process, one set of inputs per case, every implementation timed back to back:
+
+* ``flashmask3``   -- ``flashmask3.flashmask_attention`` with ``FLASHMASK3_BACKEND=triton``;
+* ``flex``         -- ``torch.compile(flex_attention)`` (Triton backend), block mask built once
+                      by ``create_block_mask(_compile=True)``; its build time is reported apart.
+                      One generic ``mask_mod`` reads the same column intervals as FlashMask
+                      (the closure tensors are graph inputs, so one compile serves every mask);
+* ``sdpa_cudnn`` / ``sdpa_flash`` -- SDPA backends, only where the mask is plain causal/full;
+* ``varlen``       -- ``torch.nn.attention.varlen.varlen_attn`` for (causal) document masks;
+* ``sdpa_dense``   -- SDPA with a dense boolean mask, where memory and time allow (S = 8K, D=128).
+
+Grid: mask type x S in {8K, 32K, 128K} (batch = 128K / S) x D in {64, 128, 256} (Hq = 4096 / D,
+Hk = Hq) plus GQA 32:8 at D=128. Effective TFLOP/s use ``flashmask3.masks.attention_flops``
+(DESIGN.md §2 convention). Results go to ``--out`` as JSON (written after every case), and
+``--report`` turns one or more JSON files into the markdown table and the PNG plot.
+
+    python benchmarks/kernel.py --dims 128 --out $OUT            # on the GPU
+    python benchmarks/kernel.py --report benchmarks/results/kernel_*.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import gc
+import json
+import math
+import os
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+os.environ.setdefault("FLASHMASK3_BACKEND", "triton")
+
+import flashmask3  # noqa: E402
+import flashmask3.masks as M  # noqa: E402
+
+TOTAL_TOKENS = 131072
+HIDDEN = 4096
+DOC_TYPES = ("causal_document", "document", "prefix_document")
+
+
+# ---------------------------------------------------------------------------------------------
+# Masks
+# ---------------------------------------------------------------------------------------------
+
+
+def _spread(s: int, batch: int, kind: str) -> list[list[int]]:
+    """Document lengths per batch row from benchmarks/corpus.py (a different seed per row)."""
+    from benchmarks.corpus import document_spreads
+
+    return [document_spreads(s, seed=b)[kind] for b in range(batch)]
+
+
+def _shared_question(s: int) -> list:
+    samples, used = [], 0
+    while used + 4096 <= s:
+        samples.append((2048, [1024, 1024]))
+        used += 4096
+    return samples
+
+
+def build_mask(name: str, s: int, batch: int):
+    """(FlashMask or None, causal, number of documents per row (mean) or None)."""
+    if name == "full":
+        return None, False, None
+    if name == "causal":
+        return None, True, None
+    if name == "sliding_window":
+        return M.sliding_window_mask(s, 4096, batch_size=batch), True, None
+    if name == "global_sliding_window":
+        return M.global_sliding_window_mask(s, 256, 2048, batch_size=batch), False, None
+    if name == "causal_blockwise":
+        blocks = [1024] * ((s - 4096) // 1024) + [4096]
+        return M.causal_blockwise_mask(blocks, batch_size=batch), True, None
+    if name == "prefix_lm":
+        return M.prefix_lm_mask(s, s // 2, batch_size=batch), False, None
+    if name == "shared_question":
+        return M.shared_question_mask(_shared_question(s), seqlen=s, batch_size=batch), True, None
+    if name == "random_eviction":
+        return M.random_eviction_mask(s, batch_size=batch, num_heads=1, seed=s), True, None
+    for base in DOC_TYPES:
+        if name.startswith(base + "_"):
+            rows = _spread(s, batch, name[len(base) + 1:])
+            ndocs = sum(len(r) for r in rows) / len(rows)
+            if base == "causal_document":
+                return M.causal_document_mask(rows), True, ndocs
+            if base == "document":
+                return M.document_mask(rows), False, ndocs
+            return M.prefix_document_mask(rows, [[n // 2 for n in r] for r in rows]), False, ndocs
+    raise ValueError(f"unknown mask {name}")
+
+
+MASKS = ["causal", "full", "causal_document_corpus", "causal_document_short", "causal_document_mixed",
+         "causal_document_long", "document_corpus", "document_short", "prefix_document_corpus",
+         "shared_question", "sliding_window", "global_sliding_window", "causal_blockwise", "prefix_lm",
+         "random_eviction"]
+
+
+def _doc_bounds_rows(mask) -> list[list[int]]:
+    """cu_seqlens of the documents of a (causal) document mask, from LTS (the doc ends)."""
+    ends = mask.startend_row_indices[:, 0, :, 0].cpu()
+    out = []
+    for row in ends:
+        e = torch.unique_consecutive(row).tolist()
+        out.append(e)
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# Timing
+# ---------------------------------------------------------------------------------------------
+
+
+def _sync():
+    torch.cuda.synchronize()
+
+
+def bench(fn, grad_to_none=None) -> tuple[float, str]:
+    """Median milliseconds of ``fn``: do_bench (median) for short calls; for calls over 40 ms
+    one warm-up and the median of 3 CUDA-event-timed calls (do_bench's 5-call estimate alone
+    would cost seconds per measurement at 128K)."""
+    from triton.testing import do_bench
+
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    if grad_to_none:
+        for t in grad_to_none:
+            t.grad = None
+    start.record()
+    fn()
+    end.record()
+    _sync()
+    first = start.elapsed_time(end)
+    if first < 40:
+        return do_bench(fn, warmup=25, rep=100, grad_to_none=grad_to_none, return_mode="median"), "do_bench"
+    times = []
+    for _ in range(3):
+        if grad_to_none:
+            for t in grad_to_none:
+                t.grad = None
+        start.record()
+        fn()
+        end.record()
+        _sync()
+        times.append(start.elapsed_time(end))
+    return sorted(times)[1], "events-median-3"
+
+
+def measure(fwd, leaves, dout) -> dict:
+    """fwd, bwd and fwd+bwd medians (ms) and peak extra memory (GB) of one implementation."""
+    res = {}
+    res["fwd_ms"], res["timer"] = bench(fwd)
+    out = fwd()
+    res["bwd_ms"], _ = bench(lambda: out.backward(dout, retain_graph=True), grad_to_none=leaves)
+    del out
+    res["fwd_bwd_ms"], _ = bench(lambda: fwd().backward(dout), grad_to_none=leaves)
+    for t in leaves:
+        t.grad = None
+    gc.collect()
+    _sync()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    fwd().backward(dout)
+    _sync()
+    res["peak_extra_gb"] = (torch.cuda.max_memory_allocated() - base) / 2**30
+    for t in leaves:
+        t.grad = None
+    return res
+
+
+# ---------------------------------------------------------------------------------------------
+# Implementations
+# ---------------------------------------------------------------------------------------------
+
+
+def _flex_intervals(mask, causal: bool, s: int, batch: int, device):
+    """Two masked row intervals [s0, e0), [s1, e1) per (batch, key), for the generic mask_mod."""
+    if mask is None:
+        full = torch.full((batch, s), s, dtype=torch.int32, device=device)
+        return full, full.clone(), full.clone(), full.clone()
+    cols = mask.startend_row_indices[:, 0].to(device)
+    iv = M.masked_row_intervals(cols.to(torch.int64), causal, s)
+    if len(iv) == 1:
+        iv.append((torch.full_like(iv[0][0], s), torch.full_like(iv[0][0], s)))
+    return tuple(x.to(torch.int32).contiguous() for pair in iv for x in pair)
+
+
+def _generic_mask_mod(s0, e0, s1, e1, causal_t):
+    """FlashMask column semantics as a FlexAttention mask_mod (True = attend)."""
+
+    def mask_mod(b, h, q_idx, kv_idx):
+        m0 = (q_idx >= s0[b, kv_idx]) & (q_idx < e0[b, kv_idx])
+        m1 = (q_idx >= s1[b, kv_idx]) & (q_idx < e1[b, kv_idx])
+        return ~(m0 | m1) & ((kv_idx <= q_idx) | (causal_t == 0))
+
+    return mask_mod
+
+
+_FLEX = {}
+
+
+def flex_impl(mask, causal, q, k, v, scale):
+    """(fwd callable, leaves, block-mask build ms) for FlexAttention on [B, H, S, D] copies."""
+    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+    if "fn" not in _FLEX:
+        _FLEX["fn"] = torch.compile(flex_attention, dynamic=False)
+    b, s, hq, d = q.shape
+    hk = k.shape[2]
+    s0, e0, s1, e1 = _flex_intervals(mask, causal, s, b, q.device)
+    causal_t = torch.tensor(int(causal), device=q.device)
+    mm = _generic_mask_mod(s0, e0, s1, e1, causal_t)
+    bm = create_block_mask(mm, b, None, s, s, device=q.device, _compile=True)  # compile warm-up
+    _sync()
+    t0 = time.perf_counter()
+    bm = create_block_mask(mm, b, None, s, s, device=q.device, _compile=True)
+    _sync()
+    build_ms = (time.perf_counter() - t0) * 1e3
+    qt, kt, vt = (x.detach().transpose(1, 2).contiguous().requires_grad_() for x in (q, k, v))
+    fn = _FLEX["fn"]
+
+    def fwd():
+        return fn(qt, kt, vt, block_mask=bm, scale=scale, enable_gqa=hq != hk)
+
+    return fwd, [qt, kt, vt], build_ms
+
+
+def flashmask_impl(mask, causal, q, k, v, scale):
+    qq, kk, vv = (x.detach().clone().requires_grad_() for x in (q, k, v))
+
+    def fwd():
+        return flashmask3.flashmask_attention(qq, kk, vv, mask, causal=causal, softmax_scale=scale)
+
+    return fwd, [qq, kk, vv]
+
+
+def sdpa_impl(backend_name, causal, q, k, v, scale, attn_mask=None):
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    backend = {"cudnn": SDPBackend.CUDNN_ATTENTION, "flash": SDPBackend.FLASH_ATTENTION,
+               "dense": SDPBackend.EFFICIENT_ATTENTION}[backend_name]
+    qt, kt, vt = (x.detach().transpose(1, 2).contiguous().requires_grad_() for x in (q, k, v))
+    gqa = q.shape[2] != k.shape[2]
+
+    def fwd():
+        with sdpa_kernel(backend):
+            return torch.nn.functional.scaled_dot_product_attention(
+                qt, kt, vt, attn_mask=attn_mask, is_causal=causal and attn_mask is None, scale=scale,
+                enable_gqa=gqa)
+
+    return fwd, [qt, kt, vt]
+
+
+def varlen_impl(mask, causal, q, k, v, scale):
+    """varlen_attn over all documents of all batch rows packed into one [T, H, D] sequence."""
+    import inspect
+
+    from torch.nn.attention import varlen as V
+
+    b, s, hq, d = q.shape
+    ends = _doc_bounds_rows(mask)
+    cu = [0]
+    for r, row_ends in enumerate(ends):
+        cu.extend(r * s + e for e in row_ends)
+    lens = [cu[i + 1] - cu[i] for i in range(len(cu) - 1)]
+    cu_t = torch.tensor(cu, dtype=torch.int32, device=q.device)
+    qp, kp, vp = (x.detach().reshape(b * s, x.shape[2], d).clone().requires_grad_() for x in (q, k, v))
+    params = inspect.signature(V.varlen_attn).parameters
+    kw = {"scale": scale}
+    if causal:
+        if "is_causal" in params:
+            kw["is_causal"] = True
+        else:
+            kw["window_size"] = (-1, 0)
+    if "enable_gqa" in params and hq != k.shape[2]:
+        kw["enable_gqa"] = True
+    mx = max(lens)
+
+    def fwd():
+        return V.varlen_attn(qp, kp, vp, cu_t, cu_t, mx, mx, **kw)
+
+    return fwd, [qp, kp, vp]
+
+
+# ---------------------------------------------------------------------------------------------
+# One case
+# ---------------------------------------------------------------------------------------------
+
+
+def flashmask_prep_ms(mask, causal, s, d, dtype) -> float:
+    """Median time of the mask preprocessing of one fwd+bwd (summaries + live ranges, 3 passes)."""
+    from triton.testing import do_bench
+
+    from flashmask3.kernels import triton_flashmask as T
+
+    cols = None if mask is None else mask.startend_row_indices
+    if cols is None:
+        return 0.0
+    return do_bench(lambda: T.preprocess(cols, causal, s, s, d, dtype), warmup=10, rep=50,
+                    return_mode="median")
+
+
+def mask_bytes(mask, causal, s, d, dtype) -> int:
+    """Bytes of the column mask plus every block summary and live-range table."""
+    from flashmask3.kernels import triton_flashmask as T
+
+    if mask is None:
+        return 0
+    plans = T.preprocess(mask.startend_row_indices, causal, s, s, d, dtype)
+    n = mask.startend_row_indices.numel() * 4
+    for p in plans:
+        n += p.summary.numel() * 4 + p.ranges.numel() * 4
+    return n
+
+
+def run_case(name: str, s: int, d: int, hq: int, hk: int, dtype, args) -> dict:
+    batch = TOTAL_TOKENS // s
+    mask, causal, ndocs = build_mask(name, s, batch)
+    if mask is not None:
+        mask = mask.to("cuda")
+    cols = None if mask is None else mask.startend_row_indices
+    flops = {m: M.attention_flops(cols, causal, batch_size=batch, num_heads=hq, seqlen_q=s, seqlen_k=s,
+                                  head_dim=d, mode=m) for m in ("fwd", "bwd", "fwd_bwd")}
+    density = (M.unmasked_pairs(cols, causal, s, s) / (batch * (1 if cols is None else cols.shape[1]) * s * s))
+    g = torch.Generator(device="cuda").manual_seed(s + d)
+    q = torch.randn(batch, s, hq, d, device="cuda", dtype=dtype, generator=g)
+    k = torch.randn(batch, s, hk, d, device="cuda", dtype=dtype, generator=g)
+    v = torch.randn(batch, s, hk, d, device="cuda", dtype=dtype, generator=g)
+    scale = 1 / math.sqrt(d)
+    rec = dict(mask=name, S=s, D=d, B=batch, Hq=hq, Hk=hk, causal=causal, docs_per_row=ndocs,
+               density=density, flops=flops, impls={})
+
+    impls = [("flashmask3", lambda: flashmask_impl(mask, causal, q, k, v, scale) + (None,)),
+             ("flex", lambda: flex_impl(mask, causal, q, k, v, scale))]
+    if mask is None:
+        impls.append(("sdpa_cudnn", lambda: sdpa_impl("cudnn", causal, q, k, v, scale) + (None,)))
+        impls.append(("sdpa_flash", lambda: sdpa_impl("flash", causal, q, k, v, scale) + (None,)))
+    if name.startswith("causal_document") or name.startswith("document_"):
+        impls.append(("varlen", lambda: varlen_impl(mask, causal, q, k, v, scale) + (None,)))
+    if mask is not None and s <= args.dense_max_s and d == 128 and hq == hk:
+        dense = M.to_dense(cols, causal, s, s).to("cuda")
+        impls.append(("sdpa_dense", lambda: sdpa_impl("dense", causal, q, k, v, scale, attn_mask=dense)
+                      + (None,)))
+    for impl_name, make in impls:
+        if impl_name not in args.impls:
+            continue
+        try:
+            fwd, leaves, build_ms = make()
+            out0 = fwd()
+            dout = torch.randn_like(out0)
+            del out0
+            r = measure(fwd, leaves, dout)
+            if build_ms is not None:
+                r["mask_build_ms"] = build_ms
+            for m, key in (("fwd", "fwd_ms"), ("bwd", "bwd_ms"), ("fwd_bwd", "fwd_bwd_ms")):
+                r["tflops_" + m] = flops[m] / (r[key] * 1e-3) / 1e12
+            del fwd, leaves, dout
+        except Exception as exc:  # OOM, unsupported head dim, missing API: record and go on
+            r = {"error": f"{type(exc).__name__}: {str(exc)[:300]}"}
+        rec["impls"][impl_name] = r
+        gc.collect()
+        torch.cuda.empty_cache()
+    if "flashmask3" in rec["impls"] and "error" not in rec["impls"]["flashmask3"]:
+        fm = rec["impls"]["flashmask3"]
+        fm["prep_ms"] = flashmask_prep_ms(mask, causal, s, d, dtype)
+        fm["mask_bytes"] = mask_bytes(mask, causal, s, d, dtype)
+    return rec
+
+
+# ---------------------------------------------------------------------------------------------
+# Report: markdown table + plot
+# ---------------------------------------------------------------------------------------------
+
+
+def _speed(rec, other, key="fwd_bwd_ms"):
+    a = rec["impls"].get("flashmask3", {})
+    b = rec["impls"].get(other, {})
+    if key in a and key in b:
+        return b[key] / a[key]
+    return None
+
+
+def targets(rec) -> list[str]:
+    """The issue's targets that apply to this case, each 'name: value (met|MISSED)'."""
+    out = []
+    fm = rec["impls"].get("flashmask3", {})
+    if "fwd_bwd_ms" not in fm:
+        return ["flashmask3 did not run"]
+    sp = _speed(rec, "flex")
+    if rec["D"] and sp is not None:
+        need = 1.3 if any(rec["mask"].startswith(t) for t in DOC_TYPES) else 1.1
+        out.append(f"f+b vs flex {sp:.2f}x>={need} {'met' if sp >= need else 'MISSED'}")
+    if rec["mask"] == "causal":
+        for impl in ("sdpa_cudnn",):
+            f = _speed(rec, impl, "fwd_ms")
+            fb = _speed(rec, impl)
+            if f is not None:
+                out.append(f"fwd vs cuDNN {f:.2f}>=0.85 {'met' if f >= 0.85 else 'MISSED'}")
+            if fb is not None:
+                out.append(f"f+b vs cuDNN {fb:.2f}>=0.8 {'met' if fb >= 0.8 else 'MISSED'}")
+    if rec["mask"].startswith("causal_document") and rec["S"] == 32768 and rec["D"] == 128 and rec["Hq"] == rec["Hk"]:
+        tf, tfb = fm["tflops_fwd"], fm["tflops_fwd_bwd"]
+        out.append(f"fwd {tf:.0f}>=450 {'met' if tf >= 450 else 'MISSED'}")
+        out.append(f"f+b {tfb:.0f}>=350 {'met' if tfb >= 350 else 'MISSED'}")
+    if rec["S"] == 32768 and fm.get("prep_ms") is not None:
+        frac = fm["prep_ms"] / fm["fwd_bwd_ms"]
+        out.append(f"prep {100 * frac:.2f}%<2% {'met' if frac < 0.02 else 'MISSED'}")
+    return out
+
+
+def _fmt(x, spec=".2f"):
+    return "-" if x is None else format(x, spec)
+
+
+def markdown(results: list[dict], meta: dict) -> str:
+    lines = ["# Kernel benchmark: flashmask3 (Triton) vs FlexAttention / SDPA / varlen", ""]
+    for k in ("gpu", "date", "torch", "triton", "cuda", "command"):
+        if k in meta:
+            lines.append(f"- **{k}**: `{meta[k]}`")
+    lines += ["", "Times are medians in ms (fwd / bwd / fwd+bwd); TFLOP/s are effective "
+              "(DESIGN.md §2: 4·B·Hq·D·unmasked pairs, bwd 2.5x, f+b 3.5x). `x flex` = Flex time / "
+              "flashmask3 time for fwd+bwd. prep = flashmask3 mask preprocessing (summaries + ranges, "
+              "fwd and bwd plans); build = Flex create_block_mask. mem = peak extra GB of one fwd+bwd.", ""]
+    hdr = ("| D | Hq:Hk | mask | S | docs | density | fm fwd | fm bwd | fm f+b | fm TF f/f+b | flex f+b | "
+           "x flex | cuDNN f+b | flash f+b | varlen f+b | dense f+b | prep ms | build ms | fm/flex mem | targets |")
+    lines += [hdr, "|" + "---|" * (hdr.count("|") - 1)]
+    for r in sorted(results, key=lambda r: (r["D"], r["Hq"] != r["Hk"], MASKS.index(r["mask"]) if r["mask"] in MASKS else 99, r["S"])):
+        fm = r["impls"].get("flashmask3", {})
+        fx = r["impls"].get("flex", {})
+
+        def fb(name):
+            return _fmt(r["impls"].get(name, {}).get("fwd_bwd_ms"))
+
+        lines.append("| " + " | ".join([
+            str(r["D"]), f"{r['Hq']}:{r['Hk']}", r["mask"], f"{r['S'] // 1024}K",
+            _fmt(r["docs_per_row"], ".1f"), _fmt(r["density"], ".3f"),
+            _fmt(fm.get("fwd_ms")), _fmt(fm.get("bwd_ms")), _fmt(fm.get("fwd_bwd_ms")),
+            f"{_fmt(fm.get('tflops_fwd'), '.0f')}/{_fmt(fm.get('tflops_fwd_bwd'), '.0f')}",
+            fb("flex"), _fmt(_speed(r, "flex")), fb("sdpa_cudnn"), fb("sdpa_flash"), fb("varlen"),
+            fb("sdpa_dense"), _fmt(fm.get("prep_ms"), ".3f"), _fmt(fx.get("mask_build_ms"), ".1f"),
+            f"{_fmt(fm.get('peak_extra_gb'))}/{_fmt(fx.get('peak_extra_gb'))}",
+            "; ".join(targets(r)) or "-"]) + " |")
+        errs = {k: v["error"] for k, v in r["impls"].items() if "error" in v}
+        if errs:
+            lines.append(f"|  |  | errors: {errs} |" + " |" * (hdr.count("|") - 4))
+    missed = [(r["mask"], r["S"], r["D"], t) for r in results for t in targets(r) if "MISSED" in t]
+    met = [t for r in results for t in targets(r) if t.endswith("met")]
+    lines += ["", f"**Targets**: {len(met)} met, {len(missed)} missed (see benchmarks/NOTES.md for "
+              "what limits the missed ones)."]
+    if meta.get("not_run"):
+        lines += ["", "**Not run** (device time): " + ", ".join(meta["not_run"])]
+    return "\n".join(lines) + "\n"
+
+
+def plot(results: list[dict], path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    dims = sorted({r["D"] for r in results})
+    seqs = sorted({r["S"] for r in results})
+    fig, axes = plt.subplots(len(dims), len(seqs), figsize=(6 * len(seqs), 4 * len(dims)), squeeze=False)
+    for i, d in enumerate(dims):
+        for j, s in enumerate(seqs):
+            ax = axes[i][j]
+            rows = [r for r in results if r["D"] == d and r["S"] == s and r["Hq"] == r["Hk"]]
+            rows.sort(key=lambda r: MASKS.index(r["mask"]) if r["mask"] in MASKS else 99)
+            names = [r["mask"] for r in rows]
+            x = range(len(rows))
+            for off, impl in ((-0.2, "flashmask3"), (0.2, "flex")):
+                vals = [r["impls"].get(impl, {}).get("tflops_fwd_bwd", 0) for r in rows]
+                ax.bar([xi + off for xi in x], vals, width=0.4, label=impl)
+            ax.set_xticks(list(x))
+            ax.set_xticklabels(names, rotation=70, fontsize=7)
+            ax.set_title(f"D={d}, S={s // 1024}K (B={TOTAL_TOKENS // s})")
+            ax.set_ylabel("fwd+bwd effective TFLOP/s")
+            ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def report(files: list[str], out_dir: str) -> None:
+    results, meta = [], {}
+    for f in files:
+        with open(f) as fh:
+            data = json.load(fh)
+        results.extend(data["results"])
+        for k, v in data["meta"].items():
+            if k == "not_run":
+                meta.setdefault(k, []).extend(v)
+            elif k == "command":
+                meta[k] = (meta[k] + " ; " + v) if k in meta else v
+            else:
+                meta.setdefault(k, v)
+    done = {(r["mask"], r["S"], r["D"], r["Hq"], r["Hk"]) for r in results}
+    meta["not_run"] = sorted(set(x for x in meta.get("not_run", []) if tuple(json.loads(x)) not in done)) \
+        if meta.get("not_run") else []
+    os.makedirs(out_dir, exist_ok=True)
+    with open(os.path.join(out_dir, "kernel.json"), "w") as fh:
+        json.dump({"meta": meta, "results": results}, fh, indent=1)
+    with open(os.path.join(out_dir, "kernel.md"), "w") as fh:
+        fh.write(markdown(results, meta))
+    plot(results, os.path.join(out_dir, "kernel.png"))
+
+
+# ---------------------------------------------------------------------------------------------
+# Main
+# ---------------------------------------------------------------------------------------------
+
+
+def compiled_kernels_report(path: str) -> None:
+    """Registers, spills and HGMMA count of every Triton FlashMask kernel compiled in this
+    process (the compiler's own report for the exact specialisations that were timed)."""
+    import subprocess
+    import tempfile
+
+    import triton
+
+    from flashmask3.kernels import triton_flashmask as T
+
+    tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+    rows = []
+    for name in ("_fwd_kernel", "_dkdv_kernel", "_dq_kernel"):
+        fn = getattr(T, name)
+        for dev, cache in getattr(fn, "device_caches", {}).items():
+            for key, ck in cache[0].items():
+                try:
+                    ck._init_handles()
+                    with tempfile.NamedTemporaryFile(suffix=".cubin", delete=False) as f:
+                        f.write(ck.asm["cubin"])
+                    sass = subprocess.run([tool, "-sass", f.name], capture_output=True, text=True).stdout
+                    os.unlink(f.name)
+                    consts = {k: v for k, v in ck.src.constants.items()} if hasattr(ck, "src") else {}
+                    rows.append(dict(kernel=name, n_regs=ck.n_regs, n_spills=ck.n_spills,
+                                     num_warps=ck.metadata.num_warps, num_stages=ck.metadata.num_stages,
+                                     shared=ck.metadata.shared, hgmma=sass.count("HGMMA"),
+                                     hmma=sass.count("HMMA"), ldl_stl=sass.count("LDL") + sass.count("STL"),
+                                     key=str(key)[:400], constants=str(consts)[:400]))
+                except Exception as exc:  # report what we can
+                    rows.append(dict(kernel=name, error=f"{type(exc).__name__}: {exc}"[:300]))
+    with open(path, "w") as fh:
+        json.dump(rows, fh, indent=1)
+    for r in rows:
+        print("compiled", {k: r.get(k) for k in ("kernel", "n_regs", "n_spills", "num_warps", "num_stages",
+                                                   "shared", "hgmma", "ldl_stl", "error")})
+
+
+def cases(args) -> list[tuple]:
+    """(mask, S, D, Hq, Hk) in priority order: D=128 at 32K first, GQA, then 8K, then 128K."""
+    out = []
+    for d in args.dims:
+        h = HIDDEN // d
+        order = sorted(args.seqlens, key=lambda s: {32768: 0, 8192: 1, 131072: 2}.get(s, 3))
+        for s in order:
+            heavy_last = sorted(args.masks, key=lambda m: (s == 131072 and m in ("full", "causal")))
+            for m in heavy_last:
+                out.append((m, s, d, h, h))
+            if d == 128 and args.gqa and s == 32768:
+                for m in args.masks:
+                    out.append((m, s, d, 32, 8))
+    return out
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description="flashmask3 kernel benchmark")
+    ap.add_argument("--dims", type=lambda x: [int(v) for v in x.split(",")], default=[128, 64, 256])
+    ap.add_argument("--seqlens", type=lambda x: [int(v) for v in x.split(",")], default=[8192, 32768, 131072])
+    ap.add_argument("--masks", type=lambda x: x.split(","), default=MASKS)
+    ap.add_argument("--impls", type=lambda x: x.split(","),
+                    default=["flashmask3", "flex", "sdpa_cudnn", "sdpa_flash", "varlen", "sdpa_dense"])
+    ap.add_argument("--no-gqa", dest="gqa", action="store_false")
+    ap.add_argument("--dense-max-s", type=int, default=8192)
+    ap.add_argument("--dtype", default="bf16")
+    ap.add_argument("--budget-s", type=float, default=1e9, help="stop starting new cases after this")
+    ap.add_argument("--out", default="benchmarks/results")
+    ap.add_argument("--tag", default="part")
+    ap.add_argument("--report", nargs="*", help="JSON files to merge into kernel.{json,md,png}")
+    args = ap.parse_args(argv)
+    if args.report:
+        report(args.report, args.out)
+        return 0
+    import triton
+
+    torch._dynamo.config.cache_size_limit = 256
+    if hasattr(torch._dynamo.config, "recompile_limit"):
+        torch._dynamo.config.recompile_limit = 256
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[args.dtype]
+    meta = dict(gpu=torch.cuda.get_device_name(), date=datetime.datetime.utcnow().isoformat() + "Z",
+                torch=torch.__version__, triton=triton.__version__, cuda=torch.version.cuda,
+                dtype=args.dtype, command="python " + " ".join(sys.argv), not_run=[])
+    try:
+        import torch.nn.attention.varlen  # noqa: F401
+        meta["varlen"] = "torch.nn.attention.varlen available"
+    except ImportError:
+        meta["varlen"] = "torch.nn.attention.varlen does not exist in this torch"
+    os.makedirs(args.out, exist_ok=True)
+    path = os.path.join(args.out, f"kernel_{args.tag}.json")
+    results = []
+    t_start = time.time()
+    todo = cases(args)
+    for idx, (m, s, d, hq, hk) in enumerate(todo):
+        if time.time() - t_start > args.budget_s:
+            meta["not_run"] = [json.dumps(list(c)) for c in todo[idx:]]
+            break
+        t0 = time.time()
+        rec = run_case(m, s, d, hq, hk, dtype, args)
+        results.append(rec)
+        fm = rec["impls"].get("flashmask3", {})
+        fx = rec["impls"].get("flex", {})
+        print(f"[{time.time() - t_start:6.0f}s] D={d} {hq}:{hk} {m:24s} S={s // 1024:3d}K "
+              f"fm f/b/fb={_fmt(fm.get('fwd_ms'))}/{_fmt(fm.get('bwd_ms'))}/{_fmt(fm.get('fwd_bwd_ms'))} ms "
+              f"TF={_fmt(fm.get('tflops_fwd'), '.0f')}/{_fmt(fm.get('tflops_fwd_bwd'), '.0f')} "
+              f"flex fb={_fmt(fx.get('fwd_bwd_ms'))} x{_fmt(_speed(rec, 'flex'))} "
+              f"{'; '.join(targets(rec))} ({time.time() - t0:.0f}s)"
+              + (f" ERR {[(k, v['error'][:120]) for k, v in rec['impls'].items() if 'error' in v]}"
+                 if any('error' in v for v in rec['impls'].values()) else ""), flush=True)
+        with open(path, "w") as fh:
+            json.dump({"meta": meta, "results": results}, fh, indent=1)
+    with open(path, "w") as fh:
+        json.dump({"meta": meta, "results": results}, fh, indent=1)
+    try:
+        compiled_kernels_report(os.path.join(args.out, f"kernel_{args.tag}_compiled.json"))
+    except Exception as exc:
+        print("compiled-kernel report failed:", exc)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
