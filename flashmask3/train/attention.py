@@ -16,6 +16,7 @@ All three single-device backends compute the same function, so swapping them is 
 from __future__ import annotations
 
 import time
+import warnings
 from typing import Optional
 
 import torch
@@ -54,9 +55,10 @@ def _sdpa_attention(mask: FlashMask) -> AttentionFn:
     def attention(q, k, v):
         hq, hk = q.shape[2], k.shape[2]
         m = dense if dense.shape[1] in (1, hq) else dense.repeat_interleave(hq // dense.shape[1], 1)
+        if hq != hk:  # repeat K/V so the fused masked kernels (not the math path) are eligible
+            k, v = k.repeat_interleave(hq // hk, 2), v.repeat_interleave(hq // hk, 2)
         out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2),
-                                             v.transpose(1, 2), attn_mask=m,
-                                             enable_gqa=hq != hk)
+                                             v.transpose(1, 2), attn_mask=m)
         return out.transpose(1, 2)
     return attention
 
@@ -86,10 +88,13 @@ def _flex_fn(device: torch.device):
     return _COMPILED_FLEX
 
 
-def flex_mask_mod(mask: FlashMask):
-    """A FlexAttention ``mask_mod`` (True = attend) for the DESIGN.md §1 column semantics."""
-    cols = mask.startend_row_indices.to(torch.int64)
-    causal, c = mask.causal, cols.shape[-1]
+def flex_mask_mod(cols: torch.Tensor, causal: bool):
+    """A FlexAttention ``mask_mod`` (True = attend) for the DESIGN.md §1 column semantics.
+
+    ``cols``: int64 ``[B, Hm, S, C]`` column vectors, read inside the mask_mod (so refilling
+    the same tensor with the next batch's mask needs no recompilation).
+    """
+    c = cols.shape[-1]
     per_head = cols.shape[1] > 1
     col = (lambda b, h, kv, i: cols[b, h, kv, i]) if per_head else \
         (lambda b, h, kv, i: cols[b, 0, kv, i])
@@ -110,6 +115,22 @@ def flex_mask_mod(mask: FlashMask):
     return mask_mod
 
 
+# One (column buffer, mask_mod) per mask shape: every batch of a run reuses them, so the
+# compiled block-mask builder and flex kernel are not recompiled for each new mask.
+_FLEX_MASK_MODS: dict = {}
+
+
+def _cached_mask_mod(mask: FlashMask):
+    t = mask.startend_row_indices
+    key = (tuple(t.shape), mask.causal, str(t.device))
+    if key not in _FLEX_MASK_MODS:
+        buf = torch.empty(t.shape, dtype=torch.int64, device=t.device)
+        _FLEX_MASK_MODS[key] = (buf, flex_mask_mod(buf, mask.causal))
+    buf, mask_mod = _FLEX_MASK_MODS[key]
+    buf.copy_(t)
+    return mask_mod
+
+
 def _flex_attention(mask: FlashMask) -> AttentionFn:
     if not flex_available():
         raise RuntimeError("the flex backend needs torch.nn.attention.flex_attention "
@@ -118,13 +139,17 @@ def _flex_attention(mask: FlashMask) -> AttentionFn:
     t = mask.startend_row_indices
     s = mask.seqlen_q
     heads = t.shape[1] if t.shape[1] > 1 else None
-    block_mask = create_block_mask(flex_mask_mod(mask), t.shape[0], heads, s, s,
-                                   device=t.device, _compile=t.device.type == "cuda")
+    on_gpu = t.device.type == "cuda"
+    block_mask = create_block_mask(_cached_mask_mod(mask), t.shape[0], heads, s, s,
+                                   device=t.device, _compile=on_gpu)
     fn = _flex_fn(t.device)
 
     def attention(q, k, v):
-        out = fn(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), block_mask=block_mask,
-                 enable_gqa=q.shape[2] != k.shape[2])
+        with warnings.catch_warnings():
+            if not on_gpu:  # eager flex off GPU is intended here (checks only): no nagging
+                warnings.filterwarnings("ignore", message=".*without torch.compile.*")
+            out = fn(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+                     block_mask=block_mask, enable_gqa=q.shape[2] != k.shape[2])
         return out.transpose(1, 2)
     return attention
 

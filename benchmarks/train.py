@@ -1,0 +1,233 @@
+"""End-to-end training throughput on one GPU: flashmask3 vs FlexAttention vs SDPA (dense mask).
+
+The same ~0.6B-parameter Llama-style byte-level model (``bench-0.6b`` preset of
+:mod:`flashmask3.train.config`: dim 1536, 24 layers, 12 query / 4 KV heads of 128, SwiGLU 4096,
+activation checkpointing per block, bf16 autocast, AdamW) trains on the *same* packed batches of
+the default corpus (stdlib sources + /usr/share/doc, whole files as documents, causal document
+mask) at each sequence length, once per attention backend. Only the attention callable differs.
+
+Per (sequence length, backend): ``--warmup`` steps (compilation, autotuning, allocator warm-up)
+are excluded, then ``--steps`` timed steps. Reported: tokens/s, model TFLOP/s (6·N·tokens plus
+3.5 × the attention forward FLOPs of :func:`flashmask3.masks.attention_flops`, no recompute),
+attention share of the step time, peak memory, mask sparsity, and the speed-up of flashmask3
+over flex. SDPA needs the dense ``S x S`` mask: above ``--sdpa-max-seq`` it is reported as
+skipped, and an out-of-memory error in any backend is reported as ``OOM`` instead of crashing.
+
+    python benchmarks/train.py --out $OUT                      # one H200, ~3-4 minutes
+    python benchmarks/train.py --toy                           # CPU smoke test, tiny model
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import gc
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from flashmask3.train.attention import AttentionTimer, attention_available  # noqa: E402
+from flashmask3.train.config import from_preset  # noqa: E402
+from flashmask3.train.data import make_packer, mask_sparsity  # noqa: E402
+from flashmask3.train.model import (Transformer, active_matmul_params,  # noqa: E402
+                                    count_parameters, model_flops_per_step)
+from flashmask3.train.parallel import DistEnv  # noqa: E402
+from flashmask3.train.trainer import build_optimizer, train_step  # noqa: E402
+
+BACKENDS = ("flashmask3", "flex", "sdpa")
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--seq-lens", type=int, nargs="+", default=None,
+                   help="sequence lengths (default 32768 131072; --toy: 512 1024)")
+    p.add_argument("--backends", nargs="+", default=list(BACKENDS), choices=BACKENDS)
+    p.add_argument("--steps", type=int, default=3, help="timed steps per run")
+    p.add_argument("--warmup", type=int, default=2, help="untimed steps per run")
+    p.add_argument("--sdpa-max-seq", type=int, default=32768,
+                   help="longest sequence for the dense-mask SDPA baseline")
+    p.add_argument("--toy", action="store_true", help="tiny model on CPU (smoke test)")
+    p.add_argument("--out", default="benchmarks/results",
+                   help="directory for train_<tag>.json / .md")
+    p.add_argument("--tag", default=None, help="file tag (default h200, or cpu_toy)")
+    args = p.parse_args(argv)
+    for name in ("steps", "warmup"):
+        if getattr(args, name) < (1 if name == "steps" else 0):
+            p.error(f"--{name} is too small")
+    return args
+
+
+def bench_config(seq_len: int, toy: bool):
+    """The benchmark model at ``seq_len`` (the ``bench-0.6b`` preset, or a toy one on CPU)."""
+    if toy:
+        return from_preset("tiny", seq_len=seq_len, batch_size=1, dim=64, n_layers=2,
+                           n_heads=4, n_kv_heads=2, ffn_dim=128, device="cpu",
+                           activation_checkpointing=True)
+    return from_preset("bench-0.6b", seq_len=seq_len, device="cuda")
+
+
+def make_batches(cfg, n: int):
+    """``n`` packed batches of the default corpus (the same ones for every backend)."""
+    packer = make_packer(cfg)
+    return [packer.next_batch() for _ in range(n)]
+
+
+def _is_oom(exc: BaseException) -> bool:
+    return isinstance(exc, torch.cuda.OutOfMemoryError) or "out of memory" in str(exc).lower()
+
+
+def run_backend(cfg, backend: str, batches, warmup: int, device: torch.device) -> dict:
+    """Train ``len(batches)`` steps with one backend; time the steps after ``warmup``."""
+    env = DistEnv(0, 1, device)
+    torch.manual_seed(cfg.seed)
+    model = Transformer(cfg).to(device)
+    optimizer = build_optimizer(model, cfg)
+    timer = AttentionTimer(device, True)
+    cfg = cfg.replace(attention=backend)
+    times, attn, flops, losses = [], [], 0.0, []
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats()
+    for i, batch in enumerate(batches):
+        t0 = time.perf_counter()
+        metrics = train_step(model, optimizer, batch, cfg, env, timer, cfg.lr)
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        dt = time.perf_counter() - t0
+        a = timer.collect()
+        losses.append(metrics["loss"])
+        if i >= warmup:
+            times.append(dt)
+            attn.append(a)
+            attn_fwd = batch.mask.flops(cfg.n_heads, cfg.head_dim, "fwd")
+            flops += model_flops_per_step(cfg, batch.tokens.numel(), attn_fwd)
+    total = sum(times)
+    tokens = sum(b.tokens.numel() for b in batches[warmup:])
+    out = {"status": "ok", "tokens_per_s": tokens / total, "step_time_s": total / len(times),
+           "model_tflops": flops / total / 1e12, "attention_share": sum(attn) / total,
+           "losses": losses}
+    if device.type == "cuda":
+        out["peak_mem_gib"] = torch.cuda.max_memory_allocated() / 2**30
+    del model, optimizer
+    return out
+
+
+def _cleanup(device):
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    device = torch.device("cpu" if args.toy else "cuda")
+    if device.type == "cuda" and not torch.cuda.is_available():
+        print("benchmarks/train.py needs a CUDA GPU (use --toy for a CPU smoke test)",
+              file=sys.stderr)
+        return 2
+    seq_lens = args.seq_lens or ([512, 1024] if args.toy else [32768, 131072])
+    tag = args.tag or ("cpu_toy" if args.toy else "h200")
+    out_dir = Path(args.out)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    report = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+              "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
+              "torch": torch.__version__, "steps": args.steps, "warmup": args.warmup,
+              "runs": []}
+    for seq_len in seq_lens:
+        cfg = bench_config(seq_len, args.toy)
+        batches = make_batches(cfg, args.warmup + args.steps)
+        pairs = sum(b.mask.unmasked_pairs() for b in batches[args.warmup:])
+        dense = sum(b.mask.batch_size * seq_len * seq_len for b in batches[args.warmup:])
+        with torch.device("meta"):
+            n_params = count_parameters(Transformer(cfg))
+        report["model"] = (f"{n_params / 1e9:.2f}B-param byte-level Llama (dim {cfg.dim}, "
+                           f"{cfg.n_layers} layers, GQA {cfg.n_heads}:{cfg.n_kv_heads}, "
+                           f"hd {cfg.head_dim}, SwiGLU {cfg.resolved_ffn_dim()})")
+        common = {"seq_len": seq_len, "params": n_params,
+                  "active_matmul_params": active_matmul_params(cfg),
+                  "docs_per_sequence": sum(len(d) for b in batches for d in b.doc_lens)
+                  / sum(len(b.doc_lens) for b in batches),
+                  "mask_sparsity": 1 - pairs / dense,
+                  "mask_skipped_vs_causal": sum(mask_sparsity(b.mask)["skipped_vs_causal"]
+                                                for b in batches[args.warmup:]) / args.steps}
+        for backend in args.backends:
+            row = {**common, "backend": backend}
+            reason = attention_available(backend, device, training=True)
+            if backend == "sdpa" and seq_len > args.sdpa_max_seq:
+                reason = (f"dense S x S mask ({seq_len ** 2 / 2**30:.0f} GiB bool) and O(S^2) "
+                          f"work above --sdpa-max-seq={args.sdpa_max_seq}")
+            if reason:
+                row.update(status="skipped", reason=reason)
+            else:
+                try:
+                    row.update(run_backend(cfg, backend, batches, args.warmup, device))
+                except (RuntimeError, MemoryError) as exc:
+                    if not _is_oom(exc):
+                        raise
+                    row.update(status="OOM", reason=str(exc).splitlines()[0][:200])
+            _cleanup(device)
+            report["runs"].append(row)
+            print(_row_line(row), flush=True)
+            _write(report, out_dir, tag)
+    _add_speedups(report)
+    _write(report, out_dir, tag)
+    print(markdown(report))
+    return 0
+
+
+def _row_line(r: dict) -> str:
+    if r["status"] != "ok":
+        return f"S={r['seq_len']:>6} {r['backend']:>10}: {r['status']} ({r.get('reason', '')})"
+    return (f"S={r['seq_len']:>6} {r['backend']:>10}: {r['tokens_per_s']:>10,.0f} tok/s  "
+            f"{r['model_tflops']:7.1f} TFLOP/s  attention {100 * r['attention_share']:4.1f}%  "
+            f"step {r['step_time_s']:.3f}s" + (f"  peak {r['peak_mem_gib']:.1f} GiB"
+                                               if "peak_mem_gib" in r else ""))
+
+
+def _add_speedups(report: dict) -> None:
+    """flashmask3 tokens/s over flex (and over sdpa) per sequence length."""
+    by = {(r["seq_len"], r["backend"]): r for r in report["runs"]}
+    report["speedup_vs_flex"], report["speedup_vs_sdpa"] = {}, {}
+    for (s, b), r in by.items():
+        if b != "flashmask3" or r["status"] != "ok":
+            continue
+        for other, key in (("flex", "speedup_vs_flex"), ("sdpa", "speedup_vs_sdpa")):
+            o = by.get((s, other))
+            if o and o["status"] == "ok":
+                report[key][str(s)] = r["tokens_per_s"] / o["tokens_per_s"]
+
+
+def markdown(report: dict) -> str:
+    lines = [f"# End-to-end training throughput ({report['device']}, {report['date']})", "",
+             f"{report.get('model', '')}, bf16 autocast on GPU, "
+             "activation checkpointing, AdamW; default corpus, causal document mask; "
+             f"{report['warmup']} warm-up + {report['steps']} timed steps.", "",
+             "| S | backend | tokens/s | model TFLOP/s | attention share | peak GiB | "
+             "mask sparsity | status |", "|---|---|---|---|---|---|---|---|"]
+    for r in report["runs"]:
+        if r["status"] == "ok":
+            lines.append(f"| {r['seq_len']} | {r['backend']} | {r['tokens_per_s']:,.0f} | "
+                         f"{r['model_tflops']:.1f} | {100 * r['attention_share']:.1f}% | "
+                         f"{r.get('peak_mem_gib', float('nan')):.1f} | "
+                         f"{100 * r['mask_sparsity']:.1f}% | ok |")
+        else:
+            lines.append(f"| {r['seq_len']} | {r['backend']} | - | - | - | - | "
+                         f"{100 * r['mask_sparsity']:.1f}% | {r['status']}: {r.get('reason', '')} |")
+    for key, label in (("speedup_vs_flex", "flex"), ("speedup_vs_sdpa", "sdpa")):
+        for s, v in report.get(key, {}).items():
+            lines.append(f"\nflashmask3 / {label} at S={s}: **{v:.2f}x** tokens/s")
+    return "\n".join(lines) + "\n"
+
+
+def _write(report: dict, out_dir: Path, tag: str) -> None:
+    (out_dir / f"train_{tag}.json").write_text(json.dumps(report, indent=2))
+    (out_dir / f"train_{tag}.md").write_text(markdown(report))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
