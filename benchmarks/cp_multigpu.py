@@ -109,12 +109,13 @@ def masks_for(tokens: int, spreads: list[str], seed: int):
             yield name, M.causal_document_mask(docs[name]), docs[name]
 
 
-def global_inputs(tokens, args, device, dtype, seed):
-    """Full q, k, v, dout (same on every rank: same seed), generated on the CPU then moved."""
-    g = torch.Generator().manual_seed(seed)
+def random_inputs(tokens, args, device, dtype, seed):
+    """q, k, v, dout of ``tokens`` tokens drawn on ``device`` (same seed -> same tensors on
+    every rank, so they can serve as the global sequence)."""
+    g = torch.Generator(device=device).manual_seed(seed)
     shape_q = (1, tokens, args.heads, args.head_dim)
     shape_k = (1, tokens, args.kv_heads, args.head_dim)
-    return [torch.randn(s, generator=g).to(device, dtype) for s in (shape_q, shape_k, shape_k, shape_q)]
+    return [torch.randn(s, generator=g, device=device, dtype=dtype) for s in (shape_q, shape_k, shape_k, shape_q)]
 
 
 def flops(mask, tokens, args) -> float:
@@ -133,9 +134,9 @@ def run_ours(method, mask, tokens, rank, world, device, dtype, args, check: bool
     p = plan(dev_mask, None if mask is not None else True, world, balance=balance,
              seqlen=tokens if mask is None else None)
     plan_s = time.perf_counter() - t0
-    q, k, v, do = global_inputs(tokens, args, device, dtype, args.seed)
-    ql, kl, vl, dol = (p.shard(t, rank).detach().requires_grad_(i < 3) for i, t in enumerate((q, k, v, do)))
-    del q, k, v, do
+    # Timing needs only this rank's shard (random, seeded per rank): no global tensors.
+    ql, kl, vl, dol = random_inputs(p.local_seqlen, args, device, dtype, args.seed + 1000 * rank)
+    ql, kl, vl = (t.requires_grad_() for t in (ql, kl, vl))
 
     def step():
         out = cp_flashmask_attention(ql, kl, vl, p, comm=comm)
@@ -154,7 +155,7 @@ def run_ours(method, mask, tokens, rank, world, device, dtype, args, check: bool
 
 def check_ours(p, comm, mask, tokens, rank, device, dtype, args) -> float:
     """Max |CP output - single-process output| over the whole sequence (all ranks agree)."""
-    q, k, v, _ = global_inputs(tokens, args, device, dtype, args.seed + 1)
+    q, k, v, _ = random_inputs(tokens, args, device, dtype, args.seed + 1)
     out = cp_flashmask_attention(p.shard(q, rank), p.shard(k, rank), p.shard(v, rank), p, comm=comm)
     parts = [torch.empty_like(out) for _ in range(p.cp_size)]
     dist.all_gather(parts, out.contiguous())
@@ -194,7 +195,7 @@ def run_flex_cp(mask, docs, tokens, rank, world, device, dtype, args, check: boo
 
     attn = parallelize_module(FlexAttention(), mesh,
                               _ContextParallel(seq_dim=2, attention_type=_ContextParallel.AttentionType.FLEX))
-    q, k, v, do = (t.transpose(1, 2).contiguous() for t in global_inputs(tokens, args, device, dtype, args.seed))
+    q, k, v, do = (t.transpose(1, 2).contiguous() for t in random_inputs(tokens, args, device, dtype, args.seed))
     ql, kl, vl, dol, bm = _context_parallel_shard(mesh, [q, k, v, do, block_mask], [2, 2, 2, 2, 2],
                                                   load_balancer=balancer)
     res = {"balancer": balancer_note}

@@ -62,6 +62,7 @@ class _Runtime:
                              f"{q.shape[2]} query heads")
         self.cols = cols.contiguous()
         b, _, hk, d = k.shape
+        self.dtype = k.dtype
         cs = plan.chunk_size
         self.chunk_shape = (2, b, cs, hk, d)
         self.device = q.device
@@ -198,7 +199,6 @@ def _backward_allgather(rt: _Runtime, dout, dlse, q, k, v, out, lse):
 class _CPAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, rt: _Runtime):
-        rt.dtype = k.dtype
         fwd = _forward_overlap if rt.comm == "overlap" else _forward_allgather
         out32, lse = fwd(rt, q, k, v)
         out = out32.to(q.dtype)

@@ -15,7 +15,7 @@ two ends of every message always match.
 
 from __future__ import annotations
 
-from typing import Callable, Optional
+from typing import Callable
 
 import torch
 import torch.distributed as dist
@@ -186,6 +186,3 @@ def reduce_scatter_kv(pg, grads: torch.Tensor) -> torch.Tensor:
     _REDUCE_SCATTER(out, grads.contiguous().view((shape[0] * shape[1],) + shape[2:]), group=pg)
     return out
 
-
-def group_rank(pg: Optional[dist.ProcessGroup]) -> int:
-    return dist.get_rank(pg)
