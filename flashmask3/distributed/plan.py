@@ -34,6 +34,9 @@ BALANCES = ("contiguous", "dual_chunk", "sparse")
 #: Tile edge of the work model (the kernels' query/key block size on Hopper).
 DEFAULT_TILE = 128
 
+#: Largest tile grid (over batch and mask heads) the work model will classify.
+_MAX_TILES = 1 << 28
+
 #: Chunks per rank tried (largest first) when ``balance="sparse"`` picks its own chunk size.
 _SPARSE_CHUNKS_PER_RANK = (16, 12, 8, 6, 4, 3, 2, 1)
 
@@ -145,6 +148,10 @@ def chunk_liveness(startend_row_indices: Optional[torch.Tensor], causal: bool, s
     """
     block = math.gcd(chunk_size, tile)
     n, per = seqlen // chunk_size, chunk_size // block
+    heads = 1 if startend_row_indices is None else startend_row_indices.shape[0] * startend_row_indices.shape[1]
+    if heads * (seqlen // block) ** 2 > _MAX_TILES:
+        raise ValueError(f"chunk_size={chunk_size} needs {seqlen // block}^2 work tiles per head for "
+                         f"seqlen={seqlen}; use a chunk_size that is a multiple of {tile}")
     cls = classify_tiles(startend_row_indices, causal, seqlen, seqlen, block, block)
     alive = (cls != SKIP).flatten(0, 1)  # [B*Hm, nq, nk]
     work = alive.sum(dim=(0, 2), dtype=torch.int64).view(n, per).sum(1)

@@ -25,7 +25,8 @@ class RankError(RuntimeError):
     """A rank raised: carries the traceback of the rank that failed first."""
 
 
-def _entry(rank, fn, world, store_path, timeout_s, args):
+def _entry(rank, fn, world, store_path, timeout_s, args, env):
+    os.environ.update(env)
     try:
         _run_rank(rank, fn, world, store_path, timeout_s, args)
     except BaseException:
@@ -52,7 +53,7 @@ def _first_error(store_path):
 
 
 def _run_rank(rank, fn, world, store_path, timeout_s, args):
-    os.environ["FLASHMASK3_BACKEND"] = "torch"
+    os.environ.setdefault("FLASHMASK3_BACKEND", "torch")
     torch.set_num_threads(1)
     dist.init_process_group(
         "gloo", init_method=f"file://{store_path}", rank=rank, world_size=world,
@@ -68,11 +69,16 @@ def _run_rank(rank, fn, world, store_path, timeout_s, args):
         dist.destroy_process_group()
 
 
-def run_distributed(fn, world: int, *args, timeout_s: float = 240.0, collective_timeout_s: float = 60.0):
-    """Run ``fn(rank, world, *args)`` on ``world`` gloo ranks; raise the first rank error."""
+def run_distributed(fn, world: int, *args, timeout_s: float = 240.0, collective_timeout_s: float = 60.0,
+                    env: dict | None = None):
+    """Run ``fn(rank, world, *args)`` on ``world`` gloo ranks; raise the first rank error.
+
+    ``env``: extra environment variables for the ranks (the attention backend defaults to the
+    torch path).
+    """
     with tempfile.TemporaryDirectory() as tmp:
         store = os.path.join(tmp, "store")
-        ctx = mp.start_processes(_entry, args=(fn, world, store, collective_timeout_s, args),
+        ctx = mp.start_processes(_entry, args=(fn, world, store, collective_timeout_s, args, dict(env or {})),
                                  nprocs=world, join=False, start_method="spawn")
         deadline = time.monotonic() + timeout_s
         try:

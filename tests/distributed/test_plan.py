@@ -105,6 +105,11 @@ def test_bad_arguments_are_value_errors(kwargs, match):
         plan(MASKS["causal"], None, **kwargs)
 
 
+def test_tiny_chunks_on_long_sequences_are_refused():
+    with pytest.raises(ValueError, match="multiple of 128"):
+        plan(None, True, 2, seqlen=1 << 17, chunk_size=2)
+
+
 def test_mask_argument_errors():
     with pytest.raises(ValueError, match="seqlen"):
         plan(None, True, 2)
