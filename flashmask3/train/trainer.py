@@ -92,7 +92,7 @@ def autocast_dtype(cfg: TrainConfig, device: torch.device) -> Optional[torch.dty
 def train_step(model, optimizer, batch: PackedBatch, cfg: TrainConfig, env: DistEnv,
                timer: AttentionTimer, lr: float) -> dict:
     """Forward, backward, gradient all-reduce and clipping, optimiser step. Returns metrics."""
-    tokens, labels, positions, attention = local_inputs(batch, cfg, env)
+    tokens, labels, positions, attention, plan = local_inputs(batch, cfg, env)
     ctx = StepContext(timer.wrap(attention), num_tokens=batch.tokens.numel(),
                       all_reduce=env.all_reduce_sum)
     amp = autocast_dtype(cfg, env.device)
@@ -110,17 +110,21 @@ def train_step(model, optimizer, batch: PackedBatch, cfg: TrainConfig, env: Dist
         group["lr"] = lr
     optimizer.step()
     loss = env.all_reduce_sum(torch.stack([ce.detach().float(), total.detach().float()]))
-    return {"loss": float(loss[0]), "total_loss": float(loss[1]), "grad_norm": float(grad_norm)}
+    return {"loss": float(loss[0]), "total_loss": float(loss[1]), "grad_norm": float(grad_norm),
+            "imbalance": float(plan.imbalance) if plan is not None else None}
 
 
 def local_inputs(batch: PackedBatch, cfg: TrainConfig, env: DistEnv):
-    """This rank's tokens, labels, positions (on its device) and the attention callable."""
+    """This rank's tokens, labels, positions (on its device), the attention callable and the
+    CP plan (None without CP)."""
     dev = env.device
     if env.group is None:
         attention = make_attention(cfg.attention, batch.mask.to(dev))
-        return (batch.tokens.to(dev), batch.labels.to(dev), batch.position_ids.to(dev), attention)
+        return (batch.tokens.to(dev), batch.labels.to(dev), batch.position_ids.to(dev), attention,
+                None)
     shard = CPShard(batch, cfg, env)
-    return shard.tokens.to(dev), shard.labels.to(dev), shard.position_ids.to(dev), shard.attention
+    return (shard.tokens.to(dev), shard.labels.to(dev), shard.position_ids.to(dev),
+            shard.attention, shard.plan)
 
 
 # -- the run on one rank ------------------------------------------------------------------------
@@ -153,7 +157,7 @@ def run_rank(env: DistEnv, cfg: TrainConfig) -> dict:
         step_time = time.perf_counter() - t0
         attn_time = timer.collect()
         sparsity = mask_sparsity(batch.mask)
-        stats.add(step - start, batch, step_time, attn_time)
+        stats.add(step - start, batch, step_time, attn_time, metrics["imbalance"])
         for key, value in (("step", step), ("loss", metrics["loss"]), ("lr", lr),
                            ("grad_norm", metrics["grad_norm"]), ("step_time", step_time),
                            ("attention_time", attn_time), ("sparsity", sparsity["sparsity"])):
@@ -201,6 +205,7 @@ def _progress(cfg, env, start):
         return None
     from tqdm import tqdm
     return tqdm(total=cfg.steps, initial=start, desc="train", unit="step", dynamic_ncols=True,
+                mininterval=1.0,
                 file=sys.stderr)
 
 
@@ -242,9 +247,13 @@ class RunStats:
         self.time = self.attn_time = self.flops = 0.0
         self.tokens = self.steps = 0
         self.pairs = self.causal_pairs = self.all_pairs = 0
+        self.imbalance: list[float] = []
 
-    def add(self, run_step: int, batch: PackedBatch, step_time: float, attn_time: float) -> None:
+    def add(self, run_step: int, batch: PackedBatch, step_time: float, attn_time: float,
+            imbalance: Optional[float] = None) -> None:
         mask = batch.mask
+        if imbalance is not None:
+            self.imbalance.append(imbalance)
         s = mask.seqlen_q
         pairs = mask.unmasked_pairs()
         self.pairs += pairs
@@ -276,6 +285,8 @@ class RunStats:
             "mask_sparsity": 1 - self.pairs / self.all_pairs if self.all_pairs else 0.0,
             "mask_skipped_vs_causal": 1 - self.pairs / self.causal_pairs if self.causal_pairs else 0.0,
             "measured_steps": self.steps,
+            "cp_imbalance": (sum(self.imbalance) / len(self.imbalance)
+                             if self.imbalance else None),
             "data_epoch": packer.epoch,
         }
         if self.steps:
@@ -307,6 +318,9 @@ def format_summary(s: dict) -> str:
             f"(backend {s['attention']}"
             + (f", CP balance={s['balance']} comm={s['comm']})" if s["world_size"] > 1 else ")"),
         ]
+    if s.get("cp_imbalance") is not None:
+        lines.append(f"CP balance     attention work max/mean over ranks {s['cp_imbalance']:.3f} "
+                     f"({s['balance']}; 1.0 = perfect)")
     return "\n".join(lines)
 
 
