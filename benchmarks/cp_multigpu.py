@@ -185,7 +185,9 @@ def run_flex_cp(mask, docs, tokens, rank, world, device, dtype, args, check: boo
     else:
         def mask_mod(b, h, q_idx, kv_idx):
             return q_idx >= kv_idx
-    block_mask = create_block_mask(mask_mod, 1, 1, tokens, tokens, device=device)
+    # Compiled on CUDA: the eager builder materialises tokens^2 booleans.
+    block_mask = create_block_mask(mask_mod, 1, 1, tokens, tokens, device=device,
+                                   _compile=device.type == "cuda")
     balancer, balancer_note = _flex_balancer(block_mask, docs, tokens, world, device)
     flex = torch.compile(flex_attention, dynamic=False) if device.type == "cuda" else flex_attention
 
@@ -260,7 +262,8 @@ def environment(device, world) -> dict:
     if device.type == "cuda":
         env["gpu"] = torch.cuda.get_device_name(device)
         env["gpu_count"] = torch.cuda.device_count()
-        env["nccl"] = ".".join(map(str, torch.cuda.nccl.version()))
+        v = torch.cuda.nccl.version()
+        env["nccl"] = ".".join(map(str, v)) if isinstance(v, tuple) else str(v)
         env["cuda"] = torch.version.cuda
     return env
 

@@ -13,6 +13,9 @@
 #
 # Options: --device cuda|cpu  --world N (default: all GPUs / 2 on CPU)  --tokens "T1 T2"
 #          --train-tokens T  --train-steps N  --budget-s S (attention part)  --out DIR
+# Environment: PYTHON (default .venv/bin/python), TRAIN_TIMEOUT (s per training run),
+#              MG_RUNS (training output folder).
+# Time on 8 GPUs (defaults): attention <= ~200 s + the run in progress, training 2 x <= 150 s.
 set -euo pipefail
 
 # NVLink SHARP / multicast off in every process (inherited by torchrun's workers).
@@ -41,12 +44,12 @@ if [[ $DEVICE == cuda ]]; then
   WORLD=${WORLD:-$($PY -c "import torch; print(torch.cuda.device_count())")}
   TOKENS=${TOKENS:-"131072 524288"}
   TRAIN_TOKENS=${TRAIN_TOKENS:-131072}
-  TRAIN_STEPS=${TRAIN_STEPS:-8}
-  BUDGET=${BUDGET:-300}
+  TRAIN_STEPS=${TRAIN_STEPS:-6}
+  BUDGET=${BUDGET:-200}
   OUT=${OUT:-benchmarks/results}
   ATTN_ARGS=(--heads 16 --kv-heads 8 --head-dim 128 --dtype bfloat16)
-  TRAIN_ARGS=(--preset bench-0.6b --warmup-exclude 3)
-  TRAIN_TIMEOUT=170
+  TRAIN_ARGS=(--preset bench-0.6b --warmup-exclude 2)
+  TRAIN_TIMEOUT=${TRAIN_TIMEOUT:-150}
 elif [[ $DEVICE == cpu ]]; then
   WORLD=${WORLD:-2}
   TOKENS=${TOKENS:-4096}
@@ -57,7 +60,7 @@ elif [[ $DEVICE == cpu ]]; then
   ATTN_ARGS=(--heads 2 --kv-heads 1 --head-dim 16 --dtype float32 --warmup 0 --iters 1
              --spreads corpus short causal)
   TRAIN_ARGS=(--preset tiny --warmup-exclude 1)
-  TRAIN_TIMEOUT=300
+  TRAIN_TIMEOUT=${TRAIN_TIMEOUT:-300}
 else
   echo "multigpu.sh: --device must be cuda or cpu" >&2; exit 2
 fi
@@ -69,9 +72,9 @@ ATTN_JSON=$OUT/cp_multigpu_attention.json
 RUN=("$PY" -m torch.distributed.run --standalone --nproc-per-node "$WORLD")
 echo "== multigpu.sh: $WORLD × $DEVICE, tokens: $TOKENS, out: $OUT"
 
-# (1) attention
+# (1) attention: no new run starts after --budget-s; the hard timeout covers the last one
 SECONDS=0
-"${RUN[@]}" benchmarks/cp_multigpu.py attention --device "$DEVICE" --tokens $TOKENS \
+timeout $((BUDGET + 150)) "${RUN[@]}" benchmarks/cp_multigpu.py attention --device "$DEVICE" --tokens $TOKENS \
   --budget-s "$BUDGET" --json "$ATTN_JSON" "${ATTN_ARGS[@]}" || echo "attention benchmark failed (rc=$?)"
 echo "== attention part: ${SECONDS}s"
 
