@@ -86,7 +86,8 @@ def run_backend(cfg, backend: str, batches, warmup: int, device: torch.device) -
     """Train ``len(batches)`` steps with one backend; time the steps after ``warmup``."""
     env = DistEnv(0, 1, device)
     torch.manual_seed(cfg.seed)
-    model = Transformer(cfg).to(device)
+    with torch.device(device):  # initialise in place (0.6B params: no CPU round trip)
+        model = Transformer(cfg)
     optimizer = build_optimizer(model, cfg)
     timer = AttentionTimer(device, True)
     cfg = cfg.replace(attention=backend)

@@ -51,10 +51,19 @@ def _flashmask3_attention(mask: FlashMask) -> AttentionFn:
 
 def _sdpa_attention(mask: FlashMask) -> AttentionFn:
     dense = mask.to_dense()  # [B, Hm, S, S] bool, True = attend
+    additive: dict = {}      # the -inf/0 mask in the compute dtype, built once per batch
+
+    def float_mask(dtype):
+        if dtype not in additive:
+            m = torch.zeros(dense.shape, dtype=dtype, device=dense.device)
+            additive[dtype] = m.masked_fill_(~dense, float("-inf"))
+        return additive[dtype]
 
     def attention(q, k, v):
         hq, hk = q.shape[2], k.shape[2]
-        m = dense if dense.shape[1] in (1, hq) else dense.repeat_interleave(hq // dense.shape[1], 1)
+        m = float_mask(q.dtype)
+        if m.shape[1] not in (1, hq):
+            m = m.repeat_interleave(hq // m.shape[1], 1)
         if hq != hk:  # repeat K/V so the fused masked kernels (not the math path) are eligible
             k, v = k.repeat_interleave(hq // hk, 2), v.repeat_interleave(hq // hk, 2)
         out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2),
