@@ -22,6 +22,7 @@ from __future__ import annotations
 import contextlib
 import json
 import math
+import os
 import sys
 import time
 from pathlib import Path
@@ -48,6 +49,12 @@ def train(cfg: TrainConfig) -> Optional[dict]:
     cfg.validate()
     device = resolve_device(cfg.device)
     cp = resolve_cp(cfg.cp, device)
+    launched = int(os.environ.get("WORLD_SIZE", "1"))
+    if launched > 1:  # under torchrun every process is one CP rank
+        if cfg.cp not in (0, launched):
+            raise ValueError(f"cp={cfg.cp} but torchrun started {launched} processes; "
+                             f"pass --cp {launched} or --cp 0")
+        cp = launched
     if cp > 1 and cfg.attention != "flashmask3":
         raise ValueError(f"attention={cfg.attention!r} has no context-parallel path; "
                          "use --attention flashmask3 with --cp > 1")
