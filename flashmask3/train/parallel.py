@@ -59,12 +59,15 @@ def resolve_device(name: str) -> torch.device:
 
 
 def resolve_cp(cp: int, device: torch.device) -> int:
-    """``cp=0`` means: every visible GPU, or 2 CPU ranks without a GPU."""
+    """``cp=0`` means: the visible GPUs (the largest power of two of them, so that sequence
+    lengths split evenly), or 2 CPU ranks without a GPU."""
     if cp:
         if device.type == "cuda" and cp > torch.cuda.device_count() and "WORLD_SIZE" not in os.environ:
             raise ValueError(f"cp={cp} needs {cp} GPUs, {torch.cuda.device_count()} visible")
         return cp
-    return max(1, torch.cuda.device_count()) if device.type == "cuda" else 2
+    if device.type != "cuda":
+        return 2
+    return 1 << (max(1, torch.cuda.device_count()).bit_length() - 1)
 
 
 def _free_port() -> int:

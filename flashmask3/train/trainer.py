@@ -58,8 +58,8 @@ def train(cfg: TrainConfig) -> Optional[dict]:
     if cp > 1 and cfg.attention != "flashmask3":
         raise ValueError(f"attention={cfg.attention!r} has no context-parallel path; "
                          "use --attention flashmask3 with --cp > 1")
-    if cp > 1 and cfg.seq_len % cp:
-        raise ValueError(f"seq_len ({cfg.seq_len}) must be divisible by cp ({cp})")
+    if cp > 1:
+        _check_cp_chunking(cfg, cp)
     reason = attention_available(cfg.attention, device)
     if reason:
         raise ValueError(f"attention={cfg.attention!r} cannot run: {reason}")
@@ -67,6 +67,18 @@ def train(cfg: TrainConfig) -> Optional[dict]:
     if cfg.resume and (path := latest_checkpoint(cfg.out_dir)) is not None:
         packer.load_state_dict(load_checkpoint(path, cfg.to_dict())["data"])
     return launch(run_rank, cp, device, cfg)
+
+
+def _check_cp_chunking(cfg: TrainConfig, cp: int) -> None:
+    """Fail early (in the launching process) if seq_len cannot be chunked over ``cp`` ranks."""
+    from flashmask3.distributed import plan
+    if cfg.seq_len % cp:
+        raise ValueError(f"seq_len ({cfg.seq_len}) must be divisible by cp ({cp})")
+    try:
+        plan(None, True, cp, balance=cfg.balance, seqlen=cfg.seq_len,
+             chunk_size=cfg.chunk_size or None)
+    except ValueError as exc:
+        raise ValueError(f"seq_len={cfg.seq_len}, cp={cp}, balance={cfg.balance}: {exc}") from None
 
 
 def lr_at(step: int, cfg: TrainConfig) -> float:

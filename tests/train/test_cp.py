@@ -49,3 +49,5 @@ def test_cp_rejects_backends_without_a_cp_path(tmp_path, jsonl_corpus):
         train(_cfg(tmp_path, "x", jsonl_corpus, cp=2, attention="sdpa"))
     with pytest.raises(ValueError, match="divisible by cp"):
         train(_cfg(tmp_path, "x", jsonl_corpus, cp=3, seq_len=256))
+    with pytest.raises(ValueError, match="seq_len=256, cp=2, balance=dual_chunk"):
+        train(_cfg(tmp_path, "x", jsonl_corpus, cp=2, balance="dual_chunk", chunk_size=96))
