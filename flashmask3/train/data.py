@@ -458,3 +458,19 @@ def make_packer(cfg) -> DocumentPacker:
     return DocumentPacker(corpus, cfg.seq_len, cfg.batch_size, seed=cfg.seed, mask=cfg.mask,
                           prefix_frac=cfg.prefix_frac, num_answers=cfg.num_answers,
                           max_doc_len=cfg.max_doc_len)
+
+
+def mask_picture(mask: fm_masks.FlashMask, row: int = 0, cells: int = 32) -> str:
+    """Text picture of one row's mask at tile level (``cells`` x ``cells`` tiles).
+
+    ``#`` a tile the kernel computes without masking, ``+`` one it masks element-wise, ``.``
+    one it skips entirely (rows = queries, columns = keys), from the same tile classification
+    the kernels use.
+    """
+    s = mask.seqlen_q
+    block = max(1, -(-s // cells))
+    cls = fm_masks.classify_tiles(mask.startend_row_indices[row:row + 1, :1], mask.causal, s,
+                                  mask.seqlen_k, block, block)[0, 0]
+    glyph = {fm_masks.SKIP: ".", fm_masks.PARTIAL: "+", fm_masks.UNMASKED: "#"}
+    return "\n".join("".join(glyph[int(c)] for c in line) for line in cls)
+

@@ -33,7 +33,7 @@ import torch
 from .attention import AttentionTimer, attention_available, make_attention
 from .checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint, set_rng_state
 from .config import TrainConfig
-from .data import PackedBatch, make_packer, mask_sparsity
+from .data import PackedBatch, make_packer, mask_picture, mask_sparsity
 from .model import (StepContext, Transformer, active_matmul_params, count_parameters,
                     loss_terms, model_flops_per_step)
 from .parallel import (CPShard, DistEnv, all_reduce_gradients, launch, resolve_cp,
@@ -161,7 +161,7 @@ def run_rank(env: DistEnv, cfg: TrainConfig) -> dict:
     if env.is_main:
         out_dir.mkdir(parents=True, exist_ok=True)
         (out_dir / "config.json").write_text(cfg.to_json())
-        _print_header(cfg, model, env, packer, start)
+        _print_header(cfg, model, env, packer, start, _peek(packer))
     timer = AttentionTimer(env.device, cfg.time_attention)
     bar = _progress(cfg, env, start)
     stats = RunStats(cfg, env)
@@ -210,6 +210,14 @@ def _maybe_resume(cfg, model, optimizer, packer, history, env) -> int:
     return int(ckpt["step"])
 
 
+def _peek(packer):
+    """The next batch, without moving the data position."""
+    state = packer.state_dict()
+    batch = packer.next_batch()
+    packer.load_state_dict(state)
+    return batch
+
+
 def _checkpoint(cfg, env, step, model, optimizer, packer, history) -> None:
     if env.is_main:
         save_checkpoint(cfg.out_dir, step, model, optimizer, packer.state_dict(),
@@ -243,7 +251,7 @@ def _report(bar, env, cfg, step, metrics, tokens_per_s) -> None:
             print(line, flush=True)
 
 
-def _print_header(cfg, model, env, packer, start) -> None:
+def _print_header(cfg, model, env, packer, start, first_batch=None) -> None:
     n_params = count_parameters(model)
     ffn = (f"MoE {cfg.moe_experts} experts top-{cfg.moe_top_k}" if cfg.moe_experts
            else f"SwiGLU {cfg.resolved_ffn_dim()}")
@@ -256,6 +264,15 @@ def _print_header(cfg, model, env, packer, start) -> None:
           f"{cfg.seq_len} byte tokens/step, mask {cfg.mask}", flush=True)
     print(f"[flashmask3] {par}; attention={cfg.attention}; device={env.device}; "
           f"steps {start + 1}..{cfg.steps}", flush=True)
+    if first_batch is not None:
+        lens = first_batch.doc_lens[0]
+        stats = mask_sparsity(first_batch.mask)
+        picture = mask_picture(first_batch.mask, cells=min(16, cfg.seq_len))
+        print(f"[flashmask3] first sequence: {len(lens)} documents {lens[:12]}"
+              f"{' ...' if len(lens) > 12 else ''}; the mask skips "
+              f"{100 * stats['sparsity']:.1f}% of (query, key) pairs. Tiles "
+              f"({'#'} computed, + masked element-wise, . skipped):", flush=True)
+        print("\n".join("    " + line for line in picture.splitlines()), flush=True)
 
 
 class RunStats:

@@ -169,3 +169,10 @@ def test_bad_data_arguments(tmp_path):
         DocumentPacker(open_corpus("default"), 64, mask="diagonal")
     with pytest.raises(ValueError, match="seq_len"):
         DocumentPacker(open_corpus("default"), 0)
+
+
+def test_mask_picture_shows_skipped_tiles():
+    from flashmask3.train.data import mask_picture
+    batch = build_batch([b"a" * 64], [[16, 16, 32]], "causal_document")
+    pic = mask_picture(batch.mask, cells=4).splitlines()
+    assert pic == ["+...", ".+..", "..+.", "..#+"]
