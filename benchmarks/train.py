@@ -218,7 +218,8 @@ def markdown(report: dict) -> str:
                          f"{100 * r['mask_sparsity']:.1f}% | ok |")
         else:
             lines.append(f"| {r['seq_len']} | {r['backend']} | - | - | - | - | "
-                         f"{100 * r['mask_sparsity']:.1f}% | {r['status']}: {r.get('reason', '')} |")
+                         f"{100 * r['mask_sparsity']:.1f}% | "
+                         f"{r['status']}: {r.get('reason', '')} |")
     for key, label in (("speedup_vs_flex", "flex"), ("speedup_vs_sdpa", "sdpa")):
         for s, v in report.get(key, {}).items():
             lines.append(f"\nflashmask3 / {label} at S={s}: **{v:.2f}x** tokens/s")

@@ -256,7 +256,7 @@ class _BackwardEnd(torch.autograd.Function):
 
 def attention_available(backend: str, device: torch.device, training: bool = True
                         ) -> Optional[str]:
-    """None if ``backend`` can run on ``device`` (with a backward when ``training``), else why not."""
+    """None if ``backend`` runs on ``device`` (with a backward if ``training``), else why not."""
     if backend == "flex" and not flex_available():
         return "torch.nn.attention.flex_attention is not available in this torch"
     if backend == "flex" and training and device.type != "cuda":

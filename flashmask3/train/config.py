@@ -90,7 +90,8 @@ class TrainConfig:
     # -- bookkeeping --------------------------------------------------------------------------
     out_dir: str = field(default="runs/flashmask3", metadata={
         "help": "checkpoints, loss curve, summary"})
-    checkpoint_every: int = field(default=100, metadata={"help": "steps between checkpoints (0: off)"})
+    checkpoint_every: int = field(default=100, metadata={
+        "help": "steps between checkpoints (0: off)"})
     resume: bool = field(default=True, metadata={"help": "resume from out_dir's latest checkpoint"})
     stop_at: int = field(default=0, metadata={
         "help": "stop after this step keeping the --steps schedule (simulates an interruption)"})
@@ -136,7 +137,8 @@ class TrainConfig:
             raise ValueError(f"n_heads ({self.n_heads}) must be divisible by n_kv_heads "
                              f"({self.n_kv_heads})")
         if (self.dim // self.n_heads) % 2:
-            raise ValueError(f"head dim dim/n_heads = {self.dim // self.n_heads} must be even (RoPE)")
+            raise ValueError(f"head dim dim/n_heads = {self.dim // self.n_heads} must be even "
+                             "(RoPE)")
         if self.moe_experts and not 1 <= self.moe_top_k <= self.moe_experts:
             raise ValueError(f"moe_top_k must be in [1, moe_experts={self.moe_experts}], "
                              f"got {self.moe_top_k}")
@@ -183,13 +185,14 @@ PRESETS: dict[str, dict[str, Any]] = {
     # Long files are cut into 256-byte documents so every sequence packs several of them.
     "demo": dict(seq_len=2048, batch_size=1, max_doc_len=256, dim=128, n_layers=4, n_heads=4,
                  n_kv_heads=2, ffn_dim=384, steps=300, lr=3e-3, warmup_steps=15, cp=0,
-                 checkpoint_every=100, log_every=25, out_dir="runs/demo"),
+                 checkpoint_every=100, log_every=25, resume=False, out_dir="runs/demo"),
     # Unit tests: seconds on one core.
     "tiny": dict(seq_len=128, batch_size=2, dim=32, n_layers=2, n_heads=4, n_kv_heads=2,
                  ffn_dim=64, steps=6, lr=3e-3, warmup_steps=2, checkpoint_every=0, log_every=1,
                  warmup_exclude=1, progress=False, plot=False, out_dir="runs/tiny"),
     # A small MoE variant of the demo.
-    "demo-moe": dict(seq_len=1024, batch_size=1, max_doc_len=256, dim=128, n_layers=4, n_heads=4, n_kv_heads=2,
+    "demo-moe": dict(seq_len=1024, batch_size=1, max_doc_len=256, dim=128, n_layers=4,
+                     n_heads=4, n_kv_heads=2,
                      ffn_dim=192, moe_experts=4, moe_top_k=2, steps=300, lr=3e-3,
                      warmup_steps=15, cp=0, checkpoint_every=100, log_every=25,
                      out_dir="runs/demo-moe"),

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Callable, Optional
+from typing import Callable
 
 import torch
 import torch.nn.functional as F
@@ -214,7 +214,8 @@ def active_matmul_params(cfg) -> int:
     d, hd = cfg.dim, cfg.head_dim
     attn = d * hd * (2 * cfg.n_heads + 2 * cfg.n_kv_heads)
     if cfg.moe_experts:
-        ffn = d * cfg.moe_experts + cfg.moe_top_k * 3 * d * (cfg.moe_ffn_dim or cfg.resolved_ffn_dim())
+        hidden = cfg.moe_ffn_dim or cfg.resolved_ffn_dim()
+        ffn = d * cfg.moe_experts + cfg.moe_top_k * 3 * d * hidden
     else:
         ffn = 3 * d * cfg.resolved_ffn_dim()
     return cfg.n_layers * (attn + ffn) + d * cfg.vocab_size

@@ -62,7 +62,8 @@ def resolve_cp(cp: int, device: torch.device) -> int:
     """``cp=0`` means: the visible GPUs (the largest power of two of them, so that sequence
     lengths split evenly), or 2 CPU ranks without a GPU."""
     if cp:
-        if device.type == "cuda" and cp > torch.cuda.device_count() and "WORLD_SIZE" not in os.environ:
+        under_torchrun = "WORLD_SIZE" in os.environ
+        if device.type == "cuda" and cp > torch.cuda.device_count() and not under_torchrun:
             raise ValueError(f"cp={cp} needs {cp} GPUs, {torch.cuda.device_count()} visible")
         return cp
     if device.type != "cuda":

@@ -31,7 +31,8 @@ from typing import Optional
 import torch
 
 from .attention import AttentionTimer, attention_available, make_attention
-from .checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint, set_rng_state
+from .checkpoint import (checkpoint_dir, latest_checkpoint, load_checkpoint, save_checkpoint,
+                         set_rng_state)
 from .config import TrainConfig
 from .data import PackedBatch, make_packer, mask_picture, mask_sparsity
 from .model import (StepContext, Transformer, active_matmul_params, count_parameters,
@@ -65,8 +66,29 @@ def train(cfg: TrainConfig) -> Optional[dict]:
         raise ValueError(f"attention={cfg.attention!r} cannot run: {reason}")
     packer = make_packer(cfg)  # fail here, not in N spawned ranks, on bad data or checkpoints
     if cfg.resume and (path := latest_checkpoint(cfg.out_dir)) is not None:
-        packer.load_state_dict(load_checkpoint(path, cfg.to_dict())["data"])
+        ckpt = load_checkpoint(path, cfg.to_dict())
+        packer.load_state_dict(ckpt["data"])
+        if ckpt["step"] >= cfg.steps:
+            print(f"[flashmask3] {cfg.out_dir} already holds a finished run (step "
+                  f"{ckpt['step']} of {cfg.steps}); nothing to do. Pass --no-resume to start "
+                  f"over or --out-dir for a new run.", flush=True)
+            summary = Path(cfg.out_dir) / "summary.json"
+            return json.loads(summary.read_text()) if summary.is_file() else None
+    elif not cfg.resume:
+        _remove_old_checkpoints(cfg.out_dir)
     return launch(run_rank, cp, device, cfg)
+
+
+def _remove_old_checkpoints(out_dir) -> None:
+    """A fresh start (--no-resume) drops this harness's old step_*.pt files from ``out_dir``, so
+    a later resume cannot pick up a stale run."""
+    d = checkpoint_dir(out_dir)
+    old = sorted(d.glob("step_*.pt")) if d.is_dir() else []
+    for path in old:
+        path.unlink(missing_ok=True)  # torchrun: every rank runs this
+    if old:
+        print(f"[flashmask3] starting over: removed {len(old)} old checkpoint(s) from {d}",
+              flush=True)
 
 
 def _check_cp_chunking(cfg: TrainConfig, cp: int) -> None:
@@ -319,7 +341,8 @@ class RunStats:
             "attention": cfg.attention, "balance": cfg.balance, "comm": cfg.comm,
             "mask": cfg.mask, "seq_len": cfg.seq_len, "batch_size": cfg.batch_size,
             "mask_sparsity": 1 - self.pairs / self.all_pairs if self.all_pairs else 0.0,
-            "mask_skipped_vs_causal": 1 - self.pairs / self.causal_pairs if self.causal_pairs else 0.0,
+            "mask_skipped_vs_causal": (1 - self.pairs / self.causal_pairs
+                                       if self.causal_pairs else 0.0),
             "measured_steps": self.steps,
             "cp_imbalance": (sum(self.imbalance) / len(self.imbalance)
                              if self.imbalance else None),

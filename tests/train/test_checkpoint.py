@@ -36,6 +36,11 @@ def test_resume_reproduces_the_uninterrupted_losses_exactly(tmp_path, jsonl_corp
     for name in a["model"]:
         assert torch.equal(a["model"][name], b["model"][name]), name
     assert a["data"] == b["data"]
+    # a finished run is not trained again; --no-resume starts over from scratch
+    assert train(_cfg(tmp_path, "split", jsonl_corpus))["final_step"] == 6
+    again = train(_cfg(tmp_path, "split", jsonl_corpus, resume=False, steps=3))
+    assert again["final_step"] == 3 and again["steps_run"] == 3
+    assert latest_checkpoint(tmp_path / "split").name == "step_00000003.pt"
 
 
 def test_corrupt_checkpoint_is_a_clear_error(tmp_path, jsonl_corpus):

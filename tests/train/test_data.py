@@ -6,8 +6,8 @@ import numpy as np
 import pytest
 import torch
 
-from flashmask3.train.data import (IGNORE_INDEX, MASK_TOKEN, DocumentPacker, JsonlCorpus, build_batch,
-                                   mask_sparsity, open_corpus, row_layout)
+from flashmask3.train.data import (IGNORE_INDEX, MASK_TOKEN, DocumentPacker, JsonlCorpus,
+                                   build_batch, mask_sparsity, open_corpus, row_layout)
 
 MASK_KINDS = ["causal_document", "document", "shared_question", "prefix_document"]
 
