@@ -365,7 +365,11 @@ def run_case(name: str, s: int, d: int, hq: int, hk: int, dtype, args) -> dict:
         gc.collect()
         torch.cuda.empty_cache()
     if "flashmask3" in rec["impls"] and "error" not in rec["impls"]["flashmask3"]:
+        from flashmask3.kernels import triton_flashmask as T
+
         fm = rec["impls"]["flashmask3"]
+        c = 0 if cols is None else cols.shape[-1]
+        fm["configs"] = {kind: str(T._config(kind, d, causal, c, dtype)) for kind in ("fwd", "dkdv", "dq")}
         fm["prep_ms"] = flashmask_prep_ms(mask, causal, s, d, dtype)
         fm["mask_bytes"] = mask_bytes(mask, causal, s, d, dtype)
     return rec
@@ -425,7 +429,7 @@ def markdown(results: list[dict], meta: dict) -> str:
               "(DESIGN.md §2: 4·B·Hq·D·unmasked pairs, bwd 2.5x, f+b 3.5x). `x flex` = Flex time / "
               "flashmask3 time for fwd+bwd. prep = flashmask3 mask preprocessing (summaries + ranges, "
               "fwd and bwd plans); build = Flex create_block_mask. mem = peak extra GB of one fwd+bwd.", ""]
-    hdr = ("| D | Hq:Hk | mask | S | docs | density | fm fwd | fm bwd | fm f+b | fm TF f/f+b | flex f+b | "
+    hdr = ("| ver | D | Hq:Hk | mask | S | docs | density | fm fwd | fm bwd | fm f+b | fm TF f/f+b | flex f+b | "
            "x flex | cuDNN f+b | flash f+b | varlen f+b | dense f+b | prep ms | build ms | fm/flex mem | targets |")
     lines += [hdr, "|" + "---|" * (hdr.count("|") - 1)]
     for r in sorted(results, key=lambda r: (r["D"], r["Hq"] != r["Hk"], MASKS.index(r["mask"]) if r["mask"] in MASKS else 99, r["S"])):
@@ -436,7 +440,7 @@ def markdown(results: list[dict], meta: dict) -> str:
             return _fmt(r["impls"].get(name, {}).get("fwd_bwd_ms"))
 
         lines.append("| " + " | ".join([
-            str(r["D"]), f"{r['Hq']}:{r['Hk']}", r["mask"], f"{r['S'] // 1024}K",
+            str(r.get("kernel_version", "?")), str(r["D"]), f"{r['Hq']}:{r['Hk']}", r["mask"], f"{r['S'] // 1024}K",
             _fmt(r["docs_per_row"], ".1f"), _fmt(r["density"], ".3f"),
             _fmt(fm.get("fwd_ms")), _fmt(fm.get("bwd_ms")), _fmt(fm.get("fwd_bwd_ms")),
             f"{_fmt(fm.get('tflops_fwd'), '.0f')}/{_fmt(fm.get('tflops_fwd_bwd'), '.0f')}",
@@ -485,11 +489,13 @@ def plot(results: list[dict], path: str) -> None:
 
 
 def report(files: list[str], out_dir: str) -> None:
-    results, meta = [], {}
-    for f in files:
+    by_case, meta = {}, {}
+    for f in files:  # later files replace earlier measurements of the same case
         with open(f) as fh:
             data = json.load(fh)
-        results.extend(data["results"])
+        for r in data["results"]:
+            r.setdefault("kernel_version", data["meta"].get("kernel_version", "?"))
+            by_case[(r["mask"], r["S"], r["D"], r["Hq"], r["Hk"])] = r
         for k, v in data["meta"].items():
             if k == "not_run":
                 meta.setdefault(k, []).extend(v)
@@ -497,6 +503,7 @@ def report(files: list[str], out_dir: str) -> None:
                 meta[k] = (meta[k] + " ; " + v) if k in meta else v
             else:
                 meta.setdefault(k, v)
+    results = list(by_case.values())
     done = {(r["mask"], r["S"], r["D"], r["Hq"], r["Hk"]) for r in results}
     meta["not_run"] = sorted(set(x for x in meta.get("not_run", []) if tuple(json.loads(x)) not in done)) \
         if meta.get("not_run") else []
@@ -550,8 +557,19 @@ def compiled_kernels_report(path: str) -> None:
                                                    "shared", "hgmma", "ldl_stl", "error")})
 
 
+FINAL_PLAN = (
+    [(m, 32768, 128, 32, 32) for m in MASKS]
+    + [("causal_document_corpus", 32768, 128, 32, 8), ("causal", 32768, 128, 32, 8)]
+    + [(m, 32768, d, 4096 // d, 4096 // d) for d in (64, 256) for m in ("causal_document_corpus", "causal")]
+    + [(m, 8192, 128, 32, 32) for m in MASKS]
+    + [(m, 131072, 128, 32, 32) for m in ("causal_document_corpus", "document_corpus", "sliding_window")]
+)
+
+
 def cases(args) -> list[tuple]:
     """(mask, S, D, Hq, Hk) in priority order: D=128 at 32K first, GQA, then 8K, then 128K."""
+    if args.plan == "final":
+        return list(FINAL_PLAN)
     out = []
     for d in args.dims:
         h = HIDDEN // d
@@ -579,6 +597,9 @@ def main(argv=None) -> int:
     ap.add_argument("--budget-s", type=float, default=1e9, help="stop starting new cases after this")
     ap.add_argument("--out", default="benchmarks/results")
     ap.add_argument("--tag", default="part")
+    ap.add_argument("--plan", default="grid", choices=["grid", "final"],
+                    help="grid: --dims x --seqlens x --masks; final: the prioritised list FINAL_PLAN")
+    ap.add_argument("--kernel-version", default="v2")
     ap.add_argument("--report", nargs="*", help="JSON files to merge into kernel.{json,md,png}")
     args = ap.parse_args(argv)
     if args.report:
@@ -592,9 +613,11 @@ def main(argv=None) -> int:
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[args.dtype]
     meta = dict(gpu=torch.cuda.get_device_name(), date=datetime.datetime.utcnow().isoformat() + "Z",
                 torch=torch.__version__, triton=triton.__version__, cuda=torch.version.cuda,
-                dtype=args.dtype, command="python " + " ".join(sys.argv), not_run=[])
+                dtype=args.dtype, command="python " + " ".join(sys.argv), not_run=[],
+                kernel_version=args.kernel_version,
+                autotune=os.environ.get("FLASHMASK3_TRITON_AUTOTUNE", "0"))
     try:
-        import torch.nn.attention.varlen  # noqa: F401
+        __import__("torch.nn.attention.varlen")
         meta["varlen"] = "torch.nn.attention.varlen available"
     except ImportError:
         meta["varlen"] = "torch.nn.attention.varlen does not exist in this torch"

@@ -306,7 +306,7 @@ def _fwd_inner(acc, l_i, m_i, q, offs_m, lo, hi,
 
 @triton.jit(do_not_specialize=_NO_SPEC)
 def _fwd_kernel(q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr, mask_ptr, sum_ptr, rng_ptr,
-                k_desc, v_desc,
+                k_desc, v_desc, q_desc,
                 scale_log2, Sq, Sk, Hq, Hk, Hm, NQB, NKB, mask_b_stride,
                 D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                 CAUSAL: tl.constexpr, C: tl.constexpr, NI: tl.constexpr,
@@ -326,7 +326,10 @@ def _fwd_kernel(q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr, mask_ptr, sum_ptr, rng_ptr,
     offs_m = m_blk * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, D)
     q_off = (b64 * Sq + offs_m)[:, None] * (Hq * D) + h * D + offs_d[None, :]
-    q = tl.load(q_ptr + q_off, mask=(offs_m < Sq)[:, None], other=0.0)
+    if USE_TMA:  # Q stays in shared memory as the wgmma A operand (saves registers)
+        q = q_desc.load([b * Sq + m_blk * BLOCK_M, h * D])
+    else:
+        q = tl.load(q_ptr + q_off, mask=(offs_m < Sq)[:, None], other=0.0)
 
     mbh = b64 * mask_b_stride + hm
     sptr = sum_ptr + mbh * NKB * 8
@@ -440,7 +443,7 @@ def _dkdv_inner(dk, dv, k, v, lo, hi, q_ptr, do_ptr, q_desc, do_desc, lse2_ptr, 
 
 @triton.jit(do_not_specialize=_NO_SPEC)
 def _dkdv_kernel(q_ptr, k_ptr, v_ptr, do_ptr, dk_ptr, dv_ptr, lse2_ptr, delta_ptr,
-                 mask_ptr, sum_ptr, rng_ptr, q_desc, do_desc,
+                 mask_ptr, sum_ptr, rng_ptr, q_desc, do_desc, k_desc, v_desc,
                  sm_scale, scale_log2, Sq, Sk, Hq, Hk, Hm, NQB, NKB, mask_b_stride,
                  D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                  CAUSAL: tl.constexpr, C: tl.constexpr, NI: tl.constexpr,
@@ -456,8 +459,12 @@ def _dkdv_kernel(q_ptr, k_ptr, v_ptr, do_ptr, dk_ptr, dv_ptr, lse2_ptr, delta_pt
     offs_d = tl.arange(0, D)
     kv_off = (b64 * Sk + offs_n)[:, None] * (Hk * D) + hk * D + offs_d[None, :]
     nmask = (offs_n < Sk)[:, None]
-    k = tl.load(k_ptr + kv_off, mask=nmask, other=0.0)
-    v = tl.load(v_ptr + kv_off, mask=nmask, other=0.0)
+    if USE_TMA:  # K, V stay in shared memory as wgmma A operands (saves registers)
+        k = k_desc.load([b * Sk + n_blk * BLOCK_N, hk * D])
+        v = v_desc.load([b * Sk + n_blk * BLOCK_N, hk * D])
+    else:
+        k = tl.load(k_ptr + kv_off, mask=nmask, other=0.0)
+        v = tl.load(v_ptr + kv_off, mask=nmask, other=0.0)
     dk = tl.zeros([BLOCK_N, D], dtype=tl.float32)
     dv = tl.zeros([BLOCK_N, D], dtype=tl.float32)
     for g in range(0, group):
@@ -533,7 +540,7 @@ def _dq_inner(dq, q, do, lse2, delta, offs_m, lo, hi, k_ptr, v_ptr, k_desc, v_de
 
 @triton.jit(do_not_specialize=_NO_SPEC)
 def _dq_kernel(q_ptr, k_ptr, v_ptr, do_ptr, dq_ptr, lse2_ptr, delta_ptr,
-               mask_ptr, sum_ptr, rng_ptr, k_desc, v_desc,
+               mask_ptr, sum_ptr, rng_ptr, k_desc, v_desc, q_desc, do_desc,
                sm_scale, scale_log2, Sq, Sk, Hq, Hk, Hm, NQB, NKB, mask_b_stride,
                D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                CAUSAL: tl.constexpr, C: tl.constexpr, NI: tl.constexpr,
@@ -554,8 +561,12 @@ def _dq_kernel(q_ptr, k_ptr, v_ptr, do_ptr, dq_ptr, lse2_ptr, delta_ptr,
     offs_d = tl.arange(0, D)
     rmask = offs_m < Sq
     q_off = (b64 * Sq + offs_m)[:, None] * (Hq * D) + h * D + offs_d[None, :]
-    q = tl.load(q_ptr + q_off, mask=rmask[:, None], other=0.0)
-    do = tl.load(do_ptr + q_off, mask=rmask[:, None], other=0.0)
+    if USE_TMA:  # Q, dO stay in shared memory as wgmma A operands (saves registers)
+        q = q_desc.load([b * Sq + m_blk * BLOCK_M, h * D])
+        do = do_desc.load([b * Sq + m_blk * BLOCK_M, h * D])
+    else:
+        q = tl.load(q_ptr + q_off, mask=rmask[:, None], other=0.0)
+        do = tl.load(do_ptr + q_off, mask=rmask[:, None], other=0.0)
     row = (b64 * Hq + h) * Sq + offs_m
     lse2 = tl.load(lse2_ptr + row, mask=rmask, other=float("inf"))
     delta = tl.load(delta_ptr + row, mask=rmask, other=0.0)
@@ -612,14 +623,14 @@ class Config:
 #: benchmarks/NOTES.md) and the usual FlashAttention shapes on sm_90.
 CANDIDATES: dict[tuple[str, int], list[Config]] = {
     ("fwd", 64): [Config(128, 128, 8, 3), Config(128, 64, 4, 3)],
-    ("fwd", 128): [Config(128, 128, 8, 2), Config(128, 64, 8, 3)],
-    ("fwd", 256): [Config(128, 32, 8, 2), Config(128, 64, 8, 2)],
-    ("dkdv", 64): [Config(64, 128, 8, 3), Config(32, 64, 4, 3)],
-    ("dkdv", 128): [Config(64, 64, 8, 2), Config(32, 64, 4, 3)],
-    ("dkdv", 256): [Config(64, 64, 8, 2), Config(32, 64, 8, 2)],
+    ("fwd", 128): [Config(128, 128, 8, 2), Config(128, 64, 8, 3), Config(128, 128, 8, 3)],
+    ("fwd", 256): [Config(128, 32, 8, 2), Config(64, 64, 4, 2)],
+    ("dkdv", 64): [Config(32, 128, 8, 3), Config(64, 128, 8, 3)],
+    ("dkdv", 128): [Config(32, 128, 8, 2), Config(64, 64, 8, 2)],
+    ("dkdv", 256): [Config(32, 64, 8, 2), Config(64, 64, 8, 2)],
     ("dq", 64): [Config(128, 64, 8, 3), Config(128, 128, 8, 2)],
     ("dq", 128): [Config(128, 64, 8, 2), Config(64, 64, 4, 2)],
-    ("dq", 256): [Config(64, 64, 8, 2), Config(64, 32, 4, 2)],
+    ("dq", 256): [Config(64, 64, 8, 2), Config(128, 32, 8, 2)],
 }
 
 #: Small tiles for the interpreter (CPU tests): several blocks even on 100-token sequences.
@@ -774,8 +785,9 @@ def _launch_fwd(q, k, v, mask, causal, softmax_scale, cfg: Config, plan: Plan):
     tma = _use_tma(q)
     k_desc = _desc(k.view(b * sk, hk * d), cfg.block_n, d) if tma else None
     v_desc = _desc(v.view(b * sk, hk * d), cfg.block_n, d) if tma else None
+    q_desc = _desc(q.view(b * sq, hq * d), cfg.block_m, d) if tma else None
     _fwd_kernel[(nqb, b * hq)](
-        q, k, v, out, lse, plan.mask, plan.summary, plan.ranges, k_desc, v_desc,
+        q, k, v, out, lse, plan.mask, plan.summary, plan.ranges, k_desc, v_desc, q_desc,
         softmax_scale * LOG2E, sq, sk, hq, hk, plan.hm, nqb, nkb, plan.mask_b_stride,
         D=d, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, CAUSAL=causal, C=plan.c, NI=plan.ni,
         USE_TMA=tma, PREC=_dot_precision(q.dtype), num_warps=cfg.num_warps,
@@ -827,8 +839,11 @@ def _launch_dkdv(q, k, v, dout, lse2, delta, causal, softmax_scale, cfg: Config,
     tma = _use_tma(q)
     q_desc = _desc(q.view(b * sq, hq * d), cfg.block_m, d) if tma else None
     do_desc = _desc(dout.view(b * sq, hq * d), cfg.block_m, d) if tma else None
+    k_desc = _desc(k.view(b * sk, hk * d), cfg.block_n, d) if tma else None
+    v_desc = _desc(v.view(b * sk, hk * d), cfg.block_n, d) if tma else None
     _dkdv_kernel[(nkb, b * hk)](
         q, k, v, dout, dk, dv, lse2, delta, plan.mask, plan.summary, plan.ranges, q_desc, do_desc,
+        k_desc, v_desc,
         softmax_scale, softmax_scale * LOG2E, sq, sk, hq, hk, plan.hm, nqb, nkb,
         plan.mask_b_stride, D=d, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, CAUSAL=causal,
         C=plan.c, NI=plan.ni, USE_TMA=tma, PREC=_dot_precision(q.dtype),
@@ -844,8 +859,11 @@ def _launch_dq(q, k, v, dout, lse2, delta, causal, softmax_scale, cfg: Config, p
     tma = _use_tma(q)
     k_desc = _desc(k.view(b * sk, hk * d), cfg.block_n, d) if tma else None
     v_desc = _desc(v.view(b * sk, hk * d), cfg.block_n, d) if tma else None
+    q_desc = _desc(q.view(b * sq, hq * d), cfg.block_m, d) if tma else None
+    do_desc = _desc(dout.view(b * sq, hq * d), cfg.block_m, d) if tma else None
     _dq_kernel[(nqb, b * hq)](
         q, k, v, dout, dq, lse2, delta, plan.mask, plan.summary, plan.ranges, k_desc, v_desc,
+        q_desc, do_desc,
         softmax_scale, softmax_scale * LOG2E, sq, sk, hq, hk, plan.hm, nqb, nkb,
         plan.mask_b_stride, D=d, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, CAUSAL=causal,
         C=plan.c, NI=plan.ni, USE_TMA=tma, PREC=_dot_precision(q.dtype),

@@ -59,18 +59,21 @@ def compile_one(kind: str, d: int, cfg: K.Config, causal: bool, c: int, dtype: s
         ptrs = {n: f"*{dtype}" for n in ("q_ptr", "k_ptr", "v_ptr", "o_ptr")}
         ptrs.update(lse_ptr="*fp32", mask_ptr="*i32", sum_ptr="*i32", rng_ptr="*i32")
         descs = {n: f"tensordesc<{dtype}[{cfg.block_n}, {d}]>" for n in ("k_desc", "v_desc")}
+        descs["q_desc"] = f"tensordesc<{dtype}[{cfg.block_m}, {d}]>"
     elif kind == "dkdv":
         kernel = K._dkdv_kernel
         ptrs = {n: f"*{dtype}" for n in ("q_ptr", "k_ptr", "v_ptr", "do_ptr", "dk_ptr", "dv_ptr")}
         ptrs.update(lse2_ptr="*fp32", delta_ptr="*fp32", mask_ptr="*i32", sum_ptr="*i32",
                     rng_ptr="*i32")
         descs = {n: f"tensordesc<{dtype}[{cfg.block_m}, {d}]>" for n in ("q_desc", "do_desc")}
+        descs.update({n: f"tensordesc<{dtype}[{cfg.block_n}, {d}]>" for n in ("k_desc", "v_desc")})
     else:
         kernel = K._dq_kernel
         ptrs = {n: f"*{dtype}" for n in ("q_ptr", "k_ptr", "v_ptr", "do_ptr", "dq_ptr")}
         ptrs.update(lse2_ptr="*fp32", delta_ptr="*fp32", mask_ptr="*i32", sum_ptr="*i32",
                     rng_ptr="*i32")
         descs = {n: f"tensordesc<{dtype}[{cfg.block_n}, {d}]>" for n in ("k_desc", "v_desc")}
+        descs.update({n: f"tensordesc<{dtype}[{cfg.block_m}, {d}]>" for n in ("q_desc", "do_desc")})
     if not tma:
         descs = {n: "constexpr" for n in descs}
         common.update({n: None for n in descs})
