@@ -229,7 +229,8 @@ GPU_CASES = ([(torch.bfloat16, 128, n) for n in _gpu_masks(256)]
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("dtype,d,name", GPU_CASES)
+@pytest.mark.parametrize("dtype,d,name", GPU_CASES,
+                         ids=[f"{str(t).split('.')[-1]}-{d}-{n}" for t, d, n in GPU_CASES])
 def test_gpu_against_float64_reference(dtype, d, name):
     """S=1500 (not a block multiple), GQA 4:2 -> float64 dense reference on the GPU."""
     s = 1500
