@@ -26,6 +26,7 @@ import json
 import os
 import sys
 import time
+import traceback
 from pathlib import Path
 
 import torch
@@ -167,10 +168,13 @@ def main(argv=None) -> int:
             else:
                 try:
                     row.update(run_backend(cfg, backend, batches, args.warmup, device))
-                except (RuntimeError, MemoryError) as exc:
-                    if not _is_oom(exc):
-                        raise
-                    row.update(status="OOM", reason=str(exc).splitlines()[0][:200])
+                except Exception as exc:  # one failing backend must not lose the others
+                    if _is_oom(exc):
+                        row.update(status="OOM", reason=str(exc).splitlines()[0][:200])
+                    else:
+                        traceback.print_exc()
+                        row.update(status="error", reason=f"{type(exc).__name__}: "
+                                   f"{str(exc).splitlines()[0][:200] if str(exc) else ''}")
             _cleanup(device)
             report["runs"].append(row)
             print(_row_line(row), flush=True)
