@@ -21,9 +21,14 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="flashmask3", description="Long-context training with FlashMask attention masks.")
     sub = parser.add_subparsers(dest="command", required=True)
-    demo = sub.add_parser("demo", help="the README demo (CP over 2 CPU ranks or all GPUs)")
+    note = ("Flag defaults shown are TrainConfig's; a --preset (demo: 'demo') overrides them "
+            "and explicit flags override the preset.")
+    demo = sub.add_parser("demo", help="the README demo (CP over 2 CPU ranks or all GPUs)",
+                          description="Train the 'demo' preset: ~0.85M params, 300 steps, "
+                                      "packed default-corpus documents, context parallel. "
+                                      + note)
     add_config_arguments(demo)
-    train = sub.add_parser("train", help="train with any configuration")
+    train = sub.add_parser("train", help="train with any configuration", description=note)
     add_config_arguments(train)
     data = sub.add_parser("data", help="show packed batches and mask sparsity")
     add_config_arguments(data)
