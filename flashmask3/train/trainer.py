@@ -191,9 +191,9 @@ def run_rank(env: DistEnv, cfg: TrainConfig) -> dict:
     stats = RunStats(cfg, env)
     end = min(cfg.steps, cfg.stop_at) if cfg.stop_at else cfg.steps
     for step in range(start + 1, end + 1):
+        t0 = time.perf_counter()  # step time includes packing the batch: end to end
         batch = packer.next_batch()
         lr = lr_at(step, cfg)
-        t0 = time.perf_counter()
         metrics = train_step(model, optimizer, batch, cfg, env, timer, lr)
         if env.device.type == "cuda":
             torch.cuda.synchronize()
