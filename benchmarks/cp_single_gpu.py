@@ -1,8 +1,9 @@
 """Per-rank attention cost of a context-parallel layout, measured on ONE GPU.
 
 For ``--cp`` ranks over a causal document mask of ``--tokens`` tokens, every rank's local
-attention problem (its query shard, its needed K/V chunks, its rank-local mask -- exactly what
-``cp_flashmask_attention`` computes on that rank, without the communication) is run one after
+attention problem (its query shard, its needed K/V chunks in global order, its rank-local mask
+-- what ``cp_flashmask_attention(comm="allgather")`` computes on that rank in one call, without
+the communication) is run one after
 another with ``flashmask3.flashmask_attention`` (the Triton kernel on CUDA). The slowest rank
 sets the step time of a real CP run, so we report it for ``dual_chunk`` vs ``sparse``.
 
@@ -72,7 +73,7 @@ def rank_problems(p, args, device, dtype):
         q, k, v = (torch.randn(1, n, h, args.head_dim, generator=g, device=device, dtype=dtype)
                    for n, h in ((p.local_seqlen, args.heads), (max(sk, 1), args.kv_heads),
                                 (max(sk, 1), args.kv_heads)))
-        yield r, q, k, v, (p.local_mask(r).to(device) if sk else None), sk
+        yield r, q, k, v, (p.local_mask(r, "sorted").to(device) if sk else None), sk
 
 
 def measure_layout(mask, balance, args, device, dtype) -> dict:

@@ -52,15 +52,10 @@ class _Runtime:
         self.backend = get_backend(_choose_backend(q))
         self.stages = plan.stages(rank)
         self.own = plan.chunks(rank)
-        cols = plan.local_mask(rank).startend_row_indices.to(q.device)
-        if cols.shape[0] == 1 and q.shape[0] > 1:
-            cols = cols.expand(q.shape[0], -1, -1, -1)
-        if cols.shape[0] != q.shape[0]:
-            raise ValueError(f"the plan's mask has batch {cols.shape[0]} but q has batch {q.shape[0]}")
-        if q.shape[2] % cols.shape[1]:
-            raise ValueError(f"the plan's mask has {cols.shape[1]} heads, which must divide the "
-                             f"{q.shape[2]} query heads")
-        self.cols = cols.contiguous()
+        # overlap: key axis in arrival order (stage by stage); allgather: one call, global order.
+        order = "arrival" if comm == "overlap" else "sorted"
+        self.key_chunks = plan.needed_chunks(rank, order)
+        self.cols = self._columns(plan.local_mask(rank, order).startend_row_indices, q)
         b, _, hk, d = k.shape
         self.dtype = k.dtype
         cs = plan.chunk_size
@@ -71,6 +66,19 @@ class _Runtime:
             bounds.append((start, start + len(stage) * cs))
             start += len(stage) * cs
         self.bounds = bounds
+
+    @staticmethod
+    def _columns(cols, q):
+        """The local mask columns on q's device, broadcast over q's batch if the mask has one."""
+        cols = cols.to(q.device)
+        if cols.shape[0] == 1 and q.shape[0] > 1:
+            cols = cols.expand(q.shape[0], -1, -1, -1)
+        if cols.shape[0] != q.shape[0]:
+            raise ValueError(f"the plan's mask has batch {cols.shape[0]} but q has batch {q.shape[0]}")
+        if q.shape[2] % cols.shape[1]:
+            raise ValueError(f"the plan's mask has {cols.shape[1]} heads, which must divide the "
+                             f"{q.shape[2]} query heads")
+        return cols.contiguous()
 
     # -- helpers -------------------------------------------------------------------------------
     def make_buffer(self, n: int, dtype=None) -> torch.Tensor:
@@ -135,7 +143,7 @@ def _forward_overlap(rt: _Runtime, q, k, v):
 
 def _forward_allgather(rt: _Runtime, q, k, v):
     gathered = all_gather_kv(rt.pg, torch.stack([k, v]), rt.plan.cp_size)
-    chunks = [c for stage in rt.stages for c in stage]
+    chunks = rt.key_chunks
     if not chunks:
         return _empty_result(q, v)
     ks, vs = rt.stage_kv(rt.gathered_store(gathered), chunks)
@@ -181,7 +189,7 @@ def _backward_overlap(rt: _Runtime, dout, dlse, q, k, v, out, lse):
 def _backward_allgather(rt: _Runtime, dout, dlse, q, k, v, out, lse):
     p = rt.plan
     gathered = all_gather_kv(rt.pg, torch.stack([k, v]), p.cp_size)
-    chunks = [c for stage in rt.stages for c in stage]
+    chunks = rt.key_chunks
     full = torch.zeros_like(gathered)
     dq = torch.zeros(q.shape, dtype=q.dtype, device=q.device)
     if chunks:

@@ -314,7 +314,7 @@ class CPPlan:
             self.rounds: list[Round] = _hierarchical_rounds(self._owned, self.need, nodes)
         else:
             self.rounds = _flat_rounds(self._owned, self.need, comm_rounds)
-        self._local_masks: dict[int, FlashMask] = {}
+        self._local_masks: dict[tuple[int, str], FlashMask] = {}
 
     # -- ownership ---------------------------------------------------------------------------
     def _check_rank(self, rank) -> int:
@@ -360,38 +360,50 @@ class CPPlan:
 
     # -- keys and communication ------------------------------------------------------------
     def stages(self, rank: int) -> list[tuple[int, ...]]:
-        """Needed KV chunks of ``rank`` grouped by arrival: [own chunks, round 0, round 1, ...].
+        """Needed KV chunks of ``rank`` grouped by arrival: [own chunks, round 0, round 1, ...],
+        ascending inside each stage (so a document's chunks stay contiguous within a stage and
+        the kernels' live key-block ranges stay tight).
 
         Chunks that a rank only relays (needed by another rank of its node) are not listed.
         """
         rank = self._check_rank(rank)
         out = [tuple(int(c) for c in self._owned[rank] if self.need[rank, c])]
         for rnd in self.rounds:
-            got = [c for t in rnd.recvs(rank) for c in t.chunks if self.need[rank, c]]
+            got = sorted(c for t in rnd.recvs(rank) for c in t.chunks if self.need[rank, c])
             out.append(tuple(got))
         return out
 
-    def needed_chunks(self, rank: int) -> tuple[int, ...]:
-        """KV chunks live for ``rank``'s rows, in arrival order (= the local key axis)."""
-        return tuple(c for stage in self.stages(rank) for c in stage)
+    def needed_chunks(self, rank: int, order: str = "arrival") -> tuple[int, ...]:
+        """KV chunks live for ``rank``'s rows: in arrival order (the local key axis of the
+        overlapped path) or ``order="sorted"`` (global order: one call over all keys)."""
+        chunks = tuple(c for stage in self.stages(rank) for c in stage)
+        if order == "sorted":
+            return tuple(sorted(chunks))
+        if order != "arrival":
+            raise ValueError(f"order must be 'arrival' or 'sorted', got {order!r}")
+        return chunks
 
-    def key_index(self, rank: int) -> torch.Tensor:
-        """Global key positions of ``rank``'s local key axis (arrival order)."""
-        return self._token_index(self.needed_chunks(rank))
+    def key_index(self, rank: int, order: str = "arrival") -> torch.Tensor:
+        """Global key positions of ``rank``'s local key axis."""
+        return self._token_index(self.needed_chunks(rank, order))
 
-    def local_mask(self, rank: int) -> FlashMask:
-        """The rank-local mask: rows = ``rows(rank)``, keys = ``key_index(rank)``, non-causal.
+    def local_mask(self, rank: int, order: str = "arrival") -> FlashMask:
+        """The rank-local mask: rows = ``rows(rank)``, keys = ``key_index(rank, order)``,
+        non-causal.
 
         Every global bound v becomes ``#{i in rows : i < v}`` and the causal diagonal is folded
         into an upper interval, so the local problem equals the global one restricted to the
-        rank's rows and needed keys (DESIGN.md §3).
+        rank's rows and needed keys (DESIGN.md §3). The key axis is the K/V arrival order by
+        default; ``order="sorted"`` keeps global order, best when all keys are present at once
+        (all-gather) since every document's keys are then contiguous.
         """
         rank = self._check_rank(rank)
-        if rank not in self._local_masks:
+        key = (rank, order)
+        if key not in self._local_masks:
             cols = rank_local_columns(self.startend_row_indices, self.causal, self.rows(rank),
-                                      self.key_index(rank))
-            self._local_masks[rank] = FlashMask(cols, False, self.local_seqlen)
-        return self._local_masks[rank]
+                                      self.key_index(rank, order))
+            self._local_masks[key] = FlashMask(cols, False, self.local_seqlen)
+        return self._local_masks[key]
 
     # -- accounting --------------------------------------------------------------------------
     def kv_tokens_moved(self, comm: str = "overlap") -> int:
@@ -489,6 +501,6 @@ def plan(startend_row_indices: Union[torch.Tensor, FlashMask, None], causal: Opt
     chunk_size = _check_int("chunk_size", chunk_size)
     _check_chunking(s, cp_size, balance, chunk_size)
     if comm_rounds is None:
-        comm_rounds = min(cp_size - 1, 3)
-    comm_rounds = max(1, min(_check_int("comm_rounds", comm_rounds), max(cp_size - 1, 1)))
+        comm_rounds = max(1, min(cp_size - 1, 3))
+    comm_rounds = min(_check_int("comm_rounds", comm_rounds), max(cp_size - 1, 1))
     return CPPlan(cols, causal, s, cp_size, balance, chunk_size, nodes, tile, comm_rounds)

@@ -11,8 +11,8 @@ from __future__ import annotations
 import pytest
 
 from tests.distributed.harness import RankError, run_distributed
-from tests.distributed.workers import (check_configs, check_mesh_and_lse, fail_on_rank_one,
-                                       stuck_rank, wrong_group_size)
+from tests.distributed.workers import (check_configs, check_mesh_and_lse, cp4_suite,
+                                       fail_on_rank_one, stuck_rank, wrong_group_size)
 from tests.helpers import named_masks
 
 ALL_MASKS = sorted(named_masks(64))
@@ -20,8 +20,8 @@ BALANCES = ["contiguous", "dual_chunk", "sparse"]
 COMMS = ["overlap", "allgather"]
 
 
-def test_cp4_every_mask_balance_comm_and_hierarchy():
-    run_distributed(check_configs, 4, 128, ALL_MASKS, BALANCES, COMMS, [1, 2], [None], 1)
+def test_cp4_every_mask_balance_comm_and_hierarchy_and_2d_mesh():
+    run_distributed(cp4_suite, 4, 128, ALL_MASKS, BALANCES, COMMS, [1, 2], [None], 1)
 
 
 def test_cp4_chunk_sizes_and_cp3_non_power_of_two():
@@ -36,9 +36,10 @@ def test_triton_kernel_under_the_interpreter():
                     env={"FLASHMASK3_BACKEND": "triton", "TRITON_INTERPRET": "1"})
 
 
-def test_device_mesh_group_and_lse_gradient():
+def test_device_mesh_group_lse_gradient_and_single_rank():
     run_distributed(check_mesh_and_lse, 2, 64, 4)
     run_distributed(wrong_group_size, 2, 64)
+    run_distributed(check_configs, 1, 64, ["causal_document", "qk_sparse"], BALANCES, COMMS, [1], [None], 6)
 
 
 def test_rank_error_surfaces_without_hanging():

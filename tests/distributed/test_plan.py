@@ -26,16 +26,22 @@ def _check_local_masks(mask, balance, cp, nodes):
     dense = mask.to_dense()
     seen = torch.zeros(96, dtype=torch.long)
     for r in range(cp):
-        rows, keys = p.rows(r), p.key_index(r)
+        rows = p.rows(r)
         seen[rows] += 1
-        local = p.local_mask(r)
-        assert local.causal is False
-        want = dense[:, :, rows][:, :, :, keys]
-        assert torch.equal(local.to_dense().expand_as(want), want)
-        dropped = torch.ones(96, dtype=torch.bool)
-        dropped[keys] = False
-        assert not dense[:, :, rows][:, :, :, dropped].any()
-        assert len(set(p.needed_chunks(r))) == len(p.needed_chunks(r))
+        for order in ("arrival", "sorted"):
+            keys = p.key_index(r, order)
+            local = p.local_mask(r, order)
+            assert local.causal is False
+            want = dense[:, :, rows][:, :, :, keys]
+            assert torch.equal(local.to_dense().expand_as(want), want)
+            dropped = torch.ones(96, dtype=torch.bool)
+            dropped[keys] = False
+            assert not dense[:, :, rows][:, :, :, dropped].any()
+        arrival = p.needed_chunks(r)
+        assert len(set(arrival)) == len(arrival) and sorted(arrival) == list(p.needed_chunks(r, "sorted"))
+        own = set(p.chunks(r))
+        first = p.stages(r)[0]
+        assert set(first) <= own and set(arrival[len(first):]).isdisjoint(own)  # own chunks first
     assert torch.equal(seen, torch.ones(96, dtype=torch.long))  # a partition of the tokens
 
 

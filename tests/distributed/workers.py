@@ -122,3 +122,33 @@ def stuck_rank(rank, world):
 
         time.sleep(3600)
     dist.all_reduce(torch.ones(1))
+
+
+def check_submesh(rank, world, seqlen, seed):
+    """CP over the 'cp' dimension of a 2-D (dp, cp) DeviceMesh: group ranks differ from global
+    ranks, so point-to-point peers must be addressed within the group."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu", (2, world // 2), mesh_dim_names=("dp", "cp"))
+    cp_group = mesh.get_group("cp")
+    cp_rank, cp_size = dist.get_rank(cp_group), dist.get_world_size(cp_group)
+    dp_rank = mesh.get_local_rank("dp")
+    masks = named_masks(seqlen, batch_size=B, num_heads=HK)
+    name = ["causal_document", "sliding_window"][dp_rank]  # each replica its own mask
+    q, k, v, do = _inputs(seqlen, seed + dp_rank)
+    ref = _reference(q, k, v, do, masks[name])
+    for group in ((mesh, "cp"), mesh["cp"], cp_group):
+        for comm in ("overlap", "allgather"):
+            for nodes in (1, 2):
+                p = plan(masks[name], None, cp_size, balance="sparse", nodes=nodes)
+                out, dq, dk, dv, _ = _run_cp(q, k, v, do, p, cp_rank, comm, group=group)
+                tag = f"rank {rank} (dp {dp_rank}, cp {cp_rank}) group={type(group).__name__} {comm} nodes={nodes}"
+                for label, got, want in (("out", out, ref[0]), ("dq", dq, ref[2]), ("dk", dk, ref[3]),
+                                         ("dv", dv, ref[4])):
+                    _close(label, got, p.shard(want, cp_rank), tag)
+
+
+def cp4_suite(rank, world, seqlen, masks, balances, comms, nodes_list, chunk_sizes, seed):
+    """Everything that needs 4 ranks, in one process group."""
+    check_configs(rank, world, seqlen, masks, balances, comms, nodes_list, chunk_sizes, seed)
+    check_submesh(rank, world, seqlen, seed)
