@@ -86,27 +86,30 @@ def flex_available() -> bool:
     return True
 
 
-def _flex_fn(device: torch.device):
-    """``flex_attention``, compiled once on CUDA (the fused kernel), eager elsewhere."""
+def _flex_fn(device: torch.device, compiled: bool):
+    """``flex_attention``, compiled once (the fused kernel; always on GPU), or eager."""
     global _COMPILED_FLEX
     from torch.nn.attention.flex_attention import flex_attention
-    if device.type != "cuda":
+    if not compiled:
         return flex_attention
     if _COMPILED_FLEX is None:
         _COMPILED_FLEX = torch.compile(flex_attention, dynamic=False)
     return _COMPILED_FLEX
 
 
-def flex_mask_mod(cols: torch.Tensor, causal: bool):
+def flex_mask_mod(columns: tuple, causal: bool):
     """A FlexAttention ``mask_mod`` (True = attend) for the DESIGN.md §1 column semantics.
 
-    ``cols``: int64 ``[B, Hm, S, C]`` column vectors, read inside the mask_mod (so refilling
-    the same tensor with the next batch's mask needs no recompilation).
+    ``columns``: the C column vectors, each ``[B, S]`` (one mask head) or ``[B, H, S]`` (one
+    per query head), read inside the mask_mod, so refilling the same tensors with the next
+    batch's mask needs no recompilation. (Plain 2-D/3-D gathers: FlexAttention's vmap-based
+    block-mask builder rejects indexing a 4-D tensor with constant indices.)
     """
-    c = cols.shape[-1]
-    per_head = cols.shape[1] > 1
-    col = (lambda b, h, kv, i: cols[b, h, kv, i]) if per_head else \
-        (lambda b, h, kv, i: cols[b, 0, kv, i])
+    c = len(columns)
+    if columns[0].dim() == 3:
+        col = lambda b, h, kv, i: columns[i][b, h, kv]  # noqa: E731
+    else:
+        col = lambda b, h, kv, i: columns[i][b, kv]  # noqa: E731
 
     def mask_mod(b, h, q_idx, kv_idx):
         if causal and c == 1:
@@ -124,7 +127,7 @@ def flex_mask_mod(cols: torch.Tensor, causal: bool):
     return mask_mod
 
 
-# One (column buffer, mask_mod) per mask shape: every batch of a run reuses them, so the
+# One (column buffers, mask_mod) per mask shape: every batch of a run reuses them, so the
 # compiled block-mask builder and flex kernel are not recompiled for each new mask.
 _FLEX_MASK_MODS: dict = {}
 
@@ -132,30 +135,38 @@ _FLEX_MASK_MODS: dict = {}
 def _cached_mask_mod(mask: FlashMask):
     t = mask.startend_row_indices
     key = (tuple(t.shape), mask.causal, str(t.device))
+    per_head = t.shape[1] > 1
     if key not in _FLEX_MASK_MODS:
-        buf = torch.empty(t.shape, dtype=torch.int64, device=t.device)
-        _FLEX_MASK_MODS[key] = (buf, flex_mask_mod(buf, mask.causal))
-    buf, mask_mod = _FLEX_MASK_MODS[key]
-    buf.copy_(t)
+        shape = (t.shape[0], t.shape[1], t.shape[2]) if per_head else (t.shape[0], t.shape[2])
+        bufs = tuple(torch.empty(shape, dtype=torch.int32, device=t.device)
+                     for _ in range(t.shape[3]))
+        _FLEX_MASK_MODS[key] = (bufs, flex_mask_mod(bufs, mask.causal))
+    bufs, mask_mod = _FLEX_MASK_MODS[key]
+    for i, buf in enumerate(bufs):
+        buf.copy_(t[..., i] if per_head else t[:, 0, :, i])
     return mask_mod
 
 
-def _flex_attention(mask: FlashMask) -> AttentionFn:
+def _flex_attention(mask: FlashMask, compiled: Optional[bool] = None) -> AttentionFn:
+    """FlexAttention on ``mask``; ``compiled`` (default: on GPU) compiles the block-mask builder
+    and the kernel, otherwise both run eagerly (CPU: forward only, for checks)."""
     if not flex_available():
         raise RuntimeError("the flex backend needs torch.nn.attention.flex_attention "
                            "(torch >= 2.5); pick --attention flashmask3 or sdpa")
     from torch.nn.attention.flex_attention import create_block_mask
     t = mask.startend_row_indices
     s = mask.seqlen_q
-    heads = t.shape[1] if t.shape[1] > 1 else None
-    on_gpu = t.device.type == "cuda"
-    block_mask = create_block_mask(_cached_mask_mod(mask), t.shape[0], heads, s, s,
-                                   device=t.device, _compile=on_gpu)
-    fn = _flex_fn(t.device)
+    heads = t.shape[1] if t.shape[1] > 1 else None  # per-head masks: one per query head
+    compiled = t.device.type == "cuda" if compiled is None else compiled
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*_compile flag on create_block_mask.*")
+        block_mask = create_block_mask(_cached_mask_mod(mask), t.shape[0], heads, s, s,
+                                       device=t.device, _compile=compiled)
+    fn = _flex_fn(t.device, compiled)
 
     def attention(q, k, v):
         with warnings.catch_warnings():
-            if not on_gpu:  # eager flex off GPU is intended here (checks only): no nagging
+            if not compiled:  # eager flex is intended here (checks only): no nagging
                 warnings.filterwarnings("ignore", message=".*without torch.compile.*")
             out = fn(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
                      block_mask=block_mask, enable_gqa=q.shape[2] != k.shape[2])

@@ -102,3 +102,19 @@ def test_bad_backend_and_mask_arguments(jsonl_corpus):
         make_attention("cudnn", batch.mask)
     with pytest.raises(TypeError, match="mask must be a FlashMask"):
         make_attention("sdpa", batch.mask.startend_row_indices)
+
+
+@pytest.mark.skipif(not flex_available(), reason="no FlexAttention in this torch")
+def test_flex_compiled_path_matches_dense(jsonl_corpus):
+    """The GPU flex path (compiled block-mask builder + compiled kernel, forward) on CPU: the
+    column mask_mod must trace and give the dense-mask result for every mask kind."""
+    from flashmask3.train.attention import _flex_attention
+    torch.manual_seed(0)
+    q, k, v = torch.randn(2, 128, 4, 16), torch.randn(2, 128, 2, 16), torch.randn(2, 128, 2, 16)
+    for kind in ("causal_document", "document", "shared_question", "prefix_document"):
+        batch = DocumentPacker(open_corpus(jsonl_corpus), 128, batch_size=2, seed=4,
+                               mask=kind).next_batch()
+        got = _flex_attention(batch.mask, compiled=True)(q, k, v)
+        want = make_attention("sdpa", batch.mask)(q, k, v)
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4, msg=kind)
+
