@@ -428,7 +428,9 @@ def markdown(results: list[dict], meta: dict) -> str:
     lines += ["", "Times are medians in ms (fwd / bwd / fwd+bwd); TFLOP/s are effective "
               "(DESIGN.md §2: 4·B·Hq·D·unmasked pairs, bwd 2.5x, f+b 3.5x). `x flex` = Flex time / "
               "flashmask3 time for fwd+bwd. prep = flashmask3 mask preprocessing (summaries + ranges, "
-              "fwd and bwd plans); build = Flex create_block_mask. mem = peak extra GB of one fwd+bwd.", ""]
+              "fwd and bwd plans); build = Flex create_block_mask. mem = peak extra GB of one fwd+bwd. "
+              "ver = flashmask3 kernel version of that row (benchmarks/NOTES.md: v1 = first kernels, v2 = "
+              "A operands through TMA + new forward configs; a later run of a case replaces an earlier one).", ""]
     hdr = ("| ver | D | Hq:Hk | mask | S | docs | density | fm fwd | fm bwd | fm f+b | fm TF f/f+b | flex f+b | "
            "x flex | cuDNN f+b | flash f+b | varlen f+b | dense f+b | prep ms | build ms | fm/flex mem | targets |")
     lines += [hdr, "|" + "---|" * (hdr.count("|") - 1)]
@@ -499,7 +501,7 @@ def report(files: list[str], out_dir: str) -> None:
         for k, v in data["meta"].items():
             if k == "not_run":
                 meta.setdefault(k, []).extend(v)
-            elif k == "command":
+            elif k in ("command", "date"):
                 meta[k] = (meta[k] + " ; " + v) if k in meta else v
             else:
                 meta.setdefault(k, v)

@@ -14,18 +14,25 @@ How the work is organised (DESIGN.md §2):
    blocks for the dK/dV pass. The attention loops visit only these ranges.
 3. **Attention loops** classify each visited tile with :func:`_classify_rule` (the ``@jit``
    twin of :func:`flashmask3.masks.blocks.classify_tiles`): UNMASKED tiles run with no mask
-   work; PARTIAL tiles (and the causal diagonal) apply the element-wise rule of DESIGN.md §1;
-   SKIP tiles inside a range are never computed (the loads are issued by the pipeline, the
-   matrix products are not).
+   work; PARTIAL tiles (and the causal diagonal) apply the element-wise rule of DESIGN.md §1.
+   Tiles outside the ranges are never loaded nor computed. The first range is exactly one run
+   of live tiles; a SKIP tile inside the second range (a mask with three or more separate
+   runs of live key blocks for one query block, e.g. random per-column masks) is computed and
+   then fully masked by the element rule: correct, and kept off the hot path so that the loop
+   body has no data-dependent branch around its loads and matrix products (which would stop
+   Triton from pipelining them).
 4. **Backward**: a delta pre-pass (``rowsum(dO*O) - dlse``, plus ``lse`` in base 2 with
    ``+inf`` on fully masked rows), a dK/dV pass with one program per key block and KV head
    that loops over the query heads of its GQA group, and a dQ pass with one program per query
    block. No atomics, so the backward is deterministic.
 
-Hopper specifics: K/V (and Q/dO in the backward) are read through host-side tensor
-descriptors (TMA) when the GPU has compute capability >= 9; the loops are software pipelined
-(``num_stages``); block shapes and warps come from a small per-(kernel, D, causal, C, dtype)
-table that :func:`autotune` can refine on the device.
+Hopper specifics: the tiles streamed by each loop (K/V in the forward and dQ passes, Q/dO in
+the dK/dV pass) are read through host-side tensor descriptors (TMA) when the GPU has compute
+capability >= 9, and the loop-invariant A operands optionally too (:data:`A_OPERAND_IN_SMEM`);
+the loops are software pipelined (``num_stages``); block shapes and warps come from a small
+per-(kernel, D) candidate table (:data:`CANDIDATES`, chosen from the sm_90 register/spill
+report, :mod:`flashmask3.kernels.triton_report`) that :func:`autotune` refines on the device,
+keyed on (kernel, D, causal, C, dtype). Measurements and their history: benchmarks/NOTES.md.
 
 The module imports without a GPU; under ``TRITON_INTERPRET=1`` it runs on CPU tensors
 (fp32/fp16), which is how CI tests it.
@@ -310,7 +317,7 @@ def _fwd_kernel(q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr, mask_ptr, sum_ptr, rng_ptr,
                 scale_log2, Sq, Sk, Hq, Hk, Hm, NQB, NKB, mask_b_stride,
                 D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                 CAUSAL: tl.constexpr, C: tl.constexpr, NI: tl.constexpr,
-                USE_TMA: tl.constexpr, PREC: tl.constexpr):
+                USE_TMA: tl.constexpr, PREC: tl.constexpr, A_SMEM: tl.constexpr):
     """One program per (query block, batch*query head): O and LSE of BLOCK_M query rows."""
     pid = tl.program_id(0)
     if CAUSAL:
@@ -326,7 +333,7 @@ def _fwd_kernel(q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr, mask_ptr, sum_ptr, rng_ptr,
     offs_m = m_blk * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, D)
     q_off = (b64 * Sq + offs_m)[:, None] * (Hq * D) + h * D + offs_d[None, :]
-    if USE_TMA:  # Q stays in shared memory as the wgmma A operand (saves registers)
+    if USE_TMA and A_SMEM:  # Q stays in shared memory as the wgmma A operand (saves registers)
         q = q_desc.load([b * Sq + m_blk * BLOCK_M, h * D])
     else:
         q = tl.load(q_ptr + q_off, mask=(offs_m < Sq)[:, None], other=0.0)
@@ -447,7 +454,7 @@ def _dkdv_kernel(q_ptr, k_ptr, v_ptr, do_ptr, dk_ptr, dv_ptr, lse2_ptr, delta_pt
                  sm_scale, scale_log2, Sq, Sk, Hq, Hk, Hm, NQB, NKB, mask_b_stride,
                  D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                  CAUSAL: tl.constexpr, C: tl.constexpr, NI: tl.constexpr,
-                 USE_TMA: tl.constexpr, PREC: tl.constexpr):
+                 USE_TMA: tl.constexpr, PREC: tl.constexpr, A_SMEM: tl.constexpr):
     """One program per (key block, batch*KV head); loops over the query heads of its group."""
     n_blk = tl.program_id(0)
     bh = tl.program_id(1)
@@ -459,7 +466,7 @@ def _dkdv_kernel(q_ptr, k_ptr, v_ptr, do_ptr, dk_ptr, dv_ptr, lse2_ptr, delta_pt
     offs_d = tl.arange(0, D)
     kv_off = (b64 * Sk + offs_n)[:, None] * (Hk * D) + hk * D + offs_d[None, :]
     nmask = (offs_n < Sk)[:, None]
-    if USE_TMA:  # K, V stay in shared memory as wgmma A operands (saves registers)
+    if USE_TMA and A_SMEM:  # K, V stay in shared memory as wgmma A operands (saves registers)
         k = k_desc.load([b * Sk + n_blk * BLOCK_N, hk * D])
         v = v_desc.load([b * Sk + n_blk * BLOCK_N, hk * D])
     else:
@@ -544,7 +551,7 @@ def _dq_kernel(q_ptr, k_ptr, v_ptr, do_ptr, dq_ptr, lse2_ptr, delta_ptr,
                sm_scale, scale_log2, Sq, Sk, Hq, Hk, Hm, NQB, NKB, mask_b_stride,
                D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                CAUSAL: tl.constexpr, C: tl.constexpr, NI: tl.constexpr,
-               USE_TMA: tl.constexpr, PREC: tl.constexpr):
+               USE_TMA: tl.constexpr, PREC: tl.constexpr, A_SMEM: tl.constexpr):
     """One program per (query block, batch*query head): dQ of BLOCK_M rows."""
     pid = tl.program_id(0)
     if CAUSAL:
@@ -561,7 +568,7 @@ def _dq_kernel(q_ptr, k_ptr, v_ptr, do_ptr, dq_ptr, lse2_ptr, delta_ptr,
     offs_d = tl.arange(0, D)
     rmask = offs_m < Sq
     q_off = (b64 * Sq + offs_m)[:, None] * (Hq * D) + h * D + offs_d[None, :]
-    if USE_TMA:  # Q, dO stay in shared memory as wgmma A operands (saves registers)
+    if USE_TMA and A_SMEM:  # Q, dO stay in shared memory as wgmma A operands (saves registers)
         q = q_desc.load([b * Sq + m_blk * BLOCK_M, h * D])
         do = do_desc.load([b * Sq + m_blk * BLOCK_M, h * D])
     else:
@@ -623,14 +630,14 @@ class Config:
 #: benchmarks/NOTES.md) and the usual FlashAttention shapes on sm_90.
 CANDIDATES: dict[tuple[str, int], list[Config]] = {
     ("fwd", 64): [Config(128, 128, 8, 3), Config(128, 64, 4, 3)],
-    ("fwd", 128): [Config(128, 128, 8, 2), Config(128, 64, 8, 3), Config(128, 128, 8, 3)],
+    ("fwd", 128): [Config(128, 128, 8, 3), Config(128, 128, 8, 2), Config(128, 64, 8, 3)],
     ("fwd", 256): [Config(128, 32, 8, 2), Config(64, 64, 4, 2)],
-    ("dkdv", 64): [Config(32, 128, 8, 3), Config(64, 128, 8, 3)],
-    ("dkdv", 128): [Config(32, 128, 8, 2), Config(64, 64, 8, 2)],
-    ("dkdv", 256): [Config(32, 64, 8, 2), Config(64, 64, 8, 2)],
+    ("dkdv", 64): [Config(64, 128, 8, 3), Config(32, 64, 4, 3)],
+    ("dkdv", 128): [Config(64, 64, 8, 2), Config(32, 64, 4, 3)],
+    ("dkdv", 256): [Config(64, 64, 8, 2), Config(32, 64, 8, 2)],
     ("dq", 64): [Config(128, 64, 8, 3), Config(128, 128, 8, 2)],
     ("dq", 128): [Config(128, 64, 8, 2), Config(64, 64, 4, 2)],
-    ("dq", 256): [Config(64, 64, 8, 2), Config(128, 32, 8, 2)],
+    ("dq", 256): [Config(64, 64, 8, 2), Config(64, 32, 4, 2)],
 }
 
 #: Small tiles for the interpreter (CPU tests): several blocks even on 100-token sequences.
@@ -672,6 +679,21 @@ def _use_tma(x: torch.Tensor) -> bool:
     if flag == "1":
         return True
     return x.is_cuda and torch.cuda.get_device_capability(x.device)[0] >= 9
+
+
+#: Whether the loop-invariant wgmma A operands (Q in the forward; K, V in dK/dV; Q, dO in dQ)
+#: are read through TMA into shared memory (True) or loaded into registers (False). Measured
+#: on the H200 (benchmarks/NOTES.md, v1 vs v2): shared memory helps the forward (+7% at 32K),
+#: registers are faster in both backward kernels (v2 backward was ~10% slower).
+#: Override with FLASHMASK3_TRITON_A_SMEM="fwd,dkdv,dq" (a comma list of kernels) for experiments.
+A_OPERAND_IN_SMEM = {"fwd": True, "dkdv": False, "dq": False}
+
+
+def _a_smem(kind: str) -> bool:
+    env = os.environ.get("FLASHMASK3_TRITON_A_SMEM")
+    if env is not None:
+        return kind in env.split(",")
+    return A_OPERAND_IN_SMEM[kind]
 
 
 def _num_intervals(causal: bool, c: int) -> int:
@@ -785,12 +807,12 @@ def _launch_fwd(q, k, v, mask, causal, softmax_scale, cfg: Config, plan: Plan):
     tma = _use_tma(q)
     k_desc = _desc(k.view(b * sk, hk * d), cfg.block_n, d) if tma else None
     v_desc = _desc(v.view(b * sk, hk * d), cfg.block_n, d) if tma else None
-    q_desc = _desc(q.view(b * sq, hq * d), cfg.block_m, d) if tma else None
+    q_desc = _desc(q.view(b * sq, hq * d), cfg.block_m, d) if tma and _a_smem("fwd") else None
     _fwd_kernel[(nqb, b * hq)](
         q, k, v, out, lse, plan.mask, plan.summary, plan.ranges, k_desc, v_desc, q_desc,
         softmax_scale * LOG2E, sq, sk, hq, hk, plan.hm, nqb, nkb, plan.mask_b_stride,
         D=d, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, CAUSAL=causal, C=plan.c, NI=plan.ni,
-        USE_TMA=tma, PREC=_dot_precision(q.dtype), num_warps=cfg.num_warps,
+        USE_TMA=tma, PREC=_dot_precision(q.dtype), A_SMEM=_a_smem("fwd"), num_warps=cfg.num_warps,
         num_stages=cfg.num_stages)
     return out, lse
 
@@ -839,14 +861,14 @@ def _launch_dkdv(q, k, v, dout, lse2, delta, causal, softmax_scale, cfg: Config,
     tma = _use_tma(q)
     q_desc = _desc(q.view(b * sq, hq * d), cfg.block_m, d) if tma else None
     do_desc = _desc(dout.view(b * sq, hq * d), cfg.block_m, d) if tma else None
-    k_desc = _desc(k.view(b * sk, hk * d), cfg.block_n, d) if tma else None
-    v_desc = _desc(v.view(b * sk, hk * d), cfg.block_n, d) if tma else None
+    k_desc = _desc(k.view(b * sk, hk * d), cfg.block_n, d) if tma and _a_smem("dkdv") else None
+    v_desc = _desc(v.view(b * sk, hk * d), cfg.block_n, d) if tma and _a_smem("dkdv") else None
     _dkdv_kernel[(nkb, b * hk)](
         q, k, v, dout, dk, dv, lse2, delta, plan.mask, plan.summary, plan.ranges, q_desc, do_desc,
         k_desc, v_desc,
         softmax_scale, softmax_scale * LOG2E, sq, sk, hq, hk, plan.hm, nqb, nkb,
         plan.mask_b_stride, D=d, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, CAUSAL=causal,
-        C=plan.c, NI=plan.ni, USE_TMA=tma, PREC=_dot_precision(q.dtype),
+        C=plan.c, NI=plan.ni, USE_TMA=tma, PREC=_dot_precision(q.dtype), A_SMEM=_a_smem("dkdv"),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     return dk, dv
 
@@ -859,14 +881,14 @@ def _launch_dq(q, k, v, dout, lse2, delta, causal, softmax_scale, cfg: Config, p
     tma = _use_tma(q)
     k_desc = _desc(k.view(b * sk, hk * d), cfg.block_n, d) if tma else None
     v_desc = _desc(v.view(b * sk, hk * d), cfg.block_n, d) if tma else None
-    q_desc = _desc(q.view(b * sq, hq * d), cfg.block_m, d) if tma else None
-    do_desc = _desc(dout.view(b * sq, hq * d), cfg.block_m, d) if tma else None
+    q_desc = _desc(q.view(b * sq, hq * d), cfg.block_m, d) if tma and _a_smem("dq") else None
+    do_desc = _desc(dout.view(b * sq, hq * d), cfg.block_m, d) if tma and _a_smem("dq") else None
     _dq_kernel[(nqb, b * hq)](
         q, k, v, dout, dq, lse2, delta, plan.mask, plan.summary, plan.ranges, k_desc, v_desc,
         q_desc, do_desc,
         softmax_scale, softmax_scale * LOG2E, sq, sk, hq, hk, plan.hm, nqb, nkb,
         plan.mask_b_stride, D=d, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, CAUSAL=causal,
-        C=plan.c, NI=plan.ni, USE_TMA=tma, PREC=_dot_precision(q.dtype),
+        C=plan.c, NI=plan.ni, USE_TMA=tma, PREC=_dot_precision(q.dtype), A_SMEM=_a_smem("dq"),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     return dq
 

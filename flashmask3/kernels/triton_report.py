@@ -53,7 +53,7 @@ def compile_one(kind: str, d: int, cfg: K.Config, causal: bool, c: int, dtype: s
     """Compile one kernel variant for sm_90 and return its resource report."""
     ni = K._num_intervals(causal, c)
     common = dict(D=d, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, CAUSAL=causal, C=c, NI=ni,
-                  USE_TMA=tma, PREC="tf32")
+                  USE_TMA=tma, PREC="tf32", A_SMEM=K._a_smem(kind))
     if kind == "fwd":
         kernel = K._fwd_kernel
         ptrs = {n: f"*{dtype}" for n in ("q_ptr", "k_ptr", "v_ptr", "o_ptr")}

@@ -170,10 +170,13 @@ def test_short_and_unequal_lengths_without_dlse(sq, sk):
     _check(q, k, v, cols, True, scale=0.2, with_dlse=False)
 
 
-def test_tma_descriptor_path(monkeypatch):
-    """The tensor-descriptor (TMA) loads give the same results (interpreter emulates them);
-    B=2 makes loads cross the batch boundary, which the masks must neutralise."""
+@pytest.mark.parametrize("a_smem", ["fwd", "fwd,dkdv,dq", ""])
+def test_tma_descriptor_path(monkeypatch, a_smem):
+    """The tensor-descriptor (TMA) loads give the same results (interpreter emulates them), with
+    the wgmma A operands in shared memory or registers; B=2 makes loads cross the batch
+    boundary, which the masks must neutralise."""
     monkeypatch.setenv("FLASHMASK3_TRITON_TMA", "1")
+    monkeypatch.setenv("FLASHMASK3_TRITON_A_SMEM", a_smem)
     mask = M.causal_document_mask([30, 41, 29], batch_size=2)
     q, k, v = _qkv(2, 100, 100, 2, 1, 32, torch.float32, seed=3)
     _check(q, k, v, mask.startend_row_indices.to(DEVICE), True)
