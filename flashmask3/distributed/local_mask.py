@@ -28,6 +28,9 @@ import torch
 
 def count_below(rows: torch.Tensor, bounds: torch.Tensor) -> torch.Tensor:
     """``#{i in rows : i < v}`` for every ``v`` in ``bounds`` (``rows`` sorted ascending)."""
+    n = rows.numel()
+    if n and int(rows[-1]) - int(rows[0]) + 1 == n:  # one contiguous run: a clamp suffices
+        return (bounds.to(torch.int64) - int(rows[0])).clamp(0, n)
     return torch.searchsorted(rows, bounds.contiguous(), right=False)
 
 

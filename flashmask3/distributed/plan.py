@@ -26,10 +26,11 @@ from typing import Optional, Sequence, Union
 import numpy as np
 import torch
 
-from ..masks import SKIP, FlashMask, classify_tiles, validate_startend_row_indices
+from ..masks import SKIP, FlashMask, classify_tiles, unmasked_pairs, validate_startend_row_indices
 from .local_mask import rank_local_columns
 
 BALANCES = ("contiguous", "dual_chunk", "sparse")
+WORK_MODELS = ("tiles", "pairs")
 
 #: Tile edge of the work model (the kernels' query/key block size on Hopper).
 DEFAULT_TILE = 128
@@ -157,6 +158,27 @@ def chunk_liveness(startend_row_indices: Optional[torch.Tensor], causal: bool, s
     work = alive.sum(dim=(0, 2), dtype=torch.int64).view(n, per).sum(1)
     live = alive.any(0).view(n, per, n, per).any(3).any(1)
     return work.cpu().numpy(), live.cpu().numpy()
+
+
+def chunk_pairs(startend_row_indices: Optional[torch.Tensor], causal: bool, seqlen: int,
+                chunk_size: int, group: int = 16) -> np.ndarray:
+    """Exact unmasked (query, key) pairs of each query chunk, summed over batch and mask heads.
+
+    Each chunk's rows get their own local mask (all keys) and the mask layer counts its pairs;
+    ``group`` chunks are counted per call (stacked on the batch dimension).
+    """
+    n = seqlen // chunk_size
+    device = startend_row_indices.device if startend_row_indices is not None else torch.device("cpu")
+    keys = torch.arange(seqlen, device=device)
+    out = []
+    for start in range(0, n, group):
+        ids = range(start, min(n, start + group))
+        cols = torch.cat([rank_local_columns(startend_row_indices, causal,
+                                             torch.arange(c * chunk_size, (c + 1) * chunk_size), keys)
+                          for c in ids])
+        per_head = unmasked_pairs(cols, False, chunk_size, per_head=True)  # [len(ids) * B, Hm]
+        out.append(per_head.view(len(ids), -1).sum(1))
+    return torch.cat(out).cpu().numpy()
 
 
 # -- ownership strategies -------------------------------------------------------------------------
@@ -287,7 +309,7 @@ class CPPlan:
     """
 
     def __init__(self, startend_row_indices, causal, seqlen, cp_size, balance, chunk_size, nodes,
-                 tile, comm_rounds):
+                 tile, comm_rounds, work_model="tiles"):
         self.startend_row_indices: Optional[torch.Tensor] = startend_row_indices
         self.causal: bool = causal
         self.seqlen: int = seqlen
@@ -297,8 +319,11 @@ class CPPlan:
         self.nodes: int = nodes
         self.tile: int = tile
         self.num_chunks: int = seqlen // chunk_size
+        self.work_model: str = work_model
         self.chunk_work, self.chunk_live = chunk_liveness(startend_row_indices, causal, seqlen,
                                                           chunk_size, tile)
+        if work_model == "pairs":
+            self.chunk_work = chunk_pairs(startend_row_indices, causal, seqlen, chunk_size)
         n = self.num_chunks
         if balance == "contiguous":
             owner = _contiguous(n, cp_size)
@@ -345,7 +370,8 @@ class CPPlan:
 
     # -- work --------------------------------------------------------------------------------
     def work(self, rank: int) -> int:
-        """Live tiles of ``rank``'s query rows (summed over batch and mask heads)."""
+        """Work of ``rank``'s query rows (summed over batch and mask heads): live tiles, or
+        unmasked pairs with ``work="pairs"``."""
         return int(self.chunk_work[self._owned[self._check_rank(rank)]].sum())
 
     @property
@@ -466,7 +492,7 @@ class CPPlan:
 def plan(startend_row_indices: Union[torch.Tensor, FlashMask, None], causal: Optional[bool] = None,
          cp_size: int = 1, *, balance: str = "sparse", chunk_size: Optional[int] = None,
          nodes: int = 1, seqlen: Optional[int] = None, tile_size: int = DEFAULT_TILE,
-         comm_rounds: Optional[int] = None) -> CPPlan:
+         comm_rounds: Optional[int] = None, work: str = "tiles") -> CPPlan:
     """Plan context parallelism over ``cp_size`` ranks for one global mask.
 
     Args:
@@ -480,6 +506,8 @@ def plan(startend_row_indices: Union[torch.Tensor, FlashMask, None], causal: Opt
             for sparse.
         nodes: number of nodes; > 1 selects hierarchical routing (must divide ``cp_size``).
         tile_size: tile edge of the work model.
+        work: ``"tiles"`` (live tiles: what the kernels pay for) or ``"pairs"`` (exact unmasked
+            pairs, DESIGN.md's alternative).
         comm_rounds: number of point-to-point rounds of the flat routing (default
             ``min(cp_size - 1, 3)``); more rounds overlap finer but launch more kernels.
     """
@@ -493,6 +521,8 @@ def plan(startend_row_indices: Union[torch.Tensor, FlashMask, None], causal: Opt
     if cp_size % nodes:
         raise ValueError(f"nodes={nodes} must divide cp_size={cp_size}")
     tile = _check_int("tile_size", tile_size)
+    if work not in WORK_MODELS:
+        raise ValueError(f"work must be one of {WORK_MODELS}, got {work!r}")
     if chunk_size is None:
         chunk_size = _default_chunk_size(s, cp_size, balance, tile)
         if chunk_size == 0:
@@ -503,4 +533,4 @@ def plan(startend_row_indices: Union[torch.Tensor, FlashMask, None], causal: Opt
     if comm_rounds is None:
         comm_rounds = max(1, min(cp_size - 1, 3))
     comm_rounds = min(_check_int("comm_rounds", comm_rounds), max(cp_size - 1, 1))
-    return CPPlan(cols, causal, s, cp_size, balance, chunk_size, nodes, tile, comm_rounds)
+    return CPPlan(cols, causal, s, cp_size, balance, chunk_size, nodes, tile, comm_rounds, work)

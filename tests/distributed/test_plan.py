@@ -69,6 +69,18 @@ def test_sparse_balances_document_masks():
         assert sum(sparse.works) == sum(dual.works) == int(sparse.chunk_work.sum())
 
 
+def test_pairs_work_model_counts_every_unmasked_pair():
+    for name in ("causal_document", "qk_sparse", "global_sliding_window", "prefix_document"):
+        mask = MASKS[name]
+        p = plan(mask, None, 4, balance="sparse", chunk_size=8, work="pairs")
+        assert sum(p.works) == mask.unmasked_pairs()
+    docs = M.random_document_lengths(16384, 1024, seed=4)
+    p = plan(M.causal_document_mask(docs), None, 8, balance="sparse", work="pairs")
+    assert p.imbalance <= 1.05
+    with pytest.raises(ValueError, match="work"):
+        plan(MASKS["causal"], None, 4, work="flops")
+
+
 def test_routing_delivers_each_needed_chunk_once_and_never_more_than_allgather():
     mask = M.causal_document_mask(M.random_document_lengths(4096, 200, seed=2))
     for nodes in (1, 2, 4):
