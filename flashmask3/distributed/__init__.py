@@ -5,12 +5,27 @@
   computed identically on every rank from the global mask before any data moves.
 * :func:`cp_flashmask_attention`: differentiable attention on each rank's shards, with the
   all-gather baseline or the overlapped mask-aware exchange.
+
+Usage (every rank runs the same code; torch.distributed already initialised, NCCL with
+``torch.cuda.set_device`` done, or gloo on CPU)::
+
+    from flashmask3.distributed import plan, cp_flashmask_attention
+
+    p = plan(mask, None, cp_size, balance="sparse")      # from the GLOBAL mask, same on all ranks
+    tokens = p.shard(global_tokens, rank)                 # [B, S/P]; p.shard(pos_ids, rank) too
+    ...                                                   # q, k, v: [B, S/P, H, D] of this shard
+    out = cp_flashmask_attention(q, k, v, p, group=cp_group, comm="overlap")
+    full = p.unshard(list_of_outputs)                     # if the whole sequence is needed
+
+``nodes=N`` in :func:`plan` routes inter-node chunks hierarchically; it assumes node-major
+ranks in the CP group (group rank r sits on node r // (cp_size // N)), as torchrun assigns them.
 """
 
 from .attention import COMMS, cp_flashmask_attention, merge_partials
 from .comm import resolve_group
 from .local_mask import rank_local_columns
-from .plan import BALANCES, CPPlan, Round, Transfer, chunk_liveness, plan
+from .plan import BALANCES, WORK_MODELS, CPPlan, Round, Transfer, chunk_liveness, chunk_pairs, plan
 
-__all__ = ["plan", "CPPlan", "Round", "Transfer", "BALANCES", "COMMS", "chunk_liveness",
+__all__ = ["plan", "CPPlan", "Round", "Transfer", "BALANCES", "COMMS", "WORK_MODELS", "chunk_liveness",
+           "chunk_pairs",
            "cp_flashmask_attention", "merge_partials", "rank_local_columns", "resolve_group"]

@@ -130,15 +130,15 @@ def _forward_overlap(rt: _Runtime, q, k, v):
     kv = torch.stack([k, v])
     exch = ChunkExchange(rt.pg, rt.rank, rt.plan.rounds, rt.own_store(kv), rt.make_buffer)
     exch.issue_ready()
-    out, lse = _empty_result(q, v)
+    out = lse = None
     for s, chunks in enumerate(rt.stages):
         if s > 0:
             exch.wait_forward(s - 1)
         if chunks:
             ks, vs = rt.stage_kv(exch.store, chunks)
             o, l = rt.backend.forward(q, ks, vs, rt.stage_cols(s), False, rt.scale)
-            out, lse = merge_partials(out, lse, o.float(), l)
-    return out, lse
+            out, lse = (o.float(), l) if out is None else merge_partials(out, lse, o.float(), l)
+    return _empty_result(q, v) if out is None else (out, lse)
 
 
 def _forward_allgather(rt: _Runtime, q, k, v):
