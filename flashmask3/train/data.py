@@ -17,11 +17,11 @@ what a checkpoint stores for exact resume.
 
 from __future__ import annotations
 
-import gzip
 import hashlib
 import json
 import os
 import sysconfig
+import zlib
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional, Sequence
@@ -37,7 +37,9 @@ MLM_FRACTION = 0.15     # bidirectional documents: share of tokens hidden and pr
 DEFAULT_DOC_DIRS = ("/usr/share/doc",)
 _TEXT_SUFFIXES = {"", ".txt", ".md", ".rst", ".py", ".c", ".h", ".html", ".sh", ".pl", ".gz",
                   ".json", ".toml", ".cfg", ".ini", ".yaml", ".yml", ".css", ".js", ".tex"}
-_MAX_FILE_BYTES = 4 << 20
+_MAX_FILE_BYTES = 4 << 20          # a longer file is cut here (a directory or a text file)
+DEFAULT_MAX_DOC_BYTES = 256 << 10  # default corpus: keeps huge changelogs from dominating
+_HEAD = 4096                       # bytes checked for NUL (binary files are skipped)
 
 
 # -- corpora -----------------------------------------------------------------------------------
@@ -51,6 +53,11 @@ class Corpus:
     def get(self, index: int) -> Optional[bytes]:
         raise NotImplementedError
 
+    def get_range(self, index: int, start: int, length: int) -> Optional[bytes]:
+        """Bytes ``[start, start + length)`` of document ``index`` (None: skip)."""
+        doc = self.get(index)
+        return None if doc is None else (doc[start:start + length] or None)
+
     def fingerprint(self) -> str:
         """A short hash that identifies the corpus (checked on resume)."""
         raise NotImplementedError
@@ -60,29 +67,64 @@ class Corpus:
         raise NotImplementedError
 
 
-class FileCorpus(Corpus):
-    """One document per file, read lazily. Binary files (a NUL byte) and empty files are skipped."""
+def _read_prefix(path: Path, n: int) -> bytes:
+    """The first ``n`` bytes of a file, decompressing ``.gz`` files only as far as needed."""
+    if path.suffix != ".gz":
+        with open(path, "rb") as fh:
+            return fh.read(n)
+    out, total = [], 0
+    d = zlib.decompressobj(16 + zlib.MAX_WBITS)
+    with open(path, "rb") as fh:
+        while total < n and not d.eof:
+            block = fh.read(1 << 16)
+            if not block:
+                break
+            piece = d.decompress(block, n - total)
+            while piece:
+                out.append(piece)
+                total += len(piece)
+                if total >= n or not d.unconsumed_tail:
+                    break
+                piece = d.decompress(d.unconsumed_tail, n - total)
+    return b"".join(out)[:n]
 
-    def __init__(self, paths: Sequence[Path], name: str):
+
+class FileCorpus(Corpus):
+    """One document per file (``.gz`` decompressed), read lazily, cut at ``max_bytes``.
+
+    Binary files (a NUL byte in the first 4 KiB) and empty or unreadable files are skipped.
+    """
+
+    def __init__(self, paths: Sequence[Path], name: str, max_bytes: int = _MAX_FILE_BYTES):
         if not paths:
             raise ValueError(f"data {name!r}: no text files found")
         self.paths = list(paths)
         self.name = name
+        self.max_bytes = max_bytes
 
     def __len__(self) -> int:
         return len(self.paths)
 
     def get(self, index: int) -> Optional[bytes]:
+        return self.get_range(index, 0, self.max_bytes)
+
+    def get_range(self, index: int, start: int, length: int) -> Optional[bytes]:
         path = self.paths[index]
+        end = min(start + length, self.max_bytes)
         try:
-            raw = path.read_bytes()
             if path.suffix == ".gz":
-                raw = gzip.decompress(raw)
-        except (OSError, EOFError, gzip.BadGzipFile):
+                data = _read_prefix(path, max(end, _HEAD))
+                head, piece = data[:_HEAD], data[start:end]
+            else:
+                with open(path, "rb") as fh:
+                    head = fh.read(_HEAD)
+                    fh.seek(start)
+                    piece = fh.read(max(0, end - start))
+        except (OSError, EOFError, zlib.error):
             return None
-        if not raw or b"\x00" in raw[:4096]:
+        if not head or b"\x00" in head or not piece:
             return None
-        return raw[:_MAX_FILE_BYTES]
+        return piece
 
     def size(self, index: int) -> int:
         path = self.paths[index]
@@ -90,13 +132,13 @@ class FileCorpus(Corpus):
             if path.suffix == ".gz":  # the gzip trailer holds the uncompressed size mod 2**32
                 with open(path, "rb") as fh:
                     fh.seek(-4, os.SEEK_END)
-                    return min(int.from_bytes(fh.read(4), "little"), _MAX_FILE_BYTES)
-            return min(path.stat().st_size, _MAX_FILE_BYTES)
+                    return min(int.from_bytes(fh.read(4), "little"), self.max_bytes)
+            return min(path.stat().st_size, self.max_bytes)
         except OSError:
             return 0
 
     def fingerprint(self) -> str:
-        h = hashlib.sha256()
+        h = hashlib.sha256(f"max_bytes={self.max_bytes}\n".encode())
         for p in self.paths:
             h.update(str(p).encode("utf-8", "surrogateescape") + b"\n")
         return h.hexdigest()[:16]
@@ -178,7 +220,7 @@ def open_corpus(data: str = "default", text_key: str = "text") -> Corpus:
     if not isinstance(data, str) or not data:
         raise TypeError(f"data must be a non-empty string, got {data!r}")
     if data == "default":
-        return FileCorpus(default_corpus_paths(), "default")
+        return FileCorpus(default_corpus_paths(), "default", DEFAULT_MAX_DOC_BYTES)
     path = Path(data)
     if path.is_dir():
         return FileCorpus(_walk(path, lambda p: True), data)
@@ -275,8 +317,7 @@ class DocumentPacker:
         if self._units is None:
             return self.corpus.get(u)
         doc, start = self._units[u]
-        data = self.corpus.get(int(doc))
-        return data[start:start + self.max_doc_len] or None if data is not None else None
+        return self.corpus.get_range(int(doc), int(start), self.max_doc_len)
 
     def _permutation(self, epoch: int) -> np.ndarray:
         return np.random.default_rng((self.seed, epoch)).permutation(self._num_units())

@@ -176,3 +176,23 @@ def test_mask_picture_shows_skipped_tiles():
     batch = build_batch([b"a" * 64], [[16, 16, 32]], "causal_document")
     pic = mask_picture(batch.mask, cells=4).splitlines()
     assert pic == ["+...", ".+..", "..+.", "..#+"]
+
+
+def test_ranges_of_plain_and_gzip_files(tmp_path):
+    """Units read by range (``max_doc_len``) equal slices of the whole decompressed file."""
+    import random
+    from flashmask3.train.data import FileCorpus
+    text = "".join(random.Random(0).choice("abcdefgh \n") for _ in range(300_000)).encode()
+    (tmp_path / "big.txt").write_bytes(text)
+    with gzip.open(tmp_path / "big.txt.gz", "wb") as fh:
+        fh.write(text)
+    corpus = FileCorpus(sorted(tmp_path.iterdir()), "t", max_bytes=200_000)
+    for i in range(2):
+        assert corpus.size(i) == 200_000
+        for start, length in ((0, 256), (70_001, 256), (199_900, 256), (200_000, 10)):
+            want = text[start:min(start + length, 200_000)] or None
+            assert corpus.get_range(i, start, length) == want, (i, start)
+    packer = DocumentPacker(corpus, 1000, seed=0, max_doc_len=256)
+    assert len(packer._units) == 2 * 782  # ceil(200_000 / 256) units per file
+    assert all(n <= 256 for n in packer.next_batch().doc_lens[0])
+
