@@ -53,6 +53,8 @@ def parse_args(argv=None):
     p.add_argument("--warmup", type=int, default=2, help="untimed steps per run")
     p.add_argument("--sdpa-max-seq", type=int, default=32768,
                    help="longest sequence for the dense-mask SDPA baseline")
+    p.add_argument("--budget-s", type=float, default=540.0,
+                   help="start no new run after this many seconds (results so far are kept)")
     p.add_argument("--toy", action="store_true", help="tiny model on CPU (smoke test)")
     p.add_argument("--out", default="benchmarks/results",
                    help="directory for train_<tag>.json / .md")
@@ -140,6 +142,7 @@ def main(argv=None) -> int:
               "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
               "torch": torch.__version__, "steps": args.steps, "warmup": args.warmup,
               "runs": []}
+    t_start = time.perf_counter()
     for seq_len in seq_lens:
         cfg = bench_config(seq_len, args.toy)
         batches = make_batches(cfg, args.warmup + args.steps)
@@ -163,6 +166,8 @@ def main(argv=None) -> int:
             if backend == "sdpa" and seq_len > args.sdpa_max_seq:
                 reason = (f"dense S x S mask ({seq_len ** 2 / 2**30:.0f} GiB bool) and O(S^2) "
                           f"work above --sdpa-max-seq={args.sdpa_max_seq}")
+            if time.perf_counter() - t_start > args.budget_s:
+                reason = f"time budget --budget-s={args.budget_s:.0f} used up"
             if reason:
                 row.update(status="skipped", reason=reason)
             else:
