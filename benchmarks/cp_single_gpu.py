@@ -167,7 +167,8 @@ def main(argv=None) -> int:
     ap.add_argument("--head-dim", type=int, default=128)
     ap.add_argument("--dtype", choices=sorted(DTYPES), default="bfloat16")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    ap.add_argument("--spreads", nargs="+", default=["corpus", "short", "mixed", "long"])
+    ap.add_argument("--spreads", nargs="+", default=["corpus", "short", "mixed", "long", "causal"],
+                    help="document spreads of benchmarks/corpus.py, or 'causal' (plain causal)")
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--iters", type=int, default=5)
     ap.add_argument("--no-full", action="store_true", help="skip the whole-sequence reference timing")
@@ -176,7 +177,7 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     device, dtype = torch.device(args.device), DTYPES[args.dtype]
     spreads = document_spreads(args.tokens, seed=args.seed)
-    unknown = set(args.spreads) - set(spreads)
+    unknown = set(args.spreads) - set(spreads) - {"causal"}
     if unknown:
         raise SystemExit(f"unknown spreads {sorted(unknown)}; choose from {sorted(spreads)}")
     res = {"args": vars(args), "env": environment(device), "spreads": {}}
@@ -185,8 +186,11 @@ def main(argv=None) -> int:
     kv = torch.randn(1, 128, args.kv_heads, args.head_dim, device=device, dtype=dtype)
     time_fwd_bwd(x, kv, kv, M.causal_mask(128).to(device), 1, 1)
     for name in args.spreads:
-        mask = M.causal_document_mask(spreads[name])
-        entry = {"docs": len(spreads[name]), "sparsity": mask.sparsity()}
+        if name == "causal":
+            mask = M.causal_mask(args.tokens)
+        else:
+            mask = M.causal_document_mask(spreads[name])
+        entry = {"docs": len(spreads.get(name, [0])), "sparsity": mask.sparsity()}
         for balance in ("dual_chunk", "sparse"):
             entry[balance] = measure_layout(mask, balance, args, device, dtype)
         if not args.no_full:

@@ -1,0 +1,44 @@
+"""The CP benchmark scripts run at tiny sizes on CPU and report what they claim."""
+
+from __future__ import annotations
+
+import json
+
+from benchmarks import balance, cp_single_gpu
+from benchmarks.corpus import corpus_document_lengths, document_spreads, pack_corpus_documents
+
+
+def test_corpus_lengths_are_real_files_and_pack_exactly():
+    lengths = corpus_document_lengths()
+    assert len(lengths) > 100 and min(lengths) >= 1
+    packed = pack_corpus_documents(8192, seed=1)
+    assert sum(packed) == 8192 and all(n > 0 for n in packed)
+    assert pack_corpus_documents(8192, seed=1) == packed  # deterministic
+    spreads = document_spreads(8192)
+    assert set(spreads) == {"short", "mixed", "long", "corpus"}
+    assert all(sum(v) == 8192 for v in spreads.values())
+
+
+def test_balance_benchmark_small(tmp_path):
+    assert balance.main(["--tokens", "8192", "--cp", "2", "4", "--out", str(tmp_path)]) == 0
+    res = json.loads((tmp_path / "balance.json").read_text())["results"]
+    for rows in res.values():
+        for r in rows:
+            assert r["imbalance_sparse"] <= r["imbalance_dual_chunk"] + 1e-9
+            assert r["kv_gib_overlap_sparse"] <= r["kv_gib_allgather"]
+    assert (tmp_path / "balance.png").stat().st_size > 0
+    assert "imbalance" in (tmp_path / "balance.md").read_text()
+
+
+def test_cp_single_gpu_cpu_mode(tmp_path):
+    args = ["--device", "cpu", "--tokens", "1024", "--cp", "4", "--heads", "2", "--kv-heads", "1",
+            "--head-dim", "16", "--dtype", "float32", "--iters", "1", "--warmup", "0",
+            "--spreads", "corpus", "causal", "--no-full", "--out", str(tmp_path)]
+    assert cp_single_gpu.main(args) == 0
+    res = json.loads((tmp_path / "cp_single_gpu.json").read_text())
+    for spread in ("corpus", "causal"):
+        for bal in ("dual_chunk", "sparse"):
+            entry = res["spreads"][spread][bal]
+            assert len(entry["ranks"]) == 4
+            assert entry["slowest_seconds"] == max(r["seconds"] for r in entry["ranks"]) > 0
+    assert "sparse / dual" in (tmp_path / "cp_single_gpu.md").read_text()
