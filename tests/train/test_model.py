@@ -105,6 +105,7 @@ def test_bad_backend_and_mask_arguments(jsonl_corpus):
 
 
 @pytest.mark.skipif(not flex_available(), reason="no FlexAttention in this torch")
+@pytest.mark.filterwarnings("ignore:.*torch.jit.script_method.*:DeprecationWarning")
 def test_flex_compiled_path_matches_dense(jsonl_corpus):
     """The GPU flex path (compiled block-mask builder + compiled kernel, forward) on CPU: the
     column mask_mod must trace and give the dense-mask result for every mask kind."""
