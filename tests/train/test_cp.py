@@ -1,5 +1,5 @@
 """Context parallelism in the harness: cp_size 2 reproduces the single-rank losses for every
-balance/comm choice (and with MoE), on 2 gloo CPU ranks."""
+balance/comm choice (and with MoE), and resumes exactly, on 2 gloo CPU ranks."""
 
 import itertools
 
@@ -33,6 +33,10 @@ def test_cp2_matches_cp1_for_every_balance_and_comm(tmp_path, jsonl_corpus):
     configs = [_cfg(tmp_path, f"cp2_{b}_{c}", jsonl_corpus, cp=2, balance=b, comm=c)
                for b, c in COMBOS]
     configs.append(_cfg(tmp_path, "cp2_moe", jsonl_corpus, cp=2, moe_experts=4, moe_top_k=2))
+    # interrupted after step 2, then resumed: the same losses as the uninterrupted CP run
+    resumable = dict(cp=2, checkpoint_every=2, balance="sparse", comm="overlap")
+    configs.append(_cfg(tmp_path, "cp2_resume", jsonl_corpus, stop_at=2, **resumable))
+    configs.append(_cfg(tmp_path, "cp2_resume", jsonl_corpus, **resumable))
     summaries = launch(run_configs, 2, torch.device("cpu"), configs)
     assert len(summaries) == len(configs) and all(s["world_size"] == 2 for s in summaries)
     want = _losses(tmp_path / "ref")
@@ -42,6 +46,8 @@ def test_cp2_matches_cp1_for_every_balance_and_comm(tmp_path, jsonl_corpus):
         assert got == pytest.approx(want, rel=2e-5, abs=2e-5), (b, c)
     assert _losses(tmp_path / "cp2_moe") == pytest.approx(_losses(tmp_path / "ref_moe"),
                                                           rel=2e-5, abs=2e-5)
+    assert summaries[-2]["final_step"] == 2 and summaries[-1]["steps_run"] == 2
+    assert _losses(tmp_path / "cp2_resume") == _losses(tmp_path / "cp2_sparse_overlap")
 
 
 def test_cp_rejects_backends_without_a_cp_path(tmp_path, jsonl_corpus):
