@@ -12,7 +12,7 @@ $(STAMP): pyproject.toml scripts/bootstrap.sh
 	touch $@
 
 demo: $(STAMP)
-	$(PY) -m flashmask3.demo
+	$(PY) -m flashmask3.train.cli demo
 
 test: $(STAMP)
 	$(PY) -m pytest -q tests
