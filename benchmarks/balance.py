@@ -151,7 +151,8 @@ def plot(results: dict, path: str) -> None:
         ax.set_xticks([r["cp"] for r in next(iter(results.values()))])
         ax.get_xaxis().set_major_formatter(matplotlib.ticker.ScalarFormatter())
         ax.grid(alpha=0.3)
-        ax.legend(fontsize=6)
+        if ax.get_legend_handles_labels()[0]:
+            ax.legend(fontsize=6)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
