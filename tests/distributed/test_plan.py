@@ -8,7 +8,7 @@ import torch
 
 import flashmask3.masks as M
 from flashmask3.distributed import plan
-from tests.helpers import named_masks
+from tests.helpers import LAYOUTS, named_masks, random_columns
 
 MASKS = named_masks(96, batch_size=2, num_heads=2)
 
@@ -111,6 +111,21 @@ def test_routing_delivers_each_needed_chunk_once_and_never_more_than_allgather()
     assert hier.cross_node_transfers() < flat.cross_node_transfers(gpus_per_node=4)
     full = plan(M.full_mask(256), None, 4, balance="sparse")
     assert full.kv_tokens_moved("overlap") == full.kv_tokens_moved("allgather")
+
+
+@pytest.mark.parametrize("causal,c", LAYOUTS)
+def test_overlap_moves_fewer_bytes_iff_a_remote_chunk_is_dead(causal, c):
+    """Flat routing moves exactly the live remote chunks: fewer than all-gather when some
+    rank can skip some other rank's chunk, the same otherwise (random masks of every layout)."""
+    for seed in range(6):
+        cols = random_columns(1, 2, 64, 64, causal, c, seed=seed)
+        for balance in ("contiguous", "dual_chunk", "sparse"):
+            p = plan(cols, causal, 4, balance=balance, chunk_size=8)
+            remote = p.owner[None, :] != np.arange(4)[:, None]
+            dead = bool((remote & ~p.need).any())
+            moved, gathered = p.kv_tokens_moved("overlap"), p.kv_tokens_moved("allgather")
+            assert moved < gathered if dead else moved == gathered
+            assert moved == int((remote & p.need).sum()) * p.chunk_size
 
 
 def test_shard_unshard_roundtrip_keeps_global_positions():
