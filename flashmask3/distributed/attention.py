@@ -223,8 +223,19 @@ class _CPAttention(torch.autograd.Function):
         return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None
 
 
+def _check_same_plan(plan: CPPlan, pg, device) -> None:
+    """Raise ValueError on every rank if the ranks' plans differ (one small all-reduce)."""
+    fp = plan.fingerprint
+    t = torch.tensor([fp, -fp], dtype=torch.int64, device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=pg)
+    if int(t[0]) != fp or -int(t[1]) != fp:
+        raise ValueError("the ranks of the group hold different CP plans (built from different "
+                         "masks or arguments); every rank must plan from the same global mask")
+
+
 def cp_flashmask_attention(q, k, v, plan: CPPlan, *, group=None, comm: str = "overlap",
-                           softmax_scale: Optional[float] = None, return_softmax_lse: bool = False):
+                           softmax_scale: Optional[float] = None, return_softmax_lse: bool = False,
+                           check_plan: bool = False):
     """Attention of this rank's query shard over the whole (masked) sequence.
 
     Args:
@@ -237,6 +248,8 @@ def cp_flashmask_attention(q, k, v, plan: CPPlan, *, group=None, comm: str = "ov
             ``"allgather"`` (baseline).
         softmax_scale: defaults to ``1/sqrt(D)``.
         return_softmax_lse: also return the local LSE ``[B, Hq, S/P]`` (differentiable).
+        check_plan: first verify (one all-reduce) that every rank holds the same plan, so a
+            rank that planned from a different mask is a ValueError instead of a hang.
 
     Returns the local output ``[B, S/P, Hq, D]`` (or ``(out, lse)``), equal to the matching rows
     of single-process ``flashmask_attention`` on the full sequence.
@@ -258,6 +271,8 @@ def cp_flashmask_attention(q, k, v, plan: CPPlan, *, group=None, comm: str = "ov
     elif isinstance(softmax_scale, bool) or not isinstance(softmax_scale, (int, float)) or softmax_scale <= 0:
         raise ValueError(f"softmax_scale must be a positive number, got {softmax_scale!r}")
     ensure_ready(pg, q.device)
+    if check_plan:
+        _check_same_plan(plan, pg, q.device)
     q, k, v = (t.contiguous() for t in (q, k, v))
     rt = _Runtime(plan, pg, dist.get_rank(pg), comm, float(softmax_scale), q, k)
     out, lse = _CPAttention.apply(q, k, v, rt)

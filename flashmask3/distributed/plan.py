@@ -537,6 +537,19 @@ class CPPlan:
             out.index_copy_(dim, self.rows(r).to(x.device), x)
         return out
 
+    @property
+    def fingerprint(self) -> int:
+        """A 63-bit digest of everything ranks must agree on (layout, ownership, routing), to
+        detect ranks that planned from different masks before their traffic mismatches."""
+        import hashlib
+
+        h = hashlib.sha256(repr((self.seqlen, self.cp_size, self.chunk_size, self.nodes, self.causal,
+                                 [(t.src, t.dst, t.chunks) for r in self.rounds for t in r.transfers]
+                                 )).encode())
+        h.update(self.owner.tobytes())
+        h.update(np.packbits(self.need).tobytes())
+        return int.from_bytes(h.digest()[:8], "little") >> 1
+
     def __repr__(self) -> str:
         return (f"CPPlan(seqlen={self.seqlen}, cp_size={self.cp_size}, balance={self.balance!r}, "
                 f"chunk_size={self.chunk_size}, nodes={self.nodes}, imbalance={self.imbalance:.3f})")

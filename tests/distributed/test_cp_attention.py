@@ -12,7 +12,8 @@ import pytest
 
 from tests.distributed.harness import RankError, run_distributed
 from tests.distributed.workers import (check_configs, check_mesh_and_lse, cp4_suite,
-                                       fail_on_rank_one, stuck_rank, wrong_group_size)
+                                       fail_on_rank_one, mismatched_plans, stuck_rank,
+                                       wrong_group_size)
 from tests.helpers import named_masks
 
 ALL_MASKS = sorted(named_masks(64))
@@ -39,6 +40,7 @@ def test_triton_kernel_under_the_interpreter():
 def test_device_mesh_group_lse_gradient_and_single_rank():
     run_distributed(check_mesh_and_lse, 2, 64, 4)
     run_distributed(wrong_group_size, 2, 64)
+    run_distributed(mismatched_plans, 2, 64)
     run_distributed(check_configs, 1, 64, ["causal_document", "qk_sparse"], BALANCES, COMMS, [1], [None], 6)
 
 

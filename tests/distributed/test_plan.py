@@ -55,6 +55,7 @@ def test_ownership_layouts_and_determinism():
     a = plan(mask, None, 4, balance="sparse", chunk_size=64)
     b = plan(mask.startend_row_indices.clone(), True, 4, balance="sparse", chunk_size=64)
     assert np.array_equal(a.owner, b.owner) and a.rounds == b.rounds
+    assert a.fingerprint == b.fingerprint != plan(mask, None, 4, balance="dual_chunk", chunk_size=64).fingerprint
     assert all(len(a.chunks(r)) == 16 for r in range(4))
 
 

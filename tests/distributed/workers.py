@@ -102,6 +102,26 @@ def fail_on_rank_one(rank, world):
     dist.all_reduce(torch.ones(1))
 
 
+def mismatched_plans(rank, world, seqlen):
+    """Ranks that planned from different masks get a ValueError with check_plan, not a hang;
+    identical plans pass the check."""
+    masks = named_masks(seqlen)
+    q, k, v, _ = _inputs(seqlen, 0)
+    same = plan(masks["causal_document"], None, world)
+    _run_cp(q, k, v, torch.ones_like(q), same, rank, "overlap")  # warm: no check
+    out = cp_flashmask_attention(same.shard(q, rank), same.shard(k, rank), same.shard(v, rank), same,
+                                 check_plan=True)
+    assert out.shape[1] == seqlen // world
+    mine = plan(masks["causal_document" if rank == 0 else "sliding_window"], None, world)
+    try:
+        cp_flashmask_attention(mine.shard(q, rank), mine.shard(k, rank), mine.shard(v, rank), mine,
+                               check_plan=True)
+    except ValueError as e:
+        assert "different CP plans" in str(e)
+    else:
+        raise AssertionError("expected ValueError for plans that differ across ranks")
+
+
 def wrong_group_size(rank, world, seqlen):
     """A plan for a different cp_size is a ValueError on every rank (before any traffic)."""
     mask = named_masks(seqlen)["causal"]
