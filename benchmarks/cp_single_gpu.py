@@ -199,15 +199,19 @@ def main(argv=None) -> int:
         d, s = entry["dual_chunk"]["slowest_seconds"], entry["sparse"]["slowest_seconds"]
         print(f"{name:7s} slowest rank fwd+bwd: dual_chunk {d * 1e3:.2f} ms, sparse {s * 1e3:.2f} ms "
               f"(sparse/dual {s / d:.3f})", flush=True)
-    os.makedirs(args.out, exist_ok=True)
-    base = os.path.join(args.out, "cp_single_gpu")
+        write(res, args.out)  # after every spread: a time limit still leaves the finished ones
+    print(f"wrote {os.path.join(args.out, 'cp_single_gpu')}.md/.json/.png")
+    return 0
+
+
+def write(res: dict, out: str) -> None:
+    os.makedirs(out, exist_ok=True)
+    base = os.path.join(out, "cp_single_gpu")
     with open(base + ".json", "w") as f:
         json.dump(res, f, indent=1)
     with open(base + ".md", "w") as f:
         f.write(markdown(res))
     plot(res, base + ".png")
-    print(f"wrote {base}.md/.json/.png")
-    return 0
 
 
 if __name__ == "__main__":
