@@ -195,11 +195,10 @@ def _backward_allgather(rt: _Runtime, dout, dlse, q, k, v, out, lse):
     if chunks:
         ks, vs = rt.stage_kv(rt.gathered_store(gathered), chunks)
         dq, dk, dv = rt.backend.backward(dout, dlse, q, ks, vs, out, lse, rt.cols, False, rt.scale)
-        grads: dict[int, torch.Tensor] = {}
-        rt.split_grads(grads, chunks, dk, dv)
-        target = rt.gathered_store(full)
-        for c, g in grads.items():
-            target[c].copy_(g)
+        target, cs = rt.gathered_store(full), p.chunk_size
+        for i, c in enumerate(chunks):  # each chunk's gradient to its owner's slot, no fp32 detour
+            target[c][0].copy_(dk[:, i * cs:(i + 1) * cs])
+            target[c][1].copy_(dv[:, i * cs:(i + 1) * cs])
     mine = reduce_scatter_kv(rt.pg, full)
     return dq, mine[0], mine[1]
 
