@@ -15,7 +15,7 @@ from typing import Optional, Union
 import torch
 from torch import Tensor
 
-from .kernels import get_backend, resolve_backend
+from .kernels import choose_backend, get_backend
 from .masks.mask import FlashMask, validate_startend_row_indices
 
 _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
@@ -80,7 +80,8 @@ _attention_forward.register_autograd(_backward, setup_context=_setup_context)
 # -- argument checks ------------------------------------------------------------------------
 
 
-def _check_qkv(q, k, v) -> None:
+def check_qkv(q, k, v) -> None:
+    """Raise ``TypeError``/``ValueError`` unless q, k, v are valid ``[B, S, H, D]`` attention inputs."""
     for name, t in (("q", q), ("k", k), ("v", v)):
         if not isinstance(t, Tensor):
             raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
@@ -135,19 +136,6 @@ def _window_columns(window_size, causal: bool, batch: int, sq: int, sk: int, dev
     return cols.to(torch.int32).view(1, 1, sk, -1).expand(batch, 1, sk, cols.shape[-1]).contiguous()
 
 
-def _choose_backend(q: Tensor) -> str:
-    name = resolve_backend(q.device)
-    if name == "triton":
-        reason = getattr(get_backend("triton"), "unsupported_reason", lambda *a: None)(q)
-        if reason is not None:
-            import os
-
-            if os.environ.get("FLASHMASK3_BACKEND", "auto").strip().lower() == "triton":
-                raise ValueError(f"FLASHMASK3_BACKEND=triton cannot run these inputs: {reason}")
-            return "torch"
-    return name
-
-
 # -- the public function --------------------------------------------------------------------
 
 
@@ -180,7 +168,7 @@ def flashmask_attention(
         ``out [B, Sq, Hq, D]`` (the dtype of q), or ``(out, lse)``. Fully masked rows give zeros
         and zero gradients.
     """
-    _check_qkv(q, k, v)
+    check_qkv(q, k, v)
     b, sq, hq, d = q.shape
     sk = k.shape[1]
     if not isinstance(causal, bool):
@@ -213,7 +201,7 @@ def flashmask_attention(
         softmax_scale = 1.0 / math.sqrt(d)
     elif not isinstance(softmax_scale, (int, float)) or isinstance(softmax_scale, bool) or softmax_scale <= 0:
         raise ValueError(f"softmax_scale must be a positive number, got {softmax_scale!r}")
-    backend = _choose_backend(q)
+    backend = choose_backend(q)
     q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))
     out, lse = _attention_forward(q, k, v, startend_row_indices, causal, float(softmax_scale), backend)
     return (out, lse) if return_softmax_lse else out

@@ -22,8 +22,8 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from ..api import _check_qkv, _choose_backend
-from ..kernels import get_backend
+from ..api import check_qkv
+from ..kernels import choose_backend, get_backend
 from .comm import (ChunkExchange, all_gather_kv, ensure_ready, reduce_scatter_kv,
                    resolve_group)
 from .plan import CPPlan
@@ -49,7 +49,7 @@ class _Runtime:
 
     def __init__(self, plan: CPPlan, pg, rank: int, comm: str, scale: float, q, k):
         self.plan, self.pg, self.rank, self.comm, self.scale = plan, pg, rank, comm, scale
-        self.backend = get_backend(_choose_backend(q))
+        self.backend = get_backend(choose_backend(q))
         self.stages = plan.stages(rank)
         self.own = plan.chunks(rank)
         # overlap: key axis in arrival order (stage by stage); allgather: one call, global order.
@@ -257,7 +257,7 @@ def cp_flashmask_attention(q, k, v, plan: CPPlan, *, group=None, comm: str = "ov
         raise TypeError(f"plan must be a CPPlan (from flashmask3.distributed.plan), got {type(plan).__name__}")
     if comm not in COMMS:
         raise ValueError(f"comm must be one of {COMMS}, got {comm!r}")
-    _check_qkv(q, k, v)
+    check_qkv(q, k, v)
     if q.shape[1] != plan.local_seqlen or k.shape[1] != plan.local_seqlen:
         raise ValueError(f"q and k must hold this rank's {plan.local_seqlen} tokens along dim 1, "
                          f"got {q.shape[1]} and {k.shape[1]}")

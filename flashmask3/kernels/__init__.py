@@ -57,6 +57,22 @@ def resolve_backend(device: torch.device, requested: str | None = None) -> str:
     return name
 
 
+def choose_backend(q: torch.Tensor) -> str:
+    """Backend for a call with query tensor ``q``: :func:`resolve_backend`, then a fallback to
+    the torch path when ``auto`` picked Triton for inputs it does not support (the Triton module
+    may expose ``unsupported_reason(q) -> str | None``). An explicit ``triton`` request for
+    unsupported inputs is a ``ValueError`` naming the reason."""
+    name = resolve_backend(q.device)
+    if name != "triton":
+        return name
+    reason = getattr(get_backend("triton"), "unsupported_reason", lambda _q: None)(q)
+    if reason is None:
+        return name
+    if (os.environ.get(ENV_VAR) or "auto").strip().lower() == "triton":
+        raise ValueError(f"{ENV_VAR}=triton cannot run these inputs: {reason}")
+    return "torch"
+
+
 def get_backend(name: str) -> ModuleType:
     """The module implementing backend ``name`` ('torch' or 'triton')."""
     if name not in _MODULES:
