@@ -25,8 +25,6 @@ import argparse
 import datetime
 import json
 import os
-import platform
-import socket
 import statistics
 import sys
 import time
@@ -42,6 +40,7 @@ import torch.distributed as dist  # noqa: E402
 
 import flashmask3.masks as M  # noqa: E402
 from benchmarks.corpus import document_spreads  # noqa: E402
+from benchmarks.environment import run_environment  # noqa: E402
 from flashmask3 import flashmask_attention  # noqa: E402
 from flashmask3.distributed import cp_flashmask_attention, plan  # noqa: E402
 from flashmask3.masks import attention_flops  # noqa: E402
@@ -247,24 +246,15 @@ def _flex_balancer(block_mask, docs, tokens, world, device):
 
 
 def environment(device, world) -> dict:
-    env = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-           "host": socket.gethostname(), "platform": platform.platform(),
-           "python": platform.python_version(), "torch": torch.__version__,
-           "device": device.type, "world_size": world,
-           "backend": dist.get_backend() if dist.is_initialized() else None,
-           "nccl_env": {v: os.environ.get(v) for v in ("NCCL_NVLS_ENABLE", "TORCH_SYMM_MEM_DISABLE_MULTICAST",
-                                                       "NVSHMEM_DISABLE_NVLS")}}
-    try:
-        import triton
-        env["triton"] = triton.__version__
-    except ImportError:
-        env["triton"] = None
+    """The common run environment plus the process-group facts of this run."""
+    env = run_environment(device)
+    env.update({"device": device.type, "world_size": world,
+                "backend": dist.get_backend() if dist.is_initialized() else None,
+                "nccl_env": {v: os.environ.get(v) for v in ("NCCL_NVLS_ENABLE", "TORCH_SYMM_MEM_DISABLE_MULTICAST",
+                                                             "NVSHMEM_DISABLE_NVLS")}})
     if device.type == "cuda":
-        env["gpu"] = torch.cuda.get_device_name(device)
-        env["gpu_count"] = torch.cuda.device_count()
         v = torch.cuda.nccl.version()
         env["nccl"] = ".".join(map(str, v)) if isinstance(v, tuple) else str(v)
-        env["cuda"] = torch.version.cuda
     return env
 
 

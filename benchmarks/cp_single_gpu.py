@@ -17,10 +17,8 @@ Writes benchmarks/results/cp_single_gpu.{md,json,png} (``--out`` to change).
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import os
-import platform
 import statistics
 import sys
 import time
@@ -31,6 +29,7 @@ import torch  # noqa: E402
 
 import flashmask3.masks as M  # noqa: E402
 from benchmarks.corpus import document_spreads  # noqa: E402
+from benchmarks.environment import run_environment  # noqa: E402
 from flashmask3 import flashmask_attention  # noqa: E402
 from flashmask3.distributed import plan  # noqa: E402
 
@@ -101,21 +100,6 @@ def full_problem(mask, args, device, dtype) -> float:
     return time_fwd_bwd(q, k, v, mask.to(device), args.warmup, args.iters)
 
 
-def environment(device) -> dict:
-    env = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-           "host": platform.node(), "python": platform.python_version(), "torch": torch.__version__,
-           "device": str(device), "command": " ".join([sys.executable] + sys.argv),
-           "backend": os.environ.get("FLASHMASK3_BACKEND", "auto")}
-    try:
-        import triton
-        env["triton"] = triton.__version__
-    except ImportError:
-        env["triton"] = None
-    if device.type == "cuda":
-        env["gpu"] = torch.cuda.get_device_name(device)
-    return env
-
-
 def markdown(res: dict) -> str:
     a = res["args"]
     lines = [f"# Slowest-rank attention fwd+bwd, cp={a['cp']}, {a['tokens']} tokens, one GPU",
@@ -180,7 +164,7 @@ def main(argv=None) -> int:
     unknown = set(args.spreads) - set(spreads) - {"causal"}
     if unknown:
         raise SystemExit(f"unknown spreads {sorted(unknown)}; choose from {sorted(spreads)}")
-    res = {"args": vars(args), "env": environment(device), "spreads": {}}
+    res = {"args": vars(args), "env": run_environment(device), "spreads": {}}
     # One-time costs (imports, custom-op registration) must not land on the first timed rank.
     x = torch.randn(1, 128, args.heads, args.head_dim, device=device, dtype=dtype)
     kv = torch.randn(1, 128, args.kv_heads, args.head_dim, device=device, dtype=dtype)

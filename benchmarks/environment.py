@@ -1,0 +1,31 @@
+"""What every committed benchmark result records about the machine it ran on."""
+
+from __future__ import annotations
+
+import datetime
+import os
+import platform
+import sys
+
+import torch
+
+
+def run_environment(device: torch.device) -> dict:
+    """Date, host, versions (python, torch, triton, CUDA), GPU name/count and the exact command."""
+    env = {
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "host": platform.node(), "platform": platform.platform(),
+        "python": platform.python_version(), "torch": torch.__version__,
+        "device": str(device), "command": " ".join([sys.executable] + sys.argv),
+        "backend": os.environ.get("FLASHMASK3_BACKEND", "auto"),
+    }
+    try:
+        import triton
+        env["triton"] = triton.__version__
+    except ImportError:
+        env["triton"] = None
+    if device.type == "cuda":
+        env["gpu"] = torch.cuda.get_device_name(device)
+        env["gpu_count"] = torch.cuda.device_count()
+        env["cuda"] = torch.version.cuda
+    return env
