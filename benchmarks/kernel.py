@@ -127,18 +127,8 @@ def bench(fn, grad_to_none=None) -> tuple[float, str]:
     from triton.testing import do_bench
 
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    if grad_to_none:
-        for t in grad_to_none:
-            t.grad = None
-    start.record()
-    fn()
-    end.record()
-    _sync()
-    first = start.elapsed_time(end)
-    if first < 40:
-        return do_bench(fn, warmup=25, rep=100, grad_to_none=grad_to_none, return_mode="median"), "do_bench"
-    times = []
-    for _ in range(3):
+
+    def timed_call() -> float:
         if grad_to_none:
             for t in grad_to_none:
                 t.grad = None
@@ -146,8 +136,11 @@ def bench(fn, grad_to_none=None) -> tuple[float, str]:
         fn()
         end.record()
         _sync()
-        times.append(start.elapsed_time(end))
-    return sorted(times)[1], "events-median-3"
+        return start.elapsed_time(end)
+
+    if timed_call() < 40:
+        return do_bench(fn, warmup=25, rep=100, grad_to_none=grad_to_none, return_mode="median"), "do_bench"
+    return sorted(timed_call() for _ in range(3))[1], "events-median-3"
 
 
 def measure(fwd, leaves, dout) -> dict:
