@@ -94,7 +94,7 @@ def check_qkv(q, k, v) -> None:
     if not (q.device == k.device == v.device):
         raise ValueError(f"q, k and v must be on one device, got {q.device}, {k.device}, {v.device}")
     b, sq, hq, d = q.shape
-    if k.shape != v.shape[:3] + (k.shape[3],) or k.shape[:3] != v.shape[:3]:
+    if k.shape[:3] != v.shape[:3]:
         raise ValueError(f"k and v must agree on [batch, seqlen_k, kv_heads], got {tuple(k.shape)} and {tuple(v.shape)}")
     if k.shape[0] != b:
         raise ValueError(f"k batch size {k.shape[0]} does not match q batch size {b}")
