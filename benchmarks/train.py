@@ -8,7 +8,7 @@ mask) at each sequence length, once per attention backend. Only the attention ca
 
 Per (sequence length, backend): ``--warmup`` steps (compilation, autotuning, allocator warm-up)
 are excluded, then ``--steps`` timed steps. Reported: tokens/s, model TFLOP/s (6·N·tokens plus
-3.5 × the attention forward FLOPs of :func:`flashmask3.masks.attention_flops`, no recompute),
+the attention forward+backward FLOPs of :func:`flashmask3.masks.attention_flops`, no recompute),
 attention share of the step time, peak memory, mask sparsity, and the speed-up of flashmask3
 over flex. SDPA needs the dense ``S x S`` mask: above ``--sdpa-max-seq`` it is reported as
 skipped, and an out-of-memory error in any backend is reported as ``OOM`` instead of crashing.
@@ -108,8 +108,8 @@ def run_backend(cfg, backend: str, batches, warmup: int, device: torch.device) -
         if i >= warmup:
             times.append(dt)
             attn.append(a)
-            attn_fwd = batch.mask.flops(cfg.n_heads, cfg.head_dim, "fwd")
-            flops += model_flops_per_step(cfg, batch.tokens.numel(), attn_fwd)
+            attn_flops = batch.mask.flops(cfg.n_heads, cfg.head_dim, "fwd_bwd")
+            flops += model_flops_per_step(cfg, batch.tokens.numel(), attn_flops)
     total = sum(times)
     tokens = sum(b.tokens.numel() for b in batches[warmup:])
     out = {"status": "ok", "tokens_per_s": tokens / total, "step_time_s": total / len(times),

@@ -221,10 +221,13 @@ def active_matmul_params(cfg) -> int:
     return cfg.n_layers * (attn + ffn) + d * cfg.vocab_size
 
 
-def model_flops_per_step(cfg, num_tokens: int, attention_fwd_flops_per_layer: float) -> float:
-    """Forward+backward model FLOPs: 6·N_active·tokens + 3.5 × attention forward (all layers).
+def model_flops_per_step(cfg, num_tokens: int, attention_flops_per_layer: float) -> float:
+    """Forward+backward model FLOPs: 6·N_active·tokens + attention (all layers).
+
+    ``attention_flops_per_layer`` is one layer's forward+backward attention count, from
+    :func:`flashmask3.masks.attention_flops` (``mode="fwd_bwd"``), the one FLOP convention.
 
     Activation recomputation is not counted (model FLOPs, not hardware FLOPs).
     """
     return 6.0 * active_matmul_params(cfg) * num_tokens + \
-        3.5 * attention_fwd_flops_per_layer * cfg.n_layers
+        attention_flops_per_layer * cfg.n_layers

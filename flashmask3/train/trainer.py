@@ -321,8 +321,8 @@ class RunStats:
         self.causal_pairs += mask.batch_size * mask.num_heads * s * (s + 1) // 2
         if run_step <= self.cfg.warmup_exclude:
             return
-        attn_fwd = mask.flops(self.cfg.n_heads, self.cfg.head_dim, "fwd")
-        self.flops += model_flops_per_step(self.cfg, batch.tokens.numel(), attn_fwd)
+        attn = mask.flops(self.cfg.n_heads, self.cfg.head_dim, "fwd_bwd")
+        self.flops += model_flops_per_step(self.cfg, batch.tokens.numel(), attn)
         self.time += step_time
         self.attn_time += attn_time
         self.tokens += batch.tokens.numel()
