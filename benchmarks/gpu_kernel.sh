@@ -4,6 +4,7 @@
 #   bash benchmarks/gpu_kernel.sh tests+d128     # full gpu pytest marker + benchmark grid at D=128 (+GQA)
 #   bash benchmarks/gpu_kernel.sh final          # gpu smoke subset + the prioritised FINAL_PLAN
 #   bash benchmarks/gpu_kernel.sh d64,256        # benchmark grid at D=64 and D=256
+#   bash benchmarks/gpu_kernel.sh bwd            # all gpu tests + backward variants (split vs fused)
 # Each stage has its own timeout so the whole call stays under the 600 s device limit; the
 # benchmark writes its JSON after every case, so a stopped run keeps what it measured.
 set -uo pipefail
@@ -25,6 +26,11 @@ case "$PHASE" in
       -k "bfloat16-128-causal_document or bfloat16-128-global_sliding_window or bfloat16-64-full or float16-128-sliding_window or (long_sequences and causal_document)" 2>&1 | tail -15 | tee "$OUT/pytest_gpu.log"
     timeout $((BUDGET + 45)) python3 benchmarks/kernel.py --plan final --budget-s "$BUDGET" --out "$OUT" --tag final 2>&1 \
       | grep -v "DeprecationWarning\|create_block_mask(mm" | tee "$OUT/bench_final.log"
+    ;;
+  bwd)
+    # every gpu test (split and fused backward), then the backward variants side by side
+    timeout 240 python3 -m pytest -q -m gpu tests/kernels/test_triton_flashmask.py -p no:cacheprovider 2>&1 | tail -25 | tee "$OUT/pytest_gpu.log"
+    FLASHMASK3_TRITON_AUTOTUNE=0 timeout $((BUDGET + 60)) python3 benchmarks/backward_modes.py --budget-s "$BUDGET" --out "$OUT" 2>&1 | tee "$OUT/bench_bwd.log"
     ;;
   d*)
     DIMS=${PHASE#d}

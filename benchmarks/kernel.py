@@ -285,7 +285,7 @@ def varlen_impl(mask, causal, q, k, v, scale):
 
 
 def flashmask_prep_ms(mask, causal, s, d, dtype) -> float:
-    """Median time of the mask preprocessing of one fwd+bwd (summaries + live ranges, 3 passes)."""
+    """Median time of the mask preprocessing of one fwd+bwd (summaries + live ranges of every pass)."""
     from triton.testing import do_bench
 
     from flashmask3.kernels import triton_flashmask as T
@@ -362,7 +362,10 @@ def run_case(name: str, s: int, d: int, hq: int, hk: int, dtype, args) -> dict:
 
         fm = rec["impls"]["flashmask3"]
         c = 0 if cols is None else cols.shape[-1]
-        fm["configs"] = {kind: str(T._config(kind, d, causal, c, dtype)) for kind in ("fwd", "dkdv", "dq")}
+        mode = T.backward_mode()
+        kinds = ("fwd", "fused") if mode == "fused" else ("fwd", "dkdv", "dq")
+        fm["configs"] = {kind: str(T._config(kind, d, causal, c, dtype)) for kind in kinds}
+        fm["backward"] = mode
         fm["prep_ms"] = flashmask_prep_ms(mask, causal, s, d, dtype)
         fm["mask_bytes"] = mask_bytes(mask, causal, s, d, dtype)
     return rec

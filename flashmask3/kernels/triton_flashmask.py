@@ -410,11 +410,18 @@ def _bwd_pre_kernel(o_ptr, do_ptr, lse_ptr, dlse_ptr, delta_ptr, lse2_ptr, Sq, H
 
 @triton.jit
 def _dkdv_inner(dk, dv, k, v, lo, hi, q_ptr, do_ptr, q_desc, do_desc, lse2_ptr, delta_ptr,
+                dq_ptr, dq_desc,
                 q_row0, q_col, q_stride, stat_row0, sptr, col_ptr, n_blk, Sq, Sk, scale_log2,
                 D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                 CAUSAL: tl.constexpr, C: tl.constexpr, NI: tl.constexpr,
-                USE_TMA: tl.constexpr, PREC: tl.constexpr):
-    """Accumulate dK, dV of one key block over query blocks [lo, hi) of one query head."""
+                USE_TMA: tl.constexpr, PREC: tl.constexpr, FUSE_DQ: tl.constexpr,
+                DQ_TMA: tl.constexpr):
+    """Accumulate dK, dV of one key block over query blocks [lo, hi) of one query head.
+
+    With FUSE_DQ, also add this key block's share of dQ (unscaled, fp32) into ``dq_ptr`` with
+    atomics: a TMA reduce-add of the whole tile (DQ_TMA) or element atomics. Rows past Sq get
+    exact zeros (their P is 0), so a tile that spills into the next batch's rows adds nothing.
+    """
     offs_d = tl.arange(0, D)
     offs_mb = tl.arange(0, BLOCK_M)
     c0 = n_blk * BLOCK_N
@@ -445,17 +452,26 @@ def _dkdv_inner(dk, dv, k, v, lo, hi, q_ptr, do_ptr, q_desc, do_desc, lse2_ptr, 
         dpT = tl.dot(v, tl.trans(do), input_precision=PREC)
         dsT = pT * (dpT - delta[None, :])
         dk = tl.dot(dsT.to(q.dtype), q, dk, input_precision=PREC)
+        if FUSE_DQ:
+            dq_part = tl.dot(tl.trans(dsT.to(k.dtype)), k, input_precision=PREC)
+            if DQ_TMA:
+                dq_desc.atomic_add([q_row0 + r0, q_col], dq_part)
+            else:
+                dq_off = (q_row0 + offs_m).to(tl.int64)[:, None] * q_stride + q_col + offs_d[None, :]
+                tl.atomic_add(dq_ptr + dq_off, dq_part, mask=rmask[:, None], sem="relaxed")
     return dk, dv
 
 
 @triton.jit(do_not_specialize=_NO_SPEC)
 def _dkdv_kernel(q_ptr, k_ptr, v_ptr, do_ptr, dk_ptr, dv_ptr, lse2_ptr, delta_ptr,
-                 mask_ptr, sum_ptr, rng_ptr, q_desc, do_desc, k_desc, v_desc,
+                 mask_ptr, sum_ptr, rng_ptr, q_desc, do_desc, k_desc, v_desc, dq_ptr, dq_desc,
                  sm_scale, scale_log2, Sq, Sk, Hq, Hk, Hm, NQB, NKB, mask_b_stride,
                  D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                  CAUSAL: tl.constexpr, C: tl.constexpr, NI: tl.constexpr,
-                 USE_TMA: tl.constexpr, PREC: tl.constexpr, A_SMEM: tl.constexpr):
-    """One program per (key block, batch*KV head); loops over the query heads of its group."""
+                 USE_TMA: tl.constexpr, PREC: tl.constexpr, A_SMEM: tl.constexpr,
+                 FUSE_DQ: tl.constexpr, DQ_TMA: tl.constexpr):
+    """One program per (key block, batch*KV head); loops over the query heads of its group.
+    FUSE_DQ: also accumulates dQ with atomics (the single-kernel, non-deterministic backward)."""
     n_blk = tl.program_id(0)
     bh = tl.program_id(1)
     b = bh // Hk
@@ -499,13 +515,13 @@ def _dkdv_kernel(q_ptr, k_ptr, v_ptr, do_ptr, dk_ptr, dv_ptr, lse2_ptr, delta_pt
         q_row0 = b * Sq
         q_col = h * D
         dk, dv = _dkdv_inner(dk, dv, k, v, lo0, hi0, q_ptr, do_ptr, q_desc, do_desc, lse2_ptr,
-                             delta_ptr, q_row0, q_col, Hq * D, stat_row0, sptr, col_ptr, n_blk,
-                             Sq, Sk, scale_log2, D, BLOCK_M, BLOCK_N, CAUSAL, C, NI, USE_TMA,
-                             PREC)
+                             delta_ptr, dq_ptr, dq_desc, q_row0, q_col, Hq * D, stat_row0, sptr,
+                             col_ptr, n_blk, Sq, Sk, scale_log2, D, BLOCK_M, BLOCK_N, CAUSAL, C,
+                             NI, USE_TMA, PREC, FUSE_DQ, DQ_TMA)
         dk, dv = _dkdv_inner(dk, dv, k, v, lo1, hi1, q_ptr, do_ptr, q_desc, do_desc, lse2_ptr,
-                             delta_ptr, q_row0, q_col, Hq * D, stat_row0, sptr, col_ptr, n_blk,
-                             Sq, Sk, scale_log2, D, BLOCK_M, BLOCK_N, CAUSAL, C, NI, USE_TMA,
-                             PREC)
+                             delta_ptr, dq_ptr, dq_desc, q_row0, q_col, Hq * D, stat_row0, sptr,
+                             col_ptr, n_blk, Sq, Sk, scale_log2, D, BLOCK_M, BLOCK_N, CAUSAL, C,
+                             NI, USE_TMA, PREC, FUSE_DQ, DQ_TMA)
     tl.store(dk_ptr + kv_off, (dk * sm_scale).to(dk_ptr.dtype.element_ty), mask=nmask)
     tl.store(dv_ptr + kv_off, dv.to(dv_ptr.dtype.element_ty), mask=nmask)
 
@@ -638,6 +654,11 @@ CANDIDATES: dict[tuple[str, int], list[Config]] = {
     ("dq", 64): [Config(128, 64, 8, 3), Config(128, 128, 8, 2)],
     ("dq", 128): [Config(128, 64, 8, 2), Config(64, 64, 4, 2)],
     ("dq", 256): [Config(64, 64, 8, 2), Config(64, 32, 4, 2)],
+    # the fused backward (dK/dV kernel that also reduce-adds dQ): dQ tiles are BLOCK_M x D fp32
+    # (sm_90 compiler report: 128x64 at D=128 needs 242 KB of shared memory; 64x128 spills)
+    ("fused", 64): [Config(64, 128, 8, 2), Config(64, 64, 8, 2)],
+    ("fused", 128): [Config(64, 64, 8, 2), Config(64, 64, 8, 1)],
+    ("fused", 256): [Config(64, 64, 8, 1), Config(32, 64, 8, 2)],
 }
 
 #: Small tiles for the interpreter (CPU tests): several blocks even on 100-token sequences.
@@ -686,7 +707,7 @@ def _use_tma(x: torch.Tensor) -> bool:
 #: on the H200 (benchmarks/NOTES.md, v1 vs v2): shared memory helps the forward (+7% at 32K),
 #: registers are faster in both backward kernels (v2 backward was ~10% slower).
 #: Override with FLASHMASK3_TRITON_A_SMEM="fwd,dkdv,dq" (a comma list of kernels) for experiments.
-A_OPERAND_IN_SMEM = {"fwd": True, "dkdv": False, "dq": False}
+A_OPERAND_IN_SMEM = {"fwd": True, "dkdv": False, "dq": False, "fused": False}
 
 
 def _a_smem(kind: str) -> bool:
@@ -694,6 +715,25 @@ def _a_smem(kind: str) -> bool:
     if env is not None:
         return kind in env.split(",")
     return A_OPERAND_IN_SMEM[kind]
+
+
+#: The backward used when neither torch's deterministic mode nor FLASHMASK3_TRITON_BWD decide:
+#: "fused" (one kernel; dQ reduce-added with atomics, so its rounding order varies run to run)
+#: or "split" (dK/dV kernel, then a dQ kernel that recomputes P and dP; bitwise reproducible).
+DEFAULT_BACKWARD = "split"
+
+
+def backward_mode() -> str:
+    """"split" under ``torch.use_deterministic_algorithms(True)`` (the fused kernel's atomics are
+    not reproducible); otherwise env FLASHMASK3_TRITON_BWD ("fused"/"split") or the default."""
+    if torch.are_deterministic_algorithms_enabled():
+        return "split"
+    env = os.environ.get("FLASHMASK3_TRITON_BWD", "").strip()
+    if env == "":
+        return DEFAULT_BACKWARD
+    if env not in ("fused", "split"):
+        raise ValueError(f"FLASHMASK3_TRITON_BWD must be 'fused' or 'split', got {env!r}")
+    return env
 
 
 def _num_intervals(causal: bool, c: int) -> int:
@@ -766,7 +806,10 @@ def preprocess(mask: Optional[torch.Tensor], causal: bool, seqlen_q: int, seqlen
     c = 0 if mask is None else mask.shape[-1]
     device = mask.device if mask is not None else "cpu"
     out = []
-    for kind, by_key in (("fwd", False), ("dkdv", True), ("dq", False))[: 3 if backward else 1]:
+    kinds = [("fwd", False)]
+    if backward:
+        kinds += [("fused", True)] if backward_mode() == "fused" else [("dkdv", True), ("dq", False)]
+    for kind, by_key in kinds:
         cfg = _config(kind, head_dim, causal, c, dtype)
         out.append(make_plan(mask, causal, seqlen_q, seqlen_k, cfg.block_m, cfg.block_n, by_key,
                              device))
@@ -852,25 +895,31 @@ def _bwd_pre(out, dout, lse, dlse):
     return delta, lse2
 
 
-def _launch_dkdv(q, k, v, dout, lse2, delta, causal, softmax_scale, cfg: Config, plan: Plan):
+def _launch_dkdv(q, k, v, dout, lse2, delta, causal, softmax_scale, cfg: Config, plan: Plan,
+                 fuse_dq: bool = False):
+    """dK, dV (and, with ``fuse_dq``, the unscaled fp32 dQ accumulated by atomics; else None)."""
     b, sq, hq, d = q.shape
     _, sk, hk, _ = k.shape
+    kind = "fused" if fuse_dq else "dkdv"
     dk = torch.empty_like(k)
     dv = torch.empty_like(v)
+    dq_acc = torch.zeros((b, sq, hq, d), dtype=torch.float32, device=q.device) if fuse_dq else None
     nqb, nkb = triton.cdiv(sq, cfg.block_m), triton.cdiv(sk, cfg.block_n)
     tma = _use_tma(q)
+    dq_tma = fuse_dq and tma and not _interpreting()  # the interpreter has no TMA reduce
     q_desc = _desc(q.view(b * sq, hq * d), cfg.block_m, d) if tma else None
     do_desc = _desc(dout.view(b * sq, hq * d), cfg.block_m, d) if tma else None
-    k_desc = _desc(k.view(b * sk, hk * d), cfg.block_n, d) if tma and _a_smem("dkdv") else None
-    v_desc = _desc(v.view(b * sk, hk * d), cfg.block_n, d) if tma and _a_smem("dkdv") else None
+    k_desc = _desc(k.view(b * sk, hk * d), cfg.block_n, d) if tma and _a_smem(kind) else None
+    v_desc = _desc(v.view(b * sk, hk * d), cfg.block_n, d) if tma and _a_smem(kind) else None
+    dq_desc = _desc(dq_acc.view(b * sq, hq * d), cfg.block_m, d) if dq_tma else None
     _dkdv_kernel[(nkb, b * hk)](
         q, k, v, dout, dk, dv, lse2, delta, plan.mask, plan.summary, plan.ranges, q_desc, do_desc,
-        k_desc, v_desc,
+        k_desc, v_desc, dq_acc if fuse_dq else dk, dq_desc,
         softmax_scale, softmax_scale * LOG2E, sq, sk, hq, hk, plan.hm, nqb, nkb,
         plan.mask_b_stride, D=d, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, CAUSAL=causal,
-        C=plan.c, NI=plan.ni, USE_TMA=tma, PREC=_dot_precision(q.dtype), A_SMEM=_a_smem("dkdv"),
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages)
-    return dk, dv
+        C=plan.c, NI=plan.ni, USE_TMA=tma, PREC=_dot_precision(q.dtype), A_SMEM=_a_smem(kind),
+        FUSE_DQ=fuse_dq, DQ_TMA=dq_tma, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    return dk, dv, dq_acc
 
 
 def _launch_dq(q, k, v, dout, lse2, delta, causal, softmax_scale, cfg: Config, plan: Plan):
@@ -905,15 +954,19 @@ def backward(dout, dlse, q, k, v, out, lse, startend_row_indices: Optional[torch
     dout = dout.to(q.dtype)
     c = 0 if startend_row_indices is None else startend_row_indices.shape[-1]
     delta, lse2 = _bwd_pre(out, dout, lse, dlse)
+    fused = backward_mode() == "fused"
     if _autotune_enabled(q):
-        for kind in ("dkdv", "dq"):
+        for kind in ("fused",) if fused else ("dkdv", "dq"):
             if (kind, d, causal, c, q.dtype) not in _TUNED:
                 autotune(kind, q, k, v, startend_row_indices, causal, softmax_scale,
                          dout=dout, lse2=lse2, delta=delta)
-    cfg = _config("dkdv", d, causal, c, q.dtype)
+    cfg = _config("fused" if fused else "dkdv", d, causal, c, q.dtype)
     plan = make_plan(startend_row_indices, causal, sq, sk, cfg.block_m, cfg.block_n, True,
                      q.device)
-    dk, dv = _launch_dkdv(q, k, v, dout, lse2, delta, causal, softmax_scale, cfg, plan)
+    dk, dv, dq_acc = _launch_dkdv(q, k, v, dout, lse2, delta, causal, softmax_scale, cfg, plan,
+                                  fuse_dq=fused)
+    if fused:
+        return (dq_acc * softmax_scale).to(q.dtype), dk, dv
     cfg = _config("dq", d, causal, c, q.dtype)
     plan = make_plan(startend_row_indices, causal, sq, sk, cfg.block_m, cfg.block_n, False,
                      q.device)
@@ -943,12 +996,13 @@ def autotune(kind: str, q, k, v, mask, causal, softmax_scale, dout=None, lse2=No
     c = 0 if mask is None else mask.shape[-1]
     best, best_ms = None, float("inf")
     for cfg in CANDIDATES[(kind, _dim_class(d))]:
-        by_key = kind == "dkdv"
+        by_key = kind in ("dkdv", "fused")
         plan = make_plan(mask, causal, sq, sk, cfg.block_m, cfg.block_n, by_key, q.device)
         if kind == "fwd":
             fn = lambda: _launch_fwd(q, k, v, mask, causal, softmax_scale, cfg, plan)  # noqa: E731
-        elif kind == "dkdv":
-            fn = lambda: _launch_dkdv(q, k, v, dout, lse2, delta, causal, softmax_scale, cfg, plan)  # noqa: E731,E501
+        elif kind in ("dkdv", "fused"):
+            fn = lambda: _launch_dkdv(q, k, v, dout, lse2, delta, causal, softmax_scale, cfg, plan,  # noqa: E731,E501
+                                      fuse_dq=kind == "fused")
         else:
             fn = lambda: _launch_dq(q, k, v, dout, lse2, delta, causal, softmax_scale, cfg, plan)  # noqa: E731,E501
         try:

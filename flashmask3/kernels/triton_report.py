@@ -60,13 +60,19 @@ def compile_one(kind: str, d: int, cfg: K.Config, causal: bool, c: int, dtype: s
         ptrs.update(lse_ptr="*fp32", mask_ptr="*i32", sum_ptr="*i32", rng_ptr="*i32")
         descs = {n: f"tensordesc<{dtype}[{cfg.block_n}, {d}]>" for n in ("k_desc", "v_desc")}
         descs["q_desc"] = f"tensordesc<{dtype}[{cfg.block_m}, {d}]>"
-    elif kind == "dkdv":
+    elif kind in ("dkdv", "fused"):
         kernel = K._dkdv_kernel
+        fused = kind == "fused"
+        common.update(FUSE_DQ=fused, DQ_TMA=fused and tma)
         ptrs = {n: f"*{dtype}" for n in ("q_ptr", "k_ptr", "v_ptr", "do_ptr", "dk_ptr", "dv_ptr")}
         ptrs.update(lse2_ptr="*fp32", delta_ptr="*fp32", mask_ptr="*i32", sum_ptr="*i32",
-                    rng_ptr="*i32")
+                    rng_ptr="*i32", dq_ptr="*fp32")
         descs = {n: f"tensordesc<{dtype}[{cfg.block_m}, {d}]>" for n in ("q_desc", "do_desc")}
         descs.update({n: f"tensordesc<{dtype}[{cfg.block_n}, {d}]>" for n in ("k_desc", "v_desc")})
+        if fused:
+            descs["dq_desc"] = f"tensordesc<fp32[{cfg.block_m}, {d}]>"
+        else:
+            common["dq_desc"] = None
     else:
         kernel = K._dq_kernel
         ptrs = {n: f"*{dtype}" for n in ("q_ptr", "k_ptr", "v_ptr", "do_ptr", "dq_ptr")}
@@ -104,11 +110,12 @@ def main(argv=None):
     ap.add_argument("--out", default=None)
     ap.add_argument("--dims", default="64,128,256")
     ap.add_argument("--layouts", default="1:1,0:4", help="causal:C pairs")
+    ap.add_argument("--kernels", default="fwd,dkdv,dq,fused")
     args = ap.parse_args(argv)
     rows = []
     layouts = [(bool(int(a)), int(b)) for a, b in (x.split(":") for x in args.layouts.split(","))]
     for d in (int(x) for x in args.dims.split(",")):
-        for kind in ("fwd", "dkdv", "dq"):
+        for kind in args.kernels.split(","):
             for cfg in K.CANDIDATES[(kind, d)]:
                 for causal, c in layouts:
                     try:

@@ -5,16 +5,25 @@ process group (with a collective timeout) and calling ``fn(rank, world, *args)``
 raises, the others are terminated and the parent raises with the original traceback; if the
 whole run exceeds ``timeout_s`` every rank is terminated and the parent raises TimeoutError.
 So a failing or deadlocked rank never leaves the test suite hanging.
+
+A rank whose checks passed (all ranks reached the final barrier) records that; after destroying
+the group it leaves with ``os._exit(0)``, skipping interpreter finalisation, which can abort a
+process inside gloo's C++ teardown (pytorch/pytorch#179291 describes the race; CI once saw a
+rank die with ``terminate called without an active exception`` and no Python error). A rank
+that dies *after* recording success is reported as a warning; one that dies before is an error.
 """
 
 from __future__ import annotations
 
 import datetime
+import gc
 import glob
 import os
+import sys
 import tempfile
 import time
 import traceback
+import warnings
 
 import torch
 import torch.distributed as dist
@@ -32,6 +41,13 @@ def _entry(rank, fn, world, store_path, timeout_s, args, env):
     except BaseException:
         _record(store_path, rank)
         raise
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)  # skip interpreter finalisation (see the module docstring)
+
+
+def _finished_ranks(store_path) -> set[int]:
+    return {int(p.rsplit(".", 1)[1]) for p in glob.glob(f"{store_path}.ok.*")}
 
 
 def _record(store_path, rank):
@@ -61,11 +77,14 @@ def _run_rank(rank, fn, world, store_path, timeout_s, args):
     )
     try:
         fn(rank, world, *args)
-        dist.barrier()
+        dist.barrier()  # every rank's checks passed
+        with open(f"{store_path}.ok.{rank}", "w") as f:
+            f.write("passed\n")
     except BaseException:
         _record(store_path, rank)  # before tearing down the group, which wakes the peers
         raise
     finally:
+        gc.collect()  # free autograd graphs that still hold the group while Python is intact
         dist.destroy_process_group()
 
 
@@ -88,13 +107,29 @@ def run_distributed(fn, world: int, *args, timeout_s: float = 240.0, collective_
         except (mp.ProcessRaisedException, mp.ProcessExitedException) as exc:
             time.sleep(0.5)  # let a slower failing rank finish writing its record
             first = _first_error(store)
-            if first is None:
-                raise
-            _, rank, tb = first
-            raise RankError(f"rank {rank} failed first:\n{tb}") from exc
+            if first is not None:
+                _, rank, tb = first
+                raise RankError(f"rank {rank} failed first:\n{tb}") from exc
+            if isinstance(exc, mp.ProcessExitedException) and _all_finished(ctx, store, world):
+                warnings.warn(f"every rank of {fn.__name__} passed, but rank {exc.error_index} "
+                              f"then died in teardown ({exc})")
+                return
+            raise
         finally:
             for p in ctx.processes:
                 if p.is_alive():
                     p.terminate()
             for p in ctx.processes:
                 p.join(5)
+
+
+def _all_finished(ctx, store_path, world: int, wait_s: float = 30.0) -> bool:
+    """Whether every rank recorded success (waiting for the live ones to get there)."""
+    deadline = time.monotonic() + wait_s
+    while time.monotonic() < deadline:
+        if len(_finished_ranks(store_path)) == world:
+            return True
+        if not any(p.is_alive() for p in ctx.processes):
+            break
+        time.sleep(0.2)
+    return len(_finished_ranks(store_path)) == world

@@ -172,3 +172,21 @@ def cp4_suite(rank, world, seqlen, masks, balances, comms, nodes_list, chunk_siz
     """Everything that needs 4 ranks, in one process group."""
     check_configs(rank, world, seqlen, masks, balances, comms, nodes_list, chunk_sizes, seed)
     check_submesh(rank, world, seqlen, seed)
+
+
+def abort_in_teardown(rank, world):
+    """Pass, then die in C++-like fashion while the group is being destroyed (rank 1 only)."""
+    import os
+
+    import torch.distributed as dist
+
+    if rank == 1:
+        dist.destroy_process_group = lambda *a, **k: os.abort()
+
+
+def abort_before_barrier(rank, world):
+    """Die without a Python error before the final barrier (rank 1 only)."""
+    import os
+
+    if rank == 1:
+        os.abort()

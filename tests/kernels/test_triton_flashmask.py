@@ -155,6 +155,28 @@ def test_forward_backward_random_columns(causal, c, hm_kind):
     _check(q, k, v, cols, causal)
 
 
+@pytest.mark.parametrize("causal,c", LAYOUTS + [(True, 0), (False, 0)])
+def test_fused_backward_random_columns(monkeypatch, causal, c):
+    """The one-kernel backward (dQ by atomics) on every layout, GQA, Sq != Sk, ragged lengths."""
+    monkeypatch.setenv("FLASHMASK3_TRITON_BWD", "fused")
+    b, sq, sk, hq, hk, d = 2, 90, 75, 4, 2, 32
+    cols = None if c == 0 else random_columns(b, hk, sq, sk, causal, c, seed=7 * c + 1).to(DEVICE)
+    q, k, v = _qkv(b, sq, sk, hq, hk, d, torch.float32, seed=c + 40)
+    _check(q, k, v, cols, causal)
+
+
+def test_backward_mode_choice(monkeypatch):
+    """Deterministic mode always takes the split (atomic-free) backward; bad values are named."""
+    monkeypatch.setenv("FLASHMASK3_TRITON_BWD", "fused")
+    assert T.backward_mode() == "fused"
+    monkeypatch.setattr(torch, "are_deterministic_algorithms_enabled", lambda: True)
+    assert T.backward_mode() == "split"
+    monkeypatch.undo()
+    monkeypatch.setenv("FLASHMASK3_TRITON_BWD", "atomic")
+    with pytest.raises(ValueError, match="FLASHMASK3_TRITON_BWD"):
+        T.backward_mode()
+
+
 @pytest.mark.parametrize("name", ["causal_document", "global_sliding_window", "shared_question",
                                   "prefix_lm", "random_eviction"])
 def test_named_masks_fp16(name):
@@ -170,13 +192,15 @@ def test_short_and_unequal_lengths_without_dlse(sq, sk):
     _check(q, k, v, cols, True, scale=0.2, with_dlse=False)
 
 
-@pytest.mark.parametrize("a_smem", ["fwd", "fwd,dkdv,dq", ""])
-def test_tma_descriptor_path(monkeypatch, a_smem):
+@pytest.mark.parametrize("a_smem,bwd", [("fwd", "split"), ("fwd,dkdv,dq", "split"), ("", "split"),
+                                        ("fused", "fused")])
+def test_tma_descriptor_path(monkeypatch, a_smem, bwd):
     """The tensor-descriptor (TMA) loads give the same results (interpreter emulates them), with
     the wgmma A operands in shared memory or registers; B=2 makes loads cross the batch
     boundary, which the masks must neutralise."""
     monkeypatch.setenv("FLASHMASK3_TRITON_TMA", "1")
     monkeypatch.setenv("FLASHMASK3_TRITON_A_SMEM", a_smem)
+    monkeypatch.setenv("FLASHMASK3_TRITON_BWD", bwd)
     mask = M.causal_document_mask([30, 41, 29], batch_size=2)
     q, k, v = _qkv(2, 100, 100, 2, 1, 32, torch.float32, seed=3)
     _check(q, k, v, mask.startend_row_indices.to(DEVICE), True)
@@ -187,13 +211,18 @@ def test_other_tile_shapes(monkeypatch):
     monkeypatch.setitem(T.CONFIG_OVERRIDE, "fwd", T.Config(16, 32, 4, 1))
     monkeypatch.setitem(T.CONFIG_OVERRIDE, "dkdv", T.Config(32, 16, 4, 1))
     monkeypatch.setitem(T.CONFIG_OVERRIDE, "dq", T.Config(16, 64, 4, 1))
+    monkeypatch.setitem(T.CONFIG_OVERRIDE, "fused", T.Config(16, 32, 4, 1))
     cols = random_columns(1, 2, 90, 90, False, 4, seed=5).to(DEVICE)
     q, k, v = _qkv(1, 90, 90, 2, 2, 16, torch.float32, seed=6)
     _check(q, k, v, cols, False)
+    monkeypatch.setenv("FLASHMASK3_TRITON_BWD", "fused")
+    _check(q, k, v, cols, False)
 
 
-def test_fully_masked_everything():
+@pytest.mark.parametrize("bwd", ["split", "fused"])
+def test_fully_masked_everything(monkeypatch, bwd):
     """Every row masked: zeros, -inf LSE, zero gradients, no NaN."""
+    monkeypatch.setenv("FLASHMASK3_TRITON_BWD", bwd)
     cols = torch.zeros(1, 1, 40, 1, dtype=torch.int32, device=DEVICE)  # LTS=0: all masked
     q, k, v = _qkv(1, 40, 40, 2, 1, 16, torch.float32, seed=8)
     out, lse = T.forward(q, k, v, cols, True, 0.25)
@@ -231,11 +260,19 @@ GPU_CASES = ([(torch.bfloat16, 128, n) for n in _gpu_masks(256)]
                 (torch.float16, 64, "document")])
 
 
+#: Cases run a second time with the fused (atomic dQ, TMA reduce-add) backward.
+GPU_FUSED_CASES = ([(torch.bfloat16, 128, n) for n in _gpu_masks(256)]
+                   + [(torch.bfloat16, 64, "causal_document"), (torch.bfloat16, 256, "document"),
+                      (torch.float16, 128, "sliding_window")])
+GPU_ALL = [c + ("split",) for c in GPU_CASES] + [c + ("fused",) for c in GPU_FUSED_CASES]
+
+
 @pytest.mark.gpu
-@pytest.mark.parametrize("dtype,d,name", GPU_CASES,
-                         ids=[f"{str(t).split('.')[-1]}-{d}-{n}" for t, d, n in GPU_CASES])
-def test_gpu_against_float64_reference(dtype, d, name):
+@pytest.mark.parametrize("dtype,d,name,bwd", GPU_ALL,
+                         ids=[f"{str(t).split('.')[-1]}-{d}-{n}-{m}" for t, d, n, m in GPU_ALL])
+def test_gpu_against_float64_reference(monkeypatch, dtype, d, name, bwd):
     """S=1500 (not a block multiple), GQA 4:2 -> float64 dense reference on the GPU."""
+    monkeypatch.setenv("FLASHMASK3_TRITON_BWD", bwd)
     s = 1500
     mask, causal = _gpu_masks(s)[name]
     cols = None if mask is None else mask.startend_row_indices.cuda()
@@ -245,11 +282,14 @@ def test_gpu_against_float64_reference(dtype, d, name):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("bwd", ["split", "fused"])
 @pytest.mark.parametrize("name,s", [("causal_document", 32768), ("global_sliding_window", 32768),
                                     ("causal", 16384)])
-def test_gpu_long_sequences_against_sdpa(name, s):
+def test_gpu_long_sequences_against_sdpa(monkeypatch, name, s, bwd):
     """32K bf16 against fp32 SDPA (memory-efficient backend) with the dense boolean mask."""
     from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    monkeypatch.setenv("FLASHMASK3_TRITON_BWD", bwd)
 
     mask, causal = _gpu_masks(s)[name]
     cols = None if mask is None else mask.startend_row_indices.cuda()

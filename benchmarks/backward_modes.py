@@ -1,0 +1,163 @@
+"""Backward variants of the Triton kernel, timed back to back on the same inputs (one GPU).
+
+* ``split``: the dK/dV kernel, then the dQ kernel (recomputes P and dP; deterministic), with
+  each of the two kernels also timed alone;
+* ``fused:<config>``: the dK/dV kernel that also reduce-adds dQ (TMA ``cp.reduce.async.bulk``
+  on Hopper), for every candidate configuration, with the wgmma A operands (K, V) in registers
+  and, as ``fused-smem:<config>``, in shared memory.
+
+Every variant's gradients are compared with the split backward's (bf16 relative error), so a
+fast but wrong variant shows up in the table. Used to choose ``DEFAULT_BACKWARD`` and the
+fused configurations (benchmarks/NOTES.md)::
+
+    python benchmarks/backward_modes.py --out $OUT          # on the GPU
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import math
+import os
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from benchmarks.kernel import TOTAL_TOKENS, bench, build_mask  # noqa: E402
+from flashmask3.kernels import triton_flashmask as T  # noqa: E402
+import flashmask3.masks as M  # noqa: E402
+
+DEVICE = "cuda"
+MASKS = ["causal", "full", "causal_document_corpus", "causal_document_short", "document_corpus",
+         "sliding_window", "global_sliding_window", "shared_question", "prefix_lm", "random_eviction"]
+
+
+def _rel(a, b) -> float:
+    return ((a.float() - b.float()).norm() / b.float().norm().clamp_min(1e-30)).item()
+
+
+def _variants(d: int):
+    """(label, backward mode, config override or None, A-operand-in-smem kinds)."""
+    out = [("split", "split", None, "")]
+    for cfg in T.CANDIDATES[("fused", d)]:
+        tag = f"{cfg.block_m}x{cfg.block_n}w{cfg.num_warps}s{cfg.num_stages}"
+        out.append((f"fused:{tag}", "fused", cfg, ""))
+        out.append((f"fused-smem:{tag}", "fused", cfg, "fused"))
+    return out
+
+
+def run_case(name: str, s: int, d: int, hq: int, hk: int, dtype) -> dict:
+    batch = TOTAL_TOKENS // s
+    mask, causal, _ = build_mask(name, s, batch)
+    cols = None if mask is None else mask.to(DEVICE).startend_row_indices
+    causal = causal if mask is None else mask.causal
+    g = torch.Generator(device=DEVICE).manual_seed(s + d + 1)
+    q, k, v = (torch.randn(batch, s, h, d, device=DEVICE, dtype=dtype, generator=g) for h in (hq, hk, hk))
+    scale = 1 / math.sqrt(d)
+    out, lse = T.forward(q, k, v, cols, causal, scale)
+    dout = torch.randn_like(out)
+    flops = M.attention_flops(cols, causal, batch_size=batch, num_heads=hq, seqlen_q=s, seqlen_k=s,
+                              head_dim=d, mode="bwd")
+    rec = dict(mask=name, S=s, D=d, B=batch, Hq=hq, Hk=hk, flops_bwd=flops, variants={})
+    ref = None
+    for label, mode, cfg, a_smem in _variants(d):
+        os.environ["FLASHMASK3_TRITON_BWD"] = mode
+        os.environ["FLASHMASK3_TRITON_A_SMEM"] = "fwd" + ("," + a_smem if a_smem else "")
+        T.CONFIG_OVERRIDE.pop("fused", None)
+        if cfg is not None:
+            T.CONFIG_OVERRIDE["fused"] = cfg
+        try:
+            grads = T.backward(dout, None, q, k, v, out, lse, cols, causal, scale)
+            ms, _ = bench(lambda: T.backward(dout, None, q, k, v, out, lse, cols, causal, scale))
+            r = dict(ms=ms, tflops=flops / (ms * 1e-3) / 1e12)
+            if ref is None:
+                ref = grads
+            else:
+                r["rel_err_vs_split"] = [_rel(a, b) for a, b in zip(grads, ref)]
+            del grads
+        except Exception as exc:  # out of shared memory etc.: record and go on
+            r = {"error": f"{type(exc).__name__}: {str(exc)[:200]}"}
+        rec["variants"][label] = r
+    T.CONFIG_OVERRIDE.pop("fused", None)
+    os.environ["FLASHMASK3_TRITON_BWD"] = "split"
+    os.environ["FLASHMASK3_TRITON_A_SMEM"] = "fwd"
+    rec["split_parts_ms"] = _split_parts(q, k, v, out, lse, dout, cols, causal, scale)
+    return rec
+
+
+def _split_parts(q, k, v, out, lse, dout, cols, causal, scale) -> dict:
+    """The split backward's three launches timed alone (delta preprocess, dK/dV, dQ)."""
+    b, sq, hq, d = q.shape
+    sk = k.shape[1]
+    c = 0 if cols is None else cols.shape[-1]
+    delta, lse2 = T._bwd_pre(out, dout, lse, None)
+    cfg_kv = T._config("dkdv", d, causal, c, q.dtype)
+    plan_kv = T.make_plan(cols, causal, sq, sk, cfg_kv.block_m, cfg_kv.block_n, True, q.device)
+    cfg_q = T._config("dq", d, causal, c, q.dtype)
+    plan_q = T.make_plan(cols, causal, sq, sk, cfg_q.block_m, cfg_q.block_n, False, q.device)
+    return dict(
+        pre=bench(lambda: T._bwd_pre(out, dout, lse, None))[0],
+        dkdv=bench(lambda: T._launch_dkdv(q, k, v, dout, lse2, delta, causal, scale, cfg_kv, plan_kv))[0],
+        dq=bench(lambda: T._launch_dq(q, k, v, dout, lse2, delta, causal, scale, cfg_q, plan_q))[0])
+
+
+def markdown(results: list[dict], meta: dict) -> str:
+    labels = list(results[0]["variants"]) if results else []
+    lines = [f"# Backward variants ({meta['gpu']}, {meta['date'][:10]}, torch {meta['torch']}, "
+             f"triton {meta['triton']}, {meta['dtype']})", "", f"Command: `{meta['command']}`", "",
+             "Backward time in ms (TFLOP/s); fused variants also give max rel. error of dq/dk/dv "
+             "against split. `split parts`: delta / dK,dV / dQ kernels alone.", "",
+             "| mask | S | D | " + " | ".join(labels) + " | split parts |",
+             "|---|---|---|" + "---|" * len(labels) + "---|"]
+    for r in results:
+        cells = []
+        for lab in labels:
+            x = r["variants"][lab]
+            if "error" in x:
+                cells.append("error")
+                continue
+            err = f" e={max(x['rel_err_vs_split']):.1e}" if "rel_err_vs_split" in x else ""
+            cells.append(f"{x['ms']:.2f} ({x['tflops']:.0f}){err}")
+        p = r["split_parts_ms"]
+        lines.append(f"| {r['mask']} | {r['S'] // 1024}K | {r['D']} | " + " | ".join(cells)
+                     + f" | {p['pre']:.2f} / {p['dkdv']:.2f} / {p['dq']:.2f} |")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--masks", type=lambda x: x.split(","), default=MASKS)
+    ap.add_argument("--seqlen", type=int, default=32768)
+    ap.add_argument("--dims", type=lambda x: [int(v) for v in x.split(",")], default=[128])
+    ap.add_argument("--budget-s", type=float, default=1e9)
+    ap.add_argument("--out", default="benchmarks/results")
+    args = ap.parse_args(argv)
+    import triton
+
+    meta = dict(gpu=torch.cuda.get_device_name(), date=datetime.datetime.utcnow().isoformat() + "Z",
+                torch=torch.__version__, triton=triton.__version__, dtype="bf16",
+                command="python " + " ".join(sys.argv))
+    os.makedirs(args.out, exist_ok=True)
+    results, t0 = [], time.time()
+    for d in args.dims:
+        for m in args.masks:
+            if time.time() - t0 > args.budget_s:
+                break
+            rec = run_case(m, args.seqlen, d, 4096 // d, 4096 // d, torch.bfloat16)
+            results.append(rec)
+            best = min((x["ms"], lab) for lab, x in rec["variants"].items() if "ms" in x)
+            print(f"[{time.time() - t0:5.0f}s] D={d} {m:24s} split={rec['variants']['split'].get('ms', -1):.2f} "
+                  f"best={best[1]} {best[0]:.2f} ms parts={rec['split_parts_ms']}", flush=True)
+            with open(os.path.join(args.out, "backward_modes.json"), "w") as f:
+                json.dump(dict(meta=meta, results=results), f, indent=1)
+    with open(os.path.join(args.out, "backward_modes.md"), "w") as f:
+        f.write(markdown(results, meta))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
