@@ -130,6 +130,36 @@ def _tile_class(sum_ptr, m, n, Sq, Sk, valid,
 
 
 @triton.jit
+def _kv_tile(k_ptr, v_ptr, k_desc, v_desc, kv_row0, kv_col, kv_stride, c0, Sk,
+             D: tl.constexpr, BLOCK_N: tl.constexpr, USE_TMA: tl.constexpr):
+    """K and V rows [c0, c0 + BLOCK_N) of one KV head: a TMA load, or masked pointer loads
+    that read rows past Sk as zeros (TMA may read the next batch's rows: the element mask of a
+    clipped tile discards them)."""
+    if USE_TMA:
+        k = k_desc.load([kv_row0 + c0, kv_col])
+        v = v_desc.load([kv_row0 + c0, kv_col])
+    else:
+        offs_n = c0 + tl.arange(0, BLOCK_N)
+        offs_d = tl.arange(0, D)
+        kv_off = (kv_row0 + offs_n).to(tl.int64)[:, None] * kv_stride + kv_col + offs_d[None, :]
+        kmask = (offs_n < Sk)[:, None]
+        k = tl.load(k_ptr + kv_off, mask=kmask, other=0.0)
+        v = tl.load(v_ptr + kv_off, mask=kmask, other=0.0)
+    return k, v
+
+
+@triton.jit
+def _clipped_tile_class(sptr, m, n, Sq, Sk, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                        CAUSAL: tl.constexpr, NI: tl.constexpr):
+    """The tile's class, demoted from UNMASKED to PARTIAL when its key block reaches past Sk,
+    so the element mask also cuts the tail columns."""
+    cls = _tile_class(sptr, m, n, Sq, Sk, True, BLOCK_M, BLOCK_N, CAUSAL, NI)
+    if n * BLOCK_N + BLOCK_N > Sk:
+        cls = tl.minimum(cls, 1)
+    return cls
+
+
+@triton.jit
 def _column_intervals(col_ptr, cols, cvalid, Sq, CAUSAL: tl.constexpr, C: tl.constexpr):
     """Masked row intervals [s0, e0) and [s1, e1) of columns ``cols`` (DESIGN.md §1 table)."""
     if C == 0:
@@ -279,22 +309,12 @@ def _fwd_inner(acc, l_i, m_i, q, offs_m, lo, hi,
                CAUSAL: tl.constexpr, C: tl.constexpr, NI: tl.constexpr,
                USE_TMA: tl.constexpr, PREC: tl.constexpr):
     """Online-softmax accumulation of key blocks [lo, hi) into (acc, l_i, m_i)."""
-    offs_d = tl.arange(0, D)
     offs_nb = tl.arange(0, BLOCK_N)
     for n in tl.range(lo, hi):
         c0 = n * BLOCK_N
-        if USE_TMA:
-            k = k_desc.load([kv_row0 + c0, kv_col])
-            v = v_desc.load([kv_row0 + c0, kv_col])
-        else:
-            offs_n = c0 + offs_nb
-            kv_off = (kv_row0 + offs_n).to(tl.int64)[:, None] * kv_stride + kv_col + offs_d[None, :]
-            kmask = (offs_n < Sk)[:, None]
-            k = tl.load(k_ptr + kv_off, mask=kmask, other=0.0)
-            v = tl.load(v_ptr + kv_off, mask=kmask, other=0.0)
-        cls = _tile_class(sptr, m_blk, n, Sq, Sk, True, BLOCK_M, BLOCK_N, CAUSAL, NI)
-        if c0 + BLOCK_N > Sk:
-            cls = tl.minimum(cls, 1)
+        k, v = _kv_tile(k_ptr, v_ptr, k_desc, v_desc, kv_row0, kv_col, kv_stride, c0, Sk, D,
+                        BLOCK_N, USE_TMA)
+        cls = _clipped_tile_class(sptr, m_blk, n, Sq, Sk, BLOCK_M, BLOCK_N, CAUSAL, NI)
         qk = tl.dot(q, tl.trans(k), input_precision=PREC) * scale_log2
         if cls != 2:
             cols = (c0 + offs_nb)[None, :]
@@ -439,9 +459,7 @@ def _dkdv_inner(dk, dv, k, v, lo, hi, q_ptr, do_ptr, q_desc, do_desc, lse2_ptr, 
             do = tl.load(do_ptr + off, mask=rmask[:, None], other=0.0)
         lse2 = tl.load(lse2_ptr + stat_row0 + offs_m, mask=rmask, other=float("inf"))
         delta = tl.load(delta_ptr + stat_row0 + offs_m, mask=rmask, other=0.0)
-        cls = _tile_class(sptr, m, n_blk, Sq, Sk, True, BLOCK_M, BLOCK_N, CAUSAL, NI)
-        if c0 + BLOCK_N > Sk:
-            cls = tl.minimum(cls, 1)
+        cls = _clipped_tile_class(sptr, m, n_blk, Sq, Sk, BLOCK_M, BLOCK_N, CAUSAL, NI)
         qkT = tl.dot(k, tl.trans(q), input_precision=PREC)
         pT = tl.math.exp2(qkT * scale_log2 - lse2[None, :])
         if cls != 2:
@@ -533,22 +551,12 @@ def _dq_inner(dq, q, do, lse2, delta, offs_m, lo, hi, k_ptr, v_ptr, k_desc, v_de
               CAUSAL: tl.constexpr, C: tl.constexpr, NI: tl.constexpr,
               USE_TMA: tl.constexpr, PREC: tl.constexpr):
     """Accumulate dQ of one query block over key blocks [lo, hi)."""
-    offs_d = tl.arange(0, D)
     offs_nb = tl.arange(0, BLOCK_N)
     for n in tl.range(lo, hi):
         c0 = n * BLOCK_N
-        if USE_TMA:
-            k = k_desc.load([kv_row0 + c0, kv_col])
-            v = v_desc.load([kv_row0 + c0, kv_col])
-        else:
-            offs_n = c0 + offs_nb
-            kv_off = (kv_row0 + offs_n).to(tl.int64)[:, None] * kv_stride + kv_col + offs_d[None, :]
-            kmask = (offs_n < Sk)[:, None]
-            k = tl.load(k_ptr + kv_off, mask=kmask, other=0.0)
-            v = tl.load(v_ptr + kv_off, mask=kmask, other=0.0)
-        cls = _tile_class(sptr, m_blk, n, Sq, Sk, True, BLOCK_M, BLOCK_N, CAUSAL, NI)
-        if c0 + BLOCK_N > Sk:
-            cls = tl.minimum(cls, 1)
+        k, v = _kv_tile(k_ptr, v_ptr, k_desc, v_desc, kv_row0, kv_col, kv_stride, c0, Sk, D,
+                        BLOCK_N, USE_TMA)
+        cls = _clipped_tile_class(sptr, m_blk, n, Sq, Sk, BLOCK_M, BLOCK_N, CAUSAL, NI)
         qk = tl.dot(q, tl.trans(k), input_precision=PREC)
         p = tl.math.exp2(qk * scale_log2 - lse2[:, None])
         if cls != 2:

@@ -9,6 +9,8 @@ spending device time. Usage::
 For each (kernel, head dim, config, mask layout) it prints registers per thread, local-memory
 bytes (spills; LDL/STL count in SASS), static shared memory, and the number of HGMMA (warpgroup
 matrix) instructions in the SASS: a matrix kernel without HGMMA is on the slower mma.sync path.
+Also counted: TMA reduce-adds (UTMAREDG, the fused backward's dQ), element reductions (RED.E),
+CTA barriers (BAR.SYNC) and wgmma waits (WARPGROUP.DEPBAR).
 """
 
 from __future__ import annotations
@@ -101,7 +103,9 @@ def compile_one(kind: str, d: int, cfg: K.Config, causal: bool, c: int, dtype: s
                 num_warps=cfg.num_warps, num_stages=cfg.num_stages, causal=causal, C=c,
                 dtype=dtype, tma=tma, regs=regs, stack=stack, local=local,
                 shared_dynamic=ck.metadata.shared, hgmma=sass.count("HGMMA"),
-                hmma=sass.count("HMMA"), ldl_stl=sass.count("LDL") + sass.count("STL"))
+                hmma=sass.count("HMMA"), ldl_stl=sass.count("LDL") + sass.count("STL"),
+                tma_reduce=sass.count("UTMAREDG"), red_global=sass.count("RED.E"),
+                bar_sync=sass.count("BAR.SYNC"), wgmma_wait=sass.count("WARPGROUP.DEPBAR"))
 
 
 def main(argv=None):
