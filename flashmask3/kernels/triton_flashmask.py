@@ -160,6 +160,31 @@ def _clipped_tile_class(sptr, m, n, Sq, Sk, BLOCK_M: tl.constexpr, BLOCK_N: tl.c
 
 
 @triton.jit
+def _query_block_ranges(rng_ptr, mbh, m_blk, Sq, Sk, NQB, NKB, BLOCK_M: tl.constexpr,
+                        BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr, C: tl.constexpr):
+    """The two live key-block ranges [lo0, hi0), [lo1, hi1) of one query block: from the
+    preprocessed table with a mask, from the causal diagonal (or everything) without one."""
+    if C > 0:
+        rp = rng_ptr + (mbh * NQB + m_blk) * 4
+        lo0 = tl.load(rp)
+        hi0 = tl.load(rp + 1)
+        lo1 = tl.load(rp + 2)
+        hi1 = tl.load(rp + 3)
+    else:
+        lo0 = 0
+        if CAUSAL:
+            r1 = tl.minimum((m_blk + 1) * BLOCK_M, Sq)
+            last = r1 - 1 + (Sk - Sq)  # last visible column of the block
+            hi0 = tl.maximum(tl.minimum((last + BLOCK_N) // BLOCK_N, NKB), 0)
+            hi0 = tl.where(last < 0, 0, hi0)
+        else:
+            hi0 = NKB
+        lo1 = hi0
+        hi1 = hi0
+    return lo0, hi0, lo1, hi1
+
+
+@triton.jit
 def _column_intervals(col_ptr, cols, cvalid, Sq, CAUSAL: tl.constexpr, C: tl.constexpr):
     """Masked row intervals [s0, e0) and [s1, e1) of columns ``cols`` (DESIGN.md §1 table)."""
     if C == 0:
@@ -361,23 +386,8 @@ def _fwd_kernel(q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr, mask_ptr, sum_ptr, rng_ptr,
     mbh = b64 * mask_b_stride + hm
     sptr = sum_ptr + mbh * NKB * 8
     col_ptr = mask_ptr + mbh * Sk * C
-    if C > 0:
-        rp = rng_ptr + (mbh * NQB + m_blk) * 4
-        lo0 = tl.load(rp)
-        hi0 = tl.load(rp + 1)
-        lo1 = tl.load(rp + 2)
-        hi1 = tl.load(rp + 3)
-    else:
-        lo0 = 0
-        if CAUSAL:
-            r1 = tl.minimum((m_blk + 1) * BLOCK_M, Sq)
-            last = r1 - 1 + (Sk - Sq)  # last visible column of the block
-            hi0 = tl.maximum(tl.minimum((last + BLOCK_N) // BLOCK_N, NKB), 0)
-            hi0 = tl.where(last < 0, 0, hi0)
-        else:
-            hi0 = NKB
-        lo1 = hi0
-        hi1 = hi0
+    lo0, hi0, lo1, hi1 = _query_block_ranges(rng_ptr, mbh, m_blk, Sq, Sk, NQB, NKB, BLOCK_M,
+                                             BLOCK_N, CAUSAL, C)
 
     acc = tl.zeros([BLOCK_M, D], dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
@@ -605,23 +615,8 @@ def _dq_kernel(q_ptr, k_ptr, v_ptr, do_ptr, dq_ptr, lse2_ptr, delta_ptr,
     mbh = b64 * mask_b_stride + hm
     sptr = sum_ptr + mbh * NKB * 8
     col_ptr = mask_ptr + mbh * Sk * C
-    if C > 0:
-        rp = rng_ptr + (mbh * NQB + m_blk) * 4
-        lo0 = tl.load(rp)
-        hi0 = tl.load(rp + 1)
-        lo1 = tl.load(rp + 2)
-        hi1 = tl.load(rp + 3)
-    else:
-        lo0 = 0
-        if CAUSAL:
-            r1 = tl.minimum((m_blk + 1) * BLOCK_M, Sq)
-            last = r1 - 1 + (Sk - Sq)
-            hi0 = tl.maximum(tl.minimum((last + BLOCK_N) // BLOCK_N, NKB), 0)
-            hi0 = tl.where(last < 0, 0, hi0)
-        else:
-            hi0 = NKB
-        lo1 = hi0
-        hi1 = hi0
+    lo0, hi0, lo1, hi1 = _query_block_ranges(rng_ptr, mbh, m_blk, Sq, Sk, NQB, NKB, BLOCK_M,
+                                             BLOCK_N, CAUSAL, C)
     dq = tl.zeros([BLOCK_M, D], dtype=tl.float32)
     kv_row0 = b * Sk
     kv_col = hk * D
@@ -922,7 +917,7 @@ def _launch_dkdv(q, k, v, dout, lse2, delta, causal, softmax_scale, cfg: Config,
     dq_desc = _desc(dq_acc.view(b * sq, hq * d), cfg.block_m, d) if dq_tma else None
     _dkdv_kernel[(nkb, b * hk)](
         q, k, v, dout, dk, dv, lse2, delta, plan.mask, plan.summary, plan.ranges, q_desc, do_desc,
-        k_desc, v_desc, dq_acc if fuse_dq else dk, dq_desc,
+        k_desc, v_desc, dq_acc if fuse_dq else dk, dq_desc,  # (dk: an unused placeholder)
         softmax_scale, softmax_scale * LOG2E, sq, sk, hq, hk, plan.hm, nqb, nkb,
         plan.mask_b_stride, D=d, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, CAUSAL=causal,
         C=plan.c, NI=plan.ni, USE_TMA=tma, PREC=_dot_precision(q.dtype), A_SMEM=_a_smem(kind),
