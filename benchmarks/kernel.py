@@ -3,6 +3,7 @@
 One process, one set of inputs per case, every implementation timed back to back:
 
 * ``flashmask3``   -- ``flashmask3.flashmask_attention`` with ``FLASHMASK3_BACKEND=triton``;
+* ``flashmask3_fused`` -- the same with the fused backward (``FLASHMASK3_TRITON_BWD=fused``);
 * ``flex``         -- ``torch.compile(flex_attention)`` (Triton backend), block mask built once
                       by ``create_block_mask(_compile=True)``; its build time is reported apart.
                       One generic ``mask_mod`` reads the same column intervals as FlashMask
@@ -328,6 +329,7 @@ def run_case(name: str, s: int, d: int, hq: int, hk: int, dtype, args) -> dict:
                density=density, flops=flops, impls={})
 
     impls = [("flashmask3", lambda: flashmask_impl(mask, causal, q, k, v, scale) + (None,)),
+             ("flashmask3_fused", lambda: flashmask_impl(mask, causal, q, k, v, scale) + (None,)),
              ("flex", lambda: flex_impl(mask, causal, q, k, v, scale))]
     if mask is None:
         impls.append(("sdpa_cudnn", lambda: sdpa_impl("cudnn", causal, q, k, v, scale) + (None,)))
@@ -341,6 +343,8 @@ def run_case(name: str, s: int, d: int, hq: int, hk: int, dtype, args) -> dict:
     for impl_name, make in impls:
         if impl_name not in args.impls:
             continue
+        # flashmask3_fused: the same call with the one-kernel (atomic dQ) Triton backward
+        os.environ["FLASHMASK3_TRITON_BWD"] = "fused" if impl_name == "flashmask3_fused" else "split"
         try:
             fwd, leaves, build_ms = make()
             out0 = fwd()
@@ -355,6 +359,7 @@ def run_case(name: str, s: int, d: int, hq: int, hk: int, dtype, args) -> dict:
         except Exception as exc:  # OOM, unsupported head dim, missing API: record and go on
             r = {"error": f"{type(exc).__name__}: {str(exc)[:300]}"}
         rec["impls"][impl_name] = r
+        os.environ["FLASHMASK3_TRITON_BWD"] = "split"
         gc.collect()
         torch.cuda.empty_cache()
     if "flashmask3" in rec["impls"] and "error" not in rec["impls"]["flashmask3"]:
@@ -376,8 +381,9 @@ def run_case(name: str, s: int, d: int, hq: int, hk: int, dtype, args) -> dict:
 # ---------------------------------------------------------------------------------------------
 
 
-def _speed(rec, other, key="fwd_bwd_ms"):
-    a = rec["impls"].get("flashmask3", {})
+def _speed(rec, other, key="fwd_bwd_ms", ours="flashmask3"):
+    """``other``'s time / ``ours``'s time for ``key`` (None if either did not run)."""
+    a = rec["impls"].get(ours, {})
     b = rec["impls"].get(other, {})
     if key in a and key in b:
         return b[key] / a[key]
@@ -428,7 +434,8 @@ def markdown(results: list[dict], meta: dict) -> str:
               "ver = flashmask3 kernel version of that row (benchmarks/NOTES.md: v1 = first kernels, v2 = "
               "A operands through TMA + new forward configs; a later run of a case replaces an earlier one).", ""]
     hdr = ("| ver | D | Hq:Hk | mask | S | docs | density | fm fwd | fm bwd | fm f+b | fm TF f/f+b | flex f+b | "
-           "x flex | cuDNN f+b | flash f+b | varlen f+b | dense f+b | prep ms | build ms | fm/flex mem | targets |")
+           "x flex | fused f+b | fused x flex | cuDNN f+b | flash f+b | varlen f+b | dense f+b | prep ms | "
+           "build ms | fm/flex mem | targets |")
     lines += [hdr, "|" + "---|" * (hdr.count("|") - 1)]
     for r in sorted(results, key=lambda r: (r["D"], r["Hq"] != r["Hk"], MASKS.index(r["mask"]) if r["mask"] in MASKS else 99, r["S"])):
         fm = r["impls"].get("flashmask3", {})
@@ -442,7 +449,7 @@ def markdown(results: list[dict], meta: dict) -> str:
             _fmt(r["docs_per_row"], ".1f"), _fmt(r["density"], ".3f"),
             _fmt(fm.get("fwd_ms")), _fmt(fm.get("bwd_ms")), _fmt(fm.get("fwd_bwd_ms")),
             f"{_fmt(fm.get('tflops_fwd'), '.0f')}/{_fmt(fm.get('tflops_fwd_bwd'), '.0f')}",
-            fb("flex"), _fmt(_speed(r, "flex")), fb("sdpa_cudnn"), fb("sdpa_flash"), fb("varlen"),
+            fb("flex"), _fmt(_speed(r, "flex")), fb("flashmask3_fused"), _fmt(_speed(r, "flex", ours="flashmask3_fused")), fb("sdpa_cudnn"), fb("sdpa_flash"), fb("varlen"),
             fb("sdpa_dense"), _fmt(fm.get("prep_ms"), ".3f"), _fmt(fx.get("mask_build_ms"), ".1f"),
             f"{_fmt(fm.get('peak_extra_gb'))}/{_fmt(fx.get('peak_extra_gb'))}",
             "; ".join(targets(r)) or "-"]) + " |")
@@ -588,7 +595,8 @@ def main(argv=None) -> int:
     ap.add_argument("--seqlens", type=lambda x: [int(v) for v in x.split(",")], default=[8192, 32768, 131072])
     ap.add_argument("--masks", type=lambda x: x.split(","), default=MASKS)
     ap.add_argument("--impls", type=lambda x: x.split(","),
-                    default=["flashmask3", "flex", "sdpa_cudnn", "sdpa_flash", "varlen", "sdpa_dense"])
+                    default=["flashmask3", "flashmask3_fused", "flex", "sdpa_cudnn", "sdpa_flash", "varlen",
+                             "sdpa_dense"])
     ap.add_argument("--no-gqa", dest="gqa", action="store_false")
     ap.add_argument("--dense-max-s", type=int, default=8192)
     ap.add_argument("--dtype", default="bf16")

@@ -1,0 +1,48 @@
+"""benchmarks/kernel.py's report (no GPU needed): ratios, targets and the fused column come from
+the recorded times, and JSON files merge into the markdown table."""
+
+from __future__ import annotations
+
+import json
+
+from benchmarks import kernel as KB
+
+
+def _record(mask, fm_fb, flex_fb, fused_fb=None, fm_fwd=10.0, cudnn=None):
+    impls = {"flashmask3": dict(fwd_ms=fm_fwd, bwd_ms=fm_fb - fm_fwd, fwd_bwd_ms=fm_fb,
+                                tflops_fwd=400.0, tflops_fwd_bwd=300.0, prep_ms=0.1),
+             "flex": dict(fwd_ms=12.0, bwd_ms=flex_fb - 12.0, fwd_bwd_ms=flex_fb, mask_build_ms=3.0)}
+    if fused_fb is not None:
+        impls["flashmask3_fused"] = dict(fwd_ms=fm_fwd, bwd_ms=fused_fb - fm_fwd, fwd_bwd_ms=fused_fb)
+    if cudnn is not None:
+        impls["sdpa_cudnn"] = dict(fwd_ms=cudnn[0], bwd_ms=cudnn[1] - cudnn[0], fwd_bwd_ms=cudnn[1])
+    return dict(mask=mask, S=32768, D=128, B=4, Hq=32, Hk=32, causal=True, docs_per_row=16.0,
+                density=0.05, flops={}, impls=impls)
+
+
+def test_targets_follow_the_numbers():
+    doc = _record("causal_document_corpus", fm_fb=50.0, flex_fb=70.0)  # 1.4x >= 1.3
+    assert any("1.40x>=1.3 met" in t for t in KB.targets(doc))
+    slow = _record("sliding_window", fm_fb=100.0, flex_fb=105.0)  # 1.05x < 1.1
+    assert any("1.05x>=1.1 MISSED" in t for t in KB.targets(slow))
+    causal = _record("causal", fm_fb=100.0, flex_fb=120.0, fm_fwd=20.0, cudnn=(16.0, 90.0))
+    got = KB.targets(causal)
+    assert any(t.startswith("fwd vs cuDNN 0.80") and t.endswith("MISSED") for t in got)
+    assert any(t.startswith("f+b vs cuDNN 0.90") and t.endswith("met") for t in got)
+
+
+def test_report_merges_files_and_shows_the_fused_backward(tmp_path):
+    meta = dict(gpu="test", date="2026-11-29", torch="t", triton="x", cuda="c", command="cmd", not_run=[])
+    a = [_record("causal_document_corpus", 50.0, 70.0, fused_fb=40.0)]
+    b = [_record("sliding_window", 100.0, 105.0)]
+    files = []
+    for i, res in enumerate((a, b)):
+        path = tmp_path / f"kernel_{i}.json"
+        path.write_text(json.dumps(dict(meta=meta, results=res)))
+        files.append(str(path))
+    KB.report(files, str(tmp_path))
+    md = (tmp_path / "kernel.md").read_text()
+    assert "causal_document_corpus" in md and "sliding_window" in md
+    row = next(line for line in md.splitlines() if "causal_document_corpus" in line)
+    assert "| 40.00 | 1.75 |" in row  # fused f+b and Flex / fused
+    assert (tmp_path / "kernel.png").exists()
