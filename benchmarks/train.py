@@ -1,4 +1,4 @@
-"""End-to-end training throughput on one GPU: flashmask3 vs FlexAttention vs SDPA (dense mask).
+"""End-to-end training throughput on one GPU: flashmask3 (split or fused backward), Flex, SDPA.
 
 The same ~0.6B-parameter Llama-style byte-level model (``bench-0.6b`` preset of
 :mod:`flashmask3.train.config`: dim 1536, 24 layers, 12 query / 4 KV heads of 128, SwiGLU 4096,
@@ -41,7 +41,10 @@ from flashmask3.train.model import (Transformer, active_matmul_params,  # noqa: 
 from flashmask3.train.parallel import DistEnv  # noqa: E402
 from flashmask3.train.trainer import build_optimizer, train_step  # noqa: E402
 
-BACKENDS = ("flashmask3", "flex", "sdpa")
+BACKENDS = ("flashmask3", "flashmask3-fused", "flex", "sdpa")
+#: benchmark backend -> (attention backend, flashmask3 Triton backward)
+_ATTENTION = {"flashmask3": ("flashmask3", "split"), "flashmask3-fused": ("flashmask3", "fused"),
+              "flex": ("flex", "auto"), "sdpa": ("sdpa", "auto")}
 
 
 def parse_args(argv=None):
@@ -93,7 +96,9 @@ def run_backend(cfg, backend: str, batches, warmup: int, device: torch.device) -
         model = Transformer(cfg)
     optimizer = build_optimizer(model, cfg)
     timer = AttentionTimer(device, True)
-    cfg = cfg.replace(attention=backend)
+    attention, backward = _ATTENTION[backend]
+    cfg = cfg.replace(attention=attention, attention_backward=backward)
+    os.environ["FLASHMASK3_TRITON_BWD"] = "fused" if backward == "fused" else "split"
     times, attn, flops, losses = [], [], 0.0, []
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats()
@@ -162,7 +167,9 @@ def main(argv=None) -> int:
                                                 for b in batches[args.warmup:]) / args.steps}
         for backend in args.backends:
             row = {**common, "backend": backend}
-            reason = attention_available(backend, device, training=True)
+            reason = attention_available(_ATTENTION[backend][0], device, training=True)
+            if backend == "flashmask3-fused" and device.type != "cuda":
+                reason = "the fused backward is an option of the Triton kernel (CUDA only)"
             if backend == "sdpa" and seq_len > args.sdpa_max_seq:
                 reason = (f"dense S x S mask ({seq_len ** 2 / 2**30:.0f} GiB bool) and O(S^2) "
                           f"work above --sdpa-max-seq={args.sdpa_max_seq}")
@@ -204,12 +211,13 @@ def _add_speedups(report: dict) -> None:
     by = {(r["seq_len"], r["backend"]): r for r in report["runs"]}
     report["speedup_vs_flex"], report["speedup_vs_sdpa"] = {}, {}
     for (s, b), r in by.items():
-        if b != "flashmask3" or r["status"] != "ok":
+        if b not in ("flashmask3", "flashmask3-fused") or r["status"] != "ok":
             continue
+        label = str(s) if b == "flashmask3" else f"{s} (fused backward)"
         for other, key in (("flex", "speedup_vs_flex"), ("sdpa", "speedup_vs_sdpa")):
             o = by.get((s, other))
             if o and o["status"] == "ok":
-                report[key][str(s)] = r["tokens_per_s"] / o["tokens_per_s"]
+                report[key][label] = r["tokens_per_s"] / o["tokens_per_s"]
 
 
 def markdown(report: dict) -> str:

@@ -17,6 +17,7 @@ from typing import Any, Optional
 
 MASK_KINDS = ("causal_document", "document", "shared_question", "prefix_document")
 ATTENTION_BACKENDS = ("flashmask3", "flex", "sdpa")
+ATTENTION_BACKWARD_CHOICES = ("auto", "split", "fused")
 BALANCE_CHOICES = ("sparse", "dual_chunk", "contiguous")
 COMM_CHOICES = ("overlap", "allgather")
 DEVICE_CHOICES = ("auto", "cpu", "cuda")
@@ -66,6 +67,10 @@ class TrainConfig:
     # -- attention / parallelism --------------------------------------------------------------
     attention: str = field(default="flashmask3", metadata={
         "help": "attention backend", "choices": ATTENTION_BACKENDS})
+    attention_backward: str = field(default="auto", metadata={
+        "help": "flashmask3 Triton backward: split (deterministic), fused (dQ by atomics), "
+                "auto (library default / FLASHMASK3_TRITON_BWD)",
+        "choices": ATTENTION_BACKWARD_CHOICES})
     cp: int = field(default=1, metadata={
         "help": "context-parallel ranks (0: all GPUs, or 2 CPU ranks without a GPU)"})
     balance: str = field(default="sparse", metadata={

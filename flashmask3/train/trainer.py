@@ -64,6 +64,8 @@ def train(cfg: TrainConfig) -> Optional[dict]:
     reason = attention_available(cfg.attention, device)
     if reason:
         raise ValueError(f"attention={cfg.attention!r} cannot run: {reason}")
+    if cfg.attention_backward != "auto":  # read by the Triton kernel; spawned ranks inherit it
+        os.environ["FLASHMASK3_TRITON_BWD"] = cfg.attention_backward
     packer = make_packer(cfg)  # fail here, not in N spawned ranks, on bad data or checkpoints
     if cfg.resume and (path := latest_checkpoint(cfg.out_dir)) is not None:
         ckpt = load_checkpoint(path, cfg.to_dict())

@@ -1,6 +1,7 @@
 """The command line and the configuration: flags, presets, outputs, clear errors."""
 
 import json
+import os
 
 import pytest
 
@@ -23,6 +24,17 @@ def test_train_command_writes_summary_curve_and_checkpoints(tmp_path, jsonl_corp
     text = capsys.readouterr().out
     assert "training summary" in text and "tokens/s" in text and "TFLOP/s" in text
     assert "% of (query, key) pairs skipped" in text
+
+
+def test_attention_backward_flag_selects_the_triton_backward(tmp_path, jsonl_corpus, monkeypatch):
+    """--attention-backward reaches the kernel's switch (FLASHMASK3_TRITON_BWD); auto leaves it."""
+    monkeypatch.delenv("FLASHMASK3_TRITON_BWD", raising=False)
+    base = ["train", "--preset", "tiny", "--data", jsonl_corpus, "--steps", "1", "--no-plot",
+            "--checkpoint-every", "0"]
+    assert main(base + ["--out-dir", str(tmp_path / "a")]) == 0
+    assert "FLASHMASK3_TRITON_BWD" not in os.environ
+    assert main(base + ["--out-dir", str(tmp_path / "b"), "--attention-backward", "fused"]) == 0
+    assert os.environ["FLASHMASK3_TRITON_BWD"] == "fused"
 
 
 def test_data_command_reports_sparsity(jsonl_corpus, capsys):
@@ -54,6 +66,8 @@ def test_config_validation_names_the_field():
         TrainConfig(seq_len="1024")
     with pytest.raises(ValueError, match="mask must be one of"):
         TrainConfig(mask="diagonal")
+    with pytest.raises(ValueError, match="attention_backward must be one of"):
+        TrainConfig(attention_backward="atomic")
     with pytest.raises(ValueError, match="n_heads .* divisible by n_kv_heads"):
         TrainConfig(n_heads=4, n_kv_heads=3)
     with pytest.raises(ValueError, match="preset must be one of"):
