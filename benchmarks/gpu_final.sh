@@ -11,6 +11,6 @@ LOG="$OUT/gpu_final.log"
   nvidia-smi --query-gpu=name,driver_version,clocks.sm --format=csv
   python -c 'import torch, triton; print("torch", torch.__version__, "triton", triton.__version__)'
   echo "== cp_single_gpu"; timeout 170 python benchmarks/cp_single_gpu.py --out "$OUT"
-  echo "== train"; timeout 290 python benchmarks/train.py --out "$OUT"
+  echo "== train"; timeout 290 python benchmarks/train.py --backends flashmask3 flex sdpa --out "$OUT"
   echo "== gpu memory test"; timeout 60 python -m pytest -q -m gpu tests/kernels/test_torch_path.py
 } 2>&1 | tee "$LOG"
