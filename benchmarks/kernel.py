@@ -35,7 +35,6 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-os.environ.setdefault("FLASHMASK3_BACKEND", "triton")
 
 import flashmask3  # noqa: E402
 import flashmask3.masks as M  # noqa: E402
@@ -611,6 +610,7 @@ def main(argv=None) -> int:
     if args.report:
         report(args.report, args.out)
         return 0
+    os.environ.setdefault("FLASHMASK3_BACKEND", "triton")  # here, not at import (tests import us)
     import triton
 
     torch._dynamo.config.cache_size_limit = 256

@@ -20,6 +20,7 @@ skipped, and an out-of-memory error in any backend is reported as ``OOM`` instea
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import gc
 import json
@@ -97,8 +98,26 @@ def run_backend(cfg, backend: str, batches, warmup: int, device: torch.device) -
     optimizer = build_optimizer(model, cfg)
     timer = AttentionTimer(device, True)
     attention, backward = _ATTENTION[backend]
-    cfg = cfg.replace(attention=attention, attention_backward=backward)
-    os.environ["FLASHMASK3_TRITON_BWD"] = "fused" if backward == "fused" else "split"
+    with _triton_backward("fused" if backward == "fused" else "split"):
+        return _timed_steps(cfg.replace(attention=attention, attention_backward=backward), model,
+                            optimizer, batches, warmup, env, timer, device)
+
+
+@contextlib.contextmanager
+def _triton_backward(mode: str):
+    """FLASHMASK3_TRITON_BWD=mode for one run, restored afterwards."""
+    old = os.environ.get("FLASHMASK3_TRITON_BWD")
+    os.environ["FLASHMASK3_TRITON_BWD"] = mode
+    try:
+        yield
+    finally:
+        if old is None:
+            os.environ.pop("FLASHMASK3_TRITON_BWD", None)
+        else:
+            os.environ["FLASHMASK3_TRITON_BWD"] = old
+
+
+def _timed_steps(cfg, model, optimizer, batches, warmup: int, env, timer, device) -> dict:
     times, attn, flops, losses = [], [], 0.0, []
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats()

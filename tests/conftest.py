@@ -11,6 +11,39 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
+#: Environment variables that steer the library (backend, kernel options, interpreter). Tests
+#: set them with monkeypatch; a test module or benchmark that changes them at import or leaves
+#: them changed would silently switch every later test's code path (and spawned ranks inherit
+#: them), so both are errors.
+_STEERING = ("FLASHMASK3_", "TRITON_")
+
+
+def _steering_env() -> dict:
+    return {k: v for k, v in os.environ.items() if k.startswith(_STEERING)}
+
+
+_ENV_AT_START = _steering_env()
+
+
+def pytest_collection_finish(session):
+    changed = _diff(_ENV_AT_START, _steering_env())
+    if changed:
+        raise pytest.UsageError(f"importing the test modules changed the environment: {changed}")
+
+
+def _diff(before: dict, after: dict) -> dict:
+    return {k: (before.get(k), after.get(k)) for k in set(before) | set(after)
+            if before.get(k) != after.get(k)}
+
+
+@pytest.fixture(autouse=True)
+def _environment_is_restored():
+    before = _steering_env()
+    yield
+    changed = _diff(before, _steering_env())
+    assert not changed, f"the test left environment changes behind (before, after): {changed}"
+
+
 def pytest_collection_modifyitems(config, items):
     if torch.cuda.is_available():
         return

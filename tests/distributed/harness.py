@@ -69,7 +69,6 @@ def _first_error(store_path):
 
 
 def _run_rank(rank, fn, world, store_path, timeout_s, args):
-    os.environ.setdefault("FLASHMASK3_BACKEND", "torch")
     torch.set_num_threads(1)
     dist.init_process_group(
         "gloo", init_method=f"file://{store_path}", rank=rank, world_size=world,
@@ -97,7 +96,8 @@ def run_distributed(fn, world: int, *args, timeout_s: float = 240.0, collective_
     """
     with tempfile.TemporaryDirectory() as tmp:
         store = os.path.join(tmp, "store")
-        ctx = mp.start_processes(_entry, args=(fn, world, store, collective_timeout_s, args, dict(env or {})),
+        rank_env = {"FLASHMASK3_BACKEND": "torch", **(env or {})}  # not whatever the parent has
+        ctx = mp.start_processes(_entry, args=(fn, world, store, collective_timeout_s, args, rank_env),
                                  nprocs=world, join=False, start_method="spawn")
         deadline = time.monotonic() + timeout_s
         try:

@@ -28,7 +28,8 @@ def test_train_command_writes_summary_curve_and_checkpoints(tmp_path, jsonl_corp
 
 def test_attention_backward_flag_selects_the_triton_backward(tmp_path, jsonl_corpus, monkeypatch):
     """--attention-backward reaches the kernel's switch (FLASHMASK3_TRITON_BWD); auto leaves it."""
-    monkeypatch.delenv("FLASHMASK3_TRITON_BWD", raising=False)
+    monkeypatch.setenv("FLASHMASK3_TRITON_BWD", "split")  # records the original for the undo,
+    monkeypatch.delenv("FLASHMASK3_TRITON_BWD")  # which also removes what main() sets below
     base = ["train", "--preset", "tiny", "--data", jsonl_corpus, "--steps", "1", "--no-plot",
             "--checkpoint-every", "0"]
     assert main(base + ["--out-dir", str(tmp_path / "a")]) == 0
