@@ -160,16 +160,37 @@ def _clipped_tile_class(sptr, m, n, Sq, Sk, BLOCK_M: tl.constexpr, BLOCK_N: tl.c
 
 
 @triton.jit
+def _stored_ranges(rp):
+    """The two preprocessed live ranges at ``rp``: 4 int32 (lo0, hi0, lo1, hi1)."""
+    return tl.load(rp), tl.load(rp + 1), tl.load(rp + 2), tl.load(rp + 3)
+
+
+@triton.jit
+def _key_block_ranges(rng_ptr, mbh, n_blk, Sq, Sk, NQB, NKB, BLOCK_M: tl.constexpr,
+                      BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr, C: tl.constexpr):
+    """The two live query-block ranges [lo0, hi0), [lo1, hi1) of one key block: from the
+    preprocessed table with a mask, from the causal diagonal (or everything) without one."""
+    if C > 0:
+        lo0, hi0, lo1, hi1 = _stored_ranges(rng_ptr + (mbh * NKB + n_blk) * 4)
+    else:
+        lo0 = 0
+        if CAUSAL:
+            first_row = n_blk * BLOCK_N - (Sk - Sq)  # first row that sees this block
+            lo0 = tl.maximum(first_row, 0) // BLOCK_M
+            lo0 = tl.minimum(lo0, NQB)
+        hi0 = NQB
+        lo1 = hi0
+        hi1 = hi0
+    return lo0, hi0, lo1, hi1
+
+
+@triton.jit
 def _query_block_ranges(rng_ptr, mbh, m_blk, Sq, Sk, NQB, NKB, BLOCK_M: tl.constexpr,
                         BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr, C: tl.constexpr):
     """The two live key-block ranges [lo0, hi0), [lo1, hi1) of one query block: from the
     preprocessed table with a mask, from the causal diagonal (or everything) without one."""
     if C > 0:
-        rp = rng_ptr + (mbh * NQB + m_blk) * 4
-        lo0 = tl.load(rp)
-        hi0 = tl.load(rp + 1)
-        lo1 = tl.load(rp + 2)
-        hi1 = tl.load(rp + 3)
+        lo0, hi0, lo1, hi1 = _stored_ranges(rng_ptr + (mbh * NQB + m_blk) * 4)
     else:
         lo0 = 0
         if CAUSAL:
@@ -524,21 +545,8 @@ def _dkdv_kernel(q_ptr, k_ptr, v_ptr, do_ptr, dk_ptr, dv_ptr, lse2_ptr, delta_pt
         mbh = b64 * mask_b_stride + hm
         sptr = sum_ptr + mbh * NKB * 8
         col_ptr = mask_ptr + mbh * Sk * C
-        if C > 0:
-            rp = rng_ptr + (mbh * NKB + n_blk) * 4
-            lo0 = tl.load(rp)
-            hi0 = tl.load(rp + 1)
-            lo1 = tl.load(rp + 2)
-            hi1 = tl.load(rp + 3)
-        else:
-            lo0 = 0
-            if CAUSAL:
-                first_row = n_blk * BLOCK_N - (Sk - Sq)  # first row that sees this block
-                lo0 = tl.maximum(first_row, 0) // BLOCK_M
-                lo0 = tl.minimum(lo0, NQB)
-            hi0 = NQB
-            lo1 = hi0
-            hi1 = hi0
+        lo0, hi0, lo1, hi1 = _key_block_ranges(rng_ptr, mbh, n_blk, Sq, Sk, NQB, NKB, BLOCK_M,
+                                               BLOCK_N, CAUSAL, C)
         stat_row0 = (b64 * Hq + h) * Sq
         q_row0 = b * Sq
         q_col = h * D
