@@ -167,6 +167,11 @@ def flashmask_attention(
     Returns:
         ``out [B, Sq, Hq, D]`` (the dtype of q), or ``(out, lse)``. Fully masked rows give zeros
         and zero gradients.
+
+    The backend is ``FLASHMASK3_BACKEND`` (``auto``: Triton on CUDA, else the torch path). The
+    Triton backward is bitwise reproducible by default; ``FLASHMASK3_TRITON_BWD=fused`` selects
+    a one-kernel backward whose dQ is summed with atomics (not reproducible), and
+    ``torch.use_deterministic_algorithms(True)`` always keeps the reproducible one.
     """
     check_qkv(q, k, v)
     b, sq, hq, d = q.shape
