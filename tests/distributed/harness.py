@@ -10,7 +10,9 @@ A rank whose checks passed (all ranks reached the final barrier) records that; a
 the group it leaves with ``os._exit(0)``, skipping interpreter finalisation, which can abort a
 process inside gloo's C++ teardown (pytorch/pytorch#179291 describes the race; CI once saw a
 rank die with ``terminate called without an active exception`` and no Python error). A rank
-that dies *after* recording success is reported as a warning; one that dies before is an error.
+that dies *after* recording success is reported as a warning. A rank killed by a signal
+*before* that, with no Python error on any rank, gets the run repeated once (with a warning);
+a second such death, any Python error and any timeout fail the test.
 """
 
 from __future__ import annotations
@@ -87,13 +89,30 @@ def _run_rank(rank, fn, world, store_path, timeout_s, args):
         dist.destroy_process_group()
 
 
+class NativeCrash(RuntimeError):
+    """A rank died from a signal before every rank passed, without any Python error."""
+
+
 def run_distributed(fn, world: int, *args, timeout_s: float = 240.0, collective_timeout_s: float = 60.0,
-                    env: dict | None = None):
+                    env: dict | None = None, native_crash_retries: int = 1):
     """Run ``fn(rank, world, *args)`` on ``world`` gloo ranks; raise the first rank error.
 
     ``env``: extra environment variables for the ranks (the attention backend defaults to the
-    torch path).
+    torch path). A run in which a rank dies from a signal with no Python error anywhere (a
+    crash inside gloo's C++, see the module docstring) is repeated up to
+    ``native_crash_retries`` times with a warning; Python errors and timeouts never are, and a
+    crash that repeats fails the test.
     """
+    for attempt in range(native_crash_retries + 1):
+        try:
+            return _run_once(fn, world, args, timeout_s, collective_timeout_s, env)
+        except NativeCrash as exc:
+            if attempt == native_crash_retries:
+                raise
+            warnings.warn(f"{fn.__name__}: {exc}; retrying once")
+
+
+def _run_once(fn, world, args, timeout_s, collective_timeout_s, env):
     with tempfile.TemporaryDirectory() as tmp:
         store = os.path.join(tmp, "store")
         rank_env = {"FLASHMASK3_BACKEND": "torch", **(env or {})}  # not whatever the parent has
@@ -114,6 +133,8 @@ def run_distributed(fn, world: int, *args, timeout_s: float = 240.0, collective_
                 warnings.warn(f"every rank of {fn.__name__} passed, but rank {exc.error_index} "
                               f"then died in teardown ({exc})")
                 return
+            if isinstance(exc, mp.ProcessExitedException) and exc.signal_name:
+                raise NativeCrash(f"rank {exc.error_index} died ({exc}) with no Python error") from exc
             raise
         finally:
             for p in ctx.processes:
