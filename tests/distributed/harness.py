@@ -11,8 +11,9 @@ the group it leaves with ``os._exit(0)``, skipping interpreter finalisation, whi
 process inside gloo's C++ teardown (pytorch/pytorch#179291 describes the race; CI once saw a
 rank die with ``terminate called without an active exception`` and no Python error). A rank
 that dies *after* recording success is reported as a warning. A rank killed by a signal
-*before* that, with no Python error on any rank, gets the run repeated once (with a warning);
-a second such death, any Python error and any timeout fail the test.
+*before* that, without a Python error of its own (its peers then record "connection closed"
+echoes), gets the run repeated once, with a warning; a second such death fails the test and
+shows the first Python error any rank recorded. Python errors and timeouts are never retried.
 """
 
 from __future__ import annotations
@@ -57,17 +58,23 @@ def _record(store_path, rank):
     are its echoes (peers see "connection closed" once the failing rank is gone)."""
     path = f"{store_path}.err.{rank}"
     if not os.path.exists(path):
-        with open(path, "w") as f:
+        with open(path + ".tmp", "w") as f:
             f.write(f"{time.time()!r}\n{traceback.format_exc()}")
+        os.replace(path + ".tmp", path)  # readers never see a half-written record
 
 
 def _first_error(store_path):
+    """(time, rank, traceback) of the earliest recorded Python error, or None."""
     errors = []
-    for path in glob.glob(f"{store_path}.err.*"):
+    for path in glob.glob(f"{store_path}.err.*[0-9]"):
         with open(path) as f:
             stamp, _, tb = f.read().partition("\n")
         errors.append((float(stamp), int(path.rsplit(".", 1)[1]), tb))
     return min(errors) if errors else None
+
+
+def _has_error_record(store_path, rank: int) -> bool:
+    return os.path.exists(f"{store_path}.err.{rank}")
 
 
 def _run_rank(rank, fn, world, store_path, timeout_s, args):
@@ -90,7 +97,13 @@ def _run_rank(rank, fn, world, store_path, timeout_s, args):
 
 
 class NativeCrash(RuntimeError):
-    """A rank died from a signal before every rank passed, without any Python error."""
+    """A rank died from a signal, before every rank passed, without a Python error of its own.
+    ``python_error``: the first Python error other ranks recorded (their echo of the crash, or
+    a cause), as RankError or None."""
+
+    def __init__(self, message: str, python_error: "RankError | None"):
+        super().__init__(message)
+        self.python_error = python_error
 
 
 def run_distributed(fn, world: int, *args, timeout_s: float = 240.0, collective_timeout_s: float = 60.0,
@@ -107,7 +120,9 @@ def run_distributed(fn, world: int, *args, timeout_s: float = 240.0, collective_
         try:
             return _run_once(fn, world, args, timeout_s, collective_timeout_s, env)
         except NativeCrash as exc:
-            if attempt == native_crash_retries:
+            if attempt == native_crash_retries:  # a repeat: show a Python error if any
+                if exc.python_error is not None:
+                    raise exc.python_error from exc
                 raise
             warnings.warn(f"{fn.__name__}: {exc}; retrying once")
 
@@ -126,15 +141,17 @@ def _run_once(fn, world, args, timeout_s, collective_timeout_s, env):
         except (mp.ProcessRaisedException, mp.ProcessExitedException) as exc:
             time.sleep(0.5)  # let a slower failing rank finish writing its record
             first = _first_error(store)
-            if first is not None:
-                _, rank, tb = first
-                raise RankError(f"rank {rank} failed first:\n{tb}") from exc
-            if isinstance(exc, mp.ProcessExitedException) and _all_finished(ctx, store, world):
+            python_error = None if first is None else RankError(f"rank {first[1]} failed first:\n{first[2]}")
+            signalled = isinstance(exc, mp.ProcessExitedException) and bool(exc.signal_name)
+            if signalled and _all_finished(ctx, store, world):
                 warnings.warn(f"every rank of {fn.__name__} passed, but rank {exc.error_index} "
                               f"then died in teardown ({exc})")
                 return
-            if isinstance(exc, mp.ProcessExitedException) and exc.signal_name:
-                raise NativeCrash(f"rank {exc.error_index} died ({exc}) with no Python error") from exc
+            if signalled and not _has_error_record(store, exc.error_index):
+                raise NativeCrash(f"rank {exc.error_index} died ({exc}) with no Python error",
+                                  python_error) from exc
+            if python_error is not None:
+                raise python_error from exc
             raise
         finally:
             for p in ctx.processes:

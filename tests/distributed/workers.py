@@ -185,10 +185,13 @@ def abort_in_teardown(rank, world):
 
 
 def abort_before_barrier(rank, world):
-    """Die without a Python error before the final barrier (rank 1 only)."""
+    """Die without a Python error before the final barrier (rank 1 only), once rank 0 waits in
+    it, so rank 0 records a Python "connection closed" echo."""
     import os
+    import time
 
     if rank == 1:
+        time.sleep(1.0)
         os.abort()
 
 
@@ -196,6 +199,9 @@ def abort_on_first_attempt(rank, world, marker):
     """Rank 1 dies from a signal the first time it runs (``marker`` does not exist yet)."""
     import os
 
+    import time
+
     if rank == 1 and not os.path.exists(marker):
         open(marker, "w").close()
+        time.sleep(1.0)  # rank 0 is in the final barrier: it records an echo error
         os.abort()
