@@ -22,6 +22,7 @@ import math
 import os
 import sys
 import time
+from unittest import mock
 
 import torch
 
@@ -65,28 +66,29 @@ def run_case(name: str, s: int, d: int, hq: int, hk: int, dtype) -> dict:
     rec = dict(mask=name, S=s, D=d, B=batch, Hq=hq, Hk=hk, flops_bwd=flops, variants={})
     ref = None
     for label, mode, cfg, a_smem in _variants(d):
-        os.environ["FLASHMASK3_TRITON_BWD"] = mode
-        os.environ["FLASHMASK3_TRITON_A_SMEM"] = "fwd" + ("," + a_smem if a_smem else "")
-        T.CONFIG_OVERRIDE.pop("fused", None)
-        if cfg is not None:
-            T.CONFIG_OVERRIDE["fused"] = cfg
-        try:
-            grads = T.backward(dout, None, q, k, v, out, lse, cols, causal, scale)
-            ms, _ = bench(lambda: T.backward(dout, None, q, k, v, out, lse, cols, causal, scale))
-            r = dict(ms=ms, tflops=flops / (ms * 1e-3) / 1e12)
-            if ref is None:
-                ref = grads
-            else:
-                r["rel_err_vs_split"] = [_rel(a, b) for a, b in zip(grads, ref)]
-            del grads
-        except Exception as exc:  # out of shared memory etc.: record and go on
-            r = {"error": f"{type(exc).__name__}: {str(exc)[:200]}"}
+        overrides = {} if cfg is None else {"fused": cfg}
+        a_smem_env = {"FLASHMASK3_TRITON_A_SMEM": "fwd" + ("," + a_smem if a_smem else "")}
+        with T.use_backward(mode), mock.patch.dict(os.environ, a_smem_env), \
+                mock.patch.dict(T.CONFIG_OVERRIDE, overrides):
+            r, grads = _time_variant(dout, q, k, v, out, lse, cols, causal, scale, flops)
+        if grads is not None and ref is None:
+            ref = grads
+        elif grads is not None:
+            r["rel_err_vs_split"] = [_rel(a, b) for a, b in zip(grads, ref)]
         rec["variants"][label] = r
-    T.CONFIG_OVERRIDE.pop("fused", None)
-    os.environ["FLASHMASK3_TRITON_BWD"] = "split"
-    os.environ["FLASHMASK3_TRITON_A_SMEM"] = "fwd"
     rec["split_parts_ms"] = _split_parts(q, k, v, out, lse, dout, cols, causal, scale)
     return rec
+
+
+def _time_variant(dout, q, k, v, out, lse, cols, causal, scale, flops):
+    """(time and TFLOP/s, gradients) of the backward as configured now; an error (out of
+    shared memory etc.) is recorded instead, with no gradients."""
+    try:
+        grads = T.backward(dout, None, q, k, v, out, lse, cols, causal, scale)
+        ms, _ = bench(lambda: T.backward(dout, None, q, k, v, out, lse, cols, causal, scale))
+        return dict(ms=ms, tflops=flops / (ms * 1e-3) / 1e12), grads
+    except Exception as exc:
+        return {"error": f"{type(exc).__name__}: {str(exc)[:200]}"}, None
 
 
 def _split_parts(q, k, v, out, lse, dout, cols, causal, scale) -> dict:

@@ -311,6 +311,8 @@ def mask_bytes(mask, causal, s, d, dtype) -> int:
 
 
 def run_case(name: str, s: int, d: int, hq: int, hk: int, dtype, args) -> dict:
+    from flashmask3.kernels import triton_flashmask as T
+
     batch = TOTAL_TOKENS // s
     mask, causal, ndocs = build_mask(name, s, batch)
     if mask is not None:
@@ -343,36 +345,38 @@ def run_case(name: str, s: int, d: int, hq: int, hk: int, dtype, args) -> dict:
         if impl_name not in args.impls:
             continue
         # flashmask3_fused: the same call with the one-kernel (atomic dQ) Triton backward
-        os.environ["FLASHMASK3_TRITON_BWD"] = "fused" if impl_name == "flashmask3_fused" else "split"
-        try:
-            fwd, leaves, build_ms = make()
-            out0 = fwd()
-            dout = torch.randn_like(out0)
-            del out0
-            r = measure(fwd, leaves, dout)
-            if build_ms is not None:
-                r["mask_build_ms"] = build_ms
-            for m, key in (("fwd", "fwd_ms"), ("bwd", "bwd_ms"), ("fwd_bwd", "fwd_bwd_ms")):
-                r["tflops_" + m] = flops[m] / (r[key] * 1e-3) / 1e12
-            del fwd, leaves, dout
-        except Exception as exc:  # OOM, unsupported head dim, missing API: record and go on
-            r = {"error": f"{type(exc).__name__}: {str(exc)[:300]}"}
-        rec["impls"][impl_name] = r
-        os.environ["FLASHMASK3_TRITON_BWD"] = "split"
+        with T.use_backward("fused" if impl_name == "flashmask3_fused" else "split"):
+            rec["impls"][impl_name] = _measure_impl(make, flops)
         gc.collect()
         torch.cuda.empty_cache()
     if "flashmask3" in rec["impls"] and "error" not in rec["impls"]["flashmask3"]:
-        from flashmask3.kernels import triton_flashmask as T
-
         fm = rec["impls"]["flashmask3"]
         c = 0 if cols is None else cols.shape[-1]
-        mode = T.backward_mode()
-        kinds = ("fwd", "fused") if mode == "fused" else ("fwd", "dkdv", "dq")
-        fm["configs"] = {kind: str(T._config(kind, d, causal, c, dtype)) for kind in kinds}
-        fm["backward"] = mode
-        fm["prep_ms"] = flashmask_prep_ms(mask, causal, s, d, dtype)
-        fm["mask_bytes"] = mask_bytes(mask, causal, s, d, dtype)
+        with T.use_backward("split"):  # what the flashmask3 row ran
+            fm["backward"] = T.backward_mode()
+            kinds = ("fwd",) + T.BACKWARD_KERNELS[fm["backward"]]
+            fm["configs"] = {kind: str(T._config(kind, d, causal, c, dtype)) for kind in kinds}
+            fm["prep_ms"] = flashmask_prep_ms(mask, causal, s, d, dtype)
+            fm["mask_bytes"] = mask_bytes(mask, causal, s, d, dtype)
     return rec
+
+
+def _measure_impl(make, flops) -> dict:
+    """Build one implementation, time it (:func:`measure`) and add its TFLOP/s; an error (OOM,
+    unsupported head dim, missing API) is recorded instead."""
+    try:
+        fwd, leaves, build_ms = make()
+        out0 = fwd()
+        dout = torch.randn_like(out0)
+        del out0
+        r = measure(fwd, leaves, dout)
+        if build_ms is not None:
+            r["mask_build_ms"] = build_ms
+        for m, key in (("fwd", "fwd_ms"), ("bwd", "bwd_ms"), ("fwd_bwd", "fwd_bwd_ms")):
+            r["tflops_" + m] = flops[m] / (r[key] * 1e-3) / 1e12
+        return r
+    except Exception as exc:
+        return {"error": f"{type(exc).__name__}: {str(exc)[:300]}"}
 
 
 # ---------------------------------------------------------------------------------------------

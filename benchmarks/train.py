@@ -20,7 +20,6 @@ skipped, and an out-of-memory error in any backend is reported as ``OOM`` instea
 from __future__ import annotations
 
 import argparse
-import contextlib
 import datetime
 import gc
 import json
@@ -98,23 +97,11 @@ def run_backend(cfg, backend: str, batches, warmup: int, device: torch.device) -
     optimizer = build_optimizer(model, cfg)
     timer = AttentionTimer(device, True)
     attention, backward = _ATTENTION[backend]
-    with _triton_backward("fused" if backward == "fused" else "split"):
+    from flashmask3.kernels import triton_flashmask as T
+
+    with T.use_backward("fused" if backward == "fused" else "split"):
         return _timed_steps(cfg.replace(attention=attention, attention_backward=backward), model,
                             optimizer, batches, warmup, env, timer, device)
-
-
-@contextlib.contextmanager
-def _triton_backward(mode: str):
-    """FLASHMASK3_TRITON_BWD=mode for one run, restored afterwards."""
-    old = os.environ.get("FLASHMASK3_TRITON_BWD")
-    os.environ["FLASHMASK3_TRITON_BWD"] = mode
-    try:
-        yield
-    finally:
-        if old is None:
-            os.environ.pop("FLASHMASK3_TRITON_BWD", None)
-        else:
-            os.environ["FLASHMASK3_TRITON_BWD"] = old
 
 
 def _timed_steps(cfg, model, optimizer, batches, warmup: int, env, timer, device) -> dict:

@@ -40,6 +40,7 @@ The module imports without a GPU; under ``TRITON_INTERPRET=1`` it runs on CPU te
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 from dataclasses import dataclass
@@ -481,11 +482,11 @@ def _dkdv_inner(dk, dv, k, v, lo, hi, q_ptr, do_ptr, q_desc, do_desc, lse2_ptr, 
         r0 = m * BLOCK_M
         offs_m = r0 + offs_mb
         rmask = offs_m < Sq
+        off = (q_row0 + offs_m).to(tl.int64)[:, None] * q_stride + q_col + offs_d[None, :]
         if USE_TMA:
             q = q_desc.load([q_row0 + r0, q_col])
             do = do_desc.load([q_row0 + r0, q_col])
         else:
-            off = (q_row0 + offs_m).to(tl.int64)[:, None] * q_stride + q_col + offs_d[None, :]
             q = tl.load(q_ptr + off, mask=rmask[:, None], other=0.0)
             do = tl.load(do_ptr + off, mask=rmask[:, None], other=0.0)
         lse2 = tl.load(lse2_ptr + stat_row0 + offs_m, mask=rmask, other=float("inf"))
@@ -506,8 +507,7 @@ def _dkdv_inner(dk, dv, k, v, lo, hi, q_ptr, do_ptr, q_desc, do_desc, lse2_ptr, 
             if DQ_TMA:
                 dq_desc.atomic_add([q_row0 + r0, q_col], dq_part)
             else:
-                dq_off = (q_row0 + offs_m).to(tl.int64)[:, None] * q_stride + q_col + offs_d[None, :]
-                tl.atomic_add(dq_ptr + dq_off, dq_part, mask=rmask[:, None], sem="relaxed")
+                tl.atomic_add(dq_ptr + off, dq_part, mask=rmask[:, None], sem="relaxed")
     return dk, dv
 
 
@@ -734,6 +734,19 @@ def _a_smem(kind: str) -> bool:
 DEFAULT_BACKWARD = "split"
 
 
+#: The kernels each backward mode launches, in order.
+BACKWARD_KERNELS = {"split": ("dkdv", "dq"), "fused": ("fused",)}
+
+#: Whether a kernel's live-range plan is per key block (True) or per query block (False).
+PLAN_BY_KEY = {"fwd": False, "dkdv": True, "fused": True, "dq": False}
+
+
+def _check_backward(mode: str, what: str) -> str:
+    if mode not in BACKWARD_KERNELS:
+        raise ValueError(f"{what} must be 'fused' or 'split', got {mode!r}")
+    return mode
+
+
 def backward_mode() -> str:
     """"split" under ``torch.use_deterministic_algorithms(True)`` (the fused kernel's atomics are
     not reproducible); otherwise env FLASHMASK3_TRITON_BWD ("fused"/"split") or the default."""
@@ -742,9 +755,23 @@ def backward_mode() -> str:
     env = os.environ.get("FLASHMASK3_TRITON_BWD", "").strip()
     if env == "":
         return DEFAULT_BACKWARD
-    if env not in ("fused", "split"):
-        raise ValueError(f"FLASHMASK3_TRITON_BWD must be 'fused' or 'split', got {env!r}")
-    return env
+    return _check_backward(env, "FLASHMASK3_TRITON_BWD")
+
+
+@contextlib.contextmanager
+def use_backward(mode: str):
+    """FLASHMASK3_TRITON_BWD=``mode`` inside the block (and in processes started from it),
+    restored afterwards; deterministic mode still wins (:func:`backward_mode`)."""
+    _check_backward(mode, "mode")
+    old = os.environ.get("FLASHMASK3_TRITON_BWD")
+    os.environ["FLASHMASK3_TRITON_BWD"] = mode
+    try:
+        yield
+    finally:
+        if old is None:
+            os.environ.pop("FLASHMASK3_TRITON_BWD", None)
+        else:
+            os.environ["FLASHMASK3_TRITON_BWD"] = old
 
 
 def _num_intervals(causal: bool, c: int) -> int:
@@ -817,13 +844,10 @@ def preprocess(mask: Optional[torch.Tensor], causal: bool, seqlen_q: int, seqlen
     c = 0 if mask is None else mask.shape[-1]
     device = mask.device if mask is not None else "cpu"
     out = []
-    kinds = [("fwd", False)]
-    if backward:
-        kinds += [("fused", True)] if backward_mode() == "fused" else [("dkdv", True), ("dq", False)]
-    for kind, by_key in kinds:
+    for kind in ("fwd",) + (BACKWARD_KERNELS[backward_mode()] if backward else ()):
         cfg = _config(kind, head_dim, causal, c, dtype)
-        out.append(make_plan(mask, causal, seqlen_q, seqlen_k, cfg.block_m, cfg.block_n, by_key,
-                             device))
+        out.append(make_plan(mask, causal, seqlen_q, seqlen_k, cfg.block_m, cfg.block_n,
+                             PLAN_BY_KEY[kind], device))
     return out
 
 
@@ -965,22 +989,22 @@ def backward(dout, dlse, q, k, v, out, lse, startend_row_indices: Optional[torch
     dout = dout.to(q.dtype)
     c = 0 if startend_row_indices is None else startend_row_indices.shape[-1]
     delta, lse2 = _bwd_pre(out, dout, lse, dlse)
-    fused = backward_mode() == "fused"
+    kinds = BACKWARD_KERNELS[backward_mode()]
     if _autotune_enabled(q):
-        for kind in ("fused",) if fused else ("dkdv", "dq"):
+        for kind in kinds:
             if (kind, d, causal, c, q.dtype) not in _TUNED:
                 autotune(kind, q, k, v, startend_row_indices, causal, softmax_scale,
                          dout=dout, lse2=lse2, delta=delta)
-    cfg = _config("fused" if fused else "dkdv", d, causal, c, q.dtype)
-    plan = make_plan(startend_row_indices, causal, sq, sk, cfg.block_m, cfg.block_n, True,
-                     q.device)
+    cfg = _config(kinds[0], d, causal, c, q.dtype)
+    plan = make_plan(startend_row_indices, causal, sq, sk, cfg.block_m, cfg.block_n,
+                     PLAN_BY_KEY[kinds[0]], q.device)
     dk, dv, dq_acc = _launch_dkdv(q, k, v, dout, lse2, delta, causal, softmax_scale, cfg, plan,
-                                  fuse_dq=fused)
-    if fused:
+                                  fuse_dq=kinds[0] == "fused")
+    if dq_acc is not None:
         return (dq_acc * softmax_scale).to(q.dtype), dk, dv
     cfg = _config("dq", d, causal, c, q.dtype)
-    plan = make_plan(startend_row_indices, causal, sq, sk, cfg.block_m, cfg.block_n, False,
-                     q.device)
+    plan = make_plan(startend_row_indices, causal, sq, sk, cfg.block_m, cfg.block_n,
+                     PLAN_BY_KEY["dq"], q.device)
     dq = _launch_dq(q, k, v, dout, lse2, delta, causal, softmax_scale, cfg, plan)
     return dq, dk, dv
 
@@ -1007,8 +1031,8 @@ def autotune(kind: str, q, k, v, mask, causal, softmax_scale, dout=None, lse2=No
     c = 0 if mask is None else mask.shape[-1]
     best, best_ms = None, float("inf")
     for cfg in CANDIDATES[(kind, _dim_class(d))]:
-        by_key = kind in ("dkdv", "fused")
-        plan = make_plan(mask, causal, sq, sk, cfg.block_m, cfg.block_n, by_key, q.device)
+        plan = make_plan(mask, causal, sq, sk, cfg.block_m, cfg.block_n, PLAN_BY_KEY[kind],
+                         q.device)
         if kind == "fwd":
             fn = lambda: _launch_fwd(q, k, v, mask, causal, softmax_scale, cfg, plan)  # noqa: E731
         elif kind in ("dkdv", "fused"):

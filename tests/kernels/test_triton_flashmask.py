@@ -175,6 +175,13 @@ def test_backward_mode_choice(monkeypatch):
     monkeypatch.setenv("FLASHMASK3_TRITON_BWD", "atomic")
     with pytest.raises(ValueError, match="FLASHMASK3_TRITON_BWD"):
         T.backward_mode()
+    monkeypatch.setenv("FLASHMASK3_TRITON_BWD", "split")
+    with T.use_backward("fused"):
+        assert T.backward_mode() == "fused"
+    assert T.backward_mode() == "split"  # restored
+    with pytest.raises(ValueError, match="mode must be 'fused' or 'split'"):
+        with T.use_backward("atomic"):
+            pass
 
 
 @pytest.mark.parametrize("name", ["causal_document", "global_sliding_window", "shared_question",
