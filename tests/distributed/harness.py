@@ -111,10 +111,10 @@ def run_distributed(fn, world: int, *args, timeout_s: float = 240.0, collective_
     """Run ``fn(rank, world, *args)`` on ``world`` gloo ranks; raise the first rank error.
 
     ``env``: extra environment variables for the ranks (the attention backend defaults to the
-    torch path). A run in which a rank dies from a signal with no Python error anywhere (a
-    crash inside gloo's C++, see the module docstring) is repeated up to
-    ``native_crash_retries`` times with a warning; Python errors and timeouts never are, and a
-    crash that repeats fails the test.
+    torch path). A run in which a rank dies from a signal without a Python error of its own (a
+    crash inside gloo's C++, see the module docstring; its peers' errors are echoes) is
+    repeated up to ``native_crash_retries`` times with a warning; Python errors and timeouts
+    never are, and a crash that repeats fails the test with the first Python error recorded.
     """
     for attempt in range(native_crash_retries + 1):
         try:
