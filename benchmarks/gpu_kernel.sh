@@ -5,6 +5,7 @@
 #   bash benchmarks/gpu_kernel.sh final          # gpu smoke subset + the prioritised FINAL_PLAN
 #   bash benchmarks/gpu_kernel.sh d64,256        # benchmark grid at D=64 and D=256
 #   BENCH_BUDGET=180 bash benchmarks/gpu_kernel.sh bwd   # backward variants (split vs fused) + all gpu tests
+#   BENCH_BUDGET=240 bash benchmarks/gpu_kernel.sh configs  # each backward kernel's configs + gpu tests
 # Each stage has its own timeout so the whole call stays under the 600 s device limit; the
 # benchmark writes its JSON after every case, so a stopped run keeps what it measured.
 set -uo pipefail
@@ -24,7 +25,8 @@ case "$PHASE" in
   final)
     timeout 70 python3 -m pytest -q -m gpu -x tests/kernels/test_triton_flashmask.py -p no:cacheprovider \
       -k "bfloat16-128-causal_document or bfloat16-128-global_sliding_window or bfloat16-64-full or float16-128-sliding_window or (long_sequences and causal_document)" 2>&1 | tail -15 | tee "$OUT/pytest_gpu.log"
-    timeout $((BUDGET + 45)) python3 benchmarks/kernel.py --plan final --budget-s "$BUDGET" --out "$OUT" --tag final 2>&1 \
+    timeout $((BUDGET + 45)) python3 benchmarks/kernel.py --plan final --budget-s "$BUDGET" --out "$OUT" --tag final \
+      --impls "${IMPLS:-flashmask3,flashmask3_fused,flex,sdpa_cudnn,sdpa_flash,varlen,sdpa_dense}" 2>&1 \
       | grep -v "DeprecationWarning\|create_block_mask(mm" | tee "$OUT/bench_final.log"
     ;;
   bwd)
@@ -32,6 +34,13 @@ case "$PHASE" in
     # gpu test (split and fused backward). BENCH_BUDGET=180 keeps the call under 600 s.
     FLASHMASK3_TRITON_AUTOTUNE=0 timeout $((BUDGET + 60)) python3 benchmarks/backward_modes.py --budget-s "$BUDGET" --out "$OUT" 2>&1 | tee "$OUT/bench_bwd.log"
     timeout 240 python3 -m pytest -q -m gpu tests/kernels/test_triton_flashmask.py -p no:cacheprovider 2>&1 | tail -25 | tee "$OUT/pytest_gpu.log"
+    ;;
+  configs)
+    # each backward kernel alone over its configurations (tile shape, A operand, split loop),
+    # then the gpu tests of both backward modes on the causal-document and window masks.
+    timeout $((BUDGET + 90)) python3 benchmarks/backward_configs.py --budget-s "$BUDGET" --out "$OUT" 2>&1 | tee "$OUT/bench_configs.log"
+    timeout 200 python3 -m pytest -q -m gpu tests/kernels/test_triton_flashmask.py -p no:cacheprovider \
+      -k "causal_document or sliding_window or long_sequences or deterministic" 2>&1 | tail -25 | tee "$OUT/pytest_gpu.log"
     ;;
   d*)
     DIMS=${PHASE#d}

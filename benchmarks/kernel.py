@@ -565,6 +565,14 @@ def compiled_kernels_report(path: str) -> None:
                                                    "shared", "hgmma", "ldl_stl", "error")})
 
 
+def _tuned_configs() -> dict:
+    """The configurations flashmask3's autotuner chose so far: "kernel D causal C dtype" -> tile."""
+    from flashmask3.kernels import triton_flashmask as T
+
+    return {" ".join(str(x) for x in key): f"{c.block_m}x{c.block_n} w{c.num_warps} s{c.num_stages}"
+            for key, c in T._TUNED.items()}
+
+
 FINAL_PLAN = (
     [(m, 32768, 128, 32, 32) for m in MASKS]
     + [("causal_document_corpus", 32768, 128, 32, 8), ("causal", 32768, 128, 32, 8)]
@@ -608,7 +616,7 @@ def main(argv=None) -> int:
     ap.add_argument("--tag", default="part")
     ap.add_argument("--plan", default="grid", choices=["grid", "final"],
                     help="grid: --dims x --seqlens x --masks; final: the prioritised list FINAL_PLAN")
-    ap.add_argument("--kernel-version", default="v2")
+    ap.add_argument("--kernel-version", default="v4")
     ap.add_argument("--report", nargs="*", help="JSON files to merge into kernel.{json,md,png}")
     args = ap.parse_args(argv)
     if args.report:
@@ -652,6 +660,7 @@ def main(argv=None) -> int:
               f"{'; '.join(targets(rec))} ({time.time() - t0:.0f}s)"
               + (f" ERR {[(k, v['error'][:120]) for k, v in rec['impls'].items() if 'error' in v]}"
                  if any('error' in v for v in rec['impls'].values()) else ""), flush=True)
+        meta["tuned"] = _tuned_configs()
         with open(path, "w") as fh:
             json.dump({"meta": meta, "results": results}, fh, indent=1)
     with open(path, "w") as fh:

@@ -59,6 +59,9 @@ LOG2E = 1.4426950408889634
 SKIP, PARTIAL, UNMASKED = 0, 1, 2
 #: int32 statistics per key block: for interval 0 and 1, max/min of start and max/min of end.
 NSTAT = 8
+#: int32 words per block in a live-range table: two live ranges and the first run of
+#: UNMASKED tiles inside each (see ``_range_kernel``).
+RANGE_WORDS = tl.constexpr(8)
 #: Integer arguments not specialised on (divisibility by 16): one compile serves every length.
 _NO_SPEC = ["Sq", "Sk", "Hq", "Hk", "Hm", "NQB", "NKB", "mask_b_stride"]
 
@@ -162,27 +165,38 @@ def _clipped_tile_class(sptr, m, n, Sq, Sk, BLOCK_M: tl.constexpr, BLOCK_N: tl.c
 
 @triton.jit
 def _stored_ranges(rp):
-    """The two preprocessed live ranges at ``rp``: 4 int32 (lo0, hi0, lo1, hi1)."""
+    """The two preprocessed live ranges at ``rp`` (lo0, hi0, lo1, hi1)."""
     return tl.load(rp), tl.load(rp + 1), tl.load(rp + 2), tl.load(rp + 3)
 
 
 @triton.jit
 def _key_block_ranges(rng_ptr, mbh, n_blk, Sq, Sk, NQB, NKB, BLOCK_M: tl.constexpr,
                       BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr, C: tl.constexpr):
-    """The two live query-block ranges [lo0, hi0), [lo1, hi1) of one key block: from the
-    preprocessed table with a mask, from the causal diagonal (or everything) without one."""
+    """The two live query-block ranges [lo0, hi0), [lo1, hi1) of one key block and the first
+    run of UNMASKED tiles in each, [flo0, fhi0) and [flo1, fhi1): from the preprocessed table
+    with a mask, from the causal diagonal (or everything) without one."""
     if C > 0:
-        lo0, hi0, lo1, hi1 = _stored_ranges(rng_ptr + (mbh * NKB + n_blk) * 4)
+        rp = rng_ptr + (mbh * NKB + n_blk) * RANGE_WORDS
+        lo0, hi0, lo1, hi1 = _stored_ranges(rp)
+        flo0, fhi0, flo1, fhi1 = _stored_ranges(rp + 4)
     else:
         lo0 = 0
+        flo0 = 0
+        c0 = n_blk * BLOCK_N
         if CAUSAL:
-            first_row = n_blk * BLOCK_N - (Sk - Sq)  # first row that sees this block
-            lo0 = tl.maximum(first_row, 0) // BLOCK_M
-            lo0 = tl.minimum(lo0, NQB)
+            first_row = c0 - (Sk - Sq)  # first row that sees this block
+            lo0 = tl.minimum(tl.maximum(first_row, 0) // BLOCK_M, NQB)
+            last_col = tl.minimum(c0 + BLOCK_N, Sk) - 1  # rows >= this see the whole block
+            flo0 = tl.minimum(tl.cdiv(tl.maximum(last_col - (Sk - Sq), 0), BLOCK_M), NQB)
         hi0 = NQB
+        fhi0 = hi0
+        if c0 + BLOCK_N > Sk:  # the tail columns need the element mask
+            flo0 = hi0
         lo1 = hi0
         hi1 = hi0
-    return lo0, hi0, lo1, hi1
+        flo1 = hi0
+        fhi1 = hi0
+    return lo0, hi0, lo1, hi1, flo0, fhi0, flo1, fhi1
 
 
 @triton.jit
@@ -191,7 +205,7 @@ def _query_block_ranges(rng_ptr, mbh, m_blk, Sq, Sk, NQB, NKB, BLOCK_M: tl.const
     """The two live key-block ranges [lo0, hi0), [lo1, hi1) of one query block: from the
     preprocessed table with a mask, from the causal diagonal (or everything) without one."""
     if C > 0:
-        lo0, hi0, lo1, hi1 = _stored_ranges(rng_ptr + (mbh * NQB + m_blk) * 4)
+        lo0, hi0, lo1, hi1 = _stored_ranges(rng_ptr + (mbh * NQB + m_blk) * RANGE_WORDS)
     else:
         lo0 = 0
         if CAUSAL:
@@ -288,9 +302,11 @@ def _range_kernel(sum_ptr, rng_ptr, Sq, Sk, NQB, NKB,
                   NI: tl.constexpr, BY_KEY: tl.constexpr, CHUNK: tl.constexpr):
     """Live ranges of one query block (BY_KEY=False) or one key block (BY_KEY=True).
 
-    Writes ``[lo0, hi0, lo1, hi1]``: the first run of live blocks is ``[lo0, hi0)``, and
-    ``[lo1, hi1)`` runs from the next live block to the last one (it may hold SKIP tiles,
-    which the kernels classify again). Three vector scans over the other axis.
+    Writes ``[lo0, hi0, lo1, hi1, flo0, fhi0, flo1, fhi1]``: the first run of live blocks is
+    ``[lo0, hi0)``, and ``[lo1, hi1)`` runs from the next live block to the last one (it may
+    hold SKIP tiles, which the kernels classify again). ``[floR, fhiR)`` is the first run of
+    UNMASKED tiles inside range R (empty at its end when there is none): the kernels visit it
+    in a loop compiled without any mask code. Vector scans over the other axis.
     """
     fixed = tl.program_id(0)
     bh = tl.program_id(1).to(tl.int64)
@@ -333,14 +349,63 @@ def _range_kernel(sum_ptr, rng_ptr, Sq, Sk, NQB, NKB,
             cls = _tile_class(sptr, fixed, idx, Sq, Sk, valid, BLOCK_M, BLOCK_N, CAUSAL, NI)
         live = valid & (cls != 0)
         lo1 = tl.minimum(lo1, tl.min(tl.where(live, idx, hi), 0))
+    flo0, fhi0 = _unmasked_run(sptr, fixed, lo, gap, Sq, Sk, NQB, NKB, BLOCK_M, BLOCK_N,
+                               CAUSAL, NI, BY_KEY, CHUNK)
+    flo1, fhi1 = _unmasked_run(sptr, fixed, lo1, hi, Sq, Sk, NQB, NKB, BLOCK_M, BLOCK_N,
+                               CAUSAL, NI, BY_KEY, CHUNK)
     if BY_KEY:
-        out = rng_ptr + (bh * NKB + fixed) * 4
+        out = rng_ptr + (bh * NKB + fixed) * RANGE_WORDS
     else:
-        out = rng_ptr + (bh * NQB + fixed) * 4
+        out = rng_ptr + (bh * NQB + fixed) * RANGE_WORDS
     tl.store(out + 0, lo)
     tl.store(out + 1, gap)
     tl.store(out + 2, lo1)
     tl.store(out + 3, hi)
+    tl.store(out + 4, flo0)
+    tl.store(out + 5, fhi0)
+    tl.store(out + 6, flo1)
+    tl.store(out + 7, fhi1)
+
+
+@triton.jit
+def _unmasked_run(sptr, fixed, lo, hi, Sq, Sk, NQB, NKB, BLOCK_M: tl.constexpr,
+                  BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr, NI: tl.constexpr,
+                  BY_KEY: tl.constexpr, CHUNK: tl.constexpr):
+    """``[flo, fhi)``: the first run of UNMASKED tiles in ``[lo, hi)`` along the other axis
+    (``flo == fhi == hi`` when there is none). A tile whose key block reaches past ``Sk``
+    counts as masked: its tail columns need the element mask."""
+    if BY_KEY:
+        n_other = NQB
+    else:
+        n_other = NKB
+    offs = tl.arange(0, CHUNK)
+    flo = hi
+    for start in range(0, n_other, CHUNK):
+        idx = start + offs
+        valid = (idx >= lo) & (idx < hi)
+        full = valid & _unmasked(sptr, fixed, idx, valid, Sq, Sk, BLOCK_M, BLOCK_N, CAUSAL,
+                                 NI, BY_KEY)
+        flo = tl.minimum(flo, tl.min(tl.where(full, idx, hi), 0))
+    fhi = hi
+    for start in range(0, n_other, CHUNK):
+        idx = start + offs
+        valid = (idx > flo) & (idx < hi)
+        full = _unmasked(sptr, fixed, idx, valid, Sq, Sk, BLOCK_M, BLOCK_N, CAUSAL, NI, BY_KEY)
+        fhi = tl.minimum(fhi, tl.min(tl.where(valid & ~full, idx, hi), 0))
+    return flo, fhi
+
+
+@triton.jit
+def _unmasked(sptr, fixed, idx, valid, Sq, Sk, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+              CAUSAL: tl.constexpr, NI: tl.constexpr, BY_KEY: tl.constexpr):
+    """Whether tiles (fixed, idx) along the other axis are UNMASKED and not clipped at Sk."""
+    if BY_KEY:
+        cls = _tile_class(sptr, idx, fixed, Sq, Sk, True, BLOCK_M, BLOCK_N, CAUSAL, NI)
+        clipped = fixed * BLOCK_N + BLOCK_N > Sk
+    else:
+        cls = _tile_class(sptr, fixed, idx, Sq, Sk, valid, BLOCK_M, BLOCK_N, CAUSAL, NI)
+        clipped = idx * BLOCK_N + BLOCK_N > Sk
+    return (cls == 2) & (~clipped)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -467,8 +532,11 @@ def _dkdv_inner(dk, dv, k, v, lo, hi, q_ptr, do_ptr, q_desc, do_desc, lse2_ptr, 
                 D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                 CAUSAL: tl.constexpr, C: tl.constexpr, NI: tl.constexpr,
                 USE_TMA: tl.constexpr, PREC: tl.constexpr, FUSE_DQ: tl.constexpr,
-                DQ_TMA: tl.constexpr):
+                DQ_TMA: tl.constexpr, MASKED: tl.constexpr):
     """Accumulate dK, dV of one key block over query blocks [lo, hi) of one query head.
+
+    MASKED=False compiles a loop with no mask code (fewer live registers: the caller passes
+    only runs of UNMASKED tiles); MASKED=True classifies each tile and masks the PARTIAL ones.
 
     With FUSE_DQ, also add this key block's share of dQ (unscaled, fp32) into ``dq_ptr`` with
     atomics: a TMA reduce-add of the whole tile (DQ_TMA) or element atomics. Rows past Sq get
@@ -491,13 +559,14 @@ def _dkdv_inner(dk, dv, k, v, lo, hi, q_ptr, do_ptr, q_desc, do_desc, lse2_ptr, 
             do = tl.load(do_ptr + off, mask=rmask[:, None], other=0.0)
         lse2 = tl.load(lse2_ptr + stat_row0 + offs_m, mask=rmask, other=float("inf"))
         delta = tl.load(delta_ptr + stat_row0 + offs_m, mask=rmask, other=0.0)
-        cls = _clipped_tile_class(sptr, m, n_blk, Sq, Sk, BLOCK_M, BLOCK_N, CAUSAL, NI)
         qkT = tl.dot(k, tl.trans(q), input_precision=PREC)
         pT = tl.math.exp2(qkT * scale_log2 - lse2[None, :])
-        if cls != 2:
-            masked = _element_masked(offs_m[None, :], offs_n[:, None], col_ptr, Sq, Sk,
-                                     CAUSAL, C)
-            pT = tl.where(masked, 0.0, pT)
+        if MASKED:
+            cls = _clipped_tile_class(sptr, m, n_blk, Sq, Sk, BLOCK_M, BLOCK_N, CAUSAL, NI)
+            if cls != 2:
+                masked = _element_masked(offs_m[None, :], offs_n[:, None], col_ptr, Sq, Sk,
+                                         CAUSAL, C)
+                pT = tl.where(masked, 0.0, pT)
         dv = tl.dot(pT.to(do.dtype), do, dv, input_precision=PREC)
         dpT = tl.dot(v, tl.trans(do), input_precision=PREC)
         dsT = pT * (dpT - delta[None, :])
@@ -511,6 +580,30 @@ def _dkdv_inner(dk, dv, k, v, lo, hi, q_ptr, do_ptr, q_desc, do_desc, lse2_ptr, 
     return dk, dv
 
 
+@triton.jit
+def _dkdv_range(dk, dv, k, v, lo, flo, fhi, hi, q_ptr, do_ptr, q_desc, do_desc, lse2_ptr,
+                delta_ptr, dq_ptr, dq_desc, q_row0, q_col, q_stride, stat_row0, sptr, col_ptr,
+                n_blk, Sq, Sk, scale_log2, D: tl.constexpr, BLOCK_M: tl.constexpr,
+                BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr, C: tl.constexpr, NI: tl.constexpr,
+                USE_TMA: tl.constexpr, PREC: tl.constexpr, FUSE_DQ: tl.constexpr,
+                DQ_TMA: tl.constexpr):
+    """One live range [lo, hi) of query blocks whose tiles [flo, fhi) are all UNMASKED: masked
+    loop, unmasked loop, masked loop."""
+    dk, dv = _dkdv_inner(dk, dv, k, v, lo, flo, q_ptr, do_ptr, q_desc, do_desc, lse2_ptr,
+                         delta_ptr, dq_ptr, dq_desc, q_row0, q_col, q_stride, stat_row0, sptr,
+                         col_ptr, n_blk, Sq, Sk, scale_log2, D, BLOCK_M, BLOCK_N, CAUSAL, C,
+                         NI, USE_TMA, PREC, FUSE_DQ, DQ_TMA, True)
+    dk, dv = _dkdv_inner(dk, dv, k, v, flo, fhi, q_ptr, do_ptr, q_desc, do_desc, lse2_ptr,
+                         delta_ptr, dq_ptr, dq_desc, q_row0, q_col, q_stride, stat_row0, sptr,
+                         col_ptr, n_blk, Sq, Sk, scale_log2, D, BLOCK_M, BLOCK_N, CAUSAL, C,
+                         NI, USE_TMA, PREC, FUSE_DQ, DQ_TMA, False)
+    dk, dv = _dkdv_inner(dk, dv, k, v, fhi, hi, q_ptr, do_ptr, q_desc, do_desc, lse2_ptr,
+                         delta_ptr, dq_ptr, dq_desc, q_row0, q_col, q_stride, stat_row0, sptr,
+                         col_ptr, n_blk, Sq, Sk, scale_log2, D, BLOCK_M, BLOCK_N, CAUSAL, C,
+                         NI, USE_TMA, PREC, FUSE_DQ, DQ_TMA, True)
+    return dk, dv
+
+
 @triton.jit(do_not_specialize=_NO_SPEC)
 def _dkdv_kernel(q_ptr, k_ptr, v_ptr, do_ptr, dk_ptr, dv_ptr, lse2_ptr, delta_ptr,
                  mask_ptr, sum_ptr, rng_ptr, q_desc, do_desc, k_desc, v_desc, dq_ptr, dq_desc,
@@ -518,9 +611,10 @@ def _dkdv_kernel(q_ptr, k_ptr, v_ptr, do_ptr, dk_ptr, dv_ptr, lse2_ptr, delta_pt
                  D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                  CAUSAL: tl.constexpr, C: tl.constexpr, NI: tl.constexpr,
                  USE_TMA: tl.constexpr, PREC: tl.constexpr, A_SMEM: tl.constexpr,
-                 FUSE_DQ: tl.constexpr, DQ_TMA: tl.constexpr):
+                 FUSE_DQ: tl.constexpr, DQ_TMA: tl.constexpr, SPLIT_UNMASKED: tl.constexpr):
     """One program per (key block, batch*KV head); loops over the query heads of its group.
-    FUSE_DQ: also accumulates dQ with atomics (the single-kernel, non-deterministic backward)."""
+    FUSE_DQ: also accumulates dQ with atomics (the single-kernel, non-deterministic backward).
+    SPLIT_UNMASKED: visit each range's run of UNMASKED tiles in a loop without mask code."""
     n_blk = tl.program_id(0)
     bh = tl.program_id(1)
     b = bh // Hk
@@ -545,19 +639,24 @@ def _dkdv_kernel(q_ptr, k_ptr, v_ptr, do_ptr, dk_ptr, dv_ptr, lse2_ptr, delta_pt
         mbh = b64 * mask_b_stride + hm
         sptr = sum_ptr + mbh * NKB * 8
         col_ptr = mask_ptr + mbh * Sk * C
-        lo0, hi0, lo1, hi1 = _key_block_ranges(rng_ptr, mbh, n_blk, Sq, Sk, NQB, NKB, BLOCK_M,
-                                               BLOCK_N, CAUSAL, C)
+        lo0, hi0, lo1, hi1, flo0, fhi0, flo1, fhi1 = _key_block_ranges(
+            rng_ptr, mbh, n_blk, Sq, Sk, NQB, NKB, BLOCK_M, BLOCK_N, CAUSAL, C)
+        if not SPLIT_UNMASKED:  # one masked loop per live range
+            flo0 = hi0
+            fhi0 = hi0
+            flo1 = hi1
+            fhi1 = hi1
         stat_row0 = (b64 * Hq + h) * Sq
         q_row0 = b * Sq
         q_col = h * D
-        dk, dv = _dkdv_inner(dk, dv, k, v, lo0, hi0, q_ptr, do_ptr, q_desc, do_desc, lse2_ptr,
-                             delta_ptr, dq_ptr, dq_desc, q_row0, q_col, Hq * D, stat_row0, sptr,
-                             col_ptr, n_blk, Sq, Sk, scale_log2, D, BLOCK_M, BLOCK_N, CAUSAL, C,
-                             NI, USE_TMA, PREC, FUSE_DQ, DQ_TMA)
-        dk, dv = _dkdv_inner(dk, dv, k, v, lo1, hi1, q_ptr, do_ptr, q_desc, do_desc, lse2_ptr,
-                             delta_ptr, dq_ptr, dq_desc, q_row0, q_col, Hq * D, stat_row0, sptr,
-                             col_ptr, n_blk, Sq, Sk, scale_log2, D, BLOCK_M, BLOCK_N, CAUSAL, C,
-                             NI, USE_TMA, PREC, FUSE_DQ, DQ_TMA)
+        dk, dv = _dkdv_range(dk, dv, k, v, lo0, flo0, fhi0, hi0, q_ptr, do_ptr, q_desc, do_desc,
+                             lse2_ptr, delta_ptr, dq_ptr, dq_desc, q_row0, q_col, Hq * D,
+                             stat_row0, sptr, col_ptr, n_blk, Sq, Sk, scale_log2, D, BLOCK_M,
+                             BLOCK_N, CAUSAL, C, NI, USE_TMA, PREC, FUSE_DQ, DQ_TMA)
+        dk, dv = _dkdv_range(dk, dv, k, v, lo1, flo1, fhi1, hi1, q_ptr, do_ptr, q_desc, do_desc,
+                             lse2_ptr, delta_ptr, dq_ptr, dq_desc, q_row0, q_col, Hq * D,
+                             stat_row0, sptr, col_ptr, n_blk, Sq, Sk, scale_log2, D, BLOCK_M,
+                             BLOCK_N, CAUSAL, C, NI, USE_TMA, PREC, FUSE_DQ, DQ_TMA)
     tl.store(dk_ptr + kv_off, (dk * sm_scale).to(dk_ptr.dtype.element_ty), mask=nmask)
     tl.store(dv_ptr + kv_off, dv.to(dv_ptr.dtype.element_ty), mask=nmask)
 
@@ -660,10 +759,10 @@ CANDIDATES: dict[tuple[str, int], list[Config]] = {
     ("fwd", 128): [Config(128, 128, 8, 3), Config(128, 128, 8, 2), Config(128, 64, 8, 3)],
     ("fwd", 256): [Config(128, 32, 8, 2), Config(64, 64, 4, 2)],
     ("dkdv", 64): [Config(64, 128, 8, 3), Config(32, 64, 4, 3)],
-    ("dkdv", 128): [Config(64, 64, 8, 2), Config(32, 64, 4, 3)],
+    ("dkdv", 128): [Config(32, 64, 4, 3), Config(64, 128, 8, 2)],
     ("dkdv", 256): [Config(64, 64, 8, 2), Config(32, 64, 8, 2)],
     ("dq", 64): [Config(128, 64, 8, 3), Config(128, 128, 8, 2)],
-    ("dq", 128): [Config(128, 64, 8, 2), Config(64, 64, 4, 2)],
+    ("dq", 128): [Config(128, 64, 8, 3), Config(128, 128, 8, 2)],
     ("dq", 256): [Config(64, 64, 8, 2), Config(64, 32, 4, 2)],
     # the fused backward (dK/dV kernel that also reduce-adds dQ): dQ tiles are BLOCK_M x D fp32
     # (sm_90 compiler report: 128x64 at D=128 needs 242 KB of shared memory; 64x128 spills)
@@ -719,6 +818,10 @@ def _use_tma(x: torch.Tensor) -> bool:
 #: registers are faster in both backward kernels (v2 backward was ~10% slower).
 #: Override with FLASHMASK3_TRITON_A_SMEM="fwd,dkdv,dq" (a comma list of kernels) for experiments.
 A_OPERAND_IN_SMEM = {"fwd": True, "dkdv": False, "dq": False, "fused": False}
+
+#: Whether the dK/dV kernels visit each live range's run of UNMASKED tiles in a separate loop
+#: compiled without mask code (the sm_90 report: far fewer spills at 64x128, see NOTES.md v4).
+SPLIT_UNMASKED_LOOP = {"dkdv": True, "fused": True}
 
 
 def _a_smem(kind: str) -> bool:
@@ -787,7 +890,7 @@ class Plan:
 
     mask: torch.Tensor  # [B, Hm, Sk, C] contiguous int32 (a dummy when there is no mask)
     summary: torch.Tensor  # [Bm*Hm, NKB, 8] int32
-    ranges: torch.Tensor  # [Bm*Hm, NQB or NKB, 4] int32
+    ranges: torch.Tensor  # [Bm*Hm, NQB or NKB, RANGE_WORDS] int32
     c: int
     ni: int
     hm: int
@@ -811,12 +914,13 @@ def block_summaries(mask: torch.Tensor, causal: bool, seqlen_q: int, block_n: in
 
 def live_ranges(summary: torch.Tensor, causal: bool, ni: int, seqlen_q: int, seqlen_k: int,
                 block_m: int, block_n: int, by_key: bool) -> torch.Tensor:
-    """Two live ranges per query block (by_key=False) or per key block (by_key=True)."""
+    """Two live ranges per query block (by_key=False) or per key block (by_key=True), and the
+    first run of UNMASKED tiles in each: ``[.., RANGE_WORDS]`` (layout in ``_range_kernel``)."""
     nqb = triton.cdiv(seqlen_q, block_m)
     nkb = triton.cdiv(seqlen_k, block_n)
     n_fixed = nkb if by_key else nqb
     nbh = summary.shape[0]
-    ranges = torch.empty((nbh, n_fixed, 4), dtype=torch.int32, device=summary.device)
+    ranges = torch.empty((nbh, n_fixed, RANGE_WORDS), dtype=torch.int32, device=summary.device)
     if n_fixed > 0 and nbh > 0:
         _range_kernel[(n_fixed, nbh)](summary, ranges, seqlen_q, seqlen_k, nqb, nkb,
                                       BLOCK_M=block_m, BLOCK_N=block_n, CAUSAL=causal, NI=ni,
@@ -953,7 +1057,8 @@ def _launch_dkdv(q, k, v, dout, lse2, delta, causal, softmax_scale, cfg: Config,
         softmax_scale, softmax_scale * LOG2E, sq, sk, hq, hk, plan.hm, nqb, nkb,
         plan.mask_b_stride, D=d, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, CAUSAL=causal,
         C=plan.c, NI=plan.ni, USE_TMA=tma, PREC=_dot_precision(q.dtype), A_SMEM=_a_smem(kind),
-        FUSE_DQ=fuse_dq, DQ_TMA=dq_tma, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+        FUSE_DQ=fuse_dq, DQ_TMA=dq_tma, SPLIT_UNMASKED=SPLIT_UNMASKED_LOOP[kind],
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     return dk, dv, dq_acc
 
 

@@ -65,7 +65,7 @@ def compile_one(kind: str, d: int, cfg: K.Config, causal: bool, c: int, dtype: s
     elif kind in ("dkdv", "fused"):
         kernel = K._dkdv_kernel
         fused = kind == "fused"
-        common.update(FUSE_DQ=fused, DQ_TMA=fused and tma)
+        common.update(FUSE_DQ=fused, DQ_TMA=fused and tma, SPLIT_UNMASKED=K.SPLIT_UNMASKED_LOOP[kind])
         ptrs = {n: f"*{dtype}" for n in ("q_ptr", "k_ptr", "v_ptr", "do_ptr", "dk_ptr", "dv_ptr")}
         ptrs.update(lse2_ptr="*fp32", delta_ptr="*fp32", mask_ptr="*i32", sum_ptr="*i32",
                     rng_ptr="*i32", dq_ptr="*fp32")

@@ -102,6 +102,28 @@ def test_live_ranges_cover_every_live_tile(causal, c, by_key):
     idx = torch.arange(cls.shape[-1])
     in_first = (idx >= ranges[..., 0:1].long()) & (idx < ranges[..., 1:2].long())
     assert not (in_first & ~live).any()
+    _check_unmasked_runs(ranges, cls, sk, bn, by_key)
+
+
+def _check_unmasked_runs(ranges, cls, sk, bn, by_key):
+    """Words 4..7: inside each live range, [flo, fhi) is its first maximal run of UNMASKED tiles
+    whose key block ends inside Sk (empty, at hi, when there is none)."""
+    n = cls.shape[-1]
+    full = cls == M.UNMASKED
+    clipped = (torch.arange(cls.shape[-2 if by_key else -1]) + 1) * bn > sk
+    full &= ~clipped[:, None] if by_key else ~clipped[None, :]
+    found = 0
+    for bh in range(ranges.shape[0]):
+        for fixed in range(ranges.shape[1]):
+            for r in (0, 1):
+                lo, hi = ranges[bh, fixed, 2 * r:2 * r + 2].tolist()
+                flo, fhi = ranges[bh, fixed, 4 + 2 * r:6 + 2 * r].tolist()
+                f = full[bh, fixed].tolist()
+                want_lo = next((i for i in range(lo, hi) if f[i]), hi)
+                want_hi = next((i for i in range(want_lo, hi) if not f[i]), hi)
+                assert (flo, fhi) == (want_lo, want_hi), (bh, fixed, r, lo, hi, flo, fhi)
+                found += fhi - flo
+    assert found > 0 or not full.any(), "no UNMASKED run found although UNMASKED tiles exist"
 
 
 # ---------------------------------------------------------------------------------------------

@@ -1,0 +1,160 @@
+"""The backward kernels' configurations, each kernel timed alone on the same inputs (one GPU).
+
+For every mask, the dK/dV kernel runs with each tile shape / warps / stages in ``DKDV``, with
+the wgmma A operands (K, V) in registers or in shared memory, and with or without the separate
+mask-free loop over each range's UNMASKED tiles (``SPLIT_UNMASKED_LOOP``); the dQ kernel runs
+with each entry of ``DQ``. Each variant's gradients are compared with the first variant's (the
+v3 default), so a fast but wrong variant shows up. Used to choose ``CANDIDATES`` and the
+defaults (benchmarks/NOTES.md, v4)::
+
+    python benchmarks/backward_configs.py --out $OUT          # on the GPU
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import math
+import os
+import sys
+import time
+from unittest import mock
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from benchmarks.kernel import TOTAL_TOKENS, bench, build_mask  # noqa: E402
+from flashmask3.kernels import triton_flashmask as T  # noqa: E402
+import flashmask3.masks as M  # noqa: E402
+
+DEVICE = "cuda"
+MASKS = ["causal", "causal_document_corpus", "document_corpus"]
+# (block_m, block_n, warps, stages, A operand in shared memory, split UNMASKED loop)
+DKDV = [(64, 64, 8, 2, False, False), (64, 64, 8, 2, False, True), (64, 128, 8, 2, True, True),
+        (64, 128, 8, 2, False, True), (64, 128, 8, 3, True, True), (32, 128, 8, 2, True, True),
+        (32, 64, 4, 3, False, True), (64, 128, 8, 2, True, False)]
+DQ = [(128, 64, 8, 2, False), (128, 64, 8, 3, False), (128, 128, 8, 2, False),
+      (128, 64, 8, 2, True)]
+
+
+def _rel(a, b) -> float:
+    return ((a.float() - b.float()).norm() / b.float().norm().clamp_min(1e-30)).item()
+
+
+def _label(v) -> str:
+    tag = f"{v[0]}x{v[1]}w{v[2]}s{v[3]}" + ("-smem" if v[4] else "-reg")
+    if len(v) > 5:
+        tag += "-split" if v[5] else "-onemask"
+    return tag
+
+
+def _time(fn, flops):
+    try:
+        grads = fn()
+        ms, _ = bench(fn)
+        return dict(ms=ms, tflops=flops / (ms * 1e-3) / 1e12), grads
+    except Exception as exc:  # out of shared memory etc.: recorded, not fatal
+        return {"error": f"{type(exc).__name__}: {str(exc)[:200]}"}, None
+
+
+def run_case(name: str, s: int, d: int, dtype, dkdv, dq, heads=None) -> dict:
+    """Every variant of both kernels on one mask (heads: hidden 4096 / D unless given)."""
+    batch = TOTAL_TOKENS // s
+    hq = hk = heads or 4096 // d
+    mask, causal, _ = build_mask(name, s, batch)
+    cols = None if mask is None else mask.to(DEVICE).startend_row_indices
+    causal = causal if mask is None else mask.causal
+    g = torch.Generator(device=DEVICE).manual_seed(s + d + 7)
+    q, k, v = (torch.randn(batch, s, h, d, device=DEVICE, dtype=dtype, generator=g) for h in (hq, hk, hk))
+    scale = 1 / math.sqrt(d)
+    out, lse = T.forward(q, k, v, cols, causal, scale)
+    dout = torch.randn_like(out)
+    delta, lse2 = T._bwd_pre(out, dout, lse, None)
+    flops = M.attention_flops(cols, causal, batch_size=batch, num_heads=hq, seqlen_q=s, seqlen_k=s,
+                              head_dim=d, mode="bwd")
+    # dK/dV does 4 of the 7 executed matmuls of a split backward, dQ 3 (bwd FLOPs count 5)
+    rec = dict(mask=name, S=s, D=d, B=batch, Hq=hq, dkdv={}, dq={})
+    for kind, variants, share in (("dkdv", dkdv, 4 / 5), ("dq", dq, 3 / 5)):
+        ref = None
+        for var in variants:
+            cfg = T.Config(*var[:4])
+            plan = T.make_plan(cols, causal, s, s, cfg.block_m, cfg.block_n, T.PLAN_BY_KEY[kind],
+                               q.device)
+            if kind == "dkdv":
+                fn = lambda: T._launch_dkdv(q, k, v, dout, lse2, delta, causal, scale, cfg, plan)[:2]  # noqa: E731,E501
+            else:
+                fn = lambda: (T._launch_dq(q, k, v, dout, lse2, delta, causal, scale, cfg, plan),)  # noqa: E731,E501
+            patches = {"FLASHMASK3_TRITON_A_SMEM": "fwd" + ("," + kind if var[4] else "")}
+            with mock.patch.dict(os.environ, patches), \
+                    mock.patch.dict(T.SPLIT_UNMASKED_LOOP, {kind: var[5]} if len(var) > 5 else {}):
+                r, grads = _time(fn, flops * share)
+            if grads is not None and ref is None:
+                ref = grads
+            elif grads is not None:
+                r["rel_err_vs_first"] = max(_rel(a, b) for a, b in zip(grads, ref))
+            rec[kind][_label(var)] = r
+    return rec
+
+
+def markdown(results: list[dict], meta: dict) -> str:
+    lines = [f"# Backward kernel configurations ({meta['gpu']}, {meta['date'][:10]}, torch "
+             f"{meta['torch']}, triton {meta['triton']}, {meta['dtype']})", "",
+             f"Command: `{meta['command']}`", "",
+             "Each kernel alone: ms (hardware TFLOP/s of its own matmuls: dK/dV 4/5 and dQ 3/5 "
+             "of the DESIGN.md backward count) and max relative error of its gradients against "
+             "the first variant. `reg`/`smem`: wgmma A operands in registers / shared memory; "
+             "`split`: UNMASKED tiles in a loop without mask code.", ""]
+    for kind in ("dkdv", "dq"):
+        labels = list(results[0][kind]) if results else []
+        lines += [f"## {kind}", "", "| mask | S | D | " + " | ".join(labels) + " |",
+                  "|---|---|---|" + "---|" * len(labels)]
+        for r in results:
+            cells = []
+            for lab in labels:
+                x = r[kind].get(lab, {"error": "not run"})
+                if "error" in x:
+                    cells.append("error")
+                    continue
+                err = f" e={x['rel_err_vs_first']:.0e}" if "rel_err_vs_first" in x else ""
+                cells.append(f"{x['ms']:.2f} ({x['tflops']:.0f}){err}")
+            lines.append(f"| {r['mask']} | {r['S'] // 1024}K | {r['D']} | " + " | ".join(cells) + " |")
+        lines.append("")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--masks", type=lambda x: x.split(","), default=MASKS)
+    ap.add_argument("--seqlen", type=int, default=32768)
+    ap.add_argument("--dims", type=lambda x: [int(v) for v in x.split(",")], default=[128])
+    ap.add_argument("--budget-s", type=float, default=1e9)
+    ap.add_argument("--out", default="benchmarks/results")
+    args = ap.parse_args(argv)
+    import triton
+
+    meta = dict(gpu=torch.cuda.get_device_name(),
+                date=datetime.datetime.now(datetime.timezone.utc).isoformat(),
+                torch=torch.__version__, triton=triton.__version__, dtype="bf16",
+                command="python " + " ".join(sys.argv))
+    os.makedirs(args.out, exist_ok=True)
+    results, t0 = [], time.time()
+    for d in args.dims:
+        for m in args.masks:
+            if time.time() - t0 > args.budget_s:
+                break
+            results.append(run_case(m, args.seqlen, d, torch.bfloat16, DKDV, DQ))
+            summary = {k: round(x.get("ms", -1), 2) for k, x in results[-1]["dkdv"].items()}
+            print(f"[{time.time() - t0:5.0f}s] D={d} {m}: dkdv {summary}; dq "
+                  f"{ {k: round(x.get('ms', -1), 2) for k, x in results[-1]['dq'].items()} }",
+                  flush=True)
+            with open(os.path.join(args.out, "backward_configs.json"), "w") as f:
+                json.dump(dict(meta=meta, results=results), f, indent=1)
+    with open(os.path.join(args.out, "backward_configs.md"), "w") as f:
+        f.write(markdown(results, meta))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
