@@ -435,7 +435,10 @@ def markdown(results: list[dict], meta: dict) -> str:
               "flashmask3 time for fwd+bwd. prep = flashmask3 mask preprocessing (summaries + ranges, "
               "fwd and bwd plans); build = Flex create_block_mask. mem = peak extra GB of one fwd+bwd. "
               "ver = flashmask3 kernel version of that row (benchmarks/NOTES.md: v1 = first kernels, v2 = "
-              "A operands through TMA + new forward configs; a later run of a case replaces an earlier one).", ""]
+              "A operands through TMA + new forward configs, v3 = opt-in fused backward (not in a table run), "
+              "v4 = dK/dV loop without mask code over UNMASKED runs + measured backward configs; a "
+              "later run of a case replaces an earlier one). `fused` columns are empty where that "
+              "implementation was not in the run.", ""]
     hdr = ("| ver | D | Hq:Hk | mask | S | docs | density | fm fwd | fm bwd | fm f+b | fm TF f/f+b | flex f+b | "
            "x flex | fused f+b | fused x flex | cuDNN f+b | flash f+b | varlen f+b | dense f+b | prep ms | "
            "build ms | fm/flex mem | targets |")

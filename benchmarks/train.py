@@ -151,8 +151,9 @@ def main(argv=None) -> int:
     out_dir.mkdir(parents=True, exist_ok=True)
     report = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
               "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
-              "torch": torch.__version__, "steps": args.steps, "warmup": args.warmup,
-              "runs": []}
+              "torch": torch.__version__, "triton": _triton_version(),
+              "command": "python " + " ".join(sys.argv), "steps": args.steps,
+              "warmup": args.warmup, "runs": []}
     t_start = time.perf_counter()
     for seq_len in seq_lens:
         cfg = bench_config(seq_len, args.toy)
@@ -226,8 +227,19 @@ def _add_speedups(report: dict) -> None:
                 report[key][label] = r["tokens_per_s"] / o["tokens_per_s"]
 
 
+def _triton_version() -> str:
+    try:
+        import triton
+    except ImportError:
+        return "not installed"
+    return triton.__version__
+
+
 def markdown(report: dict) -> str:
     lines = [f"# End-to-end training throughput ({report['device']}, {report['date']})", "",
+             f"torch {report['torch']}, triton {report.get('triton', '?')}; command: "
+             f"`{report.get('command', '?')}`", ""] + (
+                 [f"Note: {report['note']}", ""] if report.get("note") else []) + [
              f"{report.get('model', '')}, bf16 autocast on GPU, "
              "activation checkpointing, AdamW; default corpus, causal document mask; "
              f"{report['warmup']} warm-up + {report['steps']} timed steps.", "",
