@@ -40,5 +40,12 @@ def test_every_config_runs_and_agrees(monkeypatch, mask):
             assert r.get("rel_err_vs_first", 0.0) < 1e-5, (kind, label)
     md = BC.markdown([rec], dict(gpu="cpu", date="2026-11-29", torch="t", triton="x",
                                  dtype="fp32", command="test"))
-    assert "## dkdv" in md and "32x16w4s1-reg-split" in md and f"| {mask} | 0K | 32 |" in md
+    assert "## dkdv, D=32" in md and "32x16w4s1-reg-split" in md and f"| {mask} | 0K | 32 |" in md
     assert T.SPLIT_UNMASKED_LOOP == split_before  # the script restores what it patched
+
+
+def test_unlisted_head_dim_is_a_clear_error(capsys):
+    with pytest.raises(SystemExit) as exc:
+        BC.main(["--dims", "96"])
+    assert exc.value.code == 2
+    assert "--dims" in capsys.readouterr().err
