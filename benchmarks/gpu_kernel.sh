@@ -5,7 +5,7 @@
 #   bash benchmarks/gpu_kernel.sh final          # gpu smoke subset + the prioritised FINAL_PLAN
 #   bash benchmarks/gpu_kernel.sh d64,256        # benchmark grid at D=64 and D=256
 #   BENCH_BUDGET=180 bash benchmarks/gpu_kernel.sh bwd   # backward variants (split vs fused) + all gpu tests
-#   BENCH_BUDGET=240 bash benchmarks/gpu_kernel.sh configs  # each backward kernel's configs + gpu tests
+#   DIMS=64,256 BENCH_BUDGET=240 bash benchmarks/gpu_kernel.sh configs  # each backward kernel's configs + gpu tests
 # Each stage has its own timeout so the whole call stays under the 600 s device limit; the
 # benchmark writes its JSON after every case, so a stopped run keeps what it measured.
 set -uo pipefail
@@ -38,7 +38,7 @@ case "$PHASE" in
   configs)
     # each backward kernel alone over its configurations (tile shape, A operand, split loop),
     # then the gpu tests of both backward modes on the causal-document and window masks.
-    timeout $((BUDGET + 90)) python3 benchmarks/backward_configs.py --budget-s "$BUDGET" --out "$OUT" 2>&1 | tee "$OUT/bench_configs.log"
+    timeout $((BUDGET + 90)) python3 benchmarks/backward_configs.py --dims "${DIMS:-128}" --budget-s "$BUDGET" --out "$OUT" 2>&1 | tee "$OUT/bench_configs.log"
     timeout 200 python3 -m pytest -q -m gpu tests/kernels/test_triton_flashmask.py -p no:cacheprovider \
       -k "causal_document or sliding_window or long_sequences or deterministic" 2>&1 | tail -25 | tee "$OUT/pytest_gpu.log"
     ;;
