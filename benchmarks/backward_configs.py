@@ -12,13 +12,9 @@ defaults (benchmarks/NOTES.md, v4)::
 
 from __future__ import annotations
 
-import argparse
-import datetime
-import json
 import math
 import os
 import sys
-import time
 from unittest import mock
 
 import torch
@@ -26,6 +22,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from benchmarks.kernel import TOTAL_TOKENS, bench, build_mask  # noqa: E402
+from benchmarks.sweep import run_sweep, sweep_parser  # noqa: E402
 from flashmask3.kernels import triton_flashmask as T  # noqa: E402
 import flashmask3.masks as M  # noqa: E402
 
@@ -146,37 +143,18 @@ def _row(r: dict, kind: str, labels: list) -> str:
     return f"| {r['mask']} | {r['S'] // 1024}K | {r['D']} | " + " | ".join(cells) + " |"
 
 
+def _describe(rec: dict) -> str:
+    return "; ".join(f"{kind} " + str({k: round(x.get("ms", -1), 2) for k, x in rec[kind].items()})
+                     for kind in ("dkdv", "dq"))
+
+
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--masks", type=lambda x: x.split(","), default=MASKS)
-    ap.add_argument("--seqlen", type=int, default=32768)
-    ap.add_argument("--dims", type=lambda x: [int(v) for v in x.split(",")], default=[128])
-    ap.add_argument("--budget-s", type=float, default=1e9)
-    ap.add_argument("--out", default="benchmarks/results")
+    ap = sweep_parser(__doc__.splitlines()[0], MASKS)
     args = ap.parse_args(argv)
     if set(args.dims) - set(DKDV):
         ap.error(f"--dims: variants are listed for head dims {sorted(DKDV)}, got {args.dims}")
-    import triton
-
-    meta = dict(gpu=torch.cuda.get_device_name(),
-                date=datetime.datetime.now(datetime.timezone.utc).isoformat(),
-                torch=torch.__version__, triton=triton.__version__, dtype="bf16",
-                command="python " + " ".join(sys.argv))
-    os.makedirs(args.out, exist_ok=True)
-    results, t0 = [], time.time()
-    for d in args.dims:
-        for m in args.masks:
-            if time.time() - t0 > args.budget_s:
-                break
-            results.append(run_case(m, args.seqlen, d, torch.bfloat16, DKDV[d], DQ[d]))
-            summary = {k: round(x.get("ms", -1), 2) for k, x in results[-1]["dkdv"].items()}
-            print(f"[{time.time() - t0:5.0f}s] D={d} {m}: dkdv {summary}; dq "
-                  f"{ {k: round(x.get('ms', -1), 2) for k, x in results[-1]['dq'].items()} }",
-                  flush=True)
-            with open(os.path.join(args.out, "backward_configs.json"), "w") as f:
-                json.dump(dict(meta=meta, results=results), f, indent=1)
-    with open(os.path.join(args.out, "backward_configs.md"), "w") as f:
-        f.write(markdown(results, meta))
+    run_sweep(args, argv, "backward_configs",
+              lambda m, s, d: run_case(m, s, d, torch.bfloat16, DKDV[d], DQ[d]), _describe, markdown)
     return 0
 
 

@@ -15,13 +15,9 @@ fused configurations (benchmarks/NOTES.md)::
 
 from __future__ import annotations
 
-import argparse
-import datetime
-import json
 import math
 import os
 import sys
-import time
 from unittest import mock
 
 import torch
@@ -29,6 +25,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from benchmarks.kernel import TOTAL_TOKENS, bench, build_mask  # noqa: E402
+from benchmarks.sweep import run_sweep, sweep_parser  # noqa: E402
 from flashmask3.kernels import triton_flashmask as T  # noqa: E402
 import flashmask3.masks as M  # noqa: E402
 
@@ -130,34 +127,17 @@ def markdown(results: list[dict], meta: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--masks", type=lambda x: x.split(","), default=MASKS)
-    ap.add_argument("--seqlen", type=int, default=32768)
-    ap.add_argument("--dims", type=lambda x: [int(v) for v in x.split(",")], default=[128])
-    ap.add_argument("--budget-s", type=float, default=1e9)
-    ap.add_argument("--out", default="benchmarks/results")
-    args = ap.parse_args(argv)
-    import triton
+def _describe(rec: dict) -> str:
+    best = min((x["ms"], lab) for lab, x in rec["variants"].items() if "ms" in x)
+    return (f"split={rec['variants']['split'].get('ms', -1):.2f} best={best[1]} {best[0]:.2f} ms "
+            f"parts={rec['split_parts_ms']}")
 
-    meta = dict(gpu=torch.cuda.get_device_name(), date=datetime.datetime.utcnow().isoformat() + "Z",
-                torch=torch.__version__, triton=triton.__version__, dtype="bf16",
-                command="python " + " ".join(sys.argv))
-    os.makedirs(args.out, exist_ok=True)
-    results, t0 = [], time.time()
-    for d in args.dims:
-        for m in args.masks:
-            if time.time() - t0 > args.budget_s:
-                break
-            rec = run_case(m, args.seqlen, d, 4096 // d, 4096 // d, torch.bfloat16)
-            results.append(rec)
-            best = min((x["ms"], lab) for lab, x in rec["variants"].items() if "ms" in x)
-            print(f"[{time.time() - t0:5.0f}s] D={d} {m:24s} split={rec['variants']['split'].get('ms', -1):.2f} "
-                  f"best={best[1]} {best[0]:.2f} ms parts={rec['split_parts_ms']}", flush=True)
-            with open(os.path.join(args.out, "backward_modes.json"), "w") as f:
-                json.dump(dict(meta=meta, results=results), f, indent=1)
-    with open(os.path.join(args.out, "backward_modes.md"), "w") as f:
-        f.write(markdown(results, meta))
+
+def main(argv=None) -> int:
+    args = sweep_parser(__doc__.splitlines()[0], MASKS).parse_args(argv)
+    run_sweep(args, argv, "backward_modes",
+              lambda m, s, d: run_case(m, s, d, 4096 // d, 4096 // d, torch.bfloat16),
+              _describe, markdown)
     return 0
 
 

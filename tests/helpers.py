@@ -1,6 +1,9 @@
-"""Shared test inputs: random column masks drawn per column and every named mask type."""
+"""Shared test inputs: random column masks drawn per column and every named mask type; a
+wall-clock stand-in for the benchmarks' CUDA-event timer."""
 
 from __future__ import annotations
+
+import time
 
 import torch
 
@@ -71,3 +74,10 @@ def named_masks(seqlen, *, batch_size=1, num_heads=1):
         "qk_sparse": M.qk_sparse_mask(s, qr, kr),
         "random_eviction": M.random_eviction_mask(s, batch_size=batch_size, num_heads=num_heads, seed=s),
     }
+
+
+def wall_ms(fn, grad_to_none=None):
+    """The benchmarks' ``bench`` contract on the CPU: (milliseconds of one call, method)."""
+    t0 = time.perf_counter()
+    fn()
+    return (time.perf_counter() - t0) * 1e3, "wall"

@@ -296,6 +296,19 @@ def _summary_kernel(mask_ptr, sum_ptr, Sq, Sk, NKB, mask_bh_stride,
     tl.store(out + 7, tl.min(tl.where(cvalid, e1, big), 0))
 
 
+@triton.jit
+def _classes_along(sptr, fixed, idx, valid, Sq, Sk, BLOCK_M: tl.constexpr,
+                   BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr, NI: tl.constexpr,
+                   BY_KEY: tl.constexpr):
+    """Classes of the tiles pairing block ``fixed`` with blocks ``idx`` of the other axis (a
+    key block with query blocks when BY_KEY, else a query block with key blocks)."""
+    if BY_KEY:
+        cls = _tile_class(sptr, idx, fixed, Sq, Sk, True, BLOCK_M, BLOCK_N, CAUSAL, NI)
+    else:
+        cls = _tile_class(sptr, fixed, idx, Sq, Sk, valid, BLOCK_M, BLOCK_N, CAUSAL, NI)
+    return cls
+
+
 @triton.jit(do_not_specialize=["Sq", "Sk", "NQB", "NKB"])
 def _range_kernel(sum_ptr, rng_ptr, Sq, Sk, NQB, NKB,
                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr,
@@ -321,10 +334,7 @@ def _range_kernel(sum_ptr, rng_ptr, Sq, Sk, NQB, NKB,
     for start in range(0, n_other, CHUNK):
         idx = start + offs
         valid = idx < n_other
-        if BY_KEY:
-            cls = _tile_class(sptr, idx, fixed, Sq, Sk, fixed < NKB, BLOCK_M, BLOCK_N, CAUSAL, NI)
-        else:
-            cls = _tile_class(sptr, fixed, idx, Sq, Sk, valid, BLOCK_M, BLOCK_N, CAUSAL, NI)
+        cls = _classes_along(sptr, fixed, idx, valid, Sq, Sk, BLOCK_M, BLOCK_N, CAUSAL, NI, BY_KEY)
         live = valid & (cls != 0)
         lo = tl.minimum(lo, tl.min(tl.where(live, idx, n_other), 0))
         hi = tl.maximum(hi, tl.max(tl.where(live, idx + 1, 0), 0))
@@ -333,25 +343,19 @@ def _range_kernel(sum_ptr, rng_ptr, Sq, Sk, NQB, NKB,
     for start in range(0, n_other, CHUNK):
         idx = start + offs
         valid = (idx > lo) & (idx < hi)
-        if BY_KEY:
-            cls = _tile_class(sptr, idx, fixed, Sq, Sk, fixed < NKB, BLOCK_M, BLOCK_N, CAUSAL, NI)
-        else:
-            cls = _tile_class(sptr, fixed, idx, Sq, Sk, valid, BLOCK_M, BLOCK_N, CAUSAL, NI)
+        cls = _classes_along(sptr, fixed, idx, valid, Sq, Sk, BLOCK_M, BLOCK_N, CAUSAL, NI, BY_KEY)
         dead = valid & (cls == 0)
         gap = tl.minimum(gap, tl.min(tl.where(dead, idx, hi), 0))
     lo1 = hi
     for start in range(0, n_other, CHUNK):
         idx = start + offs
         valid = (idx >= gap) & (idx < hi)
-        if BY_KEY:
-            cls = _tile_class(sptr, idx, fixed, Sq, Sk, fixed < NKB, BLOCK_M, BLOCK_N, CAUSAL, NI)
-        else:
-            cls = _tile_class(sptr, fixed, idx, Sq, Sk, valid, BLOCK_M, BLOCK_N, CAUSAL, NI)
+        cls = _classes_along(sptr, fixed, idx, valid, Sq, Sk, BLOCK_M, BLOCK_N, CAUSAL, NI, BY_KEY)
         live = valid & (cls != 0)
         lo1 = tl.minimum(lo1, tl.min(tl.where(live, idx, hi), 0))
-    flo0, fhi0 = _unmasked_run(sptr, fixed, lo, gap, Sq, Sk, NQB, NKB, BLOCK_M, BLOCK_N,
+    flo0, fhi0 = _unmasked_run(sptr, fixed, lo, gap, n_other, Sq, Sk, BLOCK_M, BLOCK_N,
                                CAUSAL, NI, BY_KEY, CHUNK)
-    flo1, fhi1 = _unmasked_run(sptr, fixed, lo1, hi, Sq, Sk, NQB, NKB, BLOCK_M, BLOCK_N,
+    flo1, fhi1 = _unmasked_run(sptr, fixed, lo1, hi, n_other, Sq, Sk, BLOCK_M, BLOCK_N,
                                CAUSAL, NI, BY_KEY, CHUNK)
     if BY_KEY:
         out = rng_ptr + (bh * NKB + fixed) * RANGE_WORDS
@@ -368,16 +372,12 @@ def _range_kernel(sum_ptr, rng_ptr, Sq, Sk, NQB, NKB,
 
 
 @triton.jit
-def _unmasked_run(sptr, fixed, lo, hi, Sq, Sk, NQB, NKB, BLOCK_M: tl.constexpr,
+def _unmasked_run(sptr, fixed, lo, hi, n_other, Sq, Sk, BLOCK_M: tl.constexpr,
                   BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr, NI: tl.constexpr,
                   BY_KEY: tl.constexpr, CHUNK: tl.constexpr):
     """``[flo, fhi)``: the first run of UNMASKED tiles in ``[lo, hi)`` along the other axis
-    (``flo == fhi == hi`` when there is none). A tile whose key block reaches past ``Sk``
-    counts as masked: its tail columns need the element mask."""
-    if BY_KEY:
-        n_other = NQB
-    else:
-        n_other = NKB
+    (``n_other`` blocks; ``flo == fhi == hi`` when there is none). A tile whose key block
+    reaches past ``Sk`` counts as masked: its tail columns need the element mask."""
     offs = tl.arange(0, CHUNK)
     flo = hi
     for start in range(0, n_other, CHUNK):
@@ -399,11 +399,10 @@ def _unmasked_run(sptr, fixed, lo, hi, Sq, Sk, NQB, NKB, BLOCK_M: tl.constexpr,
 def _unmasked(sptr, fixed, idx, valid, Sq, Sk, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
               CAUSAL: tl.constexpr, NI: tl.constexpr, BY_KEY: tl.constexpr):
     """Whether tiles (fixed, idx) along the other axis are UNMASKED and not clipped at Sk."""
+    cls = _classes_along(sptr, fixed, idx, valid, Sq, Sk, BLOCK_M, BLOCK_N, CAUSAL, NI, BY_KEY)
     if BY_KEY:
-        cls = _tile_class(sptr, idx, fixed, Sq, Sk, True, BLOCK_M, BLOCK_N, CAUSAL, NI)
         clipped = fixed * BLOCK_N + BLOCK_N > Sk
     else:
-        cls = _tile_class(sptr, fixed, idx, Sq, Sk, valid, BLOCK_M, BLOCK_N, CAUSAL, NI)
         clipped = idx * BLOCK_N + BLOCK_N > Sk
     return (cls == 2) & (~clipped)
 

@@ -3,8 +3,6 @@ variant runs, agrees with the first one, and the markdown table lists it."""
 
 from __future__ import annotations
 
-import time
-
 import pytest
 import torch
 
@@ -12,12 +10,7 @@ pytest.importorskip("triton")
 
 from benchmarks import backward_configs as BC  # noqa: E402
 from flashmask3.kernels import triton_flashmask as T  # noqa: E402
-
-
-def _wall_ms(fn, grad_to_none=None):
-    t0 = time.perf_counter()
-    fn()
-    return (time.perf_counter() - t0) * 1e3, "wall"
+from tests.helpers import wall_ms  # noqa: E402
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the GPU runs the real script")
@@ -25,7 +18,7 @@ def _wall_ms(fn, grad_to_none=None):
 def test_every_config_runs_and_agrees(monkeypatch, mask):
     monkeypatch.setattr(BC, "DEVICE", "cpu")
     monkeypatch.setattr(BC, "TOTAL_TOKENS", 80)
-    monkeypatch.setattr(BC, "bench", _wall_ms)
+    monkeypatch.setattr(BC, "bench", wall_ms)
     dkdv = [(16, 32, 4, 1, False, False), (16, 32, 4, 1, True, True), (32, 16, 4, 1, False, True)]
     dq = [(32, 16, 4, 1, False), (16, 16, 4, 1, True)]
     split_before = dict(T.SPLIT_UNMASKED_LOOP)
@@ -49,3 +42,26 @@ def test_unlisted_head_dim_is_a_clear_error(capsys):
         BC.main(["--dims", "96"])
     assert exc.value.code == 2
     assert "--dims" in capsys.readouterr().err
+
+
+def test_main_writes_json_after_each_case_and_stops_at_the_budget(monkeypatch, tmp_path):
+    """The sweep driver (benchmarks/sweep.py) through backward_configs.main, kernels faked."""
+    import json
+
+    def fake_case(name, s, d, dtype, dkdv, dq):
+        assert (dkdv, dq) == (BC.DKDV[d], BC.DQ[d])
+        lab = {"ms": 2.0, "tflops": 1.0}
+        return dict(mask=name, S=s, D=d, B=1, Hq=1, dkdv={"a": lab}, dq={"b": lab})
+
+    monkeypatch.setattr(BC, "run_case", fake_case)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "fake-gpu")
+    assert BC.main(["--dims", "64,128", "--masks", "causal,document_corpus", "--out",
+                    str(tmp_path)]) == 0
+    data = json.loads((tmp_path / "backward_configs.json").read_text())
+    assert [(r["D"], r["mask"]) for r in data["results"]] == [
+        (64, "causal"), (64, "document_corpus"), (128, "causal"), (128, "document_corpus")]
+    assert data["meta"]["gpu"] == "fake-gpu" and "--dims 64,128" in data["meta"]["command"]
+    md = (tmp_path / "backward_configs.md").read_text()
+    assert "## dkdv, D=64" in md and "## dq, D=128" in md and "| document_corpus | 32K | 128 |" in md
+    assert BC.main(["--budget-s", "-1", "--out", str(tmp_path / "none")]) == 0
+    assert "## dkdv" not in (tmp_path / "none" / "backward_configs.md").read_text()
