@@ -26,7 +26,7 @@ case "$PHASE" in
     timeout 70 python3 -m pytest -q -m gpu -x tests/kernels/test_triton_flashmask.py -p no:cacheprovider \
       -k "bfloat16-128-causal_document or bfloat16-128-global_sliding_window or bfloat16-64-full or float16-128-sliding_window or (long_sequences and causal_document)" 2>&1 | tail -15 | tee "$OUT/pytest_gpu.log"
     timeout $((BUDGET + 45)) python3 benchmarks/kernel.py --plan final --budget-s "$BUDGET" --out "$OUT" --tag final \
-      --impls "${IMPLS:-flashmask3,flashmask3_fused,flex,sdpa_cudnn,sdpa_flash,varlen,sdpa_dense}" 2>&1 \
+      --impls "${IMPLS:-flashmask3,flashmask3_maskfree,flex,sdpa_cudnn,sdpa_flash,varlen,sdpa_dense}" 2>&1 \
       | grep -v "DeprecationWarning\|create_block_mask(mm" | tee "$OUT/bench_final.log"
     ;;
   bwd)

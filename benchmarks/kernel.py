@@ -3,7 +3,9 @@
 One process, one set of inputs per case, every implementation timed back to back:
 
 * ``flashmask3``   -- ``flashmask3.flashmask_attention`` with ``FLASHMASK3_BACKEND=triton``;
-* ``flashmask3_fused`` -- the same with the fused backward (``FLASHMASK3_TRITON_BWD=fused``);
+* ``flashmask3_fused``, ``flashmask3_maskfree`` -- the same call with one kernel option changed
+                      (:data:`FLASHMASK_VARIANTS`: the fused backward; mask-free loops over
+                      UNMASKED runs in the forward and dQ kernels too);
 * ``flex``         -- ``torch.compile(flex_attention)`` (Triton backend), block mask built once
                       by ``create_block_mask(_compile=True)``; its build time is reported apart.
                       One generic ``mask_mod`` reads the same column intervals as FlashMask
@@ -24,6 +26,7 @@ Hk = Hq) plus GQA 32:8 at D=128. Effective TFLOP/s use ``flashmask3.masks.attent
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import gc
 import json
@@ -310,6 +313,31 @@ def mask_bytes(mask, causal, s, d, dtype) -> int:
     return n
 
 
+#: flashmask3 timed again in the same run with one kernel option changed:
+#: impl name -> (short label, backward mode, kernels given the mask-free UNMASKED-run loop).
+FLASHMASK_VARIANTS = {
+    "flashmask3_fused": ("fused", "fused", ()),
+    "flashmask3_maskfree": ("maskfree", "split", ("fwd", "dq")),
+}
+
+
+@contextlib.contextmanager
+def flashmask_variant(impl_name: str):
+    """The kernel options of one flashmask3 row: the defaults ("flashmask3", split backward) or a
+    :data:`FLASHMASK_VARIANTS` entry; restored afterwards."""
+    from flashmask3.kernels import triton_flashmask as T
+
+    _, backward, maskfree = FLASHMASK_VARIANTS.get(impl_name, ("", "split", ()))
+    old = dict(T.SPLIT_UNMASKED_LOOP)
+    T.SPLIT_UNMASKED_LOOP.update({kind: True for kind in maskfree})
+    try:
+        with T.use_backward(backward):
+            yield
+    finally:
+        T.SPLIT_UNMASKED_LOOP.clear()
+        T.SPLIT_UNMASKED_LOOP.update(old)
+
+
 def run_case(name: str, s: int, d: int, hq: int, hk: int, dtype, args) -> dict:
     from flashmask3.kernels import triton_flashmask as T
 
@@ -329,9 +357,9 @@ def run_case(name: str, s: int, d: int, hq: int, hk: int, dtype, args) -> dict:
     rec = dict(mask=name, S=s, D=d, B=batch, Hq=hq, Hk=hk, causal=causal, docs_per_row=ndocs,
                density=density, flops=flops, impls={})
 
-    impls = [("flashmask3", lambda: flashmask_impl(mask, causal, q, k, v, scale) + (None,)),
-             ("flashmask3_fused", lambda: flashmask_impl(mask, causal, q, k, v, scale) + (None,)),
-             ("flex", lambda: flex_impl(mask, causal, q, k, v, scale))]
+    impls = [(fm, lambda: flashmask_impl(mask, causal, q, k, v, scale) + (None,))
+             for fm in ["flashmask3", *FLASHMASK_VARIANTS]]
+    impls.append(("flex", lambda: flex_impl(mask, causal, q, k, v, scale)))
     if mask is None:
         impls.append(("sdpa_cudnn", lambda: sdpa_impl("cudnn", causal, q, k, v, scale) + (None,)))
         impls.append(("sdpa_flash", lambda: sdpa_impl("flash", causal, q, k, v, scale) + (None,)))
@@ -344,15 +372,14 @@ def run_case(name: str, s: int, d: int, hq: int, hk: int, dtype, args) -> dict:
     for impl_name, make in impls:
         if impl_name not in args.impls:
             continue
-        # flashmask3_fused: the same call with the one-kernel (atomic dQ) Triton backward
-        with T.use_backward("fused" if impl_name == "flashmask3_fused" else "split"):
+        with flashmask_variant(impl_name):
             rec["impls"][impl_name] = _measure_impl(make, flops)
         gc.collect()
         torch.cuda.empty_cache()
     if "flashmask3" in rec["impls"] and "error" not in rec["impls"]["flashmask3"]:
         fm = rec["impls"]["flashmask3"]
         c = 0 if cols is None else cols.shape[-1]
-        with T.use_backward("split"):  # what the flashmask3 row ran
+        with flashmask_variant("flashmask3"):  # what the flashmask3 row ran
             fm["backward"] = T.backward_mode()
             kinds = ("fwd",) + T.BACKWARD_KERNELS[fm["backward"]]
             fm["configs"] = {kind: str(T._config(kind, d, causal, c, dtype)) for kind in kinds}
@@ -425,6 +452,13 @@ def _fmt(x, spec=".2f"):
     return "-" if x is None else format(x, spec)
 
 
+def _variants_cell(r: dict) -> str:
+    """'label f+b (Flex / variant x)' for each flashmask3 variant timed in this case."""
+    cells = [f"{label} {_fmt(r['impls'][name].get('fwd_bwd_ms'))} ({_fmt(_speed(r, 'flex', ours=name))}x)"
+             for name, (label, _, _) in FLASHMASK_VARIANTS.items() if name in r["impls"]]
+    return "; ".join(cells) or "-"
+
+
 def markdown(results: list[dict], meta: dict) -> str:
     lines = ["# Kernel benchmark: flashmask3 (Triton) vs FlexAttention / SDPA / varlen", ""]
     for k in ("gpu", "date", "torch", "triton", "cuda", "command"):
@@ -437,10 +471,11 @@ def markdown(results: list[dict], meta: dict) -> str:
               "ver = flashmask3 kernel version of that row (benchmarks/NOTES.md: v1 = first kernels, v2 = "
               "A operands through TMA + new forward configs, v3 = opt-in fused backward (not in a table run), "
               "v4 = dK/dV loop without mask code over UNMASKED runs + measured backward configs; a "
-              "later run of a case replaces an earlier one). `fused` columns are empty where that "
-              "implementation was not in the run.", ""]
+              "later run of a case replaces an earlier one). `variants`: flashmask3 timed again in the "
+              "same run with one option changed (`fused` backward; `maskfree` loops in the forward "
+              "and dQ kernels too), f+b ms and Flex / variant.", ""]
     hdr = ("| ver | D | Hq:Hk | mask | S | docs | density | fm fwd | fm bwd | fm f+b | fm TF f/f+b | flex f+b | "
-           "x flex | fused f+b | fused x flex | cuDNN f+b | flash f+b | varlen f+b | dense f+b | prep ms | "
+           "x flex | variants f+b (x flex) | cuDNN f+b | flash f+b | varlen f+b | dense f+b | prep ms | "
            "build ms | fm/flex mem | targets |")
     lines += [hdr, "|" + "---|" * (hdr.count("|") - 1)]
     for r in sorted(results, key=lambda r: (r["D"], r["Hq"] != r["Hk"], MASKS.index(r["mask"]) if r["mask"] in MASKS else 99, r["S"])):
@@ -455,7 +490,7 @@ def markdown(results: list[dict], meta: dict) -> str:
             _fmt(r["docs_per_row"], ".1f"), _fmt(r["density"], ".3f"),
             _fmt(fm.get("fwd_ms")), _fmt(fm.get("bwd_ms")), _fmt(fm.get("fwd_bwd_ms")),
             f"{_fmt(fm.get('tflops_fwd'), '.0f')}/{_fmt(fm.get('tflops_fwd_bwd'), '.0f')}",
-            fb("flex"), _fmt(_speed(r, "flex")), fb("flashmask3_fused"), _fmt(_speed(r, "flex", ours="flashmask3_fused")), fb("sdpa_cudnn"), fb("sdpa_flash"), fb("varlen"),
+            fb("flex"), _fmt(_speed(r, "flex")), _variants_cell(r), fb("sdpa_cudnn"), fb("sdpa_flash"), fb("varlen"),
             fb("sdpa_dense"), _fmt(fm.get("prep_ms"), ".3f"), _fmt(fx.get("mask_build_ms"), ".1f"),
             f"{_fmt(fm.get('peak_extra_gb'))}/{_fmt(fx.get('peak_extra_gb'))}",
             "; ".join(targets(r)) or "-"]) + " |")
@@ -609,7 +644,7 @@ def main(argv=None) -> int:
     ap.add_argument("--seqlens", type=lambda x: [int(v) for v in x.split(",")], default=[8192, 32768, 131072])
     ap.add_argument("--masks", type=lambda x: x.split(","), default=MASKS)
     ap.add_argument("--impls", type=lambda x: x.split(","),
-                    default=["flashmask3", "flashmask3_fused", "flex", "sdpa_cudnn", "sdpa_flash", "varlen",
+                    default=["flashmask3", "flashmask3_maskfree", "flex", "sdpa_cudnn", "sdpa_flash", "varlen",
                              "sdpa_dense"])
     ap.add_argument("--no-gqa", dest="gqa", action="store_false")
     ap.add_argument("--dense-max-s", type=int, default=8192)

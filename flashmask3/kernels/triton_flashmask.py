@@ -202,22 +202,35 @@ def _key_block_ranges(rng_ptr, mbh, n_blk, Sq, Sk, NQB, NKB, BLOCK_M: tl.constex
 @triton.jit
 def _query_block_ranges(rng_ptr, mbh, m_blk, Sq, Sk, NQB, NKB, BLOCK_M: tl.constexpr,
                         BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr, C: tl.constexpr):
-    """The two live key-block ranges [lo0, hi0), [lo1, hi1) of one query block: from the
-    preprocessed table with a mask, from the causal diagonal (or everything) without one."""
+    """The two live key-block ranges [lo0, hi0), [lo1, hi1) of one query block and the first
+    run of UNMASKED tiles in each, [flo0, fhi0) and [flo1, fhi1): from the preprocessed table
+    with a mask, from the causal diagonal (or everything) without one."""
     if C > 0:
-        lo0, hi0, lo1, hi1 = _stored_ranges(rng_ptr + (mbh * NQB + m_blk) * RANGE_WORDS)
+        rp = rng_ptr + (mbh * NQB + m_blk) * RANGE_WORDS
+        lo0, hi0, lo1, hi1 = _stored_ranges(rp)
+        flo0, fhi0, flo1, fhi1 = _stored_ranges(rp + 4)
     else:
         lo0 = 0
+        n_whole = Sk // BLOCK_N  # key blocks that end inside Sk
         if CAUSAL:
-            r1 = tl.minimum((m_blk + 1) * BLOCK_M, Sq)
+            r0 = m_blk * BLOCK_M
+            r1 = tl.minimum(r0 + BLOCK_M, Sq)
             last = r1 - 1 + (Sk - Sq)  # last visible column of the block
             hi0 = tl.maximum(tl.minimum((last + BLOCK_N) // BLOCK_N, NKB), 0)
             hi0 = tl.where(last < 0, 0, hi0)
+            # key blocks whose every column is visible from the block's first row
+            fhi0 = tl.maximum(r0 + (Sk - Sq) + 1, 0) // BLOCK_N
         else:
             hi0 = NKB
+            fhi0 = NKB
+        fhi0 = tl.minimum(tl.minimum(fhi0, n_whole), hi0)
+        flo0 = tl.where(fhi0 > 0, 0, hi0)
+        fhi0 = tl.where(fhi0 > 0, fhi0, hi0)
         lo1 = hi0
         hi1 = hi0
-    return lo0, hi0, lo1, hi1
+        flo1 = hi0
+        fhi1 = hi0
+    return lo0, hi0, lo1, hi1, flo0, fhi0, flo1, fhi1
 
 
 @triton.jit
@@ -418,21 +431,28 @@ def _fwd_inner(acc, l_i, m_i, q, offs_m, lo, hi,
                sptr, col_ptr, m_blk, Sq, Sk, scale_log2,
                D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                CAUSAL: tl.constexpr, C: tl.constexpr, NI: tl.constexpr,
-               USE_TMA: tl.constexpr, PREC: tl.constexpr):
-    """Online-softmax accumulation of key blocks [lo, hi) into (acc, l_i, m_i)."""
+               USE_TMA: tl.constexpr, PREC: tl.constexpr, MASKED: tl.constexpr):
+    """Online-softmax accumulation of key blocks [lo, hi) into (acc, l_i, m_i).
+
+    MASKED=False: a loop with no mask code, for runs of UNMASKED tiles (every score is finite,
+    so the running max is too)."""
     offs_nb = tl.arange(0, BLOCK_N)
     for n in tl.range(lo, hi):
         c0 = n * BLOCK_N
         k, v = _kv_tile(k_ptr, v_ptr, k_desc, v_desc, kv_row0, kv_col, kv_stride, c0, Sk, D,
                         BLOCK_N, USE_TMA)
-        cls = _clipped_tile_class(sptr, m_blk, n, Sq, Sk, BLOCK_M, BLOCK_N, CAUSAL, NI)
         qk = tl.dot(q, tl.trans(k), input_precision=PREC) * scale_log2
-        if cls != 2:
-            cols = (c0 + offs_nb)[None, :]
-            masked = _element_masked(offs_m[:, None], cols, col_ptr, Sq, Sk, CAUSAL, C)
-            qk = tl.where(masked, float("-inf"), qk)
+        if MASKED:
+            cls = _clipped_tile_class(sptr, m_blk, n, Sq, Sk, BLOCK_M, BLOCK_N, CAUSAL, NI)
+            if cls != 2:
+                cols = (c0 + offs_nb)[None, :]
+                masked = _element_masked(offs_m[:, None], cols, col_ptr, Sq, Sk, CAUSAL, C)
+                qk = tl.where(masked, float("-inf"), qk)
         m_new = tl.maximum(m_i, tl.max(qk, 1))
-        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+        if MASKED:
+            m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+        else:
+            m_use = m_new
         p = tl.math.exp2(qk - m_use[:, None])
         alpha = tl.math.exp2(m_i - m_use)
         l_i = l_i * alpha + tl.sum(p, 1)
@@ -442,13 +462,43 @@ def _fwd_inner(acc, l_i, m_i, q, offs_m, lo, hi,
     return acc, l_i, m_i
 
 
+@triton.jit
+def _fwd_range(acc, l_i, m_i, q, offs_m, lo, flo, fhi, hi, k_ptr, v_ptr, k_desc, v_desc,
+               kv_row0, kv_col, kv_stride, sptr, col_ptr, m_blk, Sq, Sk, scale_log2,
+               D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+               CAUSAL: tl.constexpr, C: tl.constexpr, NI: tl.constexpr,
+               USE_TMA: tl.constexpr, PREC: tl.constexpr, SPLIT_UNMASKED: tl.constexpr):
+    """One live range [lo, hi) of key blocks: a masked loop over all of it, or (SPLIT_UNMASKED)
+    masked [lo, flo), mask-free [flo, fhi), masked [fhi, hi)."""
+    if SPLIT_UNMASKED:
+        acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, offs_m, lo, flo, k_ptr, v_ptr, k_desc,
+                                   v_desc, kv_row0, kv_col, kv_stride, sptr, col_ptr, m_blk, Sq,
+                                   Sk, scale_log2, D, BLOCK_M, BLOCK_N, CAUSAL, C, NI, USE_TMA,
+                                   PREC, True)
+        acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, offs_m, flo, fhi, k_ptr, v_ptr, k_desc,
+                                   v_desc, kv_row0, kv_col, kv_stride, sptr, col_ptr, m_blk, Sq,
+                                   Sk, scale_log2, D, BLOCK_M, BLOCK_N, CAUSAL, C, NI, USE_TMA,
+                                   PREC, False)
+        acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, offs_m, fhi, hi, k_ptr, v_ptr, k_desc,
+                                   v_desc, kv_row0, kv_col, kv_stride, sptr, col_ptr, m_blk, Sq,
+                                   Sk, scale_log2, D, BLOCK_M, BLOCK_N, CAUSAL, C, NI, USE_TMA,
+                                   PREC, True)
+    else:
+        acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, offs_m, lo, hi, k_ptr, v_ptr, k_desc,
+                                   v_desc, kv_row0, kv_col, kv_stride, sptr, col_ptr, m_blk, Sq,
+                                   Sk, scale_log2, D, BLOCK_M, BLOCK_N, CAUSAL, C, NI, USE_TMA,
+                                   PREC, True)
+    return acc, l_i, m_i
+
+
 @triton.jit(do_not_specialize=_NO_SPEC)
 def _fwd_kernel(q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr, mask_ptr, sum_ptr, rng_ptr,
                 k_desc, v_desc, q_desc,
                 scale_log2, Sq, Sk, Hq, Hk, Hm, NQB, NKB, mask_b_stride,
                 D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                 CAUSAL: tl.constexpr, C: tl.constexpr, NI: tl.constexpr,
-                USE_TMA: tl.constexpr, PREC: tl.constexpr, A_SMEM: tl.constexpr):
+                USE_TMA: tl.constexpr, PREC: tl.constexpr, A_SMEM: tl.constexpr,
+                SPLIT_UNMASKED: tl.constexpr):
     """One program per (query block, batch*query head): O and LSE of BLOCK_M query rows."""
     pid = tl.program_id(0)
     if CAUSAL:
@@ -472,8 +522,8 @@ def _fwd_kernel(q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr, mask_ptr, sum_ptr, rng_ptr,
     mbh = b64 * mask_b_stride + hm
     sptr = sum_ptr + mbh * NKB * 8
     col_ptr = mask_ptr + mbh * Sk * C
-    lo0, hi0, lo1, hi1 = _query_block_ranges(rng_ptr, mbh, m_blk, Sq, Sk, NQB, NKB, BLOCK_M,
-                                             BLOCK_N, CAUSAL, C)
+    lo0, hi0, lo1, hi1, flo0, fhi0, flo1, fhi1 = _query_block_ranges(
+        rng_ptr, mbh, m_blk, Sq, Sk, NQB, NKB, BLOCK_M, BLOCK_N, CAUSAL, C)
 
     acc = tl.zeros([BLOCK_M, D], dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
@@ -481,12 +531,14 @@ def _fwd_kernel(q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr, mask_ptr, sum_ptr, rng_ptr,
     kv_row0 = b * Sk
     kv_col = hk * D
     kv_stride = Hk * D
-    acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, offs_m, lo0, hi0, k_ptr, v_ptr, k_desc, v_desc,
-                               kv_row0, kv_col, kv_stride, sptr, col_ptr, m_blk, Sq, Sk,
-                               scale_log2, D, BLOCK_M, BLOCK_N, CAUSAL, C, NI, USE_TMA, PREC)
-    acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, offs_m, lo1, hi1, k_ptr, v_ptr, k_desc, v_desc,
-                               kv_row0, kv_col, kv_stride, sptr, col_ptr, m_blk, Sq, Sk,
-                               scale_log2, D, BLOCK_M, BLOCK_N, CAUSAL, C, NI, USE_TMA, PREC)
+    acc, l_i, m_i = _fwd_range(acc, l_i, m_i, q, offs_m, lo0, flo0, fhi0, hi0, k_ptr, v_ptr,
+                               k_desc, v_desc, kv_row0, kv_col, kv_stride, sptr, col_ptr, m_blk,
+                               Sq, Sk, scale_log2, D, BLOCK_M, BLOCK_N, CAUSAL, C, NI, USE_TMA,
+                               PREC, SPLIT_UNMASKED)
+    acc, l_i, m_i = _fwd_range(acc, l_i, m_i, q, offs_m, lo1, flo1, fhi1, hi1, k_ptr, v_ptr,
+                               k_desc, v_desc, kv_row0, kv_col, kv_stride, sptr, col_ptr, m_blk,
+                               Sq, Sk, scale_log2, D, BLOCK_M, BLOCK_N, CAUSAL, C, NI, USE_TMA,
+                               PREC, SPLIT_UNMASKED)
     empty = l_i == 0.0
     l_safe = tl.where(empty, 1.0, l_i)
     out = acc / l_safe[:, None]
@@ -585,21 +637,27 @@ def _dkdv_range(dk, dv, k, v, lo, flo, fhi, hi, q_ptr, do_ptr, q_desc, do_desc, 
                 n_blk, Sq, Sk, scale_log2, D: tl.constexpr, BLOCK_M: tl.constexpr,
                 BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr, C: tl.constexpr, NI: tl.constexpr,
                 USE_TMA: tl.constexpr, PREC: tl.constexpr, FUSE_DQ: tl.constexpr,
-                DQ_TMA: tl.constexpr):
-    """One live range [lo, hi) of query blocks whose tiles [flo, fhi) are all UNMASKED: masked
-    loop, unmasked loop, masked loop."""
-    dk, dv = _dkdv_inner(dk, dv, k, v, lo, flo, q_ptr, do_ptr, q_desc, do_desc, lse2_ptr,
-                         delta_ptr, dq_ptr, dq_desc, q_row0, q_col, q_stride, stat_row0, sptr,
-                         col_ptr, n_blk, Sq, Sk, scale_log2, D, BLOCK_M, BLOCK_N, CAUSAL, C,
-                         NI, USE_TMA, PREC, FUSE_DQ, DQ_TMA, True)
-    dk, dv = _dkdv_inner(dk, dv, k, v, flo, fhi, q_ptr, do_ptr, q_desc, do_desc, lse2_ptr,
-                         delta_ptr, dq_ptr, dq_desc, q_row0, q_col, q_stride, stat_row0, sptr,
-                         col_ptr, n_blk, Sq, Sk, scale_log2, D, BLOCK_M, BLOCK_N, CAUSAL, C,
-                         NI, USE_TMA, PREC, FUSE_DQ, DQ_TMA, False)
-    dk, dv = _dkdv_inner(dk, dv, k, v, fhi, hi, q_ptr, do_ptr, q_desc, do_desc, lse2_ptr,
-                         delta_ptr, dq_ptr, dq_desc, q_row0, q_col, q_stride, stat_row0, sptr,
-                         col_ptr, n_blk, Sq, Sk, scale_log2, D, BLOCK_M, BLOCK_N, CAUSAL, C,
-                         NI, USE_TMA, PREC, FUSE_DQ, DQ_TMA, True)
+                DQ_TMA: tl.constexpr, SPLIT_UNMASKED: tl.constexpr):
+    """One live range [lo, hi) of query blocks: a masked loop over all of it, or (SPLIT_UNMASKED)
+    masked [lo, flo), mask-free [flo, fhi), masked [fhi, hi)."""
+    if SPLIT_UNMASKED:
+        dk, dv = _dkdv_inner(dk, dv, k, v, lo, flo, q_ptr, do_ptr, q_desc, do_desc,
+                             lse2_ptr, delta_ptr, dq_ptr, dq_desc, q_row0, q_col, q_stride,
+                             stat_row0, sptr, col_ptr, n_blk, Sq, Sk, scale_log2, D, BLOCK_M,
+                             BLOCK_N, CAUSAL, C, NI, USE_TMA, PREC, FUSE_DQ, DQ_TMA, True)
+        dk, dv = _dkdv_inner(dk, dv, k, v, flo, fhi, q_ptr, do_ptr, q_desc, do_desc,
+                             lse2_ptr, delta_ptr, dq_ptr, dq_desc, q_row0, q_col, q_stride,
+                             stat_row0, sptr, col_ptr, n_blk, Sq, Sk, scale_log2, D, BLOCK_M,
+                             BLOCK_N, CAUSAL, C, NI, USE_TMA, PREC, FUSE_DQ, DQ_TMA, False)
+        dk, dv = _dkdv_inner(dk, dv, k, v, fhi, hi, q_ptr, do_ptr, q_desc, do_desc,
+                             lse2_ptr, delta_ptr, dq_ptr, dq_desc, q_row0, q_col, q_stride,
+                             stat_row0, sptr, col_ptr, n_blk, Sq, Sk, scale_log2, D, BLOCK_M,
+                             BLOCK_N, CAUSAL, C, NI, USE_TMA, PREC, FUSE_DQ, DQ_TMA, True)
+    else:
+        dk, dv = _dkdv_inner(dk, dv, k, v, lo, hi, q_ptr, do_ptr, q_desc, do_desc,
+                             lse2_ptr, delta_ptr, dq_ptr, dq_desc, q_row0, q_col, q_stride,
+                             stat_row0, sptr, col_ptr, n_blk, Sq, Sk, scale_log2, D, BLOCK_M,
+                             BLOCK_N, CAUSAL, C, NI, USE_TMA, PREC, FUSE_DQ, DQ_TMA, True)
     return dk, dv
 
 
@@ -640,22 +698,19 @@ def _dkdv_kernel(q_ptr, k_ptr, v_ptr, do_ptr, dk_ptr, dv_ptr, lse2_ptr, delta_pt
         col_ptr = mask_ptr + mbh * Sk * C
         lo0, hi0, lo1, hi1, flo0, fhi0, flo1, fhi1 = _key_block_ranges(
             rng_ptr, mbh, n_blk, Sq, Sk, NQB, NKB, BLOCK_M, BLOCK_N, CAUSAL, C)
-        if not SPLIT_UNMASKED:  # one masked loop per live range
-            flo0 = hi0
-            fhi0 = hi0
-            flo1 = hi1
-            fhi1 = hi1
         stat_row0 = (b64 * Hq + h) * Sq
         q_row0 = b * Sq
         q_col = h * D
         dk, dv = _dkdv_range(dk, dv, k, v, lo0, flo0, fhi0, hi0, q_ptr, do_ptr, q_desc, do_desc,
                              lse2_ptr, delta_ptr, dq_ptr, dq_desc, q_row0, q_col, Hq * D,
                              stat_row0, sptr, col_ptr, n_blk, Sq, Sk, scale_log2, D, BLOCK_M,
-                             BLOCK_N, CAUSAL, C, NI, USE_TMA, PREC, FUSE_DQ, DQ_TMA)
+                             BLOCK_N, CAUSAL, C, NI, USE_TMA, PREC, FUSE_DQ, DQ_TMA,
+                             SPLIT_UNMASKED)
         dk, dv = _dkdv_range(dk, dv, k, v, lo1, flo1, fhi1, hi1, q_ptr, do_ptr, q_desc, do_desc,
                              lse2_ptr, delta_ptr, dq_ptr, dq_desc, q_row0, q_col, Hq * D,
                              stat_row0, sptr, col_ptr, n_blk, Sq, Sk, scale_log2, D, BLOCK_M,
-                             BLOCK_N, CAUSAL, C, NI, USE_TMA, PREC, FUSE_DQ, DQ_TMA)
+                             BLOCK_N, CAUSAL, C, NI, USE_TMA, PREC, FUSE_DQ, DQ_TMA,
+                             SPLIT_UNMASKED)
     tl.store(dk_ptr + kv_off, (dk * sm_scale).to(dk_ptr.dtype.element_ty), mask=nmask)
     tl.store(dv_ptr + kv_off, dv.to(dv_ptr.dtype.element_ty), mask=nmask)
 
@@ -665,23 +720,50 @@ def _dq_inner(dq, q, do, lse2, delta, offs_m, lo, hi, k_ptr, v_ptr, k_desc, v_de
               kv_row0, kv_col, kv_stride, sptr, col_ptr, m_blk, Sq, Sk, scale_log2,
               D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
               CAUSAL: tl.constexpr, C: tl.constexpr, NI: tl.constexpr,
-              USE_TMA: tl.constexpr, PREC: tl.constexpr):
-    """Accumulate dQ of one query block over key blocks [lo, hi)."""
+              USE_TMA: tl.constexpr, PREC: tl.constexpr, MASKED: tl.constexpr):
+    """Accumulate dQ of one query block over key blocks [lo, hi) (MASKED=False: a loop with no
+    mask code, for runs of UNMASKED tiles)."""
     offs_nb = tl.arange(0, BLOCK_N)
     for n in tl.range(lo, hi):
         c0 = n * BLOCK_N
         k, v = _kv_tile(k_ptr, v_ptr, k_desc, v_desc, kv_row0, kv_col, kv_stride, c0, Sk, D,
                         BLOCK_N, USE_TMA)
-        cls = _clipped_tile_class(sptr, m_blk, n, Sq, Sk, BLOCK_M, BLOCK_N, CAUSAL, NI)
         qk = tl.dot(q, tl.trans(k), input_precision=PREC)
         p = tl.math.exp2(qk * scale_log2 - lse2[:, None])
-        if cls != 2:
-            cols = (c0 + offs_nb)[None, :]
-            masked = _element_masked(offs_m[:, None], cols, col_ptr, Sq, Sk, CAUSAL, C)
-            p = tl.where(masked, 0.0, p)
+        if MASKED:
+            cls = _clipped_tile_class(sptr, m_blk, n, Sq, Sk, BLOCK_M, BLOCK_N, CAUSAL, NI)
+            if cls != 2:
+                cols = (c0 + offs_nb)[None, :]
+                masked = _element_masked(offs_m[:, None], cols, col_ptr, Sq, Sk, CAUSAL, C)
+                p = tl.where(masked, 0.0, p)
         dp = tl.dot(do, tl.trans(v), input_precision=PREC)
         ds = p * (dp - delta[:, None])
         dq = tl.dot(ds.to(k.dtype), k, dq, input_precision=PREC)
+    return dq
+
+
+@triton.jit
+def _dq_range(dq, q, do, lse2, delta, offs_m, lo, flo, fhi, hi, k_ptr, v_ptr, k_desc, v_desc,
+              kv_row0, kv_col, kv_stride, sptr, col_ptr, m_blk, Sq, Sk, scale_log2,
+              D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+              CAUSAL: tl.constexpr, C: tl.constexpr, NI: tl.constexpr,
+              USE_TMA: tl.constexpr, PREC: tl.constexpr, SPLIT_UNMASKED: tl.constexpr):
+    """One live range [lo, hi) of key blocks: a masked loop over all of it, or (SPLIT_UNMASKED)
+    masked [lo, flo), mask-free [flo, fhi), masked [fhi, hi)."""
+    if SPLIT_UNMASKED:
+        dq = _dq_inner(dq, q, do, lse2, delta, offs_m, lo, flo, k_ptr, v_ptr, k_desc, v_desc,
+                       kv_row0, kv_col, kv_stride, sptr, col_ptr, m_blk, Sq, Sk, scale_log2,
+                       D, BLOCK_M, BLOCK_N, CAUSAL, C, NI, USE_TMA, PREC, True)
+        dq = _dq_inner(dq, q, do, lse2, delta, offs_m, flo, fhi, k_ptr, v_ptr, k_desc, v_desc,
+                       kv_row0, kv_col, kv_stride, sptr, col_ptr, m_blk, Sq, Sk, scale_log2,
+                       D, BLOCK_M, BLOCK_N, CAUSAL, C, NI, USE_TMA, PREC, False)
+        dq = _dq_inner(dq, q, do, lse2, delta, offs_m, fhi, hi, k_ptr, v_ptr, k_desc, v_desc,
+                       kv_row0, kv_col, kv_stride, sptr, col_ptr, m_blk, Sq, Sk, scale_log2,
+                       D, BLOCK_M, BLOCK_N, CAUSAL, C, NI, USE_TMA, PREC, True)
+    else:
+        dq = _dq_inner(dq, q, do, lse2, delta, offs_m, lo, hi, k_ptr, v_ptr, k_desc, v_desc,
+                       kv_row0, kv_col, kv_stride, sptr, col_ptr, m_blk, Sq, Sk, scale_log2,
+                       D, BLOCK_M, BLOCK_N, CAUSAL, C, NI, USE_TMA, PREC, True)
     return dq
 
 
@@ -691,7 +773,8 @@ def _dq_kernel(q_ptr, k_ptr, v_ptr, do_ptr, dq_ptr, lse2_ptr, delta_ptr,
                sm_scale, scale_log2, Sq, Sk, Hq, Hk, Hm, NQB, NKB, mask_b_stride,
                D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                CAUSAL: tl.constexpr, C: tl.constexpr, NI: tl.constexpr,
-               USE_TMA: tl.constexpr, PREC: tl.constexpr, A_SMEM: tl.constexpr):
+               USE_TMA: tl.constexpr, PREC: tl.constexpr, A_SMEM: tl.constexpr,
+               SPLIT_UNMASKED: tl.constexpr):
     """One program per (query block, batch*query head): dQ of BLOCK_M rows."""
     pid = tl.program_id(0)
     if CAUSAL:
@@ -721,17 +804,17 @@ def _dq_kernel(q_ptr, k_ptr, v_ptr, do_ptr, dq_ptr, lse2_ptr, delta_ptr,
     mbh = b64 * mask_b_stride + hm
     sptr = sum_ptr + mbh * NKB * 8
     col_ptr = mask_ptr + mbh * Sk * C
-    lo0, hi0, lo1, hi1 = _query_block_ranges(rng_ptr, mbh, m_blk, Sq, Sk, NQB, NKB, BLOCK_M,
-                                             BLOCK_N, CAUSAL, C)
+    lo0, hi0, lo1, hi1, flo0, fhi0, flo1, fhi1 = _query_block_ranges(
+        rng_ptr, mbh, m_blk, Sq, Sk, NQB, NKB, BLOCK_M, BLOCK_N, CAUSAL, C)
     dq = tl.zeros([BLOCK_M, D], dtype=tl.float32)
     kv_row0 = b * Sk
     kv_col = hk * D
-    dq = _dq_inner(dq, q, do, lse2, delta, offs_m, lo0, hi0, k_ptr, v_ptr, k_desc, v_desc,
-                   kv_row0, kv_col, Hk * D, sptr, col_ptr, m_blk, Sq, Sk, scale_log2,
-                   D, BLOCK_M, BLOCK_N, CAUSAL, C, NI, USE_TMA, PREC)
-    dq = _dq_inner(dq, q, do, lse2, delta, offs_m, lo1, hi1, k_ptr, v_ptr, k_desc, v_desc,
-                   kv_row0, kv_col, Hk * D, sptr, col_ptr, m_blk, Sq, Sk, scale_log2,
-                   D, BLOCK_M, BLOCK_N, CAUSAL, C, NI, USE_TMA, PREC)
+    dq = _dq_range(dq, q, do, lse2, delta, offs_m, lo0, flo0, fhi0, hi0, k_ptr, v_ptr, k_desc,
+                   v_desc, kv_row0, kv_col, Hk * D, sptr, col_ptr, m_blk, Sq, Sk, scale_log2,
+                   D, BLOCK_M, BLOCK_N, CAUSAL, C, NI, USE_TMA, PREC, SPLIT_UNMASKED)
+    dq = _dq_range(dq, q, do, lse2, delta, offs_m, lo1, flo1, fhi1, hi1, k_ptr, v_ptr, k_desc,
+                   v_desc, kv_row0, kv_col, Hk * D, sptr, col_ptr, m_blk, Sq, Sk, scale_log2,
+                   D, BLOCK_M, BLOCK_N, CAUSAL, C, NI, USE_TMA, PREC, SPLIT_UNMASKED)
     tl.store(dq_ptr + q_off, (dq * sm_scale).to(dq_ptr.dtype.element_ty), mask=rmask[:, None])
 
 
@@ -818,9 +901,9 @@ def _use_tma(x: torch.Tensor) -> bool:
 #: Override with FLASHMASK3_TRITON_A_SMEM="fwd,dkdv,dq" (a comma list of kernels) for experiments.
 A_OPERAND_IN_SMEM = {"fwd": True, "dkdv": False, "dq": False, "fused": False}
 
-#: Whether the dK/dV kernels visit each live range's run of UNMASKED tiles in a separate loop
-#: compiled without mask code (the sm_90 report: far fewer spills at 64x128, see NOTES.md v4).
-SPLIT_UNMASKED_LOOP = {"dkdv": True, "fused": True}
+#: Whether a kernel visits each live range's run of UNMASKED tiles in a separate loop compiled
+#: without mask code (dK/dV: measured in v4, NOTES.md; forward and dQ: built, not yet timed).
+SPLIT_UNMASKED_LOOP = {"fwd": False, "dkdv": True, "fused": True, "dq": False}
 
 
 def _a_smem(kind: str) -> bool:
@@ -993,7 +1076,8 @@ def _launch_fwd(q, k, v, mask, causal, softmax_scale, cfg: Config, plan: Plan):
         q, k, v, out, lse, plan.mask, plan.summary, plan.ranges, k_desc, v_desc, q_desc,
         softmax_scale * LOG2E, sq, sk, hq, hk, plan.hm, nqb, nkb, plan.mask_b_stride,
         D=d, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, CAUSAL=causal, C=plan.c, NI=plan.ni,
-        USE_TMA=tma, PREC=_dot_precision(q.dtype), A_SMEM=_a_smem("fwd"), num_warps=cfg.num_warps,
+        USE_TMA=tma, PREC=_dot_precision(q.dtype), A_SMEM=_a_smem("fwd"),
+        SPLIT_UNMASKED=SPLIT_UNMASKED_LOOP["fwd"], num_warps=cfg.num_warps,
         num_stages=cfg.num_stages)
     return out, lse
 
@@ -1077,7 +1161,8 @@ def _launch_dq(q, k, v, dout, lse2, delta, causal, softmax_scale, cfg: Config, p
         softmax_scale, softmax_scale * LOG2E, sq, sk, hq, hk, plan.hm, nqb, nkb,
         plan.mask_b_stride, D=d, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, CAUSAL=causal,
         C=plan.c, NI=plan.ni, USE_TMA=tma, PREC=_dot_precision(q.dtype), A_SMEM=_a_smem("dq"),
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+        SPLIT_UNMASKED=SPLIT_UNMASKED_LOOP["dq"], num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages)
     return dq
 
 

@@ -55,7 +55,8 @@ def compile_one(kind: str, d: int, cfg: K.Config, causal: bool, c: int, dtype: s
     """Compile one kernel variant for sm_90 and return its resource report."""
     ni = K._num_intervals(causal, c)
     common = dict(D=d, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, CAUSAL=causal, C=c, NI=ni,
-                  USE_TMA=tma, PREC="tf32", A_SMEM=K._a_smem(kind))
+                  USE_TMA=tma, PREC="tf32", A_SMEM=K._a_smem(kind),
+                  SPLIT_UNMASKED=K.SPLIT_UNMASKED_LOOP[kind])
     if kind == "fwd":
         kernel = K._fwd_kernel
         ptrs = {n: f"*{dtype}" for n in ("q_ptr", "k_ptr", "v_ptr", "o_ptr")}
@@ -65,7 +66,7 @@ def compile_one(kind: str, d: int, cfg: K.Config, causal: bool, c: int, dtype: s
     elif kind in ("dkdv", "fused"):
         kernel = K._dkdv_kernel
         fused = kind == "fused"
-        common.update(FUSE_DQ=fused, DQ_TMA=fused and tma, SPLIT_UNMASKED=K.SPLIT_UNMASKED_LOOP[kind])
+        common.update(FUSE_DQ=fused, DQ_TMA=fused and tma)
         ptrs = {n: f"*{dtype}" for n in ("q_ptr", "k_ptr", "v_ptr", "do_ptr", "dk_ptr", "dv_ptr")}
         ptrs.update(lse2_ptr="*fp32", delta_ptr="*fp32", mask_ptr="*i32", sum_ptr="*i32",
                     rng_ptr="*i32", dq_ptr="*fp32")

@@ -44,5 +44,21 @@ def test_report_merges_files_and_shows_the_fused_backward(tmp_path):
     md = (tmp_path / "kernel.md").read_text()
     assert "causal_document_corpus" in md and "sliding_window" in md
     row = next(line for line in md.splitlines() if "causal_document_corpus" in line)
-    assert "| 40.00 | 1.75 |" in row  # fused f+b and Flex / fused
+    assert "| fused 40.00 (1.75x) |" in row  # fused f+b and Flex / fused
+    other = next(line for line in md.splitlines() if "sliding_window" in line)
+    assert "| 1.05 | - |" in other  # no variant timed in that case
     assert (tmp_path / "kernel.png").exists()
+
+
+def test_flashmask_variant_sets_and_restores_the_kernel_options():
+    from flashmask3.kernels import triton_flashmask as T
+
+    before = dict(T.SPLIT_UNMASKED_LOOP)
+    with KB.flashmask_variant("flashmask3_maskfree"):
+        assert T.SPLIT_UNMASKED_LOOP["fwd"] and T.SPLIT_UNMASKED_LOOP["dq"]
+        assert T.backward_mode() == "split"
+    with KB.flashmask_variant("flashmask3_fused"):
+        assert T.backward_mode() == "fused" and T.SPLIT_UNMASKED_LOOP == before
+    with KB.flashmask_variant("flashmask3"):
+        assert T.backward_mode() == "split" and T.SPLIT_UNMASKED_LOOP == before
+    assert T.SPLIT_UNMASKED_LOOP == before

@@ -187,6 +187,29 @@ def test_fused_backward_random_columns(monkeypatch, causal, c):
     _check(q, k, v, cols, causal)
 
 
+@pytest.mark.parametrize("split", [True, False], ids=["split", "one-loop"])
+@pytest.mark.parametrize("causal,c", LAYOUTS + [(True, 0), (False, 0)])
+@pytest.mark.parametrize("sq,sk", [(100, 70), (70, 100), (96, 96)])
+def test_unmasked_run_loops(monkeypatch, split, causal, c, sq, sk):
+    """Every kernel with and without its mask-free loop over runs of UNMASKED tiles
+    (SPLIT_UNMASKED_LOOP), on random columns and document masks, GQA, ragged lengths."""
+    for kind in T.SPLIT_UNMASKED_LOOP:
+        monkeypatch.setitem(T.SPLIT_UNMASKED_LOOP, kind, split)
+    b, hq, hk, d = 2, 4, 2, 32
+    masks = [None] if c == 0 else [random_columns(b, hk, sq, sk, causal, c, seed=sq + c)]
+    docs = (M.causal_document_mask if causal else M.document_mask)([64, 32])
+    if sq == sk and docs.startend_row_indices.shape[-1] == c:  # long UNMASKED runs
+        masks.append(docs.startend_row_indices.expand(b, 1, sk, c).contiguous())
+        for kind in ("fwd", "dkdv"):
+            cfg = T._config(kind, d, causal, c, torch.float32)
+            plan = T.make_plan(masks[-1].to(DEVICE), causal, sq, sk, cfg.block_m, cfg.block_n,
+                               T.PLAN_BY_KEY[kind], DEVICE)
+            assert (plan.ranges[..., 5] - plan.ranges[..., 4]).sum() > 0, "no UNMASKED run"
+    for i, cols in enumerate(masks):
+        q, k, v = _qkv(b, sq, sk, hq, hk, d, torch.float32, seed=sq + 3 * c + i)
+        _check(q, k, v, None if cols is None else cols.to(DEVICE), causal)
+
+
 def test_backward_mode_choice(monkeypatch):
     """Deterministic mode always takes the split (atomic-free) backward; bad values are named."""
     monkeypatch.setenv("FLASHMASK3_TRITON_BWD", "fused")
