@@ -11,10 +11,13 @@ How the work is organised (DESIGN.md §2):
 2. **Live ranges** (:func:`_range_kernel`, per mask head, not per query head): for every query
    block the key blocks that are not SKIP, as at most two half-open ranges (a sliding window
    plus global tokens is two runs of live blocks); and the same per key block over query
-   blocks for the dK/dV pass. The attention loops visit only these ranges.
+   blocks for the dK/dV pass. The attention loops visit only these ranges. Each range also
+   records its first run of UNMASKED tiles (:data:`RANGE_WORDS` = 8 int32 per block).
 3. **Attention loops** classify each visited tile with :func:`_classify_rule` (the ``@jit``
    twin of :func:`flashmask3.masks.blocks.classify_tiles`): UNMASKED tiles run with no mask
    work; PARTIAL tiles (and the causal diagonal) apply the element-wise rule of DESIGN.md §1.
+   With :data:`SPLIT_UNMASKED_LOOP` a kernel visits a range's UNMASKED run in a separate loop
+   compiled without any mask code (fewer instructions and live registers in the hot loop).
    Tiles outside the ranges are never loaded nor computed. The first range is exactly one run
    of live tiles; a SKIP tile inside the second range (a mask with three or more separate
    runs of live key blocks for one query block, e.g. random per-column masks) is computed and
@@ -24,7 +27,8 @@ How the work is organised (DESIGN.md §2):
 4. **Backward**: a delta pre-pass (``rowsum(dO*O) - dlse``, plus ``lse`` in base 2 with
    ``+inf`` on fully masked rows), a dK/dV pass with one program per key block and KV head
    that loops over the query heads of its GQA group, and a dQ pass with one program per query
-   block. No atomics, so the backward is deterministic.
+   block. No atomics, so this ("split") backward is deterministic; the opt-in "fused" one
+   (:func:`backward_mode`) adds dQ into an fp32 buffer with atomics from the dK/dV pass.
 
 Hopper specifics: the tiles streamed by each loop (K/V in the forward and dQ passes, Q/dO in
 the dK/dV pass) are read through host-side tensor descriptors (TMA) when the GPU has compute
