@@ -16,8 +16,10 @@ def _load():
 
 def test_toy_benchmark_reports_all_backends(tmp_path):
     bench = _load()
+    assert "flashmask3-fused" not in bench.parse_args([]).backends  # opt-in (measured slower)
     rc = bench.main(["--toy", "--seq-lens", "128", "256", "--steps", "1", "--warmup", "1",
-                     "--sdpa-max-seq", "128", "--out", str(tmp_path)])
+                     "--sdpa-max-seq", "128", "--out", str(tmp_path),
+                     "--backends", *bench.BACKENDS])
     assert rc == 0
     report = json.loads((tmp_path / "train_cpu_toy.json").read_text())
     runs = {(r["seq_len"], r["backend"]): r for r in report["runs"]}
