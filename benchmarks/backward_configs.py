@@ -12,7 +12,6 @@ defaults (benchmarks/NOTES.md, v4)::
 
 from __future__ import annotations
 
-import math
 import os
 import sys
 from unittest import mock
@@ -21,10 +20,9 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from benchmarks.kernel import TOTAL_TOKENS, bench, build_mask  # noqa: E402
-from benchmarks.sweep import run_sweep, sweep_parser  # noqa: E402
+from benchmarks.kernel import TOTAL_TOKENS, bench  # noqa: E402
+from benchmarks.sweep import backward_case, run_sweep, sweep_parser  # noqa: E402
 from flashmask3.kernels import triton_flashmask as T  # noqa: E402
-import flashmask3.masks as M  # noqa: E402
 
 DEVICE = "cuda"
 MASKS = ["causal", "causal_document_corpus", "document_corpus"]
@@ -77,21 +75,14 @@ def _time(fn, flops):
 
 def run_case(name: str, s: int, d: int, dtype, dkdv, dq, heads=None) -> dict:
     """Every variant of both kernels on one mask (heads: hidden 4096 / D unless given)."""
-    batch = TOTAL_TOKENS // s
     hq = hk = heads or 4096 // d
-    mask, causal, _ = build_mask(name, s, batch)
-    cols = None if mask is None else mask.to(DEVICE).startend_row_indices
-    causal = causal if mask is None else mask.causal
-    g = torch.Generator(device=DEVICE).manual_seed(s + d + 7)
-    q, k, v = (torch.randn(batch, s, h, d, device=DEVICE, dtype=dtype, generator=g) for h in (hq, hk, hk))
-    scale = 1 / math.sqrt(d)
-    out, lse = T.forward(q, k, v, cols, causal, scale)
-    dout = torch.randn_like(out)
-    delta, lse2 = T._bwd_pre(out, dout, lse, None)
-    flops = M.attention_flops(cols, causal, batch_size=batch, num_heads=hq, seqlen_q=s, seqlen_k=s,
-                              head_dim=d, mode="bwd")
+    c = backward_case(name, s, d, hq, hk, dtype, device=DEVICE, total_tokens=TOTAL_TOKENS,
+                      seed=s + d + 7)
+    q, k, v, dout, cols, causal, scale, flops = (c.q, c.k, c.v, c.dout, c.cols, c.causal,
+                                                 c.scale, c.flops_bwd)
+    delta, lse2 = T._bwd_pre(c.out, dout, c.lse, None)
     # dK/dV does 4 of the 7 executed matmuls of a split backward, dQ 3 (bwd FLOPs count 5)
-    rec = dict(mask=name, S=s, D=d, B=batch, Hq=hq, dkdv={}, dq={})
+    rec = dict(mask=name, S=s, D=d, B=c.batch, Hq=hq, dkdv={}, dq={})
     for kind, variants, share in (("dkdv", dkdv, 4 / 5), ("dq", dq, 3 / 5)):
         ref = None
         for var in variants:

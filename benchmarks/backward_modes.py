@@ -15,7 +15,6 @@ fused configurations (benchmarks/NOTES.md)::
 
 from __future__ import annotations
 
-import math
 import os
 import sys
 from unittest import mock
@@ -24,10 +23,9 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from benchmarks.kernel import TOTAL_TOKENS, bench, build_mask  # noqa: E402
-from benchmarks.sweep import run_sweep, sweep_parser  # noqa: E402
+from benchmarks.kernel import TOTAL_TOKENS, bench  # noqa: E402
+from benchmarks.sweep import backward_case, run_sweep, sweep_parser  # noqa: E402
 from flashmask3.kernels import triton_flashmask as T  # noqa: E402
-import flashmask3.masks as M  # noqa: E402
 
 DEVICE = "cuda"
 MASKS = ["causal", "full", "causal_document_corpus", "causal_document_short", "document_corpus",
@@ -49,18 +47,11 @@ def _variants(d: int):
 
 
 def run_case(name: str, s: int, d: int, hq: int, hk: int, dtype) -> dict:
-    batch = TOTAL_TOKENS // s
-    mask, causal, _ = build_mask(name, s, batch)
-    cols = None if mask is None else mask.to(DEVICE).startend_row_indices
-    causal = causal if mask is None else mask.causal
-    g = torch.Generator(device=DEVICE).manual_seed(s + d + 1)
-    q, k, v = (torch.randn(batch, s, h, d, device=DEVICE, dtype=dtype, generator=g) for h in (hq, hk, hk))
-    scale = 1 / math.sqrt(d)
-    out, lse = T.forward(q, k, v, cols, causal, scale)
-    dout = torch.randn_like(out)
-    flops = M.attention_flops(cols, causal, batch_size=batch, num_heads=hq, seqlen_q=s, seqlen_k=s,
-                              head_dim=d, mode="bwd")
-    rec = dict(mask=name, S=s, D=d, B=batch, Hq=hq, Hk=hk, flops_bwd=flops, variants={})
+    c = backward_case(name, s, d, hq, hk, dtype, device=DEVICE, total_tokens=TOTAL_TOKENS,
+                      seed=s + d + 1)
+    q, k, v, out, lse, dout, cols, causal, scale, flops = (c.q, c.k, c.v, c.out, c.lse, c.dout,
+                                                           c.cols, c.causal, c.scale, c.flops_bwd)
+    rec = dict(mask=name, S=s, D=d, B=c.batch, Hq=hq, Hk=hk, flops_bwd=flops, variants={})
     ref = None
     for label, mode, cfg, a_smem in _variants(d):
         overrides = {} if cfg is None else {"fused": cfg}

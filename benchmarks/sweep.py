@@ -1,6 +1,7 @@
-"""The shared driver of the per-mask kernel sweeps (backward_modes.py, backward_configs.py):
-their command line, and a loop over head dims x masks that stops starting cases after a time
-budget and rewrites the JSON after every case, so a run cut short keeps what it measured."""
+"""The shared parts of the per-mask kernel sweeps (backward_modes.py, backward_configs.py):
+their command line, the inputs of one case (mask, Q/K/V, the forward's O/LSE, dO), and a loop
+over head dims x masks that stops starting cases after a time budget and rewrites the JSON
+after every case, so a run cut short keeps what it measured."""
 
 from __future__ import annotations
 
@@ -9,10 +10,52 @@ import datetime
 import json
 import os
 import sys
+import math
 import time
-from typing import Callable
+from dataclasses import dataclass
+from typing import Callable, Optional
 
 import torch
+
+
+@dataclass
+class BackwardCase:
+    """One mask's inputs for timing backward kernels (the forward already run)."""
+
+    batch: int
+    cols: Optional[torch.Tensor]
+    causal: bool
+    q: torch.Tensor
+    k: torch.Tensor
+    v: torch.Tensor
+    scale: float
+    out: torch.Tensor
+    lse: torch.Tensor
+    dout: torch.Tensor
+    flops_bwd: float
+
+
+def backward_case(name: str, s: int, d: int, hq: int, hk: int, dtype, *, device: str,
+                  total_tokens: int, seed: int) -> BackwardCase:
+    """Mask ``name`` at length ``s`` (batch = total_tokens / s), random Q/K/V/dO, the Triton
+    forward's O and LSE, and the backward's FLOPs (DESIGN.md convention)."""
+    from benchmarks.kernel import build_mask
+    from flashmask3.kernels import triton_flashmask as T
+    import flashmask3.masks as M
+
+    batch = total_tokens // s
+    mask, causal, _ = build_mask(name, s, batch)
+    cols = None if mask is None else mask.to(device).startend_row_indices
+    causal = causal if mask is None else mask.causal
+    g = torch.Generator(device=device).manual_seed(seed)
+    q, k, v = (torch.randn(batch, s, h, d, device=device, dtype=dtype, generator=g)
+               for h in (hq, hk, hk))
+    scale = 1 / math.sqrt(d)
+    out, lse = T.forward(q, k, v, cols, causal, scale)
+    flops = M.attention_flops(cols, causal, batch_size=batch, num_heads=hq, seqlen_q=s,
+                              seqlen_k=s, head_dim=d, mode="bwd")
+    return BackwardCase(batch, cols, causal, q, k, v, scale, out, lse, torch.randn_like(out),
+                        flops)
 
 
 def sweep_parser(description: str, masks: list[str]) -> argparse.ArgumentParser:
