@@ -168,9 +168,12 @@ def _clipped_tile_class(sptr, m, n, Sq, Sk, BLOCK_M: tl.constexpr, BLOCK_N: tl.c
 
 
 @triton.jit
-def _stored_ranges(rp):
-    """The two preprocessed live ranges at ``rp`` (lo0, hi0, lo1, hi1)."""
-    return tl.load(rp), tl.load(rp + 1), tl.load(rp + 2), tl.load(rp + 3)
+def _stored_ranges(rng_ptr, row):
+    """Row ``row`` of a preprocessed live-range table (the ``_range_kernel`` layout): lo0, hi0,
+    lo1, hi1, flo0, fhi0, flo1, fhi1."""
+    rp = rng_ptr + row * RANGE_WORDS
+    return (tl.load(rp), tl.load(rp + 1), tl.load(rp + 2), tl.load(rp + 3),
+            tl.load(rp + 4), tl.load(rp + 5), tl.load(rp + 6), tl.load(rp + 7))
 
 
 @triton.jit
@@ -180,9 +183,7 @@ def _key_block_ranges(rng_ptr, mbh, n_blk, Sq, Sk, NQB, NKB, BLOCK_M: tl.constex
     run of UNMASKED tiles in each, [flo0, fhi0) and [flo1, fhi1): from the preprocessed table
     with a mask, from the causal diagonal (or everything) without one."""
     if C > 0:
-        rp = rng_ptr + (mbh * NKB + n_blk) * RANGE_WORDS
-        lo0, hi0, lo1, hi1 = _stored_ranges(rp)
-        flo0, fhi0, flo1, fhi1 = _stored_ranges(rp + 4)
+        lo0, hi0, lo1, hi1, flo0, fhi0, flo1, fhi1 = _stored_ranges(rng_ptr, mbh * NKB + n_blk)
     else:
         lo0 = 0
         flo0 = 0
@@ -210,9 +211,7 @@ def _query_block_ranges(rng_ptr, mbh, m_blk, Sq, Sk, NQB, NKB, BLOCK_M: tl.const
     run of UNMASKED tiles in each, [flo0, fhi0) and [flo1, fhi1): from the preprocessed table
     with a mask, from the causal diagonal (or everything) without one."""
     if C > 0:
-        rp = rng_ptr + (mbh * NQB + m_blk) * RANGE_WORDS
-        lo0, hi0, lo1, hi1 = _stored_ranges(rp)
-        flo0, fhi0, flo1, fhi1 = _stored_ranges(rp + 4)
+        lo0, hi0, lo1, hi1, flo0, fhi0, flo1, fhi1 = _stored_ranges(rng_ptr, mbh * NQB + m_blk)
     else:
         lo0 = 0
         n_whole = Sk // BLOCK_N  # key blocks that end inside Sk
@@ -838,8 +837,9 @@ class Config:
 
 
 #: Default configurations per (kernel, head dim) on Hopper, and the candidates that
-#: :func:`autotune` times. Chosen from the compiler's register report (no spills; see
-#: benchmarks/NOTES.md) and the usual FlashAttention shapes on sm_90.
+#: :func:`autotune` times. The D=128 backward entries are the measured winners of
+#: benchmarks/backward_configs.py (NOTES.md v4); the others come from the compiler's register
+#: report (benchmarks/NOTES.md) and the usual FlashAttention shapes on sm_90.
 CANDIDATES: dict[tuple[str, int], list[Config]] = {
     ("fwd", 64): [Config(128, 128, 8, 3), Config(128, 64, 4, 3)],
     ("fwd", 128): [Config(128, 128, 8, 3), Config(128, 128, 8, 2), Config(128, 64, 8, 3)],
