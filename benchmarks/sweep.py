@@ -6,16 +6,17 @@ after every case, so a run cut short keeps what it measured."""
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
+import math
 import os
 import sys
-import math
 import time
 from dataclasses import dataclass
 from typing import Callable, Optional
 
 import torch
+
+from benchmarks.environment import run_environment
 
 
 @dataclass
@@ -75,11 +76,7 @@ def run_sweep(args, argv, name: str, run_case: Callable[[str, int, int], dict],
     ``{name}.json`` (meta + results, after every case) and ``{name}.md`` under ``args.out``.
     ``name`` is also the script's (``benchmarks/{name}.py``), ``argv`` its arguments (None:
     the command line), for the recorded command."""
-    import triton
-
-    meta = dict(gpu=torch.cuda.get_device_name(),
-                date=datetime.datetime.now(datetime.timezone.utc).isoformat(),
-                torch=torch.__version__, triton=triton.__version__, dtype="bf16",
+    meta = dict(run_environment(torch.device("cuda")), dtype="bf16",
                 command=" ".join([f"python benchmarks/{name}.py"]
                                  + list(sys.argv[1:] if argv is None else argv)))
     os.makedirs(args.out, exist_ok=True)

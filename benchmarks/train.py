@@ -20,7 +20,6 @@ skipped, and an out-of-memory error in any backend is reported as ``OOM`` instea
 from __future__ import annotations
 
 import argparse
-import datetime
 import gc
 import json
 import os
@@ -33,6 +32,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from benchmarks.environment import run_environment  # noqa: E402
 from flashmask3.train.attention import AttentionTimer, attention_available  # noqa: E402
 from flashmask3.train.config import from_preset  # noqa: E402
 from flashmask3.train.data import make_packer, mask_sparsity  # noqa: E402
@@ -151,11 +151,10 @@ def main(argv=None) -> int:
     tag = args.tag or ("cpu_toy" if args.toy else "h200")
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
-    report = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-              "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
-              "torch": torch.__version__, "triton": _triton_version(),
-              "command": "python " + " ".join(sys.argv), "steps": args.steps,
-              "warmup": args.warmup, "runs": []}
+    env = run_environment(device)
+    report = {"date": env["date"], "device": env.get("gpu", "cpu"), "torch": env["torch"],
+              "triton": env["triton"] or "not installed", "command": env["command"],
+              "steps": args.steps, "warmup": args.warmup, "runs": []}
     t_start = time.perf_counter()
     for seq_len in seq_lens:
         cfg = bench_config(seq_len, args.toy)
@@ -227,14 +226,6 @@ def _add_speedups(report: dict) -> None:
             o = by.get((s, other))
             if o and o["status"] == "ok":
                 report[key][label] = r["tokens_per_s"] / o["tokens_per_s"]
-
-
-def _triton_version() -> str:
-    try:
-        import triton
-    except ImportError:
-        return "not installed"
-    return triton.__version__
 
 
 def markdown(report: dict) -> str:
