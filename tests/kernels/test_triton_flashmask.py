@@ -108,7 +108,6 @@ def test_live_ranges_cover_every_live_tile(causal, c, by_key):
 def _check_unmasked_runs(ranges, cls, sk, bn, by_key):
     """Words 4..7: inside each live range, [flo, fhi) is its first maximal run of UNMASKED tiles
     whose key block ends inside Sk (empty, at hi, when there is none)."""
-    n = cls.shape[-1]
     full = cls == M.UNMASKED
     clipped = (torch.arange(cls.shape[-2 if by_key else -1]) + 1) * bn > sk
     full &= ~clipped[:, None] if by_key else ~clipped[None, :]
