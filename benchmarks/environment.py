@@ -5,9 +5,20 @@ from __future__ import annotations
 import datetime
 import os
 import platform
+import subprocess
 import sys
 
 import torch
+
+
+def _git_commit():
+    """Short hash of the checkout's HEAD, or None outside a git checkout."""
+    try:
+        out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
+                             text=True, timeout=10, cwd=os.path.dirname(os.path.abspath(__file__)))
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return out.stdout.strip() or None
 
 
 def run_environment(device: torch.device) -> dict:
@@ -18,6 +29,8 @@ def run_environment(device: torch.device) -> dict:
         "python": platform.python_version(), "torch": torch.__version__,
         "device": str(device), "command": " ".join([sys.executable] + sys.argv),
         "backend": os.environ.get("FLASHMASK3_BACKEND", "auto"),
+        # the device machine gets the working tree without .git: the caller names the commit
+        "commit": os.environ.get("FLASHMASK3_COMMIT") or _git_commit(),
     }
     try:
         import triton

@@ -620,6 +620,16 @@ FINAL_PLAN = (
 )
 
 
+def done_cases(paths) -> set[tuple]:
+    """(mask, S, D, Hq, Hk) of every case measured in these benchmark JSON files."""
+    done = set()
+    for path in paths:
+        with open(path) as fh:
+            for rec in json.load(fh)["results"]:
+                done.add((rec["mask"], rec["S"], rec["D"], rec["Hq"], rec["Hk"]))
+    return done
+
+
 def cases(args) -> list[tuple]:
     """(mask, S, D, Hq, Hk) in priority order: D=128 at 32K first, GQA, then 8K, then 128K."""
     if args.plan == "final":
@@ -654,7 +664,10 @@ def main(argv=None) -> int:
     ap.add_argument("--tag", default="part")
     ap.add_argument("--plan", default="grid", choices=["grid", "final"],
                     help="grid: --dims x --seqlens x --masks; final: the prioritised list FINAL_PLAN")
-    ap.add_argument("--kernel-version", default="v4")
+    ap.add_argument("--skip-done", nargs="*", default=[], metavar="JSON",
+                    help="leave out the cases these earlier kernel_*.json files measured "
+                         "(continue a run that its --budget-s cut short)")
+    ap.add_argument("--kernel-version", default="v5")
     ap.add_argument("--report", nargs="*", help="JSON files to merge into kernel.{json,md,png}")
     args = ap.parse_args(argv)
     if args.report:
@@ -671,6 +684,7 @@ def main(argv=None) -> int:
                 torch=torch.__version__, triton=triton.__version__, cuda=torch.version.cuda,
                 dtype=args.dtype, command="python " + " ".join(sys.argv), not_run=[],
                 kernel_version=args.kernel_version,
+                commit=os.environ.get("FLASHMASK3_COMMIT"),
                 autotune=os.environ.get("FLASHMASK3_TRITON_AUTOTUNE", "0"))
     try:
         __import__("torch.nn.attention.varlen")
@@ -681,7 +695,7 @@ def main(argv=None) -> int:
     path = os.path.join(args.out, f"kernel_{args.tag}.json")
     results = []
     t_start = time.time()
-    todo = cases(args)
+    todo = [c for c in cases(args) if c not in done_cases(args.skip_done)]
     for idx, (m, s, d, hq, hk) in enumerate(todo):
         if time.time() - t_start > args.budget_s:
             meta["not_run"] = [json.dumps(list(c)) for c in todo[idx:]]

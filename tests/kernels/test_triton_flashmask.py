@@ -315,7 +315,22 @@ GPU_CASES = ([(torch.bfloat16, 128, n) for n in _gpu_masks(256)]
 GPU_FUSED_CASES = ([(torch.bfloat16, 128, n) for n in _gpu_masks(256)]
                    + [(torch.bfloat16, 64, "causal_document"), (torch.bfloat16, 256, "document"),
                       (torch.float16, 128, "sliding_window")])
-GPU_ALL = [c + ("split",) for c in GPU_CASES] + [c + ("fused",) for c in GPU_FUSED_CASES]
+#: Cases run a third time with every kernel's UNMASKED-run loop split flipped from its default
+#: (SPLIT_UNMASKED_LOOP), so both loop structures of each kernel are checked on the GPU.
+GPU_FLIPPED_CASES = ([(torch.bfloat16, 128, n) for n in _gpu_masks(256)]
+                     + [(torch.bfloat16, 64, "document"), (torch.bfloat16, 256, "causal_document")])
+GPU_ALL = ([c + ("split",) for c in GPU_CASES] + [c + ("fused",) for c in GPU_FUSED_CASES]
+           + [c + ("flipped",) for c in GPU_FLIPPED_CASES])
+
+
+def _gpu_backward_mode(monkeypatch, mode):
+    """"split"/"fused": that backward; "flipped": split backward with every kernel's
+    SPLIT_UNMASKED_LOOP entry inverted."""
+    if mode == "flipped":
+        for kind, split in list(T.SPLIT_UNMASKED_LOOP.items()):
+            monkeypatch.setitem(T.SPLIT_UNMASKED_LOOP, kind, not split)
+        mode = "split"
+    monkeypatch.setenv("FLASHMASK3_TRITON_BWD", mode)
 
 
 @pytest.mark.gpu
@@ -323,7 +338,7 @@ GPU_ALL = [c + ("split",) for c in GPU_CASES] + [c + ("fused",) for c in GPU_FUS
                          ids=[f"{str(t).split('.')[-1]}-{d}-{n}-{m}" for t, d, n, m in GPU_ALL])
 def test_gpu_against_float64_reference(monkeypatch, dtype, d, name, bwd):
     """S=1500 (not a block multiple), GQA 4:2 -> float64 dense reference on the GPU."""
-    monkeypatch.setenv("FLASHMASK3_TRITON_BWD", bwd)
+    _gpu_backward_mode(monkeypatch, bwd)
     s = 1500
     mask, causal = _gpu_masks(s)[name]
     cols = None if mask is None else mask.startend_row_indices.cuda()
@@ -333,14 +348,14 @@ def test_gpu_against_float64_reference(monkeypatch, dtype, d, name, bwd):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("bwd", ["split", "fused"])
+@pytest.mark.parametrize("bwd", ["split", "fused", "flipped"])
 @pytest.mark.parametrize("name,s", [("causal_document", 32768), ("global_sliding_window", 32768),
                                     ("causal", 16384)])
 def test_gpu_long_sequences_against_sdpa(monkeypatch, name, s, bwd):
     """32K bf16 against fp32 SDPA (memory-efficient backend) with the dense boolean mask."""
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
-    monkeypatch.setenv("FLASHMASK3_TRITON_BWD", bwd)
+    _gpu_backward_mode(monkeypatch, bwd)
 
     mask, causal = _gpu_masks(s)[name]
     cols = None if mask is None else mask.startend_row_indices.cuda()
