@@ -3,9 +3,9 @@
 One process, one set of inputs per case, every implementation timed back to back:
 
 * ``flashmask3``   -- ``flashmask3.flashmask_attention`` with ``FLASHMASK3_BACKEND=triton``;
-* ``flashmask3_fused``, ``flashmask3_maskfree`` -- the same call with one kernel option changed
-                      (:data:`FLASHMASK_VARIANTS`: the fused backward; mask-free loops over
-                      UNMASKED runs in the forward and dQ kernels too);
+* ``flashmask3_fused``, ``flashmask3_masked`` -- the same call with one kernel option changed
+                      (:data:`FLASHMASK_VARIANTS`: the fused backward; every kernel without
+                      its mask-free loop over UNMASKED runs);
 * ``flex``         -- ``torch.compile(flex_attention)`` (Triton backend), block mask built once
                       by ``create_block_mask(_compile=True)``; its build time is reported apart.
                       One generic ``mask_mod`` reads the same column intervals as FlashMask
@@ -314,11 +314,19 @@ def mask_bytes(mask, causal, s, d, dtype) -> int:
 
 
 #: flashmask3 timed again in the same run with one kernel option changed:
-#: impl name -> (short label, backward mode, kernels given the mask-free UNMASKED-run loop).
+#: impl name -> (short label, backward mode, SPLIT_UNMASKED_LOOP entries changed).
+#: ``masked``: every kernel visits UNMASKED tiles in its masked loop (the v3 loops), the A/B
+#: for the mask-free loops that are on by default since v5.
 FLASHMASK_VARIANTS = {
-    "flashmask3_fused": ("fused", "fused", ()),
-    "flashmask3_maskfree": ("maskfree", "split", ("fwd", "dq")),
+    "flashmask3_fused": ("fused", "fused", {}),
+    "flashmask3_masked": ("masked", "split", {"fwd": False, "dkdv": False, "dq": False}),
 }
+
+
+#: Labels of the variant columns in reports, with variants of earlier runs that are now the
+#: default (v4.1 rows: "maskfree" = the v5 loops).
+_VARIANT_LABELS = {**{name: v[0] for name, v in FLASHMASK_VARIANTS.items()},
+                   "flashmask3_maskfree": "maskfree"}
 
 
 @contextlib.contextmanager
@@ -327,9 +335,9 @@ def flashmask_variant(impl_name: str):
     :data:`FLASHMASK_VARIANTS` entry; restored afterwards."""
     from flashmask3.kernels import triton_flashmask as T
 
-    _, backward, maskfree = FLASHMASK_VARIANTS.get(impl_name, ("", "split", ()))
+    _, backward, loops = FLASHMASK_VARIANTS.get(impl_name, ("", "split", {}))
     old = dict(T.SPLIT_UNMASKED_LOOP)
-    T.SPLIT_UNMASKED_LOOP.update({kind: True for kind in maskfree})
+    T.SPLIT_UNMASKED_LOOP.update(loops)
     try:
         with T.use_backward(backward):
             yield
@@ -455,7 +463,7 @@ def _fmt(x, spec=".2f"):
 def _variants_cell(r: dict) -> str:
     """'label f+b (Flex / variant x)' for each flashmask3 variant timed in this case."""
     cells = [f"{label} {_fmt(r['impls'][name].get('fwd_bwd_ms'))} ({_fmt(_speed(r, 'flex', ours=name))}x)"
-             for name, (label, _, _) in FLASHMASK_VARIANTS.items() if name in r["impls"]]
+             for name, label in _VARIANT_LABELS.items() if name in r["impls"]]
     return "; ".join(cells) or "-"
 
 
@@ -470,10 +478,12 @@ def markdown(results: list[dict], meta: dict) -> str:
               "fwd and bwd plans); build = Flex create_block_mask. mem = peak extra GB of one fwd+bwd. "
               "ver = flashmask3 kernel version of that row (benchmarks/NOTES.md: v1 = first kernels, v2 = "
               "A operands through TMA + new forward configs, v3 = opt-in fused backward (not in a table run), "
-              "v4 = dK/dV loop without mask code over UNMASKED runs + measured backward configs; a "
+              "v4 = dK/dV loop without mask code over UNMASKED runs + measured backward configs, v4.1 = v4 "
+              "timed against the v5 loops in one run, v5 = the same mask-free loop in the forward and dQ "
+              "kernels too; a "
               "later run of a case replaces an earlier one). `variants`: flashmask3 timed again in the "
-              "same run with one option changed (`fused` backward; `maskfree` loops in the forward "
-              "and dQ kernels too), f+b ms and Flex / variant.", ""]
+              "same run with one option changed (`fused` backward; `masked`: no mask-free loops; "
+              "`maskfree`, in v4.1 rows: the v5 loops), f+b ms and Flex / variant.", ""]
     hdr = ("| ver | D | Hq:Hk | mask | S | docs | density | fm fwd | fm bwd | fm f+b | fm TF f/f+b | flex f+b | "
            "x flex | variants f+b (x flex) | cuDNN f+b | flash f+b | varlen f+b | dense f+b | prep ms | "
            "build ms | fm/flex mem | targets |")
@@ -654,7 +664,7 @@ def main(argv=None) -> int:
     ap.add_argument("--seqlens", type=lambda x: [int(v) for v in x.split(",")], default=[8192, 32768, 131072])
     ap.add_argument("--masks", type=lambda x: x.split(","), default=MASKS)
     ap.add_argument("--impls", type=lambda x: x.split(","),
-                    default=["flashmask3", "flashmask3_maskfree", "flex", "sdpa_cudnn", "sdpa_flash", "varlen",
+                    default=["flashmask3", "flex", "sdpa_cudnn", "sdpa_flash", "varlen",
                              "sdpa_dense"])
     ap.add_argument("--no-gqa", dest="gqa", action="store_false")
     ap.add_argument("--dense-max-s", type=int, default=8192)

@@ -54,8 +54,8 @@ def test_flashmask_variant_sets_and_restores_the_kernel_options():
     from flashmask3.kernels import triton_flashmask as T
 
     before = dict(T.SPLIT_UNMASKED_LOOP)
-    with KB.flashmask_variant("flashmask3_maskfree"):
-        assert T.SPLIT_UNMASKED_LOOP["fwd"] and T.SPLIT_UNMASKED_LOOP["dq"]
+    with KB.flashmask_variant("flashmask3_masked"):
+        assert not any(T.SPLIT_UNMASKED_LOOP[k] for k in ("fwd", "dkdv", "dq"))
         assert T.backward_mode() == "split"
     with KB.flashmask_variant("flashmask3_fused"):
         assert T.backward_mode() == "fused" and T.SPLIT_UNMASKED_LOOP == before
