@@ -35,7 +35,7 @@ case "$PHASE" in
     fi
     # shellcheck disable=SC2086  # SKIP_DONE is a list of paths
     timeout $((BUDGET + 45)) python3 benchmarks/kernel.py --plan final --budget-s "$BUDGET" --out "$OUT" --tag final \
-      --impls "${IMPLS:-flashmask3,flashmask3_maskfree,flex,sdpa_cudnn,sdpa_flash,varlen,sdpa_dense}" \
+      --impls "${IMPLS:-flashmask3,flex,sdpa_cudnn,sdpa_flash,varlen,sdpa_dense}" \
       --skip-done ${SKIP_DONE:-} 2>&1 | grep -v "DeprecationWarning\|create_block_mask(mm" | tee "$OUT/bench_final.log"
     ;;
   train)
