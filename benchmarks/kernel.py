@@ -705,7 +705,8 @@ def main(argv=None) -> int:
     path = os.path.join(args.out, f"kernel_{args.tag}.json")
     results = []
     t_start = time.time()
-    todo = [c for c in cases(args) if c not in done_cases(args.skip_done)]
+    done = done_cases(args.skip_done)
+    todo = [c for c in cases(args) if c not in done]
     for idx, (m, s, d, hq, hk) in enumerate(todo):
         if time.time() - t_start > args.budget_s:
             meta["not_run"] = [json.dumps(list(c)) for c in todo[idx:]]

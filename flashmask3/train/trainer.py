@@ -64,8 +64,6 @@ def train(cfg: TrainConfig) -> Optional[dict]:
     reason = attention_available(cfg.attention, device)
     if reason:
         raise ValueError(f"attention={cfg.attention!r} cannot run: {reason}")
-    if cfg.attention_backward != "auto":  # read by the Triton kernel; spawned ranks inherit it
-        os.environ["FLASHMASK3_TRITON_BWD"] = cfg.attention_backward
     packer = make_packer(cfg)  # fail here, not in N spawned ranks, on bad data or checkpoints
     if cfg.resume and (path := latest_checkpoint(cfg.out_dir)) is not None:
         ckpt = load_checkpoint(path, cfg.to_dict())
@@ -78,7 +76,20 @@ def train(cfg: TrainConfig) -> Optional[dict]:
             return json.loads(summary.read_text()) if summary.is_file() else None
     elif not cfg.resume:
         _remove_old_checkpoints(cfg.out_dir)
-    return launch(run_rank, cp, device, cfg)
+    with _triton_backward(cfg.attention_backward):
+        return launch(run_rank, cp, device, cfg)
+
+
+@contextlib.contextmanager
+def _triton_backward(choice: str):
+    """The Triton kernel's backward for this run (its environment switch, which spawned ranks
+    inherit), restored afterwards; "auto" leaves the library's choice."""
+    if choice == "auto":
+        yield
+        return
+    from flashmask3.kernels.triton_flashmask import use_backward
+    with use_backward(choice):
+        yield
 
 
 def _remove_old_checkpoints(out_dir) -> None:

@@ -62,3 +62,18 @@ def test_flashmask_variant_sets_and_restores_the_kernel_options():
     with KB.flashmask_variant("flashmask3"):
         assert T.backward_mode() == "split" and T.SPLIT_UNMASKED_LOOP == before
     assert T.SPLIT_UNMASKED_LOOP == before
+
+
+def test_skip_done_leaves_out_exactly_the_measured_cases(tmp_path):
+    """--skip-done: a case counts as measured by its (mask, S, D, Hq, Hk), so GQA and MHA rows of
+    the same mask stay apart, and the plan's order is kept."""
+    done = [_record("causal", 1.0, 1.0), dict(_record("causal_document_corpus", 1.0, 1.0), Hk=8)]
+    path = tmp_path / "kernel_part.json"
+    path.write_text(json.dumps(dict(meta={}, results=done)))
+    assert KB.done_cases([str(path)]) == {("causal", 32768, 128, 32, 32),
+                                          ("causal_document_corpus", 32768, 128, 32, 8)}
+    args = KB.argparse.Namespace(plan="final")
+    left = [c for c in KB.cases(args) if c not in KB.done_cases([str(path)])]
+    assert len(left) == len(KB.FINAL_PLAN) - 2
+    assert ("causal_document_corpus", 32768, 128, 32, 32) in left  # the MHA row is not done
+    assert left == [c for c in KB.FINAL_PLAN if c in left]
