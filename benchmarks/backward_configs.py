@@ -36,7 +36,8 @@ MASKS = ["causal", "causal_document_corpus", "document_corpus"]
 # 4-warp dK/dV shapes at D=256 spill ~2000 and are left out).
 DKDV = {
     64: [(64, 128, 8, 3, False, True), (64, 128, 8, 3, False, False), (64, 128, 8, 2, False, True),
-         (64, 128, 8, 3, True, True), (32, 64, 4, 3, False, True), (32, 128, 8, 2, False, True)],
+         (64, 128, 8, 3, True, True), (32, 64, 4, 3, False, True), (32, 128, 8, 2, False, True),
+         (64, 64, 4, 2, False, True)],
     256: [(64, 64, 8, 2, False, True), (64, 64, 8, 2, True, True), (32, 64, 8, 2, True, True),
           (32, 64, 8, 2, False, True), (32, 64, 8, 2, True, False), (64, 64, 8, 1, False, True)],
     128: [(64, 64, 8, 2, False, False), (64, 64, 8, 2, False, True), (64, 128, 8, 2, True, True),

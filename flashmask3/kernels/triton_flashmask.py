@@ -844,7 +844,7 @@ CANDIDATES: dict[tuple[str, int], list[Config]] = {
     ("fwd", 64): [Config(128, 128, 8, 3), Config(128, 64, 4, 3)],
     ("fwd", 128): [Config(128, 128, 8, 3), Config(128, 128, 8, 2), Config(128, 64, 8, 3)],
     ("fwd", 256): [Config(128, 32, 8, 2), Config(64, 64, 4, 2)],
-    ("dkdv", 64): [Config(64, 128, 8, 3), Config(32, 64, 4, 3)],
+    ("dkdv", 64): [Config(64, 128, 8, 3), Config(32, 64, 4, 3), Config(64, 64, 4, 2)],
     ("dkdv", 128): [Config(32, 64, 4, 3), Config(64, 128, 8, 2), Config(32, 64, 4, 2)],
     ("dkdv", 256): [Config(64, 64, 8, 2), Config(32, 64, 8, 2)],
     ("dq", 64): [Config(128, 64, 8, 3), Config(128, 128, 8, 2)],
