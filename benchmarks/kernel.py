@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import datetime
 import gc
 import json
 import math
@@ -40,6 +39,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import flashmask3  # noqa: E402
+from benchmarks.environment import run_environment  # noqa: E402
 import flashmask3.masks as M  # noqa: E402
 
 TOTAL_TOKENS = 131072
@@ -684,17 +684,12 @@ def main(argv=None) -> int:
         report(args.report, args.out)
         return 0
     os.environ.setdefault("FLASHMASK3_BACKEND", "triton")  # here, not at import (tests import us)
-    import triton
-
     torch._dynamo.config.cache_size_limit = 256
     if hasattr(torch._dynamo.config, "recompile_limit"):
         torch._dynamo.config.recompile_limit = 256
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[args.dtype]
-    meta = dict(gpu=torch.cuda.get_device_name(), date=datetime.datetime.utcnow().isoformat() + "Z",
-                torch=torch.__version__, triton=triton.__version__, cuda=torch.version.cuda,
-                dtype=args.dtype, command="python " + " ".join(sys.argv), not_run=[],
+    meta = dict(run_environment(torch.device("cuda")), dtype=args.dtype, not_run=[],
                 kernel_version=args.kernel_version,
-                commit=os.environ.get("FLASHMASK3_COMMIT"),
                 autotune=os.environ.get("FLASHMASK3_TRITON_AUTOTUNE", "0"))
     try:
         __import__("torch.nn.attention.varlen")
