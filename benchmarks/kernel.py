@@ -614,11 +614,20 @@ def compiled_kernels_report(path: str) -> None:
 
 
 def _tuned_configs() -> dict:
-    """The configurations flashmask3's autotuner chose so far: "kernel D causal C dtype" -> tile."""
+    """The configurations flashmask3's autotuner chose so far, with every candidate's time:
+    "kernel D causal C dtype" -> "chosen tile (candidate ms, ...)"."""
     from flashmask3.kernels import triton_flashmask as T
 
-    return {" ".join(str(x) for x in key): f"{c.block_m}x{c.block_n} w{c.num_warps} s{c.num_stages}"
-            for key, c in T._TUNED.items()}
+    def tile(c):
+        return f"{c.block_m}x{c.block_n} w{c.num_warps} s{c.num_stages}"
+
+    out = {}
+    for key, chosen in T._TUNED.items():
+        times = T.TUNING_TIMES.get(key, {})
+        tried = ", ".join(f"{tile(c)}: {'failed' if ms is None else f'{ms:.3f} ms'}"
+                          for c, ms in times.items())
+        out[" ".join(str(x) for x in key)] = tile(chosen) + (f" ({tried})" if tried else "")
+    return out
 
 
 FINAL_PLAN = (

@@ -866,6 +866,10 @@ CONFIG_OVERRIDE: dict[str, Config] = {}
 #: Configurations chosen by :func:`autotune`, keyed on (kernel, D, causal, C, dtype).
 _TUNED: dict[tuple, Config] = {}
 
+#: Every candidate's median time in ms (None: failed to compile or run) from the same
+#: :func:`autotune` calls, same keys: what the choice was made from, for benchmark reports.
+TUNING_TIMES: dict[tuple, dict[Config, Optional[float]]] = {}
+
 
 def _interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
@@ -1224,6 +1228,7 @@ def autotune(kind: str, q, k, v, mask, causal, softmax_scale, dout=None, lse2=No
     sk = k.shape[1]
     c = 0 if mask is None else mask.shape[-1]
     best, best_ms = None, float("inf")
+    times = TUNING_TIMES.setdefault((kind, d, causal, c, q.dtype), {})
     for cfg in CANDIDATES[(kind, _dim_class(d))]:
         plan = make_plan(mask, causal, sq, sk, cfg.block_m, cfg.block_n, PLAN_BY_KEY[kind],
                          q.device)
@@ -1238,7 +1243,9 @@ def autotune(kind: str, q, k, v, mask, causal, softmax_scale, dout=None, lse2=No
             ms = do_bench(fn, warmup=5, rep=20, return_mode="median")
         except Exception as exc:  # out of resources: try the next candidate
             print(f"[flashmask3 autotune] {kind} {cfg} failed: {type(exc).__name__}")
+            times[cfg] = None
             continue
+        times[cfg] = ms
         if ms < best_ms:
             best, best_ms = cfg, ms
     if best is not None:

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import json
 
+import torch
+
 from benchmarks import kernel as KB
 
 
@@ -77,3 +79,33 @@ def test_skip_done_leaves_out_exactly_the_measured_cases(tmp_path):
     assert len(left) == len(KB.FINAL_PLAN) - 2
     assert ("causal_document_corpus", 32768, 128, 32, 32) in left  # the MHA row is not done
     assert left == [c for c in KB.FINAL_PLAN if c in left]
+
+
+def test_autotune_keeps_every_candidates_time_for_the_report(monkeypatch):
+    """autotune picks the fastest candidate that runs, remembers each candidate's time (None for
+    one that fails), and the benchmark's meta shows the choice with the times it came from."""
+    import triton.testing
+
+    from flashmask3.kernels import triton_flashmask as T
+
+    monkeypatch.setattr(T, "_TUNED", {})
+    monkeypatch.setattr(T, "TUNING_TIMES", {})
+    outcomes = [2.0, RuntimeError("out of shared memory"), 1.5]
+
+    def fake_do_bench(fn, **kwargs):
+        out = outcomes.pop(0)
+        if isinstance(out, Exception):
+            raise out
+        return out
+
+    monkeypatch.setattr(triton.testing, "do_bench", fake_do_bench)
+    cands = T.CANDIDATES[("fwd", 128)]
+    assert len(cands) == 3
+    q = k = v = torch.randn(1, 64, 2, 128)
+    best = T.autotune("fwd", q, k, v, None, True, 0.1)
+    key = ("fwd", 128, True, 0, torch.float32)
+    assert best == cands[2] and T._TUNED[key] == cands[2]
+    assert T.TUNING_TIMES[key] == {cands[0]: 2.0, cands[1]: None, cands[2]: 1.5}
+    shown = KB._tuned_configs()["fwd 128 True 0 torch.float32"]
+    assert shown.startswith("128x64 w8 s3 (")
+    assert "128x128 w8 s3: 2.000 ms" in shown and "128x128 w8 s2: failed" in shown
