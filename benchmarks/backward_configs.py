@@ -21,7 +21,8 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from benchmarks.kernel import TOTAL_TOKENS, bench  # noqa: E402
-from benchmarks.sweep import backward_case, run_sweep, sweep_parser  # noqa: E402
+from benchmarks.sweep import (backward_case, relative_error, run_sweep, sweep_parser,  # noqa: E402
+                              time_with_result)
 from flashmask3.kernels import triton_flashmask as T  # noqa: E402
 
 DEVICE = "cuda"
@@ -54,24 +55,11 @@ DQ = {
 }
 
 
-def _rel(a, b) -> float:
-    return ((a.float() - b.float()).norm() / b.float().norm().clamp_min(1e-30)).item()
-
-
 def _label(v) -> str:
     tag = f"{v[0]}x{v[1]}w{v[2]}s{v[3]}" + ("-smem" if v[4] else "-reg")
     if len(v) > 5:
         tag += "-split" if v[5] else "-onemask"
     return tag
-
-
-def _time(fn, flops):
-    try:
-        grads = fn()
-        ms, _ = bench(fn)
-        return dict(ms=ms, tflops=flops / (ms * 1e-3) / 1e12), grads
-    except Exception as exc:  # out of shared memory etc.: recorded, not fatal
-        return {"error": f"{type(exc).__name__}: {str(exc)[:200]}"}, None
 
 
 def run_case(name: str, s: int, d: int, dtype, dkdv, dq, heads=None) -> dict:
@@ -97,11 +85,11 @@ def run_case(name: str, s: int, d: int, dtype, dkdv, dq, heads=None) -> dict:
             patches = {"FLASHMASK3_TRITON_A_SMEM": "fwd" + ("," + kind if var[4] else "")}
             with mock.patch.dict(os.environ, patches), \
                     mock.patch.dict(T.SPLIT_UNMASKED_LOOP, {kind: var[5]} if len(var) > 5 else {}):
-                r, grads = _time(fn, flops * share)
+                r, grads = time_with_result(fn, flops * share, bench)
             if grads is not None and ref is None:
                 ref = grads
             elif grads is not None:
-                r["rel_err_vs_first"] = max(_rel(a, b) for a, b in zip(grads, ref))
+                r["rel_err_vs_first"] = max(relative_error(a, b) for a, b in zip(grads, ref))
             rec[kind][_label(var)] = r
     return rec
 

@@ -24,16 +24,13 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from benchmarks.kernel import TOTAL_TOKENS, bench  # noqa: E402
-from benchmarks.sweep import backward_case, run_sweep, sweep_parser  # noqa: E402
+from benchmarks.sweep import (backward_case, relative_error, run_sweep, sweep_parser,  # noqa: E402
+                              time_with_result)
 from flashmask3.kernels import triton_flashmask as T  # noqa: E402
 
 DEVICE = "cuda"
 MASKS = ["causal", "full", "causal_document_corpus", "causal_document_short", "document_corpus",
          "sliding_window", "global_sliding_window", "shared_question", "prefix_lm", "random_eviction"]
-
-
-def _rel(a, b) -> float:
-    return ((a.float() - b.float()).norm() / b.float().norm().clamp_min(1e-30)).item()
 
 
 def _variants(d: int):
@@ -58,25 +55,16 @@ def run_case(name: str, s: int, d: int, hq: int, hk: int, dtype) -> dict:
         a_smem_env = {"FLASHMASK3_TRITON_A_SMEM": "fwd" + ("," + a_smem if a_smem else "")}
         with T.use_backward(mode), mock.patch.dict(os.environ, a_smem_env), \
                 mock.patch.dict(T.CONFIG_OVERRIDE, overrides):
-            r, grads = _time_variant(dout, q, k, v, out, lse, cols, causal, scale, flops)
+            r, grads = time_with_result(
+                lambda: T.backward(dout, None, q, k, v, out, lse, cols, causal, scale), flops,
+                bench)
         if grads is not None and ref is None:
             ref = grads
         elif grads is not None:
-            r["rel_err_vs_split"] = [_rel(a, b) for a, b in zip(grads, ref)]
+            r["rel_err_vs_split"] = [relative_error(a, b) for a, b in zip(grads, ref)]
         rec["variants"][label] = r
     rec["split_parts_ms"] = _split_parts(q, k, v, out, lse, dout, cols, causal, scale)
     return rec
-
-
-def _time_variant(dout, q, k, v, out, lse, cols, causal, scale, flops):
-    """(time and TFLOP/s, gradients) of the backward as configured now; an error (out of
-    shared memory etc.) is recorded instead, with no gradients."""
-    try:
-        grads = T.backward(dout, None, q, k, v, out, lse, cols, causal, scale)
-        ms, _ = bench(lambda: T.backward(dout, None, q, k, v, out, lse, cols, causal, scale))
-        return dict(ms=ms, tflops=flops / (ms * 1e-3) / 1e12), grads
-    except Exception as exc:
-        return {"error": f"{type(exc).__name__}: {str(exc)[:200]}"}, None
 
 
 def _split_parts(q, k, v, out, lse, dout, cols, causal, scale) -> dict:

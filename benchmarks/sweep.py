@@ -59,6 +59,24 @@ def backward_case(name: str, s: int, d: int, hq: int, hk: int, dtype, *, device:
                         flops)
 
 
+def relative_error(a: torch.Tensor, b: torch.Tensor) -> float:
+    """‖a − b‖ / ‖b‖ in fp32: how far a variant's gradient is from the reference's."""
+    return ((a.float() - b.float()).norm() / b.float().norm().clamp_min(1e-30)).item()
+
+
+def time_with_result(fn: Callable[[], tuple], flops: float,
+                     bench: Callable) -> tuple[dict, Optional[tuple]]:
+    """(ms and TFLOP/s, ``fn()``'s tensors) of one configured kernel call timed with ``bench``
+    (``benchmarks.kernel.bench``'s contract); an error (out of shared memory etc.) is recorded
+    instead, with no tensors, so one failing variant does not end the sweep."""
+    try:
+        result = fn()
+        ms, _ = bench(fn)
+        return dict(ms=ms, tflops=flops / (ms * 1e-3) / 1e12), result
+    except Exception as exc:
+        return {"error": f"{type(exc).__name__}: {str(exc)[:200]}"}, None
+
+
 def sweep_parser(description: str, masks: list[str]) -> argparse.ArgumentParser:
     """--masks, --seqlen, --dims, --budget-s, --out (a script adds its own checks)."""
     ap = argparse.ArgumentParser(description=description)
