@@ -154,6 +154,7 @@ def main(argv=None) -> int:
     env = run_environment(device)
     report = {"date": env["date"], "device": env.get("gpu", "cpu"), "torch": env["torch"],
               "triton": env["triton"] or "not installed", "command": env["command"],
+              "commit": env["commit"],
               "steps": args.steps, "warmup": args.warmup, "runs": []}
     t_start = time.perf_counter()
     for seq_len in seq_lens:
@@ -231,7 +232,7 @@ def _add_speedups(report: dict) -> None:
 def markdown(report: dict) -> str:
     lines = [f"# End-to-end training throughput ({report['device']}, {report['date']})", "",
              f"torch {report['torch']}, triton {report.get('triton', '?')}; command: "
-             f"`{report.get('command', '?')}`", ""] + (
+             f"`{report.get('command', '?')}` (commit {report.get('commit') or '?'})", ""] + (
                  [f"Note: {report['note']}", ""] if report.get("note") else []) + [
              f"{report.get('model', '')}, bf16 autocast on GPU, "
              "activation checkpointing, AdamW; default corpus, causal document mask; "

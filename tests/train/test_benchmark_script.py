@@ -34,4 +34,6 @@ def test_toy_benchmark_reports_all_backends(tmp_path):
     # same data and init for every backend: the losses agree
     assert abs(runs[(128, "flashmask3")]["losses"][0] - runs[(128, "sdpa")]["losses"][0]) < 1e-4
     assert "128" in report["speedup_vs_sdpa"]
-    assert "| 256 | sdpa |" in (tmp_path / "train_cpu_toy.md").read_text()
+    md = (tmp_path / "train_cpu_toy.md").read_text()
+    assert "| 256 | sdpa |" in md
+    assert report["commit"] and f"(commit {report['commit']})" in md  # this checkout's HEAD
