@@ -837,18 +837,19 @@ class Config:
 
 
 #: Default configurations per (kernel, head dim) on Hopper, and the candidates that
-#: :func:`autotune` times. The D=128 backward entries are the measured winners of
-#: benchmarks/backward_configs.py (NOTES.md v4); the others come from the compiler's register
-#: report (benchmarks/NOTES.md) and the usual FlashAttention shapes on sm_90.
+#: :func:`autotune` times. The D=128 and D=64 backward entries are the measured winners of
+#: benchmarks/backward_configs.py (NOTES.md v4, v5.1), the D=64 forward the autotuner's pick on
+#: all four mask layouts (results/kernel_v5_d64_256.json); the others come from the compiler's
+#: register report (benchmarks/NOTES.md) and the usual FlashAttention shapes on sm_90.
 CANDIDATES: dict[tuple[str, int], list[Config]] = {
-    ("fwd", 64): [Config(128, 128, 8, 3), Config(128, 64, 4, 3)],
+    ("fwd", 64): [Config(128, 64, 4, 3), Config(128, 128, 8, 3)],
     ("fwd", 128): [Config(128, 128, 8, 3), Config(128, 128, 8, 2), Config(128, 64, 8, 3)],
     ("fwd", 256): [Config(128, 32, 8, 2), Config(64, 64, 4, 2)],
-    ("dkdv", 64): [Config(64, 128, 8, 3), Config(32, 64, 4, 3), Config(64, 64, 4, 2)],
+    ("dkdv", 64): [Config(64, 64, 4, 2), Config(32, 64, 4, 3), Config(64, 128, 8, 3)],
     ("dkdv", 128): [Config(32, 64, 4, 3), Config(64, 128, 8, 2), Config(32, 64, 4, 2)],
     ("dkdv", 256): [Config(64, 64, 8, 2), Config(32, 64, 8, 2)],
-    ("dq", 64): [Config(128, 64, 8, 3), Config(128, 128, 8, 2)],
-    ("dq", 128): [Config(128, 64, 8, 3), Config(128, 128, 8, 2)],
+    ("dq", 64): [Config(64, 64, 4, 3), Config(128, 128, 8, 3), Config(128, 64, 8, 3)],
+    ("dq", 128): [Config(128, 64, 8, 3), Config(128, 128, 8, 2), Config(64, 64, 4, 2)],
     ("dq", 256): [Config(64, 64, 8, 2), Config(64, 32, 4, 2)],
     # the fused backward (dK/dV kernel that also reduce-adds dQ): dQ tiles are BLOCK_M x D fp32
     # (sm_90 compiler report: 128x64 at D=128 needs 242 KB of shared memory; 64x128 spills)
