@@ -80,7 +80,7 @@ def run_case(name: str, s: int, d: int, dtype, dkdv, dq, heads=None) -> dict:
             plan = T.make_plan(cols, causal, s, s, cfg.block_m, cfg.block_n, T.PLAN_BY_KEY[kind],
                                q.device)
             if kind == "dkdv":
-                fn = lambda: T._launch_dkdv(q, k, v, dout, lse2, delta, causal, scale, cfg, plan)[:2]  # noqa: E731,E501
+                fn = lambda: T._launch_dkdv_tl(q, k, v, dout, lse2, delta, causal, scale, cfg, plan)[:2]  # noqa: E731,E501
             else:
                 fn = lambda: (T._launch_dq(q, k, v, dout, lse2, delta, causal, scale, cfg, plan),)  # noqa: E731,E501
             patches = {"FLASHMASK3_TRITON_A_SMEM": "fwd" + ("," + kind if var[4] else "")}

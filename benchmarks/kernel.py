@@ -33,6 +33,7 @@ import math
 import os
 import sys
 import time
+from unittest import mock
 
 import torch
 
@@ -314,12 +315,14 @@ def mask_bytes(mask, causal, s, d, dtype) -> int:
 
 
 #: flashmask3 timed again in the same run with one kernel option changed:
-#: impl name -> (short label, backward mode, SPLIT_UNMASKED_LOOP entries changed).
+#: impl name -> (short label, backward mode, SPLIT_UNMASKED_LOOP entries changed, environment).
 #: ``masked``: every kernel visits UNMASKED tiles in its masked loop (the v3 loops), the A/B
-#: for the mask-free loops that are on by default since v5.
+#: for the mask-free loops that are on by default since v5. ``tl-dkdv``: the tl dK/dV kernel
+#: where the Gluon one is the default (v6).
 FLASHMASK_VARIANTS = {
-    "flashmask3_fused": ("fused", "fused", {}),
-    "flashmask3_masked": ("masked", "split", {"fwd": False, "dkdv": False, "dq": False}),
+    "flashmask3_fused": ("fused", "fused", {}, {}),
+    "flashmask3_masked": ("masked", "split", {"fwd": False, "dkdv": False, "dq": False}, {}),
+    "flashmask3_tl_dkdv": ("tl-dkdv", "split", {}, {"FLASHMASK3_TRITON_DKDV": "tl"}),
 }
 
 
@@ -335,11 +338,11 @@ def flashmask_variant(impl_name: str):
     :data:`FLASHMASK_VARIANTS` entry; restored afterwards."""
     from flashmask3.kernels import triton_flashmask as T
 
-    _, backward, loops = FLASHMASK_VARIANTS.get(impl_name, ("", "split", {}))
+    _, backward, loops, env = FLASHMASK_VARIANTS.get(impl_name, ("", "split", {}, {}))
     old = dict(T.SPLIT_UNMASKED_LOOP)
     T.SPLIT_UNMASKED_LOOP.update(loops)
     try:
-        with T.use_backward(backward):
+        with T.use_backward(backward), mock.patch.dict(os.environ, env):
             yield
     finally:
         T.SPLIT_UNMASKED_LOOP.clear()
@@ -480,9 +483,11 @@ def markdown(results: list[dict], meta: dict) -> str:
               "A operands through TMA + new forward configs, v3 = opt-in fused backward (not in a table run), "
               "v4 = dK/dV loop without mask code over UNMASKED runs + measured backward configs, v4.1 = v4 "
               "timed against the v5 loops in one run, v5 = the same mask-free loop in the forward and dQ "
-              "kernels too; a "
+              "kernels too, v5.1 = measured D=64 and D=256 backward defaults, v6 = the Gluon dK/dV "
+              "kernel at D=128; a "
               "later run of a case replaces an earlier one). `variants`: flashmask3 timed again in the "
               "same run with one option changed (`fused` backward; `masked`: no mask-free loops; "
+              "`tl-dkdv`: the tl dK/dV kernel instead of the Gluon one; "
               "`maskfree`, in v4.1 rows: the v5 loops), f+b ms and Flex / variant.", ""]
     hdr = ("| ver | D | Hq:Hk | mask | S | docs | density | fm fwd | fm bwd | fm f+b | fm TF f/f+b | flex f+b | "
            "x flex | variants f+b (x flex) | cuDNN f+b | flash f+b | varlen f+b | dense f+b | prep ms | "
@@ -686,7 +691,7 @@ def main(argv=None) -> int:
     ap.add_argument("--skip-done", nargs="*", default=[], metavar="JSON",
                     help="leave out the cases these earlier kernel_*.json files measured "
                          "(continue a run that its --budget-s cut short)")
-    ap.add_argument("--kernel-version", default="v5")
+    ap.add_argument("--kernel-version", default="v6")
     ap.add_argument("--report", nargs="*", help="JSON files to merge into kernel.{json,md,png}")
     args = ap.parse_args(argv)
     if args.report:

@@ -846,11 +846,12 @@ CANDIDATES: dict[tuple[str, int], list[Config]] = {
     ("fwd", 128): [Config(128, 128, 8, 3), Config(128, 128, 8, 2), Config(128, 64, 8, 3)],
     ("fwd", 256): [Config(128, 32, 8, 2), Config(64, 64, 4, 2)],
     ("dkdv", 64): [Config(64, 64, 4, 2), Config(32, 64, 4, 3), Config(64, 128, 8, 3)],
-    ("dkdv", 128): [Config(32, 64, 4, 3), Config(64, 128, 8, 2), Config(32, 64, 4, 2)],
+    ("dkdv", 128): [Config(32, 64, 4, 3), Config(32, 128, 8, 3), Config(32, 64, 4, 2),
+                    Config(64, 128, 8, 2)],
     ("dkdv", 256): [Config(64, 64, 8, 2), Config(32, 64, 8, 2)],
     ("dq", 64): [Config(64, 64, 4, 3), Config(128, 128, 8, 3), Config(128, 64, 8, 3)],
     ("dq", 128): [Config(128, 64, 8, 3), Config(128, 128, 8, 2), Config(64, 64, 4, 2)],
-    ("dq", 256): [Config(64, 64, 8, 2), Config(64, 32, 4, 2)],
+    ("dq", 256): [Config(128, 32, 8, 2), Config(64, 64, 8, 2), Config(64, 32, 4, 2)],
     # the fused backward (dK/dV kernel that also reduce-adds dQ): dQ tiles are BLOCK_M x D fp32
     # (sm_90 compiler report: 128x64 at D=128 needs 242 KB of shared memory; 64x128 spills)
     ("fused", 64): [Config(64, 128, 8, 2), Config(64, 64, 8, 2)],
@@ -909,6 +910,10 @@ def _use_tma(x: torch.Tensor) -> bool:
 #: registers are faster in both backward kernels (v2 backward was ~10% slower).
 #: Override with FLASHMASK3_TRITON_A_SMEM="fwd,dkdv,dq" (a comma list of kernels) for experiments.
 A_OPERAND_IN_SMEM = {"fwd": True, "dkdv": False, "dq": False, "fused": False}
+#: Exceptions to :data:`A_OPERAND_IN_SMEM` per (kernel, head-dim class): the D=256 dQ kernel's
+#: 128x32 tile needs Q, dO in shared memory (128 registers per thread otherwise) and is 1.7x
+#: faster than the 64x64 one with them in registers (results/backward_configs_d256.md).
+A_OPERAND_IN_SMEM_BY_DIM = {("dq", 256): True}
 
 #: Whether a kernel visits each live range's run of UNMASKED tiles in a separate loop compiled
 #: without mask code. On for every kernel: measured on the H200 (NOTES.md v4 for dK/dV, v5 for
@@ -916,11 +921,11 @@ A_OPERAND_IN_SMEM = {"fwd": True, "dkdv": False, "dq": False, "fused": False}
 SPLIT_UNMASKED_LOOP = {"fwd": True, "dkdv": True, "fused": True, "dq": True}
 
 
-def _a_smem(kind: str) -> bool:
+def _a_smem(kind: str, d: int) -> bool:
     env = os.environ.get("FLASHMASK3_TRITON_A_SMEM")
     if env is not None:
         return kind in env.split(",")
-    return A_OPERAND_IN_SMEM[kind]
+    return A_OPERAND_IN_SMEM_BY_DIM.get((kind, _dim_class(d)), A_OPERAND_IN_SMEM[kind])
 
 
 #: The backward used when neither torch's deterministic mode nor FLASHMASK3_TRITON_BWD decide:
@@ -1081,12 +1086,12 @@ def _launch_fwd(q, k, v, mask, causal, softmax_scale, cfg: Config, plan: Plan):
     tma = _use_tma(q)
     k_desc = _desc(k.view(b * sk, hk * d), cfg.block_n, d) if tma else None
     v_desc = _desc(v.view(b * sk, hk * d), cfg.block_n, d) if tma else None
-    q_desc = _desc(q.view(b * sq, hq * d), cfg.block_m, d) if tma and _a_smem("fwd") else None
+    q_desc = _desc(q.view(b * sq, hq * d), cfg.block_m, d) if tma and _a_smem("fwd", d) else None
     _fwd_kernel[(nqb, b * hq)](
         q, k, v, out, lse, plan.mask, plan.summary, plan.ranges, k_desc, v_desc, q_desc,
         softmax_scale * LOG2E, sq, sk, hq, hk, plan.hm, nqb, nkb, plan.mask_b_stride,
         D=d, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, CAUSAL=causal, C=plan.c, NI=plan.ni,
-        USE_TMA=tma, PREC=_dot_precision(q.dtype), A_SMEM=_a_smem("fwd"),
+        USE_TMA=tma, PREC=_dot_precision(q.dtype), A_SMEM=_a_smem("fwd", d),
         SPLIT_UNMASKED=SPLIT_UNMASKED_LOOP["fwd"], num_warps=cfg.num_warps,
         num_stages=cfg.num_stages)
     return out, lse
@@ -1127,9 +1132,53 @@ def _bwd_pre(out, dout, lse, dlse):
     return delta, lse2
 
 
+#: Head dims at which the split backward's dK/dV runs the Gluon kernel on Hopper
+#: (flashmask3/kernels/gluon_dkdv.py; measured 1.08-1.21x faster than the tl kernel at D=128,
+#: NOTES.md v6). Elsewhere, and for the fused backward, the tl kernel.
+GLUON_DKDV_DIMS = (128,)
+
+
+def _dkdv_impl(q: torch.Tensor, cfg: Config) -> str:
+    """"gluon" or "tl": the kernel the split backward's dK/dV launch uses. Env
+    FLASHMASK3_TRITON_DKDV=tl forces the tl kernel, =gluon the Gluon one wherever it can run
+    (Hopper, TMA, a config with block_n == 16 * num_warps)."""
+    env = os.environ.get("FLASHMASK3_TRITON_DKDV", "").strip()
+    if env not in ("", "tl", "gluon"):
+        raise ValueError(f"FLASHMASK3_TRITON_DKDV must be 'tl' or 'gluon', got {env!r}")
+    if env == "tl" or _interpreting() or not _use_tma(q) or not q.is_cuda:
+        return "tl"
+    if torch.cuda.get_device_capability(q.device)[0] != 9:
+        return "tl"  # wgmma is sm_90 only
+    if env != "gluon" and q.shape[-1] not in GLUON_DKDV_DIMS:
+        return "tl"
+    from . import gluon_dkdv
+
+    if gluon_dkdv.unavailable_reason() is not None:
+        return "tl"
+    try:
+        gluon_dkdv.check_config(q.shape[-1], cfg.block_m, cfg.block_n, cfg.num_warps,
+                                cfg.num_stages)
+    except ValueError:
+        return "tl"
+    return "gluon"
+
+
 def _launch_dkdv(q, k, v, dout, lse2, delta, causal, softmax_scale, cfg: Config, plan: Plan,
                  fuse_dq: bool = False):
-    """dK, dV (and, with ``fuse_dq``, the unscaled fp32 dQ accumulated by atomics; else None)."""
+    """dK, dV (and, with ``fuse_dq``, the unscaled fp32 dQ accumulated by atomics; else None):
+    the Gluon kernel where :func:`_dkdv_impl` picks it, else the tl kernel."""
+    if not fuse_dq and _dkdv_impl(q, cfg) == "gluon":
+        from .gluon_dkdv import launch_dkdv_gluon
+
+        dk, dv = launch_dkdv_gluon(q, k, v, dout, lse2, delta, causal, softmax_scale, plan,
+                                   cfg.block_m, cfg.block_n, cfg.num_warps, cfg.num_stages)
+        return dk, dv, None
+    return _launch_dkdv_tl(q, k, v, dout, lse2, delta, causal, softmax_scale, cfg, plan, fuse_dq)
+
+
+def _launch_dkdv_tl(q, k, v, dout, lse2, delta, causal, softmax_scale, cfg: Config, plan: Plan,
+                    fuse_dq: bool = False):
+    """The tl dK/dV kernel (see :func:`_launch_dkdv`)."""
     b, sq, hq, d = q.shape
     _, sk, hk, _ = k.shape
     kind = "fused" if fuse_dq else "dkdv"
@@ -1141,15 +1190,15 @@ def _launch_dkdv(q, k, v, dout, lse2, delta, causal, softmax_scale, cfg: Config,
     dq_tma = fuse_dq and tma and not _interpreting()  # the interpreter has no TMA reduce
     q_desc = _desc(q.view(b * sq, hq * d), cfg.block_m, d) if tma else None
     do_desc = _desc(dout.view(b * sq, hq * d), cfg.block_m, d) if tma else None
-    k_desc = _desc(k.view(b * sk, hk * d), cfg.block_n, d) if tma and _a_smem(kind) else None
-    v_desc = _desc(v.view(b * sk, hk * d), cfg.block_n, d) if tma and _a_smem(kind) else None
+    k_desc = _desc(k.view(b * sk, hk * d), cfg.block_n, d) if tma and _a_smem(kind, d) else None
+    v_desc = _desc(v.view(b * sk, hk * d), cfg.block_n, d) if tma and _a_smem(kind, d) else None
     dq_desc = _desc(dq_acc.view(b * sq, hq * d), cfg.block_m, d) if dq_tma else None
     _dkdv_kernel[(nkb, b * hk)](
         q, k, v, dout, dk, dv, lse2, delta, plan.mask, plan.summary, plan.ranges, q_desc, do_desc,
         k_desc, v_desc, dq_acc if fuse_dq else dk, dq_desc,  # (dk: an unused placeholder)
         softmax_scale, softmax_scale * LOG2E, sq, sk, hq, hk, plan.hm, nqb, nkb,
         plan.mask_b_stride, D=d, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, CAUSAL=causal,
-        C=plan.c, NI=plan.ni, USE_TMA=tma, PREC=_dot_precision(q.dtype), A_SMEM=_a_smem(kind),
+        C=plan.c, NI=plan.ni, USE_TMA=tma, PREC=_dot_precision(q.dtype), A_SMEM=_a_smem(kind, d),
         FUSE_DQ=fuse_dq, DQ_TMA=dq_tma, SPLIT_UNMASKED=SPLIT_UNMASKED_LOOP[kind],
         num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     return dk, dv, dq_acc
@@ -1163,14 +1212,14 @@ def _launch_dq(q, k, v, dout, lse2, delta, causal, softmax_scale, cfg: Config, p
     tma = _use_tma(q)
     k_desc = _desc(k.view(b * sk, hk * d), cfg.block_n, d) if tma else None
     v_desc = _desc(v.view(b * sk, hk * d), cfg.block_n, d) if tma else None
-    q_desc = _desc(q.view(b * sq, hq * d), cfg.block_m, d) if tma and _a_smem("dq") else None
-    do_desc = _desc(dout.view(b * sq, hq * d), cfg.block_m, d) if tma and _a_smem("dq") else None
+    q_desc = _desc(q.view(b * sq, hq * d), cfg.block_m, d) if tma and _a_smem("dq", d) else None
+    do_desc = _desc(dout.view(b * sq, hq * d), cfg.block_m, d) if tma and _a_smem("dq", d) else None
     _dq_kernel[(nqb, b * hq)](
         q, k, v, dout, dq, lse2, delta, plan.mask, plan.summary, plan.ranges, k_desc, v_desc,
         q_desc, do_desc,
         softmax_scale, softmax_scale * LOG2E, sq, sk, hq, hk, plan.hm, nqb, nkb,
         plan.mask_b_stride, D=d, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, CAUSAL=causal,
-        C=plan.c, NI=plan.ni, USE_TMA=tma, PREC=_dot_precision(q.dtype), A_SMEM=_a_smem("dq"),
+        C=plan.c, NI=plan.ni, USE_TMA=tma, PREC=_dot_precision(q.dtype), A_SMEM=_a_smem("dq", d),
         SPLIT_UNMASKED=SPLIT_UNMASKED_LOOP["dq"], num_warps=cfg.num_warps,
         num_stages=cfg.num_stages)
     return dq

@@ -55,7 +55,7 @@ def compile_one(kind: str, d: int, cfg: K.Config, causal: bool, c: int, dtype: s
     """Compile one kernel variant for sm_90 and return its resource report."""
     ni = K._num_intervals(causal, c)
     common = dict(D=d, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, CAUSAL=causal, C=c, NI=ni,
-                  USE_TMA=tma, PREC="tf32", A_SMEM=K._a_smem(kind),
+                  USE_TMA=tma, PREC="tf32", A_SMEM=K._a_smem(kind, d),
                   SPLIT_UNMASKED=K.SPLIT_UNMASKED_LOOP[kind])
     if kind == "fwd":
         kernel = K._fwd_kernel

@@ -1,0 +1,399 @@
+"""A/B of the Gluon dK/dV kernel against the ``tl`` dK/dV kernel (one H200, one process).
+
+Two parts, both comparing the Gluon dK, dV with the ``tl`` kernel's on the same inputs (the
+``tl`` kernel at its default configuration, ``_config("dkdv", ...)``, and its own plan):
+
+1. a small-shape correctness pass: S=1000 with every (causal, C) mask layout, random column
+   intervals (so PARTIAL and SKIP tiles inside ranges occur), GQA, Hm in {1, Hk, Hq}, Sq != Sk
+   (Sq=777, Sk=1000), fp16 once, D=64 once;
+2. timing at bf16, D=128, S=32768, B*S = 128K tokens (B=4, Hq=Hk=32) on the benchmark masks,
+   plus GQA cases (Hq=32, Hk=8): median ms of ``triton.testing.do_bench`` and TFLOP/s (the
+   project convention, 4/5 of the DESIGN.md backward FLOPs, and the hardware rate of the live
+   tiles each kernel visits at its own tile shape: 4 matmuls of 2*BM*BN*D per tile).
+
+Every Gluon case is wrapped so a compile or runtime error is recorded (traceback printed) and
+the rest still runs; a relative error (||a-b||/||b||) above 2e-2 is a FAIL. No new case starts
+after ``--budget-s`` seconds; a case running longer than CASE_TIMEOUT_S is taken for a hang (an
+mbarrier wait that never completes cannot be caught): faulthandler prints the stacks and ends
+the process, and the JSON keeps every case before it. Timed configs: ``--configs`` (label
+``BMxBNwWsS``, suffix ``d`` = the DEFER_DK variant). Writes ``$OUT/gluon_dkdv_ab.json`` (OUT
+defaults to /tmp) after every case; exits 1 when any case failed or errored::
+
+    PYTHONPATH=. python benchmarks/gluon_dkdv_ab.py --budget-s 240
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import faulthandler
+import json
+import math
+import os
+import sys
+import time
+import traceback
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from flashmask3.kernels import gluon_dkdv as G  # noqa: E402
+from flashmask3.kernels import triton_flashmask as T  # noqa: E402
+
+REL_TOL = 2e-2
+#: A case that takes longer than this is taken for a hang (e.g. an mbarrier wait that never
+#: completes): faulthandler prints every thread's stack and ends the process; the JSON written
+#: after the previous case stays.
+CASE_TIMEOUT_S = 150
+TOTAL_TOKENS = 131072
+#: Gluon configurations timed at D=128: (block_m, block_n, num_warps, num_stages). (Session 6
+#: also timed a variant that left dK in flight under the next tile: 0-2% slower, removed.)
+TIMED_CONFIGS = [(32, 64, 4, 3), (16, 64, 4, 3), (32, 128, 8, 3)]
+#: Checked for correctness on every small case ...
+SMALL_CONFIGS = [(32, 64, 4, 3), (32, 128, 8, 3)]
+#: ... and these on the first two only (a spilling 64x64, BM=16, 2 stages, 8 warps 64x128).
+EXTRA_SMALL_CONFIGS = [(64, 64, 4, 2), (16, 64, 4, 3), (32, 64, 4, 2), (64, 128, 8, 2)]
+#: (mask, Hq, Hk) in the order they run (the budget may cut the tail).
+TIMED_CASES = [("causal", 32, 32), ("causal_document_corpus", 32, 32), ("causal", 32, 8),
+               ("document_corpus", 32, 32), ("sliding_window", 32, 32),
+               ("shared_question", 32, 32), ("full", 32, 32), ("causal_document_corpus", 32, 8)]
+
+
+def _label(cfg) -> str:
+    return "{}x{}w{}s{}".format(*cfg[:4])
+
+
+def _parse(label: str) -> tuple:
+    return tuple(int(x) for x in label.replace("x", " ").replace("w", " ").replace("s", " ").split())
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a.float() - b.float()).norm() / b.float().norm().clamp_min(1e-30)).item()
+
+
+def _compare(gl_out, tl_out) -> dict:
+    """Max abs and relative errors of dK, dV (Gluon against tl)."""
+    res = {}
+    for name, a, b in zip(("dk", "dv"), gl_out, tl_out):
+        res[f"{name}_max_abs"] = (a.float() - b.float()).abs().max().item()
+        res[f"{name}_rel"] = _rel(a, b)
+        res[f"{name}_finite"] = bool(torch.isfinite(a).all().item())
+    res["ok"] = (res["dk_rel"] <= REL_TOL and res["dv_rel"] <= REL_TOL and res["dk_finite"]
+                 and res["dv_finite"])
+    return res
+
+
+# ---------------------------------------------------------------------------------------------
+# Inputs
+# ---------------------------------------------------------------------------------------------
+
+
+def _random_mask(b, hm, sq, sk, c, causal, gen, device):
+    """Random column intervals of one (causal, C) layout, values in [0, Sq] (DESIGN.md §1)."""
+    if c == 0:
+        return None
+
+    def rnd():
+        return torch.randint(0, sq + 1, (b, hm, sk), generator=gen, device="cpu")
+
+    if c == 1:
+        cols = [rnd()]
+    elif causal:  # [LTS, LTE)
+        x, y = rnd(), rnd()
+        cols = [torch.minimum(x, y), torch.maximum(x, y)]
+    elif c == 2:  # LTS, UTE with UTE <= LTS
+        x, y = rnd(), rnd()
+        cols = [torch.maximum(x, y), torch.minimum(x, y)]
+    else:  # [LTS, LTE), [UTS, UTE)
+        x, y, z, w = (rnd() for _ in range(4))
+        cols = [torch.minimum(x, y), torch.maximum(x, y), torch.minimum(z, w), torch.maximum(z, w)]
+    return torch.stack(cols, dim=-1).to(torch.int32).to(device)
+
+
+def _inputs(b, sq, sk, hq, hk, d, dtype, cols, causal, seed):
+    """Q, K, V, dO (seeded randn), the tl forward's LSE, and the backward pre-pass."""
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    q = torch.randn(b, sq, hq, d, device="cuda", dtype=dtype, generator=g)
+    k = torch.randn(b, sk, hk, d, device="cuda", dtype=dtype, generator=g)
+    v = torch.randn(b, sk, hk, d, device="cuda", dtype=dtype, generator=g)
+    dout = torch.randn(b, sq, hq, d, device="cuda", dtype=dtype, generator=g)
+    scale = 1 / math.sqrt(d)
+    out, lse = T.forward(q, k, v, cols, causal, scale)
+    delta, lse2 = T._bwd_pre(out, dout, lse, None)
+    return q, k, v, dout, lse2, delta, scale
+
+
+def _tl_dkdv(q, k, v, dout, lse2, delta, cols, causal, scale):
+    """The reference: the tl kernel at its default configuration, and that configuration."""
+    sq, sk, d = q.shape[1], k.shape[1], q.shape[-1]
+    c = 0 if cols is None else cols.shape[-1]
+    cfg = T._config("dkdv", d, causal, c, q.dtype)
+    plan = T.make_plan(cols, causal, sq, sk, cfg.block_m, cfg.block_n, True, q.device)
+    fn = lambda: T._launch_dkdv_tl(q, k, v, dout, lse2, delta, causal, scale, cfg, plan)[:2]  # noqa: E731
+    return fn, (cfg.block_m, cfg.block_n, cfg.num_warps, cfg.num_stages), plan
+
+
+def _gluon_dkdv(q, k, v, dout, lse2, delta, cols, causal, scale, cfg):
+    sq, sk = q.shape[1], k.shape[1]
+    bm, bn, w, s = cfg
+    plan = T.make_plan(cols, causal, sq, sk, bm, bn, True, q.device)
+    fn = lambda: G.launch_dkdv_gluon(q, k, v, dout, lse2, delta, causal, scale, plan, bm, bn, w, s)  # noqa: E731,E501
+    return fn, plan
+
+
+# ---------------------------------------------------------------------------------------------
+# Live tiles (hardware FLOPs)
+# ---------------------------------------------------------------------------------------------
+
+
+def live_tiles(plan, causal, b, sq, sk, hq, bm, bn) -> int:
+    """Query tiles visited over all key blocks, batches and query heads for one plan."""
+    nqb, nkb = -(-sq // bm), -(-sk // bn)
+    if plan.c == 0:
+        if not causal:
+            per_bh = nqb * nkb
+        else:
+            per_bh = 0
+            for n in range(nkb):
+                first_row = n * bn - (sk - sq)
+                per_bh += nqb - min(max(first_row, 0) // bm, nqb)
+        return per_bh * b * hq
+    r = plan.ranges.view(-1, nkb, 8).long()
+    per_mask_bh = ((r[..., 1] - r[..., 0]).clamp_min(0) + (r[..., 3] - r[..., 2]).clamp_min(0)).sum(1)
+    bm_rows = per_mask_bh.numel() // plan.hm
+    total = int(per_mask_bh.sum().item()) * (hq // plan.hm)
+    return total * (b if bm_rows == 1 and b > 1 else 1)
+
+
+def tile_flops(tiles, bm, bn, d) -> float:
+    return 4 * 2.0 * bm * bn * d * tiles
+
+
+# ---------------------------------------------------------------------------------------------
+# Part 1: small shapes
+# ---------------------------------------------------------------------------------------------
+
+#: (name, B, Sq, Sk, Hq, Hk, Hm, D, dtype, causal, C)
+SMALL_CASES = (
+    [(f"s1000_causal{int(cz)}_C{c}", 2, 1000, 1000, 4, 2, 2, 128, torch.bfloat16, cz, c)
+     for cz, c in ((True, 0), (False, 0), (True, 1), (True, 2), (False, 2), (False, 4))]
+    + [(f"s777x1000_causal0_C{c}", 2, 777, 1000, 4, 4, 1, 128, torch.bfloat16, False, c)
+       for c in (0, 2, 4)]
+    + [("s777x1000_causal1_C1", 2, 777, 1000, 4, 4, 4, 128, torch.bfloat16, True, 1),
+       ("s1000_hm_hq_gqa4", 1, 1000, 1000, 8, 2, 8, 128, torch.bfloat16, False, 4),
+       ("s1000_fp16_causal1_C2", 2, 1000, 1000, 4, 2, 1, 128, torch.float16, True, 2),
+       ("s1000_d64_causal0_C2", 2, 1000, 1000, 4, 2, 2, 64, torch.bfloat16, False, 2)]
+)
+
+
+def small_pass(records, deadline, out_path):
+    """Correctness of every Gluon config (that applies to D) against tl on small shapes."""
+    for i, (name, b, sq, sk, hq, hk, hm, d, dtype, causal, c) in enumerate(SMALL_CASES):
+        if time.time() > deadline:
+            records.append(dict(part="small", case=name, skipped="budget"))
+            continue
+        _arm_watchdog(f"small {name}")
+        gen = torch.Generator().manual_seed(100 + i)
+        cols = _random_mask(b, hm, sq, sk, c, causal, gen, "cuda")
+        rec = dict(part="small", case=name, B=b, Sq=sq, Sk=sk, Hq=hq, Hk=hk, Hm=hm, D=d,
+                   dtype=str(dtype), causal=causal, C=c, gluon={})
+        try:
+            q, k, v, dout, lse2, delta, scale = _inputs(b, sq, sk, hq, hk, d, dtype, cols, causal,
+                                                        seed=7 + i)
+            tl_fn, tl_cfg, _ = _tl_dkdv(q, k, v, dout, lse2, delta, cols, causal, scale)
+            ref = tl_fn()
+            rec["tl_config"] = _label(tl_cfg)
+        except Exception:
+            rec["error"] = traceback.format_exc()
+            print(rec["error"], flush=True)
+            records.append(rec)
+            continue
+        cfgs = SMALL_CONFIGS + (EXTRA_SMALL_CONFIGS if i < 2 else [])
+        if d != 128:
+            cfgs = [tuple(dataclasses.astuple(T.CANDIDATES[("dkdv", d)][0]))]
+        for cfg in cfgs:
+            try:
+                fn, _ = _gluon_dkdv(q, k, v, dout, lse2, delta, cols, causal, scale, cfg)
+                res = _compare(fn(), ref)
+                torch.cuda.synchronize()
+            except Exception:
+                res = dict(ok=False, error=traceback.format_exc())
+                print(f"[{name} {_label(cfg)}]\n{res['error']}", flush=True)
+            rec["gluon"][_label(cfg)] = res
+            print(f"small {name:28s} {_label(cfg):12s} "
+                  + ("ERROR" if "error" in res else
+                     f"dk rel {res['dk_rel']:.2e} max {res['dk_max_abs']:.2e}  "
+                     f"dv rel {res['dv_rel']:.2e} max {res['dv_max_abs']:.2e}  "
+                     + ("ok" if res["ok"] else "FAIL")), flush=True)
+        records.append(rec)
+        _write(out_path, records)
+
+
+# ---------------------------------------------------------------------------------------------
+# Part 2: timing at 32K
+# ---------------------------------------------------------------------------------------------
+
+
+def _bench(fn) -> float:
+    from triton.testing import do_bench
+
+    return do_bench(fn, warmup=25, rep=300, return_mode="median")
+
+
+def timed_pass(records, deadline, out_path, seqlen, configs):
+    from benchmarks.sweep import backward_case
+
+    for name, hq, hk in TIMED_CASES:
+        if time.time() > deadline:
+            records.append(dict(part="timed", case=name, Hq=hq, Hk=hk, skipped="budget"))
+            _write(out_path, records)
+            continue
+        _arm_watchdog(f"timed {name} Hq={hq} Hk={hk}")
+        rec = dict(part="timed", case=name, S=seqlen, D=128, Hq=hq, Hk=hk, dtype="bf16", gluon={})
+        try:
+            cs = backward_case(name, seqlen, 128, hq, hk, torch.bfloat16, device="cuda",
+                               total_tokens=TOTAL_TOKENS, seed=seqlen + 135)
+            q, k, v, dout, cols, causal, scale = cs.q, cs.k, cs.v, cs.dout, cs.cols, cs.causal, cs.scale
+            delta, lse2 = T._bwd_pre(cs.out, dout, cs.lse, None)
+            b = cs.batch
+            flops = cs.flops_bwd * 4 / 5  # dK/dV: 4 of the 5 matmuls of the DESIGN.md count
+            rec.update(B=b, causal=causal, C=0 if cols is None else cols.shape[-1],
+                       flops_dkdv=flops)
+            tl_fn, tl_cfg, tl_plan = _tl_dkdv(q, k, v, dout, lse2, delta, cols, causal, scale)
+            ref = tl_fn()
+            ms = _bench(tl_fn)
+            tiles = live_tiles(tl_plan, causal, b, seqlen, seqlen, hq, tl_cfg[0], tl_cfg[1])
+            rec["tl"] = dict(config=_label(tl_cfg), ms=ms, tflops=flops / ms / 1e9,
+                             tile_tflops=tile_flops(tiles, tl_cfg[0], tl_cfg[1], 128) / ms / 1e9)
+            _print_timing(name, hq, hk, "tl " + _label(tl_cfg), rec["tl"])
+        except Exception:
+            rec["error"] = traceback.format_exc()
+            print(rec["error"], flush=True)
+            records.append(rec)
+            _write(out_path, records)
+            continue
+        for cfg in configs:  # a started case runs every config (the budget is per case)
+            try:
+                fn, plan = _gluon_dkdv(q, k, v, dout, lse2, delta, cols, causal, scale, cfg)
+                res = _compare(fn(), ref)
+                ms = _bench(fn)
+                tiles = live_tiles(plan, causal, b, seqlen, seqlen, hq, cfg[0], cfg[1])
+                res.update(ms=ms, tflops=flops / ms / 1e9,
+                           tile_tflops=tile_flops(tiles, cfg[0], cfg[1], 128) / ms / 1e9,
+                           speedup_vs_tl=rec["tl"]["ms"] / ms)
+            except Exception:
+                res = dict(ok=False, error=traceback.format_exc())
+                print(f"[{name} {_label(cfg)}]\n{res['error']}", flush=True)
+            rec["gluon"][_label(cfg)] = res
+            _print_timing(name, hq, hk, "gluon " + _label(cfg), res)
+        records.append(rec)
+        _write(out_path, records)
+        del cs, q, k, v, dout, delta, lse2, ref
+        torch.cuda.empty_cache()
+
+
+def _arm_watchdog(what: str) -> None:
+    """(Re)start the hang timer for one case and say which case runs (flushed first)."""
+    print(f"-- {what}", flush=True)
+    faulthandler.cancel_dump_traceback_later()
+    faulthandler.dump_traceback_later(CASE_TIMEOUT_S, exit=True)
+
+
+def _print_timing(name, hq, hk, what, r):
+    if "error" in r:
+        print(f"timed {name:24s} Hq={hq:2d} Hk={hk:2d} {what:18s} ERROR", flush=True)
+        return
+    err = (f"  dk rel {r['dk_rel']:.1e} dv rel {r['dv_rel']:.1e} "
+           + ("ok" if r["ok"] else "FAIL")) if "dk_rel" in r else ""
+    print(f"timed {name:24s} Hq={hq:2d} Hk={hk:2d} {what:18s} {r['ms']:8.2f} ms "
+          f"{r['tflops']:6.0f} TFLOP/s (tiles {r['tile_tflops']:4.0f})" + err, flush=True)
+
+
+def summary_table(records) -> str:
+    """Markdown: per timed case, tl and each Gluon config's ms (TFLOP/s, project convention)
+    and speed-up over tl; ``!`` marks a config whose gradients are off."""
+    timed = [r for r in records if r.get("part") == "timed" and "tl" in r]
+    if not timed:
+        return ""
+    labels = list(dict.fromkeys(lab for r in timed for lab in r["gluon"]))
+    lines = ["", "| mask | Hq/Hk | tl (" + timed[0]["tl"]["config"] + ") | "
+             + " | ".join(labels) + " |", "|---|---|---|" + "---|" * len(labels)]
+    for r in timed:
+        cells = [f"{r['tl']['ms']:.1f} ms ({r['tl']['tflops']:.0f})"]
+        for lab in labels:
+            x = r["gluon"].get(lab, {})
+            if "ms" not in x:
+                cells.append("error" if "error" in x else "-")
+            else:
+                cells.append(f"{x['ms']:.1f} ms ({x['tflops']:.0f}) x{x['speedup_vs_tl']:.2f}"
+                             + ("" if x.get("ok") else " !"))
+        lines.append(f"| {r['case']} | {r['Hq']}/{r['Hk']} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def _write(path, records):
+    meta = dict(gpu=torch.cuda.get_device_name(0), torch=torch.__version__,
+                triton=__import__("triton").__version__, rel_tol=REL_TOL)
+    with open(path, "w") as f:
+        json.dump(dict(meta=meta, records=records), f, indent=1, default=str)
+
+
+def _failures(records) -> list[str]:
+    bad = []
+    for r in records:
+        if "error" in r:
+            bad.append(f"{r['part']} {r['case']}: error")
+        for lab, x in r.get("gluon", {}).items():
+            if x.get("skipped"):
+                continue
+            if not x.get("ok", False):
+                bad.append(f"{r['part']} {r['case']} {lab}: " + ("error" if "error" in x else
+                           f"dk rel {x['dk_rel']:.2e} dv rel {x['dv_rel']:.2e}"))
+    return bad
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--budget-s", type=float, default=240.0,
+                    help="no new case starts after this many seconds")
+    ap.add_argument("--seqlen", type=int, default=32768)
+    ap.add_argument("--configs", default=",".join(_label(c) for c in TIMED_CONFIGS),
+                    help="Gluon configs timed at 32K, e.g. 32x64w4s3,32x128w8s3")
+    ap.add_argument("--skip-small", action="store_true")
+    ap.add_argument("--skip-timed", action="store_true")
+    args = ap.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("needs a CUDA GPU (Hopper)")
+        return 2
+    reason = G.unavailable_reason()
+    if reason:
+        print(reason)
+        return 2
+    configs = [_parse(lab) for lab in args.configs.split(",")]
+    out_dir = os.environ.get("OUT", "/tmp")
+    os.makedirs(out_dir, exist_ok=True)
+    out_path = os.path.join(out_dir, "gluon_dkdv_ab.json")
+    start = time.time()
+    deadline = start + args.budget_s
+    records: list = []
+    print(f"GPU {torch.cuda.get_device_name(0)}; torch {torch.__version__}; "
+          f"triton {__import__('triton').__version__}; budget {args.budget_s:.0f} s", flush=True)
+    if not args.skip_small:
+        small_pass(records, deadline, out_path)
+    if not args.skip_timed:
+        timed_pass(records, deadline, out_path, args.seqlen, configs)
+    faulthandler.cancel_dump_traceback_later()
+    _write(out_path, records)
+    print(summary_table(records))
+    bad = _failures(records)
+    print(f"\nwall {time.time() - start:.0f} s; wrote {out_path}")
+    if bad:
+        print(f"FAIL ({len(bad)}):\n  " + "\n  ".join(bad))
+        return 1
+    print("all Gluon cases within rel. error", REL_TOL)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,541 @@
+"""Gluon (``triton.experimental.gluon``) dK/dV kernel for Hopper (sm_90): the default dK/dV
+kernel at D=128 on Hopper GPUs (``triton_flashmask._dkdv_impl``), the ``tl`` kernel elsewhere.
+
+What it computes: exactly what the ``tl`` ``_dkdv_kernel`` computes (split backward), dK
+(already multiplied by ``softmax_scale``) and dV, from the same :class:`Plan` (built by key
+block for the same ``block_m``/``block_n``), ``lse2`` (log2-domain LSE, +inf on fully masked
+rows) and ``delta`` from ``triton_flashmask._bwd_pre``. On the H200 its dK, dV are bitwise
+equal to the ``tl`` kernel's (same wgmma k-steps in the same order), and it is 1.08-1.21x faster
+(32K, D=128, 6 masks, MHA and GQA: ``benchmarks/results/gluon_dkdv_ab.md``, NOTES.md v6).
+
+Why: the ``tl`` dK/dV kernel's SASS waits for every wgmma right after issuing it
+(``WARPGROUP.DEPBAR.LE gsb0, 0x0``), so the tensor cores and the exp/mask arithmetic never
+overlap. Gluon lets us write the schedule.
+
+Design (one program per (key block of BLOCK_N keys, batch * KV head), looping over the query
+heads of its group):
+
+* K and V: one TMA load each into shared memory, the wgmma A operands of Sᵀ = K Qᵀ and
+  dPᵀ = V dOᵀ (A from shared memory costs no registers).
+* Q and dO: a NUM_STAGES-deep shared-memory ring filled by TMA, one mbarrier per slot
+  (expect-tx = bytes of both tiles, parity = (tile counter // NUM_STAGES) & 1). Each live range
+  issues its first NUM_STAGES tiles up front; a slot is refilled with the tile NUM_STAGES further
+  on once the wgmmas reading it have retired. TMA zero-fills only past the end of the
+  ``[B*Sq, H*D]`` view: rows of the next batch that a clipped tile reads get P = 0 through
+  ``lse2 = +inf``, as in the ``tl`` kernel; key columns past Sk are cut by the element mask and
+  never stored.
+* dK, dV: fp32 accumulators in registers in the wgmma (NVMMADistributedLayout v3) layout with
+  warps along the keys, so BLOCK_N == 16 * num_warps.
+* Per query tile (``_tile``), asynchronous wgmma: issue Sᵀ and dPᵀ, load lse2/delta, wait for
+  Sᵀ only, Pᵀ = exp2(Sᵀ·scale_log2 − lse2) (+ element mask) while dPᵀ runs, issue dV += Pᵀ dO
+  (Pᵀ as a register A operand), wait for dPᵀ only, dSᵀ = Pᵀ ⊙ (dPᵀ − delta) while dV runs, issue
+  dK += dSᵀ Q, wait, CTA barrier, refill the slot. The SASS waits are ``DEPBAR.LE gsb0, 0x1``
+  (one wgmma group stays in flight) where the ``tl`` kernel has ``0x0``.
+* Three loops per live range, as in the ``tl`` kernel: masked [lo, flo), mask-free [flo, fhi)
+  compiled without mask code, masked [fhi, hi). The key block's 8 statistics and column
+  intervals are loaded once per query head; each tile of a masked loop is classified with
+  scalar compares.
+
+Offline sm_90 report (``python -m flashmask3.kernels.gluon_dkdv``; D=128 bf16): every config
+sits at 255 registers; 32x64 w4 s3 (the default) has 22-36 LDL/STL, all in the per-head setup
+between live ranges, none inside a tile loop; BLOCK_M=64 configs spill inside the loops (~340).
+A variant that leaves dK in flight under the next tile's first wgmmas was measured 0-2% slower
+and removed (NOTES.md v6).
+
+Not done: prefetching across live ranges / query heads (one TMA latency per range), a
+warp-specialised version (``gl.warp_specialize``: a 1-warp TMA producer, setmaxnreg), a Gluon
+forward and dQ.
+
+The module imports on a CPU-only machine and without gluon: the kernel compiles on first
+launch or in :func:`compile_report`; :func:`unavailable_reason` says why it cannot be used.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import tempfile
+from typing import Optional
+
+import torch
+import triton
+
+try:  # gluon (triton >= 3.5); the module must import without it
+    from triton.experimental import gluon
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier,
+                                                                   tma, warpgroup_mma,
+                                                                   warpgroup_mma_wait)
+    from triton.experimental.gluon.language.nvidia.hopper import warpgroup_mma_init
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor as GluonDescriptor
+    GLUON_IMPORT_ERROR: Optional[str] = None
+    _jit = gluon.jit
+except Exception as exc:  # pragma: no cover - older triton
+    gluon = gl = GluonDescriptor = None
+    GLUON_IMPORT_ERROR = f"{type(exc).__name__}: {exc}"
+
+    def _jit(fn=None, **kwargs):
+        return fn if fn is not None else (lambda f: f)
+
+from .triton_flashmask import _NO_SPEC, LOG2E, _num_intervals  # noqa: E402  (shared with tl)
+
+
+# ---------------------------------------------------------------------------------------------
+# Device code
+# ---------------------------------------------------------------------------------------------
+
+
+@_jit
+def _issue_tile(q_desc, do_desc, q_ring, do_ring, ready, slot, row, col, pred):
+    """TMA loads of one Q tile and one dO tile into ring slot ``slot`` (skipped unless pred)."""
+    bar = ready.index(slot)
+    mbarrier.expect(bar, q_desc.block_type.nbytes + do_desc.block_type.nbytes, pred=pred)
+    tma.async_copy_global_to_shared(q_desc, [row, col], bar, q_ring.index(slot), pred=pred)
+    tma.async_copy_global_to_shared(do_desc, [row, col], bar, do_ring.index(slot), pred=pred)
+
+
+@_jit
+def _needs_mask(m, n_blk, Sq, Sk, stats, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+                CAUSAL: gl.constexpr, NI: gl.constexpr):
+    """Whether tile (query block m, key block n_blk) is not UNMASKED or is clipped at Sk (the
+    scalar twin of ``_clipped_tile_class(...) != 2``)."""
+    r0 = m * BLOCK_M
+    r1 = gl.minimum(r0 + BLOCK_M, Sq)
+    c0 = n_blk * BLOCK_N
+    c1 = gl.minimum(c0 + BLOCK_N, Sk)
+    need = c0 + BLOCK_N > Sk
+    if CAUSAL:
+        need = need | (c1 - 1 > r0 + (Sk - Sq))
+    if NI >= 1:
+        s0max, s0min, e0max, e0min, s1max, s1min, e1max, e1min = stats
+        need = need | ((r0 >= s0max) & (r1 <= e0min)) | ((r0 < e0max) & (r1 > s0min))
+        if NI >= 2:
+            need = need | ((r0 >= s1max) & (r1 <= e1min)) | ((r0 < e1max) & (r1 > s1min))
+    return need
+
+
+@_jit
+def _element_masked(rows, cols, ivals, Sq, Sk, CAUSAL: gl.constexpr, C: gl.constexpr):
+    """True where (row, col) is masked (DESIGN.md §1); rows ``[1, BM]``, cols ``[BN, 1]``, the
+    column intervals ``ivals`` = (s0, e0, s1, e1) ``[BN, 1]``. Columns >= Sk are masked."""
+    masked = cols >= Sk
+    if C > 0:
+        s0, e0, s1, e1 = ivals
+        masked = masked | ((rows >= s0) & (rows < e0))
+        if (not CAUSAL) or C == 4:
+            masked = masked | ((rows >= s1) & (rows < e1))
+    if CAUSAL:
+        masked = masked | (cols > rows + (Sk - Sq))
+    return masked
+
+
+@_jit
+def _column_intervals(col_ptr, cols, Sq, Sk, CAUSAL: gl.constexpr, C: gl.constexpr):
+    """Masked row intervals [s0, e0), [s1, e1) of the key block's columns, ``[BN, 1]`` each
+    (the ``tl`` ``_column_intervals`` table); loop invariants of one mask head."""
+    cvalid = cols < Sk
+    zero = cols * 0
+    if C == 0:
+        s0 = zero + Sq
+        e0 = s0
+        s1 = s0
+        e1 = s0
+    elif CAUSAL and C == 1:
+        s0 = gl.load(col_ptr + cols, mask=cvalid, other=0)
+        e0 = zero + Sq
+        s1 = e0
+        e1 = e0
+    elif CAUSAL:
+        s0 = gl.load(col_ptr + cols * 2, mask=cvalid, other=0)
+        e0 = gl.load(col_ptr + cols * 2 + 1, mask=cvalid, other=0)
+        s1 = zero + Sq
+        e1 = s1
+    elif C == 2:
+        s0 = gl.load(col_ptr + cols * 2, mask=cvalid, other=0)
+        e0 = zero + Sq
+        s1 = zero
+        e1 = gl.load(col_ptr + cols * 2 + 1, mask=cvalid, other=0)
+    else:
+        s0 = gl.load(col_ptr + cols * 4, mask=cvalid, other=0)
+        e0 = gl.load(col_ptr + cols * 4 + 1, mask=cvalid, other=0)
+        s1 = gl.load(col_ptr + cols * 4 + 2, mask=cvalid, other=0)
+        e1 = gl.load(col_ptr + cols * 4 + 3, mask=cvalid, other=0)
+    return s0[:, None], e0[:, None], s1[:, None], e1[:, None]
+
+
+@_jit
+def _key_block_ranges(rng_ptr, mbh, n_blk, Sq, Sk, NQB, BLOCK_M: gl.constexpr,
+                      BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr, C: gl.constexpr, NKB):
+    """(lo0, flo0, fhi0, hi0, lo1, flo1, fhi1, hi1) of one key block: the stored table with a
+    mask, the causal diagonal (or everything) without one (``tl`` ``_key_block_ranges``)."""
+    if C > 0:
+        rp = rng_ptr + (mbh * NKB + n_blk) * 8
+        lo0 = gl.load(rp)
+        hi0 = gl.load(rp + 1)
+        lo1 = gl.load(rp + 2)
+        hi1 = gl.load(rp + 3)
+        flo0 = gl.load(rp + 4)
+        fhi0 = gl.load(rp + 5)
+        flo1 = gl.load(rp + 6)
+        fhi1 = gl.load(rp + 7)
+    else:
+        c0 = n_blk * BLOCK_N
+        lo0 = n_blk * 0
+        flo0 = lo0
+        if CAUSAL:
+            first_row = c0 - (Sk - Sq)
+            lo0 = gl.minimum(gl.maximum(first_row, 0) // BLOCK_M, NQB)
+            last_col = gl.minimum(c0 + BLOCK_N, Sk) - 1
+            flo0 = gl.minimum(gl.cdiv(gl.maximum(last_col - (Sk - Sq), 0), BLOCK_M), NQB)
+        hi0 = lo0 * 0 + NQB
+        fhi0 = hi0
+        if c0 + BLOCK_N > Sk:
+            flo0 = hi0
+        lo1 = hi0
+        hi1 = hi0
+        flo1 = hi0
+        fhi1 = hi0
+    return lo0, flo0, fhi0, hi0, lo1, flo1, fhi1, hi1
+
+
+@_jit
+def _load_stats(sum_ptr, mbh, n_blk, NKB, NI: gl.constexpr):
+    """The key block's 8 statistics (max/min start, max/min end of both intervals)."""
+    if NI > 0:
+        p = sum_ptr + (mbh * NKB + n_blk) * 8
+        stats = (gl.load(p), gl.load(p + 1), gl.load(p + 2), gl.load(p + 3),
+                 gl.load(p + 4), gl.load(p + 5), gl.load(p + 6), gl.load(p + 7))
+    else:
+        z = n_blk * 0
+        stats = (z, z, z, z, z, z, z, z)
+    return stats
+
+
+@_jit
+def _tile(dk, dv, it, m, hi, k_smem, v_smem, q_ring, do_ring, ready, q_desc, do_desc,
+          lse2_ptr, delta_ptr, stat_row0, q_row0, q_col, offs_mb, cols, ivals, stats, n_blk,
+          Sq, Sk, scale_log2, s_layout: gl.constexpr, a_layout: gl.constexpr,
+          BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr,
+          CAUSAL: gl.constexpr, C: gl.constexpr, NI: gl.constexpr, MASKED: gl.constexpr):
+    """dK, dV += one query tile (block m, ring counter it); refills its slot with tile
+    m + NUM_STAGES when that is still in [.., hi). Returns (dk, dv, it + 1)."""
+    dtype: gl.constexpr = q_desc.dtype
+    slot = it % NUM_STAGES
+    mbarrier.wait(ready.index(slot), (it // NUM_STAGES) & 1)
+    q_s = q_ring.index(slot)
+    do_s = do_ring.index(slot)
+    zero = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, s_layout)
+    s_tok = warpgroup_mma(k_smem, q_s.permute((1, 0)), zero, use_acc=False, is_async=True)
+    dp_tok = warpgroup_mma(v_smem, do_s.permute((1, 0)), zero, use_acc=False, is_async=True)
+    rows = m * BLOCK_M + offs_mb
+    rvalid = rows < Sq
+    lse2 = gl.load(lse2_ptr + stat_row0 + rows, mask=rvalid, other=float("inf"))
+    delta = gl.load(delta_ptr + stat_row0 + rows, mask=rvalid, other=0.0)
+    sT = warpgroup_mma_wait(num_outstanding=1, deps=(s_tok, ))
+    pT = gl.exp2(sT * scale_log2 - lse2[None, :])
+    if MASKED:
+        if _needs_mask(m, n_blk, Sq, Sk, stats, BLOCK_M, BLOCK_N, CAUSAL, NI):
+            masked = _element_masked(rows[None, :], cols[:, None], ivals, Sq, Sk, CAUSAL, C)
+            pT = gl.where(masked, 0.0, pT)
+    p16 = gl.convert_layout(pT.to(dtype), a_layout)
+    dv_tok = warpgroup_mma(p16, do_s, dv, is_async=True)
+    dpT, p16 = warpgroup_mma_wait(num_outstanding=1, deps=(dp_tok, p16))
+    dsT = pT * (dpT - delta[None, :])
+    ds16 = gl.convert_layout(dsT.to(dtype), a_layout)
+    dk_tok = warpgroup_mma(ds16, q_s, dk, is_async=True)
+    dv, dk, p16, ds16 = warpgroup_mma_wait(num_outstanding=0, deps=(dv_tok, dk_tok, p16, ds16))
+    gl.thread_barrier()  # every warpgroup is done with the slot before TMA overwrites it
+    nxt = m + NUM_STAGES
+    _issue_tile(q_desc, do_desc, q_ring, do_ring, ready, slot, q_row0 + nxt * BLOCK_M, q_col,
+                nxt < hi)
+    return dk, dv, it + 1
+
+
+@_jit
+def _range(dk, dv, it, lo, flo, fhi, hi, k_smem, v_smem, q_ring, do_ring, ready, q_desc,
+           do_desc, lse2_ptr, delta_ptr, stat_row0, q_row0, q_col, offs_mb, cols, ivals, stats,
+           n_blk, Sq, Sk, scale_log2, s_layout: gl.constexpr, a_layout: gl.constexpr,
+           BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr,
+           CAUSAL: gl.constexpr, C: gl.constexpr, NI: gl.constexpr):
+    """One live range [lo, hi) of query blocks: fill the ring, then masked [lo, flo),
+    mask-free [flo, fhi), masked [fhi, hi) (tiles in order, so the ring order holds)."""
+    flo = gl.minimum(gl.maximum(flo, lo), hi)
+    fhi = gl.minimum(gl.maximum(fhi, flo), hi)
+    for j in gl.static_range(NUM_STAGES):
+        _issue_tile(q_desc, do_desc, q_ring, do_ring, ready, (it + j) % NUM_STAGES,
+                    q_row0 + (lo + j) * BLOCK_M, q_col, lo + j < hi)
+    for m in range(lo, flo):
+        dk, dv, it = _tile(dk, dv, it, m, hi, k_smem, v_smem, q_ring, do_ring, ready, q_desc,
+                           do_desc, lse2_ptr, delta_ptr, stat_row0, q_row0, q_col, offs_mb, cols,
+                           ivals, stats, n_blk, Sq, Sk, scale_log2, s_layout, a_layout, BLOCK_M,
+                           BLOCK_N, NUM_STAGES, CAUSAL, C, NI, True)
+    for m in range(flo, fhi):
+        dk, dv, it = _tile(dk, dv, it, m, hi, k_smem, v_smem, q_ring, do_ring, ready, q_desc,
+                           do_desc, lse2_ptr, delta_ptr, stat_row0, q_row0, q_col, offs_mb, cols,
+                           ivals, stats, n_blk, Sq, Sk, scale_log2, s_layout, a_layout, BLOCK_M,
+                           BLOCK_N, NUM_STAGES, CAUSAL, C, NI, False)
+    for m in range(fhi, hi):
+        dk, dv, it = _tile(dk, dv, it, m, hi, k_smem, v_smem, q_ring, do_ring, ready, q_desc,
+                           do_desc, lse2_ptr, delta_ptr, stat_row0, q_row0, q_col, offs_mb, cols,
+                           ivals, stats, n_blk, Sq, Sk, scale_log2, s_layout, a_layout, BLOCK_M,
+                           BLOCK_N, NUM_STAGES, CAUSAL, C, NI, True)
+    return dk, dv, it
+
+
+@_jit(do_not_specialize=_NO_SPEC)
+def _dkdv_gluon_kernel(q_desc, do_desc, k_desc, v_desc, dk_ptr, dv_ptr, lse2_ptr, delta_ptr,
+                       mask_ptr, sum_ptr, rng_ptr, sm_scale, scale_log2,
+                       Sq, Sk, Hq, Hk, Hm, NQB, NKB, mask_b_stride,
+                       D: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+                       CAUSAL: gl.constexpr, C: gl.constexpr, NI: gl.constexpr,
+                       NUM_STAGES: gl.constexpr, NUM_WARPS: gl.constexpr):
+    """One program per (key block, batch * KV head); loops over the query heads of its group."""
+    gl.static_assert(BLOCK_N == 16 * NUM_WARPS, "wgmma M: 16 rows per warp, warps along keys")
+    dtype: gl.constexpr = q_desc.dtype
+    # S^T, dP^T: [BLOCK_N keys, BLOCK_M queries]; dK, dV: [BLOCK_N, D]
+    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[NUM_WARPS, 1],
+                                                       instr_shape=[16, BLOCK_M, 16])
+    acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0],
+                                                         warps_per_cta=[NUM_WARPS, 1],
+                                                         instr_shape=[16, D, 16])
+    a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_layout, k_width=2)
+
+    n_blk = gl.program_id(0)
+    bh = gl.program_id(1)
+    b = bh // Hk
+    hk = bh % Hk
+    b64 = b.to(gl.int64)
+    group = Hq // Hk
+    c0 = n_blk * BLOCK_N
+
+    k_smem = gl.allocate_shared_memory(dtype, [BLOCK_N, D], k_desc.layout)
+    v_smem = gl.allocate_shared_memory(dtype, [BLOCK_N, D], v_desc.layout)
+    q_ring = gl.allocate_shared_memory(dtype, [NUM_STAGES, BLOCK_M, D], q_desc.layout)
+    do_ring = gl.allocate_shared_memory(dtype, [NUM_STAGES, BLOCK_M, D], do_desc.layout)
+    ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
+    kv_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(NUM_STAGES):
+        mbarrier.init(ready.index(i), count=1)
+    mbarrier.init(kv_bar, count=1)
+    fence_async_shared()
+
+    mbarrier.expect(kv_bar, k_desc.block_type.nbytes + v_desc.block_type.nbytes)
+    tma.async_copy_global_to_shared(k_desc, [b * Sk + c0, hk * D], kv_bar, k_smem)
+    tma.async_copy_global_to_shared(v_desc, [b * Sk + c0, hk * D], kv_bar, v_smem)
+
+    cols = c0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, s_layout))
+    offs_mb = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, s_layout))
+    dk = gl.zeros([BLOCK_N, D], gl.float32, acc_layout)
+    dv = gl.zeros([BLOCK_N, D], gl.float32, acc_layout)
+    mbarrier.wait(kv_bar, 0)
+
+    it = n_blk * 0  # ring counter: tile t sits in slot t % NUM_STAGES, parity (t // S) & 1
+    for g in range(0, group):
+        h = hk * group + g
+        hm = h // (Hq // Hm)
+        mbh = b64 * mask_b_stride + hm
+        lo0, flo0, fhi0, hi0, lo1, flo1, fhi1, hi1 = _key_block_ranges(
+            rng_ptr, mbh, n_blk, Sq, Sk, NQB, BLOCK_M, BLOCK_N, CAUSAL, C, NKB)
+        stats = _load_stats(sum_ptr, mbh, n_blk, NKB, NI)
+        ivals = _column_intervals(mask_ptr + mbh * Sk * C, cols, Sq, Sk, CAUSAL, C)
+        stat_row0 = (b64 * Hq + h) * Sq
+        q_row0 = b * Sq
+        q_col = h * D
+        dk, dv, it = _range(dk, dv, it, lo0, flo0, fhi0, hi0, k_smem, v_smem, q_ring, do_ring,
+                            ready, q_desc, do_desc, lse2_ptr, delta_ptr, stat_row0, q_row0, q_col,
+                            offs_mb, cols, ivals, stats, n_blk, Sq, Sk, scale_log2, s_layout,
+                            a_layout, BLOCK_M, BLOCK_N, NUM_STAGES, CAUSAL, C, NI)
+        dk, dv, it = _range(dk, dv, it, lo1, flo1, fhi1, hi1, k_smem, v_smem, q_ring, do_ring,
+                            ready, q_desc, do_desc, lse2_ptr, delta_ptr, stat_row0, q_row0, q_col,
+                            offs_mb, cols, ivals, stats, n_blk, Sq, Sk, scale_log2, s_layout,
+                            a_layout, BLOCK_M, BLOCK_N, NUM_STAGES, CAUSAL, C, NI)
+
+    for i in gl.static_range(NUM_STAGES):
+        mbarrier.invalidate(ready.index(i))
+    mbarrier.invalidate(kv_bar)
+
+    offs_n = c0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, acc_layout))
+    offs_d = gl.arange(0, D, layout=gl.SliceLayout(0, acc_layout))
+    row_off = (b64 * Sk + offs_n) * (Hk * D) + hk * D
+    kv_off = row_off[:, None] + offs_d[None, :]
+    nmask = (offs_n[:, None] < Sk) & (offs_d[None, :] < D)
+    gl.store(dk_ptr + kv_off, (dk * sm_scale).to(dtype), mask=nmask)
+    gl.store(dv_ptr + kv_off, dv.to(dtype), mask=nmask)
+
+
+# ---------------------------------------------------------------------------------------------
+# Host side
+# ---------------------------------------------------------------------------------------------
+
+
+def unavailable_reason() -> Optional[str]:
+    """Why the Gluon kernel cannot be used here (None when it can be compiled)."""
+    if GLUON_IMPORT_ERROR is not None:
+        return f"triton.experimental.gluon unavailable ({GLUON_IMPORT_ERROR})"
+    return None
+
+
+def _gl_dtype(dtype):
+    return {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16}[dtype]
+
+
+def _smem_layout(block_rows: int, d: int, dtype):
+    """The NVMMA (swizzled) shared layout of a [block_rows, d] tile: TMA destination and wgmma
+    operand (both orientations: the 16-bit wgmma reads the transposed view as well)."""
+    return gl.NVMMASharedLayout.get_default_for([block_rows, d], _gl_dtype(dtype))
+
+
+def check_config(d: int, block_m: int, block_n: int, num_warps: int, num_stages: int) -> None:
+    """Raise ValueError on a configuration the kernel cannot compile: one warpgroup row of 16
+    keys per warp (block_n == 16 * num_warps), power-of-two tiles."""
+    if d not in (64, 128, 256):
+        raise ValueError(f"gluon dK/dV: head dim {d} (64, 128 or 256)")
+    if block_n != 16 * num_warps:
+        raise ValueError(f"gluon dK/dV: block_n={block_n} must be 16 * num_warps ({num_warps})")
+    if block_m not in (16, 32, 64, 128):
+        raise ValueError(f"gluon dK/dV: block_m={block_m} (16, 32, 64 or 128)")
+    if num_stages < 1:
+        raise ValueError(f"gluon dK/dV: num_stages={num_stages} (>= 1)")
+
+
+def launch_dkdv_gluon(q, k, v, dout, lse2, delta, causal, softmax_scale, plan, block_m: int,
+                      block_n: int, num_warps: int, num_stages: int):
+    """(dk, dv) like ``_launch_dkdv(..., fuse_dq=False)[:2]``; ``plan`` must come from
+    ``make_plan(mask, causal, Sq, Sk, block_m, block_n, by_key=True, device)``."""
+    reason = unavailable_reason()
+    if reason is not None:
+        raise RuntimeError(reason)
+    b, sq, hq, d = q.shape
+    _, sk, hk, _ = k.shape
+    check_config(d, block_m, block_n, num_warps, num_stages)
+    if q.dtype not in (torch.bfloat16, torch.float16):
+        raise ValueError(f"gluon dK/dV: dtype {q.dtype} (bf16 or fp16)")
+    q, k, v, dout = (x.contiguous() for x in (q, k, v, dout))
+    if sq == 0 or sk == 0:
+        return torch.zeros_like(k), torch.zeros_like(v)
+    nqb, nkb = triton.cdiv(sq, block_m), triton.cdiv(sk, block_n)
+    if plan.c > 0 and (plan.ranges.shape[1] != nkb or plan.summary.shape[1] != nkb):
+        raise ValueError("gluon dK/dV: the plan was built for another block_n (or by query)")
+    dk = torch.empty_like(k)
+    dv = torch.empty_like(v)
+    ql = _smem_layout(block_m, d, q.dtype)
+    kl = _smem_layout(block_n, d, q.dtype)
+    q_desc = GluonDescriptor.from_tensor(q.view(b * sq, hq * d), [block_m, d], ql)
+    do_desc = GluonDescriptor.from_tensor(dout.view(b * sq, hq * d), [block_m, d], ql)
+    k_desc = GluonDescriptor.from_tensor(k.view(b * sk, hk * d), [block_n, d], kl)
+    v_desc = GluonDescriptor.from_tensor(v.view(b * sk, hk * d), [block_n, d], kl)
+    _dkdv_gluon_kernel[(nkb, b * hk)](
+        q_desc, do_desc, k_desc, v_desc, dk, dv, lse2, delta, plan.mask, plan.summary,
+        plan.ranges, softmax_scale, softmax_scale * LOG2E, sq, sk, hq, hk, plan.hm, nqb, nkb,
+        plan.mask_b_stride, D=d, BLOCK_M=block_m, BLOCK_N=block_n, CAUSAL=causal, C=plan.c,
+        NI=plan.ni, NUM_STAGES=num_stages, NUM_WARPS=num_warps, num_warps=num_warps)
+    return dk, dv
+
+
+# ---------------------------------------------------------------------------------------------
+# Offline compile report (no GPU needed)
+# ---------------------------------------------------------------------------------------------
+
+_TOOLS = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
+
+
+def compile_sm90(d: int = 128, block_m: int = 64, block_n: int = 64, num_warps: int = 4,
+                 num_stages: int = 2, causal: bool = True, c: int = 1, dtype: str = "bf16"):
+    """Compile the kernel for sm_90 without a GPU; returns the CompiledKernel."""
+    from triton.backends.compiler import GPUTarget
+    from triton.experimental.gluon._runtime import GluonASTSource
+
+    reason = unavailable_reason()
+    if reason is not None:
+        raise RuntimeError(reason)
+    check_config(d, block_m, block_n, num_warps, num_stages)
+    tdt = {"bf16": torch.bfloat16, "fp16": torch.float16}[dtype]
+    ql, kl = _smem_layout(block_m, d, tdt), _smem_layout(block_n, d, tdt)
+    kern = _dkdv_gluon_kernel
+    descs = {"q_desc": f"tensordesc<{dtype}[{block_m}, {d}],{ql!r}>",
+             "do_desc": f"tensordesc<{dtype}[{block_m}, {d}],{ql!r}>",
+             "k_desc": f"tensordesc<{dtype}[{block_n}, {d}],{kl!r}>",
+             "v_desc": f"tensordesc<{dtype}[{block_n}, {d}],{kl!r}>"}
+    ptrs = {"dk_ptr": f"*{dtype}", "dv_ptr": f"*{dtype}", "lse2_ptr": "*fp32",
+            "delta_ptr": "*fp32", "mask_ptr": "*i32", "sum_ptr": "*i32", "rng_ptr": "*i32"}
+    consts = dict(D=d, BLOCK_M=block_m, BLOCK_N=block_n, CAUSAL=causal, C=c,
+                  NI=_num_intervals(causal, c), NUM_STAGES=num_stages, NUM_WARPS=num_warps)
+    sig, attrs = {}, {}
+    for i, name in enumerate(kern.arg_names):
+        if name in consts:
+            sig[name] = "constexpr"
+        elif name in descs:
+            sig[name] = descs[name]
+        elif name in ptrs:
+            sig[name] = ptrs[name]
+            attrs[(i,)] = [["tt.divisibility", 16]]
+        elif "scale" in name:
+            sig[name] = "fp32"
+        else:
+            sig[name] = "i32"
+    src = GluonASTSource(kern, sig, constexprs=consts, attrs=attrs)
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32),
+                          options={"num_warps": num_warps, "num_stages": num_stages})
+
+
+def sass_report(cubin: bytes) -> dict:
+    """Registers, spills, and instruction counts of a cubin (bundled cuobjdump)."""
+    with tempfile.NamedTemporaryFile(suffix=".cubin", delete=False) as f:
+        f.write(cubin)
+        path = f.name
+    try:
+        res = subprocess.run([os.path.join(_TOOLS, "cuobjdump"), "-res-usage", path],
+                             capture_output=True, text=True).stdout
+        sass = subprocess.run([os.path.join(_TOOLS, "cuobjdump"), "-sass", path],
+                              capture_output=True, text=True).stdout
+    finally:
+        os.unlink(path)
+    m = re.search(r"REG:(\d+) STACK:(\d+) SHARED:(\d+) LOCAL:(\d+)", res)
+    regs, stack, shared, local = (int(x) for x in m.groups()) if m else (-1, -1, -1, -1)
+    return dict(regs=regs, stack=stack, local=local, hgmma=sass.count("HGMMA"),
+                ldl_stl=sass.count("LDL") + sass.count("STL"),
+                wgmma_wait=sass.count("WARPGROUP.DEPBAR"), warpgroup_arrive=sass.count("WARPGROUP.ARRIVE"),
+                bar_sync=sass.count("BAR.SYNC"), syncs_arrive=sass.count("SYNCS.ARRIVE"),
+                tma_load=sass.count("UTMALDG"), mufu_ex2=sass.count("MUFU.EX2"))
+
+
+def compile_report(d=128, block_m=64, block_n=64, num_warps=4, num_stages=2, causal=True, c=1,
+                   dtype="bf16") -> dict:
+    """One configuration's offline sm_90 report (or its error)."""
+    row = dict(D=d, block_m=block_m, block_n=block_n, num_warps=num_warps,
+               num_stages=num_stages, causal=causal, C=c, dtype=dtype)
+    try:
+        ck = compile_sm90(d, block_m, block_n, num_warps, num_stages, causal, c, dtype)
+    except Exception as exc:
+        row["error"] = f"{type(exc).__name__}: {str(exc)[:2000]}"
+        return row
+    row["shared"] = ck.metadata.shared
+    row.update(sass_report(ck.asm["cubin"]))
+    return row
+
+
+#: (block_m, block_n, num_warps, num_stages) tried at D=128 by the report.
+REPORT_CONFIGS = [(64, 64, 4, 2), (32, 64, 4, 2), (32, 64, 4, 3), (16, 64, 4, 3), (64, 128, 8, 2),
+                  (32, 128, 8, 3)]
+
+
+def main(argv=None):
+    import argparse
+    import json
+
+    ap = argparse.ArgumentParser(description="offline sm_90 report of the Gluon dK/dV kernel")
+    ap.add_argument("--dims", default="128")
+    ap.add_argument("--layouts", default="1:1,0:2,1:0", help="causal:C pairs")
+    ap.add_argument("--dtype", default="bf16")
+    args = ap.parse_args(argv)
+    for d in (int(x) for x in args.dims.split(",")):
+        for cfg in REPORT_CONFIGS:
+            for causal, c in ((bool(int(a)), int(b)) for a, b in
+                              (x.split(":") for x in args.layouts.split(","))):
+                print(json.dumps(compile_report(d, *cfg, causal=causal, c=c, dtype=args.dtype)),
+                      flush=True)
+
+
+if __name__ == "__main__":
+    main()
