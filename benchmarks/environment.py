@@ -21,13 +21,21 @@ def _git_commit():
     return out.stdout.strip() or None
 
 
+def _command() -> str:
+    """The exact command line, with the FLASHMASK3_* settings it ran under (autotune, backend,
+    kernel choices) in front, as a shell would take them."""
+    settings = [f"{k}={v}" for k, v in sorted(os.environ.items())
+                if k.startswith("FLASHMASK3_") and k != "FLASHMASK3_COMMIT"]
+    return " ".join(settings + [sys.executable] + sys.argv)
+
+
 def run_environment(device: torch.device) -> dict:
     """Date, host, versions (python, torch, triton, CUDA), GPU name/count and the exact command."""
     env = {
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "host": platform.node(), "platform": platform.platform(),
         "python": platform.python_version(), "torch": torch.__version__,
-        "device": str(device), "command": " ".join([sys.executable] + sys.argv),
+        "device": str(device), "command": _command(),
         "backend": os.environ.get("FLASHMASK3_BACKEND", "auto"),
         # the device machine gets the working tree without .git: the caller names the commit
         "commit": os.environ.get("FLASHMASK3_COMMIT") or _git_commit(),

@@ -699,6 +699,10 @@ def main(argv=None) -> int:
         return 0
     os.environ.setdefault("FLASHMASK3_BACKEND", "triton")  # here, not at import (tests import us)
     torch._dynamo.config.cache_size_limit = 256
+    # measure() times the backward alone with retain_graph=True; a compiled backward that
+    # donates its saved buffers refuses that (Flex at S=8K, session 6), and donation does not
+    # change the kernels' time
+    torch._functorch.config.donated_buffer = False
     if hasattr(torch._dynamo.config, "recompile_limit"):
         torch._dynamo.config.recompile_limit = 256
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[args.dtype]
