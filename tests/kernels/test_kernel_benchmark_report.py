@@ -4,6 +4,7 @@ the recorded times, and JSON files merge into the markdown table."""
 from __future__ import annotations
 
 import json
+import os
 
 import torch
 
@@ -64,6 +65,10 @@ def test_flashmask_variant_sets_and_restores_the_kernel_options():
     with KB.flashmask_variant("flashmask3"):
         assert T.backward_mode() == "split" and T.SPLIT_UNMASKED_LOOP == before
     assert T.SPLIT_UNMASKED_LOOP == before
+    env_before = os.environ.get("FLASHMASK3_TRITON_DKDV")
+    with KB.flashmask_variant("flashmask3_tl_dkdv"):
+        assert os.environ["FLASHMASK3_TRITON_DKDV"] == "tl" and T.backward_mode() == "split"
+    assert os.environ.get("FLASHMASK3_TRITON_DKDV") == env_before
 
 
 def test_skip_done_leaves_out_exactly_the_measured_cases(tmp_path):

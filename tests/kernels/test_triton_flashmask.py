@@ -257,6 +257,16 @@ def test_tma_descriptor_path(monkeypatch, a_smem, bwd):
     _check(q, k, v, mask.startend_row_indices.to(DEVICE), True)
 
 
+def test_a_operand_placement_per_head_dim(monkeypatch):
+    """Q, dO of the D=256 dQ kernel sit in shared memory (its 128x32 tile needs it), the other
+    head dims keep the per-kernel default; the environment override still wins."""
+    monkeypatch.delenv("FLASHMASK3_TRITON_A_SMEM", raising=False)
+    assert T._a_smem("dq", 256) and T._a_smem("dq", 200)
+    assert not T._a_smem("dq", 128) and not T._a_smem("dkdv", 256) and T._a_smem("fwd", 64)
+    monkeypatch.setenv("FLASHMASK3_TRITON_A_SMEM", "fwd")
+    assert not T._a_smem("dq", 256)
+
+
 def test_other_tile_shapes(monkeypatch):
     """Block shapes differ between passes (BLOCK_M != BLOCK_N, several per pass)."""
     monkeypatch.setitem(T.CONFIG_OVERRIDE, "fwd", T.Config(16, 32, 4, 1))
