@@ -20,6 +20,16 @@ the process, and the JSON keeps every case before it. Timed configs: ``--configs
 defaults to /tmp) after every case; exits 1 when any case failed or errored::
 
     PYTHONPATH=. python benchmarks/gluon_dkdv_ab.py --budget-s 240
+
+``--fused``: the fused Gluon backward instead (``gluon_dkdv.fused_backward_gluon``: the dK/dV
+kernel with FUSE_DQ, dQ reduce-added with TMA, unverified before this run) against the split
+backward (``triton_flashmask.backward`` with FLASHMASK3_TRITON_BWD=split: today's default, Gluon
+dK/dV + tl dQ). Small cases as above: dQ, dK, dV within REL_TOL of split; timed cases
+(FUSED_TIMED_CASES, 32K, B=4, D=128): the whole backward (delta pre-pass, plan, kernels, the
+dQ scaling) of split, the tl fused backward (FLASHMASK3_TRITON_BWD=fused) and the Gluon fused
+backward per ``--fused-configs``. Writes ``$OUT/gluon_fused_ab.json`` and ``.md``::
+
+    PYTHONPATH=. python benchmarks/gluon_dkdv_ab.py --fused --budget-s 420
 """
 
 from __future__ import annotations
@@ -111,8 +121,9 @@ def _random_mask(b, hm, sq, sk, c, causal, gen, device):
     return torch.stack(cols, dim=-1).to(torch.int32).to(device)
 
 
-def _inputs(b, sq, sk, hq, hk, d, dtype, cols, causal, seed):
-    """Q, K, V, dO (seeded randn), the tl forward's LSE, and the backward pre-pass."""
+def _inputs(b, sq, sk, hq, hk, d, dtype, cols, causal, seed, with_forward=False):
+    """Q, K, V, dO (seeded randn), the tl forward's LSE, and the backward pre-pass (and, with
+    ``with_forward``, the forward's O and LSE after them)."""
     g = torch.Generator(device="cuda").manual_seed(seed)
     q = torch.randn(b, sq, hq, d, device="cuda", dtype=dtype, generator=g)
     k = torch.randn(b, sk, hk, d, device="cuda", dtype=dtype, generator=g)
@@ -121,6 +132,8 @@ def _inputs(b, sq, sk, hq, hk, d, dtype, cols, causal, seed):
     scale = 1 / math.sqrt(d)
     out, lse = T.forward(q, k, v, cols, causal, scale)
     delta, lse2 = T._bwd_pre(out, dout, lse, None)
+    if with_forward:
+        return q, k, v, dout, lse2, delta, scale, out, lse
     return q, k, v, dout, lse2, delta, scale
 
 
@@ -353,6 +366,239 @@ def _failures(records) -> list[str]:
     return bad
 
 
+# ---------------------------------------------------------------------------------------------
+# --fused: the fused Gluon backward against the split backward
+# ---------------------------------------------------------------------------------------------
+
+#: Fused Gluon configs checked on every small D=128 case ...
+FUSED_SMALL_CONFIGS = [(32, 64, 4, 3), (16, 64, 4, 3)]
+#: ... and these on the first two only.
+FUSED_EXTRA_SMALL_CONFIGS = [(32, 64, 4, 2), (32, 128, 8, 3)]
+#: Fused Gluon configs timed at 32K (``--fused-configs``).
+FUSED_TIMED_CONFIGS = [(32, 64, 4, 3), (16, 64, 4, 3)]
+#: (mask, Hq, Hk) timed with ``--fused``, in order (the budget may cut the tail).
+FUSED_TIMED_CASES = [("causal", 32, 32), ("causal", 32, 8), ("causal_document_corpus", 32, 32),
+                     ("full", 32, 32), ("document_corpus", 32, 32), ("sliding_window", 32, 32)]
+
+
+def split_backward(dout, q, k, v, out, lse, cols, causal, scale):
+    """The library's split backward (today's default: Gluon dK/dV at D=128 on Hopper + tl dQ)."""
+    with T.use_backward("split"):
+        return T.backward(dout, None, q, k, v, out, lse, cols, causal, scale)
+
+
+def tl_fused_backward(dout, q, k, v, out, lse, cols, causal, scale):
+    """The library's opt-in fused backward (the tl kernel with FUSE_DQ)."""
+    with T.use_backward("fused"):
+        return T.backward(dout, None, q, k, v, out, lse, cols, causal, scale)
+
+
+def gluon_fused_backward(dout, q, k, v, out, lse, cols, causal, scale, cfg):
+    """The Gluon fused backward with everything ``T.backward`` does around its kernels (delta
+    pre-pass, by-key plan), so the three backwards are timed alike."""
+    sq, sk = q.shape[1], k.shape[1]
+    delta, lse2 = T._bwd_pre(out, dout, lse, None)
+    plan = T.make_plan(cols, causal, sq, sk, cfg[0], cfg[1], True, q.device)
+    return G.fused_backward_gluon(q, k, v, dout, lse2, delta, causal, scale, plan, cfg)
+
+
+def _compare3(got, ref) -> dict:
+    """Relative and max abs errors of (dq, dk, dv) against the reference; ok within REL_TOL."""
+    res = {}
+    for name, a, b in zip(("dq", "dk", "dv"), got, ref):
+        res[f"{name}_max_abs"] = (a.float() - b.float()).abs().max().item()
+        res[f"{name}_rel"] = _rel(a, b)
+        res[f"{name}_finite"] = bool(torch.isfinite(a).all().item())
+    res["ok"] = all(res[f"{n}_rel"] <= REL_TOL and res[f"{n}_finite"] for n in ("dq", "dk", "dv"))
+    return res
+
+
+def _fmt3(r) -> str:
+    if "error" in r:
+        return "ERROR"
+    return ("dq rel {dq_rel:.1e} dk rel {dk_rel:.1e} dv rel {dv_rel:.1e} ".format(**r)
+            + ("ok" if r["ok"] else "FAIL"))
+
+
+def _bench_bwd(fn) -> float:
+    """Median ms of a whole backward (100-300 ms at 32K: ~5-15 timed runs)."""
+    from triton.testing import do_bench
+
+    return do_bench(fn, warmup=200, rep=1500, return_mode="median")
+
+
+def fused_small_pass(records, deadline, out_path):
+    """dQ, dK, dV of the fused Gluon backward against the split backward on SMALL_CASES."""
+    for i, (name, b, sq, sk, hq, hk, hm, d, dtype, causal, c) in enumerate(SMALL_CASES):
+        if time.time() > deadline:
+            records.append(dict(part="fused_small", case=name, skipped="budget"))
+            continue
+        _arm_watchdog(f"fused small {name}")
+        gen = torch.Generator().manual_seed(100 + i)
+        cols = _random_mask(b, hm, sq, sk, c, causal, gen, "cuda")
+        rec = dict(part="fused_small", case=name, B=b, Sq=sq, Sk=sk, Hq=hq, Hk=hk, Hm=hm, D=d,
+                   dtype=str(dtype), causal=causal, C=c, gluon={})
+        try:
+            q, k, v, dout, _, _, scale, out, lse = _inputs(b, sq, sk, hq, hk, d, dtype, cols,
+                                                           causal, seed=7 + i, with_forward=True)
+            ref = split_backward(dout, q, k, v, out, lse, cols, causal, scale)
+        except Exception:
+            rec["error"] = traceback.format_exc()
+            print(rec["error"], flush=True)
+            records.append(rec)
+            continue
+        cfgs = FUSED_SMALL_CONFIGS + (FUSED_EXTRA_SMALL_CONFIGS if i < 2 else [])
+        if d != 128:
+            cfgs = [tuple(dataclasses.astuple(T.CANDIDATES[("dkdv", d)][0]))]
+        for cfg in cfgs:
+            try:
+                res = _compare3(gluon_fused_backward(dout, q, k, v, out, lse, cols, causal, scale,
+                                                     cfg), ref)
+                torch.cuda.synchronize()
+            except Exception:
+                res = dict(ok=False, error=traceback.format_exc())
+                print(f"[{name} {_label(cfg)}]\n{res['error']}", flush=True)
+            rec["gluon"][_label(cfg)] = res
+            print(f"fused small {name:26s} {_label(cfg):12s} {_fmt3(res)}", flush=True)
+        records.append(rec)
+        _write(out_path, records)
+
+
+def fused_timed_pass(records, deadline, out_path, seqlen, configs):
+    """The whole backward at 32K: split (reference), tl fused, Gluon fused per config (the tl
+    fused numbers are context: its errors do not fail the run)."""
+    from benchmarks.sweep import backward_case
+
+    for name, hq, hk in FUSED_TIMED_CASES:
+        if time.time() > deadline:
+            records.append(dict(part="fused_timed", case=name, Hq=hq, Hk=hk, skipped="budget"))
+            _write(out_path, records)
+            continue
+        _arm_watchdog(f"fused timed {name} Hq={hq} Hk={hk}")
+        rec = dict(part="fused_timed", case=name, S=seqlen, D=128, Hq=hq, Hk=hk, dtype="bf16",
+                   gluon={})
+        try:
+            cs = backward_case(name, seqlen, 128, hq, hk, torch.bfloat16, device="cuda",
+                               total_tokens=TOTAL_TOKENS, seed=seqlen + 135)
+            args = (cs.dout, cs.q, cs.k, cs.v, cs.out, cs.lse, cs.cols, cs.causal, cs.scale)
+            rec.update(B=cs.batch, causal=cs.causal,
+                       C=0 if cs.cols is None else cs.cols.shape[-1], flops_bwd=cs.flops_bwd)
+            ref = split_backward(*args)
+            ms = _bench_bwd(lambda: split_backward(*args))
+            rec["split"] = dict(ms=ms, tflops=cs.flops_bwd / ms / 1e9,
+                                dkdv=T._dkdv_impl(cs.q, T._config("dkdv", 128, cs.causal,
+                                                                  rec["C"], cs.q.dtype)))
+            _print_bwd(name, hq, hk, "split", rec["split"])
+        except Exception:
+            rec["error"] = traceback.format_exc()
+            print(rec["error"], flush=True)
+            records.append(rec)
+            _write(out_path, records)
+            continue
+        variants = [("tl_fused", lambda: tl_fused_backward(*args))]
+        variants += [(_label(cfg), (lambda cfg=cfg: gluon_fused_backward(*args, cfg)))
+                     for cfg in configs]
+        for label, fn in variants:  # a started case runs every variant (budget is per case)
+            try:
+                res = _compare3(fn(), ref)
+                ms = _bench_bwd(fn)
+                res.update(ms=ms, tflops=cs.flops_bwd / ms / 1e9,
+                           speedup_vs_split=rec["split"]["ms"] / ms)
+            except Exception:
+                res = dict(ok=False, error=traceback.format_exc())
+                print(f"[{name} {label}]\n{res['error']}", flush=True)
+            if label == "tl_fused":
+                rec["tl_fused"] = res
+            else:
+                rec["gluon"][label] = res
+            _print_bwd(name, hq, hk, label if label == "tl_fused" else "gluon " + label, res)
+            torch.cuda.empty_cache()
+        records.append(rec)
+        _write(out_path, records)
+        del cs, args, ref
+        torch.cuda.empty_cache()
+
+
+def _print_bwd(name, hq, hk, what, r):
+    if "error" in r:
+        print(f"fused timed {name:24s} Hq={hq:2d} Hk={hk:2d} {what:18s} ERROR", flush=True)
+        return
+    extra = f"  x{r['speedup_vs_split']:.2f} vs split  {_fmt3(r)}" if "dq_rel" in r else ""
+    print(f"fused timed {name:24s} Hq={hq:2d} Hk={hk:2d} {what:18s} {r['ms']:8.2f} ms "
+          f"{r['tflops']:6.0f} TFLOP/s" + extra, flush=True)
+
+
+def fused_summary_table(records) -> str:
+    """Markdown: per timed case, the whole backward's ms (TFLOP/s, DESIGN.md count) for split,
+    tl fused and each Gluon fused config, with the speed-up over split; ``!`` marks gradients
+    off by more than REL_TOL."""
+    timed = [r for r in records if r.get("part") == "fused_timed" and "split" in r]
+    if not timed:
+        return ""
+    labels = list(dict.fromkeys(lab for r in timed for lab in r["gluon"]))
+    lines = ["", "| mask | Hq/Hk | split (" + timed[0]["split"].get("dkdv", "?") + " dK/dV + tl dQ)"
+             + " | tl fused | " + " | ".join(f"Gluon fused {lab}" for lab in labels) + " |",
+             "|---|---|---|---|" + "---|" * len(labels)]
+    for r in timed:
+        cells = [f"{r['split']['ms']:.1f} ms ({r['split']['tflops']:.0f})"]
+        for x in [r.get("tl_fused", {})] + [r["gluon"].get(lab, {}) for lab in labels]:
+            if "ms" not in x:
+                cells.append("error" if "error" in x else "-")
+            else:
+                cells.append(f"{x['ms']:.1f} ms ({x['tflops']:.0f}) x{x['speedup_vs_split']:.2f}"
+                             + ("" if x.get("ok") else " !"))
+        lines.append(f"| {r['case']} | {r['Hq']}/{r['Hk']} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def _fused_failures(records) -> list[str]:
+    """Gluon fused cases that errored or are off (the tl fused numbers are context only)."""
+    bad = []
+    for r in records:
+        if "error" in r:
+            bad.append(f"{r['part']} {r['case']}: error")
+        for lab, x in r.get("gluon", {}).items():
+            if not x.get("ok", False):
+                bad.append(f"{r['part']} {r['case']} {lab}: " + _fmt3(x))
+    return bad
+
+
+def fused_main(args) -> int:
+    configs = [_parse(lab) for lab in args.fused_configs.split(",")]
+    out_dir = os.environ.get("OUT", "/tmp")
+    os.makedirs(out_dir, exist_ok=True)
+    out_path = os.path.join(out_dir, "gluon_fused_ab.json")
+    start = time.time()
+    deadline = start + args.budget_s
+    records: list = []
+    print(f"GPU {torch.cuda.get_device_name(0)}; torch {torch.__version__}; "
+          f"triton {__import__('triton').__version__}; budget {args.budget_s:.0f} s; fused A/B",
+          flush=True)
+    if not args.skip_small:
+        fused_small_pass(records, deadline, out_path)
+    if not args.skip_timed:
+        fused_timed_pass(records, deadline, out_path, args.seqlen, configs)
+    faulthandler.cancel_dump_traceback_later()
+    _write(out_path, records)
+    table = fused_summary_table(records)
+    print(table)
+    bad = _fused_failures(records)
+    with open(out_path[:-5] + ".md", "w") as f:
+        f.write(f"# Fused Gluon backward vs split backward ({torch.cuda.get_device_name(0)})\n\n"
+                "Whole backward (delta pre-pass, plan, kernels, dQ scaling), bf16, D=128, "
+                f"S={args.seqlen}, B*S={TOTAL_TOKENS}; median ms of do_bench (TFLOP/s, DESIGN.md "
+                "backward FLOPs) and speed-up over split.\n" + table + "\n\n"
+                + (f"FAIL ({len(bad)}):\n\n" + "\n".join(f"- {x}" for x in bad) if bad else
+                   f"All Gluon fused cases within rel. error {REL_TOL} of split.") + "\n")
+    print(f"\nwall {time.time() - start:.0f} s; wrote {out_path} and .md")
+    if bad:
+        print(f"FAIL ({len(bad)}):\n  " + "\n  ".join(bad))
+        return 1
+    print("all Gluon fused cases within rel. error", REL_TOL)
+    return 0
+
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--budget-s", type=float, default=240.0,
@@ -362,6 +608,10 @@ def main(argv=None) -> int:
                     help="Gluon configs timed at 32K, e.g. 32x64w4s3,32x128w8s3")
     ap.add_argument("--skip-small", action="store_true")
     ap.add_argument("--skip-timed", action="store_true")
+    ap.add_argument("--fused", action="store_true",
+                    help="the fused Gluon backward against the split backward instead")
+    ap.add_argument("--fused-configs", default=",".join(_label(c) for c in FUSED_TIMED_CONFIGS),
+                    help="fused Gluon configs timed at 32K with --fused")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         print("needs a CUDA GPU (Hopper)")
@@ -370,6 +620,8 @@ def main(argv=None) -> int:
     if reason:
         print(reason)
         return 2
+    if args.fused:
+        return fused_main(args)
     configs = [_parse(lab) for lab in args.configs.split(",")]
     out_dir = os.environ.get("OUT", "/tmp")
     os.makedirs(out_dir, exist_ok=True)

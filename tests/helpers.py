@@ -76,6 +76,21 @@ def named_masks(seqlen, *, batch_size=1, num_heads=1):
     }
 
 
+def gpu_masks(s):
+    """The GPU tests' masks at length ``s``: name -> (FlashMask or None, causal for None)."""
+    docs = M.random_document_lengths(s, max(64, s // 8), seed=s)
+    return {
+        "causal": (None, True),
+        "full": (None, False),
+        "causal_document": (M.causal_document_mask(docs), None),
+        "document": (M.document_mask(docs), None),
+        "sliding_window": (M.sliding_window_mask(s, s // 8), None),
+        "global_sliding_window": (M.global_sliding_window_mask(s, 64, s // 16), None),
+        "causal_blockwise": (M.causal_blockwise_mask([s // 4, s // 4, s // 2]), None),
+        "prefix_lm": (M.prefix_lm_mask(s, s // 3), None),
+    }
+
+
 def wall_ms(fn, grad_to_none=None):
     """The benchmarks' ``bench`` contract on the CPU: (milliseconds of one call, method)."""
     t0 = time.perf_counter()

@@ -42,6 +42,29 @@ between live ranges, none inside a tile loop; BLOCK_M=64 configs spill inside th
 A variant that leaves dK in flight under the next tile's first wgmmas was measured 0-2% slower
 and removed (NOTES.md v6).
 
+Fused dQ (constexpr FUSE_DQ; compiled offline only, NOT verified or timed on a GPU, used
+nowhere by default: :func:`fused_backward_gluon` is for the A/B ``benchmarks/gluon_dkdv_ab.py
+--fused``): after dSᵀ each tile also computes dQᵀ = Kᵀ dSᵀ ([D, BLOCK_M]: wgmma M = D, since
+BLOCK_M < 64; A = the transposed view of the K tile, B = dSᵀ stored to shared memory as
+bf16/fp16), stores the fp32 accumulator unchanged to a [D, BLOCK_M] shared tile and TMA
+reduce-adds it (``cp.reduce.async.bulk.tensor .add``, SASS UTMAREDG) into an fp32 dQᵀ buffer
+[B, Hq, D, Sq_pad] through its [B*Hq*D, Sq] view: TMA clips the query columns at Sq, each query
+head of a GQA group adds into its own head, and the host returns dQ = softmax_scale * dQᵀ
+transposed back. The [D, BLOCK_M] orientation is what keeps the kernel near the split one's
+registers: a [BLOCK_M, D] staging tile needs a transposing, many-address store (more spills).
+Two CTA barriers per tile (dSᵀ visible to the wgmma; dQ tile visible to the TMA unit, which
+doubles as the slot barrier); the previous tile's reduce is waited for (``tma.store_wait``)
+before the first. The non-causal masked loops re-read the key block's column intervals
+(global memory, L1 hits) in each masked tile instead of holding them in registers. Offline
+report (``--fused``, D=128 bf16): 32x64 w4 s3 at 255 registers, 62-115 LDL/STL in the kernel,
+inside the tile loops 2 (causal C=0/1), 8 (causal C=2), 18-22 (non-causal C=4/C=2), mostly
+LDL reloads of loop invariants, at most 9 per loop; 16x64 w4 none inside the loops; 32x128 w8
+up to 75 (causal C=0); D=64 no spills at all. Every (tile, key block) pair reduce-adds a
+BLOCK_M x D fp32 tile, so the dQ traffic into L2 is Sq*Sk*D*4/BLOCK_N bytes per head (halved
+for causal): at BLOCK_N=64, twice a BLOCK_N=128 kernel's per FLOP (~550 GB for causal 32K,
+B=4, H=32, D=128). With FUSE_DQ=False the kernel's SASS is unchanged (``dq_desc`` is None,
+a constexpr, so even the parameter list is; checked against the pre-FUSE_DQ source).
+
 Not done: prefetching across live ranges / query heads (one TMA latency per range), a
 warp-specialised version (``gl.warp_specialize``: a 1-warp TMA producer, setmaxnreg), a Gluon
 forward and dQ.
@@ -69,11 +92,16 @@ try:  # gluon (triton >= 3.5); the module must import without it
                                                                    warpgroup_mma_wait)
     from triton.experimental.gluon.language.nvidia.hopper import warpgroup_mma_init
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor as GluonDescriptor
+    from triton.experimental.gluon.language._core import builtin as _gluon_builtin
+    from triton._C.libtriton import ir as _triton_ir
     GLUON_IMPORT_ERROR: Optional[str] = None
     _jit = gluon.jit
 except Exception as exc:  # pragma: no cover - older triton
-    gluon = gl = GluonDescriptor = None
+    gluon = gl = GluonDescriptor = _triton_ir = None
     GLUON_IMPORT_ERROR = f"{type(exc).__name__}: {exc}"
+
+    def _gluon_builtin(fn):
+        return fn
 
     def _jit(fn=None, **kwargs):
         return fn if fn is not None else (lambda f: f)
@@ -84,6 +112,17 @@ from .triton_flashmask import _NO_SPEC, LOG2E, _num_intervals  # noqa: E402  (sh
 # ---------------------------------------------------------------------------------------------
 # Device code
 # ---------------------------------------------------------------------------------------------
+
+
+@_gluon_builtin
+def _tma_reduce_add(tensor_desc, coord, src, _semantic=None):
+    """Asynchronous TMA reduce-add of the shared-memory tile ``src`` into the global tile of
+    ``tensor_desc`` at ``coord`` (``cp.reduce.async.bulk.tensor ... .add``; one bulk group per
+    call, so ``tma.store_wait`` waits for it like for a TMA store). The installed gluon has the
+    op in its builder (``create_async_tma_reduce``) but no Python wrapper in ``hopper.tma``."""
+    coord = _semantic._convert_to_ir_values(coord, require_i64=False)
+    _semantic.builder.create_async_tma_reduce(_triton_ir.DESCRIPTOR_REDUCE_KIND.ADD,
+                                              tensor_desc.handle, coord, src.handle)
 
 
 @_jit
@@ -213,13 +252,53 @@ def _load_stats(sum_ptr, mbh, n_blk, NKB, NI: gl.constexpr):
 
 
 @_jit
+def _fused_dq_tail(dv_tok, p16, dsT, dk, q_s, k_smem, ds_smem, dq_smem, dq_desc, dq_row, dq_col,
+                   s_layout: gl.constexpr, a_layout: gl.constexpr):
+    """The FUSE_DQ end of a tile (dV += Pᵀ dO in flight): dK += dSᵀ Q and dQᵀ = Kᵀ dSᵀ
+    (A = Kᵀ, the transposed view of the K tile: an MN-major 16-bit operand; B = dSᵀ from
+    ``ds_smem``), then the [D, BLOCK_M] dQᵀ tile goes to ``dq_smem`` (the wgmma layout stored
+    as is, no transpose) and is TMA reduce-added at (dq_row, dq_col) of the dQᵀ view. Returns
+    (dv, dk) with every wgmma retired and all warps past a CTA barrier (the slot may be refilled).
+
+    Barriers: B1 after dSᵀ is in ``ds_smem`` (the wgmma reads what every warp wrote; it also
+    orders this tile's ``dq_smem`` writes after the previous tile's reduce has read it: the
+    issuing thread waits for that read, ``tma.store_wait(0)``, before B1); B2 after dQ is in
+    ``dq_smem`` (the reduce reads every warp's part; it doubles as the slot barrier)."""
+    dtype: gl.constexpr = q_s.dtype
+    D: gl.constexpr = k_smem.shape[1]
+    BLOCK_M: gl.constexpr = q_s.shape[0]
+    ds_t = dsT.to(dtype)
+    ds16 = gl.convert_layout(ds_t, a_layout)
+    dk_tok = warpgroup_mma(ds16, q_s, dk, is_async=True)
+    ds_smem.store(ds_t)
+    tma.store_wait(0)  # the previous tile's reduce has read dq_smem
+    fence_async_shared()
+    gl.thread_barrier()  # B1
+    dq_zero = gl.zeros([D, BLOCK_M], gl.float32, s_layout)
+    dq_tok = warpgroup_mma(k_smem.permute((1, 0)), ds_smem, dq_zero, use_acc=False,
+                           is_async=True)
+    dv, dk, p16, ds16, dqT = warpgroup_mma_wait(num_outstanding=0,
+                                                deps=(dv_tok, dk_tok, p16, ds16, dq_tok))
+    dq_smem.store(dqT)
+    fence_async_shared()
+    gl.thread_barrier()  # B2
+    _tma_reduce_add(dq_desc, [dq_row, dq_col], dq_smem)
+    return dv, dk
+
+
+@_jit
 def _tile(dk, dv, it, m, hi, k_smem, v_smem, q_ring, do_ring, ready, q_desc, do_desc,
           lse2_ptr, delta_ptr, stat_row0, q_row0, q_col, offs_mb, cols, ivals, stats, n_blk,
-          Sq, Sk, scale_log2, s_layout: gl.constexpr, a_layout: gl.constexpr,
-          BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr,
-          CAUSAL: gl.constexpr, C: gl.constexpr, NI: gl.constexpr, MASKED: gl.constexpr):
+          Sq, Sk, scale_log2, ds_smem, dq_smem, dq_desc, dq_row0, s_layout: gl.constexpr,
+          a_layout: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+          NUM_STAGES: gl.constexpr, CAUSAL: gl.constexpr, C: gl.constexpr, NI: gl.constexpr,
+          MASKED: gl.constexpr, FUSE_DQ: gl.constexpr):
     """dK, dV += one query tile (block m, ring counter it); refills its slot with tile
-    m + NUM_STAGES when that is still in [.., hi). Returns (dk, dv, it + 1)."""
+    m + NUM_STAGES when that is still in [.., hi). Returns (dk, dv, it + 1).
+
+    FUSE_DQ: also dQ[tile] += dS K, as dQᵀ = Kᵀ dSᵀ (wgmma M = D: BLOCK_M is below the
+    64-row minimum), reduce-added (unscaled fp32) into ``dq_desc`` (:func:`_fused_dq_tail`).
+    Without it, ds_smem/dq_smem/dq_desc/dq_row0 are None and the code is the split kernel's."""
     dtype: gl.constexpr = q_desc.dtype
     slot = it % NUM_STAGES
     mbarrier.wait(ready.index(slot), (it // NUM_STAGES) & 1)
@@ -236,16 +315,25 @@ def _tile(dk, dv, it, m, hi, k_smem, v_smem, q_ring, do_ring, ready, q_desc, do_
     pT = gl.exp2(sT * scale_log2 - lse2[None, :])
     if MASKED:
         if _needs_mask(m, n_blk, Sq, Sk, stats, BLOCK_M, BLOCK_N, CAUSAL, NI):
-            masked = _element_masked(rows[None, :], cols[:, None], ivals, Sq, Sk, CAUSAL, C)
+            if FUSE_DQ and not CAUSAL:  # ivals: the column pointer (see the kernel)
+                iv = _column_intervals(ivals, cols, Sq, Sk, CAUSAL, C)
+            else:
+                iv = ivals
+            masked = _element_masked(rows[None, :], cols[:, None], iv, Sq, Sk, CAUSAL, C)
             pT = gl.where(masked, 0.0, pT)
     p16 = gl.convert_layout(pT.to(dtype), a_layout)
     dv_tok = warpgroup_mma(p16, do_s, dv, is_async=True)
     dpT, p16 = warpgroup_mma_wait(num_outstanding=1, deps=(dp_tok, p16))
     dsT = pT * (dpT - delta[None, :])
-    ds16 = gl.convert_layout(dsT.to(dtype), a_layout)
-    dk_tok = warpgroup_mma(ds16, q_s, dk, is_async=True)
-    dv, dk, p16, ds16 = warpgroup_mma_wait(num_outstanding=0, deps=(dv_tok, dk_tok, p16, ds16))
-    gl.thread_barrier()  # every warpgroup is done with the slot before TMA overwrites it
+    if FUSE_DQ:
+        dv, dk = _fused_dq_tail(dv_tok, p16, dsT, dk, q_s, k_smem, ds_smem, dq_smem, dq_desc,
+                                dq_row0, m * BLOCK_M, s_layout, a_layout)
+    else:
+        ds16 = gl.convert_layout(dsT.to(dtype), a_layout)
+        dk_tok = warpgroup_mma(ds16, q_s, dk, is_async=True)
+        dv, dk, p16, ds16 = warpgroup_mma_wait(num_outstanding=0,
+                                               deps=(dv_tok, dk_tok, p16, ds16))
+        gl.thread_barrier()  # every warpgroup is done with the slot before TMA overwrites it
     nxt = m + NUM_STAGES
     _issue_tile(q_desc, do_desc, q_ring, do_ring, ready, slot, q_row0 + nxt * BLOCK_M, q_col,
                 nxt < hi)
@@ -255,9 +343,10 @@ def _tile(dk, dv, it, m, hi, k_smem, v_smem, q_ring, do_ring, ready, q_desc, do_
 @_jit
 def _range(dk, dv, it, lo, flo, fhi, hi, k_smem, v_smem, q_ring, do_ring, ready, q_desc,
            do_desc, lse2_ptr, delta_ptr, stat_row0, q_row0, q_col, offs_mb, cols, ivals, stats,
-           n_blk, Sq, Sk, scale_log2, s_layout: gl.constexpr, a_layout: gl.constexpr,
-           BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr,
-           CAUSAL: gl.constexpr, C: gl.constexpr, NI: gl.constexpr):
+           n_blk, Sq, Sk, scale_log2, ds_smem, dq_smem, dq_desc, dq_row0,
+           s_layout: gl.constexpr, a_layout: gl.constexpr, BLOCK_M: gl.constexpr,
+           BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr, CAUSAL: gl.constexpr,
+           C: gl.constexpr, NI: gl.constexpr, FUSE_DQ: gl.constexpr):
     """One live range [lo, hi) of query blocks: fill the ring, then masked [lo, flo),
     mask-free [flo, fhi), masked [fhi, hi) (tiles in order, so the ring order holds)."""
     flo = gl.minimum(gl.maximum(flo, lo), hi)
@@ -268,29 +357,37 @@ def _range(dk, dv, it, lo, flo, fhi, hi, k_smem, v_smem, q_ring, do_ring, ready,
     for m in range(lo, flo):
         dk, dv, it = _tile(dk, dv, it, m, hi, k_smem, v_smem, q_ring, do_ring, ready, q_desc,
                            do_desc, lse2_ptr, delta_ptr, stat_row0, q_row0, q_col, offs_mb, cols,
-                           ivals, stats, n_blk, Sq, Sk, scale_log2, s_layout, a_layout, BLOCK_M,
-                           BLOCK_N, NUM_STAGES, CAUSAL, C, NI, True)
+                           ivals, stats, n_blk, Sq, Sk, scale_log2, ds_smem, dq_smem, dq_desc,
+                           dq_row0, s_layout, a_layout, BLOCK_M, BLOCK_N, NUM_STAGES, CAUSAL, C,
+                           NI, True, FUSE_DQ)
     for m in range(flo, fhi):
         dk, dv, it = _tile(dk, dv, it, m, hi, k_smem, v_smem, q_ring, do_ring, ready, q_desc,
                            do_desc, lse2_ptr, delta_ptr, stat_row0, q_row0, q_col, offs_mb, cols,
-                           ivals, stats, n_blk, Sq, Sk, scale_log2, s_layout, a_layout, BLOCK_M,
-                           BLOCK_N, NUM_STAGES, CAUSAL, C, NI, False)
+                           ivals, stats, n_blk, Sq, Sk, scale_log2, ds_smem, dq_smem, dq_desc,
+                           dq_row0, s_layout, a_layout, BLOCK_M, BLOCK_N, NUM_STAGES, CAUSAL, C,
+                           NI, False, FUSE_DQ)
     for m in range(fhi, hi):
         dk, dv, it = _tile(dk, dv, it, m, hi, k_smem, v_smem, q_ring, do_ring, ready, q_desc,
                            do_desc, lse2_ptr, delta_ptr, stat_row0, q_row0, q_col, offs_mb, cols,
-                           ivals, stats, n_blk, Sq, Sk, scale_log2, s_layout, a_layout, BLOCK_M,
-                           BLOCK_N, NUM_STAGES, CAUSAL, C, NI, True)
+                           ivals, stats, n_blk, Sq, Sk, scale_log2, ds_smem, dq_smem, dq_desc,
+                           dq_row0, s_layout, a_layout, BLOCK_M, BLOCK_N, NUM_STAGES, CAUSAL, C,
+                           NI, True, FUSE_DQ)
     return dk, dv, it
 
 
 @_jit(do_not_specialize=_NO_SPEC)
 def _dkdv_gluon_kernel(q_desc, do_desc, k_desc, v_desc, dk_ptr, dv_ptr, lse2_ptr, delta_ptr,
                        mask_ptr, sum_ptr, rng_ptr, sm_scale, scale_log2,
-                       Sq, Sk, Hq, Hk, Hm, NQB, NKB, mask_b_stride,
+                       Sq, Sk, Hq, Hk, Hm, NQB, NKB, mask_b_stride, dq_desc,
                        D: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
                        CAUSAL: gl.constexpr, C: gl.constexpr, NI: gl.constexpr,
-                       NUM_STAGES: gl.constexpr, NUM_WARPS: gl.constexpr):
-    """One program per (key block, batch * KV head); loops over the query heads of its group."""
+                       NUM_STAGES: gl.constexpr, NUM_WARPS: gl.constexpr,
+                       FUSE_DQ: gl.constexpr = False):
+    """One program per (key block, batch * KV head); loops over the query heads of its group.
+    FUSE_DQ: also reduce-adds dQ (unscaled, fp32) through ``dq_desc``: the [B*Hq*D, Sq] view of
+    a dQᵀ buffer [B, Hq, D, Sq_pad] (block [D, BLOCK_M]: a wgmma accumulator tile as it sits
+    in registers; TMA clips the query columns at Sq). Without it ``dq_desc`` is None (a
+    constexpr: the kernel's parameters and code are the split kernel's)."""
     gl.static_assert(BLOCK_N == 16 * NUM_WARPS, "wgmma M: 16 rows per warp, warps along keys")
     dtype: gl.constexpr = q_desc.dtype
     # S^T, dP^T: [BLOCK_N keys, BLOCK_M queries]; dK, dV: [BLOCK_N, D]
@@ -318,6 +415,15 @@ def _dkdv_gluon_kernel(q_desc, do_desc, k_desc, v_desc, dk_ptr, dv_ptr, lse2_ptr
     for i in gl.static_range(NUM_STAGES):
         mbarrier.init(ready.index(i), count=1)
     mbarrier.init(kv_bar, count=1)
+    if FUSE_DQ:
+        gl.static_assert(D >= 16 * NUM_WARPS, "fused dQ^T: wgmma M = D, 16 rows per warp")
+        ds_smem = gl.allocate_shared_memory(
+            dtype, [BLOCK_N, BLOCK_M],
+            gl.NVMMASharedLayout.get_default_for([BLOCK_N, BLOCK_M], dtype))
+        dq_smem = gl.allocate_shared_memory(gl.float32, [D, BLOCK_M], dq_desc.layout)
+    else:
+        ds_smem = None
+        dq_smem = None
     fence_async_shared()
 
     mbarrier.expect(kv_bar, k_desc.block_type.nbytes + v_desc.block_type.nbytes)
@@ -338,19 +444,32 @@ def _dkdv_gluon_kernel(q_desc, do_desc, k_desc, v_desc, dk_ptr, dv_ptr, lse2_ptr
         lo0, flo0, fhi0, hi0, lo1, flo1, fhi1, hi1 = _key_block_ranges(
             rng_ptr, mbh, n_blk, Sq, Sk, NQB, BLOCK_M, BLOCK_N, CAUSAL, C, NKB)
         stats = _load_stats(sum_ptr, mbh, n_blk, NKB, NI)
-        ivals = _column_intervals(mask_ptr + mbh * Sk * C, cols, Sq, Sk, CAUSAL, C)
+        if FUSE_DQ and not CAUSAL:
+            # the fused kernel's non-causal masked loops reload the column intervals per
+            # masked tile (L1 hits) instead of holding them: fewer spills inside the loops
+            ivals = mask_ptr + mbh * Sk * C
+        else:
+            ivals = _column_intervals(mask_ptr + mbh * Sk * C, cols, Sq, Sk, CAUSAL, C)
         stat_row0 = (b64 * Hq + h) * Sq
+        if FUSE_DQ:
+            dq_row0 = (b * Hq + h) * D  # this head's D rows of the [B*Hq*D, Sq] dQᵀ view
+        else:
+            dq_row0 = None
         q_row0 = b * Sq
         q_col = h * D
         dk, dv, it = _range(dk, dv, it, lo0, flo0, fhi0, hi0, k_smem, v_smem, q_ring, do_ring,
                             ready, q_desc, do_desc, lse2_ptr, delta_ptr, stat_row0, q_row0, q_col,
-                            offs_mb, cols, ivals, stats, n_blk, Sq, Sk, scale_log2, s_layout,
-                            a_layout, BLOCK_M, BLOCK_N, NUM_STAGES, CAUSAL, C, NI)
+                            offs_mb, cols, ivals, stats, n_blk, Sq, Sk, scale_log2, ds_smem,
+                            dq_smem, dq_desc, dq_row0, s_layout, a_layout, BLOCK_M, BLOCK_N,
+                            NUM_STAGES, CAUSAL, C, NI, FUSE_DQ)
         dk, dv, it = _range(dk, dv, it, lo1, flo1, fhi1, hi1, k_smem, v_smem, q_ring, do_ring,
                             ready, q_desc, do_desc, lse2_ptr, delta_ptr, stat_row0, q_row0, q_col,
-                            offs_mb, cols, ivals, stats, n_blk, Sq, Sk, scale_log2, s_layout,
-                            a_layout, BLOCK_M, BLOCK_N, NUM_STAGES, CAUSAL, C, NI)
+                            offs_mb, cols, ivals, stats, n_blk, Sq, Sk, scale_log2, ds_smem,
+                            dq_smem, dq_desc, dq_row0, s_layout, a_layout, BLOCK_M, BLOCK_N,
+                            NUM_STAGES, CAUSAL, C, NI, FUSE_DQ)
 
+    if FUSE_DQ:
+        tma.store_wait(0)  # the last reduce has read dq_smem
     for i in gl.static_range(NUM_STAGES):
         mbarrier.invalidate(ready.index(i))
     mbarrier.invalidate(kv_bar)
@@ -386,9 +505,17 @@ def _smem_layout(block_rows: int, d: int, dtype):
     return gl.NVMMASharedLayout.get_default_for([block_rows, d], _gl_dtype(dtype))
 
 
-def check_config(d: int, block_m: int, block_n: int, num_warps: int, num_stages: int) -> None:
+def _dq_smem_layout(block_m: int, d: int):
+    """The shared layout of the fused kernel's fp32 [d, block_m] dQᵀ tile (TMA reduce source;
+    at block_m=32 one 128-byte swizzled row per head-dim index)."""
+    return gl.NVMMASharedLayout.get_default_for([d, block_m], gl.float32)
+
+
+def check_config(d: int, block_m: int, block_n: int, num_warps: int, num_stages: int,
+                 fuse_dq: bool = False) -> None:
     """Raise ValueError on a configuration the kernel cannot compile: one warpgroup row of 16
-    keys per warp (block_n == 16 * num_warps), power-of-two tiles."""
+    keys per warp (block_n == 16 * num_warps), power-of-two tiles; with ``fuse_dq`` also
+    d >= 16 * num_warps (dQᵀ = Kᵀ dSᵀ has M = d rows, 16 per warp)."""
     if d not in (64, 128, 256):
         raise ValueError(f"gluon dK/dV: head dim {d} (64, 128 or 256)")
     if block_n != 16 * num_warps:
@@ -397,23 +524,34 @@ def check_config(d: int, block_m: int, block_n: int, num_warps: int, num_stages:
         raise ValueError(f"gluon dK/dV: block_m={block_m} (16, 32, 64 or 128)")
     if num_stages < 1:
         raise ValueError(f"gluon dK/dV: num_stages={num_stages} (>= 1)")
+    if fuse_dq and d < 16 * num_warps:
+        raise ValueError(f"gluon fused dQ: d={d} < 16 * num_warps ({num_warps})")
 
 
 def launch_dkdv_gluon(q, k, v, dout, lse2, delta, causal, softmax_scale, plan, block_m: int,
-                      block_n: int, num_warps: int, num_stages: int):
+                      block_n: int, num_warps: int, num_stages: int, fuse_dq: bool = False):
     """(dk, dv) like ``_launch_dkdv(..., fuse_dq=False)[:2]``; ``plan`` must come from
-    ``make_plan(mask, causal, Sq, Sk, block_m, block_n, by_key=True, device)``."""
+    ``make_plan(mask, causal, Sq, Sk, block_m, block_n, by_key=True, device)``.
+
+    ``fuse_dq=True`` (the FUSE_DQ kernel, unverified on a GPU): (dk, dv, dq_acc), dq_acc the
+    unscaled fp32 dQ accumulated by TMA reduce-adds, shape [B, Sq, Hq, D] (a permuted view of
+    the kernel's [B, Hq, D, Sq_pad] dQᵀ buffer, zero-initialised here); multiply by
+    ``softmax_scale`` for dQ (:func:`fused_backward_gluon`). Its rounding order varies between
+    runs (atomics)."""
     reason = unavailable_reason()
     if reason is not None:
         raise RuntimeError(reason)
     b, sq, hq, d = q.shape
     _, sk, hk, _ = k.shape
-    check_config(d, block_m, block_n, num_warps, num_stages)
+    check_config(d, block_m, block_n, num_warps, num_stages, fuse_dq)
     if q.dtype not in (torch.bfloat16, torch.float16):
         raise ValueError(f"gluon dK/dV: dtype {q.dtype} (bf16 or fp16)")
     q, k, v, dout = (x.contiguous() for x in (q, k, v, dout))
     if sq == 0 or sk == 0:
-        return torch.zeros_like(k), torch.zeros_like(v)
+        zeros = (torch.zeros_like(k), torch.zeros_like(v))
+        if fuse_dq:
+            zeros += (torch.zeros((b, sq, hq, d), dtype=torch.float32, device=q.device), )
+        return zeros
     nqb, nkb = triton.cdiv(sq, block_m), triton.cdiv(sk, block_n)
     if plan.c > 0 and (plan.ranges.shape[1] != nkb or plan.summary.shape[1] != nkb):
         raise ValueError("gluon dK/dV: the plan was built for another block_n (or by query)")
@@ -425,12 +563,39 @@ def launch_dkdv_gluon(q, k, v, dout, lse2, delta, causal, softmax_scale, plan, b
     do_desc = GluonDescriptor.from_tensor(dout.view(b * sq, hq * d), [block_m, d], ql)
     k_desc = GluonDescriptor.from_tensor(k.view(b * sk, hk * d), [block_n, d], kl)
     v_desc = GluonDescriptor.from_tensor(v.view(b * sk, hk * d), [block_n, d], kl)
+    dq_desc = dq_acc = None  # None: a constexpr, the split kernel's parameter list
+    if fuse_dq:
+        # dQᵀ per (batch, head): [B, Hq, D, Sq_pad], Sq_pad a multiple of 4 (TMA: 16-byte row
+        # stride); the descriptor's [B*Hq*D, Sq] view clips each tile's query columns at Sq
+        sq_pad = triton.cdiv(sq, 4) * 4
+        dq_t = torch.zeros((b, hq, d, sq_pad), dtype=torch.float32, device=q.device)
+        dq_desc = GluonDescriptor.from_tensor(dq_t.view(b * hq * d, sq_pad)[:, :sq],
+                                              [d, block_m], _dq_smem_layout(block_m, d))
+        dq_acc = dq_t[..., :sq].permute(0, 3, 1, 2)
+    kwargs = dict(FUSE_DQ=True) if fuse_dq else {}
     _dkdv_gluon_kernel[(nkb, b * hk)](
         q_desc, do_desc, k_desc, v_desc, dk, dv, lse2, delta, plan.mask, plan.summary,
         plan.ranges, softmax_scale, softmax_scale * LOG2E, sq, sk, hq, hk, plan.hm, nqb, nkb,
-        plan.mask_b_stride, D=d, BLOCK_M=block_m, BLOCK_N=block_n, CAUSAL=causal, C=plan.c,
-        NI=plan.ni, NUM_STAGES=num_stages, NUM_WARPS=num_warps, num_warps=num_warps)
+        plan.mask_b_stride, dq_desc, D=d, BLOCK_M=block_m, BLOCK_N=block_n, CAUSAL=causal,
+        C=plan.c, NI=plan.ni, NUM_STAGES=num_stages, NUM_WARPS=num_warps, num_warps=num_warps,
+        **kwargs)
+    if fuse_dq:
+        return dk, dv, dq_acc
     return dk, dv
+
+
+def fused_backward_gluon(q, k, v, dout, lse2, delta, causal, softmax_scale, plan, cfg_tuple):
+    """(dq, dk, dv) of the fused Gluon backward (FUSE_DQ kernel; NOT used by the library, for
+    the GPU A/B ``benchmarks/gluon_dkdv_ab.py --fused``): one launch of the dK/dV kernel that
+    also reduce-adds dQ, then dQ = softmax_scale * dq_acc cast to q's dtype in one strided pass.
+    ``lse2``, ``delta`` from ``triton_flashmask._bwd_pre``; ``plan`` a by-key plan for
+    ``cfg_tuple`` = (block_m, block_n, num_warps, num_stages)."""
+    block_m, block_n, num_warps, num_stages = cfg_tuple
+    dk, dv, dq_acc = launch_dkdv_gluon(q, k, v, dout, lse2, delta, causal, softmax_scale, plan,
+                                       block_m, block_n, num_warps, num_stages, fuse_dq=True)
+    dq = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    torch.mul(dq_acc, softmax_scale, out=dq)
+    return dq, dk, dv
 
 
 # ---------------------------------------------------------------------------------------------
@@ -441,15 +606,17 @@ _TOOLS = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "b
 
 
 def compile_sm90(d: int = 128, block_m: int = 64, block_n: int = 64, num_warps: int = 4,
-                 num_stages: int = 2, causal: bool = True, c: int = 1, dtype: str = "bf16"):
-    """Compile the kernel for sm_90 without a GPU; returns the CompiledKernel."""
+                 num_stages: int = 2, causal: bool = True, c: int = 1, dtype: str = "bf16",
+                 fuse_dq: bool = False):
+    """Compile the kernel (``fuse_dq``: the FUSE_DQ variant) for sm_90 without a GPU; returns
+    the CompiledKernel."""
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
 
     reason = unavailable_reason()
     if reason is not None:
         raise RuntimeError(reason)
-    check_config(d, block_m, block_n, num_warps, num_stages)
+    check_config(d, block_m, block_n, num_warps, num_stages, fuse_dq)
     tdt = {"bf16": torch.bfloat16, "fp16": torch.float16}[dtype]
     ql, kl = _smem_layout(block_m, d, tdt), _smem_layout(block_n, d, tdt)
     kern = _dkdv_gluon_kernel
@@ -457,10 +624,15 @@ def compile_sm90(d: int = 128, block_m: int = 64, block_n: int = 64, num_warps: 
              "do_desc": f"tensordesc<{dtype}[{block_m}, {d}],{ql!r}>",
              "k_desc": f"tensordesc<{dtype}[{block_n}, {d}],{kl!r}>",
              "v_desc": f"tensordesc<{dtype}[{block_n}, {d}],{kl!r}>"}
+    if fuse_dq:
+        descs["dq_desc"] = f"tensordesc<fp32[{d}, {block_m}],{_dq_smem_layout(block_m, d)!r}>"
     ptrs = {"dk_ptr": f"*{dtype}", "dv_ptr": f"*{dtype}", "lse2_ptr": "*fp32",
             "delta_ptr": "*fp32", "mask_ptr": "*i32", "sum_ptr": "*i32", "rng_ptr": "*i32"}
     consts = dict(D=d, BLOCK_M=block_m, BLOCK_N=block_n, CAUSAL=causal, C=c,
                   NI=_num_intervals(causal, c), NUM_STAGES=num_stages, NUM_WARPS=num_warps)
+    consts["FUSE_DQ"] = fuse_dq
+    if not fuse_dq:
+        consts["dq_desc"] = None  # as the launcher passes it: a constexpr, not a parameter
     sig, attrs = {}, {}
     for i, name in enumerate(kern.arg_names):
         if name in consts:
@@ -479,6 +651,31 @@ def compile_sm90(d: int = 128, block_m: int = 64, block_n: int = 64, num_warps: 
                           options={"num_warps": num_warps, "num_stages": num_stages})
 
 
+def tile_loop_spills(sass: str):
+    """(tile loops, the LDL/STL inside them) of a ``cuobjdump -sass`` listing: a tile loop is an
+    innermost backward-branch range that holds HGMMA (the out-of-line mbarrier-wait stubs after
+    the last EXIT, which branch back into the loops, are not loops); loops are (lo, hi)
+    addresses, spills (address, instruction)."""
+    ins = []
+    for line in sass.splitlines():
+        m = re.match(r"\s*/\*([0-9a-f]{4,})\*/\s+(.*?);", line)
+        if m:
+            ins.append((int(m.group(1), 16), m.group(2)))
+    last_exit = max((a for a, t in ins if re.search(r"\bEXIT\b", t)), default=None)
+    cands = []
+    for addr, txt in ins:
+        br = re.search(r"\bBRA\s+(0x[0-9a-f]+)", txt)
+        if br and int(br.group(1), 16) < addr and (last_exit is None or addr < last_exit):
+            lo = int(br.group(1), 16)
+            if any(lo <= a <= addr and "HGMMA" in t for a, t in ins):
+                cands.append((lo, addr))
+    loops = [c for c in cands
+             if not any(o != c and c[0] <= o[0] and o[1] <= c[1] for o in cands)]
+    spills = [(a, t) for a, t in ins if re.search(r"\b(?:LDL|STL)\b", t)
+              and any(lo <= a <= hi for lo, hi in loops)]
+    return loops, spills
+
+
 def sass_report(cubin: bytes) -> dict:
     """Registers, spills, and instruction counts of a cubin (bundled cuobjdump)."""
     with tempfile.NamedTemporaryFile(suffix=".cubin", delete=False) as f:
@@ -493,20 +690,23 @@ def sass_report(cubin: bytes) -> dict:
         os.unlink(path)
     m = re.search(r"REG:(\d+) STACK:(\d+) SHARED:(\d+) LOCAL:(\d+)", res)
     regs, stack, shared, local = (int(x) for x in m.groups()) if m else (-1, -1, -1, -1)
+    loops, in_loops = tile_loop_spills(sass)
     return dict(regs=regs, stack=stack, local=local, hgmma=sass.count("HGMMA"),
-                ldl_stl=sass.count("LDL") + sass.count("STL"),
+                ldl_stl=sass.count("LDL") + sass.count("STL"), tile_loops=len(loops),
+                ldl_stl_in_tile_loops=len(in_loops), tma_reduce=sass.count("UTMAREDG"),
+                atomics=len(re.findall(r"\b(?:RED|ATOM|ATOMG)\.", sass)),
                 wgmma_wait=sass.count("WARPGROUP.DEPBAR"), warpgroup_arrive=sass.count("WARPGROUP.ARRIVE"),
                 bar_sync=sass.count("BAR.SYNC"), syncs_arrive=sass.count("SYNCS.ARRIVE"),
                 tma_load=sass.count("UTMALDG"), mufu_ex2=sass.count("MUFU.EX2"))
 
 
 def compile_report(d=128, block_m=64, block_n=64, num_warps=4, num_stages=2, causal=True, c=1,
-                   dtype="bf16") -> dict:
+                   dtype="bf16", fuse_dq=False) -> dict:
     """One configuration's offline sm_90 report (or its error)."""
     row = dict(D=d, block_m=block_m, block_n=block_n, num_warps=num_warps,
-               num_stages=num_stages, causal=causal, C=c, dtype=dtype)
+               num_stages=num_stages, causal=causal, C=c, dtype=dtype, fuse_dq=fuse_dq)
     try:
-        ck = compile_sm90(d, block_m, block_n, num_warps, num_stages, causal, c, dtype)
+        ck = compile_sm90(d, block_m, block_n, num_warps, num_stages, causal, c, dtype, fuse_dq)
     except Exception as exc:
         row["error"] = f"{type(exc).__name__}: {str(exc)[:2000]}"
         return row
@@ -518,6 +718,9 @@ def compile_report(d=128, block_m=64, block_n=64, num_warps=4, num_stages=2, cau
 #: (block_m, block_n, num_warps, num_stages) tried at D=128 by the report.
 REPORT_CONFIGS = [(64, 64, 4, 2), (32, 64, 4, 2), (32, 64, 4, 3), (16, 64, 4, 3), (64, 128, 8, 2),
                   (32, 128, 8, 3)]
+#: ... and for the FUSE_DQ kernel (``--fused``).
+FUSED_REPORT_CONFIGS = [(32, 64, 4, 3), (32, 64, 4, 2), (16, 64, 4, 3), (16, 64, 4, 2),
+                        (32, 128, 8, 3)]
 
 
 def main(argv=None):
@@ -528,13 +731,14 @@ def main(argv=None):
     ap.add_argument("--dims", default="128")
     ap.add_argument("--layouts", default="1:1,0:2,1:0", help="causal:C pairs")
     ap.add_argument("--dtype", default="bf16")
+    ap.add_argument("--fused", action="store_true", help="the FUSE_DQ kernel")
     args = ap.parse_args(argv)
     for d in (int(x) for x in args.dims.split(",")):
-        for cfg in REPORT_CONFIGS:
+        for cfg in FUSED_REPORT_CONFIGS if args.fused else REPORT_CONFIGS:
             for causal, c in ((bool(int(a)), int(b)) for a, b in
                               (x.split(":") for x in args.layouts.split(","))):
-                print(json.dumps(compile_report(d, *cfg, causal=causal, c=c, dtype=args.dtype)),
-                      flush=True)
+                print(json.dumps(compile_report(d, *cfg, causal=causal, c=c, dtype=args.dtype,
+                                                fuse_dq=args.fused)), flush=True)
 
 
 if __name__ == "__main__":

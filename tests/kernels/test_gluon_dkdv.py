@@ -2,7 +2,9 @@
 
 CPU: the kernel compiles offline for sm_90 (Triton's bundled ptxas/cuobjdump, no GPU) into a
 cubin that uses wgmma (HGMMA) with overlapped waits and spills at most a few loop-invariant
-registers. GPU (``gpu`` marker): its dK, dV match the ``tl`` dK/dV kernel's on a few masks.
+registers; so does its FUSE_DQ variant (TMA reduce-add of dQ, no element atomics); the launcher
+compiles exactly the offline-checked kernels. GPU (``gpu`` marker): its dK, dV match the ``tl``
+dK/dV kernel's on a few masks; the fused Gluon backward's dQ, dK, dV match the split backward's.
 """
 
 from __future__ import annotations
@@ -14,14 +16,20 @@ import shutil
 import pytest
 import torch
 
-import flashmask3.masks as M
 from flashmask3.kernels import gluon_dkdv as G
 from flashmask3.kernels import triton_flashmask as T
+from tests.helpers import gpu_masks
 
 #: Spill bound of the default D=128 config: its few spills are loop-invariant scalars around
 #: the per-head setup (offline report: 48-80 bytes of stack, 20-36 LDL/STL in the whole
 #: kernel, none inside the tile loops); 64x64 would spill ~300 and is not a default.
 MAX_LDL_STL = 64
+
+#: FUSE_DQ at 32x64 w4 s3 (offline report, D=128 bf16): 62-115 LDL/STL in the kernel; inside
+#: the tile loops 2 (causal C=0/1), 22 (non-causal C=2), 18 (C=4), mostly LDL reloads of loop
+#: invariants. 16x64 w4 s3: none inside the loops.
+MAX_FUSED_LDL_STL = 140
+MAX_FUSED_LOOP_LDL_STL = {(True, 1): 4, (False, 2): 32, (True, 0): 4, (False, 4): 28}
 
 
 def _default_config(d: int) -> tuple:
@@ -71,6 +79,99 @@ def test_wait_leaves_a_group_in_flight():
     assert "WARPGROUP.DEPBAR.LE gsb0, 0x1" in sass
 
 
+@pytest.mark.skipif(_offline_skip_reason() is not None, reason=str(_offline_skip_reason()))
+@pytest.mark.parametrize("causal, c", [(True, 1), (False, 2), (True, 0), (False, 4)])
+def test_fused_dq_compiles_for_sm90(causal, c):
+    """FUSE_DQ (32x64 w4 s3, D=128): the dQ^T wgmmas (more HGMMA than the split kernel), one TMA
+    reduce-add (UTMAREDG) per tile loop, no element atomics, bounded spills in the tile loops."""
+    split = G.compile_report(128, 32, 64, 4, 3, causal=causal, c=c)
+    r = G.compile_report(128, 32, 64, 4, 3, causal=causal, c=c, fuse_dq=True)
+    assert "error" not in r, r.get("error")
+    assert split["tma_reduce"] == 0 and split["ldl_stl_in_tile_loops"] == 0, split
+    assert r["hgmma"] > split["hgmma"], (r, split)
+    assert r["tma_reduce"] == r["tile_loops"] > 0, r
+    assert r["atomics"] == 0, r
+    assert r["ldl_stl"] <= MAX_FUSED_LDL_STL, r
+    assert r["ldl_stl_in_tile_loops"] <= MAX_FUSED_LOOP_LDL_STL[(causal, c)], r
+
+
+@pytest.mark.skipif(_offline_skip_reason() is not None, reason=str(_offline_skip_reason()))
+@pytest.mark.parametrize("causal, c", [(True, 1), (False, 2)])
+def test_fused_dq_16x64_does_not_spill_in_tile_loops(causal, c):
+    r = G.compile_report(128, 16, 64, 4, 3, causal=causal, c=c, fuse_dq=True)
+    assert "error" not in r, r.get("error")
+    assert r["tma_reduce"] > 0 and r["ldl_stl_in_tile_loops"] == 0, r
+
+
+@pytest.mark.skipif(_offline_skip_reason() is not None, reason=str(_offline_skip_reason()))
+def test_launcher_compiles_the_offline_checked_kernels(monkeypatch):
+    """``launch_dkdv_gluon``'s real arguments (split: dq_desc=None, a constexpr; fused: the
+    strided dQ^T descriptor, Sq=777 padded to 780) bound by Triton's JIT under a stand-in sm_90
+    driver (compile only, nothing launched) give the same SASS as :func:`compile_sm90`."""
+    import subprocess
+    import tempfile
+
+    from triton.backends.compiler import GPUTarget
+    from triton.runtime import driver
+
+    class _Sm90:
+        def get_current_target(self):
+            return GPUTarget("cuda", 90, 32)
+
+        def get_current_device(self):
+            return 0
+
+        def get_current_stream(self, device=None):
+            return 0
+
+    kern = G._dkdv_gluon_kernel
+    compiled = {}
+
+    class _WarmupOnly:  # kernel[grid](...) compiles without launching; the rest as kernel
+        def __getattr__(self, name):
+            return getattr(kern, name)
+
+        def __getitem__(self, grid):
+            def run(*args, **kwargs):
+                compiled["kernel"] = kern.run(*args, grid=grid, warmup=True, **kwargs)
+            return run
+
+    def sass(cubin):
+        with tempfile.NamedTemporaryFile(suffix=".cubin", delete=False) as f:
+            f.write(cubin)
+        try:
+            return subprocess.run([os.path.join(G._TOOLS, "cuobjdump"), "-sass", f.name],
+                                  capture_output=True, text=True).stdout
+        finally:
+            os.unlink(f.name)
+
+    saved = driver._active
+    kern.device_caches.clear()
+    driver.set_active(_Sm90())
+    monkeypatch.setattr(G, "_dkdv_gluon_kernel", _WarmupOnly())
+    try:
+        b, sq, sk, hq, hk, d = 2, 777, 1000, 4, 2, 128
+        nkb = -(-sk // 64)
+        q = torch.randn(b, sq, hq, d, dtype=torch.bfloat16)
+        k = torch.randn(b, sk, hk, d, dtype=torch.bfloat16)
+        lse2 = torch.zeros(b, hq, sq)
+        cols = torch.full((b, 1, sk, 1), sq, dtype=torch.int32)
+        stats = torch.zeros(b, nkb, 8, dtype=torch.int32)
+        plan = T.Plan(cols, stats, stats.clone(), 1, 1, 1, 1)
+        for fuse in (False, True):
+            out = G.launch_dkdv_gluon(q, k, k, q, lse2, lse2, True, 0.1, plan, 32, 64, 4, 3,
+                                      fuse_dq=fuse)
+            assert len(out) == (3 if fuse else 2)
+            if fuse:
+                assert out[2].shape == (b, sq, hq, d) and out[2].dtype == torch.float32
+                assert out[2].stride()[1] == 1  # the [B, Hq, D, Sq_pad] dQ^T buffer
+            ref = G.compile_sm90(128, 32, 64, 4, 3, True, 1, "bf16", fuse_dq=fuse)
+            assert sass(compiled["kernel"].asm["cubin"]) == sass(ref.asm["cubin"]), fuse
+    finally:
+        driver._active = saved
+        kern.device_caches.clear()
+
+
 def test_config_checks():
     with pytest.raises(ValueError):
         G.check_config(128, 32, 128, 4, 2)  # block_n must be 16 * num_warps
@@ -81,6 +182,9 @@ def test_config_checks():
     G.check_config(128, 32, 64, 4, 3)
     G.check_config(128, 32, 64, 4, 1)
     G.check_config(*((128,) + _default_config(128)))  # the D=128 default runs on Gluon
+    G.check_config(128, 32, 128, 8, 3, fuse_dq=True)
+    with pytest.raises(ValueError):
+        G.check_config(64, 32, 128, 8, 3, fuse_dq=True)  # dQ^T: d rows, 16 per warp
 
 
 def test_dispatch_uses_tl_off_hopper(monkeypatch):
@@ -102,15 +206,7 @@ def test_dispatch_uses_tl_off_hopper(monkeypatch):
 
 
 def _gpu_case(name, s):
-    docs = M.random_document_lengths(s, max(64, s // 8), seed=s)
-    return {
-        "causal": (None, True),
-        "full": (None, False),
-        "causal_document": (M.causal_document_mask(docs), None),
-        "document": (M.document_mask(docs), None),
-        "global_sliding_window": (M.global_sliding_window_mask(s, 64, s // 16), None),
-        "causal_blockwise": (M.causal_blockwise_mask([s // 4, s // 4, s // 2]), None),
-    }[name]
+    return gpu_masks(s)[name]
 
 
 @pytest.mark.gpu
@@ -157,3 +253,37 @@ def test_gpu_dispatch_picks_gluon_at_d128_on_hopper(monkeypatch):
     assert T._dkdv_impl(q[..., :64].contiguous(), T.CANDIDATES[("dkdv", 64)][0]) == "tl"
     monkeypatch.setenv("FLASHMASK3_TRITON_DKDV", "tl")
     assert T._dkdv_impl(q, T.CANDIDATES[("dkdv", 128)][0]) == "tl"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", ["causal", "full", "causal_document", "document",
+                                  "global_sliding_window", "causal_blockwise"])
+@pytest.mark.parametrize("cfg", [(32, 64, 4, 3), (16, 64, 4, 3)])
+def test_gpu_fused_backward_matches_split(name, cfg):
+    """The fused Gluon backward (FUSE_DQ kernel) against the library's split backward, with
+    GQA and Sq != Sk on the non-causal masks' shapes where they apply."""
+    if G.unavailable_reason():
+        pytest.skip(G.unavailable_reason())
+    if torch.cuda.get_device_capability()[0] != 9:
+        pytest.skip("the Gluon kernel is for sm_90 (wgmma)")
+    s, b, hq, hk, d = 1000, 2, 4, 2, 128
+    mask, causal = _gpu_case(name, s)
+    cols = None if mask is None else mask.startend_row_indices.cuda()
+    causal = causal if mask is None else mask.causal
+    g = torch.Generator(device="cuda").manual_seed(5)
+    q = torch.randn(b, s, hq, d, device="cuda", dtype=torch.bfloat16, generator=g)
+    k, v = (torch.randn(b, s, hk, d, device="cuda", dtype=torch.bfloat16, generator=g)
+            for _ in range(2))
+    dout = torch.randn_like(q)
+    scale = 1 / math.sqrt(d)
+    out, lse = T.forward(q, k, v, cols, causal, scale)
+    with T.use_backward("split"):
+        ref = T.backward(dout, None, q, k, v, out, lse, cols, causal, scale)
+    delta, lse2 = T._bwd_pre(out, dout, lse, None)
+    plan = T.make_plan(cols, causal, s, s, cfg[0], cfg[1], True, q.device)
+    got = G.fused_backward_gluon(q, k, v, dout, lse2, delta, causal, scale, plan, cfg)
+    for a, r in zip(got, ref):
+        assert a.shape == r.shape and a.dtype == r.dtype
+        assert torch.isfinite(a).all()
+        rel = ((a.float() - r.float()).norm() / r.float().norm()).item()
+        assert rel < 2e-2, rel

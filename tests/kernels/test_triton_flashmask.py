@@ -18,7 +18,7 @@ import triton.language as tl  # noqa: E402
 
 import flashmask3.masks as M  # noqa: E402
 from flashmask3.kernels import triton_flashmask as T  # noqa: E402
-from tests.helpers import LAYOUTS, named_masks, random_columns  # noqa: E402
+from tests.helpers import LAYOUTS, gpu_masks, named_masks, random_columns  # noqa: E402
 from tests.reference import reference_attention, rel_err  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -298,23 +298,9 @@ def test_fully_masked_everything(monkeypatch, bwd):
 # ---------------------------------------------------------------------------------------------
 
 
-def _gpu_masks(s):
-    docs = M.random_document_lengths(s, max(64, s // 8), seed=s)
-    return {
-        "causal": (None, True),
-        "full": (None, False),
-        "causal_document": (M.causal_document_mask(docs), None),
-        "document": (M.document_mask(docs), None),
-        "sliding_window": (M.sliding_window_mask(s, s // 8), None),
-        "global_sliding_window": (M.global_sliding_window_mask(s, 64, s // 16), None),
-        "causal_blockwise": (M.causal_blockwise_mask([s // 4, s // 4, s // 2]), None),
-        "prefix_lm": (M.prefix_lm_mask(s, s // 3), None),
-    }
-
-
 #: (dtype, head dim, mask): every mask at bf16/D=128; the other dims and fp16 on a subset
 #: (each (D, layout, dtype) is a separate compile of three kernels).
-GPU_CASES = ([(torch.bfloat16, 128, n) for n in _gpu_masks(256)]
+GPU_CASES = ([(torch.bfloat16, 128, n) for n in gpu_masks(256)]
              + [(torch.bfloat16, 64, n) for n in ("causal_document", "global_sliding_window", "full")]
              + [(torch.bfloat16, 256, n) for n in ("causal_document", "document", "causal")]
              + [(torch.float16, 128, "causal_document"), (torch.float16, 128, "sliding_window"),
@@ -322,12 +308,12 @@ GPU_CASES = ([(torch.bfloat16, 128, n) for n in _gpu_masks(256)]
 
 
 #: Cases run a second time with the fused (atomic dQ, TMA reduce-add) backward.
-GPU_FUSED_CASES = ([(torch.bfloat16, 128, n) for n in _gpu_masks(256)]
+GPU_FUSED_CASES = ([(torch.bfloat16, 128, n) for n in gpu_masks(256)]
                    + [(torch.bfloat16, 64, "causal_document"), (torch.bfloat16, 256, "document"),
                       (torch.float16, 128, "sliding_window")])
 #: Cases run a third time with every kernel's UNMASKED-run loop split flipped from its default
 #: (SPLIT_UNMASKED_LOOP), so both loop structures of each kernel are checked on the GPU.
-GPU_FLIPPED_CASES = ([(torch.bfloat16, 128, n) for n in _gpu_masks(256)]
+GPU_FLIPPED_CASES = ([(torch.bfloat16, 128, n) for n in gpu_masks(256)]
                      + [(torch.bfloat16, 64, "document"), (torch.bfloat16, 256, "causal_document")])
 GPU_ALL = ([c + ("split",) for c in GPU_CASES] + [c + ("fused",) for c in GPU_FUSED_CASES]
            + [c + ("flipped",) for c in GPU_FLIPPED_CASES])
@@ -350,7 +336,7 @@ def test_gpu_against_float64_reference(monkeypatch, dtype, d, name, bwd):
     """S=1500 (not a block multiple), GQA 4:2 -> float64 dense reference on the GPU."""
     _gpu_backward_mode(monkeypatch, bwd)
     s = 1500
-    mask, causal = _gpu_masks(s)[name]
+    mask, causal = gpu_masks(s)[name]
     cols = None if mask is None else mask.startend_row_indices.cuda()
     causal = mask.causal if mask is not None else causal
     q, k, v = _qkv(2 if cols is None else 1, s, s, 4, 2, d, dtype, seed=d)
@@ -367,7 +353,7 @@ def test_gpu_long_sequences_against_sdpa(monkeypatch, name, s, bwd):
 
     _gpu_backward_mode(monkeypatch, bwd)
 
-    mask, causal = _gpu_masks(s)[name]
+    mask, causal = gpu_masks(s)[name]
     cols = None if mask is None else mask.startend_row_indices.cuda()
     causal = mask.causal if mask is not None else causal
     q, k, v = _qkv(1, s, s, 2, 2, 128, torch.bfloat16, seed=1)
@@ -394,7 +380,7 @@ def test_gpu_deterministic_mode_is_bitwise_reproducible(monkeypatch):
     (atomic-free) backward: two runs give bitwise equal gradients. The fused backward agrees
     with them to rounding."""
     monkeypatch.setenv("FLASHMASK3_TRITON_BWD", "fused")
-    mask, _ = _gpu_masks(4096)["causal_document"]
+    mask, _ = gpu_masks(4096)["causal_document"]
     cols = mask.startend_row_indices.cuda()
     q, k, v = _qkv(1, 4096, 4096, 8, 2, 128, torch.bfloat16, seed=2)
     out, lse = T.forward(q, k, v, cols, True, 0.125)
