@@ -205,8 +205,20 @@ def test_dispatch_uses_tl_off_hopper(monkeypatch):
 # ---------------------------------------------------------------------------------------------
 
 
-def _gpu_case(name, s):
-    return gpu_masks(s)[name]
+def _gpu_inputs(name, s, d, seed):
+    """bf16 q, k, v, dO (B=2, GQA 4:2), the mask columns on the GPU, causal, the scale, and
+    the forward's O and LSE for mask ``name`` at length ``s``."""
+    mask, causal = gpu_masks(s)[name]
+    cols = None if mask is None else mask.startend_row_indices.cuda()
+    causal = causal if mask is None else mask.causal
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    q = torch.randn(2, s, 4, d, device="cuda", dtype=torch.bfloat16, generator=g)
+    k, v = (torch.randn(2, s, 2, d, device="cuda", dtype=torch.bfloat16, generator=g)
+            for _ in range(2))
+    dout = torch.randn_like(q)
+    scale = 1 / math.sqrt(d)
+    out, lse = T.forward(q, k, v, cols, causal, scale)
+    return q, k, v, dout, cols, causal, scale, out, lse
 
 
 @pytest.mark.gpu
@@ -218,17 +230,8 @@ def test_gpu_matches_tl_kernel(name, cfg):
         pytest.skip(G.unavailable_reason())
     if torch.cuda.get_device_capability()[0] != 9:
         pytest.skip("the Gluon kernel is for sm_90 (wgmma)")
-    s, b, hq, hk, d = 1000, 2, 4, 2, 128
-    mask, causal = _gpu_case(name, s)
-    cols = None if mask is None else mask.startend_row_indices.cuda()
-    causal = causal if mask is None else mask.causal
-    g = torch.Generator(device="cuda").manual_seed(3)
-    q = torch.randn(b, s, hq, d, device="cuda", dtype=torch.bfloat16, generator=g)
-    k, v = (torch.randn(b, s, hk, d, device="cuda", dtype=torch.bfloat16, generator=g)
-            for _ in range(2))
-    dout = torch.randn_like(q)
-    scale = 1 / math.sqrt(d)
-    out, lse = T.forward(q, k, v, cols, causal, scale)
+    s, d = 1000, 128
+    q, k, v, dout, cols, causal, scale, out, lse = _gpu_inputs(name, s, d, seed=3)
     delta, lse2 = T._bwd_pre(out, dout, lse, None)
     c = 0 if cols is None else cols.shape[-1]
     tcfg = T._config("dkdv", d, causal, c, q.dtype)
@@ -260,23 +263,14 @@ def test_gpu_dispatch_picks_gluon_at_d128_on_hopper(monkeypatch):
                                   "global_sliding_window", "causal_blockwise"])
 @pytest.mark.parametrize("cfg", [(32, 64, 4, 3), (16, 64, 4, 3)])
 def test_gpu_fused_backward_matches_split(name, cfg):
-    """The fused Gluon backward (FUSE_DQ kernel) against the library's split backward, with
-    GQA and Sq != Sk on the non-causal masks' shapes where they apply."""
+    """The fused Gluon backward (FUSE_DQ kernel) against the library's split backward (GQA 4:2,
+    a length that is not a block multiple)."""
     if G.unavailable_reason():
         pytest.skip(G.unavailable_reason())
     if torch.cuda.get_device_capability()[0] != 9:
         pytest.skip("the Gluon kernel is for sm_90 (wgmma)")
-    s, b, hq, hk, d = 1000, 2, 4, 2, 128
-    mask, causal = _gpu_case(name, s)
-    cols = None if mask is None else mask.startend_row_indices.cuda()
-    causal = causal if mask is None else mask.causal
-    g = torch.Generator(device="cuda").manual_seed(5)
-    q = torch.randn(b, s, hq, d, device="cuda", dtype=torch.bfloat16, generator=g)
-    k, v = (torch.randn(b, s, hk, d, device="cuda", dtype=torch.bfloat16, generator=g)
-            for _ in range(2))
-    dout = torch.randn_like(q)
-    scale = 1 / math.sqrt(d)
-    out, lse = T.forward(q, k, v, cols, causal, scale)
+    s, d = 1000, 128
+    q, k, v, dout, cols, causal, scale, out, lse = _gpu_inputs(name, s, d, seed=5)
     with T.use_backward("split"):
         ref = T.backward(dout, None, q, k, v, out, lse, cols, causal, scale)
     delta, lse2 = T._bwd_pre(out, dout, lse, None)
