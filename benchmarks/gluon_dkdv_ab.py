@@ -16,7 +16,7 @@ the rest still runs; a relative error (||a-b||/||b||) above 2e-2 is a FAIL. No n
 after ``--budget-s`` seconds; a case running longer than CASE_TIMEOUT_S is taken for a hang (an
 mbarrier wait that never completes cannot be caught): faulthandler prints the stacks and ends
 the process, and the JSON keeps every case before it. Timed configs: ``--configs`` (label
-``BMxBNwWsS``, suffix ``d`` = the DEFER_DK variant). Writes ``$OUT/gluon_dkdv_ab.json`` (OUT
+``BMxBNwWsS``; the session-6 run also timed a ``d`` variant, since removed). Writes ``$OUT/gluon_dkdv_ab.json`` (OUT
 defaults to /tmp) after every case; exits 1 when any case failed or errored::
 
     PYTHONPATH=. python benchmarks/gluon_dkdv_ab.py --budget-s 240

@@ -8,6 +8,7 @@
 #   bash benchmarks/gpu_kernel.sh d64,256        # benchmark grid at D=64 and D=256
 #   BENCH_BUDGET=180 bash benchmarks/gpu_kernel.sh bwd   # backward variants (split vs fused) + all gpu tests
 #   DIMS=64,256 BENCH_BUDGET=240 bash benchmarks/gpu_kernel.sh configs  # each backward kernel's configs + gpu tests
+#   BENCH_BUDGET=330 bash benchmarks/gpu_kernel.sh gluon  # Gluon dK/dV and fused-dQ A/B + the Gluon gpu tests
 # Each stage has its own timeout so the whole call stays under the 600 s device limit; the
 # benchmark writes its JSON after every case, so a stopped run keeps what it measured.
 set -uo pipefail
@@ -28,7 +29,7 @@ case "$PHASE" in
     # FULL_TESTS=1: every gpu test (~3 min) instead of the smoke subset; SKIP_DONE="a.json ...":
     # leave out the cases an earlier, budget-cut run of the plan measured.
     if [ "${FULL_TESTS:-0}" = 1 ]; then
-      FLASHMASK3_TRITON_AUTOTUNE=0 timeout 230 python3 -m pytest -q -m gpu tests/kernels/test_triton_flashmask.py -p no:cacheprovider 2>&1 | tail -25 | tee "$OUT/pytest_gpu.log"
+      FLASHMASK3_TRITON_AUTOTUNE=0 timeout 300 python3 -m pytest -q -m gpu tests/kernels/test_triton_flashmask.py tests/kernels/test_gluon_dkdv.py -p no:cacheprovider 2>&1 | tail -25 | tee "$OUT/pytest_gpu.log"
     else
       timeout 70 python3 -m pytest -q -m gpu -x tests/kernels/test_triton_flashmask.py -p no:cacheprovider \
         -k "bfloat16-128-causal_document or bfloat16-128-global_sliding_window or bfloat16-64-full or float16-128-sliding_window or (long_sequences and causal_document)" 2>&1 | tail -15 | tee "$OUT/pytest_gpu.log"
@@ -55,6 +56,12 @@ case "$PHASE" in
     timeout $((BUDGET + 90)) python3 benchmarks/backward_configs.py --dims "${DIMS:-128}" --budget-s "$BUDGET" --out "$OUT" 2>&1 | tee "$OUT/bench_configs.log"
     timeout 200 python3 -m pytest -q -m gpu tests/kernels/test_triton_flashmask.py -p no:cacheprovider \
       -k "causal_document or sliding_window or long_sequences or deterministic" 2>&1 | tail -25 | tee "$OUT/pytest_gpu.log"
+    ;;
+  gluon)
+    # the Gluon kernels: the fused-dQ prototype's correctness and whole-backward time against
+    # split (and the tl fused kernel), then every Gluon gpu test
+    timeout $((BUDGET + 90)) python3 benchmarks/gluon_dkdv_ab.py --fused --budget-s "$BUDGET" 2>&1 | tee "$OUT/bench_gluon.log"
+    FLASHMASK3_TRITON_AUTOTUNE=0 timeout 150 python3 -m pytest -q -m gpu tests/kernels/test_gluon_dkdv.py -p no:cacheprovider 2>&1 | tail -25 | tee "$OUT/pytest_gluon.log"
     ;;
   d*)
     DIMS=${PHASE#d}
