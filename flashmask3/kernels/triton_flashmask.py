@@ -1141,12 +1141,14 @@ GLUON_DKDV_DIMS = (128,)
 def _dkdv_impl(q: torch.Tensor, cfg: Config) -> str:
     """"gluon" or "tl": the kernel the split backward's dK/dV launch uses. Env
     FLASHMASK3_TRITON_DKDV=tl forces the tl kernel, =gluon the Gluon one wherever it can run
-    (Hopper, TMA, a config with block_n == 16 * num_warps)."""
+    (Hopper, TMA, 16-bit inputs, a config with block_n == 16 * num_warps)."""
     env = os.environ.get("FLASHMASK3_TRITON_DKDV", "").strip()
     if env not in ("", "tl", "gluon"):
         raise ValueError(f"FLASHMASK3_TRITON_DKDV must be 'tl' or 'gluon', got {env!r}")
     if env == "tl" or _interpreting() or not _use_tma(q) or not q.is_cuda:
         return "tl"
+    if q.dtype not in (torch.float16, torch.bfloat16):
+        return "tl"  # the Gluon kernel's wgmma operands are 16-bit (float32 runs tf32 in tl)
     if torch.cuda.get_device_capability(q.device)[0] != 9:
         return "tl"  # wgmma is sm_90 only
     if env != "gluon" and q.shape[-1] not in GLUON_DKDV_DIMS:

@@ -254,6 +254,7 @@ def test_gpu_dispatch_picks_gluon_at_d128_on_hopper(monkeypatch):
     q = torch.zeros(1, 64, 2, 128, device="cuda", dtype=torch.bfloat16)
     assert T._dkdv_impl(q, T.CANDIDATES[("dkdv", 128)][0]) == "gluon"
     assert T._dkdv_impl(q[..., :64].contiguous(), T.CANDIDATES[("dkdv", 64)][0]) == "tl"
+    assert T._dkdv_impl(q.float(), T.CANDIDATES[("dkdv", 128)][0]) == "tl"  # fp32: tl (tf32)
     monkeypatch.setenv("FLASHMASK3_TRITON_DKDV", "tl")
     assert T._dkdv_impl(q, T.CANDIDATES[("dkdv", 128)][0]) == "tl"
 
