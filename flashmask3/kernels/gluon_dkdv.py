@@ -75,10 +75,7 @@ launch or in :func:`compile_report`; :func:`unavailable_reason` says why it cann
 
 from __future__ import annotations
 
-import os
 import re
-import subprocess
-import tempfile
 from typing import Optional
 
 import torch
@@ -602,7 +599,7 @@ def fused_backward_gluon(q, k, v, dout, lse2, delta, causal, softmax_scale, plan
 # Offline compile report (no GPU needed)
 # ---------------------------------------------------------------------------------------------
 
-_TOOLS = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
+from .triton_report import _TOOLS, _signature, cuobjdump  # noqa: E402  (one compile toolkit)
 
 
 def compile_sm90(d: int = 128, block_m: int = 64, block_n: int = 64, num_warps: int = 4,
@@ -633,19 +630,7 @@ def compile_sm90(d: int = 128, block_m: int = 64, block_n: int = 64, num_warps: 
     consts["FUSE_DQ"] = fuse_dq
     if not fuse_dq:
         consts["dq_desc"] = None  # as the launcher passes it: a constexpr, not a parameter
-    sig, attrs = {}, {}
-    for i, name in enumerate(kern.arg_names):
-        if name in consts:
-            sig[name] = "constexpr"
-        elif name in descs:
-            sig[name] = descs[name]
-        elif name in ptrs:
-            sig[name] = ptrs[name]
-            attrs[(i,)] = [["tt.divisibility", 16]]
-        elif "scale" in name:
-            sig[name] = "fp32"
-        else:
-            sig[name] = "i32"
+    sig, attrs = _signature(kern, ptrs, descs, consts)
     src = GluonASTSource(kern, sig, constexprs=consts, attrs=attrs)
     return triton.compile(src, target=GPUTarget("cuda", 90, 32),
                           options={"num_warps": num_warps, "num_stages": num_stages})
@@ -678,20 +663,10 @@ def tile_loop_spills(sass: str):
 
 def sass_report(cubin: bytes) -> dict:
     """Registers, spills, and instruction counts of a cubin (bundled cuobjdump)."""
-    with tempfile.NamedTemporaryFile(suffix=".cubin", delete=False) as f:
-        f.write(cubin)
-        path = f.name
-    try:
-        res = subprocess.run([os.path.join(_TOOLS, "cuobjdump"), "-res-usage", path],
-                             capture_output=True, text=True).stdout
-        sass = subprocess.run([os.path.join(_TOOLS, "cuobjdump"), "-sass", path],
-                              capture_output=True, text=True).stdout
-    finally:
-        os.unlink(path)
-    m = re.search(r"REG:(\d+) STACK:(\d+) SHARED:(\d+) LOCAL:(\d+)", res)
-    regs, stack, shared, local = (int(x) for x in m.groups()) if m else (-1, -1, -1, -1)
+    usage, sass = cuobjdump(cubin)
     loops, in_loops = tile_loop_spills(sass)
-    return dict(regs=regs, stack=stack, local=local, hgmma=sass.count("HGMMA"),
+    return dict(regs=usage["regs"], stack=usage["stack"], local=usage["local"],
+                hgmma=sass.count("HGMMA"),
                 ldl_stl=sass.count("LDL") + sass.count("STL"), tile_loops=len(loops),
                 ldl_stl_in_tile_loops=len(in_loops), tma_reduce=sass.count("UTMAREDG"),
                 atomics=len(re.findall(r"\b(?:RED|ATOM|ATOMG)\.", sass)),

@@ -50,6 +50,24 @@ def _signature(kernel, ptr_types: dict, desc_types: dict, constexprs: dict):
     return sig, attrs
 
 
+def cuobjdump(cubin: bytes) -> tuple[dict, str]:
+    """Resource usage (regs, stack, shared, local; -1 when unreadable) and the SASS listing of
+    a cubin, from the bundled cuobjdump."""
+    with tempfile.NamedTemporaryFile(suffix=".cubin", delete=False) as f:
+        f.write(cubin)
+        path = f.name
+    try:
+        res = subprocess.run([os.path.join(_TOOLS, "cuobjdump"), "-res-usage", path],
+                             capture_output=True, text=True).stdout
+        sass = subprocess.run([os.path.join(_TOOLS, "cuobjdump"), "-sass", path],
+                              capture_output=True, text=True).stdout
+    finally:
+        os.unlink(path)
+    m = re.search(r"REG:(\d+) STACK:(\d+) SHARED:(\d+) LOCAL:(\d+)", res)
+    regs, stack, shared, local = (int(x) for x in m.groups()) if m else (-1, -1, -1, -1)
+    return dict(regs=regs, stack=stack, shared=shared, local=local), sass
+
+
 def compile_one(kind: str, d: int, cfg: K.Config, causal: bool, c: int, dtype: str = "bf16",
                 tma: bool = True) -> dict:
     """Compile one kernel variant for sm_90 and return its resource report."""
@@ -90,19 +108,11 @@ def compile_one(kind: str, d: int, cfg: K.Config, causal: bool, c: int, dtype: s
     src = ASTSource(kernel, sig, constexprs={k: v for k, v in common.items()}, attrs=attrs)
     ck = triton.compile(src, target=GPUTarget("cuda", 90, 32),
                         options={"num_warps": cfg.num_warps, "num_stages": cfg.num_stages})
-    with tempfile.NamedTemporaryFile(suffix=".cubin", delete=False) as f:
-        f.write(ck.asm["cubin"])
-        path = f.name
-    res = subprocess.run([os.path.join(_TOOLS, "cuobjdump"), "-res-usage", path],
-                         capture_output=True, text=True).stdout
-    sass = subprocess.run([os.path.join(_TOOLS, "cuobjdump"), "-sass", path],
-                          capture_output=True, text=True).stdout
-    os.unlink(path)
-    m = re.search(r"REG:(\d+) STACK:(\d+) SHARED:(\d+) LOCAL:(\d+)", res)
-    regs, stack, shared, local = (int(x) for x in m.groups()) if m else (-1, -1, -1, -1)
+    usage, sass = cuobjdump(ck.asm["cubin"])
     return dict(kernel=kind, D=d, block_m=cfg.block_m, block_n=cfg.block_n,
                 num_warps=cfg.num_warps, num_stages=cfg.num_stages, causal=causal, C=c,
-                dtype=dtype, tma=tma, regs=regs, stack=stack, local=local,
+                dtype=dtype, tma=tma, regs=usage["regs"], stack=usage["stack"],
+                local=usage["local"],
                 shared_dynamic=ck.metadata.shared, hgmma=sass.count("HGMMA"),
                 hmma=sass.count("HMMA"), ldl_stl=sass.count("LDL") + sass.count("STL"),
                 tma_reduce=sass.count("UTMAREDG"), red_global=sass.count("RED.E"),

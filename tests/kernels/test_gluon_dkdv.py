@@ -18,6 +18,7 @@ import torch
 
 from flashmask3.kernels import gluon_dkdv as G
 from flashmask3.kernels import triton_flashmask as T
+from flashmask3.kernels.triton_report import cuobjdump
 from tests.helpers import gpu_masks
 
 #: Spill bound of the default D=128 config: its few spills are loop-invariant scalars around
@@ -65,17 +66,8 @@ def test_compiles_for_sm90_with_overlapped_wgmma(causal, c):
 def test_wait_leaves_a_group_in_flight():
     """The SASS waits ``WARPGROUP.DEPBAR.LE gsb0, 0x1`` (the point of the kernel): S^T's wait
     leaves dP^T running, dP^T's wait leaves dV running."""
-    import subprocess
-    import tempfile
-
     ck = G.compile_sm90(128, *_default_config(128), causal=True, c=1)
-    with tempfile.NamedTemporaryFile(suffix=".cubin", delete=False) as f:
-        f.write(ck.asm["cubin"])
-    try:
-        sass = subprocess.run([os.path.join(G._TOOLS, "cuobjdump"), "-sass", f.name],
-                              capture_output=True, text=True).stdout
-    finally:
-        os.unlink(f.name)
+    sass = cuobjdump(ck.asm["cubin"])[1]
     assert "WARPGROUP.DEPBAR.LE gsb0, 0x1" in sass
 
 
@@ -108,9 +100,6 @@ def test_launcher_compiles_the_offline_checked_kernels(monkeypatch):
     """``launch_dkdv_gluon``'s real arguments (split: dq_desc=None, a constexpr; fused: the
     strided dQ^T descriptor, Sq=777 padded to 780) bound by Triton's JIT under a stand-in sm_90
     driver (compile only, nothing launched) give the same SASS as :func:`compile_sm90`."""
-    import subprocess
-    import tempfile
-
     from triton.backends.compiler import GPUTarget
     from triton.runtime import driver
 
@@ -137,13 +126,7 @@ def test_launcher_compiles_the_offline_checked_kernels(monkeypatch):
             return run
 
     def sass(cubin):
-        with tempfile.NamedTemporaryFile(suffix=".cubin", delete=False) as f:
-            f.write(cubin)
-        try:
-            return subprocess.run([os.path.join(G._TOOLS, "cuobjdump"), "-sass", f.name],
-                                  capture_output=True, text=True).stdout
-        finally:
-            os.unlink(f.name)
+        return cuobjdump(cubin)[1]
 
     saved = driver._active
     kern.device_caches.clear()
@@ -205,6 +188,14 @@ def test_dispatch_uses_tl_off_hopper(monkeypatch):
 # ---------------------------------------------------------------------------------------------
 
 
+def _require_hopper_gluon():
+    """Skip unless gluon imports and the GPU is sm_90 (the kernel's wgmma)."""
+    if G.unavailable_reason():
+        pytest.skip(G.unavailable_reason())
+    if torch.cuda.get_device_capability()[0] != 9:
+        pytest.skip("the Gluon kernel is for sm_90 (wgmma)")
+
+
 def _gpu_inputs(name, s, d, seed):
     """bf16 q, k, v, dO (B=2, GQA 4:2), the mask columns on the GPU, causal, the scale, and
     the forward's O and LSE for mask ``name`` at length ``s``."""
@@ -226,10 +217,7 @@ def _gpu_inputs(name, s, d, seed):
                                   "global_sliding_window", "causal_blockwise"])
 @pytest.mark.parametrize("cfg", [(32, 64, 4, 3), (32, 128, 8, 3)])
 def test_gpu_matches_tl_kernel(name, cfg):
-    if G.unavailable_reason():
-        pytest.skip(G.unavailable_reason())
-    if torch.cuda.get_device_capability()[0] != 9:
-        pytest.skip("the Gluon kernel is for sm_90 (wgmma)")
+    _require_hopper_gluon()
     s, d = 1000, 128
     q, k, v, dout, cols, causal, scale, out, lse = _gpu_inputs(name, s, d, seed=3)
     delta, lse2 = T._bwd_pre(out, dout, lse, None)
@@ -248,8 +236,7 @@ def test_gpu_matches_tl_kernel(name, cfg):
 
 @pytest.mark.gpu
 def test_gpu_dispatch_picks_gluon_at_d128_on_hopper(monkeypatch):
-    if G.unavailable_reason() or torch.cuda.get_device_capability()[0] != 9:
-        pytest.skip("needs Hopper and gluon")
+    _require_hopper_gluon()
     monkeypatch.delenv("FLASHMASK3_TRITON_DKDV", raising=False)
     q = torch.zeros(1, 64, 2, 128, device="cuda", dtype=torch.bfloat16)
     assert T._dkdv_impl(q, T.CANDIDATES[("dkdv", 128)][0]) == "gluon"
@@ -266,10 +253,7 @@ def test_gpu_dispatch_picks_gluon_at_d128_on_hopper(monkeypatch):
 def test_gpu_fused_backward_matches_split(name, cfg):
     """The fused Gluon backward (FUSE_DQ kernel) against the library's split backward (GQA 4:2,
     a length that is not a block multiple)."""
-    if G.unavailable_reason():
-        pytest.skip(G.unavailable_reason())
-    if torch.cuda.get_device_capability()[0] != 9:
-        pytest.skip("the Gluon kernel is for sm_90 (wgmma)")
+    _require_hopper_gluon()
     s, d = 1000, 128
     q, k, v, dout, cols, causal, scale, out, lse = _gpu_inputs(name, s, d, seed=5)
     with T.use_backward("split"):
