@@ -1206,7 +1206,44 @@ def _launch_dkdv_tl(q, k, v, dout, lse2, delta, causal, softmax_scale, cfg: Conf
     return dk, dv, dq_acc
 
 
+def _dq_impl(q: torch.Tensor, cfg: Config) -> str:
+    """"tl" (the default) or "gluon": the kernel the split backward's dQ launch uses. Env
+    FLASHMASK3_TRITON_DQ=gluon opts in to the Gluon dQ kernel (flashmask3/kernels/gluon_dq.py)
+    wherever it can run (Hopper, TMA, 16-bit inputs, D 64/128, block_m == 16 * num_warps);
+    anything else, and FLASHMASK3_TRITON_DQ unset or =tl, is the tl kernel."""
+    env = os.environ.get("FLASHMASK3_TRITON_DQ", "").strip()
+    if env not in ("", "tl", "gluon"):
+        raise ValueError(f"FLASHMASK3_TRITON_DQ must be 'tl' or 'gluon', got {env!r}")
+    if env != "gluon" or _interpreting() or not _use_tma(q) or not q.is_cuda:
+        return "tl"
+    if q.dtype not in (torch.float16, torch.bfloat16):
+        return "tl"  # 16-bit wgmma operands only (float32 runs tf32 in tl)
+    if torch.cuda.get_device_capability(q.device)[0] != 9:
+        return "tl"  # wgmma is sm_90 only
+    from . import gluon_dq
+
+    if gluon_dq.unavailable_reason() is not None:
+        return "tl"
+    try:
+        gluon_dq.check_config(q.shape[-1], cfg.block_m, cfg.block_n, cfg.num_warps,
+                              cfg.num_stages)
+    except ValueError:
+        return "tl"
+    return "gluon"
+
+
 def _launch_dq(q, k, v, dout, lse2, delta, causal, softmax_scale, cfg: Config, plan: Plan):
+    """dQ: the Gluon kernel where :func:`_dq_impl` picks it (opt-in), else the tl kernel."""
+    if _dq_impl(q, cfg) == "gluon":
+        from .gluon_dq import launch_dq_gluon
+
+        return launch_dq_gluon(q, k, v, dout, lse2, delta, causal, softmax_scale, plan,
+                               cfg.block_m, cfg.block_n, cfg.num_warps, cfg.num_stages)
+    return _launch_dq_tl(q, k, v, dout, lse2, delta, causal, softmax_scale, cfg, plan)
+
+
+def _launch_dq_tl(q, k, v, dout, lse2, delta, causal, softmax_scale, cfg: Config, plan: Plan):
+    """The tl dQ kernel (see :func:`_launch_dq`)."""
     b, sq, hq, d = q.shape
     _, sk, hk, _ = k.shape
     dq = torch.empty_like(q)
