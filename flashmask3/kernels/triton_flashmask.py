@@ -1077,7 +1077,44 @@ def _check_head_dim(d: int) -> None:
         raise ValueError(f"the Triton FlashMask kernel supports head dims 16..256 powers of two, got {d}")
 
 
+def _fwd_impl(q: torch.Tensor, cfg: Config) -> str:
+    """"gluon" or "tl": the kernel the forward launch uses. Opt-in: env
+    FLASHMASK3_TRITON_FWD=gluon picks the Gluon forward (flashmask3/kernels/gluon_fwd.py) wherever
+    it can run (Hopper, TMA, 16-bit inputs, a config with block_m == 16 * num_warps that fits
+    in shared memory); unset or "tl" keeps the tl kernel."""
+    env = os.environ.get("FLASHMASK3_TRITON_FWD", "").strip()
+    if env not in ("", "tl", "gluon"):
+        raise ValueError(f"FLASHMASK3_TRITON_FWD must be 'tl' or 'gluon', got {env!r}")
+    if env != "gluon" or _interpreting() or not q.is_cuda or not _use_tma(q):
+        return "tl"
+    if q.dtype not in (torch.float16, torch.bfloat16):
+        return "tl"  # the Gluon kernel's wgmma operands are 16-bit (float32 runs tf32 in tl)
+    if torch.cuda.get_device_capability(q.device)[0] != 9:
+        return "tl"  # wgmma is sm_90 only
+    from . import gluon_fwd
+
+    if gluon_fwd.unavailable_reason() is not None:
+        return "tl"
+    try:
+        gluon_fwd.check_config(q.shape[-1], cfg.block_m, cfg.block_n, cfg.num_warps,
+                               cfg.num_stages)
+    except ValueError:
+        return "tl"
+    return "gluon"
+
+
 def _launch_fwd(q, k, v, mask, causal, softmax_scale, cfg: Config, plan: Plan):
+    """(out, lse): the Gluon forward where :func:`_fwd_impl` picks it, else the tl kernel."""
+    if _fwd_impl(q, cfg) == "gluon":
+        from .gluon_fwd import launch_fwd_gluon
+
+        return launch_fwd_gluon(q, k, v, mask, causal, softmax_scale, plan, cfg.block_m,
+                                cfg.block_n, cfg.num_warps, cfg.num_stages)
+    return _launch_fwd_tl(q, k, v, mask, causal, softmax_scale, cfg, plan)
+
+
+def _launch_fwd_tl(q, k, v, mask, causal, softmax_scale, cfg: Config, plan: Plan):
+    """The tl forward kernel (see :func:`_launch_fwd`)."""
     b, sq, hq, d = q.shape
     _, sk, hk, _ = k.shape
     out = torch.empty_like(q)

@@ -1,0 +1,398 @@
+"""A/B of the Gluon forward kernel (flashmask3/kernels/gluon_fwd.py) against the ``tl`` forward
+(one H200, one process).
+
+1. Small-shape correctness pass: the small cases of ``benchmarks/gluon_dkdv_ab.py`` (every
+   (causal, C) layout with random column intervals, GQA, Hm in {1, Hk, Hq}, Sq != Sk = 777 x
+   1000, fp16, D=64) plus a mask whose rows 0..299 and 600..999 are fully masked. Per Gluon
+   config: O and LSE against the float64 dense reference (``tests/reference.py``, the
+   project's one) and against the ``tl`` forward (its default config, its own plan), the
+   fully-masked-row pattern (LSE = -inf exactly where the reference's is, O = 0 there, no NaN),
+   and the split backward run on the Gluon O/LSE against the one run on tl's. A config is ok
+   when O's relative error to the reference is <= REL_TOL, the LSE within LSE_TOL of it, the
+   -inf pattern equal and the gradients within REL_TOL of the tl-based ones.
+2. Timed pass at S=32768, D=128, bf16, B*S = 128K tokens: causal (Hq=Hk=32 and 32:8),
+   causal_document_corpus, document_corpus, sliding_window, full; the tl forward at its default
+   config and every ``--configs`` Gluon config, median ms of ``triton.testing.do_bench`` and
+   TFLOP/s (DESIGN.md convention), speed-up over tl, O max abs difference to tl.
+
+No new case starts after ``--budget-s`` seconds; a case running longer than CASE_TIMEOUT_S
+(gluon_dkdv_ab's) is taken for a hang (an mbarrier wait that never completes cannot be
+caught): faulthandler prints the stacks and ends the process; the JSON written after every case
+keeps what ran. Writes ``$OUT/gluon_fwd_ab.json`` and ``$OUT/gluon_fwd_ab.md`` (OUT defaults to
+/tmp); exits 1 when a case failed or errored::
+
+    PYTHONPATH=. FLASHMASK3_BACKEND=triton python benchmarks/gluon_fwd_ab.py --budget-s 150
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import faulthandler
+import json
+import math
+import os
+import sys
+import time
+import traceback
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from benchmarks.gluon_dkdv_ab import (CASE_TIMEOUT_S, SMALL_CASES, TOTAL_TOKENS,  # noqa: E402
+                                      _arm_watchdog, _random_mask, _rel)
+from flashmask3.kernels import gluon_fwd as F  # noqa: E402
+from flashmask3.kernels import triton_flashmask as T  # noqa: E402
+
+REL_TOL = 2e-2
+LSE_TOL = 2e-2
+#: Gluon configs checked on every small D=128 case: (block_m, block_n, num_warps, num_stages).
+SMALL_CONFIGS = [(128, 128, 8, 2), (128, 128, 8, 3), (128, 64, 8, 3), (64, 128, 4, 2)]
+#: ... and at D=64 (the tl D=64 default 128x64 w4 is not a Gluon shape).
+SMALL_CONFIGS_D64 = [(128, 64, 8, 3), (128, 128, 8, 3)]
+#: Timed at 32K by default (``--configs``), chosen from the offline report.
+TIMED_CONFIGS = [(128, 128, 8, 2), (128, 128, 8, 3), (128, 64, 8, 3)]
+#: (mask, Hq, Hk) in the order they run (the budget may cut the tail).
+TIMED_CASES = [("causal", 32, 32), ("causal", 32, 8), ("causal_document_corpus", 32, 32),
+               ("document_corpus", 32, 32), ("sliding_window", 32, 32), ("full", 32, 32)]
+#: (name, B, Sq, Sk, Hq, Hk, Hm, D, dtype, causal, C) of the fully-masked-rows case.
+EMPTY_ROWS_CASE = ("s1000_rows_fully_masked", 2, 1000, 1000, 4, 2, 2, 128, torch.bfloat16,
+                   False, 2)
+
+
+def _label(cfg) -> str:
+    return "{}x{}w{}s{}".format(*cfg)
+
+
+def _parse(label: str) -> tuple:
+    """``128x128w8s2`` -> (128, 128, 8, 2)."""
+    nums = tuple(int(x) for x in label.replace("x", " ").replace("w", " ").replace("s", " ")
+                 .split())
+    if len(nums) != 4:
+        raise ValueError(f"config label {label!r}: expected BMxBNwWsS")
+    return nums
+
+
+def _empty_rows_mask(b, hm, sq, sk, device):
+    """Non-causal C=2 columns [LTS=600, UTE=300]: rows < 300 and >= 600 see no key."""
+    cols = torch.empty((b, hm, sk, 2), dtype=torch.int32)
+    cols[..., 0] = 600
+    cols[..., 1] = 300
+    return cols.to(device)
+
+
+def tl_forward(q, k, v, cols, causal, scale):
+    """(closure, config) of the tl forward at its default config with its own plan."""
+    sq, sk, d = q.shape[1], k.shape[1], q.shape[-1]
+    c = 0 if cols is None else cols.shape[-1]
+    cfg = T._config("fwd", d, causal, c, q.dtype)
+    plan = T.make_plan(cols, causal, sq, sk, cfg.block_m, cfg.block_n, False, q.device)
+    return (lambda: T._launch_fwd_tl(q, k, v, cols, causal, scale, cfg, plan)), cfg
+
+
+def gluon_forward(q, k, v, cols, causal, scale, cfg):
+    """Closure of the Gluon forward at ``cfg`` with its own plan."""
+    bm, bn, w, s = cfg
+    plan = T.make_plan(cols, causal, q.shape[1], k.shape[1], bm, bn, False, q.device)
+    return lambda: F.launch_fwd_gluon(q, k, v, cols, causal, scale, plan, bm, bn, w, s)
+
+
+def _max_abs(a, b) -> float:
+    return (a.float() - b.float()).abs().max().item() if a.numel() else 0.0
+
+
+def _lse_diff(a, b) -> float:
+    """Max |a - b| over entries finite in both (the -inf pattern is checked separately)."""
+    both = torch.isfinite(a) & torch.isfinite(b)
+    return (a[both].double() - b[both].double()).abs().max().item() if both.any() else 0.0
+
+
+def compare(out, lse, ref_out, ref_lse, tl_out, tl_lse) -> dict:
+    """O, LSE against the dense reference and the tl forward; the fully masked rows."""
+    empty = torch.isinf(ref_lse)  # [B, Hq, Sq]
+    res = dict(o_rel_ref=_rel(out, ref_out), o_max_abs_ref=_max_abs(out, ref_out),
+               o_max_abs_tl=_max_abs(out, tl_out), o_rel_tl=_rel(out, tl_out),
+               lse_max_abs_ref=_lse_diff(lse, ref_lse), lse_max_abs_tl=_lse_diff(lse, tl_lse),
+               o_bitwise_tl=bool(torch.equal(out, tl_out)),
+               finite=bool(torch.isfinite(out).all().item() and not torch.isnan(lse).any()),
+               inf_pattern=bool(torch.equal(torch.isinf(lse), empty)),
+               empty_rows=int(empty.sum().item()))
+    o_rows = out.permute(0, 2, 1, 3)[empty]  # O of the fully masked rows
+    res["empty_rows_zero"] = bool((o_rows == 0).all().item()) if o_rows.numel() else True
+    res["ok"] = (res["o_rel_ref"] <= REL_TOL and res["lse_max_abs_ref"] <= LSE_TOL
+                 and res["finite"] and res["inf_pattern"] and res["empty_rows_zero"])
+    return res
+
+
+def backward_check(q, k, v, cols, causal, scale, out, lse, tl_out, tl_lse) -> dict:
+    """The split backward on the Gluon O/LSE against the same backward on tl's."""
+    dout = torch.randn_like(q)
+    got = T.backward(dout, None, q, k, v, out, lse, cols, causal, scale)
+    ref = T.backward(dout, None, q, k, v, tl_out, tl_lse, cols, causal, scale)
+    rels = {f"{n}_rel_vs_tl_fwd": _rel(a, b) for n, a, b in zip(("dq", "dk", "dv"), got, ref)}
+    rels["grads_finite"] = all(bool(torch.isfinite(a).all().item()) for a in got)
+    rels["bwd_ok"] = rels["grads_finite"] and all(
+        x <= REL_TOL for k_, x in rels.items() if k_.endswith("_vs_tl_fwd"))
+    return rels
+
+
+def _small_inputs(i, case):
+    """q, k, v, mask columns, causal, scale of small case ``i``."""
+    from tests.reference import reference_attention
+
+    name, b, sq, sk, hq, hk, hm, d, dtype, causal, c = case
+    gen = torch.Generator().manual_seed(100 + i)
+    if name == EMPTY_ROWS_CASE[0]:
+        cols = _empty_rows_mask(b, hm, sq, sk, "cuda")
+    else:
+        cols = _random_mask(b, hm, sq, sk, c, causal, gen, "cuda")
+    g = torch.Generator(device="cuda").manual_seed(7 + i)
+    q = torch.randn(b, sq, hq, d, device="cuda", dtype=dtype, generator=g)
+    k = torch.randn(b, sk, hk, d, device="cuda", dtype=dtype, generator=g)
+    v = torch.randn(b, sk, hk, d, device="cuda", dtype=dtype, generator=g)
+    scale = 1 / math.sqrt(d)
+    ref_out, ref_lse = reference_attention(q, k, v, cols, causal, scale)
+    return q, k, v, cols, causal, scale, ref_out, ref_lse
+
+
+def _print_small(name, lab, res):
+    if "error" in res:
+        print(f"small {name:28s} {lab:12s} ERROR", flush=True)
+        return
+    print(f"small {name:28s} {lab:12s} O rel(ref) {res['o_rel_ref']:.2e} "
+          f"max|O-tl| {res['o_max_abs_tl']:.2e} max|lse-ref| {res['lse_max_abs_ref']:.1e} "
+          f"|lse-tl| {res['lse_max_abs_tl']:.1e} empty {res['empty_rows']} "
+          + (f"bwd dq {res['dq_rel_vs_tl_fwd']:.1e} " if "dq_rel_vs_tl_fwd" in res else "")
+          + ("ok" if res["ok"] else "FAIL"), flush=True)
+
+
+def small_pass(records, deadline, out_path):
+    """Correctness of every small Gluon config against the reference and tl."""
+    cases = list(SMALL_CASES) + [EMPTY_ROWS_CASE]
+    for i, case in enumerate(cases):
+        name, b, sq, sk, hq, hk, hm, d, dtype, causal, c = case
+        if time.time() > deadline:
+            records.append(dict(part="small", case=name, skipped="budget"))
+            continue
+        _arm_watchdog(f"small {name}")
+        rec = dict(part="small", case=name, B=b, Sq=sq, Sk=sk, Hq=hq, Hk=hk, Hm=hm, D=d,
+                   dtype=str(dtype), causal=causal, C=c, gluon={})
+        try:
+            q, k, v, cols, causal, scale, ref_out, ref_lse = _small_inputs(i, case)
+            tl_fn, tl_cfg = tl_forward(q, k, v, cols, causal, scale)
+            tl_out, tl_lse = tl_fn()
+            rec["tl_config"] = _label(dataclasses.astuple(tl_cfg))
+            rec["tl_o_rel_ref"] = _rel(tl_out, ref_out)
+            rec["tl_lse_max_abs_ref"] = _lse_diff(tl_lse, ref_lse)
+        except Exception:
+            rec["error"] = traceback.format_exc()
+            print(rec["error"], flush=True)
+            records.append(rec)
+            _write(out_path, records)
+            continue
+        for j, cfg in enumerate(SMALL_CONFIGS if d == 128 else SMALL_CONFIGS_D64):
+            try:
+                out, lse = gluon_forward(q, k, v, cols, causal, scale, cfg)()
+                res = compare(out, lse, ref_out, ref_lse, tl_out, tl_lse)
+                if j == 0:  # the backward on the first config's O/LSE
+                    res.update(backward_check(q, k, v, cols, causal, scale, out, lse, tl_out,
+                                              tl_lse))
+                    res["ok"] = res["ok"] and res["bwd_ok"]
+                torch.cuda.synchronize()
+            except Exception:
+                res = dict(ok=False, error=traceback.format_exc())
+                print(f"[{name} {_label(cfg)}]\n{res['error']}", flush=True)
+            rec["gluon"][_label(cfg)] = res
+            _print_small(name, _label(cfg), res)
+        records.append(rec)
+        _write(out_path, records)
+
+
+def _bench(fn) -> float:
+    from triton.testing import do_bench
+
+    return do_bench(fn, warmup=25, rep=200, return_mode="median")
+
+
+def _timed_inputs(name, s, hq, hk):
+    """Mask columns (on the GPU), causal, q, k, v (bf16, D=128), scale, forward FLOPs."""
+    from benchmarks.kernel import build_mask
+    import flashmask3.masks as M
+
+    batch = TOTAL_TOKENS // s
+    mask, causal, _ = build_mask(name, s, batch)
+    cols = None if mask is None else mask.to("cuda").startend_row_indices
+    causal = causal if mask is None else mask.causal
+    g = torch.Generator(device="cuda").manual_seed(s + 135)
+    q, k, v = (torch.randn(batch, s, h, 128, device="cuda", dtype=torch.bfloat16, generator=g)
+               for h in (hq, hk, hk))
+    flops = M.attention_flops(cols, causal, batch_size=batch, num_heads=hq, seqlen_q=s,
+                              seqlen_k=s, head_dim=128, mode="fwd")
+    return cols, causal, q, k, v, 1 / math.sqrt(128), flops, batch
+
+
+def timed_pass(records, deadline, out_path, seqlen, configs):
+    for name, hq, hk in TIMED_CASES:
+        if time.time() > deadline:
+            records.append(dict(part="timed", case=name, Hq=hq, Hk=hk, skipped="budget"))
+            _write(out_path, records)
+            continue
+        _arm_watchdog(f"timed {name} Hq={hq} Hk={hk}")
+        rec = dict(part="timed", case=name, S=seqlen, D=128, Hq=hq, Hk=hk, dtype="bf16",
+                   gluon={})
+        try:
+            cols, causal, q, k, v, scale, flops, b = _timed_inputs(name, seqlen, hq, hk)
+            rec.update(B=b, causal=causal, C=0 if cols is None else cols.shape[-1],
+                       flops_fwd=flops)
+            tl_fn, tl_cfg = tl_forward(q, k, v, cols, causal, scale)
+            tl_out, tl_lse = tl_fn()
+            ms = _bench(tl_fn)
+            rec["tl"] = dict(config=_label(dataclasses.astuple(tl_cfg)), ms=ms,
+                             tflops=flops / ms / 1e9)
+            print(f"timed {name:24s} {hq}:{hk} tl {rec['tl']['config']:12s} {ms:8.2f} ms "
+                  f"{rec['tl']['tflops']:5.0f} TFLOP/s", flush=True)
+        except Exception:
+            rec["error"] = traceback.format_exc()
+            print(rec["error"], flush=True)
+            records.append(rec)
+            _write(out_path, records)
+            continue
+        for cfg in configs:
+            try:
+                fn = gluon_forward(q, k, v, cols, causal, scale, cfg)
+                out, lse = fn()
+                res = dict(o_max_abs_tl=_max_abs(out, tl_out), o_rel_tl=_rel(out, tl_out),
+                           lse_max_abs_tl=_lse_diff(lse, tl_lse),
+                           finite=bool(torch.isfinite(out).all().item()))
+                res["ok"] = res["o_rel_tl"] <= REL_TOL and res["finite"]
+                del out, lse
+                ms = _bench(fn)
+                res.update(ms=ms, tflops=flops / ms / 1e9, speedup_vs_tl=rec["tl"]["ms"] / ms)
+                print(f"timed {name:24s} {hq}:{hk} gluon {_label(cfg):12s} {ms:8.2f} ms "
+                      f"{res['tflops']:5.0f} TFLOP/s x{res['speedup_vs_tl']:.3f} "
+                      f"max|O-tl| {res['o_max_abs_tl']:.1e} " + ("ok" if res["ok"] else "FAIL"),
+                      flush=True)
+            except Exception:
+                res = dict(ok=False, error=traceback.format_exc())
+                print(f"[{name} {_label(cfg)}]\n{res['error']}", flush=True)
+            rec["gluon"][_label(cfg)] = res
+        records.append(rec)
+        _write(out_path, records)
+        del q, k, v, tl_out, tl_lse
+        torch.cuda.empty_cache()
+
+
+def summary_table(records) -> str:
+    """Markdown: per timed case tl and each Gluon config's ms (TFLOP/s) and speed-up."""
+    timed = [r for r in records if r.get("part") == "timed" and "tl" in r]
+    if not timed:
+        return ""
+    labels = list(dict.fromkeys(lab for r in timed for lab in r["gluon"]))
+    lines = ["| mask | Hq/Hk | tl (" + timed[0]["tl"]["config"] + ") | " + " | ".join(labels)
+             + " |", "|---|---|---|" + "---|" * len(labels)]
+    for r in timed:
+        cells = [f"{r['tl']['ms']:.1f} ms ({r['tl']['tflops']:.0f})"]
+        for lab in labels:
+            x = r["gluon"].get(lab, {})
+            cells.append("error" if "error" in x else "-" if "ms" not in x else
+                         f"{x['ms']:.1f} ms ({x['tflops']:.0f}) x{x['speedup_vs_tl']:.2f}"
+                         + ("" if x.get("ok") else " !"))
+        lines.append(f"| {r['case']} | {r['Hq']}/{r['Hk']} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def small_table(records) -> str:
+    """Markdown: per small case, each config's O rel. error to the reference and max |O - tl|."""
+    small = [r for r in records if r.get("part") == "small" and "gluon" in r]
+    if not small:
+        return ""
+    labels = list(dict.fromkeys(lab for r in small for lab in r["gluon"]))
+    lines = ["| case | tl O rel(ref) | " + " | ".join(labels) + " |",
+             "|---|---|" + "---|" * len(labels)]
+    for r in small:
+        cells = []
+        for lab in labels:
+            x = r["gluon"].get(lab, {})
+            cells.append("error" if "error" in x else "-" if "o_rel_ref" not in x else
+                         f"{x['o_rel_ref']:.1e} / {x['o_max_abs_tl']:.1e}"
+                         + ("" if x.get("ok") else " !"))
+        lines.append(f"| {r['case']} | {r.get('tl_o_rel_ref', float('nan')):.1e} | "
+                     + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def _write(path, records):
+    meta = dict(gpu=torch.cuda.get_device_name(0), torch=torch.__version__,
+                triton=__import__("triton").__version__, rel_tol=REL_TOL, lse_tol=LSE_TOL)
+    with open(path, "w") as f:
+        json.dump(dict(meta=meta, records=records), f, indent=1, default=str)
+
+
+def _write_md(path, records):
+    with open(path, "w") as f:
+        f.write("# Gluon forward vs tl forward\n\nSmall cases: O rel. error to the float64 "
+                "reference / max |O_gluon - O_tl|\n\n" + small_table(records)
+                + "\n\nTimed (32K, D=128, bf16; ms (TFLOP/s) and speed-up over tl)\n\n"
+                + summary_table(records) + "\n")
+
+
+def _failures(records) -> list[str]:
+    bad = []
+    for r in records:
+        if "error" in r:
+            bad.append(f"{r['part']} {r['case']}: error")
+        for lab, x in r.get("gluon", {}).items():
+            if not x.get("ok", False):
+                bad.append(f"{r['part']} {r['case']} {lab}: "
+                           + ("error" if "error" in x else "out of tolerance"))
+    return bad
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--budget-s", type=float, default=150.0,
+                    help="no new case starts after this many seconds")
+    ap.add_argument("--seqlen", type=int, default=32768)
+    ap.add_argument("--configs", default=",".join(_label(c) for c in TIMED_CONFIGS),
+                    help="Gluon configs timed at 32K, e.g. 128x128w8s2,128x64w8s3")
+    ap.add_argument("--skip-small", action="store_true")
+    ap.add_argument("--skip-timed", action="store_true")
+    args = ap.parse_args(argv)
+    configs = [_parse(lab) for lab in args.configs.split(",")]
+    if not torch.cuda.is_available():
+        print("needs a CUDA GPU (Hopper)")
+        return 2
+    reason = F.unavailable_reason()
+    if reason:
+        print(reason)
+        return 2
+    out_dir = os.environ.get("OUT", "/tmp")
+    os.makedirs(out_dir, exist_ok=True)
+    out_path = os.path.join(out_dir, "gluon_fwd_ab.json")
+    start = time.time()
+    deadline = start + args.budget_s
+    records: list = []
+    print(f"GPU {torch.cuda.get_device_name(0)}; torch {torch.__version__}; triton "
+          f"{__import__('triton').__version__}; budget {args.budget_s:.0f} s; case timeout "
+          f"{CASE_TIMEOUT_S} s", flush=True)
+    if not args.skip_small:
+        small_pass(records, deadline, out_path)
+    if not args.skip_timed:
+        timed_pass(records, deadline, out_path, args.seqlen, configs)
+    faulthandler.cancel_dump_traceback_later()
+    _write(out_path, records)
+    _write_md(out_path[:-5] + ".md", records)
+    print(small_table(records))
+    print(summary_table(records))
+    bad = _failures(records)
+    print(f"\nwall {time.time() - start:.0f} s; wrote {out_path} and .md")
+    if bad:
+        print(f"FAIL ({len(bad)}):\n  " + "\n  ".join(bad))
+        return 1
+    print("all Gluon forward cases within tolerance")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,538 @@
+"""Gluon (``triton.experimental.gluon``) forward kernel for Hopper (sm_90), opt-in through
+``FLASHMASK3_TRITON_FWD=gluon`` (``triton_flashmask._fwd_impl``); the ``tl`` ``_fwd_kernel``
+stays the default.
+
+What it computes: what the ``tl`` ``_fwd_kernel`` computes, O ``[B, Sq, Hq, D]`` and the LSE
+``[B, Hq, Sq]`` (natural log, ``-inf`` on fully masked rows, whose O is 0), from the same
+:class:`~flashmask3.kernels.triton_flashmask.Plan` (built by query block for the same
+``block_m``/``block_n``), on the same grid (one program per (query block, batch * query head),
+the causal kernel's heavy late query blocks first), visiting the same tiles: per live range a
+masked loop [lo, flo), a mask-free loop [flo, fhi) compiled without mask code and a masked loop
+[fhi, hi); tiles outside the ranges are never loaded.
+
+Why: benchmarks/NOTES.md ("What limits it"): the ``tl`` forward reaches ~0.65 of the matmul
+peak because Triton's pipeliner does not overlap the softmax of one tile with the matmuls of the
+next; its SASS waits for every wgmma (``WARPGROUP.DEPBAR.LE gsb0, 0x0``). Here the schedule is
+written out (FA3's intra-warpgroup overlap), per key tile j::
+
+    issue S_j = Q K_jᵀ            (async)
+    issue O += P_{j-1} V_{j-1}    (async, P_{j-1} a register A operand)
+    wait for S_j only             (num_outstanding=1: the PV matmul keeps running)
+    mask + online softmax of S_j  -> P_j, row max m_j, alpha_j = exp2(m_{j-1} - m_j), l_j
+    wait for O, release K/V slot j-1 (refill it with tile j-1+NUM_STAGES), O *= alpha_j
+
+and after the last tile one more O += P_last V_last. The first tile of a program issues its
+"previous" PV with P = 0 against its own (already landed) V tile, which adds exact zeros: it
+keeps one loop body for every tile (no peeled first tile per loop variant) at the cost of one
+extra wgmma per program.
+
+Layout: Q (one TMA load) in shared memory, the A operand of S (no registers); K and V tiles go
+through a NUM_STAGES-deep ring of shared-memory slots, one mbarrier per slot (expect-tx of both
+tiles, parity = (tile counter // NUM_STAGES) & 1). The tile counter runs over both live ranges
+of the program, so the prologue's loads and every refill cross the boundary between the
+ranges and between the three loops. S and O accumulate in registers in the wgmma layout with
+warps along the query rows: BLOCK_M == 16 * num_warps (128x128 w8 = two warpgroups of 64 rows).
+
+Numerics against ``tl``: the same scores (``S * scale_log2``), the same masked-row guard (row
+max -inf -> 0 before exp2), the same final normalisation and LSE formula. What differs is the
+rescale order: ``tl`` computes ``O_j = alpha_j O_{j-1} + P_j V_j`` (the rescale before the
+accumulate), this kernel ``O_j = alpha_{j+1} (O_{j-1} + P_j V_j)`` -- the same sum, rounded in
+another order, so O differs from ``tl`` by fp32 rounding of the accumulator (far below bf16's
+output rounding; the LSE is computed identically from the same m and l... up to the order of
+the l update, which is identical). An input V holding inf/NaN would also reach the first
+tile's zero-P product (0 * inf = NaN) where ``tl`` never multiplies it.
+
+The module imports on a CPU-only machine and without gluon (the kernel compiles on first launch
+or in :func:`compile_report`); :func:`unavailable_reason` says why it cannot be used.
+Offline sm_90 report: ``python -m flashmask3.kernels.gluon_fwd``.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import triton
+
+from . import gluon_dkdv as _GD
+from .gluon_dkdv import (_gl_dtype, _jit, _load_stats, _needs_mask, _smem_layout,  # noqa: F401
+                         gl, sass_report, tile_loop_spills, unavailable_reason)
+from .triton_flashmask import _NO_SPEC, LOG2E, _num_intervals
+
+if _GD.GLUON_IMPORT_ERROR is None:
+    from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier,
+                                                                   tma, warpgroup_mma,
+                                                                   warpgroup_mma_wait)
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor as GluonDescriptor
+else:  # pragma: no cover - older triton
+    GluonDescriptor = None
+
+#: Largest dynamic shared memory per block on sm_90 (227 KB), less a margin for barriers.
+SMEM_LIMIT = 232448 - 1024
+
+
+# ---------------------------------------------------------------------------------------------
+# Device code: query-major twins of the key-major helpers of gluon_dkdv
+# ---------------------------------------------------------------------------------------------
+
+
+@_jit
+def _query_block_ranges(rng_ptr, mbh, m_blk, Sq, Sk, NQB, NKB, BLOCK_M: gl.constexpr,
+                        BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr, C: gl.constexpr):
+    """(lo0, flo0, fhi0, hi0, lo1, flo1, fhi1, hi1): the two live key-block ranges of query
+    block ``m_blk`` and the first run of UNMASKED tiles in each. Query-major twin of
+    ``gluon_dkdv._key_block_ranges`` (Gluon twin of the ``tl`` ``_query_block_ranges``): the
+    stored table with a mask, the causal diagonal (or everything) without one."""
+    if C > 0:
+        rp = rng_ptr + (mbh * NQB + m_blk) * 8
+        lo0 = gl.load(rp)
+        hi0 = gl.load(rp + 1)
+        lo1 = gl.load(rp + 2)
+        hi1 = gl.load(rp + 3)
+        flo0 = gl.load(rp + 4)
+        fhi0 = gl.load(rp + 5)
+        flo1 = gl.load(rp + 6)
+        fhi1 = gl.load(rp + 7)
+    else:
+        lo0 = m_blk * 0
+        n_whole = Sk // BLOCK_N  # key blocks that end inside Sk
+        if CAUSAL:
+            r0 = m_blk * BLOCK_M
+            r1 = gl.minimum(r0 + BLOCK_M, Sq)
+            last = r1 - 1 + (Sk - Sq)  # last visible column of the block
+            hi0 = gl.maximum(gl.minimum((last + BLOCK_N) // BLOCK_N, NKB), 0)
+            if last < 0:
+                hi0 = lo0
+            # key blocks whose every column is visible from the block's first row
+            fhi0 = gl.maximum(r0 + (Sk - Sq) + 1, 0) // BLOCK_N
+        else:
+            hi0 = lo0 + NKB
+            fhi0 = lo0 + NKB
+        fhi0 = gl.minimum(gl.minimum(fhi0, n_whole), hi0)
+        flo0 = lo0
+        if fhi0 <= 0:
+            flo0 = hi0
+            fhi0 = hi0
+        lo1 = hi0
+        hi1 = hi0
+        flo1 = hi0
+        fhi1 = hi0
+    return lo0, flo0, fhi0, hi0, lo1, flo1, fhi1, hi1
+
+
+@_jit
+def _mask_interval(qk, rows, s, e):
+    """-inf where rows [s, e) of the columns (``s``, ``e`` ``[1, BN]``, rows ``[BM, 1]``)."""
+    return gl.where((rows >= s) & (rows < e), float("-inf"), qk)
+
+
+@_jit
+def _column_word(col_ptr, cols, Sk, w: gl.constexpr, C: gl.constexpr):
+    """Word ``w`` of the mask columns ``cols`` as a ``[1, BN]`` row (0 past Sk)."""
+    return gl.load(col_ptr + cols * C + w, mask=cols < Sk, other=0)[None, :]
+
+
+@_jit
+def _mask_scores(qk, rows, cols, col_ptr, Sq, Sk, CAUSAL: gl.constexpr, C: gl.constexpr):
+    """Scores ``qk`` [BM, BN] with -inf where (row, col) is masked (DESIGN.md §1); rows
+    ``[BM]`` and cols ``[BN]`` are 1-D slices of the score layout. Query-major twin of
+    ``gluon_dkdv._column_intervals`` + ``_element_masked`` (the ``tl`` ``_column_intervals``
+    table): the intervals are applied one at a time as they are loaded, because in this
+    orientation every thread holds BN/4 columns and holding all four interval words at once
+    costs ~BN registers. Columns at or beyond Sk are masked."""
+    r = rows[:, None]
+    c = cols[None, :]
+    qk = gl.where(c >= Sk, float("-inf"), qk)
+    if C > 0:
+        zero = c * 0
+        if CAUSAL and C == 1:  # [LTS, Sq)
+            qk = _mask_interval(qk, r, _column_word(col_ptr, cols, Sk, 0, C), zero + Sq)
+        elif CAUSAL and C == 2:  # [LTS, LTE)
+            qk = _mask_interval(qk, r, _column_word(col_ptr, cols, Sk, 0, C),
+                                _column_word(col_ptr, cols, Sk, 1, C))
+        elif C == 2:  # non-causal: [LTS, Sq) and [0, UTE)
+            qk = _mask_interval(qk, r, _column_word(col_ptr, cols, Sk, 0, C), zero + Sq)
+            qk = _mask_interval(qk, r, zero, _column_word(col_ptr, cols, Sk, 1, C))
+        else:  # C == 4: [LTS, LTE) and [UTS, UTE)
+            qk = _mask_interval(qk, r, _column_word(col_ptr, cols, Sk, 0, C),
+                                _column_word(col_ptr, cols, Sk, 1, C))
+            qk = _mask_interval(qk, r, _column_word(col_ptr, cols, Sk, 2, C),
+                                _column_word(col_ptr, cols, Sk, 3, C))
+    if CAUSAL:
+        qk = gl.where(c > r + (Sk - Sq), float("-inf"), qk)
+    return qk
+
+
+@_jit
+def _issue_kv(k_desc, v_desc, k_ring, v_ring, ready, t, T, lo0, len0, lo1, kv_row0, kv_col,
+              BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr):
+    """TMA loads of the K and V tiles of the program's tile ``t`` (counted over both live
+    ranges: key block lo0 + t, or lo1 + t - len0 in the second range) into ring slot
+    t % NUM_STAGES; skipped when t >= T (past the program's last tile)."""
+    n = lo0 + t + (t >= len0).to(gl.int32) * (lo1 - lo0 - len0)
+    slot = t % NUM_STAGES
+    bar = ready.index(slot)
+    pred = t < T
+    row = kv_row0 + n * BLOCK_N
+    mbarrier.expect(bar, k_desc.block_type.nbytes + v_desc.block_type.nbytes, pred=pred)
+    tma.async_copy_global_to_shared(k_desc, [row, kv_col], bar, k_ring.index(slot), pred=pred)
+    tma.async_copy_global_to_shared(v_desc, [row, kv_col], bar, v_ring.index(slot), pred=pred)
+
+
+@_jit
+def _softmax_update(qk, m_i, l_i, MASKED: gl.constexpr):
+    """Online softmax step of the ``tl`` ``_fwd_inner`` on scores ``qk`` (already scaled to
+    log2 units and masked): returns (P, alpha, new row max, new row sum). Masked loops guard
+    rows whose max is still -inf (exp2 of 0 offsets, so P = 0 there, never NaN)."""
+    m_new = gl.maximum(m_i, gl.max(qk, 1))
+    if MASKED:
+        m_use = gl.where(m_new == float("-inf"), 0.0, m_new)
+    else:
+        m_use = m_new
+    p = gl.exp2(qk - m_use[:, None])
+    alpha = gl.exp2(m_i - m_use)
+    l_i = l_i * alpha + gl.sum(p, 1)
+    return p, alpha, m_new, l_i
+
+
+@_jit
+def _tile(acc, m_i, l_i, p_prev, t, n, T, q_smem, k_ring, v_ring, ready, k_desc, v_desc, lo0,
+          len0, lo1, kv_row0, kv_col, rows, offs_nb, sum_ptr, col_ptr, mbh, m_blk, Sq, Sk, NKB,
+          scale_log2, s_layout: gl.constexpr, o_layout: gl.constexpr, a_layout: gl.constexpr,
+          BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr,
+          CAUSAL: gl.constexpr, C: gl.constexpr, NI: gl.constexpr, MASKED: gl.constexpr):
+    """Key tile ``t`` (key block ``n``) of the program: S_t and the previous tile's PV in
+    flight together, softmax of S_t under the PV, then O rescaled (see the module docstring).
+    ``p_prev`` is P_{t-1} (zeros for t == 0, multiplied with tile 0's own V: exact zeros).
+    Returns (acc, m, l, P_t, t + 1); P_t's PV is issued by the next tile or the epilogue."""
+    dtype: gl.constexpr = q_smem.dtype
+    slot = t % NUM_STAGES
+    pv_t = gl.maximum(t - 1, 0)
+    pv_slot = pv_t % NUM_STAGES
+    mbarrier.wait(ready.index(slot), (t // NUM_STAGES) & 1)
+    zero = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, s_layout)
+    s_tok = warpgroup_mma(q_smem, k_ring.index(slot).permute((1, 0)), zero, use_acc=False,
+                          is_async=True)
+    o_tok = warpgroup_mma(p_prev, v_ring.index(pv_slot), acc, is_async=True)
+    if MASKED:  # scalar loads under the matmuls
+        stats = _load_stats(sum_ptr, mbh, n, NKB, NI)
+    s = warpgroup_mma_wait(num_outstanding=1, deps=(s_tok, ))
+    qk = s * scale_log2
+    if MASKED:
+        if _needs_mask(m_blk, n, Sq, Sk, stats, BLOCK_M, BLOCK_N, CAUSAL, NI):
+            qk = _mask_scores(qk, rows, n * BLOCK_N + offs_nb, col_ptr, Sq, Sk, CAUSAL, C)
+    p, alpha, m_i, l_i = _softmax_update(qk, m_i, l_i, MASKED)
+    p16 = gl.convert_layout(p.to(dtype), a_layout)
+    acc, p_prev = warpgroup_mma_wait(num_outstanding=0, deps=(o_tok, p_prev))
+    gl.thread_barrier()  # every warpgroup's PV_{t-1} has read slot pv_slot
+    _issue_kv(k_desc, v_desc, k_ring, v_ring, ready, pv_t + NUM_STAGES, T * (t > 0).to(gl.int32),
+              lo0, len0, lo1, kv_row0, kv_col, BLOCK_N, NUM_STAGES)
+    acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))[:, None]
+    return acc, m_i, l_i, p16, t + 1
+
+
+@_jit
+def _loop(acc, m_i, l_i, p_prev, t, lo, hi, T, q_smem, k_ring, v_ring, ready, k_desc, v_desc,
+          lo0, len0, lo1, kv_row0, kv_col, rows, offs_nb, sum_ptr, col_ptr, mbh, m_blk, Sq, Sk,
+          NKB, scale_log2, s_layout: gl.constexpr, o_layout: gl.constexpr,
+          a_layout: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+          NUM_STAGES: gl.constexpr, CAUSAL: gl.constexpr, C: gl.constexpr, NI: gl.constexpr,
+          MASKED: gl.constexpr):
+    """Key blocks [lo, hi) in order, one :func:`_tile` each (MASKED: with mask code)."""
+    for n in range(lo, hi):
+        acc, m_i, l_i, p_prev, t = _tile(
+            acc, m_i, l_i, p_prev, t, n, T, q_smem, k_ring, v_ring, ready, k_desc, v_desc, lo0,
+            len0, lo1, kv_row0, kv_col, rows, offs_nb, sum_ptr, col_ptr, mbh, m_blk, Sq, Sk, NKB,
+            scale_log2, s_layout, o_layout, a_layout, BLOCK_M, BLOCK_N, NUM_STAGES, CAUSAL, C,
+            NI, MASKED)
+    return acc, m_i, l_i, p_prev, t
+
+
+@_jit
+def _range(acc, m_i, l_i, p_prev, t, lo, flo, fhi, hi, T, q_smem, k_ring, v_ring, ready, k_desc,
+           v_desc, lo0, len0, lo1, kv_row0, kv_col, rows, offs_nb, sum_ptr, col_ptr, mbh, m_blk,
+           Sq, Sk, NKB, scale_log2, s_layout: gl.constexpr, o_layout: gl.constexpr,
+           a_layout: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+           NUM_STAGES: gl.constexpr, CAUSAL: gl.constexpr, C: gl.constexpr, NI: gl.constexpr):
+    """One live range [lo, hi): masked [lo, flo), mask-free [flo, fhi), masked [fhi, hi)
+    (flo, fhi clamped into the range, so exactly ``hi - lo`` tiles in order)."""
+    flo = gl.minimum(gl.maximum(flo, lo), hi)
+    fhi = gl.minimum(gl.maximum(fhi, flo), hi)
+    acc, m_i, l_i, p_prev, t = _loop(
+        acc, m_i, l_i, p_prev, t, lo, flo, T, q_smem, k_ring, v_ring, ready, k_desc, v_desc, lo0,
+        len0, lo1, kv_row0, kv_col, rows, offs_nb, sum_ptr, col_ptr, mbh, m_blk, Sq, Sk, NKB,
+        scale_log2, s_layout, o_layout, a_layout, BLOCK_M, BLOCK_N, NUM_STAGES, CAUSAL, C, NI,
+        True)
+    acc, m_i, l_i, p_prev, t = _loop(
+        acc, m_i, l_i, p_prev, t, flo, fhi, T, q_smem, k_ring, v_ring, ready, k_desc, v_desc,
+        lo0, len0, lo1, kv_row0, kv_col, rows, offs_nb, sum_ptr, col_ptr, mbh, m_blk, Sq, Sk,
+        NKB, scale_log2, s_layout, o_layout, a_layout, BLOCK_M, BLOCK_N, NUM_STAGES, CAUSAL, C,
+        NI, False)
+    acc, m_i, l_i, p_prev, t = _loop(
+        acc, m_i, l_i, p_prev, t, fhi, hi, T, q_smem, k_ring, v_ring, ready, k_desc, v_desc,
+        lo0, len0, lo1, kv_row0, kv_col, rows, offs_nb, sum_ptr, col_ptr, mbh, m_blk, Sq, Sk,
+        NKB, scale_log2, s_layout, o_layout, a_layout, BLOCK_M, BLOCK_N, NUM_STAGES, CAUSAL, C,
+        NI, True)
+    return acc, m_i, l_i, p_prev, t
+
+
+@_jit
+def _store_outputs(acc, m_i, l_i, o_ptr, lse_ptr, b64, h, m_blk, Sq, Hq,
+                   s_layout: gl.constexpr, o_layout: gl.constexpr, D: gl.constexpr,
+                   BLOCK_M: gl.constexpr):
+    """O = acc / l (0 on rows with l == 0) and LSE = (m + log2 l) / log2(e) (-inf there), as
+    the ``tl`` kernel stores them; rows >= Sq are not stored."""
+    empty = l_i == 0.0
+    l_safe = gl.where(empty, 1.0, l_i)
+    lse = gl.where(empty, float("-inf"), (m_i + gl.log2(l_safe)) / 1.4426950408889634)
+    rows_s = m_blk * BLOCK_M + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, s_layout))
+    gl.store(lse_ptr + (b64 * Hq + h) * Sq + rows_s, lse, mask=rows_s < Sq)
+    out = acc / gl.convert_layout(l_safe, gl.SliceLayout(1, o_layout))[:, None]
+    rows = m_blk * BLOCK_M + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, o_layout))
+    offs_d = gl.arange(0, D, layout=gl.SliceLayout(0, o_layout))
+    off = ((b64 * Sq + rows) * (Hq * D) + h * D)[:, None] + offs_d[None, :]
+    gl.store(o_ptr + off, out.to(o_ptr.dtype.element_ty),
+             mask=(rows[:, None] < Sq) & (offs_d[None, :] < D))
+
+
+@_jit(do_not_specialize=_NO_SPEC)
+def _fwd_gluon_kernel(q_desc, k_desc, v_desc, o_ptr, lse_ptr, mask_ptr, sum_ptr, rng_ptr,
+                      scale_log2, Sq, Sk, Hq, Hk, Hm, NQB, NKB, mask_b_stride,
+                      D: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+                      CAUSAL: gl.constexpr, C: gl.constexpr, NI: gl.constexpr,
+                      NUM_STAGES: gl.constexpr, NUM_WARPS: gl.constexpr):
+    """One program per (query block, batch * query head): O and LSE of BLOCK_M query rows
+    (grid and program order of the ``tl`` ``_fwd_kernel``)."""
+    gl.static_assert(BLOCK_M == 16 * NUM_WARPS, "wgmma M: 16 rows per warp, warps along rows")
+    dtype: gl.constexpr = q_desc.dtype
+    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0],
+                                                       warps_per_cta=[NUM_WARPS, 1],
+                                                       instr_shape=[16, BLOCK_N, 16])
+    o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0],
+                                                       warps_per_cta=[NUM_WARPS, 1],
+                                                       instr_shape=[16, D, 16])
+    a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
+
+    pid = gl.program_id(0)
+    if CAUSAL:
+        m_blk = NQB - 1 - pid  # heavy (late) query blocks first
+    else:
+        m_blk = pid
+    bh = gl.program_id(1)
+    b = bh // Hq
+    h = bh % Hq
+    hk = h // (Hq // Hk)
+    hm = h // (Hq // Hm)
+    b64 = b.to(gl.int64)
+    mbh = b64 * mask_b_stride + hm
+    col_ptr = mask_ptr + mbh * Sk * C
+
+    q_smem = gl.allocate_shared_memory(dtype, [BLOCK_M, D], q_desc.layout)
+    k_ring = gl.allocate_shared_memory(dtype, [NUM_STAGES, BLOCK_N, D], k_desc.layout)
+    v_ring = gl.allocate_shared_memory(dtype, [NUM_STAGES, BLOCK_N, D], v_desc.layout)
+    ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
+    q_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(NUM_STAGES):
+        mbarrier.init(ready.index(i), count=1)
+    mbarrier.init(q_bar, count=1)
+    fence_async_shared()
+
+    mbarrier.expect(q_bar, q_desc.block_type.nbytes)
+    tma.async_copy_global_to_shared(q_desc, [b * Sq + m_blk * BLOCK_M, h * D], q_bar, q_smem)
+
+    lo0, flo0, fhi0, hi0, lo1, flo1, fhi1, hi1 = _query_block_ranges(
+        rng_ptr, mbh, m_blk, Sq, Sk, NQB, NKB, BLOCK_M, BLOCK_N, CAUSAL, C)
+    len0 = gl.maximum(hi0 - lo0, 0)
+    T = len0 + gl.maximum(hi1 - lo1, 0)
+    kv_row0 = b * Sk
+    kv_col = hk * D
+    t = lo0 * 0  # tile counter over both ranges: tile t in slot t % NUM_STAGES
+    for j in gl.static_range(NUM_STAGES):
+        _issue_kv(k_desc, v_desc, k_ring, v_ring, ready, t + j, T, lo0, len0, lo1, kv_row0,
+                  kv_col, BLOCK_N, NUM_STAGES)
+
+    rows = m_blk * BLOCK_M + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, s_layout))
+    offs_nb = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
+    acc = gl.zeros([BLOCK_M, D], gl.float32, o_layout)
+    m_i = gl.full([BLOCK_M], float("-inf"), gl.float32, gl.SliceLayout(1, s_layout))
+    l_i = gl.zeros([BLOCK_M], gl.float32, gl.SliceLayout(1, s_layout))
+    p_prev = gl.zeros([BLOCK_M, BLOCK_N], dtype, a_layout)
+    mbarrier.wait(q_bar, 0)
+    acc, m_i, l_i, p_prev, t = _range(
+        acc, m_i, l_i, p_prev, t, lo0, flo0, fhi0, hi0, T, q_smem, k_ring, v_ring, ready, k_desc,
+        v_desc, lo0, len0, lo1, kv_row0, kv_col, rows, offs_nb, sum_ptr, col_ptr, mbh, m_blk, Sq,
+        Sk, NKB, scale_log2, s_layout, o_layout, a_layout, BLOCK_M, BLOCK_N, NUM_STAGES, CAUSAL,
+        C, NI)
+    acc, m_i, l_i, p_prev, t = _range(
+        acc, m_i, l_i, p_prev, t, lo1, flo1, fhi1, hi1, T, q_smem, k_ring, v_ring, ready, k_desc,
+        v_desc, lo0, len0, lo1, kv_row0, kv_col, rows, offs_nb, sum_ptr, col_ptr, mbh, m_blk, Sq,
+        Sk, NKB, scale_log2, s_layout, o_layout, a_layout, BLOCK_M, BLOCK_N, NUM_STAGES, CAUSAL,
+        C, NI)
+    if T > 0:  # the last tile's PV
+        o_tok = warpgroup_mma(p_prev, v_ring.index((T - 1) % NUM_STAGES), acc, is_async=True)
+        acc, p_prev = warpgroup_mma_wait(num_outstanding=0, deps=(o_tok, p_prev))
+    for i in gl.static_range(NUM_STAGES):
+        mbarrier.invalidate(ready.index(i))
+    mbarrier.invalidate(q_bar)
+    _store_outputs(acc, m_i, l_i, o_ptr, lse_ptr, b64, h, m_blk, Sq, Hq, s_layout, o_layout, D,
+                   BLOCK_M)
+
+
+# ---------------------------------------------------------------------------------------------
+# Host side
+# ---------------------------------------------------------------------------------------------
+
+
+def shared_bytes(d: int, block_m: int, block_n: int, num_stages: int) -> int:
+    """Shared memory of the kernel's tiles (16-bit): Q plus num_stages K and V tiles."""
+    return 2 * d * (block_m + 2 * num_stages * block_n)
+
+
+def check_config(d: int, block_m: int, block_n: int, num_warps: int, num_stages: int) -> None:
+    """Raise ValueError on a configuration the kernel cannot compile or launch: one wgmma row
+    of 16 queries per warp (block_m == 16 * num_warps), power-of-two tiles, the ring in
+    shared memory (<= 227 KB on sm_90)."""
+    if d not in (64, 128, 256):
+        raise ValueError(f"gluon fwd: head dim {d} (64, 128 or 256)")
+    if block_m != 16 * num_warps:
+        raise ValueError(f"gluon fwd: block_m={block_m} must be 16 * num_warps ({num_warps})")
+    if block_n not in (16, 32, 64, 128, 256):
+        raise ValueError(f"gluon fwd: block_n={block_n} (16..256, a power of two)")
+    if num_stages < 2:
+        raise ValueError(f"gluon fwd: num_stages={num_stages} (>= 2: slot j-1 is released "
+                         "during tile j)")
+    if shared_bytes(d, block_m, block_n, num_stages) > SMEM_LIMIT:
+        raise ValueError(f"gluon fwd: {shared_bytes(d, block_m, block_n, num_stages)} bytes of "
+                         f"shared memory > {SMEM_LIMIT}")
+
+
+def _descriptors(q, k, v, block_m: int, block_n: int):
+    """TMA descriptors of Q ``[B*Sq, Hq*D]`` (block [block_m, D]) and K, V ``[B*Sk, Hk*D]``
+    (block [block_n, D]), NVMMA-swizzled for the wgmma."""
+    b, sq, hq, d = q.shape
+    _, sk, hk, _ = k.shape
+    ql, kl = _smem_layout(block_m, d, q.dtype), _smem_layout(block_n, d, q.dtype)
+    q_desc = GluonDescriptor.from_tensor(q.view(b * sq, hq * d), [block_m, d], ql)
+    k_desc = GluonDescriptor.from_tensor(k.view(b * sk, hk * d), [block_n, d], kl)
+    v_desc = GluonDescriptor.from_tensor(v.view(b * sk, hk * d), [block_n, d], kl)
+    return q_desc, k_desc, v_desc
+
+
+def launch_fwd_gluon(q, k, v, mask, causal, softmax_scale, plan, block_m: int, block_n: int,
+                     num_warps: int, num_stages: int):
+    """(out, lse) like ``triton_flashmask._launch_fwd``; ``plan`` must come from
+    ``make_plan(mask, causal, Sq, Sk, block_m, block_n, by_key=False, device)``. ``mask`` is
+    unused (the plan holds it), as in ``_launch_fwd``."""
+    reason = unavailable_reason()
+    if reason is not None:
+        raise RuntimeError(reason)
+    b, sq, hq, d = q.shape
+    _, sk, hk, _ = k.shape
+    check_config(d, block_m, block_n, num_warps, num_stages)
+    if q.dtype not in (torch.bfloat16, torch.float16):
+        raise ValueError(f"gluon fwd: dtype {q.dtype} (bf16 or fp16)")
+    q, k, v = (x.contiguous() for x in (q, k, v))
+    out = torch.empty_like(q)
+    lse = torch.empty((b, hq, sq), dtype=torch.float32, device=q.device)
+    if sq == 0 or sk == 0:
+        return out.zero_(), lse.fill_(float("-inf"))
+    nqb, nkb = triton.cdiv(sq, block_m), triton.cdiv(sk, block_n)
+    if plan.c > 0 and (plan.ranges.shape[1] != nqb or plan.summary.shape[1] != nkb):
+        raise ValueError("gluon fwd: the plan was built for another tile shape (or by key)")
+    q_desc, k_desc, v_desc = _descriptors(q, k, v, block_m, block_n)
+    _fwd_gluon_kernel[(nqb, b * hq)](
+        q_desc, k_desc, v_desc, out, lse, plan.mask, plan.summary, plan.ranges,
+        softmax_scale * LOG2E, sq, sk, hq, hk, plan.hm, nqb, nkb, plan.mask_b_stride,
+        D=d, BLOCK_M=block_m, BLOCK_N=block_n, CAUSAL=causal, C=plan.c, NI=plan.ni,
+        NUM_STAGES=num_stages, NUM_WARPS=num_warps, num_warps=num_warps)
+    return out, lse
+
+
+# ---------------------------------------------------------------------------------------------
+# Offline compile report (no GPU needed)
+# ---------------------------------------------------------------------------------------------
+
+from .triton_report import _signature, cuobjdump  # noqa: E402  (the shared compile toolkit)
+
+
+def compile_sm90(d: int = 128, block_m: int = 128, block_n: int = 128, num_warps: int = 8,
+                 num_stages: int = 2, causal: bool = True, c: int = 1, dtype: str = "bf16"):
+    """Compile the forward kernel for sm_90 without a GPU; returns the CompiledKernel."""
+    from triton.backends.compiler import GPUTarget
+    from triton.experimental.gluon._runtime import GluonASTSource
+
+    reason = unavailable_reason()
+    if reason is not None:
+        raise RuntimeError(reason)
+    check_config(d, block_m, block_n, num_warps, num_stages)
+    tdt = {"bf16": torch.bfloat16, "fp16": torch.float16}[dtype]
+    ql, kl = _smem_layout(block_m, d, tdt), _smem_layout(block_n, d, tdt)
+    descs = {"q_desc": f"tensordesc<{dtype}[{block_m}, {d}],{ql!r}>",
+             "k_desc": f"tensordesc<{dtype}[{block_n}, {d}],{kl!r}>",
+             "v_desc": f"tensordesc<{dtype}[{block_n}, {d}],{kl!r}>"}
+    ptrs = {"o_ptr": f"*{dtype}", "lse_ptr": "*fp32", "mask_ptr": "*i32", "sum_ptr": "*i32",
+            "rng_ptr": "*i32"}
+    consts = dict(D=d, BLOCK_M=block_m, BLOCK_N=block_n, CAUSAL=causal, C=c,
+                  NI=_num_intervals(causal, c), NUM_STAGES=num_stages, NUM_WARPS=num_warps)
+    sig, attrs = _signature(_fwd_gluon_kernel, ptrs, descs, consts)
+    src = GluonASTSource(_fwd_gluon_kernel, sig, constexprs=consts, attrs=attrs)
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32),
+                          options={"num_warps": num_warps, "num_stages": num_stages})
+
+
+def sass(ck) -> str:
+    """The ``cuobjdump -sass`` listing of a compiled kernel."""
+    return cuobjdump(ck.asm["cubin"])[1]
+
+
+def overlaps(sass_text: str) -> bool:
+    """Whether some wgmma wait leaves one group in flight (``WARPGROUP.DEPBAR.LE gsb0, 0x1``):
+    the S wait under the running PV matmul."""
+    return "WARPGROUP.DEPBAR.LE gsb0, 0x1" in sass_text
+
+
+def compile_report(d=128, block_m=128, block_n=128, num_warps=8, num_stages=2, causal=True, c=1,
+                   dtype="bf16") -> dict:
+    """One configuration's offline sm_90 report (registers, spills, HGMMA, overlap) or its
+    error."""
+    row = dict(D=d, block_m=block_m, block_n=block_n, num_warps=num_warps,
+               num_stages=num_stages, causal=causal, C=c, dtype=dtype)
+    try:
+        ck = compile_sm90(d, block_m, block_n, num_warps, num_stages, causal, c, dtype)
+    except Exception as exc:
+        row["error"] = f"{type(exc).__name__}: {str(exc)[:2000]}"
+        return row
+    row["shared"] = ck.metadata.shared
+    row.update(sass_report(ck.asm["cubin"]))
+    row["overlap"] = overlaps(sass(ck))
+    return row
+
+
+#: (block_m, block_n, num_warps, num_stages) tried at D=128 by the report.
+REPORT_CONFIGS = [(128, 128, 8, 2), (128, 128, 8, 3), (128, 64, 8, 3), (128, 64, 8, 4),
+                  (64, 128, 4, 2), (64, 128, 4, 3)]
+
+
+def main(argv=None):
+    import argparse
+    import json
+
+    ap = argparse.ArgumentParser(description="offline sm_90 report of the Gluon forward kernel")
+    ap.add_argument("--dims", default="128")
+    ap.add_argument("--layouts", default="1:0,1:1,1:2,0:0,0:2,0:4", help="causal:C pairs")
+    ap.add_argument("--configs", default=",".join("{}x{}w{}s{}".format(*c)
+                                                   for c in REPORT_CONFIGS))
+    ap.add_argument("--dtype", default="bf16")
+    args = ap.parse_args(argv)
+    configs = [tuple(int(x) for x in lab.replace("x", " ").replace("w", " ").replace("s", " ")
+                     .split()) for lab in args.configs.split(",")]
+    for d in (int(x) for x in args.dims.split(",")):
+        for cfg in configs:
+            for causal, c in ((bool(int(a)), int(b)) for a, b in
+                              (x.split(":") for x in args.layouts.split(","))):
+                print(json.dumps(compile_report(d, *cfg, causal=causal, c=c, dtype=args.dtype)),
+                      flush=True)
+
+
+if __name__ == "__main__":
+    main()
