@@ -50,14 +50,19 @@ REL_TOL = AB.REL_TOL
 CASE_TIMEOUT_S = 150
 #: How far past the budget a started case may run before the watchdog ends the process.
 GRACE_S = 45
-#: Gluon configs (block_m, block_n, num_warps, num_stages) at D=128: the tl default shape
-#: (128x64 w8 s3, where bitwise equality with the tl default is expected), its 2-stage twin,
-#: and the 64-row shapes (one warpgroup).
-TIMED_CONFIGS = [(128, 64, 8, 3), (128, 64, 8, 2), (64, 64, 4, 2), (64, 128, 4, 2)]
+#: Gluon configs (block_m, block_n, num_warps, num_stages, pipe) at D=128, label
+#: ``BMxBNwWsS`` plus ``p`` for the PIPE kernel (each tile's dQ wgmma overlapped with the next
+#: tile's S and dP): the tl default shape 128x64 w8 s3 (bitwise equality with the tl default
+#: expected) plain and PIPE, PIPE at 2 stages, and 64x64 w4 s2 PIPE (one warpgroup, two
+#: programs per SM by registers and shared memory). (64x128 and 128x128 spill hundreds of
+#: registers inside the tile loops: not timed.)
+TIMED_CONFIGS = [(128, 64, 8, 3, False), (128, 64, 8, 3, True), (128, 64, 8, 2, True),
+                 (64, 64, 4, 2, True)]
 #: Checked on every small D=128 case ...
-SMALL_CONFIGS = [(128, 64, 8, 3), (64, 64, 4, 2)]
+SMALL_CONFIGS = [(128, 64, 8, 3, False), (128, 64, 8, 3, True), (64, 64, 4, 2, True)]
 #: ... and these on the first two only.
-EXTRA_SMALL_CONFIGS = [(128, 64, 8, 2), (64, 128, 4, 2), (64, 64, 4, 3)]
+EXTRA_SMALL_CONFIGS = [(128, 64, 8, 2, False), (128, 64, 8, 2, True), (64, 64, 4, 2, False),
+                       (64, 64, 4, 3, True)]
 #: (mask, Hq, Hk) timed, in order (the budget may cut the tail).
 TIMED_CASES = [("causal", 32, 32), ("causal", 32, 8), ("causal_document_corpus", 32, 32),
                ("document_corpus", 32, 32), ("sliding_window", 32, 32), ("full", 32, 32)]
@@ -77,6 +82,17 @@ def _cfg_tuple(cfg: T.Config) -> tuple:
     return (cfg.block_m, cfg.block_n, cfg.num_warps, cfg.num_stages)
 
 
+def _label(cfg) -> str:
+    """``BMxBNwWsS`` (``gluon_dkdv_ab._label``), plus ``p`` for the PIPE kernel."""
+    return AB._label(tuple(cfg[:4])) + ("p" if len(cfg) > 4 and cfg[4] else "")
+
+
+def _parse(label: str) -> tuple:
+    """(block_m, block_n, num_warps, num_stages, pipe) of a label (inverse of :func:`_label`)."""
+    pipe = label.endswith("p")
+    return tuple(AB._parse(label[:-1] if pipe else label)[:4]) + (pipe, )
+
+
 def _tl_dq(q, k, v, dout, lse2, delta, cols, causal, scale, cfg=None):
     """(launch closure, config tuple, plan) of the tl dQ kernel: at ``cfg`` (a tuple) or at the
     library default ``_config("dq", ...)``."""
@@ -94,9 +110,11 @@ def _gluon_dq(q, k, v, dout, lse2, delta, cols, causal, scale, cfg):
     """(launch closure, plan) of the Gluon dQ kernel at ``cfg``."""
     sq, sk = q.shape[1], k.shape[1]
     plan = T.make_plan(cols, causal, sq, sk, cfg[0], cfg[1], False, q.device)
+    pipe = len(cfg) > 4 and bool(cfg[4])
 
     def fn():
-        return GQ.launch_dq_gluon(q, k, v, dout, lse2, delta, causal, scale, plan, *cfg)
+        return GQ.launch_dq_gluon(q, k, v, dout, lse2, delta, causal, scale, plan, *cfg[:4],
+                                  pipe=pipe)
     return fn, plan
 
 
@@ -146,7 +164,7 @@ def small_pass(records, deadline, out_path):
                                                            causal, seed=7 + i)
             tl_fn, tl_cfg, _ = _tl_dq(q, k, v, dout, lse2, delta, cols, causal, scale)
             ref = tl_fn()
-            rec["tl_config"] = AB._label(tl_cfg)
+            rec["tl_config"] = _label(tl_cfg)
         except Exception:
             rec["error"] = traceback.format_exc()
             print(rec["error"], flush=True)
@@ -155,19 +173,19 @@ def small_pass(records, deadline, out_path):
         if d == 128:
             cfgs = SMALL_CONFIGS + (EXTRA_SMALL_CONFIGS if i < 2 else [])
         else:
-            cfgs = [tl_cfg]
+            cfgs = [tl_cfg + (False, ), tl_cfg + (True, )]
         for cfg in cfgs:
             try:
-                same = ref if tuple(cfg) == tl_cfg else _tl_dq(q, k, v, dout, lse2, delta, cols,
-                                                               causal, scale, cfg)[0]()
+                same = ref if tuple(cfg[:4]) == tl_cfg else _tl_dq(
+                    q, k, v, dout, lse2, delta, cols, causal, scale, cfg[:4])[0]()
                 got = _gluon_dq(q, k, v, dout, lse2, delta, cols, causal, scale, cfg)[0]()
                 res = _compare(got, ref, same)
                 torch.cuda.synchronize()
             except Exception:
                 res = dict(ok=False, error=traceback.format_exc())
-                print(f"[{name} {AB._label(cfg)}]\n{res['error']}", flush=True)
-            rec["gluon"][AB._label(cfg)] = res
-            print(f"small {name:28s} {AB._label(cfg):12s} {_fmt(res)}", flush=True)
+                print(f"[{name} {_label(cfg)}]\n{res['error']}", flush=True)
+            rec["gluon"][_label(cfg)] = res
+            print(f"small {name:28s} {_label(cfg):12s} {_fmt(res)}", flush=True)
         records.append(rec)
         AB._write(out_path, records)
 
@@ -225,9 +243,9 @@ def timed_pass(records, deadline, out_path, seqlen, configs):
             ref = tl_fn()
             ms = AB._bench(tl_fn)
             tiles = live_tiles_dq(tl_plan, causal, b, seqlen, seqlen, hq, tl_cfg[0], tl_cfg[1])
-            rec["tl"] = dict(config=AB._label(tl_cfg), ms=ms,
+            rec["tl"] = dict(config=_label(tl_cfg), ms=ms,
                              tile_tflops=_tile_tflops(tiles, tl_cfg[0], tl_cfg[1], 128, ms))
-            _print_timing(name, hq, hk, "tl " + AB._label(tl_cfg), rec["tl"])
+            _print_timing(name, hq, hk, "tl " + _label(tl_cfg), rec["tl"])
         except Exception:
             rec["error"] = traceback.format_exc()
             print(rec["error"], flush=True)
@@ -239,7 +257,7 @@ def timed_pass(records, deadline, out_path, seqlen, configs):
                 fn, plan = _gluon_dq(q, k, v, dout, lse2, delta, cols, causal, scale, cfg)
                 got = fn()
                 # bitwise against tl at the same shape only where that is the tl default
-                res = _compare(got, ref, ref if tuple(cfg) == tl_cfg else None)
+                res = _compare(got, ref, ref if tuple(cfg[:4]) == tl_cfg else None)
                 del got
                 ms = AB._bench(fn)
                 tiles = live_tiles_dq(plan, causal, b, seqlen, seqlen, hq, cfg[0], cfg[1])
@@ -247,9 +265,9 @@ def timed_pass(records, deadline, out_path, seqlen, configs):
                            speedup_vs_tl=rec["tl"]["ms"] / ms)
             except Exception:
                 res = dict(ok=False, error=traceback.format_exc())
-                print(f"[{name} {AB._label(cfg)}]\n{res['error']}", flush=True)
-            rec["gluon"][AB._label(cfg)] = res
-            _print_timing(name, hq, hk, "gluon " + AB._label(cfg), res)
+                print(f"[{name} {_label(cfg)}]\n{res['error']}", flush=True)
+            rec["gluon"][_label(cfg)] = res
+            _print_timing(name, hq, hk, "gluon " + _label(cfg), res)
         records.append(rec)
         AB._write(out_path, records)
         del cs, q, k, v, dout, delta, lse2, ref
@@ -324,14 +342,15 @@ def main(argv=None) -> int:
     ap.add_argument("--small-frac", type=float, default=0.35,
                     help="the small pass starts no case after this fraction of the budget")
     ap.add_argument("--seqlen", type=int, default=32768)
-    ap.add_argument("--configs", default=",".join(AB._label(c) for c in TIMED_CONFIGS),
-                    help="Gluon configs timed at 32K, labels BMxBNwWsS (e.g. 128x64w8s3)")
+    ap.add_argument("--configs", default=",".join(_label(c) for c in TIMED_CONFIGS),
+                    help="Gluon configs timed at 32K, labels BMxBNwWsS[p] (e.g. 128x64w8s3, "
+                         "128x64w8s3p: the PIPE kernel)")
     ap.add_argument("--skip-small", action="store_true")
     ap.add_argument("--skip-timed", action="store_true")
     args = ap.parse_args(argv)
-    configs = [tuple(AB._parse(lab)[:4]) for lab in args.configs.split(",")]
+    configs = [_parse(lab) for lab in args.configs.split(",")]
     for cfg in configs:
-        GQ.check_config(128, *cfg)
+        GQ.check_config(128, *cfg[:4])
     if not torch.cuda.is_available():
         print("needs a CUDA GPU (Hopper)")
         return 2

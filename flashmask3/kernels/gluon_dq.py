@@ -31,6 +31,13 @@ together, asynchronously; P = exp2(...) and the mask are computed while dP runs 
 group in flight: ``DEPBAR.LE gsb0, 0x1``); dS, then dQ += dS K asynchronously, waited before
 the slot is refilled.
 
+PIPE=True (``launch_dq_gluon(..., pipe=True)``): the dQ wgmma of tile n is issued after
+the S wgmma of tile n+1 and before its dP, so per tile the groups in flight are S_{n+1},
+dQ_n, dP_{n+1}: P_{n+1} (exp2 and the mask) is computed while dQ_n and dP_{n+1} run (SASS
+``DEPBAR.LE gsb0, 0x2``), and the slot of tile n is refilled once dQ_n has retired. The first
+tile of each live range is peeled (no dQ to issue), the last tile's dQ is flushed at the range
+end. The dQ chain still adds the tiles in order, so PIPE is bitwise equal to plain.
+
 Design (one program per (query block of BLOCK_M rows, batch * query head)):
 
 * Q and dO of the block: one TMA load each into shared memory (wgmma A operands, no registers;
@@ -228,6 +235,138 @@ def _range(dq, it, lo, flo, fhi, hi, q_a, do_a, k_ring, v_ring, ready, k_desc, v
     return dq, it
 
 
+@_jit
+def _scores(it, n, q_a, do_a, k_ring, v_ring, ready, rows, lse2, offs_nb, col_ptr, sum_ptr, mbh,
+            m_blk, Sq, Sk, NKB, scale_log2, ds16, prev_slot, dq,
+            s_layout: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+            NUM_STAGES: gl.constexpr, CAUSAL: gl.constexpr, C: gl.constexpr, NI: gl.constexpr,
+            MASKED: gl.constexpr, HAS_PREV: gl.constexpr):
+    """PIPE front half of key tile n (ring counter it): wait for its K/V slot, issue S = Q Kᵀ,
+    then (HAS_PREV) the previous tile's dQ += dS K from ``prev_slot``, then dP = dO Vᵀ, all
+    asynchronous; P = exp2(S·scale_log2 − lse2) and the mask while dQ and dP run. Returns
+    (p, dp token, dq token or dq, ds16): with HAS_PREV the dQ wgmma is still in flight."""
+    slot = it % NUM_STAGES
+    mbarrier.wait(ready.index(slot), (it // NUM_STAGES) & 1)
+    k_s = k_ring.index(slot)
+    zero = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, s_layout)
+    s_tok = warpgroup_mma(q_a, k_s.permute((1, 0)), zero, use_acc=False, is_async=True)
+    if HAS_PREV:
+        dq = warpgroup_mma(ds16, k_ring.index(prev_slot), dq, is_async=True)
+    dp_tok = warpgroup_mma(do_a, v_ring.index(slot).permute((1, 0)), zero, use_acc=False,
+                           is_async=True)
+    if MASKED:
+        cols = n * BLOCK_N + offs_nb
+        stats = _load_stats(sum_ptr, mbh, n, NKB, NI)
+        if NI < 2:  # one interval: loaded while S runs (two: after, fewer live registers)
+            ivals = _tile_column_intervals(col_ptr, cols, Sq, Sk, CAUSAL, C)
+    if HAS_PREV:
+        s = warpgroup_mma_wait(num_outstanding=2, deps=(s_tok, ))
+    else:
+        s = warpgroup_mma_wait(num_outstanding=1, deps=(s_tok, ))
+    p = gl.exp2(s * scale_log2 - lse2[:, None])
+    if MASKED:
+        if _needs_mask(m_blk, n, Sq, Sk, stats, BLOCK_M, BLOCK_N, CAUSAL, NI):
+            if NI >= 2:
+                ivals = _tile_column_intervals(col_ptr, cols, Sq, Sk, CAUSAL, C)
+            masked = _element_masked(rows[:, None], cols[None, :], ivals, Sq, Sk, CAUSAL, C)
+            p = gl.where(masked, 0.0, p)
+    return p, dp_tok, dq, ds16
+
+
+@_jit
+def _ptile(dq, ds16, prev_slot, prev_row, prev_pred, it, n, hi, q_a, do_a, k_ring, v_ring, ready,
+           k_desc, v_desc, kv_row0, kv_col, rows, lse2, delta, offs_nb, col_ptr, sum_ptr, mbh,
+           m_blk, Sq, Sk, NKB, scale_log2, s_layout: gl.constexpr, a_layout: gl.constexpr,
+           BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr,
+           CAUSAL: gl.constexpr, C: gl.constexpr, NI: gl.constexpr, MASKED: gl.constexpr,
+           HAS_PREV: gl.constexpr):
+    """PIPE: key tile n with the previous tile's dQ += dS K overlapped (software-pipelined by
+    one tile; the dQ chain keeps its order, tile after tile, so the sums are the same). Order
+    of wgmma groups: S_n, dQ_{n-1}, dP_n; wait for S_n (2 in flight) and compute P_n; wait for
+    dQ_{n-1} (1 in flight), CTA barrier, refill the previous tile's slot (``prev_row`` if
+    ``prev_pred``); wait for dP_n, dS_n. Returns the state (dq, ds16, slot, row and predicate
+    of this tile's refill, it + 1); dS_n K_n is issued by the next tile or :func:`_pflush`.
+    HAS_PREV=False: a range's first tile (no dQ to issue, nothing to refill)."""
+    dtype: gl.constexpr = k_desc.dtype
+    p, dp_tok, dq, ds16 = _scores(it, n, q_a, do_a, k_ring, v_ring, ready, rows, lse2, offs_nb,
+                                  col_ptr, sum_ptr, mbh, m_blk, Sq, Sk, NKB, scale_log2, ds16,
+                                  prev_slot, dq, s_layout, BLOCK_M, BLOCK_N, NUM_STAGES, CAUSAL,
+                                  C, NI, MASKED, HAS_PREV)
+    if HAS_PREV:
+        dq, ds16 = warpgroup_mma_wait(num_outstanding=1, deps=(dq, ds16))
+        gl.thread_barrier()  # every warpgroup's dQ_{n-1} has read the previous slot
+        _issue_tile(k_desc, v_desc, k_ring, v_ring, ready, prev_slot, prev_row, kv_col,
+                    prev_pred)
+    dp = warpgroup_mma_wait(num_outstanding=0, deps=(dp_tok, ))
+    ds = p * (dp - delta[:, None])
+    ds16 = gl.convert_layout(ds.to(dtype), a_layout)
+    nxt = n + NUM_STAGES
+    return dq, ds16, it % NUM_STAGES, kv_row0 + nxt * BLOCK_N, nxt < hi, it + 1
+
+
+@_jit
+def _pflush(dq, ds16, prev_slot, prev_row, prev_pred, k_ring, v_ring, ready, k_desc, v_desc,
+            kv_col):
+    """PIPE: the last tile's dQ += dS K of a non-empty range, waited; CTA barrier; its slot's
+    refill (if still in the range)."""
+    tok = warpgroup_mma(ds16, k_ring.index(prev_slot), dq, is_async=True)
+    dq, ds16 = warpgroup_mma_wait(num_outstanding=0, deps=(tok, ds16))
+    gl.thread_barrier()
+    _issue_tile(k_desc, v_desc, k_ring, v_ring, ready, prev_slot, prev_row, kv_col, prev_pred)
+    return dq
+
+
+@_jit
+def _prange(dq, it, lo, flo, fhi, hi, q_a, do_a, k_ring, v_ring, ready, k_desc, v_desc,
+            kv_row0, kv_col, rows, lse2, delta, offs_nb, col_ptr, sum_ptr, mbh, m_blk, Sq, Sk,
+            NKB, scale_log2, s_layout: gl.constexpr, a_layout: gl.constexpr,
+            BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr,
+            CAUSAL: gl.constexpr, C: gl.constexpr, NI: gl.constexpr):
+    """PIPE twin of :func:`_range`: fill the ring; tile lo peeled (masked variant, no previous
+    dQ); then masked [lo+1, flo), mask-free [flo, fhi), masked [fhi, hi) with each tile's dQ
+    issued under the next tile's S (:func:`_ptile`); the last dQ flushed (:func:`_pflush`).
+    The same tiles in the same order as :func:`_range` (the peeled tile's mask test is the
+    scalar one every masked tile runs, so a tile of the UNMASKED run is not masked there)."""
+    dtype: gl.constexpr = k_desc.dtype
+    flo = gl.minimum(gl.maximum(flo, lo + 1), hi)
+    fhi = gl.minimum(gl.maximum(fhi, flo), hi)
+    for j in gl.static_range(NUM_STAGES):
+        _issue_tile(k_desc, v_desc, k_ring, v_ring, ready, (it + j) % NUM_STAGES,
+                    kv_row0 + (lo + j) * BLOCK_N, kv_col, lo + j < hi)
+    ds16 = gl.zeros([BLOCK_M, BLOCK_N], dtype, a_layout)
+    prev_slot = it * 0
+    prev_row = kv_row0
+    prev_pred = lo < 0
+    if lo < hi:
+        dq, ds16, prev_slot, prev_row, prev_pred, it = _ptile(
+            dq, ds16, prev_slot, prev_row, prev_pred, it, lo, hi, q_a, do_a, k_ring, v_ring,
+            ready, k_desc, v_desc, kv_row0, kv_col, rows, lse2, delta, offs_nb, col_ptr,
+            sum_ptr, mbh, m_blk, Sq, Sk, NKB, scale_log2, s_layout, a_layout, BLOCK_M, BLOCK_N,
+            NUM_STAGES, CAUSAL, C, NI, True, False)
+    for n in range(lo + 1, flo):
+        dq, ds16, prev_slot, prev_row, prev_pred, it = _ptile(
+            dq, ds16, prev_slot, prev_row, prev_pred, it, n, hi, q_a, do_a, k_ring, v_ring,
+            ready, k_desc, v_desc, kv_row0, kv_col, rows, lse2, delta, offs_nb, col_ptr,
+            sum_ptr, mbh, m_blk, Sq, Sk, NKB, scale_log2, s_layout, a_layout, BLOCK_M, BLOCK_N,
+            NUM_STAGES, CAUSAL, C, NI, True, True)
+    for n in range(flo, fhi):
+        dq, ds16, prev_slot, prev_row, prev_pred, it = _ptile(
+            dq, ds16, prev_slot, prev_row, prev_pred, it, n, hi, q_a, do_a, k_ring, v_ring,
+            ready, k_desc, v_desc, kv_row0, kv_col, rows, lse2, delta, offs_nb, col_ptr,
+            sum_ptr, mbh, m_blk, Sq, Sk, NKB, scale_log2, s_layout, a_layout, BLOCK_M, BLOCK_N,
+            NUM_STAGES, CAUSAL, C, NI, False, True)
+    for n in range(fhi, hi):
+        dq, ds16, prev_slot, prev_row, prev_pred, it = _ptile(
+            dq, ds16, prev_slot, prev_row, prev_pred, it, n, hi, q_a, do_a, k_ring, v_ring,
+            ready, k_desc, v_desc, kv_row0, kv_col, rows, lse2, delta, offs_nb, col_ptr,
+            sum_ptr, mbh, m_blk, Sq, Sk, NKB, scale_log2, s_layout, a_layout, BLOCK_M, BLOCK_N,
+            NUM_STAGES, CAUSAL, C, NI, True, True)
+    if lo < hi:
+        dq = _pflush(dq, ds16, prev_slot, prev_row, prev_pred, k_ring, v_ring, ready, k_desc,
+                     v_desc, kv_col)
+    return dq, it
+
+
 @_jit(do_not_specialize=_NO_SPEC)
 def _dq_gluon_kernel(q_desc, do_desc, k_desc, v_desc, dq_ptr, lse2_ptr, delta_ptr,
                      mask_ptr, sum_ptr, rng_ptr, sm_scale, scale_log2,
@@ -235,9 +374,10 @@ def _dq_gluon_kernel(q_desc, do_desc, k_desc, v_desc, dq_ptr, lse2_ptr, delta_pt
                      D: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
                      CAUSAL: gl.constexpr, C: gl.constexpr, NI: gl.constexpr,
                      NUM_STAGES: gl.constexpr, NUM_WARPS: gl.constexpr,
-                     A_REGS: gl.constexpr = False):
+                     A_REGS: gl.constexpr = False, PIPE: gl.constexpr = False):
     """One program per (query block, batch * query head): dQ of BLOCK_M rows (the ``tl``
-    ``_dq_kernel``'s grid). A_REGS: Q and dO as register A operands (else shared memory)."""
+    ``_dq_kernel``'s grid). A_REGS: Q and dO as register A operands (else shared memory).
+    PIPE: each tile's dQ += dS K overlaps the next tile's S, P and dP (:func:`_prange`)."""
     gl.static_assert(BLOCK_M == 16 * NUM_WARPS, "wgmma M: 16 rows per warp, warps along queries")
     dtype: gl.constexpr = q_desc.dtype
     # S, dP: [BLOCK_M queries, BLOCK_N keys]; dQ: [BLOCK_M, D]
@@ -302,14 +442,24 @@ def _dq_gluon_kernel(q_desc, do_desc, k_desc, v_desc, dq_ptr, lse2_ptr, delta_pt
         q_a = q_smem
         do_a = do_smem
     it = m_blk * 0  # ring counter: tile t sits in slot t % NUM_STAGES, parity (t // S) & 1
-    dq, it = _range(dq, it, lo0, flo0, fhi0, hi0, q_a, do_a, k_ring, v_ring, ready, k_desc,
-                    v_desc, kv_row0, kv_col, rows, lse2, delta, offs_nb, col_ptr, sum_ptr, mbh,
-                    m_blk, Sq, Sk, NKB, scale_log2, s_layout, a_layout, BLOCK_M, BLOCK_N,
-                    NUM_STAGES, CAUSAL, C, NI)
-    dq, it = _range(dq, it, lo1, flo1, fhi1, hi1, q_a, do_a, k_ring, v_ring, ready, k_desc,
-                    v_desc, kv_row0, kv_col, rows, lse2, delta, offs_nb, col_ptr, sum_ptr, mbh,
-                    m_blk, Sq, Sk, NKB, scale_log2, s_layout, a_layout, BLOCK_M, BLOCK_N,
-                    NUM_STAGES, CAUSAL, C, NI)
+    if PIPE:
+        dq, it = _prange(dq, it, lo0, flo0, fhi0, hi0, q_a, do_a, k_ring, v_ring, ready,
+                         k_desc, v_desc, kv_row0, kv_col, rows, lse2, delta, offs_nb, col_ptr,
+                         sum_ptr, mbh, m_blk, Sq, Sk, NKB, scale_log2, s_layout, a_layout,
+                         BLOCK_M, BLOCK_N, NUM_STAGES, CAUSAL, C, NI)
+        dq, it = _prange(dq, it, lo1, flo1, fhi1, hi1, q_a, do_a, k_ring, v_ring, ready,
+                         k_desc, v_desc, kv_row0, kv_col, rows, lse2, delta, offs_nb, col_ptr,
+                         sum_ptr, mbh, m_blk, Sq, Sk, NKB, scale_log2, s_layout, a_layout,
+                         BLOCK_M, BLOCK_N, NUM_STAGES, CAUSAL, C, NI)
+    else:
+        dq, it = _range(dq, it, lo0, flo0, fhi0, hi0, q_a, do_a, k_ring, v_ring, ready,
+                        k_desc, v_desc, kv_row0, kv_col, rows, lse2, delta, offs_nb, col_ptr,
+                        sum_ptr, mbh, m_blk, Sq, Sk, NKB, scale_log2, s_layout, a_layout,
+                        BLOCK_M, BLOCK_N, NUM_STAGES, CAUSAL, C, NI)
+        dq, it = _range(dq, it, lo1, flo1, fhi1, hi1, q_a, do_a, k_ring, v_ring, ready,
+                        k_desc, v_desc, kv_row0, kv_col, rows, lse2, delta, offs_nb, col_ptr,
+                        sum_ptr, mbh, m_blk, Sq, Sk, NKB, scale_log2, s_layout, a_layout,
+                        BLOCK_M, BLOCK_N, NUM_STAGES, CAUSAL, C, NI)
     for i in gl.static_range(NUM_STAGES):
         mbarrier.invalidate(ready.index(i))
     mbarrier.invalidate(qd_bar)
@@ -346,10 +496,12 @@ def shared_bytes(d: int, block_m: int, block_n: int, num_stages: int, elem: int 
 
 
 def launch_dq_gluon(q, k, v, dout, lse2, delta, causal, softmax_scale, plan, block_m: int,
-                    block_n: int, num_warps: int, num_stages: int, a_regs: bool = False):
+                    block_n: int, num_warps: int, num_stages: int, a_regs: bool = False,
+                    pipe: bool = False):
     """dQ like ``triton_flashmask._launch_dq`` (already multiplied by ``softmax_scale``, in q's
     dtype); ``plan`` must come from ``make_plan(mask, causal, Sq, Sk, block_m, block_n,
-    by_key=False, device)``. ``a_regs``: the A_REGS kernel (Q, dO as register A operands)."""
+    by_key=False, device)``. ``a_regs``: the A_REGS kernel (Q, dO as register A operands);
+    ``pipe``: the PIPE kernel (each tile's dQ wgmma overlapped with the next tile's S and dP)."""
     reason = unavailable_reason()
     if reason is not None:
         raise RuntimeError(reason)
@@ -373,6 +525,8 @@ def launch_dq_gluon(q, k, v, dout, lse2, delta, causal, softmax_scale, plan, blo
     k_desc = desc(k.view(b * sk, hk * d), [block_n, d], kl)
     v_desc = desc(v.view(b * sk, hk * d), [block_n, d], kl)
     kwargs = dict(A_REGS=True) if a_regs else {}
+    if pipe:
+        kwargs["PIPE"] = True
     _dq_gluon_kernel[(nqb, b * hq)](
         q_desc, do_desc, k_desc, v_desc, dq, lse2, delta, plan.mask, plan.summary, plan.ranges,
         softmax_scale, softmax_scale * LOG2E, sq, sk, hq, hk, plan.hm, nqb, nkb,
@@ -390,7 +544,7 @@ from .triton_report import _signature, cuobjdump  # noqa: E402  (one compile too
 
 def compile_sm90(d: int = 128, block_m: int = 128, block_n: int = 64, num_warps: int = 8,
                  num_stages: int = 3, causal: bool = True, c: int = 1, dtype: str = "bf16",
-                 a_regs: bool = False):
+                 a_regs: bool = False, pipe: bool = False):
     """Compile the kernel for sm_90 without a GPU (the launcher's signature: descriptors with
     the NVMMA layouts, 16-divisible pointers, unspecialised lengths); returns the
     CompiledKernel. Twin of ``gluon_dkdv.compile_sm90``."""
@@ -412,7 +566,7 @@ def compile_sm90(d: int = 128, block_m: int = 128, block_n: int = 64, num_warps:
             "mask_ptr": "*i32", "sum_ptr": "*i32", "rng_ptr": "*i32"}
     consts = dict(D=d, BLOCK_M=block_m, BLOCK_N=block_n, CAUSAL=causal, C=c,
                   NI=_num_intervals(causal, c), NUM_STAGES=num_stages, NUM_WARPS=num_warps,
-                  A_REGS=a_regs)
+                  A_REGS=a_regs, PIPE=pipe)
     sig, attrs = _signature(kern, ptrs, descs, consts)
     src = GluonASTSource(kern, sig, constexprs=consts, attrs=attrs)
     return triton.compile(src, target=GPUTarget("cuda", 90, 32),
@@ -438,13 +592,14 @@ def sass_report(cubin: bytes) -> dict:
 
 
 def compile_report(d=128, block_m=128, block_n=64, num_warps=8, num_stages=3, causal=True, c=1,
-                   dtype="bf16", a_regs=False) -> dict:
+                   dtype="bf16", a_regs=False, pipe=False) -> dict:
     """One configuration's offline sm_90 report (or its error)."""
     row = dict(D=d, block_m=block_m, block_n=block_n, num_warps=num_warps,
-               num_stages=num_stages, causal=causal, C=c, dtype=dtype, a_regs=a_regs,
+               num_stages=num_stages, causal=causal, C=c, dtype=dtype, a_regs=a_regs, pipe=pipe,
                smem_kb=shared_bytes(d, block_m, block_n, num_stages) / 1024)
     try:
-        ck = compile_sm90(d, block_m, block_n, num_warps, num_stages, causal, c, dtype, a_regs)
+        ck = compile_sm90(d, block_m, block_n, num_warps, num_stages, causal, c, dtype, a_regs,
+                          pipe)
     except Exception as exc:
         row["error"] = f"{type(exc).__name__}: {str(exc)[:2000]}"
         return row
@@ -469,6 +624,7 @@ def main(argv=None):
     ap.add_argument("--dtype", default="bf16")
     ap.add_argument("--a-regs", default="0", help="comma list of 0/1: A operands in registers")
     ap.add_argument("--configs", default=None, help="e.g. 128x64w8s3,64x64w4s2")
+    ap.add_argument("--pipe", default="0", help="comma list of 0/1: the PIPE kernel")
     args = ap.parse_args(argv)
     configs = REPORT_CONFIGS
     if args.configs:
@@ -476,12 +632,13 @@ def main(argv=None):
                          .replace("s", " ").split()) for lab in args.configs.split(",")]
     for d in (int(x) for x in args.dims.split(",")):
         for cfg in configs:
-            for a_regs in (bool(int(x)) for x in args.a_regs.split(",")):
+            for a_regs, pipe in ((bool(int(a)), bool(int(p))) for a in args.a_regs.split(",")
+                                 for p in args.pipe.split(",")):
                 for causal, c in ((bool(int(a)), int(b)) for a, b in
                                   (x.split(":") for x in args.layouts.split(","))):
                     print(json.dumps(compile_report(d, *cfg, causal=causal, c=c,
-                                                    dtype=args.dtype, a_regs=a_regs)),
-                          flush=True)
+                                                    dtype=args.dtype, a_regs=a_regs,
+                                                    pipe=pipe)), flush=True)
 
 
 if __name__ == "__main__":

@@ -27,8 +27,8 @@ from tests.helpers import gpu_masks, random_columns
 LAYOUTS = [(True, 1), (True, 2), (False, 2), (False, 4), (True, 0), (False, 0)]
 
 #: Whole-kernel LDL/STL bound at the tl default shape 128x64 w8 s3 (offline report, D=128
-#: bf16): 0 except non-causal C=4 (36, outside the tile loops: loop-invariant setup around the
-#: 255-register masked loops that hold the tile's four column-interval vectors).
+#: bf16; plain and PIPE): 0-10 except non-causal C=4 (36, outside the tile loops: setup around
+#: the 255-register masked loops, which hold the tile's column-interval vectors).
 MAX_LDL_STL = 48
 
 
@@ -53,10 +53,12 @@ offline = pytest.mark.skipif(_offline_skip_reason() is not None,
 
 
 @offline
+@pytest.mark.parametrize("pipe", [False, True])
 @pytest.mark.parametrize("causal, c", LAYOUTS)
-def test_compiles_for_sm90_with_async_waits(causal, c):
-    """Default shape: HGMMA, TMA loads, async waits in every tile loop, no spill in a loop."""
-    r = GQ.compile_report(128, *_default_config(), causal=causal, c=c)
+def test_compiles_for_sm90_with_async_waits(causal, c, pipe):
+    """Default shape (plain and PIPE): HGMMA, TMA loads, async waits in every tile loop, no
+    spill inside a tile loop."""
+    r = GQ.compile_report(128, *_default_config(), causal=causal, c=c, pipe=pipe)
     assert "error" not in r, r.get("error")
     assert r["hgmma"] > 0 and r["tma_load"] > 0, r
     assert r["async_waits"] >= r["tile_loops"] > 0, r  # one DEPBAR.LE gsb0, 0x1 per tile
@@ -66,9 +68,13 @@ def test_compiles_for_sm90_with_async_waits(causal, c):
 
 @offline
 def test_async_wait_in_sass():
-    """The point of the kernel: ``WARPGROUP.DEPBAR.LE gsb0, 0x1`` (S waited with dP in flight)."""
+    """The point of the kernel: ``WARPGROUP.DEPBAR.LE gsb0, 0x1`` (S waited with dP in flight);
+    PIPE also waits for S with two groups (the previous dQ and dP) in flight (``0x2``)."""
     ck = GQ.compile_sm90(128, *_default_config(), causal=True, c=1)
     assert GQ.ASYNC_WAIT in cuobjdump(ck.asm["cubin"])[1]
+    ck = GQ.compile_sm90(128, *_default_config(), causal=True, c=1, pipe=True)
+    sass = cuobjdump(ck.asm["cubin"])[1]
+    assert GQ.ASYNC_WAIT in sass and "WARPGROUP.DEPBAR.LE gsb0, 0x2" in sass
 
 
 def _tl_report(d, cfg, causal, c) -> dict:
@@ -251,11 +257,12 @@ GPU_CASES = (
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("case", GPU_CASES, ids=[f"{c[0]}-{c[1]}x{c[2]}-d{c[5]}" for c in GPU_CASES])
-@pytest.mark.parametrize("cfg", ["default", (64, 64, 4, 2), (64, 128, 4, 2)])
-def test_gpu_bitwise_equal_to_tl(case, cfg):
+@pytest.mark.parametrize("pipe", [False, True])
+@pytest.mark.parametrize("cfg", ["default", (64, 64, 4, 2)])
+def test_gpu_bitwise_equal_to_tl(case, cfg, pipe):
     """dQ bit for bit equal to the tl dQ kernel's at the same tile shape (same wgmma k-steps in
-    the same order, same elementwise expressions): every (causal, C), Hm in {1, Hq}, GQA,
-    Sq != Sk, lengths off the block grid, fp16, D=64."""
+    the same order, same elementwise expressions), plain and PIPE: every (causal, C), Hm in
+    {1, Hq}, GQA, Sq != Sk, lengths off the block grid, fp16, D=64."""
     _require_hopper_gluon()
     name, sq, sk, hq, hk, d, dtype = case
     q, k, v, dout, cols, causal, scale, lse2, delta = _gpu_case(name, sq, sk, hq, hk, d, dtype, 3)
@@ -266,7 +273,7 @@ def test_gpu_bitwise_equal_to_tl(case, cfg):
     tcfg = T.Config(*cfg)
     plan = T.make_plan(cols, causal, sq, sk, tcfg.block_m, tcfg.block_n, False, q.device)
     ref = T._launch_dq_tl(q, k, v, dout, lse2, delta, causal, scale, tcfg, plan)
-    got = GQ.launch_dq_gluon(q, k, v, dout, lse2, delta, causal, scale, plan, *cfg)
+    got = GQ.launch_dq_gluon(q, k, v, dout, lse2, delta, causal, scale, plan, *cfg, pipe=pipe)
     assert torch.isfinite(got).all()
     assert torch.equal(got, ref), (got.float() - ref.float()).abs().max().item()
 
