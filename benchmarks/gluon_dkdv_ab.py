@@ -12,7 +12,9 @@ Two parts, both comparing the Gluon dK, dV with the ``tl`` kernel's on the same 
    tiles each kernel visits at its own tile shape: 4 matmuls of 2*BM*BN*D per tile).
 
 Every Gluon case is wrapped so a compile or runtime error is recorded (traceback printed) and
-the rest still runs; a relative error (||a-b||/||b||) above 2e-2 is a FAIL. No new case starts
+the rest still runs; a relative error (||a-b||/||b||) above 2e-2 is a FAIL, and so is a
+``ws`` config (the WARP_SPEC kernel: a 1-warp TMA producer partition) whose dK, dV are not
+bitwise equal to the tl kernel's (and, in the small pass, to its non-WS twin's). No new case starts
 after ``--budget-s`` seconds; a case running longer than CASE_TIMEOUT_S is taken for a hang (an
 mbarrier wait that never completes cannot be caught): faulthandler prints the stacks and ends
 the process, and the JSON keeps every case before it. Timed configs: ``--configs`` (label
@@ -57,25 +59,47 @@ REL_TOL = 2e-2
 #: after the previous case stays.
 CASE_TIMEOUT_S = 150
 TOTAL_TOKENS = 131072
-#: Gluon configurations timed at D=128: (block_m, block_n, num_warps, num_stages). (Session 6
-#: also timed a variant that left dK in flight under the next tile: 0-2% slower, removed.)
-TIMED_CONFIGS = [(32, 64, 4, 3), (16, 64, 4, 3), (32, 128, 8, 3)]
+#: Gluon configurations timed at D=128: (block_m, block_n, num_warps, num_stages[, warp_spec]);
+#: a fifth element True (label suffix ``ws``) is the WARP_SPEC kernel (1-warp TMA producer
+#: partition), timed next to its non-WS twin. (Session 6 also timed a variant that left dK in
+#: flight under the next tile: 0-2% slower, removed.)
+TIMED_CONFIGS = [(32, 64, 4, 3), (32, 64, 4, 3, True), (16, 64, 4, 3), (32, 128, 8, 3)]
 #: Checked for correctness on every small case ...
-SMALL_CONFIGS = [(32, 64, 4, 3), (32, 128, 8, 3)]
-#: ... and these on the first two only (a spilling 64x64, BM=16, 2 stages, 8 warps 64x128).
-EXTRA_SMALL_CONFIGS = [(64, 64, 4, 2), (16, 64, 4, 3), (32, 64, 4, 2), (64, 128, 8, 2)]
+SMALL_CONFIGS = [(32, 64, 4, 3), (32, 64, 4, 3, True), (32, 128, 8, 3)]
+#: ... and these on the first two only (a spilling 64x64, BM=16, 2 stages, 8 warps 64x128,
+#: and the WARP_SPEC kernel at 2 stages and 8 warps).
+EXTRA_SMALL_CONFIGS = [(64, 64, 4, 2), (16, 64, 4, 3), (32, 64, 4, 2), (64, 128, 8, 2),
+                       (32, 64, 4, 2, True), (64, 128, 8, 2, True)]
 #: (mask, Hq, Hk) in the order they run (the budget may cut the tail).
 TIMED_CASES = [("causal", 32, 32), ("causal_document_corpus", 32, 32), ("causal", 32, 8),
                ("document_corpus", 32, 32), ("sliding_window", 32, 32),
                ("shared_question", 32, 32), ("full", 32, 32), ("causal_document_corpus", 32, 8)]
 
 
+def _is_ws(cfg) -> bool:
+    """Whether a config tuple is the WARP_SPEC kernel's (a fifth element True)."""
+    return len(cfg) > 4 and bool(cfg[4])
+
+
 def _label(cfg) -> str:
-    return "{}x{}w{}s{}".format(*cfg[:4])
+    """``BMxBNwWsS``, plus ``ws`` for the WARP_SPEC kernel."""
+    return "{}x{}w{}s{}".format(*cfg[:4]) + ("ws" if _is_ws(cfg) else "")
 
 
 def _parse(label: str) -> tuple:
-    return tuple(int(x) for x in label.replace("x", " ").replace("w", " ").replace("s", " ").split())
+    """The config tuple of a label (inverse of :func:`_label`): ``32x64w4s3`` ->
+    (32, 64, 4, 3), ``32x64w4s3ws`` -> (32, 64, 4, 3, True)."""
+    ws = label.endswith("ws")
+    body = label[:-2] if ws else label
+    nums = tuple(int(x) for x in body.replace("x", " ").replace("w", " ").replace("s", " ").split())
+    if len(nums) != 4:
+        raise ValueError(f"config label {label!r}: expected BMxBNwWsS or BMxBNwWsSws")
+    return nums + ((True, ) if ws else ())
+
+
+def _twin(cfg) -> tuple:
+    """The non-WS config of a WARP_SPEC one (itself otherwise)."""
+    return tuple(cfg[:4])
 
 
 def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -91,6 +115,24 @@ def _compare(gl_out, tl_out) -> dict:
         res[f"{name}_finite"] = bool(torch.isfinite(a).all().item())
     res["ok"] = (res["dk_rel"] <= REL_TOL and res["dv_rel"] <= REL_TOL and res["dk_finite"]
                  and res["dv_finite"])
+    res["bitwise"] = _bitwise(gl_out, tl_out)
+    return res
+
+
+def _bitwise(got, ref) -> bool:
+    """dK and dV identical bit for bit (the Gluon kernels run the tl kernel's wgmma k-steps in
+    the same order; the WARP_SPEC kernel the non-WS one's instructions)."""
+    return all(torch.equal(a, b) for a, b in zip(got, ref))
+
+
+def _check_ws(res: dict, cfg, got, twin_out) -> dict:
+    """A WARP_SPEC config must be bitwise equal to tl (``res['bitwise']``) and, when its non-WS
+    twin ran on the same inputs, to that twin: otherwise it is not ok."""
+    if not _is_ws(cfg):
+        return res
+    if twin_out is not None:
+        res["bitwise_vs_gluon"] = _bitwise(got, twin_out)
+    res["ok"] = res["ok"] and res["bitwise"] and res.get("bitwise_vs_gluon", True)
     return res
 
 
@@ -148,10 +190,15 @@ def _tl_dkdv(q, k, v, dout, lse2, delta, cols, causal, scale):
 
 
 def _gluon_dkdv(q, k, v, dout, lse2, delta, cols, causal, scale, cfg):
+    """(launch closure, plan) of one Gluon config (WARP_SPEC when ``_is_ws(cfg)``)."""
     sq, sk = q.shape[1], k.shape[1]
-    bm, bn, w, s = cfg
+    bm, bn, w, s = cfg[:4]
+    ws = _is_ws(cfg)
     plan = T.make_plan(cols, causal, sq, sk, bm, bn, True, q.device)
-    fn = lambda: G.launch_dkdv_gluon(q, k, v, dout, lse2, delta, causal, scale, plan, bm, bn, w, s)  # noqa: E731,E501
+
+    def fn():
+        return G.launch_dkdv_gluon(q, k, v, dout, lse2, delta, causal, scale, plan, bm, bn, w, s,
+                                   warp_spec=ws)
     return fn, plan
 
 
@@ -225,10 +272,14 @@ def small_pass(records, deadline, out_path):
         cfgs = SMALL_CONFIGS + (EXTRA_SMALL_CONFIGS if i < 2 else [])
         if d != 128:
             cfgs = [tuple(dataclasses.astuple(T.CANDIDATES[("dkdv", d)][0]))]
+        outs = {}  # non-WS outputs of this case, for the WARP_SPEC twins
         for cfg in cfgs:
             try:
                 fn, _ = _gluon_dkdv(q, k, v, dout, lse2, delta, cols, causal, scale, cfg)
-                res = _compare(fn(), ref)
+                got = fn()
+                res = _check_ws(_compare(got, ref), cfg, got, outs.get(_twin(cfg)))
+                if not _is_ws(cfg):
+                    outs[_twin(cfg)] = got
                 torch.cuda.synchronize()
             except Exception:
                 res = dict(ok=False, error=traceback.format_exc())
@@ -238,7 +289,9 @@ def small_pass(records, deadline, out_path):
                   + ("ERROR" if "error" in res else
                      f"dk rel {res['dk_rel']:.2e} max {res['dk_max_abs']:.2e}  "
                      f"dv rel {res['dv_rel']:.2e} max {res['dv_max_abs']:.2e}  "
+                     + ("bitwise " if res["bitwise"] else "")
                      + ("ok" if res["ok"] else "FAIL")), flush=True)
+        del outs
         records.append(rec)
         _write(out_path, records)
 
@@ -289,12 +342,17 @@ def timed_pass(records, deadline, out_path, seqlen, configs):
         for cfg in configs:  # a started case runs every config (the budget is per case)
             try:
                 fn, plan = _gluon_dkdv(q, k, v, dout, lse2, delta, cols, causal, scale, cfg)
-                res = _compare(fn(), ref)
+                got = fn()
+                res = _check_ws(_compare(got, ref), cfg, got, None)
+                del got
                 ms = _bench(fn)
                 tiles = live_tiles(plan, causal, b, seqlen, seqlen, hq, cfg[0], cfg[1])
                 res.update(ms=ms, tflops=flops / ms / 1e9,
                            tile_tflops=tile_flops(tiles, cfg[0], cfg[1], 128) / ms / 1e9,
                            speedup_vs_tl=rec["tl"]["ms"] / ms)
+                twin = rec["gluon"].get(_label(_twin(cfg)), {})
+                if _is_ws(cfg) and "ms" in twin:  # the WS kernel against its non-WS twin
+                    res["speedup_vs_gluon"] = twin["ms"] / ms
             except Exception:
                 res = dict(ok=False, error=traceback.format_exc())
                 print(f"[{name} {_label(cfg)}]\n{res['error']}", flush=True)
@@ -318,14 +376,17 @@ def _print_timing(name, hq, hk, what, r):
         print(f"timed {name:24s} Hq={hq:2d} Hk={hk:2d} {what:18s} ERROR", flush=True)
         return
     err = (f"  dk rel {r['dk_rel']:.1e} dv rel {r['dv_rel']:.1e} "
+           + ("bitwise " if r.get("bitwise") else "")
            + ("ok" if r["ok"] else "FAIL")) if "dk_rel" in r else ""
+    ws = f"  x{r['speedup_vs_gluon']:.3f} vs non-WS" if "speedup_vs_gluon" in r else ""
     print(f"timed {name:24s} Hq={hq:2d} Hk={hk:2d} {what:18s} {r['ms']:8.2f} ms "
-          f"{r['tflops']:6.0f} TFLOP/s (tiles {r['tile_tflops']:4.0f})" + err, flush=True)
+          f"{r['tflops']:6.0f} TFLOP/s (tiles {r['tile_tflops']:4.0f})" + err + ws, flush=True)
 
 
 def summary_table(records) -> str:
     """Markdown: per timed case, tl and each Gluon config's ms (TFLOP/s, project convention)
-    and speed-up over tl; ``!`` marks a config whose gradients are off."""
+    and speed-up over tl (a ``ws`` config also over its non-WS twin, ``/g``); ``!`` marks a
+    config whose gradients are off."""
     timed = [r for r in records if r.get("part") == "timed" and "tl" in r]
     if not timed:
         return ""
@@ -340,6 +401,8 @@ def summary_table(records) -> str:
                 cells.append("error" if "error" in x else "-")
             else:
                 cells.append(f"{x['ms']:.1f} ms ({x['tflops']:.0f}) x{x['speedup_vs_tl']:.2f}"
+                             + (f" x{x['speedup_vs_gluon']:.3f}/g" if "speedup_vs_gluon" in x
+                                else "")
                              + ("" if x.get("ok") else " !"))
         lines.append(f"| {r['case']} | {r['Hq']}/{r['Hk']} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
@@ -370,11 +433,12 @@ def _failures(records) -> list[str]:
 # --fused: the fused Gluon backward against the split backward
 # ---------------------------------------------------------------------------------------------
 
-#: Fused Gluon configs checked on every small D=128 case ...
-FUSED_SMALL_CONFIGS = [(32, 64, 4, 3), (16, 64, 4, 3)]
+#: Fused Gluon configs checked on every small D=128 case (``True``: FUSE_DQ with WARP_SPEC) ...
+FUSED_SMALL_CONFIGS = [(32, 64, 4, 3), (32, 64, 4, 3, True), (16, 64, 4, 3)]
 #: ... and these on the first two only.
 FUSED_EXTRA_SMALL_CONFIGS = [(32, 64, 4, 2), (32, 128, 8, 3)]
-#: Fused Gluon configs timed at 32K (``--fused-configs``).
+#: Fused Gluon configs timed at 32K (``--fused-configs``; e.g. ``32x64w4s3ws`` adds the
+#: warp-specialised fused kernel).
 FUSED_TIMED_CONFIGS = [(32, 64, 4, 3), (16, 64, 4, 3)]
 #: (mask, Hq, Hk) timed with ``--fused``, in order (the budget may cut the tail).
 FUSED_TIMED_CASES = [("causal", 32, 32), ("causal", 32, 8), ("causal_document_corpus", 32, 32),
@@ -605,7 +669,9 @@ def main(argv=None) -> int:
                     help="no new case starts after this many seconds")
     ap.add_argument("--seqlen", type=int, default=32768)
     ap.add_argument("--configs", default=",".join(_label(c) for c in TIMED_CONFIGS),
-                    help="Gluon configs timed at 32K, e.g. 32x64w4s3,32x128w8s3")
+                    help="Gluon configs timed at 32K, e.g. 32x64w4s3,32x64w4s3ws,32x128w8s3 "
+                         "(suffix ws: the warp-specialised kernel, timed against its non-WS "
+                         "twin when that is listed before it)")
     ap.add_argument("--skip-small", action="store_true")
     ap.add_argument("--skip-timed", action="store_true")
     ap.add_argument("--fused", action="store_true",

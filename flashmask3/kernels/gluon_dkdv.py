@@ -65,9 +65,34 @@ for causal): at BLOCK_N=64, twice a BLOCK_N=128 kernel's per FLOP (~550 GB for c
 B=4, H=32, D=128). With FUSE_DQ=False the kernel's SASS is unchanged (``dq_desc`` is None,
 a constexpr, so even the parameter list is; checked against the pre-FUSE_DQ source).
 
-Not done: prefetching across live ranges / query heads (one TMA latency per range), a
-warp-specialised version (``gl.warp_specialize``: a 1-warp TMA producer, setmaxnreg), a Gluon
-forward and dQ.
+Warp specialisation (constexpr WARP_SPEC, default False; ``launch_dkdv_gluon(...,
+warp_spec=True)``; compiled offline only, NOT yet run on a GPU): ``gl.warp_specialize`` splits
+the program into the compute partition (the NUM_WARPS warps: :func:`_compute_partition`, the
+same ``_heads``/``_range``/``_tile`` code, so the same wgmmas in the same order and dK, dV
+should be bitwise equal) and a 1-warp producer partition (:func:`_producer_partition`, 24
+registers) that walks the same heads and live ranges and TMA-loads every Q/dO tile into the
+ring. Each slot has a ``ready`` mbarrier (expect-tx, as before) and an ``empty`` one: the
+compute partition arrives on ``empty`` when the tile's wgmmas have retired (:func:`_release_slot`),
+the producer waits on it before refilling. The compute warps issue no TMA and no expect-arrive
+any more, and their barriers are partition-wide (128 threads), not CTA-wide: per tile 2
+``BAR.SYNC`` (Gluon's, before the ready wait and before the empty arrive) instead of 4 plus 2
+``UTMALDG``. Registers: allocation is per warpgroup, so the launch has NUM_WARPS + 4 warps; to
+keep the non-WS kernel's residency (2 programs per SM at 4 warps, 1 at 8) the kernel is
+launched with ``maxnreg`` = :func:`ws_maxnreg` (128 at 4 warps, 168 at 8) and the compute
+partition raises itself (setmaxnreg) to what the producer warpgroup gives back: 232 at 4 warps,
+240 at 8, i.e. fewer than the non-WS kernel's 255 (no thread holds more than 255, so warp
+specialisation cannot give the compute warps more registers at equal residency). Offline
+report (``--warp-spec``, D=128 bf16): 32x64 w4 s3/s2 touch 230 registers, 0-50 LDL/STL in the
+setup, none in a tile loop, HGMMA as the non-WS kernel; 64x128 w8 s2 spills 46-360 in its loops
+(non-WS 42-273); FUSE_DQ + WARP_SPEC at 32x64 w4 (``--fused --warp-spec``) has no spill in its
+tile loops (non-WS fused: 2-22). WARP_SPEC=False compiles to the SASS of the kernel before
+WARP_SPEC existed, byte for byte (the 30 split and 25 fused variants of both reports, 5 mask
+layouts; the tests pin 6 of them by hash). Fragile: ptxas sees the debug-scope labels of the
+inlined helpers, and a draft of this refactor renumbered registers in one fused variant.
+
+Not done: prefetching across live ranges / query heads (one TMA latency per range; the
+WARP_SPEC producer does run ahead across them), dK left in flight across tiles, two consumer
+warpgroups (ping-pong), a Gluon forward and dQ.
 
 The module imports on a CPU-only machine and without gluon: the kernel compiles on first
 launch or in :func:`compile_report`; :func:`unavailable_reason` says why it cannot be used.
@@ -284,14 +309,17 @@ def _fused_dq_tail(dv_tok, p16, dsT, dk, q_s, k_smem, ds_smem, dq_smem, dq_desc,
 
 
 @_jit
-def _tile(dk, dv, it, m, hi, k_smem, v_smem, q_ring, do_ring, ready, q_desc, do_desc,
+def _tile(dk, dv, it, m, hi, k_smem, v_smem, q_ring, do_ring, ready, empty, q_desc, do_desc,
           lse2_ptr, delta_ptr, stat_row0, q_row0, q_col, offs_mb, cols, ivals, stats, n_blk,
           Sq, Sk, scale_log2, ds_smem, dq_smem, dq_desc, dq_row0, s_layout: gl.constexpr,
           a_layout: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
           NUM_STAGES: gl.constexpr, CAUSAL: gl.constexpr, C: gl.constexpr, NI: gl.constexpr,
-          MASKED: gl.constexpr, FUSE_DQ: gl.constexpr):
+          MASKED: gl.constexpr, FUSE_DQ: gl.constexpr, WARP_SPEC: gl.constexpr):
     """dK, dV += one query tile (block m, ring counter it); refills its slot with tile
     m + NUM_STAGES when that is still in [.., hi). Returns (dk, dv, it + 1).
+
+    WARP_SPEC: the slot is not refilled here but handed back to the producer partition
+    (:func:`_release_slot` on ``empty``); the math is the same, instruction for instruction.
 
     FUSE_DQ: also dQ[tile] += dS K, as dQᵀ = Kᵀ dSᵀ (wgmma M = D: BLOCK_M is below the
     64-row minimum), reduce-added (unscaled fp32) into ``dq_desc`` (:func:`_fused_dq_tail`).
@@ -331,45 +359,171 @@ def _tile(dk, dv, it, m, hi, k_smem, v_smem, q_ring, do_ring, ready, q_desc, do_
         dv, dk, p16, ds16 = warpgroup_mma_wait(num_outstanding=0,
                                                deps=(dv_tok, dk_tok, p16, ds16))
         gl.thread_barrier()  # every warpgroup is done with the slot before TMA overwrites it
-    nxt = m + NUM_STAGES
-    _issue_tile(q_desc, do_desc, q_ring, do_ring, ready, slot, q_row0 + nxt * BLOCK_M, q_col,
-                nxt < hi)
+    if WARP_SPEC:
+        _release_slot(empty, slot)
+    else:
+        nxt = m + NUM_STAGES
+        _issue_tile(q_desc, do_desc, q_ring, do_ring, ready, slot, q_row0 + nxt * BLOCK_M,
+                    q_col, nxt < hi)
     return dk, dv, it + 1
 
 
 @_jit
-def _range(dk, dv, it, lo, flo, fhi, hi, k_smem, v_smem, q_ring, do_ring, ready, q_desc,
+def _range(dk, dv, it, lo, flo, fhi, hi, k_smem, v_smem, q_ring, do_ring, ready, empty, q_desc,
            do_desc, lse2_ptr, delta_ptr, stat_row0, q_row0, q_col, offs_mb, cols, ivals, stats,
            n_blk, Sq, Sk, scale_log2, ds_smem, dq_smem, dq_desc, dq_row0,
            s_layout: gl.constexpr, a_layout: gl.constexpr, BLOCK_M: gl.constexpr,
            BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr, CAUSAL: gl.constexpr,
-           C: gl.constexpr, NI: gl.constexpr, FUSE_DQ: gl.constexpr):
-    """One live range [lo, hi) of query blocks: fill the ring, then masked [lo, flo),
-    mask-free [flo, fhi), masked [fhi, hi) (tiles in order, so the ring order holds)."""
+           C: gl.constexpr, NI: gl.constexpr, FUSE_DQ: gl.constexpr,
+           WARP_SPEC: gl.constexpr = False):
+    """One live range [lo, hi) of query blocks: fill the ring (WARP_SPEC: the producer
+    partition does), then masked [lo, flo), mask-free [flo, fhi), masked [fhi, hi) (tiles in
+    order, so the ring order holds: ``hi - lo`` tiles, none when hi <= lo, as the producer's
+    :func:`_produce_range` counts them)."""
     flo = gl.minimum(gl.maximum(flo, lo), hi)
     fhi = gl.minimum(gl.maximum(fhi, flo), hi)
-    for j in gl.static_range(NUM_STAGES):
-        _issue_tile(q_desc, do_desc, q_ring, do_ring, ready, (it + j) % NUM_STAGES,
-                    q_row0 + (lo + j) * BLOCK_M, q_col, lo + j < hi)
+    if not WARP_SPEC:
+        for j in gl.static_range(NUM_STAGES):
+            _issue_tile(q_desc, do_desc, q_ring, do_ring, ready, (it + j) % NUM_STAGES,
+                        q_row0 + (lo + j) * BLOCK_M, q_col, lo + j < hi)
     for m in range(lo, flo):
-        dk, dv, it = _tile(dk, dv, it, m, hi, k_smem, v_smem, q_ring, do_ring, ready, q_desc,
-                           do_desc, lse2_ptr, delta_ptr, stat_row0, q_row0, q_col, offs_mb, cols,
-                           ivals, stats, n_blk, Sq, Sk, scale_log2, ds_smem, dq_smem, dq_desc,
-                           dq_row0, s_layout, a_layout, BLOCK_M, BLOCK_N, NUM_STAGES, CAUSAL, C,
-                           NI, True, FUSE_DQ)
+        dk, dv, it = _tile(dk, dv, it, m, hi, k_smem, v_smem, q_ring, do_ring, ready, empty,
+                           q_desc, do_desc, lse2_ptr, delta_ptr, stat_row0, q_row0, q_col,
+                           offs_mb, cols, ivals, stats, n_blk, Sq, Sk, scale_log2, ds_smem,
+                           dq_smem, dq_desc, dq_row0, s_layout, a_layout, BLOCK_M, BLOCK_N,
+                           NUM_STAGES, CAUSAL, C, NI, True, FUSE_DQ, WARP_SPEC)
     for m in range(flo, fhi):
-        dk, dv, it = _tile(dk, dv, it, m, hi, k_smem, v_smem, q_ring, do_ring, ready, q_desc,
-                           do_desc, lse2_ptr, delta_ptr, stat_row0, q_row0, q_col, offs_mb, cols,
-                           ivals, stats, n_blk, Sq, Sk, scale_log2, ds_smem, dq_smem, dq_desc,
-                           dq_row0, s_layout, a_layout, BLOCK_M, BLOCK_N, NUM_STAGES, CAUSAL, C,
-                           NI, False, FUSE_DQ)
+        dk, dv, it = _tile(dk, dv, it, m, hi, k_smem, v_smem, q_ring, do_ring, ready, empty,
+                           q_desc, do_desc, lse2_ptr, delta_ptr, stat_row0, q_row0, q_col,
+                           offs_mb, cols, ivals, stats, n_blk, Sq, Sk, scale_log2, ds_smem,
+                           dq_smem, dq_desc, dq_row0, s_layout, a_layout, BLOCK_M, BLOCK_N,
+                           NUM_STAGES, CAUSAL, C, NI, False, FUSE_DQ, WARP_SPEC)
     for m in range(fhi, hi):
-        dk, dv, it = _tile(dk, dv, it, m, hi, k_smem, v_smem, q_ring, do_ring, ready, q_desc,
-                           do_desc, lse2_ptr, delta_ptr, stat_row0, q_row0, q_col, offs_mb, cols,
-                           ivals, stats, n_blk, Sq, Sk, scale_log2, ds_smem, dq_smem, dq_desc,
-                           dq_row0, s_layout, a_layout, BLOCK_M, BLOCK_N, NUM_STAGES, CAUSAL, C,
-                           NI, True, FUSE_DQ)
+        dk, dv, it = _tile(dk, dv, it, m, hi, k_smem, v_smem, q_ring, do_ring, ready, empty,
+                           q_desc, do_desc, lse2_ptr, delta_ptr, stat_row0, q_row0, q_col,
+                           offs_mb, cols, ivals, stats, n_blk, Sq, Sk, scale_log2, ds_smem,
+                           dq_smem, dq_desc, dq_row0, s_layout, a_layout, BLOCK_M, BLOCK_N,
+                           NUM_STAGES, CAUSAL, C, NI, True, FUSE_DQ, WARP_SPEC)
     return dk, dv, it
+
+
+@_jit
+def _release_slot(empty, slot):
+    """WARP_SPEC: hand ring slot ``slot`` back to the producer (one arrive on its ``empty``
+    barrier, count 1). Gluon lowers the arrive to one thread of the compute partition behind a
+    partition-wide barrier (``bar.sync`` over the compute warps only, not the producer), so
+    every compute warp has retired the wgmmas that read the slot before it may be refilled."""
+    mbarrier.arrive(empty.index(slot))
+
+
+@_jit
+def _produce_range(q_desc, do_desc, q_ring, do_ring, ready, empty, it, lo, hi, q_row0, q_col,
+                   BLOCK_M: gl.constexpr, NUM_STAGES: gl.constexpr):
+    """WARP_SPEC producer: the Q and dO tiles of live range [lo, hi) into the ring, in the
+    order the compute partition consumes them (ring counter ``it``: slot it % NUM_STAGES).
+    Waits until the slot's previous tile was released (``empty``, parity one behind: a fresh
+    barrier counts as released), then issues both TMA loads on the slot's ``ready`` barrier."""
+    for m in range(lo, hi):
+        slot = it % NUM_STAGES
+        mbarrier.wait(empty.index(slot), ((it // NUM_STAGES) & 1) ^ 1)
+        _issue_tile(q_desc, do_desc, q_ring, do_ring, ready, slot, q_row0 + m * BLOCK_M, q_col,
+                    True)
+        it += 1
+    return it
+
+
+@_jit
+def _producer_partition(n_blk, b, hk, b64, group, q_desc, do_desc, q_ring, do_ring, ready, empty,
+                        rng_ptr, Sq, Sk, Hq, Hm, NQB, NKB, mask_b_stride, BLOCK_M: gl.constexpr,
+                        BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr, CAUSAL: gl.constexpr,
+                        C: gl.constexpr):
+    """WARP_SPEC worker (1 warp, few registers): walks the same query heads and live ranges as
+    :func:`_heads` (same ``_key_block_ranges``) and loads their tiles; scalars only."""
+    it = n_blk * 0
+    for g in range(0, group):
+        h = hk * group + g
+        mbh = b64 * mask_b_stride + h // (Hq // Hm)
+        lo0, flo0, fhi0, hi0, lo1, flo1, fhi1, hi1 = _key_block_ranges(
+            rng_ptr, mbh, n_blk, Sq, Sk, NQB, BLOCK_M, BLOCK_N, CAUSAL, C, NKB)
+        it = _produce_range(q_desc, do_desc, q_ring, do_ring, ready, empty, it, lo0, hi0, b * Sq,
+                            h * (q_desc.block_type.shape[1]), BLOCK_M, NUM_STAGES)
+        it = _produce_range(q_desc, do_desc, q_ring, do_ring, ready, empty, it, lo1, hi1, b * Sq,
+                            h * (q_desc.block_type.shape[1]), BLOCK_M, NUM_STAGES)
+
+
+@_jit
+def _heads(dk, dv, n_blk, b, hk, b64, group, k_smem, v_smem, q_ring, do_ring, ready, empty,
+           q_desc, do_desc, lse2_ptr, delta_ptr, mask_ptr, sum_ptr, rng_ptr, scale_log2, Sq, Sk,
+           Hq, Hk, Hm, NQB, NKB, mask_b_stride, ds_smem, dq_smem, dq_desc, cols, offs_mb,
+           s_layout: gl.constexpr, a_layout: gl.constexpr, D: gl.constexpr,
+           BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr,
+           CAUSAL: gl.constexpr, C: gl.constexpr, NI: gl.constexpr, FUSE_DQ: gl.constexpr,
+           WARP_SPEC: gl.constexpr):
+    """dK, dV of key block ``n_blk`` (batch b, KV head hk, ``group`` query heads) over the
+    query heads of its group: per head the key block's ranges, statistics and column
+    intervals, then its two live ranges (:func:`_range`). Returns (dk, dv). (The program
+    indices come from the kernel, computed where the split kernel always computed them: the
+    WARP_SPEC=False kernel's instruction order, hence its SASS, is the pre-WARP_SPEC one.)"""
+    it = n_blk * 0  # ring counter: tile t sits in slot t % NUM_STAGES, parity (t // S) & 1
+    for g in range(0, group):
+        h = hk * group + g
+        hm = h // (Hq // Hm)
+        mbh = b64 * mask_b_stride + hm
+        lo0, flo0, fhi0, hi0, lo1, flo1, fhi1, hi1 = _key_block_ranges(
+            rng_ptr, mbh, n_blk, Sq, Sk, NQB, BLOCK_M, BLOCK_N, CAUSAL, C, NKB)
+        stats = _load_stats(sum_ptr, mbh, n_blk, NKB, NI)
+        if FUSE_DQ and not CAUSAL:
+            # the fused kernel's non-causal masked loops reload the column intervals per
+            # masked tile (L1 hits) instead of holding them: fewer spills inside the loops
+            ivals = mask_ptr + mbh * Sk * C
+        else:
+            ivals = _column_intervals(mask_ptr + mbh * Sk * C, cols, Sq, Sk, CAUSAL, C)
+        stat_row0 = (b64 * Hq + h) * Sq
+        if FUSE_DQ:
+            dq_row0 = (b * Hq + h) * D  # this head's D rows of the [B*Hq*D, Sq] dQᵀ view
+        else:
+            dq_row0 = None
+        q_row0 = b * Sq
+        q_col = h * D
+        dk, dv, it = _range(dk, dv, it, lo0, flo0, fhi0, hi0, k_smem, v_smem, q_ring, do_ring,
+                            ready, empty, q_desc, do_desc, lse2_ptr, delta_ptr, stat_row0,
+                            q_row0, q_col, offs_mb, cols, ivals, stats, n_blk, Sq, Sk,
+                            scale_log2, ds_smem, dq_smem, dq_desc, dq_row0, s_layout, a_layout,
+                            BLOCK_M, BLOCK_N, NUM_STAGES, CAUSAL, C, NI, FUSE_DQ, WARP_SPEC)
+        dk, dv, it = _range(dk, dv, it, lo1, flo1, fhi1, hi1, k_smem, v_smem, q_ring, do_ring,
+                            ready, empty, q_desc, do_desc, lse2_ptr, delta_ptr, stat_row0,
+                            q_row0, q_col, offs_mb, cols, ivals, stats, n_blk, Sq, Sk,
+                            scale_log2, ds_smem, dq_smem, dq_desc, dq_row0, s_layout, a_layout,
+                            BLOCK_M, BLOCK_N, NUM_STAGES, CAUSAL, C, NI, FUSE_DQ, WARP_SPEC)
+    return dk, dv
+
+
+@_jit
+def _compute_partition(n_blk, b, hk, b64, group, k_smem, v_smem, q_ring, do_ring, ready, empty,
+                       kv_bar, q_desc, do_desc, lse2_ptr, delta_ptr, mask_ptr, sum_ptr, rng_ptr,
+                       scale_log2, Sq, Sk, Hq, Hk, Hm, NQB, NKB, mask_b_stride, ds_smem, dq_smem,
+                       dq_desc,
+                       s_layout: gl.constexpr, acc_layout: gl.constexpr,
+                       a_layout: gl.constexpr, D: gl.constexpr, BLOCK_M: gl.constexpr,
+                       BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr, CAUSAL: gl.constexpr,
+                       C: gl.constexpr, NI: gl.constexpr, FUSE_DQ: gl.constexpr):
+    """WARP_SPEC default partition (the kernel's NUM_WARPS warps): the split kernel's compute
+    from K/V's arrival to the accumulators, with the ring filled by the producer. Returns a
+    tuple (dk, dv) (``gl.warp_specialize`` flattens the default partition's results)."""
+    c0 = n_blk * BLOCK_N
+    cols = c0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, s_layout))
+    offs_mb = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, s_layout))
+    dk = gl.zeros([BLOCK_N, D], gl.float32, acc_layout)
+    dv = gl.zeros([BLOCK_N, D], gl.float32, acc_layout)
+    mbarrier.wait(kv_bar, 0)
+    dk, dv = _heads(dk, dv, n_blk, b, hk, b64, group, k_smem, v_smem, q_ring, do_ring, ready,
+                    empty, q_desc, do_desc, lse2_ptr, delta_ptr, mask_ptr, sum_ptr, rng_ptr,
+                    scale_log2, Sq, Sk, Hq, Hk, Hm, NQB, NKB, mask_b_stride, ds_smem, dq_smem,
+                    dq_desc, cols, offs_mb, s_layout, a_layout, D, BLOCK_M, BLOCK_N, NUM_STAGES,
+                    CAUSAL, C, NI, FUSE_DQ, True)
+    if FUSE_DQ:
+        tma.store_wait(0)  # the last reduce has read dq_smem
+    return (dk, dv)
 
 
 @_jit(do_not_specialize=_NO_SPEC)
@@ -379,12 +533,18 @@ def _dkdv_gluon_kernel(q_desc, do_desc, k_desc, v_desc, dk_ptr, dv_ptr, lse2_ptr
                        D: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
                        CAUSAL: gl.constexpr, C: gl.constexpr, NI: gl.constexpr,
                        NUM_STAGES: gl.constexpr, NUM_WARPS: gl.constexpr,
-                       FUSE_DQ: gl.constexpr = False):
+                       FUSE_DQ: gl.constexpr = False, WARP_SPEC: gl.constexpr = False):
     """One program per (key block, batch * KV head); loops over the query heads of its group.
     FUSE_DQ: also reduce-adds dQ (unscaled, fp32) through ``dq_desc``: the [B*Hq*D, Sq] view of
     a dQᵀ buffer [B, Hq, D, Sq_pad] (block [D, BLOCK_M]: a wgmma accumulator tile as it sits
     in registers; TMA clips the query columns at Sq). Without it ``dq_desc`` is None (a
-    constexpr: the kernel's parameters and code are the split kernel's)."""
+    constexpr: the kernel's parameters and code are the split kernel's).
+
+    WARP_SPEC: ``gl.warp_specialize`` into the compute partition (the NUM_WARPS warps,
+    :func:`_compute_partition`) and a 1-warp TMA producer (:func:`_producer_partition`, 24
+    registers) joined by a ready/empty mbarrier pair per ring slot; same math in the same
+    order. Launch it with ``maxnreg`` (see :func:`ws_maxnreg`): the compute partition gets the
+    registers the producer's warpgroup gives back."""
     gl.static_assert(BLOCK_N == 16 * NUM_WARPS, "wgmma M: 16 rows per warp, warps along keys")
     dtype: gl.constexpr = q_desc.dtype
     # S^T, dP^T: [BLOCK_N keys, BLOCK_M queries]; dK, dV: [BLOCK_N, D]
@@ -409,8 +569,14 @@ def _dkdv_gluon_kernel(q_desc, do_desc, k_desc, v_desc, dk_ptr, dv_ptr, lse2_ptr
     do_ring = gl.allocate_shared_memory(dtype, [NUM_STAGES, BLOCK_M, D], do_desc.layout)
     ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
     kv_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    if WARP_SPEC:
+        empty = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
+    else:
+        empty = None
     for i in gl.static_range(NUM_STAGES):
         mbarrier.init(ready.index(i), count=1)
+        if WARP_SPEC:
+            mbarrier.init(empty.index(i), count=1)
     mbarrier.init(kv_bar, count=1)
     if FUSE_DQ:
         gl.static_assert(D >= 16 * NUM_WARPS, "fused dQ^T: wgmma M = D, 16 rows per warp")
@@ -427,46 +593,37 @@ def _dkdv_gluon_kernel(q_desc, do_desc, k_desc, v_desc, dk_ptr, dv_ptr, lse2_ptr
     tma.async_copy_global_to_shared(k_desc, [b * Sk + c0, hk * D], kv_bar, k_smem)
     tma.async_copy_global_to_shared(v_desc, [b * Sk + c0, hk * D], kv_bar, v_smem)
 
-    cols = c0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, s_layout))
-    offs_mb = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, s_layout))
-    dk = gl.zeros([BLOCK_N, D], gl.float32, acc_layout)
-    dv = gl.zeros([BLOCK_N, D], gl.float32, acc_layout)
-    mbarrier.wait(kv_bar, 0)
-
-    it = n_blk * 0  # ring counter: tile t sits in slot t % NUM_STAGES, parity (t // S) & 1
-    for g in range(0, group):
-        h = hk * group + g
-        hm = h // (Hq // Hm)
-        mbh = b64 * mask_b_stride + hm
-        lo0, flo0, fhi0, hi0, lo1, flo1, fhi1, hi1 = _key_block_ranges(
-            rng_ptr, mbh, n_blk, Sq, Sk, NQB, BLOCK_M, BLOCK_N, CAUSAL, C, NKB)
-        stats = _load_stats(sum_ptr, mbh, n_blk, NKB, NI)
-        if FUSE_DQ and not CAUSAL:
-            # the fused kernel's non-causal masked loops reload the column intervals per
-            # masked tile (L1 hits) instead of holding them: fewer spills inside the loops
-            ivals = mask_ptr + mbh * Sk * C
-        else:
-            ivals = _column_intervals(mask_ptr + mbh * Sk * C, cols, Sq, Sk, CAUSAL, C)
-        stat_row0 = (b64 * Hq + h) * Sq
+    if WARP_SPEC:
+        if not FUSE_DQ:  # placeholders: a None cannot travel in warp_specialize's arguments
+            ds_smem = 0
+            dq_smem = 0
+            dq_desc = 0
+        dk, dv = gl.warp_specialize([
+            (_compute_partition,
+             (n_blk, b, hk, b64, group, k_smem, v_smem, q_ring, do_ring, ready, empty, kv_bar,
+              q_desc, do_desc, lse2_ptr, delta_ptr, mask_ptr, sum_ptr, rng_ptr, scale_log2, Sq,
+              Sk, Hq, Hk, Hm, NQB, NKB, mask_b_stride, ds_smem, dq_smem, dq_desc, s_layout,
+              acc_layout, a_layout, D, BLOCK_M, BLOCK_N, NUM_STAGES, CAUSAL, C, NI, FUSE_DQ)),
+            (_producer_partition,
+             (n_blk, b, hk, b64, group, q_desc, do_desc, q_ring, do_ring, ready, empty, rng_ptr,
+              Sq, Sk, Hq, Hm, NQB, NKB, mask_b_stride, BLOCK_M, BLOCK_N, NUM_STAGES, CAUSAL,
+              C)),
+        ], [1], [24])  # PRODUCER_WARPS, PRODUCER_REGS
+        for i in gl.static_range(NUM_STAGES):
+            mbarrier.invalidate(empty.index(i))
+    else:
+        cols = c0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, s_layout))
+        offs_mb = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, s_layout))
+        dk = gl.zeros([BLOCK_N, D], gl.float32, acc_layout)
+        dv = gl.zeros([BLOCK_N, D], gl.float32, acc_layout)
+        mbarrier.wait(kv_bar, 0)
+        dk, dv = _heads(dk, dv, n_blk, b, hk, b64, group, k_smem, v_smem, q_ring, do_ring, ready,
+                        empty, q_desc, do_desc, lse2_ptr, delta_ptr, mask_ptr, sum_ptr, rng_ptr,
+                        scale_log2, Sq, Sk, Hq, Hk, Hm, NQB, NKB, mask_b_stride, ds_smem,
+                        dq_smem, dq_desc, cols, offs_mb, s_layout, a_layout, D, BLOCK_M, BLOCK_N,
+                        NUM_STAGES, CAUSAL, C, NI, FUSE_DQ, False)
         if FUSE_DQ:
-            dq_row0 = (b * Hq + h) * D  # this head's D rows of the [B*Hq*D, Sq] dQᵀ view
-        else:
-            dq_row0 = None
-        q_row0 = b * Sq
-        q_col = h * D
-        dk, dv, it = _range(dk, dv, it, lo0, flo0, fhi0, hi0, k_smem, v_smem, q_ring, do_ring,
-                            ready, q_desc, do_desc, lse2_ptr, delta_ptr, stat_row0, q_row0, q_col,
-                            offs_mb, cols, ivals, stats, n_blk, Sq, Sk, scale_log2, ds_smem,
-                            dq_smem, dq_desc, dq_row0, s_layout, a_layout, BLOCK_M, BLOCK_N,
-                            NUM_STAGES, CAUSAL, C, NI, FUSE_DQ)
-        dk, dv, it = _range(dk, dv, it, lo1, flo1, fhi1, hi1, k_smem, v_smem, q_ring, do_ring,
-                            ready, q_desc, do_desc, lse2_ptr, delta_ptr, stat_row0, q_row0, q_col,
-                            offs_mb, cols, ivals, stats, n_blk, Sq, Sk, scale_log2, ds_smem,
-                            dq_smem, dq_desc, dq_row0, s_layout, a_layout, BLOCK_M, BLOCK_N,
-                            NUM_STAGES, CAUSAL, C, NI, FUSE_DQ)
-
-    if FUSE_DQ:
-        tma.store_wait(0)  # the last reduce has read dq_smem
+            tma.store_wait(0)  # the last reduce has read dq_smem
     for i in gl.static_range(NUM_STAGES):
         mbarrier.invalidate(ready.index(i))
     mbarrier.invalidate(kv_bar)
@@ -508,6 +665,35 @@ def _dq_smem_layout(block_m: int, d: int):
     return gl.NVMMASharedLayout.get_default_for([d, block_m], gl.float32)
 
 
+#: Registers of one Hopper SM, and what one thread may hold at most.
+SM_REGISTERS = 65536
+MAX_THREAD_REGS = 255
+#: WARP_SPEC producer partition: one warp, 24 registers (the setmaxnreg minimum); register
+#: allocation is per warpgroup, so it occupies 4 warp slots of the launch.
+PRODUCER_WARPS = 1
+PRODUCER_REGS = 24
+
+
+def ws_maxnreg(num_warps: int) -> int:
+    """The ``maxnreg`` launch option of the WARP_SPEC kernel: the register budget per thread of
+    num_warps + 4 warps that keeps as many programs resident per SM as the non-WS kernel has at
+    255 registers (2 at 4 warps, 1 at 8: register files are allocated in 256-register warp
+    slices), rounded down to a multiple of 8 (setmaxnreg's granularity). The compute warps get
+    what the producer warpgroup gives back: (maxnreg * (num_warps + 4) - 24 * 4) / num_warps,
+    e.g. 232 at 4 warps, 240 at 8 (:func:`ws_compute_regs`)."""
+    resident = max(1, SM_REGISTERS // (num_warps * 32 * 256))
+    per_thread = SM_REGISTERS // (resident * (num_warps + 4) * 32)
+    return min(256, per_thread // 8 * 8)
+
+
+def ws_compute_regs(num_warps: int, maxnreg: Optional[int] = None) -> int:
+    """Registers per thread the WARP_SPEC compute partition can raise itself to (capped at
+    255: no thread holds more, so warp specialisation cannot lift the non-WS kernel's cap)."""
+    maxnreg = ws_maxnreg(num_warps) if maxnreg is None else maxnreg
+    total = maxnreg * (num_warps + 4) - PRODUCER_REGS * 4
+    return min(MAX_THREAD_REGS, total // num_warps // 8 * 8)
+
+
 def check_config(d: int, block_m: int, block_n: int, num_warps: int, num_stages: int,
                  fuse_dq: bool = False) -> None:
     """Raise ValueError on a configuration the kernel cannot compile: one warpgroup row of 16
@@ -526,9 +712,15 @@ def check_config(d: int, block_m: int, block_n: int, num_warps: int, num_stages:
 
 
 def launch_dkdv_gluon(q, k, v, dout, lse2, delta, causal, softmax_scale, plan, block_m: int,
-                      block_n: int, num_warps: int, num_stages: int, fuse_dq: bool = False):
+                      block_n: int, num_warps: int, num_stages: int, fuse_dq: bool = False,
+                      warp_spec: bool = False):
     """(dk, dv) like ``_launch_dkdv(..., fuse_dq=False)[:2]``; ``plan`` must come from
     ``make_plan(mask, causal, Sq, Sk, block_m, block_n, by_key=True, device)``.
+
+    ``warp_spec=True`` (the WARP_SPEC kernel, compiled offline only, not yet run on a GPU):
+    the same results from a kernel whose Q/dO ring is filled by a 1-warp TMA producer
+    partition, launched with ``maxnreg=ws_maxnreg(num_warps)``; the default (False) launches
+    exactly the kernel it always did.
 
     ``fuse_dq=True`` (the FUSE_DQ kernel, unverified on a GPU): (dk, dv, dq_acc), dq_acc the
     unscaled fp32 dQ accumulated by TMA reduce-adds, shape [B, Sq, Hq, D] (a permuted view of
@@ -570,6 +762,8 @@ def launch_dkdv_gluon(q, k, v, dout, lse2, delta, causal, softmax_scale, plan, b
                                               [d, block_m], _dq_smem_layout(block_m, d))
         dq_acc = dq_t[..., :sq].permute(0, 3, 1, 2)
     kwargs = dict(FUSE_DQ=True) if fuse_dq else {}
+    if warp_spec:
+        kwargs.update(WARP_SPEC=True, maxnreg=ws_maxnreg(num_warps))
     _dkdv_gluon_kernel[(nkb, b * hk)](
         q_desc, do_desc, k_desc, v_desc, dk, dv, lse2, delta, plan.mask, plan.summary,
         plan.ranges, softmax_scale, softmax_scale * LOG2E, sq, sk, hq, hk, plan.hm, nqb, nkb,
@@ -586,10 +780,12 @@ def fused_backward_gluon(q, k, v, dout, lse2, delta, causal, softmax_scale, plan
     the GPU A/B ``benchmarks/gluon_dkdv_ab.py --fused``): one launch of the dK/dV kernel that
     also reduce-adds dQ, then dQ = softmax_scale * dq_acc cast to q's dtype in one strided pass.
     ``lse2``, ``delta`` from ``triton_flashmask._bwd_pre``; ``plan`` a by-key plan for
-    ``cfg_tuple`` = (block_m, block_n, num_warps, num_stages)."""
-    block_m, block_n, num_warps, num_stages = cfg_tuple
+    ``cfg_tuple`` = (block_m, block_n, num_warps, num_stages[, warp_spec])."""
+    block_m, block_n, num_warps, num_stages = cfg_tuple[:4]
+    warp_spec = bool(cfg_tuple[4]) if len(cfg_tuple) > 4 else False
     dk, dv, dq_acc = launch_dkdv_gluon(q, k, v, dout, lse2, delta, causal, softmax_scale, plan,
-                                       block_m, block_n, num_warps, num_stages, fuse_dq=True)
+                                       block_m, block_n, num_warps, num_stages, fuse_dq=True,
+                                       warp_spec=warp_spec)
     dq = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     torch.mul(dq_acc, softmax_scale, out=dq)
     return dq, dk, dv
@@ -604,9 +800,10 @@ from .triton_report import _TOOLS, _signature, cuobjdump  # noqa: E402  (one com
 
 def compile_sm90(d: int = 128, block_m: int = 64, block_n: int = 64, num_warps: int = 4,
                  num_stages: int = 2, causal: bool = True, c: int = 1, dtype: str = "bf16",
-                 fuse_dq: bool = False):
-    """Compile the kernel (``fuse_dq``: the FUSE_DQ variant) for sm_90 without a GPU; returns
-    the CompiledKernel."""
+                 fuse_dq: bool = False, warp_spec: bool = False, maxnreg: Optional[int] = None):
+    """Compile the kernel (``fuse_dq``: the FUSE_DQ variant; ``warp_spec``: the WARP_SPEC one,
+    at ``maxnreg`` registers per thread, default :func:`ws_maxnreg`) for sm_90 without a GPU;
+    returns the CompiledKernel."""
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
 
@@ -628,24 +825,31 @@ def compile_sm90(d: int = 128, block_m: int = 64, block_n: int = 64, num_warps: 
     consts = dict(D=d, BLOCK_M=block_m, BLOCK_N=block_n, CAUSAL=causal, C=c,
                   NI=_num_intervals(causal, c), NUM_STAGES=num_stages, NUM_WARPS=num_warps)
     consts["FUSE_DQ"] = fuse_dq
+    consts["WARP_SPEC"] = warp_spec
+    options = {"num_warps": num_warps, "num_stages": num_stages}
+    if warp_spec:  # as the launcher passes it (WARP_SPEC=False: the unchanged options)
+        options["maxnreg"] = maxnreg if maxnreg is not None else ws_maxnreg(num_warps)
     if not fuse_dq:
         consts["dq_desc"] = None  # as the launcher passes it: a constexpr, not a parameter
     sig, attrs = _signature(kern, ptrs, descs, consts)
     src = GluonASTSource(kern, sig, constexprs=consts, attrs=attrs)
-    return triton.compile(src, target=GPUTarget("cuda", 90, 32),
-                          options={"num_warps": num_warps, "num_stages": num_stages})
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options)
 
 
-def tile_loop_spills(sass: str):
-    """(tile loops, the LDL/STL inside them) of a ``cuobjdump -sass`` listing: a tile loop is an
-    innermost backward-branch range that holds HGMMA (the out-of-line mbarrier-wait stubs after
-    the last EXIT, which branch back into the loops, are not loops); loops are (lo, hi)
-    addresses, spills (address, instruction)."""
+def _sass_instructions(sass: str) -> list:
+    """(address, instruction text) of every instruction of a ``cuobjdump -sass`` listing."""
     ins = []
     for line in sass.splitlines():
         m = re.match(r"\s*/\*([0-9a-f]{4,})\*/\s+(.*?);", line)
         if m:
             ins.append((int(m.group(1), 16), m.group(2)))
+    return ins
+
+
+def _tile_loops(ins: list) -> list:
+    """(lo, hi) address ranges of the tile loops: innermost backward-branch ranges that hold
+    HGMMA (the out-of-line mbarrier-wait stubs after the last EXIT, which branch back into the
+    loops, are not loops; the WARP_SPEC producer's loops hold no HGMMA)."""
     last_exit = max((a for a, t in ins if re.search(r"\bEXIT\b", t)), default=None)
     cands = []
     for addr, txt in ins:
@@ -654,34 +858,72 @@ def tile_loop_spills(sass: str):
             lo = int(br.group(1), 16)
             if any(lo <= a <= addr and "HGMMA" in t for a, t in ins):
                 cands.append((lo, addr))
-    loops = [c for c in cands
-             if not any(o != c and c[0] <= o[0] and o[1] <= c[1] for o in cands)]
+    return [c for c in cands
+            if not any(o != c and c[0] <= o[0] and o[1] <= c[1] for o in cands)]
+
+
+def tile_loop_spills(sass: str):
+    """(tile loops, the LDL/STL inside them) of a ``cuobjdump -sass`` listing (tile loops as
+    in :func:`_tile_loops`); loops are (lo, hi) addresses, spills (address, instruction)."""
+    ins = _sass_instructions(sass)
+    loops = _tile_loops(ins)
     spills = [(a, t) for a, t in ins if re.search(r"\b(?:LDL|STL)\b", t)
               and any(lo <= a <= hi for lo, hi in loops)]
     return loops, spills
 
 
+#: Synchronisation and load instructions counted per tile loop (one tile per iteration).
+_PER_TILE_PATTERNS = {"bar_sync": r"\bBAR\.SYNC\b", "mbar_wait": r"\bSYNCS\.PHASECHK\b",
+                      "mbar_arrive": r"\bSYNCS\.ARRIVE\b", "tma_load": r"\bUTMALDG\b"}
+
+
+def tile_loop_counts(sass: str) -> dict:
+    """The most of each :data:`_PER_TILE_PATTERNS` instruction in one tile loop (= per tile):
+    CTA/partition barriers (BAR.SYNC), mbarrier waits and arrives, TMA loads. The non-WS kernel
+    issues its refill from the loop (UTMALDG, expect-arrive and CTA barriers around them); the
+    WARP_SPEC compute partition only waits on ``ready`` and arrives on ``empty``."""
+    ins = _sass_instructions(sass)
+    loops = _tile_loops(ins)
+    return {f"{key}_per_tile": max((sum(1 for a, t in ins if lo <= a <= hi and re.search(pat, t))
+                                    for lo, hi in loops), default=0)
+            for key, pat in _PER_TILE_PATTERNS.items()}
+
+
+def _max_register(sass: str) -> int:
+    """Registers the code touches (highest R index + 1): for a WARP_SPEC kernel, whose
+    ``regs`` is the launch's ``maxnreg``, this is what the compute partition uses."""
+    return 1 + max((int(r) for r in re.findall(r"\bR(\d+)\b", sass)), default=-1)
+
+
 def sass_report(cubin: bytes) -> dict:
-    """Registers, spills, and instruction counts of a cubin (bundled cuobjdump)."""
+    """Registers, spills, and instruction counts of a cubin (bundled cuobjdump); setmaxnreg
+    values (USETMAXREG) for a warp-specialised one."""
     usage, sass = cuobjdump(cubin)
     loops, in_loops = tile_loop_spills(sass)
+    setmaxnreg = sorted({int(x, 16) for x in
+                         re.findall(r"USETMAXREG\.\S+\s+(?:UP\d, )?(0x[0-9a-f]+)", sass)})
     return dict(regs=usage["regs"], stack=usage["stack"], local=usage["local"],
+                regs_touched=_max_register(sass), setmaxnreg=setmaxnreg,
                 hgmma=sass.count("HGMMA"),
                 ldl_stl=sass.count("LDL") + sass.count("STL"), tile_loops=len(loops),
                 ldl_stl_in_tile_loops=len(in_loops), tma_reduce=sass.count("UTMAREDG"),
                 atomics=len(re.findall(r"\b(?:RED|ATOM|ATOMG)\.", sass)),
                 wgmma_wait=sass.count("WARPGROUP.DEPBAR"), warpgroup_arrive=sass.count("WARPGROUP.ARRIVE"),
                 bar_sync=sass.count("BAR.SYNC"), syncs_arrive=sass.count("SYNCS.ARRIVE"),
-                tma_load=sass.count("UTMALDG"), mufu_ex2=sass.count("MUFU.EX2"))
+                tma_load=sass.count("UTMALDG"), mufu_ex2=sass.count("MUFU.EX2"),
+                **tile_loop_counts(sass))
 
 
 def compile_report(d=128, block_m=64, block_n=64, num_warps=4, num_stages=2, causal=True, c=1,
-                   dtype="bf16", fuse_dq=False) -> dict:
+                   dtype="bf16", fuse_dq=False, warp_spec=False) -> dict:
     """One configuration's offline sm_90 report (or its error)."""
     row = dict(D=d, block_m=block_m, block_n=block_n, num_warps=num_warps,
                num_stages=num_stages, causal=causal, C=c, dtype=dtype, fuse_dq=fuse_dq)
+    if warp_spec:
+        row.update(warp_spec=True, maxnreg=ws_maxnreg(num_warps))
     try:
-        ck = compile_sm90(d, block_m, block_n, num_warps, num_stages, causal, c, dtype, fuse_dq)
+        ck = compile_sm90(d, block_m, block_n, num_warps, num_stages, causal, c, dtype, fuse_dq,
+                          warp_spec)
     except Exception as exc:
         row["error"] = f"{type(exc).__name__}: {str(exc)[:2000]}"
         return row
@@ -693,6 +935,8 @@ def compile_report(d=128, block_m=64, block_n=64, num_warps=4, num_stages=2, cau
 #: (block_m, block_n, num_warps, num_stages) tried at D=128 by the report.
 REPORT_CONFIGS = [(64, 64, 4, 2), (32, 64, 4, 2), (32, 64, 4, 3), (16, 64, 4, 3), (64, 128, 8, 2),
                   (32, 128, 8, 3)]
+#: ... for the WARP_SPEC kernel (``--warp-spec``; with ``--fused`` too: FUSED_REPORT_CONFIGS) ...
+WS_REPORT_CONFIGS = [(32, 64, 4, 3), (32, 64, 4, 2), (64, 128, 8, 2)]
 #: ... and for the FUSE_DQ kernel (``--fused``).
 FUSED_REPORT_CONFIGS = [(32, 64, 4, 3), (32, 64, 4, 2), (16, 64, 4, 3), (16, 64, 4, 2),
                         (32, 128, 8, 3)]
@@ -707,13 +951,20 @@ def main(argv=None):
     ap.add_argument("--layouts", default="1:1,0:2,1:0", help="causal:C pairs")
     ap.add_argument("--dtype", default="bf16")
     ap.add_argument("--fused", action="store_true", help="the FUSE_DQ kernel")
+    ap.add_argument("--warp-spec", action="store_true",
+                    help="the WARP_SPEC kernel (1-warp TMA producer partition)")
     args = ap.parse_args(argv)
+    if args.fused:
+        configs = FUSED_REPORT_CONFIGS[:2] if args.warp_spec else FUSED_REPORT_CONFIGS
+    else:
+        configs = WS_REPORT_CONFIGS if args.warp_spec else REPORT_CONFIGS
     for d in (int(x) for x in args.dims.split(",")):
-        for cfg in FUSED_REPORT_CONFIGS if args.fused else REPORT_CONFIGS:
+        for cfg in configs:
             for causal, c in ((bool(int(a)), int(b)) for a, b in
                               (x.split(":") for x in args.layouts.split(","))):
                 print(json.dumps(compile_report(d, *cfg, causal=causal, c=c, dtype=args.dtype,
-                                                fuse_dq=args.fused)), flush=True)
+                                                fuse_dq=args.fused, warp_spec=args.warp_spec)),
+                      flush=True)
 
 
 if __name__ == "__main__":

@@ -3,14 +3,19 @@
 CPU: the kernel compiles offline for sm_90 (Triton's bundled ptxas/cuobjdump, no GPU) into a
 cubin that uses wgmma (HGMMA) with overlapped waits and spills at most a few loop-invariant
 registers; so does its FUSE_DQ variant (TMA reduce-add of dQ, no element atomics); the launcher
-compiles exactly the offline-checked kernels. GPU (``gpu`` marker): its dK, dV match the ``tl``
-dK/dV kernel's on a few masks; the fused Gluon backward's dQ, dK, dV match the split backward's.
+compiles exactly the offline-checked kernels. The WARP_SPEC variant (a 1-warp TMA producer
+partition) compiles with the same wgmmas, its compute partition's tile loops hold no TMA load and
+no spill, and WARP_SPEC=False still compiles to the SASS recorded before WARP_SPEC existed. GPU
+(``gpu`` marker): its dK, dV match the ``tl`` dK/dV kernel's on a few masks (the WARP_SPEC ones
+bit for bit); the fused Gluon backward's dQ, dK, dV match the split backward's.
 """
 
 from __future__ import annotations
 
+import hashlib
 import math
 import os
+import re
 import shutil
 
 import pytest
@@ -31,6 +36,34 @@ MAX_LDL_STL = 64
 #: invariants. 16x64 w4 s3: none inside the loops.
 MAX_FUSED_LDL_STL = 140
 MAX_FUSED_LOOP_LDL_STL = {(True, 1): 4, (False, 2): 32, (True, 0): 4, (False, 4): 28}
+
+
+#: WARP_SPEC at 32x64 w4 (s3 and s2, D=128 bf16, offline report): the compute partition runs
+#: at setmaxnreg 232 (maxnreg 128 x 8 warps, the producer warpgroup down to 24) and touches 230
+#: registers; 0-50 LDL/STL in the whole kernel (per-head setup, as in the non-WS kernel's
+#: 3-36), none inside a tile loop. Per tile the compute partition has 2 BAR.SYNC over its own
+#: 128 threads (before the ready wait and before the empty arrive; the non-WS kernel: 4 CTA
+#: barriers, 2 UTMALDG and an expect-arrive per tile), 1 mbarrier wait and 1 arrive.
+MAX_WS_LDL_STL = 64
+WS_COMPUTE_REGS = 232
+MAX_WS_BAR_SYNC_PER_TILE = 2
+
+#: sha256 of the ``cuobjdump -sass`` listing of the kernel as it was before WARP_SPEC existed
+#: (commit 6ff8a4b, triton 3.6.0's ptxas): (block_m, block_n, warps, stages, causal, C, fused).
+PRE_WS_SASS_SHA256 = {
+    (32, 64, 4, 3, True, 1, False):
+        "a9482f57764ff66fa880b75610de7d4f1708eb71fcdcdbe82d5d49bf64ffa4ad",
+    (32, 64, 4, 3, False, 2, False):
+        "59bd84933e5f9478621edca309023ebefdace0024f6fbefdd09d675007ad9c8f",
+    (32, 64, 4, 3, True, 0, False):
+        "0b47816fa766296003bdccbe2f1b08c523b51b3cca3ef59be1b20c152ea69b17",
+    (32, 64, 4, 3, False, 4, False):
+        "6216e52a8da191882aecd33f1e3195399a3bbe3c4cee73c1aec133de36ea3820",
+    (32, 128, 8, 3, True, 1, False):
+        "6af5f7107e3c04f0c68b7e04b9419e766fb70c4b90ab37765fc97ebd1ace75af",
+    (32, 64, 4, 3, True, 1, True):
+        "457767fcd92041e84705067678d2c3cac6978203746513afc3e34f2171f2a148",
+}
 
 
 def _default_config(d: int) -> tuple:
@@ -98,8 +131,9 @@ def test_fused_dq_16x64_does_not_spill_in_tile_loops(causal, c):
 @pytest.mark.skipif(_offline_skip_reason() is not None, reason=str(_offline_skip_reason()))
 def test_launcher_compiles_the_offline_checked_kernels(monkeypatch):
     """``launch_dkdv_gluon``'s real arguments (split: dq_desc=None, a constexpr; fused: the
-    strided dQ^T descriptor, Sq=777 padded to 780) bound by Triton's JIT under a stand-in sm_90
-    driver (compile only, nothing launched) give the same SASS as :func:`compile_sm90`."""
+    strided dQ^T descriptor, Sq=777 padded to 780; warp_spec: WARP_SPEC and maxnreg) bound by
+    Triton's JIT under a stand-in sm_90 driver (compile only, nothing launched) give the same
+    SASS as :func:`compile_sm90`."""
     from triton.backends.compiler import GPUTarget
     from triton.runtime import driver
 
@@ -141,18 +175,130 @@ def test_launcher_compiles_the_offline_checked_kernels(monkeypatch):
         cols = torch.full((b, 1, sk, 1), sq, dtype=torch.int32)
         stats = torch.zeros(b, nkb, 8, dtype=torch.int32)
         plan = T.Plan(cols, stats, stats.clone(), 1, 1, 1, 1)
-        for fuse in (False, True):
+        for fuse, ws in ((False, False), (True, False), (False, True)):
             out = G.launch_dkdv_gluon(q, k, k, q, lse2, lse2, True, 0.1, plan, 32, 64, 4, 3,
-                                      fuse_dq=fuse)
+                                      fuse_dq=fuse, warp_spec=ws)
             assert len(out) == (3 if fuse else 2)
             if fuse:
                 assert out[2].shape == (b, sq, hq, d) and out[2].dtype == torch.float32
                 assert out[2].stride()[1] == 1  # the [B, Hq, D, Sq_pad] dQ^T buffer
-            ref = G.compile_sm90(128, 32, 64, 4, 3, True, 1, "bf16", fuse_dq=fuse)
-            assert sass(compiled["kernel"].asm["cubin"]) == sass(ref.asm["cubin"]), fuse
+            ref = G.compile_sm90(128, 32, 64, 4, 3, True, 1, "bf16", fuse_dq=fuse, warp_spec=ws)
+            assert sass(compiled["kernel"].asm["cubin"]) == sass(ref.asm["cubin"]), (fuse, ws)
     finally:
         driver._active = saved
         kern.device_caches.clear()
+
+
+@pytest.mark.skipif(_offline_skip_reason() is not None, reason=str(_offline_skip_reason()))
+@pytest.mark.skipif(__import__("triton").__version__ != "3.6.0",
+                    reason="the recorded SASS is triton 3.6.0's ptxas output")
+@pytest.mark.parametrize("key", list(PRE_WS_SASS_SHA256))
+def test_warp_spec_off_compiles_to_the_pre_warp_spec_sass(key):
+    """WARP_SPEC=False (the default, the GPU-verified kernel) is byte-identical in SASS to the
+    kernel before the WARP_SPEC code was added."""
+    bm, bn, w, st, causal, c, fused = key
+    ck = G.compile_sm90(128, bm, bn, w, st, causal=causal, c=c, fuse_dq=fused)
+    sass = cuobjdump(ck.asm["cubin"])[1]
+    assert hashlib.sha256(sass.encode()).hexdigest() == PRE_WS_SASS_SHA256[key]
+
+
+@pytest.mark.skipif(_offline_skip_reason() is not None, reason=str(_offline_skip_reason()))
+@pytest.mark.parametrize("causal, c", [(True, 1), (False, 2), (True, 0), (False, 4)])
+def test_warp_spec_compiles_for_sm90(causal, c):
+    """WARP_SPEC at the default 32x64 w4 s3: the non-WS kernel's wgmmas (same HGMMA count), the
+    compute partition at setmaxnreg 232 (producer 24), no spill and no TMA load inside the tile
+    loops, which synchronise through one mbarrier wait and one arrive per tile."""
+    cfg = (32, 64, 4, 3)
+    plain = G.compile_report(128, *cfg, causal=causal, c=c)
+    r = G.compile_report(128, *cfg, causal=causal, c=c, warp_spec=True)
+    assert "error" not in r, r.get("error")
+    assert r["hgmma"] == plain["hgmma"] > 0, (r, plain)
+    assert r["tile_loops"] == plain["tile_loops"], (r, plain)
+    assert r["setmaxnreg"] == [G.PRODUCER_REGS, WS_COMPUTE_REGS], r
+    assert WS_COMPUTE_REGS == G.ws_compute_regs(4) and r["maxnreg"] == G.ws_maxnreg(4) == 128
+    assert r["regs_touched"] <= WS_COMPUTE_REGS, r
+    assert r["ldl_stl"] <= MAX_WS_LDL_STL and r["ldl_stl_in_tile_loops"] == 0, r
+    assert r["tma_load_per_tile"] == 0 and plain["tma_load_per_tile"] > 0, (r, plain)
+    assert r["mbar_wait_per_tile"] == 1 and r["mbar_arrive_per_tile"] == 1, r
+    assert r["bar_sync_per_tile"] <= MAX_WS_BAR_SYNC_PER_TILE < plain["bar_sync_per_tile"], \
+        (r, plain)
+    assert "WARPGROUP.DEPBAR.LE gsb0, 0x1" in cuobjdump(
+        G.compile_sm90(128, *cfg, causal=causal, c=c, warp_spec=True).asm["cubin"])[1]
+
+
+def _loops(sass: str) -> list:
+    """Instruction texts of every backward-branch range of a SASS listing before its last EXIT
+    (loops, including the producer's, which holds no HGMMA)."""
+    ins = G._sass_instructions(sass)
+    last_exit = max(a for a, t in ins if re.search(r"\bEXIT\b", t))
+    out = []
+    for addr, txt in ins:
+        br = re.search(r"\bBRA\s+(0x[0-9a-f]+)", txt)
+        if br and int(br.group(1), 16) < addr < last_exit:
+            out.append([t for a, t in ins if int(br.group(1), 16) <= a <= addr])
+    return out
+
+
+@pytest.mark.skipif(_offline_skip_reason() is not None, reason=str(_offline_skip_reason()))
+def test_warp_spec_producer_loads_and_consumer_waits():
+    """The SASS has a producer loop (no HGMMA) that waits on an empty barrier, arms the ready
+    barrier and issues UTMALDG, and tile loops that wait (SYNCS.PHASECHK) and arrive with no
+    UTMALDG; the producer warpgroup gives registers back (USETMAXREG.DEALLOC 24)."""
+    sass = cuobjdump(G.compile_sm90(128, 32, 64, 4, 3, causal=True, c=1,
+                                    warp_spec=True).asm["cubin"])[1]
+    loops = _loops(sass)
+    producer = [lp for lp in loops if not any("HGMMA" in t for t in lp)
+                and any("UTMALDG" in t for t in lp)]
+    consumer = [lp for lp in loops if any("HGMMA" in t for t in lp)]
+    assert producer and consumer
+    for lp in producer:
+        assert any("SYNCS.PHASECHK" in t for t in lp) and any("SYNCS.ARRIVE" in t for t in lp)
+    for lp in consumer:
+        assert not any("UTMALDG" in t for t in lp)
+        assert any("SYNCS.PHASECHK" in t for t in lp) and any("SYNCS.ARRIVE" in t for t in lp)
+    assert re.search(r"USETMAXREG\.DEALLOC\S*\s+0x18\b", sass)
+    assert re.search(r"USETMAXREG\.TRY_ALLOC\S*\s+UP\d, 0xe8\b", sass)  # 232
+
+
+@pytest.mark.skipif(_offline_skip_reason() is not None, reason=str(_offline_skip_reason()))
+@pytest.mark.parametrize("cfg, compute_regs", [((32, 64, 4, 2), 232), ((64, 128, 8, 2), 240)])
+def test_warp_spec_other_shapes_compile(cfg, compute_regs):
+    """WARP_SPEC at 2 stages and at 8 warps (maxnreg 168 x 12 warps: 240 for the compute
+    warps) compiles with the non-WS kernel's wgmmas. 64x128 spills in its tile loops (~250,
+    the non-WS kernel ~215 at 255 registers): measured, not bounded here."""
+    plain = G.compile_report(128, *cfg, causal=True, c=1)
+    r = G.compile_report(128, *cfg, causal=True, c=1, warp_spec=True)
+    assert "error" not in r, r.get("error")
+    assert r["hgmma"] == plain["hgmma"] > 0, (r, plain)
+    assert r["setmaxnreg"] == [G.PRODUCER_REGS, compute_regs] and r["regs_touched"] <= compute_regs
+    assert compute_regs == G.ws_compute_regs(cfg[2])
+    assert r["tma_load_per_tile"] == 0 and r["mbar_wait_per_tile"] == 1, r
+    if cfg[0] == 32:
+        assert r["ldl_stl_in_tile_loops"] == 0, r
+
+
+@pytest.mark.skipif(_offline_skip_reason() is not None, reason=str(_offline_skip_reason()))
+@pytest.mark.parametrize("causal, c", [(True, 1), (False, 2)])
+def test_fused_dq_with_warp_spec_compiles(causal, c):
+    """FUSE_DQ with WARP_SPEC (32x64 w4 s3): the fused kernel's wgmmas and one TMA reduce-add
+    per tile loop, no TMA load and (measured) no spill inside the tile loops (the non-WS fused
+    kernel has 2-22 there)."""
+    fused = G.compile_report(128, 32, 64, 4, 3, causal=causal, c=c, fuse_dq=True)
+    r = G.compile_report(128, 32, 64, 4, 3, causal=causal, c=c, fuse_dq=True, warp_spec=True)
+    assert "error" not in r, r.get("error")
+    assert r["hgmma"] == fused["hgmma"] and r["tma_reduce"] == r["tile_loops"] > 0, (r, fused)
+    assert r["atomics"] == 0 and r["tma_load_per_tile"] == 0, r
+    assert r["ldl_stl_in_tile_loops"] == 0, r
+
+
+def test_ws_register_budget():
+    """maxnreg keeps the non-WS kernel's residency (2 programs per SM at 4 warps, 1 at 8) and
+    the compute partition gets what the producer warpgroup gives back."""
+    assert G.ws_maxnreg(4) == 128 and G.ws_compute_regs(4) == 232
+    assert G.ws_maxnreg(8) == 168 and G.ws_compute_regs(8) == 240
+    for w in (4, 8):
+        resident = 2 if w == 4 else 1
+        assert resident * G.ws_maxnreg(w) * (w + 4) * 32 <= G.SM_REGISTERS
 
 
 def test_config_checks():
@@ -235,6 +381,31 @@ def test_gpu_matches_tl_kernel(name, cfg):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("name", ["causal", "full", "causal_document", "document",
+                                  "global_sliding_window", "causal_blockwise"])
+@pytest.mark.parametrize("cfg", [(32, 64, 4, 3), (32, 64, 4, 2), (64, 128, 8, 2)])
+def test_gpu_warp_spec_is_bitwise_equal_to_tl(name, cfg):
+    """The WARP_SPEC kernel (1-warp TMA producer) computes the non-WS kernel's wgmmas in the
+    same order: dK, dV bit for bit equal to the tl kernel's and to the non-WS Gluon kernel's."""
+    _require_hopper_gluon()
+    s, d = 1000, 128
+    q, k, v, dout, cols, causal, scale, out, lse = _gpu_inputs(name, s, d, seed=11)
+    delta, lse2 = T._bwd_pre(out, dout, lse, None)
+    c = 0 if cols is None else cols.shape[-1]
+    tcfg = T._config("dkdv", d, causal, c, q.dtype)
+    tplan = T.make_plan(cols, causal, s, s, tcfg.block_m, tcfg.block_n, True, q.device)
+    ref = T._launch_dkdv_tl(q, k, v, dout, lse2, delta, causal, scale, tcfg, tplan)[:2]
+    bm, bn, w, st = cfg
+    plan = T.make_plan(cols, causal, s, s, bm, bn, True, q.device)
+    plain = G.launch_dkdv_gluon(q, k, v, dout, lse2, delta, causal, scale, plan, bm, bn, w, st)
+    got = G.launch_dkdv_gluon(q, k, v, dout, lse2, delta, causal, scale, plan, bm, bn, w, st,
+                              warp_spec=True)
+    for a, r, p in zip(got, ref, plain):
+        assert torch.equal(a, p)
+        assert torch.equal(a, r)
+
+
+@pytest.mark.gpu
 def test_gpu_dispatch_picks_gluon_at_d128_on_hopper(monkeypatch):
     _require_hopper_gluon()
     monkeypatch.delenv("FLASHMASK3_TRITON_DKDV", raising=False)
@@ -249,10 +420,10 @@ def test_gpu_dispatch_picks_gluon_at_d128_on_hopper(monkeypatch):
 @pytest.mark.gpu
 @pytest.mark.parametrize("name", ["causal", "full", "causal_document", "document",
                                   "global_sliding_window", "causal_blockwise"])
-@pytest.mark.parametrize("cfg", [(32, 64, 4, 3), (16, 64, 4, 3)])
+@pytest.mark.parametrize("cfg", [(32, 64, 4, 3), (16, 64, 4, 3), (32, 64, 4, 3, True)])
 def test_gpu_fused_backward_matches_split(name, cfg):
-    """The fused Gluon backward (FUSE_DQ kernel) against the library's split backward (GQA 4:2,
-    a length that is not a block multiple)."""
+    """The fused Gluon backward (FUSE_DQ kernel; a fifth config element True: with WARP_SPEC)
+    against the library's split backward (GQA 4:2, a length that is not a block multiple)."""
     _require_hopper_gluon()
     s, d = 1000, 128
     q, k, v, dout, cols, causal, scale, out, lse = _gpu_inputs(name, s, d, seed=5)
