@@ -15,15 +15,16 @@ peak because Triton's pipeliner does not overlap the softmax of one tile with th
 next; its SASS waits for every wgmma (``WARPGROUP.DEPBAR.LE gsb0, 0x0``). Here the schedule is
 written out (FA3's intra-warpgroup overlap), per key tile j::
 
-    issue S_j = Q K_jᵀ            (async)
-    issue O += P_{j-1} V_{j-1}    (async, P_{j-1} a register A operand)
-    wait for S_j only             (num_outstanding=1: the PV matmul keeps running)
-    mask + online softmax of S_j  -> P_j, row max m_j, alpha_j = exp2(m_{j-1} - m_j), l_j
-    wait for O, release K/V slot j-1 (refill it with tile j-1+NUM_STAGES), O *= alpha_j
+    issue S_j = Q K_jᵀ                 (async)
+    O *= alpha_{j-1}                   (registers, while S_j runs on the tensor cores)
+    issue O += P_{j-1} V_{j-1}         (async, P_{j-1} a register A operand)
+    wait for S_j only                  (num_outstanding=1: the PV matmul keeps running)
+    mask + online softmax of S_j       -> P_j, row max m_j, alpha_j = exp2(m_{j-1} - m_j), l_j
+    wait for O, CTA barrier, refill K/V slot j-1 with tile j-1+NUM_STAGES
 
-and after the last tile one more O += P_last V_last. The first tile of a program issues its
-"previous" PV with P = 0 against its own (already landed) V tile, which adds exact zeros: it
-keeps one loop body for every tile (no peeled first tile per loop variant) at the cost of one
+and after the last tile one more O *= alpha, O += P_last V_last. The first tile of a program
+issues its "previous" PV with P = 0 against its own (already landed) V tile, which adds exact
+zeros: one loop body for every tile (no peeled first tile per loop variant) at the cost of one
 extra wgmma per program.
 
 Layout: Q (one TMA load) in shared memory, the A operand of S (no registers); K and V tiles go
@@ -34,13 +35,24 @@ ranges and between the three loops. S and O accumulate in registers in the wgmma
 warps along the query rows: BLOCK_M == 16 * num_warps (128x128 w8 = two warpgroups of 64 rows).
 
 Numerics against ``tl``: the same scores (``S * scale_log2``), the same masked-row guard (row
-max -inf -> 0 before exp2), the same final normalisation and LSE formula. What differs is the
-rescale order: ``tl`` computes ``O_j = alpha_j O_{j-1} + P_j V_j`` (the rescale before the
-accumulate), this kernel ``O_j = alpha_{j+1} (O_{j-1} + P_j V_j)`` -- the same sum, rounded in
-another order, so O differs from ``tl`` by fp32 rounding of the accumulator (far below bf16's
-output rounding; the LSE is computed identically from the same m and l... up to the order of
-the l update, which is identical). An input V holding inf/NaN would also reach the first
-tile's zero-P product (0 * inf = NaN) where ``tl`` never multiplies it.
+max -inf -> 0 before exp2), the same rescale-then-accumulate order (``O_j = alpha_j O_{j-1} +
+P_j V_j``), the same final normalisation and LSE formula (natural log, -inf on empty rows).
+Where the wgmma k-steps match the ``tl`` kernel's (the same tile shape, 128x128) O came out
+bitwise equal to tl's on the H200 (first run, where the rescale came after the accumulate);
+other tile shapes (e.g. 128x64) sum the key blocks in other groupings and differ by bf16
+output rounding (max |dO| 2e-3..8e-3 on unit-variance inputs, benchmarks/gluon_fwd_ab.py).
+An input V holding inf/NaN would also reach the first tile's zero-P product (0 * inf = NaN)
+where ``tl`` never multiplies it.
+
+Measured (H200, 32K, D=128, bf16, benchmarks/results/gluon_fwd_ab.md): correct on every
+small case, but SLOWER than the tl forward: 128x128 w8 s3 0.87-0.95x (causal 67.9 vs 64.2 ms),
+64x64 w4 s3 (two CTAs per SM) 0.88-0.95x, 128x64 w8 s3 0.88-0.89x, two-stage rings 0.69-0.86x.
+The stage count matters most (s2 -> s3: +15-30%), so the K/V loads land late: a slot is only
+refilled after the PV that reads its V retired, one tile before the tile that needs it. Not
+done (next steps): separate K and V rings (K released right after S_j's wait, so its refill
+is issued a tile earlier), a 1-warp TMA producer (gl.warp_specialize) and decoupling the two
+warpgroups of the 8-warp CTA (the per-tile CTA barrier keeps them in lockstep, so both do
+their softmax while the tensor cores idle: FA3's ping-pong needs them half a tile apart).
 
 The module imports on a CPU-only machine and without gluon (the kernel compiles on first launch
 or in :func:`compile_report`); :func:`unavailable_reason` says why it cannot be used.
@@ -180,31 +192,46 @@ def _issue_kv(k_desc, v_desc, k_ring, v_ring, ready, t, T, lo0, len0, lo1, kv_ro
 
 
 @_jit
+def _max_fn(a, b):
+    """Combine function of a row max (a ``gluon.jit`` one: triton's ``tl.max``/``tl.sum``
+    are ``triton.jit`` functions, which a Gluon kernel cannot call under TRITON_INTERPRET=1,
+    as the CPU test process sets it)."""
+    return gl.maximum(a, b)
+
+
+@_jit
+def _add_fn(a, b):
+    """Combine function of a row sum (see :func:`_max_fn`)."""
+    return a + b
+
+
+@_jit
 def _softmax_update(qk, m_i, l_i, MASKED: gl.constexpr):
     """Online softmax step of the ``tl`` ``_fwd_inner`` on scores ``qk`` (already scaled to
     log2 units and masked): returns (P, alpha, new row max, new row sum). Masked loops guard
     rows whose max is still -inf (exp2 of 0 offsets, so P = 0 there, never NaN)."""
-    m_new = gl.maximum(m_i, gl.max(qk, 1))
+    m_new = gl.maximum(m_i, gl.reduce(qk, 1, _max_fn))
     if MASKED:
         m_use = gl.where(m_new == float("-inf"), 0.0, m_new)
     else:
         m_use = m_new
     p = gl.exp2(qk - m_use[:, None])
     alpha = gl.exp2(m_i - m_use)
-    l_i = l_i * alpha + gl.sum(p, 1)
+    l_i = l_i * alpha + gl.reduce(p, 1, _add_fn)
     return p, alpha, m_new, l_i
 
 
 @_jit
-def _tile(acc, m_i, l_i, p_prev, t, n, T, q_smem, k_ring, v_ring, ready, k_desc, v_desc, lo0,
+def _tile(acc, m_i, l_i, p_prev, alpha, t, n, T, q_smem, k_ring, v_ring, ready, k_desc, v_desc, lo0,
           len0, lo1, kv_row0, kv_col, rows, offs_nb, sum_ptr, col_ptr, mbh, m_blk, Sq, Sk, NKB,
           scale_log2, s_layout: gl.constexpr, o_layout: gl.constexpr, a_layout: gl.constexpr,
           BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr,
           CAUSAL: gl.constexpr, C: gl.constexpr, NI: gl.constexpr, MASKED: gl.constexpr):
-    """Key tile ``t`` (key block ``n``) of the program: S_t and the previous tile's PV in
-    flight together, softmax of S_t under the PV, then O rescaled (see the module docstring).
-    ``p_prev`` is P_{t-1} (zeros for t == 0, multiplied with tile 0's own V: exact zeros).
-    Returns (acc, m, l, P_t, t + 1); P_t's PV is issued by the next tile or the epilogue."""
+    """Key tile ``t`` (key block ``n``) of the program: S_t issued, O rescaled by the
+    previous tile's ``alpha`` while S_t runs, the previous tile's PV issued, softmax of S_t
+    under the PV (see the module docstring). ``p_prev`` is P_{t-1} (zeros for t == 0,
+    multiplied with tile 0's own V: exact zeros). Returns (acc, m, l, P_t, alpha_t, t + 1);
+    P_t's PV (after O *= alpha_t) is issued by the next tile or the epilogue."""
     dtype: gl.constexpr = q_smem.dtype
     slot = t % NUM_STAGES
     pv_t = gl.maximum(t - 1, 0)
@@ -213,6 +240,7 @@ def _tile(acc, m_i, l_i, p_prev, t, n, T, q_smem, k_ring, v_ring, ready, k_desc,
     zero = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, s_layout)
     s_tok = warpgroup_mma(q_smem, k_ring.index(slot).permute((1, 0)), zero, use_acc=False,
                           is_async=True)
+    acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))[:, None]
     o_tok = warpgroup_mma(p_prev, v_ring.index(pv_slot), acc, is_async=True)
     if MASKED:  # scalar loads under the matmuls
         stats = _load_stats(sum_ptr, mbh, n, NKB, NI)
@@ -227,12 +255,11 @@ def _tile(acc, m_i, l_i, p_prev, t, n, T, q_smem, k_ring, v_ring, ready, k_desc,
     gl.thread_barrier()  # every warpgroup's PV_{t-1} has read slot pv_slot
     _issue_kv(k_desc, v_desc, k_ring, v_ring, ready, pv_t + NUM_STAGES, T * (t > 0).to(gl.int32),
               lo0, len0, lo1, kv_row0, kv_col, BLOCK_N, NUM_STAGES)
-    acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))[:, None]
-    return acc, m_i, l_i, p16, t + 1
+    return acc, m_i, l_i, p16, alpha, t + 1
 
 
 @_jit
-def _loop(acc, m_i, l_i, p_prev, t, lo, hi, T, q_smem, k_ring, v_ring, ready, k_desc, v_desc,
+def _loop(acc, m_i, l_i, p_prev, alpha, t, lo, hi, T, q_smem, k_ring, v_ring, ready, k_desc, v_desc,
           lo0, len0, lo1, kv_row0, kv_col, rows, offs_nb, sum_ptr, col_ptr, mbh, m_blk, Sq, Sk,
           NKB, scale_log2, s_layout: gl.constexpr, o_layout: gl.constexpr,
           a_layout: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
@@ -240,17 +267,19 @@ def _loop(acc, m_i, l_i, p_prev, t, lo, hi, T, q_smem, k_ring, v_ring, ready, k_
           MASKED: gl.constexpr):
     """Key blocks [lo, hi) in order, one :func:`_tile` each (MASKED: with mask code)."""
     for n in range(lo, hi):
-        acc, m_i, l_i, p_prev, t = _tile(
-            acc, m_i, l_i, p_prev, t, n, T, q_smem, k_ring, v_ring, ready, k_desc, v_desc, lo0,
-            len0, lo1, kv_row0, kv_col, rows, offs_nb, sum_ptr, col_ptr, mbh, m_blk, Sq, Sk, NKB,
+        acc, m_i, l_i, p_prev, alpha, t = _tile(
+            acc, m_i, l_i, p_prev, alpha, t, n, T, q_smem, k_ring, v_ring, ready, k_desc, v_desc,
+            lo0, len0, lo1, kv_row0, kv_col, rows, offs_nb, sum_ptr, col_ptr, mbh, m_blk, Sq, Sk,
+            NKB,
             scale_log2, s_layout, o_layout, a_layout, BLOCK_M, BLOCK_N, NUM_STAGES, CAUSAL, C,
             NI, MASKED)
-    return acc, m_i, l_i, p_prev, t
+    return acc, m_i, l_i, p_prev, alpha, t
 
 
 @_jit
-def _range(acc, m_i, l_i, p_prev, t, lo, flo, fhi, hi, T, q_smem, k_ring, v_ring, ready, k_desc,
-           v_desc, lo0, len0, lo1, kv_row0, kv_col, rows, offs_nb, sum_ptr, col_ptr, mbh, m_blk,
+def _range(acc, m_i, l_i, p_prev, alpha, t, lo, flo, fhi, hi, T, q_smem, k_ring, v_ring, ready,
+           k_desc, v_desc, lo0, len0, lo1, kv_row0, kv_col, rows, offs_nb, sum_ptr, col_ptr, mbh,
+           m_blk,
            Sq, Sk, NKB, scale_log2, s_layout: gl.constexpr, o_layout: gl.constexpr,
            a_layout: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
            NUM_STAGES: gl.constexpr, CAUSAL: gl.constexpr, C: gl.constexpr, NI: gl.constexpr):
@@ -258,22 +287,22 @@ def _range(acc, m_i, l_i, p_prev, t, lo, flo, fhi, hi, T, q_smem, k_ring, v_ring
     (flo, fhi clamped into the range, so exactly ``hi - lo`` tiles in order)."""
     flo = gl.minimum(gl.maximum(flo, lo), hi)
     fhi = gl.minimum(gl.maximum(fhi, flo), hi)
-    acc, m_i, l_i, p_prev, t = _loop(
-        acc, m_i, l_i, p_prev, t, lo, flo, T, q_smem, k_ring, v_ring, ready, k_desc, v_desc, lo0,
-        len0, lo1, kv_row0, kv_col, rows, offs_nb, sum_ptr, col_ptr, mbh, m_blk, Sq, Sk, NKB,
+    acc, m_i, l_i, p_prev, alpha, t = _loop(
+        acc, m_i, l_i, p_prev, alpha, t, lo, flo, T, q_smem, k_ring, v_ring, ready, k_desc, v_desc,
+        lo0, len0, lo1, kv_row0, kv_col, rows, offs_nb, sum_ptr, col_ptr, mbh, m_blk, Sq, Sk, NKB,
         scale_log2, s_layout, o_layout, a_layout, BLOCK_M, BLOCK_N, NUM_STAGES, CAUSAL, C, NI,
         True)
-    acc, m_i, l_i, p_prev, t = _loop(
-        acc, m_i, l_i, p_prev, t, flo, fhi, T, q_smem, k_ring, v_ring, ready, k_desc, v_desc,
+    acc, m_i, l_i, p_prev, alpha, t = _loop(
+        acc, m_i, l_i, p_prev, alpha, t, flo, fhi, T, q_smem, k_ring, v_ring, ready, k_desc, v_desc,
         lo0, len0, lo1, kv_row0, kv_col, rows, offs_nb, sum_ptr, col_ptr, mbh, m_blk, Sq, Sk,
         NKB, scale_log2, s_layout, o_layout, a_layout, BLOCK_M, BLOCK_N, NUM_STAGES, CAUSAL, C,
         NI, False)
-    acc, m_i, l_i, p_prev, t = _loop(
-        acc, m_i, l_i, p_prev, t, fhi, hi, T, q_smem, k_ring, v_ring, ready, k_desc, v_desc,
+    acc, m_i, l_i, p_prev, alpha, t = _loop(
+        acc, m_i, l_i, p_prev, alpha, t, fhi, hi, T, q_smem, k_ring, v_ring, ready, k_desc, v_desc,
         lo0, len0, lo1, kv_row0, kv_col, rows, offs_nb, sum_ptr, col_ptr, mbh, m_blk, Sq, Sk,
         NKB, scale_log2, s_layout, o_layout, a_layout, BLOCK_M, BLOCK_N, NUM_STAGES, CAUSAL, C,
         NI, True)
-    return acc, m_i, l_i, p_prev, t
+    return acc, m_i, l_i, p_prev, alpha, t
 
 
 @_jit
@@ -357,18 +386,22 @@ def _fwd_gluon_kernel(q_desc, k_desc, v_desc, o_ptr, lse_ptr, mask_ptr, sum_ptr,
     m_i = gl.full([BLOCK_M], float("-inf"), gl.float32, gl.SliceLayout(1, s_layout))
     l_i = gl.zeros([BLOCK_M], gl.float32, gl.SliceLayout(1, s_layout))
     p_prev = gl.zeros([BLOCK_M, BLOCK_N], dtype, a_layout)
+    alpha = gl.full([BLOCK_M], 1.0, gl.float32, gl.SliceLayout(1, s_layout))
     mbarrier.wait(q_bar, 0)
-    acc, m_i, l_i, p_prev, t = _range(
-        acc, m_i, l_i, p_prev, t, lo0, flo0, fhi0, hi0, T, q_smem, k_ring, v_ring, ready, k_desc,
-        v_desc, lo0, len0, lo1, kv_row0, kv_col, rows, offs_nb, sum_ptr, col_ptr, mbh, m_blk, Sq,
+    acc, m_i, l_i, p_prev, alpha, t = _range(
+        acc, m_i, l_i, p_prev, alpha, t, lo0, flo0, fhi0, hi0, T, q_smem, k_ring, v_ring, ready,
+        k_desc, v_desc, lo0, len0, lo1, kv_row0, kv_col, rows, offs_nb, sum_ptr, col_ptr, mbh,
+        m_blk, Sq,
         Sk, NKB, scale_log2, s_layout, o_layout, a_layout, BLOCK_M, BLOCK_N, NUM_STAGES, CAUSAL,
         C, NI)
-    acc, m_i, l_i, p_prev, t = _range(
-        acc, m_i, l_i, p_prev, t, lo1, flo1, fhi1, hi1, T, q_smem, k_ring, v_ring, ready, k_desc,
-        v_desc, lo0, len0, lo1, kv_row0, kv_col, rows, offs_nb, sum_ptr, col_ptr, mbh, m_blk, Sq,
+    acc, m_i, l_i, p_prev, alpha, t = _range(
+        acc, m_i, l_i, p_prev, alpha, t, lo1, flo1, fhi1, hi1, T, q_smem, k_ring, v_ring, ready,
+        k_desc, v_desc, lo0, len0, lo1, kv_row0, kv_col, rows, offs_nb, sum_ptr, col_ptr, mbh,
+        m_blk, Sq,
         Sk, NKB, scale_log2, s_layout, o_layout, a_layout, BLOCK_M, BLOCK_N, NUM_STAGES, CAUSAL,
         C, NI)
-    if T > 0:  # the last tile's PV
+    if T > 0:  # the last tile's rescale and PV
+        acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))[:, None]
         o_tok = warpgroup_mma(p_prev, v_ring.index((T - 1) % NUM_STAGES), acc, is_async=True)
         acc, p_prev = warpgroup_mma_wait(num_outstanding=0, deps=(o_tok, p_prev))
     for i in gl.static_range(NUM_STAGES):
