@@ -1100,7 +1100,7 @@ def _fwd_impl(q: torch.Tensor, cfg: Config) -> str:
                                cfg.num_stages)
     except ValueError:
         return "tl"
-    return "gluon"
+    return env or "gluon_ws"
 
 
 def _launch_fwd(q, k, v, mask, causal, softmax_scale, cfg: Config, plan: Plan):
@@ -1176,19 +1176,23 @@ GLUON_DKDV_DIMS = (128,)
 
 
 def _dkdv_impl(q: torch.Tensor, cfg: Config) -> str:
-    """"gluon" or "tl": the kernel the split backward's dK/dV launch uses. Env
-    FLASHMASK3_TRITON_DKDV=tl forces the tl kernel, =gluon the Gluon one wherever it can run
-    (Hopper, TMA, 16-bit inputs, a config with block_n == 16 * num_warps)."""
+    """"gluon_ws", "gluon" or "tl": the kernel the split backward's dK/dV launch uses. The
+    default is the warp-specialised Gluon kernel (a 1-warp TMA producer; bitwise equal to the
+    others, 1.00-1.07x the plain Gluon kernel on the H200) at GLUON_DKDV_DIMS on Hopper. Env
+    FLASHMASK3_TRITON_DKDV=tl forces the tl kernel, =gluon / =gluon_ws the plain / warp-
+    specialised Gluon one wherever it can run (Hopper, TMA, 16-bit inputs, a config with
+    block_n == 16 * num_warps)."""
     env = os.environ.get("FLASHMASK3_TRITON_DKDV", "").strip()
-    if env not in ("", "tl", "gluon"):
-        raise ValueError(f"FLASHMASK3_TRITON_DKDV must be 'tl' or 'gluon', got {env!r}")
+    if env not in ("", "tl", "gluon", "gluon_ws"):
+        raise ValueError(f"FLASHMASK3_TRITON_DKDV must be 'tl', 'gluon' or 'gluon_ws', "
+                         f"got {env!r}")
     if env == "tl" or _interpreting() or not _use_tma(q) or not q.is_cuda:
         return "tl"
     if q.dtype not in (torch.float16, torch.bfloat16):
         return "tl"  # the Gluon kernel's wgmma operands are 16-bit (float32 runs tf32 in tl)
     if torch.cuda.get_device_capability(q.device)[0] != 9:
         return "tl"  # wgmma is sm_90 only
-    if env != "gluon" and q.shape[-1] not in GLUON_DKDV_DIMS:
+    if not env and q.shape[-1] not in GLUON_DKDV_DIMS:
         return "tl"
     from . import gluon_dkdv
 
@@ -1199,18 +1203,20 @@ def _dkdv_impl(q: torch.Tensor, cfg: Config) -> str:
                                 cfg.num_stages)
     except ValueError:
         return "tl"
-    return "gluon"
+    return env or "gluon_ws"
 
 
 def _launch_dkdv(q, k, v, dout, lse2, delta, causal, softmax_scale, cfg: Config, plan: Plan,
                  fuse_dq: bool = False):
     """dK, dV (and, with ``fuse_dq``, the unscaled fp32 dQ accumulated by atomics; else None):
     the Gluon kernel where :func:`_dkdv_impl` picks it, else the tl kernel."""
-    if not fuse_dq and _dkdv_impl(q, cfg) == "gluon":
+    impl = "tl" if fuse_dq else _dkdv_impl(q, cfg)
+    if impl != "tl":
         from .gluon_dkdv import launch_dkdv_gluon
 
         dk, dv = launch_dkdv_gluon(q, k, v, dout, lse2, delta, causal, softmax_scale, plan,
-                                   cfg.block_m, cfg.block_n, cfg.num_warps, cfg.num_stages)
+                                   cfg.block_m, cfg.block_n, cfg.num_warps, cfg.num_stages,
+                                   warp_spec=impl == "gluon_ws")
         return dk, dv, None
     return _launch_dkdv_tl(q, k, v, dout, lse2, delta, causal, softmax_scale, cfg, plan, fuse_dq)
 
@@ -1266,7 +1272,7 @@ def _dq_impl(q: torch.Tensor, cfg: Config) -> str:
                               cfg.num_stages)
     except ValueError:
         return "tl"
-    return "gluon"
+    return env or "gluon_ws"
 
 
 def _launch_dq(q, k, v, dout, lse2, delta, causal, softmax_scale, cfg: Config, plan: Plan):

@@ -322,8 +322,9 @@ def test_dispatch_uses_tl_off_hopper(monkeypatch):
     cfg = T.CANDIDATES[("dkdv", 128)][0]
     monkeypatch.delenv("FLASHMASK3_TRITON_DKDV", raising=False)
     assert T._dkdv_impl(q, cfg) == "tl"
-    monkeypatch.setenv("FLASHMASK3_TRITON_DKDV", "gluon")
-    assert T._dkdv_impl(q, cfg) == "tl"  # no GPU: gluon cannot run, falls back
+    for forced in ("gluon", "gluon_ws"):
+        monkeypatch.setenv("FLASHMASK3_TRITON_DKDV", forced)
+        assert T._dkdv_impl(q, cfg) == "tl"  # no GPU: gluon cannot run, falls back
     monkeypatch.setenv("FLASHMASK3_TRITON_DKDV", "cutlass")
     with pytest.raises(ValueError, match="FLASHMASK3_TRITON_DKDV"):
         T._dkdv_impl(q, cfg)
@@ -410,11 +411,12 @@ def test_gpu_dispatch_picks_gluon_at_d128_on_hopper(monkeypatch):
     _require_hopper_gluon()
     monkeypatch.delenv("FLASHMASK3_TRITON_DKDV", raising=False)
     q = torch.zeros(1, 64, 2, 128, device="cuda", dtype=torch.bfloat16)
-    assert T._dkdv_impl(q, T.CANDIDATES[("dkdv", 128)][0]) == "gluon"
+    assert T._dkdv_impl(q, T.CANDIDATES[("dkdv", 128)][0]) == "gluon_ws"  # the default
     assert T._dkdv_impl(q[..., :64].contiguous(), T.CANDIDATES[("dkdv", 64)][0]) == "tl"
     assert T._dkdv_impl(q.float(), T.CANDIDATES[("dkdv", 128)][0]) == "tl"  # fp32: tl (tf32)
-    monkeypatch.setenv("FLASHMASK3_TRITON_DKDV", "tl")
-    assert T._dkdv_impl(q, T.CANDIDATES[("dkdv", 128)][0]) == "tl"
+    for forced in ("tl", "gluon", "gluon_ws"):
+        monkeypatch.setenv("FLASHMASK3_TRITON_DKDV", forced)
+        assert T._dkdv_impl(q, T.CANDIDATES[("dkdv", 128)][0]) == forced
 
 
 @pytest.mark.gpu
