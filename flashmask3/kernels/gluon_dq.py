@@ -38,6 +38,13 @@ dQ_n, dP_{n+1}: P_{n+1} (exp2 and the mask) is computed while dQ_n and dP_{n+1} 
 tile of each live range is peeled (no dQ to issue), the last tile's dQ is flushed at the range
 end. The dQ chain still adds the tiles in order, so PIPE is bitwise equal to plain.
 
+Measured (H200, ``benchmarks/gluon_dq_ab.py --budget-s 170``, one run): dQ is **bitwise
+equal** to the ``tl`` kernel's in every case run (66 GPU tests of tests/kernels/test_gluon_dq.py:
+every (causal, C), Hm in {1, Hq}, GQA, Sq != Sk, fp16, D=64, plain and PIPE; the 13 small A/B
+cases; the 6 timed 32K cases), but it is **not faster**: at 32K D=128 bf16 (6 masks) the tl
+shape 128x64 w8 s3 runs at 0.90-0.94x of the tl kernel (PIPE 0.87-0.94x, 2 stages worse),
+64x64 w4 s2 PIPE (two programs per SM) at 0.96-1.02x. Hence opt-in only.
+
 Design (one program per (query block of BLOCK_M rows, batch * query head)):
 
 * Q and dO of the block: one TMA load each into shared memory (wgmma A operands, no registers;

@@ -52,6 +52,39 @@ offline = pytest.mark.skipif(_offline_skip_reason() is not None,
                              reason=str(_offline_skip_reason()))
 
 
+def _language_objects() -> list:
+    """What triton 3.6's interpreter patches (``interpreter._patch_lang``): triton.language, its
+    core, tensor, math and tensor_descriptor_base."""
+    import triton.language as tl
+
+    return [tl, tl.core, tl.tensor, tl.math, tl.core.tensor_descriptor_base]
+
+
+#: Their attributes as collected (before any test ran).
+_LANGUAGE_SNAPSHOT = [dict(vars(o)) for o in _language_objects()]
+
+
+@pytest.fixture(autouse=True)
+def _unpatched_triton_language():
+    """Undo an interpreter patch leaked by an earlier test: triton 3.6's
+    ``InterpretedFunction.__call__`` (a @triton.jit device function called from Python under
+    TRITON_INTERPRET=1) patches triton.language with interpreter builtins and never restores
+    it; Gluon tensors subclass tl.tensor, so a later Gluon compile then fails ("block_argument
+    has no attribute dtype") unless the kernel is in Triton's cache. Restoring the collected
+    attributes is harmless to interpreted kernels, which patch (and restore) per launch."""
+    for obj, saved in zip(_language_objects(), _LANGUAGE_SNAPSHOT):
+        for name, value in saved.items():
+            if vars(obj).get(name, _MISSING) is not value:
+                try:
+                    setattr(obj, name, value)
+                except (AttributeError, TypeError):
+                    pass
+    yield
+
+
+_MISSING = object()
+
+
 @offline
 @pytest.mark.parametrize("pipe", [False, True])
 @pytest.mark.parametrize("causal, c", LAYOUTS)
