@@ -795,7 +795,24 @@ def fused_backward_gluon(q, k, v, dout, lse2, delta, causal, softmax_scale, plan
 # Offline compile report (no GPU needed)
 # ---------------------------------------------------------------------------------------------
 
-from .triton_report import _TOOLS, _signature, cuobjdump  # noqa: E402  (one compile toolkit)
+from .triton_report import _TOOLS, compile_gluon_sm90, cuobjdump  # noqa: E402,F401  (one compile toolkit)
+
+
+def offline_descriptor_types(dtype: str, d: int, **rows_by_name: int) -> dict:
+    """Tensor-descriptor types as the launchers build them (NVMMA shared layouts), for an
+    offline compile: one ``name=block_rows`` per descriptor argument. Shared by the Gluon
+    modules."""
+    tdt = {"bf16": torch.bfloat16, "fp16": torch.float16}[dtype]
+    return {name: f"tensordesc<{dtype}[{rows}, {d}],{_smem_layout(rows, d, tdt)!r}>"
+            for name, rows in rows_by_name.items()}
+
+
+def offline_constexprs(d: int, block_m: int, block_n: int, num_warps: int, num_stages: int,
+                       causal: bool, c: int, **extra) -> dict:
+    """The constexpr arguments every Gluon kernel of this package takes, plus ``extra``."""
+    return dict(D=d, BLOCK_M=block_m, BLOCK_N=block_n, CAUSAL=causal, C=c,
+                NI=_num_intervals(causal, c), NUM_STAGES=num_stages, NUM_WARPS=num_warps,
+                **extra)
 
 
 def compile_sm90(d: int = 128, block_m: int = 64, block_n: int = 64, num_warps: int = 4,
@@ -804,36 +821,25 @@ def compile_sm90(d: int = 128, block_m: int = 64, block_n: int = 64, num_warps: 
     """Compile the kernel (``fuse_dq``: the FUSE_DQ variant; ``warp_spec``: the WARP_SPEC one,
     at ``maxnreg`` registers per thread, default :func:`ws_maxnreg`) for sm_90 without a GPU;
     returns the CompiledKernel."""
-    from triton.backends.compiler import GPUTarget
-    from triton.experimental.gluon._runtime import GluonASTSource
-
     reason = unavailable_reason()
     if reason is not None:
         raise RuntimeError(reason)
     check_config(d, block_m, block_n, num_warps, num_stages, fuse_dq)
-    tdt = {"bf16": torch.bfloat16, "fp16": torch.float16}[dtype]
-    ql, kl = _smem_layout(block_m, d, tdt), _smem_layout(block_n, d, tdt)
     kern = _dkdv_gluon_kernel
-    descs = {"q_desc": f"tensordesc<{dtype}[{block_m}, {d}],{ql!r}>",
-             "do_desc": f"tensordesc<{dtype}[{block_m}, {d}],{ql!r}>",
-             "k_desc": f"tensordesc<{dtype}[{block_n}, {d}],{kl!r}>",
-             "v_desc": f"tensordesc<{dtype}[{block_n}, {d}],{kl!r}>"}
+    descs = offline_descriptor_types(dtype, d, q_desc=block_m, do_desc=block_m, k_desc=block_n,
+                                     v_desc=block_n)
     if fuse_dq:
         descs["dq_desc"] = f"tensordesc<fp32[{d}, {block_m}],{_dq_smem_layout(block_m, d)!r}>"
     ptrs = {"dk_ptr": f"*{dtype}", "dv_ptr": f"*{dtype}", "lse2_ptr": "*fp32",
             "delta_ptr": "*fp32", "mask_ptr": "*i32", "sum_ptr": "*i32", "rng_ptr": "*i32"}
-    consts = dict(D=d, BLOCK_M=block_m, BLOCK_N=block_n, CAUSAL=causal, C=c,
-                  NI=_num_intervals(causal, c), NUM_STAGES=num_stages, NUM_WARPS=num_warps)
-    consts["FUSE_DQ"] = fuse_dq
-    consts["WARP_SPEC"] = warp_spec
-    options = {"num_warps": num_warps, "num_stages": num_stages}
+    consts = offline_constexprs(d, block_m, block_n, num_warps, num_stages, causal, c,
+                                FUSE_DQ=fuse_dq, WARP_SPEC=warp_spec)
+    options = {}
     if warp_spec:  # as the launcher passes it (WARP_SPEC=False: the unchanged options)
         options["maxnreg"] = maxnreg if maxnreg is not None else ws_maxnreg(num_warps)
     if not fuse_dq:
         consts["dq_desc"] = None  # as the launcher passes it: a constexpr, not a parameter
-    sig, attrs = _signature(kern, ptrs, descs, consts)
-    src = GluonASTSource(kern, sig, constexprs=consts, attrs=attrs)
-    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options)
+    return compile_gluon_sm90(kern, ptrs, descs, consts, num_warps, num_stages, **options)
 
 
 def _sass_instructions(sass: str) -> list:

@@ -546,7 +546,7 @@ def launch_dq_gluon(q, k, v, dout, lse2, delta, causal, softmax_scale, plan, blo
 # Offline compile report (no GPU needed)
 # ---------------------------------------------------------------------------------------------
 
-from .triton_report import _signature, cuobjdump  # noqa: E402  (one compile toolkit)
+from .triton_report import compile_gluon_sm90, cuobjdump  # noqa: E402  (one compile toolkit)
 
 
 def compile_sm90(d: int = 128, block_m: int = 128, block_n: int = 64, num_warps: int = 8,
@@ -555,29 +555,17 @@ def compile_sm90(d: int = 128, block_m: int = 128, block_n: int = 64, num_warps:
     """Compile the kernel for sm_90 without a GPU (the launcher's signature: descriptors with
     the NVMMA layouts, 16-divisible pointers, unspecialised lengths); returns the
     CompiledKernel. Twin of ``gluon_dkdv.compile_sm90``."""
-    from triton.backends.compiler import GPUTarget
-    from triton.experimental.gluon._runtime import GluonASTSource
-
     reason = unavailable_reason()
     if reason is not None:
         raise RuntimeError(reason)
     check_config(d, block_m, block_n, num_warps, num_stages)
-    tdt = {"bf16": torch.bfloat16, "fp16": torch.float16}[dtype]
-    ql, kl = _G._smem_layout(block_m, d, tdt), _G._smem_layout(block_n, d, tdt)
-    kern = _dq_gluon_kernel
-    descs = {"q_desc": f"tensordesc<{dtype}[{block_m}, {d}],{ql!r}>",
-             "do_desc": f"tensordesc<{dtype}[{block_m}, {d}],{ql!r}>",
-             "k_desc": f"tensordesc<{dtype}[{block_n}, {d}],{kl!r}>",
-             "v_desc": f"tensordesc<{dtype}[{block_n}, {d}],{kl!r}>"}
+    descs = _G.offline_descriptor_types(dtype, d, q_desc=block_m, do_desc=block_m,
+                                        k_desc=block_n, v_desc=block_n)
     ptrs = {"dq_ptr": f"*{dtype}", "lse2_ptr": "*fp32", "delta_ptr": "*fp32",
             "mask_ptr": "*i32", "sum_ptr": "*i32", "rng_ptr": "*i32"}
-    consts = dict(D=d, BLOCK_M=block_m, BLOCK_N=block_n, CAUSAL=causal, C=c,
-                  NI=_num_intervals(causal, c), NUM_STAGES=num_stages, NUM_WARPS=num_warps,
-                  A_REGS=a_regs, PIPE=pipe)
-    sig, attrs = _signature(kern, ptrs, descs, consts)
-    src = GluonASTSource(kern, sig, constexprs=consts, attrs=attrs)
-    return triton.compile(src, target=GPUTarget("cuda", 90, 32),
-                          options={"num_warps": num_warps, "num_stages": num_stages})
+    consts = _G.offline_constexprs(d, block_m, block_n, num_warps, num_stages, causal, c,
+                                   A_REGS=a_regs, PIPE=pipe)
+    return compile_gluon_sm90(_dq_gluon_kernel, ptrs, descs, consts, num_warps, num_stages)
 
 
 ASYNC_WAIT = "WARPGROUP.DEPBAR.LE gsb0, 0x1"

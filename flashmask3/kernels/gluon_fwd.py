@@ -485,32 +485,22 @@ def launch_fwd_gluon(q, k, v, mask, causal, softmax_scale, plan, block_m: int, b
 # Offline compile report (no GPU needed)
 # ---------------------------------------------------------------------------------------------
 
-from .triton_report import _signature, cuobjdump  # noqa: E402  (the shared compile toolkit)
+from .triton_report import compile_gluon_sm90, cuobjdump  # noqa: E402  (the shared compile toolkit)
 
 
 def compile_sm90(d: int = 128, block_m: int = 128, block_n: int = 128, num_warps: int = 8,
                  num_stages: int = 2, causal: bool = True, c: int = 1, dtype: str = "bf16"):
     """Compile the forward kernel for sm_90 without a GPU; returns the CompiledKernel."""
-    from triton.backends.compiler import GPUTarget
-    from triton.experimental.gluon._runtime import GluonASTSource
-
     reason = unavailable_reason()
     if reason is not None:
         raise RuntimeError(reason)
     check_config(d, block_m, block_n, num_warps, num_stages)
-    tdt = {"bf16": torch.bfloat16, "fp16": torch.float16}[dtype]
-    ql, kl = _smem_layout(block_m, d, tdt), _smem_layout(block_n, d, tdt)
-    descs = {"q_desc": f"tensordesc<{dtype}[{block_m}, {d}],{ql!r}>",
-             "k_desc": f"tensordesc<{dtype}[{block_n}, {d}],{kl!r}>",
-             "v_desc": f"tensordesc<{dtype}[{block_n}, {d}],{kl!r}>"}
+    descs = _GD.offline_descriptor_types(dtype, d, q_desc=block_m, k_desc=block_n,
+                                         v_desc=block_n)
     ptrs = {"o_ptr": f"*{dtype}", "lse_ptr": "*fp32", "mask_ptr": "*i32", "sum_ptr": "*i32",
             "rng_ptr": "*i32"}
-    consts = dict(D=d, BLOCK_M=block_m, BLOCK_N=block_n, CAUSAL=causal, C=c,
-                  NI=_num_intervals(causal, c), NUM_STAGES=num_stages, NUM_WARPS=num_warps)
-    sig, attrs = _signature(_fwd_gluon_kernel, ptrs, descs, consts)
-    src = GluonASTSource(_fwd_gluon_kernel, sig, constexprs=consts, attrs=attrs)
-    return triton.compile(src, target=GPUTarget("cuda", 90, 32),
-                          options={"num_warps": num_warps, "num_stages": num_stages})
+    consts = _GD.offline_constexprs(d, block_m, block_n, num_warps, num_stages, causal, c)
+    return compile_gluon_sm90(_fwd_gluon_kernel, ptrs, descs, consts, num_warps, num_stages)
 
 
 def sass(ck) -> str:

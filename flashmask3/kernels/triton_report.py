@@ -31,6 +31,59 @@ from . import triton_flashmask as K
 _TOOLS = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
 
 
+def _language_objects() -> list:
+    """The objects triton 3.6's interpreter patches (``interpreter._patch_lang``)."""
+    import triton.language as tl
+
+    return [tl, tl.core, tl.tensor, tl.math, tl.core.dtype, tl.core.tensor_descriptor_base]
+
+
+#: Their attributes when this module was imported (before any kernel ran under the interpreter).
+_LANGUAGE_AT_IMPORT = [dict(vars(o)) for o in _language_objects()]
+_MISSING = object()
+
+
+def restore_triton_language() -> None:
+    """Undo the patch of ``triton.language`` that triton 3.6's interpreter leaves behind.
+
+    Calling a ``@triton.jit`` function from Python under TRITON_INTERPRET=1 (a device function,
+    not a launch) patches triton.language with interpreter builtins and never restores it; an
+    offline compile in the same process then fails ("'block_argument' object has no attribute
+    'dtype'") unless the kernel is already in Triton's cache. Restoring the attributes seen at
+    import is harmless to the interpreter, which patches (and restores) around each launch.
+    """
+    for obj, saved in zip(_language_objects(), _LANGUAGE_AT_IMPORT):
+        for name, value in saved.items():
+            if vars(obj).get(name, _MISSING) is not value:
+                try:
+                    setattr(obj, name, value)
+                except (AttributeError, TypeError):
+                    pass
+        for name in set(vars(obj)) - set(saved) - {"__annotations__"}:
+            try:  # added by the patch (e.g. tensor.__bool__, __index__)
+                delattr(obj, name)
+            except (AttributeError, TypeError):
+                pass
+
+
+def compile_sm90_source(src, num_warps: int, num_stages: int, **options):
+    """``triton.compile`` of a tl or Gluon AST source for sm_90, in any process state."""
+    restore_triton_language()
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32),
+                          options={"num_warps": num_warps, "num_stages": num_stages, **options})
+
+
+def compile_gluon_sm90(kernel, ptr_types: dict, desc_types: dict, constexprs: dict,
+                       num_warps: int, num_stages: int, **options):
+    """Compile a Gluon kernel for sm_90 without a GPU, with the launcher's signature
+    (:func:`_signature`); returns the CompiledKernel. Shared by the Gluon modules."""
+    from triton.experimental.gluon._runtime import GluonASTSource
+
+    sig, attrs = _signature(kernel, ptr_types, desc_types, constexprs)
+    src = GluonASTSource(kernel, sig, constexprs=constexprs, attrs=attrs)
+    return compile_sm90_source(src, num_warps, num_stages, **options)
+
+
 def _signature(kernel, ptr_types: dict, desc_types: dict, constexprs: dict):
     """Signature and divisibility attributes of ``kernel``: pointers/int args get 16-divisible
     hints like real contiguous CUDA tensors with aligned sizes would."""
@@ -106,8 +159,7 @@ def compile_one(kind: str, d: int, cfg: K.Config, causal: bool, c: int, dtype: s
         common.update({n: None for n in descs})
     sig, attrs = _signature(kernel, ptrs, descs, common)
     src = ASTSource(kernel, sig, constexprs={k: v for k, v in common.items()}, attrs=attrs)
-    ck = triton.compile(src, target=GPUTarget("cuda", 90, 32),
-                        options={"num_warps": cfg.num_warps, "num_stages": cfg.num_stages})
+    ck = compile_sm90_source(src, cfg.num_warps, cfg.num_stages)
     usage, sass = cuobjdump(ck.asm["cubin"])
     return dict(kernel=kind, D=d, block_m=cfg.block_m, block_n=cfg.block_n,
                 num_warps=cfg.num_warps, num_stages=cfg.num_stages, causal=causal, C=c,

@@ -439,3 +439,21 @@ def test_gpu_fused_backward_matches_split(name, cfg):
         assert torch.isfinite(a).all()
         rel = ((a.float() - r.float()).norm() / r.float().norm()).item()
         assert rel < 2e-2, rel
+
+
+@pytest.mark.skipif(_offline_skip_reason() is not None, reason=str(_offline_skip_reason()))
+def test_offline_compile_survives_a_leaked_interpreter_patch(monkeypatch, tmp_path):
+    """triton 3.6's interpreter leaves triton.language patched after a device function is
+    called from Python; the offline compile must undo that (an empty cache, so the kernel is
+    really compiled) instead of failing with "block_argument has no attribute dtype"."""
+    from triton.runtime import interpreter
+
+    from flashmask3.kernels import triton_report as R
+
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path))
+    interpreter._patch_lang(T._fwd_kernel.fn)  # what such a call leaves behind
+    try:
+        ck = G.compile_sm90(128, 32, 64, 4, 3, causal=False, c=4)
+    finally:
+        R.restore_triton_language()
+    assert "HGMMA" in cuobjdump(ck.asm["cubin"])[1]

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import math
 import os
-import shutil
 
 import pytest
 import torch
@@ -22,6 +21,7 @@ from flashmask3.kernels import gluon_dq as GQ
 from flashmask3.kernels import triton_flashmask as T
 from flashmask3.kernels.triton_report import cuobjdump
 from tests.helpers import gpu_masks, random_columns
+from tests.kernels.test_gluon_dkdv import _offline_skip_reason
 
 #: Every (causal, C) the kernel specialises on.
 LAYOUTS = [(True, 1), (True, 2), (False, 2), (False, 4), (True, 0), (False, 0)]
@@ -38,51 +38,8 @@ def _default_config(d: int = 128) -> tuple:
     return (c.block_m, c.block_n, c.num_warps, c.num_stages)
 
 
-def _offline_skip_reason():
-    reason = GQ.unavailable_reason()
-    if reason:
-        return reason
-    for tool in ("ptxas", "cuobjdump"):
-        if not os.path.exists(os.path.join(GQ._G._TOOLS, tool)) and shutil.which(tool) is None:
-            return f"Triton's bundled {tool} is not available"
-    return None
-
-
 offline = pytest.mark.skipif(_offline_skip_reason() is not None,
                              reason=str(_offline_skip_reason()))
-
-
-def _language_objects() -> list:
-    """What triton 3.6's interpreter patches (``interpreter._patch_lang``): triton.language, its
-    core, tensor, math and tensor_descriptor_base."""
-    import triton.language as tl
-
-    return [tl, tl.core, tl.tensor, tl.math, tl.core.tensor_descriptor_base]
-
-
-#: Their attributes as collected (before any test ran).
-_LANGUAGE_SNAPSHOT = [dict(vars(o)) for o in _language_objects()]
-
-
-@pytest.fixture(autouse=True)
-def _unpatched_triton_language():
-    """Undo an interpreter patch leaked by an earlier test: triton 3.6's
-    ``InterpretedFunction.__call__`` (a @triton.jit device function called from Python under
-    TRITON_INTERPRET=1) patches triton.language with interpreter builtins and never restores
-    it; Gluon tensors subclass tl.tensor, so a later Gluon compile then fails ("block_argument
-    has no attribute dtype") unless the kernel is in Triton's cache. Restoring the collected
-    attributes is harmless to interpreted kernels, which patch (and restore) per launch."""
-    for obj, saved in zip(_language_objects(), _LANGUAGE_SNAPSHOT):
-        for name, value in saved.items():
-            if vars(obj).get(name, _MISSING) is not value:
-                try:
-                    setattr(obj, name, value)
-                except (AttributeError, TypeError):
-                    pass
-    yield
-
-
-_MISSING = object()
 
 
 @offline
