@@ -50,6 +50,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from benchmarks.environment import run_environment  # noqa: E402
 from flashmask3.kernels import gluon_dkdv as G  # noqa: E402
 from flashmask3.kernels import triton_flashmask as T  # noqa: E402
 
@@ -408,11 +409,23 @@ def summary_table(records) -> str:
     return "\n".join(lines)
 
 
-def _write(path, records):
-    meta = dict(gpu=torch.cuda.get_device_name(0), torch=torch.__version__,
-                triton=__import__("triton").__version__, rel_tol=REL_TOL)
+def run_meta(**tolerances) -> dict:
+    """What a committed A/B result must name (GPU, date, versions, command, commit), plus the
+    tolerances it was checked with. Shared by the Gluon A/B scripts."""
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return dict(run_environment(device), rel_tol=REL_TOL, **tolerances)
+
+
+def md_header(title: str, meta: dict) -> str:
+    """The first lines of an A/B markdown file: title, GPU, date, versions, exact command."""
+    return (f"# {title} ({meta.get('gpu', meta['device'])}, {meta['date'][:10]})\n\n"
+            f"torch {meta['torch']}, triton {meta['triton']}; command: `{meta['command']}` "
+            f"(commit {meta['commit']})\n\n")
+
+
+def _write(path, records, **tolerances):
     with open(path, "w") as f:
-        json.dump(dict(meta=meta, records=records), f, indent=1, default=str)
+        json.dump(dict(meta=run_meta(**tolerances), records=records), f, indent=1, default=str)
 
 
 def _failures(records) -> list[str]:
@@ -648,8 +661,8 @@ def fused_main(args) -> int:
     print(table)
     bad = _fused_failures(records)
     with open(out_path[:-5] + ".md", "w") as f:
-        f.write(f"# Fused Gluon backward vs split backward ({torch.cuda.get_device_name(0)})\n\n"
-                "Whole backward (delta pre-pass, plan, kernels, dQ scaling), bf16, D=128, "
+        f.write(md_header("Fused Gluon backward vs split backward", run_meta())
+                + "Whole backward (delta pre-pass, plan, kernels, dQ scaling), bf16, D=128, "
                 f"S={args.seqlen}, B*S={TOTAL_TOKENS}; median ms of do_bench (TFLOP/s, DESIGN.md "
                 "backward FLOPs) and speed-up over split.\n" + table + "\n\n"
                 + (f"FAIL ({len(bad)}):\n\n" + "\n".join(f"- {x}" for x in bad) if bad else
@@ -703,9 +716,18 @@ def main(argv=None) -> int:
         timed_pass(records, deadline, out_path, args.seqlen, configs)
     faulthandler.cancel_dump_traceback_later()
     _write(out_path, records)
-    print(summary_table(records))
+    table = summary_table(records)
+    print(table)
     bad = _failures(records)
-    print(f"\nwall {time.time() - start:.0f} s; wrote {out_path}")
+    with open(out_path[:-5] + ".md", "w") as f:
+        f.write(md_header("Gluon dK/dV vs tl dK/dV", run_meta())
+                + "Each dK/dV kernel alone on the same inputs, bf16, D=128, "
+                f"S={args.seqlen}, B*S={TOTAL_TOKENS}; median ms of do_bench (hardware TFLOP/s "
+                "of the 4 dK/dV matmuls), speed-up over tl and (`/g`) over the non-WS twin.\n"
+                + table + "\n\n"
+                + (f"FAIL ({len(bad)}):\n\n" + "\n".join(f"- {x}" for x in bad) if bad else
+                   f"All Gluon cases within rel. error {REL_TOL} of tl.") + "\n")
+    print(f"\nwall {time.time() - start:.0f} s; wrote {out_path} and .md")
     if bad:
         print(f"FAIL ({len(bad)}):\n  " + "\n  ".join(bad))
         return 1

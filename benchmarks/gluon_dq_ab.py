@@ -376,8 +376,8 @@ def main(argv=None) -> int:
     print(table)
     bad = _failures(records)
     with open(out_path[:-5] + ".md", "w") as f:
-        f.write(f"# Gluon dQ vs tl dQ ({torch.cuda.get_device_name(0)})\n\n"
-                f"Timed: dQ kernel alone, bf16, D=128, S={args.seqlen}, "
+        f.write(AB.md_header("Gluon dQ vs tl dQ", AB.run_meta())
+                + f"Timed: dQ kernel alone, bf16, D=128, S={args.seqlen}, "
                 f"B*S={AB.TOTAL_TOKENS}; median ms of do_bench (hardware TFLOP/s of the live "
                 "tiles: S, dP, dQ) and speed-up over the tl dQ at its default config.\n"
                 + table + "\n\nSmall cases (dQ vs the tl dQ):\n" + small_table(records)

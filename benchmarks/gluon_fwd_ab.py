@@ -29,7 +29,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import faulthandler
-import json
 import math
 import os
 import sys
@@ -40,6 +39,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from benchmarks import gluon_dkdv_ab as AB  # noqa: E402
 from benchmarks.gluon_dkdv_ab import (CASE_TIMEOUT_S, SMALL_CASES, TOTAL_TOKENS,  # noqa: E402
                                       _arm_watchdog, _random_mask, _rel)
 from flashmask3.kernels import gluon_fwd as F  # noqa: E402
@@ -325,15 +325,13 @@ def small_table(records) -> str:
 
 
 def _write(path, records):
-    meta = dict(gpu=torch.cuda.get_device_name(0), torch=torch.__version__,
-                triton=__import__("triton").__version__, rel_tol=REL_TOL, lse_tol=LSE_TOL)
-    with open(path, "w") as f:
-        json.dump(dict(meta=meta, records=records), f, indent=1, default=str)
+    AB._write(path, records, lse_tol=LSE_TOL)
 
 
 def _write_md(path, records):
     with open(path, "w") as f:
-        f.write("# Gluon forward vs tl forward\n\nSmall cases: O rel. error to the float64 "
+        f.write(AB.md_header("Gluon forward vs tl forward", AB.run_meta(lse_tol=LSE_TOL))
+                + "Small cases: O rel. error to the float64 "
                 "reference / max |O_gluon - O_tl|\n\n" + small_table(records)
                 + "\n\nTimed (32K, D=128, bf16; ms (TFLOP/s) and speed-up over tl)\n\n"
                 + summary_table(records) + "\n")
