@@ -308,18 +308,20 @@ def _bench(fn) -> float:
     return do_bench(fn, warmup=25, rep=300, return_mode="median")
 
 
-def timed_pass(records, deadline, out_path, seqlen, configs):
+def timed_pass(records, deadline, out_path, seqlen, configs, d=128):
+    """Each TIMED_CASES mask at head dim ``d`` (hidden 4096: the head counts scale by 128/d)."""
     from benchmarks.sweep import backward_case
 
     for name, hq, hk in TIMED_CASES:
+        hq, hk = hq * 128 // d, hk * 128 // d
         if time.time() > deadline:
             records.append(dict(part="timed", case=name, Hq=hq, Hk=hk, skipped="budget"))
             _write(out_path, records)
             continue
         _arm_watchdog(f"timed {name} Hq={hq} Hk={hk}")
-        rec = dict(part="timed", case=name, S=seqlen, D=128, Hq=hq, Hk=hk, dtype="bf16", gluon={})
+        rec = dict(part="timed", case=name, S=seqlen, D=d, Hq=hq, Hk=hk, dtype="bf16", gluon={})
         try:
-            cs = backward_case(name, seqlen, 128, hq, hk, torch.bfloat16, device="cuda",
+            cs = backward_case(name, seqlen, d, hq, hk, torch.bfloat16, device="cuda",
                                total_tokens=TOTAL_TOKENS, seed=seqlen + 135)
             q, k, v, dout, cols, causal, scale = cs.q, cs.k, cs.v, cs.dout, cs.cols, cs.causal, cs.scale
             delta, lse2 = T._bwd_pre(cs.out, dout, cs.lse, None)
@@ -332,7 +334,7 @@ def timed_pass(records, deadline, out_path, seqlen, configs):
             ms = _bench(tl_fn)
             tiles = live_tiles(tl_plan, causal, b, seqlen, seqlen, hq, tl_cfg[0], tl_cfg[1])
             rec["tl"] = dict(config=_label(tl_cfg), ms=ms, tflops=flops / ms / 1e9,
-                             tile_tflops=tile_flops(tiles, tl_cfg[0], tl_cfg[1], 128) / ms / 1e9)
+                             tile_tflops=tile_flops(tiles, tl_cfg[0], tl_cfg[1], d) / ms / 1e9)
             _print_timing(name, hq, hk, "tl " + _label(tl_cfg), rec["tl"])
         except Exception:
             rec["error"] = traceback.format_exc()
@@ -349,7 +351,7 @@ def timed_pass(records, deadline, out_path, seqlen, configs):
                 ms = _bench(fn)
                 tiles = live_tiles(plan, causal, b, seqlen, seqlen, hq, cfg[0], cfg[1])
                 res.update(ms=ms, tflops=flops / ms / 1e9,
-                           tile_tflops=tile_flops(tiles, cfg[0], cfg[1], 128) / ms / 1e9,
+                           tile_tflops=tile_flops(tiles, cfg[0], cfg[1], d) / ms / 1e9,
                            speedup_vs_tl=rec["tl"]["ms"] / ms)
                 twin = rec["gluon"].get(_label(_twin(cfg)), {})
                 if _is_ws(cfg) and "ms" in twin:  # the WS kernel against its non-WS twin
@@ -685,6 +687,9 @@ def main(argv=None) -> int:
                     help="Gluon configs timed at 32K, e.g. 32x64w4s3,32x64w4s3ws,32x128w8s3 "
                          "(suffix ws: the warp-specialised kernel, timed against its non-WS "
                          "twin when that is listed before it)")
+    ap.add_argument("--head-dim", type=int, default=128, choices=(64, 128, 256),
+                    help="head dim of the timed cases (heads scale to hidden 4096); "
+                         "--configs must suit it")
     ap.add_argument("--skip-small", action="store_true")
     ap.add_argument("--skip-timed", action="store_true")
     ap.add_argument("--fused", action="store_true",
@@ -713,7 +718,7 @@ def main(argv=None) -> int:
     if not args.skip_small:
         small_pass(records, deadline, out_path)
     if not args.skip_timed:
-        timed_pass(records, deadline, out_path, args.seqlen, configs)
+        timed_pass(records, deadline, out_path, args.seqlen, configs, args.head_dim)
     faulthandler.cancel_dump_traceback_later()
     _write(out_path, records)
     table = summary_table(records)
@@ -721,7 +726,7 @@ def main(argv=None) -> int:
     bad = _failures(records)
     with open(out_path[:-5] + ".md", "w") as f:
         f.write(md_header("Gluon dK/dV vs tl dK/dV", run_meta())
-                + "Each dK/dV kernel alone on the same inputs, bf16, D=128, "
+                + f"Each dK/dV kernel alone on the same inputs, bf16, D={args.head_dim}, "
                 f"S={args.seqlen}, B*S={TOTAL_TOKENS}; median ms of do_bench (hardware TFLOP/s "
                 "of the 4 dK/dV matmuls), speed-up over tl and (`/g`) over the non-WS twin.\n"
                 + table + "\n\n"
