@@ -45,6 +45,7 @@ The module imports without a GPU; under ``TRITON_INTERPRET=1`` it runs on CPU te
 from __future__ import annotations
 
 import contextlib
+import importlib
 import math
 import os
 from dataclasses import dataclass
@@ -1077,30 +1078,41 @@ def _check_head_dim(d: int) -> None:
         raise ValueError(f"the Triton FlashMask kernel supports head dims 16..256 powers of two, got {d}")
 
 
+def _env_choice(name: str, allowed: tuple) -> str:
+    """The value of the kernel-choice variable ``name`` ("" when unset); anything outside
+    ``allowed`` is a clear error rather than a silent default."""
+    env = os.environ.get(name, "").strip()
+    if env and env not in allowed:
+        raise ValueError(f"{name} must be one of {list(allowed)} (or unset), got {env!r}")
+    return env
+
+
+def _gluon_runs(q: torch.Tensor, module: str, cfg: Config) -> bool:
+    """Whether the Gluon kernel of ``flashmask3.kernels.<module>`` can run these inputs with
+    this config: CUDA with TMA, a Hopper GPU (wgmma is sm_90 only), 16-bit inputs (its wgmma
+    operands; float32 runs tf32 in tl), Gluon available and the config accepted."""
+    if _interpreting() or not q.is_cuda or not _use_tma(q):
+        return False
+    if q.dtype not in (torch.float16, torch.bfloat16):
+        return False
+    if torch.cuda.get_device_capability(q.device)[0] != 9:
+        return False
+    mod = importlib.import_module(f"{__package__}.{module}")
+    if mod.unavailable_reason() is not None:
+        return False
+    try:
+        mod.check_config(q.shape[-1], cfg.block_m, cfg.block_n, cfg.num_warps, cfg.num_stages)
+    except ValueError:
+        return False
+    return True
+
+
 def _fwd_impl(q: torch.Tensor, cfg: Config) -> str:
     """"gluon" or "tl": the kernel the forward launch uses. Opt-in: env
-    FLASHMASK3_TRITON_FWD=gluon picks the Gluon forward (flashmask3/kernels/gluon_fwd.py) wherever
-    it can run (Hopper, TMA, 16-bit inputs, a config with block_m == 16 * num_warps that fits
-    in shared memory); unset or "tl" keeps the tl kernel."""
-    env = os.environ.get("FLASHMASK3_TRITON_FWD", "").strip()
-    if env not in ("", "tl", "gluon"):
-        raise ValueError(f"FLASHMASK3_TRITON_FWD must be 'tl' or 'gluon', got {env!r}")
-    if env != "gluon" or _interpreting() or not q.is_cuda or not _use_tma(q):
-        return "tl"
-    if q.dtype not in (torch.float16, torch.bfloat16):
-        return "tl"  # the Gluon kernel's wgmma operands are 16-bit (float32 runs tf32 in tl)
-    if torch.cuda.get_device_capability(q.device)[0] != 9:
-        return "tl"  # wgmma is sm_90 only
-    from . import gluon_fwd
-
-    if gluon_fwd.unavailable_reason() is not None:
-        return "tl"
-    try:
-        gluon_fwd.check_config(q.shape[-1], cfg.block_m, cfg.block_n, cfg.num_warps,
-                               cfg.num_stages)
-    except ValueError:
-        return "tl"
-    return env or "gluon_ws"
+    FLASHMASK3_TRITON_FWD=gluon picks the Gluon forward (gluon_fwd.py, measured slower than tl)
+    wherever it can run (:func:`_gluon_runs`); unset or "tl" keeps the tl kernel."""
+    env = _env_choice("FLASHMASK3_TRITON_FWD", ("tl", "gluon"))
+    return "gluon" if env == "gluon" and _gluon_runs(q, "gluon_fwd", cfg) else "tl"
 
 
 def _launch_fwd(q, k, v, mask, causal, softmax_scale, cfg: Config, plan: Plan):
@@ -1178,32 +1190,13 @@ GLUON_DKDV_DIMS = (128,)
 def _dkdv_impl(q: torch.Tensor, cfg: Config) -> str:
     """"gluon_ws", "gluon" or "tl": the kernel the split backward's dK/dV launch uses. The
     default is the warp-specialised Gluon kernel (a 1-warp TMA producer; bitwise equal to the
-    others, 1.00-1.07x the plain Gluon kernel on the H200) at GLUON_DKDV_DIMS on Hopper. Env
-    FLASHMASK3_TRITON_DKDV=tl forces the tl kernel, =gluon / =gluon_ws the plain / warp-
-    specialised Gluon one wherever it can run (Hopper, TMA, 16-bit inputs, a config with
-    block_n == 16 * num_warps)."""
-    env = os.environ.get("FLASHMASK3_TRITON_DKDV", "").strip()
-    if env not in ("", "tl", "gluon", "gluon_ws"):
-        raise ValueError(f"FLASHMASK3_TRITON_DKDV must be 'tl', 'gluon' or 'gluon_ws', "
-                         f"got {env!r}")
-    if env == "tl" or _interpreting() or not _use_tma(q) or not q.is_cuda:
+    others, 1.00-1.07x the plain Gluon kernel on the H200) at GLUON_DKDV_DIMS wherever it can
+    run (:func:`_gluon_runs`). Env FLASHMASK3_TRITON_DKDV=tl forces the tl kernel, =gluon /
+    =gluon_ws the plain / warp-specialised Gluon one at any head dim it supports."""
+    env = _env_choice("FLASHMASK3_TRITON_DKDV", ("tl", "gluon", "gluon_ws"))
+    if env == "tl" or (not env and q.shape[-1] not in GLUON_DKDV_DIMS):
         return "tl"
-    if q.dtype not in (torch.float16, torch.bfloat16):
-        return "tl"  # the Gluon kernel's wgmma operands are 16-bit (float32 runs tf32 in tl)
-    if torch.cuda.get_device_capability(q.device)[0] != 9:
-        return "tl"  # wgmma is sm_90 only
-    if not env and q.shape[-1] not in GLUON_DKDV_DIMS:
-        return "tl"
-    from . import gluon_dkdv
-
-    if gluon_dkdv.unavailable_reason() is not None:
-        return "tl"
-    try:
-        gluon_dkdv.check_config(q.shape[-1], cfg.block_m, cfg.block_n, cfg.num_warps,
-                                cfg.num_stages)
-    except ValueError:
-        return "tl"
-    return env or "gluon_ws"
+    return (env or "gluon_ws") if _gluon_runs(q, "gluon_dkdv", cfg) else "tl"
 
 
 def _launch_dkdv(q, k, v, dout, lse2, delta, causal, softmax_scale, cfg: Config, plan: Plan,
@@ -1251,28 +1244,10 @@ def _launch_dkdv_tl(q, k, v, dout, lse2, delta, causal, softmax_scale, cfg: Conf
 
 def _dq_impl(q: torch.Tensor, cfg: Config) -> str:
     """"tl" (the default) or "gluon": the kernel the split backward's dQ launch uses. Env
-    FLASHMASK3_TRITON_DQ=gluon opts in to the Gluon dQ kernel (flashmask3/kernels/gluon_dq.py)
-    wherever it can run (Hopper, TMA, 16-bit inputs, D 64/128, block_m == 16 * num_warps);
-    anything else, and FLASHMASK3_TRITON_DQ unset or =tl, is the tl kernel."""
-    env = os.environ.get("FLASHMASK3_TRITON_DQ", "").strip()
-    if env not in ("", "tl", "gluon"):
-        raise ValueError(f"FLASHMASK3_TRITON_DQ must be 'tl' or 'gluon', got {env!r}")
-    if env != "gluon" or _interpreting() or not _use_tma(q) or not q.is_cuda:
-        return "tl"
-    if q.dtype not in (torch.float16, torch.bfloat16):
-        return "tl"  # 16-bit wgmma operands only (float32 runs tf32 in tl)
-    if torch.cuda.get_device_capability(q.device)[0] != 9:
-        return "tl"  # wgmma is sm_90 only
-    from . import gluon_dq
-
-    if gluon_dq.unavailable_reason() is not None:
-        return "tl"
-    try:
-        gluon_dq.check_config(q.shape[-1], cfg.block_m, cfg.block_n, cfg.num_warps,
-                              cfg.num_stages)
-    except ValueError:
-        return "tl"
-    return env or "gluon_ws"
+    FLASHMASK3_TRITON_DQ=gluon opts in to the Gluon dQ kernel (gluon_dq.py, measured slower
+    than tl) wherever it can run (:func:`_gluon_runs`); unset or "tl" keeps the tl kernel."""
+    env = _env_choice("FLASHMASK3_TRITON_DQ", ("tl", "gluon"))
+    return "gluon" if env == "gluon" and _gluon_runs(q, "gluon_dq", cfg) else "tl"
 
 
 def _launch_dq(q, k, v, dout, lse2, delta, causal, softmax_scale, cfg: Config, plan: Plan):
