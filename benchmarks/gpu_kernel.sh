@@ -9,6 +9,7 @@
 #   BENCH_BUDGET=180 bash benchmarks/gpu_kernel.sh bwd   # backward variants (split vs fused) + all gpu tests
 #   DIMS=64,256 BENCH_BUDGET=240 bash benchmarks/gpu_kernel.sh configs  # each backward kernel's configs + gpu tests
 #   BENCH_BUDGET=330 bash benchmarks/gpu_kernel.sh gluon  # Gluon dK/dV and fused-dQ A/B + the Gluon gpu tests
+#   BENCH_BUDGET=150 bash benchmarks/gpu_kernel.sh gluon64  # Gluon (WS) dK/dV vs tl at D=64 + the fused 128-key shape
 # Each stage has its own timeout so the whole call stays under the 600 s device limit; the
 # benchmark writes its JSON after every case, so a stopped run keeps what it measured.
 set -uo pipefail
@@ -62,6 +63,14 @@ case "$PHASE" in
     # split (and the tl fused kernel), then every Gluon gpu test
     timeout $((BUDGET + 90)) python3 benchmarks/gluon_dkdv_ab.py --fused --budget-s "$BUDGET" 2>&1 | tee "$OUT/bench_gluon.log"
     FLASHMASK3_TRITON_AUTOTUNE=0 timeout 150 python3 -m pytest -q -m gpu tests/kernels/test_gluon_dkdv.py -p no:cacheprovider 2>&1 | tail -25 | tee "$OUT/pytest_gluon.log"
+    ;;
+  gluon64)
+    # the Gluon dK/dV (plain and warp-specialised) against tl at D=64 (bitwise-checked in the
+    # timed pass), then the one untimed fused shape (32x128 w8, plain and WS) at D=128
+    FLASHMASK3_TRITON_AUTOTUNE=0 timeout $((BUDGET + 90)) python3 benchmarks/gluon_dkdv_ab.py --head-dim 64 --skip-small \
+      --configs 64x64w4s2,64x64w4s2ws,32x64w4s3ws --budget-s "$BUDGET" 2>&1 | tee "$OUT/bench_gluon64.log"
+    FLASHMASK3_TRITON_AUTOTUNE=0 timeout $((BUDGET + 90)) python3 benchmarks/gluon_dkdv_ab.py --fused --skip-small \
+      --fused-configs 32x64w4s3ws,32x128w8s3,32x128w8s3ws --budget-s "$BUDGET" 2>&1 | tee "$OUT/bench_fused128.log"
     ;;
   d*)
     DIMS=${PHASE#d}
