@@ -68,8 +68,6 @@ fallbacks); :func:`compile_sm90` / :func:`compile_report` compile offline for sm
 from __future__ import annotations
 
 import re
-from typing import Optional
-
 import torch
 import triton
 
@@ -77,7 +75,7 @@ from . import gluon_dkdv as _G
 from .gluon_dkdv import (_column_intervals as _dkdv_column_intervals,  # noqa: F401 (twin)
                          _element_masked, _issue_tile, _jit, _load_stats, _needs_mask,
                          unavailable_reason)
-from .triton_flashmask import _NO_SPEC, LOG2E, _num_intervals
+from .triton_flashmask import _NO_SPEC, LOG2E
 
 gl = _G.gl
 if gl is not None:

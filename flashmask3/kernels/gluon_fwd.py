@@ -61,15 +61,13 @@ Offline sm_90 report: ``python -m flashmask3.kernels.gluon_fwd``.
 
 from __future__ import annotations
 
-from typing import Optional
-
 import torch
 import triton
 
 from . import gluon_dkdv as _GD
 from .gluon_dkdv import (_gl_dtype, _jit, _load_stats, _needs_mask, _smem_layout,  # noqa: F401
                          gl, sass_report, tile_loop_spills, unavailable_reason)
-from .triton_flashmask import _NO_SPEC, LOG2E, _num_intervals
+from .triton_flashmask import _NO_SPEC, LOG2E
 
 if _GD.GLUON_IMPORT_ERROR is None:
     from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier,
