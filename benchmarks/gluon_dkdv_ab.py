@@ -45,6 +45,7 @@ import os
 import sys
 import time
 import traceback
+from typing import Optional
 
 import torch
 
@@ -59,6 +60,8 @@ REL_TOL = 2e-2
 #: completes): faulthandler prints every thread's stack and ends the process; the JSON written
 #: after the previous case stays.
 CASE_TIMEOUT_S = 150
+#: With a deadline, the watchdog allows at most this long past it (see :func:`case_timeout`).
+GRACE_S = 45
 TOTAL_TOKENS = 131072
 #: Gluon configurations timed at D=128: (block_m, block_n, num_warps, num_stages[, warp_spec]);
 #: a fifth element True (label suffix ``ws``) is the WARP_SPEC kernel (1-warp TMA producer
@@ -250,15 +253,9 @@ SMALL_CASES = (
 
 def small_pass(records, deadline, out_path):
     """Correctness of every Gluon config (that applies to D) against tl on small shapes."""
-    for i, (name, b, sq, sk, hq, hk, hm, d, dtype, causal, c) in enumerate(SMALL_CASES):
-        if time.time() > deadline:
-            records.append(dict(part="small", case=name, skipped="budget"))
-            continue
-        _arm_watchdog(f"small {name}")
-        gen = torch.Generator().manual_seed(100 + i)
-        cols = _random_mask(b, hm, sq, sk, c, causal, gen, "cuda")
-        rec = dict(part="small", case=name, B=b, Sq=sq, Sk=sk, Hq=hq, Hk=hk, Hm=hm, D=d,
-                   dtype=str(dtype), causal=causal, C=c, gluon={})
+    for i, case, rec in small_case_records(records, deadline, out_path, "small"):
+        name, b, sq, sk, hq, hk, hm, d, dtype, causal, c = case
+        cols = small_mask(i, case)
         try:
             q, k, v, dout, lse2, delta, scale = _inputs(b, sq, sk, hq, hk, d, dtype, cols, causal,
                                                         seed=7 + i)
@@ -268,7 +265,6 @@ def small_pass(records, deadline, out_path):
         except Exception:
             rec["error"] = traceback.format_exc()
             print(rec["error"], flush=True)
-            records.append(rec)
             continue
         cfgs = SMALL_CONFIGS + (EXTRA_SMALL_CONFIGS if i < 2 else [])
         if d != 128:
@@ -293,8 +289,6 @@ def small_pass(records, deadline, out_path):
                      + ("bitwise " if res["bitwise"] else "")
                      + ("ok" if res["ok"] else "FAIL")), flush=True)
         del outs
-        records.append(rec)
-        _write(out_path, records)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -367,11 +361,46 @@ def timed_pass(records, deadline, out_path, seqlen, configs, d=128):
         torch.cuda.empty_cache()
 
 
-def _arm_watchdog(what: str) -> None:
-    """(Re)start the hang timer for one case and say which case runs (flushed first)."""
+def case_timeout(deadline: Optional[float] = None) -> float:
+    """Seconds after which a case is taken for a hang: CASE_TIMEOUT_S, or with a ``deadline``
+    at most GRACE_S past it (so a hang cannot run far beyond the budget)."""
+    if deadline is None:
+        return CASE_TIMEOUT_S
+    return min(CASE_TIMEOUT_S, max(0.0, deadline - time.time()) + GRACE_S)
+
+
+def _arm_watchdog(what: str, deadline: Optional[float] = None) -> None:
+    """(Re)start the hang timer for one case (:func:`case_timeout`) and say which case runs
+    (flushed first)."""
     print(f"-- {what}", flush=True)
     faulthandler.cancel_dump_traceback_later()
-    faulthandler.dump_traceback_later(CASE_TIMEOUT_S, exit=True)
+    faulthandler.dump_traceback_later(case_timeout(deadline), exit=True)
+
+
+def small_case_records(records, deadline, out_path, part, cases=None, hang_deadline=None,
+                       write=None):
+    """The skeleton every small pass shares: yields ``(i, case, rec)`` for each small case
+    (SMALL_CASES by default) started before ``deadline`` (a case past it is recorded as skipped),
+    with the watchdog armed and ``rec`` holding the case's shape and an empty ``gluon`` dict;
+    once the caller has filled ``rec`` (or set ``rec["error"]``), it is appended and the JSON
+    rewritten (by ``write``, default :func:`_write`)."""
+    for i, case in enumerate(SMALL_CASES if cases is None else cases):
+        name, b, sq, sk, hq, hk, hm, d, dtype, causal, c = case
+        if time.time() > deadline:
+            records.append(dict(part=part, case=name, skipped="budget"))
+            continue
+        _arm_watchdog(f"{part.replace('_', ' ')} {name}", hang_deadline)
+        rec = dict(part=part, case=name, B=b, Sq=sq, Sk=sk, Hq=hq, Hk=hk, Hm=hm, D=d,
+                   dtype=str(dtype), causal=causal, C=c, gluon={})
+        yield i, case, rec
+        records.append(rec)
+        (write or _write)(out_path, records)
+
+
+def small_mask(i, case, device="cuda"):
+    """The random mask columns of small case ``i`` (seeded by its index)."""
+    name, b, sq, sk, hq, hk, hm, d, dtype, causal, c = case
+    return _random_mask(b, hm, sq, sk, c, causal, torch.Generator().manual_seed(100 + i), device)
 
 
 def _print_timing(name, hq, hk, what, r):
@@ -508,15 +537,9 @@ def _bench_bwd(fn) -> float:
 
 def fused_small_pass(records, deadline, out_path):
     """dQ, dK, dV of the fused Gluon backward against the split backward on SMALL_CASES."""
-    for i, (name, b, sq, sk, hq, hk, hm, d, dtype, causal, c) in enumerate(SMALL_CASES):
-        if time.time() > deadline:
-            records.append(dict(part="fused_small", case=name, skipped="budget"))
-            continue
-        _arm_watchdog(f"fused small {name}")
-        gen = torch.Generator().manual_seed(100 + i)
-        cols = _random_mask(b, hm, sq, sk, c, causal, gen, "cuda")
-        rec = dict(part="fused_small", case=name, B=b, Sq=sq, Sk=sk, Hq=hq, Hk=hk, Hm=hm, D=d,
-                   dtype=str(dtype), causal=causal, C=c, gluon={})
+    for i, case, rec in small_case_records(records, deadline, out_path, "fused_small"):
+        name, b, sq, sk, hq, hk, hm, d, dtype, causal, c = case
+        cols = small_mask(i, case)
         try:
             q, k, v, dout, _, _, scale, out, lse = _inputs(b, sq, sk, hq, hk, d, dtype, cols,
                                                            causal, seed=7 + i, with_forward=True)
@@ -524,7 +547,6 @@ def fused_small_pass(records, deadline, out_path):
         except Exception:
             rec["error"] = traceback.format_exc()
             print(rec["error"], flush=True)
-            records.append(rec)
             continue
         cfgs = FUSED_SMALL_CONFIGS + (FUSED_EXTRA_SMALL_CONFIGS if i < 2 else [])
         if d != 128:
@@ -539,8 +561,6 @@ def fused_small_pass(records, deadline, out_path):
                 print(f"[{name} {_label(cfg)}]\n{res['error']}", flush=True)
             rec["gluon"][_label(cfg)] = res
             print(f"fused small {name:26s} {_label(cfg):12s} {_fmt3(res)}", flush=True)
-        records.append(rec)
-        _write(out_path, records)
 
 
 def fused_timed_pass(records, deadline, out_path, seqlen, configs):

@@ -17,7 +17,7 @@ not bitwise equal to the ``tl`` kernel at its own tile shape (``bitwise_same_sha
 case is wrapped so an error is recorded (traceback printed) and the rest still runs. No new
 case starts after ``--budget-s`` seconds (the small pass stops starting cases after
 ``--small-frac`` of it, so the timed pass gets the rest); a case that runs longer than
-min(CASE_TIMEOUT_S, the time left + GRACE_S) is taken for a hang (an mbarrier wait that never
+``gluon_dkdv_ab.case_timeout(deadline)`` is taken for a hang (an mbarrier wait that never
 completes cannot be caught): faulthandler prints the stacks and ends the process, and the JSON
 written after every case keeps the cases before it. Writes ``$OUT/gluon_dq_ab.json`` and
 ``.md`` (OUT defaults to /tmp); exits 1 when any case failed or errored::
@@ -46,10 +46,6 @@ from flashmask3.kernels import gluon_dq as GQ  # noqa: E402
 from flashmask3.kernels import triton_flashmask as T  # noqa: E402
 
 REL_TOL = AB.REL_TOL
-#: Longest a case may run before it is taken for a hang (also capped by the budget left).
-CASE_TIMEOUT_S = 150
-#: How far past the budget a started case may run before the watchdog ends the process.
-GRACE_S = 45
 #: Gluon configs (block_m, block_n, num_warps, num_stages, pipe) at D=128, label
 #: ``BMxBNwWsS`` plus ``p`` for the PIPE kernel (each tile's dQ wgmma overlapped with the next
 #: tile's S and dP): the tl default shape 128x64 w8 s3 (bitwise equality with the tl default
@@ -66,16 +62,6 @@ EXTRA_SMALL_CONFIGS = [(128, 64, 8, 2, False), (128, 64, 8, 2, True), (64, 64, 4
 #: (mask, Hq, Hk) timed, in order (the budget may cut the tail).
 TIMED_CASES = [("causal", 32, 32), ("causal", 32, 8), ("causal_document_corpus", 32, 32),
                ("document_corpus", 32, 32), ("sliding_window", 32, 32), ("full", 32, 32)]
-
-
-def _arm(what: str, deadline: float) -> None:
-    """(Re)start the hang timer for one case: min(CASE_TIMEOUT_S, time left + GRACE_S) seconds
-    (``gluon_dkdv_ab._arm_watchdog`` has a fixed timeout; this one keeps the run near its
-    budget). Prints which case runs first."""
-    print(f"-- {what}", flush=True)
-    left = max(0.0, deadline - time.time())
-    faulthandler.cancel_dump_traceback_later()
-    faulthandler.dump_traceback_later(min(CASE_TIMEOUT_S, left + GRACE_S), exit=True)
 
 
 def _cfg_tuple(cfg: T.Config) -> tuple:
@@ -150,15 +136,10 @@ def _fmt(res: dict) -> str:
 
 def small_pass(records, deadline, out_path):
     """Every Gluon config that applies against tl on ``gluon_dkdv_ab.SMALL_CASES``."""
-    for i, (name, b, sq, sk, hq, hk, hm, d, dtype, causal, c) in enumerate(AB.SMALL_CASES):
-        if time.time() > deadline:
-            records.append(dict(part="small", case=name, skipped="budget"))
-            continue
-        _arm(f"small {name}", deadline)
-        gen = torch.Generator().manual_seed(100 + i)
-        cols = AB._random_mask(b, hm, sq, sk, c, causal, gen, "cuda")
-        rec = dict(part="small", case=name, B=b, Sq=sq, Sk=sk, Hq=hq, Hk=hk, Hm=hm, D=d,
-                   dtype=str(dtype), causal=causal, C=c, gluon={})
+    for i, case, rec in AB.small_case_records(records, deadline, out_path, "small",
+                                              hang_deadline=deadline):
+        name, b, sq, sk, hq, hk, hm, d, dtype, causal, c = case
+        cols = AB.small_mask(i, case)
         try:
             q, k, v, dout, lse2, delta, scale = AB._inputs(b, sq, sk, hq, hk, d, dtype, cols,
                                                            causal, seed=7 + i)
@@ -168,7 +149,6 @@ def small_pass(records, deadline, out_path):
         except Exception:
             rec["error"] = traceback.format_exc()
             print(rec["error"], flush=True)
-            records.append(rec)
             continue
         if d == 128:
             cfgs = SMALL_CONFIGS + (EXTRA_SMALL_CONFIGS if i < 2 else [])
@@ -186,8 +166,6 @@ def small_pass(records, deadline, out_path):
                 print(f"[{name} {_label(cfg)}]\n{res['error']}", flush=True)
             rec["gluon"][_label(cfg)] = res
             print(f"small {name:28s} {_label(cfg):12s} {_fmt(res)}", flush=True)
-        records.append(rec)
-        AB._write(out_path, records)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -228,7 +206,7 @@ def timed_pass(records, deadline, out_path, seqlen, configs):
             records.append(dict(part="timed", case=name, Hq=hq, Hk=hk, skipped="budget"))
             AB._write(out_path, records)
             continue
-        _arm(f"timed {name} Hq={hq} Hk={hk}", deadline)
+        AB._arm_watchdog(f"timed {name} Hq={hq} Hk={hk}", deadline)
         rec = dict(part="timed", case=name, S=seqlen, D=128, Hq=hq, Hk=hk, dtype="bf16",
                    gluon={})
         try:

@@ -41,7 +41,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from benchmarks import gluon_dkdv_ab as AB  # noqa: E402
 from benchmarks.gluon_dkdv_ab import (CASE_TIMEOUT_S, SMALL_CASES, TOTAL_TOKENS,  # noqa: E402
-                                      _arm_watchdog, _random_mask, _rel)
+                                      _arm_watchdog, _rel, small_mask)
 from flashmask3.kernels import gluon_fwd as F  # noqa: E402
 from flashmask3.kernels import triton_flashmask as T  # noqa: E402
 
@@ -143,11 +143,10 @@ def _small_inputs(i, case):
     from tests.reference import reference_attention
 
     name, b, sq, sk, hq, hk, hm, d, dtype, causal, c = case
-    gen = torch.Generator().manual_seed(100 + i)
     if name == EMPTY_ROWS_CASE[0]:
         cols = _empty_rows_mask(b, hm, sq, sk, "cuda")
     else:
-        cols = _random_mask(b, hm, sq, sk, c, causal, gen, "cuda")
+        cols = small_mask(i, case)
     g = torch.Generator(device="cuda").manual_seed(7 + i)
     q = torch.randn(b, sq, hq, d, device="cuda", dtype=dtype, generator=g)
     k = torch.randn(b, sk, hk, d, device="cuda", dtype=dtype, generator=g)
@@ -171,14 +170,9 @@ def _print_small(name, lab, res):
 def small_pass(records, deadline, out_path, configs=None):
     """Correctness of every small Gluon config against the reference and tl."""
     cases = list(SMALL_CASES) + [EMPTY_ROWS_CASE]
-    for i, case in enumerate(cases):
-        name, b, sq, sk, hq, hk, hm, d, dtype, causal, c = case
-        if time.time() > deadline:
-            records.append(dict(part="small", case=name, skipped="budget"))
-            continue
-        _arm_watchdog(f"small {name}")
-        rec = dict(part="small", case=name, B=b, Sq=sq, Sk=sk, Hq=hq, Hk=hk, Hm=hm, D=d,
-                   dtype=str(dtype), causal=causal, C=c, gluon={})
+    for i, case, rec in AB.small_case_records(records, deadline, out_path, "small", cases,
+                                              write=_write):
+        name, d = rec["case"], rec["D"]
         try:
             q, k, v, cols, causal, scale, ref_out, ref_lse = _small_inputs(i, case)
             tl_fn, tl_cfg = tl_forward(q, k, v, cols, causal, scale)
@@ -189,8 +183,6 @@ def small_pass(records, deadline, out_path, configs=None):
         except Exception:
             rec["error"] = traceback.format_exc()
             print(rec["error"], flush=True)
-            records.append(rec)
-            _write(out_path, records)
             continue
         cfgs = (configs or SMALL_CONFIGS) if d == 128 else SMALL_CONFIGS_D64
         for j, cfg in enumerate(cfgs):
@@ -207,8 +199,6 @@ def small_pass(records, deadline, out_path, configs=None):
                 print(f"[{name} {_label(cfg)}]\n{res['error']}", flush=True)
             rec["gluon"][_label(cfg)] = res
             _print_small(name, _label(cfg), res)
-        records.append(rec)
-        _write(out_path, records)
 
 
 def _bench(fn) -> float:

@@ -41,3 +41,43 @@ def test_gluon_ab_results_name_their_run(monkeypatch, tmp_path):
                              f"{meta['date'][:10]})")
     assert "benchmarks/gluon_dq_ab.py --budget-s 200`" in header and "commit abc1234" in header
     assert f"triton {meta['triton']}" in header
+
+
+def test_gluon_ab_small_case_skeleton(tmp_path):
+    """The small-pass skeleton the Gluon A/B scripts share: a case past the deadline is recorded
+    as skipped, a started one is yielded with its shape, appended after the caller filled it and
+    written; the hang timer is capped near the deadline; masks are seeded by the case index."""
+    import faulthandler
+    import json
+    import time
+
+    from benchmarks import gluon_dkdv_ab as AB
+
+    cases = AB.SMALL_CASES[:2]
+    path = tmp_path / "ab.json"
+    records, seen = [], []
+    try:
+        for i, case, rec in AB.small_case_records(records, time.time() + 3600, str(path),
+                                                  "fused_small", cases):
+            assert len(records) == i  # appended only after the caller's step
+            seen.append(i)
+            rec["gluon"]["cfg"] = {"ok": True}
+    finally:
+        faulthandler.cancel_dump_traceback_later()
+    assert seen == [0, 1] and [r["case"] for r in records] == [c[0] for c in cases]
+    assert records[0]["part"] == "fused_small" and records[0]["D"] == cases[0][7]
+    assert records[1]["gluon"] == {"cfg": {"ok": True}}
+    assert len(json.loads(path.read_text())["records"]) == 2
+
+    skipped: list = []
+    assert list(AB.small_case_records(skipped, time.time() - 1, str(path), "small", cases)) == []
+    assert [r["skipped"] for r in skipped] == ["budget", "budget"]
+
+    assert AB.case_timeout() == AB.CASE_TIMEOUT_S
+    assert AB.case_timeout(time.time() - 100) == AB.GRACE_S
+    assert AB.case_timeout(time.time() + 1e4) == AB.CASE_TIMEOUT_S
+
+    masked = next(i for i, c in enumerate(AB.SMALL_CASES) if c[-1] > 0)
+    a = AB.small_mask(masked, AB.SMALL_CASES[masked], "cpu")
+    assert torch.equal(a, AB.small_mask(masked, AB.SMALL_CASES[masked], "cpu"))
+    assert a.shape[-1] == AB.SMALL_CASES[masked][-1]
