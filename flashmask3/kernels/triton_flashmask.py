@@ -845,7 +845,7 @@ class Config:
 CANDIDATES: dict[tuple[str, int], list[Config]] = {
     ("fwd", 64): [Config(128, 64, 4, 3), Config(128, 128, 8, 3)],
     ("fwd", 128): [Config(128, 128, 8, 3), Config(128, 128, 8, 2), Config(128, 64, 8, 3)],
-    ("fwd", 256): [Config(128, 32, 8, 2), Config(64, 64, 4, 2)],
+    ("fwd", 256): [Config(128, 32, 8, 2), Config(128, 64, 8, 2), Config(64, 64, 4, 2)],
     ("dkdv", 64): [Config(64, 64, 4, 2), Config(32, 64, 4, 3), Config(64, 128, 8, 3)],
     ("dkdv", 128): [Config(32, 64, 4, 3), Config(32, 128, 8, 3), Config(32, 64, 4, 2),
                     Config(64, 128, 8, 2)],
@@ -1182,9 +1182,11 @@ def _bwd_pre(out, dout, lse, dlse):
 
 
 #: Head dims at which the split backward's dK/dV runs the Gluon kernel on Hopper
-#: (flashmask3/kernels/gluon_dkdv.py; measured 1.08-1.21x faster than the tl kernel at D=128,
-#: NOTES.md v6). Elsewhere, and for the fused backward, the tl kernel.
-GLUON_DKDV_DIMS = (128,)
+#: (flashmask3/kernels/gluon_dkdv.py; the warp-specialised kernel measured 1.17-1.24x faster
+#: than the tl kernel at D=128 and 1.27-1.49x at D=64, NOTES.md v6.2, v6.3). Elsewhere (D=256:
+#: two BLOCK_N x 256 fp32 accumulators do not fit one warpgroup's registers), and for the fused
+#: backward, the tl kernel.
+GLUON_DKDV_DIMS = (64, 128)
 
 
 def _dkdv_impl(q: torch.Tensor, cfg: Config) -> str:

@@ -384,12 +384,14 @@ def test_gpu_matches_tl_kernel(name, cfg):
 @pytest.mark.gpu
 @pytest.mark.parametrize("name", ["causal", "full", "causal_document", "document",
                                   "global_sliding_window", "causal_blockwise"])
-@pytest.mark.parametrize("cfg", [(32, 64, 4, 3), (32, 64, 4, 2), (64, 128, 8, 2)])
-def test_gpu_warp_spec_is_bitwise_equal_to_tl(name, cfg):
+@pytest.mark.parametrize("d,cfg", [(128, (32, 64, 4, 3)), (128, (32, 64, 4, 2)),
+                                   (128, (64, 128, 8, 2)), (64, (64, 64, 4, 2))])
+def test_gpu_warp_spec_is_bitwise_equal_to_tl(name, d, cfg):
     """The WARP_SPEC kernel (1-warp TMA producer) computes the non-WS kernel's wgmmas in the
-    same order: dK, dV bit for bit equal to the tl kernel's and to the non-WS Gluon kernel's."""
+    same order: dK, dV bit for bit equal to the tl kernel's and to the non-WS Gluon kernel's
+    (D=64 at its default tile, which the dispatcher picks)."""
     _require_hopper_gluon()
-    s, d = 1000, 128
+    s = 1000
     q, k, v, dout, cols, causal, scale, out, lse = _gpu_inputs(name, s, d, seed=11)
     delta, lse2 = T._bwd_pre(out, dout, lse, None)
     c = 0 if cols is None else cols.shape[-1]
@@ -407,12 +409,12 @@ def test_gpu_warp_spec_is_bitwise_equal_to_tl(name, cfg):
 
 
 @pytest.mark.gpu
-def test_gpu_dispatch_picks_gluon_at_d128_on_hopper(monkeypatch):
+def test_gpu_dispatch_picks_gluon_ws_at_d64_and_d128_on_hopper(monkeypatch):
     _require_hopper_gluon()
     monkeypatch.delenv("FLASHMASK3_TRITON_DKDV", raising=False)
     q = torch.zeros(1, 64, 2, 128, device="cuda", dtype=torch.bfloat16)
     assert T._dkdv_impl(q, T.CANDIDATES[("dkdv", 128)][0]) == "gluon_ws"  # the default
-    assert T._dkdv_impl(q[..., :64].contiguous(), T.CANDIDATES[("dkdv", 64)][0]) == "tl"
+    assert T._dkdv_impl(q[..., :64].contiguous(), T.CANDIDATES[("dkdv", 64)][0]) == "gluon_ws"
     assert T._dkdv_impl(q.float(), T.CANDIDATES[("dkdv", 128)][0]) == "tl"  # fp32: tl (tf32)
     for forced in ("tl", "gluon", "gluon_ws"):
         monkeypatch.setenv("FLASHMASK3_TRITON_DKDV", forced)
