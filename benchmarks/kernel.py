@@ -484,7 +484,9 @@ def markdown(results: list[dict], meta: dict) -> str:
               "v4 = dK/dV loop without mask code over UNMASKED runs + measured backward configs, v4.1 = v4 "
               "timed against the v5 loops in one run, v5 = the same mask-free loop in the forward and dQ "
               "kernels too, v5.1 = measured D=64 and D=256 backward defaults, v6 = the Gluon dK/dV "
-              "kernel at D=128; a "
+              "kernel at D=128, v6.2 = its warp-specialised version (1-warp TMA producer) as the "
+              "default, v6.3 = that kernel at D=64 too and the D=256 forward at 128x64 (rows at D=256: "
+              "the autotuner's pick, the same tile); a "
               "later run of a case replaces an earlier one). `variants`: flashmask3 timed again in the "
               "same run with one option changed (`fused` backward; `masked`: no mask-free loops; "
               "`tl-dkdv`: the tl dK/dV kernel instead of the Gluon one; "
@@ -691,7 +693,7 @@ def main(argv=None) -> int:
     ap.add_argument("--skip-done", nargs="*", default=[], metavar="JSON",
                     help="leave out the cases these earlier kernel_*.json files measured "
                          "(continue a run that its --budget-s cut short)")
-    ap.add_argument("--kernel-version", default="v6")
+    ap.add_argument("--kernel-version", default="v6.3")
     ap.add_argument("--report", nargs="*", help="JSON files to merge into kernel.{json,md,png}")
     args = ap.parse_args(argv)
     if args.report:
