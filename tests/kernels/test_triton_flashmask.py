@@ -280,6 +280,17 @@ def test_other_tile_shapes(monkeypatch):
     _check(q, k, v, cols, False)
 
 
+@pytest.mark.parametrize("d", [64, 128, 256])
+@pytest.mark.parametrize("causal,c", [(True, 1), (False, 4)])
+def test_default_forward_tiles_of_each_head_dim(monkeypatch, d, causal, c):
+    """The Hopper default forward tile of each head dim (e.g. 128x64 at D=256), run by the
+    interpreter on lengths that are not multiples of it: the tile logic at the shipped shapes."""
+    monkeypatch.setitem(T.CONFIG_OVERRIDE, "fwd", T.CANDIDATES[("fwd", d)][0])
+    cols = random_columns(1, 1, 300, 200, causal, c, seed=d + c).to(DEVICE)
+    q, k, v = _qkv(1, 300, 200, 2, 1, d, torch.float32, seed=d)
+    _check(q, k, v, cols, causal)
+
+
 @pytest.mark.parametrize("bwd", ["split", "fused"])
 def test_fully_masked_everything(monkeypatch, bwd):
     """Every row masked: zeros, -inf LSE, zero gradients, no NaN."""
