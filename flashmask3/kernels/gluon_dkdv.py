@@ -1,12 +1,15 @@
 """Gluon (``triton.experimental.gluon``) dK/dV kernel for Hopper (sm_90): the default dK/dV
-kernel at D=128 on Hopper GPUs (``triton_flashmask._dkdv_impl``), the ``tl`` kernel elsewhere.
+kernel at D=64 and D=128 on Hopper GPUs (``triton_flashmask._dkdv_impl``), the ``tl`` kernel
+elsewhere.
 
 What it computes: exactly what the ``tl`` ``_dkdv_kernel`` computes (split backward), dK
 (already multiplied by ``softmax_scale``) and dV, from the same :class:`Plan` (built by key
 block for the same ``block_m``/``block_n``), ``lse2`` (log2-domain LSE, +inf on fully masked
 rows) and ``delta`` from ``triton_flashmask._bwd_pre``. On the H200 its dK, dV are bitwise
 equal to the ``tl`` kernel's (same wgmma k-steps in the same order), and it is 1.08-1.21x faster
-(32K, D=128, 6 masks, MHA and GQA: ``benchmarks/results/gluon_dkdv_ab.md``, NOTES.md v6).
+(32K, D=128, 6 masks, MHA and GQA: ``benchmarks/results/gluon_dkdv_ab.md``, NOTES.md v6);
+with WARP_SPEC 1.17-1.24x at D=128 and 1.27-1.49x at D=64 (``gluon_dkdv_ws_ab.md``,
+``gluon_dkdv_d64_ab.md``, NOTES.md v6.2, v6.3).
 
 Why: the ``tl`` dK/dV kernel's SASS waits for every wgmma right after issuing it
 (``WARPGROUP.DEPBAR.LE gsb0, 0x0``), so the tensor cores and the exp/mask arithmetic never
