@@ -10,6 +10,7 @@
 #   DIMS=64,256 BENCH_BUDGET=240 bash benchmarks/gpu_kernel.sh configs  # each backward kernel's configs + gpu tests
 #   BENCH_BUDGET=330 bash benchmarks/gpu_kernel.sh gluon  # Gluon dK/dV and fused-dQ A/B + the Gluon gpu tests
 #   BENCH_BUDGET=150 bash benchmarks/gpu_kernel.sh gluon64  # Gluon (WS) dK/dV vs tl at D=64 + the fused 128-key shape
+#   BENCH_BUDGET=400 bash benchmarks/gpu_kernel.sh rest   # D=256 GPU tests + the grid cases no kernel_v6*.json has
 # Each stage has its own timeout so the whole call stays under the 600 s device limit; the
 # benchmark writes its JSON after every case, so a stopped run keeps what it measured.
 set -uo pipefail
@@ -71,6 +72,15 @@ case "$PHASE" in
       --configs 64x64w4s2,64x64w4s2ws,32x64w4s3ws --budget-s "$BUDGET" 2>&1 | tee "$OUT/bench_gluon64.log"
     FLASHMASK3_TRITON_AUTOTUNE=0 timeout $((BUDGET + 90)) python3 benchmarks/gluon_dkdv_ab.py --fused --skip-small \
       --fused-configs 32x64w4s3ws,32x128w8s3,32x128w8s3ws --budget-s "$BUDGET" 2>&1 | tee "$OUT/bench_fused128.log"
+    ;;
+  rest)
+    # what the v6.3 table left out: first the GPU tests of the D=256 forward tile (new default,
+    # not yet run against the float64 reference on a GPU), then every grid case no committed
+    # kernel_v6*.json has (8K/128K at D=64 and D=256, GQA and D=256 masks at 32K, 128K heavy masks)
+    FLASHMASK3_TRITON_AUTOTUNE=0 timeout 150 python3 -m pytest -q -m gpu tests/kernels/test_triton_flashmask.py -k "256" -p no:cacheprovider 2>&1 | tail -15 | tee "$OUT/pytest_gpu.log"
+    # shellcheck disable=SC2046  # the list of committed result files
+    FLASHMASK3_TRITON_AUTOTUNE=0 timeout $((BUDGET + 60)) python3 benchmarks/kernel.py --plan grid --budget-s "$BUDGET" --out "$OUT" --tag rest \
+      --impls "${IMPLS:-flashmask3,flex,sdpa_cudnn,varlen}" --skip-done $(ls benchmarks/results/kernel_v6*.json | grep -v compiled) 2>&1 | grep -v "DeprecationWarning\|create_block_mask(mm" | tee "$OUT/bench_rest.log"
     ;;
   d*)
     DIMS=${PHASE#d}

@@ -195,9 +195,10 @@ def _element_masked(rows, cols, ivals, Sq, Sk, CAUSAL: gl.constexpr, C: gl.const
 
 
 @_jit
-def _column_intervals(col_ptr, cols, Sq, Sk, CAUSAL: gl.constexpr, C: gl.constexpr):
-    """Masked row intervals [s0, e0), [s1, e1) of the key block's columns, ``[BN, 1]`` each
-    (the ``tl`` ``_column_intervals`` table); loop invariants of one mask head."""
+def _column_interval_words(col_ptr, cols, Sq, Sk, CAUSAL: gl.constexpr, C: gl.constexpr):
+    """Masked row intervals [s0, e0), [s1, e1) of the key columns ``cols`` (1-D each; the ``tl``
+    ``_column_intervals`` table): the one Gluon copy, which the dK/dV kernel reads as columns
+    (:func:`_column_intervals`) and the dQ kernel as rows."""
     cvalid = cols < Sk
     zero = cols * 0
     if C == 0:
@@ -225,6 +226,14 @@ def _column_intervals(col_ptr, cols, Sq, Sk, CAUSAL: gl.constexpr, C: gl.constex
         e0 = gl.load(col_ptr + cols * 4 + 1, mask=cvalid, other=0)
         s1 = gl.load(col_ptr + cols * 4 + 2, mask=cvalid, other=0)
         e1 = gl.load(col_ptr + cols * 4 + 3, mask=cvalid, other=0)
+    return s0, e0, s1, e1
+
+
+@_jit
+def _column_intervals(col_ptr, cols, Sq, Sk, CAUSAL: gl.constexpr, C: gl.constexpr):
+    """:func:`_column_interval_words` as ``[BN, 1]`` columns (the dK/dV kernel's transposed
+    tiles); loop invariants of one mask head."""
+    s0, e0, s1, e1 = _column_interval_words(col_ptr, cols, Sq, Sk, CAUSAL, C)
     return s0[:, None], e0[:, None], s1[:, None], e1[:, None]
 
 
@@ -256,6 +265,48 @@ def _key_block_ranges(rng_ptr, mbh, n_blk, Sq, Sk, NQB, BLOCK_M: gl.constexpr,
         fhi0 = hi0
         if c0 + BLOCK_N > Sk:
             flo0 = hi0
+        lo1 = hi0
+        hi1 = hi0
+        flo1 = hi0
+        fhi1 = hi0
+    return lo0, flo0, fhi0, hi0, lo1, flo1, fhi1, hi1
+
+
+@_jit
+def _query_block_ranges(rng_ptr, mbh, m_blk, Sq, Sk, NQB, NKB, BLOCK_M: gl.constexpr,
+                        BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr, C: gl.constexpr):
+    """(lo0, flo0, fhi0, hi0, lo1, flo1, fhi1, hi1): the two live key-block ranges of query
+    block ``m_blk`` and the first run of UNMASKED tiles in each, for the Gluon dQ and forward
+    kernels. Query-major twin of :func:`_key_block_ranges` (and Gluon twin of the ``tl``
+    ``_query_block_ranges``, same integer expressions): the stored table with a mask, the causal
+    diagonal (or everything) without one."""
+    if C > 0:
+        rp = rng_ptr + (mbh * NQB + m_blk) * 8
+        lo0 = gl.load(rp)
+        hi0 = gl.load(rp + 1)
+        lo1 = gl.load(rp + 2)
+        hi1 = gl.load(rp + 3)
+        flo0 = gl.load(rp + 4)
+        fhi0 = gl.load(rp + 5)
+        flo1 = gl.load(rp + 6)
+        fhi1 = gl.load(rp + 7)
+    else:
+        lo0 = m_blk * 0
+        n_whole = Sk // BLOCK_N  # key blocks that end inside Sk
+        if CAUSAL:
+            r0 = m_blk * BLOCK_M
+            r1 = gl.minimum(r0 + BLOCK_M, Sq)
+            last = r1 - 1 + (Sk - Sq)  # last visible column of the block
+            hi0 = gl.maximum(gl.minimum((last + BLOCK_N) // BLOCK_N, NKB), 0)
+            hi0 = gl.where(last < 0, 0, hi0)
+            # key blocks whose every column is visible from the block's first row
+            fhi0 = gl.maximum(r0 + (Sk - Sq) + 1, 0) // BLOCK_N
+        else:
+            hi0 = lo0 + NKB
+            fhi0 = hi0
+        fhi0 = gl.minimum(gl.minimum(fhi0, n_whole), hi0)
+        flo0 = gl.where(fhi0 > 0, 0, hi0)
+        fhi0 = gl.where(fhi0 > 0, fhi0, hi0)
         lo1 = hi0
         hi1 = hi0
         flo1 = hi0

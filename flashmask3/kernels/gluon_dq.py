@@ -72,9 +72,8 @@ import torch
 import triton
 
 from . import gluon_dkdv as _G
-from .gluon_dkdv import (_column_intervals as _dkdv_column_intervals,  # noqa: F401 (twin)
-                         _element_masked, _issue_tile, _jit, _load_stats, _needs_mask,
-                         unavailable_reason)
+from .gluon_dkdv import (_column_interval_words, _element_masked, _issue_tile, _jit,
+                         _load_stats, _needs_mask, _query_block_ranges, unavailable_reason)
 from .triton_flashmask import _NO_SPEC, LOG2E
 
 gl = _G.gl
@@ -91,78 +90,10 @@ if gl is not None:
 
 @_jit
 def _tile_column_intervals(col_ptr, cols, Sq, Sk, CAUSAL: gl.constexpr, C: gl.constexpr):
-    """Masked row intervals (s0, e0, s1, e1) of key columns ``cols`` as ``[1, BN]`` rows: the
-    twin of ``gluon_dkdv._column_intervals`` (which returns ``[BN, 1]`` columns for the dK/dV
-    kernel's transposed tiles), same table as the ``tl`` ``_column_intervals``. In the dQ
-    kernel the columns change with every key tile, so this runs per masked tile."""
-    cvalid = cols < Sk
-    zero = cols * 0
-    if C == 0:
-        s0 = zero + Sq
-        e0 = s0
-        s1 = s0
-        e1 = s0
-    elif CAUSAL and C == 1:
-        s0 = gl.load(col_ptr + cols, mask=cvalid, other=0)
-        e0 = zero + Sq
-        s1 = e0
-        e1 = e0
-    elif CAUSAL:
-        s0 = gl.load(col_ptr + cols * 2, mask=cvalid, other=0)
-        e0 = gl.load(col_ptr + cols * 2 + 1, mask=cvalid, other=0)
-        s1 = zero + Sq
-        e1 = s1
-    elif C == 2:
-        s0 = gl.load(col_ptr + cols * 2, mask=cvalid, other=0)
-        e0 = zero + Sq
-        s1 = zero
-        e1 = gl.load(col_ptr + cols * 2 + 1, mask=cvalid, other=0)
-    else:
-        s0 = gl.load(col_ptr + cols * 4, mask=cvalid, other=0)
-        e0 = gl.load(col_ptr + cols * 4 + 1, mask=cvalid, other=0)
-        s1 = gl.load(col_ptr + cols * 4 + 2, mask=cvalid, other=0)
-        e1 = gl.load(col_ptr + cols * 4 + 3, mask=cvalid, other=0)
+    """``gluon_dkdv._column_interval_words`` as ``[1, BN]`` rows (the dQ kernel's score
+    tiles); the columns change with every key tile, so this runs per masked tile."""
+    s0, e0, s1, e1 = _column_interval_words(col_ptr, cols, Sq, Sk, CAUSAL, C)
     return s0[None, :], e0[None, :], s1[None, :], e1[None, :]
-
-
-@_jit
-def _query_block_ranges(rng_ptr, mbh, m_blk, Sq, Sk, NKB, BLOCK_M: gl.constexpr,
-                        BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr, C: gl.constexpr, NQB):
-    """(lo0, flo0, fhi0, hi0, lo1, flo1, fhi1, hi1) of one query block: the stored table with a
-    mask, the causal diagonal (or everything) without one. Twin of the ``tl``
-    ``_query_block_ranges`` (same integer expressions) in the order of
-    ``gluon_dkdv._key_block_ranges``."""
-    if C > 0:
-        rp = rng_ptr + (mbh * NQB + m_blk) * 8
-        lo0 = gl.load(rp)
-        hi0 = gl.load(rp + 1)
-        lo1 = gl.load(rp + 2)
-        hi1 = gl.load(rp + 3)
-        flo0 = gl.load(rp + 4)
-        fhi0 = gl.load(rp + 5)
-        flo1 = gl.load(rp + 6)
-        fhi1 = gl.load(rp + 7)
-    else:
-        lo0 = m_blk * 0
-        n_whole = Sk // BLOCK_N  # key blocks that end inside Sk
-        if CAUSAL:
-            r0 = m_blk * BLOCK_M
-            r1 = gl.minimum(r0 + BLOCK_M, Sq)
-            last = r1 - 1 + (Sk - Sq)  # last visible column of the block
-            hi0 = gl.maximum(gl.minimum((last + BLOCK_N) // BLOCK_N, NKB), 0)
-            hi0 = gl.where(last < 0, 0, hi0)
-            fhi0 = gl.maximum(r0 + (Sk - Sq) + 1, 0) // BLOCK_N
-        else:
-            hi0 = lo0 + NKB
-            fhi0 = hi0
-        fhi0 = gl.minimum(gl.minimum(fhi0, n_whole), hi0)
-        flo0 = gl.where(fhi0 > 0, 0, hi0)
-        fhi0 = gl.where(fhi0 > 0, fhi0, hi0)
-        lo1 = hi0
-        hi1 = hi0
-        flo1 = hi0
-        fhi1 = hi0
-    return lo0, flo0, fhi0, hi0, lo1, flo1, fhi1, hi1
 
 
 @_jit
@@ -432,7 +363,7 @@ def _dq_gluon_kernel(q_desc, do_desc, k_desc, v_desc, dq_ptr, lse2_ptr, delta_pt
     mbh = b64 * mask_b_stride + hm
     col_ptr = mask_ptr + mbh * Sk * C
     lo0, flo0, fhi0, hi0, lo1, flo1, fhi1, hi1 = _query_block_ranges(
-        rng_ptr, mbh, m_blk, Sq, Sk, NKB, BLOCK_M, BLOCK_N, CAUSAL, C, NQB)
+        rng_ptr, mbh, m_blk, Sq, Sk, NQB, NKB, BLOCK_M, BLOCK_N, CAUSAL, C)
     kv_row0 = b * Sk
     kv_col = hk * D
     dq = gl.zeros([BLOCK_M, D], gl.float32, acc_layout)

@@ -65,8 +65,9 @@ import torch
 import triton
 
 from . import gluon_dkdv as _GD
-from .gluon_dkdv import (_gl_dtype, _jit, _load_stats, _needs_mask, _smem_layout,  # noqa: F401
-                         gl, sass_report, tile_loop_spills, unavailable_reason)
+from .gluon_dkdv import (_gl_dtype, _jit, _load_stats, _needs_mask,  # noqa: F401
+                         _query_block_ranges, _smem_layout, gl, sass_report, tile_loop_spills,
+                         unavailable_reason)
 from .triton_flashmask import _NO_SPEC, LOG2E
 
 if _GD.GLUON_IMPORT_ERROR is None:
@@ -84,50 +85,6 @@ SMEM_LIMIT = 232448 - 1024
 # ---------------------------------------------------------------------------------------------
 # Device code: query-major twins of the key-major helpers of gluon_dkdv
 # ---------------------------------------------------------------------------------------------
-
-
-@_jit
-def _query_block_ranges(rng_ptr, mbh, m_blk, Sq, Sk, NQB, NKB, BLOCK_M: gl.constexpr,
-                        BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr, C: gl.constexpr):
-    """(lo0, flo0, fhi0, hi0, lo1, flo1, fhi1, hi1): the two live key-block ranges of query
-    block ``m_blk`` and the first run of UNMASKED tiles in each. Query-major twin of
-    ``gluon_dkdv._key_block_ranges`` (Gluon twin of the ``tl`` ``_query_block_ranges``): the
-    stored table with a mask, the causal diagonal (or everything) without one."""
-    if C > 0:
-        rp = rng_ptr + (mbh * NQB + m_blk) * 8
-        lo0 = gl.load(rp)
-        hi0 = gl.load(rp + 1)
-        lo1 = gl.load(rp + 2)
-        hi1 = gl.load(rp + 3)
-        flo0 = gl.load(rp + 4)
-        fhi0 = gl.load(rp + 5)
-        flo1 = gl.load(rp + 6)
-        fhi1 = gl.load(rp + 7)
-    else:
-        lo0 = m_blk * 0
-        n_whole = Sk // BLOCK_N  # key blocks that end inside Sk
-        if CAUSAL:
-            r0 = m_blk * BLOCK_M
-            r1 = gl.minimum(r0 + BLOCK_M, Sq)
-            last = r1 - 1 + (Sk - Sq)  # last visible column of the block
-            hi0 = gl.maximum(gl.minimum((last + BLOCK_N) // BLOCK_N, NKB), 0)
-            if last < 0:
-                hi0 = lo0
-            # key blocks whose every column is visible from the block's first row
-            fhi0 = gl.maximum(r0 + (Sk - Sq) + 1, 0) // BLOCK_N
-        else:
-            hi0 = lo0 + NKB
-            fhi0 = lo0 + NKB
-        fhi0 = gl.minimum(gl.minimum(fhi0, n_whole), hi0)
-        flo0 = lo0
-        if fhi0 <= 0:
-            flo0 = hi0
-            fhi0 = hi0
-        lo1 = hi0
-        hi1 = hi0
-        flo1 = hi0
-        fhi1 = hi0
-    return lo0, flo0, fhi0, hi0, lo1, flo1, fhi1, hi1
 
 
 @_jit
