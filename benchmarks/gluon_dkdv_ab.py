@@ -459,7 +459,10 @@ def _write(path, records, **tolerances):
         json.dump(dict(meta=run_meta(**tolerances), records=records), f, indent=1, default=str)
 
 
-def _failures(records) -> list[str]:
+def failures(records, describe) -> list[str]:
+    """``part case [config]: what`` for every case that errored and every Gluon result that is
+    not ok (``describe(result)`` says how it is off); skipped results are no failures. The one
+    verdict rule of the Gluon A/B scripts."""
     bad = []
     for r in records:
         if "error" in r:
@@ -468,9 +471,43 @@ def _failures(records) -> list[str]:
             if x.get("skipped"):
                 continue
             if not x.get("ok", False):
-                bad.append(f"{r['part']} {r['case']} {lab}: " + ("error" if "error" in x else
-                           f"dk rel {x['dk_rel']:.2e} dv rel {x['dv_rel']:.2e}"))
+                bad.append(f"{r['part']} {r['case']} {lab}: {describe(x)}")
     return bad
+
+
+def verdict(bad, ok_text: str) -> str:
+    """The last paragraph of a report: the failures, or ``ok_text``."""
+    return (f"FAIL ({len(bad)}):\n\n" + "\n".join(f"- {x}" for x in bad) if bad else ok_text) + "\n"
+
+
+def start_run(name: str, budget_s: float, note: str = ""):
+    """``(out_path, start, deadline, records)`` of an A/B run that writes ``$OUT/<name>.json``
+    and ``.md`` (OUT defaults to /tmp); prints the run's header line."""
+    out_dir = os.environ.get("OUT", "/tmp")
+    os.makedirs(out_dir, exist_ok=True)
+    start = time.time()
+    print(f"GPU {torch.cuda.get_device_name(0)}; torch {torch.__version__}; triton "
+          f"{__import__('triton').__version__}; budget {budget_s:.0f} s{note}", flush=True)
+    return os.path.join(out_dir, name + ".json"), start, start + budget_s, []
+
+
+def finish_run(out_path, records, start, markdown: str, bad, ok_line: str, **tolerances) -> int:
+    """Stop the hang watchdog, write the JSON (``tolerances`` into its meta) and the markdown,
+    print the verdict; the exit code (1 when anything failed)."""
+    faulthandler.cancel_dump_traceback_later()
+    _write(out_path, records, **tolerances)
+    with open(out_path[:-5] + ".md", "w") as f:
+        f.write(markdown)
+    print(f"\nwall {time.time() - start:.0f} s; wrote {out_path} and .md")
+    if bad:
+        print(f"FAIL ({len(bad)}):\n  " + "\n  ".join(bad))
+        return 1
+    print(ok_line)
+    return 0
+
+
+def _dkdv_error(x) -> str:
+    return "error" if "error" in x else f"dk rel {x['dk_rel']:.2e} dv rel {x['dv_rel']:.2e}"
 
 
 # ---------------------------------------------------------------------------------------------
@@ -650,51 +687,24 @@ def fused_summary_table(records) -> str:
     return "\n".join(lines)
 
 
-def _fused_failures(records) -> list[str]:
-    """Gluon fused cases that errored or are off (the tl fused numbers are context only)."""
-    bad = []
-    for r in records:
-        if "error" in r:
-            bad.append(f"{r['part']} {r['case']}: error")
-        for lab, x in r.get("gluon", {}).items():
-            if not x.get("ok", False):
-                bad.append(f"{r['part']} {r['case']} {lab}: " + _fmt3(x))
-    return bad
-
-
 def fused_main(args) -> int:
     configs = [_parse(lab) for lab in args.fused_configs.split(",")]
-    out_dir = os.environ.get("OUT", "/tmp")
-    os.makedirs(out_dir, exist_ok=True)
-    out_path = os.path.join(out_dir, "gluon_fused_ab.json")
-    start = time.time()
-    deadline = start + args.budget_s
-    records: list = []
-    print(f"GPU {torch.cuda.get_device_name(0)}; torch {torch.__version__}; "
-          f"triton {__import__('triton').__version__}; budget {args.budget_s:.0f} s; fused A/B",
-          flush=True)
+    out_path, start, deadline, records = start_run("gluon_fused_ab", args.budget_s, "; fused A/B")
     if not args.skip_small:
         fused_small_pass(records, deadline, out_path)
     if not args.skip_timed:
         fused_timed_pass(records, deadline, out_path, args.seqlen, configs)
-    faulthandler.cancel_dump_traceback_later()
-    _write(out_path, records)
     table = fused_summary_table(records)
     print(table)
-    bad = _fused_failures(records)
-    with open(out_path[:-5] + ".md", "w") as f:
-        f.write(md_header("Fused Gluon backward vs split backward", run_meta())
-                + "Whole backward (delta pre-pass, plan, kernels, dQ scaling), bf16, D=128, "
-                f"S={args.seqlen}, B*S={TOTAL_TOKENS}; median ms of do_bench (TFLOP/s, DESIGN.md "
-                "backward FLOPs) and speed-up over split.\n" + table + "\n\n"
-                + (f"FAIL ({len(bad)}):\n\n" + "\n".join(f"- {x}" for x in bad) if bad else
-                   f"All Gluon fused cases within rel. error {REL_TOL} of split.") + "\n")
-    print(f"\nwall {time.time() - start:.0f} s; wrote {out_path} and .md")
-    if bad:
-        print(f"FAIL ({len(bad)}):\n  " + "\n  ".join(bad))
-        return 1
-    print("all Gluon fused cases within rel. error", REL_TOL)
-    return 0
+    bad = failures(records, _fmt3)  # the tl fused numbers are context only: never a failure
+    return finish_run(
+        out_path, records, start,
+        md_header("Fused Gluon backward vs split backward", run_meta())
+        + "Whole backward (delta pre-pass, plan, kernels, dQ scaling), bf16, D=128, "
+        f"S={args.seqlen}, B*S={TOTAL_TOKENS}; median ms of do_bench (TFLOP/s, DESIGN.md "
+        "backward FLOPs) and speed-up over split.\n" + table + "\n\n"
+        + verdict(bad, f"All Gluon fused cases within rel. error {REL_TOL} of split."),
+        bad, f"all Gluon fused cases within rel. error {REL_TOL}")
 
 
 
@@ -727,37 +737,22 @@ def main(argv=None) -> int:
     if args.fused:
         return fused_main(args)
     configs = [_parse(lab) for lab in args.configs.split(",")]
-    out_dir = os.environ.get("OUT", "/tmp")
-    os.makedirs(out_dir, exist_ok=True)
-    out_path = os.path.join(out_dir, "gluon_dkdv_ab.json")
-    start = time.time()
-    deadline = start + args.budget_s
-    records: list = []
-    print(f"GPU {torch.cuda.get_device_name(0)}; torch {torch.__version__}; "
-          f"triton {__import__('triton').__version__}; budget {args.budget_s:.0f} s", flush=True)
+    out_path, start, deadline, records = start_run("gluon_dkdv_ab", args.budget_s)
     if not args.skip_small:
         small_pass(records, deadline, out_path)
     if not args.skip_timed:
         timed_pass(records, deadline, out_path, args.seqlen, configs, args.head_dim)
-    faulthandler.cancel_dump_traceback_later()
-    _write(out_path, records)
     table = summary_table(records)
     print(table)
-    bad = _failures(records)
-    with open(out_path[:-5] + ".md", "w") as f:
-        f.write(md_header("Gluon dK/dV vs tl dK/dV", run_meta())
-                + f"Each dK/dV kernel alone on the same inputs, bf16, D={args.head_dim}, "
-                f"S={args.seqlen}, B*S={TOTAL_TOKENS}; median ms of do_bench (hardware TFLOP/s "
-                "of the 4 dK/dV matmuls), speed-up over tl and (`/g`) over the non-WS twin.\n"
-                + table + "\n\n"
-                + (f"FAIL ({len(bad)}):\n\n" + "\n".join(f"- {x}" for x in bad) if bad else
-                   f"All Gluon cases within rel. error {REL_TOL} of tl.") + "\n")
-    print(f"\nwall {time.time() - start:.0f} s; wrote {out_path} and .md")
-    if bad:
-        print(f"FAIL ({len(bad)}):\n  " + "\n  ".join(bad))
-        return 1
-    print("all Gluon cases within rel. error", REL_TOL)
-    return 0
+    bad = failures(records, _dkdv_error)
+    return finish_run(
+        out_path, records, start,
+        md_header("Gluon dK/dV vs tl dK/dV", run_meta())
+        + f"Each dK/dV kernel alone on the same inputs, bf16, D={args.head_dim}, "
+        f"S={args.seqlen}, B*S={TOTAL_TOKENS}; median ms of do_bench (hardware TFLOP/s "
+        "of the 4 dK/dV matmuls), speed-up over tl and (`/g`) over the non-WS twin.\n"
+        + table + "\n\n" + verdict(bad, f"All Gluon cases within rel. error {REL_TOL} of tl."),
+        bad, f"all Gluon cases within rel. error {REL_TOL}")
 
 
 if __name__ == "__main__":

@@ -31,7 +31,6 @@ Shares the inputs, small cases, timing and record writing of ``benchmarks/gluon_
 from __future__ import annotations
 
 import argparse
-import faulthandler
 import os
 import sys
 import time
@@ -302,17 +301,6 @@ def small_table(records) -> str:
     return "\n".join(lines)
 
 
-def _failures(records) -> list[str]:
-    bad = []
-    for r in records:
-        if "error" in r:
-            bad.append(f"{r['part']} {r['case']}: error")
-        for lab, x in r.get("gluon", {}).items():
-            if not x.get("ok", False):
-                bad.append(f"{r['part']} {r['case']} {lab}: {_fmt(x)}")
-    return bad
-
-
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--budget-s", type=float, default=200.0,
@@ -336,37 +324,23 @@ def main(argv=None) -> int:
     if reason:
         print(reason)
         return 2
-    out_dir = os.environ.get("OUT", "/tmp")
-    os.makedirs(out_dir, exist_ok=True)
-    out_path = os.path.join(out_dir, "gluon_dq_ab.json")
-    start = time.time()
-    deadline = start + args.budget_s
-    records: list = []
-    print(f"GPU {torch.cuda.get_device_name(0)}; torch {torch.__version__}; "
-          f"triton {__import__('triton').__version__}; budget {args.budget_s:.0f} s", flush=True)
+    out_path, start, deadline, records = AB.start_run("gluon_dq_ab", args.budget_s)
     if not args.skip_small:
         small_pass(records, start + args.small_frac * args.budget_s, out_path)
     if not args.skip_timed:
         timed_pass(records, deadline, out_path, args.seqlen, configs)
-    faulthandler.cancel_dump_traceback_later()
-    AB._write(out_path, records)
     table = summary_table(records)
     print(table)
-    bad = _failures(records)
-    with open(out_path[:-5] + ".md", "w") as f:
-        f.write(AB.md_header("Gluon dQ vs tl dQ", AB.run_meta())
-                + f"Timed: dQ kernel alone, bf16, D=128, S={args.seqlen}, "
-                f"B*S={AB.TOTAL_TOKENS}; median ms of do_bench (hardware TFLOP/s of the live "
-                "tiles: S, dP, dQ) and speed-up over the tl dQ at its default config.\n"
-                + table + "\n\nSmall cases (dQ vs the tl dQ):\n" + small_table(records)
-                + "\n\n" + (f"FAIL ({len(bad)}):\n\n" + "\n".join(f"- {x}" for x in bad)
-                            if bad else "All Gluon cases ok.") + "\n")
-    print(f"\nwall {time.time() - start:.0f} s; wrote {out_path} and .md")
-    if bad:
-        print(f"FAIL ({len(bad)}):\n  " + "\n  ".join(bad))
-        return 1
-    print("all Gluon dQ cases ok (bitwise where the tile shape matches)")
-    return 0
+    bad = AB.failures(records, _fmt)
+    return AB.finish_run(
+        out_path, records, start,
+        AB.md_header("Gluon dQ vs tl dQ", AB.run_meta())
+        + f"Timed: dQ kernel alone, bf16, D=128, S={args.seqlen}, "
+        f"B*S={AB.TOTAL_TOKENS}; median ms of do_bench (hardware TFLOP/s of the live "
+        "tiles: S, dP, dQ) and speed-up over the tl dQ at its default config.\n"
+        + table + "\n\nSmall cases (dQ vs the tl dQ):\n" + small_table(records)
+        + "\n\n" + AB.verdict(bad, "All Gluon cases ok."),
+        bad, "all Gluon dQ cases ok (bitwise where the tile shape matches)")
 
 
 if __name__ == "__main__":

@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import faulthandler
 import math
 import os
 import sys
@@ -318,25 +317,16 @@ def _write(path, records):
     AB._write(path, records, lse_tol=LSE_TOL)
 
 
-def _write_md(path, records):
-    with open(path, "w") as f:
-        f.write(AB.md_header("Gluon forward vs tl forward", AB.run_meta(lse_tol=LSE_TOL))
-                + "Small cases: O rel. error to the float64 "
-                "reference / max |O_gluon - O_tl|\n\n" + small_table(records)
-                + "\n\nTimed (32K, D=128, bf16; ms (TFLOP/s) and speed-up over tl)\n\n"
-                + summary_table(records) + "\n")
+def _markdown(records) -> str:
+    return (AB.md_header("Gluon forward vs tl forward", AB.run_meta(lse_tol=LSE_TOL))
+            + "Small cases: O rel. error to the float64 "
+            "reference / max |O_gluon - O_tl|\n\n" + small_table(records)
+            + "\n\nTimed (32K, D=128, bf16; ms (TFLOP/s) and speed-up over tl)\n\n"
+            + summary_table(records) + "\n")
 
 
-def _failures(records) -> list[str]:
-    bad = []
-    for r in records:
-        if "error" in r:
-            bad.append(f"{r['part']} {r['case']}: error")
-        for lab, x in r.get("gluon", {}).items():
-            if not x.get("ok", False):
-                bad.append(f"{r['part']} {r['case']} {lab}: "
-                           + ("error" if "error" in x else "out of tolerance"))
-    return bad
+def _fwd_error(x) -> str:
+    return "error" if "error" in x else "out of tolerance"
 
 
 def main(argv=None) -> int:
@@ -359,32 +349,18 @@ def main(argv=None) -> int:
     if reason:
         print(reason)
         return 2
-    out_dir = os.environ.get("OUT", "/tmp")
-    os.makedirs(out_dir, exist_ok=True)
-    out_path = os.path.join(out_dir, "gluon_fwd_ab.json")
-    start = time.time()
-    deadline = start + args.budget_s
-    records: list = []
-    print(f"GPU {torch.cuda.get_device_name(0)}; torch {torch.__version__}; triton "
-          f"{__import__('triton').__version__}; budget {args.budget_s:.0f} s; case timeout "
-          f"{CASE_TIMEOUT_S} s", flush=True)
+    out_path, start, deadline, records = AB.start_run(
+        "gluon_fwd_ab", args.budget_s, f"; case timeout {CASE_TIMEOUT_S} s")
     if not args.skip_small:
         small_pass(records, deadline, out_path,
                    [_parse(lab) for lab in args.small_configs.split(",")])
     if not args.skip_timed:
         timed_pass(records, deadline, out_path, args.seqlen, configs)
-    faulthandler.cancel_dump_traceback_later()
-    _write(out_path, records)
-    _write_md(out_path[:-5] + ".md", records)
     print(small_table(records))
     print(summary_table(records))
-    bad = _failures(records)
-    print(f"\nwall {time.time() - start:.0f} s; wrote {out_path} and .md")
-    if bad:
-        print(f"FAIL ({len(bad)}):\n  " + "\n  ".join(bad))
-        return 1
-    print("all Gluon forward cases within tolerance")
-    return 0
+    bad = AB.failures(records, _fwd_error)
+    return AB.finish_run(out_path, records, start, _markdown(records), bad,
+                         "all Gluon forward cases within tolerance", lse_tol=LSE_TOL)
 
 
 if __name__ == "__main__":

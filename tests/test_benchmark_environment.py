@@ -81,3 +81,30 @@ def test_gluon_ab_small_case_skeleton(tmp_path):
     a = AB.small_mask(masked, AB.SMALL_CASES[masked], "cpu")
     assert torch.equal(a, AB.small_mask(masked, AB.SMALL_CASES[masked], "cpu"))
     assert a.shape[-1] == AB.SMALL_CASES[masked][-1]
+
+
+def test_gluon_ab_verdict_and_finish(tmp_path, capsys):
+    """The verdict the Gluon A/B scripts share: an errored case and a Gluon result that is not ok
+    fail the run (exit code 1, listed in the markdown), skipped results and ok ones do not; the
+    JSON carries the tolerances given."""
+    import json
+
+    from benchmarks import gluon_dkdv_ab as AB
+
+    records = [
+        {"part": "small", "case": "a", "gluon": {"x": {"ok": True}, "y": {"skipped": "budget"}}},
+        {"part": "timed", "case": "b", "gluon": {"x": {"ok": False, "err": 0.5}}},
+        {"part": "timed", "case": "c", "error": "boom", "gluon": {}},
+    ]
+    bad = AB.failures(records, lambda x: f"err {x['err']}")
+    assert bad == ["timed b x: err 0.5", "timed c: error"]
+    assert AB.failures(records[:1], repr) == []
+    path = tmp_path / "ab.json"
+    assert AB.finish_run(str(path), records, 0.0, "# t\n" + AB.verdict(bad, "fine"), bad,
+                         "all ok", lse_tol=0.25) == 1
+    md = (tmp_path / "ab.md").read_text()
+    assert "FAIL (2)" in md and "- timed b x: err 0.5" in md and "fine" not in md
+    assert json.loads(path.read_text())["meta"]["lse_tol"] == 0.25
+    assert "FAIL (2)" in capsys.readouterr().out
+    assert AB.finish_run(str(path), records[:1], 0.0, AB.verdict([], "fine"), [], "all ok") == 0
+    assert (tmp_path / "ab.md").read_text() == "fine\n" and "all ok" in capsys.readouterr().out
