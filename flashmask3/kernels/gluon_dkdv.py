@@ -387,10 +387,16 @@ def _tile(dk, dv, it, m, hi, k_smem, v_smem, q_ring, do_ring, ready, empty, q_de
     s_tok = warpgroup_mma(k_smem, q_s.permute((1, 0)), zero, use_acc=False, is_async=True)
     dp_tok = warpgroup_mma(v_smem, do_s.permute((1, 0)), zero, use_acc=False, is_async=True)
     rows = m * BLOCK_M + offs_mb
-    rvalid = rows < Sq
-    lse2 = gl.load(lse2_ptr + stat_row0 + rows, mask=rvalid, other=float("inf"))
-    delta = gl.load(delta_ptr + stat_row0 + rows, mask=rvalid, other=0.0)
-    sT = warpgroup_mma_wait(num_outstanding=1, deps=(s_tok, ))
+    if isinstance(lse2_ptr, gl.shared_memory_descriptor):
+        # STATS_SMEM: lse2/delta of this tile sit in ring slot ``slot`` (the producer loaded
+        # them); read each where it is used, so neither is live across the wgmmas
+        sT = warpgroup_mma_wait(num_outstanding=1, deps=(s_tok, ))
+        lse2 = lse2_ptr.index(slot).load(gl.SliceLayout(0, s_layout))
+    else:
+        rvalid = rows < Sq
+        lse2 = gl.load(lse2_ptr + stat_row0 + rows, mask=rvalid, other=float("inf"))
+        delta = gl.load(delta_ptr + stat_row0 + rows, mask=rvalid, other=0.0)
+        sT = warpgroup_mma_wait(num_outstanding=1, deps=(s_tok, ))
     pT = gl.exp2(sT * scale_log2 - lse2[None, :])
     if MASKED:
         if _needs_mask(m, n_blk, Sq, Sk, stats, BLOCK_M, BLOCK_N, CAUSAL, NI):
@@ -403,6 +409,8 @@ def _tile(dk, dv, it, m, hi, k_smem, v_smem, q_ring, do_ring, ready, empty, q_de
     p16 = gl.convert_layout(pT.to(dtype), a_layout)
     dv_tok = warpgroup_mma(p16, do_s, dv, is_async=True)
     dpT, p16 = warpgroup_mma_wait(num_outstanding=1, deps=(dp_tok, p16))
+    if isinstance(delta_ptr, gl.shared_memory_descriptor):
+        delta = delta_ptr.index(slot).load(gl.SliceLayout(0, s_layout))
     dsT = pT * (dpT - delta[None, :])
     if FUSE_DQ:
         dv, dk = _fused_dq_tail(dv_tok, p16, dsT, dk, q_s, k_smem, ds_smem, dq_smem, dq_desc,
@@ -506,6 +514,54 @@ def _producer_partition(n_blk, b, hk, b64, group, q_desc, do_desc, q_ring, do_ri
 
 
 @_jit
+def _produce_range_stats(q_desc, do_desc, q_ring, do_ring, ready, empty, it, lo, hi, q_row0,
+                         q_col, lse2_ptr, delta_ptr, stat_row0, lse_ring, delta_ring, Sq,
+                         BLOCK_M: gl.constexpr, NUM_STAGES: gl.constexpr):
+    """STATS_SMEM twin of :func:`_produce_range`: also loads the tile's lse2 (+inf past Sq) and
+    delta (0 past Sq), the ``tl`` kernel's masked loads, into the slot's fp32 rows of
+    ``lse_ring``/``delta_ring``, before the expect-arrive on ``ready`` (release: the compute
+    partition's wait on ``ready`` sees them)."""
+    st_layout: gl.constexpr = gl.BlockedLayout([(BLOCK_M + 31) // 32], [32], [1], [0])
+    offs = gl.arange(0, BLOCK_M, layout=st_layout)
+    for m in range(lo, hi):
+        slot = it % NUM_STAGES
+        mbarrier.wait(empty.index(slot), ((it // NUM_STAGES) & 1) ^ 1)
+        rows = m * BLOCK_M + offs
+        rvalid = rows < Sq
+        lse2 = gl.load(lse2_ptr + stat_row0 + rows, mask=rvalid, other=float("inf"))
+        delta = gl.load(delta_ptr + stat_row0 + rows, mask=rvalid, other=0.0)
+        lse_ring.index(slot).store(lse2)
+        delta_ring.index(slot).store(delta)
+        gl.thread_barrier()  # every lane's stores before the (one-thread) expect-arrive
+        _issue_tile(q_desc, do_desc, q_ring, do_ring, ready, slot, q_row0 + m * BLOCK_M, q_col,
+                    True)
+        it += 1
+    return it
+
+
+@_jit
+def _producer_partition_stats(n_blk, b, hk, b64, group, q_desc, do_desc, q_ring, do_ring, ready,
+                              empty, rng_ptr, Sq, Sk, Hq, Hm, NQB, NKB, mask_b_stride, lse2_ptr,
+                              delta_ptr, lse_ring, delta_ring, BLOCK_M: gl.constexpr,
+                              BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr,
+                              CAUSAL: gl.constexpr, C: gl.constexpr):
+    """STATS_SMEM twin of :func:`_producer_partition` (:func:`_produce_range_stats`)."""
+    it = n_blk * 0
+    for g in range(0, group):
+        h = hk * group + g
+        mbh = b64 * mask_b_stride + h // (Hq // Hm)
+        lo0, flo0, fhi0, hi0, lo1, flo1, fhi1, hi1 = _key_block_ranges(
+            rng_ptr, mbh, n_blk, Sq, Sk, NQB, BLOCK_M, BLOCK_N, CAUSAL, C, NKB)
+        stat_row0 = (b64 * Hq + h) * Sq
+        it = _produce_range_stats(q_desc, do_desc, q_ring, do_ring, ready, empty, it, lo0, hi0,
+                                  b * Sq, h * (q_desc.block_type.shape[1]), lse2_ptr, delta_ptr,
+                                  stat_row0, lse_ring, delta_ring, Sq, BLOCK_M, NUM_STAGES)
+        it = _produce_range_stats(q_desc, do_desc, q_ring, do_ring, ready, empty, it, lo1, hi1,
+                                  b * Sq, h * (q_desc.block_type.shape[1]), lse2_ptr, delta_ptr,
+                                  stat_row0, lse_ring, delta_ring, Sq, BLOCK_M, NUM_STAGES)
+
+
+@_jit
 def _heads(dk, dv, n_blk, b, hk, b64, group, k_smem, v_smem, q_ring, do_ring, ready, empty,
            q_desc, do_desc, lse2_ptr, delta_ptr, mask_ptr, sum_ptr, rng_ptr, scale_log2, Sq, Sk,
            Hq, Hk, Hm, NQB, NKB, mask_b_stride, ds_smem, dq_smem, dq_desc, cols, offs_mb,
@@ -587,7 +643,8 @@ def _dkdv_gluon_kernel(q_desc, do_desc, k_desc, v_desc, dk_ptr, dv_ptr, lse2_ptr
                        D: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
                        CAUSAL: gl.constexpr, C: gl.constexpr, NI: gl.constexpr,
                        NUM_STAGES: gl.constexpr, NUM_WARPS: gl.constexpr,
-                       FUSE_DQ: gl.constexpr = False, WARP_SPEC: gl.constexpr = False):
+                       FUSE_DQ: gl.constexpr = False, WARP_SPEC: gl.constexpr = False,
+                       STATS_SMEM: gl.constexpr = False):
     """One program per (key block, batch * KV head); loops over the query heads of its group.
     FUSE_DQ: also reduce-adds dQ (unscaled, fp32) through ``dq_desc``: the [B*Hq*D, Sq] view of
     a dQᵀ buffer [B, Hq, D, Sq_pad] (block [D, BLOCK_M]: a wgmma accumulator tile as it sits
@@ -652,17 +709,34 @@ def _dkdv_gluon_kernel(q_desc, do_desc, k_desc, v_desc, dk_ptr, dv_ptr, lse2_ptr
             ds_smem = 0
             dq_smem = 0
             dq_desc = 0
-        dk, dv = gl.warp_specialize([
-            (_compute_partition,
-             (n_blk, b, hk, b64, group, k_smem, v_smem, q_ring, do_ring, ready, empty, kv_bar,
-              q_desc, do_desc, lse2_ptr, delta_ptr, mask_ptr, sum_ptr, rng_ptr, scale_log2, Sq,
-              Sk, Hq, Hk, Hm, NQB, NKB, mask_b_stride, ds_smem, dq_smem, dq_desc, s_layout,
-              acc_layout, a_layout, D, BLOCK_M, BLOCK_N, NUM_STAGES, CAUSAL, C, NI, FUSE_DQ)),
-            (_producer_partition,
-             (n_blk, b, hk, b64, group, q_desc, do_desc, q_ring, do_ring, ready, empty, rng_ptr,
-              Sq, Sk, Hq, Hm, NQB, NKB, mask_b_stride, BLOCK_M, BLOCK_N, NUM_STAGES, CAUSAL,
-              C)),
-        ], [1], [24])  # PRODUCER_WARPS, PRODUCER_REGS
+        if STATS_SMEM:
+            st_smem: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, order=[0])
+            lse_ring = gl.allocate_shared_memory(gl.float32, [NUM_STAGES, BLOCK_M], st_smem)
+            delta_ring = gl.allocate_shared_memory(gl.float32, [NUM_STAGES, BLOCK_M], st_smem)
+            dk, dv = gl.warp_specialize([
+                (_compute_partition,
+                 (n_blk, b, hk, b64, group, k_smem, v_smem, q_ring, do_ring, ready, empty,
+                  kv_bar, q_desc, do_desc, lse_ring, delta_ring, mask_ptr, sum_ptr, rng_ptr,
+                  scale_log2, Sq, Sk, Hq, Hk, Hm, NQB, NKB, mask_b_stride, ds_smem, dq_smem,
+                  dq_desc, s_layout, acc_layout, a_layout, D, BLOCK_M, BLOCK_N, NUM_STAGES,
+                  CAUSAL, C, NI, FUSE_DQ)),
+                (_producer_partition_stats,
+                 (n_blk, b, hk, b64, group, q_desc, do_desc, q_ring, do_ring, ready, empty,
+                  rng_ptr, Sq, Sk, Hq, Hm, NQB, NKB, mask_b_stride, lse2_ptr, delta_ptr,
+                  lse_ring, delta_ring, BLOCK_M, BLOCK_N, NUM_STAGES, CAUSAL, C)),
+            ], [1], [24])  # PRODUCER_WARPS, PRODUCER_REGS
+        else:
+            dk, dv = gl.warp_specialize([
+                (_compute_partition,
+                 (n_blk, b, hk, b64, group, k_smem, v_smem, q_ring, do_ring, ready, empty, kv_bar,
+                  q_desc, do_desc, lse2_ptr, delta_ptr, mask_ptr, sum_ptr, rng_ptr, scale_log2, Sq,
+                  Sk, Hq, Hk, Hm, NQB, NKB, mask_b_stride, ds_smem, dq_smem, dq_desc, s_layout,
+                  acc_layout, a_layout, D, BLOCK_M, BLOCK_N, NUM_STAGES, CAUSAL, C, NI, FUSE_DQ)),
+                (_producer_partition,
+                 (n_blk, b, hk, b64, group, q_desc, do_desc, q_ring, do_ring, ready, empty, rng_ptr,
+                  Sq, Sk, Hq, Hm, NQB, NKB, mask_b_stride, BLOCK_M, BLOCK_N, NUM_STAGES, CAUSAL,
+                  C)),
+            ], [1], [24])  # PRODUCER_WARPS, PRODUCER_REGS
         for i in gl.static_range(NUM_STAGES):
             mbarrier.invalidate(empty.index(i))
     else:
@@ -871,7 +945,8 @@ def offline_constexprs(d: int, block_m: int, block_n: int, num_warps: int, num_s
 
 def compile_sm90(d: int = 128, block_m: int = 64, block_n: int = 64, num_warps: int = 4,
                  num_stages: int = 2, causal: bool = True, c: int = 1, dtype: str = "bf16",
-                 fuse_dq: bool = False, warp_spec: bool = False, maxnreg: Optional[int] = None):
+                 fuse_dq: bool = False, warp_spec: bool = False, maxnreg: Optional[int] = None,
+                 stats_smem: bool = False):
     """Compile the kernel (``fuse_dq``: the FUSE_DQ variant; ``warp_spec``: the WARP_SPEC one,
     at ``maxnreg`` registers per thread, default :func:`ws_maxnreg`) for sm_90 without a GPU;
     returns the CompiledKernel."""
@@ -888,6 +963,8 @@ def compile_sm90(d: int = 128, block_m: int = 64, block_n: int = 64, num_warps: 
             "delta_ptr": "*fp32", "mask_ptr": "*i32", "sum_ptr": "*i32", "rng_ptr": "*i32"}
     consts = offline_constexprs(d, block_m, block_n, num_warps, num_stages, causal, c,
                                 FUSE_DQ=fuse_dq, WARP_SPEC=warp_spec)
+    if stats_smem:
+        consts["STATS_SMEM"] = True
     options = {}
     if warp_spec:  # as the launcher passes it (WARP_SPEC=False: the unchanged options)
         options["maxnreg"] = maxnreg if maxnreg is not None else ws_maxnreg(num_warps)
@@ -975,7 +1052,7 @@ def sass_report(cubin: bytes) -> dict:
 
 
 def compile_report(d=128, block_m=64, block_n=64, num_warps=4, num_stages=2, causal=True, c=1,
-                   dtype="bf16", fuse_dq=False, warp_spec=False) -> dict:
+                   dtype="bf16", fuse_dq=False, warp_spec=False, stats_smem=False) -> dict:
     """One configuration's offline sm_90 report (or its error)."""
     row = dict(D=d, block_m=block_m, block_n=block_n, num_warps=num_warps,
                num_stages=num_stages, causal=causal, C=c, dtype=dtype, fuse_dq=fuse_dq)
@@ -983,7 +1060,7 @@ def compile_report(d=128, block_m=64, block_n=64, num_warps=4, num_stages=2, cau
         row.update(warp_spec=True, maxnreg=ws_maxnreg(num_warps))
     try:
         ck = compile_sm90(d, block_m, block_n, num_warps, num_stages, causal, c, dtype, fuse_dq,
-                          warp_spec)
+                          warp_spec, stats_smem=stats_smem)
     except Exception as exc:
         row["error"] = f"{type(exc).__name__}: {str(exc)[:2000]}"
         return row
