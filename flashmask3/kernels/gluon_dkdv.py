@@ -400,7 +400,8 @@ def _tile(dk, dv, it, m, hi, k_smem, v_smem, q_ring, do_ring, ready, empty, q_de
     pT = gl.exp2(sT * scale_log2 - lse2[None, :])
     if MASKED:
         if _needs_mask(m, n_blk, Sq, Sk, stats, BLOCK_M, BLOCK_N, CAUSAL, NI):
-            if FUSE_DQ and not CAUSAL:  # ivals: the column pointer (see the kernel)
+            if (FUSE_DQ or isinstance(lse2_ptr, gl.shared_memory_descriptor)) and not CAUSAL:
+                # ivals: the column pointer (see _heads)
                 iv = _column_intervals(ivals, cols, Sq, Sk, CAUSAL, C)
             else:
                 iv = ivals
@@ -582,9 +583,10 @@ def _heads(dk, dv, n_blk, b, hk, b64, group, k_smem, v_smem, q_ring, do_ring, re
         lo0, flo0, fhi0, hi0, lo1, flo1, fhi1, hi1 = _key_block_ranges(
             rng_ptr, mbh, n_blk, Sq, Sk, NQB, BLOCK_M, BLOCK_N, CAUSAL, C, NKB)
         stats = _load_stats(sum_ptr, mbh, n_blk, NKB, NI)
-        if FUSE_DQ and not CAUSAL:
-            # the fused kernel's non-causal masked loops reload the column intervals per
-            # masked tile (L1 hits) instead of holding them: fewer spills inside the loops
+        if (FUSE_DQ or isinstance(lse2_ptr, gl.shared_memory_descriptor)) and not CAUSAL:
+            # the fused and the STATS_SMEM kernels' non-causal masked loops reload the column
+            # intervals per masked tile (L1 hits) instead of holding them: fewer spills inside
+            # the loops
             ivals = mask_ptr + mbh * Sk * C
         else:
             ivals = _column_intervals(mask_ptr + mbh * Sk * C, cols, Sq, Sk, CAUSAL, C)
