@@ -180,6 +180,28 @@ def _needs_mask(m, n_blk, Sq, Sk, stats, BLOCK_M: gl.constexpr, BLOCK_N: gl.cons
 
 
 @_jit
+def _needs_mask_lean(m, n_blk, Sq, Sk, stats, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+                     CAUSAL: gl.constexpr, NI: gl.constexpr):
+    """:func:`_needs_mask` from 4 of the 8 statistics (STATS_SMEM: fewer loop invariants). The
+    dropped terms ``(r0 >= s_max) & (r1 <= e_min)`` imply the kept ``(r0 < e_max) & (r1 >
+    s_min)`` (r0 < r1: the tile holds a row below Sq; s_min <= s_max, e_min <= e_max), so the
+    result is the same."""
+    r0 = m * BLOCK_M
+    r1 = gl.minimum(r0 + BLOCK_M, Sq)
+    c0 = n_blk * BLOCK_N
+    c1 = gl.minimum(c0 + BLOCK_N, Sk)
+    need = c0 + BLOCK_N > Sk
+    if CAUSAL:
+        need = need | (c1 - 1 > r0 + (Sk - Sq))
+    if NI >= 1:
+        s0max, s0min, e0max, e0min, s1max, s1min, e1max, e1min = stats
+        need = need | ((r0 < e0max) & (r1 > s0min))
+        if NI >= 2:
+            need = need | ((r0 < e1max) & (r1 > s1min))
+    return need
+
+
+@_jit
 def _element_masked(rows, cols, ivals, Sq, Sk, CAUSAL: gl.constexpr, C: gl.constexpr):
     """True where (row, col) is masked (DESIGN.md §1); rows ``[1, BM]``, cols ``[BN, 1]``, the
     column intervals ``ivals`` = (s0, e0, s1, e1) ``[BN, 1]``. Columns >= Sk are masked."""
@@ -397,8 +419,17 @@ def _tile(dk, dv, it, m, hi, k_smem, v_smem, q_ring, do_ring, ready, empty, q_de
         lse2 = gl.load(lse2_ptr + stat_row0 + rows, mask=rvalid, other=float("inf"))
         delta = gl.load(delta_ptr + stat_row0 + rows, mask=rvalid, other=0.0)
         sT = warpgroup_mma_wait(num_outstanding=1, deps=(s_tok, ))
+    if MASKED and isinstance(lse2_ptr, gl.shared_memory_descriptor):
+        # STATS_SMEM: mask the scores before exp2 (exp2(-inf) = +0, the 0.0 of the where below)
+        if _needs_mask_lean(m, n_blk, Sq, Sk, stats, BLOCK_M, BLOCK_N, CAUSAL, NI):
+            if not CAUSAL:
+                iv = _column_intervals(ivals, cols, Sq, Sk, CAUSAL, C)
+            else:
+                iv = ivals
+            masked = _element_masked(rows[None, :], cols[:, None], iv, Sq, Sk, CAUSAL, C)
+            sT = gl.where(masked, float("-inf"), sT)
     pT = gl.exp2(sT * scale_log2 - lse2[None, :])
-    if MASKED:
+    if MASKED and not isinstance(lse2_ptr, gl.shared_memory_descriptor):
         if _needs_mask(m, n_blk, Sq, Sk, stats, BLOCK_M, BLOCK_N, CAUSAL, NI):
             if (FUSE_DQ or isinstance(lse2_ptr, gl.shared_memory_descriptor)) and not CAUSAL:
                 # ivals: the column pointer (see _heads)
