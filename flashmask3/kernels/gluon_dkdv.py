@@ -996,8 +996,7 @@ def compile_sm90(d: int = 128, block_m: int = 64, block_n: int = 64, num_warps: 
             "delta_ptr": "*fp32", "mask_ptr": "*i32", "sum_ptr": "*i32", "rng_ptr": "*i32"}
     consts = offline_constexprs(d, block_m, block_n, num_warps, num_stages, causal, c,
                                 FUSE_DQ=fuse_dq, WARP_SPEC=warp_spec)
-    if stats_smem:
-        consts["STATS_SMEM"] = True
+    consts["STATS_SMEM"] = stats_smem  # a constexpr (left out, the compile makes it an argument)
     options = {}
     if warp_spec:  # as the launcher passes it (WARP_SPEC=False: the unchanged options)
         options["maxnreg"] = maxnreg if maxnreg is not None else ws_maxnreg(num_warps)
