@@ -874,7 +874,7 @@ def check_config(d: int, block_m: int, block_n: int, num_warps: int, num_stages:
 
 def launch_dkdv_gluon(q, k, v, dout, lse2, delta, causal, softmax_scale, plan, block_m: int,
                       block_n: int, num_warps: int, num_stages: int, fuse_dq: bool = False,
-                      warp_spec: bool = False):
+                      warp_spec: bool = False, stats_smem: bool = False):
     """(dk, dv) like ``_launch_dkdv(..., fuse_dq=False)[:2]``; ``plan`` must come from
     ``make_plan(mask, causal, Sq, Sk, block_m, block_n, by_key=True, device)``.
 
@@ -882,6 +882,10 @@ def launch_dkdv_gluon(q, k, v, dout, lse2, delta, causal, softmax_scale, plan, b
     the same results from a kernel whose Q/dO ring is filled by a 1-warp TMA producer
     partition, launched with ``maxnreg=ws_maxnreg(num_warps)``; the default (False) launches
     exactly the kernel it always did.
+
+    ``stats_smem=True`` (with ``warp_spec`` only; the STATS_SMEM kernel, compiled offline only,
+    not yet run on a GPU): the producer also stages each tile's lse2/delta in shared memory
+    (what lets 64x128 w8 run without spills in its tile loops); same dK, dV bit for bit.
 
     ``fuse_dq=True`` (the FUSE_DQ kernel, unverified on a GPU): (dk, dv, dq_acc), dq_acc the
     unscaled fp32 dQ accumulated by TMA reduce-adds, shape [B, Sq, Hq, D] (a permuted view of
@@ -925,6 +929,10 @@ def launch_dkdv_gluon(q, k, v, dout, lse2, delta, causal, softmax_scale, plan, b
     kwargs = dict(FUSE_DQ=True) if fuse_dq else {}
     if warp_spec:
         kwargs.update(WARP_SPEC=True, maxnreg=ws_maxnreg(num_warps))
+    if stats_smem:
+        if not warp_spec:
+            raise ValueError("gluon dK/dV: stats_smem needs warp_spec (the producer stages them)")
+        kwargs.update(STATS_SMEM=True)
     _dkdv_gluon_kernel[(nkb, b * hk)](
         q_desc, do_desc, k_desc, v_desc, dk, dv, lse2, delta, plan.mask, plan.summary,
         plan.ranges, softmax_scale, softmax_scale * LOG2E, sq, sk, hq, hk, plan.hm, nqb, nkb,
