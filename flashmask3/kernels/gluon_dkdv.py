@@ -93,6 +93,24 @@ WARP_SPEC existed, byte for byte (the 30 split and 25 fused variants of both rep
 layouts; the tests pin 6 of them by hash). Fragile: ptxas sees the debug-scope labels of the
 inlined helpers, and a draft of this refactor renumbered registers in one fused variant.
 
+Stats in shared memory (constexpr STATS_SMEM, default False, WARP_SPEC only;
+``launch_dkdv_gluon(..., warp_spec=True, stats_smem=True)``, A/B label suffix ``wsm``; compiled
+offline only, NOT yet run on a GPU): why 64x128 w8 spilled: each tile loaded lse2 and delta
+(16 + 16 fp32 per thread in the Sᵀ column slice, 32 scalar predicated LDGs) while Sᵀ ran, and
+delta stayed live across both wgmma waits next to dK, dV (128), Sᵀ/Pᵀ (32) and dPᵀ in flight
+(32): over the 240 registers, so ptxas spilled them (and the interval words) in every masked
+tile. With STATS_SMEM the producer loads the tile's lse2/delta (same masked loads: +inf / 0
+past Sq) into a [NUM_STAGES, BLOCK_M] fp32 ring per statistic before its expect-arrive on
+``ready``, and ``_tile`` reads lse2 after the Sᵀ wait and delta after the dPᵀ wait (as FA3
+reads LSE/dPsum from shared memory); ``_compute_partition`` gets the rings in place of the
+pointers and the helpers dispatch on the argument's type, so no shared helper's signature
+changed. The masked path also: reloads the non-causal column-interval words per masked tile
+(as FUSE_DQ), masks Sᵀ before exp2 (-inf; exp2 gives the +0 the where gave) and classifies the
+tile from 4 of the 8 statistics (:func:`_needs_mask_lean`, same answer). dK, dV should stay bit
+for bit equal. Offline (D=128 bf16): 64x128 w8 s2 and s3 WS have no LDL/STL in their tile loops
+for causal C=0/1/2 and non-causal C=0/2/4 (without it 1-360); 64x64 w4 s2 WS 0-40 (was
+16-562). A non-WS variant (compute warps staging the next tile's statistics) is not written.
+
 Not done: prefetching across live ranges / query heads (one TMA latency per range; the
 WARP_SPEC producer does run ahead across them), dK left in flight across tiles, two consumer
 warpgroups (ping-pong), a Gluon forward and dQ.
