@@ -100,8 +100,8 @@ offline only, NOT yet run on a GPU): why 64x128 w8 spilled: each tile loaded lse
 delta stayed live across both wgmma waits next to dK, dV (128), Sᵀ/Pᵀ (32) and dPᵀ in flight
 (32): over the 240 registers, so ptxas spilled them (and the interval words) in every masked
 tile. With STATS_SMEM the producer loads the tile's lse2/delta (same masked loads: +inf / 0
-past Sq) into a [NUM_STAGES, BLOCK_M] fp32 ring per statistic before its expect-arrive on
-``ready``, and ``_tile`` reads lse2 after the Sᵀ wait and delta after the dPᵀ wait (as FA3
+past Sq) into a [NUM_STAGES, BLOCK_M] fp32 ring per statistic, under the slot's TMA loads, and
+arrives on ``ready`` a second time after storing them (count 2), and ``_tile`` reads lse2 after the Sᵀ wait and delta after the dPᵀ wait (as FA3
 reads LSE/dPsum from shared memory); ``_compute_partition`` gets the rings in place of the
 pointers and the helpers dispatch on the argument's type, so no shared helper's signature
 changed. The masked path also: reloads the non-causal column-interval words per masked tile
@@ -569,22 +569,25 @@ def _produce_range_stats(q_desc, do_desc, q_ring, do_ring, ready, empty, it, lo,
                          BLOCK_M: gl.constexpr, NUM_STAGES: gl.constexpr):
     """STATS_SMEM twin of :func:`_produce_range`: also loads the tile's lse2 (+inf past Sq) and
     delta (0 past Sq), the ``tl`` kernel's masked loads, into the slot's fp32 rows of
-    ``lse_ring``/``delta_ring``, before the expect-arrive on ``ready`` (release: the compute
-    partition's wait on ``ready`` sees them)."""
+    ``lse_ring``/``delta_ring``. The ``ready`` barriers count 2 arrivals here: the
+    expect-arrive that starts the TMA loads, then (the global loads of the statistics in flight
+    under the TMA) a plain arrive after the shared stores (release: the compute partition's
+    wait on ``ready`` sees them)."""
     st_layout: gl.constexpr = gl.BlockedLayout([(BLOCK_M + 31) // 32], [32], [1], [0])
     offs = gl.arange(0, BLOCK_M, layout=st_layout)
     for m in range(lo, hi):
         slot = it % NUM_STAGES
         mbarrier.wait(empty.index(slot), ((it // NUM_STAGES) & 1) ^ 1)
+        _issue_tile(q_desc, do_desc, q_ring, do_ring, ready, slot, q_row0 + m * BLOCK_M, q_col,
+                    True)
         rows = m * BLOCK_M + offs
         rvalid = rows < Sq
         lse2 = gl.load(lse2_ptr + stat_row0 + rows, mask=rvalid, other=float("inf"))
         delta = gl.load(delta_ptr + stat_row0 + rows, mask=rvalid, other=0.0)
         lse_ring.index(slot).store(lse2)
         delta_ring.index(slot).store(delta)
-        gl.thread_barrier()  # every lane's stores before the (one-thread) expect-arrive
-        _issue_tile(q_desc, do_desc, q_ring, do_ring, ready, slot, q_row0 + m * BLOCK_M, q_col,
-                    True)
+        gl.thread_barrier()  # every lane's stores before the (one-thread) arrive
+        mbarrier.arrive(ready.index(slot))
         it += 1
     return it
 
@@ -736,7 +739,10 @@ def _dkdv_gluon_kernel(q_desc, do_desc, k_desc, v_desc, dk_ptr, dv_ptr, lse2_ptr
     else:
         empty = None
     for i in gl.static_range(NUM_STAGES):
-        mbarrier.init(ready.index(i), count=1)
+        if STATS_SMEM:  # the producer's expect-arrive (TMA) and its arrive after the stats
+            mbarrier.init(ready.index(i), count=2)
+        else:
+            mbarrier.init(ready.index(i), count=1)
         if WARP_SPEC:
             mbarrier.init(empty.index(i), count=1)
     mbarrier.init(kv_bar, count=1)
