@@ -73,7 +73,8 @@ SMALL_CONFIGS = [(32, 64, 4, 3), (32, 64, 4, 3, True), (32, 128, 8, 3)]
 #: ... and these on the first two only (a spilling 64x64, BM=16, 2 stages, 8 warps 64x128,
 #: and the WARP_SPEC kernel at 2 stages and 8 warps).
 EXTRA_SMALL_CONFIGS = [(64, 64, 4, 2), (16, 64, 4, 3), (32, 64, 4, 2), (64, 128, 8, 2),
-                       (32, 64, 4, 2, True), (64, 128, 8, 2, True)]
+                       (32, 64, 4, 2, True), (64, 128, 8, 2, True),
+                       (64, 128, 8, 2, True, True)]
 #: (mask, Hq, Hk) in the order they run (the budget may cut the tail).
 TIMED_CASES = [("causal", 32, 32), ("causal_document_corpus", 32, 32), ("causal", 32, 8),
                ("document_corpus", 32, 32), ("sliding_window", 32, 32),
@@ -85,20 +86,31 @@ def _is_ws(cfg) -> bool:
     return len(cfg) > 4 and bool(cfg[4])
 
 
+def _is_wsm(cfg) -> bool:
+    """Whether a config tuple is the WARP_SPEC + STATS_SMEM kernel's (a sixth element True:
+    lse2/delta staged in shared memory by the producer)."""
+    return _is_ws(cfg) and len(cfg) > 5 and bool(cfg[5])
+
+
 def _label(cfg) -> str:
-    """``BMxBNwWsS``, plus ``ws`` for the WARP_SPEC kernel."""
-    return "{}x{}w{}s{}".format(*cfg[:4]) + ("ws" if _is_ws(cfg) else "")
+    """``BMxBNwWsS``, plus ``ws`` for the WARP_SPEC kernel, ``wsm`` for WARP_SPEC +
+    STATS_SMEM."""
+    return "{}x{}w{}s{}".format(*cfg[:4]) + ("wsm" if _is_wsm(cfg) else
+                                             "ws" if _is_ws(cfg) else "")
 
 
 def _parse(label: str) -> tuple:
     """The config tuple of a label (inverse of :func:`_label`): ``32x64w4s3`` ->
-    (32, 64, 4, 3), ``32x64w4s3ws`` -> (32, 64, 4, 3, True)."""
-    ws = label.endswith("ws")
-    body = label[:-2] if ws else label
+    (32, 64, 4, 3), ``32x64w4s3ws`` -> (32, 64, 4, 3, True), ``64x128w8s2wsm`` ->
+    (64, 128, 8, 2, True, True)."""
+    wsm = label.endswith("wsm")
+    ws = wsm or label.endswith("ws")
+    body = label[:-3] if wsm else label[:-2] if ws else label
     nums = tuple(int(x) for x in body.replace("x", " ").replace("w", " ").replace("s", " ").split())
     if len(nums) != 4:
-        raise ValueError(f"config label {label!r}: expected BMxBNwWsS or BMxBNwWsSws")
-    return nums + ((True, ) if ws else ())
+        raise ValueError(f"config label {label!r}: expected BMxBNwWsS, BMxBNwWsSws or "
+                         "BMxBNwWsSwsm")
+    return nums + ((True, True) if wsm else (True, ) if ws else ())
 
 
 def _twin(cfg) -> tuple:
@@ -194,15 +206,17 @@ def _tl_dkdv(q, k, v, dout, lse2, delta, cols, causal, scale):
 
 
 def _gluon_dkdv(q, k, v, dout, lse2, delta, cols, causal, scale, cfg):
-    """(launch closure, plan) of one Gluon config (WARP_SPEC when ``_is_ws(cfg)``)."""
+    """(launch closure, plan) of one Gluon config (WARP_SPEC when ``_is_ws(cfg)``, with
+    STATS_SMEM when ``_is_wsm(cfg)``)."""
     sq, sk = q.shape[1], k.shape[1]
     bm, bn, w, s = cfg[:4]
     ws = _is_ws(cfg)
+    wsm = _is_wsm(cfg)
     plan = T.make_plan(cols, causal, sq, sk, bm, bn, True, q.device)
 
     def fn():
         return G.launch_dkdv_gluon(q, k, v, dout, lse2, delta, causal, scale, plan, bm, bn, w, s,
-                                   warp_spec=ws)
+                                   warp_spec=ws, stats_smem=wsm)
     return fn, plan
 
 
@@ -716,7 +730,8 @@ def main(argv=None) -> int:
     ap.add_argument("--configs", default=",".join(_label(c) for c in TIMED_CONFIGS),
                     help="Gluon configs timed at 32K, e.g. 32x64w4s3,32x64w4s3ws,32x128w8s3 "
                          "(suffix ws: the warp-specialised kernel, timed against its non-WS "
-                         "twin when that is listed before it)")
+                         "twin when that is listed before it; wsm: ws with lse2/delta staged "
+                         "in shared memory, e.g. 64x128w8s2wsm)")
     ap.add_argument("--head-dim", type=int, default=128, choices=(64, 128, 256),
                     help="head dim of the timed cases (heads scale to hidden 4096); "
                          "--configs must suit it")

@@ -93,6 +93,24 @@ WARP_SPEC existed, byte for byte (the 30 split and 25 fused variants of both rep
 layouts; the tests pin 6 of them by hash). Fragile: ptxas sees the debug-scope labels of the
 inlined helpers, and a draft of this refactor renumbered registers in one fused variant.
 
+Stats in shared memory (constexpr STATS_SMEM, default False, WARP_SPEC only;
+``launch_dkdv_gluon(..., warp_spec=True, stats_smem=True)``, A/B label suffix ``wsm``; compiled
+offline only, NOT yet run on a GPU): why 64x128 w8 spilled: each tile loaded lse2 and delta
+(16 + 16 fp32 per thread in the Sᵀ column slice, 32 scalar predicated LDGs) while Sᵀ ran, and
+delta stayed live across both wgmma waits next to dK, dV (128), Sᵀ/Pᵀ (32) and dPᵀ in flight
+(32): over the 240 registers, so ptxas spilled them (and the interval words) in every masked
+tile. With STATS_SMEM the producer loads the tile's lse2/delta (same masked loads: +inf / 0
+past Sq) into a [NUM_STAGES, BLOCK_M] fp32 ring per statistic, under the slot's TMA loads, and
+arrives on ``ready`` a second time after storing them (count 2), and ``_tile`` reads lse2 after the Sᵀ wait and delta after the dPᵀ wait (as FA3
+reads LSE/dPsum from shared memory); ``_compute_partition`` gets the rings in place of the
+pointers and the helpers dispatch on the argument's type, so no shared helper's signature
+changed. The masked path also: reloads the non-causal column-interval words per masked tile
+(as FUSE_DQ), masks Sᵀ before exp2 (-inf; exp2 gives the +0 the where gave) and classifies the
+tile from 4 of the 8 statistics (:func:`_needs_mask_lean`, same answer). dK, dV should stay bit
+for bit equal. Offline (D=128 bf16): 64x128 w8 s2 and s3 WS have no LDL/STL in their tile loops
+for causal C=0/1/2 and non-causal C=0/2/4 (without it 1-360); 64x64 w4 s2 WS 0-40 (was
+16-562). A non-WS variant (compute warps staging the next tile's statistics) is not written.
+
 Not done: prefetching across live ranges / query heads (one TMA latency per range; the
 WARP_SPEC producer does run ahead across them), dK left in flight across tiles, two consumer
 warpgroups (ping-pong), a Gluon forward and dQ.
@@ -176,6 +194,28 @@ def _needs_mask(m, n_blk, Sq, Sk, stats, BLOCK_M: gl.constexpr, BLOCK_N: gl.cons
         need = need | ((r0 >= s0max) & (r1 <= e0min)) | ((r0 < e0max) & (r1 > s0min))
         if NI >= 2:
             need = need | ((r0 >= s1max) & (r1 <= e1min)) | ((r0 < e1max) & (r1 > s1min))
+    return need
+
+
+@_jit
+def _needs_mask_lean(m, n_blk, Sq, Sk, stats, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+                     CAUSAL: gl.constexpr, NI: gl.constexpr):
+    """:func:`_needs_mask` from 4 of the 8 statistics (STATS_SMEM: fewer loop invariants). The
+    dropped terms ``(r0 >= s_max) & (r1 <= e_min)`` imply the kept ``(r0 < e_max) & (r1 >
+    s_min)`` (r0 < r1: the tile holds a row below Sq; s_min <= s_max, e_min <= e_max), so the
+    result is the same."""
+    r0 = m * BLOCK_M
+    r1 = gl.minimum(r0 + BLOCK_M, Sq)
+    c0 = n_blk * BLOCK_N
+    c1 = gl.minimum(c0 + BLOCK_N, Sk)
+    need = c0 + BLOCK_N > Sk
+    if CAUSAL:
+        need = need | (c1 - 1 > r0 + (Sk - Sq))
+    if NI >= 1:
+        s0max, s0min, e0max, e0min, s1max, s1min, e1max, e1min = stats
+        need = need | ((r0 < e0max) & (r1 > s0min))
+        if NI >= 2:
+            need = need | ((r0 < e1max) & (r1 > s1min))
     return need
 
 
@@ -387,14 +427,30 @@ def _tile(dk, dv, it, m, hi, k_smem, v_smem, q_ring, do_ring, ready, empty, q_de
     s_tok = warpgroup_mma(k_smem, q_s.permute((1, 0)), zero, use_acc=False, is_async=True)
     dp_tok = warpgroup_mma(v_smem, do_s.permute((1, 0)), zero, use_acc=False, is_async=True)
     rows = m * BLOCK_M + offs_mb
-    rvalid = rows < Sq
-    lse2 = gl.load(lse2_ptr + stat_row0 + rows, mask=rvalid, other=float("inf"))
-    delta = gl.load(delta_ptr + stat_row0 + rows, mask=rvalid, other=0.0)
-    sT = warpgroup_mma_wait(num_outstanding=1, deps=(s_tok, ))
+    if isinstance(lse2_ptr, gl.shared_memory_descriptor):
+        # STATS_SMEM: lse2/delta of this tile sit in ring slot ``slot`` (the producer loaded
+        # them); read each where it is used, so neither is live across the wgmmas
+        sT = warpgroup_mma_wait(num_outstanding=1, deps=(s_tok, ))
+        lse2 = lse2_ptr.index(slot).load(gl.SliceLayout(0, s_layout))
+    else:
+        rvalid = rows < Sq
+        lse2 = gl.load(lse2_ptr + stat_row0 + rows, mask=rvalid, other=float("inf"))
+        delta = gl.load(delta_ptr + stat_row0 + rows, mask=rvalid, other=0.0)
+        sT = warpgroup_mma_wait(num_outstanding=1, deps=(s_tok, ))
+    if MASKED and isinstance(lse2_ptr, gl.shared_memory_descriptor):
+        # STATS_SMEM: mask the scores before exp2 (exp2(-inf) = +0, the 0.0 of the where below)
+        if _needs_mask_lean(m, n_blk, Sq, Sk, stats, BLOCK_M, BLOCK_N, CAUSAL, NI):
+            if not CAUSAL:
+                iv = _column_intervals(ivals, cols, Sq, Sk, CAUSAL, C)
+            else:
+                iv = ivals
+            masked = _element_masked(rows[None, :], cols[:, None], iv, Sq, Sk, CAUSAL, C)
+            sT = gl.where(masked, float("-inf"), sT)
     pT = gl.exp2(sT * scale_log2 - lse2[None, :])
-    if MASKED:
+    if MASKED and not isinstance(lse2_ptr, gl.shared_memory_descriptor):
         if _needs_mask(m, n_blk, Sq, Sk, stats, BLOCK_M, BLOCK_N, CAUSAL, NI):
-            if FUSE_DQ and not CAUSAL:  # ivals: the column pointer (see the kernel)
+            if (FUSE_DQ or isinstance(lse2_ptr, gl.shared_memory_descriptor)) and not CAUSAL:
+                # ivals: the column pointer (see _heads)
                 iv = _column_intervals(ivals, cols, Sq, Sk, CAUSAL, C)
             else:
                 iv = ivals
@@ -403,6 +459,8 @@ def _tile(dk, dv, it, m, hi, k_smem, v_smem, q_ring, do_ring, ready, empty, q_de
     p16 = gl.convert_layout(pT.to(dtype), a_layout)
     dv_tok = warpgroup_mma(p16, do_s, dv, is_async=True)
     dpT, p16 = warpgroup_mma_wait(num_outstanding=1, deps=(dp_tok, p16))
+    if isinstance(delta_ptr, gl.shared_memory_descriptor):
+        delta = delta_ptr.index(slot).load(gl.SliceLayout(0, s_layout))
     dsT = pT * (dpT - delta[None, :])
     if FUSE_DQ:
         dv, dk = _fused_dq_tail(dv_tok, p16, dsT, dk, q_s, k_smem, ds_smem, dq_smem, dq_desc,
@@ -506,6 +564,57 @@ def _producer_partition(n_blk, b, hk, b64, group, q_desc, do_desc, q_ring, do_ri
 
 
 @_jit
+def _produce_range_stats(q_desc, do_desc, q_ring, do_ring, ready, empty, it, lo, hi, q_row0,
+                         q_col, lse2_ptr, delta_ptr, stat_row0, lse_ring, delta_ring, Sq,
+                         BLOCK_M: gl.constexpr, NUM_STAGES: gl.constexpr):
+    """STATS_SMEM twin of :func:`_produce_range`: also loads the tile's lse2 (+inf past Sq) and
+    delta (0 past Sq), the ``tl`` kernel's masked loads, into the slot's fp32 rows of
+    ``lse_ring``/``delta_ring``. The ``ready`` barriers count 2 arrivals here: the
+    expect-arrive that starts the TMA loads, then (the global loads of the statistics in flight
+    under the TMA) a plain arrive after the shared stores (release: the compute partition's
+    wait on ``ready`` sees them)."""
+    st_layout: gl.constexpr = gl.BlockedLayout([(BLOCK_M + 31) // 32], [32], [1], [0])
+    offs = gl.arange(0, BLOCK_M, layout=st_layout)
+    for m in range(lo, hi):
+        slot = it % NUM_STAGES
+        mbarrier.wait(empty.index(slot), ((it // NUM_STAGES) & 1) ^ 1)
+        _issue_tile(q_desc, do_desc, q_ring, do_ring, ready, slot, q_row0 + m * BLOCK_M, q_col,
+                    True)
+        rows = m * BLOCK_M + offs
+        rvalid = rows < Sq
+        lse2 = gl.load(lse2_ptr + stat_row0 + rows, mask=rvalid, other=float("inf"))
+        delta = gl.load(delta_ptr + stat_row0 + rows, mask=rvalid, other=0.0)
+        lse_ring.index(slot).store(lse2)
+        delta_ring.index(slot).store(delta)
+        gl.thread_barrier()  # every lane's stores before the (one-thread) arrive
+        mbarrier.arrive(ready.index(slot))
+        it += 1
+    return it
+
+
+@_jit
+def _producer_partition_stats(n_blk, b, hk, b64, group, q_desc, do_desc, q_ring, do_ring, ready,
+                              empty, rng_ptr, Sq, Sk, Hq, Hm, NQB, NKB, mask_b_stride, lse2_ptr,
+                              delta_ptr, lse_ring, delta_ring, BLOCK_M: gl.constexpr,
+                              BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr,
+                              CAUSAL: gl.constexpr, C: gl.constexpr):
+    """STATS_SMEM twin of :func:`_producer_partition` (:func:`_produce_range_stats`)."""
+    it = n_blk * 0
+    for g in range(0, group):
+        h = hk * group + g
+        mbh = b64 * mask_b_stride + h // (Hq // Hm)
+        lo0, flo0, fhi0, hi0, lo1, flo1, fhi1, hi1 = _key_block_ranges(
+            rng_ptr, mbh, n_blk, Sq, Sk, NQB, BLOCK_M, BLOCK_N, CAUSAL, C, NKB)
+        stat_row0 = (b64 * Hq + h) * Sq
+        it = _produce_range_stats(q_desc, do_desc, q_ring, do_ring, ready, empty, it, lo0, hi0,
+                                  b * Sq, h * (q_desc.block_type.shape[1]), lse2_ptr, delta_ptr,
+                                  stat_row0, lse_ring, delta_ring, Sq, BLOCK_M, NUM_STAGES)
+        it = _produce_range_stats(q_desc, do_desc, q_ring, do_ring, ready, empty, it, lo1, hi1,
+                                  b * Sq, h * (q_desc.block_type.shape[1]), lse2_ptr, delta_ptr,
+                                  stat_row0, lse_ring, delta_ring, Sq, BLOCK_M, NUM_STAGES)
+
+
+@_jit
 def _heads(dk, dv, n_blk, b, hk, b64, group, k_smem, v_smem, q_ring, do_ring, ready, empty,
            q_desc, do_desc, lse2_ptr, delta_ptr, mask_ptr, sum_ptr, rng_ptr, scale_log2, Sq, Sk,
            Hq, Hk, Hm, NQB, NKB, mask_b_stride, ds_smem, dq_smem, dq_desc, cols, offs_mb,
@@ -526,9 +635,10 @@ def _heads(dk, dv, n_blk, b, hk, b64, group, k_smem, v_smem, q_ring, do_ring, re
         lo0, flo0, fhi0, hi0, lo1, flo1, fhi1, hi1 = _key_block_ranges(
             rng_ptr, mbh, n_blk, Sq, Sk, NQB, BLOCK_M, BLOCK_N, CAUSAL, C, NKB)
         stats = _load_stats(sum_ptr, mbh, n_blk, NKB, NI)
-        if FUSE_DQ and not CAUSAL:
-            # the fused kernel's non-causal masked loops reload the column intervals per
-            # masked tile (L1 hits) instead of holding them: fewer spills inside the loops
+        if (FUSE_DQ or isinstance(lse2_ptr, gl.shared_memory_descriptor)) and not CAUSAL:
+            # the fused and the STATS_SMEM kernels' non-causal masked loops reload the column
+            # intervals per masked tile (L1 hits) instead of holding them: fewer spills inside
+            # the loops
             ivals = mask_ptr + mbh * Sk * C
         else:
             ivals = _column_intervals(mask_ptr + mbh * Sk * C, cols, Sq, Sk, CAUSAL, C)
@@ -587,7 +697,8 @@ def _dkdv_gluon_kernel(q_desc, do_desc, k_desc, v_desc, dk_ptr, dv_ptr, lse2_ptr
                        D: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
                        CAUSAL: gl.constexpr, C: gl.constexpr, NI: gl.constexpr,
                        NUM_STAGES: gl.constexpr, NUM_WARPS: gl.constexpr,
-                       FUSE_DQ: gl.constexpr = False, WARP_SPEC: gl.constexpr = False):
+                       FUSE_DQ: gl.constexpr = False, WARP_SPEC: gl.constexpr = False,
+                       STATS_SMEM: gl.constexpr = False):
     """One program per (key block, batch * KV head); loops over the query heads of its group.
     FUSE_DQ: also reduce-adds dQ (unscaled, fp32) through ``dq_desc``: the [B*Hq*D, Sq] view of
     a dQᵀ buffer [B, Hq, D, Sq_pad] (block [D, BLOCK_M]: a wgmma accumulator tile as it sits
@@ -628,7 +739,10 @@ def _dkdv_gluon_kernel(q_desc, do_desc, k_desc, v_desc, dk_ptr, dv_ptr, lse2_ptr
     else:
         empty = None
     for i in gl.static_range(NUM_STAGES):
-        mbarrier.init(ready.index(i), count=1)
+        if STATS_SMEM:  # the producer's expect-arrive (TMA) and its arrive after the stats
+            mbarrier.init(ready.index(i), count=2)
+        else:
+            mbarrier.init(ready.index(i), count=1)
         if WARP_SPEC:
             mbarrier.init(empty.index(i), count=1)
     mbarrier.init(kv_bar, count=1)
@@ -652,17 +766,34 @@ def _dkdv_gluon_kernel(q_desc, do_desc, k_desc, v_desc, dk_ptr, dv_ptr, lse2_ptr
             ds_smem = 0
             dq_smem = 0
             dq_desc = 0
-        dk, dv = gl.warp_specialize([
-            (_compute_partition,
-             (n_blk, b, hk, b64, group, k_smem, v_smem, q_ring, do_ring, ready, empty, kv_bar,
-              q_desc, do_desc, lse2_ptr, delta_ptr, mask_ptr, sum_ptr, rng_ptr, scale_log2, Sq,
-              Sk, Hq, Hk, Hm, NQB, NKB, mask_b_stride, ds_smem, dq_smem, dq_desc, s_layout,
-              acc_layout, a_layout, D, BLOCK_M, BLOCK_N, NUM_STAGES, CAUSAL, C, NI, FUSE_DQ)),
-            (_producer_partition,
-             (n_blk, b, hk, b64, group, q_desc, do_desc, q_ring, do_ring, ready, empty, rng_ptr,
-              Sq, Sk, Hq, Hm, NQB, NKB, mask_b_stride, BLOCK_M, BLOCK_N, NUM_STAGES, CAUSAL,
-              C)),
-        ], [1], [24])  # PRODUCER_WARPS, PRODUCER_REGS
+        if STATS_SMEM:
+            st_smem: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, order=[0])
+            lse_ring = gl.allocate_shared_memory(gl.float32, [NUM_STAGES, BLOCK_M], st_smem)
+            delta_ring = gl.allocate_shared_memory(gl.float32, [NUM_STAGES, BLOCK_M], st_smem)
+            dk, dv = gl.warp_specialize([
+                (_compute_partition,
+                 (n_blk, b, hk, b64, group, k_smem, v_smem, q_ring, do_ring, ready, empty,
+                  kv_bar, q_desc, do_desc, lse_ring, delta_ring, mask_ptr, sum_ptr, rng_ptr,
+                  scale_log2, Sq, Sk, Hq, Hk, Hm, NQB, NKB, mask_b_stride, ds_smem, dq_smem,
+                  dq_desc, s_layout, acc_layout, a_layout, D, BLOCK_M, BLOCK_N, NUM_STAGES,
+                  CAUSAL, C, NI, FUSE_DQ)),
+                (_producer_partition_stats,
+                 (n_blk, b, hk, b64, group, q_desc, do_desc, q_ring, do_ring, ready, empty,
+                  rng_ptr, Sq, Sk, Hq, Hm, NQB, NKB, mask_b_stride, lse2_ptr, delta_ptr,
+                  lse_ring, delta_ring, BLOCK_M, BLOCK_N, NUM_STAGES, CAUSAL, C)),
+            ], [1], [24])  # PRODUCER_WARPS, PRODUCER_REGS
+        else:
+            dk, dv = gl.warp_specialize([
+                (_compute_partition,
+                 (n_blk, b, hk, b64, group, k_smem, v_smem, q_ring, do_ring, ready, empty, kv_bar,
+                  q_desc, do_desc, lse2_ptr, delta_ptr, mask_ptr, sum_ptr, rng_ptr, scale_log2, Sq,
+                  Sk, Hq, Hk, Hm, NQB, NKB, mask_b_stride, ds_smem, dq_smem, dq_desc, s_layout,
+                  acc_layout, a_layout, D, BLOCK_M, BLOCK_N, NUM_STAGES, CAUSAL, C, NI, FUSE_DQ)),
+                (_producer_partition,
+                 (n_blk, b, hk, b64, group, q_desc, do_desc, q_ring, do_ring, ready, empty, rng_ptr,
+                  Sq, Sk, Hq, Hm, NQB, NKB, mask_b_stride, BLOCK_M, BLOCK_N, NUM_STAGES, CAUSAL,
+                  C)),
+            ], [1], [24])  # PRODUCER_WARPS, PRODUCER_REGS
         for i in gl.static_range(NUM_STAGES):
             mbarrier.invalidate(empty.index(i))
     else:
@@ -767,7 +898,7 @@ def check_config(d: int, block_m: int, block_n: int, num_warps: int, num_stages:
 
 def launch_dkdv_gluon(q, k, v, dout, lse2, delta, causal, softmax_scale, plan, block_m: int,
                       block_n: int, num_warps: int, num_stages: int, fuse_dq: bool = False,
-                      warp_spec: bool = False):
+                      warp_spec: bool = False, stats_smem: bool = False):
     """(dk, dv) like ``_launch_dkdv(..., fuse_dq=False)[:2]``; ``plan`` must come from
     ``make_plan(mask, causal, Sq, Sk, block_m, block_n, by_key=True, device)``.
 
@@ -775,6 +906,10 @@ def launch_dkdv_gluon(q, k, v, dout, lse2, delta, causal, softmax_scale, plan, b
     the same results from a kernel whose Q/dO ring is filled by a 1-warp TMA producer
     partition, launched with ``maxnreg=ws_maxnreg(num_warps)``; the default (False) launches
     exactly the kernel it always did.
+
+    ``stats_smem=True`` (with ``warp_spec`` only; the STATS_SMEM kernel, compiled offline only,
+    not yet run on a GPU): the producer also stages each tile's lse2/delta in shared memory
+    (what lets 64x128 w8 run without spills in its tile loops); same dK, dV bit for bit.
 
     ``fuse_dq=True`` (the FUSE_DQ kernel, unverified on a GPU): (dk, dv, dq_acc), dq_acc the
     unscaled fp32 dQ accumulated by TMA reduce-adds, shape [B, Sq, Hq, D] (a permuted view of
@@ -818,6 +953,10 @@ def launch_dkdv_gluon(q, k, v, dout, lse2, delta, causal, softmax_scale, plan, b
     kwargs = dict(FUSE_DQ=True) if fuse_dq else {}
     if warp_spec:
         kwargs.update(WARP_SPEC=True, maxnreg=ws_maxnreg(num_warps))
+    if stats_smem:
+        if not warp_spec:
+            raise ValueError("gluon dK/dV: stats_smem needs warp_spec (the producer stages them)")
+        kwargs.update(STATS_SMEM=True)
     _dkdv_gluon_kernel[(nkb, b * hk)](
         q_desc, do_desc, k_desc, v_desc, dk, dv, lse2, delta, plan.mask, plan.summary,
         plan.ranges, softmax_scale, softmax_scale * LOG2E, sq, sk, hq, hk, plan.hm, nqb, nkb,
@@ -871,7 +1010,8 @@ def offline_constexprs(d: int, block_m: int, block_n: int, num_warps: int, num_s
 
 def compile_sm90(d: int = 128, block_m: int = 64, block_n: int = 64, num_warps: int = 4,
                  num_stages: int = 2, causal: bool = True, c: int = 1, dtype: str = "bf16",
-                 fuse_dq: bool = False, warp_spec: bool = False, maxnreg: Optional[int] = None):
+                 fuse_dq: bool = False, warp_spec: bool = False, maxnreg: Optional[int] = None,
+                 stats_smem: bool = False):
     """Compile the kernel (``fuse_dq``: the FUSE_DQ variant; ``warp_spec``: the WARP_SPEC one,
     at ``maxnreg`` registers per thread, default :func:`ws_maxnreg`) for sm_90 without a GPU;
     returns the CompiledKernel."""
@@ -888,6 +1028,7 @@ def compile_sm90(d: int = 128, block_m: int = 64, block_n: int = 64, num_warps: 
             "delta_ptr": "*fp32", "mask_ptr": "*i32", "sum_ptr": "*i32", "rng_ptr": "*i32"}
     consts = offline_constexprs(d, block_m, block_n, num_warps, num_stages, causal, c,
                                 FUSE_DQ=fuse_dq, WARP_SPEC=warp_spec)
+    consts["STATS_SMEM"] = stats_smem  # a constexpr (left out, the compile makes it an argument)
     options = {}
     if warp_spec:  # as the launcher passes it (WARP_SPEC=False: the unchanged options)
         options["maxnreg"] = maxnreg if maxnreg is not None else ws_maxnreg(num_warps)
@@ -975,7 +1116,7 @@ def sass_report(cubin: bytes) -> dict:
 
 
 def compile_report(d=128, block_m=64, block_n=64, num_warps=4, num_stages=2, causal=True, c=1,
-                   dtype="bf16", fuse_dq=False, warp_spec=False) -> dict:
+                   dtype="bf16", fuse_dq=False, warp_spec=False, stats_smem=False) -> dict:
     """One configuration's offline sm_90 report (or its error)."""
     row = dict(D=d, block_m=block_m, block_n=block_n, num_warps=num_warps,
                num_stages=num_stages, causal=causal, C=c, dtype=dtype, fuse_dq=fuse_dq)
@@ -983,7 +1124,7 @@ def compile_report(d=128, block_m=64, block_n=64, num_warps=4, num_stages=2, cau
         row.update(warp_spec=True, maxnreg=ws_maxnreg(num_warps))
     try:
         ck = compile_sm90(d, block_m, block_n, num_warps, num_stages, causal, c, dtype, fuse_dq,
-                          warp_spec)
+                          warp_spec, stats_smem=stats_smem)
     except Exception as exc:
         row["error"] = f"{type(exc).__name__}: {str(exc)[:2000]}"
         return row

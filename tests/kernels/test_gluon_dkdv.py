@@ -278,6 +278,24 @@ def test_warp_spec_other_shapes_compile(cfg, compute_regs):
 
 
 @pytest.mark.skipif(_offline_skip_reason() is not None, reason=str(_offline_skip_reason()))
+@pytest.mark.parametrize("causal, c", [(True, 1), (False, 0), (True, 0), (False, 2), (True, 2),
+                                       (False, 4)])
+def test_stats_smem_64x128_has_no_spills_in_tile_loops(causal, c):
+    """WARP_SPEC + STATS_SMEM (lse2/delta staged in shared memory by the producer, column
+    intervals reloaded per masked non-causal tile, mask applied before exp2): the 64-query x
+    128-key tile at 8 warps (240 registers) keeps every mask layout's tile loops free of
+    LDL/STL (the WS kernel without it: up to ~360), with the WS kernel's wgmmas."""
+    ws = G.compile_report(128, 64, 128, 8, 2, causal=causal, c=c, warp_spec=True)
+    r = G.compile_report(128, 64, 128, 8, 2, causal=causal, c=c, warp_spec=True,
+                         stats_smem=True)
+    assert "error" not in r, r.get("error")
+    assert r["hgmma"] == ws["hgmma"] > 0, (r, ws)
+    assert r["setmaxnreg"] == [G.PRODUCER_REGS, 240] and r["regs_touched"] <= 240, r
+    assert r["tile_loops"] > 0 and r["ldl_stl_in_tile_loops"] == 0, r
+    assert r["tma_load_per_tile"] == 0 and r["mbar_wait_per_tile"] == 1, r
+
+
+@pytest.mark.skipif(_offline_skip_reason() is not None, reason=str(_offline_skip_reason()))
 @pytest.mark.parametrize("causal, c", [(True, 1), (False, 2)])
 def test_fused_dq_with_warp_spec_compiles(causal, c):
     """FUSE_DQ with WARP_SPEC (32x64 w4 s3): the fused kernel's wgmmas and one TMA reduce-add
@@ -404,6 +422,33 @@ def test_gpu_warp_spec_is_bitwise_equal_to_tl(name, d, cfg):
     got = G.launch_dkdv_gluon(q, k, v, dout, lse2, delta, causal, scale, plan, bm, bn, w, st,
                               warp_spec=True)
     for a, r, p in zip(got, ref, plain):
+        assert torch.equal(a, p)
+        assert torch.equal(a, r)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", ["causal", "full", "causal_document", "document",
+                                  "global_sliding_window", "causal_blockwise"])
+@pytest.mark.parametrize("cfg", [(64, 128, 8, 2), (64, 128, 8, 3), (32, 64, 4, 3)])
+def test_gpu_stats_smem_is_bitwise_equal_to_tl(name, cfg):
+    """WARP_SPEC + STATS_SMEM (lse2/delta staged in shared memory by the producer): the same
+    wgmmas on the same values, dK, dV bit for bit equal to the tl kernel's and to the plain
+    WARP_SPEC kernel's (D=128, Sq=Sk=1000: clipped last tile)."""
+    _require_hopper_gluon()
+    s, d = 1000, 128
+    q, k, v, dout, cols, causal, scale, out, lse = _gpu_inputs(name, s, d, seed=13)
+    delta, lse2 = T._bwd_pre(out, dout, lse, None)
+    c = 0 if cols is None else cols.shape[-1]
+    tcfg = T._config("dkdv", d, causal, c, q.dtype)
+    tplan = T.make_plan(cols, causal, s, s, tcfg.block_m, tcfg.block_n, True, q.device)
+    ref = T._launch_dkdv_tl(q, k, v, dout, lse2, delta, causal, scale, tcfg, tplan)[:2]
+    bm, bn, w, st = cfg
+    plan = T.make_plan(cols, causal, s, s, bm, bn, True, q.device)
+    ws = G.launch_dkdv_gluon(q, k, v, dout, lse2, delta, causal, scale, plan, bm, bn, w, st,
+                             warp_spec=True)
+    got = G.launch_dkdv_gluon(q, k, v, dout, lse2, delta, causal, scale, plan, bm, bn, w, st,
+                              warp_spec=True, stats_smem=True)
+    for a, r, p in zip(got, ref, ws):
         assert torch.equal(a, p)
         assert torch.equal(a, r)
 
