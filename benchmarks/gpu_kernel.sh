@@ -11,6 +11,7 @@
 #   BENCH_BUDGET=330 bash benchmarks/gpu_kernel.sh gluon  # Gluon dK/dV and fused-dQ A/B + the Gluon gpu tests
 #   BENCH_BUDGET=150 bash benchmarks/gpu_kernel.sh gluon64  # Gluon (WS) dK/dV vs tl at D=64 + the fused 128-key shape
 #   BENCH_BUDGET=400 bash benchmarks/gpu_kernel.sh rest   # D=256 GPU tests + the grid cases no kernel_v6*.json has
+#   BENCH_BUDGET=150 bash benchmarks/gpu_kernel.sh wsm    # STATS_SMEM dK/dV (64x128 w8) bitwise tests + A/B vs the WS default
 # Each stage has its own timeout so the whole call stays under the 600 s device limit; the
 # benchmark writes its JSON after every case, so a stopped run keeps what it measured.
 set -uo pipefail
@@ -72,6 +73,13 @@ case "$PHASE" in
       --configs 64x64w4s2,64x64w4s2ws,32x64w4s3ws --budget-s "$BUDGET" 2>&1 | tee "$OUT/bench_gluon64.log"
     FLASHMASK3_TRITON_AUTOTUNE=0 timeout $((BUDGET + 90)) python3 benchmarks/gluon_dkdv_ab.py --fused --skip-small \
       --fused-configs 32x64w4s3ws,32x128w8s3,32x128w8s3ws --budget-s "$BUDGET" 2>&1 | tee "$OUT/bench_fused128.log"
+    ;;
+  wsm)
+    # the STATS_SMEM dK/dV variant (lse2/delta staged in shared memory by the producer; offline
+    # spill-free at 64x128 w8): its bitwise GPU tests, then timed against the WS default at D=128
+    FLASHMASK3_TRITON_AUTOTUNE=0 timeout 150 python3 -m pytest -q -m gpu tests/kernels/test_gluon_dkdv.py -k "stats_smem or warp_spec" -p no:cacheprovider 2>&1 | tail -15 | tee "$OUT/pytest_wsm.log"
+    FLASHMASK3_TRITON_AUTOTUNE=0 timeout $((BUDGET + 90)) python3 benchmarks/gluon_dkdv_ab.py --skip-small \
+      --configs 32x64w4s3ws,64x128w8s2wsm,64x128w8s3wsm,32x64w4s3wsm --budget-s "$BUDGET" 2>&1 | tee "$OUT/bench_wsm.log"
     ;;
   rest)
     # what the v6.3 table left out: first the GPU tests of the D=256 forward tile (new default,

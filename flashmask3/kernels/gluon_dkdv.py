@@ -106,8 +106,8 @@ reads LSE/dPsum from shared memory); ``_compute_partition`` gets the rings in pl
 pointers and the helpers dispatch on the argument's type, so no shared helper's signature
 changed. The masked path also: reloads the non-causal column-interval words per masked tile
 (as FUSE_DQ), masks Sᵀ before exp2 (-inf; exp2 gives the +0 the where gave) and classifies the
-tile from 4 of the 8 statistics (:func:`_needs_mask_lean`, same answer). dK, dV should stay bit
-for bit equal. Offline (D=128 bf16): 64x128 w8 s2 and s3 WS have no LDL/STL in their tile loops
+tile from 4 of the 8 statistics (:func:`_needs_mask` with LEAN, same answer). dK, dV should
+stay bit for bit equal. Offline (D=128 bf16): 64x128 w8 s2 and s3 WS have no LDL/STL in their tile loops
 for causal C=0/1/2 and non-causal C=0/2/4 (without it 1-360); 64x64 w4 s2 WS 0-40 (was
 16-562). A non-WS variant (compute warps staging the next tile's statistics) is not written.
 
@@ -179,9 +179,12 @@ def _issue_tile(q_desc, do_desc, q_ring, do_ring, ready, slot, row, col, pred):
 
 @_jit
 def _needs_mask(m, n_blk, Sq, Sk, stats, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-                CAUSAL: gl.constexpr, NI: gl.constexpr):
+                CAUSAL: gl.constexpr, NI: gl.constexpr, LEAN: gl.constexpr = False):
     """Whether tile (query block m, key block n_blk) is not UNMASKED or is clipped at Sk (the
-    scalar twin of ``_clipped_tile_class(...) != 2``)."""
+    scalar twin of ``_clipped_tile_class(...) != 2``). ``LEAN`` (STATS_SMEM: fewer loop
+    invariants) reads 4 of the 8 statistics: the terms ``(r0 >= s_max) & (r1 <= e_min)`` it
+    drops imply the kept ``(r0 < e_max) & (r1 > s_min)`` (r0 < r1: the tile holds a row below
+    Sq; s_min <= s_max, e_min <= e_max), so the answer is the same."""
     r0 = m * BLOCK_M
     r1 = gl.minimum(r0 + BLOCK_M, Sq)
     c0 = n_blk * BLOCK_N
@@ -191,30 +194,12 @@ def _needs_mask(m, n_blk, Sq, Sk, stats, BLOCK_M: gl.constexpr, BLOCK_N: gl.cons
         need = need | (c1 - 1 > r0 + (Sk - Sq))
     if NI >= 1:
         s0max, s0min, e0max, e0min, s1max, s1min, e1max, e1min = stats
-        need = need | ((r0 >= s0max) & (r1 <= e0min)) | ((r0 < e0max) & (r1 > s0min))
-        if NI >= 2:
-            need = need | ((r0 >= s1max) & (r1 <= e1min)) | ((r0 < e1max) & (r1 > s1min))
-    return need
-
-
-@_jit
-def _needs_mask_lean(m, n_blk, Sq, Sk, stats, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-                     CAUSAL: gl.constexpr, NI: gl.constexpr):
-    """:func:`_needs_mask` from 4 of the 8 statistics (STATS_SMEM: fewer loop invariants). The
-    dropped terms ``(r0 >= s_max) & (r1 <= e_min)`` imply the kept ``(r0 < e_max) & (r1 >
-    s_min)`` (r0 < r1: the tile holds a row below Sq; s_min <= s_max, e_min <= e_max), so the
-    result is the same."""
-    r0 = m * BLOCK_M
-    r1 = gl.minimum(r0 + BLOCK_M, Sq)
-    c0 = n_blk * BLOCK_N
-    c1 = gl.minimum(c0 + BLOCK_N, Sk)
-    need = c0 + BLOCK_N > Sk
-    if CAUSAL:
-        need = need | (c1 - 1 > r0 + (Sk - Sq))
-    if NI >= 1:
-        s0max, s0min, e0max, e0min, s1max, s1min, e1max, e1min = stats
+        if not LEAN:
+            need = need | ((r0 >= s0max) & (r1 <= e0min))
         need = need | ((r0 < e0max) & (r1 > s0min))
         if NI >= 2:
+            if not LEAN:
+                need = need | ((r0 >= s1max) & (r1 <= e1min))
             need = need | ((r0 < e1max) & (r1 > s1min))
     return need
 
@@ -439,7 +424,7 @@ def _tile(dk, dv, it, m, hi, k_smem, v_smem, q_ring, do_ring, ready, empty, q_de
         sT = warpgroup_mma_wait(num_outstanding=1, deps=(s_tok, ))
     if MASKED and isinstance(lse2_ptr, gl.shared_memory_descriptor):
         # STATS_SMEM: mask the scores before exp2 (exp2(-inf) = +0, the 0.0 of the where below)
-        if _needs_mask_lean(m, n_blk, Sq, Sk, stats, BLOCK_M, BLOCK_N, CAUSAL, NI):
+        if _needs_mask(m, n_blk, Sq, Sk, stats, BLOCK_M, BLOCK_N, CAUSAL, NI, True):
             if not CAUSAL:
                 iv = _column_intervals(ivals, cols, Sq, Sk, CAUSAL, C)
             else:

@@ -409,8 +409,14 @@ def test_gpu_warp_spec_is_bitwise_equal_to_tl(name, d, cfg):
     same order: dK, dV bit for bit equal to the tl kernel's and to the non-WS Gluon kernel's
     (D=64 at its default tile, which the dispatcher picks)."""
     _require_hopper_gluon()
+    _check_bitwise_variant(name, d, cfg, seed=11, twin={}, variant=dict(warp_spec=True))
+
+
+def _check_bitwise_variant(name, d, cfg, seed, twin, variant):
+    """dK, dV of the Gluon kernel launched with ``variant`` options equal, bit for bit, those of
+    its ``twin`` options and the tl kernel's (S=1000: a clipped last tile)."""
     s = 1000
-    q, k, v, dout, cols, causal, scale, out, lse = _gpu_inputs(name, s, d, seed=11)
+    q, k, v, dout, cols, causal, scale, out, lse = _gpu_inputs(name, s, d, seed=seed)
     delta, lse2 = T._bwd_pre(out, dout, lse, None)
     c = 0 if cols is None else cols.shape[-1]
     tcfg = T._config("dkdv", d, causal, c, q.dtype)
@@ -418,10 +424,10 @@ def test_gpu_warp_spec_is_bitwise_equal_to_tl(name, d, cfg):
     ref = T._launch_dkdv_tl(q, k, v, dout, lse2, delta, causal, scale, tcfg, tplan)[:2]
     bm, bn, w, st = cfg
     plan = T.make_plan(cols, causal, s, s, bm, bn, True, q.device)
-    plain = G.launch_dkdv_gluon(q, k, v, dout, lse2, delta, causal, scale, plan, bm, bn, w, st)
-    got = G.launch_dkdv_gluon(q, k, v, dout, lse2, delta, causal, scale, plan, bm, bn, w, st,
-                              warp_spec=True)
-    for a, r, p in zip(got, ref, plain):
+    args = (q, k, v, dout, lse2, delta, causal, scale, plan, bm, bn, w, st)
+    other = G.launch_dkdv_gluon(*args, **twin)
+    got = G.launch_dkdv_gluon(*args, **variant)
+    for a, r, p in zip(got, ref, other):
         assert torch.equal(a, p)
         assert torch.equal(a, r)
 
@@ -433,24 +439,10 @@ def test_gpu_warp_spec_is_bitwise_equal_to_tl(name, d, cfg):
 def test_gpu_stats_smem_is_bitwise_equal_to_tl(name, cfg):
     """WARP_SPEC + STATS_SMEM (lse2/delta staged in shared memory by the producer): the same
     wgmmas on the same values, dK, dV bit for bit equal to the tl kernel's and to the plain
-    WARP_SPEC kernel's (D=128, Sq=Sk=1000: clipped last tile)."""
+    WARP_SPEC kernel's (D=128)."""
     _require_hopper_gluon()
-    s, d = 1000, 128
-    q, k, v, dout, cols, causal, scale, out, lse = _gpu_inputs(name, s, d, seed=13)
-    delta, lse2 = T._bwd_pre(out, dout, lse, None)
-    c = 0 if cols is None else cols.shape[-1]
-    tcfg = T._config("dkdv", d, causal, c, q.dtype)
-    tplan = T.make_plan(cols, causal, s, s, tcfg.block_m, tcfg.block_n, True, q.device)
-    ref = T._launch_dkdv_tl(q, k, v, dout, lse2, delta, causal, scale, tcfg, tplan)[:2]
-    bm, bn, w, st = cfg
-    plan = T.make_plan(cols, causal, s, s, bm, bn, True, q.device)
-    ws = G.launch_dkdv_gluon(q, k, v, dout, lse2, delta, causal, scale, plan, bm, bn, w, st,
-                             warp_spec=True)
-    got = G.launch_dkdv_gluon(q, k, v, dout, lse2, delta, causal, scale, plan, bm, bn, w, st,
-                              warp_spec=True, stats_smem=True)
-    for a, r, p in zip(got, ref, ws):
-        assert torch.equal(a, p)
-        assert torch.equal(a, r)
+    _check_bitwise_variant(name, 128, cfg, seed=13, twin=dict(warp_spec=True),
+                           variant=dict(warp_spec=True, stats_smem=True))
 
 
 @pytest.mark.gpu
