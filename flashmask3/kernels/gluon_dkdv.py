@@ -383,7 +383,65 @@ def _fused_dq_tail(dv_tok, p16, dsT, dk, q_s, k_smem, ds_smem, dq_smem, dq_desc,
     dq_smem.store(dqT)
     fence_async_shared()
     gl.thread_barrier()  # B2
-    _tma_reduce_add(dq_desc, [dq_row, dq_col], dq_smem)
+    if dq_desc.block_type.shape[1] == BLOCK_M:  # one TMA message (BLOCK_M <= 32)
+        _tma_reduce_add(dq_desc, [dq_row, dq_col], dq_smem)
+    else:
+        _reduce_dq_tile(dq_desc, dq_row, dq_col, dq_smem)
+    return dv, dk
+
+
+@_jit
+def _reduce_dq_tile(dq_desc, dq_row, dq_col, dq_smem):
+    """TMA reduce-add of the [D, BLOCK_M] fp32 tile ``dq_smem`` at (dq_row, dq_col) of the dQᵀ
+    view: one reduce per [D, CHUNK] column block of the descriptor (CHUNK = min(BLOCK_M, 32):
+    a 128-byte-swizzled TMA box is at most 128 bytes wide and Triton's reduce lowering issues
+    one message, so BLOCK_M = 64 needs two; the shared tile is two [D, 32] blocks)."""
+    BLOCK_M: gl.constexpr = dq_smem.shape[1]
+    CHUNK: gl.constexpr = dq_desc.block_type.shape[1]
+    if CHUNK == BLOCK_M:
+        _tma_reduce_add(dq_desc, [dq_row, dq_col], dq_smem)
+    else:
+        for j in gl.static_range(BLOCK_M // CHUNK):
+            _tma_reduce_add(dq_desc, [dq_row, dq_col + j * CHUNK],
+                            dq_smem.slice(j * CHUNK, CHUNK, dim=1))
+
+
+@_jit
+def _fused_dq_tail_ds_shared(dv_tok, p16, dsT, dk, q_s, k_smem, ds_smem, dq_smem, dq_desc,
+                             dq_row, dq_col, s_layout: gl.constexpr):
+    """The DS_SHARED end of a tile (FUSE_DQ at 64x128 w8; dV += Pᵀ dO in flight): dSᵀ goes to
+    ``ds_smem`` first and both wgmmas that read it take it from there, dK += dSᵀ Q (A = this
+    warpgroup's 64 rows of ``ds_smem``: the same bf16 values and k-steps as the register
+    operand of the split kernel) and dQᵀ = Kᵀ dSᵀ ([D, 64]: each warpgroup M = 64 of the D
+    rows, N = 64 queries, K = all 128 keys, both warpgroups' dSᵀ rows; 32 fp32 registers per
+    thread). dV is retired (its register operand Pᵀ freed) before the dQ accumulator is live:
+    at the dQ wgmma the thread holds dK, dV (128) and dQᵀ (32), not Pᵀ and dSᵀ (32) as well.
+    Then dQᵀ goes to ``dq_smem`` and is reduce-added, [D, 32] per TMA message
+    (:func:`_reduce_dq_tile`). Returns (dv, dk) with every wgmma retired and the compute warps
+    past a partition barrier (the slot may be handed back).
+
+    Barriers: B1 after dSᵀ is in ``ds_smem`` (the dQ wgmma reads the other warpgroup's rows;
+    the issuing thread first waits, ``tma.store_wait(0)``, until the previous tile's reduces
+    have read ``dq_smem``, which this tile overwrites after B1); B2 after dQᵀ is in ``dq_smem``
+    (the reduce reads every warp's part; every warpgroup's wgmmas reading ``ds_smem`` have
+    retired before it, so the next tile may overwrite ``ds_smem``)."""
+    dtype: gl.constexpr = q_s.dtype
+    D: gl.constexpr = k_smem.shape[1]
+    BLOCK_M: gl.constexpr = q_s.shape[0]
+    ds_smem.store(dsT.to(dtype))
+    tma.store_wait(0)  # the previous tile's reduces have read dq_smem
+    fence_async_shared()
+    gl.thread_barrier()  # B1
+    dk_tok = warpgroup_mma(ds_smem, q_s, dk, is_async=True)
+    dv, p16 = warpgroup_mma_wait(num_outstanding=1, deps=(dv_tok, p16))
+    dq_zero = gl.zeros([D, BLOCK_M], gl.float32, s_layout)
+    dq_tok = warpgroup_mma(k_smem.permute((1, 0)), ds_smem, dq_zero, use_acc=False,
+                           is_async=True)
+    dk, dqT = warpgroup_mma_wait(num_outstanding=0, deps=(dk_tok, dq_tok))
+    dq_smem.store(dqT)
+    fence_async_shared()
+    gl.thread_barrier()  # B2
+    _reduce_dq_tile(dq_desc, dq_row, dq_col, dq_smem)
     return dv, dk
 
 
@@ -447,7 +505,10 @@ def _tile(dk, dv, it, m, hi, k_smem, v_smem, q_ring, do_ring, ready, empty, q_de
     if isinstance(delta_ptr, gl.shared_memory_descriptor):
         delta = delta_ptr.index(slot).load(gl.SliceLayout(0, s_layout))
     dsT = pT * (dpT - delta[None, :])
-    if FUSE_DQ:
+    if FUSE_DQ == 2:  # DS_SHARED (the kernel maps it to FUSE_DQ = 2 for the helpers)
+        dv, dk = _fused_dq_tail_ds_shared(dv_tok, p16, dsT, dk, q_s, k_smem, ds_smem, dq_smem,
+                                          dq_desc, dq_row0, m * BLOCK_M, s_layout)
+    elif FUSE_DQ:
         dv, dk = _fused_dq_tail(dv_tok, p16, dsT, dk, q_s, k_smem, ds_smem, dq_smem, dq_desc,
                                 dq_row0, m * BLOCK_M, s_layout, a_layout)
     else:
@@ -683,7 +744,7 @@ def _dkdv_gluon_kernel(q_desc, do_desc, k_desc, v_desc, dk_ptr, dv_ptr, lse2_ptr
                        CAUSAL: gl.constexpr, C: gl.constexpr, NI: gl.constexpr,
                        NUM_STAGES: gl.constexpr, NUM_WARPS: gl.constexpr,
                        FUSE_DQ: gl.constexpr = False, WARP_SPEC: gl.constexpr = False,
-                       STATS_SMEM: gl.constexpr = False):
+                       STATS_SMEM: gl.constexpr = False, DS_SHARED: gl.constexpr = False):
     """One program per (key block, batch * KV head); loops over the query heads of its group.
     FUSE_DQ: also reduce-adds dQ (unscaled, fp32) through ``dq_desc``: the [B*Hq*D, Sq] view of
     a dQᵀ buffer [B, Hq, D, Sq_pad] (block [D, BLOCK_M]: a wgmma accumulator tile as it sits
@@ -751,6 +812,12 @@ def _dkdv_gluon_kernel(q_desc, do_desc, k_desc, v_desc, dk_ptr, dv_ptr, lse2_ptr
             ds_smem = 0
             dq_smem = 0
             dq_desc = 0
+        if DS_SHARED:
+            gl.static_assert(FUSE_DQ and STATS_SMEM and NUM_WARPS == 8 and BLOCK_M == 64,
+                             "DS_SHARED: FUSE_DQ + WARP_SPEC + STATS_SMEM at 64x128 w8")
+            FUSE_MODE: gl.constexpr = 2  # what the helpers see as FUSE_DQ: the DS_SHARED tail
+        else:
+            FUSE_MODE: gl.constexpr = FUSE_DQ
         if STATS_SMEM:
             st_smem: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, order=[0])
             lse_ring = gl.allocate_shared_memory(gl.float32, [NUM_STAGES, BLOCK_M], st_smem)
@@ -761,7 +828,7 @@ def _dkdv_gluon_kernel(q_desc, do_desc, k_desc, v_desc, dk_ptr, dv_ptr, lse2_ptr
                   kv_bar, q_desc, do_desc, lse_ring, delta_ring, mask_ptr, sum_ptr, rng_ptr,
                   scale_log2, Sq, Sk, Hq, Hk, Hm, NQB, NKB, mask_b_stride, ds_smem, dq_smem,
                   dq_desc, s_layout, acc_layout, a_layout, D, BLOCK_M, BLOCK_N, NUM_STAGES,
-                  CAUSAL, C, NI, FUSE_DQ)),
+                  CAUSAL, C, NI, FUSE_MODE)),
                 (_producer_partition_stats,
                  (n_blk, b, hk, b64, group, q_desc, do_desc, q_ring, do_ring, ready, empty,
                   rng_ptr, Sq, Sk, Hq, Hm, NQB, NKB, mask_b_stride, lse2_ptr, delta_ptr,
@@ -831,8 +898,19 @@ def _smem_layout(block_rows: int, d: int, dtype):
 
 def _dq_smem_layout(block_m: int, d: int):
     """The shared layout of the fused kernel's fp32 [d, block_m] dQᵀ tile (TMA reduce source;
-    at block_m=32 one 128-byte swizzled row per head-dim index)."""
+    at block_m=32 one 128-byte swizzled row per head-dim index; at 64 two [d, 32] blocks)."""
     return gl.NVMMASharedLayout.get_default_for([d, block_m], gl.float32)
+
+
+#: Query columns of one TMA reduce of the fused dQᵀ tile: a 128-byte-swizzled box is at most
+#: 128 bytes (32 fp32) wide, and Triton's reduce lowering issues one message per op.
+DQ_REDUCE_COLS = 32
+
+
+def dq_reduce_block(block_m: int, d: int) -> list:
+    """Block shape of the fused kernel's dQᵀ descriptor: [d, min(block_m, 32)] (BLOCK_M=64: two
+    reduces per tile, :func:`_reduce_dq_tile`)."""
+    return [d, min(block_m, DQ_REDUCE_COLS)]
 
 
 #: Registers of one Hopper SM, and what one thread may hold at most.
@@ -865,7 +943,8 @@ def ws_compute_regs(num_warps: int, maxnreg: Optional[int] = None) -> int:
 
 
 def check_config(d: int, block_m: int, block_n: int, num_warps: int, num_stages: int,
-                 fuse_dq: bool = False) -> None:
+                 fuse_dq: bool = False, warp_spec: bool = False, stats_smem: bool = False,
+                 ds_shared: bool = False) -> None:
     """Raise ValueError on a configuration the kernel cannot compile: one warpgroup row of 16
     keys per warp (block_n == 16 * num_warps), power-of-two tiles; with ``fuse_dq`` also
     d >= 16 * num_warps (dQᵀ = Kᵀ dSᵀ has M = d rows, 16 per warp)."""
@@ -879,11 +958,18 @@ def check_config(d: int, block_m: int, block_n: int, num_warps: int, num_stages:
         raise ValueError(f"gluon dK/dV: num_stages={num_stages} (>= 1)")
     if fuse_dq and d < 16 * num_warps:
         raise ValueError(f"gluon fused dQ: d={d} < 16 * num_warps ({num_warps})")
+    if stats_smem and not warp_spec:
+        raise ValueError("gluon dK/dV: stats_smem needs warp_spec (the producer stages them)")
+    if ds_shared and not (fuse_dq and warp_spec and stats_smem and num_warps == 8
+                          and block_m == 64 and block_n == 128):
+        raise ValueError("gluon fused dQ: ds_shared is the 64x128 w8 FUSE_DQ + WARP_SPEC + "
+                         "STATS_SMEM variant")
 
 
 def launch_dkdv_gluon(q, k, v, dout, lse2, delta, causal, softmax_scale, plan, block_m: int,
                       block_n: int, num_warps: int, num_stages: int, fuse_dq: bool = False,
-                      warp_spec: bool = False, stats_smem: bool = False):
+                      warp_spec: bool = False, stats_smem: bool = False,
+                      ds_shared: bool = False):
     """(dk, dv) like ``_launch_dkdv(..., fuse_dq=False)[:2]``; ``plan`` must come from
     ``make_plan(mask, causal, Sq, Sk, block_m, block_n, by_key=True, device)``.
 
@@ -896,6 +982,10 @@ def launch_dkdv_gluon(q, k, v, dout, lse2, delta, causal, softmax_scale, plan, b
     not yet run on a GPU): the producer also stages each tile's lse2/delta in shared memory
     (what lets 64x128 w8 run without spills in its tile loops); same dK, dV bit for bit.
 
+    ``ds_shared=True`` (with ``fuse_dq``, ``warp_spec``, ``stats_smem`` at 64x128 w8 only; the
+    DS_SHARED kernel, compiled offline only, not yet run on a GPU): the fused tail that reads
+    dSᵀ from shared memory for both dK and dQ and retires dV before the dQ wgmma.
+
     ``fuse_dq=True`` (the FUSE_DQ kernel, unverified on a GPU): (dk, dv, dq_acc), dq_acc the
     unscaled fp32 dQ accumulated by TMA reduce-adds, shape [B, Sq, Hq, D] (a permuted view of
     the kernel's [B, Hq, D, Sq_pad] dQᵀ buffer, zero-initialised here); multiply by
@@ -906,7 +996,8 @@ def launch_dkdv_gluon(q, k, v, dout, lse2, delta, causal, softmax_scale, plan, b
         raise RuntimeError(reason)
     b, sq, hq, d = q.shape
     _, sk, hk, _ = k.shape
-    check_config(d, block_m, block_n, num_warps, num_stages, fuse_dq)
+    check_config(d, block_m, block_n, num_warps, num_stages, fuse_dq, warp_spec, stats_smem,
+                 ds_shared)
     if q.dtype not in (torch.bfloat16, torch.float16):
         raise ValueError(f"gluon dK/dV: dtype {q.dtype} (bf16 or fp16)")
     q, k, v, dout = (x.contiguous() for x in (q, k, v, dout))
@@ -933,15 +1024,16 @@ def launch_dkdv_gluon(q, k, v, dout, lse2, delta, causal, softmax_scale, plan, b
         sq_pad = triton.cdiv(sq, 4) * 4
         dq_t = torch.zeros((b, hq, d, sq_pad), dtype=torch.float32, device=q.device)
         dq_desc = GluonDescriptor.from_tensor(dq_t.view(b * hq * d, sq_pad)[:, :sq],
-                                              [d, block_m], _dq_smem_layout(block_m, d))
+                                              dq_reduce_block(block_m, d),
+                                              _dq_smem_layout(block_m, d))
         dq_acc = dq_t[..., :sq].permute(0, 3, 1, 2)
     kwargs = dict(FUSE_DQ=True) if fuse_dq else {}
     if warp_spec:
         kwargs.update(WARP_SPEC=True, maxnreg=ws_maxnreg(num_warps))
     if stats_smem:
-        if not warp_spec:
-            raise ValueError("gluon dK/dV: stats_smem needs warp_spec (the producer stages them)")
         kwargs.update(STATS_SMEM=True)
+    if ds_shared:
+        kwargs.update(DS_SHARED=True)
     _dkdv_gluon_kernel[(nkb, b * hk)](
         q_desc, do_desc, k_desc, v_desc, dk, dv, lse2, delta, plan.mask, plan.summary,
         plan.ranges, softmax_scale, softmax_scale * LOG2E, sq, sk, hq, hk, plan.hm, nqb, nkb,
@@ -958,12 +1050,15 @@ def fused_backward_gluon(q, k, v, dout, lse2, delta, causal, softmax_scale, plan
     the GPU A/B ``benchmarks/gluon_dkdv_ab.py --fused``): one launch of the dK/dV kernel that
     also reduce-adds dQ, then dQ = softmax_scale * dq_acc cast to q's dtype in one strided pass.
     ``lse2``, ``delta`` from ``triton_flashmask._bwd_pre``; ``plan`` a by-key plan for
-    ``cfg_tuple`` = (block_m, block_n, num_warps, num_stages[, warp_spec])."""
+    ``cfg_tuple`` = (block_m, block_n, num_warps, num_stages[, warp_spec[, stats_smem[,
+    ds_shared]]])."""
     block_m, block_n, num_warps, num_stages = cfg_tuple[:4]
-    warp_spec = bool(cfg_tuple[4]) if len(cfg_tuple) > 4 else False
+    warp_spec, stats_smem, ds_shared = (bool(cfg_tuple[i]) if len(cfg_tuple) > i else False
+                                        for i in (4, 5, 6))
     dk, dv, dq_acc = launch_dkdv_gluon(q, k, v, dout, lse2, delta, causal, softmax_scale, plan,
                                        block_m, block_n, num_warps, num_stages, fuse_dq=True,
-                                       warp_spec=warp_spec)
+                                       warp_spec=warp_spec, stats_smem=stats_smem,
+                                       ds_shared=ds_shared)
     dq = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     torch.mul(dq_acc, softmax_scale, out=dq)
     return dq, dk, dv
@@ -996,24 +1091,27 @@ def offline_constexprs(d: int, block_m: int, block_n: int, num_warps: int, num_s
 def compile_sm90(d: int = 128, block_m: int = 64, block_n: int = 64, num_warps: int = 4,
                  num_stages: int = 2, causal: bool = True, c: int = 1, dtype: str = "bf16",
                  fuse_dq: bool = False, warp_spec: bool = False, maxnreg: Optional[int] = None,
-                 stats_smem: bool = False):
+                 stats_smem: bool = False, ds_shared: bool = False):
     """Compile the kernel (``fuse_dq``: the FUSE_DQ variant; ``warp_spec``: the WARP_SPEC one,
     at ``maxnreg`` registers per thread, default :func:`ws_maxnreg`) for sm_90 without a GPU;
     returns the CompiledKernel."""
     reason = unavailable_reason()
     if reason is not None:
         raise RuntimeError(reason)
-    check_config(d, block_m, block_n, num_warps, num_stages, fuse_dq)
+    check_config(d, block_m, block_n, num_warps, num_stages, fuse_dq, warp_spec, stats_smem,
+                 ds_shared)
     kern = _dkdv_gluon_kernel
     descs = offline_descriptor_types(dtype, d, q_desc=block_m, do_desc=block_m, k_desc=block_n,
                                      v_desc=block_n)
     if fuse_dq:
-        descs["dq_desc"] = f"tensordesc<fp32[{d}, {block_m}],{_dq_smem_layout(block_m, d)!r}>"
+        dq_rows, dq_cols = dq_reduce_block(block_m, d)
+        descs["dq_desc"] = f"tensordesc<fp32[{dq_rows}, {dq_cols}],{_dq_smem_layout(block_m, d)!r}>"
     ptrs = {"dk_ptr": f"*{dtype}", "dv_ptr": f"*{dtype}", "lse2_ptr": "*fp32",
             "delta_ptr": "*fp32", "mask_ptr": "*i32", "sum_ptr": "*i32", "rng_ptr": "*i32"}
     consts = offline_constexprs(d, block_m, block_n, num_warps, num_stages, causal, c,
                                 FUSE_DQ=fuse_dq, WARP_SPEC=warp_spec)
     consts["STATS_SMEM"] = stats_smem  # a constexpr (left out, the compile makes it an argument)
+    consts["DS_SHARED"] = ds_shared
     options = {}
     if warp_spec:  # as the launcher passes it (WARP_SPEC=False: the unchanged options)
         options["maxnreg"] = maxnreg if maxnreg is not None else ws_maxnreg(num_warps)
@@ -1101,7 +1199,8 @@ def sass_report(cubin: bytes) -> dict:
 
 
 def compile_report(d=128, block_m=64, block_n=64, num_warps=4, num_stages=2, causal=True, c=1,
-                   dtype="bf16", fuse_dq=False, warp_spec=False, stats_smem=False) -> dict:
+                   dtype="bf16", fuse_dq=False, warp_spec=False, stats_smem=False,
+                   ds_shared=False) -> dict:
     """One configuration's offline sm_90 report (or its error)."""
     row = dict(D=d, block_m=block_m, block_n=block_n, num_warps=num_warps,
                num_stages=num_stages, causal=causal, C=c, dtype=dtype, fuse_dq=fuse_dq)
@@ -1109,7 +1208,7 @@ def compile_report(d=128, block_m=64, block_n=64, num_warps=4, num_stages=2, cau
         row.update(warp_spec=True, maxnreg=ws_maxnreg(num_warps))
     try:
         ck = compile_sm90(d, block_m, block_n, num_warps, num_stages, causal, c, dtype, fuse_dq,
-                          warp_spec, stats_smem=stats_smem)
+                          warp_spec, stats_smem=stats_smem, ds_shared=ds_shared)
     except Exception as exc:
         row["error"] = f"{type(exc).__name__}: {str(exc)[:2000]}"
         return row
