@@ -407,41 +407,49 @@ def _reduce_dq_tile(dq_desc, dq_row, dq_col, dq_smem):
 
 
 @_jit
-def _fused_dq_tail_ds_shared(dv_tok, p16, dsT, dk, q_s, k_smem, ds_smem, dq_smem, dq_desc,
+def _fused_dq_tail_ds_shared(dv, pT, dsT, dk, q_s, do_s, k_smem, ds_s, p_s, dq_smem, dq_desc,
                              dq_row, dq_col, s_layout: gl.constexpr):
-    """The DS_SHARED end of a tile (FUSE_DQ at 64x128 w8; dV += Pᵀ dO in flight): dSᵀ goes to
-    ``ds_smem`` first and both wgmmas that read it take it from there, dK += dSᵀ Q (A = this
-    warpgroup's 64 rows of ``ds_smem``: the same bf16 values and k-steps as the register
-    operand of the split kernel) and dQᵀ = Kᵀ dSᵀ ([D, 64]: each warpgroup M = 64 of the D
-    rows, N = 64 queries, K = all 128 keys, both warpgroups' dSᵀ rows; 32 fp32 registers per
-    thread). dV is retired (its register operand Pᵀ freed) before the dQ accumulator is live:
-    at the dQ wgmma the thread holds dK, dV (128) and dQᵀ (32), not Pᵀ and dSᵀ (32) as well.
-    Then dQᵀ goes to ``dq_smem`` and is reduce-added, [D, 32] per TMA message
-    (:func:`_reduce_dq_tile`). Returns (dv, dk) with every wgmma retired and the compute warps
-    past a partition barrier (the slot may be handed back).
+    """The DS_SHARED end of a tile (FUSE_DQ + WARP_SPEC + STATS_SMEM at 64x128 w8; Pᵀ and dSᵀ
+    in fp32 registers, no wgmma in flight): Pᵀ and dSᵀ go to shared memory as bf16/fp16
+    (``ds_smem`` [0]: dSᵀ, [1]: Pᵀ), then three wgmmas read them from there:
 
-    Barriers: B1 after dSᵀ is in ``ds_smem`` (the dQ wgmma reads the other warpgroup's rows;
-    the issuing thread first waits, ``tma.store_wait(0)``, until the previous tile's reduces
-    have read ``dq_smem``, which this tile overwrites after B1); B2 after dQᵀ is in ``dq_smem``
-    (the reduce reads every warp's part; every warpgroup's wgmmas reading ``ds_smem`` have
-    retired before it, so the next tile may overwrite ``ds_smem``)."""
+    * dQᵀ = Kᵀ dSᵀ ([D, 64]: each warpgroup M = 64 of the D rows, N = 64 queries, K = all 128
+      keys, i.e. both warpgroups' dSᵀ rows; 32 fp32 registers per thread), issued first;
+    * dV += Pᵀ dO and dK += dSᵀ Q (A = this warpgroup's 64 rows of the tile: the same bf16
+      values and k-steps as the register operands of the split kernel, so dK and dV should stay
+      bit for bit equal).
+
+    dQᵀ is waited for alone (dV, dK stay in flight), stored to ``dq_smem`` and reduce-added,
+    [D, 32] per TMA message (:func:`_reduce_dq_tile`), under dV and dK. No register holds a
+    bf16 Pᵀ or dSᵀ operand: the most a thread holds is dK, dV (128) and Sᵀ, dPᵀ (64) in the
+    score phase, 160 here. Returns (dv, dk) with every wgmma retired (the caller hands the
+    slot back behind a partition barrier).
+
+    Barriers: B1 after Pᵀ and dSᵀ are in shared memory (the dQ wgmma reads the other
+    warpgroup's dSᵀ rows; the issuing thread first waits, ``tma.store_wait(0)``, until the
+    previous tile's reduces have read ``dq_smem``, which this tile overwrites after B1); B2
+    after dQᵀ is in ``dq_smem`` (the reduce reads every warp's part). ``ds_smem`` is
+    overwritten by the next tile only after B2 (every dQ wgmma retired) and the slot barrier
+    (every dV, dK wgmma retired)."""
     dtype: gl.constexpr = q_s.dtype
     D: gl.constexpr = k_smem.shape[1]
     BLOCK_M: gl.constexpr = q_s.shape[0]
-    ds_smem.store(dsT.to(dtype))
+    p_s.store(pT.to(dtype))
+    ds_s.store(dsT.to(dtype))
     tma.store_wait(0)  # the previous tile's reduces have read dq_smem
     fence_async_shared()
     gl.thread_barrier()  # B1
-    dk_tok = warpgroup_mma(ds_smem, q_s, dk, is_async=True)
-    dv, p16 = warpgroup_mma_wait(num_outstanding=1, deps=(dv_tok, p16))
     dq_zero = gl.zeros([D, BLOCK_M], gl.float32, s_layout)
-    dq_tok = warpgroup_mma(k_smem.permute((1, 0)), ds_smem, dq_zero, use_acc=False,
+    dq_tok = warpgroup_mma(k_smem.permute((1, 0)), ds_s, dq_zero, use_acc=False,
                            is_async=True)
-    dk, dqT = warpgroup_mma_wait(num_outstanding=0, deps=(dk_tok, dq_tok))
+    dv_tok = warpgroup_mma(p_s, do_s, dv, is_async=True)
+    dk_tok = warpgroup_mma(ds_s, q_s, dk, is_async=True)
+    dqT = warpgroup_mma_wait(num_outstanding=2, deps=(dq_tok, ))
     dq_smem.store(dqT)
     fence_async_shared()
     gl.thread_barrier()  # B2
     _reduce_dq_tile(dq_desc, dq_row, dq_col, dq_smem)
+    dv, dk = warpgroup_mma_wait(num_outstanding=0, deps=(dv_tok, dk_tok))
     return dv, dk
 
 
@@ -505,10 +513,7 @@ def _tile(dk, dv, it, m, hi, k_smem, v_smem, q_ring, do_ring, ready, empty, q_de
     if isinstance(delta_ptr, gl.shared_memory_descriptor):
         delta = delta_ptr.index(slot).load(gl.SliceLayout(0, s_layout))
     dsT = pT * (dpT - delta[None, :])
-    if FUSE_DQ == 2:  # DS_SHARED (the kernel maps it to FUSE_DQ = 2 for the helpers)
-        dv, dk = _fused_dq_tail_ds_shared(dv_tok, p16, dsT, dk, q_s, k_smem, ds_smem, dq_smem,
-                                          dq_desc, dq_row0, m * BLOCK_M, s_layout)
-    elif FUSE_DQ:
+    if FUSE_DQ:
         dv, dk = _fused_dq_tail(dv_tok, p16, dsT, dk, q_s, k_smem, ds_smem, dq_smem, dq_desc,
                                 dq_row0, m * BLOCK_M, s_layout, a_layout)
     else:
@@ -524,6 +529,72 @@ def _tile(dk, dv, it, m, hi, k_smem, v_smem, q_ring, do_ring, ready, empty, q_de
         _issue_tile(q_desc, do_desc, q_ring, do_ring, ready, slot, q_row0 + nxt * BLOCK_M,
                     q_col, nxt < hi)
     return dk, dv, it + 1
+
+
+@_jit
+def _tile_ds_shared(dk, dv, it, m, k_smem, v_smem, q_ring, do_ring, ready, empty, lse_ring,
+                    delta_ring, offs_mb, cols, ivals, stats, n_blk, Sq, Sk, scale_log2, ds_smem,
+                    dq_smem, dq_desc, dq_row0, s_layout: gl.constexpr, BLOCK_M: gl.constexpr,
+                    BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr, CAUSAL: gl.constexpr,
+                    C: gl.constexpr, NI: gl.constexpr, MASKED: gl.constexpr):
+    """DS_SHARED twin of :func:`_tile` (FUSE_DQ + WARP_SPEC + STATS_SMEM at 64x128 w8; the
+    kernel maps DS_SHARED to FUSE_DQ = 2 for the shared helpers): the same Sᵀ, Pᵀ, dPᵀ, dSᵀ
+    arithmetic as the STATS_SMEM path of :func:`_tile` (masked scores set to -inf before exp2,
+    lse2 read after the Sᵀ wait, delta after the dPᵀ wait), then
+    :func:`_fused_dq_tail_ds_shared` (dV, dK and dQ from Pᵀ and dSᵀ in shared memory) and the
+    slot handed back. Returns (dk, dv, it + 1).
+
+    Mask-free tiles issue dPᵀ right behind Sᵀ (it runs under exp2); masked tiles issue it
+    after Pᵀ (DS_SERIAL_DP_MASKED): the mask arithmetic then does not share the registers with
+    an in-flight dPᵀ accumulator."""
+    dtype: gl.constexpr = k_smem.dtype
+    slot = it % NUM_STAGES
+    mbarrier.wait(ready.index(slot), (it // NUM_STAGES) & 1)
+    # opaque copies of the slot and of 0 (an inline-asm mov LLVM cannot see through): the
+    # wgmma descriptors of every shared operand are recomputed per tile from them instead of
+    # being hoisted out of the loop as dozens of 64-bit invariants (which ptxas spilled)
+    oslot = gl.inline_asm_elementwise("mov.b32 $0, $1;", "=r,r", [slot], dtype=gl.int32,
+                                      is_pure=False, pack=1)
+    oz = gl.inline_asm_elementwise("mov.b32 $0, 0;", "=r,r", [slot], dtype=gl.int32,
+                                   is_pure=False, pack=1)
+    q_s = q_ring.index(oslot)
+    do_s = do_ring.index(oslot)
+    kv_smem = k_smem
+    k_smem = kv_smem.index(oz)
+    v_smem = kv_smem.index(oz + 1)
+    zero = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, s_layout)
+    s_tok = warpgroup_mma(k_smem, q_s.permute((1, 0)), zero, use_acc=False, is_async=True)
+    SERIAL: gl.constexpr = MASKED and DS_SERIAL_DP_MASKED
+    if not SERIAL:
+        dp_tok = warpgroup_mma(v_smem, do_s.permute((1, 0)), zero, use_acc=False, is_async=True)
+        sT = warpgroup_mma_wait(num_outstanding=1, deps=(s_tok, ))
+    else:
+        sT = warpgroup_mma_wait(num_outstanding=0, deps=(s_tok, ))
+    lse2 = lse_ring.index(slot).load(gl.SliceLayout(0, s_layout))
+    if MASKED:
+        rows = m * BLOCK_M + offs_mb
+        if _needs_mask(m, n_blk, Sq, Sk, stats, BLOCK_M, BLOCK_N, CAUSAL, NI, True):
+            if not CAUSAL:
+                iv = _column_intervals(ivals, cols, Sq, Sk, CAUSAL, C)
+            else:
+                iv = ivals
+            masked = _element_masked(rows[None, :], cols[:, None], iv, Sq, Sk, CAUSAL, C)
+            sT = gl.where(masked, float("-inf"), sT)
+    pT = gl.exp2(sT * scale_log2 - lse2[None, :])
+    if SERIAL:
+        dp_tok = warpgroup_mma(v_smem, do_s.permute((1, 0)), zero, use_acc=False, is_async=True)
+    dpT = warpgroup_mma_wait(num_outstanding=0, deps=(dp_tok, ))
+    delta = delta_ring.index(slot).load(gl.SliceLayout(0, s_layout))
+    dsT = pT * (dpT - delta[None, :])
+    dv, dk = _fused_dq_tail_ds_shared(dv, pT, dsT, dk, q_s, do_s, k_smem, ds_smem.index(oz),
+                                      ds_smem.index(oz + 1), dq_smem, dq_desc, dq_row0,
+                                      m * BLOCK_M, s_layout)
+    _release_slot(empty, slot)
+    return dk, dv, it + 1
+
+
+#: DS_SHARED: masked tiles issue dPᵀ after Pᵀ (see :func:`_tile_ds_shared`).
+DS_SERIAL_DP_MASKED = gl.constexpr(True) if gl is not None else True
 
 
 @_jit
@@ -545,23 +616,44 @@ def _range(dk, dv, it, lo, flo, fhi, hi, k_smem, v_smem, q_ring, do_ring, ready,
             _issue_tile(q_desc, do_desc, q_ring, do_ring, ready, (it + j) % NUM_STAGES,
                         q_row0 + (lo + j) * BLOCK_M, q_col, lo + j < hi)
     for m in range(lo, flo):
-        dk, dv, it = _tile(dk, dv, it, m, hi, k_smem, v_smem, q_ring, do_ring, ready, empty,
-                           q_desc, do_desc, lse2_ptr, delta_ptr, stat_row0, q_row0, q_col,
-                           offs_mb, cols, ivals, stats, n_blk, Sq, Sk, scale_log2, ds_smem,
-                           dq_smem, dq_desc, dq_row0, s_layout, a_layout, BLOCK_M, BLOCK_N,
-                           NUM_STAGES, CAUSAL, C, NI, True, FUSE_DQ, WARP_SPEC)
+        if FUSE_DQ == 2:
+            dk, dv, it = _tile_ds_shared(dk, dv, it, m, k_smem, v_smem, q_ring, do_ring, ready,
+                                         empty, lse2_ptr, delta_ptr, offs_mb, cols, ivals,
+                                         stats, n_blk, Sq, Sk, scale_log2, ds_smem, dq_smem,
+                                         dq_desc, dq_row0, s_layout, BLOCK_M, BLOCK_N,
+                                         NUM_STAGES, CAUSAL, C, NI, True)
+        else:
+            dk, dv, it = _tile(dk, dv, it, m, hi, k_smem, v_smem, q_ring, do_ring, ready, empty,
+                               q_desc, do_desc, lse2_ptr, delta_ptr, stat_row0, q_row0, q_col,
+                               offs_mb, cols, ivals, stats, n_blk, Sq, Sk, scale_log2, ds_smem,
+                               dq_smem, dq_desc, dq_row0, s_layout, a_layout, BLOCK_M, BLOCK_N,
+                               NUM_STAGES, CAUSAL, C, NI, True, FUSE_DQ, WARP_SPEC)
     for m in range(flo, fhi):
-        dk, dv, it = _tile(dk, dv, it, m, hi, k_smem, v_smem, q_ring, do_ring, ready, empty,
-                           q_desc, do_desc, lse2_ptr, delta_ptr, stat_row0, q_row0, q_col,
-                           offs_mb, cols, ivals, stats, n_blk, Sq, Sk, scale_log2, ds_smem,
-                           dq_smem, dq_desc, dq_row0, s_layout, a_layout, BLOCK_M, BLOCK_N,
-                           NUM_STAGES, CAUSAL, C, NI, False, FUSE_DQ, WARP_SPEC)
+        if FUSE_DQ == 2:
+            dk, dv, it = _tile_ds_shared(dk, dv, it, m, k_smem, v_smem, q_ring, do_ring, ready,
+                                         empty, lse2_ptr, delta_ptr, offs_mb, cols, ivals,
+                                         stats, n_blk, Sq, Sk, scale_log2, ds_smem, dq_smem,
+                                         dq_desc, dq_row0, s_layout, BLOCK_M, BLOCK_N,
+                                         NUM_STAGES, CAUSAL, C, NI, False)
+        else:
+            dk, dv, it = _tile(dk, dv, it, m, hi, k_smem, v_smem, q_ring, do_ring, ready, empty,
+                               q_desc, do_desc, lse2_ptr, delta_ptr, stat_row0, q_row0, q_col,
+                               offs_mb, cols, ivals, stats, n_blk, Sq, Sk, scale_log2, ds_smem,
+                               dq_smem, dq_desc, dq_row0, s_layout, a_layout, BLOCK_M, BLOCK_N,
+                               NUM_STAGES, CAUSAL, C, NI, False, FUSE_DQ, WARP_SPEC)
     for m in range(fhi, hi):
-        dk, dv, it = _tile(dk, dv, it, m, hi, k_smem, v_smem, q_ring, do_ring, ready, empty,
-                           q_desc, do_desc, lse2_ptr, delta_ptr, stat_row0, q_row0, q_col,
-                           offs_mb, cols, ivals, stats, n_blk, Sq, Sk, scale_log2, ds_smem,
-                           dq_smem, dq_desc, dq_row0, s_layout, a_layout, BLOCK_M, BLOCK_N,
-                           NUM_STAGES, CAUSAL, C, NI, True, FUSE_DQ, WARP_SPEC)
+        if FUSE_DQ == 2:
+            dk, dv, it = _tile_ds_shared(dk, dv, it, m, k_smem, v_smem, q_ring, do_ring, ready,
+                                         empty, lse2_ptr, delta_ptr, offs_mb, cols, ivals,
+                                         stats, n_blk, Sq, Sk, scale_log2, ds_smem, dq_smem,
+                                         dq_desc, dq_row0, s_layout, BLOCK_M, BLOCK_N,
+                                         NUM_STAGES, CAUSAL, C, NI, True)
+        else:
+            dk, dv, it = _tile(dk, dv, it, m, hi, k_smem, v_smem, q_ring, do_ring, ready, empty,
+                               q_desc, do_desc, lse2_ptr, delta_ptr, stat_row0, q_row0, q_col,
+                               offs_mb, cols, ivals, stats, n_blk, Sq, Sk, scale_log2, ds_smem,
+                               dq_smem, dq_desc, dq_row0, s_layout, a_layout, BLOCK_M, BLOCK_N,
+                               NUM_STAGES, CAUSAL, C, NI, True, FUSE_DQ, WARP_SPEC)
     return dk, dv, it
 
 
@@ -774,8 +866,13 @@ def _dkdv_gluon_kernel(q_desc, do_desc, k_desc, v_desc, dk_ptr, dv_ptr, lse2_ptr
     group = Hq // Hk
     c0 = n_blk * BLOCK_N
 
-    k_smem = gl.allocate_shared_memory(dtype, [BLOCK_N, D], k_desc.layout)
-    v_smem = gl.allocate_shared_memory(dtype, [BLOCK_N, D], v_desc.layout)
+    if DS_SHARED:  # K, V as one [2, BLOCK_N, D] buffer (see _tile_ds_shared: opaque index)
+        kv_smem = gl.allocate_shared_memory(dtype, [2, BLOCK_N, D], k_desc.layout)
+        k_smem = kv_smem.index(0)
+        v_smem = kv_smem.index(1)
+    else:
+        k_smem = gl.allocate_shared_memory(dtype, [BLOCK_N, D], k_desc.layout)
+        v_smem = gl.allocate_shared_memory(dtype, [BLOCK_N, D], v_desc.layout)
     q_ring = gl.allocate_shared_memory(dtype, [NUM_STAGES, BLOCK_M, D], q_desc.layout)
     do_ring = gl.allocate_shared_memory(dtype, [NUM_STAGES, BLOCK_M, D], do_desc.layout)
     ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
@@ -794,9 +891,14 @@ def _dkdv_gluon_kernel(q_desc, do_desc, k_desc, v_desc, dk_ptr, dv_ptr, lse2_ptr
     mbarrier.init(kv_bar, count=1)
     if FUSE_DQ:
         gl.static_assert(D >= 16 * NUM_WARPS, "fused dQ^T: wgmma M = D, 16 rows per warp")
-        ds_smem = gl.allocate_shared_memory(
-            dtype, [BLOCK_N, BLOCK_M],
-            gl.NVMMASharedLayout.get_default_for([BLOCK_N, BLOCK_M], dtype))
+        if DS_SHARED:  # [0]: dSᵀ, [1]: Pᵀ (both wgmma A operands from shared memory)
+            ds_smem = gl.allocate_shared_memory(
+                dtype, [2, BLOCK_N, BLOCK_M],
+                gl.NVMMASharedLayout.get_default_for([BLOCK_N, BLOCK_M], dtype))
+        else:
+            ds_smem = gl.allocate_shared_memory(
+                dtype, [BLOCK_N, BLOCK_M],
+                gl.NVMMASharedLayout.get_default_for([BLOCK_N, BLOCK_M], dtype))
         dq_smem = gl.allocate_shared_memory(gl.float32, [D, BLOCK_M], dq_desc.layout)
     else:
         ds_smem = None
@@ -822,6 +924,9 @@ def _dkdv_gluon_kernel(q_desc, do_desc, k_desc, v_desc, dk_ptr, dv_ptr, lse2_ptr
             st_smem: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, order=[0])
             lse_ring = gl.allocate_shared_memory(gl.float32, [NUM_STAGES, BLOCK_M], st_smem)
             delta_ring = gl.allocate_shared_memory(gl.float32, [NUM_STAGES, BLOCK_M], st_smem)
+            if DS_SHARED:  # the compute partition gets the [2, BLOCK_N, D] K/V buffer
+                k_smem = kv_smem
+                v_smem = kv_smem
             dk, dv = gl.warp_specialize([
                 (_compute_partition,
                  (n_blk, b, hk, b64, group, k_smem, v_smem, q_ring, do_ring, ready, empty,
