@@ -544,9 +544,15 @@ def _tile_ds_shared(dk, dv, it, m, k_smem, v_smem, q_ring, do_ring, ready, empty
     :func:`_fused_dq_tail_ds_shared` (dV, dK and dQ from Pᵀ and dSᵀ in shared memory) and the
     slot handed back. Returns (dk, dv, it + 1).
 
-    Mask-free tiles issue dPᵀ right behind Sᵀ (it runs under exp2); masked tiles issue it
-    after Pᵀ (DS_SERIAL_DP_MASKED): the mask arithmetic then does not share the registers with
-    an in-flight dPᵀ accumulator."""
+    dPᵀ runs under the Pᵀ arithmetic as in :func:`_tile`, but dV is issued only in the tail
+    (with dK and dQ): no bf16 Pᵀ operand sits in registers while dSᵀ is computed.
+
+    Every shared operand is indexed with an opaque copy of the slot (``oslot``) or of 0
+    (``oz``; an inline-asm ``mov`` that LLVM cannot see through, so it is the kernel's K/V
+    buffer ``k_smem`` = [2, BLOCK_N, D] and ``ds_smem`` = [2, BLOCK_N, BLOCK_M] that come in
+    here): the wgmma descriptors are then recomputed per tile (a few integer ops) instead of
+    being hoisted out of the tile loops as ~30 64-bit loop invariants, which ptxas kept in
+    local memory (20-55 LDL/STL per tile loop; 0 with the opaque indices)."""
     dtype: gl.constexpr = k_smem.dtype
     slot = it % NUM_STAGES
     mbarrier.wait(ready.index(slot), (it // NUM_STAGES) & 1)
@@ -564,12 +570,8 @@ def _tile_ds_shared(dk, dv, it, m, k_smem, v_smem, q_ring, do_ring, ready, empty
     v_smem = kv_smem.index(oz + 1)
     zero = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, s_layout)
     s_tok = warpgroup_mma(k_smem, q_s.permute((1, 0)), zero, use_acc=False, is_async=True)
-    SERIAL: gl.constexpr = MASKED and DS_SERIAL_DP_MASKED
-    if not SERIAL:
-        dp_tok = warpgroup_mma(v_smem, do_s.permute((1, 0)), zero, use_acc=False, is_async=True)
-        sT = warpgroup_mma_wait(num_outstanding=1, deps=(s_tok, ))
-    else:
-        sT = warpgroup_mma_wait(num_outstanding=0, deps=(s_tok, ))
+    dp_tok = warpgroup_mma(v_smem, do_s.permute((1, 0)), zero, use_acc=False, is_async=True)
+    sT = warpgroup_mma_wait(num_outstanding=1, deps=(s_tok, ))
     lse2 = lse_ring.index(slot).load(gl.SliceLayout(0, s_layout))
     if MASKED:
         rows = m * BLOCK_M + offs_mb
@@ -581,8 +583,6 @@ def _tile_ds_shared(dk, dv, it, m, k_smem, v_smem, q_ring, do_ring, ready, empty
             masked = _element_masked(rows[None, :], cols[:, None], iv, Sq, Sk, CAUSAL, C)
             sT = gl.where(masked, float("-inf"), sT)
     pT = gl.exp2(sT * scale_log2 - lse2[None, :])
-    if SERIAL:
-        dp_tok = warpgroup_mma(v_smem, do_s.permute((1, 0)), zero, use_acc=False, is_async=True)
     dpT = warpgroup_mma_wait(num_outstanding=0, deps=(dp_tok, ))
     delta = delta_ring.index(slot).load(gl.SliceLayout(0, s_layout))
     dsT = pT * (dpT - delta[None, :])
@@ -591,10 +591,6 @@ def _tile_ds_shared(dk, dv, it, m, k_smem, v_smem, q_ring, do_ring, ready, empty
                                       m * BLOCK_M, s_layout)
     _release_slot(empty, slot)
     return dk, dv, it + 1
-
-
-#: DS_SHARED: masked tiles issue dPᵀ after Pᵀ (see :func:`_tile_ds_shared`).
-DS_SERIAL_DP_MASKED = gl.constexpr(True) if gl is not None else True
 
 
 @_jit
