@@ -92,25 +92,35 @@ def _is_wsm(cfg) -> bool:
     return _is_ws(cfg) and len(cfg) > 5 and bool(cfg[5])
 
 
+def _is_wsmds(cfg) -> bool:
+    """Whether a config tuple is the fused DS_SHARED kernel's (a seventh element True, with
+    WARP_SPEC + STATS_SMEM; ``--fused`` only: Pᵀ, dSᵀ in shared memory, dQ once per 64x128
+    tile)."""
+    return _is_wsm(cfg) and len(cfg) > 6 and bool(cfg[6])
+
+
 def _label(cfg) -> str:
     """``BMxBNwWsS``, plus ``ws`` for the WARP_SPEC kernel, ``wsm`` for WARP_SPEC +
-    STATS_SMEM."""
-    return "{}x{}w{}s{}".format(*cfg[:4]) + ("wsm" if _is_wsm(cfg) else
+    STATS_SMEM, ``wsmds`` for WARP_SPEC + STATS_SMEM + DS_SHARED (fused only)."""
+    return "{}x{}w{}s{}".format(*cfg[:4]) + ("wsmds" if _is_wsmds(cfg) else
+                                             "wsm" if _is_wsm(cfg) else
                                              "ws" if _is_ws(cfg) else "")
 
 
 def _parse(label: str) -> tuple:
     """The config tuple of a label (inverse of :func:`_label`): ``32x64w4s3`` ->
     (32, 64, 4, 3), ``32x64w4s3ws`` -> (32, 64, 4, 3, True), ``64x128w8s2wsm`` ->
-    (64, 128, 8, 2, True, True)."""
-    wsm = label.endswith("wsm")
+    (64, 128, 8, 2, True, True), ``64x128w8s2wsmds`` -> (64, 128, 8, 2, True, True, True)."""
+    wsmds = label.endswith("wsmds")
+    wsm = wsmds or label.endswith("wsm")
     ws = wsm or label.endswith("ws")
-    body = label[:-3] if wsm else label[:-2] if ws else label
+    body = label[:-5] if wsmds else label[:-3] if wsm else label[:-2] if ws else label
     nums = tuple(int(x) for x in body.replace("x", " ").replace("w", " ").replace("s", " ").split())
     if len(nums) != 4:
-        raise ValueError(f"config label {label!r}: expected BMxBNwWsS, BMxBNwWsSws or "
-                         "BMxBNwWsSwsm")
-    return nums + ((True, True) if wsm else (True, ) if ws else ())
+        raise ValueError(f"config label {label!r}: expected BMxBNwWsS, BMxBNwWsSws, "
+                         "BMxBNwWsSwsm or BMxBNwWsSwsmds")
+    return nums + ((True, True, True) if wsmds else (True, True) if wsm else
+                   (True, ) if ws else ())
 
 
 def _twin(cfg) -> tuple:
@@ -212,6 +222,8 @@ def _gluon_dkdv(q, k, v, dout, lse2, delta, cols, causal, scale, cfg):
     bm, bn, w, s = cfg[:4]
     ws = _is_ws(cfg)
     wsm = _is_wsm(cfg)
+    if _is_wsmds(cfg):
+        raise ValueError(f"{_label(cfg)}: DS_SHARED is a fused kernel (--fused-configs)")
     plan = T.make_plan(cols, causal, sq, sk, bm, bn, True, q.device)
 
     def fn():
@@ -586,8 +598,9 @@ def _bench_bwd(fn) -> float:
     return do_bench(fn, warmup=200, rep=1500, return_mode="median")
 
 
-def fused_small_pass(records, deadline, out_path):
-    """dQ, dK, dV of the fused Gluon backward against the split backward on SMALL_CASES."""
+def fused_small_pass(records, deadline, out_path, extra=()):
+    """dQ, dK, dV of the fused Gluon backward against the split backward on SMALL_CASES (the
+    ``extra`` configs, e.g. the timed ones, too on every D=128 case)."""
     for i, case, rec in small_case_records(records, deadline, out_path, "fused_small"):
         name, b, sq, sk, hq, hk, hm, d, dtype, causal, c = case
         cols = small_mask(i, case)
@@ -600,6 +613,7 @@ def fused_small_pass(records, deadline, out_path):
             print(rec["error"], flush=True)
             continue
         cfgs = FUSED_SMALL_CONFIGS + (FUSED_EXTRA_SMALL_CONFIGS if i < 2 else [])
+        cfgs = cfgs + [c for c in extra if c not in cfgs]
         if d != 128:
             cfgs = [tuple(dataclasses.astuple(T.CANDIDATES[("dkdv", d)][0]))]
         for cfg in cfgs:
@@ -705,7 +719,7 @@ def fused_main(args) -> int:
     configs = [_parse(lab) for lab in args.fused_configs.split(",")]
     out_path, start, deadline, records = start_run("gluon_fused_ab", args.budget_s, "; fused A/B")
     if not args.skip_small:
-        fused_small_pass(records, deadline, out_path)
+        fused_small_pass(records, deadline, out_path, configs)
     if not args.skip_timed:
         fused_timed_pass(records, deadline, out_path, args.seqlen, configs)
     table = fused_summary_table(records)
@@ -740,7 +754,9 @@ def main(argv=None) -> int:
     ap.add_argument("--fused", action="store_true",
                     help="the fused Gluon backward against the split backward instead")
     ap.add_argument("--fused-configs", default=",".join(_label(c) for c in FUSED_TIMED_CONFIGS),
-                    help="fused Gluon configs timed at 32K with --fused")
+                    help="fused Gluon configs timed at 32K with --fused (and checked on the "
+                         "small D=128 cases), e.g. 32x64w4s3ws,64x128w8s2wsmds (suffix wsmds: "
+                         "WARP_SPEC + STATS_SMEM + DS_SHARED, dQ once per 64x128 tile)")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         print("needs a CUDA GPU (Hopper)")

@@ -131,7 +131,8 @@ def test_fused_dq_16x64_does_not_spill_in_tile_loops(causal, c):
 @pytest.mark.skipif(_offline_skip_reason() is not None, reason=str(_offline_skip_reason()))
 def test_launcher_compiles_the_offline_checked_kernels(monkeypatch):
     """``launch_dkdv_gluon``'s real arguments (split: dq_desc=None, a constexpr; fused: the
-    strided dQ^T descriptor, Sq=777 padded to 780; warp_spec: WARP_SPEC and maxnreg) bound by
+    strided dQ^T descriptor, Sq=777 padded to 780; warp_spec: WARP_SPEC and maxnreg; the
+    DS_SHARED fused kernel's [D, 32] reduce descriptor) bound by
     Triton's JIT under a stand-in sm_90 driver (compile only, nothing launched) give the same
     SASS as :func:`compile_sm90`."""
     from triton.backends.compiler import GPUTarget
@@ -184,6 +185,14 @@ def test_launcher_compiles_the_offline_checked_kernels(monkeypatch):
                 assert out[2].stride()[1] == 1  # the [B, Hq, D, Sq_pad] dQ^T buffer
             ref = G.compile_sm90(128, 32, 64, 4, 3, True, 1, "bf16", fuse_dq=fuse, warp_spec=ws)
             assert sass(compiled["kernel"].asm["cubin"]) == sass(ref.asm["cubin"]), (fuse, ws)
+        # DS_SHARED (64x128 w8, WS + STATS_SMEM): the [D, 32] dQ^T reduce descriptor
+        stats = torch.zeros(b, -(-sk // 128), 8, dtype=torch.int32)
+        plan = T.Plan(cols, stats, stats.clone(), 1, 1, 1, 1)
+        opts = dict(fuse_dq=True, warp_spec=True, stats_smem=True, ds_shared=True)
+        out = G.launch_dkdv_gluon(q, k, k, q, lse2, lse2, True, 0.1, plan, 64, 128, 8, 2, **opts)
+        assert len(out) == 3 and out[2].shape == (b, sq, hq, d)
+        ref = G.compile_sm90(128, 64, 128, 8, 2, True, 1, "bf16", **opts)
+        assert sass(compiled["kernel"].asm["cubin"]) == sass(ref.asm["cubin"])
     finally:
         driver._active = saved
         kern.device_caches.clear()
@@ -309,6 +318,41 @@ def test_fused_dq_with_warp_spec_compiles(causal, c):
     assert r["ldl_stl_in_tile_loops"] == 0, r
 
 
+@pytest.mark.skipif(_offline_skip_reason() is not None, reason=str(_offline_skip_reason()))
+@pytest.mark.parametrize("causal, c", [(True, 1), (False, 0), (True, 0), (False, 2), (True, 2),
+                                       (False, 4)])
+def test_fused_ds_shared_64x128_has_no_spills_in_tile_loops(causal, c):
+    """FUSE_DQ + WARP_SPEC + STATS_SMEM + DS_SHARED at 64x128 w8 s2 (Pᵀ, dSᵀ in shared memory,
+    dQ once per tile): per tile the five wgmmas (Sᵀ, dPᵀ: 8 k-steps; dV, dK: 4; dQᵀ: 8 over
+    all 128 keys) and two TMA reduce-adds ([D, 32] each), no TMA load, one ready wait, and no
+    LDL/STL inside the tile loops in any mask layout, at the 240 registers of the WS
+    kernel."""
+    r = G.compile_report(128, 64, 128, 8, 2, causal=causal, c=c, fuse_dq=True, warp_spec=True,
+                         stats_smem=True, ds_shared=True)
+    assert "error" not in r, r.get("error")
+    assert r["tile_loops"] > 0 and r["hgmma"] == 32 * r["tile_loops"], r
+    assert r["tma_reduce"] == 2 * r["tile_loops"] and r["atomics"] == 0, r
+    assert r["setmaxnreg"] == [G.PRODUCER_REGS, 240] and r["regs_touched"] <= 240, r
+    assert r["ldl_stl_in_tile_loops"] == 0, r
+    assert r["tma_load_per_tile"] == 0 and r["mbar_wait_per_tile"] == 1, r
+    assert r["shared"] <= 232448, r  # sm_90: 227 KB per block
+
+
+@pytest.mark.skipif(_offline_skip_reason() is not None, reason=str(_offline_skip_reason()))
+def test_fused_64_query_tile_reduces_every_column():
+    """A 64-query fused dQᵀ tile is 256 bytes wide in fp32, a 128-byte-swizzled TMA box at most
+    128: the kernel issues two [D, 32] reduces per tile (one [D, 64] reduce lowered to a single
+    message, i.e. half the tile). Also s3 of DS_SHARED fits in shared memory without spills."""
+    r = G.compile_report(128, 64, 128, 8, 2, causal=True, c=1, fuse_dq=True, warp_spec=True,
+                         stats_smem=True)
+    assert "error" not in r, r.get("error")
+    assert r["tma_reduce"] == 2 * r["tile_loops"] > 0, r
+    r = G.compile_report(128, 64, 128, 8, 3, causal=True, c=1, fuse_dq=True, warp_spec=True,
+                         stats_smem=True, ds_shared=True)
+    assert "error" not in r, r.get("error")
+    assert r["ldl_stl_in_tile_loops"] == 0 and r["shared"] <= 232448, r
+
+
 def test_ws_register_budget():
     """maxnreg keeps the non-WS kernel's residency (2 programs per SM at 4 warps, 1 at 8) and
     the compute partition gets what the producer warpgroup gives back."""
@@ -332,6 +376,29 @@ def test_config_checks():
     G.check_config(128, 32, 128, 8, 3, fuse_dq=True)
     with pytest.raises(ValueError):
         G.check_config(64, 32, 128, 8, 3, fuse_dq=True)  # dQ^T: d rows, 16 per warp
+    G.check_config(128, 64, 128, 8, 2, True, True, True, ds_shared=True)
+    for bad in [dict(fuse_dq=False, warp_spec=True, stats_smem=True),
+                dict(fuse_dq=True, warp_spec=True, stats_smem=False),
+                dict(fuse_dq=True, warp_spec=False, stats_smem=False)]:
+        with pytest.raises(ValueError):  # DS_SHARED: the 64x128 w8 fused WS + STATS_SMEM kernel
+            G.check_config(128, 64, 128, 8, 2, ds_shared=True, **bad)
+    with pytest.raises(ValueError):
+        G.check_config(128, 32, 128, 8, 3, True, True, True, ds_shared=True)
+    with pytest.raises(ValueError):
+        G.check_config(128, 64, 64, 4, 2, warp_spec=False, stats_smem=True)
+    assert G.dq_reduce_block(32, 128) == [128, 32] and G.dq_reduce_block(16, 64) == [64, 16]
+    assert G.dq_reduce_block(64, 128) == [128, 32]  # two TMA reduces per 64-query tile
+
+
+def test_ab_labels_round_trip():
+    """The A/B scripts' config labels, including the fused DS_SHARED suffix ``wsmds``."""
+    from benchmarks import gluon_dkdv_ab as AB
+
+    for cfg in [(32, 64, 4, 3), (32, 64, 4, 3, True), (64, 128, 8, 2, True, True),
+                (64, 128, 8, 2, True, True, True)]:
+        assert AB._parse(AB._label(cfg)) == cfg
+    assert AB._label((64, 128, 8, 3, True, True, True)) == "64x128w8s3wsmds"
+    assert AB._is_wsmds(AB._parse("64x128w8s2wsmds")) and not AB._is_wsmds((64, 128, 8, 2, True, True))
 
 
 def test_dispatch_uses_tl_off_hopper(monkeypatch):
@@ -461,10 +528,13 @@ def test_gpu_dispatch_picks_gluon_ws_at_d64_and_d128_on_hopper(monkeypatch):
 @pytest.mark.gpu
 @pytest.mark.parametrize("name", ["causal", "full", "causal_document", "document",
                                   "global_sliding_window", "causal_blockwise"])
-@pytest.mark.parametrize("cfg", [(32, 64, 4, 3), (16, 64, 4, 3), (32, 64, 4, 3, True)])
+@pytest.mark.parametrize("cfg", [(32, 64, 4, 3), (16, 64, 4, 3), (32, 64, 4, 3, True),
+                                 (64, 128, 8, 2, True, True, True),
+                                 (64, 128, 8, 3, True, True, True)])
 def test_gpu_fused_backward_matches_split(name, cfg):
-    """The fused Gluon backward (FUSE_DQ kernel; a fifth config element True: with WARP_SPEC)
-    against the library's split backward (GQA 4:2, a length that is not a block multiple)."""
+    """The fused Gluon backward (FUSE_DQ kernel; a fifth config element True: with WARP_SPEC,
+    sixth: STATS_SMEM, seventh: DS_SHARED) against the library's split backward (GQA 4:2, a
+    length that is not a block multiple)."""
     _require_hopper_gluon()
     s, d = 1000, 128
     q, k, v, dout, cols, causal, scale, out, lse = _gpu_inputs(name, s, d, seed=5)
@@ -478,6 +548,32 @@ def test_gpu_fused_backward_matches_split(name, cfg):
         assert torch.isfinite(a).all()
         rel = ((a.float() - r.float()).norm() / r.float().norm()).item()
         assert rel < 2e-2, rel
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", ["causal", "full", "causal_document", "document",
+                                  "global_sliding_window", "causal_blockwise"])
+@pytest.mark.parametrize("st", [2, 3])
+def test_gpu_fused_ds_shared_dkdv_bitwise_equal_to_tl(name, st):
+    """DS_SHARED reads Pᵀ and dSᵀ from shared memory for dV and dK (the split kernels: from
+    registers): the same bf16 values in the same k-steps, so dK, dV bit for bit equal to the
+    tl kernel's; dQ (atomics: run-to-run rounding) within the split backward's error."""
+    _require_hopper_gluon()
+    s, d = 1000, 128
+    q, k, v, dout, cols, causal, scale, out, lse = _gpu_inputs(name, s, d, seed=17)
+    delta, lse2 = T._bwd_pre(out, dout, lse, None)
+    c = 0 if cols is None else cols.shape[-1]
+    tcfg = T._config("dkdv", d, causal, c, q.dtype)
+    tplan = T.make_plan(cols, causal, s, s, tcfg.block_m, tcfg.block_n, True, q.device)
+    ref = T._launch_dkdv_tl(q, k, v, dout, lse2, delta, causal, scale, tcfg, tplan)[:2]
+    plan = T.make_plan(cols, causal, s, s, 64, 128, True, q.device)
+    dq, dk, dv = G.fused_backward_gluon(q, k, v, dout, lse2, delta, causal, scale, plan,
+                                        (64, 128, 8, st, True, True, True))
+    assert torch.equal(dk, ref[0]) and torch.equal(dv, ref[1])
+    with T.use_backward("split"):
+        dq_ref = T.backward(dout, None, q, k, v, out, lse, cols, causal, scale)[0]
+    rel = ((dq.float() - dq_ref.float()).norm() / dq_ref.float().norm()).item()
+    assert torch.isfinite(dq).all() and rel < 2e-2, rel
 
 
 @pytest.mark.skipif(_offline_skip_reason() is not None, reason=str(_offline_skip_reason()))
