@@ -12,6 +12,7 @@
 #   BENCH_BUDGET=150 bash benchmarks/gpu_kernel.sh gluon64  # Gluon (WS) dK/dV vs tl at D=64 + the fused 128-key shape
 #   BENCH_BUDGET=400 bash benchmarks/gpu_kernel.sh rest   # D=256 GPU tests + the grid cases no kernel_v6*.json has
 #   BENCH_BUDGET=150 bash benchmarks/gpu_kernel.sh wsm    # STATS_SMEM dK/dV (64x128 w8) bitwise tests + A/B vs the WS default
+#   BENCH_BUDGET=150 bash benchmarks/gpu_kernel.sh fused64  # fused DS_SHARED backward (64x128 w8) tests + A/B vs split
 # Each stage has its own timeout so the whole call stays under the 600 s device limit; the
 # benchmark writes its JSON after every case, so a stopped run keeps what it measured.
 set -uo pipefail
@@ -80,6 +81,14 @@ case "$PHASE" in
     FLASHMASK3_TRITON_AUTOTUNE=0 timeout 150 python3 -m pytest -q -m gpu tests/kernels/test_gluon_dkdv.py -k "stats_smem or warp_spec" -p no:cacheprovider 2>&1 | tail -15 | tee "$OUT/pytest_wsm.log"
     FLASHMASK3_TRITON_AUTOTUNE=0 timeout $((BUDGET + 90)) python3 benchmarks/gluon_dkdv_ab.py --skip-small \
       --configs 32x64w4s3ws,64x128w8s2wsm,64x128w8s3wsm,32x64w4s3wsm --budget-s "$BUDGET" 2>&1 | tee "$OUT/bench_wsm.log"
+    ;;
+  fused64)
+    # the fused DS_SHARED backward (64x128 w8 WS + STATS_SMEM, dQ once per tile; offline
+    # spill-free): dK, dV bitwise vs tl and dQ vs split (S=1000, 6 masks, s2 and s3), then the
+    # whole backward at 32K against split, next to the 32x64 fused WS kernel
+    FLASHMASK3_TRITON_AUTOTUNE=0 timeout 240 python3 -m pytest -q -m gpu tests/kernels/test_gluon_dkdv.py -k "ds_shared" -p no:cacheprovider 2>&1 | tail -15 | tee "$OUT/pytest_fused64.log"
+    FLASHMASK3_TRITON_AUTOTUNE=0 timeout $((BUDGET + 90)) python3 benchmarks/gluon_dkdv_ab.py --fused --skip-small \
+      --fused-configs 32x64w4s3ws,64x128w8s2wsmds,64x128w8s3wsmds --budget-s "$BUDGET" 2>&1 | tee "$OUT/bench_fused64.log"
     ;;
   rest)
     # what the v6.3 table left out: first the GPU tests of the D=256 forward tile (new default,

@@ -111,6 +111,37 @@ stay bit for bit equal. Offline (D=128 bf16): 64x128 w8 s2 and s3 WS have no LDL
 for causal C=0/1/2 and non-causal C=0/2/4 (without it 1-360); 64x64 w4 s2 WS 0-40 (was
 16-562). A non-WS variant (compute warps staging the next tile's statistics) is not written.
 
+Fused dQ at 64x128 (constexpr DS_SHARED, default False; FUSE_DQ + WARP_SPEC + STATS_SMEM at
+BLOCK_M=64, BLOCK_N=128, 8 warps only; ``launch_dkdv_gluon(..., fuse_dq=True, warp_spec=True,
+stats_smem=True, ds_shared=True)``, ``fused_backward_gluon`` config ``(64, 128, 8, S, True,
+True, True)``, A/B label suffix ``wsmds``; compiled offline only, NOT yet run on a GPU): FA3's
+backward tile. dQ is computed once per tile: dQᵀ [D, 64] = Kᵀ dSᵀ with wgmma M = D split over
+the two compute warpgroups (each M = 64 of the D rows, N = 64 queries, K = all 128 keys, so
+both warpgroups' dSᵀ rows: a partition barrier between them), 32 fp32 registers per thread,
+stored to a [D, 64] fp32 tile and TMA reduce-added as two [D, 32] boxes (the existing FUSE_DQ
+path already splits dQᵀ's D rows over the warpgroups at 8 warps; at 32x128 its tile is
+[D, 32], so 64x128 has the same reduce bytes per FLOP as 32x128 and half those of 32x64).
+Its own tile function (:func:`_tile_ds_shared`, :func:`_fused_dq_tail_ds_shared`): Sᵀ and dPᵀ
+as the STATS_SMEM path, then Pᵀ and dSᵀ go to shared memory (bf16/fp16, [2, BLOCK_N, BLOCK_M])
+and dQᵀ, dV += Pᵀ dO, dK += dSᵀ Q are issued back to back with both A operands from shared
+memory (the split kernel has Pᵀ, dSᵀ as register operands: same values, same k-steps, so dK,
+dV should stay bit for bit equal); dQᵀ is waited for alone and reduce-added under dV and dK.
+What made it fit in 240 registers: (1) no bf16 Pᵀ/dSᵀ operand held in registers (the
+register-operand tail spilled 108-222 per kernel in the tile loops); (2) every shared operand
+indexed with an opaque copy of the slot or of 0 (inline-asm ``mov``), so the ~30 wgmma
+descriptors (64-bit each) are recomputed per tile instead of hoisted as loop invariants that
+ptxas kept in local memory (20-55 LDL/STL per loop without it). Offline (D=128 bf16, 6 mask
+layouts, s2 and s3): no LDL/STL in the tile loops (0-23 in the per-head setup), 32 HGMMA and
+2 UTMAREDG per tile, 6 BAR.SYNC per tile (5 for the 32x64 fused WS kernel), shared memory
+197,868 B at s2 and 231,180 B at s3 (limit 232,448).
+
+FUSE_DQ at BLOCK_M = 64 (found with DS_SHARED): a [D, 64] fp32 tile is 256 bytes wide, a
+128-byte-swizzled TMA box at most 128, and Triton lowers one reduce op to one message: the
+descriptor's box became [D, 32] (the host-side descriptor of a [D, 64] block too) and one
+reduce added only the first 32 queries of each tile. The dQᵀ descriptor is now [D,
+min(BLOCK_M, 32)] (:func:`dq_reduce_block`) and a 64-query tile issues two reduces
+(:func:`_reduce_dq_tile`); BLOCK_M <= 32 (every config so far) is unchanged.
+
 Not done: prefetching across live ranges / query heads (one TMA latency per range; the
 WARP_SPEC producer does run ahead across them), dK left in flight across tiles, two consumer
 warpgroups (ping-pong), a Gluon forward and dQ.
@@ -411,7 +442,8 @@ def _fused_dq_tail_ds_shared(dv, pT, dsT, dk, q_s, do_s, k_smem, ds_s, p_s, dq_s
                              dq_row, dq_col, s_layout: gl.constexpr):
     """The DS_SHARED end of a tile (FUSE_DQ + WARP_SPEC + STATS_SMEM at 64x128 w8; Pᵀ and dSᵀ
     in fp32 registers, no wgmma in flight): Pᵀ and dSᵀ go to shared memory as bf16/fp16
-    (``ds_smem`` [0]: dSᵀ, [1]: Pᵀ), then three wgmmas read them from there:
+    (``p_s``, ``ds_s``: the kernel's [2, BLOCK_N, BLOCK_M] buffer), then three wgmmas read
+    them from there:
 
     * dQᵀ = Kᵀ dSᵀ ([D, 64]: each warpgroup M = 64 of the D rows, N = 64 queries, K = all 128
       keys, i.e. both warpgroups' dSᵀ rows; 32 fp32 registers per thread), issued first;
@@ -428,7 +460,7 @@ def _fused_dq_tail_ds_shared(dv, pT, dsT, dk, q_s, do_s, k_smem, ds_s, p_s, dq_s
     Barriers: B1 after Pᵀ and dSᵀ are in shared memory (the dQ wgmma reads the other
     warpgroup's dSᵀ rows; the issuing thread first waits, ``tma.store_wait(0)``, until the
     previous tile's reduces have read ``dq_smem``, which this tile overwrites after B1); B2
-    after dQᵀ is in ``dq_smem`` (the reduce reads every warp's part). ``ds_smem`` is
+    after dQᵀ is in ``dq_smem`` (the reduce reads every warp's part). ``ds_s`` and ``p_s`` are
     overwritten by the next tile only after B2 (every dQ wgmma retired) and the slot barrier
     (every dV, dK wgmma retired)."""
     dtype: gl.constexpr = q_s.dtype
@@ -1084,8 +1116,8 @@ def launch_dkdv_gluon(q, k, v, dout, lse2, delta, causal, softmax_scale, plan, b
     (what lets 64x128 w8 run without spills in its tile loops); same dK, dV bit for bit.
 
     ``ds_shared=True`` (with ``fuse_dq``, ``warp_spec``, ``stats_smem`` at 64x128 w8 only; the
-    DS_SHARED kernel, compiled offline only, not yet run on a GPU): the fused tail that reads
-    dSᵀ from shared memory for both dK and dQ and retires dV before the dQ wgmma.
+    DS_SHARED kernel, compiled offline only, not yet run on a GPU): FA3's 64x128 tile, dQ
+    once per tile; Pᵀ and dSᵀ staged in shared memory as the A operands of dV, dK and dQ.
 
     ``fuse_dq=True`` (the FUSE_DQ kernel, unverified on a GPU): (dk, dv, dq_acc), dq_acc the
     unscaled fp32 dQ accumulated by TMA reduce-adds, shape [B, Sq, Hq, D] (a permuted view of
@@ -1339,7 +1371,19 @@ def main(argv=None):
     ap.add_argument("--fused", action="store_true", help="the FUSE_DQ kernel")
     ap.add_argument("--warp-spec", action="store_true",
                     help="the WARP_SPEC kernel (1-warp TMA producer partition)")
+    ap.add_argument("--ds-shared", action="store_true",
+                    help="the fused DS_SHARED kernel (64x128 w8 s2/s3, WS + STATS_SMEM)")
     args = ap.parse_args(argv)
+    if args.ds_shared:
+        for d in (int(x) for x in args.dims.split(",")):
+            for st in (2, 3):
+                for causal, c in ((bool(int(a)), int(b)) for a, b in
+                                  (x.split(":") for x in args.layouts.split(","))):
+                    print(json.dumps(compile_report(d, 64, 128, 8, st, causal=causal, c=c,
+                                                    dtype=args.dtype, fuse_dq=True,
+                                                    warp_spec=True, stats_smem=True,
+                                                    ds_shared=True)), flush=True)
+        return
     if args.fused:
         configs = FUSED_REPORT_CONFIGS[:2] if args.warp_spec else FUSED_REPORT_CONFIGS
     else:
