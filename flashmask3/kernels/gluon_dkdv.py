@@ -122,7 +122,7 @@ stored to a [D, 64] fp32 tile and TMA reduce-added as two [D, 32] boxes (the exi
 path already splits dQᵀ's D rows over the warpgroups at 8 warps; at 32x128 its tile is
 [D, 32], so 64x128 has the same reduce bytes per FLOP as 32x128 and half those of 32x64).
 Its own tile function (:func:`_tile_ds_shared`, :func:`_fused_dq_tail_ds_shared`): Sᵀ and dPᵀ
-as the STATS_SMEM path, then Pᵀ and dSᵀ go to shared memory (bf16/fp16, [2, BLOCK_N, BLOCK_M])
+as the STATS_SMEM path, then Pᵀ and dSᵀ go to shared memory (bf16/fp16, [BLOCK_N, BLOCK_M] each)
 and dQᵀ, dV += Pᵀ dO, dK += dSᵀ Q are issued back to back with both A operands from shared
 memory (the split kernel has Pᵀ, dSᵀ as register operands: same values, same k-steps, so dK,
 dV should stay bit for bit equal); dQᵀ is waited for alone and reduce-added under dV and dK.
@@ -132,7 +132,7 @@ indexed with an opaque copy of the slot or of 0 (inline-asm ``mov``), so the ~30
 descriptors (64-bit each) are recomputed per tile instead of hoisted as loop invariants that
 ptxas kept in local memory (20-55 LDL/STL per loop without it). Offline (D=128 bf16, 6 mask
 layouts, s2 and s3): no LDL/STL in the tile loops (0-23 in the per-head setup), 32 HGMMA and
-2 UTMAREDG per tile, 6 BAR.SYNC per tile (5 for the 32x64 fused WS kernel), shared memory
+2 UTMAREDG per tile, 5 BAR.SYNC per tile (as the 32x64 fused WS kernel), shared memory
 197,868 B at s2 and 231,180 B at s3 (limit 232,448).
 
 FUSE_DQ at BLOCK_M = 64 (found with DS_SHARED): a [D, 64] fp32 tile is 256 bytes wide, a
@@ -442,7 +442,7 @@ def _fused_dq_tail_ds_shared(dv, pT, dsT, dk, q_s, do_s, k_smem, ds_s, p_s, dq_s
                              dq_row, dq_col, s_layout: gl.constexpr):
     """The DS_SHARED end of a tile (FUSE_DQ + WARP_SPEC + STATS_SMEM at 64x128 w8; Pᵀ and dSᵀ
     in fp32 registers, no wgmma in flight): Pᵀ and dSᵀ go to shared memory as bf16/fp16
-    (``p_s``, ``ds_s``: the kernel's [2, BLOCK_N, BLOCK_M] buffer), then three wgmmas read
+    (``p_s``, ``ds_s``: two [BLOCK_N, BLOCK_M] buffers of the kernel), then three wgmmas read
     them from there:
 
     * dQᵀ = Kᵀ dSᵀ ([D, 64]: each warpgroup M = 64 of the D rows, N = 64 queries, K = all 128
@@ -581,10 +581,13 @@ def _tile_ds_shared(dk, dv, it, m, k_smem, v_smem, q_ring, do_ring, ready, empty
 
     Every shared operand is indexed with an opaque copy of the slot (``oslot``) or of 0
     (``oz``; an inline-asm ``mov`` that LLVM cannot see through, so it is the kernel's K/V
-    buffer ``k_smem`` = [2, BLOCK_N, D] and ``ds_smem`` = [2, BLOCK_N, BLOCK_M] that come in
-    here): the wgmma descriptors are then recomputed per tile (a few integer ops) instead of
-    being hoisted out of the tile loops as ~30 64-bit loop invariants, which ptxas kept in
-    local memory (20-55 LDL/STL per tile loop; 0 with the opaque indices)."""
+    buffer ``k_smem`` = [2, BLOCK_N, D] and the tuple ``ds_smem`` = ([1, BLOCK_N, BLOCK_M]
+    for dSᵀ, [1, BLOCK_N, BLOCK_M] for Pᵀ) that come in here): the wgmma descriptors are then
+    recomputed per tile (a few integer ops) instead of being hoisted out of the tile loops as
+    ~30 64-bit loop invariants, which ptxas kept in local memory (20-55 LDL/STL per tile loop;
+    0 with the opaque indices). dSᵀ and Pᵀ are two allocations, not one [2, ...] buffer: with
+    an opaque index into one buffer Triton's barrier analysis cannot tell the two stores apart
+    and puts a CTA barrier between them (6 BAR.SYNC per tile instead of 5)."""
     dtype: gl.constexpr = k_smem.dtype
     slot = it % NUM_STAGES
     mbarrier.wait(ready.index(slot), (it // NUM_STAGES) & 1)
@@ -618,8 +621,8 @@ def _tile_ds_shared(dk, dv, it, m, k_smem, v_smem, q_ring, do_ring, ready, empty
     dpT = warpgroup_mma_wait(num_outstanding=0, deps=(dp_tok, ))
     delta = delta_ring.index(slot).load(gl.SliceLayout(0, s_layout))
     dsT = pT * (dpT - delta[None, :])
-    dv, dk = _fused_dq_tail_ds_shared(dv, pT, dsT, dk, q_s, do_s, k_smem, ds_smem.index(oz),
-                                      ds_smem.index(oz + 1), dq_smem, dq_desc, dq_row0,
+    dv, dk = _fused_dq_tail_ds_shared(dv, pT, dsT, dk, q_s, do_s, k_smem, ds_smem[0].index(oz),
+                                      ds_smem[1].index(oz), dq_smem, dq_desc, dq_row0,
                                       m * BLOCK_M, s_layout)
     _release_slot(empty, slot)
     return dk, dv, it + 1
@@ -919,10 +922,13 @@ def _dkdv_gluon_kernel(q_desc, do_desc, k_desc, v_desc, dk_ptr, dv_ptr, lse2_ptr
     mbarrier.init(kv_bar, count=1)
     if FUSE_DQ:
         gl.static_assert(D >= 16 * NUM_WARPS, "fused dQ^T: wgmma M = D, 16 rows per warp")
-        if DS_SHARED:  # [0]: dSᵀ, [1]: Pᵀ (both wgmma A operands from shared memory)
-            ds_smem = gl.allocate_shared_memory(
-                dtype, [2, BLOCK_N, BLOCK_M],
-                gl.NVMMASharedLayout.get_default_for([BLOCK_N, BLOCK_M], dtype))
+        if DS_SHARED:  # (dSᵀ, Pᵀ): both wgmma A operands from shared memory
+            ds_smem = (gl.allocate_shared_memory(
+                dtype, [1, BLOCK_N, BLOCK_M],
+                gl.NVMMASharedLayout.get_default_for([BLOCK_N, BLOCK_M], dtype)),
+                gl.allocate_shared_memory(
+                dtype, [1, BLOCK_N, BLOCK_M],
+                gl.NVMMASharedLayout.get_default_for([BLOCK_N, BLOCK_M], dtype)))
         else:
             ds_smem = gl.allocate_shared_memory(
                 dtype, [BLOCK_N, BLOCK_M],
