@@ -1100,9 +1100,9 @@ def check_config(d: int, block_m: int, block_n: int, num_warps: int, num_stages:
     if stats_smem and not warp_spec:
         raise ValueError("gluon dK/dV: stats_smem needs warp_spec (the producer stages them)")
     if ds_shared and not (fuse_dq and warp_spec and stats_smem and num_warps == 8
-                          and block_m == 64 and block_n == 128):
-        raise ValueError("gluon fused dQ: ds_shared is the 64x128 w8 FUSE_DQ + WARP_SPEC + "
-                         "STATS_SMEM variant")
+                          and block_m == 64 and block_n == 128 and d == 128):
+        raise ValueError("gluon fused dQ: ds_shared is the D=128 64x128 w8 FUSE_DQ + "
+                         "WARP_SPEC + STATS_SMEM variant")
 
 
 def launch_dkdv_gluon(q, k, v, dout, lse2, delta, causal, softmax_scale, plan, block_m: int,

@@ -387,6 +387,8 @@ def test_config_checks():
             G.check_config(128, 64, 128, 8, 2, ds_shared=True, **bad)
     with pytest.raises(ValueError):
         G.check_config(128, 32, 128, 8, 3, True, True, True, ds_shared=True)
+    with pytest.raises(ValueError):  # 256 fp32 accumulator registers for dK, dV alone
+        G.check_config(256, 64, 128, 8, 2, True, True, True, ds_shared=True)
     with pytest.raises(ValueError):
         G.check_config(128, 64, 64, 4, 2, warp_spec=False, stats_smem=True)
     assert G.dq_reduce_block(32, 128) == [128, 32] and G.dq_reduce_block(16, 64) == [64, 16]
