@@ -629,6 +629,31 @@ def _tile_ds_shared(dk, dv, it, m, k_smem, v_smem, q_ring, do_ring, ready, empty
 
 
 @_jit
+def _tile_of_variant(dk, dv, it, m, hi, k_smem, v_smem, q_ring, do_ring, ready, empty, q_desc,
+                     do_desc, lse2_ptr, delta_ptr, stat_row0, q_row0, q_col, offs_mb, cols,
+                     ivals, stats, n_blk, Sq, Sk, scale_log2, ds_smem, dq_smem, dq_desc,
+                     dq_row0, s_layout: gl.constexpr, a_layout: gl.constexpr,
+                     BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr,
+                     CAUSAL: gl.constexpr, C: gl.constexpr, NI: gl.constexpr,
+                     MASKED: gl.constexpr, FUSE_DQ: gl.constexpr, WARP_SPEC: gl.constexpr):
+    """One query tile of the kernel variant: :func:`_tile_ds_shared` for DS_SHARED (FUSE_DQ
+    == 2), else :func:`_tile`."""
+    if FUSE_DQ == 2:
+        dk, dv, it = _tile_ds_shared(dk, dv, it, m, k_smem, v_smem, q_ring, do_ring, ready,
+                                     empty, lse2_ptr, delta_ptr, offs_mb, cols, ivals, stats,
+                                     n_blk, Sq, Sk, scale_log2, ds_smem, dq_smem, dq_desc,
+                                     dq_row0, s_layout, BLOCK_M, BLOCK_N, NUM_STAGES, CAUSAL, C,
+                                     NI, MASKED)
+    else:
+        dk, dv, it = _tile(dk, dv, it, m, hi, k_smem, v_smem, q_ring, do_ring, ready, empty,
+                           q_desc, do_desc, lse2_ptr, delta_ptr, stat_row0, q_row0, q_col,
+                           offs_mb, cols, ivals, stats, n_blk, Sq, Sk, scale_log2, ds_smem,
+                           dq_smem, dq_desc, dq_row0, s_layout, a_layout, BLOCK_M, BLOCK_N,
+                           NUM_STAGES, CAUSAL, C, NI, MASKED, FUSE_DQ, WARP_SPEC)
+    return dk, dv, it
+
+
+@_jit
 def _range(dk, dv, it, lo, flo, fhi, hi, k_smem, v_smem, q_ring, do_ring, ready, empty, q_desc,
            do_desc, lse2_ptr, delta_ptr, stat_row0, q_row0, q_col, offs_mb, cols, ivals, stats,
            n_blk, Sq, Sk, scale_log2, ds_smem, dq_smem, dq_desc, dq_row0,
@@ -647,44 +672,26 @@ def _range(dk, dv, it, lo, flo, fhi, hi, k_smem, v_smem, q_ring, do_ring, ready,
             _issue_tile(q_desc, do_desc, q_ring, do_ring, ready, (it + j) % NUM_STAGES,
                         q_row0 + (lo + j) * BLOCK_M, q_col, lo + j < hi)
     for m in range(lo, flo):
-        if FUSE_DQ == 2:
-            dk, dv, it = _tile_ds_shared(dk, dv, it, m, k_smem, v_smem, q_ring, do_ring, ready,
-                                         empty, lse2_ptr, delta_ptr, offs_mb, cols, ivals,
-                                         stats, n_blk, Sq, Sk, scale_log2, ds_smem, dq_smem,
-                                         dq_desc, dq_row0, s_layout, BLOCK_M, BLOCK_N,
-                                         NUM_STAGES, CAUSAL, C, NI, True)
-        else:
-            dk, dv, it = _tile(dk, dv, it, m, hi, k_smem, v_smem, q_ring, do_ring, ready, empty,
-                               q_desc, do_desc, lse2_ptr, delta_ptr, stat_row0, q_row0, q_col,
-                               offs_mb, cols, ivals, stats, n_blk, Sq, Sk, scale_log2, ds_smem,
-                               dq_smem, dq_desc, dq_row0, s_layout, a_layout, BLOCK_M, BLOCK_N,
-                               NUM_STAGES, CAUSAL, C, NI, True, FUSE_DQ, WARP_SPEC)
+        dk, dv, it = _tile_of_variant(dk, dv, it, m, hi, k_smem, v_smem, q_ring, do_ring, ready,
+                                      empty, q_desc, do_desc, lse2_ptr, delta_ptr, stat_row0,
+                                      q_row0, q_col, offs_mb, cols, ivals, stats, n_blk, Sq, Sk,
+                                      scale_log2, ds_smem, dq_smem, dq_desc, dq_row0, s_layout,
+                                      a_layout, BLOCK_M, BLOCK_N, NUM_STAGES, CAUSAL, C, NI,
+                                      True, FUSE_DQ, WARP_SPEC)
     for m in range(flo, fhi):
-        if FUSE_DQ == 2:
-            dk, dv, it = _tile_ds_shared(dk, dv, it, m, k_smem, v_smem, q_ring, do_ring, ready,
-                                         empty, lse2_ptr, delta_ptr, offs_mb, cols, ivals,
-                                         stats, n_blk, Sq, Sk, scale_log2, ds_smem, dq_smem,
-                                         dq_desc, dq_row0, s_layout, BLOCK_M, BLOCK_N,
-                                         NUM_STAGES, CAUSAL, C, NI, False)
-        else:
-            dk, dv, it = _tile(dk, dv, it, m, hi, k_smem, v_smem, q_ring, do_ring, ready, empty,
-                               q_desc, do_desc, lse2_ptr, delta_ptr, stat_row0, q_row0, q_col,
-                               offs_mb, cols, ivals, stats, n_blk, Sq, Sk, scale_log2, ds_smem,
-                               dq_smem, dq_desc, dq_row0, s_layout, a_layout, BLOCK_M, BLOCK_N,
-                               NUM_STAGES, CAUSAL, C, NI, False, FUSE_DQ, WARP_SPEC)
+        dk, dv, it = _tile_of_variant(dk, dv, it, m, hi, k_smem, v_smem, q_ring, do_ring, ready,
+                                      empty, q_desc, do_desc, lse2_ptr, delta_ptr, stat_row0,
+                                      q_row0, q_col, offs_mb, cols, ivals, stats, n_blk, Sq, Sk,
+                                      scale_log2, ds_smem, dq_smem, dq_desc, dq_row0, s_layout,
+                                      a_layout, BLOCK_M, BLOCK_N, NUM_STAGES, CAUSAL, C, NI,
+                                      False, FUSE_DQ, WARP_SPEC)
     for m in range(fhi, hi):
-        if FUSE_DQ == 2:
-            dk, dv, it = _tile_ds_shared(dk, dv, it, m, k_smem, v_smem, q_ring, do_ring, ready,
-                                         empty, lse2_ptr, delta_ptr, offs_mb, cols, ivals,
-                                         stats, n_blk, Sq, Sk, scale_log2, ds_smem, dq_smem,
-                                         dq_desc, dq_row0, s_layout, BLOCK_M, BLOCK_N,
-                                         NUM_STAGES, CAUSAL, C, NI, True)
-        else:
-            dk, dv, it = _tile(dk, dv, it, m, hi, k_smem, v_smem, q_ring, do_ring, ready, empty,
-                               q_desc, do_desc, lse2_ptr, delta_ptr, stat_row0, q_row0, q_col,
-                               offs_mb, cols, ivals, stats, n_blk, Sq, Sk, scale_log2, ds_smem,
-                               dq_smem, dq_desc, dq_row0, s_layout, a_layout, BLOCK_M, BLOCK_N,
-                               NUM_STAGES, CAUSAL, C, NI, True, FUSE_DQ, WARP_SPEC)
+        dk, dv, it = _tile_of_variant(dk, dv, it, m, hi, k_smem, v_smem, q_ring, do_ring, ready,
+                                      empty, q_desc, do_desc, lse2_ptr, delta_ptr, stat_row0,
+                                      q_row0, q_col, offs_mb, cols, ivals, stats, n_blk, Sq, Sk,
+                                      scale_log2, ds_smem, dq_smem, dq_desc, dq_row0, s_layout,
+                                      a_layout, BLOCK_M, BLOCK_N, NUM_STAGES, CAUSAL, C, NI,
+                                      True, FUSE_DQ, WARP_SPEC)
     return dk, dv, it
 
 

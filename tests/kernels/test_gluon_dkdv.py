@@ -449,6 +449,19 @@ def _gpu_inputs(name, s, d, seed):
     return q, k, v, dout, cols, causal, scale, out, lse
 
 
+def _tl_dkdv_reference(name, s, d, seed):
+    """The GPU inputs of mask ``name`` (see :func:`_gpu_inputs`), delta and lse2, and the tl
+    dK/dV kernel's (dK, dV) at its default tile: what the Gluon variants are checked against."""
+    inputs = _gpu_inputs(name, s, d, seed=seed)
+    q, k, v, dout, cols, causal, scale, out, lse = inputs
+    delta, lse2 = T._bwd_pre(out, dout, lse, None)
+    c = 0 if cols is None else cols.shape[-1]
+    tcfg = T._config("dkdv", d, causal, c, q.dtype)
+    tplan = T.make_plan(cols, causal, s, s, tcfg.block_m, tcfg.block_n, True, q.device)
+    ref = T._launch_dkdv_tl(q, k, v, dout, lse2, delta, causal, scale, tcfg, tplan)[:2]
+    return inputs, delta, lse2, ref
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("name", ["causal", "full", "causal_document", "document",
                                   "global_sliding_window", "causal_blockwise"])
@@ -456,12 +469,8 @@ def _gpu_inputs(name, s, d, seed):
 def test_gpu_matches_tl_kernel(name, cfg):
     _require_hopper_gluon()
     s, d = 1000, 128
-    q, k, v, dout, cols, causal, scale, out, lse = _gpu_inputs(name, s, d, seed=3)
-    delta, lse2 = T._bwd_pre(out, dout, lse, None)
-    c = 0 if cols is None else cols.shape[-1]
-    tcfg = T._config("dkdv", d, causal, c, q.dtype)
-    tplan = T.make_plan(cols, causal, s, s, tcfg.block_m, tcfg.block_n, True, q.device)
-    ref = T._launch_dkdv_tl(q, k, v, dout, lse2, delta, causal, scale, tcfg, tplan)[:2]
+    (q, k, v, dout, cols, causal, scale, out, lse), delta, lse2, ref = \
+        _tl_dkdv_reference(name, s, d, seed=3)
     bm, bn, w, st = cfg
     plan = T.make_plan(cols, causal, s, s, bm, bn, True, q.device)
     got = G.launch_dkdv_gluon(q, k, v, dout, lse2, delta, causal, scale, plan, bm, bn, w, st)
@@ -488,12 +497,8 @@ def _check_bitwise_variant(name, d, cfg, seed, twin, variant):
     """dK, dV of the Gluon kernel launched with ``variant`` options equal, bit for bit, those of
     its ``twin`` options and the tl kernel's (S=1000: a clipped last tile)."""
     s = 1000
-    q, k, v, dout, cols, causal, scale, out, lse = _gpu_inputs(name, s, d, seed=seed)
-    delta, lse2 = T._bwd_pre(out, dout, lse, None)
-    c = 0 if cols is None else cols.shape[-1]
-    tcfg = T._config("dkdv", d, causal, c, q.dtype)
-    tplan = T.make_plan(cols, causal, s, s, tcfg.block_m, tcfg.block_n, True, q.device)
-    ref = T._launch_dkdv_tl(q, k, v, dout, lse2, delta, causal, scale, tcfg, tplan)[:2]
+    (q, k, v, dout, cols, causal, scale, out, lse), delta, lse2, ref = \
+        _tl_dkdv_reference(name, s, d, seed=seed)
     bm, bn, w, st = cfg
     plan = T.make_plan(cols, causal, s, s, bm, bn, True, q.device)
     args = (q, k, v, dout, lse2, delta, causal, scale, plan, bm, bn, w, st)
@@ -565,12 +570,8 @@ def test_gpu_fused_ds_shared_dkdv_bitwise_equal_to_tl(name, st):
     tl kernel's; dQ (atomics: run-to-run rounding) within the split backward's error."""
     _require_hopper_gluon()
     s, d = 1000, 128
-    q, k, v, dout, cols, causal, scale, out, lse = _gpu_inputs(name, s, d, seed=17)
-    delta, lse2 = T._bwd_pre(out, dout, lse, None)
-    c = 0 if cols is None else cols.shape[-1]
-    tcfg = T._config("dkdv", d, causal, c, q.dtype)
-    tplan = T.make_plan(cols, causal, s, s, tcfg.block_m, tcfg.block_n, True, q.device)
-    ref = T._launch_dkdv_tl(q, k, v, dout, lse2, delta, causal, scale, tcfg, tplan)[:2]
+    (q, k, v, dout, cols, causal, scale, out, lse), delta, lse2, ref = \
+        _tl_dkdv_reference(name, s, d, seed=17)
     plan = T.make_plan(cols, causal, s, s, 64, 128, True, q.device)
     dq, dk, dv = G.fused_backward_gluon(q, k, v, dout, lse2, delta, causal, scale, plan,
                                         (64, 128, 8, st, True, True, True))
