@@ -76,8 +76,11 @@ case "$PHASE" in
       --fused-configs 32x64w4s3ws,32x128w8s3,32x128w8s3ws --budget-s "$BUDGET" 2>&1 | tee "$OUT/bench_fused128.log"
     ;;
   wsm)
-    # the STATS_SMEM dK/dV variant (lse2/delta staged in shared memory by the producer; offline
-    # spill-free at 64x128 w8): its bitwise GPU tests, then timed against the WS default at D=128
+    # first the GPU tests of the D=256 forward tile (a default since session 8, timed there but
+    # not yet run against the float64 reference on a GPU); then the STATS_SMEM dK/dV variant
+    # (lse2/delta staged in shared memory by the producer; offline spill-free at 64x128 w8): its
+    # bitwise GPU tests, then timed against the WS default at D=128
+    FLASHMASK3_TRITON_AUTOTUNE=0 timeout 150 python3 -m pytest -q -m gpu tests/kernels/test_triton_flashmask.py -k "256" -p no:cacheprovider 2>&1 | tail -15 | tee "$OUT/pytest_d256.log"
     FLASHMASK3_TRITON_AUTOTUNE=0 timeout 150 python3 -m pytest -q -m gpu tests/kernels/test_gluon_dkdv.py -k "stats_smem or warp_spec" -p no:cacheprovider 2>&1 | tail -15 | tee "$OUT/pytest_wsm.log"
     FLASHMASK3_TRITON_AUTOTUNE=0 timeout $((BUDGET + 90)) python3 benchmarks/gluon_dkdv_ab.py --skip-small \
       --configs 32x64w4s3ws,64x128w8s2wsm,64x128w8s3wsm,32x64w4s3wsm --budget-s "$BUDGET" 2>&1 | tee "$OUT/bench_wsm.log"
