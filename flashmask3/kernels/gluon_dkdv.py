@@ -68,8 +68,9 @@ for causal): at BLOCK_N=64, twice a BLOCK_N=128 kernel's per FLOP (~550 GB for c
 B=4, H=32, D=128). With FUSE_DQ=False the kernel's SASS is unchanged (``dq_desc`` is None,
 a constexpr, so even the parameter list is; checked against the pre-FUSE_DQ source).
 
-Warp specialisation (constexpr WARP_SPEC, default False; ``launch_dkdv_gluon(...,
-warp_spec=True)``; compiled offline only, NOT yet run on a GPU): ``gl.warp_specialize`` splits
+Warp specialisation (constexpr WARP_SPEC, default False in the kernel; ``launch_dkdv_gluon(...,
+warp_spec=True)``; the library's default dK/dV at D=64 and D=128 on sm_90, measured bitwise
+equal to the tl kernel on the H200, NOTES.md v6.2, v6.3): ``gl.warp_specialize`` splits
 the program into the compute partition (the NUM_WARPS warps: :func:`_compute_partition`, the
 same ``_heads``/``_range``/``_tile`` code, so the same wgmmas in the same order and dK, dV
 should be bitwise equal) and a 1-warp producer partition (:func:`_producer_partition`, 24
@@ -87,7 +88,7 @@ partition raises itself (setmaxnreg) to what the producer warpgroup gives back: 
 specialisation cannot give the compute warps more registers at equal residency). Offline
 report (``--warp-spec``, D=128 bf16): 32x64 w4 s3/s2 touch 230 registers, 0-50 LDL/STL in the
 setup, none in a tile loop, HGMMA as the non-WS kernel; 64x128 w8 s2 spills 46-360 in its loops
-(non-WS 42-273); FUSE_DQ + WARP_SPEC at 32x64 w4 (``--fused --warp-spec``) has no spill in its
+(non-WS 42-273; STATS_SMEM, below, removes them); FUSE_DQ + WARP_SPEC at 32x64 w4 (``--fused --warp-spec``) has no spill in its
 tile loops (non-WS fused: 2-22). WARP_SPEC=False compiles to the SASS of the kernel before
 WARP_SPEC existed, byte for byte (the 30 split and 25 fused variants of both reports, 5 mask
 layouts; the tests pin 6 of them by hash). Fragile: ptxas sees the debug-scope labels of the
@@ -722,21 +723,34 @@ def _produce_range(q_desc, do_desc, q_ring, do_ring, ready, empty, it, lo, hi, q
 
 @_jit
 def _producer_partition(n_blk, b, hk, b64, group, q_desc, do_desc, q_ring, do_ring, ready, empty,
-                        rng_ptr, Sq, Sk, Hq, Hm, NQB, NKB, mask_b_stride, BLOCK_M: gl.constexpr,
-                        BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr, CAUSAL: gl.constexpr,
-                        C: gl.constexpr):
+                        rng_ptr, Sq, Sk, Hq, Hm, NQB, NKB, mask_b_stride, lse2_ptr, delta_ptr,
+                        lse_ring, delta_ring, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+                        NUM_STAGES: gl.constexpr, CAUSAL: gl.constexpr, C: gl.constexpr):
     """WARP_SPEC worker (1 warp, few registers): walks the same query heads and live ranges as
-    :func:`_heads` (same ``_key_block_ranges``) and loads their tiles; scalars only."""
+    :func:`_heads` (same ``_key_block_ranges``) and loads their tiles; scalars only. With
+    STATS_SMEM (``lse_ring`` a shared ring, else a placeholder 0) also each tile's lse2/delta
+    (:func:`_produce_range_stats`)."""
     it = n_blk * 0
     for g in range(0, group):
         h = hk * group + g
         mbh = b64 * mask_b_stride + h // (Hq // Hm)
         lo0, flo0, fhi0, hi0, lo1, flo1, fhi1, hi1 = _key_block_ranges(
             rng_ptr, mbh, n_blk, Sq, Sk, NQB, BLOCK_M, BLOCK_N, CAUSAL, C, NKB)
-        it = _produce_range(q_desc, do_desc, q_ring, do_ring, ready, empty, it, lo0, hi0, b * Sq,
-                            h * (q_desc.block_type.shape[1]), BLOCK_M, NUM_STAGES)
-        it = _produce_range(q_desc, do_desc, q_ring, do_ring, ready, empty, it, lo1, hi1, b * Sq,
-                            h * (q_desc.block_type.shape[1]), BLOCK_M, NUM_STAGES)
+        if isinstance(lse_ring, gl.shared_memory_descriptor):
+            stat_row0 = (b64 * Hq + h) * Sq
+            it = _produce_range_stats(q_desc, do_desc, q_ring, do_ring, ready, empty, it, lo0,
+                                      hi0, b * Sq, h * (q_desc.block_type.shape[1]), lse2_ptr,
+                                      delta_ptr, stat_row0, lse_ring, delta_ring, Sq, BLOCK_M,
+                                      NUM_STAGES)
+            it = _produce_range_stats(q_desc, do_desc, q_ring, do_ring, ready, empty, it, lo1,
+                                      hi1, b * Sq, h * (q_desc.block_type.shape[1]), lse2_ptr,
+                                      delta_ptr, stat_row0, lse_ring, delta_ring, Sq, BLOCK_M,
+                                      NUM_STAGES)
+        else:
+            it = _produce_range(q_desc, do_desc, q_ring, do_ring, ready, empty, it, lo0, hi0,
+                                b * Sq, h * (q_desc.block_type.shape[1]), BLOCK_M, NUM_STAGES)
+            it = _produce_range(q_desc, do_desc, q_ring, do_ring, ready, empty, it, lo1, hi1,
+                                b * Sq, h * (q_desc.block_type.shape[1]), BLOCK_M, NUM_STAGES)
 
 
 @_jit
@@ -766,28 +780,6 @@ def _produce_range_stats(q_desc, do_desc, q_ring, do_ring, ready, empty, it, lo,
         mbarrier.arrive(ready.index(slot))
         it += 1
     return it
-
-
-@_jit
-def _producer_partition_stats(n_blk, b, hk, b64, group, q_desc, do_desc, q_ring, do_ring, ready,
-                              empty, rng_ptr, Sq, Sk, Hq, Hm, NQB, NKB, mask_b_stride, lse2_ptr,
-                              delta_ptr, lse_ring, delta_ring, BLOCK_M: gl.constexpr,
-                              BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr,
-                              CAUSAL: gl.constexpr, C: gl.constexpr):
-    """STATS_SMEM twin of :func:`_producer_partition` (:func:`_produce_range_stats`)."""
-    it = n_blk * 0
-    for g in range(0, group):
-        h = hk * group + g
-        mbh = b64 * mask_b_stride + h // (Hq // Hm)
-        lo0, flo0, fhi0, hi0, lo1, flo1, fhi1, hi1 = _key_block_ranges(
-            rng_ptr, mbh, n_blk, Sq, Sk, NQB, BLOCK_M, BLOCK_N, CAUSAL, C, NKB)
-        stat_row0 = (b64 * Hq + h) * Sq
-        it = _produce_range_stats(q_desc, do_desc, q_ring, do_ring, ready, empty, it, lo0, hi0,
-                                  b * Sq, h * (q_desc.block_type.shape[1]), lse2_ptr, delta_ptr,
-                                  stat_row0, lse_ring, delta_ring, Sq, BLOCK_M, NUM_STAGES)
-        it = _produce_range_stats(q_desc, do_desc, q_ring, do_ring, ready, empty, it, lo1, hi1,
-                                  b * Sq, h * (q_desc.block_type.shape[1]), lse2_ptr, delta_ptr,
-                                  stat_row0, lse_ring, delta_ring, Sq, BLOCK_M, NUM_STAGES)
 
 
 @_jit
@@ -961,37 +953,31 @@ def _dkdv_gluon_kernel(q_desc, do_desc, k_desc, v_desc, dk_ptr, dv_ptr, lse2_ptr
             FUSE_MODE: gl.constexpr = 2  # what the helpers see as FUSE_DQ: the DS_SHARED tail
         else:
             FUSE_MODE: gl.constexpr = FUSE_DQ
-        if STATS_SMEM:
+        if STATS_SMEM:  # the compute partition reads the statistics from these rings
             st_smem: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, order=[0])
             lse_ring = gl.allocate_shared_memory(gl.float32, [NUM_STAGES, BLOCK_M], st_smem)
             delta_ring = gl.allocate_shared_memory(gl.float32, [NUM_STAGES, BLOCK_M], st_smem)
+            lse_src = lse_ring
+            delta_src = delta_ring
             if DS_SHARED:  # the compute partition gets the [2, BLOCK_N, D] K/V buffer
                 k_smem = kv_smem
                 v_smem = kv_smem
-            dk, dv = gl.warp_specialize([
-                (_compute_partition,
-                 (n_blk, b, hk, b64, group, k_smem, v_smem, q_ring, do_ring, ready, empty,
-                  kv_bar, q_desc, do_desc, lse_ring, delta_ring, mask_ptr, sum_ptr, rng_ptr,
-                  scale_log2, Sq, Sk, Hq, Hk, Hm, NQB, NKB, mask_b_stride, ds_smem, dq_smem,
-                  dq_desc, s_layout, acc_layout, a_layout, D, BLOCK_M, BLOCK_N, NUM_STAGES,
-                  CAUSAL, C, NI, FUSE_MODE)),
-                (_producer_partition_stats,
-                 (n_blk, b, hk, b64, group, q_desc, do_desc, q_ring, do_ring, ready, empty,
-                  rng_ptr, Sq, Sk, Hq, Hm, NQB, NKB, mask_b_stride, lse2_ptr, delta_ptr,
-                  lse_ring, delta_ring, BLOCK_M, BLOCK_N, NUM_STAGES, CAUSAL, C)),
-            ], [1], [24])  # PRODUCER_WARPS, PRODUCER_REGS
-        else:
-            dk, dv = gl.warp_specialize([
-                (_compute_partition,
-                 (n_blk, b, hk, b64, group, k_smem, v_smem, q_ring, do_ring, ready, empty, kv_bar,
-                  q_desc, do_desc, lse2_ptr, delta_ptr, mask_ptr, sum_ptr, rng_ptr, scale_log2, Sq,
-                  Sk, Hq, Hk, Hm, NQB, NKB, mask_b_stride, ds_smem, dq_smem, dq_desc, s_layout,
-                  acc_layout, a_layout, D, BLOCK_M, BLOCK_N, NUM_STAGES, CAUSAL, C, NI, FUSE_DQ)),
-                (_producer_partition,
-                 (n_blk, b, hk, b64, group, q_desc, do_desc, q_ring, do_ring, ready, empty, rng_ptr,
-                  Sq, Sk, Hq, Hm, NQB, NKB, mask_b_stride, BLOCK_M, BLOCK_N, NUM_STAGES, CAUSAL,
-                  C)),
-            ], [1], [24])  # PRODUCER_WARPS, PRODUCER_REGS
+        else:  # placeholders for the producer (a None cannot travel in the arguments)
+            lse_ring = 0
+            delta_ring = 0
+            lse_src = lse2_ptr
+            delta_src = delta_ptr
+        dk, dv = gl.warp_specialize([
+            (_compute_partition,
+             (n_blk, b, hk, b64, group, k_smem, v_smem, q_ring, do_ring, ready, empty, kv_bar,
+              q_desc, do_desc, lse_src, delta_src, mask_ptr, sum_ptr, rng_ptr, scale_log2, Sq,
+              Sk, Hq, Hk, Hm, NQB, NKB, mask_b_stride, ds_smem, dq_smem, dq_desc, s_layout,
+              acc_layout, a_layout, D, BLOCK_M, BLOCK_N, NUM_STAGES, CAUSAL, C, NI, FUSE_MODE)),
+            (_producer_partition,
+             (n_blk, b, hk, b64, group, q_desc, do_desc, q_ring, do_ring, ready, empty, rng_ptr,
+              Sq, Sk, Hq, Hm, NQB, NKB, mask_b_stride, lse2_ptr, delta_ptr, lse_ring,
+              delta_ring, BLOCK_M, BLOCK_N, NUM_STAGES, CAUSAL, C)),
+        ], [1], [24])  # PRODUCER_WARPS, PRODUCER_REGS
         for i in gl.static_range(NUM_STAGES):
             mbarrier.invalidate(empty.index(i))
     else:
