@@ -73,7 +73,7 @@ def _split_parts(q, k, v, out, lse, dout, cols, causal, scale) -> dict:
     sk = k.shape[1]
     c = 0 if cols is None else cols.shape[-1]
     delta, lse2 = T._bwd_pre(out, dout, lse, None)
-    cfg_kv = T._config("dkdv", d, causal, c, q.dtype)
+    cfg_kv = T._config("dkdv", d, causal, c, q.dtype, like=q)
     plan_kv = T.make_plan(cols, causal, sq, sk, cfg_kv.block_m, cfg_kv.block_n, True, q.device)
     cfg_q = T._config("dq", d, causal, c, q.dtype)
     plan_q = T.make_plan(cols, causal, sq, sk, cfg_q.block_m, cfg_q.block_n, False, q.device)

@@ -552,6 +552,12 @@ FUSED_TIMED_CASES = [("causal", 32, 32), ("causal", 32, 8), ("causal_document_co
                      ("full", 32, 32), ("document_corpus", 32, 32), ("sliding_window", 32, 32)]
 
 
+def _split_dkdv_label(q, causal: bool, c: int) -> str:
+    """What the split backward's dK/dV launch runs on these inputs: kernel and tile."""
+    cfg = T._config("dkdv", q.shape[-1], causal, c, q.dtype, like=q)
+    return f"{T._dkdv_impl(q, cfg)} {cfg.block_m}x{cfg.block_n}w{cfg.num_warps}s{cfg.num_stages}"
+
+
 def split_backward(dout, q, k, v, out, lse, cols, causal, scale):
     """The library's split backward (today's default: Gluon dK/dV at D=128 on Hopper + tl dQ)."""
     with T.use_backward("split"):
@@ -650,8 +656,7 @@ def fused_timed_pass(records, deadline, out_path, seqlen, configs):
             ref = split_backward(*args)
             ms = _bench_bwd(lambda: split_backward(*args))
             rec["split"] = dict(ms=ms, tflops=cs.flops_bwd / ms / 1e9,
-                                dkdv=T._dkdv_impl(cs.q, T._config("dkdv", 128, cs.causal,
-                                                                  rec["C"], cs.q.dtype)))
+                                dkdv=_split_dkdv_label(cs.q, cs.causal, rec["C"]))
             _print_bwd(name, hq, hk, "split", rec["split"])
         except Exception:
             rec["error"] = traceback.format_exc()

@@ -12,6 +12,7 @@
 #   BENCH_BUDGET=150 bash benchmarks/gpu_kernel.sh gluon64  # Gluon (WS) dK/dV vs tl at D=64 + the fused 128-key shape
 #   BENCH_BUDGET=400 bash benchmarks/gpu_kernel.sh rest   # D=256 GPU tests + the grid cases no kernel_v6*.json has
 #   BENCH_BUDGET=150 bash benchmarks/gpu_kernel.sh wsm    # STATS_SMEM dK/dV (64x128 w8) bitwise tests + A/B vs the WS default
+#   bash benchmarks/gpu_kernel.sh tests128  # GPU tests of the D=128 split backward default (v6.4)
 #   BENCH_BUDGET=150 bash benchmarks/gpu_kernel.sh fused64  # fused DS_SHARED backward (64x128 w8) tests + A/B vs split
 # Each stage has its own timeout so the whole call stays under the 600 s device limit; the
 # benchmark writes its JSON after every case, so a stopped run keeps what it measured.
@@ -85,11 +86,19 @@ case "$PHASE" in
     FLASHMASK3_TRITON_AUTOTUNE=0 timeout $((BUDGET + 90)) python3 benchmarks/gluon_dkdv_ab.py --skip-small \
       --configs 32x64w4s3ws,64x128w8s2wsm,64x128w8s3wsm,32x64w4s3wsm --budget-s "$BUDGET" 2>&1 | tee "$OUT/bench_wsm.log"
     ;;
+  tests128)
+    # the split backward's D=128 default (Gluon 64x128 w8 STATS_SMEM dK/dV since v6.4) against
+    # the float64 reference (bf16, fp16), the 16-32K sequences against SDPA, deterministic mode
+    FLASHMASK3_TRITON_AUTOTUNE=0 timeout 180 python3 -m pytest -q -m gpu tests/kernels/test_triton_flashmask.py \
+      -k "(128 and split) or long_seq or determin" -p no:cacheprovider 2>&1 | tail -15 | tee "$OUT/pytest_d128.log"
+    FLASHMASK3_TRITON_AUTOTUNE=0 timeout 60 python3 -m pytest -q -m gpu tests/kernels/test_gluon_dkdv.py \
+      -k "default_tile or dispatch" -p no:cacheprovider 2>&1 | tail -15 | tee "$OUT/pytest_dispatch.log"
+    ;;
   fused64)
     # the fused DS_SHARED backward (64x128 w8 WS + STATS_SMEM, dQ once per tile; offline
     # spill-free): dK, dV bitwise vs tl and dQ vs split (S=1000, 6 masks, s2 and s3), then the
     # whole backward at 32K against split, next to the 32x64 fused WS kernel
-    FLASHMASK3_TRITON_AUTOTUNE=0 timeout 240 python3 -m pytest -q -m gpu tests/kernels/test_gluon_dkdv.py -k "ds_shared" -p no:cacheprovider 2>&1 | tail -15 | tee "$OUT/pytest_fused64.log"
+    FLASHMASK3_TRITON_AUTOTUNE=0 timeout ${DS_TEST_S:-240} python3 -m pytest -q -m gpu tests/kernels/test_gluon_dkdv.py -k "ds_shared" -p no:cacheprovider 2>&1 | tail -15 | tee "$OUT/pytest_fused64.log"
     FLASHMASK3_TRITON_AUTOTUNE=0 timeout $((BUDGET + 90)) python3 benchmarks/gluon_dkdv_ab.py --fused --skip-small \
       --fused-configs 32x64w4s3ws,64x128w8s2wsmds,64x128w8s3wsmds --budget-s "$BUDGET" 2>&1 | tee "$OUT/bench_fused64.log"
     ;;

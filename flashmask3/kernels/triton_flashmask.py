@@ -880,8 +880,12 @@ def _interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
-def _config(kind: str, d: int, causal: bool, c: int, dtype: torch.dtype) -> Config:
-    """The configuration for one kernel launch (override > interpreter > tuned > default)."""
+def _config(kind: str, d: int, causal: bool, c: int, dtype: torch.dtype,
+            like: Optional[torch.Tensor] = None) -> Config:
+    """The configuration for one kernel launch (override > interpreter > tuned > default).
+    ``like``: a tensor on the launch's device with its dtype (e.g. q); given, the split
+    backward's dK/dV default is :data:`GLUON_DKDV_TILE`'s where the Gluon kernel runs it
+    (:func:`_dkdv_impl`), since the Gluon and tl kernels are fastest at different tiles."""
     if kind in CONFIG_OVERRIDE:
         return CONFIG_OVERRIDE[kind]
     if _interpreting():
@@ -889,6 +893,9 @@ def _config(kind: str, d: int, causal: bool, c: int, dtype: torch.dtype) -> Conf
     tuned = _TUNED.get((kind, d, causal, c, dtype))
     if tuned is not None:
         return tuned
+    tile = GLUON_DKDV_TILE.get(_dim_class(d)) if kind == "dkdv" else None
+    if tile is not None and like is not None and _dkdv_impl(like, tile) != "tl":
+        return tile
     return CANDIDATES[(kind, _dim_class(d))][0]
 
 
@@ -1047,9 +1054,10 @@ def preprocess(mask: Optional[torch.Tensor], causal: bool, seqlen_q: int, seqlen
     """All plans one forward (+ backward) call builds: what the benchmark times as 'mask prep'."""
     c = 0 if mask is None else mask.shape[-1]
     device = mask.device if mask is not None else "cpu"
+    like = torch.empty((1, 1, 1, head_dim), dtype=dtype, device=device)
     out = []
     for kind in ("fwd",) + (BACKWARD_KERNELS[backward_mode()] if backward else ()):
-        cfg = _config(kind, head_dim, causal, c, dtype)
+        cfg = _config(kind, head_dim, causal, c, dtype, like=like)
         out.append(make_plan(mask, causal, seqlen_q, seqlen_k, cfg.block_m, cfg.block_n,
                              PLAN_BY_KEY[kind], device))
     return out
@@ -1190,12 +1198,23 @@ def _bwd_pre(out, dout, lse, dlse):
 #: backward, the tl kernel.
 GLUON_DKDV_DIMS = (64, 128)
 
+#: The split backward's default dK/dV tile where the warp-specialised Gluon kernel runs it (else
+#: CANDIDATES' first, the tl kernel's). D=128: 64x128 w8 s2, the statistics in shared memory
+#: (STATS_SMEM, which keeps this tile spill-free), 1.12-1.14x the 32x64 w4 s3 WS kernel and
+#: 1.31-1.40x tl, dK/dV bitwise equal (results/gluon_dkdv_wsm_ab.md, NOTES.md v6.4).
+GLUON_DKDV_TILE = {128: Config(64, 128, 8, 2)}
+
+#: Head dims at which the warp-specialised Gluon dK/dV stages each tile's lse2/delta in shared
+#: memory (STATS_SMEM; at D=128 1.03-1.06x faster at 32x64 too, same results bit for bit; not
+#: measured at D=64).
+GLUON_STATS_SMEM_DIMS = (128,)
+
 
 def _dkdv_impl(q: torch.Tensor, cfg: Config) -> str:
     """"gluon_ws", "gluon" or "tl": the kernel the split backward's dK/dV launch uses. The
     default is the warp-specialised Gluon kernel (a 1-warp TMA producer; bitwise equal to the
-    others, 1.00-1.07x the plain Gluon kernel on the H200) at GLUON_DKDV_DIMS wherever it can
-    run (:func:`_gluon_runs`). Env FLASHMASK3_TRITON_DKDV=tl forces the tl kernel, =gluon /
+    others, 1.00-1.07x the plain Gluon kernel on the H200; at GLUON_STATS_SMEM_DIMS with the
+    statistics in shared memory) at GLUON_DKDV_DIMS wherever it can run (:func:`_gluon_runs`). Env FLASHMASK3_TRITON_DKDV=tl forces the tl kernel, =gluon /
     =gluon_ws the plain / warp-specialised Gluon one at any head dim it supports."""
     env = _env_choice("FLASHMASK3_TRITON_DKDV", ("tl", "gluon", "gluon_ws"))
     if env == "tl" or (not env and q.shape[-1] not in GLUON_DKDV_DIMS):
@@ -1213,7 +1232,9 @@ def _launch_dkdv(q, k, v, dout, lse2, delta, causal, softmax_scale, cfg: Config,
 
         dk, dv = launch_dkdv_gluon(q, k, v, dout, lse2, delta, causal, softmax_scale, plan,
                                    cfg.block_m, cfg.block_n, cfg.num_warps, cfg.num_stages,
-                                   warp_spec=impl == "gluon_ws")
+                                   warp_spec=impl == "gluon_ws",
+                                   stats_smem=impl == "gluon_ws"
+                                   and q.shape[-1] in GLUON_STATS_SMEM_DIMS)
         return dk, dv, None
     return _launch_dkdv_tl(q, k, v, dout, lse2, delta, causal, softmax_scale, cfg, plan, fuse_dq)
 
@@ -1304,7 +1325,7 @@ def backward(dout, dlse, q, k, v, out, lse, startend_row_indices: Optional[torch
             if (kind, d, causal, c, q.dtype) not in _TUNED:
                 autotune(kind, q, k, v, startend_row_indices, causal, softmax_scale,
                          dout=dout, lse2=lse2, delta=delta)
-    cfg = _config(kinds[0], d, causal, c, q.dtype)
+    cfg = _config(kinds[0], d, causal, c, q.dtype, like=q)
     plan = make_plan(startend_row_indices, causal, sq, sk, cfg.block_m, cfg.block_n,
                      PLAN_BY_KEY[kinds[0]], q.device)
     dk, dv, dq_acc = _launch_dkdv(q, k, v, dout, lse2, delta, causal, softmax_scale, cfg, plan,

@@ -420,6 +420,19 @@ def test_dispatch_uses_tl_off_hopper(monkeypatch):
         T._dkdv_impl(q, cfg)
 
 
+def test_dkdv_default_tile_is_the_tl_one_where_gluon_cannot_run(monkeypatch):
+    """The Gluon dK/dV tile (GLUON_DKDV_TILE) is the default only where that kernel runs: on
+    CPU tensors, or with the tl kernel forced, the split backward keeps the tl kernel's tile."""
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    monkeypatch.delenv("FLASHMASK3_TRITON_DKDV", raising=False)
+    q = torch.zeros(1, 8, 1, 128, dtype=torch.bfloat16)
+    tl_default = T.CANDIDATES[("dkdv", 128)][0]
+    assert T.GLUON_DKDV_TILE[128] != tl_default  # else this test checks nothing
+    assert T._config("dkdv", 128, True, 1, q.dtype, like=q) == tl_default
+    assert T._config("dkdv", 128, True, 1, q.dtype) == tl_default
+    assert T._config("dq", 128, True, 1, q.dtype, like=q) == T.CANDIDATES[("dq", 128)][0]
+
+
 # ---------------------------------------------------------------------------------------------
 # GPU: against the tl kernel
 # ---------------------------------------------------------------------------------------------
@@ -533,6 +546,19 @@ def test_gpu_dispatch_picks_gluon_ws_at_d64_and_d128_on_hopper(monkeypatch):
     for forced in ("tl", "gluon", "gluon_ws"):
         monkeypatch.setenv("FLASHMASK3_TRITON_DKDV", forced)
         assert T._dkdv_impl(q, T.CANDIDATES[("dkdv", 128)][0]) == forced
+
+
+@pytest.mark.gpu
+def test_gpu_dkdv_default_tile_follows_the_kernel(monkeypatch):
+    """On Hopper the split backward's D=128 dK/dV runs the Gluon tile (GLUON_DKDV_TILE); with
+    the tl kernel forced, or fp32 inputs, the tl kernel's own default tile."""
+    _require_hopper_gluon()
+    monkeypatch.delenv("FLASHMASK3_TRITON_DKDV", raising=False)
+    q = torch.zeros(1, 64, 2, 128, device="cuda", dtype=torch.bfloat16)
+    assert T._config("dkdv", 128, True, 1, q.dtype, like=q) == T.GLUON_DKDV_TILE[128]
+    assert T._config("dkdv", 128, True, 1, torch.float32, like=q.float()) == T.CANDIDATES[("dkdv", 128)][0]
+    monkeypatch.setenv("FLASHMASK3_TRITON_DKDV", "tl")
+    assert T._config("dkdv", 128, True, 1, q.dtype, like=q) == T.CANDIDATES[("dkdv", 128)][0]
 
 
 @pytest.mark.gpu
