@@ -13,6 +13,7 @@
 #   BENCH_BUDGET=400 bash benchmarks/gpu_kernel.sh rest   # D=256 GPU tests + the grid cases no kernel_v6*.json has
 #   BENCH_BUDGET=150 bash benchmarks/gpu_kernel.sh wsm    # STATS_SMEM dK/dV (64x128 w8) bitwise tests + A/B vs the WS default
 #   bash benchmarks/gpu_kernel.sh tests128  # GPU tests of the D=128 split backward default (v6.4)
+#   BENCH_BUDGET=220 BUDGET_128K=100 bash benchmarks/gpu_kernel.sh v64  # v6.4 default tests + D=128 table rows
 #   BENCH_BUDGET=150 bash benchmarks/gpu_kernel.sh fused64  # fused DS_SHARED backward (64x128 w8) tests + A/B vs split
 # Each stage has its own timeout so the whole call stays under the 600 s device limit; the
 # benchmark writes its JSON after every case, so a stopped run keeps what it measured.
@@ -93,6 +94,20 @@ case "$PHASE" in
       -k "(128 and split) or long_seq or determin" -p no:cacheprovider 2>&1 | tail -15 | tee "$OUT/pytest_d128.log"
     FLASHMASK3_TRITON_AUTOTUNE=0 timeout 60 python3 -m pytest -q -m gpu tests/kernels/test_gluon_dkdv.py \
       -k "default_tile or dispatch" -p no:cacheprovider 2>&1 | tail -15 | tee "$OUT/pytest_dispatch.log"
+    ;;
+  v64)
+    # v6.4's defaults (D=128: fused Gluon DS_SHARED backward, split dK/dV at 64x128 STATS_SMEM):
+    # their GPU tests, then the D=128 rows of the table (32K MHA + GQA, then 128K)
+    FLASHMASK3_TRITON_AUTOTUNE=0 timeout 60 python3 -m pytest -q -m gpu tests/kernels/test_gluon_dkdv.py \
+      -k "default" -p no:cacheprovider 2>&1 | tail -15 | tee "$OUT/pytest_default.log"
+    FLASHMASK3_TRITON_AUTOTUNE=0 timeout 170 python3 -m pytest -q -m gpu tests/kernels/test_triton_flashmask.py \
+      -k "random_columns_d128 or (128 and fused) or (long_seq and fused)" -p no:cacheprovider 2>&1 | tail -15 | tee "$OUT/pytest_fused.log"
+    timeout $((BUDGET + 50)) python3 benchmarks/kernel.py --seqlens 32768 --dims 128 --kernel-version v6.4 \
+      --impls flashmask3,flex,sdpa_cudnn,varlen --budget-s "$BUDGET" --out "$OUT" --tag v64_32k 2>&1 \
+      | grep -v "DeprecationWarning\|create_block_mask(mm" | tee "$OUT/bench_32k.log"
+    timeout $((${BUDGET_128K:-100} + 50)) python3 benchmarks/kernel.py --seqlens 131072 --dims 128 --no-gqa --kernel-version v6.4 \
+      --impls flashmask3,flex,sdpa_cudnn --budget-s "${BUDGET_128K:-100}" --out "$OUT" --tag v64_128k 2>&1 \
+      | grep -v "DeprecationWarning\|create_block_mask(mm" | tee "$OUT/bench_128k.log"
     ;;
   fused64)
     # the fused DS_SHARED backward (64x128 w8 WS + STATS_SMEM, dQ once per tile; offline

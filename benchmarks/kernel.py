@@ -391,7 +391,7 @@ def run_case(name: str, s: int, d: int, hq: int, hk: int, dtype, args) -> dict:
         fm = rec["impls"]["flashmask3"]
         c = 0 if cols is None else cols.shape[-1]
         with flashmask_variant("flashmask3"):  # what the flashmask3 row ran
-            fm["backward"] = T.backward_mode()
+            fm["backward"] = T.backward_mode(like=q)
             kinds = ("fwd",) + T.BACKWARD_KERNELS[fm["backward"]]
             fm["configs"] = {kind: str(T._config(kind, d, causal, c, dtype, like=q)) for kind in kinds}
             fm["prep_ms"] = flashmask_prep_ms(mask, causal, s, d, dtype)

@@ -858,7 +858,8 @@ CANDIDATES: dict[tuple[str, int], list[Config]] = {
     # the fused backward (dK/dV kernel that also reduce-adds dQ): dQ tiles are BLOCK_M x D fp32
     # (sm_90 compiler report: 128x64 at D=128 needs 242 KB of shared memory; 64x128 spills)
     ("fused", 64): [Config(64, 128, 8, 2), Config(64, 64, 8, 2)],
-    ("fused", 128): [Config(64, 64, 8, 2), Config(64, 64, 8, 1)],
+    ("fused", 128): [Config(64, 64, 8, 2), Config(64, 64, 8, 1),
+                     Config(64, 128, 8, 2)],  # the last: the Gluon fused kernel's (GLUON_TILE)
     ("fused", 256): [Config(64, 64, 8, 1), Config(32, 64, 8, 2)],
 }
 
@@ -884,8 +885,9 @@ def _config(kind: str, d: int, causal: bool, c: int, dtype: torch.dtype,
             like: Optional[torch.Tensor] = None) -> Config:
     """The configuration for one kernel launch (override > interpreter > tuned > default).
     ``like``: a tensor on the launch's device with its dtype (e.g. q); given, the split
-    backward's dK/dV default is :data:`GLUON_DKDV_TILE`'s where the Gluon kernel runs it
-    (:func:`_dkdv_impl`), since the Gluon and tl kernels are fastest at different tiles."""
+    backward's dK/dV and the fused backward's defaults are :data:`GLUON_TILE`'s where the Gluon
+    kernel runs them (:func:`_dkdv_impl`, :func:`_fused_impl`): the Gluon and tl kernels are
+    fastest at different tiles."""
     if kind in CONFIG_OVERRIDE:
         return CONFIG_OVERRIDE[kind]
     if _interpreting():
@@ -893,8 +895,8 @@ def _config(kind: str, d: int, causal: bool, c: int, dtype: torch.dtype,
     tuned = _TUNED.get((kind, d, causal, c, dtype))
     if tuned is not None:
         return tuned
-    tile = GLUON_DKDV_TILE.get(_dim_class(d)) if kind == "dkdv" else None
-    if tile is not None and like is not None and _dkdv_impl(like, tile) != "tl":
+    tile = GLUON_TILE.get((kind, _dim_class(d)))
+    if tile is not None and like is not None and _GLUON_IMPL[kind](like, tile) != "tl":
         return tile
     return CANDIDATES[(kind, _dim_class(d))][0]
 
@@ -940,8 +942,11 @@ def _a_smem(kind: str, d: int) -> bool:
 
 #: The backward used when neither torch's deterministic mode nor FLASHMASK3_TRITON_BWD decide:
 #: "fused" (one kernel; dQ reduce-added with atomics, so its rounding order varies run to run)
-#: or "split" (dK/dV kernel, then a dQ kernel that recomputes P and dP; bitwise reproducible).
-DEFAULT_BACKWARD = "split"
+#: where the Gluon fused kernel runs the inputs (:func:`_fused_impl`: D=128 on Hopper, 16-bit;
+#: 1.11-1.18x the split backward, results/gluon_fused64_ab.md, NOTES.md v6.4), else "split"
+#: (dK/dV kernel, then a dQ kernel that recomputes P and dP; bitwise reproducible; the tl fused
+#: kernel is 0.4-0.5x of it).
+DEFAULT_BACKWARD = "fused where the Gluon fused kernel runs, else split"
 
 
 #: The kernels each backward mode launches, in order.
@@ -957,14 +962,17 @@ def _check_backward(mode: str, what: str) -> str:
     return mode
 
 
-def backward_mode() -> str:
+def backward_mode(like: Optional[torch.Tensor] = None) -> str:
     """"split" under ``torch.use_deterministic_algorithms(True)`` (the fused kernel's atomics are
-    not reproducible); otherwise env FLASHMASK3_TRITON_BWD ("fused"/"split") or the default."""
+    not reproducible); otherwise env FLASHMASK3_TRITON_BWD ("fused"/"split") or the default
+    (:data:`DEFAULT_BACKWARD`: "fused" where the Gluon fused kernel runs ``like``, a tensor on
+    the launch's device with its dtype and head dim, e.g. q; "split" when ``like`` is None)."""
     if torch.are_deterministic_algorithms_enabled():
         return "split"
     env = os.environ.get("FLASHMASK3_TRITON_BWD", "").strip()
     if env == "":
-        return DEFAULT_BACKWARD
+        tile = GLUON_TILE.get(("fused", _dim_class(like.shape[-1]))) if like is not None else None
+        return "fused" if tile is not None and _fused_impl(like, tile) != "tl" else "split"
     return _check_backward(env, "FLASHMASK3_TRITON_BWD")
 
 
@@ -1056,7 +1064,7 @@ def preprocess(mask: Optional[torch.Tensor], causal: bool, seqlen_q: int, seqlen
     device = mask.device if mask is not None else "cpu"
     like = torch.empty((1, 1, 1, head_dim), dtype=dtype, device=device)
     out = []
-    for kind in ("fwd",) + (BACKWARD_KERNELS[backward_mode()] if backward else ()):
+    for kind in ("fwd",) + (BACKWARD_KERNELS[backward_mode(like=like)] if backward else ()):
         cfg = _config(kind, head_dim, causal, c, dtype, like=like)
         out.append(make_plan(mask, causal, seqlen_q, seqlen_k, cfg.block_m, cfg.block_n,
                              PLAN_BY_KEY[kind], device))
@@ -1097,10 +1105,11 @@ def _env_choice(name: str, allowed: tuple) -> str:
     return env
 
 
-def _gluon_runs(q: torch.Tensor, module: str, cfg: Config) -> bool:
+def _gluon_runs(q: torch.Tensor, module: str, cfg: Config, **variant) -> bool:
     """Whether the Gluon kernel of ``flashmask3.kernels.<module>`` can run these inputs with
     this config: CUDA with TMA, a Hopper GPU (wgmma is sm_90 only), 16-bit inputs (its wgmma
-    operands; float32 runs tf32 in tl), Gluon available and the config accepted."""
+    operands; float32 runs tf32 in tl), Gluon available and the config (and ``variant``, the
+    kernel's own check_config flags) accepted."""
     if _interpreting() or not q.is_cuda or not _use_tma(q):
         return False
     if q.dtype not in (torch.float16, torch.bfloat16):
@@ -1111,7 +1120,8 @@ def _gluon_runs(q: torch.Tensor, module: str, cfg: Config) -> bool:
     if mod.unavailable_reason() is not None:
         return False
     try:
-        mod.check_config(q.shape[-1], cfg.block_m, cfg.block_n, cfg.num_warps, cfg.num_stages)
+        mod.check_config(q.shape[-1], cfg.block_m, cfg.block_n, cfg.num_warps, cfg.num_stages,
+                         **variant)
     except ValueError:
         return False
     return True
@@ -1198,11 +1208,14 @@ def _bwd_pre(out, dout, lse, dlse):
 #: backward, the tl kernel.
 GLUON_DKDV_DIMS = (64, 128)
 
-#: The split backward's default dK/dV tile where the warp-specialised Gluon kernel runs it (else
-#: CANDIDATES' first, the tl kernel's). D=128: 64x128 w8 s2, the statistics in shared memory
-#: (STATS_SMEM, which keeps this tile spill-free), 1.12-1.14x the 32x64 w4 s3 WS kernel and
-#: 1.31-1.40x tl, dK/dV bitwise equal (results/gluon_dkdv_wsm_ab.md, NOTES.md v6.4).
-GLUON_DKDV_TILE = {128: Config(64, 128, 8, 2)}
+#: Default tiles of the backward kernels where the Gluon kernel runs them (else CANDIDATES'
+#: first, the tl kernel's), keyed (kernel, head-dim class). D=128 split dK/dV: 64x128 w8 s2
+#: with the statistics in shared memory (STATS_SMEM, which keeps this tile spill-free),
+#: 1.12-1.14x the 32x64 w4 s3 WS kernel and 1.31-1.40x tl, dK/dV bitwise equal
+#: (results/gluon_dkdv_wsm_ab.md). D=128 fused: the same tile with DS_SHARED (FA3's: Pᵀ, dSᵀ
+#: in shared memory, dQ reduce-added once per tile), 1.11-1.18x the split backward
+#: (results/gluon_fused64_ab.md); s2 and s3 within 2%. NOTES.md v6.4.
+GLUON_TILE = {("dkdv", 128): Config(64, 128, 8, 2), ("fused", 128): Config(64, 128, 8, 2)}
 
 #: Head dims at which the warp-specialised Gluon dK/dV stages each tile's lse2/delta in shared
 #: memory (STATS_SMEM; at D=128 1.03-1.06x faster at 32x64 too, same results bit for bit; not
@@ -1222,11 +1235,35 @@ def _dkdv_impl(q: torch.Tensor, cfg: Config) -> str:
     return (env or "gluon_ws") if _gluon_runs(q, "gluon_dkdv", cfg) else "tl"
 
 
+#: The Gluon fused backward's variant flags (gluon_dkdv.py): FA3's tile, warp-specialised, the
+#: statistics and Pᵀ/dSᵀ in shared memory, dQ reduce-added once per tile.
+GLUON_FUSED_VARIANT = dict(fuse_dq=True, warp_spec=True, stats_smem=True, ds_shared=True)
+
+
+def _fused_impl(q: torch.Tensor, cfg: Config) -> str:
+    """"gluon" or "tl": the kernel of the fused backward. The Gluon DS_SHARED kernel
+    (:data:`GLUON_FUSED_VARIANT`, D=128 at 64x128 w8 only) wherever it can run
+    (:func:`_gluon_runs`), else the tl kernel; env FLASHMASK3_TRITON_FUSED=tl forces tl."""
+    env = _env_choice("FLASHMASK3_TRITON_FUSED", ("tl", "gluon"))
+    if env == "tl":
+        return "tl"
+    return "gluon" if _gluon_runs(q, "gluon_dkdv", cfg, **GLUON_FUSED_VARIANT) else "tl"
+
+
 def _launch_dkdv(q, k, v, dout, lse2, delta, causal, softmax_scale, cfg: Config, plan: Plan,
                  fuse_dq: bool = False):
-    """dK, dV (and, with ``fuse_dq``, the unscaled fp32 dQ accumulated by atomics; else None):
-    the Gluon kernel where :func:`_dkdv_impl` picks it, else the tl kernel."""
-    impl = "tl" if fuse_dq else _dkdv_impl(q, cfg)
+    """dK, dV (and, with ``fuse_dq``, the unscaled fp32 dQ accumulated by atomics, [B, Sq, Hq,
+    D], possibly a strided view; else None): the Gluon kernel where :func:`_dkdv_impl` (or, fused,
+    :func:`_fused_impl`) picks it, else the tl kernel."""
+    if fuse_dq:
+        if _fused_impl(q, cfg) == "gluon":
+            from .gluon_dkdv import launch_dkdv_gluon
+
+            return launch_dkdv_gluon(q, k, v, dout, lse2, delta, causal, softmax_scale, plan,
+                                     cfg.block_m, cfg.block_n, cfg.num_warps, cfg.num_stages,
+                                     **GLUON_FUSED_VARIANT)
+        return _launch_dkdv_tl(q, k, v, dout, lse2, delta, causal, softmax_scale, cfg, plan, True)
+    impl = _dkdv_impl(q, cfg)
     if impl != "tl":
         from .gluon_dkdv import launch_dkdv_gluon
 
@@ -1236,7 +1273,11 @@ def _launch_dkdv(q, k, v, dout, lse2, delta, causal, softmax_scale, cfg: Config,
                                    stats_smem=impl == "gluon_ws"
                                    and q.shape[-1] in GLUON_STATS_SMEM_DIMS)
         return dk, dv, None
-    return _launch_dkdv_tl(q, k, v, dout, lse2, delta, causal, softmax_scale, cfg, plan, fuse_dq)
+    return _launch_dkdv_tl(q, k, v, dout, lse2, delta, causal, softmax_scale, cfg, plan)
+
+
+#: The kernel choice of each kernel kind that has a Gluon default tile (:data:`GLUON_TILE`).
+_GLUON_IMPL = {"dkdv": _dkdv_impl, "fused": _fused_impl}
 
 
 def _launch_dkdv_tl(q, k, v, dout, lse2, delta, causal, softmax_scale, cfg: Config, plan: Plan,
@@ -1319,7 +1360,7 @@ def backward(dout, dlse, q, k, v, out, lse, startend_row_indices: Optional[torch
     dout = dout.to(q.dtype)
     c = 0 if startend_row_indices is None else startend_row_indices.shape[-1]
     delta, lse2 = _bwd_pre(out, dout, lse, dlse)
-    kinds = BACKWARD_KERNELS[backward_mode()]
+    kinds = BACKWARD_KERNELS[backward_mode(like=q)]
     if _autotune_enabled(q):
         for kind in kinds:
             if (kind, d, causal, c, q.dtype) not in _TUNED:
@@ -1331,7 +1372,9 @@ def backward(dout, dlse, q, k, v, out, lse, startend_row_indices: Optional[torch
     dk, dv, dq_acc = _launch_dkdv(q, k, v, dout, lse2, delta, causal, softmax_scale, cfg, plan,
                                   fuse_dq=kinds[0] == "fused")
     if dq_acc is not None:
-        return (dq_acc * softmax_scale).to(q.dtype), dk, dv
+        dq = torch.empty_like(q)
+        torch.mul(dq_acc, softmax_scale, out=dq)  # scale and cast in one pass
+        return dq, dk, dv
     cfg = _config("dq", d, causal, c, q.dtype)
     plan = make_plan(startend_row_indices, causal, sq, sk, cfg.block_m, cfg.block_n,
                      PLAN_BY_KEY["dq"], q.device)

@@ -421,16 +421,28 @@ def test_dispatch_uses_tl_off_hopper(monkeypatch):
 
 
 def test_dkdv_default_tile_is_the_tl_one_where_gluon_cannot_run(monkeypatch):
-    """The Gluon dK/dV tile (GLUON_DKDV_TILE) is the default only where that kernel runs: on
+    """The Gluon dK/dV tile (GLUON_TILE) is the default only where that kernel runs: on
     CPU tensors, or with the tl kernel forced, the split backward keeps the tl kernel's tile."""
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     monkeypatch.delenv("FLASHMASK3_TRITON_DKDV", raising=False)
     q = torch.zeros(1, 8, 1, 128, dtype=torch.bfloat16)
     tl_default = T.CANDIDATES[("dkdv", 128)][0]
-    assert T.GLUON_DKDV_TILE[128] != tl_default  # else this test checks nothing
+    assert T.GLUON_TILE[("dkdv", 128)] != tl_default  # else this test checks nothing
     assert T._config("dkdv", 128, True, 1, q.dtype, like=q) == tl_default
     assert T._config("dkdv", 128, True, 1, q.dtype) == tl_default
     assert T._config("dq", 128, True, 1, q.dtype, like=q) == T.CANDIDATES[("dq", 128)][0]
+    assert T._config("fused", 128, True, 1, q.dtype, like=q) == T.CANDIDATES[("fused", 128)][0]
+    monkeypatch.delenv("FLASHMASK3_TRITON_BWD", raising=False)
+    assert T.backward_mode(like=q) == "split"  # the tl fused kernel is never the default
+
+
+def test_gluon_fused_variant_is_a_valid_config():
+    """The fused default's tile and variant flags pass the Gluon kernel's own config check."""
+    tile = T.GLUON_TILE[("fused", 128)]
+    G.check_config(128, tile.block_m, tile.block_n, tile.num_warps, tile.num_stages,
+                   **T.GLUON_FUSED_VARIANT)
+    with pytest.raises(ValueError, match="ds_shared"):
+        G.check_config(256, 64, 128, 8, 2, **T.GLUON_FUSED_VARIANT)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -550,15 +562,34 @@ def test_gpu_dispatch_picks_gluon_ws_at_d64_and_d128_on_hopper(monkeypatch):
 
 @pytest.mark.gpu
 def test_gpu_dkdv_default_tile_follows_the_kernel(monkeypatch):
-    """On Hopper the split backward's D=128 dK/dV runs the Gluon tile (GLUON_DKDV_TILE); with
+    """On Hopper the split backward's D=128 dK/dV runs the Gluon tile (GLUON_TILE); with
     the tl kernel forced, or fp32 inputs, the tl kernel's own default tile."""
     _require_hopper_gluon()
     monkeypatch.delenv("FLASHMASK3_TRITON_DKDV", raising=False)
     q = torch.zeros(1, 64, 2, 128, device="cuda", dtype=torch.bfloat16)
-    assert T._config("dkdv", 128, True, 1, q.dtype, like=q) == T.GLUON_DKDV_TILE[128]
+    assert T._config("dkdv", 128, True, 1, q.dtype, like=q) == T.GLUON_TILE[("dkdv", 128)]
     assert T._config("dkdv", 128, True, 1, torch.float32, like=q.float()) == T.CANDIDATES[("dkdv", 128)][0]
     monkeypatch.setenv("FLASHMASK3_TRITON_DKDV", "tl")
     assert T._config("dkdv", 128, True, 1, q.dtype, like=q) == T.CANDIDATES[("dkdv", 128)][0]
+
+
+@pytest.mark.gpu
+def test_gpu_default_backward_is_the_gluon_fused_one_at_d128(monkeypatch):
+    """On Hopper the default backward at D=128 (16-bit) is the fused Gluon kernel at its tile;
+    D=64, fp32, deterministic mode and FLASHMASK3_TRITON_FUSED=tl take the split backward."""
+    _require_hopper_gluon()
+    monkeypatch.delenv("FLASHMASK3_TRITON_BWD", raising=False)
+    monkeypatch.delenv("FLASHMASK3_TRITON_FUSED", raising=False)
+    q = torch.zeros(1, 64, 2, 128, device="cuda", dtype=torch.float16)
+    assert T.backward_mode(like=q) == "fused"
+    assert T._config("fused", 128, True, 1, q.dtype, like=q) == T.GLUON_TILE[("fused", 128)]
+    assert T.backward_mode(like=q[..., :64].contiguous()) == "split"
+    assert T.backward_mode(like=q.float()) == "split"
+    monkeypatch.setattr(torch, "are_deterministic_algorithms_enabled", lambda: True)
+    assert T.backward_mode(like=q) == "split"
+    monkeypatch.undo()
+    monkeypatch.setenv("FLASHMASK3_TRITON_FUSED", "tl")
+    assert T.backward_mode(like=q) == "split"
 
 
 @pytest.mark.gpu

@@ -355,6 +355,24 @@ def test_gpu_against_float64_reference(monkeypatch, dtype, d, name, bwd):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("bwd", ["default", "split"])
+@pytest.mark.parametrize("causal,c", LAYOUTS + [(True, 0), (False, 0)])
+@pytest.mark.parametrize("sq,sk", [(700, 1100), (1100, 700)])
+def test_gpu_random_columns_d128(monkeypatch, bwd, causal, c, sq, sk):
+    """D=128 bf16, where the Gluon kernels run by default (fused backward on Hopper): random
+    columns on every layout, GQA 4:2, Sq != Sk, ragged lengths, Hm = Hq or 1, with dlse."""
+    if bwd == "default":
+        monkeypatch.delenv("FLASHMASK3_TRITON_BWD", raising=False)
+    else:
+        monkeypatch.setenv("FLASHMASK3_TRITON_BWD", bwd)
+    b, hq, hk, d = 2, 4, 2, 128
+    hm = hq if sq > sk else 1
+    cols = None if c == 0 else random_columns(b, hm, sq, sk, causal, c, seed=sq + c).to(DEVICE)
+    q, k, v = _qkv(b, sq, sk, hq, hk, d, torch.bfloat16, seed=sk + c)
+    _check(q, k, v, cols, causal)
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("bwd", ["split", "fused", "flipped"])
 @pytest.mark.parametrize("name,s", [("causal_document", 32768), ("global_sliding_window", 32768),
                                     ("causal", 16384)])
