@@ -318,9 +318,11 @@ def mask_bytes(mask, causal, s, d, dtype) -> int:
 #: impl name -> (short label, backward mode, SPLIT_UNMASKED_LOOP entries changed, environment).
 #: ``masked``: every kernel visits UNMASKED tiles in its masked loop (the v3 loops), the A/B
 #: for the mask-free loops that are on by default since v5. ``tl-dkdv``: the tl dK/dV kernel
-#: where the Gluon one is the default (v6).
+#: where the Gluon one is the default (v6). ``split``: the split backward where the fused one is
+#: the default (v6.4: D=128 on Hopper).
 FLASHMASK_VARIANTS = {
     "flashmask3_fused": ("fused", "fused", {}, {}),
+    "flashmask3_split": ("split", "split", {}, {}),
     "flashmask3_masked": ("masked", "split", {"fwd": False, "dkdv": False, "dq": False}, {}),
     "flashmask3_tl_dkdv": ("tl-dkdv", "split", {}, {"FLASHMASK3_TRITON_DKDV": "tl"}),
 }
@@ -334,11 +336,12 @@ _VARIANT_LABELS = {**{name: v[0] for name, v in FLASHMASK_VARIANTS.items()},
 
 @contextlib.contextmanager
 def flashmask_variant(impl_name: str):
-    """The kernel options of one flashmask3 row: the defaults ("flashmask3", split backward) or a
+    """The kernel options of one flashmask3 row: the library defaults ("flashmask3"; the
+    backward is the library's choice, FLASHMASK3_TRITON_BWD unset) or a
     :data:`FLASHMASK_VARIANTS` entry; restored afterwards."""
     from flashmask3.kernels import triton_flashmask as T
 
-    _, backward, loops, env = FLASHMASK_VARIANTS.get(impl_name, ("", "split", {}, {}))
+    _, backward, loops, env = FLASHMASK_VARIANTS.get(impl_name, ("", "auto", {}, {}))
     old = dict(T.SPLIT_UNMASKED_LOOP)
     T.SPLIT_UNMASKED_LOOP.update(loops)
     try:

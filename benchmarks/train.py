@@ -41,12 +41,17 @@ from flashmask3.train.model import (Transformer, active_matmul_params,  # noqa: 
 from flashmask3.train.parallel import DistEnv  # noqa: E402
 from flashmask3.train.trainer import build_optimizer, train_step  # noqa: E402
 
-BACKENDS = ("flashmask3", "flex", "sdpa", "flashmask3-fused")  # the optional variant last (budget)
-#: run when --backends is not given: the fused backward measured slower (benchmarks/NOTES.md v3)
+#: the optional variants last (budget): flashmask3 with its backward pinned to one mode
+BACKENDS = ("flashmask3", "flex", "sdpa", "flashmask3-fused", "flashmask3-split")
+#: run when --backends is not given (flashmask3 with the library's default backward: since v6.4
+#: the fused Gluon kernel at D=128 on Hopper, else split)
 DEFAULT_BACKENDS = ("flashmask3", "flex", "sdpa")
 #: benchmark backend -> (attention backend, flashmask3 Triton backward)
-_ATTENTION = {"flashmask3": ("flashmask3", "split"), "flashmask3-fused": ("flashmask3", "fused"),
+_ATTENTION = {"flashmask3": ("flashmask3", "auto"), "flashmask3-fused": ("flashmask3", "fused"),
+              "flashmask3-split": ("flashmask3", "split"),
               "flex": ("flex", "auto"), "sdpa": ("sdpa", "auto")}
+#: the pinned-backward variants and their labels in the speed-up lines
+_PINNED_LABEL = {"flashmask3-fused": "fused backward", "flashmask3-split": "split backward"}
 
 
 def parse_args(argv=None):
@@ -101,7 +106,7 @@ def run_backend(cfg, backend: str, batches, warmup: int, device: torch.device) -
     attention, backward = _ATTENTION[backend]
     from flashmask3.kernels import triton_flashmask as T
 
-    with T.use_backward("fused" if backward == "fused" else "split"):
+    with T.use_backward(backward):
         return _timed_steps(cfg.replace(attention=attention, attention_backward=backward), model,
                             optimizer, batches, warmup, env, timer, device)
 
@@ -177,8 +182,8 @@ def main(argv=None) -> int:
         for backend in args.backends:
             row = {**common, "backend": backend}
             reason = attention_available(_ATTENTION[backend][0], device, training=True)
-            if backend == "flashmask3-fused" and device.type != "cuda":
-                reason = "the fused backward is an option of the Triton kernel (CUDA only)"
+            if backend in _PINNED_LABEL and device.type != "cuda":
+                reason = "the backward choice is an option of the Triton kernel (CUDA only)"
             if backend == "sdpa" and seq_len > args.sdpa_max_seq:
                 reason = (f"dense S x S mask ({seq_len ** 2 / 2**30:.0f} GiB bool) and O(S^2) "
                           f"work above --sdpa-max-seq={args.sdpa_max_seq}")
@@ -220,9 +225,9 @@ def _add_speedups(report: dict) -> None:
     by = {(r["seq_len"], r["backend"]): r for r in report["runs"]}
     report["speedup_vs_flex"], report["speedup_vs_sdpa"] = {}, {}
     for (s, b), r in by.items():
-        if b not in ("flashmask3", "flashmask3-fused") or r["status"] != "ok":
+        if b != "flashmask3" and b not in _PINNED_LABEL or r["status"] != "ok":
             continue
-        label = str(s) if b == "flashmask3" else f"{s} (fused backward)"
+        label = str(s) if b == "flashmask3" else f"{s} ({_PINNED_LABEL[b]})"
         for other, key in (("flex", "speedup_vs_flex"), ("sdpa", "speedup_vs_sdpa")):
             o = by.get((s, other))
             if o and o["status"] == "ok":

@@ -958,7 +958,8 @@ PLAN_BY_KEY = {"fwd": False, "dkdv": True, "fused": True, "dq": False}
 
 def _check_backward(mode: str, what: str) -> str:
     if mode not in BACKWARD_KERNELS:
-        raise ValueError(f"{what} must be 'fused' or 'split', got {mode!r}")
+        raise ValueError(f"{what} must be 'fused' or 'split'{' (or auto)' if what == 'mode' else ''}, "
+                         f"got {mode!r}")
     return mode
 
 
@@ -979,10 +980,15 @@ def backward_mode(like: Optional[torch.Tensor] = None) -> str:
 @contextlib.contextmanager
 def use_backward(mode: str):
     """FLASHMASK3_TRITON_BWD=``mode`` inside the block (and in processes started from it),
-    restored afterwards; deterministic mode still wins (:func:`backward_mode`)."""
-    _check_backward(mode, "mode")
+    restored afterwards; "auto" unsets it (the library default, :data:`DEFAULT_BACKWARD`);
+    deterministic mode still wins (:func:`backward_mode`)."""
+    if mode != "auto":
+        _check_backward(mode, "mode")
     old = os.environ.get("FLASHMASK3_TRITON_BWD")
-    os.environ["FLASHMASK3_TRITON_BWD"] = mode
+    if mode == "auto":
+        os.environ.pop("FLASHMASK3_TRITON_BWD", None)
+    else:
+        os.environ["FLASHMASK3_TRITON_BWD"] = mode
     try:
         yield
     finally:

@@ -8,6 +8,7 @@ numerical check compares with the float64 dense reference on fresh random inputs
 from __future__ import annotations
 
 import math
+import os
 
 import pytest
 import torch
@@ -223,6 +224,9 @@ def test_backward_mode_choice(monkeypatch):
     with T.use_backward("fused"):
         assert T.backward_mode() == "fused"
     assert T.backward_mode() == "split"  # restored
+    with T.use_backward("auto"):  # the library default: the variable unset inside the block
+        assert "FLASHMASK3_TRITON_BWD" not in os.environ
+    assert os.environ["FLASHMASK3_TRITON_BWD"] == "split"
     with pytest.raises(ValueError, match="mode must be 'fused' or 'split'"):
         with T.use_backward("atomic"):
             pass

@@ -16,15 +16,16 @@ def _load():
 
 def test_toy_benchmark_reports_all_backends(tmp_path):
     bench = _load()
-    assert "flashmask3-fused" not in bench.parse_args([]).backends  # opt-in (measured slower)
+    assert "flashmask3-fused" not in bench.parse_args([]).backends  # opt-in: backward pinned
     rc = bench.main(["--toy", "--seq-lens", "128", "256", "--steps", "1", "--warmup", "1",
                      "--sdpa-max-seq", "128", "--out", str(tmp_path),
                      "--backends", *bench.BACKENDS])
     assert rc == 0
     report = json.loads((tmp_path / "train_cpu_toy.json").read_text())
     runs = {(r["seq_len"], r["backend"]): r for r in report["runs"]}
-    assert len(runs) == 8
-    assert runs[(128, "flashmask3-fused")]["status"] == "skipped"  # a Triton (CUDA) option
+    assert len(runs) == 2 * len(bench.BACKENDS)
+    for pinned in ("flashmask3-fused", "flashmask3-split"):
+        assert runs[(128, pinned)]["status"] == "skipped"  # a Triton (CUDA) option
     assert runs[(128, "flashmask3")]["status"] == "ok"
     assert runs[(128, "sdpa")]["status"] == "ok"
     assert runs[(256, "sdpa")]["status"] == "skipped"  # above --sdpa-max-seq
