@@ -14,6 +14,7 @@
 #   BENCH_BUDGET=150 bash benchmarks/gpu_kernel.sh wsm    # STATS_SMEM dK/dV (64x128 w8) bitwise tests + A/B vs the WS default
 #   bash benchmarks/gpu_kernel.sh tests128  # GPU tests of the D=128 split backward default (v6.4)
 #   BENCH_BUDGET=220 BUDGET_128K=100 bash benchmarks/gpu_kernel.sh v64  # v6.4 default tests + D=128 table rows
+#   BENCH_BUDGET=300 BUDGET_128K=120 bash benchmarks/gpu_kernel.sh table128  # D=128 rows, default (fused) + split variant
 #   BENCH_BUDGET=150 bash benchmarks/gpu_kernel.sh fused64  # fused DS_SHARED backward (64x128 w8) tests + A/B vs split
 # Each stage has its own timeout so the whole call stays under the 600 s device limit; the
 # benchmark writes its JSON after every case, so a stopped run keeps what it measured.
@@ -102,11 +103,21 @@ case "$PHASE" in
       -k "default" -p no:cacheprovider 2>&1 | tail -15 | tee "$OUT/pytest_default.log"
     FLASHMASK3_TRITON_AUTOTUNE=0 timeout 170 python3 -m pytest -q -m gpu tests/kernels/test_triton_flashmask.py \
       -k "random_columns_d128 or (128 and fused) or (long_seq and fused)" -p no:cacheprovider 2>&1 | tail -15 | tee "$OUT/pytest_fused.log"
-    timeout $((BUDGET + 50)) python3 benchmarks/kernel.py --seqlens 32768 --dims 128 --kernel-version v6.4 \
+    FLASHMASK3_TRITON_AUTOTUNE=0 timeout $((BUDGET + 50)) python3 benchmarks/kernel.py --seqlens 32768 --dims 128 --kernel-version v6.4 \
       --impls flashmask3,flex,sdpa_cudnn,varlen --budget-s "$BUDGET" --out "$OUT" --tag v64_32k 2>&1 \
       | grep -v "DeprecationWarning\|create_block_mask(mm" | tee "$OUT/bench_32k.log"
-    timeout $((${BUDGET_128K:-100} + 50)) python3 benchmarks/kernel.py --seqlens 131072 --dims 128 --no-gqa --kernel-version v6.4 \
+    FLASHMASK3_TRITON_AUTOTUNE=0 timeout $((${BUDGET_128K:-100} + 50)) python3 benchmarks/kernel.py --seqlens 131072 --dims 128 --no-gqa --kernel-version v6.4 \
       --impls flashmask3,flex,sdpa_cudnn --budget-s "${BUDGET_128K:-100}" --out "$OUT" --tag v64_128k 2>&1 \
+      | grep -v "DeprecationWarning\|create_block_mask(mm" | tee "$OUT/bench_128k.log"
+    ;;
+  table128)
+    # the D=128 rows with the library's default backward (fused Gluon on Hopper since v6.4) and
+    # the split backward as a variant in the same run: 32K MHA + GQA, then 128K
+    FLASHMASK3_TRITON_AUTOTUNE=0 timeout $((BUDGET + 50)) python3 benchmarks/kernel.py --seqlens 32768 --dims 128 \
+      --impls flashmask3,flashmask3_split,flex,sdpa_cudnn,varlen --budget-s "$BUDGET" --out "$OUT" --tag v65_32k 2>&1 \
+      | grep -v "DeprecationWarning\|create_block_mask(mm" | tee "$OUT/bench_32k.log"
+    FLASHMASK3_TRITON_AUTOTUNE=0 timeout $((${BUDGET_128K:-120} + 50)) python3 benchmarks/kernel.py --seqlens 131072 --dims 128 --no-gqa \
+      --impls flashmask3,flashmask3_split,flex,sdpa_cudnn --budget-s "${BUDGET_128K:-120}" --out "$OUT" --tag v65_128k 2>&1 \
       | grep -v "DeprecationWarning\|create_block_mask(mm" | tee "$OUT/bench_128k.log"
     ;;
   fused64)

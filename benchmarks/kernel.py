@@ -492,7 +492,8 @@ def markdown(results: list[dict], meta: dict) -> str:
               "the autotuner's pick, the same tile), v6.4 = the split backward with its D=128 dK/dV "
               "at 64x128 w8, statistics in shared memory (these rows ran the split backward, pinned; "
               "the fused Gluon backward, the D=128 default on Hopper since v6.4, 1.11-1.18x faster "
-              "than this split one in gluon_fused64_ab.md, has no table run yet); a "
+              "than this split one in gluon_fused64_ab.md, has no table run yet), v6.5 = that fused "
+              "Gluon backward as the default (rows record `backward`); a "
               "later run of a case replaces an earlier one). `variants`: flashmask3 timed again in the "
               "same run with one option changed (`fused` / `split` backward; `masked`: no mask-free loops; "
               "`tl-dkdv`: the tl dK/dV kernel instead of the Gluon one; "
@@ -699,7 +700,7 @@ def main(argv=None) -> int:
     ap.add_argument("--skip-done", nargs="*", default=[], metavar="JSON",
                     help="leave out the cases these earlier kernel_*.json files measured "
                          "(continue a run that its --budget-s cut short)")
-    ap.add_argument("--kernel-version", default="v6.3")
+    ap.add_argument("--kernel-version", default="v6.5")
     ap.add_argument("--report", nargs="*", help="JSON files to merge into kernel.{json,md,png}")
     args = ap.parse_args(argv)
     if args.report:
