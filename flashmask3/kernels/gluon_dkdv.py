@@ -1,6 +1,7 @@
 """Gluon (``triton.experimental.gluon``) dK/dV kernel for Hopper (sm_90): the default dK/dV
-kernel at D=64 and D=128 on Hopper GPUs (``triton_flashmask._dkdv_impl``), the ``tl`` kernel
-elsewhere.
+kernel of the split backward at D=64 and D=128 on Hopper GPUs (``triton_flashmask._dkdv_impl``;
+at D=128 at 64x128 w8 with STATS_SMEM), and with FUSE_DQ + DS_SHARED the default (fused)
+backward at D=128 (``triton_flashmask._fused_impl``); the ``tl`` kernels elsewhere.
 
 What it computes: exactly what the ``tl`` ``_dkdv_kernel`` computes (split backward), dK
 (already multiplied by ``softmax_scale``) and dV, from the same :class:`Plan` (built by key
@@ -9,7 +10,9 @@ rows) and ``delta`` from ``triton_flashmask._bwd_pre``. On the H200 its dK, dV a
 equal to the ``tl`` kernel's (same wgmma k-steps in the same order), and it is 1.08-1.21x faster
 (32K, D=128, 6 masks, MHA and GQA: ``benchmarks/results/gluon_dkdv_ab.md``, NOTES.md v6);
 with WARP_SPEC 1.17-1.24x at D=128 and 1.27-1.49x at D=64 (``gluon_dkdv_ws_ab.md``,
-``gluon_dkdv_d64_ab.md``, NOTES.md v6.2, v6.3).
+``gluon_dkdv_d64_ab.md``, NOTES.md v6.2, v6.3); with STATS_SMEM at 64x128 w8 1.31-1.40x at
+D=128 (``gluon_dkdv_wsm_ab.md``, v6.4). The DS_SHARED fused backward is 1.11-1.18x that split
+backward (``gluon_fused64_ab.md``, v6.5).
 
 Why: the ``tl`` dK/dV kernel's SASS waits for every wgmma right after issuing it
 (``WARPGROUP.DEPBAR.LE gsb0, 0x0``), so the tensor cores and the exp/mask arithmetic never
@@ -45,9 +48,9 @@ between live ranges, none inside a tile loop; BLOCK_M=64 configs spill inside th
 A variant that leaves dK in flight under the next tile's first wgmmas was measured 0-2% slower
 and removed (NOTES.md v6).
 
-Fused dQ (constexpr FUSE_DQ; compiled offline only, NOT verified or timed on a GPU, used
-nowhere by default: :func:`fused_backward_gluon` is for the A/B ``benchmarks/gluon_dkdv_ab.py
---fused``): after dSᵀ each tile also computes dQᵀ = Kᵀ dSᵀ ([D, BLOCK_M]: wgmma M = D, since
+Fused dQ (constexpr FUSE_DQ; at 32x64 measured 0.85-0.94x of split, v6.1/v6.4: used by
+default only with DS_SHARED, below; :func:`fused_backward_gluon` runs any fused config for the
+A/B ``benchmarks/gluon_dkdv_ab.py --fused``): after dSᵀ each tile also computes dQᵀ = Kᵀ dSᵀ ([D, BLOCK_M]: wgmma M = D, since
 BLOCK_M < 64; A = the transposed view of the K tile, B = dSᵀ stored to shared memory as
 bf16/fp16), stores the fp32 accumulator unchanged to a [D, BLOCK_M] shared tile and TMA
 reduce-adds it (``cp.reduce.async.bulk.tensor .add``, SASS UTMAREDG) into an fp32 dQᵀ buffer
@@ -95,8 +98,8 @@ layouts; the tests pin 6 of them by hash). Fragile: ptxas sees the debug-scope l
 inlined helpers, and a draft of this refactor renumbered registers in one fused variant.
 
 Stats in shared memory (constexpr STATS_SMEM, default False, WARP_SPEC only;
-``launch_dkdv_gluon(..., warp_spec=True, stats_smem=True)``, A/B label suffix ``wsm``; compiled
-offline only, NOT yet run on a GPU): why 64x128 w8 spilled: each tile loaded lse2 and delta
+``launch_dkdv_gluon(..., warp_spec=True, stats_smem=True)``, A/B label suffix ``wsm``; the
+D=128 default since v6.4, bitwise equal to tl on the H200): why 64x128 w8 spilled: each tile loaded lse2 and delta
 (16 + 16 fp32 per thread in the Sᵀ column slice, 32 scalar predicated LDGs) while Sᵀ ran, and
 delta stayed live across both wgmma waits next to dK, dV (128), Sᵀ/Pᵀ (32) and dPᵀ in flight
 (32): over the 240 registers, so ptxas spilled them (and the interval words) in every masked
@@ -115,8 +118,8 @@ for causal C=0/1/2 and non-causal C=0/2/4 (without it 1-360); 64x64 w4 s2 WS 0-4
 Fused dQ at 64x128 (constexpr DS_SHARED, default False; FUSE_DQ + WARP_SPEC + STATS_SMEM at
 BLOCK_M=64, BLOCK_N=128, 8 warps only; ``launch_dkdv_gluon(..., fuse_dq=True, warp_spec=True,
 stats_smem=True, ds_shared=True)``, ``fused_backward_gluon`` config ``(64, 128, 8, S, True,
-True, True)``, A/B label suffix ``wsmds``; compiled offline only, NOT yet run on a GPU): FA3's
-backward tile. dQ is computed once per tile: dQᵀ [D, 64] = Kᵀ dSᵀ with wgmma M = D split over
+True, True)``, A/B label suffix ``wsmds``; the default backward at D=128 on Hopper since v6.5,
+``triton_flashmask.GLUON_FUSED_VARIANT``): FA3's backward tile. dQ is computed once per tile: dQᵀ [D, 64] = Kᵀ dSᵀ with wgmma M = D split over
 the two compute warpgroups (each M = 64 of the D rows, N = 64 queries, K = all 128 keys, so
 both warpgroups' dSᵀ rows: a partition barrier between them), 32 fp32 registers per thread,
 stored to a [D, 64] fp32 tile and TMA reduce-added as two [D, 32] boxes (the existing FUSE_DQ
@@ -1105,20 +1108,19 @@ def launch_dkdv_gluon(q, k, v, dout, lse2, delta, causal, softmax_scale, plan, b
     """(dk, dv) like ``_launch_dkdv(..., fuse_dq=False)[:2]``; ``plan`` must come from
     ``make_plan(mask, causal, Sq, Sk, block_m, block_n, by_key=True, device)``.
 
-    ``warp_spec=True`` (the WARP_SPEC kernel, compiled offline only, not yet run on a GPU):
-    the same results from a kernel whose Q/dO ring is filled by a 1-warp TMA producer
+    ``warp_spec=True`` (the WARP_SPEC kernel, the library default): the same results from a kernel whose Q/dO ring is filled by a 1-warp TMA producer
     partition, launched with ``maxnreg=ws_maxnreg(num_warps)``; the default (False) launches
     exactly the kernel it always did.
 
-    ``stats_smem=True`` (with ``warp_spec`` only; the STATS_SMEM kernel, compiled offline only,
-    not yet run on a GPU): the producer also stages each tile's lse2/delta in shared memory
+    ``stats_smem=True`` (with ``warp_spec`` only; the STATS_SMEM kernel, the D=128 default):
+    the producer also stages each tile's lse2/delta in shared memory
     (what lets 64x128 w8 run without spills in its tile loops); same dK, dV bit for bit.
 
     ``ds_shared=True`` (with ``fuse_dq``, ``warp_spec``, ``stats_smem`` at 64x128 w8 only; the
-    DS_SHARED kernel, compiled offline only, not yet run on a GPU): FA3's 64x128 tile, dQ
+    DS_SHARED kernel, the D=128 fused default): FA3's 64x128 tile, dQ
     once per tile; Pᵀ and dSᵀ staged in shared memory as the A operands of dV, dK and dQ.
 
-    ``fuse_dq=True`` (the FUSE_DQ kernel, unverified on a GPU): (dk, dv, dq_acc), dq_acc the
+    ``fuse_dq=True`` (the FUSE_DQ kernel): (dk, dv, dq_acc), dq_acc the
     unscaled fp32 dQ accumulated by TMA reduce-adds, shape [B, Sq, Hq, D] (a permuted view of
     the kernel's [B, Hq, D, Sq_pad] dQᵀ buffer, zero-initialised here); multiply by
     ``softmax_scale`` for dQ (:func:`fused_backward_gluon`). Its rounding order varies between
@@ -1178,9 +1180,9 @@ def launch_dkdv_gluon(q, k, v, dout, lse2, delta, causal, softmax_scale, plan, b
 
 
 def fused_backward_gluon(q, k, v, dout, lse2, delta, causal, softmax_scale, plan, cfg_tuple):
-    """(dq, dk, dv) of the fused Gluon backward (FUSE_DQ kernel; NOT used by the library, for
-    the GPU A/B ``benchmarks/gluon_dkdv_ab.py --fused``): one launch of the dK/dV kernel that
-    also reduce-adds dQ, then dQ = softmax_scale * dq_acc cast to q's dtype in one strided pass.
+    """(dq, dk, dv) of the fused Gluon backward at any FUSE_DQ config, for the GPU A/B
+    ``benchmarks/gluon_dkdv_ab.py --fused`` (the library's default, ``triton_flashmask.backward``,
+    launches the DS_SHARED one itself): one launch of the dK/dV kernel that also reduce-adds dQ, then dQ = softmax_scale * dq_acc cast to q's dtype in one strided pass.
     ``lse2``, ``delta`` from ``triton_flashmask._bwd_pre``; ``plan`` a by-key plan for
     ``cfg_tuple`` = (block_m, block_n, num_warps, num_stages[, warp_spec[, stats_smem[,
     ds_shared]]])."""
