@@ -32,6 +32,14 @@ dQ scaling) of split, the tl fused backward (FLASHMASK3_TRITON_BWD=fused) and th
 backward per ``--fused-configs``. Writes ``$OUT/gluon_fused_ab.json`` and ``.md``::
 
     PYTHONPATH=. python benchmarks/gluon_dkdv_ab.py --fused --budget-s 420
+
+``--fused --head-dim 64``: the same at D=64 (timed heads scaled to hidden 4096: Hq=64, GQA
+64:16), the small pass on every small case at D=64 (:func:`small_cases_at`) with the
+``--fused-configs`` only (a config the kernel's ``check_config`` refuses at that head dim is
+recorded as skipped), e.g. the one-warpgroup DS_SHARED tile::
+
+    PYTHONPATH=. python benchmarks/gluon_dkdv_ab.py --fused --head-dim 64 \\
+        --fused-configs 64x64w4s2wsmds,64x64w4s3wsmds --budget-s 300
 """
 
 from __future__ import annotations
@@ -604,25 +612,60 @@ def _bench_bwd(fn) -> float:
     return do_bench(fn, warmup=200, rep=1500, return_mode="median")
 
 
-def fused_small_pass(records, deadline, out_path, extra=()):
+def small_cases_at(d: int) -> list:
+    """SMALL_CASES at head dim ``d`` (every layout, Sq != Sk, GQA, Hm = Hq, fp16): a case of
+    another head dim renamed ``<name>_d<d>``, a shape that occurs twice kept once."""
+    out, shapes = [], set()
+    for case in SMALL_CASES:
+        shape = tuple(case[1:7]) + (d, ) + tuple(case[8:])
+        if shape not in shapes:
+            shapes.add(shape)
+            out.append((case[0] if case[7] == d else f"{case[0]}_d{d}", ) + shape)
+    return out
+
+
+def _config_refusal(d: int, cfg) -> Optional[str]:
+    """Why the Gluon kernel's ``check_config`` refuses fused config ``cfg`` at head dim ``d``
+    (None when it accepts it)."""
+    flags = dict(warp_spec=_is_ws(cfg), stats_smem=_is_wsm(cfg), ds_shared=_is_wsmds(cfg))
+    try:
+        G.check_config(d, *cfg[:4], fuse_dq=True, **flags)
+    except ValueError as exc:
+        return str(exc)
+    return None
+
+
+def fused_small_pass(records, deadline, out_path, extra=(), d=128):
     """dQ, dK, dV of the fused Gluon backward against the split backward on SMALL_CASES (the
-    ``extra`` configs, e.g. the timed ones, too on every D=128 case)."""
-    for i, case, rec in small_case_records(records, deadline, out_path, "fused_small"):
-        name, b, sq, sk, hq, hk, hm, d, dtype, causal, c = case
+    ``extra`` configs, e.g. the timed ones, too on every D=128 case). ``d`` != 128: the small
+    cases at head dim ``d`` (:func:`small_cases_at`) with the ``extra`` configs only, those the
+    kernel refuses at ``d`` recorded as skipped."""
+    cases = None if d == 128 else small_cases_at(d)
+    for i, case, rec in small_case_records(records, deadline, out_path, "fused_small", cases):
+        name, b, sq, sk, hq, hk, hm, d_case, dtype, causal, c = case
         cols = small_mask(i, case)
         try:
-            q, k, v, dout, _, _, scale, out, lse = _inputs(b, sq, sk, hq, hk, d, dtype, cols,
-                                                           causal, seed=7 + i, with_forward=True)
+            q, k, v, dout, _, _, scale, out, lse = _inputs(b, sq, sk, hq, hk, d_case, dtype,
+                                                           cols, causal, seed=7 + i,
+                                                           with_forward=True)
             ref = split_backward(dout, q, k, v, out, lse, cols, causal, scale)
         except Exception:
             rec["error"] = traceback.format_exc()
             print(rec["error"], flush=True)
             continue
-        cfgs = FUSED_SMALL_CONFIGS + (FUSED_EXTRA_SMALL_CONFIGS if i < 2 else [])
-        cfgs = cfgs + [c for c in extra if c not in cfgs]
         if d != 128:
-            cfgs = [tuple(dataclasses.astuple(T.CANDIDATES[("dkdv", d)][0]))]
+            cfgs = list(extra)
+        elif d_case != 128:
+            cfgs = [tuple(dataclasses.astuple(T.CANDIDATES[("dkdv", d_case)][0]))]
+        else:
+            cfgs = FUSED_SMALL_CONFIGS + (FUSED_EXTRA_SMALL_CONFIGS if i < 2 else [])
+            cfgs = cfgs + [c for c in extra if c not in cfgs]
         for cfg in cfgs:
+            refusal = _config_refusal(d_case, cfg) if d != 128 else None
+            if refusal is not None:
+                rec["gluon"][_label(cfg)] = dict(skipped=refusal)
+                print(f"fused small {name:26s} {_label(cfg):12s} skipped: {refusal}", flush=True)
+                continue
             try:
                 res = _compare3(gluon_fused_backward(dout, q, k, v, out, lse, cols, causal, scale,
                                                      cfg), ref)
@@ -634,21 +677,23 @@ def fused_small_pass(records, deadline, out_path, extra=()):
             print(f"fused small {name:26s} {_label(cfg):12s} {_fmt3(res)}", flush=True)
 
 
-def fused_timed_pass(records, deadline, out_path, seqlen, configs):
-    """The whole backward at 32K: split (reference), tl fused, Gluon fused per config (the tl
-    fused numbers are context: its errors do not fail the run)."""
+def fused_timed_pass(records, deadline, out_path, seqlen, configs, d=128):
+    """The whole backward at 32K and head dim ``d`` (hidden 4096: the head counts scale by
+    128/d): split (reference), tl fused, Gluon fused per config (the tl fused numbers are
+    context: its errors do not fail the run)."""
     from benchmarks.sweep import backward_case
 
     for name, hq, hk in FUSED_TIMED_CASES:
+        hq, hk = hq * 128 // d, hk * 128 // d
         if time.time() > deadline:
             records.append(dict(part="fused_timed", case=name, Hq=hq, Hk=hk, skipped="budget"))
             _write(out_path, records)
             continue
         _arm_watchdog(f"fused timed {name} Hq={hq} Hk={hk}")
-        rec = dict(part="fused_timed", case=name, S=seqlen, D=128, Hq=hq, Hk=hk, dtype="bf16",
+        rec = dict(part="fused_timed", case=name, S=seqlen, D=d, Hq=hq, Hk=hk, dtype="bf16",
                    gluon={})
         try:
-            cs = backward_case(name, seqlen, 128, hq, hk, torch.bfloat16, device="cuda",
+            cs = backward_case(name, seqlen, d, hq, hk, torch.bfloat16, device="cuda",
                                total_tokens=TOTAL_TOKENS, seed=seqlen + 135)
             args = (cs.dout, cs.q, cs.k, cs.v, cs.out, cs.lse, cs.cols, cs.causal, cs.scale)
             rec.update(B=cs.batch, causal=cs.causal,
@@ -665,8 +710,12 @@ def fused_timed_pass(records, deadline, out_path, seqlen, configs):
             _write(out_path, records)
             continue
         variants = [("tl_fused", lambda: tl_fused_backward(*args))]
-        variants += [(_label(cfg), (lambda cfg=cfg: gluon_fused_backward(*args, cfg)))
-                     for cfg in configs]
+        for cfg in configs:
+            refusal = _config_refusal(d, cfg) if d != 128 else None
+            if refusal is not None:  # (at D=128 every config is launched, as before)
+                rec["gluon"][_label(cfg)] = dict(skipped=refusal)
+                continue
+            variants.append((_label(cfg), (lambda cfg=cfg: gluon_fused_backward(*args, cfg))))
         for label, fn in variants:  # a started case runs every variant (budget is per case)
             try:
                 res = _compare3(fn(), ref)
@@ -724,16 +773,16 @@ def fused_main(args) -> int:
     configs = [_parse(lab) for lab in args.fused_configs.split(",")]
     out_path, start, deadline, records = start_run("gluon_fused_ab", args.budget_s, "; fused A/B")
     if not args.skip_small:
-        fused_small_pass(records, deadline, out_path, configs)
+        fused_small_pass(records, deadline, out_path, configs, args.head_dim)
     if not args.skip_timed:
-        fused_timed_pass(records, deadline, out_path, args.seqlen, configs)
+        fused_timed_pass(records, deadline, out_path, args.seqlen, configs, args.head_dim)
     table = fused_summary_table(records)
     print(table)
     bad = failures(records, _fmt3)  # the tl fused numbers are context only: never a failure
     return finish_run(
         out_path, records, start,
         md_header("Fused Gluon backward vs split backward", run_meta())
-        + "Whole backward (delta pre-pass, plan, kernels, dQ scaling), bf16, D=128, "
+        + f"Whole backward (delta pre-pass, plan, kernels, dQ scaling), bf16, D={args.head_dim}, "
         f"S={args.seqlen}, B*S={TOTAL_TOKENS}; median ms of do_bench (TFLOP/s, DESIGN.md "
         "backward FLOPs) and speed-up over split.\n" + table + "\n\n"
         + verdict(bad, f"All Gluon fused cases within rel. error {REL_TOL} of split."),
@@ -753,7 +802,8 @@ def main(argv=None) -> int:
                          "in shared memory, e.g. 64x128w8s2wsm)")
     ap.add_argument("--head-dim", type=int, default=128, choices=(64, 128, 256),
                     help="head dim of the timed cases (heads scale to hidden 4096); "
-                         "--configs must suit it")
+                         "--configs must suit it; with --fused also of the small cases "
+                         "(D != 128: only --fused-configs are checked there)")
     ap.add_argument("--skip-small", action="store_true")
     ap.add_argument("--skip-timed", action="store_true")
     ap.add_argument("--fused", action="store_true",
@@ -761,7 +811,8 @@ def main(argv=None) -> int:
     ap.add_argument("--fused-configs", default=",".join(_label(c) for c in FUSED_TIMED_CONFIGS),
                     help="fused Gluon configs timed at 32K with --fused (and checked on the "
                          "small D=128 cases), e.g. 32x64w4s3ws,64x128w8s2wsmds (suffix wsmds: "
-                         "WARP_SPEC + STATS_SMEM + DS_SHARED, dQ once per 64x128 tile)")
+                         "WARP_SPEC + STATS_SMEM + DS_SHARED, dQ once per tile: 64x128w8 at "
+                         "D=128, 64x64w4 at --head-dim 64)")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         print("needs a CUDA GPU (Hopper)")

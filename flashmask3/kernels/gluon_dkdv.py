@@ -12,7 +12,8 @@ equal to the ``tl`` kernel's (same wgmma k-steps in the same order), and it is 1
 with WARP_SPEC 1.17-1.24x at D=128 and 1.27-1.49x at D=64 (``gluon_dkdv_ws_ab.md``,
 ``gluon_dkdv_d64_ab.md``, NOTES.md v6.2, v6.3); with STATS_SMEM at 64x128 w8 1.31-1.40x at
 D=128 (``gluon_dkdv_wsm_ab.md``, v6.4). The DS_SHARED fused backward is 1.11-1.18x that split
-backward (``gluon_fused64_ab.md``, v6.5).
+backward (``gluon_fused64_ab.md``, v6.5). A D=64 DS_SHARED tile (64x64 w4, one compute
+warpgroup) compiles offline and is not a default: not yet run on a GPU (below).
 
 Why: the ``tl`` dK/dV kernel's SASS waits for every wgmma right after issuing it
 (``WARPGROUP.DEPBAR.LE gsb0, 0x0``), so the tensor cores and the exp/mask arithmetic never
@@ -145,6 +146,44 @@ descriptor's box became [D, 32] (the host-side descriptor of a [D, 64] block too
 reduce added only the first 32 queries of each tile. The dQᵀ descriptor is now [D,
 min(BLOCK_M, 32)] (:func:`dq_reduce_block`) and a 64-query tile issues two reduces
 (:func:`_reduce_dq_tile`); BLOCK_M <= 32 (every config so far) is unchanged.
+
+Fused dQ at D=64 (DS_SHARED at 64x64 w4; :data:`DS_SHARED_TILES`; A/B label ``64x64w4s2wsmds``;
+not a default, offline only: never run on a GPU, so neither its results nor its speed are
+checked yet; ``benchmarks/gpu_kernel.sh fused64d`` runs its GPU tests and the A/B): the same
+code as at D=128 (:func:`_tile_ds_shared`, :func:`_fused_dq_tail_ds_shared`,
+:func:`_reduce_dq_tile`) with one compute warpgroup: 64 queries x 64 keys, 4 compute warps and
+the 1-warp producer. The kernel's one rule for DS_SHARED is D = 16 * NUM_WARPS (one 16-row slice
+of dQᵀ per warp; static_assert and :func:`check_config`), which both tiles meet. dQᵀ [64, 64] =
+Kᵀ dSᵀ is one wgmma chain per tile, M = D = 64, N = 64 queries, K = the warpgroup's own 64 keys;
+B1 and B2 are barriers over the 4 compute warps only (every warp still reads the other warps'
+dSᵀ rows; there is no second warpgroup to wait for). 64x128 w8 is not possible at D=64: two
+warpgroups would each get M = 32 of dQᵀ's 64 rows, below wgmma's 64 (``check_config`` refuses
+it). Offline (``--ds-shared --dims 64 --layouts 1:0,1:1,1:2,0:0,0:2,0:4``: D=64 bf16, causal
+C=0/1/2, non-causal C=0/2/4, s2 and s3): no LDL/STL anywhere in the kernel (stack 0), 20 HGMMA
+per tile (Sᵀ, dPᵀ, dQᵀ, dV, dK: 4 k-steps of 64x64x16 each; the split 64x64 w4 s2 WS kernel:
+16), 2 UTMAREDG per tile ([64, 32] boxes), 5 BAR.SYNC per tile (as at D=128; the split kernel:
+2), one ready wait and one empty arrive per tile, no TMA load in the tile loops; the compute
+partition at setmaxnreg 232 (maxnreg 128) touches 171-211 registers (split WS kernel: 182-230);
+shared memory 83,164-83,180 B at s2 and 100,092-100,108 B at s3 (split: 49,308-49,340), so two
+programs per SM as the split kernel (registers: 2 x 8 warps x 128). Generalising the code left
+the SASS instruction text of the D=128 DS_SHARED kernel (s2, s3), the D=128 split default
+(64x128 w8 s2 WS + STATS_SMEM), the D=64 split default (64x64 w4 s2 WS), 32x64 w4 s3 WS and
+fused WS at D=128 and the D=64 FUSE_DQ 64x64 w4 kernel byte for byte unchanged (6 mask layouts
+each). As at D=128 the compiler puts the dPᵀ wait before the exp2s of Pᵀ (the source waits after
+them), so dPᵀ does not run under that arithmetic in either kernel: a possible gain at both head
+dims, not pursued (it would change the D=128 SASS).
+
+Prediction for the D=64 GPU A/B (not measured): split at D=64, causal 32K (Hq=64) is ~252 ms
+(Gluon WS dK/dV ~161 ms at ~44% of the tensor-core peak + tl dQ ~89 ms, v6.3 table and
+``gluon_dkdv_d64_ab.md``). The fused kernel does 5 of split's 7 matmuls and one of its two
+exp2/mask passes; at D=128 it ran at ~52% of peak, and the D=64 dK/dV kernel runs at ~0.7x
+the utilisation of the D=128 one (exp2 work per FLOP doubles at half the head dim), which puts
+it at ~215-250 ms: 1.00-1.15x split, ~1.07x most likely, similar on the document masks. Two
+programs per SM (independent warpgroups, no cross-warpgroup barrier) are in its favour; the
+main risk is the dQ reduce traffic, twice D=128's per FLOP ([64, 64] fp32 per 64x64 tile:
+~550 GB for causal 32K B=4, Hq=64, ~2.4 TB/s into L2 at the predicted time, where D=128 ran at
+~1.6 TB/s); if that saturates, the fused backward may be slower than split. dK, dV should be
+bitwise equal to the tl kernel's and split's (same bf16 values, same 16-query k-steps).
 
 Not done: prefetching across live ranges / query heads (one TMA latency per range; the
 WARP_SPEC producer does run ahead across them), dK left in flight across tiles, two consumer
@@ -444,29 +483,32 @@ def _reduce_dq_tile(dq_desc, dq_row, dq_col, dq_smem):
 @_jit
 def _fused_dq_tail_ds_shared(dv, pT, dsT, dk, q_s, do_s, k_smem, ds_s, p_s, dq_smem, dq_desc,
                              dq_row, dq_col, s_layout: gl.constexpr):
-    """The DS_SHARED end of a tile (FUSE_DQ + WARP_SPEC + STATS_SMEM at 64x128 w8; Pᵀ and dSᵀ
-    in fp32 registers, no wgmma in flight): Pᵀ and dSᵀ go to shared memory as bf16/fp16
-    (``p_s``, ``ds_s``: two [BLOCK_N, BLOCK_M] buffers of the kernel), then three wgmmas read
-    them from there:
+    """The DS_SHARED end of a tile (FUSE_DQ + WARP_SPEC + STATS_SMEM, 64 queries, D = 16 *
+    NUM_WARPS: 64x128 w8 at D=128, 64x64 w4 at D=64; Pᵀ and dSᵀ in fp32 registers, no wgmma in
+    flight): Pᵀ and dSᵀ go to shared memory as bf16/fp16 (``p_s``, ``ds_s``: two [BLOCK_N,
+    BLOCK_M] buffers of the kernel), then three wgmmas read them from there:
 
-    * dQᵀ = Kᵀ dSᵀ ([D, 64]: each warpgroup M = 64 of the D rows, N = 64 queries, K = all 128
-      keys, i.e. both warpgroups' dSᵀ rows; 32 fp32 registers per thread), issued first;
+    * dQᵀ = Kᵀ dSᵀ ([D, 64]: each warpgroup M = 64 of the D rows, N = 64 queries, K = all
+      BLOCK_N keys, i.e. every warpgroup's dSᵀ rows; 32 fp32 registers per thread), issued
+      first. At D=128 (two warpgroups) each computes half of dQᵀ from both warpgroups' keys; at
+      D=64 (one warpgroup) it computes all of dQᵀ from its own 64 keys;
     * dV += Pᵀ dO and dK += dSᵀ Q (A = this warpgroup's 64 rows of the tile: the same bf16
       values and k-steps as the register operands of the split kernel, so dK and dV should stay
       bit for bit equal).
 
     dQᵀ is waited for alone (dV, dK stay in flight), stored to ``dq_smem`` and reduce-added,
     [D, 32] per TMA message (:func:`_reduce_dq_tile`), under dV and dK. No register holds a
-    bf16 Pᵀ or dSᵀ operand: the most a thread holds is dK, dV (128) and Sᵀ, dPᵀ (64) in the
-    score phase, 160 here. Returns (dv, dk) with every wgmma retired (the caller hands the
-    slot back behind a partition barrier).
+    bf16 Pᵀ or dSᵀ operand: the most a thread holds is dK, dV (128 at D=128, 64 at D=64) and
+    Sᵀ, dPᵀ (64) in the score phase. Returns (dv, dk) with every wgmma retired (the caller
+    hands the slot back behind a partition barrier).
 
-    Barriers: B1 after Pᵀ and dSᵀ are in shared memory (the dQ wgmma reads the other
-    warpgroup's dSᵀ rows; the issuing thread first waits, ``tma.store_wait(0)``, until the
-    previous tile's reduces have read ``dq_smem``, which this tile overwrites after B1); B2
-    after dQᵀ is in ``dq_smem`` (the reduce reads every warp's part). ``ds_s`` and ``p_s`` are
-    overwritten by the next tile only after B2 (every dQ wgmma retired) and the slot barrier
-    (every dV, dK wgmma retired)."""
+    Barriers (partition-wide: both warpgroups at D=128, the one at D=64): B1 after Pᵀ and dSᵀ
+    are in shared memory (the dQ wgmma reads every warp's dSᵀ rows, the other warpgroup's too
+    at D=128; the issuing thread first waits, ``tma.store_wait(0)``, until the previous tile's
+    reduces have read ``dq_smem``, which this tile overwrites after B1); B2 after dQᵀ is in
+    ``dq_smem`` (the reduce reads every warp's part). ``ds_s`` and ``p_s`` are overwritten by
+    the next tile only after B2 (every dQ wgmma retired) and the slot barrier (every dV, dK
+    wgmma retired)."""
     dtype: gl.constexpr = q_s.dtype
     D: gl.constexpr = k_smem.shape[1]
     BLOCK_M: gl.constexpr = q_s.shape[0]
@@ -573,10 +615,10 @@ def _tile_ds_shared(dk, dv, it, m, k_smem, v_smem, q_ring, do_ring, ready, empty
                     dq_smem, dq_desc, dq_row0, s_layout: gl.constexpr, BLOCK_M: gl.constexpr,
                     BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr, CAUSAL: gl.constexpr,
                     C: gl.constexpr, NI: gl.constexpr, MASKED: gl.constexpr):
-    """DS_SHARED twin of :func:`_tile` (FUSE_DQ + WARP_SPEC + STATS_SMEM at 64x128 w8; the
-    kernel maps DS_SHARED to FUSE_DQ = 2 for the shared helpers): the same Sᵀ, Pᵀ, dPᵀ, dSᵀ
-    arithmetic as the STATS_SMEM path of :func:`_tile` (masked scores set to -inf before exp2,
-    lse2 read after the Sᵀ wait, delta after the dPᵀ wait), then
+    """DS_SHARED twin of :func:`_tile` (FUSE_DQ + WARP_SPEC + STATS_SMEM at 64x128 w8, D=128,
+    or 64x64 w4, D=64; the kernel maps DS_SHARED to FUSE_DQ = 2 for the shared helpers): the
+    same Sᵀ, Pᵀ, dPᵀ, dSᵀ arithmetic as the STATS_SMEM path of :func:`_tile` (masked scores
+    set to -inf before exp2, lse2 read after the Sᵀ wait, delta after the dPᵀ wait), then
     :func:`_fused_dq_tail_ds_shared` (dV, dK and dQ from Pᵀ and dSᵀ in shared memory) and the
     slot handed back. Returns (dk, dv, it + 1).
 
@@ -951,8 +993,10 @@ def _dkdv_gluon_kernel(q_desc, do_desc, k_desc, v_desc, dk_ptr, dv_ptr, lse2_ptr
             dq_smem = 0
             dq_desc = 0
         if DS_SHARED:
-            gl.static_assert(FUSE_DQ and STATS_SMEM and NUM_WARPS == 8 and BLOCK_M == 64,
-                             "DS_SHARED: FUSE_DQ + WARP_SPEC + STATS_SMEM at 64x128 w8")
+            # one 16-row slice of dQᵀ's D rows per compute warp (D=128 at 8 warps, D=64 at 4)
+            gl.static_assert(FUSE_DQ and STATS_SMEM and BLOCK_M == 64 and D == 16 * NUM_WARPS,
+                             "DS_SHARED: FUSE_DQ + WARP_SPEC + STATS_SMEM, 64 queries, "
+                             "D = 16 * NUM_WARPS (64x128 w8 at D=128, 64x64 w4 at D=64)")
             FUSE_MODE: gl.constexpr = 2  # what the helpers see as FUSE_DQ: the DS_SHARED tail
         else:
             FUSE_MODE: gl.constexpr = FUSE_DQ
@@ -1077,12 +1121,22 @@ def ws_compute_regs(num_warps: int, maxnreg: Optional[int] = None) -> int:
     return min(MAX_THREAD_REGS, total // num_warps // 8 * 8)
 
 
+#: The DS_SHARED (fused, FA3-style) tiles, head dim -> (block_m, block_n, num_warps, most
+#: stages): 64 queries and D = 16 * num_warps, so dQᵀ's D rows are one 16-row slice per compute
+#: warp (two warpgroups at D=128, one at D=64; at D=64 and 8 warps each warpgroup would get
+#: M = 32 of dQᵀ, below wgmma's 64). The most stages: what fits in shared memory (D=128: s3 is
+#: 231,180 B of the 232,448; D=64: s3 is 100,108 B, two programs per SM; s4 would fit one
+#: program per SM only and was not compiled or measured).
+DS_SHARED_TILES = {128: (64, 128, 8, 3), 64: (64, 64, 4, 3)}
+
+
 def check_config(d: int, block_m: int, block_n: int, num_warps: int, num_stages: int,
                  fuse_dq: bool = False, warp_spec: bool = False, stats_smem: bool = False,
                  ds_shared: bool = False) -> None:
     """Raise ValueError on a configuration the kernel cannot compile: one warpgroup row of 16
     keys per warp (block_n == 16 * num_warps), power-of-two tiles; with ``fuse_dq`` also
-    d >= 16 * num_warps (dQᵀ = Kᵀ dSᵀ has M = d rows, 16 per warp)."""
+    d >= 16 * num_warps (dQᵀ = Kᵀ dSᵀ has M = d rows, 16 per warp); ``ds_shared`` only with
+    fuse_dq + warp_spec + stats_smem at a :data:`DS_SHARED_TILES` tile."""
     if d not in (64, 128, 256):
         raise ValueError(f"gluon dK/dV: head dim {d} (64, 128 or 256)")
     if block_n != 16 * num_warps:
@@ -1095,10 +1149,24 @@ def check_config(d: int, block_m: int, block_n: int, num_warps: int, num_stages:
         raise ValueError(f"gluon fused dQ: d={d} < 16 * num_warps ({num_warps})")
     if stats_smem and not warp_spec:
         raise ValueError("gluon dK/dV: stats_smem needs warp_spec (the producer stages them)")
-    if ds_shared and not (fuse_dq and warp_spec and stats_smem and num_warps == 8
-                          and block_m == 64 and block_n == 128 and d == 128):
-        raise ValueError("gluon fused dQ: ds_shared is the D=128 64x128 w8 FUSE_DQ + "
-                         "WARP_SPEC + STATS_SMEM variant")
+    if ds_shared:
+        _check_ds_shared(d, block_m, block_n, num_warps, num_stages, fuse_dq, warp_spec,
+                         stats_smem)
+
+
+def _check_ds_shared(d, block_m, block_n, num_warps, num_stages, fuse_dq, warp_spec,
+                     stats_smem) -> None:
+    """:func:`check_config`'s DS_SHARED rule: the FUSE_DQ + WARP_SPEC + STATS_SMEM kernel at
+    its head dim's :data:`DS_SHARED_TILES` tile, at most that many stages."""
+    tiles = ", ".join(f"D={k} {bm}x{bn} w{w} s1-s{st}"
+                      for k, (bm, bn, w, st) in DS_SHARED_TILES.items())
+    what = f"gluon fused dQ: ds_shared is the FUSE_DQ + WARP_SPEC + STATS_SMEM variant at {tiles}"
+    if not (fuse_dq and warp_spec and stats_smem):
+        raise ValueError(f"{what} (got fuse_dq={fuse_dq}, warp_spec={warp_spec}, "
+                         f"stats_smem={stats_smem})")
+    tile = DS_SHARED_TILES.get(d)
+    if tile is None or (block_m, block_n, num_warps) != tile[:3] or num_stages > tile[3]:
+        raise ValueError(f"{what} (got D={d} {block_m}x{block_n} w{num_warps} s{num_stages})")
 
 
 def launch_dkdv_gluon(q, k, v, dout, lse2, delta, causal, softmax_scale, plan, block_m: int,
@@ -1116,9 +1184,10 @@ def launch_dkdv_gluon(q, k, v, dout, lse2, delta, causal, softmax_scale, plan, b
     the producer also stages each tile's lse2/delta in shared memory
     (what lets 64x128 w8 run without spills in its tile loops); same dK, dV bit for bit.
 
-    ``ds_shared=True`` (with ``fuse_dq``, ``warp_spec``, ``stats_smem`` at 64x128 w8 only; the
-    DS_SHARED kernel, the D=128 fused default): FA3's 64x128 tile, dQ
-    once per tile; Pᵀ and dSᵀ staged in shared memory as the A operands of dV, dK and dQ.
+    ``ds_shared=True`` (with ``fuse_dq``, ``warp_spec``, ``stats_smem`` at a
+    :data:`DS_SHARED_TILES` tile only: 64x128 w8 at D=128, the D=128 fused default; 64x64 w4
+    at D=64, offline-checked, not yet run on a GPU): FA3's backward tile, dQ once per tile; Pᵀ
+    and dSᵀ staged in shared memory as the A operands of dV, dK and dQ.
 
     ``fuse_dq=True`` (the FUSE_DQ kernel): (dk, dv, dq_acc), dq_acc the
     unscaled fp32 dQ accumulated by TMA reduce-adds, shape [B, Sq, Hq, D] (a permuted view of
@@ -1373,14 +1442,16 @@ def main(argv=None):
     ap.add_argument("--warp-spec", action="store_true",
                     help="the WARP_SPEC kernel (1-warp TMA producer partition)")
     ap.add_argument("--ds-shared", action="store_true",
-                    help="the fused DS_SHARED kernel (64x128 w8 s2/s3, WS + STATS_SMEM)")
+                    help="the fused DS_SHARED kernel (WS + STATS_SMEM; s2/s3 at its "
+                         "DS_SHARED_TILES tile: D=128 64x128 w8, D=64 64x64 w4)")
     args = ap.parse_args(argv)
     if args.ds_shared:
         for d in (int(x) for x in args.dims.split(",")):
-            for st in (2, 3):
+            bm, bn, w, most = DS_SHARED_TILES[d]
+            for st in range(2, most + 1):
                 for causal, c in ((bool(int(a)), int(b)) for a, b in
                                   (x.split(":") for x in args.layouts.split(","))):
-                    print(json.dumps(compile_report(d, 64, 128, 8, st, causal=causal, c=c,
+                    print(json.dumps(compile_report(d, bm, bn, w, st, causal=causal, c=c,
                                                     dtype=args.dtype, fuse_dq=True,
                                                     warp_spec=True, stats_smem=True,
                                                     ds_shared=True)), flush=True)

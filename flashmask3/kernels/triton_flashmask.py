@@ -1248,8 +1248,10 @@ GLUON_FUSED_VARIANT = dict(fuse_dq=True, warp_spec=True, stats_smem=True, ds_sha
 
 def _fused_impl(q: torch.Tensor, cfg: Config) -> str:
     """"gluon" or "tl": the kernel of the fused backward. The Gluon DS_SHARED kernel
-    (:data:`GLUON_FUSED_VARIANT`, D=128 at 64x128 w8 only) wherever it can run
-    (:func:`_gluon_runs`), else the tl kernel; env FLASHMASK3_TRITON_FUSED=tl forces tl."""
+    (:data:`GLUON_FUSED_VARIANT`) wherever it can run (:func:`_gluon_runs`: a
+    ``gluon_dkdv.DS_SHARED_TILES`` tile, D=128 at 64x128 w8, the default, or D=64 at 64x64 w4,
+    which no default or candidate config picks: only a CONFIG_OVERRIDE does; not yet run on a
+    GPU), else the tl kernel; env FLASHMASK3_TRITON_FUSED=tl forces tl."""
     env = _env_choice("FLASHMASK3_TRITON_FUSED", ("tl", "gluon"))
     if env == "tl":
         return "tl"

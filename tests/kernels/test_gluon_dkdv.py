@@ -132,7 +132,7 @@ def test_fused_dq_16x64_does_not_spill_in_tile_loops(causal, c):
 def test_launcher_compiles_the_offline_checked_kernels(monkeypatch):
     """``launch_dkdv_gluon``'s real arguments (split: dq_desc=None, a constexpr; fused: the
     strided dQ^T descriptor, Sq=777 padded to 780; warp_spec: WARP_SPEC and maxnreg; the
-    DS_SHARED fused kernel's [D, 32] reduce descriptor) bound by
+    DS_SHARED fused kernel's [D, 32] reduce descriptor, at D=128 and D=64) bound by
     Triton's JIT under a stand-in sm_90 driver (compile only, nothing launched) give the same
     SASS as :func:`compile_sm90`."""
     from triton.backends.compiler import GPUTarget
@@ -167,6 +167,7 @@ def test_launcher_compiles_the_offline_checked_kernels(monkeypatch):
     # compiled before the patch: its cache key differs from the launcher's (the SASS does not),
     # and a compile from source under the patch would see the stand-in kernel object
     ds_ref = G.compile_sm90(128, 64, 128, 8, 2, True, 1, "bf16", **ds_opts)
+    ds64_ref = G.compile_sm90(64, 64, 64, 4, 2, True, 1, "bf16", **ds_opts)
     saved = driver._active
     kern.device_caches.clear()
     driver.set_active(_Sm90())
@@ -196,6 +197,14 @@ def test_launcher_compiles_the_offline_checked_kernels(monkeypatch):
                                   **ds_opts)
         assert len(out) == 3 and out[2].shape == (b, sq, hq, d)
         assert sass(compiled["kernel"].asm["cubin"]) == sass(ds_ref.asm["cubin"])
+        # DS_SHARED at D=64 (64x64 w4): the [64, 32] reduce descriptor
+        q64, k64 = q[..., :64].contiguous(), k[..., :64].contiguous()
+        stats = torch.zeros(b, nkb, 8, dtype=torch.int32)  # 64-key blocks again
+        plan = T.Plan(cols, stats, stats.clone(), 1, 1, 1, 1)
+        out = G.launch_dkdv_gluon(q64, k64, k64, q64, lse2, lse2, True, 0.1, plan, 64, 64, 4, 2,
+                                  **ds_opts)
+        assert len(out) == 3 and out[2].shape == (b, sq, hq, 64)
+        assert sass(compiled["kernel"].asm["cubin"]) == sass(ds64_ref.asm["cubin"])
     finally:
         driver._active = saved
         kern.device_caches.clear()
@@ -356,6 +365,33 @@ def test_fused_64_query_tile_reduces_every_column():
     assert r["ldl_stl_in_tile_loops"] == 0 and r["shared"] <= 232448, r
 
 
+#: Shared memory of one program when two share an sm_90 SM (228 KB each SM, 1 KB reserved per
+#: program): what keeps the D=64 DS_SHARED kernel at the split kernel's residency.
+TWO_PER_SM_SHARED = 233472 // 2 - 1024
+
+
+@pytest.mark.skipif(_offline_skip_reason() is not None, reason=str(_offline_skip_reason()))
+@pytest.mark.parametrize("st, causal, c", [(2, True, 1), (2, False, 0), (2, True, 0),
+                                           (2, False, 2), (2, True, 2), (2, False, 4),
+                                           (3, True, 1), (3, False, 4)])
+def test_fused_ds_shared_d64_has_no_spills_in_tile_loops(st, causal, c):
+    """DS_SHARED at D=64 (64x64 w4, one compute warpgroup): per tile the five wgmmas (Sᵀ, dPᵀ,
+    dV, dK, dQᵀ: 4 k-steps each; dQᵀ = Kᵀ dSᵀ with M = D = 64 over the warpgroup's own 64
+    keys) and two [64, 32] TMA reduce-adds, no TMA load, one ready wait, no LDL/STL inside the tile
+    loops (offline: none in the whole kernel) at the 232 registers of the 4-warp WS kernel,
+    and shared memory for two programs per SM at s2 and s3."""
+    r = G.compile_report(64, 64, 64, 4, st, causal=causal, c=c, fuse_dq=True, warp_spec=True,
+                         stats_smem=True, ds_shared=True)
+    assert "error" not in r, r.get("error")
+    assert r["tile_loops"] > 0 and r["hgmma"] == 20 * r["tile_loops"], r
+    assert r["tma_reduce"] == 2 * r["tile_loops"] and r["atomics"] == 0, r
+    assert r["setmaxnreg"] == [G.PRODUCER_REGS, 232] and r["regs_touched"] <= 232, r
+    assert r["maxnreg"] == G.ws_maxnreg(4) == 128, r
+    assert r["ldl_stl_in_tile_loops"] == 0, r
+    assert r["tma_load_per_tile"] == 0 and r["mbar_wait_per_tile"] == 1, r
+    assert r["shared"] <= TWO_PER_SM_SHARED, r
+
+
 def test_ws_register_budget():
     """maxnreg keeps the non-WS kernel's residency (2 programs per SM at 4 warps, 1 at 8) and
     the compute partition gets what the producer warpgroup gives back."""
@@ -391,8 +427,31 @@ def test_config_checks():
         G.check_config(256, 64, 128, 8, 2, True, True, True, ds_shared=True)
     with pytest.raises(ValueError):
         G.check_config(128, 64, 64, 4, 2, warp_spec=False, stats_smem=True)
+    with pytest.raises(ValueError, match="D=128 64x128 w8 s1-s3"):  # s4: over 227 KB
+        G.check_config(128, 64, 128, 8, 4, True, True, True, ds_shared=True)
     assert G.dq_reduce_block(32, 128) == [128, 32] and G.dq_reduce_block(16, 64) == [64, 16]
     assert G.dq_reduce_block(64, 128) == [128, 32]  # two TMA reduces per 64-query tile
+
+
+def test_ds_shared_config_check_at_d64():
+    """DS_SHARED at D=64 is the one-warpgroup tile 64x64 w4 (s1-s3), with FUSE_DQ + WARP_SPEC
+    + STATS_SMEM; 64x128 w8 at D=64 is refused (two warpgroups would each get M = 32 of dQᵀ's
+    64 rows, below wgmma's 64), and so is the D=64 tile at D=128, s4, or without a flag."""
+    ds = dict(fuse_dq=True, warp_spec=True, stats_smem=True, ds_shared=True)
+    for st in (1, 2, 3):
+        G.check_config(64, 64, 64, 4, st, **ds)
+    assert G.DS_SHARED_TILES[64] == (64, 64, 4, 3)
+    with pytest.raises(ValueError, match="d=64 < 16 \\* num_warps"):
+        G.check_config(64, 64, 128, 8, 2, **ds)
+    for args in [(64, 64, 64, 4, 4), (64, 32, 64, 4, 2), (64, 128, 64, 4, 2),
+                 (128, 64, 64, 4, 2), (256, 64, 64, 4, 2)]:
+        with pytest.raises(ValueError, match="ds_shared .* D=64 64x64 w4 s1-s3"):
+            G.check_config(*args, **ds)
+    for off, flags in [("fuse_dq", dict(fuse_dq=False)), ("stats_smem", dict(stats_smem=False)),
+                       ("warp_spec", dict(warp_spec=False, stats_smem=False))]:
+        with pytest.raises(ValueError, match=f"{off}=False"):
+            G.check_config(64, 64, 64, 4, 2, **dict(ds, **flags))
+    G.check_config(64, 64, 64, 4, 2, fuse_dq=True, warp_spec=True, stats_smem=True)  # not DS
 
 
 def test_ab_labels_round_trip():
@@ -403,8 +462,36 @@ def test_ab_labels_round_trip():
                 (64, 128, 8, 2, True, True, True)]:
         assert AB._parse(AB._label(cfg)) == cfg
     assert AB._label((64, 128, 8, 3, True, True, True)) == "64x128w8s3wsmds"
+    assert AB._parse("64x64w4s2wsmds") == (64, 64, 4, 2, True, True, True)  # the D=64 DS tile
     assert AB._is_wsmds(AB._parse("64x128w8s2wsmds")) and not AB._is_wsmds((64, 128, 8, 2, True, True))
 
+
+def test_ds_shared_d64_is_no_library_default():
+    """The D=64 DS_SHARED tile is offline-checked only: no Gluon default tile at D=64, and no
+    fused D=64 candidate (what the fused backward and its autotuner run) is a DS_SHARED tile,
+    so the fused backward at D=64 keeps the tl kernel unless a CONFIG_OVERRIDE picks 64x64 w4."""
+    assert ("fused", 64) not in T.GLUON_TILE and ("dkdv", 64) not in T.GLUON_TILE
+    for cfg in T.CANDIDATES[("fused", 64)]:
+        with pytest.raises(ValueError):
+            G.check_config(64, cfg.block_m, cfg.block_n, cfg.num_warps, cfg.num_stages,
+                           **T.GLUON_FUSED_VARIANT)
+
+def test_ab_fused_small_cases_at_d64():
+    """``gluon_dkdv_ab.py --fused --head-dim 64``: every small case's shape at D=64 once (the
+    D=64 case of SMALL_CASES duplicates a D=128 one), and a config the kernel refuses at D=64
+    (64x128 w8 DS_SHARED: dQᵀ's 64 rows over 8 warps) is reported, not launched."""
+    from benchmarks import gluon_dkdv_ab as AB
+
+    cases = AB.small_cases_at(64)
+    assert all(c[7] == 64 for c in cases) and len({c[0] for c in cases}) == len(cases)
+    shapes = {c[1:7] + c[8:] for c in AB.SMALL_CASES}  # the head dim left out
+    assert len({c[1:] for c in cases}) == len(cases) == len(shapes)
+    assert {(c[9], c[10]) for c in cases} == {(True, 0), (True, 1), (True, 2), (False, 0),
+                                              (False, 2), (False, 4)}
+    assert AB._config_refusal(64, AB._parse("64x64w4s2wsmds")) is None
+    assert AB._config_refusal(64, AB._parse("64x64w4s3wsmds")) is None
+    assert "16 * num_warps" in AB._config_refusal(64, AB._parse("64x128w8s2wsmds"))
+    assert AB.small_cases_at(128) == [c for c in AB.SMALL_CASES if c[7] == 128]
 
 def test_dispatch_uses_tl_off_hopper(monkeypatch):
     """CPU tensors (and the interpreter) take the tl kernel; a bad override is a clear error."""
@@ -638,6 +725,57 @@ def test_gpu_fused_ds_shared_dkdv_bitwise_equal_to_tl(name, st):
     rel = ((dq.float() - dq_ref.float()).norm() / dq_ref.float().norm()).item()
     assert torch.isfinite(dq).all() and rel < 2e-2, rel
 
+
+#: The D=64 DS_SHARED configs (64x64 w4, one compute warpgroup; offline-checked, s2 and s3).
+DS_SHARED_D64_CONFIGS = [(64, 64, 4, 2, True, True, True), (64, 64, 4, 3, True, True, True)]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", ["causal", "full", "causal_document", "document",
+                                  "global_sliding_window", "causal_blockwise"])
+@pytest.mark.parametrize("cfg", DS_SHARED_D64_CONFIGS)
+def test_gpu_fused_ds_shared_d64_matches_split(name, cfg):
+    """The D=64 fused DS_SHARED backward (64x64 w4) against the library's split backward at
+    D=64 (Gluon WS dK/dV 64x64 w4 s2 + tl dQ; GQA 4:2, S=1000: a clipped last tile): dQ, dK,
+    dV within 2e-2 relative (the D=128 fused test's check, at D=64)."""
+    _require_hopper_gluon()
+    s, d = 1000, 64
+    q, k, v, dout, cols, causal, scale, out, lse = _gpu_inputs(name, s, d, seed=5)
+    with T.use_backward("split"):
+        ref = T.backward(dout, None, q, k, v, out, lse, cols, causal, scale)
+    delta, lse2 = T._bwd_pre(out, dout, lse, None)
+    plan = T.make_plan(cols, causal, s, s, cfg[0], cfg[1], True, q.device)
+    got = G.fused_backward_gluon(q, k, v, dout, lse2, delta, causal, scale, plan, cfg)
+    for a, r in zip(got, ref):
+        assert a.shape == r.shape and a.dtype == r.dtype
+        assert torch.isfinite(a).all()
+        rel = ((a.float() - r.float()).norm() / r.float().norm()).item()
+        assert rel < 2e-2, rel
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", ["causal", "full", "causal_document", "document",
+                                  "global_sliding_window", "causal_blockwise"])
+@pytest.mark.parametrize("st", [2, 3])
+def test_gpu_fused_ds_shared_d64_dkdv_bitwise_equal_to_tl_and_split(name, st):
+    """DS_SHARED at D=64 reads Pᵀ and dSᵀ from shared memory for dV and dK (the split kernels:
+    from registers): the same bf16 values in the same 16-query k-steps, so dK, dV bit for bit
+    equal to the tl kernel's and to the split backward's (the Gluon WS 64x64 w4 s2 dK/dV at
+    D=64); dQ (TMA reduce-adds: run-to-run rounding) within the split backward's error."""
+    _require_hopper_gluon()
+    s, d = 1000, 64
+    (q, k, v, dout, cols, causal, scale, out, lse), delta, lse2, ref = \
+        _tl_dkdv_reference(name, s, d, seed=17)
+    plan = T.make_plan(cols, causal, s, s, 64, 64, True, q.device)
+    dq, dk, dv = G.fused_backward_gluon(q, k, v, dout, lse2, delta, causal, scale, plan,
+                                        (64, 64, 4, st, True, True, True))
+    assert torch.equal(dk, ref[0]) and torch.equal(dv, ref[1])
+    with T.use_backward("split"):
+        dq_ref, dk_split, dv_split = T.backward(dout, None, q, k, v, out, lse, cols, causal,
+                                                scale)[:3]
+    assert torch.equal(dk, dk_split) and torch.equal(dv, dv_split)
+    rel = ((dq.float() - dq_ref.float()).norm() / dq_ref.float().norm()).item()
+    assert torch.isfinite(dq).all() and rel < 2e-2, rel
 
 @pytest.mark.skipif(_offline_skip_reason() is not None, reason=str(_offline_skip_reason()))
 def test_offline_compile_survives_a_leaked_interpreter_patch(monkeypatch, tmp_path):
