@@ -16,6 +16,7 @@
 #   BENCH_BUDGET=220 BUDGET_128K=100 bash benchmarks/gpu_kernel.sh v64  # v6.4 default tests + D=128 table rows
 #   BENCH_BUDGET=300 BUDGET_128K=120 bash benchmarks/gpu_kernel.sh table128  # D=128 rows, default (fused) + split variant
 #   BENCH_BUDGET=150 bash benchmarks/gpu_kernel.sh fused64  # fused DS_SHARED backward (64x128 w8) tests + A/B vs split
+#   BENCH_BUDGET=200 bash benchmarks/gpu_kernel.sh fused64d # the D=64 DS_SHARED backward (64x64 w4) tests + A/B vs split at D=64
 # Each stage has its own timeout so the whole call stays under the 600 s device limit; the
 # benchmark writes its JSON after every case, so a stopped run keeps what it measured.
 set -uo pipefail
@@ -124,9 +125,22 @@ case "$PHASE" in
     # the fused DS_SHARED backward (64x128 w8 WS + STATS_SMEM, dQ once per tile; offline
     # spill-free): dK, dV bitwise vs tl and dQ vs split (S=1000, 6 masks, s2 and s3), then the
     # whole backward at 32K against split, next to the 32x64 fused WS kernel
-    FLASHMASK3_TRITON_AUTOTUNE=0 timeout ${DS_TEST_S:-240} python3 -m pytest -q -m gpu tests/kernels/test_gluon_dkdv.py -k "ds_shared" -p no:cacheprovider 2>&1 | tail -15 | tee "$OUT/pytest_fused64.log"
+    FLASHMASK3_TRITON_AUTOTUNE=0 timeout ${DS_TEST_S:-240} python3 -m pytest -q -m gpu tests/kernels/test_gluon_dkdv.py -k "ds_shared and not d64" -p no:cacheprovider 2>&1 | tail -15 | tee "$OUT/pytest_fused64.log"
     FLASHMASK3_TRITON_AUTOTUNE=0 timeout $((BUDGET + 90)) python3 benchmarks/gluon_dkdv_ab.py --fused --skip-small \
       --fused-configs 32x64w4s3ws,64x128w8s2wsmds,64x128w8s3wsmds --budget-s "$BUDGET" 2>&1 | tee "$OUT/bench_fused64.log"
+    ;;
+  fused64d)
+    # the fused DS_SHARED backward at D=64 (64x64 w4, one compute warpgroup, dQ once per tile;
+    # offline spill-free at s2 and s3, never run on a GPU before this phase): its GPU tests (dK,
+    # dV bitwise vs tl and split, dQ vs split; S=1000, 6 masks, s2 and s3), then the whole
+    # backward at 32K, D=64 (Hq=64, GQA 64:16) against split (Gluon WS 64x64 w4 s2 dK/dV + tl
+    # dQ). AB_SMALL=1 also runs the A/B's small pass at D=64 (Sq != Sk, Hm=Hq, fp16) first.
+    FLASHMASK3_TRITON_AUTOTUNE=0 timeout ${DS_TEST_S:-240} python3 -m pytest -q -m gpu tests/kernels/test_gluon_dkdv.py -k "ds_shared_d64" -p no:cacheprovider 2>&1 | tail -15 | tee "$OUT/pytest_fused64d.log"
+    SMALL_FLAG=--skip-small
+    [ "${AB_SMALL:-0}" = 1 ] && SMALL_FLAG=
+    # shellcheck disable=SC2086  # SMALL_FLAG is empty or one flag
+    FLASHMASK3_TRITON_AUTOTUNE=0 timeout $((BUDGET + 90)) python3 benchmarks/gluon_dkdv_ab.py --fused --head-dim 64 $SMALL_FLAG \
+      --fused-configs 64x64w4s2wsmds,64x64w4s3wsmds --budget-s "$BUDGET" 2>&1 | tee "$OUT/bench_fused64d.log"
     ;;
   rest)
     # what the v6.3 table left out: first the GPU tests of the D=256 forward tile (new default,
