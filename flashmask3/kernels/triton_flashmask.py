@@ -1246,14 +1246,20 @@ def _dkdv_impl(q: torch.Tensor, cfg: Config) -> str:
 GLUON_FUSED_VARIANT = dict(fuse_dq=True, warp_spec=True, stats_smem=True, ds_shared=True)
 
 
+#: Head dims at which the fused backward runs the Gluon DS_SHARED kernel unless told otherwise
+#: (measured: D=128, NOTES.md v6.5). Its D=64 tile (64x64 w4) compiles offline but has not run
+#: on a GPU: FLASHMASK3_TRITON_FUSED=gluon opts in to it.
+GLUON_FUSED_DIMS = (128,)
+
+
 def _fused_impl(q: torch.Tensor, cfg: Config) -> str:
     """"gluon" or "tl": the kernel of the fused backward. The Gluon DS_SHARED kernel
-    (:data:`GLUON_FUSED_VARIANT`) wherever it can run (:func:`_gluon_runs`: a
-    ``gluon_dkdv.DS_SHARED_TILES`` tile, D=128 at 64x128 w8, the default, or D=64 at 64x64 w4,
-    which no default or candidate config picks: only a CONFIG_OVERRIDE does; not yet run on a
-    GPU), else the tl kernel; env FLASHMASK3_TRITON_FUSED=tl forces tl."""
+    (:data:`GLUON_FUSED_VARIANT`, at a ``gluon_dkdv.DS_SHARED_TILES`` tile) at
+    :data:`GLUON_FUSED_DIMS` wherever it can run (:func:`_gluon_runs`), else the tl kernel.
+    Env FLASHMASK3_TRITON_FUSED=tl forces tl; =gluon the Gluon kernel at any head dim it
+    supports (D=64 too, at 64x64 w4: not yet run on a GPU)."""
     env = _env_choice("FLASHMASK3_TRITON_FUSED", ("tl", "gluon"))
-    if env == "tl":
+    if env == "tl" or (not env and q.shape[-1] not in GLUON_FUSED_DIMS):
         return "tl"
     return "gluon" if _gluon_runs(q, "gluon_dkdv", cfg, **GLUON_FUSED_VARIANT) else "tl"
 

@@ -469,12 +469,15 @@ def test_ab_labels_round_trip():
 def test_ds_shared_d64_is_no_library_default():
     """The D=64 DS_SHARED tile is offline-checked only: no Gluon default tile at D=64, and no
     fused D=64 candidate (what the fused backward and its autotuner run) is a DS_SHARED tile,
-    so the fused backward at D=64 keeps the tl kernel unless a CONFIG_OVERRIDE picks 64x64 w4."""
+    and the fused backward picks the Gluon kernel only at GLUON_FUSED_DIMS unless
+    FLASHMASK3_TRITON_FUSED=gluon opts in."""
     assert ("fused", 64) not in T.GLUON_TILE and ("dkdv", 64) not in T.GLUON_TILE
+    assert 64 not in T.GLUON_FUSED_DIMS
     for cfg in T.CANDIDATES[("fused", 64)]:
         with pytest.raises(ValueError):
             G.check_config(64, cfg.block_m, cfg.block_n, cfg.num_warps, cfg.num_stages,
                            **T.GLUON_FUSED_VARIANT)
+
 
 def test_ab_fused_small_cases_at_d64():
     """``gluon_dkdv_ab.py --fused --head-dim 64``: every small case's shape at D=64 once (the
@@ -776,6 +779,7 @@ def test_gpu_fused_ds_shared_d64_dkdv_bitwise_equal_to_tl_and_split(name, st):
     assert torch.equal(dk, dk_split) and torch.equal(dv, dv_split)
     rel = ((dq.float() - dq_ref.float()).norm() / dq_ref.float().norm()).item()
     assert torch.isfinite(dq).all() and rel < 2e-2, rel
+
 
 @pytest.mark.skipif(_offline_skip_reason() is not None, reason=str(_offline_skip_reason()))
 def test_offline_compile_survives_a_leaked_interpreter_patch(monkeypatch, tmp_path):
