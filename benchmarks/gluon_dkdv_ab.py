@@ -107,10 +107,18 @@ def _is_wsmds(cfg) -> bool:
     return _is_wsm(cfg) and len(cfg) > 6 and bool(cfg[6])
 
 
+def _is_wsmds_late(cfg) -> bool:
+    """Whether a config tuple is the DS_SHARED kernel with DP_LATE_WAIT (an eighth element
+    True: Pᵀ stored before the dPᵀ wait, which keeps that wait below the exp2s in SASS)."""
+    return _is_wsmds(cfg) and len(cfg) > 7 and bool(cfg[7])
+
+
 def _label(cfg) -> str:
     """``BMxBNwWsS``, plus ``ws`` for the WARP_SPEC kernel, ``wsm`` for WARP_SPEC +
-    STATS_SMEM, ``wsmds`` for WARP_SPEC + STATS_SMEM + DS_SHARED (fused only)."""
-    return "{}x{}w{}s{}".format(*cfg[:4]) + ("wsmds" if _is_wsmds(cfg) else
+    STATS_SMEM, ``wsmds`` for WARP_SPEC + STATS_SMEM + DS_SHARED (fused only), ``wsmdsL`` for
+    that with DP_LATE_WAIT."""
+    return "{}x{}w{}s{}".format(*cfg[:4]) + ("wsmdsL" if _is_wsmds_late(cfg) else
+                                             "wsmds" if _is_wsmds(cfg) else
                                              "wsm" if _is_wsm(cfg) else
                                              "ws" if _is_ws(cfg) else "")
 
@@ -118,17 +126,20 @@ def _label(cfg) -> str:
 def _parse(label: str) -> tuple:
     """The config tuple of a label (inverse of :func:`_label`): ``32x64w4s3`` ->
     (32, 64, 4, 3), ``32x64w4s3ws`` -> (32, 64, 4, 3, True), ``64x128w8s2wsm`` ->
-    (64, 128, 8, 2, True, True), ``64x128w8s2wsmds`` -> (64, 128, 8, 2, True, True, True)."""
-    wsmds = label.endswith("wsmds")
+    (64, 128, 8, 2, True, True), ``64x128w8s2wsmds`` -> (64, 128, 8, 2, True, True, True),
+    ``64x128w8s2wsmdsL`` -> (64, 128, 8, 2, True, True, True, True)."""
+    late = label.endswith("wsmdsL")
+    wsmds = late or label.endswith("wsmds")
     wsm = wsmds or label.endswith("wsm")
     ws = wsm or label.endswith("ws")
-    body = label[:-5] if wsmds else label[:-3] if wsm else label[:-2] if ws else label
+    body = (label[:-6] if late else label[:-5] if wsmds else label[:-3] if wsm else
+            label[:-2] if ws else label)
     nums = tuple(int(x) for x in body.replace("x", " ").replace("w", " ").replace("s", " ").split())
     if len(nums) != 4:
         raise ValueError(f"config label {label!r}: expected BMxBNwWsS, BMxBNwWsSws, "
-                         "BMxBNwWsSwsm or BMxBNwWsSwsmds")
-    return nums + ((True, True, True) if wsmds else (True, True) if wsm else
-                   (True, ) if ws else ())
+                         "BMxBNwWsSwsm, BMxBNwWsSwsmds or BMxBNwWsSwsmdsL")
+    return nums + ((True, True, True, True) if late else (True, True, True) if wsmds else
+                   (True, True) if wsm else (True, ) if ws else ())
 
 
 def _twin(cfg) -> tuple:
@@ -627,7 +638,8 @@ def small_cases_at(d: int) -> list:
 def _config_refusal(d: int, cfg) -> Optional[str]:
     """Why the Gluon kernel's ``check_config`` refuses fused config ``cfg`` at head dim ``d``
     (None when it accepts it)."""
-    flags = dict(warp_spec=_is_ws(cfg), stats_smem=_is_wsm(cfg), ds_shared=_is_wsmds(cfg))
+    flags = dict(warp_spec=_is_ws(cfg), stats_smem=_is_wsm(cfg), ds_shared=_is_wsmds(cfg),
+                 dp_late_wait=_is_wsmds_late(cfg))
     try:
         G.check_config(d, *cfg[:4], fuse_dq=True, **flags)
     except ValueError as exc:
@@ -812,7 +824,7 @@ def main(argv=None) -> int:
                     help="fused Gluon configs timed at 32K with --fused (and checked on the "
                          "small D=128 cases), e.g. 32x64w4s3ws,64x128w8s2wsmds (suffix wsmds: "
                          "WARP_SPEC + STATS_SMEM + DS_SHARED, dQ once per tile: 64x128w8 at "
-                         "D=128, 64x64w4 at --head-dim 64)")
+                         "D=128, 64x64w4 at --head-dim 64; wsmdsL: with DP_LATE_WAIT)")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         print("needs a CUDA GPU (Hopper)")

@@ -17,6 +17,7 @@
 #   BENCH_BUDGET=300 BUDGET_128K=120 bash benchmarks/gpu_kernel.sh table128  # D=128 rows, default (fused) + split variant
 #   BENCH_BUDGET=150 bash benchmarks/gpu_kernel.sh fused64  # fused DS_SHARED backward (64x128 w8) tests + A/B vs split
 #   BENCH_BUDGET=200 bash benchmarks/gpu_kernel.sh fused64d # the D=64 DS_SHARED backward (64x64 w4) tests + A/B vs split at D=64
+#   BENCH_BUDGET=200 bash benchmarks/gpu_kernel.sh dpwait   # DS_SHARED with DP_LATE_WAIT (dPᵀ wait below the exp2s) tests + A/B vs DS_SHARED
 # Each stage has its own timeout so the whole call stays under the 600 s device limit; the
 # benchmark writes its JSON after every case, so a stopped run keeps what it measured.
 set -uo pipefail
@@ -141,6 +142,16 @@ case "$PHASE" in
     # shellcheck disable=SC2086  # SMALL_FLAG is empty or one flag
     FLASHMASK3_TRITON_AUTOTUNE=0 timeout $((BUDGET + 90)) python3 benchmarks/gluon_dkdv_ab.py --fused --head-dim 64 $SMALL_FLAG \
       --fused-configs 64x64w4s2wsmds,64x64w4s3wsmds --budget-s "$BUDGET" 2>&1 | tee "$OUT/bench_fused64d.log"
+    ;;
+  dpwait)
+    # DS_SHARED with DP_LATE_WAIT (Pᵀ stored before the dPᵀ wait, so ptxas keeps that wait
+    # below the exp2s; offline only before this phase): dK, dV bitwise vs the default DS_SHARED
+    # kernel and tl, dQ vs split (S=1000, 6 masks; D=128 s2/s3, D=64 s2), then the whole
+    # backward at 32K, default DS_SHARED vs DP_LATE_WAIT, both against split. (The split
+    # STATS_SMEM _tile already waits for dPᵀ after its exp2s: no split variant.)
+    FLASHMASK3_TRITON_AUTOTUNE=0 timeout ${DS_TEST_S:-240} python3 -m pytest -q -m gpu tests/kernels/test_gluon_dkdv.py -k "dp_late_wait" -p no:cacheprovider 2>&1 | tail -15 | tee "$OUT/pytest_dpwait.log"
+    FLASHMASK3_TRITON_AUTOTUNE=0 timeout $((BUDGET + 90)) python3 benchmarks/gluon_dkdv_ab.py --fused --skip-small \
+      --fused-configs 64x128w8s2wsmds,64x128w8s2wsmdsL --budget-s "$BUDGET" 2>&1 | tee "$OUT/bench_dpwait.log"
     ;;
   rest)
     # what the v6.3 table left out: first the GPU tests of the D=256 forward tile (new default,

@@ -482,7 +482,8 @@ def _reduce_dq_tile(dq_desc, dq_row, dq_col, dq_smem):
 
 @_jit
 def _fused_dq_tail_ds_shared(dv, pT, dsT, dk, q_s, do_s, k_smem, ds_s, p_s, dq_smem, dq_desc,
-                             dq_row, dq_col, s_layout: gl.constexpr):
+                             dq_row, dq_col, s_layout: gl.constexpr,
+                             P_STORED: gl.constexpr = False):
     """The DS_SHARED end of a tile (FUSE_DQ + WARP_SPEC + STATS_SMEM, 64 queries, D = 16 *
     NUM_WARPS: 64x128 w8 at D=128, 64x64 w4 at D=64; Pᵀ and dSᵀ in fp32 registers, no wgmma in
     flight): Pᵀ and dSᵀ go to shared memory as bf16/fp16 (``p_s``, ``ds_s``: two [BLOCK_N,
@@ -508,11 +509,14 @@ def _fused_dq_tail_ds_shared(dv, pT, dsT, dk, q_s, do_s, k_smem, ds_s, p_s, dq_s
     reduces have read ``dq_smem``, which this tile overwrites after B1); B2 after dQᵀ is in
     ``dq_smem`` (the reduce reads every warp's part). ``ds_s`` and ``p_s`` are overwritten by
     the next tile only after B2 (every dQ wgmma retired) and the slot barrier (every dV, dK
-    wgmma retired)."""
+    wgmma retired).
+
+    ``P_STORED`` (DP_LATE_WAIT): the tile already stored Pᵀ to ``p_s`` (``pT`` is unused)."""
     dtype: gl.constexpr = q_s.dtype
     D: gl.constexpr = k_smem.shape[1]
     BLOCK_M: gl.constexpr = q_s.shape[0]
-    p_s.store(pT.to(dtype))
+    if not P_STORED:
+        p_s.store(pT.to(dtype))
     ds_s.store(dsT.to(dtype))
     tma.store_wait(0)  # the previous tile's reduces have read dq_smem
     fence_async_shared()
@@ -614,7 +618,8 @@ def _tile_ds_shared(dk, dv, it, m, k_smem, v_smem, q_ring, do_ring, ready, empty
                     delta_ring, offs_mb, cols, ivals, stats, n_blk, Sq, Sk, scale_log2, ds_smem,
                     dq_smem, dq_desc, dq_row0, s_layout: gl.constexpr, BLOCK_M: gl.constexpr,
                     BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr, CAUSAL: gl.constexpr,
-                    C: gl.constexpr, NI: gl.constexpr, MASKED: gl.constexpr):
+                    C: gl.constexpr, NI: gl.constexpr, MASKED: gl.constexpr,
+                    DP_LATE_WAIT: gl.constexpr = False):
     """DS_SHARED twin of :func:`_tile` (FUSE_DQ + WARP_SPEC + STATS_SMEM at 64x128 w8, D=128,
     or 64x64 w4, D=64; the kernel maps DS_SHARED to FUSE_DQ = 2 for the shared helpers): the
     same Sᵀ, Pᵀ, dPᵀ, dSᵀ arithmetic as the STATS_SMEM path of :func:`_tile` (masked scores
@@ -633,7 +638,14 @@ def _tile_ds_shared(dk, dv, it, m, k_smem, v_smem, q_ring, do_ring, ready, empty
     ~30 64-bit loop invariants, which ptxas kept in local memory (20-55 LDL/STL per tile loop;
     0 with the opaque indices). dSᵀ and Pᵀ are two allocations, not one [2, ...] buffer: with
     an opaque index into one buffer Triton's barrier analysis cannot tell the two stores apart
-    and puts a CTA barrier between them (6 BAR.SYNC per tile instead of 5)."""
+    and puts a CTA barrier between them (6 BAR.SYNC per tile instead of 5).
+
+    ``DP_LATE_WAIT`` (opt-in): Pᵀ is stored to shared memory before the dPᵀ wait instead of in
+    the tail. Without it ptxas hoists the wait (``WARPGROUP.DEPBAR.LE gsb0, 0x0``) above all but
+    a few of the tile's MUFU.EX2 although the PTX has it after all of them (nothing in SASS ties
+    the wait to the exp2s: hoisting a wait is always legal); the Pᵀ stores consume every exp2
+    and ptxas keeps the wait below them, so dPᵀ runs under the exp2s. Same bf16 Pᵀ in the same
+    buffer, read by the same wgmma after the same barrier: dK, dV unchanged bit for bit."""
     dtype: gl.constexpr = k_smem.dtype
     slot = it % NUM_STAGES
     mbarrier.wait(ready.index(slot), (it // NUM_STAGES) & 1)
@@ -664,12 +676,19 @@ def _tile_ds_shared(dk, dv, it, m, k_smem, v_smem, q_ring, do_ring, ready, empty
             masked = _element_masked(rows[None, :], cols[:, None], iv, Sq, Sk, CAUSAL, C)
             sT = gl.where(masked, float("-inf"), sT)
     pT = gl.exp2(sT * scale_log2 - lse2[None, :])
+    if DP_LATE_WAIT:  # the Pᵀ stores keep ptxas from hoisting the dPᵀ wait above the exp2s
+        ds_smem[1].index(oz).store(pT.to(dtype))
     dpT = warpgroup_mma_wait(num_outstanding=0, deps=(dp_tok, ))
     delta = delta_ring.index(slot).load(gl.SliceLayout(0, s_layout))
     dsT = pT * (dpT - delta[None, :])
-    dv, dk = _fused_dq_tail_ds_shared(dv, pT, dsT, dk, q_s, do_s, k_smem, ds_smem[0].index(oz),
-                                      ds_smem[1].index(oz), dq_smem, dq_desc, dq_row0,
-                                      m * BLOCK_M, s_layout)
+    if DP_LATE_WAIT:
+        dv, dk = _fused_dq_tail_ds_shared(dv, pT, dsT, dk, q_s, do_s, k_smem,
+                                          ds_smem[0].index(oz), ds_smem[1].index(oz), dq_smem,
+                                          dq_desc, dq_row0, m * BLOCK_M, s_layout, True)
+    else:
+        dv, dk = _fused_dq_tail_ds_shared(dv, pT, dsT, dk, q_s, do_s, k_smem,
+                                          ds_smem[0].index(oz), ds_smem[1].index(oz), dq_smem,
+                                          dq_desc, dq_row0, m * BLOCK_M, s_layout)
     _release_slot(empty, slot)
     return dk, dv, it + 1
 
@@ -683,8 +702,14 @@ def _tile_of_variant(dk, dv, it, m, hi, k_smem, v_smem, q_ring, do_ring, ready, 
                      CAUSAL: gl.constexpr, C: gl.constexpr, NI: gl.constexpr,
                      MASKED: gl.constexpr, FUSE_DQ: gl.constexpr, WARP_SPEC: gl.constexpr):
     """One query tile of the kernel variant: :func:`_tile_ds_shared` for DS_SHARED (FUSE_DQ
-    == 2), else :func:`_tile`."""
-    if FUSE_DQ == 2:
+    == 2; 3 with DP_LATE_WAIT), else :func:`_tile`."""
+    if FUSE_DQ == 3:
+        dk, dv, it = _tile_ds_shared(dk, dv, it, m, k_smem, v_smem, q_ring, do_ring, ready,
+                                     empty, lse2_ptr, delta_ptr, offs_mb, cols, ivals, stats,
+                                     n_blk, Sq, Sk, scale_log2, ds_smem, dq_smem, dq_desc,
+                                     dq_row0, s_layout, BLOCK_M, BLOCK_N, NUM_STAGES, CAUSAL, C,
+                                     NI, MASKED, True)
+    elif FUSE_DQ == 2:
         dk, dv, it = _tile_ds_shared(dk, dv, it, m, k_smem, v_smem, q_ring, do_ring, ready,
                                      empty, lse2_ptr, delta_ptr, offs_mb, cols, ivals, stats,
                                      n_blk, Sq, Sk, scale_log2, ds_smem, dq_smem, dq_desc,
@@ -911,7 +936,8 @@ def _dkdv_gluon_kernel(q_desc, do_desc, k_desc, v_desc, dk_ptr, dv_ptr, lse2_ptr
                        CAUSAL: gl.constexpr, C: gl.constexpr, NI: gl.constexpr,
                        NUM_STAGES: gl.constexpr, NUM_WARPS: gl.constexpr,
                        FUSE_DQ: gl.constexpr = False, WARP_SPEC: gl.constexpr = False,
-                       STATS_SMEM: gl.constexpr = False, DS_SHARED: gl.constexpr = False):
+                       STATS_SMEM: gl.constexpr = False, DS_SHARED: gl.constexpr = False,
+                       DP_LATE_WAIT: gl.constexpr = False):
     """One program per (key block, batch * KV head); loops over the query heads of its group.
     FUSE_DQ: also reduce-adds dQ (unscaled, fp32) through ``dq_desc``: the [B*Hq*D, Sq] view of
     a dQᵀ buffer [B, Hq, D, Sq_pad] (block [D, BLOCK_M]: a wgmma accumulator tile as it sits
@@ -922,8 +948,11 @@ def _dkdv_gluon_kernel(q_desc, do_desc, k_desc, v_desc, dk_ptr, dv_ptr, lse2_ptr
     :func:`_compute_partition`) and a 1-warp TMA producer (:func:`_producer_partition`, 24
     registers) joined by a ready/empty mbarrier pair per ring slot; same math in the same
     order. Launch it with ``maxnreg`` (see :func:`ws_maxnreg`): the compute partition gets the
-    registers the producer's warpgroup gives back."""
+    registers the producer's warpgroup gives back.
+
+    DP_LATE_WAIT (DS_SHARED only): Pᵀ stored before the dPᵀ wait (:func:`_tile_ds_shared`)."""
     gl.static_assert(BLOCK_N == 16 * NUM_WARPS, "wgmma M: 16 rows per warp, warps along keys")
+    gl.static_assert(DS_SHARED or not DP_LATE_WAIT, "DP_LATE_WAIT: a DS_SHARED variant")
     dtype: gl.constexpr = q_desc.dtype
     # S^T, dP^T: [BLOCK_N keys, BLOCK_M queries]; dK, dV: [BLOCK_N, D]
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[NUM_WARPS, 1],
@@ -997,7 +1026,8 @@ def _dkdv_gluon_kernel(q_desc, do_desc, k_desc, v_desc, dk_ptr, dv_ptr, lse2_ptr
             gl.static_assert(FUSE_DQ and STATS_SMEM and BLOCK_M == 64 and D == 16 * NUM_WARPS,
                              "DS_SHARED: FUSE_DQ + WARP_SPEC + STATS_SMEM, 64 queries, "
                              "D = 16 * NUM_WARPS (64x128 w8 at D=128, 64x64 w4 at D=64)")
-            FUSE_MODE: gl.constexpr = 2  # what the helpers see as FUSE_DQ: the DS_SHARED tail
+            # what the helpers see as FUSE_DQ: the DS_SHARED tail (3: Pᵀ stored before the dPᵀ wait)
+            FUSE_MODE: gl.constexpr = 3 if DP_LATE_WAIT else 2
         else:
             FUSE_MODE: gl.constexpr = FUSE_DQ
         if STATS_SMEM:  # the compute partition reads the statistics from these rings
@@ -1132,11 +1162,12 @@ DS_SHARED_TILES = {128: (64, 128, 8, 3), 64: (64, 64, 4, 3)}
 
 def check_config(d: int, block_m: int, block_n: int, num_warps: int, num_stages: int,
                  fuse_dq: bool = False, warp_spec: bool = False, stats_smem: bool = False,
-                 ds_shared: bool = False) -> None:
+                 ds_shared: bool = False, dp_late_wait: bool = False) -> None:
     """Raise ValueError on a configuration the kernel cannot compile: one warpgroup row of 16
     keys per warp (block_n == 16 * num_warps), power-of-two tiles; with ``fuse_dq`` also
     d >= 16 * num_warps (dQᵀ = Kᵀ dSᵀ has M = d rows, 16 per warp); ``ds_shared`` only with
-    fuse_dq + warp_spec + stats_smem at a :data:`DS_SHARED_TILES` tile."""
+    fuse_dq + warp_spec + stats_smem at a :data:`DS_SHARED_TILES` tile; ``dp_late_wait`` only
+    with ``ds_shared``."""
     if d not in (64, 128, 256):
         raise ValueError(f"gluon dK/dV: head dim {d} (64, 128 or 256)")
     if block_n != 16 * num_warps:
@@ -1152,6 +1183,8 @@ def check_config(d: int, block_m: int, block_n: int, num_warps: int, num_stages:
     if ds_shared:
         _check_ds_shared(d, block_m, block_n, num_warps, num_stages, fuse_dq, warp_spec,
                          stats_smem)
+    if dp_late_wait and not ds_shared:
+        raise ValueError("gluon fused dQ: dp_late_wait is a DS_SHARED variant (needs ds_shared)")
 
 
 def _check_ds_shared(d, block_m, block_n, num_warps, num_stages, fuse_dq, warp_spec,
@@ -1172,7 +1205,7 @@ def _check_ds_shared(d, block_m, block_n, num_warps, num_stages, fuse_dq, warp_s
 def launch_dkdv_gluon(q, k, v, dout, lse2, delta, causal, softmax_scale, plan, block_m: int,
                       block_n: int, num_warps: int, num_stages: int, fuse_dq: bool = False,
                       warp_spec: bool = False, stats_smem: bool = False,
-                      ds_shared: bool = False):
+                      ds_shared: bool = False, dp_late_wait: bool = False):
     """(dk, dv) like ``_launch_dkdv(..., fuse_dq=False)[:2]``; ``plan`` must come from
     ``make_plan(mask, causal, Sq, Sk, block_m, block_n, by_key=True, device)``.
 
@@ -1189,6 +1222,10 @@ def launch_dkdv_gluon(q, k, v, dout, lse2, delta, causal, softmax_scale, plan, b
     at D=64, offline-checked, not yet run on a GPU): FA3's backward tile, dQ once per tile; Pᵀ
     and dSᵀ staged in shared memory as the A operands of dV, dK and dQ.
 
+    ``dp_late_wait=True`` (with ``ds_shared`` only; opt-in, not yet run on a GPU): Pᵀ is stored
+    before the dPᵀ wait, which keeps that wait below the exp2s in SASS (dPᵀ runs under them);
+    dK, dV should be bitwise equal to ``ds_shared`` alone.
+
     ``fuse_dq=True`` (the FUSE_DQ kernel): (dk, dv, dq_acc), dq_acc the
     unscaled fp32 dQ accumulated by TMA reduce-adds, shape [B, Sq, Hq, D] (a permuted view of
     the kernel's [B, Hq, D, Sq_pad] dQᵀ buffer, zero-initialised here); multiply by
@@ -1200,7 +1237,7 @@ def launch_dkdv_gluon(q, k, v, dout, lse2, delta, causal, softmax_scale, plan, b
     b, sq, hq, d = q.shape
     _, sk, hk, _ = k.shape
     check_config(d, block_m, block_n, num_warps, num_stages, fuse_dq, warp_spec, stats_smem,
-                 ds_shared)
+                 ds_shared, dp_late_wait)
     if q.dtype not in (torch.bfloat16, torch.float16):
         raise ValueError(f"gluon dK/dV: dtype {q.dtype} (bf16 or fp16)")
     q, k, v, dout = (x.contiguous() for x in (q, k, v, dout))
@@ -1237,6 +1274,8 @@ def launch_dkdv_gluon(q, k, v, dout, lse2, delta, causal, softmax_scale, plan, b
         kwargs.update(STATS_SMEM=True)
     if ds_shared:
         kwargs.update(DS_SHARED=True)
+    if dp_late_wait:
+        kwargs.update(DP_LATE_WAIT=True)
     _dkdv_gluon_kernel[(nkb, b * hk)](
         q_desc, do_desc, k_desc, v_desc, dk, dv, lse2, delta, plan.mask, plan.summary,
         plan.ranges, softmax_scale, softmax_scale * LOG2E, sq, sk, hq, hk, plan.hm, nqb, nkb,
@@ -1254,14 +1293,14 @@ def fused_backward_gluon(q, k, v, dout, lse2, delta, causal, softmax_scale, plan
     launches the DS_SHARED one itself): one launch of the dK/dV kernel that also reduce-adds dQ, then dQ = softmax_scale * dq_acc cast to q's dtype in one strided pass.
     ``lse2``, ``delta`` from ``triton_flashmask._bwd_pre``; ``plan`` a by-key plan for
     ``cfg_tuple`` = (block_m, block_n, num_warps, num_stages[, warp_spec[, stats_smem[,
-    ds_shared]]])."""
+    ds_shared[, dp_late_wait]]]])."""
     block_m, block_n, num_warps, num_stages = cfg_tuple[:4]
-    warp_spec, stats_smem, ds_shared = (bool(cfg_tuple[i]) if len(cfg_tuple) > i else False
-                                        for i in (4, 5, 6))
+    warp_spec, stats_smem, ds_shared, dp_late_wait = (
+        bool(cfg_tuple[i]) if len(cfg_tuple) > i else False for i in (4, 5, 6, 7))
     dk, dv, dq_acc = launch_dkdv_gluon(q, k, v, dout, lse2, delta, causal, softmax_scale, plan,
                                        block_m, block_n, num_warps, num_stages, fuse_dq=True,
                                        warp_spec=warp_spec, stats_smem=stats_smem,
-                                       ds_shared=ds_shared)
+                                       ds_shared=ds_shared, dp_late_wait=dp_late_wait)
     dq = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     torch.mul(dq_acc, softmax_scale, out=dq)
     return dq, dk, dv
@@ -1294,15 +1333,16 @@ def offline_constexprs(d: int, block_m: int, block_n: int, num_warps: int, num_s
 def compile_sm90(d: int = 128, block_m: int = 64, block_n: int = 64, num_warps: int = 4,
                  num_stages: int = 2, causal: bool = True, c: int = 1, dtype: str = "bf16",
                  fuse_dq: bool = False, warp_spec: bool = False, maxnreg: Optional[int] = None,
-                 stats_smem: bool = False, ds_shared: bool = False):
+                 stats_smem: bool = False, ds_shared: bool = False, dp_late_wait: bool = False):
     """Compile the kernel (``fuse_dq``: the FUSE_DQ variant; ``warp_spec``: the WARP_SPEC one,
-    at ``maxnreg`` registers per thread, default :func:`ws_maxnreg`) for sm_90 without a GPU;
-    returns the CompiledKernel."""
+    at ``maxnreg`` registers per thread, default :func:`ws_maxnreg`; ``dp_late_wait``: the
+    DS_SHARED variant with Pᵀ stored before the dPᵀ wait) for sm_90 without a GPU; returns the
+    CompiledKernel."""
     reason = unavailable_reason()
     if reason is not None:
         raise RuntimeError(reason)
     check_config(d, block_m, block_n, num_warps, num_stages, fuse_dq, warp_spec, stats_smem,
-                 ds_shared)
+                 ds_shared, dp_late_wait)
     kern = _dkdv_gluon_kernel
     descs = offline_descriptor_types(dtype, d, q_desc=block_m, do_desc=block_m, k_desc=block_n,
                                      v_desc=block_n)
@@ -1315,6 +1355,7 @@ def compile_sm90(d: int = 128, block_m: int = 64, block_n: int = 64, num_warps: 
                                 FUSE_DQ=fuse_dq, WARP_SPEC=warp_spec)
     consts["STATS_SMEM"] = stats_smem  # a constexpr (left out, the compile makes it an argument)
     consts["DS_SHARED"] = ds_shared
+    consts["DP_LATE_WAIT"] = dp_late_wait
     options = {}
     if warp_spec:  # as the launcher passes it (WARP_SPEC=False: the unchanged options)
         options["maxnreg"] = maxnreg if maxnreg is not None else ws_maxnreg(num_warps)
@@ -1376,6 +1417,26 @@ def tile_loop_counts(sass: str) -> dict:
             for key, pat in _PER_TILE_PATTERNS.items()}
 
 
+def dp_wait_order(sass: str) -> list:
+    """Per tile loop (as in :func:`_tile_loops`), where the dPᵀ wait sits among the exp2s of
+    Pᵀ: the loop's second ``WARPGROUP.DEPBAR`` (the first waits for Sᵀ; the tiles issue Sᵀ
+    then dPᵀ, as :func:`_tile` and :func:`_tile_ds_shared` do) and the MUFU.EX2 before and
+    after it, as dicts ``dp_wait`` (instruction index in the loop), ``ex2_before``,
+    ``ex2_after``. ``ex2_after`` > 0: the tensor cores idle under those exp2s."""
+    ins = _sass_instructions(sass)
+    rows = []
+    for lo, hi in _tile_loops(ins):
+        body = [t for a, t in ins if lo <= a <= hi]
+        waits = [i for i, t in enumerate(body) if "WARPGROUP.DEPBAR" in t]
+        ex2 = [i for i, t in enumerate(body) if "MUFU.EX2" in t]
+        if len(waits) < 2:
+            continue
+        w = waits[1]
+        rows.append(dict(dp_wait=w, ex2_before=sum(i < w for i in ex2),
+                         ex2_after=sum(i > w for i in ex2)))
+    return rows
+
+
 def _max_register(sass: str) -> int:
     """Registers the code touches (highest R index + 1): for a WARP_SPEC kernel, whose
     ``regs`` is the launch's ``maxnreg``, this is what the compute partition uses."""
@@ -1403,20 +1464,26 @@ def sass_report(cubin: bytes) -> dict:
 
 def compile_report(d=128, block_m=64, block_n=64, num_warps=4, num_stages=2, causal=True, c=1,
                    dtype="bf16", fuse_dq=False, warp_spec=False, stats_smem=False,
-                   ds_shared=False) -> dict:
-    """One configuration's offline sm_90 report (or its error)."""
+                   ds_shared=False, dp_late_wait=False) -> dict:
+    """One configuration's offline sm_90 report (or its error); DS_SHARED ones also say how
+    many exp2s of a tile loop come after its dPᵀ wait at most (:func:`dp_wait_order`)."""
     row = dict(D=d, block_m=block_m, block_n=block_n, num_warps=num_warps,
                num_stages=num_stages, causal=causal, C=c, dtype=dtype, fuse_dq=fuse_dq)
     if warp_spec:
         row.update(warp_spec=True, maxnreg=ws_maxnreg(num_warps))
     try:
         ck = compile_sm90(d, block_m, block_n, num_warps, num_stages, causal, c, dtype, fuse_dq,
-                          warp_spec, stats_smem=stats_smem, ds_shared=ds_shared)
+                          warp_spec, stats_smem=stats_smem, ds_shared=ds_shared,
+                          dp_late_wait=dp_late_wait)
     except Exception as exc:
         row["error"] = f"{type(exc).__name__}: {str(exc)[:2000]}"
         return row
     row["shared"] = ck.metadata.shared
     row.update(sass_report(ck.asm["cubin"]))
+    if ds_shared:
+        order = dp_wait_order(cuobjdump(ck.asm["cubin"])[1])
+        row.update(dp_late_wait=dp_late_wait,
+                   ex2_after_dp_wait=max((r["ex2_after"] for r in order), default=0))
     return row
 
 
@@ -1444,6 +1511,9 @@ def main(argv=None):
     ap.add_argument("--ds-shared", action="store_true",
                     help="the fused DS_SHARED kernel (WS + STATS_SMEM; s2/s3 at its "
                          "DS_SHARED_TILES tile: D=128 64x128 w8, D=64 64x64 w4)")
+    ap.add_argument("--dp-late-wait", action="store_true",
+                    help="with --ds-shared: the DP_LATE_WAIT variant (Pᵀ stored before the "
+                         "dPᵀ wait)")
     args = ap.parse_args(argv)
     if args.ds_shared:
         for d in (int(x) for x in args.dims.split(",")):
@@ -1454,7 +1524,8 @@ def main(argv=None):
                     print(json.dumps(compile_report(d, bm, bn, w, st, causal=causal, c=c,
                                                     dtype=args.dtype, fuse_dq=True,
                                                     warp_spec=True, stats_smem=True,
-                                                    ds_shared=True)), flush=True)
+                                                    ds_shared=True,
+                                                    dp_late_wait=args.dp_late_wait)), flush=True)
         return
     if args.fused:
         configs = FUSED_REPORT_CONFIGS[:2] if args.warp_spec else FUSED_REPORT_CONFIGS

@@ -365,6 +365,28 @@ def test_fused_64_query_tile_reduces_every_column():
     assert r["ldl_stl_in_tile_loops"] == 0 and r["shared"] <= 232448, r
 
 
+@pytest.mark.skipif(_offline_skip_reason() is not None, reason=str(_offline_skip_reason()))
+@pytest.mark.parametrize("d, causal, c", [(128, True, 1), (128, False, 4), (64, True, 1)])
+def test_fused_ds_shared_dp_late_wait_keeps_the_dp_wait_below_the_exp2s(d, causal, c):
+    """DP_LATE_WAIT (Pᵀ stored before the dPᵀ wait): in every tile loop all 32 exp2s of a
+    thread's Pᵀ come before the dPᵀ wait (``WARPGROUP.DEPBAR``), where the default DS_SHARED
+    kernel has ptxas hoist the wait above most of them (offline at D=128: 28-32 of the 32); no
+    LDL/STL in the tile loops, the wgmma/reduce/barrier counts of the default kernel."""
+    bm, bn, w, _ = G.DS_SHARED_TILES[d]
+    ds = dict(fuse_dq=True, warp_spec=True, stats_smem=True, ds_shared=True)
+    base = G.compile_sm90(d, bm, bn, w, 2, causal, c, **ds)
+    late = G.compile_sm90(d, bm, bn, w, 2, causal, c, dp_late_wait=True, **ds)
+    base_sass, late_sass = (cuobjdump(k.asm["cubin"])[1] for k in (base, late))
+    base_order, late_order = G.dp_wait_order(base_sass), G.dp_wait_order(late_sass)
+    assert len(late_order) == len(base_order) > 0
+    assert all(r["ex2_before"] == 32 and r["ex2_after"] == 0 for r in late_order), late_order
+    assert all(r["ex2_after"] > 0 for r in base_order), base_order  # the hoisted wait
+    r, r0 = G.sass_report(late.asm["cubin"]), G.sass_report(base.asm["cubin"])
+    assert r["ldl_stl_in_tile_loops"] == 0, r
+    for key in ("hgmma", "tma_reduce", "bar_sync_per_tile", "mufu_ex2", "setmaxnreg"):
+        assert r[key] == r0[key], (key, r, r0)
+
+
 #: Shared memory of one program when two share an sm_90 SM (228 KB each SM, 1 KB reserved per
 #: program): what keeps the D=64 DS_SHARED kernel at the split kernel's residency.
 TWO_PER_SM_SHARED = 233472 // 2 - 1024
@@ -429,6 +451,9 @@ def test_config_checks():
         G.check_config(128, 64, 64, 4, 2, warp_spec=False, stats_smem=True)
     with pytest.raises(ValueError, match="D=128 64x128 w8 s1-s3"):  # s4: over 227 KB
         G.check_config(128, 64, 128, 8, 4, True, True, True, ds_shared=True)
+    G.check_config(128, 64, 128, 8, 2, True, True, True, ds_shared=True, dp_late_wait=True)
+    with pytest.raises(ValueError, match="dp_late_wait"):  # a DS_SHARED variant only
+        G.check_config(128, 64, 128, 8, 2, True, True, True, dp_late_wait=True)
     assert G.dq_reduce_block(32, 128) == [128, 32] and G.dq_reduce_block(16, 64) == [64, 16]
     assert G.dq_reduce_block(64, 128) == [128, 32]  # two TMA reduces per 64-query tile
 
@@ -464,6 +489,10 @@ def test_ab_labels_round_trip():
     assert AB._label((64, 128, 8, 3, True, True, True)) == "64x128w8s3wsmds"
     assert AB._parse("64x64w4s2wsmds") == (64, 64, 4, 2, True, True, True)  # the D=64 DS tile
     assert AB._is_wsmds(AB._parse("64x128w8s2wsmds")) and not AB._is_wsmds((64, 128, 8, 2, True, True))
+    late = (64, 128, 8, 2, True, True, True, True)  # DS_SHARED + DP_LATE_WAIT: ``wsmdsL``
+    assert AB._label(late) == "64x128w8s2wsmdsL" and AB._parse("64x128w8s2wsmdsL") == late
+    assert AB._parse("64x64w4s3wsmdsL") == (64, 64, 4, 3, True, True, True, True)
+    assert AB._label((64, 128, 8, 2, True, True, True, False)) == "64x128w8s2wsmds"
 
 
 def test_ds_shared_d64_is_no_library_default():
@@ -722,6 +751,31 @@ def test_gpu_fused_ds_shared_dkdv_bitwise_equal_to_tl(name, st):
     plan = T.make_plan(cols, causal, s, s, 64, 128, True, q.device)
     dq, dk, dv = G.fused_backward_gluon(q, k, v, dout, lse2, delta, causal, scale, plan,
                                         (64, 128, 8, st, True, True, True))
+    assert torch.equal(dk, ref[0]) and torch.equal(dv, ref[1])
+    with T.use_backward("split"):
+        dq_ref = T.backward(dout, None, q, k, v, out, lse, cols, causal, scale)[0]
+    rel = ((dq.float() - dq_ref.float()).norm() / dq_ref.float().norm()).item()
+    assert torch.isfinite(dq).all() and rel < 2e-2, rel
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", ["causal", "full", "causal_document", "document",
+                                  "global_sliding_window", "causal_blockwise"])
+@pytest.mark.parametrize("d, st", [(128, 2), (128, 3), (64, 2)])
+def test_gpu_dp_late_wait_dkdv_bitwise_equal_to_default(name, d, st):
+    """DP_LATE_WAIT moves the Pᵀ store before the dPᵀ wait, nothing else: dK, dV bit for bit
+    equal to the default DS_SHARED kernel's and the tl kernel's; dQ (TMA reduce-adds:
+    run-to-run rounding) within 2e-2 of the split backward's."""
+    _require_hopper_gluon()
+    s = 1000
+    (q, k, v, dout, cols, causal, scale, out, lse), delta, lse2, ref = \
+        _tl_dkdv_reference(name, s, d, seed=19)
+    bm, bn, w, _ = G.DS_SHARED_TILES[d]
+    plan = T.make_plan(cols, causal, s, s, bm, bn, True, q.device)
+    args = (q, k, v, dout, lse2, delta, causal, scale, plan)
+    _, dk0, dv0 = G.fused_backward_gluon(*args, (bm, bn, w, st, True, True, True))
+    dq, dk, dv = G.fused_backward_gluon(*args, (bm, bn, w, st, True, True, True, True))
+    assert torch.equal(dk, dk0) and torch.equal(dv, dv0)
     assert torch.equal(dk, ref[0]) and torch.equal(dv, ref[1])
     with T.use_backward("split"):
         dq_ref = T.backward(dout, None, q, k, v, out, lse, cols, causal, scale)[0]
