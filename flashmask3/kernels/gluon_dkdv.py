@@ -170,8 +170,30 @@ the SASS instruction text of the D=128 DS_SHARED kernel (s2, s3), the D=128 spli
 (64x128 w8 s2 WS + STATS_SMEM), the D=64 split default (64x64 w4 s2 WS), 32x64 w4 s3 WS and
 fused WS at D=128 and the D=64 FUSE_DQ 64x64 w4 kernel byte for byte unchanged (6 mask layouts
 each). As at D=128 the compiler puts the dPᵀ wait before the exp2s of Pᵀ (the source waits after
-them), so dPᵀ does not run under that arithmetic in either kernel: a possible gain at both head
-dims, not pursued (it would change the D=128 SASS).
+them), so dPᵀ does not run under that arithmetic in either DS_SHARED kernel: DP_LATE_WAIT
+(below) is the opt-in fix at both head dims.
+
+dPᵀ wait after the exp2s (constexpr DP_LATE_WAIT, default False, DS_SHARED only;
+``launch_dkdv_gluon(..., ds_shared=True, dp_late_wait=True)``, ``fused_backward_gluon`` config
+with an eighth element True, A/B label suffix ``wsmdsL``; offline only, not yet run on a GPU):
+the PTX of the DS_SHARED tile has ``wgmma.wait_group.sync.aligned 0`` (dPᵀ) after all 32
+``ex2.approx`` of a thread's Pᵀ, as the source (Triton lowers the wait to a side-effecting
+inline asm whose ``deps`` are tied operands: LLVM keeps the order), but ptxas hoists
+``WARPGROUP.DEPBAR.LE gsb0, 0x0`` above 21-32 of the 32 MUFU.EX2 in every tile loop (D=128,
+6 layouts, s2/s3; D=64: above 30-32): the tied operands leave no trace in SASS, the exp2s
+touch no dPᵀ register, and hoisting a wait is always legal. So the tensor cores idle while
+the exp2s run (the masked loops' mask arithmetic does run under dPᵀ, before the wait). The
+split ``_tile`` is not affected: its dV wgmma (Pᵀ as a register operand, i.e. every exp2's
+result) is issued between the exp2s and the wait, and ptxas keeps the wait after it. With
+DP_LATE_WAIT, :func:`_tile_ds_shared` stores Pᵀ to shared memory before the dPᵀ wait instead
+of in the tail; ptxas does not hoist the wait above those stores (which need every exp2), so
+all 32 MUFU.EX2 come before it in every tile loop. Same bf16 Pᵀ in the same buffer, read by
+the same wgmma after the same barrier: dK, dV should stay bit for bit equal. Offline: D=128 s2
+and s3 touch 237-238 registers (default 230-238), D=64 s2 178-212 (default 171-211); LDL/STL
+unchanged (none in the tile loops; D=64 none at all); same HGMMA, UTMAREDG, 5 BAR.SYNC per tile,
+shared memory. DP_LATE_WAIT=False leaves the SASS instruction text of the D=128 DS_SHARED
+kernel (s2, s3), the D=128 split default, the D=64 split default and the D=64 DS_SHARED kernel
+byte for byte unchanged (6 layouts each).
 
 Prediction for the D=64 GPU A/B (not measured): split at D=64, causal 32K (Hq=64) is ~252 ms
 (Gluon WS dK/dV ~161 ms at ~44% of the tensor-core peak + tl dQ ~89 ms, v6.3 table and
@@ -641,10 +663,10 @@ def _tile_ds_shared(dk, dv, it, m, k_smem, v_smem, q_ring, do_ring, ready, empty
     and puts a CTA barrier between them (6 BAR.SYNC per tile instead of 5).
 
     ``DP_LATE_WAIT`` (opt-in): Pᵀ is stored to shared memory before the dPᵀ wait instead of in
-    the tail. Without it ptxas hoists the wait (``WARPGROUP.DEPBAR.LE gsb0, 0x0``) above all but
-    a few of the tile's MUFU.EX2 although the PTX has it after all of them (nothing in SASS ties
-    the wait to the exp2s: hoisting a wait is always legal); the Pᵀ stores consume every exp2
-    and ptxas keeps the wait below them, so dPᵀ runs under the exp2s. Same bf16 Pᵀ in the same
+    the tail. Without it ptxas hoists the wait (``WARPGROUP.DEPBAR.LE gsb0, 0x0``) above most
+    of the tile's MUFU.EX2 (21-32 of 32) although the PTX has it after all of them (nothing in
+    SASS ties the wait to the exp2s: hoisting a wait is always legal); the Pᵀ stores consume
+    every exp2 and ptxas keeps the wait below them, so dPᵀ runs under the exp2s. Same bf16 Pᵀ in the same
     buffer, read by the same wgmma after the same barrier: dK, dV unchanged bit for bit."""
     dtype: gl.constexpr = k_smem.dtype
     slot = it % NUM_STAGES

@@ -370,7 +370,7 @@ def test_fused_64_query_tile_reduces_every_column():
 def test_fused_ds_shared_dp_late_wait_keeps_the_dp_wait_below_the_exp2s(d, causal, c):
     """DP_LATE_WAIT (Pᵀ stored before the dPᵀ wait): in every tile loop all 32 exp2s of a
     thread's Pᵀ come before the dPᵀ wait (``WARPGROUP.DEPBAR``), where the default DS_SHARED
-    kernel has ptxas hoist the wait above most of them (offline at D=128: 28-32 of the 32); no
+    kernel has ptxas hoist the wait above most of them (offline: 21-32 of the 32); no
     LDL/STL in the tile loops, the wgmma/reduce/barrier counts of the default kernel."""
     bm, bn, w, _ = G.DS_SHARED_TILES[d]
     ds = dict(fuse_dq=True, warp_spec=True, stats_smem=True, ds_shared=True)
