@@ -7,7 +7,7 @@
   and, as ``fused-smem:<config>``, in shared memory.
 
 Every variant's gradients are compared with the split backward's (bf16 relative error), so a
-fast but wrong variant shows up in the table. Used to choose ``DEFAULT_BACKWARD`` and the
+fast but wrong variant shows up in the table. Used to choose the default backward and the
 fused configurations (benchmarks/NOTES.md)::
 
     python benchmarks/backward_modes.py --out $OUT          # on the GPU

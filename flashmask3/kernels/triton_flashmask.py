@@ -940,15 +940,6 @@ def _a_smem(kind: str, d: int) -> bool:
     return A_OPERAND_IN_SMEM_BY_DIM.get((kind, _dim_class(d)), A_OPERAND_IN_SMEM[kind])
 
 
-#: The backward used when neither torch's deterministic mode nor FLASHMASK3_TRITON_BWD decide:
-#: "fused" (one kernel; dQ reduce-added with atomics, so its rounding order varies run to run)
-#: where the Gluon fused kernel runs the inputs (:func:`_fused_impl`: D=128 on Hopper, 16-bit;
-#: 1.11-1.18x the split backward, results/gluon_fused64_ab.md, NOTES.md v6.4), else "split"
-#: (dK/dV kernel, then a dQ kernel that recomputes P and dP; bitwise reproducible; the tl fused
-#: kernel is 0.4-0.5x of it).
-DEFAULT_BACKWARD = "fused where the Gluon fused kernel runs, else split"
-
-
 #: The kernels each backward mode launches, in order.
 BACKWARD_KERNELS = {"split": ("dkdv", "dq"), "fused": ("fused",)}
 
@@ -965,9 +956,13 @@ def _check_backward(mode: str, what: str) -> str:
 
 def backward_mode(like: Optional[torch.Tensor] = None) -> str:
     """"split" under ``torch.use_deterministic_algorithms(True)`` (the fused kernel's atomics are
-    not reproducible); otherwise env FLASHMASK3_TRITON_BWD ("fused"/"split") or the default
-    (:data:`DEFAULT_BACKWARD`: "fused" where the Gluon fused kernel runs ``like``, a tensor on
-    the launch's device with its dtype and head dim, e.g. q; "split" when ``like`` is None)."""
+    not reproducible); otherwise env FLASHMASK3_TRITON_BWD ("fused"/"split") or the default:
+    "fused" (one kernel; dQ reduce-added with atomics, so its rounding order varies run to run)
+    where the Gluon fused kernel runs ``like``, a tensor on the launch's device with its dtype
+    and head dim, e.g. q (:func:`_fused_impl`: D=128 on Hopper, 16-bit; 1.11-1.18x the split
+    backward, results/gluon_fused64_ab.md, NOTES.md v6.4), else "split" (dK/dV kernel, then a
+    dQ kernel that recomputes P and dP; bitwise reproducible; the tl fused kernel is 0.4-0.5x
+    of it), also when ``like`` is None."""
     if torch.are_deterministic_algorithms_enabled():
         return "split"
     env = os.environ.get("FLASHMASK3_TRITON_BWD", "").strip()
@@ -980,7 +975,7 @@ def backward_mode(like: Optional[torch.Tensor] = None) -> str:
 @contextlib.contextmanager
 def use_backward(mode: str):
     """FLASHMASK3_TRITON_BWD=``mode`` inside the block (and in processes started from it),
-    restored afterwards; "auto" unsets it (the library default, :data:`DEFAULT_BACKWARD`);
+    restored afterwards; "auto" unsets it (the library default, see :func:`backward_mode`);
     deterministic mode still wins (:func:`backward_mode`)."""
     if mode != "auto":
         _check_backward(mode, "mode")
