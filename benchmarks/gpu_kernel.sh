@@ -136,7 +136,7 @@ case "$PHASE" in
     # dV bitwise vs tl and split, dQ vs split; S=1000, 6 masks, s2 and s3), then the whole
     # backward at 32K, D=64 (Hq=64, GQA 64:16) against split (Gluon WS 64x64 w4 s2 dK/dV + tl
     # dQ). AB_SMALL=1 also runs the A/B's small pass at D=64 (Sq != Sk, Hm=Hq, fp16) first.
-    FLASHMASK3_TRITON_AUTOTUNE=0 timeout ${DS_TEST_S:-240} python3 -m pytest -q -m gpu tests/kernels/test_gluon_dkdv.py -k "ds_shared_d64" -p no:cacheprovider 2>&1 | tail -15 | tee "$OUT/pytest_fused64d.log"
+    FLASHMASK3_TRITON_AUTOTUNE=0 timeout ${DS_TEST_S:-240} python3 -m pytest -q -m gpu tests/kernels/test_gluon_dkdv.py -k "ds_shared and d64" -p no:cacheprovider 2>&1 | tail -15 | tee "$OUT/pytest_fused64d.log"
     SMALL_FLAG=--skip-small
     [ "${AB_SMALL:-0}" = 1 ] && SMALL_FLAG=
     # shellcheck disable=SC2086  # SMALL_FLAG is empty or one flag
