@@ -1228,8 +1228,9 @@ def _dkdv_impl(q: torch.Tensor, cfg: Config) -> str:
     """"gluon_ws", "gluon" or "tl": the kernel the split backward's dK/dV launch uses. The
     default is the warp-specialised Gluon kernel (a 1-warp TMA producer; bitwise equal to the
     others, 1.00-1.07x the plain Gluon kernel on the H200; at GLUON_STATS_SMEM_DIMS with the
-    statistics in shared memory) at GLUON_DKDV_DIMS wherever it can run (:func:`_gluon_runs`). Env FLASHMASK3_TRITON_DKDV=tl forces the tl kernel, =gluon /
-    =gluon_ws the plain / warp-specialised Gluon one at any head dim it supports."""
+    statistics in shared memory) at GLUON_DKDV_DIMS wherever it can run (:func:`_gluon_runs`).
+    Env FLASHMASK3_TRITON_DKDV=tl forces the tl kernel, =gluon / =gluon_ws the plain /
+    warp-specialised Gluon one at any head dim it supports."""
     env = _env_choice("FLASHMASK3_TRITON_DKDV", ("tl", "gluon", "gluon_ws"))
     if env == "tl" or (not env and q.shape[-1] not in GLUON_DKDV_DIMS):
         return "tl"

@@ -21,6 +21,7 @@ import shutil
 import pytest
 import torch
 
+from benchmarks import gluon_dkdv_ab as AB
 from flashmask3.kernels import gluon_dkdv as G
 from flashmask3.kernels import triton_flashmask as T
 from flashmask3.kernels.triton_report import cuobjdump
@@ -482,7 +483,6 @@ def test_ds_shared_config_check_at_d64():
 
 def test_ab_labels_round_trip():
     """The A/B scripts' config labels, including the fused DS_SHARED suffix ``wsmds``."""
-    from benchmarks import gluon_dkdv_ab as AB
 
     for cfg in [(32, 64, 4, 3), (32, 64, 4, 3, True), (64, 128, 8, 2, True, True),
                 (64, 128, 8, 2, True, True, True)]:
@@ -513,7 +513,6 @@ def test_ab_fused_small_cases_at_d64():
     """``gluon_dkdv_ab.py --fused --head-dim 64``: every small case's shape at D=64 once (the
     D=64 case of SMALL_CASES duplicates a D=128 one), and a config the kernel refuses at D=64
     (64x128 w8 DS_SHARED: dQᵀ's 64 rows over 8 warps) is reported, not launched."""
-    from benchmarks import gluon_dkdv_ab as AB
 
     cases = AB.small_cases_at(64)
     assert all(c[7] == 64 for c in cases) and len({c[0] for c in cases}) == len(cases)
@@ -716,24 +715,16 @@ def test_gpu_default_backward_is_the_gluon_fused_one_at_d128(monkeypatch):
 #: The D=64 DS_SHARED configs (64x64 w4, one compute warpgroup; offline-checked, s2 and s3).
 DS_SHARED_D64_CONFIGS = [(64, 64, 4, 2, True, True, True), (64, 64, 4, 3, True, True, True)]
 
-#: (head dim, fused config) of :func:`test_gpu_fused_backward_matches_split`, and their ids
-#: (the D=64 DS_SHARED ones named ``ds_shared_d64``: ``gpu_kernel.sh fused64d`` selects them).
+#: (head dim, fused config) of :func:`test_gpu_fused_backward_matches_split`, and their ids:
+#: the A/B script's labels (the D=64 DS_SHARED ones prefixed ``ds_shared_``:
+#: ``gpu_kernel.sh fused64d`` selects them with "ds_shared and d64").
 FUSED_CASES = ([(128, cfg) for cfg in [(32, 64, 4, 3), (16, 64, 4, 3), (32, 64, 4, 3, True),
                                        (64, 128, 8, 2, True, True, True),
                                        (64, 128, 8, 3, True, True, True)]]
                + [(64, cfg) for cfg in DS_SHARED_D64_CONFIGS])
 
-
-def _fused_case_id(d: int, cfg: tuple) -> str:
-    """``d128-32-64-4-3-ws``-style ids (ws / sm / ds: the WARP_SPEC / STATS_SMEM / DS_SHARED
-    elements); ``ds_shared_d64-s2`` for the D=64 DS_SHARED tile."""
-    if d == 64:
-        return f"ds_shared_d64-s{cfg[3]}"
-    flags = "".join(("-ws", "-sm", "-ds")[:len(cfg) - 4])
-    return f"d{d}-" + "-".join(map(str, cfg[:4])) + flags
-
-
-FUSED_CASE_IDS = [_fused_case_id(d, cfg) for d, cfg in FUSED_CASES]
+FUSED_CASE_IDS = [("ds_shared_" if d == 64 else "") + f"d{d}-{AB._label(cfg)}"
+                  for d, cfg in FUSED_CASES]
 
 
 @pytest.mark.gpu
