@@ -15,6 +15,8 @@
 #   bash benchmarks/gpu_kernel.sh tests128  # GPU tests of the D=128 split backward default (v6.4)
 #   BENCH_BUDGET=220 BUDGET_128K=100 bash benchmarks/gpu_kernel.sh v64  # v6.4 default tests + D=128 table rows
 #   BENCH_BUDGET=300 BUDGET_128K=120 bash benchmarks/gpu_kernel.sh table128  # D=128 rows, default (fused) + split variant
+#   BENCH_BUDGET=300 bash benchmarks/gpu_kernel.sh v66  # v6.6 (fused default at D=64) tests + 32K D=128 rows
+#   BENCH_BUDGET=110 BUDGET_128K=100 BUDGET_TRAIN=150 bash benchmarks/gpu_kernel.sh v66b  # train, 128K D=128, 32K D=64 rows
 #   BENCH_BUDGET=150 bash benchmarks/gpu_kernel.sh fused64  # fused DS_SHARED backward (64x128 w8) tests + A/B vs split
 #   BENCH_BUDGET=200 bash benchmarks/gpu_kernel.sh fused64d # the D=64 DS_SHARED backward (64x64 w4) tests + A/B vs split at D=64
 #   BENCH_BUDGET=200 bash benchmarks/gpu_kernel.sh dpwait   # DS_SHARED with DP_LATE_WAIT (dPᵀ wait below the exp2s) tests + A/B vs DS_SHARED
@@ -102,9 +104,9 @@ case "$PHASE" in
     # v6.4's defaults (D=128: fused Gluon DS_SHARED backward, split dK/dV at 64x128 STATS_SMEM):
     # their GPU tests, then the D=128 rows of the table (32K MHA + GQA, then 128K)
     FLASHMASK3_TRITON_AUTOTUNE=0 timeout 60 python3 -m pytest -q -m gpu tests/kernels/test_gluon_dkdv.py \
-      -k "default" -p no:cacheprovider 2>&1 | tail -15 | tee "$OUT/pytest_default.log"
+      -k "default_tile or default_backward" -p no:cacheprovider 2>&1 | tail -15 | tee "$OUT/pytest_default.log"
     FLASHMASK3_TRITON_AUTOTUNE=0 timeout 170 python3 -m pytest -q -m gpu tests/kernels/test_triton_flashmask.py \
-      -k "random_columns_d128 or (128 and fused) or (long_seq and fused)" -p no:cacheprovider 2>&1 | tail -15 | tee "$OUT/pytest_fused.log"
+      -k "(random_columns and d128) or (128 and fused) or (long_seq and fused)" -p no:cacheprovider 2>&1 | tail -15 | tee "$OUT/pytest_fused.log"
     FLASHMASK3_TRITON_AUTOTUNE=0 timeout $((BUDGET + 50)) python3 benchmarks/kernel.py --seqlens 32768 --dims 128 --kernel-version v6.4 \
       --impls flashmask3,flex,sdpa_cudnn,varlen --budget-s "$BUDGET" --out "$OUT" --tag v64_32k 2>&1 \
       | grep -v "DeprecationWarning\|create_block_mask(mm" | tee "$OUT/bench_32k.log"
@@ -121,6 +123,31 @@ case "$PHASE" in
     FLASHMASK3_TRITON_AUTOTUNE=0 timeout $((${BUDGET_128K:-120} + 50)) python3 benchmarks/kernel.py --seqlens 131072 --dims 128 --no-gqa \
       --impls flashmask3,flashmask3_split,flex,sdpa_cudnn --budget-s "${BUDGET_128K:-120}" --out "$OUT" --tag v65_128k 2>&1 \
       | grep -v "DeprecationWarning\|create_block_mask(mm" | tee "$OUT/bench_128k.log"
+    ;;
+  v66)
+    # v6.6 (the fused Gluon backward the default at D=64 too): its GPU tests (the dispatch and
+    # default-tile tests, random columns on every layout at D=64 with the default backward, the
+    # D=64 float64-reference cases of both backwards), then the table's 32K D=128 rows (MHA +
+    # GQA) with the fused default and the split backward as a variant
+    FLASHMASK3_TRITON_AUTOTUNE=0 timeout 60 python3 -m pytest -q -m gpu tests/kernels/test_gluon_dkdv.py \
+      -k "default_tile or default_backward" -p no:cacheprovider 2>&1 | tail -15 | tee "$OUT/pytest_default.log"
+    FLASHMASK3_TRITON_AUTOTUNE=0 timeout ${TEST_S:-150} python3 -m pytest -q -m gpu tests/kernels/test_triton_flashmask.py \
+      -k "(random_columns and d64) or float16-64" -p no:cacheprovider 2>&1 | tail -15 | tee "$OUT/pytest_d64.log"
+    FLASHMASK3_TRITON_AUTOTUNE=0 timeout $((BUDGET + 50)) python3 benchmarks/kernel.py --seqlens 32768 --dims 128 \
+      --impls flashmask3,flashmask3_split,flex,sdpa_cudnn,varlen --budget-s "$BUDGET" --out "$OUT" --tag v66_32k 2>&1 \
+      | grep -v "DeprecationWarning\|create_block_mask(mm" | tee "$OUT/bench_32k.log"
+    ;;
+  v66b)
+    # the end-to-end run (train.py, flashmask3 vs flex), then the rest of v6.6's table rows:
+    # 128K D=128 (document masks first), 32K D=64 with the fused default and split as a variant
+    FLASHMASK3_TRITON_AUTOTUNE=0 timeout $((${BUDGET_TRAIN:-150} + 60)) python3 benchmarks/train.py --backends flashmask3 flex \
+      --budget-s "${BUDGET_TRAIN:-150}" --out "$OUT" 2>&1 | tail -40 | tee "$OUT/train.log"
+    FLASHMASK3_TRITON_AUTOTUNE=0 timeout $((${BUDGET_128K:-100} + 50)) python3 benchmarks/kernel.py --seqlens 131072 --dims 128 --no-gqa \
+      --impls flashmask3,flex,sdpa_cudnn --budget-s "${BUDGET_128K:-100}" --out "$OUT" --tag v66_128k 2>&1 \
+      | grep -v "DeprecationWarning\|create_block_mask(mm" | tee "$OUT/bench_128k.log"
+    FLASHMASK3_TRITON_AUTOTUNE=0 timeout $((BUDGET + 50)) python3 benchmarks/kernel.py --seqlens 32768 --dims 64 --no-gqa \
+      --impls flashmask3,flashmask3_split,flex,sdpa_cudnn,varlen --budget-s "$BUDGET" --out "$OUT" --tag v66_d64 2>&1 \
+      | grep -v "DeprecationWarning\|create_block_mask(mm" | tee "$OUT/bench_d64.log"
     ;;
   fused64)
     # the fused DS_SHARED backward (64x128 w8 WS + STATS_SMEM, dQ once per tile; offline

@@ -319,7 +319,7 @@ def mask_bytes(mask, causal, s, d, dtype) -> int:
 #: ``masked``: every kernel visits UNMASKED tiles in its masked loop (the v3 loops), the A/B
 #: for the mask-free loops that are on by default since v5. ``tl-dkdv``: the tl dK/dV kernel
 #: where the Gluon one is the default (v6). ``split``: the split backward where the fused one is
-#: the default (v6.4: D=128 on Hopper).
+#: the default (D=128 on Hopper since v6.5, D=64 since v6.6).
 FLASHMASK_VARIANTS = {
     "flashmask3_fused": ("fused", "fused", {}, {}),
     "flashmask3_split": ("split", "split", {}, {}),
@@ -491,9 +491,10 @@ def markdown(results: list[dict], meta: dict) -> str:
               "default, v6.3 = that kernel at D=64 too and the D=256 forward at 128x64 (rows at D=256: "
               "the autotuner's pick, the same tile), v6.4 = the split backward with its D=128 dK/dV "
               "at 64x128 w8, statistics in shared memory (these rows ran the split backward, pinned; "
-              "the fused Gluon backward, the D=128 default on Hopper since v6.4, 1.11-1.18x faster "
-              "than this split one in gluon_fused64_ab.md, has no table run yet), v6.5 = that fused "
-              "Gluon backward as the default (rows record `backward`); a "
+              "the fused Gluon backward, the D=128 default on Hopper since v6.5, 1.11-1.18x faster "
+              "than this split one in gluon_fused64_ab.md), v6.5 = that fused Gluon backward as the "
+              "default at D=128 (rows record `backward`), v6.6 = the fused Gluon backward the "
+              "default at D=64 too (64x64 w4); a "
               "later run of a case replaces an earlier one). `variants`: flashmask3 timed again in the "
               "same run with one option changed (`fused` / `split` backward; `masked`: no mask-free loops; "
               "`tl-dkdv`: the tl dK/dV kernel instead of the Gluon one; "
@@ -700,7 +701,7 @@ def main(argv=None) -> int:
     ap.add_argument("--skip-done", nargs="*", default=[], metavar="JSON",
                     help="leave out the cases these earlier kernel_*.json files measured "
                          "(continue a run that its --budget-s cut short)")
-    ap.add_argument("--kernel-version", default="v6.5")
+    ap.add_argument("--kernel-version", default="v6.6")
     ap.add_argument("--report", nargs="*", help="JSON files to merge into kernel.{json,md,png}")
     args = ap.parse_args(argv)
     if args.report:

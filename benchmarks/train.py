@@ -43,8 +43,8 @@ from flashmask3.train.trainer import build_optimizer, train_step  # noqa: E402
 
 #: the optional variants last (budget): flashmask3 with its backward pinned to one mode
 BACKENDS = ("flashmask3", "flex", "sdpa", "flashmask3-fused", "flashmask3-split")
-#: run when --backends is not given (flashmask3 with the library's default backward: since v6.4
-#: the fused Gluon kernel at D=128 on Hopper, else split)
+#: run when --backends is not given (flashmask3 with the library's default backward: the fused
+#: Gluon kernel at D=128 (since v6.5) and D=64 (v6.6) on Hopper, else split)
 DEFAULT_BACKENDS = ("flashmask3", "flex", "sdpa")
 #: benchmark backend -> (attention backend, flashmask3 Triton backward)
 _ATTENTION = {"flashmask3": ("flashmask3", "auto"), "flashmask3-fused": ("flashmask3", "fused"),

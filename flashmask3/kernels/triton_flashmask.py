@@ -857,7 +857,8 @@ CANDIDATES: dict[tuple[str, int], list[Config]] = {
     ("dq", 256): [Config(128, 32, 8, 2), Config(64, 64, 8, 2), Config(64, 32, 4, 2)],
     # the fused backward (dK/dV kernel that also reduce-adds dQ): dQ tiles are BLOCK_M x D fp32
     # (sm_90 compiler report: 128x64 at D=128 needs 242 KB of shared memory; 64x128 spills)
-    ("fused", 64): [Config(64, 128, 8, 2), Config(64, 64, 8, 2)],
+    ("fused", 64): [Config(64, 128, 8, 2), Config(64, 64, 8, 2),
+                    Config(64, 64, 4, 2)],  # the last: the Gluon fused kernel's (GLUON_TILE)
     ("fused", 128): [Config(64, 64, 8, 2), Config(64, 64, 8, 1),
                      Config(64, 128, 8, 2)],  # the last: the Gluon fused kernel's (GLUON_TILE)
     ("fused", 256): [Config(64, 64, 8, 1), Config(32, 64, 8, 2)],
@@ -959,8 +960,9 @@ def backward_mode(like: Optional[torch.Tensor] = None) -> str:
     not reproducible); otherwise env FLASHMASK3_TRITON_BWD ("fused"/"split") or the default:
     "fused" (one kernel; dQ reduce-added with atomics, so its rounding order varies run to run)
     where the Gluon fused kernel runs ``like``, a tensor on the launch's device with its dtype
-    and head dim, e.g. q (:func:`_fused_impl`: D=128 on Hopper, 16-bit; 1.11-1.18x the split
-    backward, results/gluon_fused64_ab.md, NOTES.md v6.4), else "split" (dK/dV kernel, then a
+    and head dim, e.g. q (:func:`_fused_impl`: D=64 and D=128 on Hopper, 16-bit; 1.11-1.18x the
+    split backward at D=128, results/gluon_fused64_ab.md, NOTES.md v6.5; 1.05-1.15x at D=64,
+    results/gluon_fused_d64_ab.md, v6.6), else "split" (dK/dV kernel, then a
     dQ kernel that recomputes P and dP; bitwise reproducible; the tl fused kernel is 0.4-0.5x
     of it), also when ``like`` is None."""
     if torch.are_deterministic_algorithms_enabled():
@@ -1215,8 +1217,11 @@ GLUON_DKDV_DIMS = (64, 128)
 #: 1.12-1.14x the 32x64 w4 s3 WS kernel and 1.31-1.40x tl, dK/dV bitwise equal
 #: (results/gluon_dkdv_wsm_ab.md). D=128 fused: the same tile with DS_SHARED (FA3's: Pᵀ, dSᵀ
 #: in shared memory, dQ reduce-added once per tile), 1.11-1.18x the split backward
-#: (results/gluon_fused64_ab.md); s2 and s3 within 2%. NOTES.md v6.4.
-GLUON_TILE = {("dkdv", 128): Config(64, 128, 8, 2), ("fused", 128): Config(64, 128, 8, 2)}
+#: (results/gluon_fused64_ab.md); s2 and s3 within 2%. NOTES.md v6.4. D=64 fused: DS_SHARED at
+#: 64x64 w4 s2 (one compute warpgroup), 1.05-1.15x the D=64 split backward, s3 within 2%
+#: (results/gluon_fused_d64_ab.md, NOTES.md v6.6).
+GLUON_TILE = {("dkdv", 128): Config(64, 128, 8, 2), ("fused", 128): Config(64, 128, 8, 2),
+              ("fused", 64): Config(64, 64, 4, 2)}
 
 #: Head dims at which the warp-specialised Gluon dK/dV stages each tile's lse2/delta in shared
 #: memory (STATS_SMEM; at D=128 1.03-1.06x faster at 32x64 too, same results bit for bit; not
@@ -1243,9 +1248,9 @@ GLUON_FUSED_VARIANT = dict(fuse_dq=True, warp_spec=True, stats_smem=True, ds_sha
 
 
 #: Head dims at which the fused backward runs the Gluon DS_SHARED kernel unless told otherwise
-#: (measured: D=128, NOTES.md v6.5). Its D=64 tile (64x64 w4) compiles offline but has not run
-#: on a GPU: FLASHMASK3_TRITON_FUSED=gluon opts in to it.
-GLUON_FUSED_DIMS = (128,)
+#: (measured faster than the split backward at both: D=128 NOTES.md v6.5, D=64 v6.6). D=256 has
+#: no DS_SHARED tile (dK, dV accumulators of BLOCK_N x 256 fp32 do not fit one warpgroup).
+GLUON_FUSED_DIMS = (64, 128)
 
 
 def _fused_impl(q: torch.Tensor, cfg: Config) -> str:
@@ -1253,7 +1258,7 @@ def _fused_impl(q: torch.Tensor, cfg: Config) -> str:
     (:data:`GLUON_FUSED_VARIANT`, at a ``gluon_dkdv.DS_SHARED_TILES`` tile) at
     :data:`GLUON_FUSED_DIMS` wherever it can run (:func:`_gluon_runs`), else the tl kernel.
     Env FLASHMASK3_TRITON_FUSED=tl forces tl; =gluon the Gluon kernel at any head dim it
-    supports (D=64 too, at 64x64 w4: not yet run on a GPU)."""
+    supports."""
     env = _env_choice("FLASHMASK3_TRITON_FUSED", ("tl", "gluon"))
     if env == "tl" or (not env and q.shape[-1] not in GLUON_FUSED_DIMS):
         return "tl"

@@ -496,17 +496,17 @@ def test_ab_labels_round_trip():
     assert AB._label((64, 128, 8, 2, True, True, True, False)) == "64x128w8s2wsmds"
 
 
-def test_ds_shared_d64_is_no_library_default():
-    """The D=64 DS_SHARED tile is offline-checked only: no Gluon default tile at D=64, and no
-    fused D=64 candidate (what the fused backward and its autotuner run) is a DS_SHARED tile,
-    and the fused backward picks the Gluon kernel only at GLUON_FUSED_DIMS unless
-    FLASHMASK3_TRITON_FUSED=gluon opts in."""
-    assert ("fused", 64) not in T.GLUON_TILE and ("dkdv", 64) not in T.GLUON_TILE
-    assert 64 not in T.GLUON_FUSED_DIMS
-    for cfg in T.CANDIDATES[("fused", 64)]:
-        with pytest.raises(ValueError):
-            G.check_config(64, cfg.block_m, cfg.block_n, cfg.num_warps, cfg.num_stages,
-                           **T.GLUON_FUSED_VARIANT)
+def test_fused_default_tiles_are_ds_shared_tiles():
+    """Each fused Gluon default tile (D=64 since v6.6, D=128 since v6.5) is a DS_SHARED tile the
+    kernel accepts at its head dim, and the last fused candidate (what the autotuner also
+    tries); D=64 has no Gluon dK/dV default tile (the WS kernel runs the tl kernel's tile)."""
+    assert set(T.GLUON_FUSED_DIMS) == {64, 128} and ("dkdv", 64) not in T.GLUON_TILE
+    for d in T.GLUON_FUSED_DIMS:
+        tile = T.GLUON_TILE[("fused", d)]
+        assert T.CANDIDATES[("fused", d)][-1] == tile
+        assert (tile.block_m, tile.block_n, tile.num_warps) == G.DS_SHARED_TILES[d][:3]
+        G.check_config(d, tile.block_m, tile.block_n, tile.num_warps, tile.num_stages,
+                       **T.GLUON_FUSED_VARIANT)
 
 
 def test_ab_fused_small_cases_at_d64():
@@ -694,16 +694,20 @@ def test_gpu_dkdv_default_tile_follows_the_kernel(monkeypatch):
 
 
 @pytest.mark.gpu
-def test_gpu_default_backward_is_the_gluon_fused_one_at_d128(monkeypatch):
-    """On Hopper the default backward at D=128 (16-bit) is the fused Gluon kernel at its tile;
-    D=64, fp32, deterministic mode and FLASHMASK3_TRITON_FUSED=tl take the split backward."""
+def test_gpu_default_backward_is_the_gluon_fused_one_at_d64_d128(monkeypatch):
+    """On Hopper the default backward at D=64 and D=128 (16-bit) is the fused Gluon kernel at
+    its head dim's tile; D=256, fp32, deterministic mode and FLASHMASK3_TRITON_FUSED=tl take
+    the split backward."""
     _require_hopper_gluon()
     monkeypatch.delenv("FLASHMASK3_TRITON_BWD", raising=False)
     monkeypatch.delenv("FLASHMASK3_TRITON_FUSED", raising=False)
     q = torch.zeros(1, 64, 2, 128, device="cuda", dtype=torch.float16)
-    assert T.backward_mode(like=q) == "fused"
+    q64 = q[..., :64].contiguous()
+    assert T.backward_mode(like=q) == "fused" and T.backward_mode(like=q64) == "fused"
     assert T._config("fused", 128, True, 1, q.dtype, like=q) == T.GLUON_TILE[("fused", 128)]
-    assert T.backward_mode(like=q[..., :64].contiguous()) == "split"
+    assert T._config("fused", 64, True, 1, q.dtype, like=q64) == T.GLUON_TILE[("fused", 64)]
+    assert T.backward_mode(like=torch.zeros(1, 64, 2, 256, device="cuda",
+                                            dtype=torch.float16)) == "split"
     assert T.backward_mode(like=q.float()) == "split"
     monkeypatch.setattr(torch, "are_deterministic_algorithms_enabled", lambda: True)
     assert T.backward_mode(like=q) == "split"

@@ -325,7 +325,7 @@ GPU_CASES = ([(torch.bfloat16, 128, n) for n in gpu_masks(256)]
 #: Cases run a second time with the fused (atomic dQ, TMA reduce-add) backward.
 GPU_FUSED_CASES = ([(torch.bfloat16, 128, n) for n in gpu_masks(256)]
                    + [(torch.bfloat16, 64, "causal_document"), (torch.bfloat16, 256, "document"),
-                      (torch.float16, 128, "sliding_window")])
+                      (torch.float16, 128, "sliding_window"), (torch.float16, 64, "document")])
 #: Cases run a third time with every kernel's UNMASKED-run loop split flipped from its default
 #: (SPLIT_UNMASKED_LOOP), so both loop structures of each kernel are checked on the GPU.
 GPU_FLIPPED_CASES = ([(torch.bfloat16, 128, n) for n in gpu_masks(256)]
@@ -359,17 +359,19 @@ def test_gpu_against_float64_reference(monkeypatch, dtype, d, name, bwd):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("bwd", ["default", "split"])
+@pytest.mark.parametrize("d,bwd", [(128, "default"), (128, "split"), (64, "default")],
+                         ids=["d128-default", "d128-split", "d64-default"])
 @pytest.mark.parametrize("causal,c", LAYOUTS + [(True, 0), (False, 0)])
 @pytest.mark.parametrize("sq,sk", [(700, 1100), (1100, 700)])
-def test_gpu_random_columns_d128(monkeypatch, bwd, causal, c, sq, sk):
-    """D=128 bf16, where the Gluon kernels run by default (fused backward on Hopper): random
-    columns on every layout, GQA 4:2, Sq != Sk, ragged lengths, Hm = Hq or 1, with dlse."""
+def test_gpu_random_columns(monkeypatch, d, bwd, causal, c, sq, sk):
+    """bf16 at the head dims where the Gluon kernels run by default (the fused backward on
+    Hopper at D=64 and D=128; split's Gluon dK/dV at D=128): random columns on every layout,
+    GQA 4:2, Sq != Sk, ragged lengths, Hm = Hq or 1, with dlse."""
     if bwd == "default":
         monkeypatch.delenv("FLASHMASK3_TRITON_BWD", raising=False)
     else:
         monkeypatch.setenv("FLASHMASK3_TRITON_BWD", bwd)
-    b, hq, hk, d = 2, 4, 2, 128
+    b, hq, hk = 2, 4, 2
     hm = hq if sq > sk else 1
     cols = None if c == 0 else random_columns(b, hm, sq, sk, causal, c, seed=sq + c).to(DEVICE)
     q, k, v = _qkv(b, sq, sk, hq, hk, d, torch.bfloat16, seed=sk + c)
