@@ -139,15 +139,19 @@ case "$PHASE" in
     ;;
   v66b)
     # the end-to-end run (train.py, flashmask3 vs flex), then the rest of v6.6's table rows:
-    # 128K D=128 (document masks first), 32K D=64 with the fused default and split as a variant
+    # 128K D=128 (document masks first), 32K D=64 (the fused default; vs split: the A/B)
     FLASHMASK3_TRITON_AUTOTUNE=0 timeout $((${BUDGET_TRAIN:-150} + 60)) python3 benchmarks/train.py --backends flashmask3 flex \
       --budget-s "${BUDGET_TRAIN:-150}" --out "$OUT" 2>&1 | tail -40 | tee "$OUT/train.log"
     FLASHMASK3_TRITON_AUTOTUNE=0 timeout $((${BUDGET_128K:-100} + 50)) python3 benchmarks/kernel.py --seqlens 131072 --dims 128 --no-gqa \
       --impls flashmask3,flex,sdpa_cudnn --budget-s "${BUDGET_128K:-100}" --out "$OUT" --tag v66_128k 2>&1 \
       | grep -v "DeprecationWarning\|create_block_mask(mm" | tee "$OUT/bench_128k.log"
     FLASHMASK3_TRITON_AUTOTUNE=0 timeout $((BUDGET + 50)) python3 benchmarks/kernel.py --seqlens 32768 --dims 64 --no-gqa \
-      --impls flashmask3,flashmask3_split,flex,sdpa_cudnn,varlen --budget-s "$BUDGET" --out "$OUT" --tag v66_d64 2>&1 \
+      --impls flashmask3,flex,sdpa_cudnn,varlen --budget-s "$BUDGET" --out "$OUT" --tag v66_d64 2>&1 \
       | grep -v "DeprecationWarning\|create_block_mask(mm" | tee "$OUT/bench_d64.log"
+    # the 32K D=128 cases kernel_v66_32k.json (phase v66, budget-cut) has not measured
+    FLASHMASK3_TRITON_AUTOTUNE=0 timeout $((${BUDGET_REST:-60} + 50)) python3 benchmarks/kernel.py --seqlens 32768 --dims 128 \
+      --impls flashmask3,flex,sdpa_cudnn,varlen --budget-s "${BUDGET_REST:-60}" --out "$OUT" --tag v66_32k_b \
+      --skip-done benchmarks/results/kernel_v66_32k.json 2>&1 | grep -v "DeprecationWarning\|create_block_mask(mm" | tee "$OUT/bench_32k_b.log"
     ;;
   fused64)
     # the fused DS_SHARED backward (64x128 w8 WS + STATS_SMEM, dQ once per tile; offline
