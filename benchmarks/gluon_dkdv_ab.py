@@ -54,6 +54,7 @@ import sys
 import time
 import traceback
 from typing import Optional
+from unittest import mock
 
 import torch
 
@@ -584,8 +585,10 @@ def split_backward(dout, q, k, v, out, lse, cols, causal, scale):
 
 
 def tl_fused_backward(dout, q, k, v, out, lse, cols, causal, scale):
-    """The library's opt-in fused backward (the tl kernel with FUSE_DQ)."""
-    with T.use_backward("fused"):
+    """The library's fused backward pinned to the tl kernel with FUSE_DQ (without the pin it is
+    the Gluon kernel at D=64 and D=128 on Hopper since v6.5/v6.6: this column would time the
+    default Gluon config a second time, as the session-10 ``dpwait`` run did)."""
+    with T.use_backward("fused"), mock.patch.dict(os.environ, {"FLASHMASK3_TRITON_FUSED": "tl"}):
         return T.backward(dout, None, q, k, v, out, lse, cols, causal, scale)
 
 

@@ -509,6 +509,18 @@ def test_fused_default_tiles_are_ds_shared_tiles():
                        **T.GLUON_FUSED_VARIANT)
 
 
+def test_ab_tl_fused_column_pins_the_tl_kernel(monkeypatch):
+    """The A/B's "tl fused" column runs the fused backward with the tl kernel forced, whatever
+    the environment (the Gluon kernel is the fused default at D=64 and D=128 on Hopper)."""
+    seen = []
+    monkeypatch.setenv("FLASHMASK3_TRITON_FUSED", "gluon")
+    monkeypatch.setattr(T, "backward", lambda *a: seen.append(
+        (os.environ.get("FLASHMASK3_TRITON_FUSED"), os.environ.get("FLASHMASK3_TRITON_BWD"))))
+    AB.tl_fused_backward(*range(9))
+    assert seen == [("tl", "fused")]
+    assert os.environ["FLASHMASK3_TRITON_FUSED"] == "gluon"  # restored afterwards
+
+
 def test_ab_fused_small_cases_at_d64():
     """``gluon_dkdv_ab.py --fused --head-dim 64``: every small case's shape at D=64 once (the
     D=64 case of SMALL_CASES duplicates a D=128 one), and a config the kernel refuses at D=64
