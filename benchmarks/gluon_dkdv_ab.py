@@ -579,7 +579,7 @@ def _split_dkdv_label(q, causal: bool, c: int) -> str:
 
 
 def split_backward(dout, q, k, v, out, lse, cols, causal, scale):
-    """The library's split backward (today's default: Gluon dK/dV at D=128 on Hopper + tl dQ)."""
+    """The library's split backward (Gluon dK/dV at D=64 and D=128 on Hopper + tl dQ)."""
     with T.use_backward("split"):
         return T.backward(dout, None, q, k, v, out, lse, cols, causal, scale)
 

@@ -1,7 +1,7 @@
 """Gluon (``triton.experimental.gluon``) dK/dV kernel for Hopper (sm_90): the default dK/dV
 kernel of the split backward at D=64 and D=128 on Hopper GPUs (``triton_flashmask._dkdv_impl``;
 at D=128 at 64x128 w8 with STATS_SMEM), and with FUSE_DQ + DS_SHARED the default (fused)
-backward at D=128 (``triton_flashmask._fused_impl``); the ``tl`` kernels elsewhere.
+backward at D=64 and D=128 (``triton_flashmask._fused_impl``); the ``tl`` kernels elsewhere.
 
 What it computes: exactly what the ``tl`` ``_dkdv_kernel`` computes (split backward), dK
 (already multiplied by ``softmax_scale``) and dV, from the same :class:`Plan` (built by key
@@ -12,8 +12,8 @@ equal to the ``tl`` kernel's (same wgmma k-steps in the same order), and it is 1
 with WARP_SPEC 1.17-1.24x at D=128 and 1.27-1.49x at D=64 (``gluon_dkdv_ws_ab.md``,
 ``gluon_dkdv_d64_ab.md``, NOTES.md v6.2, v6.3); with STATS_SMEM at 64x128 w8 1.31-1.40x at
 D=128 (``gluon_dkdv_wsm_ab.md``, v6.4). The DS_SHARED fused backward is 1.11-1.18x that split
-backward (``gluon_fused64_ab.md``, v6.5). A D=64 DS_SHARED tile (64x64 w4, one compute
-warpgroup) compiles offline and is not a default: not yet run on a GPU (below).
+backward (``gluon_fused64_ab.md``, v6.5); at D=64 its 64x64 w4 tile (one compute warpgroup)
+1.05-1.15x (``gluon_fused_d64_ab.md``, v6.6).
 
 Why: the ``tl`` dK/dV kernel's SASS waits for every wgmma right after issuing it
 (``WARPGROUP.DEPBAR.LE gsb0, 0x0``), so the tensor cores and the exp/mask arithmetic never
@@ -120,7 +120,7 @@ Fused dQ at 64x128 (constexpr DS_SHARED, default False; FUSE_DQ + WARP_SPEC + ST
 BLOCK_M=64, BLOCK_N=128, 8 warps only; ``launch_dkdv_gluon(..., fuse_dq=True, warp_spec=True,
 stats_smem=True, ds_shared=True)``, ``fused_backward_gluon`` config ``(64, 128, 8, S, True,
 True, True)``, A/B label suffix ``wsmds``; the default backward at D=128 on Hopper since v6.5,
-``triton_flashmask.GLUON_FUSED_VARIANT``): FA3's backward tile. dQ is computed once per tile: dQᵀ [D, 64] = Kᵀ dSᵀ with wgmma M = D split over
+``triton_flashmask.GLUON_FUSED_VARIANT``; at D=64 since v6.6 at 64x64 w4, below): FA3's backward tile. dQ is computed once per tile: dQᵀ [D, 64] = Kᵀ dSᵀ with wgmma M = D split over
 the two compute warpgroups (each M = 64 of the D rows, N = 64 queries, K = all 128 keys, so
 both warpgroups' dSᵀ rows: a partition barrier between them), 32 fp32 registers per thread,
 stored to a [D, 64] fp32 tile and TMA reduce-added as two [D, 32] boxes (the existing FUSE_DQ
@@ -148,8 +148,8 @@ min(BLOCK_M, 32)] (:func:`dq_reduce_block`) and a 64-query tile issues two reduc
 (:func:`_reduce_dq_tile`); BLOCK_M <= 32 (every config so far) is unchanged.
 
 Fused dQ at D=64 (DS_SHARED at 64x64 w4; :data:`DS_SHARED_TILES`; A/B label ``64x64w4s2wsmds``;
-not a default, offline only: never run on a GPU, so neither its results nor its speed are
-checked yet; ``benchmarks/gpu_kernel.sh fused64d`` runs its GPU tests and the A/B): the same
+the default backward at D=64 on Hopper since v6.6: on the H200 its dK, dV are bitwise equal to
+split's and it is 1.05-1.15x the split backward, ``gluon_fused_d64_ab.md``): the same
 code as at D=128 (:func:`_tile_ds_shared`, :func:`_fused_dq_tail_ds_shared`,
 :func:`_reduce_dq_tile`) with one compute warpgroup: 64 queries x 64 keys, 4 compute warps and
 the 1-warp producer. The kernel's one rule for DS_SHARED is D = 16 * NUM_WARPS (one 16-row slice
@@ -171,11 +171,13 @@ the SASS instruction text of the D=128 DS_SHARED kernel (s2, s3), the D=128 spli
 fused WS at D=128 and the D=64 FUSE_DQ 64x64 w4 kernel byte for byte unchanged (6 mask layouts
 each). As at D=128 the compiler puts the dPᵀ wait before the exp2s of Pᵀ (the source waits after
 them), so dPᵀ does not run under that arithmetic in either DS_SHARED kernel: DP_LATE_WAIT
-(below) is the opt-in fix at both head dims.
+(below) is the opt-in fix at both head dims (measured no faster, 0.99-1.01x: the other
+warpgroup keeps the tensor cores busy).
 
 dPᵀ wait after the exp2s (constexpr DP_LATE_WAIT, default False, DS_SHARED only;
 ``launch_dkdv_gluon(..., ds_shared=True, dp_late_wait=True)``, ``fused_backward_gluon`` config
-with an eighth element True, A/B label suffix ``wsmdsL``; offline only, not yet run on a GPU):
+with an eighth element True, A/B label suffix ``wsmdsL``; opt-in: measured 0.99-1.01x the
+default on the H200, ``gluon_dpwait_ab.md``, NOTES.md v6.6):
 the PTX of the DS_SHARED tile has ``wgmma.wait_group.sync.aligned 0`` (dPᵀ) after all 32
 ``ex2.approx`` of a thread's Pᵀ, as the source (Triton lowers the wait to a side-effecting
 inline asm whose ``deps`` are tied operands: LLVM keeps the order), but ptxas hoists
@@ -195,7 +197,8 @@ shared memory. DP_LATE_WAIT=False leaves the SASS instruction text of the D=128 
 kernel (s2, s3), the D=128 split default, the D=64 split default and the D=64 DS_SHARED kernel
 byte for byte unchanged (6 layouts each).
 
-Prediction for the D=64 GPU A/B (not measured): split at D=64, causal 32K (Hq=64) is ~252 ms
+Prediction for the D=64 GPU A/B (session 9; outcome in session 10: 1.05-1.15x split, causal
+234 vs 261 ms, full 1.05x, ``gluon_fused_d64_ab.md``): split at D=64, causal 32K (Hq=64) is ~252 ms
 (Gluon WS dK/dV ~161 ms at ~44% of the tensor-core peak + tl dQ ~89 ms, v6.3 table and
 ``gluon_dkdv_d64_ab.md``). The fused kernel does 5 of split's 7 matmuls and one of its two
 exp2/mask passes; at D=128 it ran at ~52% of peak, and the D=64 dK/dV kernel runs at ~0.7x
