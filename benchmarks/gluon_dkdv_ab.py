@@ -90,38 +90,34 @@ TIMED_CASES = [("causal", 32, 32), ("causal_document_corpus", 32, 32), ("causal"
                ("shared_question", 32, 32), ("full", 32, 32), ("causal_document_corpus", 32, 8)]
 
 
+#: The Gluon kernel's variant flags a config tuple may carry after (BM, BN, warps, stages), in
+#: order, each with the label suffix of a config whose last flag it is. Each flag counts only
+#: with every earlier one set: WARP_SPEC (1-warp TMA producer), STATS_SMEM (lse2/delta staged in
+#: shared memory by the producer), DS_SHARED (fused only: Pᵀ, dSᵀ in shared memory, dQ once per
+#: tile), DP_LATE_WAIT (Pᵀ stored before the dPᵀ wait, which keeps that wait below the exp2s).
+VARIANTS = (("warp_spec", "ws"), ("stats_smem", "wsm"), ("ds_shared", "wsmds"),
+            ("dp_late_wait", "wsmdsL"))
+
+
+def _flags(cfg) -> dict:
+    """``{flag: bool}`` of a config tuple, for every flag of :data:`VARIANTS`."""
+    flags, on = {}, True
+    for i, (name, _) in enumerate(VARIANTS):
+        on = on and len(cfg) > 4 + i and bool(cfg[4 + i])
+        flags[name] = on
+    return flags
+
+
 def _is_ws(cfg) -> bool:
-    """Whether a config tuple is the WARP_SPEC kernel's (a fifth element True)."""
-    return len(cfg) > 4 and bool(cfg[4])
-
-
-def _is_wsm(cfg) -> bool:
-    """Whether a config tuple is the WARP_SPEC + STATS_SMEM kernel's (a sixth element True:
-    lse2/delta staged in shared memory by the producer)."""
-    return _is_ws(cfg) and len(cfg) > 5 and bool(cfg[5])
-
-
-def _is_wsmds(cfg) -> bool:
-    """Whether a config tuple is the fused DS_SHARED kernel's (a seventh element True, with
-    WARP_SPEC + STATS_SMEM; ``--fused`` only: Pᵀ, dSᵀ in shared memory, dQ once per 64x128
-    tile)."""
-    return _is_wsm(cfg) and len(cfg) > 6 and bool(cfg[6])
-
-
-def _is_wsmds_late(cfg) -> bool:
-    """Whether a config tuple is the DS_SHARED kernel with DP_LATE_WAIT (an eighth element
-    True: Pᵀ stored before the dPᵀ wait, which keeps that wait below the exp2s in SASS)."""
-    return _is_wsmds(cfg) and len(cfg) > 7 and bool(cfg[7])
+    """Whether a config tuple is a WARP_SPEC kernel's (the flag every other variant needs)."""
+    return _flags(cfg)["warp_spec"]
 
 
 def _label(cfg) -> str:
-    """``BMxBNwWsS``, plus ``ws`` for the WARP_SPEC kernel, ``wsm`` for WARP_SPEC +
-    STATS_SMEM, ``wsmds`` for WARP_SPEC + STATS_SMEM + DS_SHARED (fused only), ``wsmdsL`` for
-    that with DP_LATE_WAIT."""
-    return "{}x{}w{}s{}".format(*cfg[:4]) + ("wsmdsL" if _is_wsmds_late(cfg) else
-                                             "wsmds" if _is_wsmds(cfg) else
-                                             "wsm" if _is_wsm(cfg) else
-                                             "ws" if _is_ws(cfg) else "")
+    """``BMxBNwWsS`` plus the :data:`VARIANTS` suffix of the config's last flag: ``ws``,
+    ``wsm``, ``wsmds`` (fused only) or ``wsmdsL``."""
+    suffixes = [suffix for name, suffix in VARIANTS if _flags(cfg)[name]]
+    return "{}x{}w{}s{}".format(*cfg[:4]) + (suffixes[-1] if suffixes else "")
 
 
 def _parse(label: str) -> tuple:
@@ -129,18 +125,15 @@ def _parse(label: str) -> tuple:
     (32, 64, 4, 3), ``32x64w4s3ws`` -> (32, 64, 4, 3, True), ``64x128w8s2wsm`` ->
     (64, 128, 8, 2, True, True), ``64x128w8s2wsmds`` -> (64, 128, 8, 2, True, True, True),
     ``64x128w8s2wsmdsL`` -> (64, 128, 8, 2, True, True, True, True)."""
-    late = label.endswith("wsmdsL")
-    wsmds = late or label.endswith("wsmds")
-    wsm = wsmds or label.endswith("wsm")
-    ws = wsm or label.endswith("ws")
-    body = (label[:-6] if late else label[:-5] if wsmds else label[:-3] if wsm else
-            label[:-2] if ws else label)
+    n_flags, body = 0, label
+    for i, (_, suffix) in enumerate(VARIANTS):
+        if label.endswith(suffix):
+            n_flags, body = i + 1, label[:-len(suffix)]
     nums = tuple(int(x) for x in body.replace("x", " ").replace("w", " ").replace("s", " ").split())
     if len(nums) != 4:
-        raise ValueError(f"config label {label!r}: expected BMxBNwWsS, BMxBNwWsSws, "
-                         "BMxBNwWsSwsm, BMxBNwWsSwsmds or BMxBNwWsSwsmdsL")
-    return nums + ((True, True, True, True) if late else (True, True, True) if wsmds else
-                   (True, True) if wsm else (True, ) if ws else ())
+        raise ValueError(f"config label {label!r}: expected BMxBNwWsS, optionally followed by "
+                         + ", ".join(suffix for _, suffix in VARIANTS))
+    return nums + (True, ) * n_flags
 
 
 def _twin(cfg) -> tuple:
@@ -236,13 +229,12 @@ def _tl_dkdv(q, k, v, dout, lse2, delta, cols, causal, scale):
 
 
 def _gluon_dkdv(q, k, v, dout, lse2, delta, cols, causal, scale, cfg):
-    """(launch closure, plan) of one Gluon config (WARP_SPEC when ``_is_ws(cfg)``, with
-    STATS_SMEM when ``_is_wsm(cfg)``)."""
+    """(launch closure, plan) of one Gluon config (with its WARP_SPEC and STATS_SMEM flags)."""
     sq, sk = q.shape[1], k.shape[1]
     bm, bn, w, s = cfg[:4]
-    ws = _is_ws(cfg)
-    wsm = _is_wsm(cfg)
-    if _is_wsmds(cfg):
+    flags = _flags(cfg)
+    ws, wsm = flags["warp_spec"], flags["stats_smem"]
+    if flags["ds_shared"]:
         raise ValueError(f"{_label(cfg)}: DS_SHARED is a fused kernel (--fused-configs)")
     plan = T.make_plan(cols, causal, sq, sk, bm, bn, True, q.device)
 
@@ -641,10 +633,8 @@ def small_cases_at(d: int) -> list:
 def _config_refusal(d: int, cfg) -> Optional[str]:
     """Why the Gluon kernel's ``check_config`` refuses fused config ``cfg`` at head dim ``d``
     (None when it accepts it)."""
-    flags = dict(warp_spec=_is_ws(cfg), stats_smem=_is_wsm(cfg), ds_shared=_is_wsmds(cfg),
-                 dp_late_wait=_is_wsmds_late(cfg))
     try:
-        G.check_config(d, *cfg[:4], fuse_dq=True, **flags)
+        G.check_config(d, *cfg[:4], fuse_dq=True, **_flags(cfg))
     except ValueError as exc:
         return str(exc)
     return None

@@ -489,7 +489,14 @@ def test_ab_labels_round_trip():
         assert AB._parse(AB._label(cfg)) == cfg
     assert AB._label((64, 128, 8, 3, True, True, True)) == "64x128w8s3wsmds"
     assert AB._parse("64x64w4s2wsmds") == (64, 64, 4, 2, True, True, True)  # the D=64 DS tile
-    assert AB._is_wsmds(AB._parse("64x128w8s2wsmds")) and not AB._is_wsmds((64, 128, 8, 2, True, True))
+    assert AB._flags(AB._parse("64x128w8s2wsmds"))["ds_shared"]
+    assert not AB._flags((64, 128, 8, 2, True, True))["ds_shared"]
+    # a flag counts only with every earlier one set (DS_SHARED without STATS_SMEM: plain WS)
+    assert AB._flags((64, 128, 8, 2, True, False, True)) == dict(
+        warp_spec=True, stats_smem=False, ds_shared=False, dp_late_wait=False)
+    assert AB._label((64, 128, 8, 2, True, False, True)) == "64x128w8s2ws"
+    with pytest.raises(ValueError, match="BMxBNwWsS"):
+        AB._parse("64x128w8wsm")
     late = (64, 128, 8, 2, True, True, True, True)  # DS_SHARED + DP_LATE_WAIT: ``wsmdsL``
     assert AB._label(late) == "64x128w8s2wsmdsL" and AB._parse("64x128w8s2wsmdsL") == late
     assert AB._parse("64x64w4s3wsmdsL") == (64, 64, 4, 3, True, True, True, True)
