@@ -18,6 +18,7 @@
 #   BENCH_BUDGET=300 bash benchmarks/gpu_kernel.sh v66  # v6.6 (fused default at D=64) tests + 32K D=128 rows
 #   BENCH_BUDGET=110 BUDGET_128K=100 BUDGET_TRAIN=150 bash benchmarks/gpu_kernel.sh v66b  # train, 128K D=128, 32K D=64 rows
 #   BENCH_BUDGET=110 BUDGET_D64=70 bash benchmarks/gpu_kernel.sh v66c  # 8K rows at D=128 and D=64
+#   BENCH_BUDGET=120 bash benchmarks/gpu_kernel.sh fwdconfigs  # forward tiles on short-document masks (D=128, 64)
 #   BENCH_BUDGET=150 bash benchmarks/gpu_kernel.sh fused64  # fused DS_SHARED backward (64x128 w8) tests + A/B vs split
 #   BENCH_BUDGET=200 bash benchmarks/gpu_kernel.sh fused64d # the D=64 DS_SHARED backward (64x64 w4) tests + A/B vs split at D=64
 #   BENCH_BUDGET=200 bash benchmarks/gpu_kernel.sh dpwait   # DS_SHARED with DP_LATE_WAIT (dPᵀ wait below the exp2s) tests + A/B vs DS_SHARED
@@ -162,6 +163,12 @@ case "$PHASE" in
     FLASHMASK3_TRITON_AUTOTUNE=0 timeout $((${BUDGET_D64:-70} + 40)) python3 benchmarks/kernel.py --seqlens 8192 --dims 64 --no-gqa \
       --impls flashmask3,flex,sdpa_cudnn,varlen --budget-s "${BUDGET_D64:-70}" --out "$OUT" --tag v66_8k_d64 2>&1 \
       | grep -v "DeprecationWarning\|create_block_mask(mm" | tee "$OUT/bench_8k_d64.log"
+    ;;
+  fwdconfigs)
+    # the forward tile sweep (benchmarks/forward_configs.py): each tile alone on the short-document
+    # masks and their controls at 32K, D=128 then D=64; O/LSE compared with the default tile's
+    FLASHMASK3_TRITON_AUTOTUNE=0 timeout $((BUDGET + 60)) python3 benchmarks/forward_configs.py --dims "${DIMS:-128,64}" \
+      --budget-s "$BUDGET" --out "$OUT" 2>&1 | tee "$OUT/bench_fwdconfigs.log"
     ;;
   fused64)
     # the fused DS_SHARED backward (64x128 w8 WS + STATS_SMEM, dQ once per tile; offline
