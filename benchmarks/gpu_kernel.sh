@@ -18,6 +18,7 @@
 #   BENCH_BUDGET=300 bash benchmarks/gpu_kernel.sh v66  # v6.6 (fused default at D=64) tests + 32K D=128 rows
 #   BENCH_BUDGET=110 BUDGET_128K=100 BUDGET_TRAIN=150 bash benchmarks/gpu_kernel.sh v66b  # train, 128K D=128, 32K D=64 rows
 #   BENCH_BUDGET=110 BUDGET_D64=70 bash benchmarks/gpu_kernel.sh v66c  # 8K rows at D=128 and D=64
+#   IMPLS=flashmask3,flex,sdpa_dense TAG_8K=dense_8k BENCH_BUDGET=150 BUDGET_D64=0 bash benchmarks/gpu_kernel.sh v66c  # dense-mask SDPA at 8K (never measured)
 #   BENCH_BUDGET=120 bash benchmarks/gpu_kernel.sh fwdconfigs  # forward tiles on short-document masks (D=128, 64)
 #   BENCH_BUDGET=150 bash benchmarks/gpu_kernel.sh fused64  # fused DS_SHARED backward (64x128 w8) tests + A/B vs split
 #   BENCH_BUDGET=200 bash benchmarks/gpu_kernel.sh fused64d # the D=64 DS_SHARED backward (64x64 w4) tests + A/B vs split at D=64
@@ -158,7 +159,7 @@ case "$PHASE" in
   v66c)
     # v6.6 at 8K (batch 16): the D=128 rows (the table's were v6's), then D=64 (not run before)
     FLASHMASK3_TRITON_AUTOTUNE=0 timeout $((BUDGET + 40)) python3 benchmarks/kernel.py --seqlens 8192 --dims 128 --no-gqa \
-      --impls flashmask3,flex,sdpa_cudnn,varlen --budget-s "$BUDGET" --out "$OUT" --tag v66_8k 2>&1 \
+      --impls "${IMPLS:-flashmask3,flex,sdpa_cudnn,varlen}" --budget-s "$BUDGET" --out "$OUT" --tag "${TAG_8K:-v66_8k}" 2>&1 \
       | grep -v "DeprecationWarning\|create_block_mask(mm" | tee "$OUT/bench_8k.log"
     FLASHMASK3_TRITON_AUTOTUNE=0 timeout $((${BUDGET_D64:-70} + 40)) python3 benchmarks/kernel.py --seqlens 8192 --dims 64 --no-gqa \
       --impls flashmask3,flex,sdpa_cudnn,varlen --budget-s "${BUDGET_D64:-70}" --out "$OUT" --tag v66_8k_d64 2>&1 \

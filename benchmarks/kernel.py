@@ -379,7 +379,8 @@ def run_case(name: str, s: int, d: int, hq: int, hk: int, dtype, args) -> dict:
         impls.append(("sdpa_flash", lambda: sdpa_impl("flash", causal, q, k, v, scale) + (None,)))
     if name.startswith("causal_document") or name.startswith("document_"):
         impls.append(("varlen", lambda: varlen_impl(mask, causal, q, k, v, scale) + (None,)))
-    if mask is not None and s <= args.dense_max_s and d == 128 and hq == hk:
+    if "sdpa_dense" in args.impls and mask is not None and s <= args.dense_max_s and d == 128 \
+            and hq == hk:  # (the dense mask costs B x S x S bytes: built only when it is timed)
         dense = M.to_dense(cols, causal, s, s).to("cuda")
         impls.append(("sdpa_dense", lambda: sdpa_impl("dense", causal, q, k, v, scale, attn_mask=dense)
                       + (None,)))
