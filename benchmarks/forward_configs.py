@@ -37,11 +37,15 @@ MASKS = ["causal_document_short", "document_short", "causal_document_mixed",
 #: (0/26 LDL/STL); 128x64 w8 s2 184-228 registers, 96 KB; 64x64 w4 s2 167-226 registers,
 #: 81 KB and s3 174-218 registers, 113 KB, no spills, two programs per SM. 64x128 w4 spills
 #: ~2700 LDL/STL and is left out. D=64: 64x64 w4 s2/s3 128-159 registers, 41-57 KB, no
-#: spills, three or four programs per SM.
+#: spills, three or four programs per SM. D=256 (forward 0.80x cuDNN on causal): the default
+#: 128x64 w8 s2 255 registers, 192 KB; 128x32 w8 s2 237-241, 128 KB; 64x64 w4 s2 255, 161 KB;
+#: 64x32 w4 s2 237-249, 96 KB (two programs per SM); none spills (the s1 and 128x128 shapes
+#: do, 2-301 LDL/STL: left out).
 FWD = {
     128: [(128, 128, 8, 3), (128, 128, 8, 2), (128, 64, 8, 3), (128, 64, 8, 2), (64, 64, 4, 2),
           (64, 64, 4, 3)],
     64: [(128, 64, 4, 3), (128, 128, 8, 3), (64, 64, 4, 2), (64, 64, 4, 3)],
+    256: [(128, 64, 8, 2), (128, 32, 8, 2), (64, 64, 4, 2), (64, 32, 4, 2)],
 }
 
 

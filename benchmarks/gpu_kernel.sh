@@ -167,7 +167,8 @@ case "$PHASE" in
     ;;
   fwdconfigs)
     # the forward tile sweep (benchmarks/forward_configs.py): each tile alone on the short-document
-    # masks and their controls at 32K, D=128 then D=64; O/LSE compared with the default tile's
+    # masks and their controls at 32K, D=128 then D=64 (DIMS=256: the D=256 forward tiles, causal
+    # 0.80x cuDNN); O/LSE compared with the default tile's
     FLASHMASK3_TRITON_AUTOTUNE=0 timeout $((BUDGET + 60)) python3 benchmarks/forward_configs.py --dims "${DIMS:-128,64}" \
       --budget-s "$BUDGET" --out "$OUT" 2>&1 | tee "$OUT/bench_fwdconfigs.log"
     ;;

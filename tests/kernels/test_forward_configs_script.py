@@ -43,7 +43,7 @@ def test_lse_error_sees_a_row_that_should_be_masked():
 
 def test_unlisted_head_dim_is_a_clear_error(capsys):
     with pytest.raises(SystemExit) as exc:
-        FC.main(["--dims", "256"])
+        FC.main(["--dims", "96"])
     assert exc.value.code == 2
     assert "--dims" in capsys.readouterr().err
 
