@@ -567,7 +567,7 @@ FUSED_TIMED_CASES = [("causal", 32, 32), ("causal", 32, 8), ("causal_document_co
 def _split_dkdv_label(q, causal: bool, c: int) -> str:
     """What the split backward's dK/dV launch runs on these inputs: kernel and tile."""
     cfg = T._config("dkdv", q.shape[-1], causal, c, q.dtype, like=q)
-    return f"{T._dkdv_impl(q, cfg)} {cfg.block_m}x{cfg.block_n}w{cfg.num_warps}s{cfg.num_stages}"
+    return f"{T._dkdv_impl(q, cfg)} {_label(dataclasses.astuple(cfg))}"
 
 
 def split_backward(dout, q, k, v, out, lse, cols, causal, scale):

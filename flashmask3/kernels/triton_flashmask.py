@@ -896,10 +896,16 @@ def _config(kind: str, d: int, causal: bool, c: int, dtype: torch.dtype,
     tuned = _TUNED.get((kind, d, causal, c, dtype))
     if tuned is not None:
         return tuned
+    return _gluon_tile(kind, d, like) or CANDIDATES[(kind, _dim_class(d))][0]
+
+
+def _gluon_tile(kind: str, d: int, like: Optional[torch.Tensor]) -> Optional[Config]:
+    """:data:`GLUON_TILE`'s tile of ``kind`` at head dim ``d`` where the Gluon kernel runs it
+    on tensors like ``like`` (:data:`_GLUON_IMPL`); None without one, or without ``like``."""
     tile = GLUON_TILE.get((kind, _dim_class(d)))
-    if tile is not None and like is not None and _GLUON_IMPL[kind](like, tile) != "tl":
-        return tile
-    return CANDIDATES[(kind, _dim_class(d))][0]
+    if tile is None or like is None or _GLUON_IMPL[kind](like, tile) == "tl":
+        return None
+    return tile
 
 
 def _dim_class(d: int) -> int:
@@ -969,8 +975,8 @@ def backward_mode(like: Optional[torch.Tensor] = None) -> str:
         return "split"
     env = os.environ.get("FLASHMASK3_TRITON_BWD", "").strip()
     if env == "":
-        tile = GLUON_TILE.get(("fused", _dim_class(like.shape[-1]))) if like is not None else None
-        return "fused" if tile is not None and _fused_impl(like, tile) != "tl" else "split"
+        d = like.shape[-1] if like is not None else 0
+        return "fused" if _gluon_tile("fused", d, like) is not None else "split"
     return _check_backward(env, "FLASHMASK3_TRITON_BWD")
 
 
