@@ -562,9 +562,13 @@ def plot(results: list[dict], path: str) -> None:
 
 def report(files: list[str], out_dir: str) -> None:
     by_case, meta = {}, {}
-    for f in files:  # later files replace earlier measurements of the same case
+    runs = []
+    for f in files:
         with open(f) as fh:
-            data = json.load(fh)
+            runs.append(json.load(fh))
+    # a later run (by its recorded date) replaces an earlier measurement of the same case,
+    # whatever order the files were named in
+    for data in sorted(runs, key=lambda d: d["meta"].get("date", "")):
         for r in data["results"]:
             r.setdefault("kernel_version", data["meta"].get("kernel_version", "?"))
             by_case[(r["mask"], r["S"], r["D"], r["Hq"], r["Hk"])] = r

@@ -104,8 +104,8 @@ def test_autotune_keeps_every_candidates_time_for_the_report(monkeypatch):
         return out
 
     monkeypatch.setattr(triton.testing, "do_bench", fake_do_bench)
-    cands = T.CANDIDATES[("fwd", 128)]
-    assert len(cands) == 3
+    cands = [T.Config(128, 128, 8, 3), T.Config(128, 128, 8, 2), T.Config(128, 64, 8, 3)]
+    monkeypatch.setitem(T.CANDIDATES, ("fwd", 128), cands)
     q = k = v = torch.randn(1, 64, 2, 128)
     best = T.autotune("fwd", q, k, v, None, True, 0.1)
     key = ("fwd", 128, True, 0, torch.float32)
@@ -114,3 +114,20 @@ def test_autotune_keeps_every_candidates_time_for_the_report(monkeypatch):
     shown = KB._tuned_configs()["fwd 128 True 0 torch.float32"]
     assert shown.startswith("128x64 w8 s3 (")
     assert "128x128 w8 s3: 2.000 ms" in shown and "128x128 w8 s2: failed" in shown
+
+
+def test_report_keeps_the_later_run_of_a_case_whatever_the_file_order(tmp_path):
+    """Two runs of one case: the row shows the run with the later recorded date, also when that
+    file is named first (file names such as kernel_v6_* sort after kernel_v66_*)."""
+    files = []
+    for name, date, fm_fb in (("kernel_v66_new.json", "2026-11-30T07:00:00", 40.0),
+                              ("kernel_v6_old.json", "2026-11-29T20:00:00", 60.0)):
+        meta = dict(gpu="test", date=date, torch="t", triton="x", cuda="c", command=name, not_run=[])
+        path = tmp_path / name
+        path.write_text(json.dumps(dict(meta=meta, results=[_record("causal_document_corpus", fm_fb, 70.0)])))
+        files.append(str(path))
+    KB.report(files, str(tmp_path))
+    row = next(line for line in (tmp_path / "kernel.md").read_text().splitlines()
+               if "causal_document_corpus" in line)
+    assert "| 40.00 |" in row and "| 60.00 |" not in row
+    assert "1.75" in row  # Flex 70 / flashmask3 40
