@@ -21,8 +21,8 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from benchmarks.kernel import TOTAL_TOKENS, bench  # noqa: E402
-from benchmarks.sweep import (backward_case, relative_error, run_sweep, sweep_parser,  # noqa: E402
-                              time_with_result)
+from benchmarks.sweep import (backward_case, parse_sweep_args, relative_error,  # noqa: E402
+                              run_sweep, sweep_parser, time_with_result)
 import flashmask3.masks as M  # noqa: E402
 from flashmask3.kernels import triton_flashmask as T  # noqa: E402
 
@@ -123,9 +123,7 @@ def _describe(rec: dict) -> str:
 
 def main(argv=None) -> int:
     ap = sweep_parser(__doc__.splitlines()[0], MASKS)
-    args = ap.parse_args(argv)
-    if set(args.dims) - set(FWD):
-        ap.error(f"--dims: variants are listed for head dims {sorted(FWD)}, got {args.dims}")
+    args = parse_sweep_args(ap, argv, FWD)
     run_sweep(args, argv, "forward_configs",
               lambda m, s, d: run_case(m, s, d, torch.bfloat16, FWD[d]), _describe, markdown)
     return 0

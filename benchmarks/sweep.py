@@ -88,6 +88,15 @@ def sweep_parser(description: str, masks: list[str]) -> argparse.ArgumentParser:
     return ap
 
 
+def parse_sweep_args(ap: argparse.ArgumentParser, argv, listed_dims) -> argparse.Namespace:
+    """The parsed arguments; --dims must name only head dims the script lists variants for
+    (``listed_dims``), else the usual argparse error naming them."""
+    args = ap.parse_args(argv)
+    if set(args.dims) - set(listed_dims):
+        ap.error(f"--dims: variants are listed for head dims {sorted(listed_dims)}, got {args.dims}")
+    return args
+
+
 def run_sweep(args, argv, name: str, run_case: Callable[[str, int, int], dict],
               describe: Callable[[dict], str], markdown: Callable[[list, dict], str]) -> list:
     """``run_case(mask, S, D)`` for every (D, mask) until ``args.budget_s``; writes
