@@ -109,6 +109,18 @@ def check_qkv(q, k, v) -> None:
         raise ValueError(f"empty inputs are not supported: q {tuple(q.shape)}, k {tuple(k.shape)}")
 
 
+def resolve_softmax_scale(softmax_scale, head_dim: int) -> float:
+    """The scale applied to QKᵀ: ``1 / sqrt(head_dim)`` when None, else the given positive,
+    finite number (TypeError / ValueError otherwise, naming the argument)."""
+    if softmax_scale is None:
+        return 1.0 / math.sqrt(head_dim)
+    if not isinstance(softmax_scale, (int, float)) or isinstance(softmax_scale, bool):
+        raise TypeError(f"softmax_scale must be a positive number, got {softmax_scale!r}")
+    if not math.isfinite(softmax_scale) or softmax_scale <= 0:
+        raise ValueError(f"softmax_scale must be a positive finite number, got {softmax_scale!r}")
+    return float(softmax_scale)
+
+
 def _window_columns(window_size, causal: bool, batch: int, sq: int, sk: int, device) -> Tensor:
     """Columns of a sliding-window mask aligned on the bottom-right diagonal (Sq != Sk ok).
 
@@ -202,11 +214,8 @@ def flashmask_attention(
                 f"startend_row_indices is on {startend_row_indices.device} but q is on {q.device}"
             )
         startend_row_indices = startend_row_indices.contiguous()
-    if softmax_scale is None:
-        softmax_scale = 1.0 / math.sqrt(d)
-    elif not isinstance(softmax_scale, (int, float)) or isinstance(softmax_scale, bool) or softmax_scale <= 0:
-        raise ValueError(f"softmax_scale must be a positive number, got {softmax_scale!r}")
+    softmax_scale = resolve_softmax_scale(softmax_scale, d)
     backend = choose_backend(q)
     q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))
-    out, lse = _attention_forward(q, k, v, startend_row_indices, causal, float(softmax_scale), backend)
+    out, lse = _attention_forward(q, k, v, startend_row_indices, causal, softmax_scale, backend)
     return (out, lse) if return_softmax_lse else out

@@ -51,8 +51,11 @@ def test_bad_mask_arguments():
         flashmask3.flashmask_attention(q, k, v, window_size="3")
     with pytest.raises(ValueError, match="window_size entries"):
         flashmask3.flashmask_attention(q, k, v, window_size=(-2, 1))
-    with pytest.raises(ValueError, match="softmax_scale"):
-        flashmask3.flashmask_attention(q, k, v, softmax_scale=-1.0)
+    for bad_scale in (-1.0, 0.0, float("nan"), float("inf")):
+        with pytest.raises(ValueError, match="softmax_scale"):
+            flashmask3.flashmask_attention(q, k, v, softmax_scale=bad_scale)
+    with pytest.raises(TypeError, match="softmax_scale"):
+        flashmask3.flashmask_attention(q, k, v, softmax_scale="0.1")
     with pytest.raises(TypeError, match="causal must be a bool"):
         flashmask3.flashmask_attention(q, k, v, causal="yes")
     with pytest.raises(ValueError, match="conflicts"):

@@ -22,7 +22,7 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from ..api import check_qkv
+from ..api import check_qkv, resolve_softmax_scale
 from ..kernels import choose_backend, get_backend
 from .comm import (ChunkExchange, all_gather_kv, ensure_ready, reduce_scatter_kv,
                    resolve_group)
@@ -261,18 +261,15 @@ def cp_flashmask_attention(q, k, v, plan: CPPlan, *, group=None, comm: str = "ov
     if q.shape[1] != plan.local_seqlen or k.shape[1] != plan.local_seqlen:
         raise ValueError(f"q and k must hold this rank's {plan.local_seqlen} tokens along dim 1, "
                          f"got {q.shape[1]} and {k.shape[1]}")
+    softmax_scale = resolve_softmax_scale(softmax_scale, q.shape[-1])
     pg = resolve_group(group)
     world = dist.get_world_size(pg)
     if world != plan.cp_size:
         raise ValueError(f"group has {world} ranks but the plan was made for cp_size={plan.cp_size}")
-    if softmax_scale is None:
-        softmax_scale = 1.0 / math.sqrt(q.shape[-1])
-    elif isinstance(softmax_scale, bool) or not isinstance(softmax_scale, (int, float)) or softmax_scale <= 0:
-        raise ValueError(f"softmax_scale must be a positive number, got {softmax_scale!r}")
     ensure_ready(pg, q.device)
     if check_plan:
         _check_same_plan(plan, pg, q.device)
     q, k, v = (t.contiguous() for t in (q, k, v))
-    rt = _Runtime(plan, pg, dist.get_rank(pg), comm, float(softmax_scale), q, k)
+    rt = _Runtime(plan, pg, dist.get_rank(pg), comm, softmax_scale, q, k)
     out, lse = _CPAttention.apply(q, k, v, rt)
     return (out, lse) if return_softmax_lse else out

@@ -55,3 +55,16 @@ def test_rank_error_surfaces_without_hanging():
 def test_stuck_rank_times_out():
     with pytest.raises((RankError, TimeoutError)):
         run_distributed(stuck_rank, 2, timeout_s=40, collective_timeout_s=5)
+
+
+def test_bad_softmax_scale_is_refused_before_any_process_group_is_touched():
+    """Argument errors come first: no process group exists in this process."""
+    import torch
+
+    from flashmask3.distributed import cp_flashmask_attention, plan
+
+    p = plan(named_masks(64)["causal"], None, 2, balance="contiguous")
+    x = torch.randn(1, 32, 2, 8)
+    for bad, err in ((float("nan"), ValueError), (-0.5, ValueError), ("0.1", TypeError)):
+        with pytest.raises(err, match="softmax_scale"):
+            cp_flashmask_attention(x, x, x, p, softmax_scale=bad)
