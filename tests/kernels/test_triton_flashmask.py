@@ -295,6 +295,18 @@ def test_default_forward_tiles_of_each_head_dim(monkeypatch, d, causal, c):
     _check(q, k, v, cols, causal)
 
 
+@pytest.mark.parametrize("d,cfg", [(d, cfg) for d in (64, 128) for cfg in T.CANDIDATES[("fwd", d)][1:]
+                                    if cfg.block_m == 64])
+def test_short_document_forward_tiles_the_autotuner_may_pick(monkeypatch, d, cfg):
+    """The 64x64 forward tiles among the autotuner's candidates (measured faster on short
+    documents, results/forward_configs.md), run by the interpreter on short causal documents
+    whose boundaries fall inside tiles, against the float64 reference."""
+    monkeypatch.setitem(T.CONFIG_OVERRIDE, "fwd", cfg)
+    cols = M.causal_document_mask([37, 70, 21, 90, 82]).startend_row_indices.to(DEVICE)
+    q, k, v = _qkv(1, 300, 300, 2, 1, d, torch.float32, seed=d + cfg.num_stages)
+    _check(q, k, v, cols, True)
+
+
 @pytest.mark.parametrize("bwd", ["split", "fused"])
 def test_fully_masked_everything(monkeypatch, bwd):
     """Every row masked: zeros, -inf LSE, zero gradients, no NaN."""
