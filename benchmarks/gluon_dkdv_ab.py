@@ -116,7 +116,8 @@ def _is_ws(cfg) -> bool:
 def _label(cfg) -> str:
     """``BMxBNwWsS`` plus the :data:`VARIANTS` suffix of the config's last flag: ``ws``,
     ``wsm``, ``wsmds`` (fused only) or ``wsmdsL``."""
-    suffixes = [suffix for name, suffix in VARIANTS if _flags(cfg)[name]]
+    flags = _flags(cfg)
+    suffixes = [suffix for name, suffix in VARIANTS if flags[name]]
     return "{}x{}w{}s{}".format(*cfg[:4]) + (suffixes[-1] if suffixes else "")
 
 

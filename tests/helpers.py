@@ -96,3 +96,11 @@ def wall_ms(fn, grad_to_none=None):
     t0 = time.perf_counter()
     fn()
     return (time.perf_counter() - t0) * 1e3, "wall"
+
+
+def benchmark_on_cpu(monkeypatch, module, total_tokens: int) -> None:
+    """Point a benchmark script (``benchmarks/<script>.py`` imported as ``module``) at the CPU
+    for a test: its DEVICE, its TOTAL_TOKENS (the batch it builds) and its timer (:func:`wall_ms`)."""
+    monkeypatch.setattr(module, "DEVICE", "cpu")
+    monkeypatch.setattr(module, "TOTAL_TOKENS", total_tokens)
+    monkeypatch.setattr(module, "bench", wall_ms)

@@ -10,15 +10,13 @@ pytest.importorskip("triton")
 
 from benchmarks import backward_configs as BC  # noqa: E402
 from flashmask3.kernels import triton_flashmask as T  # noqa: E402
-from tests.helpers import wall_ms  # noqa: E402
+from tests.helpers import benchmark_on_cpu  # noqa: E402
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the GPU runs the real script")
 @pytest.mark.parametrize("mask", ["causal", "causal_document_corpus", "document_corpus"])
 def test_every_config_runs_and_agrees(monkeypatch, mask):
-    monkeypatch.setattr(BC, "DEVICE", "cpu")
-    monkeypatch.setattr(BC, "TOTAL_TOKENS", 80)
-    monkeypatch.setattr(BC, "bench", wall_ms)
+    benchmark_on_cpu(monkeypatch, BC, total_tokens=80)
     dkdv = [(16, 32, 4, 1, False, False), (16, 32, 4, 1, True, True), (32, 16, 4, 1, False, True)]
     dq = [(32, 16, 4, 1, False), (16, 16, 4, 1, True)]
     split_before = dict(T.SPLIT_UNMASKED_LOOP)

@@ -10,14 +10,12 @@ pytest.importorskip("triton")
 
 from benchmarks import backward_modes as BM  # noqa: E402
 from flashmask3.kernels import triton_flashmask as T  # noqa: E402
-from tests.helpers import wall_ms  # noqa: E402
+from tests.helpers import benchmark_on_cpu  # noqa: E402
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the GPU runs the real script")
 def test_every_variant_runs_and_matches_split(monkeypatch):
-    monkeypatch.setattr(BM, "DEVICE", "cpu")
-    monkeypatch.setattr(BM, "TOTAL_TOKENS", 128)
-    monkeypatch.setattr(BM, "bench", wall_ms)
+    benchmark_on_cpu(monkeypatch, BM, total_tokens=128)
     monkeypatch.setitem(T.CANDIDATES, ("fused", 32), [T.Config(16, 32, 4, 1), T.Config(32, 16, 4, 1)])
     rec = BM.run_case("causal_document_corpus", 64, 32, 2, 2, torch.float32)
     labels = set(rec["variants"])

@@ -11,15 +11,13 @@ import torch
 pytest.importorskip("triton")
 
 from benchmarks import forward_configs as FC  # noqa: E402
-from tests.helpers import wall_ms  # noqa: E402
+from tests.helpers import benchmark_on_cpu  # noqa: E402
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the GPU runs the real script")
 @pytest.mark.parametrize("mask", ["causal_document_short", "document_corpus", "causal"])
 def test_every_tile_runs_and_agrees(monkeypatch, mask):
-    monkeypatch.setattr(FC, "DEVICE", "cpu")
-    monkeypatch.setattr(FC, "TOTAL_TOKENS", 96)
-    monkeypatch.setattr(FC, "bench", wall_ms)
+    benchmark_on_cpu(monkeypatch, FC, total_tokens=96)
     variants = [(32, 16, 4, 1), (16, 32, 4, 1), (16, 16, 4, 1)]
     rec = FC.run_case(mask, 96, 32, torch.float32, variants, heads=2)
     assert list(rec["fwd"]) == ["32x16w4s1", "16x32w4s1", "16x16w4s1"]
