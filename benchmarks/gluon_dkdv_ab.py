@@ -108,6 +108,36 @@ def _flags(cfg) -> dict:
     return flags
 
 
+#: Work-order flags of the fused DS_SHARED kernel a label may end with (after the variant
+#: suffix, in this order): ``+p`` PERSISTENT (one program per resident slot, looping over key
+#: blocks), ``+h`` HEAD_MAJOR ((batch, KV head) fastest over the programs).
+ORDERS = (("persistent", "+p"), ("head_major", "+h"))
+
+
+def _parse_spec(label: str) -> tuple:
+    """(config tuple, order flags) of a fused label: :func:`_parse` of the label without its
+    :data:`ORDERS` suffixes, and ``{flag: bool}`` of those, e.g. ``64x128w8s2wsmds+p``."""
+    order = {}
+    for name, suffix in reversed(ORDERS):
+        order[name] = label.endswith(suffix)
+        if order[name]:
+            label = label[:-len(suffix)]
+    return _parse(label), {name: order[name] for name, _ in ORDERS}
+
+
+def _spec(x) -> tuple:
+    """A fused spec (config tuple, order flags) from a spec or a plain config tuple."""
+    if len(x) == 2 and isinstance(x[1], dict):
+        return x
+    return tuple(x), {name: False for name, _ in ORDERS}
+
+
+def _spec_label(spec) -> str:
+    """Label of a fused spec: :func:`_label` plus its :data:`ORDERS` suffixes."""
+    cfg, order = _spec(spec)
+    return _label(cfg) + "".join(suffix for name, suffix in ORDERS if order.get(name))
+
+
 def _is_ws(cfg) -> bool:
     """Whether a config tuple is a WARP_SPEC kernel's (the flag every other variant needs)."""
     return _flags(cfg)["warp_spec"]
@@ -586,12 +616,14 @@ def tl_fused_backward(dout, q, k, v, out, lse, cols, causal, scale):
 
 
 def gluon_fused_backward(dout, q, k, v, out, lse, cols, causal, scale, cfg):
-    """The Gluon fused backward with everything ``T.backward`` does around its kernels (delta
-    pre-pass, by-key plan), so the three backwards are timed alike."""
+    """The Gluon fused backward (``cfg``: a config tuple or a spec with order flags) with
+    everything ``T.backward`` does around its kernels (delta pre-pass, by-key plan), so the
+    three backwards are timed alike."""
+    cfg, order = _spec(cfg)
     sq, sk = q.shape[1], k.shape[1]
     delta, lse2 = T._bwd_pre(out, dout, lse, None)
     plan = T.make_plan(cols, causal, sq, sk, cfg[0], cfg[1], True, q.device)
-    return G.fused_backward_gluon(q, k, v, dout, lse2, delta, causal, scale, plan, cfg)
+    return G.fused_backward_gluon(q, k, v, dout, lse2, delta, causal, scale, plan, cfg, **order)
 
 
 def _compare3(got, ref) -> dict:
@@ -632,10 +664,11 @@ def small_cases_at(d: int) -> list:
 
 
 def _config_refusal(d: int, cfg) -> Optional[str]:
-    """Why the Gluon kernel's ``check_config`` refuses fused config ``cfg`` at head dim ``d``
-    (None when it accepts it)."""
+    """Why the Gluon kernel's ``check_config`` refuses fused config (or spec) ``cfg`` at head
+    dim ``d`` (None when it accepts it)."""
+    cfg, order = _spec(cfg)
     try:
-        G.check_config(d, *cfg[:4], fuse_dq=True, **_flags(cfg))
+        G.check_config(d, *cfg[:4], fuse_dq=True, **_flags(cfg), **order)
     except ValueError as exc:
         return str(exc)
     return None
@@ -669,8 +702,9 @@ def fused_small_pass(records, deadline, out_path, extra=(), d=128):
         for cfg in cfgs:
             refusal = _config_refusal(d_case, cfg) if d != 128 else None
             if refusal is not None:
-                rec["gluon"][_label(cfg)] = dict(skipped=refusal)
-                print(f"fused small {name:26s} {_label(cfg):12s} skipped: {refusal}", flush=True)
+                rec["gluon"][_spec_label(cfg)] = dict(skipped=refusal)
+                print(f"fused small {name:26s} {_spec_label(cfg):12s} skipped: {refusal}",
+                      flush=True)
                 continue
             try:
                 res = _compare3(gluon_fused_backward(dout, q, k, v, out, lse, cols, causal, scale,
@@ -678,18 +712,20 @@ def fused_small_pass(records, deadline, out_path, extra=(), d=128):
                 torch.cuda.synchronize()
             except Exception:
                 res = dict(ok=False, error=traceback.format_exc())
-                print(f"[{name} {_label(cfg)}]\n{res['error']}", flush=True)
-            rec["gluon"][_label(cfg)] = res
-            print(f"fused small {name:26s} {_label(cfg):12s} {_fmt3(res)}", flush=True)
+                print(f"[{name} {_spec_label(cfg)}]\n{res['error']}", flush=True)
+            rec["gluon"][_spec_label(cfg)] = res
+            print(f"fused small {name:26s} {_spec_label(cfg):12s} {_fmt3(res)}", flush=True)
 
 
-def fused_timed_pass(records, deadline, out_path, seqlen, configs, d=128):
+def fused_timed_pass(records, deadline, out_path, seqlen, configs, d=128, cases=None,
+                     with_tl=True):
     """The whole backward at 32K and head dim ``d`` (hidden 4096: the head counts scale by
-    128/d): split (reference), tl fused, Gluon fused per config (the tl fused numbers are
-    context: its errors do not fail the run)."""
+    128/d) on ``cases`` (default FUSED_TIMED_CASES): split (reference), tl fused, Gluon fused
+    per config or spec (the tl fused numbers are context: its errors do not fail the run;
+    ``with_tl=False`` leaves them out)."""
     from benchmarks.sweep import backward_case
 
-    for name, hq, hk in FUSED_TIMED_CASES:
+    for name, hq, hk in cases or FUSED_TIMED_CASES:
         hq, hk = hq * 128 // d, hk * 128 // d
         if time.time() > deadline:
             records.append(dict(part="fused_timed", case=name, Hq=hq, Hk=hk, skipped="budget"))
@@ -715,13 +751,14 @@ def fused_timed_pass(records, deadline, out_path, seqlen, configs, d=128):
             records.append(rec)
             _write(out_path, records)
             continue
-        variants = [("tl_fused", lambda: tl_fused_backward(*args))]
+        variants = [("tl_fused", lambda: tl_fused_backward(*args))] if with_tl else []
         for cfg in configs:
             refusal = _config_refusal(d, cfg) if d != 128 else None
             if refusal is not None:  # (at D=128 every config is launched, as before)
-                rec["gluon"][_label(cfg)] = dict(skipped=refusal)
+                rec["gluon"][_spec_label(cfg)] = dict(skipped=refusal)
                 continue
-            variants.append((_label(cfg), (lambda cfg=cfg: gluon_fused_backward(*args, cfg))))
+            variants.append((_spec_label(cfg),
+                             (lambda cfg=cfg: gluon_fused_backward(*args, cfg))))
         for label, fn in variants:  # a started case runs every variant (budget is per case)
             try:
                 res = _compare3(fn(), ref)
@@ -775,13 +812,31 @@ def fused_summary_table(records) -> str:
     return "\n".join(lines)
 
 
+def parse_cases(text: str) -> list:
+    """``--cases``: comma-separated ``mask`` or ``mask/Hq/Hk`` (heads at D=128; default
+    32/32; masks: ``benchmarks/kernel.py``'s MASKS), e.g. ``causal_document_short,causal/32/8``."""
+    from benchmarks.kernel import MASKS
+
+    cases = []
+    for item in text.split(","):
+        parts = item.strip().split("/")
+        if parts[0] not in MASKS or len(parts) not in (1, 3):
+            raise ValueError(f"--cases: {item!r} is not mask or mask/Hq/Hk "
+                             f"(masks: {', '.join(MASKS)})")
+        hq, hk = (int(parts[1]), int(parts[2])) if len(parts) == 3 else (32, 32)
+        cases.append((parts[0], hq, hk))
+    return cases
+
+
 def fused_main(args) -> int:
-    configs = [_parse(lab) for lab in args.fused_configs.split(",")]
+    configs = [_parse_spec(lab) for lab in args.fused_configs.split(",")]
+    cases = parse_cases(args.cases) if args.cases else None
     out_path, start, deadline, records = start_run("gluon_fused_ab", args.budget_s, "; fused A/B")
     if not args.skip_small:
         fused_small_pass(records, deadline, out_path, configs, args.head_dim)
     if not args.skip_timed:
-        fused_timed_pass(records, deadline, out_path, args.seqlen, configs, args.head_dim)
+        fused_timed_pass(records, deadline, out_path, args.seqlen, configs, args.head_dim,
+                         cases, with_tl=not args.skip_tl_fused)
     table = fused_summary_table(records)
     print(table)
     bad = failures(records, _fmt3)  # the tl fused numbers are context only: never a failure
@@ -814,6 +869,11 @@ def main(argv=None) -> int:
     ap.add_argument("--skip-timed", action="store_true")
     ap.add_argument("--fused", action="store_true",
                     help="the fused Gluon backward against the split backward instead")
+    ap.add_argument("--skip-tl-fused", action="store_true",
+                    help="with --fused: leave out the tl fused backward's column")
+    ap.add_argument("--cases", default="",
+                    help="with --fused: the timed cases, mask or mask/Hq/Hk, comma-separated "
+                         "(default: FUSED_TIMED_CASES)")
     ap.add_argument("--fused-configs", default=",".join(_label(c) for c in FUSED_TIMED_CONFIGS),
                     help="fused Gluon configs timed at 32K with --fused (and checked on the "
                          "small D=128 cases), e.g. 32x64w4s3ws,64x128w8s2wsmds (suffix wsmds: "

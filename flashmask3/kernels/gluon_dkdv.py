@@ -821,11 +821,23 @@ def _producer_partition(n_blk, b, hk, b64, group, q_desc, do_desc, q_ring, do_ri
                         rng_ptr, Sq, Sk, Hq, Hm, NQB, NKB, mask_b_stride, lse2_ptr, delta_ptr,
                         lse_ring, delta_ring, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
                         NUM_STAGES: gl.constexpr, CAUSAL: gl.constexpr, C: gl.constexpr):
-    """WARP_SPEC worker (1 warp, few registers): walks the same query heads and live ranges as
-    :func:`_heads` (same ``_key_block_ranges``) and loads their tiles; scalars only. With
-    STATS_SMEM (``lse_ring`` a shared ring, else a placeholder 0) also each tile's lse2/delta
-    (:func:`_produce_range_stats`)."""
-    it = n_blk * 0
+    """WARP_SPEC worker (1 warp, few registers): the Q/dO (and with STATS_SMEM lse2/delta)
+    tiles of one key block (:func:`_produce_heads`)."""
+    _produce_heads(n_blk * 0, n_blk, b, hk, b64, group, q_desc, do_desc, q_ring, do_ring, ready,
+                   empty, rng_ptr, Sq, Sk, Hq, Hm, NQB, NKB, mask_b_stride, lse2_ptr, delta_ptr,
+                   lse_ring, delta_ring, BLOCK_M, BLOCK_N, NUM_STAGES, CAUSAL, C)
+
+
+@_jit
+def _produce_heads(it, n_blk, b, hk, b64, group, q_desc, do_desc, q_ring, do_ring, ready, empty,
+                   rng_ptr, Sq, Sk, Hq, Hm, NQB, NKB, mask_b_stride, lse2_ptr, delta_ptr,
+                   lse_ring, delta_ring, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+                   NUM_STAGES: gl.constexpr, CAUSAL: gl.constexpr, C: gl.constexpr):
+    """The producer's walk over one key block: the same query heads and live ranges as
+    :func:`_heads` (same ``_key_block_ranges``), loading their tiles into the ring from ring
+    counter ``it`` on; scalars only. With STATS_SMEM (``lse_ring`` a shared ring, else a
+    placeholder 0) also each tile's lse2/delta (:func:`_produce_range_stats`). Returns the
+    ring counter after the key block's last tile."""
     for g in range(0, group):
         h = hk * group + g
         mbh = b64 * mask_b_stride + h // (Hq // Hm)
@@ -846,6 +858,7 @@ def _producer_partition(n_blk, b, hk, b64, group, q_desc, do_desc, q_ring, do_ri
                                 b * Sq, h * (q_desc.block_type.shape[1]), BLOCK_M, NUM_STAGES)
             it = _produce_range(q_desc, do_desc, q_ring, do_ring, ready, empty, it, lo1, hi1,
                                 b * Sq, h * (q_desc.block_type.shape[1]), BLOCK_M, NUM_STAGES)
+    return it
 
 
 @_jit
@@ -878,7 +891,7 @@ def _produce_range_stats(q_desc, do_desc, q_ring, do_ring, ready, empty, it, lo,
 
 
 @_jit
-def _heads(dk, dv, n_blk, b, hk, b64, group, k_smem, v_smem, q_ring, do_ring, ready, empty,
+def _heads(dk, dv, it, n_blk, b, hk, b64, group, k_smem, v_smem, q_ring, do_ring, ready, empty,
            q_desc, do_desc, lse2_ptr, delta_ptr, mask_ptr, sum_ptr, rng_ptr, scale_log2, Sq, Sk,
            Hq, Hk, Hm, NQB, NKB, mask_b_stride, ds_smem, dq_smem, dq_desc, cols, offs_mb,
            s_layout: gl.constexpr, a_layout: gl.constexpr, D: gl.constexpr,
@@ -887,10 +900,11 @@ def _heads(dk, dv, n_blk, b, hk, b64, group, k_smem, v_smem, q_ring, do_ring, re
            WARP_SPEC: gl.constexpr):
     """dK, dV of key block ``n_blk`` (batch b, KV head hk, ``group`` query heads) over the
     query heads of its group: per head the key block's ranges, statistics and column
-    intervals, then its two live ranges (:func:`_range`). Returns (dk, dv). (The program
-    indices come from the kernel, computed where the split kernel always computed them: the
-    WARP_SPEC=False kernel's instruction order, hence its SASS, is the pre-WARP_SPEC one.)"""
-    it = n_blk * 0  # ring counter: tile t sits in slot t % NUM_STAGES, parity (t // S) & 1
+    intervals, then its two live ranges (:func:`_range`), from ring counter ``it`` on (tile t
+    sits in slot t % NUM_STAGES, parity (t // NUM_STAGES) & 1). Returns (dk, dv, it). (The
+    program indices come from the kernel, computed where the split kernel always computed
+    them: the WARP_SPEC=False kernel's instruction order, hence its SASS, is the pre-WARP_SPEC
+    one.)"""
     for g in range(0, group):
         h = hk * group + g
         hm = h // (Hq // Hm)
@@ -922,7 +936,7 @@ def _heads(dk, dv, n_blk, b, hk, b64, group, k_smem, v_smem, q_ring, do_ring, re
                             q_row0, q_col, offs_mb, cols, ivals, stats, n_blk, Sq, Sk,
                             scale_log2, ds_smem, dq_smem, dq_desc, dq_row0, s_layout, a_layout,
                             BLOCK_M, BLOCK_N, NUM_STAGES, CAUSAL, C, NI, FUSE_DQ, WARP_SPEC)
-    return dk, dv
+    return dk, dv, it
 
 
 @_jit
@@ -943,17 +957,121 @@ def _compute_partition(n_blk, b, hk, b64, group, k_smem, v_smem, q_ring, do_ring
     dk = gl.zeros([BLOCK_N, D], gl.float32, acc_layout)
     dv = gl.zeros([BLOCK_N, D], gl.float32, acc_layout)
     mbarrier.wait(kv_bar, 0)
-    dk, dv = _heads(dk, dv, n_blk, b, hk, b64, group, k_smem, v_smem, q_ring, do_ring, ready,
-                    empty, q_desc, do_desc, lse2_ptr, delta_ptr, mask_ptr, sum_ptr, rng_ptr,
-                    scale_log2, Sq, Sk, Hq, Hk, Hm, NQB, NKB, mask_b_stride, ds_smem, dq_smem,
-                    dq_desc, cols, offs_mb, s_layout, a_layout, D, BLOCK_M, BLOCK_N, NUM_STAGES,
-                    CAUSAL, C, NI, FUSE_DQ, True)
+    dk, dv, _ = _heads(dk, dv, n_blk * 0, n_blk, b, hk, b64, group, k_smem, v_smem, q_ring,
+                       do_ring, ready, empty, q_desc, do_desc, lse2_ptr, delta_ptr, mask_ptr,
+                       sum_ptr, rng_ptr, scale_log2, Sq, Sk, Hq, Hk, Hm, NQB, NKB, mask_b_stride,
+                       ds_smem, dq_smem, dq_desc, cols, offs_mb, s_layout, a_layout, D, BLOCK_M,
+                       BLOCK_N, NUM_STAGES, CAUSAL, C, NI, FUSE_DQ, True)
     if FUSE_DQ:
         tma.store_wait(0)  # the last reduce has read dq_smem
     return (dk, dv)
 
 
-@_jit(do_not_specialize=_NO_SPEC)
+@_jit
+def _work_item(item, n_items, NKB, Hk, HEAD_MAJOR: gl.constexpr):
+    """(n_blk, b, hk) of work item ``item`` of ``n_items`` = NKB * B * Hk (key block, batch, KV
+    head): key blocks fastest (programs that run at the same time read one head's Q and dO,
+    which L2 then holds for all of them), or with HEAD_MAJOR the (batch, KV head) fastest (the
+    dQ rows that concurrent programs reduce into then belong to different heads)."""
+    if HEAD_MAJOR:
+        n_bh = n_items // NKB
+        n_blk = item // n_bh
+        bh = item % n_bh
+    else:
+        n_blk = item % NKB
+        bh = item // NKB
+    return n_blk, bh // Hk, bh % Hk
+
+
+@_jit
+def _store_dkdv(dk, dv, dk_ptr, dv_ptr, sm_scale, b64, c0, hk, Sk, Hk, acc_layout: gl.constexpr,
+                D: gl.constexpr, BLOCK_N: gl.constexpr):
+    """dK (times ``sm_scale``) and dV of the key block at c0 (batch b64, KV head hk) from the
+    accumulators to global memory, rows past Sk left out."""
+    dtype: gl.constexpr = dk_ptr.dtype.element_ty
+    offs_n = c0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, acc_layout))
+    offs_d = gl.arange(0, D, layout=gl.SliceLayout(0, acc_layout))
+    row_off = (b64 * Sk + offs_n) * (Hk * D) + hk * D
+    kv_off = row_off[:, None] + offs_d[None, :]
+    nmask = (offs_n[:, None] < Sk) & (offs_d[None, :] < D)
+    gl.store(dk_ptr + kv_off, (dk * sm_scale).to(dtype), mask=nmask)
+    gl.store(dv_ptr + kv_off, dv.to(dtype), mask=nmask)
+
+
+@_jit
+def _persistent_compute_partition(n_items, kv_smem, q_ring, do_ring, ready, empty, kv_bar,
+                                  kv_empty, q_desc, do_desc, lse_ring, delta_ring, mask_ptr,
+                                  sum_ptr, rng_ptr, dk_ptr, dv_ptr, sm_scale, scale_log2, Sq, Sk,
+                                  Hq, Hk, Hm, NQB, NKB, mask_b_stride, ds_smem, dq_smem, dq_desc,
+                                  s_layout: gl.constexpr, acc_layout: gl.constexpr,
+                                  a_layout: gl.constexpr, D: gl.constexpr, BLOCK_M: gl.constexpr,
+                                  BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr,
+                                  CAUSAL: gl.constexpr, C: gl.constexpr, NI: gl.constexpr,
+                                  FUSE_DQ: gl.constexpr, HEAD_MAJOR: gl.constexpr):
+    """PERSISTENT default partition: the work items program_id, program_id + num_programs, ...
+    (:func:`_work_item`) one after another, each as :func:`_compute_partition` computes one
+    key block, then hands K/V back to the producer (``kv_empty``: every wgmma reading them has
+    retired) before it stores dK and dV, so the next key block's K/V load runs under that
+    store. The ring counter runs on across items (the producer's does too)."""
+    offs_mb = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, s_layout))
+    group = Hq // Hk
+    it = gl.program_id(0) * 0
+    n_done = gl.program_id(0) * 0
+    for item in range(gl.program_id(0), n_items, gl.num_programs(0)):
+        n_blk, b, hk = _work_item(item, n_items, NKB, Hk, HEAD_MAJOR)
+        b64 = b.to(gl.int64)
+        c0 = n_blk * BLOCK_N
+        cols = c0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, s_layout))
+        dk = gl.zeros([BLOCK_N, D], gl.float32, acc_layout)
+        dv = gl.zeros([BLOCK_N, D], gl.float32, acc_layout)
+        mbarrier.wait(kv_bar, n_done & 1)
+        dk, dv, it = _heads(dk, dv, it, n_blk, b, hk, b64, group, kv_smem, kv_smem, q_ring,
+                            do_ring, ready, empty, q_desc, do_desc, lse_ring, delta_ring,
+                            mask_ptr, sum_ptr, rng_ptr, scale_log2, Sq, Sk, Hq, Hk, Hm, NQB, NKB,
+                            mask_b_stride, ds_smem, dq_smem, dq_desc, cols, offs_mb, s_layout,
+                            a_layout, D, BLOCK_M, BLOCK_N, NUM_STAGES, CAUSAL, C, NI, FUSE_DQ,
+                            True)
+        _release_slot(kv_empty, 0)
+        _store_dkdv(dk, dv, dk_ptr, dv_ptr, sm_scale, b64, c0, hk, Sk, Hk, acc_layout, D,
+                    BLOCK_N)
+        n_done += 1
+    tma.store_wait(0)  # the last reduce has read dq_smem
+
+
+@_jit
+def _persistent_producer_partition(n_items, q_desc, do_desc, k_desc, v_desc, kv_smem, kv_bar,
+                                   kv_empty, q_ring, do_ring, ready, empty, rng_ptr, Sq, Sk, Hq,
+                                   Hk, Hm, NQB, NKB, mask_b_stride, lse2_ptr, delta_ptr, lse_ring,
+                                   delta_ring, D: gl.constexpr, BLOCK_M: gl.constexpr,
+                                   BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr,
+                                   CAUSAL: gl.constexpr, C: gl.constexpr,
+                                   HEAD_MAJOR: gl.constexpr):
+    """PERSISTENT worker (1 warp): per work item of this program (same order as the compute
+    partition), waits until the compute partition has handed K/V back (``kv_empty``, parity
+    one behind: a fresh barrier counts as handed back), TMA-loads the key block's K and V on
+    ``kv_bar``, then its Q/dO tiles and statistics (:func:`_produce_heads`). The ring runs
+    ahead across items, so the next key block's first tiles load while this one's last tiles
+    are computed."""
+    group = Hq // Hk
+    it = gl.program_id(0) * 0
+    n_done = gl.program_id(0) * 0
+    for item in range(gl.program_id(0), n_items, gl.num_programs(0)):
+        n_blk, b, hk = _work_item(item, n_items, NKB, Hk, HEAD_MAJOR)
+        b64 = b.to(gl.int64)
+        mbarrier.wait(kv_empty.index(0), (n_done & 1) ^ 1)
+        mbarrier.expect(kv_bar, k_desc.block_type.nbytes + v_desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(k_desc, [b * Sk + n_blk * BLOCK_N, hk * D], kv_bar,
+                                        kv_smem.index(0))
+        tma.async_copy_global_to_shared(v_desc, [b * Sk + n_blk * BLOCK_N, hk * D], kv_bar,
+                                        kv_smem.index(1))
+        it = _produce_heads(it, n_blk, b, hk, b64, group, q_desc, do_desc, q_ring, do_ring,
+                            ready, empty, rng_ptr, Sq, Sk, Hq, Hm, NQB, NKB, mask_b_stride,
+                            lse2_ptr, delta_ptr, lse_ring, delta_ring, BLOCK_M, BLOCK_N,
+                            NUM_STAGES, CAUSAL, C)
+        n_done += 1
+
+
+@_jit(do_not_specialize=_NO_SPEC + ["n_items"])
 def _dkdv_gluon_kernel(q_desc, do_desc, k_desc, v_desc, dk_ptr, dv_ptr, lse2_ptr, delta_ptr,
                        mask_ptr, sum_ptr, rng_ptr, sm_scale, scale_log2,
                        Sq, Sk, Hq, Hk, Hm, NQB, NKB, mask_b_stride, dq_desc,
@@ -962,7 +1080,8 @@ def _dkdv_gluon_kernel(q_desc, do_desc, k_desc, v_desc, dk_ptr, dv_ptr, lse2_ptr
                        NUM_STAGES: gl.constexpr, NUM_WARPS: gl.constexpr,
                        FUSE_DQ: gl.constexpr = False, WARP_SPEC: gl.constexpr = False,
                        STATS_SMEM: gl.constexpr = False, DS_SHARED: gl.constexpr = False,
-                       DP_LATE_WAIT: gl.constexpr = False):
+                       DP_LATE_WAIT: gl.constexpr = False, PERSISTENT: gl.constexpr = False,
+                       HEAD_MAJOR: gl.constexpr = False, n_items=None):
     """One program per (key block, batch * KV head); loops over the query heads of its group.
     FUSE_DQ: also reduce-adds dQ (unscaled, fp32) through ``dq_desc``: the [B*Hq*D, Sq] view of
     a dQᵀ buffer [B, Hq, D, Sq_pad] (block [D, BLOCK_M]: a wgmma accumulator tile as it sits
@@ -975,9 +1094,18 @@ def _dkdv_gluon_kernel(q_desc, do_desc, k_desc, v_desc, dk_ptr, dv_ptr, lse2_ptr
     order. Launch it with ``maxnreg`` (see :func:`ws_maxnreg`): the compute partition gets the
     registers the producer's warpgroup gives back.
 
-    DP_LATE_WAIT (DS_SHARED only): Pᵀ stored before the dPᵀ wait (:func:`_tile_ds_shared`)."""
+    DP_LATE_WAIT (DS_SHARED only): Pᵀ stored before the dPᵀ wait (:func:`_tile_ds_shared`).
+
+    PERSISTENT (DS_SHARED only): a grid of at most as many programs as fit on the GPU at once,
+    each looping over work items (key block, batch * KV head) program_id, program_id +
+    num_programs, ... of ``n_items`` (:func:`_persistent_compute_partition`,
+    :func:`_persistent_producer_partition`): the producer loads K/V too, and one key block's
+    first tiles load under the previous one's last tiles and dK/dV store. HEAD_MAJOR: the
+    (batch, KV head) index runs fastest over the programs (grid (B*Hk, NKB) without
+    PERSISTENT), not the key block (:func:`_work_item`)."""
     gl.static_assert(BLOCK_N == 16 * NUM_WARPS, "wgmma M: 16 rows per warp, warps along keys")
     gl.static_assert(DS_SHARED or not DP_LATE_WAIT, "DP_LATE_WAIT: a DS_SHARED variant")
+    gl.static_assert(DS_SHARED or not PERSISTENT, "PERSISTENT: a DS_SHARED variant")
     dtype: gl.constexpr = q_desc.dtype
     # S^T, dP^T: [BLOCK_N keys, BLOCK_M queries]; dK, dV: [BLOCK_N, D]
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[NUM_WARPS, 1],
@@ -987,8 +1115,12 @@ def _dkdv_gluon_kernel(q_desc, do_desc, k_desc, v_desc, dk_ptr, dv_ptr, lse2_ptr
                                                          instr_shape=[16, D, 16])
     a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_layout, k_width=2)
 
-    n_blk = gl.program_id(0)
-    bh = gl.program_id(1)
+    if HEAD_MAJOR:
+        n_blk = gl.program_id(1)
+        bh = gl.program_id(0)
+    else:
+        n_blk = gl.program_id(0)
+        bh = gl.program_id(1)
     b = bh // Hk
     hk = bh % Hk
     b64 = b.to(gl.int64)
@@ -1018,6 +1150,9 @@ def _dkdv_gluon_kernel(q_desc, do_desc, k_desc, v_desc, dk_ptr, dv_ptr, lse2_ptr
         if WARP_SPEC:
             mbarrier.init(empty.index(i), count=1)
     mbarrier.init(kv_bar, count=1)
+    if PERSISTENT:  # the compute partition hands K/V back to the producer after each key block
+        kv_empty = gl.allocate_shared_memory(gl.int64, [1, 1], mbarrier.MBarrierLayout())
+        mbarrier.init(kv_empty.index(0), count=1)
     if FUSE_DQ:
         gl.static_assert(D >= 16 * NUM_WARPS, "fused dQ^T: wgmma M = D, 16 rows per warp")
         if DS_SHARED:  # (dSᵀ, Pᵀ): both wgmma A operands from shared memory
@@ -1037,9 +1172,10 @@ def _dkdv_gluon_kernel(q_desc, do_desc, k_desc, v_desc, dk_ptr, dv_ptr, lse2_ptr
         dq_smem = None
     fence_async_shared()
 
-    mbarrier.expect(kv_bar, k_desc.block_type.nbytes + v_desc.block_type.nbytes)
-    tma.async_copy_global_to_shared(k_desc, [b * Sk + c0, hk * D], kv_bar, k_smem)
-    tma.async_copy_global_to_shared(v_desc, [b * Sk + c0, hk * D], kv_bar, v_smem)
+    if not PERSISTENT:  # (PERSISTENT: the producer loads each key block's K/V)
+        mbarrier.expect(kv_bar, k_desc.block_type.nbytes + v_desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(k_desc, [b * Sk + c0, hk * D], kv_bar, k_smem)
+        tma.async_copy_global_to_shared(v_desc, [b * Sk + c0, hk * D], kv_bar, v_smem)
 
     if WARP_SPEC:
         if not FUSE_DQ:  # placeholders: a None cannot travel in warp_specialize's arguments
@@ -1069,17 +1205,33 @@ def _dkdv_gluon_kernel(q_desc, do_desc, k_desc, v_desc, dk_ptr, dv_ptr, lse2_ptr
             delta_ring = 0
             lse_src = lse2_ptr
             delta_src = delta_ptr
-        dk, dv = gl.warp_specialize([
-            (_compute_partition,
-             (n_blk, b, hk, b64, group, k_smem, v_smem, q_ring, do_ring, ready, empty, kv_bar,
-              q_desc, do_desc, lse_src, delta_src, mask_ptr, sum_ptr, rng_ptr, scale_log2, Sq,
-              Sk, Hq, Hk, Hm, NQB, NKB, mask_b_stride, ds_smem, dq_smem, dq_desc, s_layout,
-              acc_layout, a_layout, D, BLOCK_M, BLOCK_N, NUM_STAGES, CAUSAL, C, NI, FUSE_MODE)),
-            (_producer_partition,
-             (n_blk, b, hk, b64, group, q_desc, do_desc, q_ring, do_ring, ready, empty, rng_ptr,
-              Sq, Sk, Hq, Hm, NQB, NKB, mask_b_stride, lse2_ptr, delta_ptr, lse_ring,
-              delta_ring, BLOCK_M, BLOCK_N, NUM_STAGES, CAUSAL, C)),
-        ], [1], [24])  # PRODUCER_WARPS, PRODUCER_REGS
+        if PERSISTENT:
+            gl.warp_specialize([
+                (_persistent_compute_partition,
+                 (n_items, kv_smem, q_ring, do_ring, ready, empty, kv_bar, kv_empty, q_desc,
+                  do_desc, lse_src, delta_src, mask_ptr, sum_ptr, rng_ptr, dk_ptr, dv_ptr,
+                  sm_scale, scale_log2, Sq, Sk, Hq, Hk, Hm, NQB, NKB, mask_b_stride, ds_smem,
+                  dq_smem, dq_desc, s_layout, acc_layout, a_layout, D, BLOCK_M, BLOCK_N,
+                  NUM_STAGES, CAUSAL, C, NI, FUSE_MODE, HEAD_MAJOR)),
+                (_persistent_producer_partition,
+                 (n_items, q_desc, do_desc, k_desc, v_desc, kv_smem, kv_bar, kv_empty, q_ring,
+                  do_ring, ready, empty, rng_ptr, Sq, Sk, Hq, Hk, Hm, NQB, NKB, mask_b_stride,
+                  lse2_ptr, delta_ptr, lse_ring, delta_ring, D, BLOCK_M, BLOCK_N, NUM_STAGES,
+                  CAUSAL, C, HEAD_MAJOR)),
+            ], [1], [24])  # PRODUCER_WARPS, PRODUCER_REGS
+            mbarrier.invalidate(kv_empty.index(0))
+        else:
+            dk, dv = gl.warp_specialize([
+                (_compute_partition,
+                 (n_blk, b, hk, b64, group, k_smem, v_smem, q_ring, do_ring, ready, empty, kv_bar,
+                  q_desc, do_desc, lse_src, delta_src, mask_ptr, sum_ptr, rng_ptr, scale_log2, Sq,
+                  Sk, Hq, Hk, Hm, NQB, NKB, mask_b_stride, ds_smem, dq_smem, dq_desc, s_layout,
+                  acc_layout, a_layout, D, BLOCK_M, BLOCK_N, NUM_STAGES, CAUSAL, C, NI, FUSE_MODE)),
+                (_producer_partition,
+                 (n_blk, b, hk, b64, group, q_desc, do_desc, q_ring, do_ring, ready, empty, rng_ptr,
+                  Sq, Sk, Hq, Hm, NQB, NKB, mask_b_stride, lse2_ptr, delta_ptr, lse_ring,
+                  delta_ring, BLOCK_M, BLOCK_N, NUM_STAGES, CAUSAL, C)),
+            ], [1], [24])  # PRODUCER_WARPS, PRODUCER_REGS
         for i in gl.static_range(NUM_STAGES):
             mbarrier.invalidate(empty.index(i))
     else:
@@ -1088,24 +1240,28 @@ def _dkdv_gluon_kernel(q_desc, do_desc, k_desc, v_desc, dk_ptr, dv_ptr, lse2_ptr
         dk = gl.zeros([BLOCK_N, D], gl.float32, acc_layout)
         dv = gl.zeros([BLOCK_N, D], gl.float32, acc_layout)
         mbarrier.wait(kv_bar, 0)
-        dk, dv = _heads(dk, dv, n_blk, b, hk, b64, group, k_smem, v_smem, q_ring, do_ring, ready,
-                        empty, q_desc, do_desc, lse2_ptr, delta_ptr, mask_ptr, sum_ptr, rng_ptr,
-                        scale_log2, Sq, Sk, Hq, Hk, Hm, NQB, NKB, mask_b_stride, ds_smem,
-                        dq_smem, dq_desc, cols, offs_mb, s_layout, a_layout, D, BLOCK_M, BLOCK_N,
-                        NUM_STAGES, CAUSAL, C, NI, FUSE_DQ, False)
+        dk, dv, _ = _heads(dk, dv, n_blk * 0, n_blk, b, hk, b64, group, k_smem, v_smem, q_ring,
+                           do_ring, ready, empty, q_desc, do_desc, lse2_ptr, delta_ptr, mask_ptr,
+                           sum_ptr, rng_ptr, scale_log2, Sq, Sk, Hq, Hk, Hm, NQB, NKB,
+                           mask_b_stride, ds_smem, dq_smem, dq_desc, cols, offs_mb, s_layout,
+                           a_layout, D, BLOCK_M, BLOCK_N, NUM_STAGES, CAUSAL, C, NI, FUSE_DQ,
+                           False)
         if FUSE_DQ:
             tma.store_wait(0)  # the last reduce has read dq_smem
     for i in gl.static_range(NUM_STAGES):
         mbarrier.invalidate(ready.index(i))
     mbarrier.invalidate(kv_bar)
 
-    offs_n = c0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, acc_layout))
-    offs_d = gl.arange(0, D, layout=gl.SliceLayout(0, acc_layout))
-    row_off = (b64 * Sk + offs_n) * (Hk * D) + hk * D
-    kv_off = row_off[:, None] + offs_d[None, :]
-    nmask = (offs_n[:, None] < Sk) & (offs_d[None, :] < D)
-    gl.store(dk_ptr + kv_off, (dk * sm_scale).to(dtype), mask=nmask)
-    gl.store(dv_ptr + kv_off, dv.to(dtype), mask=nmask)
+    if not PERSISTENT:  # (PERSISTENT: stored per work item by the compute partition)
+        # _store_dkdv's lines, inline: called as a function they renumber the registers of the
+        # GPU-verified non-WS kernel (C=4 layout; its SASS is pinned by the tests)
+        offs_n = c0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, acc_layout))
+        offs_d = gl.arange(0, D, layout=gl.SliceLayout(0, acc_layout))
+        row_off = (b64 * Sk + offs_n) * (Hk * D) + hk * D
+        kv_off = row_off[:, None] + offs_d[None, :]
+        nmask = (offs_n[:, None] < Sk) & (offs_d[None, :] < D)
+        gl.store(dk_ptr + kv_off, (dk * sm_scale).to(dtype), mask=nmask)
+        gl.store(dv_ptr + kv_off, dv.to(dtype), mask=nmask)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -1187,7 +1343,8 @@ DS_SHARED_TILES = {128: (64, 128, 8, 3), 64: (64, 64, 4, 3)}
 
 def check_config(d: int, block_m: int, block_n: int, num_warps: int, num_stages: int,
                  fuse_dq: bool = False, warp_spec: bool = False, stats_smem: bool = False,
-                 ds_shared: bool = False, dp_late_wait: bool = False) -> None:
+                 ds_shared: bool = False, dp_late_wait: bool = False,
+                 persistent: bool = False, head_major: bool = False) -> None:
     """Raise ValueError on a configuration the kernel cannot compile: one warpgroup row of 16
     keys per warp (block_n == 16 * num_warps), power-of-two tiles; with ``fuse_dq`` also
     d >= 16 * num_warps (dQᵀ = Kᵀ dSᵀ has M = d rows, 16 per warp); ``ds_shared`` only with
@@ -1210,6 +1367,10 @@ def check_config(d: int, block_m: int, block_n: int, num_warps: int, num_stages:
                          stats_smem)
     if dp_late_wait and not ds_shared:
         raise ValueError("gluon fused dQ: dp_late_wait is a DS_SHARED variant (needs ds_shared)")
+    if persistent and not ds_shared:
+        raise ValueError("gluon fused dQ: persistent is a DS_SHARED variant (needs ds_shared)")
+    if head_major and not warp_spec:
+        raise ValueError("gluon dK/dV: head_major is a WARP_SPEC variant (needs warp_spec)")
 
 
 def _check_ds_shared(d, block_m, block_n, num_warps, num_stages, fuse_dq, warp_spec,
@@ -1230,7 +1391,9 @@ def _check_ds_shared(d, block_m, block_n, num_warps, num_stages, fuse_dq, warp_s
 def launch_dkdv_gluon(q, k, v, dout, lse2, delta, causal, softmax_scale, plan, block_m: int,
                       block_n: int, num_warps: int, num_stages: int, fuse_dq: bool = False,
                       warp_spec: bool = False, stats_smem: bool = False,
-                      ds_shared: bool = False, dp_late_wait: bool = False):
+                      ds_shared: bool = False, dp_late_wait: bool = False,
+                      persistent: bool = False, head_major: bool = False,
+                      programs: Optional[int] = None):
     """(dk, dv) like ``_launch_dkdv(..., fuse_dq=False)[:2]``; ``plan`` must come from
     ``make_plan(mask, causal, Sq, Sk, block_m, block_n, by_key=True, device)``.
 
@@ -1251,6 +1414,13 @@ def launch_dkdv_gluon(q, k, v, dout, lse2, delta, causal, softmax_scale, plan, b
     before the dPᵀ wait, which keeps that wait below the exp2s in SASS (dPᵀ runs under them);
     dK, dV should be bitwise equal to ``ds_shared`` alone.
 
+    ``persistent=True`` (with ``ds_shared`` only): :func:`persistent_programs` programs, each
+    looping over key blocks (work items) with the producer loading K/V as well, so a key
+    block's first loads run under the previous one's last tiles. ``head_major=True`` (with
+    ``warp_spec``): the (batch, KV head) index runs fastest over the programs instead of the
+    key block. Same arithmetic per key block: dK, dV should be bitwise equal. ``programs``
+    (tests): the persistent grid's size instead of :func:`persistent_programs`.
+
     ``fuse_dq=True`` (the FUSE_DQ kernel): (dk, dv, dq_acc), dq_acc the
     unscaled fp32 dQ accumulated by TMA reduce-adds, shape [B, Sq, Hq, D] (a permuted view of
     the kernel's [B, Hq, D, Sq_pad] dQᵀ buffer, zero-initialised here); multiply by
@@ -1262,7 +1432,7 @@ def launch_dkdv_gluon(q, k, v, dout, lse2, delta, causal, softmax_scale, plan, b
     b, sq, hq, d = q.shape
     _, sk, hk, _ = k.shape
     check_config(d, block_m, block_n, num_warps, num_stages, fuse_dq, warp_spec, stats_smem,
-                 ds_shared, dp_late_wait)
+                 ds_shared, dp_late_wait, persistent, head_major)
     if q.dtype not in (torch.bfloat16, torch.float16):
         raise ValueError(f"gluon dK/dV: dtype {q.dtype} (bf16 or fp16)")
     q, k, v, dout = (x.contiguous() for x in (q, k, v, dout))
@@ -1301,7 +1471,19 @@ def launch_dkdv_gluon(q, k, v, dout, lse2, delta, causal, softmax_scale, plan, b
         kwargs.update(DS_SHARED=True)
     if dp_late_wait:
         kwargs.update(DP_LATE_WAIT=True)
-    _dkdv_gluon_kernel[(nkb, b * hk)](
+    grid = (nkb, b * hk)
+    if head_major:
+        kwargs.update(HEAD_MAJOR=True)
+        grid = (b * hk, nkb)
+    if persistent:
+        n_items = nkb * b * hk
+        kwargs.update(PERSISTENT=True, n_items=n_items)
+        if programs is None:
+            programs = persistent_programs(q.device, num_warps)
+        if programs < 1:
+            raise ValueError(f"gluon dK/dV: programs={programs} (>= 1)")
+        grid = (min(n_items, programs), )
+    _dkdv_gluon_kernel[grid](
         q_desc, do_desc, k_desc, v_desc, dk, dv, lse2, delta, plan.mask, plan.summary,
         plan.ranges, softmax_scale, softmax_scale * LOG2E, sq, sk, hq, hk, plan.hm, nqb, nkb,
         plan.mask_b_stride, dq_desc, D=d, BLOCK_M=block_m, BLOCK_N=block_n, CAUSAL=causal,
@@ -1312,23 +1494,34 @@ def launch_dkdv_gluon(q, k, v, dout, lse2, delta, causal, softmax_scale, plan, b
     return dk, dv
 
 
-def fused_backward_gluon(q, k, v, dout, lse2, delta, causal, softmax_scale, plan, cfg_tuple):
+def persistent_programs(device, num_warps: int) -> int:
+    """Programs of a PERSISTENT launch: as many as are resident at once, the SM count times the
+    programs per SM that the register budget allows (:func:`ws_maxnreg`: 1 at 8 warps, 2 at 4;
+    the DS_SHARED tiles' shared memory allows as many)."""
+    sms = torch.cuda.get_device_properties(device).multi_processor_count
+    return sms * max(1, SM_REGISTERS // (num_warps * 32 * 256))
+
+
+def fused_backward_gluon(q, k, v, dout, lse2, delta, causal, softmax_scale, plan, cfg_tuple,
+                         persistent: bool = False, head_major: bool = False):
     """(dq, dk, dv) of the fused Gluon backward at any FUSE_DQ config, for the GPU A/B
     ``benchmarks/gluon_dkdv_ab.py --fused`` (the library's default, ``triton_flashmask.backward``,
-    launches the DS_SHARED one itself): one launch of the dK/dV kernel that also reduce-adds dQ, then dQ = softmax_scale * dq_acc cast to q's dtype in one strided pass.
+    launches the DS_SHARED one itself): one launch of the dK/dV kernel that also reduce-adds dQ,
+    then dQ = softmax_scale * dq_acc cast to q's dtype (``triton_flashmask.scale_dq``).
     ``lse2``, ``delta`` from ``triton_flashmask._bwd_pre``; ``plan`` a by-key plan for
     ``cfg_tuple`` = (block_m, block_n, num_warps, num_stages[, warp_spec[, stats_smem[,
-    ds_shared[, dp_late_wait]]]])."""
+    ds_shared[, dp_late_wait]]]]); ``persistent``, ``head_major`` as :func:`launch_dkdv_gluon`."""
     block_m, block_n, num_warps, num_stages = cfg_tuple[:4]
     warp_spec, stats_smem, ds_shared, dp_late_wait = (
         bool(cfg_tuple[i]) if len(cfg_tuple) > i else False for i in (4, 5, 6, 7))
     dk, dv, dq_acc = launch_dkdv_gluon(q, k, v, dout, lse2, delta, causal, softmax_scale, plan,
                                        block_m, block_n, num_warps, num_stages, fuse_dq=True,
                                        warp_spec=warp_spec, stats_smem=stats_smem,
-                                       ds_shared=ds_shared, dp_late_wait=dp_late_wait)
-    dq = torch.empty(q.shape, dtype=q.dtype, device=q.device)
-    torch.mul(dq_acc, softmax_scale, out=dq)
-    return dq, dk, dv
+                                       ds_shared=ds_shared, dp_late_wait=dp_late_wait,
+                                       persistent=persistent, head_major=head_major)
+    from .triton_flashmask import scale_dq
+
+    return scale_dq(dq_acc, softmax_scale, q.dtype), dk, dv
 
 
 # ---------------------------------------------------------------------------------------------
@@ -1358,16 +1551,18 @@ def offline_constexprs(d: int, block_m: int, block_n: int, num_warps: int, num_s
 def compile_sm90(d: int = 128, block_m: int = 64, block_n: int = 64, num_warps: int = 4,
                  num_stages: int = 2, causal: bool = True, c: int = 1, dtype: str = "bf16",
                  fuse_dq: bool = False, warp_spec: bool = False, maxnreg: Optional[int] = None,
-                 stats_smem: bool = False, ds_shared: bool = False, dp_late_wait: bool = False):
+                 stats_smem: bool = False, ds_shared: bool = False, dp_late_wait: bool = False,
+                 persistent: bool = False, head_major: bool = False):
     """Compile the kernel (``fuse_dq``: the FUSE_DQ variant; ``warp_spec``: the WARP_SPEC one,
     at ``maxnreg`` registers per thread, default :func:`ws_maxnreg`; ``dp_late_wait``: the
-    DS_SHARED variant with Pᵀ stored before the dPᵀ wait) for sm_90 without a GPU; returns the
-    CompiledKernel."""
+    DS_SHARED variant with Pᵀ stored before the dPᵀ wait; ``persistent``, ``head_major``: the
+    DS_SHARED kernel's work order, see :func:`launch_dkdv_gluon`) for sm_90 without a GPU;
+    returns the CompiledKernel."""
     reason = unavailable_reason()
     if reason is not None:
         raise RuntimeError(reason)
     check_config(d, block_m, block_n, num_warps, num_stages, fuse_dq, warp_spec, stats_smem,
-                 ds_shared, dp_late_wait)
+                 ds_shared, dp_late_wait, persistent, head_major)
     kern = _dkdv_gluon_kernel
     descs = offline_descriptor_types(dtype, d, q_desc=block_m, do_desc=block_m, k_desc=block_n,
                                      v_desc=block_n)
@@ -1381,6 +1576,12 @@ def compile_sm90(d: int = 128, block_m: int = 64, block_n: int = 64, num_warps: 
     consts["STATS_SMEM"] = stats_smem  # a constexpr (left out, the compile makes it an argument)
     consts["DS_SHARED"] = ds_shared
     consts["DP_LATE_WAIT"] = dp_late_wait
+    consts["PERSISTENT"] = persistent
+    consts["HEAD_MAJOR"] = head_major
+    if persistent:
+        ptrs["n_items"] = "i32"
+    else:
+        consts["n_items"] = None  # as the launcher passes it: a constexpr, not a parameter
     options = {}
     if warp_spec:  # as the launcher passes it (WARP_SPEC=False: the unchanged options)
         options["maxnreg"] = maxnreg if maxnreg is not None else ws_maxnreg(num_warps)
@@ -1489,7 +1690,8 @@ def sass_report(cubin: bytes) -> dict:
 
 def compile_report(d=128, block_m=64, block_n=64, num_warps=4, num_stages=2, causal=True, c=1,
                    dtype="bf16", fuse_dq=False, warp_spec=False, stats_smem=False,
-                   ds_shared=False, dp_late_wait=False) -> dict:
+                   ds_shared=False, dp_late_wait=False, persistent=False,
+                   head_major=False) -> dict:
     """One configuration's offline sm_90 report (or its error); DS_SHARED ones also say how
     many exp2s of a tile loop come after its dPᵀ wait at most (:func:`dp_wait_order`)."""
     row = dict(D=d, block_m=block_m, block_n=block_n, num_warps=num_warps,
@@ -1499,7 +1701,8 @@ def compile_report(d=128, block_m=64, block_n=64, num_warps=4, num_stages=2, cau
     try:
         ck = compile_sm90(d, block_m, block_n, num_warps, num_stages, causal, c, dtype, fuse_dq,
                           warp_spec, stats_smem=stats_smem, ds_shared=ds_shared,
-                          dp_late_wait=dp_late_wait)
+                          dp_late_wait=dp_late_wait, persistent=persistent,
+                          head_major=head_major)
     except Exception as exc:
         row["error"] = f"{type(exc).__name__}: {str(exc)[:2000]}"
         return row

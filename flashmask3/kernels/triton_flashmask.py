@@ -580,6 +580,25 @@ def _bwd_pre_kernel(o_ptr, do_ptr, lse_ptr, dlse_ptr, delta_ptr, lse2_ptr, Sq, H
     tl.store(lse2_ptr + row, lse2, mask=rmask)
 
 
+@triton.jit(do_not_specialize=["Sq", "Hq"])
+def _scale_dq_kernel(src_ptr, dst_ptr, scale, Sq, Hq, s_b, s_q, s_h, s_d,
+                     D: tl.constexpr, BLOCK_Q: tl.constexpr):
+    """dst[b, q, h, :] = scale * src[b, q, h, :] cast to dst's dtype, dst contiguous, src any
+    strides: the fused backward's fp32 dQ accumulator (a [B, Sq, Hq, D] view of the Gluon
+    kernel's dQᵀ buffer [B, Hq, D, Sq_pad], q contiguous) read along q and written along D."""
+    q_blk = tl.program_id(0)
+    bh = tl.program_id(1)
+    b = (bh // Hq).to(tl.int64)
+    h = (bh % Hq).to(tl.int64)
+    offs_q = q_blk * BLOCK_Q + tl.arange(0, BLOCK_Q)
+    offs_d = tl.arange(0, D)
+    qmask = (offs_q < Sq)[:, None]
+    src = src_ptr + b * s_b + h * s_h + offs_q[:, None].to(tl.int64) * s_q + offs_d[None, :] * s_d
+    x = tl.load(src, mask=qmask, other=0.0)
+    dst = dst_ptr + ((b * Sq + offs_q[:, None]) * Hq + h) * D + offs_d[None, :]
+    tl.store(dst, (x * scale).to(dst_ptr.dtype.element_ty), mask=qmask)
+
+
 @triton.jit
 def _dkdv_inner(dk, dv, k, v, lo, hi, q_ptr, do_ptr, q_desc, do_desc, lse2_ptr, delta_ptr,
                 dq_ptr, dq_desc,
@@ -1375,6 +1394,24 @@ def _launch_dq_tl(q, k, v, dout, lse2, delta, causal, softmax_scale, cfg: Config
     return dq
 
 
+def scale_dq(dq_acc: torch.Tensor, softmax_scale: float, dtype: torch.dtype) -> torch.Tensor:
+    """dQ = softmax_scale * dq_acc as a new contiguous ``dtype`` tensor: the fused backward's
+    last step. ``dq_acc`` [B, Sq, Hq, D] fp32 with any strides (the Gluon kernel's is a
+    transposed view). The Triton kernel reads it along its contiguous axis and writes dQ
+    along D; ``torch.mul(dq_acc, scale, out=dq)`` walks dQ's order, which reads a transposed
+    view one element per D step (env FLASHMASK3_TRITON_DQ_SCALE=torch keeps it, for A/B)."""
+    b, sq, hq, d = dq_acc.shape
+    dq = torch.empty((b, sq, hq, d), dtype=dtype, device=dq_acc.device)
+    if _env_choice("FLASHMASK3_TRITON_DQ_SCALE", ("triton", "torch")) == "torch" or dq.numel() == 0:
+        torch.mul(dq_acc, softmax_scale, out=dq)
+        return dq
+    block_q = 64 if d <= 128 else 32
+    _scale_dq_kernel[(triton.cdiv(sq, block_q), b * hq)](
+        dq_acc, dq, softmax_scale, sq, hq, dq_acc.stride(0), dq_acc.stride(1), dq_acc.stride(2),
+        dq_acc.stride(3), D=d, BLOCK_Q=block_q, num_warps=4)
+    return dq
+
+
 def backward(dout, dlse, q, k, v, out, lse, startend_row_indices: Optional[torch.Tensor],
              causal: bool, softmax_scale: float):
     """Backend contract: gradients ``(dq, dk, dv)``; ``dlse`` (or None) is folded into delta."""
@@ -1399,9 +1436,7 @@ def backward(dout, dlse, q, k, v, out, lse, startend_row_indices: Optional[torch
     dk, dv, dq_acc = _launch_dkdv(q, k, v, dout, lse2, delta, causal, softmax_scale, cfg, plan,
                                   fuse_dq=kinds[0] == "fused")
     if dq_acc is not None:
-        dq = torch.empty_like(q)
-        torch.mul(dq_acc, softmax_scale, out=dq)  # scale and cast in one pass
-        return dq, dk, dv
+        return scale_dq(dq_acc, softmax_scale, q.dtype), dk, dv
     cfg = _config("dq", d, causal, c, q.dtype)
     plan = make_plan(startend_row_indices, causal, sq, sk, cfg.block_m, cfg.block_n,
                      PLAN_BY_KEY["dq"], q.device)

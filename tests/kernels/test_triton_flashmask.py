@@ -443,3 +443,24 @@ def test_gpu_deterministic_mode_is_bitwise_reproducible(monkeypatch):
     for a, b, f in zip(first, second, fused):
         assert torch.equal(a, b)
         assert rel_err(f, a) < 1e-2
+
+
+@pytest.mark.parametrize("d", [64, 256])
+def test_scale_dq_reads_any_strides(d):
+    """``scale_dq`` (the fused backward's last step) on the Gluon kernel's transposed
+    accumulator view ([B, Hq, D, Sq_pad] seen as [B, Sq, Hq, D]) and on a contiguous one, Sq not
+    a multiple of its query block: torch.mul's values (fp32 multiply, then one rounding; the
+    interpreter's bf16 rounding may differ by one unit in the last place), contiguous output."""
+    b, sq, hq = 2, 70, 3
+    pad = (sq + 3) // 4 * 4
+    g = torch.Generator(device=DEVICE).manual_seed(d)
+    t = torch.randn(b, hq, d, pad, device=DEVICE, generator=g)
+    for acc in (t[..., :sq].permute(0, 3, 1, 2), torch.randn(b, sq, hq, d, device=DEVICE,
+                                                             generator=g)):
+        for dtype, ulp in ((torch.float16, 0.0), (torch.float32, 0.0), (torch.bfloat16, 2 ** -7)):
+            got = T.scale_dq(acc, 0.3, dtype)
+            ref = torch.empty(acc.shape, dtype=dtype, device=DEVICE)
+            torch.mul(acc, 0.3, out=ref)
+            assert got.is_contiguous() and got.dtype == dtype and got.shape == (b, sq, hq, d)
+            err = ((got.float() - ref.float()).abs() / ref.float().abs().clamp_min(1e-6)).max()
+            assert err <= ulp, err
