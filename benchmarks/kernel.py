@@ -124,10 +124,22 @@ def _sync():
     torch.cuda.synchronize()
 
 
+#: do_bench's timed window for calls under 40 ms, in calls: at least this many samples (a
+#: fixed 100 ms window gave 2-3 samples of a 35-40 ms call, and in session 12 three such
+#: flashmask3 fwd+bwd rows came out 3-7 ms above the same call timed over 1.5 s).
+MIN_SAMPLES = 12
+
+
+def do_bench_window(first_ms: float) -> float:
+    """do_bench's ``rep`` (ms) for a call that took ``first_ms``: 100 ms, or enough for
+    :data:`MIN_SAMPLES` calls."""
+    return max(100.0, MIN_SAMPLES * first_ms)
+
+
 def bench(fn, grad_to_none=None) -> tuple[float, str]:
-    """Median milliseconds of ``fn``: do_bench (median) for short calls; for calls over 40 ms
-    one warm-up and the median of 3 CUDA-event-timed calls (do_bench's 5-call estimate alone
-    would cost seconds per measurement at 128K)."""
+    """Median milliseconds of ``fn``: do_bench (median of at least :data:`MIN_SAMPLES` calls)
+    for short calls; for calls over 40 ms one warm-up and the median of 3 CUDA-event-timed
+    calls (do_bench's 5-call estimate alone would cost seconds per measurement at 128K)."""
     from triton.testing import do_bench
 
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -142,8 +154,10 @@ def bench(fn, grad_to_none=None) -> tuple[float, str]:
         _sync()
         return start.elapsed_time(end)
 
-    if timed_call() < 40:
-        return do_bench(fn, warmup=25, rep=100, grad_to_none=grad_to_none, return_mode="median"), "do_bench"
+    first = timed_call()
+    if first < 40:
+        return do_bench(fn, warmup=25, rep=do_bench_window(first), grad_to_none=grad_to_none,
+                        return_mode="median"), f"do_bench-{MIN_SAMPLES}"
     return sorted(timed_call() for _ in range(3))[1], "events-median-3"
 
 

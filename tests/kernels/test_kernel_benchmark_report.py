@@ -131,3 +131,11 @@ def test_report_keeps_the_later_run_of_a_case_whatever_the_file_order(tmp_path):
                if "causal_document_corpus" in line)
     assert "| 40.00 |" in row and "| 60.00 |" not in row
     assert "1.75" in row  # Flex 70 / flashmask3 40
+
+
+def test_short_calls_get_at_least_min_samples():
+    """do_bench's window covers MIN_SAMPLES calls of a 35 ms call (a fixed 100 ms gave 2-3) and
+    stays 100 ms for short ones."""
+    assert KB.do_bench_window(35.0) >= KB.MIN_SAMPLES * 35.0
+    assert KB.do_bench_window(1.0) == 100.0
+    assert KB.MIN_SAMPLES >= 10
