@@ -109,9 +109,10 @@ def _flags(cfg) -> dict:
 
 
 #: Work-order flags of the fused DS_SHARED kernel a label may end with (after the variant
-#: suffix, in this order): ``+p`` PERSISTENT (one program per resident slot, looping over key
-#: blocks), ``+h`` HEAD_MAJOR ((batch, KV head) fastest over the programs).
-ORDERS = (("persistent", "+p"), ("head_major", "+h"))
+#: suffix): ``+p`` PERSISTENT (one program per resident slot, looping over key blocks claimed
+#: in launch order). (Session 12 also timed ``+h``, (batch, KV head) fastest over the
+#: programs: 0.50-0.86x, removed; and a PERSISTENT with a static walk, replaced.)
+ORDERS = (("persistent", "+p"), )
 
 
 def _parse_spec(label: str) -> tuple:

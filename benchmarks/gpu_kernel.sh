@@ -23,7 +23,7 @@
 #   BENCH_BUDGET=150 bash benchmarks/gpu_kernel.sh fused64  # fused DS_SHARED backward (64x128 w8) tests + A/B vs split
 #   BENCH_BUDGET=200 bash benchmarks/gpu_kernel.sh fused64d # the D=64 DS_SHARED backward (64x64 w4) tests + A/B vs split at D=64
 #   BENCH_BUDGET=200 bash benchmarks/gpu_kernel.sh dpwait   # DS_SHARED with DP_LATE_WAIT (dPᵀ wait below the exp2s) tests + A/B vs DS_SHARED
-#   BENCH_BUDGET=170 bash benchmarks/gpu_kernel.sh order   # the DS_SHARED kernel's work orders (persistent, head-major): tests, backward stages, A/B at D=128 and D=64
+#   BENCH_BUDGET=170 bash benchmarks/gpu_kernel.sh order   # the persistent DS_SHARED kernel: tests, backward stages, A/B at D=128 and D=64 (STAGES=0, BUDGET_D64=0, CASES=... to trim)
 # Each stage has its own timeout so the whole call stays under the 600 s device limit; the
 # benchmark writes its JSON after every case, so a stopped run keeps what it measured.
 set -uo pipefail
@@ -205,19 +205,20 @@ case "$PHASE" in
       --fused-configs 64x128w8s2wsmds,64x128w8s2wsmdsL --budget-s "$BUDGET" 2>&1 | tee "$OUT/bench_dpwait.log"
     ;;
   order)
-    # PERSISTENT / HEAD_MAJOR (the DS_SHARED kernel's walk over key blocks; offline only before
-    # this phase): dK, dV bitwise vs the default DS_SHARED kernel, the dQ scaling kernel vs
-    # torch.mul; where the default backward's time goes; then the whole backward at 32K,
-    # default vs +p vs +h, on the short-document masks and three others (D=128), and at D=64.
-    FLASHMASK3_TRITON_AUTOTUNE=0 timeout ${DS_TEST_S:-170} python3 -m pytest -q -m gpu tests/kernels/test_gluon_dkdv.py -k "work_order or scale_dq" -p no:cacheprovider 2>&1 | tail -15 | tee "$OUT/pytest_order.log"
-    FLASHMASK3_TRITON_AUTOTUNE=0 timeout 100 python3 benchmarks/backward_stages.py --masks causal,causal_document_short,document_short,causal_document_corpus --out "$OUT" 2>&1 | tail -12 | tee "$OUT/stages.log"
+    # PERSISTENT (the DS_SHARED kernel looping over key blocks claimed in launch order;
+    # offline only before this phase): dK, dV bitwise vs the default DS_SHARED kernel, the dQ
+    # scaling kernel vs torch.mul; where the default backward's time goes; then the whole
+    # backward at 32K, default vs +p, on the short-document masks and three others (D=128),
+    # and at D=64. (Session 12's first run of this phase also timed +h and a static walk.)
+    FLASHMASK3_TRITON_AUTOTUNE=0 timeout ${DS_TEST_S:-170} python3 -m pytest -q -m gpu tests/kernels/test_gluon_dkdv.py -k "persistent or scale_dq" -p no:cacheprovider 2>&1 | tail -15 | tee "$OUT/pytest_order.log"
+    [ "${STAGES:-1}" = 1 ] && FLASHMASK3_TRITON_AUTOTUNE=0 timeout 100 python3 benchmarks/backward_stages.py --masks causal,causal_document_short,document_short,causal_document_corpus --out "$OUT" 2>&1 | tail -12 | tee "$OUT/stages.log"
     FLASHMASK3_TRITON_AUTOTUNE=0 timeout $((BUDGET + 60)) python3 benchmarks/gluon_dkdv_ab.py --fused --skip-small --skip-tl-fused \
-      --cases causal_document_short,document_short,causal_document_corpus,causal_document_mixed,document_corpus,causal \
-      --fused-configs 64x128w8s2wsmds,64x128w8s2wsmds+p,64x128w8s2wsmds+h --budget-s "$BUDGET" 2>&1 | tee "$OUT/bench_order.log"
+      --cases ${CASES:-causal_document_short,document_short,causal_document_corpus,causal_document_mixed,document_corpus,causal} \
+      --fused-configs 64x128w8s2wsmds,64x128w8s2wsmds+p --budget-s "$BUDGET" 2>&1 | tee "$OUT/bench_order.log"
     cp "$OUT/gluon_fused_ab.json" "$OUT/gluon_order_ab.json"; cp "$OUT/gluon_fused_ab.md" "$OUT/gluon_order_ab.md"
-    FLASHMASK3_TRITON_AUTOTUNE=0 timeout ${BUDGET_D64:-100} python3 benchmarks/gluon_dkdv_ab.py --fused --skip-small --skip-tl-fused --head-dim 64 \
+    [ "${BUDGET_D64:-100}" -gt 0 ] && FLASHMASK3_TRITON_AUTOTUNE=0 timeout ${BUDGET_D64:-100} python3 benchmarks/gluon_dkdv_ab.py --fused --skip-small --skip-tl-fused --head-dim 64 \
       --cases causal_document_short,document_short,causal_document_corpus \
-      --fused-configs 64x64w4s2wsmds,64x64w4s2wsmds+p,64x64w4s2wsmds+h --budget-s "$((${BUDGET_D64:-100} - 40))" 2>&1 | tee "$OUT/bench_order_d64.log"
+      --fused-configs 64x64w4s2wsmds,64x64w4s2wsmds+p --budget-s "$((${BUDGET_D64:-100} - 40))" 2>&1 | tee "$OUT/bench_order_d64.log"
     ;;
   rest)
     # what the v6.3 table left out: first the GPU tests of the D=256 forward tile (new default,

@@ -968,19 +968,20 @@ def _compute_partition(n_blk, b, hk, b64, group, k_smem, v_smem, q_ring, do_ring
 
 
 @_jit
-def _work_item(item, n_items, NKB, Hk, HEAD_MAJOR: gl.constexpr):
-    """(n_blk, b, hk) of work item ``item`` of ``n_items`` = NKB * B * Hk (key block, batch, KV
-    head): key blocks fastest (programs that run at the same time read one head's Q and dO,
-    which L2 then holds for all of them), or with HEAD_MAJOR the (batch, KV head) fastest (the
-    dQ rows that concurrent programs reduce into then belong to different heads)."""
-    if HEAD_MAJOR:
-        n_bh = n_items // NKB
-        n_blk = item // n_bh
-        bh = item % n_bh
-    else:
-        n_blk = item % NKB
-        bh = item // NKB
+def _work_item(item, NKB, Hk):
+    """(n_blk, b, hk) of work item ``item`` (key block, batch, KV head), key blocks fastest:
+    the items claimed together read one head's Q and dO, which L2 then holds for all of them
+    (as the non-persistent grid's launch order does)."""
+    n_blk = item % NKB
+    bh = item // NKB
     return n_blk, bh // Hk, bh % Hk
+
+
+@_jit
+def _published_item(item_smem, NUM_WARPS: gl.constexpr):
+    """The work item the producer published in ``item_smem`` (one int32), as a scalar."""
+    layout: gl.constexpr = gl.BlockedLayout([1], [32], [NUM_WARPS], [0])
+    return gl.max(item_smem.load(layout), axis=0)
 
 
 @_jit
@@ -1000,31 +1001,34 @@ def _store_dkdv(dk, dv, dk_ptr, dv_ptr, sm_scale, b64, c0, hk, Sk, Hk, acc_layou
 
 @_jit
 def _persistent_compute_partition(n_items, kv_smem, q_ring, do_ring, ready, empty, kv_bar,
-                                  kv_empty, q_desc, do_desc, lse_ring, delta_ring, mask_ptr,
-                                  sum_ptr, rng_ptr, dk_ptr, dv_ptr, sm_scale, scale_log2, Sq, Sk,
-                                  Hq, Hk, Hm, NQB, NKB, mask_b_stride, ds_smem, dq_smem, dq_desc,
-                                  s_layout: gl.constexpr, acc_layout: gl.constexpr,
-                                  a_layout: gl.constexpr, D: gl.constexpr, BLOCK_M: gl.constexpr,
-                                  BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr,
-                                  CAUSAL: gl.constexpr, C: gl.constexpr, NI: gl.constexpr,
-                                  FUSE_DQ: gl.constexpr, HEAD_MAJOR: gl.constexpr):
-    """PERSISTENT default partition: the work items program_id, program_id + num_programs, ...
-    (:func:`_work_item`) one after another, each as :func:`_compute_partition` computes one
-    key block, then hands K/V back to the producer (``kv_empty``: every wgmma reading them has
-    retired) before it stores dK and dV, so the next key block's K/V load runs under that
-    store. The ring counter runs on across items (the producer's does too)."""
+                                  kv_empty, item_smem, q_desc, do_desc, lse_ring, delta_ring,
+                                  mask_ptr, sum_ptr, rng_ptr, dk_ptr, dv_ptr, sm_scale,
+                                  scale_log2, Sq, Sk, Hq, Hk, Hm, NQB, NKB, mask_b_stride,
+                                  ds_smem, dq_smem, dq_desc, s_layout: gl.constexpr,
+                                  acc_layout: gl.constexpr, a_layout: gl.constexpr,
+                                  D: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+                                  NUM_STAGES: gl.constexpr, CAUSAL: gl.constexpr,
+                                  C: gl.constexpr, NI: gl.constexpr, FUSE_DQ: gl.constexpr,
+                                  NUM_WARPS: gl.constexpr):
+    """PERSISTENT default partition: the work items the producer claims for this program, one
+    after another (each published in ``item_smem`` with its K/V on ``kv_bar``; an item >=
+    n_items ends the loop), each as :func:`_compute_partition` computes one key block, then
+    hands K/V back (``kv_empty``: every wgmma reading them has retired) before it stores dK
+    and dV, so the producer claims and loads the next key block under that store. The ring
+    counter runs on across items (the producer's does too)."""
     offs_mb = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, s_layout))
     group = Hq // Hk
     it = gl.program_id(0) * 0
     n_done = gl.program_id(0) * 0
-    for item in range(gl.program_id(0), n_items, gl.num_programs(0)):
-        n_blk, b, hk = _work_item(item, n_items, NKB, Hk, HEAD_MAJOR)
+    mbarrier.wait(kv_bar, 0)
+    item = _published_item(item_smem, NUM_WARPS)
+    while item < n_items:
+        n_blk, b, hk = _work_item(item, NKB, Hk)
         b64 = b.to(gl.int64)
         c0 = n_blk * BLOCK_N
         cols = c0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, s_layout))
         dk = gl.zeros([BLOCK_N, D], gl.float32, acc_layout)
         dv = gl.zeros([BLOCK_N, D], gl.float32, acc_layout)
-        mbarrier.wait(kv_bar, n_done & 1)
         dk, dv, it = _heads(dk, dv, it, n_blk, b, hk, b64, group, kv_smem, kv_smem, q_ring,
                             do_ring, ready, empty, q_desc, do_desc, lse_ring, delta_ring,
                             mask_ptr, sum_ptr, rng_ptr, scale_log2, Sq, Sk, Hq, Hk, Hm, NQB, NKB,
@@ -1035,39 +1039,51 @@ def _persistent_compute_partition(n_items, kv_smem, q_ring, do_ring, ready, empt
         _store_dkdv(dk, dv, dk_ptr, dv_ptr, sm_scale, b64, c0, hk, Sk, Hk, acc_layout, D,
                     BLOCK_N)
         n_done += 1
+        mbarrier.wait(kv_bar, n_done & 1)
+        item = _published_item(item_smem, NUM_WARPS)
     tma.store_wait(0)  # the last reduce has read dq_smem
 
 
 @_jit
-def _persistent_producer_partition(n_items, q_desc, do_desc, k_desc, v_desc, kv_smem, kv_bar,
-                                   kv_empty, q_ring, do_ring, ready, empty, rng_ptr, Sq, Sk, Hq,
-                                   Hk, Hm, NQB, NKB, mask_b_stride, lse2_ptr, delta_ptr, lse_ring,
-                                   delta_ring, D: gl.constexpr, BLOCK_M: gl.constexpr,
-                                   BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr,
-                                   CAUSAL: gl.constexpr, C: gl.constexpr,
-                                   HEAD_MAJOR: gl.constexpr):
-    """PERSISTENT worker (1 warp): per work item of this program (same order as the compute
-    partition), waits until the compute partition has handed K/V back (``kv_empty``, parity
-    one behind: a fresh barrier counts as handed back), TMA-loads the key block's K and V on
-    ``kv_bar``, then its Q/dO tiles and statistics (:func:`_produce_heads`). The ring runs
-    ahead across items, so the next key block's first tiles load while this one's last tiles
-    are computed."""
+def _persistent_producer_partition(n_items, next_item_ptr, q_desc, do_desc, k_desc, v_desc,
+                                   kv_smem, kv_bar, kv_empty, item_smem, q_ring, do_ring, ready,
+                                   empty, rng_ptr, Sq, Sk, Hq, Hk, Hm, NQB, NKB, mask_b_stride,
+                                   lse2_ptr, delta_ptr, lse_ring, delta_ring, D: gl.constexpr,
+                                   BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+                                   NUM_STAGES: gl.constexpr, CAUSAL: gl.constexpr,
+                                   C: gl.constexpr):
+    """PERSISTENT worker (1 warp): once the compute partition has handed K/V back
+    (``kv_empty``, parity one behind: a fresh barrier counts as handed back), claims the next
+    work item from the global counter (``next_item_ptr``, zeroed by the launcher: items go
+    out in launch order, to whichever program is free first, so the key blocks in flight stay
+    as close together as the non-persistent grid's), publishes it in ``item_smem``, TMA-loads
+    its K and V on ``kv_bar`` and then its Q/dO tiles and statistics
+    (:func:`_produce_heads`). An item >= n_items is published with a plain arrive: the compute
+    partition's signal to stop. The ring runs ahead across items."""
     group = Hq // Hk
     it = gl.program_id(0) * 0
     n_done = gl.program_id(0) * 0
-    for item in range(gl.program_id(0), n_items, gl.num_programs(0)):
-        n_blk, b, hk = _work_item(item, n_items, NKB, Hk, HEAD_MAJOR)
-        b64 = b.to(gl.int64)
+    item = gl.program_id(0) * 0
+    st_layout: gl.constexpr = gl.BlockedLayout([1], [32], [1], [0])
+    while item < n_items:
         mbarrier.wait(kv_empty.index(0), (n_done & 1) ^ 1)
-        mbarrier.expect(kv_bar, k_desc.block_type.nbytes + v_desc.block_type.nbytes)
-        tma.async_copy_global_to_shared(k_desc, [b * Sk + n_blk * BLOCK_N, hk * D], kv_bar,
-                                        kv_smem.index(0))
-        tma.async_copy_global_to_shared(v_desc, [b * Sk + n_blk * BLOCK_N, hk * D], kv_bar,
-                                        kv_smem.index(1))
-        it = _produce_heads(it, n_blk, b, hk, b64, group, q_desc, do_desc, q_ring, do_ring,
-                            ready, empty, rng_ptr, Sq, Sk, Hq, Hm, NQB, NKB, mask_b_stride,
-                            lse2_ptr, delta_ptr, lse_ring, delta_ring, BLOCK_M, BLOCK_N,
-                            NUM_STAGES, CAUSAL, C)
+        item = gl.atomic_add(next_item_ptr, 1)
+        item_smem.store(gl.full([1], item, gl.int32, st_layout))
+        gl.thread_barrier()  # every lane's store before the (one-thread) arrive below
+        if item < n_items:
+            n_blk, b, hk = _work_item(item, NKB, Hk)
+            b64 = b.to(gl.int64)
+            mbarrier.expect(kv_bar, k_desc.block_type.nbytes + v_desc.block_type.nbytes)
+            tma.async_copy_global_to_shared(k_desc, [b * Sk + n_blk * BLOCK_N, hk * D], kv_bar,
+                                            kv_smem.index(0))
+            tma.async_copy_global_to_shared(v_desc, [b * Sk + n_blk * BLOCK_N, hk * D], kv_bar,
+                                            kv_smem.index(1))
+            it = _produce_heads(it, n_blk, b, hk, b64, group, q_desc, do_desc, q_ring, do_ring,
+                                ready, empty, rng_ptr, Sq, Sk, Hq, Hm, NQB, NKB, mask_b_stride,
+                                lse2_ptr, delta_ptr, lse_ring, delta_ring, BLOCK_M, BLOCK_N,
+                                NUM_STAGES, CAUSAL, C)
+        else:
+            mbarrier.arrive(kv_bar)
         n_done += 1
 
 
@@ -1081,7 +1097,7 @@ def _dkdv_gluon_kernel(q_desc, do_desc, k_desc, v_desc, dk_ptr, dv_ptr, lse2_ptr
                        FUSE_DQ: gl.constexpr = False, WARP_SPEC: gl.constexpr = False,
                        STATS_SMEM: gl.constexpr = False, DS_SHARED: gl.constexpr = False,
                        DP_LATE_WAIT: gl.constexpr = False, PERSISTENT: gl.constexpr = False,
-                       HEAD_MAJOR: gl.constexpr = False, n_items=None):
+                       n_items=None, next_item_ptr=None):
     """One program per (key block, batch * KV head); loops over the query heads of its group.
     FUSE_DQ: also reduce-adds dQ (unscaled, fp32) through ``dq_desc``: the [B*Hq*D, Sq] view of
     a dQᵀ buffer [B, Hq, D, Sq_pad] (block [D, BLOCK_M]: a wgmma accumulator tile as it sits
@@ -1097,12 +1113,10 @@ def _dkdv_gluon_kernel(q_desc, do_desc, k_desc, v_desc, dk_ptr, dv_ptr, lse2_ptr
     DP_LATE_WAIT (DS_SHARED only): Pᵀ stored before the dPᵀ wait (:func:`_tile_ds_shared`).
 
     PERSISTENT (DS_SHARED only): a grid of at most as many programs as fit on the GPU at once,
-    each looping over work items (key block, batch * KV head) program_id, program_id +
-    num_programs, ... of ``n_items`` (:func:`_persistent_compute_partition`,
+    each looping over the work items (key block, batch * KV head) of ``n_items`` that its
+    producer claims from the counter at ``next_item_ptr`` (:func:`_persistent_compute_partition`,
     :func:`_persistent_producer_partition`): the producer loads K/V too, and one key block's
-    first tiles load under the previous one's last tiles and dK/dV store. HEAD_MAJOR: the
-    (batch, KV head) index runs fastest over the programs (grid (B*Hk, NKB) without
-    PERSISTENT), not the key block (:func:`_work_item`)."""
+    K/V and first tiles load under the previous one's dK/dV store."""
     gl.static_assert(BLOCK_N == 16 * NUM_WARPS, "wgmma M: 16 rows per warp, warps along keys")
     gl.static_assert(DS_SHARED or not DP_LATE_WAIT, "DP_LATE_WAIT: a DS_SHARED variant")
     gl.static_assert(DS_SHARED or not PERSISTENT, "PERSISTENT: a DS_SHARED variant")
@@ -1115,12 +1129,8 @@ def _dkdv_gluon_kernel(q_desc, do_desc, k_desc, v_desc, dk_ptr, dv_ptr, lse2_ptr
                                                          instr_shape=[16, D, 16])
     a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_layout, k_width=2)
 
-    if HEAD_MAJOR:
-        n_blk = gl.program_id(1)
-        bh = gl.program_id(0)
-    else:
-        n_blk = gl.program_id(0)
-        bh = gl.program_id(1)
+    n_blk = gl.program_id(0)
+    bh = gl.program_id(1)
     b = bh // Hk
     hk = bh % Hk
     b64 = b.to(gl.int64)
@@ -1153,6 +1163,9 @@ def _dkdv_gluon_kernel(q_desc, do_desc, k_desc, v_desc, dk_ptr, dv_ptr, lse2_ptr
     if PERSISTENT:  # the compute partition hands K/V back to the producer after each key block
         kv_empty = gl.allocate_shared_memory(gl.int64, [1, 1], mbarrier.MBarrierLayout())
         mbarrier.init(kv_empty.index(0), count=1)
+        # the claimed work item, from the producer to the compute partition
+        item_smem = gl.allocate_shared_memory(gl.int32, [1],
+                                              gl.SwizzledSharedLayout(1, 1, 1, order=[0]))
     if FUSE_DQ:
         gl.static_assert(D >= 16 * NUM_WARPS, "fused dQ^T: wgmma M = D, 16 rows per warp")
         if DS_SHARED:  # (dSᵀ, Pᵀ): both wgmma A operands from shared memory
@@ -1208,16 +1221,16 @@ def _dkdv_gluon_kernel(q_desc, do_desc, k_desc, v_desc, dk_ptr, dv_ptr, lse2_ptr
         if PERSISTENT:
             gl.warp_specialize([
                 (_persistent_compute_partition,
-                 (n_items, kv_smem, q_ring, do_ring, ready, empty, kv_bar, kv_empty, q_desc,
-                  do_desc, lse_src, delta_src, mask_ptr, sum_ptr, rng_ptr, dk_ptr, dv_ptr,
-                  sm_scale, scale_log2, Sq, Sk, Hq, Hk, Hm, NQB, NKB, mask_b_stride, ds_smem,
-                  dq_smem, dq_desc, s_layout, acc_layout, a_layout, D, BLOCK_M, BLOCK_N,
-                  NUM_STAGES, CAUSAL, C, NI, FUSE_MODE, HEAD_MAJOR)),
+                 (n_items, kv_smem, q_ring, do_ring, ready, empty, kv_bar, kv_empty, item_smem,
+                  q_desc, do_desc, lse_src, delta_src, mask_ptr, sum_ptr, rng_ptr, dk_ptr,
+                  dv_ptr, sm_scale, scale_log2, Sq, Sk, Hq, Hk, Hm, NQB, NKB, mask_b_stride,
+                  ds_smem, dq_smem, dq_desc, s_layout, acc_layout, a_layout, D, BLOCK_M,
+                  BLOCK_N, NUM_STAGES, CAUSAL, C, NI, FUSE_MODE, NUM_WARPS)),
                 (_persistent_producer_partition,
-                 (n_items, q_desc, do_desc, k_desc, v_desc, kv_smem, kv_bar, kv_empty, q_ring,
-                  do_ring, ready, empty, rng_ptr, Sq, Sk, Hq, Hk, Hm, NQB, NKB, mask_b_stride,
-                  lse2_ptr, delta_ptr, lse_ring, delta_ring, D, BLOCK_M, BLOCK_N, NUM_STAGES,
-                  CAUSAL, C, HEAD_MAJOR)),
+                 (n_items, next_item_ptr, q_desc, do_desc, k_desc, v_desc, kv_smem, kv_bar,
+                  kv_empty, item_smem, q_ring, do_ring, ready, empty, rng_ptr, Sq, Sk, Hq, Hk,
+                  Hm, NQB, NKB, mask_b_stride, lse2_ptr, delta_ptr, lse_ring, delta_ring, D,
+                  BLOCK_M, BLOCK_N, NUM_STAGES, CAUSAL, C)),
             ], [1], [24])  # PRODUCER_WARPS, PRODUCER_REGS
             mbarrier.invalidate(kv_empty.index(0))
         else:
@@ -1344,7 +1357,7 @@ DS_SHARED_TILES = {128: (64, 128, 8, 3), 64: (64, 64, 4, 3)}
 def check_config(d: int, block_m: int, block_n: int, num_warps: int, num_stages: int,
                  fuse_dq: bool = False, warp_spec: bool = False, stats_smem: bool = False,
                  ds_shared: bool = False, dp_late_wait: bool = False,
-                 persistent: bool = False, head_major: bool = False) -> None:
+                 persistent: bool = False) -> None:
     """Raise ValueError on a configuration the kernel cannot compile: one warpgroup row of 16
     keys per warp (block_n == 16 * num_warps), power-of-two tiles; with ``fuse_dq`` also
     d >= 16 * num_warps (dQᵀ = Kᵀ dSᵀ has M = d rows, 16 per warp); ``ds_shared`` only with
@@ -1369,8 +1382,6 @@ def check_config(d: int, block_m: int, block_n: int, num_warps: int, num_stages:
         raise ValueError("gluon fused dQ: dp_late_wait is a DS_SHARED variant (needs ds_shared)")
     if persistent and not ds_shared:
         raise ValueError("gluon fused dQ: persistent is a DS_SHARED variant (needs ds_shared)")
-    if head_major and not warp_spec:
-        raise ValueError("gluon dK/dV: head_major is a WARP_SPEC variant (needs warp_spec)")
 
 
 def _check_ds_shared(d, block_m, block_n, num_warps, num_stages, fuse_dq, warp_spec,
@@ -1392,8 +1403,7 @@ def launch_dkdv_gluon(q, k, v, dout, lse2, delta, causal, softmax_scale, plan, b
                       block_n: int, num_warps: int, num_stages: int, fuse_dq: bool = False,
                       warp_spec: bool = False, stats_smem: bool = False,
                       ds_shared: bool = False, dp_late_wait: bool = False,
-                      persistent: bool = False, head_major: bool = False,
-                      programs: Optional[int] = None):
+                      persistent: bool = False, programs: Optional[int] = None):
     """(dk, dv) like ``_launch_dkdv(..., fuse_dq=False)[:2]``; ``plan`` must come from
     ``make_plan(mask, causal, Sq, Sk, block_m, block_n, by_key=True, device)``.
 
@@ -1415,11 +1425,10 @@ def launch_dkdv_gluon(q, k, v, dout, lse2, delta, causal, softmax_scale, plan, b
     dK, dV should be bitwise equal to ``ds_shared`` alone.
 
     ``persistent=True`` (with ``ds_shared`` only): :func:`persistent_programs` programs, each
-    looping over key blocks (work items) with the producer loading K/V as well, so a key
-    block's first loads run under the previous one's last tiles. ``head_major=True`` (with
-    ``warp_spec``): the (batch, KV head) index runs fastest over the programs instead of the
-    key block. Same arithmetic per key block: dK, dV should be bitwise equal. ``programs``
-    (tests): the persistent grid's size instead of :func:`persistent_programs`.
+    looping over key blocks (work items, claimed in launch order from a counter) with the
+    producer loading K/V as well, so a key block's K/V and first tiles load under the previous
+    one's dK/dV store. Same arithmetic per key block: dK, dV should be bitwise equal.
+    ``programs`` (tests): the persistent grid's size instead of :func:`persistent_programs`.
 
     ``fuse_dq=True`` (the FUSE_DQ kernel): (dk, dv, dq_acc), dq_acc the
     unscaled fp32 dQ accumulated by TMA reduce-adds, shape [B, Sq, Hq, D] (a permuted view of
@@ -1432,7 +1441,7 @@ def launch_dkdv_gluon(q, k, v, dout, lse2, delta, causal, softmax_scale, plan, b
     b, sq, hq, d = q.shape
     _, sk, hk, _ = k.shape
     check_config(d, block_m, block_n, num_warps, num_stages, fuse_dq, warp_spec, stats_smem,
-                 ds_shared, dp_late_wait, persistent, head_major)
+                 ds_shared, dp_late_wait, persistent)
     if q.dtype not in (torch.bfloat16, torch.float16):
         raise ValueError(f"gluon dK/dV: dtype {q.dtype} (bf16 or fp16)")
     q, k, v, dout = (x.contiguous() for x in (q, k, v, dout))
@@ -1472,12 +1481,10 @@ def launch_dkdv_gluon(q, k, v, dout, lse2, delta, causal, softmax_scale, plan, b
     if dp_late_wait:
         kwargs.update(DP_LATE_WAIT=True)
     grid = (nkb, b * hk)
-    if head_major:
-        kwargs.update(HEAD_MAJOR=True)
-        grid = (b * hk, nkb)
     if persistent:
         n_items = nkb * b * hk
-        kwargs.update(PERSISTENT=True, n_items=n_items)
+        kwargs.update(PERSISTENT=True, n_items=n_items,
+                      next_item_ptr=torch.zeros(1, dtype=torch.int32, device=q.device))
         if programs is None:
             programs = persistent_programs(q.device, num_warps)
         if programs < 1:
@@ -1503,14 +1510,14 @@ def persistent_programs(device, num_warps: int) -> int:
 
 
 def fused_backward_gluon(q, k, v, dout, lse2, delta, causal, softmax_scale, plan, cfg_tuple,
-                         persistent: bool = False, head_major: bool = False):
+                         persistent: bool = False):
     """(dq, dk, dv) of the fused Gluon backward at any FUSE_DQ config, for the GPU A/B
     ``benchmarks/gluon_dkdv_ab.py --fused`` (the library's default, ``triton_flashmask.backward``,
     launches the DS_SHARED one itself): one launch of the dK/dV kernel that also reduce-adds dQ,
     then dQ = softmax_scale * dq_acc cast to q's dtype (``triton_flashmask.scale_dq``).
     ``lse2``, ``delta`` from ``triton_flashmask._bwd_pre``; ``plan`` a by-key plan for
     ``cfg_tuple`` = (block_m, block_n, num_warps, num_stages[, warp_spec[, stats_smem[,
-    ds_shared[, dp_late_wait]]]]); ``persistent``, ``head_major`` as :func:`launch_dkdv_gluon`."""
+    ds_shared[, dp_late_wait]]]]); ``persistent`` as :func:`launch_dkdv_gluon`."""
     block_m, block_n, num_warps, num_stages = cfg_tuple[:4]
     warp_spec, stats_smem, ds_shared, dp_late_wait = (
         bool(cfg_tuple[i]) if len(cfg_tuple) > i else False for i in (4, 5, 6, 7))
@@ -1518,7 +1525,7 @@ def fused_backward_gluon(q, k, v, dout, lse2, delta, causal, softmax_scale, plan
                                        block_m, block_n, num_warps, num_stages, fuse_dq=True,
                                        warp_spec=warp_spec, stats_smem=stats_smem,
                                        ds_shared=ds_shared, dp_late_wait=dp_late_wait,
-                                       persistent=persistent, head_major=head_major)
+                                       persistent=persistent)
     from .triton_flashmask import scale_dq
 
     return scale_dq(dq_acc, softmax_scale, q.dtype), dk, dv
@@ -1552,17 +1559,17 @@ def compile_sm90(d: int = 128, block_m: int = 64, block_n: int = 64, num_warps: 
                  num_stages: int = 2, causal: bool = True, c: int = 1, dtype: str = "bf16",
                  fuse_dq: bool = False, warp_spec: bool = False, maxnreg: Optional[int] = None,
                  stats_smem: bool = False, ds_shared: bool = False, dp_late_wait: bool = False,
-                 persistent: bool = False, head_major: bool = False):
+                 persistent: bool = False):
     """Compile the kernel (``fuse_dq``: the FUSE_DQ variant; ``warp_spec``: the WARP_SPEC one,
     at ``maxnreg`` registers per thread, default :func:`ws_maxnreg`; ``dp_late_wait``: the
-    DS_SHARED variant with Pᵀ stored before the dPᵀ wait; ``persistent``, ``head_major``: the
-    DS_SHARED kernel's work order, see :func:`launch_dkdv_gluon`) for sm_90 without a GPU;
-    returns the CompiledKernel."""
+    DS_SHARED variant with Pᵀ stored before the dPᵀ wait; ``persistent``: the DS_SHARED kernel
+    looping over key blocks, see :func:`launch_dkdv_gluon`) for sm_90 without a GPU; returns
+    the CompiledKernel."""
     reason = unavailable_reason()
     if reason is not None:
         raise RuntimeError(reason)
     check_config(d, block_m, block_n, num_warps, num_stages, fuse_dq, warp_spec, stats_smem,
-                 ds_shared, dp_late_wait, persistent, head_major)
+                 ds_shared, dp_late_wait, persistent)
     kern = _dkdv_gluon_kernel
     descs = offline_descriptor_types(dtype, d, q_desc=block_m, do_desc=block_m, k_desc=block_n,
                                      v_desc=block_n)
@@ -1577,11 +1584,12 @@ def compile_sm90(d: int = 128, block_m: int = 64, block_n: int = 64, num_warps: 
     consts["DS_SHARED"] = ds_shared
     consts["DP_LATE_WAIT"] = dp_late_wait
     consts["PERSISTENT"] = persistent
-    consts["HEAD_MAJOR"] = head_major
     if persistent:
         ptrs["n_items"] = "i32"
-    else:
-        consts["n_items"] = None  # as the launcher passes it: a constexpr, not a parameter
+        ptrs["next_item_ptr"] = "*i32"
+    else:  # as the launcher passes them: constexprs, not parameters
+        consts["n_items"] = None
+        consts["next_item_ptr"] = None
     options = {}
     if warp_spec:  # as the launcher passes it (WARP_SPEC=False: the unchanged options)
         options["maxnreg"] = maxnreg if maxnreg is not None else ws_maxnreg(num_warps)
@@ -1690,8 +1698,7 @@ def sass_report(cubin: bytes) -> dict:
 
 def compile_report(d=128, block_m=64, block_n=64, num_warps=4, num_stages=2, causal=True, c=1,
                    dtype="bf16", fuse_dq=False, warp_spec=False, stats_smem=False,
-                   ds_shared=False, dp_late_wait=False, persistent=False,
-                   head_major=False) -> dict:
+                   ds_shared=False, dp_late_wait=False, persistent=False) -> dict:
     """One configuration's offline sm_90 report (or its error); DS_SHARED ones also say how
     many exp2s of a tile loop come after its dPᵀ wait at most (:func:`dp_wait_order`)."""
     row = dict(D=d, block_m=block_m, block_n=block_n, num_warps=num_warps,
@@ -1701,8 +1708,7 @@ def compile_report(d=128, block_m=64, block_n=64, num_warps=4, num_stages=2, cau
     try:
         ck = compile_sm90(d, block_m, block_n, num_warps, num_stages, causal, c, dtype, fuse_dq,
                           warp_spec, stats_smem=stats_smem, ds_shared=ds_shared,
-                          dp_late_wait=dp_late_wait, persistent=persistent,
-                          head_major=head_major)
+                          dp_late_wait=dp_late_wait, persistent=persistent)
     except Exception as exc:
         row["error"] = f"{type(exc).__name__}: {str(exc)[:2000]}"
         return row
