@@ -210,6 +210,20 @@ main risk is the dQ reduce traffic, twice D=128's per FLOP ([64, 64] fp32 per 64
 ~1.6 TB/s); if that saturates, the fused backward may be slower than split. dK, dV should be
 bitwise equal to the tl kernel's and split's (same bf16 values, same 16-query k-steps).
 
+Persistent walk (constexpr PERSISTENT, default False, DS_SHARED only;
+``launch_dkdv_gluon(..., persistent=True)``, A/B label suffix ``+p``; opt-in: measured
+0.92-0.98x the default on the H200, ``gluon_persistent_ab.md``, NOTES.md session 12): as many
+programs as are resident (:func:`persistent_programs`), each looping over key blocks. The
+producer warp claims the next work item from a global counter (zeroed per launch) when the
+compute warps hand K/V back (``kv_empty``), publishes it in shared memory, loads its K/V and
+then its Q/dO tiles; the compute warps store dK/dV after handing K/V back, so the next key
+block's loads run under that store. The items go out in launch order to whichever program is
+free: a first version with a static walk (program p took items p, p+132, ...) was 0.63-0.85x,
+its programs drifting apart over heads and losing the L2 reuse of Q, dO and the dQ rows that
+the launch order gives (a head-major launch order, measured in the same run: 0.50-0.86x).
+Same tile code: offline the same HGMMA, reduces and barriers per tile, no LDL/STL in the tile
+loops, one atomic; dK, dV bitwise equal to the default kernel's on the H200.
+
 Not done: prefetching across live ranges / query heads (one TMA latency per range; the
 WARP_SPEC producer does run ahead across them), dK left in flight across tiles, two consumer
 warpgroups (ping-pong), a Gluon forward and dQ.
