@@ -139,3 +139,10 @@ def test_short_calls_get_at_least_min_samples():
     assert KB.do_bench_window(35.0) >= KB.MIN_SAMPLES * 35.0
     assert KB.do_bench_window(1.0) == 100.0
     assert KB.MIN_SAMPLES >= 10
+
+
+def test_long_calls_take_more_samples_below_150_ms():
+    """Calls of 40-150 ms (the document cells near the 1.3x line) take the median of 7
+    event-timed calls; the 128K causal/full calls (0.3-2 s) keep 3."""
+    assert KB.event_samples(77.0) == KB.EVENT_SAMPLES >= 5
+    assert KB.event_samples(900.0) == 3
