@@ -111,7 +111,7 @@ def _flags(cfg) -> dict:
 #: Work-order flags of the fused DS_SHARED kernel a label may end with (after the variant
 #: suffix): ``+p`` PERSISTENT (one program per resident slot, looping over key blocks claimed
 #: in launch order). (Session 12 also timed ``+h``, (batch, KV head) fastest over the
-#: programs: 0.50-0.86x, removed; and a PERSISTENT with a static walk, replaced.)
+#: programs: 0.45-0.70x, removed; and a PERSISTENT with a static walk, replaced.)
 ORDERS = (("persistent", "+p"), )
 
 

@@ -218,9 +218,9 @@ producer warp claims the next work item from a global counter (zeroed per launch
 compute warps hand K/V back (``kv_empty``), publishes it in shared memory, loads its K/V and
 then its Q/dO tiles; the compute warps store dK/dV after handing K/V back, so the next key
 block's loads run under that store. The items go out in launch order to whichever program is
-free: a first version with a static walk (program p took items p, p+132, ...) was 0.63-0.85x,
+free: a first version with a static walk (program p took items p, p+132, ...) was 0.61-0.87x,
 its programs drifting apart over heads and losing the L2 reuse of Q, dO and the dQ rows that
-the launch order gives (a head-major launch order, measured in the same run: 0.50-0.86x).
+the launch order gives (a head-major launch order, measured in the same run: 0.45-0.70x).
 Same tile code: offline the same HGMMA, reduces and barriers per tile, no LDL/STL in the tile
 loops, one atomic; dK, dV bitwise equal to the default kernel's on the H200.
 
