@@ -1,7 +1,7 @@
 """Where the default (fused) backward's time goes, stage by stage, on the benchmark's masks.
 
 One GPU, one process, the inputs of ``benchmarks/kernel.py`` (bf16, total tokens 128K, hidden
-4096). Each stage of ``triton_flashmask.backward`` is timed alone (``do_bench`` median) on the
+4096). Each stage of ``triton_flashmask.backward`` is timed alone (median) on the
 same inputs, plus the whole backward:
 
 * ``pre``: the delta / lse2 pre-pass (``_bwd_pre``);
@@ -12,7 +12,8 @@ same inputs, plus the whole backward:
   ``scale_torch``: the same with ``torch.mul`` (what the backward did before);
 * ``whole``: ``triton_flashmask.backward``.
 
-The stages do not add up exactly (launch gaps, caches). Usage (on the GPU)::
+Each is timed with ``benchmarks/kernel.py``'s ``bench`` (the kernel table's timer). The
+stages do not add up exactly (launch gaps, caches). Usage (on the GPU)::
 
     PYTHONPATH=. python benchmarks/backward_stages.py --masks causal,causal_document_short \\
         --dims 128 --out $OUT
@@ -30,17 +31,11 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from benchmarks.environment import run_environment  # noqa: E402
-from benchmarks.kernel import MASKS, TOTAL_TOKENS  # noqa: E402
+from benchmarks.kernel import MASKS, TOTAL_TOKENS, bench  # noqa: E402
 from benchmarks.sweep import backward_case  # noqa: E402
 from flashmask3.kernels import triton_flashmask as T  # noqa: E402
 
 STAGES = ("pre", "plan", "zero", "kernel", "scale", "scale_torch", "whole")
-
-
-def _bench(fn) -> float:
-    from triton.testing import do_bench
-
-    return do_bench(fn, warmup=100, rep=500, return_mode="median")
 
 
 def stage_functions(cs, d: int) -> dict:
@@ -95,7 +90,7 @@ def main(argv=None) -> int:
             row = dict(mask=name, S=args.seqlen, D=d, B=cs.batch, Hq=hq,
                        backward=T.backward_mode(like=cs.q))
             for stage, fn in stage_functions(cs, d).items():
-                row[stage] = _bench(fn)
+                row[stage] = bench(fn)[0]
             rows.append(row)
             print(" ".join(f"{k}={v:.3f}" if isinstance(v, float) else f"{k}={v}"
                            for k, v in row.items()), flush=True)
@@ -104,7 +99,7 @@ def main(argv=None) -> int:
     meta = run_environment(torch.device("cuda"))
     with open(os.path.join(args.out, "backward_stages.json"), "w") as f:
         json.dump(dict(meta=meta, rows=rows), f, indent=1)
-    lines = [f"# Backward stages (ms, do_bench median)\n\nGPU {meta.get('gpu')}, {meta['date']}, "
+    lines = [f"# Backward stages (ms, median)\n\nGPU {meta.get('gpu')}, {meta['date']}, "
              f"torch {meta['torch']}, triton {meta['triton']}, commit {meta['commit']}.\n"
              f"Command: `{meta['command']}`\n",
              "| mask | D | " + " | ".join(STAGES) + " |", "|---|---|" + "---|" * len(STAGES)]

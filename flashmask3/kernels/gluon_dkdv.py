@@ -262,7 +262,7 @@ except Exception as exc:  # pragma: no cover - older triton
     def _jit(fn=None, **kwargs):
         return fn if fn is not None else (lambda f: f)
 
-from .triton_flashmask import _NO_SPEC, LOG2E, _num_intervals  # noqa: E402  (shared with tl)
+from .triton_flashmask import _NO_SPEC, LOG2E, _num_intervals, scale_dq  # noqa: E402  (shared with tl)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -1347,6 +1347,13 @@ PRODUCER_WARPS = 1
 PRODUCER_REGS = 24
 
 
+def ws_programs_per_sm(num_warps: int) -> int:
+    """Programs of the WARP_SPEC kernel resident per SM: as many as the non-WS kernel has at 255
+    registers (register files are allocated in 256-register warp slices): 2 at 4 warps, 1 at
+    8."""
+    return max(1, SM_REGISTERS // (num_warps * 32 * 256))
+
+
 def ws_maxnreg(num_warps: int) -> int:
     """The ``maxnreg`` launch option of the WARP_SPEC kernel: the register budget per thread of
     num_warps + 4 warps that keeps as many programs resident per SM as the non-WS kernel has at
@@ -1354,8 +1361,7 @@ def ws_maxnreg(num_warps: int) -> int:
     slices), rounded down to a multiple of 8 (setmaxnreg's granularity). The compute warps get
     what the producer warpgroup gives back: (maxnreg * (num_warps + 4) - 24 * 4) / num_warps,
     e.g. 232 at 4 warps, 240 at 8 (:func:`ws_compute_regs`)."""
-    resident = max(1, SM_REGISTERS // (num_warps * 32 * 256))
-    per_thread = SM_REGISTERS // (resident * (num_warps + 4) * 32)
+    per_thread = SM_REGISTERS // (ws_programs_per_sm(num_warps) * (num_warps + 4) * 32)
     return min(256, per_thread // 8 * 8)
 
 
@@ -1524,11 +1530,10 @@ def launch_dkdv_gluon(q, k, v, dout, lse2, delta, causal, softmax_scale, plan, b
 
 
 def persistent_programs(device, num_warps: int) -> int:
-    """Programs of a PERSISTENT launch: as many as are resident at once, the SM count times the
-    programs per SM that the register budget allows (:func:`ws_maxnreg`: 1 at 8 warps, 2 at 4;
-    the DS_SHARED tiles' shared memory allows as many)."""
+    """Programs of a PERSISTENT launch: as many as are resident at once, the SM count times
+    :func:`ws_programs_per_sm` (the DS_SHARED tiles' shared memory allows as many)."""
     sms = torch.cuda.get_device_properties(device).multi_processor_count
-    return sms * max(1, SM_REGISTERS // (num_warps * 32 * 256))
+    return sms * ws_programs_per_sm(num_warps)
 
 
 def fused_backward_gluon(q, k, v, dout, lse2, delta, causal, softmax_scale, plan, cfg_tuple,
@@ -1548,8 +1553,6 @@ def fused_backward_gluon(q, k, v, dout, lse2, delta, causal, softmax_scale, plan
                                        warp_spec=warp_spec, stats_smem=stats_smem,
                                        ds_shared=ds_shared, dp_late_wait=dp_late_wait,
                                        persistent=persistent)
-    from .triton_flashmask import scale_dq
-
     return scale_dq(dq_acc, softmax_scale, q.dtype), dk, dv
 
 
