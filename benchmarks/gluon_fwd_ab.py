@@ -46,14 +46,19 @@ from flashmask3.kernels import triton_flashmask as T  # noqa: E402
 
 REL_TOL = 2e-2
 LSE_TOL = 2e-2
-#: Gluon configs checked on every small D=128 case: (block_m, block_n, num_warps, num_stages).
-SMALL_CONFIGS = [(128, 128, 8, 3), (64, 64, 4, 3), (128, 64, 8, 3), (64, 128, 4, 2)]
+#: Gluon configs checked on every small D=128 case: (block_m, block_n, num_warps, num_stages,
+#: warp_spec, pingpong); labels ``128x64w8s4ws`` (warp-specialised), ``...wsp`` (and ping-pong).
+SMALL_CONFIGS = [(128, 128, 8, 2, True, True), (128, 64, 8, 4, True, False),
+                 (128, 64, 8, 4, True, True), (128, 128, 8, 3, False, False)]
 #: ... and at D=64 (the tl D=64 default 128x64 w4 is not a Gluon shape).
-SMALL_CONFIGS_D64 = [(128, 64, 8, 3), (128, 128, 8, 3)]
+SMALL_CONFIGS_D64 = [(128, 128, 8, 3, True, True), (128, 64, 8, 3, False, False)]
 #: Timed at 32K by default (``--configs``), chosen from the offline report.
-#: (64x64 w4 s2 and 128x128 w8 s2 were timed once: 0.69-0.86x of tl, dropped.)
-TIMED_CONFIGS = [(128, 128, 8, 3), (64, 64, 4, 3), (128, 64, 8, 3)]
-#: (mask, Hq, Hk) in the order they run (the budget may cut the tail).
+#: (64x64 w4 s2 and 128x128 w8 s2 were timed once: 0.69-0.86x of tl, dropped; session 7's
+#: non-WS 128x128 w8 s3, 64x64 w4 s3, 128x64 w8 s3: 0.87-0.95x.)
+TIMED_CONFIGS = [(128, 128, 8, 2, True, False), (128, 128, 8, 2, True, True),
+                 (128, 64, 8, 4, True, False), (128, 64, 8, 4, True, True)]
+#: (mask, Hq, Hk) in the order they run (the budget may cut the tail); at head dim D the
+#: query heads are 4096 / D (GQA 4:1 at D=128 only).
 TIMED_CASES = [("causal", 32, 32), ("causal", 32, 8), ("causal_document_corpus", 32, 32),
                ("document_corpus", 32, 32), ("sliding_window", 32, 32), ("full", 32, 32)]
 #: (name, B, Sq, Sk, Hq, Hk, Hm, D, dtype, causal, C) of the fully-masked-rows case.
@@ -62,16 +67,22 @@ EMPTY_ROWS_CASE = ("s1000_rows_fully_masked", 2, 1000, 1000, 4, 2, 2, 128, torch
 
 
 def _label(cfg) -> str:
-    return "{}x{}w{}s{}".format(*cfg)
+    bm, bn, w, s, ws, pp = tuple(cfg) + (False, False)[len(cfg) - 4:]
+    return "{}x{}w{}s{}".format(bm, bn, w, s) + ("wsp" if pp else "ws" if ws else "")
 
 
 def _parse(label: str) -> tuple:
-    """``128x128w8s2`` -> (128, 128, 8, 2)."""
-    nums = tuple(int(x) for x in label.replace("x", " ").replace("w", " ").replace("s", " ")
+    """``128x128w8s2`` -> (128, 128, 8, 2, False, False); suffix ``ws``: warp-specialised,
+    ``wsp``: and ping-pong."""
+    flags = (label.endswith("wsp"), label.endswith("wsp"))
+    if not flags[0] and label.endswith("ws"):
+        flags = (True, False)
+    core = label[:len(label) - (3 if flags[1] else 2 if flags[0] else 0)]
+    nums = tuple(int(x) for x in core.replace("x", " ").replace("w", " ").replace("s", " ")
                  .split())
     if len(nums) != 4:
-        raise ValueError(f"config label {label!r}: expected BMxBNwWsS")
-    return nums
+        raise ValueError(f"config label {label!r}: expected BMxBNwWsS[ws|wsp]")
+    return nums + flags
 
 
 def _empty_rows_mask(b, hm, sq, sk, device):
@@ -93,9 +104,10 @@ def tl_forward(q, k, v, cols, causal, scale):
 
 def gluon_forward(q, k, v, cols, causal, scale, cfg):
     """Closure of the Gluon forward at ``cfg`` with its own plan."""
-    bm, bn, w, s = cfg
+    bm, bn, w, s, ws, pp = tuple(cfg) + (False, False)[len(cfg) - 4:]
     plan = T.make_plan(cols, causal, q.shape[1], k.shape[1], bm, bn, False, q.device)
-    return lambda: F.launch_fwd_gluon(q, k, v, cols, causal, scale, plan, bm, bn, w, s)
+    return lambda: F.launch_fwd_gluon(q, k, v, cols, causal, scale, plan, bm, bn, w, s,
+                                      warp_spec=ws, pingpong=pp)
 
 
 def _max_abs(a, b) -> float:
@@ -206,8 +218,8 @@ def _bench(fn) -> float:
     return do_bench(fn, warmup=25, rep=200, return_mode="median")
 
 
-def _timed_inputs(name, s, hq, hk):
-    """Mask columns (on the GPU), causal, q, k, v (bf16, D=128), scale, forward FLOPs."""
+def _timed_inputs(name, s, hq, hk, d=128):
+    """Mask columns (on the GPU), causal, q, k, v (bf16, head dim d), scale, forward FLOPs."""
     from benchmarks.kernel import build_mask
     import flashmask3.masks as M
 
@@ -216,24 +228,37 @@ def _timed_inputs(name, s, hq, hk):
     cols = None if mask is None else mask.to("cuda").startend_row_indices
     causal = causal if mask is None else mask.causal
     g = torch.Generator(device="cuda").manual_seed(s + 135)
-    q, k, v = (torch.randn(batch, s, h, 128, device="cuda", dtype=torch.bfloat16, generator=g)
+    q, k, v = (torch.randn(batch, s, h, d, device="cuda", dtype=torch.bfloat16, generator=g)
                for h in (hq, hk, hk))
     flops = M.attention_flops(cols, causal, batch_size=batch, num_heads=hq, seqlen_q=s,
-                              seqlen_k=s, head_dim=128, mode="fwd")
-    return cols, causal, q, k, v, 1 / math.sqrt(128), flops, batch
+                              seqlen_k=s, head_dim=d, mode="fwd")
+    return cols, causal, q, k, v, 1 / math.sqrt(d), flops, batch
 
 
-def timed_pass(records, deadline, out_path, seqlen, configs):
-    for name, hq, hk in TIMED_CASES:
+def timed_cases(names, dims):
+    """(mask, Hq, Hk, D) of the timed pass: ``names`` (None: TIMED_CASES' masks) at every head
+    dim of ``dims``, Hq = 4096 / D; the 32:8 GQA case at D=128 only."""
+    cases = []
+    for d in dims:
+        h = 4096 // d
+        for name, hq, hk in TIMED_CASES if names is None else [(n, 32, 32) for n in names]:
+            if hq != hk and d != 128:
+                continue
+            cases.append((name, h, h * hk // hq, d))
+    return cases
+
+
+def timed_pass(records, deadline, out_path, seqlen, configs, cases=None):
+    for name, hq, hk, d in cases or timed_cases(None, (128, )):
         if time.time() > deadline:
             records.append(dict(part="timed", case=name, Hq=hq, Hk=hk, skipped="budget"))
             _write(out_path, records)
             continue
         _arm_watchdog(f"timed {name} Hq={hq} Hk={hk}")
-        rec = dict(part="timed", case=name, S=seqlen, D=128, Hq=hq, Hk=hk, dtype="bf16",
+        rec = dict(part="timed", case=name, S=seqlen, D=d, Hq=hq, Hk=hk, dtype="bf16",
                    gluon={})
         try:
-            cols, causal, q, k, v, scale, flops, b = _timed_inputs(name, seqlen, hq, hk)
+            cols, causal, q, k, v, scale, flops, b = _timed_inputs(name, seqlen, hq, hk, d)
             rec.update(B=b, causal=causal, C=0 if cols is None else cols.shape[-1],
                        flops_fwd=flops)
             tl_fn, tl_cfg = tl_forward(q, k, v, cols, causal, scale)
@@ -241,7 +266,7 @@ def timed_pass(records, deadline, out_path, seqlen, configs):
             ms = _bench(tl_fn)
             rec["tl"] = dict(config=_label(dataclasses.astuple(tl_cfg)), ms=ms,
                              tflops=flops / ms / 1e9)
-            print(f"timed {name:24s} {hq}:{hk} tl {rec['tl']['config']:12s} {ms:8.2f} ms "
+            print(f"timed {name:24s} D{d} {hq}:{hk} tl {rec['tl']['config']:12s} {ms:8.2f} ms "
                   f"{rec['tl']['tflops']:5.0f} TFLOP/s", flush=True)
         except Exception:
             rec["error"] = traceback.format_exc()
@@ -250,6 +275,10 @@ def timed_pass(records, deadline, out_path, seqlen, configs):
             _write(out_path, records)
             continue
         for cfg in configs:
+            try:
+                F.check_config(d, *cfg[:4], *cfg[4:])
+            except ValueError:
+                continue  # not a shape of this head dim (e.g. 128-key tiles at D=256)
             try:
                 fn = gluon_forward(q, k, v, cols, causal, scale, cfg)
                 out, lse = fn()
@@ -260,7 +289,7 @@ def timed_pass(records, deadline, out_path, seqlen, configs):
                 del out, lse
                 ms = _bench(fn)
                 res.update(ms=ms, tflops=flops / ms / 1e9, speedup_vs_tl=rec["tl"]["ms"] / ms)
-                print(f"timed {name:24s} {hq}:{hk} gluon {_label(cfg):12s} {ms:8.2f} ms "
+                print(f"timed {name:24s} D{d} {hq}:{hk} gluon {_label(cfg):14s} {ms:8.2f} ms "
                       f"{res['tflops']:5.0f} TFLOP/s x{res['speedup_vs_tl']:.3f} "
                       f"max|O-tl| {res['o_max_abs_tl']:.1e} " + ("ok" if res["ok"] else "FAIL"),
                       flush=True)
@@ -280,16 +309,17 @@ def summary_table(records) -> str:
     if not timed:
         return ""
     labels = list(dict.fromkeys(lab for r in timed for lab in r["gluon"]))
-    lines = ["| mask | Hq/Hk | tl (" + timed[0]["tl"]["config"] + ") | " + " | ".join(labels)
-             + " |", "|---|---|---|" + "---|" * len(labels)]
+    lines = ["| mask | D | Hq/Hk | tl | " + " | ".join(labels) + " |",
+             "|---|---|---|---|" + "---|" * len(labels)]
     for r in timed:
-        cells = [f"{r['tl']['ms']:.1f} ms ({r['tl']['tflops']:.0f})"]
+        cells = [f"{r['tl']['config']}: {r['tl']['ms']:.1f} ms ({r['tl']['tflops']:.0f})"]
         for lab in labels:
             x = r["gluon"].get(lab, {})
             cells.append("error" if "error" in x else "-" if "ms" not in x else
                          f"{x['ms']:.1f} ms ({x['tflops']:.0f}) x{x['speedup_vs_tl']:.2f}"
                          + ("" if x.get("ok") else " !"))
-        lines.append(f"| {r['case']} | {r['Hq']}/{r['Hk']} | " + " | ".join(cells) + " |")
+        lines.append(f"| {r['case']} | {r.get('D', 128)} | {r['Hq']}/{r['Hk']} | "
+                     + " | ".join(cells) + " |")
     return "\n".join(lines)
 
 
@@ -321,7 +351,7 @@ def _markdown(records) -> str:
     return (AB.md_header("Gluon forward vs tl forward", AB.run_meta(lse_tol=LSE_TOL))
             + "Small cases: O rel. error to the float64 "
             "reference / max |O_gluon - O_tl|\n\n" + small_table(records)
-            + "\n\nTimed (32K, D=128, bf16; ms (TFLOP/s) and speed-up over tl)\n\n"
+            + "\n\nTimed (32K, bf16; ms (TFLOP/s) and speed-up over tl)\n\n"
             + summary_table(records) + "\n")
 
 
@@ -338,6 +368,9 @@ def main(argv=None) -> int:
                     help="Gluon configs timed at 32K, e.g. 128x128w8s2,128x64w8s3")
     ap.add_argument("--small-configs", default=",".join(_label(c) for c in SMALL_CONFIGS),
                     help="Gluon configs checked on the small D=128 cases")
+    ap.add_argument("--dims", default="128", help="head dims of the timed pass, e.g. 128,64,256")
+    ap.add_argument("--cases", default=None,
+                    help="masks of the timed pass (default: TIMED_CASES), e.g. causal,full")
     ap.add_argument("--skip-small", action="store_true")
     ap.add_argument("--skip-timed", action="store_true")
     args = ap.parse_args(argv)
@@ -355,7 +388,9 @@ def main(argv=None) -> int:
         small_pass(records, deadline, out_path,
                    [_parse(lab) for lab in args.small_configs.split(",")])
     if not args.skip_timed:
-        timed_pass(records, deadline, out_path, args.seqlen, configs)
+        dims = [int(x) for x in args.dims.split(",")]
+        names = None if args.cases is None else args.cases.split(",")
+        timed_pass(records, deadline, out_path, args.seqlen, configs, timed_cases(names, dims))
     print(small_table(records))
     print(summary_table(records))
     bad = AB.failures(records, _fwd_error)

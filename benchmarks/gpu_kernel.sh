@@ -23,6 +23,7 @@
 #   BENCH_BUDGET=150 bash benchmarks/gpu_kernel.sh fused64  # fused DS_SHARED backward (64x128 w8) tests + A/B vs split
 #   BENCH_BUDGET=200 bash benchmarks/gpu_kernel.sh fused64d # the D=64 DS_SHARED backward (64x64 w4) tests + A/B vs split at D=64
 #   BENCH_BUDGET=200 bash benchmarks/gpu_kernel.sh dpwait   # DS_SHARED with DP_LATE_WAIT (dPᵀ wait below the exp2s) tests + A/B vs DS_SHARED
+#   BENCH_BUDGET=130 bash benchmarks/gpu_kernel.sh fwdws   # the warp-specialised Gluon forward: A/B vs tl (small + 32K), D=128 document rows with it, D=64/256
 #   BENCH_BUDGET=170 bash benchmarks/gpu_kernel.sh order   # the persistent DS_SHARED kernel: tests, backward stages, A/B at D=128 and D=64 (STAGES=0, BUDGET_D64=0, CASES=... to trim)
 # Each stage has its own timeout so the whole call stays under the 600 s device limit; the
 # benchmark writes its JSON after every case, so a stopped run keeps what it measured.
@@ -219,6 +220,26 @@ case "$PHASE" in
     [ "${BUDGET_D64:-100}" -gt 0 ] && FLASHMASK3_TRITON_AUTOTUNE=0 timeout ${BUDGET_D64:-100} python3 benchmarks/gluon_dkdv_ab.py --fused --skip-small --skip-tl-fused --head-dim 64 \
       --cases causal_document_short,document_short,causal_document_corpus \
       --fused-configs 64x64w4s2wsmds,64x64w4s2wsmds+p --budget-s "$((${BUDGET_D64:-100} - 40))" 2>&1 | tee "$OUT/bench_order_d64.log"
+    ;;
+  fwdws)
+    # the warp-specialised Gluon forward (a TMA producer warp, separate K/V rings, two consumer
+    # warpgroups of 64 rows, optional ping-pong; offline only before this phase): the A/B's
+    # small pass (O, LSE vs the float64 reference and tl, fully masked rows, the backward on
+    # its O/LSE), forward times against the tl forward at 32K D=128, then the D=128 document
+    # rows of the table with the tl and the WS forward side by side, then D=64 and D=256
+    FLASHMASK3_TRITON_AUTOTUNE=0 timeout ${AB_S:-260} python3 benchmarks/gluon_fwd_ab.py --budget-s $((${AB_S:-260} - 60)) \
+      --small-configs ${SMALL_CONFIGS:-128x64w8s4wsp,128x128w8s2ws} \
+      --cases ${CASES:-causal,causal_document_corpus,causal_document_short,causal_document_mixed,document_short,prefix_document_corpus,full} \
+      --configs ${CONFIGS:-128x64w8s4ws,128x64w8s4wsp,128x128w8s2wsp} 2>&1 | tee "$OUT/bench_fwdws.log"
+    mv "$OUT/gluon_fwd_ab.json" "$OUT/gluon_fwd_ws_ab.json"; mv "$OUT/gluon_fwd_ab.md" "$OUT/gluon_fwd_ws_ab.md"
+    FLASHMASK3_TRITON_AUTOTUNE=0 timeout $((BUDGET + 40)) python3 benchmarks/kernel.py --seqlens 32768 --dims 128 --no-gqa \
+      --masks causal_document_corpus,causal_document_short,causal_document_mixed,causal_document_long,document_corpus,document_short,prefix_document_corpus \
+      --impls flashmask3,flashmask3_fwd_wsp,flex --budget-s "$BUDGET" --out "$OUT" --tag fwdws_32k 2>&1 \
+      | grep -v "DeprecationWarning\|create_block_mask(mm" | tee "$OUT/bench_32k.log"
+    [ "${BUDGET_DIMS:-50}" -gt 0 ] && FLASHMASK3_TRITON_AUTOTUNE=0 timeout $((${BUDGET_DIMS:-50} + 50)) python3 benchmarks/gluon_fwd_ab.py --skip-small \
+      --budget-s "${BUDGET_DIMS:-50}" --dims 64,256 --cases causal,causal_document_corpus,document_corpus \
+      --configs 128x128w8s3wsp,128x64w8s2wsp 2>&1 | tee "$OUT/bench_fwdws_dims.log"
+    mv "$OUT/gluon_fwd_ab.json" "$OUT/gluon_fwd_ws_dims_ab.json"; mv "$OUT/gluon_fwd_ab.md" "$OUT/gluon_fwd_ws_dims_ab.md"
     ;;
   rest)
     # what the v6.3 table left out: first the GPU tests of the D=256 forward tile (new default,

@@ -346,12 +346,17 @@ def mask_bytes(mask, causal, s, d, dtype) -> int:
 #: ``masked``: every kernel visits UNMASKED tiles in its masked loop (the v3 loops), the A/B
 #: for the mask-free loops that are on by default since v5. ``tl-dkdv``: the tl dK/dV kernel
 #: where the Gluon one is the default (v6). ``split``: the split backward where the fused one is
-#: the default (D=128 on Hopper since v6.5, D=64 since v6.6).
+#: the default (D=128 on Hopper since v6.5, D=64 since v6.6). ``tl-fwd``, ``fwd-ws``,
+#: ``fwd-wsp``: the tl forward, the warp-specialised Gluon forward without / with ping-pong
+#: (session 13).
 FLASHMASK_VARIANTS = {
     "flashmask3_fused": ("fused", "fused", {}, {}),
     "flashmask3_split": ("split", "split", {}, {}),
     "flashmask3_masked": ("masked", "split", {"fwd": False, "dkdv": False, "dq": False}, {}),
     "flashmask3_tl_dkdv": ("tl-dkdv", "split", {}, {"FLASHMASK3_TRITON_DKDV": "tl"}),
+    "flashmask3_tl_fwd": ("tl-fwd", "auto", {}, {"FLASHMASK3_TRITON_FWD": "tl"}),
+    "flashmask3_fwd_ws": ("fwd-ws", "auto", {}, {"FLASHMASK3_TRITON_FWD": "gluon_ws"}),
+    "flashmask3_fwd_wsp": ("fwd-wsp", "auto", {}, {"FLASHMASK3_TRITON_FWD": "gluon_wsp"}),
 }
 
 

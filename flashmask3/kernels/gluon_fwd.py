@@ -264,15 +264,25 @@ def _range(acc, m_i, l_i, p_prev, alpha, t, lo, flo, fhi, hi, T, q_smem, k_ring,
 def _store_outputs(acc, m_i, l_i, o_ptr, lse_ptr, b64, h, m_blk, Sq, Hq,
                    s_layout: gl.constexpr, o_layout: gl.constexpr, D: gl.constexpr,
                    BLOCK_M: gl.constexpr):
-    """O = acc / l (0 on rows with l == 0) and LSE = (m + log2 l) / log2(e) (-inf there), as
-    the ``tl`` kernel stores them; rows >= Sq are not stored."""
+    """O and LSE of query block ``m_blk`` (:func:`_store_rows`)."""
+    _store_rows(acc, m_i, l_i, o_ptr, lse_ptr, b64, h, m_blk * BLOCK_M, Sq, Hq, s_layout,
+                o_layout, D, BLOCK_M)
+
+
+@_jit
+def _store_rows(acc, m_i, l_i, o_ptr, lse_ptr, b64, h, row0, Sq, Hq,
+                s_layout: gl.constexpr, o_layout: gl.constexpr, D: gl.constexpr,
+                ROWS: gl.constexpr):
+    """O = acc / l (0 on rows with l == 0) and LSE = (m + log2 l) / log2(e) (-inf there) of
+    query rows [row0, row0 + ROWS), as the ``tl`` kernel stores them; rows >= Sq are not
+    stored."""
     empty = l_i == 0.0
     l_safe = gl.where(empty, 1.0, l_i)
     lse = gl.where(empty, float("-inf"), (m_i + gl.log2(l_safe)) / 1.4426950408889634)
-    rows_s = m_blk * BLOCK_M + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, s_layout))
+    rows_s = row0 + gl.arange(0, ROWS, layout=gl.SliceLayout(1, s_layout))
     gl.store(lse_ptr + (b64 * Hq + h) * Sq + rows_s, lse, mask=rows_s < Sq)
     out = acc / gl.convert_layout(l_safe, gl.SliceLayout(1, o_layout))[:, None]
-    rows = m_blk * BLOCK_M + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, o_layout))
+    rows = row0 + gl.arange(0, ROWS, layout=gl.SliceLayout(1, o_layout))
     offs_d = gl.arange(0, D, layout=gl.SliceLayout(0, o_layout))
     off = ((b64 * Sq + rows) * (Hq * D) + h * D)[:, None] + offs_d[None, :]
     gl.store(o_ptr + off, out.to(o_ptr.dtype.element_ty),
@@ -367,23 +377,342 @@ def _fwd_gluon_kernel(q_desc, k_desc, v_desc, o_ptr, lse_ptr, mask_ptr, sum_ptr,
 
 
 # ---------------------------------------------------------------------------------------------
+# Warp-specialised forward (WARP_SPEC): a TMA producer warp and two consumer warpgroups
+# ---------------------------------------------------------------------------------------------
+
+
+@_jit
+def _ws_produce(q_desc, k_desc, v_desc, q_smem, k_ring, v_ring, q_bar, k_ready, k_empty, v_ready,
+                v_empty, q_row, q_col, kv_row0, kv_col, lo0, len0, lo1, T,
+                BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr, WG_M: gl.constexpr):
+    """Producer partition (1 warp): the two 64-row halves of the Q block on ``q_bar``, then the
+    program's T key tiles in order (tile t: key block lo0 + t, or lo1 + t - len0 in the second
+    range), K_t into K slot t % NUM_STAGES once both consumers released it (``k_empty``, count
+    2), V_t likewise into its V slot. K and V have separate rings, so a K slot is refilled as
+    soon as both warpgroups' S_t has been waited for, a tile before the PV that frees V_t."""
+    mbarrier.expect(q_bar, 2 * q_desc.block_type.nbytes)
+    tma.async_copy_global_to_shared(q_desc, [q_row, q_col], q_bar, q_smem.index(0))
+    tma.async_copy_global_to_shared(q_desc, [q_row + WG_M, q_col], q_bar, q_smem.index(1))
+    for t in range(0, T):
+        n = lo0 + t + (t >= len0).to(gl.int32) * (lo1 - lo0 - len0)
+        slot = t % NUM_STAGES
+        free = ((t // NUM_STAGES) & 1) ^ 1  # a fresh barrier counts as released
+        row = kv_row0 + n * BLOCK_N
+        mbarrier.wait(k_empty.index(slot), free)
+        mbarrier.expect(k_ready.index(slot), k_desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(k_desc, [row, kv_col], k_ready.index(slot),
+                                        k_ring.index(slot))
+        mbarrier.wait(v_empty.index(slot), free)
+        mbarrier.expect(v_ready.index(slot), v_desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(v_desc, [row, kv_col], v_ready.index(slot),
+                                        v_ring.index(slot))
+
+
+@_jit
+def _ws_wait_turn(turn, k, WG: gl.constexpr):
+    """PINGPONG: wait until the other warpgroup has issued its matmuls of step ``k - 1``
+    (warpgroup 0 goes first: a fresh barrier passes at parity 1)."""
+    if WG == 0:
+        mbarrier.wait(turn.index(0), (k & 1) ^ 1)
+    else:
+        mbarrier.wait(turn.index(1), k & 1)
+
+
+@_jit
+def _ws_pass_turn(turn, WG: gl.constexpr):
+    """PINGPONG: this warpgroup's matmuls of the step are issued; the other one's turn."""
+    mbarrier.arrive(turn.index(1 - WG))
+
+
+@_jit
+def _ws_tile(acc, m_i, l_i, p_prev, alpha, t, n, q_s, k_ring, v_ring, k_ready, k_empty, v_ready,
+             v_empty, turn, rows, offs_nb, sum_ptr, col_ptr, mbh, m_blk, Sq, Sk, NKB, scale_log2,
+             s_layout: gl.constexpr, o_layout: gl.constexpr, a_layout: gl.constexpr,
+             BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr,
+             CAUSAL: gl.constexpr, C: gl.constexpr, NI: gl.constexpr, MASKED: gl.constexpr,
+             WG: gl.constexpr, PINGPONG: gl.constexpr):
+    """One consumer warpgroup's key tile ``t`` (key block ``n``): :func:`_tile`'s schedule
+    (S_t issued, O rescaled under it, PV_{t-1} issued, softmax of S_t under the PV) on its 64
+    query rows, with the ring slots handed back to the producer instead of refilled: K_t's slot
+    once S_t has been waited for, V_{t-1}'s once PV_{t-1} has (tile 0's zero-P product reads V_0,
+    which tile 1 reads again: it frees nothing). ``BLOCK_M`` is the plan's (both warpgroups')
+    query block: the tile's mask class is the block's."""
+    WG_M: gl.constexpr = q_s.shape[0]
+    slot = t % NUM_STAGES
+    pv_t = gl.maximum(t - 1, 0)
+    pv_slot = pv_t % NUM_STAGES
+    mbarrier.wait(k_ready.index(slot), (t // NUM_STAGES) & 1)
+    if PINGPONG:
+        _ws_wait_turn(turn, t, WG)
+    zero = gl.zeros([WG_M, BLOCK_N], gl.float32, s_layout)
+    s_tok = warpgroup_mma(q_s, k_ring.index(slot).permute((1, 0)), zero, use_acc=False,
+                          is_async=True)
+    acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))[:, None]
+    mbarrier.wait(v_ready.index(pv_slot), (pv_t // NUM_STAGES) & 1)
+    o_tok = warpgroup_mma(p_prev, v_ring.index(pv_slot), acc, is_async=True)
+    if PINGPONG:
+        _ws_pass_turn(turn, WG)
+    if MASKED:  # scalar loads under the matmuls
+        stats = _load_stats(sum_ptr, mbh, n, NKB, NI)
+    s = warpgroup_mma_wait(num_outstanding=1, deps=(s_tok, ))
+    mbarrier.arrive(k_empty.index(slot))
+    qk = s * scale_log2
+    if MASKED:
+        if _needs_mask(m_blk, n, Sq, Sk, stats, BLOCK_M, BLOCK_N, CAUSAL, NI):
+            qk = _mask_scores(qk, rows, n * BLOCK_N + offs_nb, col_ptr, Sq, Sk, CAUSAL, C)
+    p, alpha, m_i, l_i = _softmax_update(qk, m_i, l_i, MASKED)
+    p16 = gl.convert_layout(p.to(q_s.dtype), a_layout)
+    acc, p_prev = warpgroup_mma_wait(num_outstanding=0, deps=(o_tok, p_prev))
+    mbarrier.arrive(v_empty.index(pv_slot), pred=t > 0)
+    return acc, m_i, l_i, p16, alpha, t + 1
+
+
+@_jit
+def _ws_loop(acc, m_i, l_i, p_prev, alpha, t, lo, hi, q_s, k_ring, v_ring, k_ready, k_empty,
+             v_ready, v_empty, turn, rows, offs_nb, sum_ptr, col_ptr, mbh, m_blk, Sq, Sk, NKB,
+             scale_log2, s_layout: gl.constexpr, o_layout: gl.constexpr,
+             a_layout: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+             NUM_STAGES: gl.constexpr, CAUSAL: gl.constexpr, C: gl.constexpr, NI: gl.constexpr,
+             MASKED: gl.constexpr, WG: gl.constexpr, PINGPONG: gl.constexpr):
+    """Key blocks [lo, hi) in order, one :func:`_ws_tile` each (MASKED: with mask code)."""
+    for n in range(lo, hi):
+        acc, m_i, l_i, p_prev, alpha, t = _ws_tile(
+            acc, m_i, l_i, p_prev, alpha, t, n, q_s, k_ring, v_ring, k_ready, k_empty, v_ready,
+            v_empty, turn, rows, offs_nb, sum_ptr, col_ptr, mbh, m_blk, Sq, Sk, NKB, scale_log2,
+            s_layout, o_layout, a_layout, BLOCK_M, BLOCK_N, NUM_STAGES, CAUSAL, C, NI, MASKED,
+            WG, PINGPONG)
+    return acc, m_i, l_i, p_prev, alpha, t
+
+
+@_jit
+def _ws_range(acc, m_i, l_i, p_prev, alpha, t, lo, flo, fhi, hi, q_s, k_ring, v_ring, k_ready,
+              k_empty, v_ready, v_empty, turn, rows, offs_nb, sum_ptr, col_ptr, mbh, m_blk, Sq,
+              Sk, NKB, scale_log2, s_layout: gl.constexpr, o_layout: gl.constexpr,
+              a_layout: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+              NUM_STAGES: gl.constexpr, CAUSAL: gl.constexpr, C: gl.constexpr, NI: gl.constexpr,
+              WG: gl.constexpr, PINGPONG: gl.constexpr):
+    """One live range [lo, hi) as :func:`_range` walks it: masked, mask-free, masked."""
+    flo = gl.minimum(gl.maximum(flo, lo), hi)
+    fhi = gl.minimum(gl.maximum(fhi, flo), hi)
+    acc, m_i, l_i, p_prev, alpha, t = _ws_loop(
+        acc, m_i, l_i, p_prev, alpha, t, lo, flo, q_s, k_ring, v_ring, k_ready, k_empty, v_ready,
+        v_empty, turn, rows, offs_nb, sum_ptr, col_ptr, mbh, m_blk, Sq, Sk, NKB, scale_log2,
+        s_layout, o_layout, a_layout, BLOCK_M, BLOCK_N, NUM_STAGES, CAUSAL, C, NI, True, WG,
+        PINGPONG)
+    acc, m_i, l_i, p_prev, alpha, t = _ws_loop(
+        acc, m_i, l_i, p_prev, alpha, t, flo, fhi, q_s, k_ring, v_ring, k_ready, k_empty, v_ready,
+        v_empty, turn, rows, offs_nb, sum_ptr, col_ptr, mbh, m_blk, Sq, Sk, NKB, scale_log2,
+        s_layout, o_layout, a_layout, BLOCK_M, BLOCK_N, NUM_STAGES, CAUSAL, C, NI, False, WG,
+        PINGPONG)
+    acc, m_i, l_i, p_prev, alpha, t = _ws_loop(
+        acc, m_i, l_i, p_prev, alpha, t, fhi, hi, q_s, k_ring, v_ring, k_ready, k_empty, v_ready,
+        v_empty, turn, rows, offs_nb, sum_ptr, col_ptr, mbh, m_blk, Sq, Sk, NKB, scale_log2,
+        s_layout, o_layout, a_layout, BLOCK_M, BLOCK_N, NUM_STAGES, CAUSAL, C, NI, True, WG,
+        PINGPONG)
+    return acc, m_i, l_i, p_prev, alpha, t
+
+
+@_jit
+def _ws_consume(WG: gl.constexpr, q_smem, k_ring, v_ring, q_bar, k_ready, k_empty, v_ready,
+                v_empty, turn, o_ptr, lse_ptr, sum_ptr, col_ptr, b64, h, mbh, m_blk, Sq, Sk, Hq,
+                NKB, scale_log2, lo0, flo0, fhi0, hi0, lo1, flo1, fhi1, hi1, T,
+                D: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+                NUM_STAGES: gl.constexpr, CAUSAL: gl.constexpr, C: gl.constexpr,
+                NI: gl.constexpr, PINGPONG: gl.constexpr):
+    """Consumer partition ``WG`` (one warpgroup): O and LSE of query rows
+    [m_blk * BLOCK_M + WG * 64, + 64), over the block's live ranges."""
+    WG_M: gl.constexpr = BLOCK_M // 2
+    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                       instr_shape=[16, BLOCK_N, 16])
+    o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                       instr_shape=[16, D, 16])
+    a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
+    dtype: gl.constexpr = q_smem.dtype
+    row0 = m_blk * BLOCK_M + WG * WG_M
+    rows = row0 + gl.arange(0, WG_M, layout=gl.SliceLayout(1, s_layout))
+    offs_nb = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
+    acc = gl.zeros([WG_M, D], gl.float32, o_layout)
+    m_i = gl.full([WG_M], float("-inf"), gl.float32, gl.SliceLayout(1, s_layout))
+    l_i = gl.zeros([WG_M], gl.float32, gl.SliceLayout(1, s_layout))
+    p_prev = gl.zeros([WG_M, BLOCK_N], dtype, a_layout)
+    alpha = gl.full([WG_M], 1.0, gl.float32, gl.SliceLayout(1, s_layout))
+    q_s = q_smem.index(WG)
+    t = lo0 * 0
+    mbarrier.wait(q_bar, 0)
+    acc, m_i, l_i, p_prev, alpha, t = _ws_range(
+        acc, m_i, l_i, p_prev, alpha, t, lo0, flo0, fhi0, hi0, q_s, k_ring, v_ring, k_ready,
+        k_empty, v_ready, v_empty, turn, rows, offs_nb, sum_ptr, col_ptr, mbh, m_blk, Sq, Sk,
+        NKB, scale_log2, s_layout, o_layout, a_layout, BLOCK_M, BLOCK_N, NUM_STAGES, CAUSAL, C,
+        NI, WG, PINGPONG)
+    acc, m_i, l_i, p_prev, alpha, t = _ws_range(
+        acc, m_i, l_i, p_prev, alpha, t, lo1, flo1, fhi1, hi1, q_s, k_ring, v_ring, k_ready,
+        k_empty, v_ready, v_empty, turn, rows, offs_nb, sum_ptr, col_ptr, mbh, m_blk, Sq, Sk,
+        NKB, scale_log2, s_layout, o_layout, a_layout, BLOCK_M, BLOCK_N, NUM_STAGES, CAUSAL, C,
+        NI, WG, PINGPONG)
+    if T > 0:  # the last tile's rescale and PV
+        last = (T - 1) % NUM_STAGES
+        if PINGPONG:
+            _ws_wait_turn(turn, T, WG)
+        acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))[:, None]
+        mbarrier.wait(v_ready.index(last), ((T - 1) // NUM_STAGES) & 1)
+        o_tok = warpgroup_mma(p_prev, v_ring.index(last), acc, is_async=True)
+        if PINGPONG:
+            _ws_pass_turn(turn, WG)
+        acc, p_prev = warpgroup_mma_wait(num_outstanding=0, deps=(o_tok, p_prev))
+        mbarrier.arrive(v_empty.index(last))
+    _store_rows(acc, m_i, l_i, o_ptr, lse_ptr, b64, h, row0, Sq, Hq, s_layout, o_layout, D,
+                WG_M)
+
+
+@_jit
+def _ws_consume_wg0(q_smem, k_ring, v_ring, q_bar, k_ready, k_empty, v_ready, v_empty, turn,
+                    o_ptr, lse_ptr, sum_ptr, col_ptr, b64, h, mbh, m_blk, Sq, Sk, Hq, NKB,
+                    scale_log2, lo0, flo0, fhi0, hi0, lo1, flo1, fhi1, hi1, T, D: gl.constexpr,
+                    BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr,
+                    CAUSAL: gl.constexpr, C: gl.constexpr, NI: gl.constexpr,
+                    PINGPONG: gl.constexpr):
+    """Consumer warpgroup 0 (the default partition; the warpgroup index must be a literal:
+    warp_specialize passes its arguments as values)."""
+    _ws_consume(0, q_smem, k_ring, v_ring, q_bar, k_ready, k_empty, v_ready, v_empty, turn,
+                o_ptr, lse_ptr, sum_ptr, col_ptr, b64, h, mbh, m_blk, Sq, Sk, Hq, NKB, scale_log2,
+                lo0, flo0, fhi0, hi0, lo1, flo1, fhi1, hi1, T, D, BLOCK_M, BLOCK_N, NUM_STAGES,
+                CAUSAL, C, NI, PINGPONG)
+
+
+@_jit
+def _ws_consume_wg1(q_smem, k_ring, v_ring, q_bar, k_ready, k_empty, v_ready, v_empty, turn,
+                    o_ptr, lse_ptr, sum_ptr, col_ptr, b64, h, mbh, m_blk, Sq, Sk, Hq, NKB,
+                    scale_log2, lo0, flo0, fhi0, hi0, lo1, flo1, fhi1, hi1, T, D: gl.constexpr,
+                    BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr,
+                    CAUSAL: gl.constexpr, C: gl.constexpr, NI: gl.constexpr,
+                    PINGPONG: gl.constexpr):
+    """Consumer warpgroup 1 (a 4-warp worker partition)."""
+    _ws_consume(1, q_smem, k_ring, v_ring, q_bar, k_ready, k_empty, v_ready, v_empty, turn,
+                o_ptr, lse_ptr, sum_ptr, col_ptr, b64, h, mbh, m_blk, Sq, Sk, Hq, NKB, scale_log2,
+                lo0, flo0, fhi0, hi0, lo1, flo1, fhi1, hi1, T, D, BLOCK_M, BLOCK_N, NUM_STAGES,
+                CAUSAL, C, NI, PINGPONG)
+
+
+#: WARP_SPEC forward: consumer warpgroups (64 query rows each) and the producer warp's registers.
+WS_CONSUMERS = 2
+WS_PRODUCER_REGS = 24
+
+
+def ws_maxnreg() -> int:
+    """The WARP_SPEC forward's ``maxnreg``: the SM's registers over its 12 warp slots (two
+    consumer warpgroups and the producer's warpgroup), a multiple of 8: 168."""
+    return _GD.SM_REGISTERS // (4 * (WS_CONSUMERS + 1) * 32) // 8 * 8
+
+
+def ws_consumer_regs() -> int:
+    """Registers per thread of each consumer warpgroup: what the producer warpgroup gives back,
+    shared equally (240 at maxnreg 168), capped at 255."""
+    total = ws_maxnreg() * 4 * (WS_CONSUMERS + 1) - WS_PRODUCER_REGS * 4
+    return min(_GD.MAX_THREAD_REGS, total // (4 * WS_CONSUMERS) // 8 * 8)
+
+
+@_jit(do_not_specialize=_NO_SPEC)
+def _fwd_ws_kernel(q_desc, k_desc, v_desc, o_ptr, lse_ptr, mask_ptr, sum_ptr, rng_ptr,
+                   scale_log2, Sq, Sk, Hq, Hk, Hm, NQB, NKB, mask_b_stride,
+                   D: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+                   CAUSAL: gl.constexpr, C: gl.constexpr, NI: gl.constexpr,
+                   NUM_STAGES: gl.constexpr, NUM_WARPS: gl.constexpr, PINGPONG: gl.constexpr,
+                   CONSUMER_REGS: gl.constexpr):
+    """The WARP_SPEC forward: one program per (query block of BLOCK_M = 128 rows, batch * query
+    head), same grid, program order, plan and tiles as :func:`_fwd_gluon_kernel`. Launched
+    with 4 warps (consumer warpgroup 0, the default partition) plus a 4-warp worker (consumer
+    warpgroup 1) and a 1-warp TMA producer; NUM_WARPS counts the consumer warps (8)."""
+    gl.static_assert(BLOCK_M == 128 and NUM_WARPS == 8, "two consumer warpgroups of 64 rows")
+    WG_M: gl.constexpr = BLOCK_M // 2
+    dtype: gl.constexpr = q_desc.dtype
+    pid = gl.program_id(0)
+    if CAUSAL:
+        m_blk = NQB - 1 - pid  # heavy (late) query blocks first
+    else:
+        m_blk = pid
+    bh = gl.program_id(1)
+    b = bh // Hq
+    h = bh % Hq
+    hk = h // (Hq // Hk)
+    hm = h // (Hq // Hm)
+    b64 = b.to(gl.int64)
+    mbh = b64 * mask_b_stride + hm
+    col_ptr = mask_ptr + mbh * Sk * C
+
+    q_smem = gl.allocate_shared_memory(dtype, [2, WG_M, D], q_desc.layout)
+    k_ring = gl.allocate_shared_memory(dtype, [NUM_STAGES, BLOCK_N, D], k_desc.layout)
+    v_ring = gl.allocate_shared_memory(dtype, [NUM_STAGES, BLOCK_N, D], v_desc.layout)
+    k_ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
+    k_empty = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
+    v_ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
+    v_empty = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
+    q_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    turn = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(NUM_STAGES):
+        mbarrier.init(k_ready.index(i), count=1)
+        mbarrier.init(v_ready.index(i), count=1)
+        mbarrier.init(k_empty.index(i), count=2)  # both consumer warpgroups release a slot
+        mbarrier.init(v_empty.index(i), count=2)
+    mbarrier.init(q_bar, count=1)
+    mbarrier.init(turn.index(0), count=1)
+    mbarrier.init(turn.index(1), count=1)
+    fence_async_shared()
+
+    lo0, flo0, fhi0, hi0, lo1, flo1, fhi1, hi1 = _query_block_ranges(
+        rng_ptr, mbh, m_blk, Sq, Sk, NQB, NKB, BLOCK_M, BLOCK_N, CAUSAL, C)
+    len0 = gl.maximum(hi0 - lo0, 0)
+    T = len0 + gl.maximum(hi1 - lo1, 0)
+    gl.warp_specialize([
+        (_ws_consume_wg0,
+         (q_smem, k_ring, v_ring, q_bar, k_ready, k_empty, v_ready, v_empty, turn, o_ptr, lse_ptr,
+          sum_ptr, col_ptr, b64, h, mbh, m_blk, Sq, Sk, Hq, NKB, scale_log2, lo0, flo0, fhi0,
+          hi0, lo1, flo1, fhi1, hi1, T, D, BLOCK_M, BLOCK_N, NUM_STAGES, CAUSAL, C, NI,
+          PINGPONG)),
+        (_ws_consume_wg1,
+         (q_smem, k_ring, v_ring, q_bar, k_ready, k_empty, v_ready, v_empty, turn, o_ptr, lse_ptr,
+          sum_ptr, col_ptr, b64, h, mbh, m_blk, Sq, Sk, Hq, NKB, scale_log2, lo0, flo0, fhi0,
+          hi0, lo1, flo1, fhi1, hi1, T, D, BLOCK_M, BLOCK_N, NUM_STAGES, CAUSAL, C, NI,
+          PINGPONG)),
+        (_ws_produce, (q_desc, k_desc, v_desc, q_smem, k_ring, v_ring, q_bar, k_ready, k_empty,
+                       v_ready, v_empty, b * Sq + m_blk * BLOCK_M, h * D, b * Sk, hk * D, lo0,
+                       len0, lo1, T, BLOCK_N, NUM_STAGES, WG_M)),
+    ], [4, 1], [CONSUMER_REGS, 24])  # consumer warpgroup 1, the producer (WS_PRODUCER_REGS)
+    for i in gl.static_range(NUM_STAGES):
+        mbarrier.invalidate(k_ready.index(i))
+        mbarrier.invalidate(v_ready.index(i))
+        mbarrier.invalidate(k_empty.index(i))
+        mbarrier.invalidate(v_empty.index(i))
+    mbarrier.invalidate(q_bar)
+    mbarrier.invalidate(turn.index(0))
+    mbarrier.invalidate(turn.index(1))
+
+
+# ---------------------------------------------------------------------------------------------
 # Host side
 # ---------------------------------------------------------------------------------------------
 
 
 def shared_bytes(d: int, block_m: int, block_n: int, num_stages: int) -> int:
-    """Shared memory of the kernel's tiles (16-bit): Q plus num_stages K and V tiles."""
+    """Shared memory of the kernel's tiles (16-bit): Q plus num_stages K and V tiles (the same
+    for the WARP_SPEC kernel, whose K and V rings are separate)."""
     return 2 * d * (block_m + 2 * num_stages * block_n)
 
 
-def check_config(d: int, block_m: int, block_n: int, num_warps: int, num_stages: int) -> None:
+def check_config(d: int, block_m: int, block_n: int, num_warps: int, num_stages: int,
+                 warp_spec: bool = False, pingpong: bool = False) -> None:
     """Raise ValueError on a configuration the kernel cannot compile or launch: one wgmma row
     of 16 queries per warp (block_m == 16 * num_warps), power-of-two tiles, the ring in
-    shared memory (<= 227 KB on sm_90)."""
+    shared memory (<= 227 KB on sm_90); the WARP_SPEC kernel: 128 query rows on 8 consumer
+    warps (two warpgroups of 64); PINGPONG needs WARP_SPEC."""
     if d not in (64, 128, 256):
         raise ValueError(f"gluon fwd: head dim {d} (64, 128 or 256)")
     if block_m != 16 * num_warps:
         raise ValueError(f"gluon fwd: block_m={block_m} must be 16 * num_warps ({num_warps})")
+    if warp_spec and (block_m, num_warps) != (64 * WS_CONSUMERS, 4 * WS_CONSUMERS):
+        raise ValueError(f"gluon fwd warp_spec: block_m={block_m}, num_warps={num_warps} "
+                         "(128 and 8: two consumer warpgroups of 64 rows)")
+    if pingpong and not warp_spec:
+        raise ValueError("gluon fwd: pingpong needs warp_spec")
     if block_n not in (16, 32, 64, 128, 256):
         raise ValueError(f"gluon fwd: block_n={block_n} (16..256, a power of two)")
     if num_stages < 2:
@@ -394,29 +723,32 @@ def check_config(d: int, block_m: int, block_n: int, num_warps: int, num_stages:
                          f"shared memory > {SMEM_LIMIT}")
 
 
-def _descriptors(q, k, v, block_m: int, block_n: int):
-    """TMA descriptors of Q ``[B*Sq, Hq*D]`` (block [block_m, D]) and K, V ``[B*Sk, Hk*D]``
+def _descriptors(q, k, v, q_rows: int, block_n: int):
+    """TMA descriptors of Q ``[B*Sq, Hq*D]`` (block [q_rows, D]) and K, V ``[B*Sk, Hk*D]``
     (block [block_n, D]), NVMMA-swizzled for the wgmma."""
     b, sq, hq, d = q.shape
     _, sk, hk, _ = k.shape
-    ql, kl = _smem_layout(block_m, d, q.dtype), _smem_layout(block_n, d, q.dtype)
-    q_desc = GluonDescriptor.from_tensor(q.view(b * sq, hq * d), [block_m, d], ql)
+    ql, kl = _smem_layout(q_rows, d, q.dtype), _smem_layout(block_n, d, q.dtype)
+    q_desc = GluonDescriptor.from_tensor(q.view(b * sq, hq * d), [q_rows, d], ql)
     k_desc = GluonDescriptor.from_tensor(k.view(b * sk, hk * d), [block_n, d], kl)
     v_desc = GluonDescriptor.from_tensor(v.view(b * sk, hk * d), [block_n, d], kl)
     return q_desc, k_desc, v_desc
 
 
 def launch_fwd_gluon(q, k, v, mask, causal, softmax_scale, plan, block_m: int, block_n: int,
-                     num_warps: int, num_stages: int):
+                     num_warps: int, num_stages: int, warp_spec: bool = False,
+                     pingpong: bool = False):
     """(out, lse) like ``triton_flashmask._launch_fwd``; ``plan`` must come from
     ``make_plan(mask, causal, Sq, Sk, block_m, block_n, by_key=False, device)``. ``mask`` is
-    unused (the plan holds it), as in ``_launch_fwd``."""
+    unused (the plan holds it), as in ``_launch_fwd``. ``warp_spec``: the warp-specialised
+    kernel (:func:`_fwd_ws_kernel`: a TMA producer warp, separate K and V rings, two consumer
+    warpgroups of 64 rows; ``pingpong`` makes them take turns issuing their matmuls)."""
     reason = unavailable_reason()
     if reason is not None:
         raise RuntimeError(reason)
     b, sq, hq, d = q.shape
     _, sk, hk, _ = k.shape
-    check_config(d, block_m, block_n, num_warps, num_stages)
+    check_config(d, block_m, block_n, num_warps, num_stages, warp_spec, pingpong)
     if q.dtype not in (torch.bfloat16, torch.float16):
         raise ValueError(f"gluon fwd: dtype {q.dtype} (bf16 or fp16)")
     q, k, v = (x.contiguous() for x in (q, k, v))
@@ -427,12 +759,18 @@ def launch_fwd_gluon(q, k, v, mask, causal, softmax_scale, plan, block_m: int, b
     nqb, nkb = triton.cdiv(sq, block_m), triton.cdiv(sk, block_n)
     if plan.c > 0 and (plan.ranges.shape[1] != nqb or plan.summary.shape[1] != nkb):
         raise ValueError("gluon fwd: the plan was built for another tile shape (or by key)")
-    q_desc, k_desc, v_desc = _descriptors(q, k, v, block_m, block_n)
-    _fwd_gluon_kernel[(nqb, b * hq)](
-        q_desc, k_desc, v_desc, out, lse, plan.mask, plan.summary, plan.ranges,
-        softmax_scale * LOG2E, sq, sk, hq, hk, plan.hm, nqb, nkb, plan.mask_b_stride,
-        D=d, BLOCK_M=block_m, BLOCK_N=block_n, CAUSAL=causal, C=plan.c, NI=plan.ni,
-        NUM_STAGES=num_stages, NUM_WARPS=num_warps, num_warps=num_warps)
+    q_rows = block_m // WS_CONSUMERS if warp_spec else block_m
+    q_desc, k_desc, v_desc = _descriptors(q, k, v, q_rows, block_n)
+    args = (q_desc, k_desc, v_desc, out, lse, plan.mask, plan.summary, plan.ranges,
+            softmax_scale * LOG2E, sq, sk, hq, hk, plan.hm, nqb, nkb, plan.mask_b_stride)
+    consts = dict(D=d, BLOCK_M=block_m, BLOCK_N=block_n, CAUSAL=causal, C=plan.c, NI=plan.ni,
+                  NUM_STAGES=num_stages, NUM_WARPS=num_warps)
+    if warp_spec:
+        _fwd_ws_kernel[(nqb, b * hq)](*args, **consts, PINGPONG=pingpong,
+                                      CONSUMER_REGS=ws_consumer_regs(), num_warps=4,
+                                      maxnreg=ws_maxnreg())
+    else:
+        _fwd_gluon_kernel[(nqb, b * hq)](*args, **consts, num_warps=num_warps)
     return out, lse
 
 
@@ -444,17 +782,24 @@ from .triton_report import compile_gluon_sm90, cuobjdump  # noqa: E402  (the sha
 
 
 def compile_sm90(d: int = 128, block_m: int = 128, block_n: int = 128, num_warps: int = 8,
-                 num_stages: int = 2, causal: bool = True, c: int = 1, dtype: str = "bf16"):
-    """Compile the forward kernel for sm_90 without a GPU; returns the CompiledKernel."""
+                 num_stages: int = 2, causal: bool = True, c: int = 1, dtype: str = "bf16",
+                 warp_spec: bool = False, pingpong: bool = False):
+    """Compile the forward kernel (``warp_spec``: :func:`_fwd_ws_kernel`) for sm_90 without a
+    GPU, with the launcher's arguments; returns the CompiledKernel."""
     reason = unavailable_reason()
     if reason is not None:
         raise RuntimeError(reason)
-    check_config(d, block_m, block_n, num_warps, num_stages)
-    descs = _GD.offline_descriptor_types(dtype, d, q_desc=block_m, k_desc=block_n,
+    check_config(d, block_m, block_n, num_warps, num_stages, warp_spec, pingpong)
+    q_rows = block_m // WS_CONSUMERS if warp_spec else block_m
+    descs = _GD.offline_descriptor_types(dtype, d, q_desc=q_rows, k_desc=block_n,
                                          v_desc=block_n)
     ptrs = {"o_ptr": f"*{dtype}", "lse_ptr": "*fp32", "mask_ptr": "*i32", "sum_ptr": "*i32",
             "rng_ptr": "*i32"}
     consts = _GD.offline_constexprs(d, block_m, block_n, num_warps, num_stages, causal, c)
+    if warp_spec:
+        consts.update(PINGPONG=pingpong, CONSUMER_REGS=ws_consumer_regs())
+        return compile_gluon_sm90(_fwd_ws_kernel, ptrs, descs, consts, 4, num_stages,
+                                  maxnreg=ws_maxnreg())
     return compile_gluon_sm90(_fwd_gluon_kernel, ptrs, descs, consts, num_warps, num_stages)
 
 
@@ -470,13 +815,15 @@ def overlaps(sass_text: str) -> bool:
 
 
 def compile_report(d=128, block_m=128, block_n=128, num_warps=8, num_stages=2, causal=True, c=1,
-                   dtype="bf16") -> dict:
+                   dtype="bf16", warp_spec=False, pingpong=False) -> dict:
     """One configuration's offline sm_90 report (registers, spills, HGMMA, overlap) or its
     error."""
     row = dict(D=d, block_m=block_m, block_n=block_n, num_warps=num_warps,
-               num_stages=num_stages, causal=causal, C=c, dtype=dtype)
+               num_stages=num_stages, causal=causal, C=c, dtype=dtype, warp_spec=warp_spec,
+               pingpong=pingpong)
     try:
-        ck = compile_sm90(d, block_m, block_n, num_warps, num_stages, causal, c, dtype)
+        ck = compile_sm90(d, block_m, block_n, num_warps, num_stages, causal, c, dtype,
+                          warp_spec, pingpong)
     except Exception as exc:
         row["error"] = f"{type(exc).__name__}: {str(exc)[:2000]}"
         return row

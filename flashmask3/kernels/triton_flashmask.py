@@ -1161,21 +1161,41 @@ def _gluon_runs(q: torch.Tensor, module: str, cfg: Config, **variant) -> bool:
     return True
 
 
+#: The warp-specialised Gluon forward (gluon_fwd._fwd_ws_kernel: a TMA producer warp,
+#: separate K and V rings, two consumer warpgroups of 64 query rows) runs by default at these
+#: head dims (empty: opt-in through FLASHMASK3_TRITON_FWD=gluon_ws / gluon_wsp), at its
+#: :data:`GLUON_TILE` tile, with its warpgroups taking turns issuing their matmuls where
+#: :data:`GLUON_FWD_PINGPONG` says so.
+GLUON_FWD_DIMS: tuple = ()
+GLUON_FWD_PINGPONG = True
+
+
 def _fwd_impl(q: torch.Tensor, cfg: Config) -> str:
-    """"gluon" or "tl": the kernel the forward launch uses. Opt-in: env
-    FLASHMASK3_TRITON_FWD=gluon picks the Gluon forward (gluon_fwd.py, measured slower than tl)
-    wherever it can run (:func:`_gluon_runs`); unset or "tl" keeps the tl kernel."""
-    env = _env_choice("FLASHMASK3_TRITON_FWD", ("tl", "gluon"))
-    return "gluon" if env == "gluon" and _gluon_runs(q, "gluon_fwd", cfg) else "tl"
+    """"gluon_ws", "gluon_wsp", "gluon" or "tl": the kernel the forward launch uses. The
+    warp-specialised Gluon forward (``gluon_wsp``: with ping-pong, :data:`GLUON_FWD_PINGPONG`)
+    at :data:`GLUON_FWD_DIMS` wherever it can run (:func:`_gluon_runs`), else tl. Env
+    FLASHMASK3_TRITON_FWD=tl forces tl; =gluon_ws / =gluon_wsp the warp-specialised kernel
+    without / with ping-pong at any head dim; =gluon the plain Gluon forward (gluon_fwd.py,
+    measured slower than tl)."""
+    env = _env_choice("FLASHMASK3_TRITON_FWD", ("tl", "gluon", "gluon_ws", "gluon_wsp"))
+    if env == "gluon":
+        return "gluon" if _gluon_runs(q, "gluon_fwd", cfg) else "tl"
+    if env == "tl" or (not env and q.shape[-1] not in GLUON_FWD_DIMS):
+        return "tl"
+    choice = env or ("gluon_wsp" if GLUON_FWD_PINGPONG else "gluon_ws")
+    runs = _gluon_runs(q, "gluon_fwd", cfg, warp_spec=True, pingpong=choice == "gluon_wsp")
+    return choice if runs else "tl"
 
 
 def _launch_fwd(q, k, v, mask, causal, softmax_scale, cfg: Config, plan: Plan):
     """(out, lse): the Gluon forward where :func:`_fwd_impl` picks it, else the tl kernel."""
-    if _fwd_impl(q, cfg) == "gluon":
+    impl = _fwd_impl(q, cfg)
+    if impl != "tl":
         from .gluon_fwd import launch_fwd_gluon
 
         return launch_fwd_gluon(q, k, v, mask, causal, softmax_scale, plan, cfg.block_m,
-                                cfg.block_n, cfg.num_warps, cfg.num_stages)
+                                cfg.block_n, cfg.num_warps, cfg.num_stages,
+                                warp_spec=impl != "gluon", pingpong=impl == "gluon_wsp")
     return _launch_fwd_tl(q, k, v, mask, causal, softmax_scale, cfg, plan)
 
 
@@ -1216,7 +1236,7 @@ def forward(q, k, v, startend_row_indices: Optional[torch.Tensor], causal: bool,
     c = 0 if startend_row_indices is None else startend_row_indices.shape[-1]
     if _autotune_enabled(q) and ("fwd", d, causal, c, q.dtype) not in _TUNED:
         autotune("fwd", q, k, v, startend_row_indices, causal, softmax_scale)
-    cfg = _config("fwd", d, causal, c, q.dtype)
+    cfg = _config("fwd", d, causal, c, q.dtype, like=q)
     plan = make_plan(startend_row_indices, causal, sq, sk, cfg.block_m, cfg.block_n, False,
                      q.device)
     return _launch_fwd(q, k, v, startend_row_indices, causal, softmax_scale, cfg, plan)
@@ -1252,7 +1272,11 @@ GLUON_DKDV_DIMS = (64, 128)
 #: 64x64 w4 s2 (one compute warpgroup), 1.05-1.15x the D=64 split backward, s3 within 2%
 #: (results/gluon_fused_d64_ab.md, NOTES.md v6.6).
 GLUON_TILE = {("dkdv", 128): Config(64, 128, 8, 2), ("fused", 128): Config(64, 128, 8, 2),
-              ("fused", 64): Config(64, 64, 4, 2)}
+              ("fused", 64): Config(64, 64, 4, 2),
+              # the warp-specialised forward (two warpgroups of 64 rows; no spills offline at
+              # 64-key tiles, D=128 and D=64 at 128 keys)
+              ("fwd", 128): Config(128, 64, 8, 4), ("fwd", 64): Config(128, 128, 8, 3),
+              ("fwd", 256): Config(128, 64, 8, 2)}
 
 #: Head dims at which the warp-specialised Gluon dK/dV stages each tile's lse2/delta in shared
 #: memory (STATS_SMEM; at D=128 1.03-1.06x faster at 32x64 too, same results bit for bit; not
@@ -1323,7 +1347,9 @@ def _launch_dkdv(q, k, v, dout, lse2, delta, causal, softmax_scale, cfg: Config,
 
 
 #: The kernel choice of each kernel kind that has a Gluon default tile (:data:`GLUON_TILE`).
-_GLUON_IMPL = {"dkdv": _dkdv_impl, "fused": _fused_impl}
+_GLUON_IMPL = {"dkdv": _dkdv_impl, "fused": _fused_impl,
+               # (the plain Gluon forward keeps the tl tile: only the WS kernel has its own)
+               "fwd": lambda q, cfg: "tl" if _fwd_impl(q, cfg) in ("tl", "gluon") else "ws"}
 
 
 def _launch_dkdv_tl(q, k, v, dout, lse2, delta, causal, softmax_scale, cfg: Config, plan: Plan,

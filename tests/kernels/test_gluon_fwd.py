@@ -7,6 +7,10 @@ layouts below; the env dispatch FLASHMASK3_TRITON_FWD accepts tl/gluon (falling 
 where Gluon cannot run) and rejects anything else. GPU (``gpu`` marker): through the public
 function with FLASHMASK3_TRITON_FWD=gluon, O and LSE match the float64 dense reference on
 several masks (a fully masked row: O = 0, LSE = -inf, no NaN), and the backward runs on them.
+The warp-specialised kernel (``_fwd_ws_kernel``, FLASHMASK3_TRITON_FWD=gluon_ws / gluon_wsp):
+offline, its tile loops hold no spill at its D=128 and D=64 tiles on every layout and it
+compiles at D=256; on the GPU the same reference checks at D=64, 128 and 256, with and without
+ping-pong.
 """
 
 from __future__ import annotations
@@ -45,6 +49,41 @@ def test_other_shape_compiles():
     assert r["overlap"] and r["ldl_stl"] == 0, r
 
 
+#: (causal, C) layouts of the offline WS checks.
+_WS_LAYOUTS = [(True, 0), (True, 1), (True, 2), (False, 0), (False, 2), (False, 4)]
+
+
+@pytest.mark.skipif(_SKIP is not None, reason=str(_SKIP))
+@pytest.mark.parametrize("d", [128, 64])
+@pytest.mark.parametrize("causal, c", _WS_LAYOUTS)
+def test_ws_kernel_compiles_without_spills_in_tile_loops(d, causal, c):
+    """The WS forward at its library tile (T.GLUON_TILE), with ping-pong: HGMMA, the
+    overlapped S wait, the producer's TMA loads, register reallocation (24 for the producer,
+    240 for the consumers) and no spill inside a tile loop."""
+    cfg = T.GLUON_TILE[("fwd", d)]
+    r = F.compile_report(d, cfg.block_m, cfg.block_n, cfg.num_warps, cfg.num_stages,
+                         causal=causal, c=c, warp_spec=True, pingpong=True)
+    assert "error" not in r, r.get("error")
+    assert r["hgmma"] > 0 and r["tma_load"] > 0 and r["overlap"], r
+    assert 24 in r["setmaxnreg"] and F.ws_consumer_regs() in r["setmaxnreg"], r
+    assert r["ldl_stl_in_tile_loops"] == 0, r
+
+
+@pytest.mark.skipif(_SKIP is not None, reason=str(_SKIP))
+def test_ws_kernel_compiles_at_d256():
+    cfg = T.GLUON_TILE[("fwd", 256)]
+    r = F.compile_report(256, cfg.block_m, cfg.block_n, cfg.num_warps, cfg.num_stages,
+                         causal=True, c=1, warp_spec=True, pingpong=False)
+    assert "error" not in r, r.get("error")
+    assert r["hgmma"] > 0 and r["shared"] <= F.SMEM_LIMIT + 1024, r
+
+
+def test_ws_register_split():
+    """maxnreg 168 over 12 warp slots; the producer's warpgroup gives back all but 24."""
+    assert F.ws_maxnreg() == 168 and F.ws_consumer_regs() == 240
+    assert 4 * (2 * F.ws_consumer_regs() + F.WS_PRODUCER_REGS) <= 12 * F.ws_maxnreg()
+
+
 def test_config_checks():
     F.check_config(128, 128, 128, 8, 3)
     F.check_config(128, 64, 128, 4, 2)
@@ -57,6 +96,11 @@ def test_config_checks():
         F.check_config(128, 128, 128, 8, 4)  # 288 KB of shared memory
     with pytest.raises(ValueError):
         F.check_config(96, 128, 128, 8, 2)
+    F.check_config(128, 128, 64, 8, 4, warp_spec=True, pingpong=True)
+    with pytest.raises(ValueError, match="warp_spec"):
+        F.check_config(128, 64, 64, 4, 4, warp_spec=True)  # two warpgroups of 64 rows
+    with pytest.raises(ValueError, match="pingpong"):
+        F.check_config(128, 128, 64, 8, 4, pingpong=True)
 
 
 def test_dispatch_env(monkeypatch):
@@ -66,7 +110,7 @@ def test_dispatch_env(monkeypatch):
     cfg = T.CANDIDATES[("fwd", 128)][0]
     monkeypatch.delenv("FLASHMASK3_TRITON_FWD", raising=False)
     assert T._fwd_impl(q, cfg) == "tl"
-    for value in ("tl", "gluon", " gluon "):
+    for value in ("tl", "gluon", " gluon ", "gluon_ws", "gluon_wsp"):
         monkeypatch.setenv("FLASHMASK3_TRITON_FWD", value)
         assert T._fwd_impl(q, cfg) == "tl"
     for bad in ("triton", "GLUON", "1"):
@@ -102,23 +146,40 @@ def _gpu_masks(s):
     return masks
 
 
+_GPU_MASK_NAMES = ["causal", "full", "causal_document", "document", "sliding_window",
+                   "global_sliding_window", "empty_rows"]
+
+
 @pytest.mark.gpu
-@pytest.mark.parametrize("name", ["causal", "full", "causal_document", "document",
-                                  "sliding_window", "global_sliding_window", "empty_rows"])
+@pytest.mark.parametrize("name", _GPU_MASK_NAMES)
 def test_gpu_public_forward_matches_reference(name, monkeypatch):
+    _check_public_forward(name, "gluon", 128, monkeypatch)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("impl", ["gluon_ws", "gluon_wsp"])
+@pytest.mark.parametrize("d", [128, 64, 256])
+@pytest.mark.parametrize("name", _GPU_MASK_NAMES)
+def test_gpu_ws_forward_matches_reference(name, d, impl, monkeypatch):
+    _check_public_forward(name, impl, d, monkeypatch)
+
+
+def _check_public_forward(name, impl, d, monkeypatch):
+    """O and LSE of the public function with FLASHMASK3_TRITON_FWD=``impl`` against the
+    float64 reference (S=1000, GQA 4:2), the fully masked rows, finite gradients."""
     import flashmask3
 
     _require_hopper_gluon()
-    monkeypatch.setenv("FLASHMASK3_TRITON_FWD", "gluon")
-    s, d = 1000, 128  # not a multiple of the blocks
+    monkeypatch.setenv("FLASHMASK3_TRITON_FWD", impl)
+    s = 1000  # not a multiple of the blocks
     mask, causal = _gpu_masks(s)[name]
     g = torch.Generator(device="cuda").manual_seed(3)
     q = torch.randn(2, s, 4, d, device="cuda", dtype=torch.bfloat16, generator=g)
     k, v = (torch.randn(2, s, 2, d, device="cuda", dtype=torch.bfloat16, generator=g)
             for _ in range(2))
     q, k, v = (x.requires_grad_() for x in (q, k, v))
-    cfg = T._config("fwd", d, causal is True, 0, q.dtype)
-    assert T._fwd_impl(q, cfg) == "gluon"
+    cfg = T._config("fwd", d, causal is True, 0, q.dtype, like=q)
+    assert T._fwd_impl(q, cfg) == impl
     if isinstance(mask, torch.Tensor):
         cols, mask_arg, kw = mask.cuda(), mask.cuda(), dict(causal=causal)
     elif mask is None:
