@@ -24,6 +24,7 @@
 #   BENCH_BUDGET=200 bash benchmarks/gpu_kernel.sh fused64d # the D=64 DS_SHARED backward (64x64 w4) tests + A/B vs split at D=64
 #   BENCH_BUDGET=200 bash benchmarks/gpu_kernel.sh dpwait   # DS_SHARED with DP_LATE_WAIT (dPᵀ wait below the exp2s) tests + A/B vs DS_SHARED
 #   BENCH_BUDGET=130 bash benchmarks/gpu_kernel.sh fwdws   # the warp-specialised Gluon forward: A/B vs tl (small + 32K), D=128 document rows with it, D=64/256
+#   BENCH_BUDGET=100 bash benchmarks/gpu_kernel.sh fwdws2  # the 128-key WS forward tiles (A/B + small pass), D=256 rows with the WS forward default
 #   BENCH_BUDGET=170 bash benchmarks/gpu_kernel.sh order   # the persistent DS_SHARED kernel: tests, backward stages, A/B at D=128 and D=64 (STAGES=0, BUDGET_D64=0, CASES=... to trim)
 # Each stage has its own timeout so the whole call stays under the 600 s device limit; the
 # benchmark writes its JSON after every case, so a stopped run keeps what it measured.
@@ -240,6 +241,20 @@ case "$PHASE" in
       --budget-s "${BUDGET_DIMS:-50}" --dims 64,256 --cases causal,causal_document_corpus,document_corpus \
       --configs 128x128w8s3wsp,128x64w8s2wsp 2>&1 | tee "$OUT/bench_fwdws_dims.log"
     mv "$OUT/gluon_fwd_ab.json" "$OUT/gluon_fwd_ws_dims_ab.json"; mv "$OUT/gluon_fwd_ab.md" "$OUT/gluon_fwd_ws_dims_ab.md"
+    ;;
+  fwdws2)
+    # session 13's second forward call: the 128-key WS tiles (s2/s3, with and without
+    # ping-pong) after the masked-loop register fix, small pass included; then the D=256 rows
+    # with the WS forward as the default there and the tl forward as a variant
+    FLASHMASK3_TRITON_AUTOTUNE=0 timeout ${AB_S:-330} python3 benchmarks/gluon_fwd_ab.py --budget-s $((${AB_S:-330} - 70)) \
+      --small-configs ${SMALL_CONFIGS:-128x128w8s2wsp,128x128w8s3} \
+      --cases ${CASES:-causal,causal_document_corpus,causal_document_short,causal_document_mixed,document_short,document_corpus,prefix_document_corpus,sliding_window,full} \
+      --configs ${CONFIGS:-128x128w8s2ws,128x128w8s2wsp,128x128w8s3wsp} 2>&1 | tee "$OUT/bench_fwdws2.log"
+    mv "$OUT/gluon_fwd_ab.json" "$OUT/gluon_fwd_ws2_ab.json"; mv "$OUT/gluon_fwd_ab.md" "$OUT/gluon_fwd_ws2_ab.md"
+    FLASHMASK3_TRITON_AUTOTUNE=0 timeout $((BUDGET + 60)) python3 benchmarks/kernel.py --seqlens 8192,32768 --dims 256 --no-gqa \
+      --masks causal,prefix_document_corpus,global_sliding_window,causal_document_short \
+      --impls flashmask3,flashmask3_tl_fwd,flex,sdpa_cudnn --budget-s "$BUDGET" --out "$OUT" --tag fwdws_d256 2>&1 \
+      | grep -v "DeprecationWarning\|create_block_mask(mm" | tee "$OUT/bench_d256.log"
     ;;
   rest)
     # what the v6.3 table left out: first the GPU tests of the D=256 forward tile (new default,

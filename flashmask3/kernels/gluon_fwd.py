@@ -100,26 +100,40 @@ def _column_word(col_ptr, cols, Sk, w: gl.constexpr, C: gl.constexpr):
 
 
 @_jit
+def _mask_from(qk, rows, s):
+    """-inf where rows >= s of the columns (``s`` ``[1, BN]``): the interval [s, Sq) for the
+    rows < Sq that are stored (a row >= Sq of the last block is never stored, so it need not
+    be masked: one compare and no [BN] vector of Sq)."""
+    return gl.where(rows >= s, float("-inf"), qk)
+
+
+@_jit
+def _mask_below(qk, rows, e):
+    """-inf where rows < e of the columns: the interval [0, e)."""
+    return gl.where(rows < e, float("-inf"), qk)
+
+
+@_jit
 def _mask_scores(qk, rows, cols, col_ptr, Sq, Sk, CAUSAL: gl.constexpr, C: gl.constexpr):
     """Scores ``qk`` [BM, BN] with -inf where (row, col) is masked (DESIGN.md §1); rows
     ``[BM]`` and cols ``[BN]`` are 1-D slices of the score layout. Query-major twin of
     ``gluon_dkdv._column_intervals`` + ``_element_masked`` (the ``tl`` ``_column_intervals``
     table): the intervals are applied one at a time as they are loaded, because in this
     orientation every thread holds BN/4 columns and holding all four interval words at once
-    costs ~BN registers. Columns at or beyond Sk are masked."""
+    costs ~BN registers; intervals that end at Sq or start at 0 take one compare each
+    (:func:`_mask_from`, :func:`_mask_below`). Columns at or beyond Sk are masked."""
     r = rows[:, None]
     c = cols[None, :]
     qk = gl.where(c >= Sk, float("-inf"), qk)
     if C > 0:
-        zero = c * 0
         if CAUSAL and C == 1:  # [LTS, Sq)
-            qk = _mask_interval(qk, r, _column_word(col_ptr, cols, Sk, 0, C), zero + Sq)
+            qk = _mask_from(qk, r, _column_word(col_ptr, cols, Sk, 0, C))
         elif CAUSAL and C == 2:  # [LTS, LTE)
             qk = _mask_interval(qk, r, _column_word(col_ptr, cols, Sk, 0, C),
                                 _column_word(col_ptr, cols, Sk, 1, C))
         elif C == 2:  # non-causal: [LTS, Sq) and [0, UTE)
-            qk = _mask_interval(qk, r, _column_word(col_ptr, cols, Sk, 0, C), zero + Sq)
-            qk = _mask_interval(qk, r, zero, _column_word(col_ptr, cols, Sk, 1, C))
+            qk = _mask_from(qk, r, _column_word(col_ptr, cols, Sk, 0, C))
+            qk = _mask_below(qk, r, _column_word(col_ptr, cols, Sk, 1, C))
         else:  # C == 4: [LTS, LTE) and [UTS, UTE)
             qk = _mask_interval(qk, r, _column_word(col_ptr, cols, Sk, 0, C),
                                 _column_word(col_ptr, cols, Sk, 1, C))

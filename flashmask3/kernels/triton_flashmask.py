@@ -1166,7 +1166,7 @@ def _gluon_runs(q: torch.Tensor, module: str, cfg: Config, **variant) -> bool:
 #: head dims (empty: opt-in through FLASHMASK3_TRITON_FWD=gluon_ws / gluon_wsp), at its
 #: :data:`GLUON_TILE` tile, with its warpgroups taking turns issuing their matmuls where
 #: :data:`GLUON_FWD_PINGPONG` says so.
-GLUON_FWD_DIMS: tuple = ()
+GLUON_FWD_DIMS: tuple = (256, )
 GLUON_FWD_PINGPONG = True
 
 
@@ -1275,7 +1275,7 @@ GLUON_TILE = {("dkdv", 128): Config(64, 128, 8, 2), ("fused", 128): Config(64, 1
               ("fused", 64): Config(64, 64, 4, 2),
               # the warp-specialised forward (two warpgroups of 64 rows; no spills offline at
               # 64-key tiles, D=128 and D=64 at 128 keys)
-              ("fwd", 128): Config(128, 64, 8, 4), ("fwd", 64): Config(128, 128, 8, 3),
+              ("fwd", 128): Config(128, 128, 8, 2), ("fwd", 64): Config(128, 128, 8, 3),
               ("fwd", 256): Config(128, 64, 8, 2)}
 
 #: Head dims at which the warp-specialised Gluon dK/dV stages each tile's lse2/delta in shared
