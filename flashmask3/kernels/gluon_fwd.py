@@ -396,17 +396,13 @@ def _fwd_gluon_kernel(q_desc, k_desc, v_desc, o_ptr, lse_ptr, mask_ptr, sum_ptr,
 
 
 @_jit
-def _ws_produce(q_desc, k_desc, v_desc, q_smem, k_ring, v_ring, q_bar, k_ready, k_empty, v_ready,
-                v_empty, q_row, q_col, kv_row0, kv_col, lo0, len0, lo1, T,
-                BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr, WG_M: gl.constexpr):
-    """Producer partition (1 warp): the two 64-row halves of the Q block on ``q_bar``, then the
-    program's T key tiles in order (tile t: key block lo0 + t, or lo1 + t - len0 in the second
-    range), K_t into K slot t % NUM_STAGES once both consumers released it (``k_empty``, count
-    2), V_t likewise into its V slot. K and V have separate rings, so a K slot is refilled as
+def _ws_produce(k_desc, v_desc, k_ring, v_ring, k_ready, k_empty, v_ready, v_empty, kv_row0,
+                kv_col, lo0, len0, lo1, T, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr):
+    """Producer partition (1 warp): the program's T key tiles in order (tile t: key block
+    lo0 + t, or lo1 + t - len0 in the second range), K_t into K slot t % NUM_STAGES once both
+    consumers released it (``k_empty``, count 2), V_t likewise into its V slot (Q was loaded
+    before the partitions forked). K and V have separate rings, so a K slot is refilled as
     soon as both warpgroups' S_t has been waited for, a tile before the PV that frees V_t."""
-    mbarrier.expect(q_bar, 2 * q_desc.block_type.nbytes)
-    tma.async_copy_global_to_shared(q_desc, [q_row, q_col], q_bar, q_smem.index(0))
-    tma.async_copy_global_to_shared(q_desc, [q_row + WG_M, q_col], q_bar, q_smem.index(1))
     for t in range(0, T):
         n = lo0 + t + (t >= len0).to(gl.int32) * (lo1 - lo0 - len0)
         slot = t % NUM_STAGES
@@ -672,6 +668,11 @@ def _fwd_ws_kernel(q_desc, k_desc, v_desc, o_ptr, lse_ptr, mask_ptr, sum_ptr, rn
     mbarrier.init(turn.index(1), count=1)
     fence_async_shared()
 
+    # Q's two 64-row halves first: their load runs under the live ranges' scalar loads
+    q_row = b * Sq + m_blk * BLOCK_M
+    mbarrier.expect(q_bar, 2 * q_desc.block_type.nbytes)
+    tma.async_copy_global_to_shared(q_desc, [q_row, h * D], q_bar, q_smem.index(0))
+    tma.async_copy_global_to_shared(q_desc, [q_row + WG_M, h * D], q_bar, q_smem.index(1))
     lo0, flo0, fhi0, hi0, lo1, flo1, fhi1, hi1 = _query_block_ranges(
         rng_ptr, mbh, m_blk, Sq, Sk, NQB, NKB, BLOCK_M, BLOCK_N, CAUSAL, C)
     len0 = gl.maximum(hi0 - lo0, 0)
@@ -687,9 +688,8 @@ def _fwd_ws_kernel(q_desc, k_desc, v_desc, o_ptr, lse_ptr, mask_ptr, sum_ptr, rn
           sum_ptr, col_ptr, b64, h, mbh, m_blk, Sq, Sk, Hq, NKB, scale_log2, lo0, flo0, fhi0,
           hi0, lo1, flo1, fhi1, hi1, T, D, BLOCK_M, BLOCK_N, NUM_STAGES, CAUSAL, C, NI,
           PINGPONG)),
-        (_ws_produce, (q_desc, k_desc, v_desc, q_smem, k_ring, v_ring, q_bar, k_ready, k_empty,
-                       v_ready, v_empty, b * Sq + m_blk * BLOCK_M, h * D, b * Sk, hk * D, lo0,
-                       len0, lo1, T, BLOCK_N, NUM_STAGES, WG_M)),
+        (_ws_produce, (k_desc, v_desc, k_ring, v_ring, k_ready, k_empty, v_ready, v_empty,
+                       b * Sk, hk * D, lo0, len0, lo1, T, BLOCK_N, NUM_STAGES)),
     ], [4, 1], [CONSUMER_REGS, 24])  # consumer warpgroup 1, the producer (WS_PRODUCER_REGS)
     for i in gl.static_range(NUM_STAGES):
         mbarrier.invalidate(k_ready.index(i))

@@ -921,14 +921,16 @@ def _config(kind: str, d: int, causal: bool, c: int, dtype: torch.dtype,
     tuned = _TUNED.get((kind, d, causal, c, dtype))
     if tuned is not None:
         return tuned
-    return _gluon_tile(kind, d, like) or CANDIDATES[(kind, _dim_class(d))][0]
+    return _gluon_tile(kind, d, like, causal, c) or CANDIDATES[(kind, _dim_class(d))][0]
 
 
-def _gluon_tile(kind: str, d: int, like: Optional[torch.Tensor]) -> Optional[Config]:
+def _gluon_tile(kind: str, d: int, like: Optional[torch.Tensor], causal: Optional[bool] = None,
+                c: Optional[int] = None) -> Optional[Config]:
     """:data:`GLUON_TILE`'s tile of ``kind`` at head dim ``d`` where the Gluon kernel runs it
-    on tensors like ``like`` (:data:`_GLUON_IMPL`); None without one, or without ``like``."""
+    on tensors like ``like`` with this mask layout (:data:`_GLUON_IMPL`); None without one, or
+    without ``like``."""
     tile = GLUON_TILE.get((kind, _dim_class(d)))
-    if tile is None or like is None or _GLUON_IMPL[kind](like, tile) == "tl":
+    if tile is None or like is None or _GLUON_IMPL[kind](like, tile, causal, c) == "tl":
         return None
     return tile
 
@@ -1162,34 +1164,50 @@ def _gluon_runs(q: torch.Tensor, module: str, cfg: Config, **variant) -> bool:
 
 
 #: The warp-specialised Gluon forward (gluon_fwd._fwd_ws_kernel: a TMA producer warp,
-#: separate K and V rings, two consumer warpgroups of 64 query rows) runs by default at these
-#: head dims (empty: opt-in through FLASHMASK3_TRITON_FWD=gluon_ws / gluon_wsp), at its
-#: :data:`GLUON_TILE` tile, with its warpgroups taking turns issuing their matmuls where
-#: :data:`GLUON_FWD_PINGPONG` says so.
-GLUON_FWD_DIMS: tuple = (256, )
-GLUON_FWD_PINGPONG = True
+#: separate K and V rings, two consumer warpgroups of 64 query rows) is the default at these
+#: head dims, on the (causal, C) layouts listed (None: every layout), at its
+#: :data:`GLUON_TILE` tile; elsewhere opt-in (FLASHMASK3_TRITON_FWD=gluon_ws / gluon_wsp).
+#: Measured against the tl forward (H200, 32K, benchmarks/NOTES.md session 13): D=256
+#: 1.15-1.24x (causal, document masks); D=128 at 128x128 s2 1.04-1.10x on causal, full and the
+#: non-causal C=2 masks (document, prefix-document), 0.91-1.05x on the causal C=1 masks
+#: (causal documents: short 0.91, mixed 1.01, corpus 1.05), which keep tl; the causal C=2 and
+#: the C=4 layouts spill in the WS tiles' masked loops (offline: 35-352 spilled values) and,
+#: never timed with it, keep tl.
+GLUON_FWD_DEFAULT: dict = {256: ((True, 0), (False, 0), (True, 1), (False, 2)),
+                           128: ((True, 0), (False, 0), (False, 2))}
+#: Whether the WS forward's two warpgroups take turns issuing their matmuls (FA3's ping-pong),
+#: per head dim: at D=128 ping-pong measured 0.93-1.04x of without; D=256 was measured with it.
+GLUON_FWD_PINGPONG = {256: True, 128: False, 64: True}
 
 
-def _fwd_impl(q: torch.Tensor, cfg: Config) -> str:
+def _fwd_impl(q: torch.Tensor, cfg: Config, causal: Optional[bool] = None,
+              c: Optional[int] = None) -> str:
     """"gluon_ws", "gluon_wsp", "gluon" or "tl": the kernel the forward launch uses. The
     warp-specialised Gluon forward (``gluon_wsp``: with ping-pong, :data:`GLUON_FWD_PINGPONG`)
-    at :data:`GLUON_FWD_DIMS` wherever it can run (:func:`_gluon_runs`), else tl. Env
-    FLASHMASK3_TRITON_FWD=tl forces tl; =gluon_ws / =gluon_wsp the warp-specialised kernel
-    without / with ping-pong at any head dim; =gluon the plain Gluon forward (gluon_fwd.py,
-    measured slower than tl)."""
+    where :data:`GLUON_FWD_DEFAULT` lists the head dim and the mask layout (``causal``, ``c``)
+    and it can run (:func:`_gluon_runs`), else tl. Env FLASHMASK3_TRITON_FWD=tl forces tl;
+    =gluon_ws / =gluon_wsp the warp-specialised kernel without / with ping-pong on any head
+    dim and layout; =gluon the plain Gluon forward (gluon_fwd.py, measured slower than tl)."""
     env = _env_choice("FLASHMASK3_TRITON_FWD", ("tl", "gluon", "gluon_ws", "gluon_wsp"))
+    d = q.shape[-1]
     if env == "gluon":
         return "gluon" if _gluon_runs(q, "gluon_fwd", cfg) else "tl"
-    if env == "tl" or (not env and q.shape[-1] not in GLUON_FWD_DIMS):
+    if env == "tl":
         return "tl"
-    choice = env or ("gluon_wsp" if GLUON_FWD_PINGPONG else "gluon_ws")
-    runs = _gluon_runs(q, "gluon_fwd", cfg, warp_spec=True, pingpong=choice == "gluon_wsp")
-    return choice if runs else "tl"
+    if not env:
+        if d not in GLUON_FWD_DEFAULT:
+            return "tl"
+        layouts = GLUON_FWD_DEFAULT[d]
+        if layouts is not None and (causal, c) not in layouts:
+            return "tl"
+        env = "gluon_wsp" if GLUON_FWD_PINGPONG.get(d, False) else "gluon_ws"
+    runs = _gluon_runs(q, "gluon_fwd", cfg, warp_spec=True, pingpong=env == "gluon_wsp")
+    return env if runs else "tl"
 
 
 def _launch_fwd(q, k, v, mask, causal, softmax_scale, cfg: Config, plan: Plan):
     """(out, lse): the Gluon forward where :func:`_fwd_impl` picks it, else the tl kernel."""
-    impl = _fwd_impl(q, cfg)
+    impl = _fwd_impl(q, cfg, causal, plan.c)
     if impl != "tl":
         from .gluon_fwd import launch_fwd_gluon
 
@@ -1347,9 +1365,12 @@ def _launch_dkdv(q, k, v, dout, lse2, delta, causal, softmax_scale, cfg: Config,
 
 
 #: The kernel choice of each kernel kind that has a Gluon default tile (:data:`GLUON_TILE`).
-_GLUON_IMPL = {"dkdv": _dkdv_impl, "fused": _fused_impl,
-               # (the plain Gluon forward keeps the tl tile: only the WS kernel has its own)
-               "fwd": lambda q, cfg: "tl" if _fwd_impl(q, cfg) in ("tl", "gluon") else "ws"}
+#: (kernel kind -> its choice given (q, tile, causal, C); the plain Gluon forward keeps the tl
+#: tile: only the WS forward has its own)
+_GLUON_IMPL = {"dkdv": lambda q, cfg, causal, c: _dkdv_impl(q, cfg),
+               "fused": lambda q, cfg, causal, c: _fused_impl(q, cfg),
+               "fwd": lambda q, cfg, causal, c: (
+                   "tl" if _fwd_impl(q, cfg, causal, c) in ("tl", "gluon") else "ws")}
 
 
 def _launch_dkdv_tl(q, k, v, dout, lse2, delta, causal, softmax_scale, cfg: Config, plan: Plan,

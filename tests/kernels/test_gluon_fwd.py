@@ -53,16 +53,23 @@ def test_other_shape_compiles():
 _WS_LAYOUTS = [(True, 0), (True, 1), (True, 2), (False, 0), (False, 2), (False, 4)]
 
 
+def _ws_spill_free_cases():
+    """(d, causal, C): the layouts where the WS forward is the library default at D=128, and
+    every layout at D=64 (its 128x128 s3 tile)."""
+    return ([(128, cz, c) for cz, c in T.GLUON_FWD_DEFAULT[128]]
+            + [(64, cz, c) for cz, c in _WS_LAYOUTS])
+
+
 @pytest.mark.skipif(_SKIP is not None, reason=str(_SKIP))
-@pytest.mark.parametrize("d", [128, 64])
-@pytest.mark.parametrize("causal, c", _WS_LAYOUTS)
+@pytest.mark.parametrize("d, causal, c", _ws_spill_free_cases())
 def test_ws_kernel_compiles_without_spills_in_tile_loops(d, causal, c):
-    """The WS forward at its library tile (T.GLUON_TILE), with ping-pong: HGMMA, the
+    """The WS forward at its library tile (T.GLUON_TILE) and ping-pong choice: HGMMA, the
     overlapped S wait, the producer's TMA loads, register reallocation (24 for the producer,
     240 for the consumers) and no spill inside a tile loop."""
     cfg = T.GLUON_TILE[("fwd", d)]
     r = F.compile_report(d, cfg.block_m, cfg.block_n, cfg.num_warps, cfg.num_stages,
-                         causal=causal, c=c, warp_spec=True, pingpong=True)
+                         causal=causal, c=c, warp_spec=True,
+                         pingpong=T.GLUON_FWD_PINGPONG[d])
     assert "error" not in r, r.get("error")
     assert r["hgmma"] > 0 and r["tma_load"] > 0 and r["overlap"], r
     assert 24 in r["setmaxnreg"] and F.ws_consumer_regs() in r["setmaxnreg"], r
@@ -71,11 +78,38 @@ def test_ws_kernel_compiles_without_spills_in_tile_loops(d, causal, c):
 
 @pytest.mark.skipif(_SKIP is not None, reason=str(_SKIP))
 def test_ws_kernel_compiles_at_d256():
+    """The D=256 tile (128x64 s2, 192 KB of shared memory): compiles, no spill in the loops
+    of the mask-free causal layout (3 per masked loop on C=1/C=2 offline)."""
     cfg = T.GLUON_TILE[("fwd", 256)]
     r = F.compile_report(256, cfg.block_m, cfg.block_n, cfg.num_warps, cfg.num_stages,
-                         causal=True, c=1, warp_spec=True, pingpong=False)
+                         causal=True, c=0, warp_spec=True, pingpong=T.GLUON_FWD_PINGPONG[256])
     assert "error" not in r, r.get("error")
     assert r["hgmma"] > 0 and r["shared"] <= F.SMEM_LIMIT + 1024, r
+    assert r["ldl_stl_in_tile_loops"] == 0, r
+
+
+def test_default_forward_kernel_per_layout(monkeypatch):
+    """Without the env variable, the WS forward is chosen exactly at GLUON_FWD_DEFAULT's head
+    dims and layouts (where the Gluon kernel can run; forced here), with that head dim's
+    ping-pong choice, and tl elsewhere; the env variable overrides the layout gate."""
+    monkeypatch.delenv("FLASHMASK3_TRITON_FWD", raising=False)
+    monkeypatch.setattr(T, "_gluon_runs", lambda *a, **k: True)
+    monkeypatch.setattr(T, "_interpreting", lambda: False)  # (the CPU tests set TRITON_INTERPRET)
+    for d in (64, 128, 256):
+        q = torch.zeros(1, 8, 1, d, dtype=torch.bfloat16)
+        cfg = T.GLUON_TILE[("fwd", d)]
+        for causal, c in _WS_LAYOUTS:
+            layouts = T.GLUON_FWD_DEFAULT.get(d, ())
+            want = "tl"
+            if d in T.GLUON_FWD_DEFAULT and (layouts is None or (causal, c) in layouts):
+                want = "gluon_wsp" if T.GLUON_FWD_PINGPONG[d] else "gluon_ws"
+            assert T._fwd_impl(q, cfg, causal, c) == want, (d, causal, c)
+            tile = T._config("fwd", d, causal, c, q.dtype, like=q)
+            expect = cfg if want != "tl" else T.CANDIDATES[("fwd", d)][0]
+            assert tile == expect, (d, causal, c, tile)
+    assert T._fwd_impl(torch.zeros(1, 8, 1, 128, dtype=torch.bfloat16), cfg, True, 1) == "tl"
+    monkeypatch.setenv("FLASHMASK3_TRITON_FWD", "gluon_ws")
+    assert T._fwd_impl(torch.zeros(1, 8, 1, 128, dtype=torch.bfloat16), cfg, True, 1) == "gluon_ws"
 
 
 def test_ws_register_split():
