@@ -740,7 +740,7 @@ def main(argv=None) -> int:
     ap.add_argument("--skip-done", nargs="*", default=[], metavar="JSON",
                     help="leave out the cases these earlier kernel_*.json files measured "
                          "(continue a run that its --budget-s cut short)")
-    ap.add_argument("--kernel-version", default="v6.7")
+    ap.add_argument("--kernel-version", default="v6.8")
     ap.add_argument("--report", nargs="*", help="JSON files to merge into kernel.{json,md,png}")
     args = ap.parse_args(argv)
     if args.report:
