@@ -66,14 +66,30 @@ EMPTY_ROWS_CASE = ("s1000_rows_fully_masked", 2, 1000, 1000, 4, 2, 2, 128, torch
                    False, 2)
 
 
+def _flags(cfg) -> tuple:
+    """(block_m, block_n, num_warps, num_stages, warp_spec, pingpong, persistent programs) of
+    a config tuple (missing flags: False, False, 0 = not persistent; -1 = one per SM)."""
+    return tuple(cfg) + (False, False, 0)[len(cfg) - 4:]
+
+
 def _label(cfg) -> str:
-    bm, bn, w, s, ws, pp = tuple(cfg) + (False, False)[len(cfg) - 4:]
-    return "{}x{}w{}s{}".format(bm, bn, w, s) + ("wsp" if pp else "ws" if ws else "")
+    bm, bn, w, s, ws, pp, per = _flags(cfg)
+    return ("{}x{}w{}s{}".format(bm, bn, w, s) + ("wsp" if pp else "ws" if ws else "")
+            + ("" if not per else "+P" if per < 0 else f"+P{per}"))
 
 
 def _parse(label: str) -> tuple:
-    """``128x128w8s2`` -> (128, 128, 8, 2, False, False); suffix ``ws``: warp-specialised,
-    ``wsp``: and ping-pong."""
+    """``128x128w8s2`` -> (128, 128, 8, 2, False, False, 0); suffix ``ws``: warp-specialised,
+    ``wsp``: and ping-pong; then ``+P``: persistent, one program per SM (``+P3``: 3
+    programs)."""
+    per = 0
+    if "+P" in label:
+        label, _, n = label.partition("+P")
+        per = int(n) if n else -1
+    return _parse_core(label) + (per, )
+
+
+def _parse_core(label: str) -> tuple:
     flags = (label.endswith("wsp"), label.endswith("wsp"))
     if not flags[0] and label.endswith("ws"):
         flags = (True, False)
@@ -104,10 +120,11 @@ def tl_forward(q, k, v, cols, causal, scale):
 
 def gluon_forward(q, k, v, cols, causal, scale, cfg):
     """Closure of the Gluon forward at ``cfg`` with its own plan."""
-    bm, bn, w, s, ws, pp = tuple(cfg) + (False, False)[len(cfg) - 4:]
+    bm, bn, w, s, ws, pp, per = _flags(cfg)
     plan = T.make_plan(cols, causal, q.shape[1], k.shape[1], bm, bn, False, q.device)
     return lambda: F.launch_fwd_gluon(q, k, v, cols, causal, scale, plan, bm, bn, w, s,
-                                      warp_spec=ws, pingpong=pp)
+                                      warp_spec=ws, pingpong=pp, persistent=per != 0,
+                                      programs=per if per > 0 else None)
 
 
 def _max_abs(a, b) -> float:
@@ -276,7 +293,7 @@ def timed_pass(records, deadline, out_path, seqlen, configs, cases=None):
             continue
         for cfg in configs:
             try:
-                F.check_config(d, *cfg[:4], *cfg[4:])
+                F.check_config(d, *_flags(cfg)[:6], _flags(cfg)[6] != 0)
             except ValueError:
                 continue  # not a shape of this head dim (e.g. 128-key tiles at D=256)
             try:

@@ -25,7 +25,7 @@
 #   BENCH_BUDGET=200 bash benchmarks/gpu_kernel.sh dpwait   # DS_SHARED with DP_LATE_WAIT (dPᵀ wait below the exp2s) tests + A/B vs DS_SHARED
 #   BENCH_BUDGET=130 bash benchmarks/gpu_kernel.sh fwdws   # the warp-specialised Gluon forward: A/B vs tl (small + 32K), D=128 document rows with it, D=64/256
 #   BENCH_BUDGET=100 bash benchmarks/gpu_kernel.sh fwdws2  # the 128-key WS forward tiles (A/B + small pass), D=256 rows with the WS forward default
-#   BENCH_BUDGET=200 bash benchmarks/gpu_kernel.sh fwdws3  # the WS forward defaults: GPU tests, 32K D=128 rows (tl forward variant), 8K D=256 rows
+#   bash benchmarks/gpu_kernel.sh fwdws3  # the WS forward defaults and its persistent variant: GPU tests, A/B at D=128 and D=256
 #   BENCH_BUDGET=170 bash benchmarks/gpu_kernel.sh order   # the persistent DS_SHARED kernel: tests, backward stages, A/B at D=128 and D=64 (STAGES=0, BUDGET_D64=0, CASES=... to trim)
 # Each stage has its own timeout so the whole call stays under the 600 s device limit; the
 # benchmark writes its JSON after every case, so a stopped run keeps what it measured.
@@ -259,22 +259,22 @@ case "$PHASE" in
     ;;
   fwdws3)
     # session 13's WS forward defaults (D=128: causal, full, non-causal C=2; D=256: four
-    # layouts): GPU tests through the public function (the WS kernel against the float64
-    # reference with the env forcing it; the default path's reference and random-column tests
-    # at D=128/256; 16K causal against SDPA), the Q-load change timed, then the 32K D=128 rows
-    # (tl forward as a variant) and the 8K D=256 rows
-    FLASHMASK3_TRITON_AUTOTUNE=0 timeout ${TEST_S:-200} python3 -m pytest -q -m gpu tests/kernels/test_gluon_fwd.py tests/kernels/test_triton_flashmask.py \
-      -k "(ws_forward and ((128 and gluon_ws and not wsp) or (256 and wsp))) or (against_float64 and fused and (128 or 256)) or (random_columns and d128-default) or (long_seq and fused)" \
+    # layouts) and its PERSISTENT variant: GPU tests (the persistent kernel bitwise equal to
+    # the one-block one; the WS kernel against the float64 reference with the env forcing it;
+    # the default path's reference tests at D=128/256; 16K causal against SDPA), then the
+    # A/B: the small pass on the persistent kernel with 3 programs (many blocks each), the
+    # one-block vs persistent kernel at 32K D=128 and D=256
+    FLASHMASK3_TRITON_AUTOTUNE=0 timeout ${TEST_S:-180} python3 -m pytest -q -m gpu tests/kernels/test_gluon_fwd.py tests/kernels/test_triton_flashmask.py \
+      -k "persistent or (ws_forward and ((128 and gluon_ws and not wsp) or (256 and wsp))) or (against_float64 and fused and (128 or 256)) or (long_seq and fused and causal)" \
       -p no:cacheprovider 2>&1 | tail -15 | tee "$OUT/pytest_fwdws.log"
-    FLASHMASK3_TRITON_AUTOTUNE=0 timeout 120 python3 benchmarks/gluon_fwd_ab.py --skip-small --budget-s 60 \
-      --cases causal,causal_document_short,document_corpus,full --configs 128x128w8s2ws 2>&1 | tee "$OUT/bench_fwdws3.log"
+    FLASHMASK3_TRITON_AUTOTUNE=0 timeout ${AB_S:-230} python3 benchmarks/gluon_fwd_ab.py --budget-s $((${AB_S:-230} - 50)) \
+      --small-configs 128x128w8s2ws+P3 \
+      --cases ${CASES:-causal,causal_document_short,causal_document_mixed,causal_document_corpus,document_short,full} \
+      --configs ${CONFIGS:-128x128w8s2ws,128x128w8s2ws+P,128x128w8s2wsp+P} 2>&1 | tee "$OUT/bench_fwdws3.log"
     mv "$OUT/gluon_fwd_ab.json" "$OUT/gluon_fwd_ws3_ab.json"; mv "$OUT/gluon_fwd_ab.md" "$OUT/gluon_fwd_ws3_ab.md"
-    FLASHMASK3_TRITON_AUTOTUNE=0 timeout $((BUDGET + 50)) python3 benchmarks/kernel.py --seqlens 32768 --dims 128 --no-gqa \
-      --impls flashmask3,flashmask3_tl_fwd,flex,sdpa_cudnn --budget-s "$BUDGET" --out "$OUT" --tag v68_32k 2>&1 \
-      | grep -v "DeprecationWarning\|create_block_mask(mm" | tee "$OUT/bench_32k.log"
-    [ "${BUDGET_D256:-50}" -gt 0 ] && FLASHMASK3_TRITON_AUTOTUNE=0 timeout $((${BUDGET_D256:-50} + 60)) python3 benchmarks/kernel.py --seqlens 8192 --dims 256 --no-gqa \
-      --masks causal,causal_document_corpus,document_corpus --impls flashmask3,flex,sdpa_cudnn --budget-s "${BUDGET_D256:-50}" --out "$OUT" --tag v68_d256_8k 2>&1 \
-      | grep -v "DeprecationWarning\|create_block_mask(mm" | tee "$OUT/bench_d256.log"
+    FLASHMASK3_TRITON_AUTOTUNE=0 timeout 90 python3 benchmarks/gluon_fwd_ab.py --skip-small --budget-s 40 --dims 256 \
+      --cases causal,causal_document_corpus,document_short --configs 128x64w8s2wsp,128x64w8s2wsp+P 2>&1 | tee "$OUT/bench_fwdws3_d256.log"
+    mv "$OUT/gluon_fwd_ab.json" "$OUT/gluon_fwd_ws3_d256_ab.json"; mv "$OUT/gluon_fwd_ab.md" "$OUT/gluon_fwd_ws3_d256_ab.md"
     ;;
   rest)
     # what the v6.3 table left out: first the GPU tests of the D=256 forward tile (new default,

@@ -347,8 +347,8 @@ def mask_bytes(mask, causal, s, d, dtype) -> int:
 #: for the mask-free loops that are on by default since v5. ``tl-dkdv``: the tl dK/dV kernel
 #: where the Gluon one is the default (v6). ``split``: the split backward where the fused one is
 #: the default (D=128 on Hopper since v6.5, D=64 since v6.6). ``tl-fwd``, ``fwd-ws``,
-#: ``fwd-wsp``: the tl forward, the warp-specialised Gluon forward without / with ping-pong
-#: (session 13).
+#: ``fwd-wsp``: the tl forward, the warp-specialised Gluon forward without / with ping-pong,
+#: ``fwd-ws+P`` the persistent one (session 13).
 FLASHMASK_VARIANTS = {
     "flashmask3_fused": ("fused", "fused", {}, {}),
     "flashmask3_split": ("split", "split", {}, {}),
@@ -357,6 +357,8 @@ FLASHMASK_VARIANTS = {
     "flashmask3_tl_fwd": ("tl-fwd", "auto", {}, {"FLASHMASK3_TRITON_FWD": "tl"}),
     "flashmask3_fwd_ws": ("fwd-ws", "auto", {}, {"FLASHMASK3_TRITON_FWD": "gluon_ws"}),
     "flashmask3_fwd_wsp": ("fwd-wsp", "auto", {}, {"FLASHMASK3_TRITON_FWD": "gluon_wsp"}),
+    "flashmask3_fwd_ws_p": ("fwd-ws+P", "auto", {}, {"FLASHMASK3_TRITON_FWD": "gluon_ws",
+                                                      "FLASHMASK3_TRITON_FWD_PERSISTENT": "1"}),
 }
 
 

@@ -61,6 +61,8 @@ Offline sm_90 report: ``python -m flashmask3.kernels.gluon_fwd``.
 
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 import triton
 
@@ -396,15 +398,49 @@ def _fwd_gluon_kernel(q_desc, k_desc, v_desc, o_ptr, lse_ptr, mask_ptr, sum_ptr,
 
 
 @_jit
-def _ws_produce(k_desc, v_desc, k_ring, v_ring, k_ready, k_empty, v_ready, v_empty, kv_row0,
-                kv_col, lo0, len0, lo1, T, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr):
-    """Producer partition (1 warp): the program's T key tiles in order (tile t: key block
-    lo0 + t, or lo1 + t - len0 in the second range), K_t into K slot t % NUM_STAGES once both
-    consumers released it (``k_empty``, count 2), V_t likewise into its V slot (Q was loaded
-    before the partitions forked). K and V have separate rings, so a K slot is refilled as
-    soon as both warpgroups' S_t has been waited for, a tile before the PV that frees V_t."""
-    for t in range(0, T):
-        n = lo0 + t + (t >= len0).to(gl.int32) * (lo1 - lo0 - len0)
+def _ws_item(item, NQB, Hq, Hk, Hm, mask_b_stride, CAUSAL: gl.constexpr):
+    """(m_blk, b, h, hk, b64, mbh) of work item ``item``: the non-persistent grid's program
+    (item % NQB, item // NQB), in the order the hardware launches that grid (query blocks
+    fastest; causal: the heavy late query blocks of a head first)."""
+    i = item % NQB
+    bh = item // NQB
+    if CAUSAL:
+        m_blk = NQB - 1 - i
+    else:
+        m_blk = i
+    b = bh // Hq
+    h = bh % Hq
+    hk = h // (Hq // Hk)
+    hm = h // (Hq // Hm)
+    b64 = b.to(gl.int64)
+    mbh = b64 * mask_b_stride + hm
+    return m_blk, b, h, hk, b64, mbh
+
+
+@_jit
+def _ws_item_tiles(rng_ptr, mbh, m_blk, Sq, Sk, NQB, NKB, BLOCK_M: gl.constexpr,
+                   BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr, C: gl.constexpr):
+    """The block's live ranges (:func:`_query_block_ranges`) plus len0 (tiles of the first
+    range) and T (tiles of both)."""
+    lo0, flo0, fhi0, hi0, lo1, flo1, fhi1, hi1 = _query_block_ranges(
+        rng_ptr, mbh, m_blk, Sq, Sk, NQB, NKB, BLOCK_M, BLOCK_N, CAUSAL, C)
+    len0 = gl.maximum(hi0 - lo0, 0)
+    T = len0 + gl.maximum(hi1 - lo1, 0)
+    return lo0, flo0, fhi0, hi0, lo1, flo1, fhi1, hi1, len0, T
+
+
+@_jit
+def _ws_produce_tiles(k_desc, v_desc, k_ring, v_ring, k_ready, k_empty, v_ready, v_empty, t,
+                      kv_row0, kv_col, lo0, len0, lo1, T, BLOCK_N: gl.constexpr,
+                      NUM_STAGES: gl.constexpr):
+    """The producer's loads of one block's T key tiles, ring tiles t .. t + T - 1 (tile j of
+    the block: key block lo0 + j, or lo1 + j - len0 in the second range): K into K slot
+    t % NUM_STAGES once both consumers released it (``k_empty``, count 2), V likewise into
+    its V slot. K and V have separate rings, so a K slot is refilled as soon as both
+    warpgroups' S has been waited for, a tile before the PV that frees the V slot. Returns
+    the ring counter after the block."""
+    for j in range(0, T):
+        n = lo0 + j + (j >= len0).to(gl.int32) * (lo1 - lo0 - len0)
         slot = t % NUM_STAGES
         free = ((t // NUM_STAGES) & 1) ^ 1  # a fresh barrier counts as released
         row = kv_row0 + n * BLOCK_N
@@ -416,16 +452,61 @@ def _ws_produce(k_desc, v_desc, k_ring, v_ring, k_ready, k_empty, v_ready, v_emp
         mbarrier.expect(v_ready.index(slot), v_desc.block_type.nbytes)
         tma.async_copy_global_to_shared(v_desc, [row, kv_col], v_ready.index(slot),
                                         v_ring.index(slot))
+        t += 1
+    return t
 
 
 @_jit
-def _ws_wait_turn(turn, k, WG: gl.constexpr):
-    """PINGPONG: wait until the other warpgroup has issued its matmuls of step ``k - 1``
+def _ws_load_q(q_desc, q_smem, q_bar, q_row, q_col, WG_M: gl.constexpr):
+    """Both 64-row halves of a query block into ``q_smem`` on ``q_bar``."""
+    mbarrier.expect(q_bar, 2 * q_desc.block_type.nbytes)
+    tma.async_copy_global_to_shared(q_desc, [q_row, q_col], q_bar, q_smem.index(0))
+    tma.async_copy_global_to_shared(q_desc, [q_row + WG_M, q_col], q_bar, q_smem.index(1))
+
+
+@_jit
+def _ws_produce(k_desc, v_desc, k_ring, v_ring, k_ready, k_empty, v_ready, v_empty, kv_row0,
+                kv_col, lo0, len0, lo1, T, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr):
+    """Producer partition (1 warp) of the one-block kernel: the block's key tiles (Q was
+    loaded before the partitions forked)."""
+    _ws_produce_tiles(k_desc, v_desc, k_ring, v_ring, k_ready, k_empty, v_ready, v_empty,
+                      lo0 * 0, kv_row0, kv_col, lo0, len0, lo1, T, BLOCK_N, NUM_STAGES)
+
+
+@_jit
+def _ws_produce_persistent(q_desc, k_desc, v_desc, q_smem, k_ring, v_ring, q_bar, q_empty,
+                           k_ready, k_empty, v_ready, v_empty, rng_ptr, Sq, Sk, Hq, Hk, Hm, NQB,
+                           NKB, mask_b_stride, n_items, D: gl.constexpr, BLOCK_M: gl.constexpr,
+                           BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr,
+                           CAUSAL: gl.constexpr, C: gl.constexpr):
+    """Producer partition of the PERSISTENT kernel: per work item (program p takes items p,
+    p + P, ...), Q once both consumers released the previous block's (``q_empty``: after
+    their last S wait, so the next Q loads under their last PV and O store), then the
+    block's key tiles; the ring counter runs on across items."""
+    pid = gl.program_id(0)
+    nprog = gl.num_programs(0)
+    t = pid * 0
+    k = pid * 0
+    for item in range(pid, n_items, nprog):
+        m_blk, b, h, hk, b64, mbh = _ws_item(item, NQB, Hq, Hk, Hm, mask_b_stride, CAUSAL)
+        mbarrier.wait(q_empty, (k & 1) ^ 1)
+        _ws_load_q(q_desc, q_smem, q_bar, b * Sq + m_blk * BLOCK_M, h * D, BLOCK_M // 2)
+        lo0, flo0, fhi0, hi0, lo1, flo1, fhi1, hi1, len0, T = _ws_item_tiles(
+            rng_ptr, mbh, m_blk, Sq, Sk, NQB, NKB, BLOCK_M, BLOCK_N, CAUSAL, C)
+        t = _ws_produce_tiles(k_desc, v_desc, k_ring, v_ring, k_ready, k_empty, v_ready,
+                              v_empty, t, b * Sk, hk * D, lo0, len0, lo1, T, BLOCK_N,
+                              NUM_STAGES)
+        k += 1
+
+
+@_jit
+def _ws_wait_turn(turn, u, WG: gl.constexpr):
+    """PINGPONG: wait until the other warpgroup has issued its matmuls of its step ``u - 1``
     (warpgroup 0 goes first: a fresh barrier passes at parity 1)."""
     if WG == 0:
-        mbarrier.wait(turn.index(0), (k & 1) ^ 1)
+        mbarrier.wait(turn.index(0), (u & 1) ^ 1)
     else:
-        mbarrier.wait(turn.index(1), k & 1)
+        mbarrier.wait(turn.index(1), u & 1)
 
 
 @_jit
@@ -435,25 +516,26 @@ def _ws_pass_turn(turn, WG: gl.constexpr):
 
 
 @_jit
-def _ws_tile(acc, m_i, l_i, p_prev, alpha, t, n, q_s, k_ring, v_ring, k_ready, k_empty, v_ready,
-             v_empty, turn, rows, offs_nb, sum_ptr, col_ptr, mbh, m_blk, Sq, Sk, NKB, scale_log2,
-             s_layout: gl.constexpr, o_layout: gl.constexpr, a_layout: gl.constexpr,
-             BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr,
-             CAUSAL: gl.constexpr, C: gl.constexpr, NI: gl.constexpr, MASKED: gl.constexpr,
-             WG: gl.constexpr, PINGPONG: gl.constexpr):
-    """One consumer warpgroup's key tile ``t`` (key block ``n``): :func:`_tile`'s schedule
-    (S_t issued, O rescaled under it, PV_{t-1} issued, softmax of S_t under the PV) on its 64
-    query rows, with the ring slots handed back to the producer instead of refilled: K_t's slot
-    once S_t has been waited for, V_{t-1}'s once PV_{t-1} has (tile 0's zero-P product reads V_0,
-    which tile 1 reads again: it frees nothing). ``BLOCK_M`` is the plan's (both warpgroups')
-    query block: the tile's mask class is the block's."""
+def _ws_tile(acc, m_i, l_i, p_prev, alpha, t, u, j, n, q_s, k_ring, v_ring, k_ready, k_empty,
+             v_ready, v_empty, turn, rows, offs_nb, sum_ptr, col_ptr, mbh, m_blk, Sq, Sk, NKB,
+             scale_log2, s_layout: gl.constexpr, o_layout: gl.constexpr,
+             a_layout: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+             NUM_STAGES: gl.constexpr, CAUSAL: gl.constexpr, C: gl.constexpr, NI: gl.constexpr,
+             MASKED: gl.constexpr, WG: gl.constexpr, PINGPONG: gl.constexpr):
+    """One consumer warpgroup's tile ``j`` of its block (ring tile ``t``, key block ``n``;
+    ``u`` counts its ping-pong turns): :func:`_tile`'s schedule (S_t issued, O rescaled under
+    it, PV_{t-1} issued, softmax of S_t under the PV) on its 64 query rows, with the ring
+    slots handed back to the producer instead of refilled: K_t's slot once S_t has been
+    waited for, V_{t-1}'s once PV_{t-1} has (the block's tile 0 multiplies P = 0 with its own
+    V tile, which tile 1 reads again: it frees nothing). ``BLOCK_M`` is the plan's (both
+    warpgroups') query block: the tile's mask class is the block's."""
     WG_M: gl.constexpr = q_s.shape[0]
     slot = t % NUM_STAGES
-    pv_t = gl.maximum(t - 1, 0)
+    pv_t = t - (j > 0).to(gl.int32)
     pv_slot = pv_t % NUM_STAGES
     mbarrier.wait(k_ready.index(slot), (t // NUM_STAGES) & 1)
     if PINGPONG:
-        _ws_wait_turn(turn, t, WG)
+        _ws_wait_turn(turn, u, WG)
     zero = gl.zeros([WG_M, BLOCK_N], gl.float32, s_layout)
     s_tok = warpgroup_mma(q_s, k_ring.index(slot).permute((1, 0)), zero, use_acc=False,
                           is_async=True)
@@ -473,64 +555,67 @@ def _ws_tile(acc, m_i, l_i, p_prev, alpha, t, n, q_s, k_ring, v_ring, k_ready, k
     p, alpha, m_i, l_i = _softmax_update(qk, m_i, l_i, MASKED)
     p16 = gl.convert_layout(p.to(q_s.dtype), a_layout)
     acc, p_prev = warpgroup_mma_wait(num_outstanding=0, deps=(o_tok, p_prev))
-    mbarrier.arrive(v_empty.index(pv_slot), pred=t > 0)
-    return acc, m_i, l_i, p16, alpha, t + 1
+    mbarrier.arrive(v_empty.index(pv_slot), pred=j > 0)
+    return acc, m_i, l_i, p16, alpha, t + 1, u + 1, j + 1
 
 
 @_jit
-def _ws_loop(acc, m_i, l_i, p_prev, alpha, t, lo, hi, q_s, k_ring, v_ring, k_ready, k_empty,
-             v_ready, v_empty, turn, rows, offs_nb, sum_ptr, col_ptr, mbh, m_blk, Sq, Sk, NKB,
-             scale_log2, s_layout: gl.constexpr, o_layout: gl.constexpr,
+def _ws_loop(acc, m_i, l_i, p_prev, alpha, t, u, j, lo, hi, q_s, k_ring, v_ring, k_ready,
+             k_empty, v_ready, v_empty, turn, rows, offs_nb, sum_ptr, col_ptr, mbh, m_blk, Sq,
+             Sk, NKB, scale_log2, s_layout: gl.constexpr, o_layout: gl.constexpr,
              a_layout: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
              NUM_STAGES: gl.constexpr, CAUSAL: gl.constexpr, C: gl.constexpr, NI: gl.constexpr,
              MASKED: gl.constexpr, WG: gl.constexpr, PINGPONG: gl.constexpr):
     """Key blocks [lo, hi) in order, one :func:`_ws_tile` each (MASKED: with mask code)."""
     for n in range(lo, hi):
-        acc, m_i, l_i, p_prev, alpha, t = _ws_tile(
-            acc, m_i, l_i, p_prev, alpha, t, n, q_s, k_ring, v_ring, k_ready, k_empty, v_ready,
-            v_empty, turn, rows, offs_nb, sum_ptr, col_ptr, mbh, m_blk, Sq, Sk, NKB, scale_log2,
-            s_layout, o_layout, a_layout, BLOCK_M, BLOCK_N, NUM_STAGES, CAUSAL, C, NI, MASKED,
-            WG, PINGPONG)
-    return acc, m_i, l_i, p_prev, alpha, t
+        acc, m_i, l_i, p_prev, alpha, t, u, j = _ws_tile(
+            acc, m_i, l_i, p_prev, alpha, t, u, j, n, q_s, k_ring, v_ring, k_ready, k_empty,
+            v_ready, v_empty, turn, rows, offs_nb, sum_ptr, col_ptr, mbh, m_blk, Sq, Sk, NKB,
+            scale_log2, s_layout, o_layout, a_layout, BLOCK_M, BLOCK_N, NUM_STAGES, CAUSAL, C,
+            NI, MASKED, WG, PINGPONG)
+    return acc, m_i, l_i, p_prev, alpha, t, u, j
 
 
 @_jit
-def _ws_range(acc, m_i, l_i, p_prev, alpha, t, lo, flo, fhi, hi, q_s, k_ring, v_ring, k_ready,
-              k_empty, v_ready, v_empty, turn, rows, offs_nb, sum_ptr, col_ptr, mbh, m_blk, Sq,
-              Sk, NKB, scale_log2, s_layout: gl.constexpr, o_layout: gl.constexpr,
+def _ws_range(acc, m_i, l_i, p_prev, alpha, t, u, j, lo, flo, fhi, hi, q_s, k_ring, v_ring,
+              k_ready, k_empty, v_ready, v_empty, turn, rows, offs_nb, sum_ptr, col_ptr, mbh,
+              m_blk, Sq, Sk, NKB, scale_log2, s_layout: gl.constexpr, o_layout: gl.constexpr,
               a_layout: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
               NUM_STAGES: gl.constexpr, CAUSAL: gl.constexpr, C: gl.constexpr, NI: gl.constexpr,
               WG: gl.constexpr, PINGPONG: gl.constexpr):
     """One live range [lo, hi) as :func:`_range` walks it: masked, mask-free, masked."""
     flo = gl.minimum(gl.maximum(flo, lo), hi)
     fhi = gl.minimum(gl.maximum(fhi, flo), hi)
-    acc, m_i, l_i, p_prev, alpha, t = _ws_loop(
-        acc, m_i, l_i, p_prev, alpha, t, lo, flo, q_s, k_ring, v_ring, k_ready, k_empty, v_ready,
-        v_empty, turn, rows, offs_nb, sum_ptr, col_ptr, mbh, m_blk, Sq, Sk, NKB, scale_log2,
-        s_layout, o_layout, a_layout, BLOCK_M, BLOCK_N, NUM_STAGES, CAUSAL, C, NI, True, WG,
-        PINGPONG)
-    acc, m_i, l_i, p_prev, alpha, t = _ws_loop(
-        acc, m_i, l_i, p_prev, alpha, t, flo, fhi, q_s, k_ring, v_ring, k_ready, k_empty, v_ready,
-        v_empty, turn, rows, offs_nb, sum_ptr, col_ptr, mbh, m_blk, Sq, Sk, NKB, scale_log2,
-        s_layout, o_layout, a_layout, BLOCK_M, BLOCK_N, NUM_STAGES, CAUSAL, C, NI, False, WG,
-        PINGPONG)
-    acc, m_i, l_i, p_prev, alpha, t = _ws_loop(
-        acc, m_i, l_i, p_prev, alpha, t, fhi, hi, q_s, k_ring, v_ring, k_ready, k_empty, v_ready,
-        v_empty, turn, rows, offs_nb, sum_ptr, col_ptr, mbh, m_blk, Sq, Sk, NKB, scale_log2,
-        s_layout, o_layout, a_layout, BLOCK_M, BLOCK_N, NUM_STAGES, CAUSAL, C, NI, True, WG,
-        PINGPONG)
-    return acc, m_i, l_i, p_prev, alpha, t
+    acc, m_i, l_i, p_prev, alpha, t, u, j = _ws_loop(
+        acc, m_i, l_i, p_prev, alpha, t, u, j, lo, flo, q_s, k_ring, v_ring, k_ready, k_empty,
+        v_ready, v_empty, turn, rows, offs_nb, sum_ptr, col_ptr, mbh, m_blk, Sq, Sk, NKB,
+        scale_log2, s_layout, o_layout, a_layout, BLOCK_M, BLOCK_N, NUM_STAGES, CAUSAL, C, NI,
+        True, WG, PINGPONG)
+    acc, m_i, l_i, p_prev, alpha, t, u, j = _ws_loop(
+        acc, m_i, l_i, p_prev, alpha, t, u, j, flo, fhi, q_s, k_ring, v_ring, k_ready, k_empty,
+        v_ready, v_empty, turn, rows, offs_nb, sum_ptr, col_ptr, mbh, m_blk, Sq, Sk, NKB,
+        scale_log2, s_layout, o_layout, a_layout, BLOCK_M, BLOCK_N, NUM_STAGES, CAUSAL, C, NI,
+        False, WG, PINGPONG)
+    acc, m_i, l_i, p_prev, alpha, t, u, j = _ws_loop(
+        acc, m_i, l_i, p_prev, alpha, t, u, j, fhi, hi, q_s, k_ring, v_ring, k_ready, k_empty,
+        v_ready, v_empty, turn, rows, offs_nb, sum_ptr, col_ptr, mbh, m_blk, Sq, Sk, NKB,
+        scale_log2, s_layout, o_layout, a_layout, BLOCK_M, BLOCK_N, NUM_STAGES, CAUSAL, C, NI,
+        True, WG, PINGPONG)
+    return acc, m_i, l_i, p_prev, alpha, t, u, j
 
 
 @_jit
-def _ws_consume(WG: gl.constexpr, q_smem, k_ring, v_ring, q_bar, k_ready, k_empty, v_ready,
-                v_empty, turn, o_ptr, lse_ptr, sum_ptr, col_ptr, b64, h, mbh, m_blk, Sq, Sk, Hq,
-                NKB, scale_log2, lo0, flo0, fhi0, hi0, lo1, flo1, fhi1, hi1, T,
-                D: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-                NUM_STAGES: gl.constexpr, CAUSAL: gl.constexpr, C: gl.constexpr,
-                NI: gl.constexpr, PINGPONG: gl.constexpr):
-    """Consumer partition ``WG`` (one warpgroup): O and LSE of query rows
-    [m_blk * BLOCK_M + WG * 64, + 64), over the block's live ranges."""
+def _ws_consume_block(WG: gl.constexpr, t, u, q_smem, k_ring, v_ring, q_bar, q_phase, q_empty,
+                      k_ready, k_empty, v_ready, v_empty, turn, o_ptr, lse_ptr, sum_ptr,
+                      mask_ptr, b64, h, mbh, m_blk, Sq, Sk, Hq, NKB, scale_log2, lo0, flo0,
+                      fhi0, hi0, lo1, flo1, fhi1, hi1, T, D: gl.constexpr,
+                      BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr,
+                      CAUSAL: gl.constexpr, C: gl.constexpr, NI: gl.constexpr,
+                      PINGPONG: gl.constexpr, PERSISTENT: gl.constexpr):
+    """Consumer warpgroup ``WG``'s share of one block: O and LSE of query rows
+    [m_blk * BLOCK_M + WG * 64, + 64) over the block's live ranges, from ring tile ``t`` and
+    ping-pong turn ``u`` on; PERSISTENT: hands Q back (``q_empty``) after its last S wait.
+    Returns (t, u) after the block."""
     WG_M: gl.constexpr = BLOCK_M // 2
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                        instr_shape=[16, BLOCK_N, 16])
@@ -538,6 +623,7 @@ def _ws_consume(WG: gl.constexpr, q_smem, k_ring, v_ring, q_bar, k_ready, k_empt
                                                        instr_shape=[16, D, 16])
     a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
     dtype: gl.constexpr = q_smem.dtype
+    col_ptr = mask_ptr + mbh * Sk * C
     row0 = m_blk * BLOCK_M + WG * WG_M
     rows = row0 + gl.arange(0, WG_M, layout=gl.SliceLayout(1, s_layout))
     offs_nb = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
@@ -547,60 +633,102 @@ def _ws_consume(WG: gl.constexpr, q_smem, k_ring, v_ring, q_bar, k_ready, k_empt
     p_prev = gl.zeros([WG_M, BLOCK_N], dtype, a_layout)
     alpha = gl.full([WG_M], 1.0, gl.float32, gl.SliceLayout(1, s_layout))
     q_s = q_smem.index(WG)
-    t = lo0 * 0
-    mbarrier.wait(q_bar, 0)
-    acc, m_i, l_i, p_prev, alpha, t = _ws_range(
-        acc, m_i, l_i, p_prev, alpha, t, lo0, flo0, fhi0, hi0, q_s, k_ring, v_ring, k_ready,
-        k_empty, v_ready, v_empty, turn, rows, offs_nb, sum_ptr, col_ptr, mbh, m_blk, Sq, Sk,
-        NKB, scale_log2, s_layout, o_layout, a_layout, BLOCK_M, BLOCK_N, NUM_STAGES, CAUSAL, C,
-        NI, WG, PINGPONG)
-    acc, m_i, l_i, p_prev, alpha, t = _ws_range(
-        acc, m_i, l_i, p_prev, alpha, t, lo1, flo1, fhi1, hi1, q_s, k_ring, v_ring, k_ready,
-        k_empty, v_ready, v_empty, turn, rows, offs_nb, sum_ptr, col_ptr, mbh, m_blk, Sq, Sk,
-        NKB, scale_log2, s_layout, o_layout, a_layout, BLOCK_M, BLOCK_N, NUM_STAGES, CAUSAL, C,
-        NI, WG, PINGPONG)
+    j = t * 0
+    mbarrier.wait(q_bar, q_phase)
+    acc, m_i, l_i, p_prev, alpha, t, u, j = _ws_range(
+        acc, m_i, l_i, p_prev, alpha, t, u, j, lo0, flo0, fhi0, hi0, q_s, k_ring, v_ring,
+        k_ready, k_empty, v_ready, v_empty, turn, rows, offs_nb, sum_ptr, col_ptr, mbh, m_blk,
+        Sq, Sk, NKB, scale_log2, s_layout, o_layout, a_layout, BLOCK_M, BLOCK_N, NUM_STAGES,
+        CAUSAL, C, NI, WG, PINGPONG)
+    acc, m_i, l_i, p_prev, alpha, t, u, j = _ws_range(
+        acc, m_i, l_i, p_prev, alpha, t, u, j, lo1, flo1, fhi1, hi1, q_s, k_ring, v_ring,
+        k_ready, k_empty, v_ready, v_empty, turn, rows, offs_nb, sum_ptr, col_ptr, mbh, m_blk,
+        Sq, Sk, NKB, scale_log2, s_layout, o_layout, a_layout, BLOCK_M, BLOCK_N, NUM_STAGES,
+        CAUSAL, C, NI, WG, PINGPONG)
+    if PERSISTENT:  # every S of the block waited for: the producer may load the next Q
+        mbarrier.arrive(q_empty)
     if T > 0:  # the last tile's rescale and PV
-        last = (T - 1) % NUM_STAGES
+        last = (t - 1) % NUM_STAGES
         if PINGPONG:
-            _ws_wait_turn(turn, T, WG)
+            _ws_wait_turn(turn, u, WG)
         acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))[:, None]
-        mbarrier.wait(v_ready.index(last), ((T - 1) // NUM_STAGES) & 1)
+        mbarrier.wait(v_ready.index(last), ((t - 1) // NUM_STAGES) & 1)
         o_tok = warpgroup_mma(p_prev, v_ring.index(last), acc, is_async=True)
         if PINGPONG:
             _ws_pass_turn(turn, WG)
+            u += 1
         acc, p_prev = warpgroup_mma_wait(num_outstanding=0, deps=(o_tok, p_prev))
         mbarrier.arrive(v_empty.index(last))
     _store_rows(acc, m_i, l_i, o_ptr, lse_ptr, b64, h, row0, Sq, Hq, s_layout, o_layout, D,
                 WG_M)
+    return t, u
 
 
 @_jit
-def _ws_consume_wg0(q_smem, k_ring, v_ring, q_bar, k_ready, k_empty, v_ready, v_empty, turn,
-                    o_ptr, lse_ptr, sum_ptr, col_ptr, b64, h, mbh, m_blk, Sq, Sk, Hq, NKB,
-                    scale_log2, lo0, flo0, fhi0, hi0, lo1, flo1, fhi1, hi1, T, D: gl.constexpr,
+def _ws_consume(WG: gl.constexpr, q_smem, k_ring, v_ring, q_bar, q_empty, k_ready, k_empty,
+                v_ready, v_empty, turn, o_ptr, lse_ptr, sum_ptr, mask_ptr, rng_ptr, Sq, Sk, Hq,
+                Hk, Hm, NQB, NKB, mask_b_stride, scale_log2, n_items, D: gl.constexpr,
+                BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr,
+                CAUSAL: gl.constexpr, C: gl.constexpr, NI: gl.constexpr,
+                PINGPONG: gl.constexpr, PERSISTENT: gl.constexpr):
+    """Consumer partition ``WG`` (one warpgroup): its 64 rows of the program's block
+    (``n_items`` unused), or, PERSISTENT, of every work item the program takes (items p,
+    p + P, ...), the ring counter and the ping-pong turns running on across items."""
+    pid = gl.program_id(0)
+    if PERSISTENT:
+        nprog = gl.num_programs(0)
+        t = pid * 0
+        u = pid * 0
+        k = pid * 0
+        for item in range(pid, n_items, nprog):
+            m_blk, b, h, hk, b64, mbh = _ws_item(item, NQB, Hq, Hk, Hm, mask_b_stride, CAUSAL)
+            lo0, flo0, fhi0, hi0, lo1, flo1, fhi1, hi1, len0, T = _ws_item_tiles(
+                rng_ptr, mbh, m_blk, Sq, Sk, NQB, NKB, BLOCK_M, BLOCK_N, CAUSAL, C)
+            t, u = _ws_consume_block(
+                WG, t, u, q_smem, k_ring, v_ring, q_bar, k & 1, q_empty, k_ready, k_empty,
+                v_ready, v_empty, turn, o_ptr, lse_ptr, sum_ptr, mask_ptr, b64, h, mbh, m_blk,
+                Sq, Sk, Hq, NKB, scale_log2, lo0, flo0, fhi0, hi0, lo1, flo1, fhi1, hi1, T, D,
+                BLOCK_M, BLOCK_N, NUM_STAGES, CAUSAL, C, NI, PINGPONG, True)
+            k += 1
+    else:
+        m_blk, b, h, hk, b64, mbh = _ws_item(pid + gl.program_id(1) * NQB, NQB, Hq, Hk, Hm,
+                                             mask_b_stride, CAUSAL)
+        lo0, flo0, fhi0, hi0, lo1, flo1, fhi1, hi1, len0, T = _ws_item_tiles(
+            rng_ptr, mbh, m_blk, Sq, Sk, NQB, NKB, BLOCK_M, BLOCK_N, CAUSAL, C)
+        _ws_consume_block(WG, pid * 0, pid * 0, q_smem, k_ring, v_ring, q_bar, 0, q_empty,
+                          k_ready, k_empty, v_ready, v_empty, turn, o_ptr, lse_ptr, sum_ptr,
+                          mask_ptr, b64, h, mbh, m_blk, Sq, Sk, Hq, NKB, scale_log2, lo0, flo0,
+                          fhi0, hi0, lo1, flo1, fhi1, hi1, T, D, BLOCK_M, BLOCK_N, NUM_STAGES,
+                          CAUSAL, C, NI, PINGPONG, False)
+
+
+@_jit
+def _ws_consume_wg0(q_smem, k_ring, v_ring, q_bar, q_empty, k_ready, k_empty, v_ready, v_empty,
+                    turn, o_ptr, lse_ptr, sum_ptr, mask_ptr, rng_ptr, Sq, Sk, Hq, Hk, Hm, NQB,
+                    NKB, mask_b_stride, scale_log2, n_items, D: gl.constexpr,
                     BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr,
                     CAUSAL: gl.constexpr, C: gl.constexpr, NI: gl.constexpr,
-                    PINGPONG: gl.constexpr):
+                    PINGPONG: gl.constexpr, PERSISTENT: gl.constexpr):
     """Consumer warpgroup 0 (the default partition; the warpgroup index must be a literal:
     warp_specialize passes its arguments as values)."""
-    _ws_consume(0, q_smem, k_ring, v_ring, q_bar, k_ready, k_empty, v_ready, v_empty, turn,
-                o_ptr, lse_ptr, sum_ptr, col_ptr, b64, h, mbh, m_blk, Sq, Sk, Hq, NKB, scale_log2,
-                lo0, flo0, fhi0, hi0, lo1, flo1, fhi1, hi1, T, D, BLOCK_M, BLOCK_N, NUM_STAGES,
-                CAUSAL, C, NI, PINGPONG)
+    _ws_consume(0, q_smem, k_ring, v_ring, q_bar, q_empty, k_ready, k_empty, v_ready, v_empty,
+                turn, o_ptr, lse_ptr, sum_ptr, mask_ptr, rng_ptr, Sq, Sk, Hq, Hk, Hm, NQB, NKB,
+                mask_b_stride, scale_log2, n_items, D, BLOCK_M, BLOCK_N, NUM_STAGES, CAUSAL, C,
+                NI, PINGPONG, PERSISTENT)
 
 
 @_jit
-def _ws_consume_wg1(q_smem, k_ring, v_ring, q_bar, k_ready, k_empty, v_ready, v_empty, turn,
-                    o_ptr, lse_ptr, sum_ptr, col_ptr, b64, h, mbh, m_blk, Sq, Sk, Hq, NKB,
-                    scale_log2, lo0, flo0, fhi0, hi0, lo1, flo1, fhi1, hi1, T, D: gl.constexpr,
+def _ws_consume_wg1(q_smem, k_ring, v_ring, q_bar, q_empty, k_ready, k_empty, v_ready, v_empty,
+                    turn, o_ptr, lse_ptr, sum_ptr, mask_ptr, rng_ptr, Sq, Sk, Hq, Hk, Hm, NQB,
+                    NKB, mask_b_stride, scale_log2, n_items, D: gl.constexpr,
                     BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr,
                     CAUSAL: gl.constexpr, C: gl.constexpr, NI: gl.constexpr,
-                    PINGPONG: gl.constexpr):
+                    PINGPONG: gl.constexpr, PERSISTENT: gl.constexpr):
     """Consumer warpgroup 1 (a 4-warp worker partition)."""
-    _ws_consume(1, q_smem, k_ring, v_ring, q_bar, k_ready, k_empty, v_ready, v_empty, turn,
-                o_ptr, lse_ptr, sum_ptr, col_ptr, b64, h, mbh, m_blk, Sq, Sk, Hq, NKB, scale_log2,
-                lo0, flo0, fhi0, hi0, lo1, flo1, fhi1, hi1, T, D, BLOCK_M, BLOCK_N, NUM_STAGES,
-                CAUSAL, C, NI, PINGPONG)
+    _ws_consume(1, q_smem, k_ring, v_ring, q_bar, q_empty, k_ready, k_empty, v_ready, v_empty,
+                turn, o_ptr, lse_ptr, sum_ptr, mask_ptr, rng_ptr, Sq, Sk, Hq, Hk, Hm, NQB, NKB,
+                mask_b_stride, scale_log2, n_items, D, BLOCK_M, BLOCK_N, NUM_STAGES, CAUSAL, C,
+                NI, PINGPONG, PERSISTENT)
 
 
 #: WARP_SPEC forward: consumer warpgroups (64 query rows each) and the producer warp's registers.
@@ -621,34 +749,22 @@ def ws_consumer_regs() -> int:
     return min(_GD.MAX_THREAD_REGS, total // (4 * WS_CONSUMERS) // 8 * 8)
 
 
-@_jit(do_not_specialize=_NO_SPEC)
+@_jit(do_not_specialize=_NO_SPEC + ["n_items"])
 def _fwd_ws_kernel(q_desc, k_desc, v_desc, o_ptr, lse_ptr, mask_ptr, sum_ptr, rng_ptr,
-                   scale_log2, Sq, Sk, Hq, Hk, Hm, NQB, NKB, mask_b_stride,
+                   scale_log2, Sq, Sk, Hq, Hk, Hm, NQB, NKB, mask_b_stride, n_items,
                    D: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
                    CAUSAL: gl.constexpr, C: gl.constexpr, NI: gl.constexpr,
                    NUM_STAGES: gl.constexpr, NUM_WARPS: gl.constexpr, PINGPONG: gl.constexpr,
-                   CONSUMER_REGS: gl.constexpr):
+                   CONSUMER_REGS: gl.constexpr, PERSISTENT: gl.constexpr):
     """The WARP_SPEC forward: one program per (query block of BLOCK_M = 128 rows, batch * query
-    head), same grid, program order, plan and tiles as :func:`_fwd_gluon_kernel`. Launched
-    with 4 warps (consumer warpgroup 0, the default partition) plus a 4-warp worker (consumer
-    warpgroup 1) and a 1-warp TMA producer; NUM_WARPS counts the consumer warps (8)."""
+    head), same grid, program order, plan and tiles as :func:`_fwd_gluon_kernel`; PERSISTENT:
+    a 1-D grid of programs that take the ``n_items`` = NQB * B * Hq blocks in that order
+    (program p: items p, p + P, ...). Launched with 4 warps (consumer warpgroup 0, the default
+    partition) plus a 4-warp worker (consumer warpgroup 1) and a 1-warp TMA producer;
+    NUM_WARPS counts the consumer warps (8)."""
     gl.static_assert(BLOCK_M == 128 and NUM_WARPS == 8, "two consumer warpgroups of 64 rows")
     WG_M: gl.constexpr = BLOCK_M // 2
     dtype: gl.constexpr = q_desc.dtype
-    pid = gl.program_id(0)
-    if CAUSAL:
-        m_blk = NQB - 1 - pid  # heavy (late) query blocks first
-    else:
-        m_blk = pid
-    bh = gl.program_id(1)
-    b = bh // Hq
-    h = bh % Hq
-    hk = h // (Hq // Hk)
-    hm = h // (Hq // Hm)
-    b64 = b.to(gl.int64)
-    mbh = b64 * mask_b_stride + hm
-    col_ptr = mask_ptr + mbh * Sk * C
-
     q_smem = gl.allocate_shared_memory(dtype, [2, WG_M, D], q_desc.layout)
     k_ring = gl.allocate_shared_memory(dtype, [NUM_STAGES, BLOCK_N, D], k_desc.layout)
     v_ring = gl.allocate_shared_memory(dtype, [NUM_STAGES, BLOCK_N, D], v_desc.layout)
@@ -657,6 +773,7 @@ def _fwd_ws_kernel(q_desc, k_desc, v_desc, o_ptr, lse_ptr, mask_ptr, sum_ptr, rn
     v_ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
     v_empty = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
     q_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    q_empty = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
     turn = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     for i in gl.static_range(NUM_STAGES):
         mbarrier.init(k_ready.index(i), count=1)
@@ -664,39 +781,56 @@ def _fwd_ws_kernel(q_desc, k_desc, v_desc, o_ptr, lse_ptr, mask_ptr, sum_ptr, rn
         mbarrier.init(k_empty.index(i), count=2)  # both consumer warpgroups release a slot
         mbarrier.init(v_empty.index(i), count=2)
     mbarrier.init(q_bar, count=1)
+    mbarrier.init(q_empty, count=2)
     mbarrier.init(turn.index(0), count=1)
     mbarrier.init(turn.index(1), count=1)
     fence_async_shared()
 
-    # Q's two 64-row halves first: their load runs under the live ranges' scalar loads
-    q_row = b * Sq + m_blk * BLOCK_M
-    mbarrier.expect(q_bar, 2 * q_desc.block_type.nbytes)
-    tma.async_copy_global_to_shared(q_desc, [q_row, h * D], q_bar, q_smem.index(0))
-    tma.async_copy_global_to_shared(q_desc, [q_row + WG_M, h * D], q_bar, q_smem.index(1))
-    lo0, flo0, fhi0, hi0, lo1, flo1, fhi1, hi1 = _query_block_ranges(
-        rng_ptr, mbh, m_blk, Sq, Sk, NQB, NKB, BLOCK_M, BLOCK_N, CAUSAL, C)
-    len0 = gl.maximum(hi0 - lo0, 0)
-    T = len0 + gl.maximum(hi1 - lo1, 0)
-    gl.warp_specialize([
-        (_ws_consume_wg0,
-         (q_smem, k_ring, v_ring, q_bar, k_ready, k_empty, v_ready, v_empty, turn, o_ptr, lse_ptr,
-          sum_ptr, col_ptr, b64, h, mbh, m_blk, Sq, Sk, Hq, NKB, scale_log2, lo0, flo0, fhi0,
-          hi0, lo1, flo1, fhi1, hi1, T, D, BLOCK_M, BLOCK_N, NUM_STAGES, CAUSAL, C, NI,
-          PINGPONG)),
-        (_ws_consume_wg1,
-         (q_smem, k_ring, v_ring, q_bar, k_ready, k_empty, v_ready, v_empty, turn, o_ptr, lse_ptr,
-          sum_ptr, col_ptr, b64, h, mbh, m_blk, Sq, Sk, Hq, NKB, scale_log2, lo0, flo0, fhi0,
-          hi0, lo1, flo1, fhi1, hi1, T, D, BLOCK_M, BLOCK_N, NUM_STAGES, CAUSAL, C, NI,
-          PINGPONG)),
-        (_ws_produce, (k_desc, v_desc, k_ring, v_ring, k_ready, k_empty, v_ready, v_empty,
-                       b * Sk, hk * D, lo0, len0, lo1, T, BLOCK_N, NUM_STAGES)),
-    ], [4, 1], [CONSUMER_REGS, 24])  # consumer warpgroup 1, the producer (WS_PRODUCER_REGS)
+    if PERSISTENT:
+        gl.warp_specialize([
+            (_ws_consume_wg0,
+             (q_smem, k_ring, v_ring, q_bar, q_empty, k_ready, k_empty, v_ready, v_empty, turn,
+              o_ptr, lse_ptr, sum_ptr, mask_ptr, rng_ptr, Sq, Sk, Hq, Hk, Hm, NQB, NKB,
+              mask_b_stride, scale_log2, n_items, D, BLOCK_M, BLOCK_N, NUM_STAGES, CAUSAL, C, NI,
+              PINGPONG, PERSISTENT)),
+            (_ws_consume_wg1,
+             (q_smem, k_ring, v_ring, q_bar, q_empty, k_ready, k_empty, v_ready, v_empty, turn,
+              o_ptr, lse_ptr, sum_ptr, mask_ptr, rng_ptr, Sq, Sk, Hq, Hk, Hm, NQB, NKB,
+              mask_b_stride, scale_log2, n_items, D, BLOCK_M, BLOCK_N, NUM_STAGES, CAUSAL, C, NI,
+              PINGPONG, PERSISTENT)),
+            (_ws_produce_persistent,
+             (q_desc, k_desc, v_desc, q_smem, k_ring, v_ring, q_bar, q_empty, k_ready, k_empty,
+              v_ready, v_empty, rng_ptr, Sq, Sk, Hq, Hk, Hm, NQB, NKB, mask_b_stride, n_items, D,
+              BLOCK_M, BLOCK_N, NUM_STAGES, CAUSAL, C)),
+        ], [4, 1], [CONSUMER_REGS, 24])  # consumer warpgroup 1, the producer (WS_PRODUCER_REGS)
+    else:
+        m_blk, b, h, hk, b64, mbh = _ws_item(gl.program_id(0) + gl.program_id(1) * NQB, NQB, Hq,
+                                             Hk, Hm, mask_b_stride, CAUSAL)
+        # Q's two halves first: their load runs under the live ranges' scalar loads
+        _ws_load_q(q_desc, q_smem, q_bar, b * Sq + m_blk * BLOCK_M, h * D, WG_M)
+        lo0, flo0, fhi0, hi0, lo1, flo1, fhi1, hi1, len0, T = _ws_item_tiles(
+            rng_ptr, mbh, m_blk, Sq, Sk, NQB, NKB, BLOCK_M, BLOCK_N, CAUSAL, C)
+        gl.warp_specialize([
+            (_ws_consume_wg0,
+             (q_smem, k_ring, v_ring, q_bar, q_empty, k_ready, k_empty, v_ready, v_empty, turn,
+              o_ptr, lse_ptr, sum_ptr, mask_ptr, rng_ptr, Sq, Sk, Hq, Hk, Hm, NQB, NKB,
+              mask_b_stride, scale_log2, n_items, D, BLOCK_M, BLOCK_N, NUM_STAGES, CAUSAL, C, NI,
+              PINGPONG, PERSISTENT)),
+            (_ws_consume_wg1,
+             (q_smem, k_ring, v_ring, q_bar, q_empty, k_ready, k_empty, v_ready, v_empty, turn,
+              o_ptr, lse_ptr, sum_ptr, mask_ptr, rng_ptr, Sq, Sk, Hq, Hk, Hm, NQB, NKB,
+              mask_b_stride, scale_log2, n_items, D, BLOCK_M, BLOCK_N, NUM_STAGES, CAUSAL, C, NI,
+              PINGPONG, PERSISTENT)),
+            (_ws_produce, (k_desc, v_desc, k_ring, v_ring, k_ready, k_empty, v_ready, v_empty,
+                           b * Sk, hk * D, lo0, len0, lo1, T, BLOCK_N, NUM_STAGES)),
+        ], [4, 1], [CONSUMER_REGS, 24])
     for i in gl.static_range(NUM_STAGES):
         mbarrier.invalidate(k_ready.index(i))
         mbarrier.invalidate(v_ready.index(i))
         mbarrier.invalidate(k_empty.index(i))
         mbarrier.invalidate(v_empty.index(i))
     mbarrier.invalidate(q_bar)
+    mbarrier.invalidate(q_empty)
     mbarrier.invalidate(turn.index(0))
     mbarrier.invalidate(turn.index(1))
 
@@ -713,11 +847,12 @@ def shared_bytes(d: int, block_m: int, block_n: int, num_stages: int) -> int:
 
 
 def check_config(d: int, block_m: int, block_n: int, num_warps: int, num_stages: int,
-                 warp_spec: bool = False, pingpong: bool = False) -> None:
+                 warp_spec: bool = False, pingpong: bool = False,
+                 persistent: bool = False) -> None:
     """Raise ValueError on a configuration the kernel cannot compile or launch: one wgmma row
     of 16 queries per warp (block_m == 16 * num_warps), power-of-two tiles, the ring in
     shared memory (<= 227 KB on sm_90); the WARP_SPEC kernel: 128 query rows on 8 consumer
-    warps (two warpgroups of 64); PINGPONG needs WARP_SPEC."""
+    warps (two warpgroups of 64); PINGPONG and PERSISTENT need WARP_SPEC."""
     if d not in (64, 128, 256):
         raise ValueError(f"gluon fwd: head dim {d} (64, 128 or 256)")
     if block_m != 16 * num_warps:
@@ -727,6 +862,8 @@ def check_config(d: int, block_m: int, block_n: int, num_warps: int, num_stages:
                          "(128 and 8: two consumer warpgroups of 64 rows)")
     if pingpong and not warp_spec:
         raise ValueError("gluon fwd: pingpong needs warp_spec")
+    if persistent and not warp_spec:
+        raise ValueError("gluon fwd: persistent needs warp_spec")
     if block_n not in (16, 32, 64, 128, 256):
         raise ValueError(f"gluon fwd: block_n={block_n} (16..256, a power of two)")
     if num_stages < 2:
@@ -751,18 +888,22 @@ def _descriptors(q, k, v, q_rows: int, block_n: int):
 
 def launch_fwd_gluon(q, k, v, mask, causal, softmax_scale, plan, block_m: int, block_n: int,
                      num_warps: int, num_stages: int, warp_spec: bool = False,
-                     pingpong: bool = False):
+                     pingpong: bool = False, persistent: bool = False,
+                     programs: Optional[int] = None):
     """(out, lse) like ``triton_flashmask._launch_fwd``; ``plan`` must come from
     ``make_plan(mask, causal, Sq, Sk, block_m, block_n, by_key=False, device)``. ``mask`` is
     unused (the plan holds it), as in ``_launch_fwd``. ``warp_spec``: the warp-specialised
     kernel (:func:`_fwd_ws_kernel`: a TMA producer warp, separate K and V rings, two consumer
-    warpgroups of 64 rows; ``pingpong`` makes them take turns issuing their matmuls)."""
+    warpgroups of 64 rows; ``pingpong`` makes them take turns issuing their matmuls;
+    ``persistent``: one program per SM, or ``programs``, each taking query blocks in the
+    non-persistent grid's order, the next block's Q and key tiles loading under the previous
+    block's last PV and O store)."""
     reason = unavailable_reason()
     if reason is not None:
         raise RuntimeError(reason)
     b, sq, hq, d = q.shape
     _, sk, hk, _ = k.shape
-    check_config(d, block_m, block_n, num_warps, num_stages, warp_spec, pingpong)
+    check_config(d, block_m, block_n, num_warps, num_stages, warp_spec, pingpong, persistent)
     if q.dtype not in (torch.bfloat16, torch.float16):
         raise ValueError(f"gluon fwd: dtype {q.dtype} (bf16 or fp16)")
     q, k, v = (x.contiguous() for x in (q, k, v))
@@ -780,9 +921,15 @@ def launch_fwd_gluon(q, k, v, mask, causal, softmax_scale, plan, block_m: int, b
     consts = dict(D=d, BLOCK_M=block_m, BLOCK_N=block_n, CAUSAL=causal, C=plan.c, NI=plan.ni,
                   NUM_STAGES=num_stages, NUM_WARPS=num_warps)
     if warp_spec:
-        _fwd_ws_kernel[(nqb, b * hq)](*args, **consts, PINGPONG=pingpong,
-                                      CONSUMER_REGS=ws_consumer_regs(), num_warps=4,
-                                      maxnreg=ws_maxnreg())
+        n_items = nqb * b * hq
+        if persistent:
+            sms = torch.cuda.get_device_properties(q.device).multi_processor_count
+            grid = (max(1, min(n_items, programs or sms)), )
+        else:
+            grid = (nqb, b * hq)
+        _fwd_ws_kernel[grid](*args, n_items, **consts, PINGPONG=pingpong,
+                             CONSUMER_REGS=ws_consumer_regs(), PERSISTENT=persistent,
+                             num_warps=4, maxnreg=ws_maxnreg())
     else:
         _fwd_gluon_kernel[(nqb, b * hq)](*args, **consts, num_warps=num_warps)
     return out, lse
@@ -797,13 +944,13 @@ from .triton_report import compile_gluon_sm90, cuobjdump  # noqa: E402  (the sha
 
 def compile_sm90(d: int = 128, block_m: int = 128, block_n: int = 128, num_warps: int = 8,
                  num_stages: int = 2, causal: bool = True, c: int = 1, dtype: str = "bf16",
-                 warp_spec: bool = False, pingpong: bool = False):
+                 warp_spec: bool = False, pingpong: bool = False, persistent: bool = False):
     """Compile the forward kernel (``warp_spec``: :func:`_fwd_ws_kernel`) for sm_90 without a
     GPU, with the launcher's arguments; returns the CompiledKernel."""
     reason = unavailable_reason()
     if reason is not None:
         raise RuntimeError(reason)
-    check_config(d, block_m, block_n, num_warps, num_stages, warp_spec, pingpong)
+    check_config(d, block_m, block_n, num_warps, num_stages, warp_spec, pingpong, persistent)
     q_rows = block_m // WS_CONSUMERS if warp_spec else block_m
     descs = _GD.offline_descriptor_types(dtype, d, q_desc=q_rows, k_desc=block_n,
                                          v_desc=block_n)
@@ -811,7 +958,9 @@ def compile_sm90(d: int = 128, block_m: int = 128, block_n: int = 128, num_warps
             "rng_ptr": "*i32"}
     consts = _GD.offline_constexprs(d, block_m, block_n, num_warps, num_stages, causal, c)
     if warp_spec:
-        consts.update(PINGPONG=pingpong, CONSUMER_REGS=ws_consumer_regs())
+        consts.update(PINGPONG=pingpong, CONSUMER_REGS=ws_consumer_regs(),
+                      PERSISTENT=persistent)
+        ptrs["n_items"] = "i32"
         return compile_gluon_sm90(_fwd_ws_kernel, ptrs, descs, consts, 4, num_stages,
                                   maxnreg=ws_maxnreg())
     return compile_gluon_sm90(_fwd_gluon_kernel, ptrs, descs, consts, num_warps, num_stages)
@@ -829,15 +978,15 @@ def overlaps(sass_text: str) -> bool:
 
 
 def compile_report(d=128, block_m=128, block_n=128, num_warps=8, num_stages=2, causal=True, c=1,
-                   dtype="bf16", warp_spec=False, pingpong=False) -> dict:
+                   dtype="bf16", warp_spec=False, pingpong=False, persistent=False) -> dict:
     """One configuration's offline sm_90 report (registers, spills, HGMMA, overlap) or its
     error."""
     row = dict(D=d, block_m=block_m, block_n=block_n, num_warps=num_warps,
                num_stages=num_stages, causal=causal, C=c, dtype=dtype, warp_spec=warp_spec,
-               pingpong=pingpong)
+               pingpong=pingpong, persistent=persistent)
     try:
         ck = compile_sm90(d, block_m, block_n, num_warps, num_stages, causal, c, dtype,
-                          warp_spec, pingpong)
+                          warp_spec, pingpong, persistent)
     except Exception as exc:
         row["error"] = f"{type(exc).__name__}: {str(exc)[:2000]}"
         return row

@@ -1178,6 +1178,15 @@ GLUON_FWD_DEFAULT: dict = {256: ((True, 0), (False, 0), (True, 1), (False, 2)),
 #: Whether the WS forward's two warpgroups take turns issuing their matmuls (FA3's ping-pong),
 #: per head dim: at D=128 ping-pong measured 0.93-1.04x of without; D=256 was measured with it.
 GLUON_FWD_PINGPONG = {256: True, 128: False, 64: True}
+#: Whether the WS forward runs persistent (one program per SM taking the query blocks in the
+#: grid's order; env FLASHMASK3_TRITON_FWD_PERSISTENT=1 / 0 overrides).
+GLUON_FWD_PERSISTENT = False
+
+
+def _fwd_persistent() -> bool:
+    """:data:`GLUON_FWD_PERSISTENT`, or env FLASHMASK3_TRITON_FWD_PERSISTENT (0 or 1)."""
+    env = _env_choice("FLASHMASK3_TRITON_FWD_PERSISTENT", ("0", "1"))
+    return GLUON_FWD_PERSISTENT if not env else env == "1"
 
 
 def _fwd_impl(q: torch.Tensor, cfg: Config, causal: Optional[bool] = None,
@@ -1213,7 +1222,8 @@ def _launch_fwd(q, k, v, mask, causal, softmax_scale, cfg: Config, plan: Plan):
 
         return launch_fwd_gluon(q, k, v, mask, causal, softmax_scale, plan, cfg.block_m,
                                 cfg.block_n, cfg.num_warps, cfg.num_stages,
-                                warp_spec=impl != "gluon", pingpong=impl == "gluon_wsp")
+                                warp_spec=impl != "gluon", pingpong=impl == "gluon_wsp",
+                                persistent=impl != "gluon" and _fwd_persistent())
     return _launch_fwd_tl(q, k, v, mask, causal, softmax_scale, cfg, plan)
 
 
