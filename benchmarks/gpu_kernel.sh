@@ -26,6 +26,7 @@
 #   BENCH_BUDGET=130 bash benchmarks/gpu_kernel.sh fwdws   # the warp-specialised Gluon forward: A/B vs tl (small + 32K), D=128 document rows with it, D=64/256
 #   BENCH_BUDGET=100 bash benchmarks/gpu_kernel.sh fwdws2  # the 128-key WS forward tiles (A/B + small pass), D=256 rows with the WS forward default
 #   bash benchmarks/gpu_kernel.sh fwdws3  # the WS forward defaults and its persistent variant: GPU tests, A/B at D=128 and D=256
+#   BENCH_BUDGET=200 bash benchmarks/gpu_kernel.sh fwdws4  # public-path Gluon forward GPU tests, 32K D=128 rows (tl forward variant)
 #   BENCH_BUDGET=170 bash benchmarks/gpu_kernel.sh order   # the persistent DS_SHARED kernel: tests, backward stages, A/B at D=128 and D=64 (STAGES=0, BUDGET_D64=0, CASES=... to trim)
 # Each stage has its own timeout so the whole call stays under the 600 s device limit; the
 # benchmark writes its JSON after every case, so a stopped run keeps what it measured.
@@ -275,6 +276,16 @@ case "$PHASE" in
     FLASHMASK3_TRITON_AUTOTUNE=0 timeout 90 python3 benchmarks/gluon_fwd_ab.py --skip-small --budget-s 40 --dims 256 \
       --cases causal,causal_document_corpus,document_short --configs 128x64w8s2wsp,128x64w8s2wsp+P 2>&1 | tee "$OUT/bench_fwdws3_d256.log"
     mv "$OUT/gluon_fwd_ab.json" "$OUT/gluon_fwd_ws3_d256_ab.json"; mv "$OUT/gluon_fwd_ab.md" "$OUT/gluon_fwd_ws3_d256_ab.md"
+    ;;
+  fwdws4)
+    # the public-path GPU tests of the Gluon forwards (the masks now carry q's batch), then the
+    # 32K D=128 rows with the WS forward default (tl forward as a variant)
+    FLASHMASK3_TRITON_AUTOTUNE=0 timeout ${TEST_S:-130} python3 -m pytest -q -m gpu tests/kernels/test_gluon_fwd.py \
+      -k "(ws_forward and ((128 and gluon_ws and not wsp) or (256 and wsp))) or public_forward" \
+      -p no:cacheprovider --tb=short 2>&1 | tail -30 | tee "$OUT/pytest_fwdws4.log"
+    FLASHMASK3_TRITON_AUTOTUNE=0 timeout $((BUDGET + 50)) python3 benchmarks/kernel.py --seqlens 32768 --dims 128 --no-gqa \
+      --impls flashmask3,flashmask3_tl_fwd,flex,sdpa_cudnn --budget-s "$BUDGET" --out "$OUT" --tag v68_32k 2>&1 \
+      | grep -v "DeprecationWarning\|create_block_mask(mm" | tee "$OUT/bench_32k.log"
     ;;
   rest)
     # what the v6.3 table left out: first the GPU tests of the D=256 forward tile (new default,

@@ -214,13 +214,14 @@ def _check_public_forward(name, impl, d, monkeypatch):
     q, k, v = (x.requires_grad_() for x in (q, k, v))
     cfg = T._config("fwd", d, causal is True, 0, q.dtype, like=q)
     assert T._fwd_impl(q, cfg) == impl
-    if isinstance(mask, torch.Tensor):
-        cols, mask_arg, kw = mask.cuda(), mask.cuda(), dict(causal=causal)
+    if isinstance(mask, torch.Tensor):  # (the masks are built for one sequence: batch 2 here)
+        cols = mask.expand(2, -1, -1, -1).contiguous().cuda()
+        mask_arg, kw = cols, dict(causal=causal)
     elif mask is None:
         cols, mask_arg, kw = None, None, dict(causal=causal)
     else:
-        mask = mask.to("cuda")
-        cols, causal, mask_arg, kw = mask.startend_row_indices, mask.causal, mask, {}
+        cols = mask.startend_row_indices.expand(2, -1, -1, -1).contiguous().cuda()
+        causal, mask_arg, kw = mask.causal, cols, dict(causal=mask.causal)
     out, lse = flashmask3.flashmask_attention(q, k, v, mask_arg, return_softmax_lse=True, **kw)
     ref_out, ref_lse = reference_attention(q, k, v, cols, causal, 1 / math.sqrt(d))
     assert not torch.isnan(out).any() and not torch.isnan(lse).any()
