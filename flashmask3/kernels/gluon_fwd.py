@@ -806,6 +806,8 @@ def _fwd_ws_kernel(q_desc, k_desc, v_desc, o_ptr, lse_ptr, mask_ptr, sum_ptr, rn
     mbarrier.init(turn.index(1), count=1)
     fence_async_shared()
 
+    # (The two warp_specialize calls spell out the same consumer arguments: held in a tuple
+    # variable, the constexprs among them reach the partitions as tensors in triton 3.6.)
     if PERSISTENT:
         gl.warp_specialize([
             (_ws_consume_wg0,
