@@ -1033,15 +1033,20 @@ def main(argv=None):
     ap.add_argument("--configs", default=",".join("{}x{}w{}s{}".format(*c)
                                                    for c in REPORT_CONFIGS))
     ap.add_argument("--dtype", default="bf16")
+    ap.add_argument("--warp-spec", action="store_true", help="the WS kernel (block_m 128, w8)")
+    ap.add_argument("--pingpong", action="store_true", help="the WS kernel with ping-pong")
+    ap.add_argument("--persistent", action="store_true", help="the persistent WS kernel")
     args = ap.parse_args(argv)
     configs = [tuple(int(x) for x in lab.replace("x", " ").replace("w", " ").replace("s", " ")
                      .split()) for lab in args.configs.split(",")]
+    ws = args.warp_spec or args.pingpong or args.persistent
     for d in (int(x) for x in args.dims.split(",")):
         for cfg in configs:
             for causal, c in ((bool(int(a)), int(b)) for a, b in
                               (x.split(":") for x in args.layouts.split(","))):
-                print(json.dumps(compile_report(d, *cfg, causal=causal, c=c, dtype=args.dtype)),
-                      flush=True)
+                print(json.dumps(compile_report(d, *cfg, causal=causal, c=c, dtype=args.dtype,
+                                                warp_spec=ws, pingpong=args.pingpong,
+                                                persistent=args.persistent)), flush=True)
 
 
 if __name__ == "__main__":
