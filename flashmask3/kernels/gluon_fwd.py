@@ -485,12 +485,22 @@ def _ws_load_q(q_desc, q_smem, q_bar, q_row, q_col, WG_M: gl.constexpr):
 
 
 @_jit
-def _ws_produce(k_desc, v_desc, k_ring, v_ring, k_ready, k_empty, v_ready, v_empty, kv_row0,
-                kv_col, lo0, len0, lo1, T, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr):
-    """Producer partition (1 warp) of the one-block kernel: the block's key tiles (Q was
-    loaded before the partitions forked)."""
-    _ws_produce_tiles(k_desc, v_desc, k_ring, v_ring, k_ready, k_empty, v_ready, v_empty,
-                      lo0 * 0, kv_row0, kv_col, lo0, len0, lo1, T, BLOCK_N, NUM_STAGES)
+def _ws_produce(q_desc, k_desc, v_desc, q_smem, k_ring, v_ring, q_bar, q_empty, k_ready, k_empty,
+                v_ready, v_empty, rng_ptr, Sq, Sk, Hq, Hk, Hm, NQB, NKB, mask_b_stride, n_items,
+                kv_row0, kv_col, lo0, len0, lo1, T, D: gl.constexpr, BLOCK_M: gl.constexpr,
+                BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr, CAUSAL: gl.constexpr,
+                C: gl.constexpr, PERSISTENT: gl.constexpr):
+    """Producer partition (1 warp). One-block kernel: the block's key tiles (``kv_row0`` ..
+    ``T`` from the kernel body, which loaded Q before the partitions forked); PERSISTENT:
+    :func:`_ws_produce_persistent` (those arguments unused)."""
+    if PERSISTENT:
+        _ws_produce_persistent(q_desc, k_desc, v_desc, q_smem, k_ring, v_ring, q_bar, q_empty,
+                               k_ready, k_empty, v_ready, v_empty, rng_ptr, Sq, Sk, Hq, Hk, Hm,
+                               NQB, NKB, mask_b_stride, n_items, D, BLOCK_M, BLOCK_N,
+                               NUM_STAGES, CAUSAL, C)
+    else:
+        _ws_produce_tiles(k_desc, v_desc, k_ring, v_ring, k_ready, k_empty, v_ready, v_empty,
+                          lo0 * 0, kv_row0, kv_col, lo0, len0, lo1, T, BLOCK_N, NUM_STAGES)
 
 
 @_jit
@@ -806,25 +816,13 @@ def _fwd_ws_kernel(q_desc, k_desc, v_desc, o_ptr, lse_ptr, mask_ptr, sum_ptr, rn
     mbarrier.init(turn.index(1), count=1)
     fence_async_shared()
 
-    # (The two warp_specialize calls spell out the same consumer arguments: held in a tuple
-    # variable, the constexprs among them reach the partitions as tensors in triton 3.6.)
-    if PERSISTENT:
-        gl.warp_specialize([
-            (_ws_consume_wg0,
-             (q_smem, k_ring, v_ring, q_bar, q_empty, k_ready, k_empty, v_ready, v_empty, turn,
-              o_ptr, lse_ptr, sum_ptr, mask_ptr, rng_ptr, Sq, Sk, Hq, Hk, Hm, NQB, NKB,
-              mask_b_stride, scale_log2, n_items, D, BLOCK_M, BLOCK_N, NUM_STAGES, CAUSAL, C, NI,
-              PINGPONG, PERSISTENT)),
-            (_ws_consume_wg1,
-             (q_smem, k_ring, v_ring, q_bar, q_empty, k_ready, k_empty, v_ready, v_empty, turn,
-              o_ptr, lse_ptr, sum_ptr, mask_ptr, rng_ptr, Sq, Sk, Hq, Hk, Hm, NQB, NKB,
-              mask_b_stride, scale_log2, n_items, D, BLOCK_M, BLOCK_N, NUM_STAGES, CAUSAL, C, NI,
-              PINGPONG, PERSISTENT)),
-            (_ws_produce_persistent,
-             (q_desc, k_desc, v_desc, q_smem, k_ring, v_ring, q_bar, q_empty, k_ready, k_empty,
-              v_ready, v_empty, rng_ptr, Sq, Sk, Hq, Hk, Hm, NQB, NKB, mask_b_stride, n_items, D,
-              BLOCK_M, BLOCK_N, NUM_STAGES, CAUSAL, C)),
-        ], [4, 1], [CONSUMER_REGS, 24])  # consumer warpgroup 1, the producer (WS_PRODUCER_REGS)
+    if PERSISTENT:  # (the producer walks the items; these are placeholders)
+        kv_row0 = n_items * 0
+        kv_col = kv_row0
+        lo0 = kv_row0
+        len0 = kv_row0
+        lo1 = kv_row0
+        T = kv_row0
     else:
         m_blk, b, h, hk, b64, mbh = _ws_item(gl.program_id(0) + gl.program_id(1) * NQB, NQB, Hq,
                                              Hk, Hm, mask_b_stride, CAUSAL)
@@ -832,20 +830,27 @@ def _fwd_ws_kernel(q_desc, k_desc, v_desc, o_ptr, lse_ptr, mask_ptr, sum_ptr, rn
         _ws_load_q(q_desc, q_smem, q_bar, b * Sq + m_blk * BLOCK_M, h * D, WG_M)
         lo0, flo0, fhi0, hi0, lo1, flo1, fhi1, hi1, len0, T = _ws_item_tiles(
             rng_ptr, mbh, m_blk, Sq, Sk, NQB, NKB, BLOCK_M, BLOCK_N, CAUSAL, C)
-        gl.warp_specialize([
-            (_ws_consume_wg0,
-             (q_smem, k_ring, v_ring, q_bar, q_empty, k_ready, k_empty, v_ready, v_empty, turn,
-              o_ptr, lse_ptr, sum_ptr, mask_ptr, rng_ptr, Sq, Sk, Hq, Hk, Hm, NQB, NKB,
-              mask_b_stride, scale_log2, n_items, D, BLOCK_M, BLOCK_N, NUM_STAGES, CAUSAL, C, NI,
-              PINGPONG, PERSISTENT)),
-            (_ws_consume_wg1,
-             (q_smem, k_ring, v_ring, q_bar, q_empty, k_ready, k_empty, v_ready, v_empty, turn,
-              o_ptr, lse_ptr, sum_ptr, mask_ptr, rng_ptr, Sq, Sk, Hq, Hk, Hm, NQB, NKB,
-              mask_b_stride, scale_log2, n_items, D, BLOCK_M, BLOCK_N, NUM_STAGES, CAUSAL, C, NI,
-              PINGPONG, PERSISTENT)),
-            (_ws_produce, (k_desc, v_desc, k_ring, v_ring, k_ready, k_empty, v_ready, v_empty,
-                           b * Sk, hk * D, lo0, len0, lo1, T, BLOCK_N, NUM_STAGES)),
-        ], [4, 1], [CONSUMER_REGS, 24])
+        kv_row0 = b * Sk
+        kv_col = hk * D
+    # (the two consumers' argument lists are spelled out: held in a tuple variable, the
+    # constexprs among them reach the partitions as tensors in triton 3.6)
+    gl.warp_specialize([
+        (_ws_consume_wg0,
+         (q_smem, k_ring, v_ring, q_bar, q_empty, k_ready, k_empty, v_ready, v_empty, turn, o_ptr,
+          lse_ptr, sum_ptr, mask_ptr, rng_ptr, Sq, Sk, Hq, Hk, Hm, NQB, NKB, mask_b_stride,
+          scale_log2, n_items, D, BLOCK_M, BLOCK_N, NUM_STAGES, CAUSAL, C, NI, PINGPONG,
+          PERSISTENT)),
+        (_ws_consume_wg1,
+         (q_smem, k_ring, v_ring, q_bar, q_empty, k_ready, k_empty, v_ready, v_empty, turn, o_ptr,
+          lse_ptr, sum_ptr, mask_ptr, rng_ptr, Sq, Sk, Hq, Hk, Hm, NQB, NKB, mask_b_stride,
+          scale_log2, n_items, D, BLOCK_M, BLOCK_N, NUM_STAGES, CAUSAL, C, NI, PINGPONG,
+          PERSISTENT)),
+        (_ws_produce,
+         (q_desc, k_desc, v_desc, q_smem, k_ring, v_ring, q_bar, q_empty, k_ready, k_empty,
+          v_ready, v_empty, rng_ptr, Sq, Sk, Hq, Hk, Hm, NQB, NKB, mask_b_stride, n_items,
+          kv_row0, kv_col, lo0, len0, lo1, T, D, BLOCK_M, BLOCK_N, NUM_STAGES, CAUSAL, C,
+          PERSISTENT)),
+    ], [4, 1], [CONSUMER_REGS, 24])  # consumer warpgroup 1, the producer (WS_PRODUCER_REGS)
     for i in gl.static_range(NUM_STAGES):
         mbarrier.invalidate(k_ready.index(i))
         mbarrier.invalidate(v_ready.index(i))

@@ -1168,7 +1168,7 @@ def _gluon_runs(q: torch.Tensor, module: str, cfg: Config, **variant) -> bool:
 #: head dims, on the (causal, C) layouts listed (None: every layout), at its
 #: :data:`GLUON_TILE` tile; elsewhere opt-in (FLASHMASK3_TRITON_FWD=gluon_ws / gluon_wsp).
 #: Measured against the tl forward (H200, 32K, benchmarks/NOTES.md session 13): D=256
-#: 1.15-1.24x (causal, document masks); D=128 at 128x128 s2 1.04-1.10x on causal, full and the
+#: 1.15-1.26x (causal, document masks); D=128 at 128x128 s2 1.04-1.12x on causal, full and the
 #: non-causal C=2 masks (document, prefix-document), 0.91-1.05x on the causal C=1 masks
 #: (causal documents: short 0.91, mixed 1.01, corpus 1.05), which keep tl; the causal C=2 and
 #: the C=4 layouts spill in the WS tiles' masked loops (offline: 35-352 spilled values) and,
@@ -1301,8 +1301,9 @@ GLUON_DKDV_DIMS = (64, 128)
 #: (results/gluon_fused_d64_ab.md, NOTES.md v6.6).
 GLUON_TILE = {("dkdv", 128): Config(64, 128, 8, 2), ("fused", 128): Config(64, 128, 8, 2),
               ("fused", 64): Config(64, 64, 4, 2),
-              # the warp-specialised forward (two warpgroups of 64 rows; no spills offline at
-              # 64-key tiles, D=128 and D=64 at 128 keys)
+              # the warp-specialised forward (two warpgroups of 64 rows; offline, no spill in
+              # the tile loops of GLUON_FWD_DEFAULT's D=128 layouts nor at D=64, 3 per masked
+              # loop at D=256)
               ("fwd", 128): Config(128, 128, 8, 2), ("fwd", 64): Config(128, 128, 8, 3),
               ("fwd", 256): Config(128, 64, 8, 2)}
 
