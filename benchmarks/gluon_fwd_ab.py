@@ -90,10 +90,10 @@ def _parse(label: str) -> tuple:
 
 
 def _parse_core(label: str) -> tuple:
-    flags = (label.endswith("wsp"), label.endswith("wsp"))
-    if not flags[0] and label.endswith("ws"):
-        flags = (True, False)
-    core = label[:len(label) - (3 if flags[1] else 2 if flags[0] else 0)]
+    for suffix, flags in (("wsp", (True, True)), ("ws", (True, False)), ("", (False, False))):
+        if label.endswith(suffix):
+            core = label[:len(label) - len(suffix)]
+            break
     nums = tuple(int(x) for x in core.replace("x", " ").replace("w", " ").replace("s", " ")
                  .split())
     if len(nums) != 4:
@@ -292,8 +292,9 @@ def timed_pass(records, deadline, out_path, seqlen, configs, cases=None):
             _write(out_path, records)
             continue
         for cfg in configs:
+            flags = _flags(cfg)
             try:
-                F.check_config(d, *_flags(cfg)[:6], _flags(cfg)[6] != 0)
+                F.check_config(d, *flags[:6], flags[6] != 0)
             except ValueError:
                 continue  # not a shape of this head dim (e.g. 128-key tiles at D=256)
             try:
