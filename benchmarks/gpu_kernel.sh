@@ -27,6 +27,7 @@
 #   BENCH_BUDGET=100 bash benchmarks/gpu_kernel.sh fwdws2  # the 128-key WS forward tiles (A/B + small pass), D=256 rows with the WS forward default
 #   bash benchmarks/gpu_kernel.sh fwdws3  # the WS forward defaults and its persistent variant: GPU tests, A/B at D=128 and D=256
 #   BENCH_BUDGET=200 bash benchmarks/gpu_kernel.sh fwdws4  # public-path Gluon forward GPU tests, 32K D=128 rows (tl forward variant)
+#   bash benchmarks/gpu_kernel.sh fwdws5  # the claimed-walk persistent WS forward: bitwise tests, A/B vs one-block and tl at D=128/256/64
 #   BENCH_BUDGET=170 bash benchmarks/gpu_kernel.sh order   # the persistent DS_SHARED kernel: tests, backward stages, A/B at D=128 and D=64 (STAGES=0, BUDGET_D64=0, CASES=... to trim)
 # Each stage has its own timeout so the whole call stays under the 600 s device limit; the
 # benchmark writes its JSON after every case, so a stopped run keeps what it measured.
@@ -286,6 +287,23 @@ case "$PHASE" in
     FLASHMASK3_TRITON_AUTOTUNE=0 timeout $((BUDGET + 50)) python3 benchmarks/kernel.py --seqlens 32768 --dims 128 --no-gqa \
       --impls flashmask3,flashmask3_tl_fwd,flex,sdpa_cudnn --budget-s "$BUDGET" --out "$OUT" --tag v68_32k 2>&1 \
       | grep -v "DeprecationWarning\|create_block_mask(mm" | tee "$OUT/bench_32k.log"
+    ;;
+  fwdws5)
+    # session 14: the PERSISTENT WS forward with a claimed walk (the producer takes blocks from a
+    # global counter in the grid's order; session 13's static walk lost 4-20%): its bitwise
+    # tests against the one-block kernel, the A/B's small pass with 3 programs, then one-block
+    # vs persistent against tl at 32K D=128 (the causal C=1 masks the default leaves to tl
+    # first), D=256 and D=64
+    FLASHMASK3_TRITON_AUTOTUNE=0 timeout ${TEST_S:-110} python3 -m pytest -q -m gpu tests/kernels/test_gluon_fwd.py -k persistent \
+      -p no:cacheprovider --tb=short 2>&1 | tail -30 | tee "$OUT/pytest_fwdws5.log"
+    FLASHMASK3_TRITON_AUTOTUNE=0 timeout ${AB_S:-250} python3 benchmarks/gluon_fwd_ab.py --budget-s $((${AB_S:-250} - 50)) \
+      --small-configs 128x128w8s2ws+P3 \
+      --cases ${CASES:-causal_document_short,causal_document_mixed,causal_document_corpus,causal_document_long,sliding_window,causal,document_short,full} \
+      --configs ${CONFIGS:-128x128w8s2ws,128x128w8s2ws+P} 2>&1 | tee "$OUT/bench_fwdws5.log"
+    mv "$OUT/gluon_fwd_ab.json" "$OUT/gluon_fwd_ws5_ab.json"; mv "$OUT/gluon_fwd_ab.md" "$OUT/gluon_fwd_ws5_ab.md"
+    FLASHMASK3_TRITON_AUTOTUNE=0 timeout ${DIMS_S:-150} python3 benchmarks/gluon_fwd_ab.py --skip-small --budget-s $((${DIMS_S:-150} - 50)) --dims 256,64 \
+      --cases causal,causal_document_short,causal_document_corpus,document_short --configs 128x64w8s2wsp,128x64w8s2wsp+P,128x128w8s3wsp,128x128w8s3wsp+P 2>&1 | tee "$OUT/bench_fwdws5_dims.log"
+    mv "$OUT/gluon_fwd_ab.json" "$OUT/gluon_fwd_ws5_dims_ab.json"; mv "$OUT/gluon_fwd_ab.md" "$OUT/gluon_fwd_ws5_dims_ab.md"
     ;;
   rest)
     # what the v6.3 table left out: first the GPU tests of the D=256 forward tile (new default,

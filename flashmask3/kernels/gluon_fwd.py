@@ -74,7 +74,7 @@ import triton
 
 from . import gluon_dkdv as _GD
 from .gluon_dkdv import (_gl_dtype, _jit, _load_stats, _needs_mask,  # noqa: F401
-                         _query_block_ranges, _smem_layout, gl, sass_report, tile_loop_spills,
+                         _published_item, _query_block_ranges, _smem_layout, gl, sass_report, tile_loop_spills,
                          unavailable_reason)
 from .triton_flashmask import _NO_SPEC, LOG2E
 
@@ -412,9 +412,10 @@ def _fwd_gluon_kernel(q_desc, k_desc, v_desc, o_ptr, lse_ptr, mask_ptr, sum_ptr,
 # take turns issuing their matmuls (FA3's ping-pong). Measured (H200, 32K, NOTES.md session 13):
 # D=128 128x128 s2 without ping-pong 1.04-1.12x tl on causal, full and non-causal C=2 masks,
 # 0.90-1.05x on the causal C=1 ones (short documents 0.90); ping-pong 0.93-1.04x of without
-# at D=128; D=256 128x64 s2 with ping-pong 1.15-1.26x. PERSISTENT (program p takes blocks p,
-# p + P, ...) lost: 0.80-0.96x (D=128), 0.94-1.08x (D=256), as the static walk did in the
-# backward (session 12): the blocks in flight drift apart over heads.
+# at D=128; D=256 128x64 s2 with ping-pong 1.15-1.26x. PERSISTENT: one program per SM, the
+# producer claiming blocks from a global counter in the grid's order (session 14); a static walk
+# (program p took blocks p, p + P, ...) lost in session 13: 0.80-0.96x (D=128), 0.94-1.08x
+# (D=256), as it did in the backward (session 12): the blocks in flight drift apart over heads.
 
 
 @_jit
@@ -486,18 +487,20 @@ def _ws_load_q(q_desc, q_smem, q_bar, q_row, q_col, WG_M: gl.constexpr):
 
 @_jit
 def _ws_produce(q_desc, k_desc, v_desc, q_smem, k_ring, v_ring, q_bar, q_empty, k_ready, k_empty,
-                v_ready, v_empty, rng_ptr, Sq, Sk, Hq, Hk, Hm, NQB, NKB, mask_b_stride, n_items,
+                v_ready, v_empty, item_smem, next_item_ptr, rng_ptr, Sq, Sk, Hq, Hk, Hm, NQB,
+                NKB, mask_b_stride, n_items,
                 kv_row0, kv_col, lo0, len0, lo1, T, D: gl.constexpr, BLOCK_M: gl.constexpr,
                 BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr, CAUSAL: gl.constexpr,
                 C: gl.constexpr, PERSISTENT: gl.constexpr):
     """Producer partition (1 warp). One-block kernel: the block's key tiles (``kv_row0`` ..
     ``T`` from the kernel body, which loaded Q before the partitions forked); PERSISTENT:
-    :func:`_ws_produce_persistent` (those arguments unused)."""
+    :func:`_ws_produce_persistent` (those arguments unused; ``item_smem`` and
+    ``next_item_ptr`` are placeholders in the one-block kernel)."""
     if PERSISTENT:
         _ws_produce_persistent(q_desc, k_desc, v_desc, q_smem, k_ring, v_ring, q_bar, q_empty,
-                               k_ready, k_empty, v_ready, v_empty, rng_ptr, Sq, Sk, Hq, Hk, Hm,
-                               NQB, NKB, mask_b_stride, n_items, D, BLOCK_M, BLOCK_N,
-                               NUM_STAGES, CAUSAL, C)
+                               k_ready, k_empty, v_ready, v_empty, item_smem, next_item_ptr,
+                               rng_ptr, Sq, Sk, Hq, Hk, Hm, NQB, NKB, mask_b_stride, n_items, D,
+                               BLOCK_M, BLOCK_N, NUM_STAGES, CAUSAL, C)
     else:
         _ws_produce_tiles(k_desc, v_desc, k_ring, v_ring, k_ready, k_empty, v_ready, v_empty,
                           lo0 * 0, kv_row0, kv_col, lo0, len0, lo1, T, BLOCK_N, NUM_STAGES)
@@ -505,28 +508,40 @@ def _ws_produce(q_desc, k_desc, v_desc, q_smem, k_ring, v_ring, q_bar, q_empty, 
 
 @_jit
 def _ws_produce_persistent(q_desc, k_desc, v_desc, q_smem, k_ring, v_ring, q_bar, q_empty,
-                           k_ready, k_empty, v_ready, v_empty, rng_ptr, Sq, Sk, Hq, Hk, Hm, NQB,
-                           NKB, mask_b_stride, n_items, D: gl.constexpr, BLOCK_M: gl.constexpr,
-                           BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr,
-                           CAUSAL: gl.constexpr, C: gl.constexpr):
-    """Producer partition of the PERSISTENT kernel: per work item (program p takes items p,
-    p + P, ...), Q once both consumers released the previous block's (``q_empty``: after
-    their last S wait, so the next Q loads under their last PV and O store), then the
-    block's key tiles; the ring counter runs on across items."""
-    pid = gl.program_id(0)
-    nprog = gl.num_programs(0)
-    t = pid * 0
-    k = pid * 0
-    for item in range(pid, n_items, nprog):
+                           k_ready, k_empty, v_ready, v_empty, item_smem, next_item_ptr, rng_ptr,
+                           Sq, Sk, Hq, Hk, Hm, NQB, NKB, mask_b_stride, n_items, D: gl.constexpr,
+                           BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+                           NUM_STAGES: gl.constexpr, CAUSAL: gl.constexpr, C: gl.constexpr):
+    """Producer partition of the PERSISTENT kernel: claims work items from the global counter
+    at ``next_item_ptr`` (zeroed by the launcher: items go out in the non-persistent grid's
+    order to whichever program is free, so the blocks in flight stay as close together as
+    that grid's and share their K/V rows in L2). The next item is claimed and its live ranges
+    loaded as soon as this block's loads are issued, under the consumers' last tiles; once
+    both consumers released Q (``q_empty``, after their last S wait) it is published in
+    ``item_smem`` and its Q loads on ``q_bar``, then its key tiles; the ring counter runs on
+    across items. An item >= n_items is published with a plain arrive on ``q_bar``: the
+    consumers' signal to stop."""
+    st_layout: gl.constexpr = gl.BlockedLayout([1], [32], [1], [0])
+    t = n_items * 0
+    k = n_items * 0
+    item = gl.atomic_add(next_item_ptr, 1)
+    while item < n_items:
         m_blk, b, h, hk, b64, mbh = _ws_item(item, NQB, Hq, Hk, Hm, mask_b_stride, CAUSAL)
-        mbarrier.wait(q_empty, (k & 1) ^ 1)
-        _ws_load_q(q_desc, q_smem, q_bar, b * Sq + m_blk * BLOCK_M, h * D, BLOCK_M // 2)
         lo0, flo0, fhi0, hi0, lo1, flo1, fhi1, hi1, len0, T = _ws_item_tiles(
             rng_ptr, mbh, m_blk, Sq, Sk, NQB, NKB, BLOCK_M, BLOCK_N, CAUSAL, C)
+        mbarrier.wait(q_empty, (k & 1) ^ 1)
+        item_smem.store(gl.full([1], item, gl.int32, st_layout))
+        gl.thread_barrier()  # every lane's store before the (one-thread) expect-arrive below
+        _ws_load_q(q_desc, q_smem, q_bar, b * Sq + m_blk * BLOCK_M, h * D, BLOCK_M // 2)
         t = _ws_produce_tiles(k_desc, v_desc, k_ring, v_ring, k_ready, k_empty, v_ready,
                               v_empty, t, b * Sk, hk * D, lo0, len0, lo1, T, BLOCK_N,
                               NUM_STAGES)
+        item = gl.atomic_add(next_item_ptr, 1)
         k += 1
+    mbarrier.wait(q_empty, (k & 1) ^ 1)
+    item_smem.store(gl.full([1], item, gl.int32, st_layout))
+    gl.thread_barrier()
+    mbarrier.arrive(q_bar)
 
 
 @_jit
@@ -696,21 +711,24 @@ def _ws_consume_block(WG: gl.constexpr, t, u, q_smem, k_ring, v_ring, q_bar, q_p
 
 @_jit
 def _ws_consume(WG: gl.constexpr, q_smem, k_ring, v_ring, q_bar, q_empty, k_ready, k_empty,
-                v_ready, v_empty, turn, o_ptr, lse_ptr, sum_ptr, mask_ptr, rng_ptr, Sq, Sk, Hq,
-                Hk, Hm, NQB, NKB, mask_b_stride, scale_log2, n_items, D: gl.constexpr,
+                v_ready, v_empty, turn, item_smem, o_ptr, lse_ptr, sum_ptr, mask_ptr, rng_ptr, Sq,
+                Sk, Hq, Hk, Hm, NQB, NKB, mask_b_stride, scale_log2, n_items, D: gl.constexpr,
                 BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr,
                 CAUSAL: gl.constexpr, C: gl.constexpr, NI: gl.constexpr,
                 PINGPONG: gl.constexpr, PERSISTENT: gl.constexpr):
     """Consumer partition ``WG`` (one warpgroup): its 64 rows of the program's block
-    (``n_items`` unused), or, PERSISTENT, of every work item the program takes (items p,
-    p + P, ...), the ring counter and the ping-pong turns running on across items."""
+    (``n_items``, ``item_smem`` unused), or, PERSISTENT, of every work item the producer
+    claims for the program (each published in ``item_smem`` with its Q on ``q_bar``; an item
+    >= n_items ends the loop), the ring counter and the ping-pong turns running on across
+    items."""
     pid = gl.program_id(0)
     if PERSISTENT:
-        nprog = gl.num_programs(0)
         t = pid * 0
         u = pid * 0
         k = pid * 0
-        for item in range(pid, n_items, nprog):
+        mbarrier.wait(q_bar, 0)
+        item = _published_item(item_smem, 4)
+        while item < n_items:
             m_blk, b, h, hk, b64, mbh = _ws_item(item, NQB, Hq, Hk, Hm, mask_b_stride, CAUSAL)
             lo0, flo0, fhi0, hi0, lo1, flo1, fhi1, hi1, len0, T = _ws_item_tiles(
                 rng_ptr, mbh, m_blk, Sq, Sk, NQB, NKB, BLOCK_M, BLOCK_N, CAUSAL, C)
@@ -720,6 +738,8 @@ def _ws_consume(WG: gl.constexpr, q_smem, k_ring, v_ring, q_bar, q_empty, k_read
                 Sq, Sk, Hq, NKB, scale_log2, lo0, flo0, fhi0, hi0, lo1, flo1, fhi1, hi1, T, D,
                 BLOCK_M, BLOCK_N, NUM_STAGES, CAUSAL, C, NI, PINGPONG, True)
             k += 1
+            mbarrier.wait(q_bar, k & 1)
+            item = _published_item(item_smem, 4)
     else:
         m_blk, b, h, hk, b64, mbh = _ws_item(pid + gl.program_id(1) * NQB, NQB, Hq, Hk, Hm,
                                              mask_b_stride, CAUSAL)
@@ -734,31 +754,31 @@ def _ws_consume(WG: gl.constexpr, q_smem, k_ring, v_ring, q_bar, q_empty, k_read
 
 @_jit
 def _ws_consume_wg0(q_smem, k_ring, v_ring, q_bar, q_empty, k_ready, k_empty, v_ready, v_empty,
-                    turn, o_ptr, lse_ptr, sum_ptr, mask_ptr, rng_ptr, Sq, Sk, Hq, Hk, Hm, NQB,
-                    NKB, mask_b_stride, scale_log2, n_items, D: gl.constexpr,
+                    turn, item_smem, o_ptr, lse_ptr, sum_ptr, mask_ptr, rng_ptr, Sq, Sk, Hq, Hk,
+                    Hm, NQB, NKB, mask_b_stride, scale_log2, n_items, D: gl.constexpr,
                     BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr,
                     CAUSAL: gl.constexpr, C: gl.constexpr, NI: gl.constexpr,
                     PINGPONG: gl.constexpr, PERSISTENT: gl.constexpr):
     """Consumer warpgroup 0 (the default partition; the warpgroup index must be a literal:
     warp_specialize passes its arguments as values)."""
     _ws_consume(0, q_smem, k_ring, v_ring, q_bar, q_empty, k_ready, k_empty, v_ready, v_empty,
-                turn, o_ptr, lse_ptr, sum_ptr, mask_ptr, rng_ptr, Sq, Sk, Hq, Hk, Hm, NQB, NKB,
-                mask_b_stride, scale_log2, n_items, D, BLOCK_M, BLOCK_N, NUM_STAGES, CAUSAL, C,
-                NI, PINGPONG, PERSISTENT)
+                turn, item_smem, o_ptr, lse_ptr, sum_ptr, mask_ptr, rng_ptr, Sq, Sk, Hq, Hk, Hm,
+                NQB, NKB, mask_b_stride, scale_log2, n_items, D, BLOCK_M, BLOCK_N, NUM_STAGES,
+                CAUSAL, C, NI, PINGPONG, PERSISTENT)
 
 
 @_jit
 def _ws_consume_wg1(q_smem, k_ring, v_ring, q_bar, q_empty, k_ready, k_empty, v_ready, v_empty,
-                    turn, o_ptr, lse_ptr, sum_ptr, mask_ptr, rng_ptr, Sq, Sk, Hq, Hk, Hm, NQB,
-                    NKB, mask_b_stride, scale_log2, n_items, D: gl.constexpr,
+                    turn, item_smem, o_ptr, lse_ptr, sum_ptr, mask_ptr, rng_ptr, Sq, Sk, Hq, Hk,
+                    Hm, NQB, NKB, mask_b_stride, scale_log2, n_items, D: gl.constexpr,
                     BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr,
                     CAUSAL: gl.constexpr, C: gl.constexpr, NI: gl.constexpr,
                     PINGPONG: gl.constexpr, PERSISTENT: gl.constexpr):
     """Consumer warpgroup 1 (a 4-warp worker partition)."""
     _ws_consume(1, q_smem, k_ring, v_ring, q_bar, q_empty, k_ready, k_empty, v_ready, v_empty,
-                turn, o_ptr, lse_ptr, sum_ptr, mask_ptr, rng_ptr, Sq, Sk, Hq, Hk, Hm, NQB, NKB,
-                mask_b_stride, scale_log2, n_items, D, BLOCK_M, BLOCK_N, NUM_STAGES, CAUSAL, C,
-                NI, PINGPONG, PERSISTENT)
+                turn, item_smem, o_ptr, lse_ptr, sum_ptr, mask_ptr, rng_ptr, Sq, Sk, Hq, Hk, Hm,
+                NQB, NKB, mask_b_stride, scale_log2, n_items, D, BLOCK_M, BLOCK_N, NUM_STAGES,
+                CAUSAL, C, NI, PINGPONG, PERSISTENT)
 
 
 #: WARP_SPEC forward: consumer warpgroups (64 query rows each) and the producer warp's registers.
@@ -782,16 +802,17 @@ def ws_consumer_regs() -> int:
 @_jit(do_not_specialize=_NO_SPEC + ["n_items"])
 def _fwd_ws_kernel(q_desc, k_desc, v_desc, o_ptr, lse_ptr, mask_ptr, sum_ptr, rng_ptr,
                    scale_log2, Sq, Sk, Hq, Hk, Hm, NQB, NKB, mask_b_stride, n_items,
-                   D: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-                   CAUSAL: gl.constexpr, C: gl.constexpr, NI: gl.constexpr,
-                   NUM_STAGES: gl.constexpr, NUM_WARPS: gl.constexpr, PINGPONG: gl.constexpr,
-                   CONSUMER_REGS: gl.constexpr, PERSISTENT: gl.constexpr):
+                   next_item_ptr, D: gl.constexpr, BLOCK_M: gl.constexpr,
+                   BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr, C: gl.constexpr,
+                   NI: gl.constexpr, NUM_STAGES: gl.constexpr, NUM_WARPS: gl.constexpr,
+                   PINGPONG: gl.constexpr, CONSUMER_REGS: gl.constexpr,
+                   PERSISTENT: gl.constexpr):
     """The WARP_SPEC forward: one program per (query block of BLOCK_M = 128 rows, batch * query
     head), same grid, program order, plan and tiles as :func:`_fwd_gluon_kernel`; PERSISTENT:
-    a 1-D grid of programs that take the ``n_items`` = NQB * B * Hq blocks in that order
-    (program p: items p, p + P, ...). Launched with 4 warps (consumer warpgroup 0, the default
-    partition) plus a 4-warp worker (consumer warpgroup 1) and a 1-warp TMA producer;
-    NUM_WARPS counts the consumer warps (8)."""
+    a 1-D grid of programs that claim the ``n_items`` = NQB * B * Hq blocks, in that order, from
+    the int32 counter at ``next_item_ptr`` (zeroed per launch; None without PERSISTENT).
+    Launched with 4 warps (consumer warpgroup 0, the default partition) plus a 4-warp worker
+    (consumer warpgroup 1) and a 1-warp TMA producer; NUM_WARPS counts the consumer warps (8)."""
     gl.static_assert(BLOCK_M == 128 and NUM_WARPS == 8, "two consumer warpgroups of 64 rows")
     WG_M: gl.constexpr = BLOCK_M // 2
     dtype: gl.constexpr = q_desc.dtype
@@ -816,7 +837,11 @@ def _fwd_ws_kernel(q_desc, k_desc, v_desc, o_ptr, lse_ptr, mask_ptr, sum_ptr, rn
     mbarrier.init(turn.index(1), count=1)
     fence_async_shared()
 
-    if PERSISTENT:  # (the producer walks the items; these are placeholders)
+    if PERSISTENT:  # (the producer claims the items; these are placeholders)
+        # the claimed work item, from the producer to the consumers
+        item_smem = gl.allocate_shared_memory(gl.int32, [1],
+                                              gl.SwizzledSharedLayout(1, 1, 1, order=[0]))
+        claim_ptr = next_item_ptr
         kv_row0 = n_items * 0
         kv_col = kv_row0
         lo0 = kv_row0
@@ -832,24 +857,26 @@ def _fwd_ws_kernel(q_desc, k_desc, v_desc, o_ptr, lse_ptr, mask_ptr, sum_ptr, rn
             rng_ptr, mbh, m_blk, Sq, Sk, NQB, NKB, BLOCK_M, BLOCK_N, CAUSAL, C)
         kv_row0 = b * Sk
         kv_col = hk * D
+        item_smem = 0  # placeholders (a None cannot travel in the partitions' arguments)
+        claim_ptr = 0
     # (the two consumers' argument lists are spelled out: held in a tuple variable, the
     # constexprs among them reach the partitions as tensors in triton 3.6)
     gl.warp_specialize([
         (_ws_consume_wg0,
-         (q_smem, k_ring, v_ring, q_bar, q_empty, k_ready, k_empty, v_ready, v_empty, turn, o_ptr,
-          lse_ptr, sum_ptr, mask_ptr, rng_ptr, Sq, Sk, Hq, Hk, Hm, NQB, NKB, mask_b_stride,
-          scale_log2, n_items, D, BLOCK_M, BLOCK_N, NUM_STAGES, CAUSAL, C, NI, PINGPONG,
-          PERSISTENT)),
+         (q_smem, k_ring, v_ring, q_bar, q_empty, k_ready, k_empty, v_ready, v_empty, turn,
+          item_smem, o_ptr, lse_ptr, sum_ptr, mask_ptr, rng_ptr, Sq, Sk, Hq, Hk, Hm, NQB, NKB,
+          mask_b_stride, scale_log2, n_items, D, BLOCK_M, BLOCK_N, NUM_STAGES, CAUSAL, C, NI,
+          PINGPONG, PERSISTENT)),
         (_ws_consume_wg1,
-         (q_smem, k_ring, v_ring, q_bar, q_empty, k_ready, k_empty, v_ready, v_empty, turn, o_ptr,
-          lse_ptr, sum_ptr, mask_ptr, rng_ptr, Sq, Sk, Hq, Hk, Hm, NQB, NKB, mask_b_stride,
-          scale_log2, n_items, D, BLOCK_M, BLOCK_N, NUM_STAGES, CAUSAL, C, NI, PINGPONG,
-          PERSISTENT)),
+         (q_smem, k_ring, v_ring, q_bar, q_empty, k_ready, k_empty, v_ready, v_empty, turn,
+          item_smem, o_ptr, lse_ptr, sum_ptr, mask_ptr, rng_ptr, Sq, Sk, Hq, Hk, Hm, NQB, NKB,
+          mask_b_stride, scale_log2, n_items, D, BLOCK_M, BLOCK_N, NUM_STAGES, CAUSAL, C, NI,
+          PINGPONG, PERSISTENT)),
         (_ws_produce,
          (q_desc, k_desc, v_desc, q_smem, k_ring, v_ring, q_bar, q_empty, k_ready, k_empty,
-          v_ready, v_empty, rng_ptr, Sq, Sk, Hq, Hk, Hm, NQB, NKB, mask_b_stride, n_items,
-          kv_row0, kv_col, lo0, len0, lo1, T, D, BLOCK_M, BLOCK_N, NUM_STAGES, CAUSAL, C,
-          PERSISTENT)),
+          v_ready, v_empty, item_smem, claim_ptr, rng_ptr, Sq, Sk, Hq, Hk, Hm, NQB, NKB,
+          mask_b_stride, n_items, kv_row0, kv_col, lo0, len0, lo1, T, D, BLOCK_M, BLOCK_N,
+          NUM_STAGES, CAUSAL, C, PERSISTENT)),
     ], [4, 1], [CONSUMER_REGS, 24])  # consumer warpgroup 1, the producer (WS_PRODUCER_REGS)
     for i in gl.static_range(NUM_STAGES):
         mbarrier.invalidate(k_ready.index(i))
@@ -922,9 +949,9 @@ def launch_fwd_gluon(q, k, v, mask, causal, softmax_scale, plan, block_m: int, b
     unused (the plan holds it), as in ``_launch_fwd``. ``warp_spec``: the warp-specialised
     kernel (:func:`_fwd_ws_kernel`: a TMA producer warp, separate K and V rings, two consumer
     warpgroups of 64 rows; ``pingpong`` makes them take turns issuing their matmuls;
-    ``persistent``: one program per SM, or ``programs``, each taking query blocks in the
-    non-persistent grid's order, the next block's Q and key tiles loading under the previous
-    block's last PV and O store)."""
+    ``persistent``: one program per SM, or ``programs``, each claiming query blocks, in the
+    non-persistent grid's order, from a counter zeroed per launch; the next block's Q and key
+    tiles load under the previous block's last PV and O store)."""
     reason = unavailable_reason()
     if reason is not None:
         raise RuntimeError(reason)
@@ -949,12 +976,14 @@ def launch_fwd_gluon(q, k, v, mask, causal, softmax_scale, plan, block_m: int, b
                   NUM_STAGES=num_stages, NUM_WARPS=num_warps)
     if warp_spec:
         n_items = nqb * b * hq
+        next_item = None
         if persistent:
             sms = torch.cuda.get_device_properties(q.device).multi_processor_count
             grid = (max(1, min(n_items, programs or sms)), )
+            next_item = torch.zeros(1, dtype=torch.int32, device=q.device)
         else:
             grid = (nqb, b * hq)
-        _fwd_ws_kernel[grid](*args, n_items, **consts, PINGPONG=pingpong,
+        _fwd_ws_kernel[grid](*args, n_items, next_item, **consts, PINGPONG=pingpong,
                              CONSUMER_REGS=ws_consumer_regs(), PERSISTENT=persistent,
                              num_warps=4, maxnreg=ws_maxnreg())
     else:
@@ -988,6 +1017,10 @@ def compile_sm90(d: int = 128, block_m: int = 128, block_n: int = 128, num_warps
         consts.update(PINGPONG=pingpong, CONSUMER_REGS=ws_consumer_regs(),
                       PERSISTENT=persistent)
         ptrs["n_items"] = "i32"
+        if persistent:
+            ptrs["next_item_ptr"] = "*i32"
+        else:
+            consts["next_item_ptr"] = None
         return compile_gluon_sm90(_fwd_ws_kernel, ptrs, descs, consts, 4, num_stages,
                                   maxnreg=ws_maxnreg())
     return compile_gluon_sm90(_fwd_gluon_kernel, ptrs, descs, consts, num_warps, num_stages)

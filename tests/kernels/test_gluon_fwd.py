@@ -88,6 +88,21 @@ def test_ws_kernel_compiles_at_d256():
     assert r["ldl_stl_in_tile_loops"] == 0, r
 
 
+@pytest.mark.skipif(_SKIP is not None, reason=str(_SKIP))
+def test_ws_persistent_kernel_claims_its_blocks():
+    """The PERSISTENT WS forward compiles at the D=128 library tile: its producer claims blocks
+    from the global counter (the first claim and the one per block: two atomic sites), the
+    one-block kernel has none, and the mask-free causal layout keeps its tile loops spill-free
+    with the claim loop around them."""
+    cfg = T.GLUON_TILE[("fwd", 128)]
+    shape = (128, cfg.block_m, cfg.block_n, cfg.num_warps, cfg.num_stages)
+    per = F.compile_report(*shape, causal=True, c=0, warp_spec=True, persistent=True)
+    one = F.compile_report(*shape, causal=True, c=0, warp_spec=True)
+    assert "error" not in per, per.get("error")
+    assert per["atomics"] == 2 and one["atomics"] == 0, (per, one)
+    assert per["ldl_stl_in_tile_loops"] == 0, per
+
+
 def test_default_forward_kernel_per_layout(monkeypatch):
     """Without the env variable, the WS forward is chosen exactly at GLUON_FWD_DEFAULT's head
     dims and layouts (where the Gluon kernel can run; forced here), with that head dim's
