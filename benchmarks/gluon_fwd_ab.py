@@ -67,26 +67,30 @@ EMPTY_ROWS_CASE = ("s1000_rows_fully_masked", 2, 1000, 1000, 4, 2, 2, 128, torch
 
 
 def _flags(cfg) -> tuple:
-    """(block_m, block_n, num_warps, num_stages, warp_spec, pingpong, persistent programs) of
-    a config tuple (missing flags: False, False, 0 = not persistent; -1 = one per SM)."""
-    return tuple(cfg) + (False, False, 0)[len(cfg) - 4:]
+    """(block_m, block_n, num_warps, num_stages, warp_spec, pingpong, persistent programs,
+    cols_smem) of a config tuple (missing flags: False, False, 0 = not persistent, -1 = one
+    per SM; True = the WS producer stages the mask columns in shared memory)."""
+    return tuple(cfg) + (False, False, 0, True)[len(cfg) - 4:]
 
 
 def _label(cfg) -> str:
-    bm, bn, w, s, ws, pp, per = _flags(cfg)
+    bm, bn, w, s, ws, pp, per, cols = _flags(cfg)
     return ("{}x{}w{}s{}".format(bm, bn, w, s) + ("wsp" if pp else "ws" if ws else "")
+            + ("g" if ws and not cols else "")
             + ("" if not per else "+P" if per < 0 else f"+P{per}"))
 
 
 def _parse(label: str) -> tuple:
-    """``128x128w8s2`` -> (128, 128, 8, 2, False, False, 0); suffix ``ws``: warp-specialised,
-    ``wsp``: and ping-pong; then ``+P``: persistent, one program per SM (``+P3``: 3
-    programs)."""
+    """``128x128w8s2`` -> (128, 128, 8, 2, False, False, 0, True); suffix ``ws``:
+    warp-specialised, ``wsp``: and ping-pong, either followed by ``g``: the consumers load the
+    mask columns from global memory (no COLS_SMEM); then ``+P``: persistent, one program per
+    SM (``+P3``: 3 programs)."""
     per = 0
     if "+P" in label:
         label, _, n = label.partition("+P")
         per = int(n) if n else -1
-    return _parse_core(label) + (per, )
+    cols = not (label.endswith("wsg") or label.endswith("wspg"))
+    return _parse_core(label[:-1] if not cols else label) + (per, cols)
 
 
 def _parse_core(label: str) -> tuple:
@@ -120,11 +124,11 @@ def tl_forward(q, k, v, cols, causal, scale):
 
 def gluon_forward(q, k, v, cols, causal, scale, cfg):
     """Closure of the Gluon forward at ``cfg`` with its own plan."""
-    bm, bn, w, s, ws, pp, per = _flags(cfg)
+    bm, bn, w, s, ws, pp, per, cs = _flags(cfg)
     plan = T.make_plan(cols, causal, q.shape[1], k.shape[1], bm, bn, False, q.device)
     return lambda: F.launch_fwd_gluon(q, k, v, cols, causal, scale, plan, bm, bn, w, s,
                                       warp_spec=ws, pingpong=pp, persistent=per != 0,
-                                      programs=per if per > 0 else None)
+                                      programs=per if per > 0 else None, cols_smem=cs)
 
 
 def _max_abs(a, b) -> float:

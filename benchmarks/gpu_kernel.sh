@@ -28,6 +28,7 @@
 #   bash benchmarks/gpu_kernel.sh fwdws3  # the WS forward defaults and its persistent variant: GPU tests, A/B at D=128 and D=256
 #   BENCH_BUDGET=200 bash benchmarks/gpu_kernel.sh fwdws4  # public-path Gluon forward GPU tests, 32K D=128 rows (tl forward variant)
 #   bash benchmarks/gpu_kernel.sh fwdws5  # the claimed-walk persistent WS forward: bitwise tests, A/B vs one-block and tl at D=128/256/64
+#   bash benchmarks/gpu_kernel.sh fwdws6  # COLS_SMEM (mask columns staged by the WS producer): tests, A/B staged vs global vs tl at D=128/256/64
 #   BENCH_BUDGET=170 bash benchmarks/gpu_kernel.sh order   # the persistent DS_SHARED kernel: tests, backward stages, A/B at D=128 and D=64 (STAGES=0, BUDGET_D64=0, CASES=... to trim)
 # Each stage has its own timeout so the whole call stays under the 600 s device limit; the
 # benchmark writes its JSON after every case, so a stopped run keeps what it measured.
@@ -304,6 +305,24 @@ case "$PHASE" in
     FLASHMASK3_TRITON_AUTOTUNE=0 timeout ${DIMS_S:-150} python3 benchmarks/gluon_fwd_ab.py --skip-small --budget-s $((${DIMS_S:-150} - 50)) --dims 256,64 \
       --cases causal,causal_document_short,causal_document_corpus,document_short --configs 128x64w8s2wsp,128x64w8s2wsp+P,128x128w8s3wsp,128x128w8s3wsp+P 2>&1 | tee "$OUT/bench_fwdws5_dims.log"
     mv "$OUT/gluon_fwd_ab.json" "$OUT/gluon_fwd_ws5_dims_ab.json"; mv "$OUT/gluon_fwd_ab.md" "$OUT/gluon_fwd_ws5_dims_ab.md"
+    ;;
+  fwdws6)
+    # session 14: COLS_SMEM (the WS forward's producer stages the masked tiles' mask columns in
+    # shared memory; the consumers had waited for those global loads after their S wait):
+    # GPU tests of the WS forward (the default now stages them) and its persistent kernel, the
+    # A/B's small pass, then staged (ws) vs global (wsg) columns against tl at 32K D=128 on
+    # every masked layout, then D=256 and D=64
+    FLASHMASK3_TRITON_AUTOTUNE=0 timeout ${TEST_S:-130} python3 -m pytest -q -m gpu tests/kernels/test_gluon_fwd.py \
+      -k "(persistent and None) or (ws_forward and 128 and gluon_ws and not wsp)" \
+      -p no:cacheprovider --tb=short 2>&1 | tail -30 | tee "$OUT/pytest_fwdws6.log"
+    FLASHMASK3_TRITON_AUTOTUNE=0 timeout ${AB_S:-230} python3 benchmarks/gluon_fwd_ab.py --budget-s $((${AB_S:-230} - 50)) \
+      --small-configs 128x128w8s2ws,128x128w8s2ws+P3 \
+      --cases ${CASES:-causal_document_short,causal_document_mixed,causal_document_corpus,causal_document_long,sliding_window,causal_blockwise,shared_question,document_short,prefix_document_corpus,global_sliding_window,random_eviction} \
+      --configs ${CONFIGS:-128x128w8s2ws,128x128w8s2wsg} 2>&1 | tee "$OUT/bench_fwdws6.log"
+    mv "$OUT/gluon_fwd_ab.json" "$OUT/gluon_fwd_ws6_ab.json"; mv "$OUT/gluon_fwd_ab.md" "$OUT/gluon_fwd_ws6_ab.md"
+    FLASHMASK3_TRITON_AUTOTUNE=0 timeout ${DIMS_S:-120} python3 benchmarks/gluon_fwd_ab.py --skip-small --budget-s $((${DIMS_S:-120} - 45)) --dims 256,64 \
+      --cases causal_document_short,causal_document_corpus,document_short,causal_blockwise --configs 128x64w8s2wsp,128x64w8s2wspg,128x128w8s3wsp,128x128w8s3wspg 2>&1 | tee "$OUT/bench_fwdws6_dims.log"
+    mv "$OUT/gluon_fwd_ab.json" "$OUT/gluon_fwd_ws6_dims_ab.json"; mv "$OUT/gluon_fwd_ab.md" "$OUT/gluon_fwd_ws6_dims_ab.md"
     ;;
   rest)
     # what the v6.3 table left out: first the GPU tests of the D=256 forward tile (new default,

@@ -102,9 +102,16 @@ def _mask_interval(qk, rows, s, e):
 
 
 @_jit
-def _column_word(col_ptr, cols, Sk, w: gl.constexpr, C: gl.constexpr):
-    """Word ``w`` of the mask columns ``cols`` as a ``[1, BN]`` row (0 past Sk)."""
-    return gl.load(col_ptr + cols * C + w, mask=cols < Sk, other=0)[None, :]
+def _column_word(col_src, slot, cols, Sk, w: gl.constexpr, C: gl.constexpr):
+    """Word ``w`` of the mask columns ``cols`` as a ``[1, BN]`` row (0 past Sk), from global
+    memory (``col_src`` the mask row's pointer; ``slot`` unused) or from column slot ``slot``
+    of the ring the producer filled (``col_src`` [NUM_STAGES * C, BN] in shared memory,
+    :func:`_ws_produce_columns`)."""
+    if isinstance(col_src, gl.shared_memory_descriptor):
+        word = col_src.index(slot * C + w).load(cols.type.layout)
+    else:
+        word = gl.load(col_src + cols * C + w, mask=cols < Sk, other=0)
+    return word[None, :]
 
 
 @_jit
@@ -122,9 +129,11 @@ def _mask_below(qk, rows, e):
 
 
 @_jit
-def _mask_scores(qk, rows, cols, col_ptr, Sq, Sk, CAUSAL: gl.constexpr, C: gl.constexpr):
+def _mask_scores(qk, rows, cols, col_src, slot, Sq, Sk, CAUSAL: gl.constexpr,
+                 C: gl.constexpr):
     """Scores ``qk`` [BM, BN] with -inf where (row, col) is masked (DESIGN.md §1); rows
-    ``[BM]`` and cols ``[BN]`` are 1-D slices of the score layout. Query-major twin of
+    ``[BM]`` and cols ``[BN]`` are 1-D slices of the score layout; the column words come from
+    ``col_src`` (:func:`_column_word`). Query-major twin of
     ``gluon_dkdv._column_intervals`` + ``_element_masked`` (the ``tl`` ``_column_intervals``
     table): the intervals are applied one at a time as they are loaded, because in this
     orientation every thread holds BN/4 columns and holding all four interval words at once
@@ -135,18 +144,18 @@ def _mask_scores(qk, rows, cols, col_ptr, Sq, Sk, CAUSAL: gl.constexpr, C: gl.co
     qk = gl.where(c >= Sk, float("-inf"), qk)
     if C > 0:
         if CAUSAL and C == 1:  # [LTS, Sq)
-            qk = _mask_from(qk, r, _column_word(col_ptr, cols, Sk, 0, C))
+            qk = _mask_from(qk, r, _column_word(col_src, slot, cols, Sk, 0, C))
         elif CAUSAL and C == 2:  # [LTS, LTE)
-            qk = _mask_interval(qk, r, _column_word(col_ptr, cols, Sk, 0, C),
-                                _column_word(col_ptr, cols, Sk, 1, C))
+            qk = _mask_interval(qk, r, _column_word(col_src, slot, cols, Sk, 0, C),
+                                _column_word(col_src, slot, cols, Sk, 1, C))
         elif C == 2:  # non-causal: [LTS, Sq) and [0, UTE)
-            qk = _mask_from(qk, r, _column_word(col_ptr, cols, Sk, 0, C))
-            qk = _mask_below(qk, r, _column_word(col_ptr, cols, Sk, 1, C))
+            qk = _mask_from(qk, r, _column_word(col_src, slot, cols, Sk, 0, C))
+            qk = _mask_below(qk, r, _column_word(col_src, slot, cols, Sk, 1, C))
         else:  # C == 4: [LTS, LTE) and [UTS, UTE)
-            qk = _mask_interval(qk, r, _column_word(col_ptr, cols, Sk, 0, C),
-                                _column_word(col_ptr, cols, Sk, 1, C))
-            qk = _mask_interval(qk, r, _column_word(col_ptr, cols, Sk, 2, C),
-                                _column_word(col_ptr, cols, Sk, 3, C))
+            qk = _mask_interval(qk, r, _column_word(col_src, slot, cols, Sk, 0, C),
+                                _column_word(col_src, slot, cols, Sk, 1, C))
+            qk = _mask_interval(qk, r, _column_word(col_src, slot, cols, Sk, 2, C),
+                                _column_word(col_src, slot, cols, Sk, 3, C))
     if CAUSAL:
         qk = gl.where(c > r + (Sk - Sq), float("-inf"), qk)
     return qk
@@ -225,7 +234,7 @@ def _tile(acc, m_i, l_i, p_prev, alpha, t, n, T, q_smem, k_ring, v_ring, ready, 
     qk = s * scale_log2
     if MASKED:
         if _needs_mask(m_blk, n, Sq, Sk, stats, BLOCK_M, BLOCK_N, CAUSAL, NI):
-            qk = _mask_scores(qk, rows, n * BLOCK_N + offs_nb, col_ptr, Sq, Sk, CAUSAL, C)
+            qk = _mask_scores(qk, rows, n * BLOCK_N + offs_nb, col_ptr, 0, Sq, Sk, CAUSAL, C)
     p, alpha, m_i, l_i = _softmax_update(qk, m_i, l_i, MASKED)
     p16 = gl.convert_layout(p.to(dtype), a_layout)
     acc, p_prev = warpgroup_mma_wait(num_outstanding=0, deps=(o_tok, p_prev))
@@ -262,8 +271,7 @@ def _range(acc, m_i, l_i, p_prev, alpha, t, lo, flo, fhi, hi, T, q_smem, k_ring,
            NUM_STAGES: gl.constexpr, CAUSAL: gl.constexpr, C: gl.constexpr, NI: gl.constexpr):
     """One live range [lo, hi): masked [lo, flo), mask-free [flo, fhi), masked [fhi, hi)
     (flo, fhi clamped into the range, so exactly ``hi - lo`` tiles in order)."""
-    flo = gl.minimum(gl.maximum(flo, lo), hi)
-    fhi = gl.minimum(gl.maximum(fhi, flo), hi)
+    flo, fhi = _mask_free_span(lo, flo, fhi, hi)
     acc, m_i, l_i, p_prev, alpha, t = _loop(
         acc, m_i, l_i, p_prev, alpha, t, lo, flo, T, q_smem, k_ring, v_ring, ready, k_desc, v_desc,
         lo0, len0, lo1, kv_row0, kv_col, rows, offs_nb, sum_ptr, col_ptr, mbh, m_blk, Sq, Sk, NKB,
@@ -451,17 +459,47 @@ def _ws_item_tiles(rng_ptr, mbh, m_blk, Sq, Sk, NQB, NKB, BLOCK_M: gl.constexpr,
 
 
 @_jit
-def _ws_produce_tiles(k_desc, v_desc, k_ring, v_ring, k_ready, k_empty, v_ready, v_empty, t,
-                      kv_row0, kv_col, lo0, len0, lo1, T, BLOCK_N: gl.constexpr,
-                      NUM_STAGES: gl.constexpr):
+def _mask_free_span(lo, flo, fhi, hi):
+    """The mask-free loop [flo, fhi) of live range [lo, hi), clamped into it: the tiles of
+    [lo, flo) and [fhi, hi) take the masked loops."""
+    flo = gl.minimum(gl.maximum(flo, lo), hi)
+    fhi = gl.minimum(gl.maximum(fhi, flo), hi)
+    return flo, fhi
+
+
+@_jit
+def _ws_produce_columns(col_ring, slot, col_ptr, n, Sk, BLOCK_N: gl.constexpr,
+                        C: gl.constexpr):
+    """COLS_SMEM: the C mask words of key block ``n``'s columns (0 past Sk) into column slot
+    ``slot``, so the consumers' masked tiles read them from shared memory instead of waiting
+    for global loads after their S wait."""
+    layout: gl.constexpr = gl.BlockedLayout([BLOCK_N // 32], [32], [1], [0])
+    cols = n * BLOCK_N + gl.arange(0, BLOCK_N, layout=layout)
+    for w in gl.static_range(C):
+        col_ring.index(slot * C + w).store(gl.load(col_ptr + cols * C + w, mask=cols < Sk,
+                                                   other=0))
+
+
+@_jit
+def _ws_produce_tiles(k_desc, v_desc, k_ring, v_ring, k_ready, k_empty, v_ready, v_empty,
+                      col_ring, t, kv_row0, kv_col, col_ptr, Sk, lo0, flo0, fhi0, hi0, len0,
+                      lo1, flo1, fhi1, hi1, T, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr,
+                      C: gl.constexpr):
     """The producer's loads of one block's T key tiles, ring tiles t .. t + T - 1 (tile j of
     the block: key block lo0 + j, or lo1 + j - len0 in the second range): K into K slot
     t % NUM_STAGES once both consumers released it (``k_empty``, count 2), V likewise into
     its V slot. K and V have separate rings, so a K slot is refilled as soon as both
-    warpgroups' S has been waited for, a tile before the PV that frees the V slot. Returns
-    the ring counter after the block."""
+    warpgroups' S has been waited for, a tile before the PV that frees the V slot. With a
+    column ring (COLS_SMEM, else ``col_ring`` is 0) a tile of a masked loop also gets its mask
+    columns (:func:`_ws_produce_columns`) in the K slot's column slot, and ``k_ready`` counts
+    a second arrive after them. Returns the ring counter after the block."""
+    COLS: gl.constexpr = isinstance(col_ring, gl.shared_memory_descriptor)
+    if COLS:
+        flo0, fhi0 = _mask_free_span(lo0, flo0, fhi0, hi0)
+        flo1, fhi1 = _mask_free_span(lo1, flo1, fhi1, hi1)
     for j in range(0, T):
-        n = lo0 + j + (j >= len0).to(gl.int32) * (lo1 - lo0 - len0)
+        second = (j >= len0).to(gl.int32)
+        n = lo0 + j + second * (lo1 - lo0 - len0)
         slot = t % NUM_STAGES
         free = ((t // NUM_STAGES) & 1) ^ 1  # a fresh barrier counts as released
         row = kv_row0 + n * BLOCK_N
@@ -469,6 +507,13 @@ def _ws_produce_tiles(k_desc, v_desc, k_ring, v_ring, k_ready, k_empty, v_ready,
         mbarrier.expect(k_ready.index(slot), k_desc.block_type.nbytes)
         tma.async_copy_global_to_shared(k_desc, [row, kv_col], k_ready.index(slot),
                                         k_ring.index(slot))
+        if COLS:
+            f_lo = flo0 + second * (flo1 - flo0)
+            f_hi = fhi0 + second * (fhi1 - fhi0)
+            if (n < f_lo) | (n >= f_hi):
+                _ws_produce_columns(col_ring, slot, col_ptr, n, Sk, BLOCK_N, C)
+                gl.thread_barrier()  # every lane's stores before the (one-thread) arrive
+            mbarrier.arrive(k_ready.index(slot))
         mbarrier.wait(v_empty.index(slot), free)
         mbarrier.expect(v_ready.index(slot), v_desc.block_type.nbytes)
         tma.async_copy_global_to_shared(v_desc, [row, kv_col], v_ready.index(slot),
@@ -487,29 +532,32 @@ def _ws_load_q(q_desc, q_smem, q_bar, q_row, q_col, WG_M: gl.constexpr):
 
 @_jit
 def _ws_produce(q_desc, k_desc, v_desc, q_smem, k_ring, v_ring, q_bar, q_empty, k_ready, k_empty,
-                v_ready, v_empty, item_smem, next_item_ptr, rng_ptr, Sq, Sk, Hq, Hk, Hm, NQB,
-                NKB, mask_b_stride, n_items,
-                kv_row0, kv_col, lo0, len0, lo1, T, D: gl.constexpr, BLOCK_M: gl.constexpr,
-                BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr, CAUSAL: gl.constexpr,
-                C: gl.constexpr, PERSISTENT: gl.constexpr):
+                v_ready, v_empty, item_smem, next_item_ptr, col_ring, mask_ptr, rng_ptr, Sq, Sk,
+                Hq, Hk, Hm, NQB, NKB, mask_b_stride, n_items, kv_row0, kv_col, col_ptr, lo0,
+                flo0, fhi0, hi0, len0, lo1, flo1, fhi1, hi1, T, D: gl.constexpr,
+                BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr,
+                CAUSAL: gl.constexpr, C: gl.constexpr, PERSISTENT: gl.constexpr):
     """Producer partition (1 warp). One-block kernel: the block's key tiles (``kv_row0`` ..
     ``T`` from the kernel body, which loaded Q before the partitions forked); PERSISTENT:
     :func:`_ws_produce_persistent` (those arguments unused; ``item_smem`` and
-    ``next_item_ptr`` are placeholders in the one-block kernel)."""
+    ``next_item_ptr`` are placeholders in the one-block kernel). ``col_ring``: the column
+    ring (COLS_SMEM) or 0."""
     if PERSISTENT:
         _ws_produce_persistent(q_desc, k_desc, v_desc, q_smem, k_ring, v_ring, q_bar, q_empty,
                                k_ready, k_empty, v_ready, v_empty, item_smem, next_item_ptr,
-                               rng_ptr, Sq, Sk, Hq, Hk, Hm, NQB, NKB, mask_b_stride, n_items, D,
-                               BLOCK_M, BLOCK_N, NUM_STAGES, CAUSAL, C)
+                               col_ring, mask_ptr, rng_ptr, Sq, Sk, Hq, Hk, Hm, NQB, NKB,
+                               mask_b_stride, n_items, D, BLOCK_M, BLOCK_N, NUM_STAGES, CAUSAL,
+                               C)
     else:
         _ws_produce_tiles(k_desc, v_desc, k_ring, v_ring, k_ready, k_empty, v_ready, v_empty,
-                          lo0 * 0, kv_row0, kv_col, lo0, len0, lo1, T, BLOCK_N, NUM_STAGES)
+                          col_ring, lo0 * 0, kv_row0, kv_col, col_ptr, Sk, lo0, flo0, fhi0,
+                          hi0, len0, lo1, flo1, fhi1, hi1, T, BLOCK_N, NUM_STAGES, C)
 
 
 @_jit
 def _ws_produce_persistent(q_desc, k_desc, v_desc, q_smem, k_ring, v_ring, q_bar, q_empty,
-                           k_ready, k_empty, v_ready, v_empty, item_smem, next_item_ptr, rng_ptr,
-                           Sq, Sk, Hq, Hk, Hm, NQB, NKB, mask_b_stride, n_items, D: gl.constexpr,
+                           k_ready, k_empty, v_ready, v_empty, item_smem, next_item_ptr,
+                           col_ring, mask_ptr, rng_ptr, Sq, Sk, Hq, Hk, Hm, NQB, NKB, mask_b_stride, n_items, D: gl.constexpr,
                            BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
                            NUM_STAGES: gl.constexpr, CAUSAL: gl.constexpr, C: gl.constexpr):
     """Producer partition of the PERSISTENT kernel: claims work items from the global counter
@@ -534,8 +582,9 @@ def _ws_produce_persistent(q_desc, k_desc, v_desc, q_smem, k_ring, v_ring, q_bar
         gl.thread_barrier()  # every lane's store before the (one-thread) expect-arrive below
         _ws_load_q(q_desc, q_smem, q_bar, b * Sq + m_blk * BLOCK_M, h * D, BLOCK_M // 2)
         t = _ws_produce_tiles(k_desc, v_desc, k_ring, v_ring, k_ready, k_empty, v_ready,
-                              v_empty, t, b * Sk, hk * D, lo0, len0, lo1, T, BLOCK_N,
-                              NUM_STAGES)
+                              v_empty, col_ring, t, b * Sk, hk * D, mask_ptr + mbh * Sk * C, Sk,
+                              lo0, flo0, fhi0, hi0, len0, lo1, flo1, fhi1, hi1, T, BLOCK_N,
+                              NUM_STAGES, C)
         item = gl.atomic_add(next_item_ptr, 1)
         k += 1
     mbarrier.wait(q_empty, (k & 1) ^ 1)
@@ -562,7 +611,7 @@ def _ws_pass_turn(turn, WG: gl.constexpr):
 
 @_jit
 def _ws_tile(acc, m_i, l_i, p_prev, alpha, t, u, j, n, q_s, k_ring, v_ring, k_ready, k_empty,
-             v_ready, v_empty, turn, rows, offs_nb, sum_ptr, col_ptr, mbh, m_blk, Sq, Sk, NKB,
+             v_ready, v_empty, turn, rows, offs_nb, sum_ptr, col_ptr, col_ring, mbh, m_blk, Sq, Sk, NKB,
              scale_log2, s_layout: gl.constexpr, o_layout: gl.constexpr,
              a_layout: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
              NUM_STAGES: gl.constexpr, CAUSAL: gl.constexpr, C: gl.constexpr, NI: gl.constexpr,
@@ -592,11 +641,20 @@ def _ws_tile(acc, m_i, l_i, p_prev, alpha, t, u, j, n, q_s, k_ring, v_ring, k_re
     if MASKED:  # scalar loads under the matmuls
         stats = _load_stats(sum_ptr, mbh, n, NKB, NI)
     s = warpgroup_mma_wait(num_outstanding=1, deps=(s_tok, ))
-    mbarrier.arrive(k_empty.index(slot))
+    COLS: gl.constexpr = MASKED and isinstance(col_ring, gl.shared_memory_descriptor)
+    if not COLS:  # (with the column ring the slot is released after its columns are read)
+        mbarrier.arrive(k_empty.index(slot))
     qk = s * scale_log2
     if MASKED:
         if _needs_mask(m_blk, n, Sq, Sk, stats, BLOCK_M, BLOCK_N, CAUSAL, NI):
-            qk = _mask_scores(qk, rows, n * BLOCK_N + offs_nb, col_ptr, Sq, Sk, CAUSAL, C)
+            if COLS:
+                col_src = col_ring
+            else:
+                col_src = col_ptr
+            qk = _mask_scores(qk, rows, n * BLOCK_N + offs_nb, col_src, slot, Sq, Sk, CAUSAL,
+                              C)
+        if COLS:
+            mbarrier.arrive(k_empty.index(slot))
     p, alpha, m_i, l_i = _softmax_update(qk, m_i, l_i, MASKED)
     p16 = gl.convert_layout(p.to(q_s.dtype), a_layout)
     acc, p_prev = warpgroup_mma_wait(num_outstanding=0, deps=(o_tok, p_prev))
@@ -606,7 +664,7 @@ def _ws_tile(acc, m_i, l_i, p_prev, alpha, t, u, j, n, q_s, k_ring, v_ring, k_re
 
 @_jit
 def _ws_loop(acc, m_i, l_i, p_prev, alpha, t, u, j, lo, hi, q_s, k_ring, v_ring, k_ready,
-             k_empty, v_ready, v_empty, turn, rows, offs_nb, sum_ptr, col_ptr, mbh, m_blk, Sq,
+             k_empty, v_ready, v_empty, turn, rows, offs_nb, sum_ptr, col_ptr, col_ring, mbh, m_blk, Sq,
              Sk, NKB, scale_log2, s_layout: gl.constexpr, o_layout: gl.constexpr,
              a_layout: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
              NUM_STAGES: gl.constexpr, CAUSAL: gl.constexpr, C: gl.constexpr, NI: gl.constexpr,
@@ -615,43 +673,45 @@ def _ws_loop(acc, m_i, l_i, p_prev, alpha, t, u, j, lo, hi, q_s, k_ring, v_ring,
     for n in range(lo, hi):
         acc, m_i, l_i, p_prev, alpha, t, u, j = _ws_tile(
             acc, m_i, l_i, p_prev, alpha, t, u, j, n, q_s, k_ring, v_ring, k_ready, k_empty,
-            v_ready, v_empty, turn, rows, offs_nb, sum_ptr, col_ptr, mbh, m_blk, Sq, Sk, NKB,
-            scale_log2, s_layout, o_layout, a_layout, BLOCK_M, BLOCK_N, NUM_STAGES, CAUSAL, C,
-            NI, MASKED, WG, PINGPONG)
+            v_ready, v_empty, turn, rows, offs_nb, sum_ptr, col_ptr, col_ring, mbh, m_blk, Sq,
+            Sk, NKB, scale_log2, s_layout, o_layout, a_layout, BLOCK_M, BLOCK_N, NUM_STAGES,
+            CAUSAL, C, NI, MASKED, WG, PINGPONG)
     return acc, m_i, l_i, p_prev, alpha, t, u, j
 
 
 @_jit
 def _ws_range(acc, m_i, l_i, p_prev, alpha, t, u, j, lo, flo, fhi, hi, q_s, k_ring, v_ring,
-              k_ready, k_empty, v_ready, v_empty, turn, rows, offs_nb, sum_ptr, col_ptr, mbh,
-              m_blk, Sq, Sk, NKB, scale_log2, s_layout: gl.constexpr, o_layout: gl.constexpr,
+              k_ready, k_empty, v_ready, v_empty, turn, rows, offs_nb, sum_ptr, col_ptr, col_ring,
+              mbh, m_blk, Sq, Sk, NKB, scale_log2, s_layout: gl.constexpr, o_layout: gl.constexpr,
               a_layout: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
               NUM_STAGES: gl.constexpr, CAUSAL: gl.constexpr, C: gl.constexpr, NI: gl.constexpr,
               WG: gl.constexpr, PINGPONG: gl.constexpr):
     """One live range [lo, hi) as :func:`_range` walks it: masked, mask-free, masked."""
-    flo = gl.minimum(gl.maximum(flo, lo), hi)
-    fhi = gl.minimum(gl.maximum(fhi, flo), hi)
+    flo, fhi = _mask_free_span(lo, flo, fhi, hi)
     acc, m_i, l_i, p_prev, alpha, t, u, j = _ws_loop(
         acc, m_i, l_i, p_prev, alpha, t, u, j, lo, flo, q_s, k_ring, v_ring, k_ready, k_empty,
-        v_ready, v_empty, turn, rows, offs_nb, sum_ptr, col_ptr, mbh, m_blk, Sq, Sk, NKB,
-        scale_log2, s_layout, o_layout, a_layout, BLOCK_M, BLOCK_N, NUM_STAGES, CAUSAL, C, NI,
+        v_ready, v_empty, turn, rows, offs_nb, sum_ptr, col_ptr, col_ring, mbh, m_blk, Sq, Sk,
+        NKB, scale_log2, s_layout, o_layout, a_layout, BLOCK_M, BLOCK_N, NUM_STAGES, CAUSAL, C,
+        NI,
         True, WG, PINGPONG)
     acc, m_i, l_i, p_prev, alpha, t, u, j = _ws_loop(
         acc, m_i, l_i, p_prev, alpha, t, u, j, flo, fhi, q_s, k_ring, v_ring, k_ready, k_empty,
-        v_ready, v_empty, turn, rows, offs_nb, sum_ptr, col_ptr, mbh, m_blk, Sq, Sk, NKB,
-        scale_log2, s_layout, o_layout, a_layout, BLOCK_M, BLOCK_N, NUM_STAGES, CAUSAL, C, NI,
+        v_ready, v_empty, turn, rows, offs_nb, sum_ptr, col_ptr, col_ring, mbh, m_blk, Sq, Sk,
+        NKB, scale_log2, s_layout, o_layout, a_layout, BLOCK_M, BLOCK_N, NUM_STAGES, CAUSAL, C,
+        NI,
         False, WG, PINGPONG)
     acc, m_i, l_i, p_prev, alpha, t, u, j = _ws_loop(
         acc, m_i, l_i, p_prev, alpha, t, u, j, fhi, hi, q_s, k_ring, v_ring, k_ready, k_empty,
-        v_ready, v_empty, turn, rows, offs_nb, sum_ptr, col_ptr, mbh, m_blk, Sq, Sk, NKB,
-        scale_log2, s_layout, o_layout, a_layout, BLOCK_M, BLOCK_N, NUM_STAGES, CAUSAL, C, NI,
+        v_ready, v_empty, turn, rows, offs_nb, sum_ptr, col_ptr, col_ring, mbh, m_blk, Sq, Sk,
+        NKB, scale_log2, s_layout, o_layout, a_layout, BLOCK_M, BLOCK_N, NUM_STAGES, CAUSAL, C,
+        NI,
         True, WG, PINGPONG)
     return acc, m_i, l_i, p_prev, alpha, t, u, j
 
 
 @_jit
 def _ws_consume_block(WG: gl.constexpr, t, u, q_smem, k_ring, v_ring, q_bar, q_phase, q_empty,
-                      k_ready, k_empty, v_ready, v_empty, turn, o_ptr, lse_ptr, sum_ptr,
+                      k_ready, k_empty, v_ready, v_empty, turn, col_ring, o_ptr, lse_ptr, sum_ptr,
                       mask_ptr, b64, h, mbh, m_blk, Sq, Sk, Hq, NKB, scale_log2, lo0, flo0,
                       fhi0, hi0, lo1, flo1, fhi1, hi1, T, D: gl.constexpr,
                       BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr,
@@ -682,13 +742,13 @@ def _ws_consume_block(WG: gl.constexpr, t, u, q_smem, k_ring, v_ring, q_bar, q_p
     mbarrier.wait(q_bar, q_phase)
     acc, m_i, l_i, p_prev, alpha, t, u, j = _ws_range(
         acc, m_i, l_i, p_prev, alpha, t, u, j, lo0, flo0, fhi0, hi0, q_s, k_ring, v_ring,
-        k_ready, k_empty, v_ready, v_empty, turn, rows, offs_nb, sum_ptr, col_ptr, mbh, m_blk,
-        Sq, Sk, NKB, scale_log2, s_layout, o_layout, a_layout, BLOCK_M, BLOCK_N, NUM_STAGES,
+        k_ready, k_empty, v_ready, v_empty, turn, rows, offs_nb, sum_ptr, col_ptr, col_ring,
+        mbh, m_blk, Sq, Sk, NKB, scale_log2, s_layout, o_layout, a_layout, BLOCK_M, BLOCK_N, NUM_STAGES,
         CAUSAL, C, NI, WG, PINGPONG)
     acc, m_i, l_i, p_prev, alpha, t, u, j = _ws_range(
         acc, m_i, l_i, p_prev, alpha, t, u, j, lo1, flo1, fhi1, hi1, q_s, k_ring, v_ring,
-        k_ready, k_empty, v_ready, v_empty, turn, rows, offs_nb, sum_ptr, col_ptr, mbh, m_blk,
-        Sq, Sk, NKB, scale_log2, s_layout, o_layout, a_layout, BLOCK_M, BLOCK_N, NUM_STAGES,
+        k_ready, k_empty, v_ready, v_empty, turn, rows, offs_nb, sum_ptr, col_ptr, col_ring,
+        mbh, m_blk, Sq, Sk, NKB, scale_log2, s_layout, o_layout, a_layout, BLOCK_M, BLOCK_N, NUM_STAGES,
         CAUSAL, C, NI, WG, PINGPONG)
     if PERSISTENT:  # every S of the block waited for: the producer may load the next Q
         mbarrier.arrive(q_empty)
@@ -711,13 +771,14 @@ def _ws_consume_block(WG: gl.constexpr, t, u, q_smem, k_ring, v_ring, q_bar, q_p
 
 @_jit
 def _ws_consume(WG: gl.constexpr, q_smem, k_ring, v_ring, q_bar, q_empty, k_ready, k_empty,
-                v_ready, v_empty, turn, item_smem, o_ptr, lse_ptr, sum_ptr, mask_ptr, rng_ptr, Sq,
-                Sk, Hq, Hk, Hm, NQB, NKB, mask_b_stride, scale_log2, n_items, D: gl.constexpr,
+                v_ready, v_empty, turn, item_smem, col_ring, o_ptr, lse_ptr, sum_ptr, mask_ptr,
+                rng_ptr, Sq, Sk, Hq, Hk, Hm, NQB, NKB, mask_b_stride, scale_log2, n_items,
+                D: gl.constexpr,
                 BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr,
                 CAUSAL: gl.constexpr, C: gl.constexpr, NI: gl.constexpr,
                 PINGPONG: gl.constexpr, PERSISTENT: gl.constexpr):
     """Consumer partition ``WG`` (one warpgroup): its 64 rows of the program's block
-    (``n_items``, ``item_smem`` unused), or, PERSISTENT, of every work item the producer
+    (``n_items``, ``item_smem`` unused; ``col_ring`` the column ring or 0), or, PERSISTENT, of every work item the producer
     claims for the program (each published in ``item_smem`` with its Q on ``q_bar``; an item
     >= n_items ends the loop), the ring counter and the ping-pong turns running on across
     items."""
@@ -734,7 +795,8 @@ def _ws_consume(WG: gl.constexpr, q_smem, k_ring, v_ring, q_bar, q_empty, k_read
                 rng_ptr, mbh, m_blk, Sq, Sk, NQB, NKB, BLOCK_M, BLOCK_N, CAUSAL, C)
             t, u = _ws_consume_block(
                 WG, t, u, q_smem, k_ring, v_ring, q_bar, k & 1, q_empty, k_ready, k_empty,
-                v_ready, v_empty, turn, o_ptr, lse_ptr, sum_ptr, mask_ptr, b64, h, mbh, m_blk,
+                v_ready, v_empty, turn, col_ring, o_ptr, lse_ptr, sum_ptr, mask_ptr, b64, h, mbh,
+                m_blk,
                 Sq, Sk, Hq, NKB, scale_log2, lo0, flo0, fhi0, hi0, lo1, flo1, fhi1, hi1, T, D,
                 BLOCK_M, BLOCK_N, NUM_STAGES, CAUSAL, C, NI, PINGPONG, True)
             k += 1
@@ -746,15 +808,15 @@ def _ws_consume(WG: gl.constexpr, q_smem, k_ring, v_ring, q_bar, q_empty, k_read
         lo0, flo0, fhi0, hi0, lo1, flo1, fhi1, hi1, len0, T = _ws_item_tiles(
             rng_ptr, mbh, m_blk, Sq, Sk, NQB, NKB, BLOCK_M, BLOCK_N, CAUSAL, C)
         _ws_consume_block(WG, pid * 0, pid * 0, q_smem, k_ring, v_ring, q_bar, 0, q_empty,
-                          k_ready, k_empty, v_ready, v_empty, turn, o_ptr, lse_ptr, sum_ptr,
-                          mask_ptr, b64, h, mbh, m_blk, Sq, Sk, Hq, NKB, scale_log2, lo0, flo0,
+                          k_ready, k_empty, v_ready, v_empty, turn, col_ring, o_ptr, lse_ptr,
+                          sum_ptr, mask_ptr, b64, h, mbh, m_blk, Sq, Sk, Hq, NKB, scale_log2, lo0, flo0,
                           fhi0, hi0, lo1, flo1, fhi1, hi1, T, D, BLOCK_M, BLOCK_N, NUM_STAGES,
                           CAUSAL, C, NI, PINGPONG, False)
 
 
 @_jit
 def _ws_consume_wg0(q_smem, k_ring, v_ring, q_bar, q_empty, k_ready, k_empty, v_ready, v_empty,
-                    turn, item_smem, o_ptr, lse_ptr, sum_ptr, mask_ptr, rng_ptr, Sq, Sk, Hq, Hk,
+                    turn, item_smem, col_ring, o_ptr, lse_ptr, sum_ptr, mask_ptr, rng_ptr, Sq, Sk, Hq, Hk,
                     Hm, NQB, NKB, mask_b_stride, scale_log2, n_items, D: gl.constexpr,
                     BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr,
                     CAUSAL: gl.constexpr, C: gl.constexpr, NI: gl.constexpr,
@@ -762,21 +824,21 @@ def _ws_consume_wg0(q_smem, k_ring, v_ring, q_bar, q_empty, k_ready, k_empty, v_
     """Consumer warpgroup 0 (the default partition; the warpgroup index must be a literal:
     warp_specialize passes its arguments as values)."""
     _ws_consume(0, q_smem, k_ring, v_ring, q_bar, q_empty, k_ready, k_empty, v_ready, v_empty,
-                turn, item_smem, o_ptr, lse_ptr, sum_ptr, mask_ptr, rng_ptr, Sq, Sk, Hq, Hk, Hm,
+                turn, item_smem, col_ring, o_ptr, lse_ptr, sum_ptr, mask_ptr, rng_ptr, Sq, Sk, Hq, Hk, Hm,
                 NQB, NKB, mask_b_stride, scale_log2, n_items, D, BLOCK_M, BLOCK_N, NUM_STAGES,
                 CAUSAL, C, NI, PINGPONG, PERSISTENT)
 
 
 @_jit
 def _ws_consume_wg1(q_smem, k_ring, v_ring, q_bar, q_empty, k_ready, k_empty, v_ready, v_empty,
-                    turn, item_smem, o_ptr, lse_ptr, sum_ptr, mask_ptr, rng_ptr, Sq, Sk, Hq, Hk,
+                    turn, item_smem, col_ring, o_ptr, lse_ptr, sum_ptr, mask_ptr, rng_ptr, Sq, Sk, Hq, Hk,
                     Hm, NQB, NKB, mask_b_stride, scale_log2, n_items, D: gl.constexpr,
                     BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr,
                     CAUSAL: gl.constexpr, C: gl.constexpr, NI: gl.constexpr,
                     PINGPONG: gl.constexpr, PERSISTENT: gl.constexpr):
     """Consumer warpgroup 1 (a 4-warp worker partition)."""
     _ws_consume(1, q_smem, k_ring, v_ring, q_bar, q_empty, k_ready, k_empty, v_ready, v_empty,
-                turn, item_smem, o_ptr, lse_ptr, sum_ptr, mask_ptr, rng_ptr, Sq, Sk, Hq, Hk, Hm,
+                turn, item_smem, col_ring, o_ptr, lse_ptr, sum_ptr, mask_ptr, rng_ptr, Sq, Sk, Hq, Hk, Hm,
                 NQB, NKB, mask_b_stride, scale_log2, n_items, D, BLOCK_M, BLOCK_N, NUM_STAGES,
                 CAUSAL, C, NI, PINGPONG, PERSISTENT)
 
@@ -806,7 +868,7 @@ def _fwd_ws_kernel(q_desc, k_desc, v_desc, o_ptr, lse_ptr, mask_ptr, sum_ptr, rn
                    BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr, C: gl.constexpr,
                    NI: gl.constexpr, NUM_STAGES: gl.constexpr, NUM_WARPS: gl.constexpr,
                    PINGPONG: gl.constexpr, CONSUMER_REGS: gl.constexpr,
-                   PERSISTENT: gl.constexpr):
+                   PERSISTENT: gl.constexpr, COLS_SMEM: gl.constexpr):
     """The WARP_SPEC forward: one program per (query block of BLOCK_M = 128 rows, batch * query
     head), same grid, program order, plan and tiles as :func:`_fwd_gluon_kernel`; PERSISTENT:
     a 1-D grid of programs that claim the ``n_items`` = NQB * B * Hq blocks, in that order, from
@@ -826,8 +888,17 @@ def _fwd_ws_kernel(q_desc, k_desc, v_desc, o_ptr, lse_ptr, mask_ptr, sum_ptr, rn
     q_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
     q_empty = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
     turn = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    COLS: gl.constexpr = COLS_SMEM and C > 0
+    if COLS:  # K slot s's mask columns in rows s * C .. s * C + C - 1, filled by the producer
+        col_ring = gl.allocate_shared_memory(gl.int32, [NUM_STAGES * C, BLOCK_N],
+                                             gl.SwizzledSharedLayout(1, 1, 1, order=[0]))
+    else:
+        col_ring = 0  # a placeholder (a None cannot travel in the partitions' arguments)
     for i in gl.static_range(NUM_STAGES):
-        mbarrier.init(k_ready.index(i), count=1)
+        if COLS:  # K's expect-tx arrive and the producer's arrive after the columns
+            mbarrier.init(k_ready.index(i), count=2)
+        else:
+            mbarrier.init(k_ready.index(i), count=1)
         mbarrier.init(v_ready.index(i), count=1)
         mbarrier.init(k_empty.index(i), count=2)  # both consumer warpgroups release a slot
         mbarrier.init(v_empty.index(i), count=2)
@@ -844,9 +915,16 @@ def _fwd_ws_kernel(q_desc, k_desc, v_desc, o_ptr, lse_ptr, mask_ptr, sum_ptr, rn
         claim_ptr = next_item_ptr
         kv_row0 = n_items * 0
         kv_col = kv_row0
+        col_ptr = mask_ptr
         lo0 = kv_row0
+        flo0 = kv_row0
+        fhi0 = kv_row0
+        hi0 = kv_row0
         len0 = kv_row0
         lo1 = kv_row0
+        flo1 = kv_row0
+        fhi1 = kv_row0
+        hi1 = kv_row0
         T = kv_row0
     else:
         m_blk, b, h, hk, b64, mbh = _ws_item(gl.program_id(0) + gl.program_id(1) * NQB, NQB, Hq,
@@ -857,6 +935,7 @@ def _fwd_ws_kernel(q_desc, k_desc, v_desc, o_ptr, lse_ptr, mask_ptr, sum_ptr, rn
             rng_ptr, mbh, m_blk, Sq, Sk, NQB, NKB, BLOCK_M, BLOCK_N, CAUSAL, C)
         kv_row0 = b * Sk
         kv_col = hk * D
+        col_ptr = mask_ptr + mbh * Sk * C
         item_smem = 0  # placeholders (a None cannot travel in the partitions' arguments)
         claim_ptr = 0
     # (the two consumers' argument lists are spelled out: held in a tuple variable, the
@@ -864,19 +943,20 @@ def _fwd_ws_kernel(q_desc, k_desc, v_desc, o_ptr, lse_ptr, mask_ptr, sum_ptr, rn
     gl.warp_specialize([
         (_ws_consume_wg0,
          (q_smem, k_ring, v_ring, q_bar, q_empty, k_ready, k_empty, v_ready, v_empty, turn,
-          item_smem, o_ptr, lse_ptr, sum_ptr, mask_ptr, rng_ptr, Sq, Sk, Hq, Hk, Hm, NQB, NKB,
+          item_smem, col_ring, o_ptr, lse_ptr, sum_ptr, mask_ptr, rng_ptr, Sq, Sk, Hq, Hk, Hm, NQB, NKB,
           mask_b_stride, scale_log2, n_items, D, BLOCK_M, BLOCK_N, NUM_STAGES, CAUSAL, C, NI,
           PINGPONG, PERSISTENT)),
         (_ws_consume_wg1,
          (q_smem, k_ring, v_ring, q_bar, q_empty, k_ready, k_empty, v_ready, v_empty, turn,
-          item_smem, o_ptr, lse_ptr, sum_ptr, mask_ptr, rng_ptr, Sq, Sk, Hq, Hk, Hm, NQB, NKB,
+          item_smem, col_ring, o_ptr, lse_ptr, sum_ptr, mask_ptr, rng_ptr, Sq, Sk, Hq, Hk, Hm, NQB, NKB,
           mask_b_stride, scale_log2, n_items, D, BLOCK_M, BLOCK_N, NUM_STAGES, CAUSAL, C, NI,
           PINGPONG, PERSISTENT)),
         (_ws_produce,
          (q_desc, k_desc, v_desc, q_smem, k_ring, v_ring, q_bar, q_empty, k_ready, k_empty,
-          v_ready, v_empty, item_smem, claim_ptr, rng_ptr, Sq, Sk, Hq, Hk, Hm, NQB, NKB,
-          mask_b_stride, n_items, kv_row0, kv_col, lo0, len0, lo1, T, D, BLOCK_M, BLOCK_N,
-          NUM_STAGES, CAUSAL, C, PERSISTENT)),
+          v_ready, v_empty, item_smem, claim_ptr, col_ring, mask_ptr, rng_ptr, Sq, Sk, Hq, Hk,
+          Hm, NQB, NKB, mask_b_stride, n_items, kv_row0, kv_col, col_ptr, lo0, flo0, fhi0, hi0,
+          len0, lo1, flo1, fhi1, hi1, T, D, BLOCK_M, BLOCK_N, NUM_STAGES, CAUSAL, C,
+          PERSISTENT)),
     ], [4, 1], [CONSUMER_REGS, 24])  # consumer warpgroup 1, the producer (WS_PRODUCER_REGS)
     for i in gl.static_range(NUM_STAGES):
         mbarrier.invalidate(k_ready.index(i))
@@ -894,19 +974,27 @@ def _fwd_ws_kernel(q_desc, k_desc, v_desc, o_ptr, lse_ptr, mask_ptr, sum_ptr, rn
 # ---------------------------------------------------------------------------------------------
 
 
-def shared_bytes(d: int, block_m: int, block_n: int, num_stages: int) -> int:
+#: Whether the WS forward's producer stages the mask columns of masked tiles in shared memory
+#: (COLS_SMEM; the default, session 14) rather than the consumers loading them after their S
+#: wait; ``launch_fwd_gluon(cols_smem=...)`` overrides it.
+WS_COLS_SMEM = True
+
+
+def shared_bytes(d: int, block_m: int, block_n: int, num_stages: int, col_words: int = 0) -> int:
     """Shared memory of the kernel's tiles (16-bit): Q plus num_stages K and V tiles (the same
-    for the WARP_SPEC kernel, whose K and V rings are separate)."""
-    return 2 * d * (block_m + 2 * num_stages * block_n)
+    for the WARP_SPEC kernel, whose K and V rings are separate), plus, COLS_SMEM, num_stages
+    slots of ``col_words`` int32 words per key."""
+    return 2 * d * (block_m + 2 * num_stages * block_n) + 4 * num_stages * col_words * block_n
 
 
 def check_config(d: int, block_m: int, block_n: int, num_warps: int, num_stages: int,
                  warp_spec: bool = False, pingpong: bool = False,
-                 persistent: bool = False) -> None:
+                 persistent: bool = False, col_words: int = 0) -> None:
     """Raise ValueError on a configuration the kernel cannot compile or launch: one wgmma row
     of 16 queries per warp (block_m == 16 * num_warps), power-of-two tiles, the ring in
     shared memory (<= 227 KB on sm_90); the WARP_SPEC kernel: 128 query rows on 8 consumer
-    warps (two warpgroups of 64); PINGPONG and PERSISTENT need WARP_SPEC."""
+    warps (two warpgroups of 64); PINGPONG and PERSISTENT need WARP_SPEC; ``col_words``: the
+    COLS_SMEM ring's words per key (the mask's C), counted in the shared memory."""
     if d not in (64, 128, 256):
         raise ValueError(f"gluon fwd: head dim {d} (64, 128 or 256)")
     if block_m != 16 * num_warps:
@@ -923,9 +1011,9 @@ def check_config(d: int, block_m: int, block_n: int, num_warps: int, num_stages:
     if num_stages < 2:
         raise ValueError(f"gluon fwd: num_stages={num_stages} (>= 2: slot j-1 is released "
                          "during tile j)")
-    if shared_bytes(d, block_m, block_n, num_stages) > SMEM_LIMIT:
-        raise ValueError(f"gluon fwd: {shared_bytes(d, block_m, block_n, num_stages)} bytes of "
-                         f"shared memory > {SMEM_LIMIT}")
+    smem = shared_bytes(d, block_m, block_n, num_stages, col_words)
+    if smem > SMEM_LIMIT:
+        raise ValueError(f"gluon fwd: {smem} bytes of shared memory > {SMEM_LIMIT}")
 
 
 def _descriptors(q, k, v, q_rows: int, block_n: int):
@@ -943,7 +1031,7 @@ def _descriptors(q, k, v, q_rows: int, block_n: int):
 def launch_fwd_gluon(q, k, v, mask, causal, softmax_scale, plan, block_m: int, block_n: int,
                      num_warps: int, num_stages: int, warp_spec: bool = False,
                      pingpong: bool = False, persistent: bool = False,
-                     programs: Optional[int] = None):
+                     programs: Optional[int] = None, cols_smem: Optional[bool] = None):
     """(out, lse) like ``triton_flashmask._launch_fwd``; ``plan`` must come from
     ``make_plan(mask, causal, Sq, Sk, block_m, block_n, by_key=False, device)``. ``mask`` is
     unused (the plan holds it), as in ``_launch_fwd``. ``warp_spec``: the warp-specialised
@@ -951,13 +1039,16 @@ def launch_fwd_gluon(q, k, v, mask, causal, softmax_scale, plan, block_m: int, b
     warpgroups of 64 rows; ``pingpong`` makes them take turns issuing their matmuls;
     ``persistent``: one program per SM, or ``programs``, each claiming query blocks, in the
     non-persistent grid's order, from a counter zeroed per launch; the next block's Q and key
-    tiles load under the previous block's last PV and O store)."""
+    tiles load under the previous block's last PV and O store; ``cols_smem``: the producer
+    stages the masked tiles' columns in shared memory, None: :data:`WS_COLS_SMEM`)."""
     reason = unavailable_reason()
     if reason is not None:
         raise RuntimeError(reason)
     b, sq, hq, d = q.shape
     _, sk, hk, _ = k.shape
-    check_config(d, block_m, block_n, num_warps, num_stages, warp_spec, pingpong, persistent)
+    cols_smem = warp_spec and plan.c > 0 and (WS_COLS_SMEM if cols_smem is None else cols_smem)
+    check_config(d, block_m, block_n, num_warps, num_stages, warp_spec, pingpong, persistent,
+                 plan.c if cols_smem else 0)
     if q.dtype not in (torch.bfloat16, torch.float16):
         raise ValueError(f"gluon fwd: dtype {q.dtype} (bf16 or fp16)")
     q, k, v = (x.contiguous() for x in (q, k, v))
@@ -985,7 +1076,7 @@ def launch_fwd_gluon(q, k, v, mask, causal, softmax_scale, plan, block_m: int, b
             grid = (nqb, b * hq)
         _fwd_ws_kernel[grid](*args, n_items, next_item, **consts, PINGPONG=pingpong,
                              CONSUMER_REGS=ws_consumer_regs(), PERSISTENT=persistent,
-                             num_warps=4, maxnreg=ws_maxnreg())
+                             COLS_SMEM=cols_smem, num_warps=4, maxnreg=ws_maxnreg())
     else:
         _fwd_gluon_kernel[(nqb, b * hq)](*args, **consts, num_warps=num_warps)
     return out, lse
@@ -1000,13 +1091,16 @@ from .triton_report import compile_gluon_sm90, cuobjdump  # noqa: E402  (the sha
 
 def compile_sm90(d: int = 128, block_m: int = 128, block_n: int = 128, num_warps: int = 8,
                  num_stages: int = 2, causal: bool = True, c: int = 1, dtype: str = "bf16",
-                 warp_spec: bool = False, pingpong: bool = False, persistent: bool = False):
+                 warp_spec: bool = False, pingpong: bool = False, persistent: bool = False,
+                 cols_smem: Optional[bool] = None):
     """Compile the forward kernel (``warp_spec``: :func:`_fwd_ws_kernel`) for sm_90 without a
     GPU, with the launcher's arguments; returns the CompiledKernel."""
     reason = unavailable_reason()
     if reason is not None:
         raise RuntimeError(reason)
-    check_config(d, block_m, block_n, num_warps, num_stages, warp_spec, pingpong, persistent)
+    cols_smem = warp_spec and c > 0 and (WS_COLS_SMEM if cols_smem is None else cols_smem)
+    check_config(d, block_m, block_n, num_warps, num_stages, warp_spec, pingpong, persistent,
+                 c if cols_smem else 0)
     q_rows = block_m // WS_CONSUMERS if warp_spec else block_m
     descs = _GD.offline_descriptor_types(dtype, d, q_desc=q_rows, k_desc=block_n,
                                          v_desc=block_n)
@@ -1015,7 +1109,7 @@ def compile_sm90(d: int = 128, block_m: int = 128, block_n: int = 128, num_warps
     consts = _GD.offline_constexprs(d, block_m, block_n, num_warps, num_stages, causal, c)
     if warp_spec:
         consts.update(PINGPONG=pingpong, CONSUMER_REGS=ws_consumer_regs(),
-                      PERSISTENT=persistent)
+                      PERSISTENT=persistent, COLS_SMEM=cols_smem)
         ptrs["n_items"] = "i32"
         if persistent:
             ptrs["next_item_ptr"] = "*i32"
@@ -1038,15 +1132,16 @@ def overlaps(sass_text: str) -> bool:
 
 
 def compile_report(d=128, block_m=128, block_n=128, num_warps=8, num_stages=2, causal=True, c=1,
-                   dtype="bf16", warp_spec=False, pingpong=False, persistent=False) -> dict:
+                   dtype="bf16", warp_spec=False, pingpong=False, persistent=False,
+                   cols_smem=None) -> dict:
     """One configuration's offline sm_90 report (registers, spills, HGMMA, overlap) or its
     error."""
     row = dict(D=d, block_m=block_m, block_n=block_n, num_warps=num_warps,
                num_stages=num_stages, causal=causal, C=c, dtype=dtype, warp_spec=warp_spec,
-               pingpong=pingpong, persistent=persistent)
+               pingpong=pingpong, persistent=persistent, cols_smem=cols_smem)
     try:
         ck = compile_sm90(d, block_m, block_n, num_warps, num_stages, causal, c, dtype,
-                          warp_spec, pingpong, persistent)
+                          warp_spec, pingpong, persistent, cols_smem)
     except Exception as exc:
         row["error"] = f"{type(exc).__name__}: {str(exc)[:2000]}"
         return row

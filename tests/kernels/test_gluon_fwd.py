@@ -134,15 +134,17 @@ def test_ws_register_split():
 
 
 def test_ab_config_labels_round_trip():
-    """benchmarks/gluon_fwd_ab.py's config labels: WS / ping-pong / persistent suffixes parse to
-    the launcher's flags and print back the same; a label without stages is refused."""
+    """benchmarks/gluon_fwd_ab.py's config labels: WS / ping-pong / global-column / persistent
+    suffixes parse to the launcher's flags and print back the same; a label without stages is
+    refused."""
     from benchmarks import gluon_fwd_ab as AB
 
-    cases = {"128x128w8s3": (128, 128, 8, 3, False, False, 0),
-             "128x64w8s4ws": (128, 64, 8, 4, True, False, 0),
-             "128x128w8s2wsp": (128, 128, 8, 2, True, True, 0),
-             "128x128w8s2ws+P": (128, 128, 8, 2, True, False, -1),
-             "128x64w8s2wsp+P3": (128, 64, 8, 2, True, True, 3)}
+    cases = {"128x128w8s3": (128, 128, 8, 3, False, False, 0, True),
+             "128x64w8s4ws": (128, 64, 8, 4, True, False, 0, True),
+             "128x128w8s2wsp": (128, 128, 8, 2, True, True, 0, True),
+             "128x128w8s2wsg": (128, 128, 8, 2, True, False, 0, False),
+             "128x128w8s2ws+P": (128, 128, 8, 2, True, False, -1, True),
+             "128x64w8s2wspg+P3": (128, 64, 8, 2, True, True, 3, False)}
     for label, cfg in cases.items():
         assert AB._parse(label) == cfg
         assert AB._label(cfg) == label
