@@ -29,6 +29,7 @@
 #   BENCH_BUDGET=200 bash benchmarks/gpu_kernel.sh fwdws4  # public-path Gluon forward GPU tests, 32K D=128 rows (tl forward variant)
 #   bash benchmarks/gpu_kernel.sh fwdws5  # the claimed-walk persistent WS forward: bitwise tests, A/B vs one-block and tl at D=128/256/64
 #   bash benchmarks/gpu_kernel.sh fwdws6  # COLS_SMEM (mask columns staged by the WS producer): tests, A/B staged vs global vs tl at D=128/256/64
+#   bash benchmarks/gpu_kernel.sh v69     # v6.9 table rows: 32K D=128 (all masks), 8K D=128 (document and plain masks), 8K D=256 causal
 #   BENCH_BUDGET=170 bash benchmarks/gpu_kernel.sh order   # the persistent DS_SHARED kernel: tests, backward stages, A/B at D=128 and D=64 (STAGES=0, BUDGET_D64=0, CASES=... to trim)
 # Each stage has its own timeout so the whole call stays under the 600 s device limit; the
 # benchmark writes its JSON after every case, so a stopped run keeps what it measured.
@@ -323,6 +324,21 @@ case "$PHASE" in
     FLASHMASK3_TRITON_AUTOTUNE=0 timeout ${DIMS_S:-120} python3 benchmarks/gluon_fwd_ab.py --skip-small --budget-s $((${DIMS_S:-120} - 45)) --dims 256,64 \
       --cases causal_document_short,causal_document_corpus,document_short,causal_blockwise --configs 128x64w8s2wsp,128x64w8s2wspg,128x128w8s3wsp,128x128w8s3wspg 2>&1 | tee "$OUT/bench_fwdws6_dims.log"
     mv "$OUT/gluon_fwd_ab.json" "$OUT/gluon_fwd_ws6_dims_ab.json"; mv "$OUT/gluon_fwd_ab.md" "$OUT/gluon_fwd_ws6_dims_ab.md"
+    ;;
+  v69)
+    # session 14's table rows with v6.9 (the WS forward with staged mask columns on every
+    # layout at D=128 and D=256): 32K D=128 (all masks), 8K D=128 (the document masks and the
+    # plain ones), the 8K D=256 causal row (forward against cuDNN)
+    FLASHMASK3_TRITON_AUTOTUNE=0 timeout $((${BUDGET_32K:-240} + 50)) python3 benchmarks/kernel.py --seqlens 32768 --dims 128 --no-gqa \
+      --impls flashmask3,flex,sdpa_cudnn,sdpa_flash,varlen --budget-s "${BUDGET_32K:-240}" --out "$OUT" --tag v69_32k 2>&1 \
+      | grep -v "DeprecationWarning\|create_block_mask(mm" | tee "$OUT/bench_32k.log"
+    [ "${BUDGET_8K:-90}" -gt 0 ] && FLASHMASK3_TRITON_AUTOTUNE=0 timeout $((${BUDGET_8K:-90} + 40)) python3 benchmarks/kernel.py --seqlens 8192 --dims 128 --no-gqa \
+      --masks ${MASKS_8K:-causal_document_mixed,prefix_document_corpus,causal_document_corpus,causal_document_short,document_short,causal_document_long,document_corpus,causal,full} \
+      --impls flashmask3,flex,sdpa_cudnn,sdpa_flash,varlen --budget-s "${BUDGET_8K:-90}" --out "$OUT" --tag v69_8k 2>&1 \
+      | grep -v "DeprecationWarning\|create_block_mask(mm" | tee "$OUT/bench_8k.log"
+    [ "${BUDGET_D256:-30}" -gt 0 ] && FLASHMASK3_TRITON_AUTOTUNE=0 timeout $((${BUDGET_D256:-30} + 40)) python3 benchmarks/kernel.py --seqlens 8192 --dims 256 --no-gqa \
+      --masks ${MASKS_D256:-causal} --impls flashmask3,flex,sdpa_cudnn,sdpa_flash --budget-s "${BUDGET_D256:-30}" --out "$OUT" --tag v69_d256 2>&1 \
+      | grep -v "DeprecationWarning\|create_block_mask(mm" | tee "$OUT/bench_d256.log"
     ;;
   rest)
     # what the v6.3 table left out: first the GPU tests of the D=256 forward tile (new default,

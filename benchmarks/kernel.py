@@ -534,7 +534,9 @@ def markdown(results: list[dict], meta: dict) -> str:
               "short calls timed over at least 12 samples since the second v6.7 run), v6.8 = the "
               "warp-specialised Gluon forward (producer warp, K/V rings, two consumer warpgroups) "
               "as the default at D=128 on causal, full and non-causal C=2 masks and at D=256; calls "
-              "of 40-150 ms timed by the median of 7 (v6.8 rows and the last v6.7 ones); a "
+              "of 40-150 ms timed by the median of 7 (v6.8 rows and the last v6.7 ones), v6.9 = the WS "
+              "forward's producer stages the masked tiles' mask columns in shared memory and the WS "
+              "forward is the default on every layout at D=128 and D=256; a "
               "later run of a case replaces an earlier one). `variants`: flashmask3 timed again in the "
               "same run with one option changed (`fused` / `split` backward; `masked`: no mask-free loops; "
               "`tl-dkdv`: the tl dK/dV kernel instead of the Gluon one; `tl-fwd`: the tl forward "
@@ -747,7 +749,7 @@ def main(argv=None) -> int:
     ap.add_argument("--skip-done", nargs="*", default=[], metavar="JSON",
                     help="leave out the cases these earlier kernel_*.json files measured "
                          "(continue a run that its --budget-s cut short)")
-    ap.add_argument("--kernel-version", default="v6.8")
+    ap.add_argument("--kernel-version", default="v6.9")
     ap.add_argument("--report", nargs="*", help="JSON files to merge into kernel.{json,md,png}")
     args = ap.parse_args(argv)
     if args.report:

@@ -1167,14 +1167,12 @@ def _gluon_runs(q: torch.Tensor, module: str, cfg: Config, **variant) -> bool:
 #: separate K and V rings, two consumer warpgroups of 64 query rows) is the default at these
 #: head dims, on the (causal, C) layouts listed (None: every layout), at its
 #: :data:`GLUON_TILE` tile; elsewhere opt-in (FLASHMASK3_TRITON_FWD=gluon_ws / gluon_wsp).
-#: Measured against the tl forward (H200, 32K, benchmarks/NOTES.md session 13): D=256
-#: 1.15-1.26x (causal, document masks); D=128 at 128x128 s2 1.04-1.12x on causal, full and the
-#: non-causal C=2 masks (document, prefix-document), 0.91-1.05x on the causal C=1 masks
-#: (causal documents: short 0.91, mixed 1.01, corpus 1.05), which keep tl; the causal C=2 and
-#: the C=4 layouts spill in the WS tiles' masked loops (offline: 35-352 spilled values) and,
-#: never timed with it, keep tl.
-GLUON_FWD_DEFAULT: dict = {256: ((True, 0), (False, 0), (True, 1), (False, 2)),
-                           128: ((True, 0), (False, 0), (False, 2))}
+#: Measured against the tl forward (H200, 32K, benchmarks/NOTES.md sessions 13 and 14), with
+#: the producer staging the masked tiles' columns in shared memory (COLS_SMEM, session 14):
+#: D=128 at 128x128 s2 1.00-1.20x on every masked layout (causal documents: short 1.00, mixed
+#: 1.04, corpus 1.09; random eviction 1.20), 1.04-1.12x on causal and full; D=256 at 128x64 s2
+#: 1.13-1.26x. D=64 keeps tl (128x64 0.91x on causal short documents).
+GLUON_FWD_DEFAULT: dict = {256: None, 128: None}
 #: Whether the WS forward's two warpgroups take turns issuing their matmuls (FA3's ping-pong),
 #: per head dim: at D=128 ping-pong measured 0.93-1.04x of without; D=256 was measured with it.
 GLUON_FWD_PINGPONG = {256: True, 128: False, 64: True}
@@ -1301,9 +1299,8 @@ GLUON_DKDV_DIMS = (64, 128)
 #: (results/gluon_fused_d64_ab.md, NOTES.md v6.6).
 GLUON_TILE = {("dkdv", 128): Config(64, 128, 8, 2), ("fused", 128): Config(64, 128, 8, 2),
               ("fused", 64): Config(64, 64, 4, 2),
-              # the warp-specialised forward (two warpgroups of 64 rows; offline, no spill in
-              # the tile loops of GLUON_FWD_DEFAULT's D=128 layouts nor at D=64, 3 per masked
-              # loop at D=256)
+              # the warp-specialised forward (two warpgroups of 64 rows; offline, with COLS_SMEM
+              # no spill in the tile loops of any layout at D=128, D=64 and D=256)
               ("fwd", 128): Config(128, 128, 8, 2), ("fwd", 64): Config(128, 128, 8, 3),
               ("fwd", 256): Config(128, 64, 8, 2)}
 

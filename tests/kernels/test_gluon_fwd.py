@@ -54,10 +54,9 @@ _WS_LAYOUTS = [(True, 0), (True, 1), (True, 2), (False, 0), (False, 2), (False, 
 
 
 def _ws_spill_free_cases():
-    """(d, causal, C): the layouts where the WS forward is the library default at D=128, and
-    every layout at D=64 (its 128x128 s3 tile)."""
-    return ([(128, cz, c) for cz, c in T.GLUON_FWD_DEFAULT[128]]
-            + [(64, cz, c) for cz, c in _WS_LAYOUTS])
+    """(d, causal, C): every layout at D=128 (the library default's, all layouts since COLS_SMEM)
+    and at D=64 (its 128x128 s3 tile)."""
+    return [(d, cz, c) for d in (128, 64) for cz, c in _WS_LAYOUTS]
 
 
 @pytest.mark.skipif(_SKIP is not None, reason=str(_SKIP))
@@ -77,12 +76,14 @@ def test_ws_kernel_compiles_without_spills_in_tile_loops(d, causal, c):
 
 
 @pytest.mark.skipif(_SKIP is not None, reason=str(_SKIP))
-def test_ws_kernel_compiles_at_d256():
-    """The D=256 tile (128x64 s2, 192 KB of shared memory): compiles, no spill in the loops
-    of the mask-free causal layout (3 per masked loop on C=1/C=2 offline)."""
+@pytest.mark.parametrize("causal, c", [(True, 0), (True, 1), (False, 2)])
+def test_ws_kernel_compiles_at_d256(causal, c):
+    """The D=256 tile (128x64 s2, 192 KB of shared memory plus the column ring): compiles, no
+    spill in the tile loops (the masked loops spilled 3 values each before COLS_SMEM)."""
     cfg = T.GLUON_TILE[("fwd", 256)]
     r = F.compile_report(256, cfg.block_m, cfg.block_n, cfg.num_warps, cfg.num_stages,
-                         causal=True, c=0, warp_spec=True, pingpong=T.GLUON_FWD_PINGPONG[256])
+                         causal=causal, c=c, warp_spec=True,
+                         pingpong=T.GLUON_FWD_PINGPONG[256])
     assert "error" not in r, r.get("error")
     assert r["hgmma"] > 0 and r["shared"] <= F.SMEM_LIMIT + 1024, r
     assert r["ldl_stl_in_tile_loops"] == 0, r
