@@ -123,9 +123,13 @@ def test_default_forward_kernel_per_layout(monkeypatch):
             tile = T._config("fwd", d, causal, c, q.dtype, like=q)
             expect = cfg if want != "tl" else T.CANDIDATES[("fwd", d)][0]
             assert tile == expect, (d, causal, c, tile)
-    assert T._fwd_impl(torch.zeros(1, 8, 1, 128, dtype=torch.bfloat16), cfg, True, 1) == "tl"
+    # a head dim whose default lists layouts: the others take tl unless the env forces WS
+    q = torch.zeros(1, 8, 1, 128, dtype=torch.bfloat16)
+    monkeypatch.setitem(T.GLUON_FWD_DEFAULT, 128, ((True, 0), ))
+    assert T._fwd_impl(q, cfg, True, 0) == "gluon_ws"
+    assert T._fwd_impl(q, cfg, True, 1) == "tl"
     monkeypatch.setenv("FLASHMASK3_TRITON_FWD", "gluon_ws")
-    assert T._fwd_impl(torch.zeros(1, 8, 1, 128, dtype=torch.bfloat16), cfg, True, 1) == "gluon_ws"
+    assert T._fwd_impl(q, cfg, True, 1) == "gluon_ws"
 
 
 def test_ws_register_split():
