@@ -31,6 +31,7 @@ import gc
 import json
 import math
 import os
+import statistics
 import sys
 import time
 from unittest import mock
@@ -174,14 +175,81 @@ def bench(fn, grad_to_none=None) -> tuple[float, str]:
     return sorted(timed_call() for _ in range(n))[n // 2], f"events-median-{n}"
 
 
-def measure(fwd, leaves, dout) -> dict:
-    """fwd, bwd and fwd+bwd medians (ms) and peak extra memory (GB) of one implementation."""
-    res = {}
-    res["fwd_ms"], res["timer"] = bench(fwd)
-    out = fwd()
-    res["bwd_ms"], _ = bench(lambda: out.backward(dout, retain_graph=True), grad_to_none=leaves)
-    del out
-    res["fwd_bwd_ms"], _ = bench(lambda: fwd().backward(dout), grad_to_none=leaves)
+def interleaved_rounds(first_ms: float) -> int:
+    """Rounds of the interleaved timer for a case whose slowest implementation's first call took
+    ``first_ms``: what :func:`bench` gives one implementation (at least :data:`MIN_SAMPLES`
+    for calls under 40 ms, :func:`event_samples` above), capped at 50 for very short calls."""
+    if first_ms >= 40:
+        return event_samples(first_ms)
+    return max(MIN_SAMPLES, min(50, math.ceil(do_bench_window(first_ms) / max(first_ms, 1e-3))))
+
+
+def interleaved_medians(calls: dict, timer, rounds: int) -> dict:
+    """Median of ``timer(call)`` per name over ``rounds`` rounds. Every round times each call
+    once, starting one name later than the round before, so a drift of the GPU's clocks or
+    temperature during the case falls on every implementation alike (timed one after the
+    other, Flex's and our fwd+bwd moved by 2-5% between runs in sessions 12-14)."""
+    names = list(calls)
+    samples = {n: [] for n in names}
+    for r in range(rounds):
+        for i in range(len(names)):
+            n = names[(r + i) % len(names)]
+            samples[n].append(timer(calls[n]))
+    return {n: statistics.median(v) for n, v in samples.items()}
+
+
+def _event_timer(call) -> float:
+    """Milliseconds of one ``call`` = (run, leaves) by CUDA events (the leaves' gradients cleared
+    first, outside the timed span)."""
+    run, leaves = call
+    for t in leaves or ():
+        t.grad = None
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    run()
+    end.record()
+    _sync()
+    return start.elapsed_time(end)
+
+
+def measure_interleaved(built: dict) -> dict:
+    """fwd, bwd and fwd+bwd medians (ms) and peak extra memory (GB) of every implementation in
+    ``built`` (name -> (fwd, leaves, dout)), the implementations' calls interleaved round by
+    round (:func:`interleaved_medians`), each call under its implementation's kernel options
+    (:func:`flashmask_variant`). After one warm-up call each, the slowest first call sets the
+    rounds (:func:`interleaved_rounds`)."""
+    def under(name, fn):
+        def run():
+            with flashmask_variant(name):
+                return fn()
+        return run
+
+    res = {n: {} for n in built}
+    outs = {}
+    for n, (fwd, leaves, dout) in built.items():  # each implementation's graph for "bwd"
+        outs[n] = under(n, fwd)()
+    modes = {
+        "fwd_ms": {n: (under(n, fwd), None) for n, (fwd, leaves, dout) in built.items()},
+        "bwd_ms": {n: (under(n, lambda o=outs[n], d=dout: o.backward(d, retain_graph=True)),
+                       leaves) for n, (fwd, leaves, dout) in built.items()},
+        "fwd_bwd_ms": {n: (under(n, lambda f=fwd, d=dout: f().backward(d)), leaves)
+                       for n, (fwd, leaves, dout) in built.items()},
+    }
+    for key, calls in modes.items():
+        first = max(_event_timer(c) for c in calls.values())
+        rounds = interleaved_rounds(first)
+        for n, ms in interleaved_medians(calls, _event_timer, rounds).items():
+            res[n][key] = ms
+            res[n].setdefault("timer", f"interleaved-{rounds}")
+    outs.clear()
+    for n, (fwd, leaves, dout) in built.items():
+        with flashmask_variant(n):
+            res[n]["peak_extra_gb"] = _peak_extra_gb(fwd, leaves, dout)
+    return res
+
+
+def _peak_extra_gb(fwd, leaves, dout) -> float:
+    """Peak memory (GB) one fwd+bwd allocates above what is allocated before it."""
     for t in leaves:
         t.grad = None
     gc.collect()
@@ -190,9 +258,21 @@ def measure(fwd, leaves, dout) -> dict:
     base = torch.cuda.memory_allocated()
     fwd().backward(dout)
     _sync()
-    res["peak_extra_gb"] = (torch.cuda.max_memory_allocated() - base) / 2**30
+    peak = (torch.cuda.max_memory_allocated() - base) / 2**30
     for t in leaves:
         t.grad = None
+    return peak
+
+
+def measure(fwd, leaves, dout) -> dict:
+    """fwd, bwd and fwd+bwd medians (ms) and peak extra memory (GB) of one implementation."""
+    res = {}
+    res["fwd_ms"], res["timer"] = bench(fwd)
+    out = fwd()
+    res["bwd_ms"], _ = bench(lambda: out.backward(dout, retain_graph=True), grad_to_none=leaves)
+    del out
+    res["fwd_bwd_ms"], _ = bench(lambda: fwd().backward(dout), grad_to_none=leaves)
+    res["peak_extra_gb"] = _peak_extra_gb(fwd, leaves, dout)
     return res
 
 
@@ -418,9 +498,10 @@ def run_case(name: str, s: int, d: int, hq: int, hk: int, dtype, args) -> dict:
         dense = M.to_dense(cols, causal, s, s).to("cuda")
         impls.append(("sdpa_dense", lambda: sdpa_impl("dense", causal, q, k, v, scale, attn_mask=dense)
                       + (None,)))
-    for impl_name, make in impls:
-        if impl_name not in args.impls:
-            continue
+    impls = [(name, make) for name, make in impls if name in args.impls]
+    if args.timer == "interleaved":
+        rec["impls"] = _measure_impls_interleaved(impls, flops)
+    for impl_name, make in impls if args.timer == "sequential" else ():
         with flashmask_variant(impl_name):
             rec["impls"][impl_name] = _measure_impl(make, flops)
         gc.collect()
@@ -435,6 +516,35 @@ def run_case(name: str, s: int, d: int, hq: int, hk: int, dtype, args) -> dict:
             fm["prep_ms"] = flashmask_prep_ms(mask, causal, s, d, dtype)
             fm["mask_bytes"] = mask_bytes(mask, causal, s, d, dtype)
     return rec
+
+
+def _measure_impls_interleaved(impls, flops) -> dict:
+    """Build every implementation (an error: OOM, unsupported head dim, missing API, is recorded
+    instead), then time them together (:func:`measure_interleaved`) and add their TFLOP/s."""
+    built, out = {}, {}
+    for name, make in impls:
+        try:
+            with flashmask_variant(name):
+                fwd, leaves, build_ms = make()
+                out0 = fwd()
+            built[name] = (fwd, leaves, torch.randn_like(out0))
+            out[name] = {} if build_ms is None else {"mask_build_ms": build_ms}
+            del out0
+        except Exception as exc:
+            out[name] = {"error": f"{type(exc).__name__}: {str(exc)[:300]}"}
+    try:
+        timed = measure_interleaved(built)
+    except Exception as exc:  # (e.g. out of memory with every implementation's graph held)
+        timed = {n: {"error": f"{type(exc).__name__}: {str(exc)[:300]}"} for n in built}
+    for name, r in timed.items():
+        out[name].update(r)
+        if "error" not in r:
+            for m, key in (("fwd", "fwd_ms"), ("bwd", "bwd_ms"), ("fwd_bwd", "fwd_bwd_ms")):
+                out[name]["tflops_" + m] = flops[m] / (r[key] * 1e-3) / 1e12
+    built.clear()
+    gc.collect()
+    torch.cuda.empty_cache()
+    return {name: out[name] for name, _ in impls}
 
 
 def _measure_impl(make, flops) -> dict:
@@ -750,6 +860,9 @@ def main(argv=None) -> int:
                     help="leave out the cases these earlier kernel_*.json files measured "
                          "(continue a run that its --budget-s cut short)")
     ap.add_argument("--kernel-version", default="v6.9")
+    ap.add_argument("--timer", default="interleaved", choices=["interleaved", "sequential"],
+                    help="interleaved: every implementation's calls alternate round by round "
+                         "(since session 14); sequential: each implementation timed in turn")
     ap.add_argument("--report", nargs="*", help="JSON files to merge into kernel.{json,md,png}")
     args = ap.parse_args(argv)
     if args.report:
@@ -765,7 +878,7 @@ def main(argv=None) -> int:
         torch._dynamo.config.recompile_limit = 256
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[args.dtype]
     meta = dict(run_environment(torch.device("cuda")), dtype=args.dtype, not_run=[],
-                kernel_version=args.kernel_version,
+                kernel_version=args.kernel_version, timer=args.timer,
                 autotune=os.environ.get("FLASHMASK3_TRITON_AUTOTUNE", "0"))
     try:
         __import__("torch.nn.attention.varlen")

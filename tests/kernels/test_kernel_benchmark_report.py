@@ -146,3 +146,66 @@ def test_long_calls_take_more_samples_below_150_ms():
     event-timed calls; the 128K causal/full calls (0.3-2 s) keep 3."""
     assert KB.event_samples(77.0) == KB.EVENT_SAMPLES >= 5
     assert KB.event_samples(900.0) == 3
+
+
+def test_interleaved_timer_rotates_and_takes_medians():
+    """The interleaved timer times every implementation once per round, starting one later each
+    round, and reports each one's median: a clock drift during the case (here +1 ms per call)
+    shifts every implementation's median alike, where timing them one after the other would
+    charge it all to the last one."""
+    order = []
+    clock = [0.0]
+
+    def timer(call):
+        order.append(call)
+        clock[0] += 1.0
+        return call + clock[0]
+
+    med = KB.interleaved_medians({"a": 10.0, "b": 20.0, "c": 30.0}, timer, 4)
+    assert order[:6] == [10.0, 20.0, 30.0, 20.0, 30.0, 10.0]
+    assert len(order) == 12
+    drift = {n: med[n] - base for n, base in (("a", 10.0), ("b", 20.0), ("c", 30.0))}
+    assert max(drift.values()) - min(drift.values()) <= 1.0, drift
+
+
+def test_interleaved_rounds_follow_the_single_call_rule():
+    """As many rounds as bench() takes samples: >= MIN_SAMPLES under 40 ms (capped at 50 for
+    very short calls), EVENT_SAMPLES for 40-150 ms, 3 above."""
+    assert KB.interleaved_rounds(35.0) >= KB.MIN_SAMPLES
+    assert KB.interleaved_rounds(6.0) == 17
+    assert KB.interleaved_rounds(0.5) == 50
+    assert KB.interleaved_rounds(77.0) == KB.EVENT_SAMPLES
+    assert KB.interleaved_rounds(900.0) == 3
+
+
+def test_measure_interleaved_runs_every_mode_of_every_implementation(monkeypatch):
+    """measure_interleaved's wiring on the CPU (the CUDA-event timer and the memory probe
+    replaced): each implementation's forward, backward (on a retained graph, run repeatedly)
+    and forward+backward run, with gradients cleared between the timed calls."""
+    runs = []
+
+    def fake_timer(call):
+        run, leaves = call
+        for t in leaves or ():
+            t.grad = None
+        run()
+        runs.append(call)
+        return 1.0
+
+    monkeypatch.setattr(KB, "_event_timer", fake_timer)
+    monkeypatch.setattr(KB, "_peak_extra_gb", lambda fwd, leaves, dout: 0.5)
+    built = {}
+    for name, scale in (("flashmask3", 2.0), ("flex", 3.0)):
+        x = torch.randn(4, 3, requires_grad=True)
+        built[name] = ((lambda x=x, s=scale: (x * s).sin()), [x], torch.randn(4, 3))
+    res = KB.measure_interleaved(built)
+    assert set(res) == {"flashmask3", "flex"}
+    for r in res.values():
+        assert r["fwd_ms"] == r["bwd_ms"] == r["fwd_bwd_ms"] == 1.0
+        assert r["timer"].startswith("interleaved-") and r["peak_extra_gb"] == 0.5
+    # 3 modes x (1 warm-up + the rounds) x 2 implementations
+    assert len(runs) == 3 * 2 * (1 + KB.interleaved_rounds(1.0))
+    x = built["flex"][1][0]
+    x.grad = None
+    built["flex"][0]().backward(built["flex"][2])
+    assert torch.allclose(x.grad, 3.0 * torch.cos(3.0 * x) * built["flex"][2])
