@@ -30,6 +30,7 @@
 #   bash benchmarks/gpu_kernel.sh fwdws5  # the claimed-walk persistent WS forward: bitwise tests, A/B vs one-block and tl at D=128/256/64
 #   bash benchmarks/gpu_kernel.sh fwdws6  # COLS_SMEM (mask columns staged by the WS producer): tests, A/B staged vs global vs tl at D=128/256/64
 #   bash benchmarks/gpu_kernel.sh v69     # v6.9 table rows: 32K D=128 (all masks), 8K D=128 (document and plain masks), 8K D=256 causal
+#   bash benchmarks/gpu_kernel.sh v69b    # the interleaved timer on the D=128 document rows at 8K, 32K GQA, 128K
 #   BENCH_BUDGET=170 bash benchmarks/gpu_kernel.sh order   # the persistent DS_SHARED kernel: tests, backward stages, A/B at D=128 and D=64 (STAGES=0, BUDGET_D64=0, CASES=... to trim)
 # Each stage has its own timeout so the whole call stays under the 600 s device limit; the
 # benchmark writes its JSON after every case, so a stopped run keeps what it measured.
@@ -339,6 +340,21 @@ case "$PHASE" in
     [ "${BUDGET_D256:-30}" -gt 0 ] && FLASHMASK3_TRITON_AUTOTUNE=0 timeout $((${BUDGET_D256:-30} + 40)) python3 benchmarks/kernel.py --seqlens 8192 --dims 256 --no-gqa \
       --masks ${MASKS_D256:-causal} --impls flashmask3,flex,sdpa_cudnn,sdpa_flash --budget-s "${BUDGET_D256:-30}" --out "$OUT" --tag v69_d256 2>&1 \
       | grep -v "DeprecationWarning\|create_block_mask(mm" | tee "$OUT/bench_d256.log"
+    ;;
+  v69b)
+    # session 14's last call, the interleaved timer (every implementation's calls alternate
+    # round by round): the D=128 document rows at 8K, 32K GQA (the MHA cases kernel_v69_32k.json
+    # measured are skipped) and 128K
+    DOCS=causal_document_mixed,causal_document_short,causal_document_long,prefix_document_corpus,causal_document_corpus,document_short,document_corpus
+    FLASHMASK3_TRITON_AUTOTUNE=0 timeout $((${BUDGET_8K:-80} + 50)) python3 benchmarks/kernel.py --seqlens 8192 --dims 128 --no-gqa --masks "$DOCS" \
+      --impls flashmask3,flex,varlen --budget-s "${BUDGET_8K:-80}" --out "$OUT" --tag v69b_8k 2>&1 \
+      | grep -v "DeprecationWarning\|create_block_mask(mm" | tee "$OUT/bench_8k.log"
+    FLASHMASK3_TRITON_AUTOTUNE=0 timeout $((${BUDGET_GQA:-70} + 50)) python3 benchmarks/kernel.py --seqlens 32768 --dims 128 --masks "$DOCS" \
+      --skip-done benchmarks/results/kernel_v69_32k.json --impls flashmask3,flex,varlen --budget-s "${BUDGET_GQA:-70}" --out "$OUT" --tag v69b_gqa 2>&1 \
+      | grep -v "DeprecationWarning\|create_block_mask(mm" | tee "$OUT/bench_gqa.log"
+    FLASHMASK3_TRITON_AUTOTUNE=0 timeout $((${BUDGET_128K:-90} + 60)) python3 benchmarks/kernel.py --seqlens 131072 --dims 128 --no-gqa --masks "$DOCS" \
+      --impls flashmask3,flex,varlen --budget-s "${BUDGET_128K:-90}" --out "$OUT" --tag v69b_128k 2>&1 \
+      | grep -v "DeprecationWarning\|create_block_mask(mm" | tee "$OUT/bench_128k.log"
     ;;
   rest)
     # what the v6.3 table left out: first the GPU tests of the D=256 forward tile (new default,
