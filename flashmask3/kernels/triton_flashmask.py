@@ -1208,7 +1208,9 @@ def _fwd_impl(q: torch.Tensor, cfg: Config, causal: Optional[bool] = None,
         if layouts is not None and (causal, c) not in layouts:
             return "tl"
         env = "gluon_wsp" if GLUON_FWD_PINGPONG.get(d, False) else "gluon_ws"
-    runs = _gluon_runs(q, "gluon_fwd", cfg, warp_spec=True, pingpong=env == "gluon_wsp")
+    # (col_words: the shared-memory column ring of the masked layouts, gluon_fwd.WS_COLS_SMEM)
+    runs = _gluon_runs(q, "gluon_fwd", cfg, warp_spec=True, pingpong=env == "gluon_wsp",
+                       col_words=c or 0)
     return env if runs else "tl"
 
 

@@ -160,6 +160,10 @@ def test_ab_config_labels_round_trip():
 
 def test_config_checks():
     F.check_config(128, 128, 128, 8, 3)
+    # the WS tile 128x128 s3 at D=128 fits (224 KB) until the column ring of a C=4 mask is added
+    F.check_config(128, 128, 128, 8, 3, warp_spec=True)
+    with pytest.raises(ValueError, match="shared memory"):
+        F.check_config(128, 128, 128, 8, 3, warp_spec=True, col_words=4)
     F.check_config(128, 64, 128, 4, 2)
     F.check_config(64, 128, 64, 8, 3)
     with pytest.raises(ValueError):
