@@ -557,9 +557,10 @@ def _ws_produce(q_desc, k_desc, v_desc, q_smem, k_ring, v_ring, q_bar, q_empty, 
 @_jit
 def _ws_produce_persistent(q_desc, k_desc, v_desc, q_smem, k_ring, v_ring, q_bar, q_empty,
                            k_ready, k_empty, v_ready, v_empty, item_smem, next_item_ptr,
-                           col_ring, mask_ptr, rng_ptr, Sq, Sk, Hq, Hk, Hm, NQB, NKB, mask_b_stride, n_items, D: gl.constexpr,
-                           BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-                           NUM_STAGES: gl.constexpr, CAUSAL: gl.constexpr, C: gl.constexpr):
+                           col_ring, mask_ptr, rng_ptr, Sq, Sk, Hq, Hk, Hm, NQB, NKB,
+                           mask_b_stride, n_items, D: gl.constexpr, BLOCK_M: gl.constexpr,
+                           BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr, CAUSAL: gl.constexpr,
+                           C: gl.constexpr):
     """Producer partition of the PERSISTENT kernel: claims work items from the global counter
     at ``next_item_ptr`` (zeroed by the launcher: items go out in the non-persistent grid's
     order to whichever program is free, so the blocks in flight stay as close together as
@@ -611,8 +612,8 @@ def _ws_pass_turn(turn, WG: gl.constexpr):
 
 @_jit
 def _ws_tile(acc, m_i, l_i, p_prev, alpha, t, u, j, n, q_s, k_ring, v_ring, k_ready, k_empty,
-             v_ready, v_empty, turn, rows, offs_nb, sum_ptr, col_ptr, col_ring, mbh, m_blk, Sq, Sk, NKB,
-             scale_log2, s_layout: gl.constexpr, o_layout: gl.constexpr,
+             v_ready, v_empty, turn, rows, offs_nb, sum_ptr, col_ptr, col_ring, mbh, m_blk, Sq, Sk,
+             NKB, scale_log2, s_layout: gl.constexpr, o_layout: gl.constexpr,
              a_layout: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
              NUM_STAGES: gl.constexpr, CAUSAL: gl.constexpr, C: gl.constexpr, NI: gl.constexpr,
              MASKED: gl.constexpr, WG: gl.constexpr, PINGPONG: gl.constexpr):
@@ -620,9 +621,11 @@ def _ws_tile(acc, m_i, l_i, p_prev, alpha, t, u, j, n, q_s, k_ring, v_ring, k_re
     ``u`` counts its ping-pong turns): :func:`_tile`'s schedule (S_t issued, O rescaled under
     it, PV_{t-1} issued, softmax of S_t under the PV) on its 64 query rows, with the ring
     slots handed back to the producer instead of refilled: K_t's slot once S_t has been
-    waited for, V_{t-1}'s once PV_{t-1} has (the block's tile 0 multiplies P = 0 with its own
-    V tile, which tile 1 reads again: it frees nothing). ``BLOCK_M`` is the plan's (both
-    warpgroups') query block: the tile's mask class is the block's."""
+    waited for (in a masked loop with the column ring ``col_ring``: once the tile's mask
+    columns have been read from its column slot too), V_{t-1}'s once PV_{t-1} has (the
+    block's tile 0 multiplies P = 0 with its own V tile, which tile 1 reads again: it frees
+    nothing). ``BLOCK_M`` is the plan's (both warpgroups') query block: the tile's mask class
+    is the block's."""
     WG_M: gl.constexpr = q_s.shape[0]
     slot = t % NUM_STAGES
     pv_t = t - (j > 0).to(gl.int32)
@@ -664,8 +667,8 @@ def _ws_tile(acc, m_i, l_i, p_prev, alpha, t, u, j, n, q_s, k_ring, v_ring, k_re
 
 @_jit
 def _ws_loop(acc, m_i, l_i, p_prev, alpha, t, u, j, lo, hi, q_s, k_ring, v_ring, k_ready,
-             k_empty, v_ready, v_empty, turn, rows, offs_nb, sum_ptr, col_ptr, col_ring, mbh, m_blk, Sq,
-             Sk, NKB, scale_log2, s_layout: gl.constexpr, o_layout: gl.constexpr,
+             k_empty, v_ready, v_empty, turn, rows, offs_nb, sum_ptr, col_ptr, col_ring, mbh,
+             m_blk, Sq, Sk, NKB, scale_log2, s_layout: gl.constexpr, o_layout: gl.constexpr,
              a_layout: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
              NUM_STAGES: gl.constexpr, CAUSAL: gl.constexpr, C: gl.constexpr, NI: gl.constexpr,
              MASKED: gl.constexpr, WG: gl.constexpr, PINGPONG: gl.constexpr):
@@ -743,13 +746,13 @@ def _ws_consume_block(WG: gl.constexpr, t, u, q_smem, k_ring, v_ring, q_bar, q_p
     acc, m_i, l_i, p_prev, alpha, t, u, j = _ws_range(
         acc, m_i, l_i, p_prev, alpha, t, u, j, lo0, flo0, fhi0, hi0, q_s, k_ring, v_ring,
         k_ready, k_empty, v_ready, v_empty, turn, rows, offs_nb, sum_ptr, col_ptr, col_ring,
-        mbh, m_blk, Sq, Sk, NKB, scale_log2, s_layout, o_layout, a_layout, BLOCK_M, BLOCK_N, NUM_STAGES,
-        CAUSAL, C, NI, WG, PINGPONG)
+        mbh, m_blk, Sq, Sk, NKB, scale_log2, s_layout, o_layout, a_layout, BLOCK_M, BLOCK_N,
+        NUM_STAGES, CAUSAL, C, NI, WG, PINGPONG)
     acc, m_i, l_i, p_prev, alpha, t, u, j = _ws_range(
         acc, m_i, l_i, p_prev, alpha, t, u, j, lo1, flo1, fhi1, hi1, q_s, k_ring, v_ring,
         k_ready, k_empty, v_ready, v_empty, turn, rows, offs_nb, sum_ptr, col_ptr, col_ring,
-        mbh, m_blk, Sq, Sk, NKB, scale_log2, s_layout, o_layout, a_layout, BLOCK_M, BLOCK_N, NUM_STAGES,
-        CAUSAL, C, NI, WG, PINGPONG)
+        mbh, m_blk, Sq, Sk, NKB, scale_log2, s_layout, o_layout, a_layout, BLOCK_M, BLOCK_N,
+        NUM_STAGES, CAUSAL, C, NI, WG, PINGPONG)
     if PERSISTENT:  # every S of the block waited for: the producer may load the next Q
         mbarrier.arrive(q_empty)
     if T > 0:  # the last tile's rescale and PV
@@ -778,10 +781,10 @@ def _ws_consume(WG: gl.constexpr, q_smem, k_ring, v_ring, q_bar, q_empty, k_read
                 CAUSAL: gl.constexpr, C: gl.constexpr, NI: gl.constexpr,
                 PINGPONG: gl.constexpr, PERSISTENT: gl.constexpr):
     """Consumer partition ``WG`` (one warpgroup): its 64 rows of the program's block
-    (``n_items``, ``item_smem`` unused; ``col_ring`` the column ring or 0), or, PERSISTENT, of every work item the producer
-    claims for the program (each published in ``item_smem`` with its Q on ``q_bar``; an item
-    >= n_items ends the loop), the ring counter and the ping-pong turns running on across
-    items."""
+    (``n_items``, ``item_smem`` unused; ``col_ring`` the column ring or 0), or, PERSISTENT,
+    of every work item the producer claims for the program (each published in ``item_smem``
+    with its Q on ``q_bar``; an item >= n_items ends the loop), the ring counter and the
+    ping-pong turns running on across items."""
     pid = gl.program_id(0)
     if PERSISTENT:
         t = pid * 0
@@ -809,38 +812,38 @@ def _ws_consume(WG: gl.constexpr, q_smem, k_ring, v_ring, q_bar, q_empty, k_read
             rng_ptr, mbh, m_blk, Sq, Sk, NQB, NKB, BLOCK_M, BLOCK_N, CAUSAL, C)
         _ws_consume_block(WG, pid * 0, pid * 0, q_smem, k_ring, v_ring, q_bar, 0, q_empty,
                           k_ready, k_empty, v_ready, v_empty, turn, col_ring, o_ptr, lse_ptr,
-                          sum_ptr, mask_ptr, b64, h, mbh, m_blk, Sq, Sk, Hq, NKB, scale_log2, lo0, flo0,
-                          fhi0, hi0, lo1, flo1, fhi1, hi1, T, D, BLOCK_M, BLOCK_N, NUM_STAGES,
+                          sum_ptr, mask_ptr, b64, h, mbh, m_blk, Sq, Sk, Hq, NKB, scale_log2, lo0,
+                          flo0, fhi0, hi0, lo1, flo1, fhi1, hi1, T, D, BLOCK_M, BLOCK_N, NUM_STAGES,
                           CAUSAL, C, NI, PINGPONG, False)
 
 
 @_jit
 def _ws_consume_wg0(q_smem, k_ring, v_ring, q_bar, q_empty, k_ready, k_empty, v_ready, v_empty,
-                    turn, item_smem, col_ring, o_ptr, lse_ptr, sum_ptr, mask_ptr, rng_ptr, Sq, Sk, Hq, Hk,
-                    Hm, NQB, NKB, mask_b_stride, scale_log2, n_items, D: gl.constexpr,
+                    turn, item_smem, col_ring, o_ptr, lse_ptr, sum_ptr, mask_ptr, rng_ptr, Sq, Sk,
+                    Hq, Hk, Hm, NQB, NKB, mask_b_stride, scale_log2, n_items, D: gl.constexpr,
                     BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr,
                     CAUSAL: gl.constexpr, C: gl.constexpr, NI: gl.constexpr,
                     PINGPONG: gl.constexpr, PERSISTENT: gl.constexpr):
     """Consumer warpgroup 0 (the default partition; the warpgroup index must be a literal:
     warp_specialize passes its arguments as values)."""
     _ws_consume(0, q_smem, k_ring, v_ring, q_bar, q_empty, k_ready, k_empty, v_ready, v_empty,
-                turn, item_smem, col_ring, o_ptr, lse_ptr, sum_ptr, mask_ptr, rng_ptr, Sq, Sk, Hq, Hk, Hm,
-                NQB, NKB, mask_b_stride, scale_log2, n_items, D, BLOCK_M, BLOCK_N, NUM_STAGES,
-                CAUSAL, C, NI, PINGPONG, PERSISTENT)
+                turn, item_smem, col_ring, o_ptr, lse_ptr, sum_ptr, mask_ptr, rng_ptr, Sq, Sk, Hq,
+                Hk, Hm, NQB, NKB, mask_b_stride, scale_log2, n_items, D, BLOCK_M, BLOCK_N,
+                NUM_STAGES, CAUSAL, C, NI, PINGPONG, PERSISTENT)
 
 
 @_jit
 def _ws_consume_wg1(q_smem, k_ring, v_ring, q_bar, q_empty, k_ready, k_empty, v_ready, v_empty,
-                    turn, item_smem, col_ring, o_ptr, lse_ptr, sum_ptr, mask_ptr, rng_ptr, Sq, Sk, Hq, Hk,
-                    Hm, NQB, NKB, mask_b_stride, scale_log2, n_items, D: gl.constexpr,
+                    turn, item_smem, col_ring, o_ptr, lse_ptr, sum_ptr, mask_ptr, rng_ptr, Sq, Sk,
+                    Hq, Hk, Hm, NQB, NKB, mask_b_stride, scale_log2, n_items, D: gl.constexpr,
                     BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr,
                     CAUSAL: gl.constexpr, C: gl.constexpr, NI: gl.constexpr,
                     PINGPONG: gl.constexpr, PERSISTENT: gl.constexpr):
     """Consumer warpgroup 1 (a 4-warp worker partition)."""
     _ws_consume(1, q_smem, k_ring, v_ring, q_bar, q_empty, k_ready, k_empty, v_ready, v_empty,
-                turn, item_smem, col_ring, o_ptr, lse_ptr, sum_ptr, mask_ptr, rng_ptr, Sq, Sk, Hq, Hk, Hm,
-                NQB, NKB, mask_b_stride, scale_log2, n_items, D, BLOCK_M, BLOCK_N, NUM_STAGES,
-                CAUSAL, C, NI, PINGPONG, PERSISTENT)
+                turn, item_smem, col_ring, o_ptr, lse_ptr, sum_ptr, mask_ptr, rng_ptr, Sq, Sk, Hq,
+                Hk, Hm, NQB, NKB, mask_b_stride, scale_log2, n_items, D, BLOCK_M, BLOCK_N,
+                NUM_STAGES, CAUSAL, C, NI, PINGPONG, PERSISTENT)
 
 
 #: WARP_SPEC forward: consumer warpgroups (64 query rows each) and the producer warp's registers.
@@ -943,13 +946,13 @@ def _fwd_ws_kernel(q_desc, k_desc, v_desc, o_ptr, lse_ptr, mask_ptr, sum_ptr, rn
     gl.warp_specialize([
         (_ws_consume_wg0,
          (q_smem, k_ring, v_ring, q_bar, q_empty, k_ready, k_empty, v_ready, v_empty, turn,
-          item_smem, col_ring, o_ptr, lse_ptr, sum_ptr, mask_ptr, rng_ptr, Sq, Sk, Hq, Hk, Hm, NQB, NKB,
-          mask_b_stride, scale_log2, n_items, D, BLOCK_M, BLOCK_N, NUM_STAGES, CAUSAL, C, NI,
+          item_smem, col_ring, o_ptr, lse_ptr, sum_ptr, mask_ptr, rng_ptr, Sq, Sk, Hq, Hk, Hm, NQB,
+          NKB, mask_b_stride, scale_log2, n_items, D, BLOCK_M, BLOCK_N, NUM_STAGES, CAUSAL, C, NI,
           PINGPONG, PERSISTENT)),
         (_ws_consume_wg1,
          (q_smem, k_ring, v_ring, q_bar, q_empty, k_ready, k_empty, v_ready, v_empty, turn,
-          item_smem, col_ring, o_ptr, lse_ptr, sum_ptr, mask_ptr, rng_ptr, Sq, Sk, Hq, Hk, Hm, NQB, NKB,
-          mask_b_stride, scale_log2, n_items, D, BLOCK_M, BLOCK_N, NUM_STAGES, CAUSAL, C, NI,
+          item_smem, col_ring, o_ptr, lse_ptr, sum_ptr, mask_ptr, rng_ptr, Sq, Sk, Hq, Hk, Hm, NQB,
+          NKB, mask_b_stride, scale_log2, n_items, D, BLOCK_M, BLOCK_N, NUM_STAGES, CAUSAL, C, NI,
           PINGPONG, PERSISTENT)),
         (_ws_produce,
          (q_desc, k_desc, v_desc, q_smem, k_ring, v_ring, q_bar, q_empty, k_ready, k_empty,
