@@ -31,6 +31,8 @@
 #   bash benchmarks/gpu_kernel.sh fwdws6  # COLS_SMEM (mask columns staged by the WS producer): tests, A/B staged vs global vs tl at D=128/256/64
 #   bash benchmarks/gpu_kernel.sh v69     # v6.9 table rows: 32K D=128 (all masks), 8K D=128 (document and plain masks), 8K D=256 causal
 #   bash benchmarks/gpu_kernel.sh v69b    # the interleaved timer on the D=128 document rows at 8K, 32K GQA, 128K
+#   bash benchmarks/gpu_kernel.sh shortdocs  # (not yet run) WS vs tl forward on short documents at 8K/32K/128K
+#   SEQ=8192 BENCH_BUDGET=420 bash benchmarks/gpu_kernel.sh grid128  # (not yet run) the D=128 grid at one length, interleaved timer
 #   BENCH_BUDGET=170 bash benchmarks/gpu_kernel.sh order   # the persistent DS_SHARED kernel: tests, backward stages, A/B at D=128 and D=64 (STAGES=0, BUDGET_D64=0, CASES=... to trim)
 # Each stage has its own timeout so the whole call stays under the 600 s device limit; the
 # benchmark writes its JSON after every case, so a stopped run keeps what it measured.
@@ -355,6 +357,23 @@ case "$PHASE" in
     FLASHMASK3_TRITON_AUTOTUNE=0 timeout $((${BUDGET_128K:-90} + 60)) python3 benchmarks/kernel.py --seqlens 131072 --dims 128 --no-gqa --masks "$DOCS" \
       --impls flashmask3,flex,varlen --budget-s "${BUDGET_128K:-90}" --out "$OUT" --tag v69b_128k 2>&1 \
       | grep -v "DeprecationWarning\|create_block_mask(mm" | tee "$OUT/bench_128k.log"
+    ;;
+  shortdocs)
+    # (prepared in session 14, not yet run) causal short documents, the WS forward against tl in
+    # one process at 8K, 32K and 128K (the v6.9 table suggests tl is 7-14% faster at 8K and
+    # 128K): the evidence a host-side document-length hint would need
+    for S in 8192 32768 131072; do
+      FLASHMASK3_TRITON_AUTOTUNE=0 timeout 100 python3 benchmarks/gluon_fwd_ab.py --skip-small --budget-s 50 --seqlen $S \
+        --cases causal_document_short,causal_document_mixed,document_short --configs 128x128w8s2ws,128x128w8s2wsg 2>&1 | tee "$OUT/bench_shortdocs_$S.log"
+      mv "$OUT/gluon_fwd_ab.json" "$OUT/gluon_fwd_shortdocs_${S}_ab.json"; mv "$OUT/gluon_fwd_ab.md" "$OUT/gluon_fwd_shortdocs_${S}_ab.md"
+    done
+    ;;
+  grid128)
+    # (prepared in session 14) the D=128 grid with the interleaved timer, one sequence length
+    # per call: SEQ=8192|32768|131072 (32K includes GQA 32:8); about 8 minutes each
+    FLASHMASK3_TRITON_AUTOTUNE=0 timeout $((BUDGET + 60)) python3 benchmarks/kernel.py --seqlens "${SEQ:-32768}" --dims 128 \
+      --impls "${IMPLS:-flashmask3,flex,sdpa_cudnn,sdpa_flash,varlen}" --budget-s "$BUDGET" --out "$OUT" --tag "grid128_${SEQ:-32768}" 2>&1 \
+      | grep -v "DeprecationWarning\|create_block_mask(mm" | tee "$OUT/bench_grid128.log"
     ;;
   rest)
     # what the v6.3 table left out: first the GPU tests of the D=256 forward tile (new default,
