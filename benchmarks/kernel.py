@@ -235,12 +235,14 @@ def measure_interleaved(built: dict) -> dict:
         "fwd_bwd_ms": {n: (under(n, lambda f=fwd, d=dout: f().backward(d)), leaves)
                        for n, (fwd, leaves, dout) in built.items()},
     }
+    rounds = []
     for key, calls in modes.items():
         first = max(_event_timer(c) for c in calls.values())
-        rounds = interleaved_rounds(first)
-        for n, ms in interleaved_medians(calls, _event_timer, rounds).items():
+        rounds.append(interleaved_rounds(first))
+        for n, ms in interleaved_medians(calls, _event_timer, rounds[-1]).items():
             res[n][key] = ms
-            res[n].setdefault("timer", f"interleaved-{rounds}")
+    for n in res:  # the rounds of fwd / bwd / fwd+bwd
+        res[n]["timer"] = "interleaved-" + "/".join(str(r) for r in rounds)
     outs.clear()
     for n, (fwd, leaves, dout) in built.items():
         with flashmask_variant(n):
@@ -647,7 +649,8 @@ def markdown(results: list[dict], meta: dict) -> str:
               "of 40-150 ms timed by the median of 7 (v6.8 rows and the last v6.7 ones), v6.9 = the WS "
               "forward's producer stages the masked tiles' mask columns in shared memory and the WS "
               "forward is the default on every layout at D=128 and D=256 (rows whose JSON records the timer "
-              "`interleaved-N`: every implementation's calls alternated round by round, N rounds); a "
+              "`interleaved-...`: every implementation's calls alternated round by round; the number is "
+              "the rounds, of the forward alone in session 14's rows); a "
               "later run of a case replaces an earlier one). `variants`: flashmask3 timed again in the "
               "same run with one option changed (`fused` / `split` backward; `masked`: no mask-free loops; "
               "`tl-dkdv`: the tl dK/dV kernel instead of the Gluon one; `tl-fwd`: the tl forward "
