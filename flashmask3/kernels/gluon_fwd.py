@@ -1,10 +1,11 @@
 """Gluon (``triton.experimental.gluon``) forward kernels for Hopper (sm_90): a plain one
 (``_fwd_gluon_kernel``, opt-in through ``FLASHMASK3_TRITON_FWD=gluon``, slower than tl) and a
 warp-specialised one (``_fwd_ws_kernel``, session 13: a TMA producer warp, separate K and V
-rings, two consumer warpgroups of 64 query rows, optional ping-pong and a PERSISTENT mode),
-the library's default forward where ``triton_flashmask.GLUON_FWD_DEFAULT`` lists the head dim
-and the mask layout (D=128: causal, full, non-causal C=2, 1.04-1.12x the tl forward at 32K;
-D=256: 1.15-1.26x), ``triton_flashmask._fwd_impl`` choosing. The rest of this docstring
+rings, two consumer warpgroups of 64 query rows, optional ping-pong and a PERSISTENT mode;
+session 14: the producer stages the masked tiles' mask columns in shared memory), the
+library's default forward where ``triton_flashmask.GLUON_FWD_DEFAULT`` lists the head dim
+(D=128: every layout, 1.00-1.20x the tl forward at 32K; D=256: 1.13-1.26x),
+``triton_flashmask._fwd_impl`` choosing. The rest of this docstring
 describes the plain kernel, whose per-tile schedule the WS consumers share; the WS section
 below says what it changes.
 
