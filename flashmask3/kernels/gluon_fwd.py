@@ -421,10 +421,14 @@ def _fwd_gluon_kernel(q_desc, k_desc, v_desc, o_ptr, lse_ptr, mask_ptr, sum_ptr,
 # take turns issuing their matmuls (FA3's ping-pong). Measured (H200, 32K, NOTES.md session 13):
 # D=128 128x128 s2 without ping-pong 1.04-1.12x tl on causal, full and non-causal C=2 masks,
 # 0.90-1.05x on the causal C=1 ones (short documents 0.90); ping-pong 0.93-1.04x of without
-# at D=128; D=256 128x64 s2 with ping-pong 1.15-1.26x. PERSISTENT: one program per SM, the
-# producer claiming blocks from a global counter in the grid's order (session 14); a static walk
-# (program p took blocks p, p + P, ...) lost in session 13: 0.80-0.96x (D=128), 0.94-1.08x
-# (D=256), as it did in the backward (session 12): the blocks in flight drift apart over heads.
+# at D=128; D=256 128x64 s2 with ping-pong 1.15-1.26x. (4) Session 14, COLS_SMEM: the consumers
+# had loaded a masked tile's mask columns from global memory after their S wait (an L2 round
+# trip per PARTIAL tile, which tl's pipeliner issues stages ahead); the producer now stages them
+# in a shared-memory ring next to the K slot: the causal C=1 masks 0.90-1.05x -> 1.00-1.20x, no
+# spill left in any tile loop. PERSISTENT: one program per SM, the producer claiming blocks from
+# a global counter in the grid's order (session 14: 0.88-1.10x, opt-in); a static walk (program
+# p took blocks p, p + P, ...) lost in session 13: 0.80-0.96x (D=128), 0.94-1.08x (D=256), as it
+# did in the backward (session 12): the blocks in flight drift apart over heads.
 
 
 @_jit
