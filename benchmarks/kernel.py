@@ -198,16 +198,27 @@ def interleaved_medians(calls: dict, timer, rounds: int) -> dict:
     return {n: statistics.median(v) for n, v in samples.items()}
 
 
+#: GPU cycles (about 2 ms at the H200's ~2 GHz) the interleaved timer keeps the GPU busy with
+#: before each timed call, so that the host's work for the call (the implementation's Python,
+#: its kernel options' context: ~0.1 ms here) is done while the GPU is still busy, as between
+#: back-to-back calls, and not counted. Session 14's first interleaved rows (kernel_v69b_*,
+#: kernel_v69c_*) ran without it: their times include that host work.
+HOST_COVER_CYCLES = 4_000_000
+
+
 def _event_timer(call) -> float:
-    """Milliseconds of one ``call`` = (run, leaves) by CUDA events (the leaves' gradients cleared
-    first, outside the timed span)."""
-    run, leaves = call
+    """Milliseconds of one ``call`` = (run, leaves, options) by CUDA events: the leaves'
+    gradients cleared and the kernel options (``options()``, a context manager) entered outside
+    the timed span, which starts behind :data:`HOST_COVER_CYCLES` of GPU sleep."""
+    run, leaves, options = call
     for t in leaves or ():
         t.grad = None
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    run()
-    end.record()
+    with options():
+        torch.cuda._sleep(HOST_COVER_CYCLES)
+        start.record()
+        run()
+        end.record()
     _sync()
     return start.elapsed_time(end)
 
@@ -218,21 +229,19 @@ def measure_interleaved(built: dict) -> dict:
     round (:func:`interleaved_medians`), each call under its implementation's kernel options
     (:func:`flashmask_variant`). After one warm-up call each, the slowest first call sets the
     rounds (:func:`interleaved_rounds`)."""
-    def under(name, fn):
-        def run():
-            with flashmask_variant(name):
-                return fn()
-        return run
+    def options(name):
+        return lambda: flashmask_variant(name)
 
     res = {n: {} for n in built}
     outs = {}
     for n, (fwd, leaves, dout) in built.items():  # each implementation's graph for "bwd"
-        outs[n] = under(n, fwd)()
+        with flashmask_variant(n):
+            outs[n] = fwd()
     modes = {
-        "fwd_ms": {n: (under(n, fwd), None) for n, (fwd, leaves, dout) in built.items()},
-        "bwd_ms": {n: (under(n, lambda o=outs[n], d=dout: o.backward(d, retain_graph=True)),
-                       leaves) for n, (fwd, leaves, dout) in built.items()},
-        "fwd_bwd_ms": {n: (under(n, lambda f=fwd, d=dout: f().backward(d)), leaves)
+        "fwd_ms": {n: (fwd, None, options(n)) for n, (fwd, leaves, dout) in built.items()},
+        "bwd_ms": {n: (lambda o=outs[n], d=dout: o.backward(d, retain_graph=True), leaves,
+                       options(n)) for n, (fwd, leaves, dout) in built.items()},
+        "fwd_bwd_ms": {n: (lambda f=fwd, d=dout: f().backward(d), leaves, options(n))
                        for n, (fwd, leaves, dout) in built.items()},
     }
     rounds = []
@@ -650,7 +659,9 @@ def markdown(results: list[dict], meta: dict) -> str:
               "forward's producer stages the masked tiles' mask columns in shared memory and the WS "
               "forward is the default on every layout at D=128 and D=256 (rows whose JSON records the timer "
               "`interleaved-...`: every implementation's calls alternated round by round; the number is "
-              "the rounds, of the forward alone in session 14's rows); a "
+              "the rounds, of the forward alone in session 14's rows, whose times also count each "
+              "call's host launch work, ~0.1-0.5 ms, on both sides of a ratio: benchmarks/NOTES.md "
+              "session 14); a "
               "later run of a case replaces an earlier one). `variants`: flashmask3 timed again in the "
               "same run with one option changed (`fused` / `split` backward; `masked`: no mask-free loops; "
               "`tl-dkdv`: the tl dK/dV kernel instead of the Gluon one; `tl-fwd`: the tl forward "

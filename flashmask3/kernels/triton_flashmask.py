@@ -1172,8 +1172,8 @@ def _gluon_runs(q: torch.Tensor, module: str, cfg: Config, **variant) -> bool:
 #: D=128 at 128x128 s2 1.00-1.20x on every masked layout (causal documents: short 1.00, mixed
 #: 1.04, corpus 1.09; random eviction 1.20), 1.04-1.12x on causal and full; D=256 at 128x64 s2
 #: 1.13-1.26x. D=64 keeps tl (128x64 0.91x on causal short documents). On causal short
-#: documents the 8K and 128K table rows put it 7-14% behind tl rows of earlier runs (not yet
-#: timed in one run; NOTES.md session 14).
+#: documents the 8K and 128K table rows took 7-14% longer than tl rows of earlier runs (not
+#: yet timed in one run; NOTES.md session 14).
 GLUON_FWD_DEFAULT: dict = {256: None, 128: None}
 #: Whether the WS forward's two warpgroups take turns issuing their matmuls (FA3's ping-pong),
 #: per head dim: at D=128 ping-pong measured 0.93-1.04x of without; D=256 was measured with it.

@@ -3,6 +3,7 @@ the recorded times, and JSON files merge into the markdown table."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 
@@ -181,14 +182,16 @@ def test_interleaved_rounds_follow_the_single_call_rule():
 def test_measure_interleaved_runs_every_mode_of_every_implementation(monkeypatch):
     """measure_interleaved's wiring on the CPU (the CUDA-event timer and the memory probe
     replaced): each implementation's forward, backward (on a retained graph, run repeatedly)
-    and forward+backward run, with gradients cleared between the timed calls."""
+    and forward+backward run, with gradients cleared between the timed calls, each under its
+    own kernel options (entered by the timer, outside the timed span)."""
     runs = []
 
     def fake_timer(call):
-        run, leaves = call
+        run, leaves, options = call
         for t in leaves or ():
             t.grad = None
-        run()
+        with options():
+            run()
         runs.append(call)
         return 1.0
 
@@ -198,8 +201,20 @@ def test_measure_interleaved_runs_every_mode_of_every_implementation(monkeypatch
     for name, scale in (("flashmask3", 2.0), ("flex", 3.0)):
         x = torch.randn(4, 3, requires_grad=True)
         built[name] = ((lambda x=x, s=scale: (x * s).sin()), [x], torch.randn(4, 3))
+    entered = []
+    real_variant = KB.flashmask_variant
+
+    @contextlib.contextmanager
+    def recording_variant(name):
+        entered.append(name)
+        with real_variant(name):
+            yield
+
+    monkeypatch.setattr(KB, "flashmask_variant", recording_variant)
     res = KB.measure_interleaved(built)
     assert set(res) == {"flashmask3", "flex"}
+    # every timed call and every warm-up ran under its own implementation's options
+    assert entered.count("flashmask3") == entered.count("flex") >= len(runs) // 2
     for r in res.values():
         assert r["fwd_ms"] == r["bwd_ms"] == r["fwd_bwd_ms"] == 1.0
         assert r["timer"].startswith("interleaved-") and r["peak_extra_gb"] == 0.5
