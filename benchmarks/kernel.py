@@ -512,11 +512,12 @@ def run_case(name: str, s: int, d: int, hq: int, hk: int, dtype, args) -> dict:
     impls = [(name, make) for name, make in impls if name in args.impls]
     if args.timer == "interleaved":
         rec["impls"] = _measure_impls_interleaved(impls, flops)
-    for impl_name, make in impls if args.timer == "sequential" else ():
-        with flashmask_variant(impl_name):
-            rec["impls"][impl_name] = _measure_impl(make, flops)
-        gc.collect()
-        torch.cuda.empty_cache()
+    else:
+        for impl_name, make in impls:
+            with flashmask_variant(impl_name):
+                rec["impls"][impl_name] = _measure_impl(make, flops)
+            gc.collect()
+            torch.cuda.empty_cache()
     if "flashmask3" in rec["impls"] and "error" not in rec["impls"]["flashmask3"]:
         fm = rec["impls"]["flashmask3"]
         c = 0 if cols is None else cols.shape[-1]
@@ -550,12 +551,18 @@ def _measure_impls_interleaved(impls, flops) -> dict:
     for name, r in timed.items():
         out[name].update(r)
         if "error" not in r:
-            for m, key in (("fwd", "fwd_ms"), ("bwd", "bwd_ms"), ("fwd_bwd", "fwd_bwd_ms")):
-                out[name]["tflops_" + m] = flops[m] / (r[key] * 1e-3) / 1e12
+            _add_tflops(out[name], flops)
     built.clear()
     gc.collect()
     torch.cuda.empty_cache()
     return {name: out[name] for name, _ in impls}
+
+
+def _add_tflops(r: dict, flops: dict) -> dict:
+    """``r`` with the effective TFLOP/s of its fwd, bwd and fwd+bwd times."""
+    for m, key in (("fwd", "fwd_ms"), ("bwd", "bwd_ms"), ("fwd_bwd", "fwd_bwd_ms")):
+        r["tflops_" + m] = flops[m] / (r[key] * 1e-3) / 1e12
+    return r
 
 
 def _measure_impl(make, flops) -> dict:
@@ -569,9 +576,7 @@ def _measure_impl(make, flops) -> dict:
         r = measure(fwd, leaves, dout)
         if build_ms is not None:
             r["mask_build_ms"] = build_ms
-        for m, key in (("fwd", "fwd_ms"), ("bwd", "bwd_ms"), ("fwd_bwd", "fwd_bwd_ms")):
-            r["tflops_" + m] = flops[m] / (r[key] * 1e-3) / 1e12
-        return r
+        return _add_tflops(r, flops)
     except Exception as exc:
         return {"error": f"{type(exc).__name__}: {str(exc)[:300]}"}
 

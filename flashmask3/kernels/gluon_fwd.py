@@ -3,7 +3,7 @@
 warp-specialised one (``_fwd_ws_kernel``, session 13: a TMA producer warp, separate K and V
 rings, two consumer warpgroups of 64 query rows, optional ping-pong and a PERSISTENT mode;
 session 14: the producer stages the masked tiles' mask columns in shared memory), the
-library's default forward where ``triton_flashmask.GLUON_FWD_DEFAULT`` lists the head dim
+library's default forward where ``triton_flashmask.GLUON_FWD_DIMS`` lists the head dim
 (D=128: every layout, 1.00-1.20x the tl forward at 32K; D=256: 1.13-1.26x),
 ``triton_flashmask._fwd_impl`` choosing. The rest of this docstring
 describes the plain kernel, whose per-tile schedule the WS consumers share; the WS section
@@ -700,20 +700,17 @@ def _ws_range(acc, m_i, l_i, p_prev, alpha, t, u, j, lo, flo, fhi, hi, q_s, k_ri
         acc, m_i, l_i, p_prev, alpha, t, u, j, lo, flo, q_s, k_ring, v_ring, k_ready, k_empty,
         v_ready, v_empty, turn, rows, offs_nb, sum_ptr, col_ptr, col_ring, mbh, m_blk, Sq, Sk,
         NKB, scale_log2, s_layout, o_layout, a_layout, BLOCK_M, BLOCK_N, NUM_STAGES, CAUSAL, C,
-        NI,
-        True, WG, PINGPONG)
+        NI, True, WG, PINGPONG)
     acc, m_i, l_i, p_prev, alpha, t, u, j = _ws_loop(
         acc, m_i, l_i, p_prev, alpha, t, u, j, flo, fhi, q_s, k_ring, v_ring, k_ready, k_empty,
         v_ready, v_empty, turn, rows, offs_nb, sum_ptr, col_ptr, col_ring, mbh, m_blk, Sq, Sk,
         NKB, scale_log2, s_layout, o_layout, a_layout, BLOCK_M, BLOCK_N, NUM_STAGES, CAUSAL, C,
-        NI,
-        False, WG, PINGPONG)
+        NI, False, WG, PINGPONG)
     acc, m_i, l_i, p_prev, alpha, t, u, j = _ws_loop(
         acc, m_i, l_i, p_prev, alpha, t, u, j, fhi, hi, q_s, k_ring, v_ring, k_ready, k_empty,
         v_ready, v_empty, turn, rows, offs_nb, sum_ptr, col_ptr, col_ring, mbh, m_blk, Sq, Sk,
         NKB, scale_log2, s_layout, o_layout, a_layout, BLOCK_M, BLOCK_N, NUM_STAGES, CAUSAL, C,
-        NI,
-        True, WG, PINGPONG)
+        NI, True, WG, PINGPONG)
     return acc, m_i, l_i, p_prev, alpha, t, u, j
 
 
@@ -988,6 +985,12 @@ def _fwd_ws_kernel(q_desc, k_desc, v_desc, o_ptr, lse_ptr, mask_ptr, sum_ptr, rn
 WS_COLS_SMEM = True
 
 
+def _uses_cols_smem(warp_spec: bool, c: int, cols_smem: Optional[bool]) -> bool:
+    """Whether a launch stages the mask columns in shared memory: the WS kernel on a mask with
+    columns, as ``cols_smem`` asks (None: :data:`WS_COLS_SMEM`)."""
+    return warp_spec and c > 0 and (WS_COLS_SMEM if cols_smem is None else cols_smem)
+
+
 def shared_bytes(d: int, block_m: int, block_n: int, num_stages: int, col_words: int = 0) -> int:
     """Shared memory of the kernel's tiles (16-bit): Q plus num_stages K and V tiles (the same
     for the WARP_SPEC kernel, whose K and V rings are separate), plus, COLS_SMEM, num_stages
@@ -1054,7 +1057,7 @@ def launch_fwd_gluon(q, k, v, mask, causal, softmax_scale, plan, block_m: int, b
         raise RuntimeError(reason)
     b, sq, hq, d = q.shape
     _, sk, hk, _ = k.shape
-    cols_smem = warp_spec and plan.c > 0 and (WS_COLS_SMEM if cols_smem is None else cols_smem)
+    cols_smem = _uses_cols_smem(warp_spec, plan.c, cols_smem)
     check_config(d, block_m, block_n, num_warps, num_stages, warp_spec, pingpong, persistent,
                  plan.c if cols_smem else 0)
     if q.dtype not in (torch.bfloat16, torch.float16):
@@ -1106,7 +1109,7 @@ def compile_sm90(d: int = 128, block_m: int = 128, block_n: int = 128, num_warps
     reason = unavailable_reason()
     if reason is not None:
         raise RuntimeError(reason)
-    cols_smem = warp_spec and c > 0 and (WS_COLS_SMEM if cols_smem is None else cols_smem)
+    cols_smem = _uses_cols_smem(warp_spec, c, cols_smem)
     check_config(d, block_m, block_n, num_warps, num_stages, warp_spec, pingpong, persistent,
                  c if cols_smem else 0)
     q_rows = block_m // WS_CONSUMERS if warp_spec else block_m

@@ -921,16 +921,15 @@ def _config(kind: str, d: int, causal: bool, c: int, dtype: torch.dtype,
     tuned = _TUNED.get((kind, d, causal, c, dtype))
     if tuned is not None:
         return tuned
-    return _gluon_tile(kind, d, like, causal, c) or CANDIDATES[(kind, _dim_class(d))][0]
+    return _gluon_tile(kind, d, like, c) or CANDIDATES[(kind, _dim_class(d))][0]
 
 
-def _gluon_tile(kind: str, d: int, like: Optional[torch.Tensor], causal: Optional[bool] = None,
-                c: Optional[int] = None) -> Optional[Config]:
+def _gluon_tile(kind: str, d: int, like: Optional[torch.Tensor], c: int = 0) -> Optional[Config]:
     """:data:`GLUON_TILE`'s tile of ``kind`` at head dim ``d`` where the Gluon kernel runs it
-    on tensors like ``like`` with this mask layout (:data:`_GLUON_IMPL`); None without one, or
-    without ``like``."""
+    on tensors like ``like`` with a mask of ``c`` columns (:data:`_GLUON_IMPL`); None without
+    one, or without ``like``."""
     tile = GLUON_TILE.get((kind, _dim_class(d)))
-    if tile is None or like is None or _GLUON_IMPL[kind](like, tile, causal, c) == "tl":
+    if tile is None or like is None or _GLUON_IMPL[kind](like, tile, c) == "tl":
         return None
     return tile
 
@@ -1165,8 +1164,8 @@ def _gluon_runs(q: torch.Tensor, module: str, cfg: Config, **variant) -> bool:
 
 #: The warp-specialised Gluon forward (gluon_fwd._fwd_ws_kernel: a TMA producer warp,
 #: separate K and V rings, two consumer warpgroups of 64 query rows) is the default at these
-#: head dims, on the (causal, C) layouts listed (None: every layout), at its
-#: :data:`GLUON_TILE` tile; elsewhere opt-in (FLASHMASK3_TRITON_FWD=gluon_ws / gluon_wsp).
+#: head dims, on every mask layout, at its :data:`GLUON_TILE` tile; elsewhere opt-in
+#: (FLASHMASK3_TRITON_FWD=gluon_ws / gluon_wsp).
 #: Measured against the tl forward (H200, 32K, benchmarks/NOTES.md sessions 13 and 14), with
 #: the producer staging the masked tiles' columns in shared memory (COLS_SMEM, session 14):
 #: D=128 at 128x128 s2 1.00-1.20x on every masked layout (causal documents: short 1.00, mixed
@@ -1174,7 +1173,7 @@ def _gluon_runs(q: torch.Tensor, module: str, cfg: Config, **variant) -> bool:
 #: 1.13-1.26x. D=64 keeps tl (128x64 0.91x on causal short documents). On causal short
 #: documents the 8K and 128K table rows took 7-14% longer than tl rows of earlier runs (not
 #: yet timed in one run; NOTES.md session 14).
-GLUON_FWD_DEFAULT: dict = {256: None, 128: None}
+GLUON_FWD_DIMS: tuple = (128, 256)
 #: Whether the WS forward's two warpgroups take turns issuing their matmuls (FA3's ping-pong),
 #: per head dim: at D=128 ping-pong measured 0.93-1.04x of without; D=256 was measured with it.
 GLUON_FWD_PINGPONG = {256: True, 128: False, 64: True}
@@ -1189,14 +1188,13 @@ def _fwd_persistent() -> bool:
     return GLUON_FWD_PERSISTENT if not env else env == "1"
 
 
-def _fwd_impl(q: torch.Tensor, cfg: Config, causal: Optional[bool] = None,
-              c: Optional[int] = None) -> str:
-    """"gluon_ws", "gluon_wsp", "gluon" or "tl": the kernel the forward launch uses. The
-    warp-specialised Gluon forward (``gluon_wsp``: with ping-pong, :data:`GLUON_FWD_PINGPONG`)
-    where :data:`GLUON_FWD_DEFAULT` lists the head dim and the mask layout (``causal``, ``c``)
-    and it can run (:func:`_gluon_runs`), else tl. Env FLASHMASK3_TRITON_FWD=tl forces tl;
-    =gluon_ws / =gluon_wsp the warp-specialised kernel without / with ping-pong on any head
-    dim and layout; =gluon the plain Gluon forward (gluon_fwd.py, measured slower than tl)."""
+def _fwd_impl(q: torch.Tensor, cfg: Config, c: int = 0) -> str:
+    """"gluon_ws", "gluon_wsp", "gluon" or "tl": the kernel the forward launch uses for a mask of
+    ``c`` columns. The warp-specialised Gluon forward (``gluon_wsp``: with ping-pong,
+    :data:`GLUON_FWD_PINGPONG`) at :data:`GLUON_FWD_DIMS` where it can run
+    (:func:`_gluon_runs`), else tl. Env FLASHMASK3_TRITON_FWD=tl forces tl; =gluon_ws /
+    =gluon_wsp the warp-specialised kernel without / with ping-pong at any head dim; =gluon the
+    plain Gluon forward (gluon_fwd.py, measured slower than tl)."""
     env = _env_choice("FLASHMASK3_TRITON_FWD", ("tl", "gluon", "gluon_ws", "gluon_wsp"))
     d = q.shape[-1]
     if env == "gluon":
@@ -1204,21 +1202,18 @@ def _fwd_impl(q: torch.Tensor, cfg: Config, causal: Optional[bool] = None,
     if env == "tl":
         return "tl"
     if not env:
-        if d not in GLUON_FWD_DEFAULT:
-            return "tl"
-        layouts = GLUON_FWD_DEFAULT[d]
-        if layouts is not None and (causal, c) not in layouts:
+        if d not in GLUON_FWD_DIMS:
             return "tl"
         env = "gluon_wsp" if GLUON_FWD_PINGPONG.get(d, False) else "gluon_ws"
     # (col_words: the shared-memory column ring of the masked layouts, gluon_fwd.WS_COLS_SMEM)
     runs = _gluon_runs(q, "gluon_fwd", cfg, warp_spec=True, pingpong=env == "gluon_wsp",
-                       col_words=c or 0)
+                       col_words=c)
     return env if runs else "tl"
 
 
 def _launch_fwd(q, k, v, mask, causal, softmax_scale, cfg: Config, plan: Plan):
     """(out, lse): the Gluon forward where :func:`_fwd_impl` picks it, else the tl kernel."""
-    impl = _fwd_impl(q, cfg, causal, plan.c)
+    impl = _fwd_impl(q, cfg, plan.c)
     if impl != "tl":
         from .gluon_fwd import launch_fwd_gluon
 
@@ -1377,12 +1372,11 @@ def _launch_dkdv(q, k, v, dout, lse2, delta, causal, softmax_scale, cfg: Config,
 
 
 #: The kernel choice of each kernel kind that has a Gluon default tile (:data:`GLUON_TILE`).
-#: (kernel kind -> its choice given (q, tile, causal, C); the plain Gluon forward keeps the tl
-#: tile: only the WS forward has its own)
-_GLUON_IMPL = {"dkdv": lambda q, cfg, causal, c: _dkdv_impl(q, cfg),
-               "fused": lambda q, cfg, causal, c: _fused_impl(q, cfg),
-               "fwd": lambda q, cfg, causal, c: (
-                   "tl" if _fwd_impl(q, cfg, causal, c) in ("tl", "gluon") else "ws")}
+#: (kernel kind -> its choice given (q, tile, the mask's C); the plain Gluon forward keeps the
+#: tl tile: only the WS forward has its own)
+_GLUON_IMPL = {"dkdv": lambda q, cfg, c: _dkdv_impl(q, cfg),
+               "fused": lambda q, cfg, c: _fused_impl(q, cfg),
+               "fwd": lambda q, cfg, c: "tl" if _fwd_impl(q, cfg, c) in ("tl", "gluon") else "ws"}
 
 
 def _launch_dkdv_tl(q, k, v, dout, lse2, delta, causal, softmax_scale, cfg: Config, plan: Plan,

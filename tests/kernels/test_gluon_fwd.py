@@ -54,8 +54,8 @@ _WS_LAYOUTS = [(True, 0), (True, 1), (True, 2), (False, 0), (False, 2), (False, 
 
 
 def _ws_spill_free_cases():
-    """(d, causal, C): every layout at D=128 (the library default's, all layouts since COLS_SMEM)
-    and at D=64 (its 128x128 s3 tile)."""
+    """(d, causal, C): every layout at D=128 (the library default on all of them since
+    COLS_SMEM) and at D=64 (its 128x128 s3 tile)."""
     return [(d, cz, c) for d in (128, 64) for cz, c in _WS_LAYOUTS]
 
 
@@ -105,31 +105,35 @@ def test_ws_persistent_kernel_claims_its_blocks():
 
 
 def test_default_forward_kernel_per_layout(monkeypatch):
-    """Without the env variable, the WS forward is chosen exactly at GLUON_FWD_DEFAULT's head
-    dims and layouts (where the Gluon kernel can run; forced here), with that head dim's
-    ping-pong choice, and tl elsewhere; the env variable overrides the layout gate."""
+    """Without the env variable, the WS forward is chosen exactly at GLUON_FWD_DIMS, on every
+    mask layout (where the Gluon kernel can run; forced here, the check told the mask's C
+    for the column ring's shared memory), with that head dim's ping-pong choice, and tl
+    elsewhere; the env variable forces WS at another head dim too."""
     monkeypatch.delenv("FLASHMASK3_TRITON_FWD", raising=False)
-    monkeypatch.setattr(T, "_gluon_runs", lambda *a, **k: True)
+    checked = []
+
+    def fake_runs(q, module, cfg, **variant):
+        checked.append(variant.get("col_words"))
+        return True
+
+    monkeypatch.setattr(T, "_gluon_runs", fake_runs)
     monkeypatch.setattr(T, "_interpreting", lambda: False)  # (the CPU tests set TRITON_INTERPRET)
     for d in (64, 128, 256):
         q = torch.zeros(1, 8, 1, d, dtype=torch.bfloat16)
         cfg = T.GLUON_TILE[("fwd", d)]
         for causal, c in _WS_LAYOUTS:
-            layouts = T.GLUON_FWD_DEFAULT.get(d, ())
             want = "tl"
-            if d in T.GLUON_FWD_DEFAULT and (layouts is None or (causal, c) in layouts):
+            if d in T.GLUON_FWD_DIMS:
                 want = "gluon_wsp" if T.GLUON_FWD_PINGPONG[d] else "gluon_ws"
-            assert T._fwd_impl(q, cfg, causal, c) == want, (d, causal, c)
+            checked.clear()
+            assert T._fwd_impl(q, cfg, c) == want, (d, causal, c)
+            assert checked == ([c] if want != "tl" else []), (d, c, checked)
             tile = T._config("fwd", d, causal, c, q.dtype, like=q)
             expect = cfg if want != "tl" else T.CANDIDATES[("fwd", d)][0]
             assert tile == expect, (d, causal, c, tile)
-    # a head dim whose default lists layouts: the others take tl unless the env forces WS
-    q = torch.zeros(1, 8, 1, 128, dtype=torch.bfloat16)
-    monkeypatch.setitem(T.GLUON_FWD_DEFAULT, 128, ((True, 0), ))
-    assert T._fwd_impl(q, cfg, True, 0) == "gluon_ws"
-    assert T._fwd_impl(q, cfg, True, 1) == "tl"
+    q = torch.zeros(1, 8, 1, 64, dtype=torch.bfloat16)
     monkeypatch.setenv("FLASHMASK3_TRITON_FWD", "gluon_ws")
-    assert T._fwd_impl(q, cfg, True, 1) == "gluon_ws"
+    assert T._fwd_impl(q, T.GLUON_TILE[("fwd", 64)], 1) == "gluon_ws"
 
 
 def test_ws_register_split():
