@@ -32,6 +32,7 @@
 #   bash benchmarks/gpu_kernel.sh v69     # v6.9 table rows: 32K D=128 (all masks), 8K D=128 (document and plain masks), 8K D=256 causal
 #   bash benchmarks/gpu_kernel.sh v69b    # the interleaved timer on the D=128 document rows at 8K, 32K GQA, 128K
 #   bash benchmarks/gpu_kernel.sh shortdocs  # (not yet run) WS vs tl forward on short documents at 8K/32K/128K
+#   bash benchmarks/gpu_kernel.sh s15a  # dispatch tests, short-document WS vs tl at 8K/128K, D=64 WS forward A/B, fixed-timer rows
 #   SEQ=8192 BENCH_BUDGET=420 bash benchmarks/gpu_kernel.sh grid128  # (not yet run) the D=128 grid at one length, interleaved timer
 #   BENCH_BUDGET=170 bash benchmarks/gpu_kernel.sh order   # the persistent DS_SHARED kernel: tests, backward stages, A/B at D=128 and D=64 (STAGES=0, BUDGET_D64=0, CASES=... to trim)
 # Each stage has its own timeout so the whole call stays under the 600 s device limit; the
@@ -366,6 +367,29 @@ case "$PHASE" in
       FLASHMASK3_TRITON_AUTOTUNE=0 timeout 100 python3 benchmarks/gluon_fwd_ab.py --skip-small --budget-s 50 --seqlen $S \
         --cases causal_document_short,causal_document_mixed,document_short --configs 128x128w8s2ws,128x128w8s2wsg 2>&1 | tee "$OUT/bench_shortdocs_$S.log"
       mv "$OUT/gluon_fwd_ab.json" "$OUT/gluon_fwd_shortdocs_${S}_ab.json"; mv "$OUT/gluon_fwd_ab.md" "$OUT/gluon_fwd_shortdocs_${S}_ab.md"
+    done
+    ;;
+  s15a)
+    # session 15, first call: GPU tests of the GLUON_FWD_DIMS dispatch refactor (4f01434, CPU-only
+    # so far); WS vs tl forward on short documents at 8K and 128K (the v6.9 rows suggest tl is
+    # faster there); the D=64 WS forward (staged columns) on the non-short layouts at 32K; the
+    # fixed interleaved timer's first GPU run on the three missed document cells
+    FLASHMASK3_TRITON_AUTOTUNE=0 timeout ${TEST_S:-90} python3 -m pytest -q -m gpu tests/kernels/test_triton_flashmask.py \
+      -k "bfloat16-128-causal_document-fused or bfloat16-256-document-split or bfloat16-128-document-fused or float16-128-sliding_window-fused" \
+      -p no:cacheprovider --tb=short 2>&1 | tail -15 | tee "$OUT/pytest_s15a.log"
+    for S in 8192 131072; do
+      FLASHMASK3_TRITON_AUTOTUNE=0 timeout 75 python3 benchmarks/gluon_fwd_ab.py --skip-small --budget-s 35 --seqlen $S \
+        --cases causal_document_short,document_short,causal_document_mixed --configs 128x128w8s2ws 2>&1 | tee "$OUT/bench_shortdocs_$S.log"
+      mv "$OUT/gluon_fwd_ab.json" "$OUT/gluon_fwd_shortdocs_${S}_ab.json"; mv "$OUT/gluon_fwd_ab.md" "$OUT/gluon_fwd_shortdocs_${S}_ab.md"
+    done
+    FLASHMASK3_TRITON_AUTOTUNE=0 timeout ${D64_S:-110} python3 benchmarks/gluon_fwd_ab.py --skip-small --budget-s $((${D64_S:-110} - 40)) --dims 64 \
+      --cases document_corpus,causal_document_corpus,causal,full,sliding_window,prefix_document_corpus --configs 128x64w8s2wsp,128x128w8s3wsp 2>&1 | tee "$OUT/bench_d64ws.log"
+    mv "$OUT/gluon_fwd_ab.json" "$OUT/gluon_fwd_d64ws_ab.json"; mv "$OUT/gluon_fwd_ab.md" "$OUT/gluon_fwd_d64ws_ab.md"
+    for SD in 8192:128:causal_document_short 131072:128:causal_document_short 131072:64:document_corpus; do
+      IFS=: read -r S D M <<< "$SD"
+      FLASHMASK3_TRITON_AUTOTUNE=0 timeout 90 python3 benchmarks/kernel.py --seqlens "$S" --dims "$D" --no-gqa --masks "$M" \
+        --impls flashmask3,flex --budget-s 30 --out "$OUT" --tag "s15a_${S}_${D}" 2>&1 \
+        | grep -v "DeprecationWarning\|create_block_mask(mm" | tee "$OUT/bench_s15a_${S}_${D}.log"
     done
     ;;
   grid128)
