@@ -33,6 +33,7 @@
 #   bash benchmarks/gpu_kernel.sh v69b    # the interleaved timer on the D=128 document rows at 8K, 32K GQA, 128K
 #   bash benchmarks/gpu_kernel.sh shortdocs  # (not yet run) WS vs tl forward on short documents at 8K/32K/128K
 #   bash benchmarks/gpu_kernel.sh s15a  # dispatch tests, short-document WS vs tl at 8K/128K, D=64 WS forward A/B, fixed-timer rows
+#   bash benchmarks/gpu_kernel.sh s15b  # the D=256 Gluon dK/dV (head-dim split): tests, A/B vs tl, D=256 causal rows
 #   SEQ=8192 BENCH_BUDGET=420 bash benchmarks/gpu_kernel.sh grid128  # (not yet run) the D=128 grid at one length, interleaved timer
 #   BENCH_BUDGET=170 bash benchmarks/gpu_kernel.sh order   # the persistent DS_SHARED kernel: tests, backward stages, A/B at D=128 and D=64 (STAGES=0, BUDGET_D64=0, CASES=... to trim)
 # Each stage has its own timeout so the whole call stays under the 600 s device limit; the
@@ -391,6 +392,19 @@ case "$PHASE" in
         --impls flashmask3,flex --budget-s 30 --out "$OUT" --tag "s15a_${S}_${D}" 2>&1 \
         | grep -v "DeprecationWarning\|create_block_mask(mm" | tee "$OUT/bench_s15a_${S}_${D}.log"
     done
+    ;;
+  s15b)
+    # session 15: the Gluon dK/dV at D=256 (two warpgroups split the head dim; the split
+    # backward's default there now): its GPU tests and the public D=256 ones against the float64
+    # reference, the A/B against the tl kernel at 32K, then the D=256 causal rows (cuDNN)
+    FLASHMASK3_TRITON_AUTOTUNE=0 timeout ${TEST_S:-150} python3 -m pytest -q -m gpu tests/kernels/test_gluon_dkdv.py tests/kernels/test_triton_flashmask.py \
+      -k "d256 or bfloat16-256" -p no:cacheprovider --tb=short 2>&1 | tail -25 | tee "$OUT/pytest_s15b.log"
+    FLASHMASK3_TRITON_AUTOTUNE=0 timeout ${AB_S:-170} python3 benchmarks/gluon_dkdv_ab.py --skip-small --head-dim 256 --budget-s $((${AB_S:-170} - 60)) \
+      --configs ${CONFIGS:-64x64w8s2wsm,64x64w8s2ws,32x64w8s3wsm} 2>&1 | tee "$OUT/bench_dkdv256.log"
+    mv "$OUT/gluon_dkdv_ab.json" "$OUT/gluon_dkdv_d256_ab.json"; mv "$OUT/gluon_dkdv_ab.md" "$OUT/gluon_dkdv_d256_ab.md"
+    FLASHMASK3_TRITON_AUTOTUNE=0 timeout $((${BUDGET_ROWS:-150} + 50)) python3 benchmarks/kernel.py --seqlens ${SEQS:-32768,8192,131072} --dims 256 --no-gqa \
+      --masks ${MASKS:-causal} --impls flashmask3,flex,sdpa_cudnn,sdpa_flash --budget-s "${BUDGET_ROWS:-150}" --out "$OUT" --tag s15b_d256 2>&1 \
+      | grep -v "DeprecationWarning\|create_block_mask(mm" | tee "$OUT/bench_s15b_d256.log"
     ;;
   grid128)
     # (prepared in session 14) the D=128 grid with the interleaved timer, one sequence length

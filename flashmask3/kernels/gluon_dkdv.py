@@ -32,7 +32,10 @@ heads of its group):
   ``lse2 = +inf``, as in the ``tl`` kernel; key columns past Sk are cut by the element mask and
   never stored.
 * dK, dV: fp32 accumulators in registers in the wgmma (NVMMADistributedLayout v3) layout with
-  warps along the keys, so BLOCK_N == 16 * num_warps.
+  warps along the keys, so BLOCK_N == 16 * num_warps. At D=256 a 64-key tile with 8 warps
+  (session 15) has its two warpgroups split the head dim instead (each holds 64 x 128 of dK
+  and dV, and 64 x BLOCK_M/2 of Sᵀ and dPᵀ); Pᵀ and dSᵀ, the A operands of dV and dK, then
+  reach the other warpgroup through shared memory (the layout conversion).
 * Per query tile (``_tile``), asynchronous wgmma: issue Sᵀ and dPᵀ, load lse2/delta, wait for
   Sᵀ only, Pᵀ = exp2(Sᵀ·scale_log2 − lse2) (+ element mask) while dPᵀ runs, issue dV += Pᵀ dO
   (Pᵀ as a register A operand), wait for dPᵀ only, dSᵀ = Pᵀ ⊙ (dPᵀ − delta) while dV runs, issue
@@ -1139,16 +1142,23 @@ def _dkdv_gluon_kernel(q_desc, do_desc, k_desc, v_desc, dk_ptr, dv_ptr, lse2_ptr
     producer claims from the counter at ``next_item_ptr`` (:func:`_persistent_compute_partition`,
     :func:`_persistent_producer_partition`): the producer loads K/V too, and one key block's
     K/V and first tiles load under the previous one's dK/dV store."""
-    gl.static_assert(BLOCK_N == 16 * NUM_WARPS, "wgmma M: 16 rows per warp, warps along keys")
+    # wgmma M: 16 key rows per warp; warps beyond BLOCK_N // 16 split the head dim (and the
+    # queries of Sᵀ, dPᵀ): D=256, where one warpgroup cannot hold BLOCK_N x 256 dK and dV
+    KEY_WARPS: gl.constexpr = BLOCK_N // 16
+    D_WARPS: gl.constexpr = NUM_WARPS // KEY_WARPS
+    gl.static_assert(KEY_WARPS * D_WARPS == NUM_WARPS and KEY_WARPS % 4 == 0,
+                     "wgmma M: 16 key rows per warp, whole warpgroups along the keys")
+    gl.static_assert(D_WARPS == 1 or not FUSE_DQ, "FUSE_DQ: warps along the keys only")
     gl.static_assert(DS_SHARED or not DP_LATE_WAIT, "DP_LATE_WAIT: a DS_SHARED variant")
     gl.static_assert(DS_SHARED or not PERSISTENT, "PERSISTENT: a DS_SHARED variant")
     dtype: gl.constexpr = q_desc.dtype
     # S^T, dP^T: [BLOCK_N keys, BLOCK_M queries]; dK, dV: [BLOCK_N, D]
-    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[NUM_WARPS, 1],
-                                                       instr_shape=[16, BLOCK_M, 16])
+    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0],
+                                                       warps_per_cta=[KEY_WARPS, D_WARPS],
+                                                       instr_shape=[16, BLOCK_M // D_WARPS, 16])
     acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0],
-                                                         warps_per_cta=[NUM_WARPS, 1],
-                                                         instr_shape=[16, D, 16])
+                                                         warps_per_cta=[KEY_WARPS, D_WARPS],
+                                                         instr_shape=[16, D // D_WARPS, 16])
     a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_layout, k_width=2)
 
     n_blk = gl.program_id(0)
@@ -1382,19 +1392,31 @@ def ws_compute_regs(num_warps: int, maxnreg: Optional[int] = None) -> int:
 DS_SHARED_TILES = {128: (64, 128, 8, 3), 64: (64, 64, 4, 3)}
 
 
+def d_warps(d: int, block_n: int, num_warps: int) -> int:
+    """How many warpgroups split the head dim of dK/dV: 2 at D=256 when the warps hold only
+    half of 16 * num_warps key rows (64 keys at 8 warps: one warpgroup's 64 x 256 fp32 dK and
+    dV would need 256 registers a thread), else 1 (warps along the keys)."""
+    return 2 if d == 256 and 2 * block_n == 16 * num_warps else 1
+
+
 def check_config(d: int, block_m: int, block_n: int, num_warps: int, num_stages: int,
                  fuse_dq: bool = False, warp_spec: bool = False, stats_smem: bool = False,
                  ds_shared: bool = False, dp_late_wait: bool = False,
                  persistent: bool = False) -> None:
     """Raise ValueError on a configuration the kernel cannot compile: one warpgroup row of 16
-    keys per warp (block_n == 16 * num_warps), power-of-two tiles; with ``fuse_dq`` also
+    keys per warp (block_n == 16 * num_warps; at D=256 also 8 * num_warps, two warpgroups
+    splitting the head dim, :func:`d_warps`), power-of-two tiles; with ``fuse_dq`` also
     d >= 16 * num_warps (dQᵀ = Kᵀ dSᵀ has M = d rows, 16 per warp); ``ds_shared`` only with
     fuse_dq + warp_spec + stats_smem at a :data:`DS_SHARED_TILES` tile; ``dp_late_wait`` only
     with ``ds_shared``."""
     if d not in (64, 128, 256):
         raise ValueError(f"gluon dK/dV: head dim {d} (64, 128 or 256)")
-    if block_n != 16 * num_warps:
-        raise ValueError(f"gluon dK/dV: block_n={block_n} must be 16 * num_warps ({num_warps})")
+    if block_n * d_warps(d, block_n, num_warps) != 16 * num_warps:
+        raise ValueError(f"gluon dK/dV: block_n={block_n} must be 16 * num_warps ({num_warps}), "
+                         f"or 8 * num_warps at D=256 (two warpgroups split the head dim)")
+    if d_warps(d, block_n, num_warps) > 1 and fuse_dq:
+        raise ValueError("gluon fused dQ: the head-dim split (D=256, block_n = 8 * num_warps) "
+                         "is a split-backward shape")
     if block_m not in (16, 32, 64, 128):
         raise ValueError(f"gluon dK/dV: block_m={block_m} (16, 32, 64 or 128)")
     if num_stages < 1:

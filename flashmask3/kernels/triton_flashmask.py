@@ -1282,10 +1282,10 @@ def _bwd_pre(out, dout, lse, dlse):
 
 #: Head dims at which the split backward's dK/dV runs the Gluon kernel on Hopper
 #: (flashmask3/kernels/gluon_dkdv.py; the warp-specialised kernel measured 1.17-1.24x faster
-#: than the tl kernel at D=128 and 1.27-1.49x at D=64, NOTES.md v6.2, v6.3). Elsewhere (D=256:
-#: two BLOCK_N x 256 fp32 accumulators do not fit one warpgroup's registers), and for the fused
-#: backward, the tl kernel.
-GLUON_DKDV_DIMS = (64, 128)
+#: than the tl kernel at D=128 and 1.27-1.49x at D=64, NOTES.md v6.2, v6.3). At D=256 (session
+#: 15) its two compute warpgroups split the head dim of dK/dV (two 64 x 256 fp32 accumulators
+#: do not fit one warpgroup's registers), as the tl kernel's do.
+GLUON_DKDV_DIMS = (64, 128, 256)
 
 #: Default tiles of the backward kernels where the Gluon kernel runs them (else CANDIDATES'
 #: first, the tl kernel's), keyed (kernel, head-dim class). D=128 split dK/dV: 64x128 w8 s2
@@ -1301,12 +1301,15 @@ GLUON_TILE = {("dkdv", 128): Config(64, 128, 8, 2), ("fused", 128): Config(64, 1
               # the warp-specialised forward (two warpgroups of 64 rows; offline, with COLS_SMEM
               # no spill in the tile loops of any layout at D=128, D=64 and D=256)
               ("fwd", 128): Config(128, 128, 8, 2), ("fwd", 64): Config(128, 128, 8, 3),
-              ("fwd", 256): Config(128, 64, 8, 2)}
+              ("fwd", 256): Config(128, 64, 8, 2),
+              # D=256 split dK/dV: 64 keys, the two warpgroups splitting the head dim (offline,
+              # with STATS_SMEM no spill in the tile loops of any layout; 201 KB of shared memory)
+              ("dkdv", 256): Config(64, 64, 8, 2)}
 
 #: Head dims at which the warp-specialised Gluon dK/dV stages each tile's lse2/delta in shared
 #: memory (STATS_SMEM; at D=128 1.03-1.06x faster at 32x64 too, same results bit for bit; not
-#: measured at D=64).
-GLUON_STATS_SMEM_DIMS = (128,)
+#: measured at D=64; at D=256 it halves the spills outside the tile loops, offline).
+GLUON_STATS_SMEM_DIMS = (128, 256)
 
 
 def _dkdv_impl(q: torch.Tensor, cfg: Config) -> str:

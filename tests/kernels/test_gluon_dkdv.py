@@ -12,6 +12,7 @@ bit for bit); the fused Gluon backward's dQ, dK, dV match the split backward's.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import math
 import os
@@ -505,6 +506,34 @@ def test_config_checks():
     assert G.dq_reduce_block(64, 128) == [128, 32]  # two TMA reduces per 64-query tile
 
 
+def test_config_checks_of_the_d256_head_dim_split():
+    """64 keys at 8 warps: two warpgroups split the head dim, at D=256 only, split backward
+    only (the fused dQᵀ tail assumes warps along the keys)."""
+    assert G.d_warps(256, 64, 8) == 2 and G.d_warps(256, 128, 8) == 1
+    assert G.d_warps(128, 64, 8) == 1 and G.d_warps(256, 64, 4) == 1
+    G.check_config(256, 64, 64, 8, 2, warp_spec=True, stats_smem=True)
+    G.check_config(256, 32, 64, 8, 3, warp_spec=True, stats_smem=True)
+    with pytest.raises(ValueError, match="8 \\* num_warps at D=256"):
+        G.check_config(128, 64, 64, 8, 2)  # D=128 keeps warps along the keys
+    with pytest.raises(ValueError, match="split-backward shape"):
+        G.check_config(256, 64, 64, 8, 2, fuse_dq=True)
+    assert T.GLUON_TILE[("dkdv", 256)] == T.Config(64, 64, 8, 2)
+    G.check_config(256, *dataclasses.astuple(T.GLUON_TILE[("dkdv", 256)]), warp_spec=True,
+                   stats_smem=True)
+
+
+@pytest.mark.skipif(_offline_skip_reason() is not None, reason=str(_offline_skip_reason()))
+@pytest.mark.parametrize("causal, c", [(True, 1), (False, 2), (True, 0), (False, 4)])
+def test_d256_head_dim_split_has_no_spills_in_tile_loops(causal, c):
+    """The D=256 default (64x64 w8 s2, WARP_SPEC + STATS_SMEM): wgmma throughout, no local
+    memory traffic in any tile loop, under the shared-memory limit."""
+    r = G.compile_report(256, 64, 64, 8, 2, causal=causal, c=c, warp_spec=True, stats_smem=True)
+    assert r.get("error") is None, r.get("error")
+    assert r["hgmma"] > 0 and r["ldl_stl_in_tile_loops"] == 0, r
+    assert r["tile_loops"] >= (1 if c == 0 else 3), r
+    assert r["shared"] <= 227 * 1024
+
+
 def test_ds_shared_config_check_at_d64():
     """DS_SHARED at D=64 is the one-warpgroup tile 64x64 w4 (s1-s3), with FUSE_DQ + WARP_SPEC
     + STATS_SMEM; 64x128 w8 at D=64 is refused (two warpgroups would each get M = 32 of dQᵀ's
@@ -728,6 +757,29 @@ def test_gpu_stats_smem_is_bitwise_equal_to_tl(name, cfg):
     _require_hopper_gluon()
     _check_bitwise_variant(name, 128, cfg, seed=13, twin=dict(warp_spec=True),
                            variant=dict(warp_spec=True, stats_smem=True))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", ["causal", "document", "causal_document",
+                                  "global_sliding_window"])
+def test_gpu_d256_head_dim_split_matches_tl(name):
+    """D=256 (64 keys, 8 warps: the two warpgroups split the head dim): the default variant
+    (WARP_SPEC + STATS_SMEM) within 2e-2 of the tl kernel at its default tile and bit for bit
+    equal to the plain Gluon kernel (same wgmmas in the same order). S=1000: a clipped last
+    tile; GQA 4:2."""
+    _require_hopper_gluon()
+    s, d = 1000, 256
+    (q, k, v, dout, cols, causal, scale, out, lse), delta, lse2, ref = \
+        _tl_dkdv_reference(name, s, d, seed=17)
+    bm, bn, w, st = dataclasses.astuple(T.GLUON_TILE[("dkdv", 256)])
+    plan = T.make_plan(cols, causal, s, s, bm, bn, True, q.device)
+    args = (q, k, v, dout, lse2, delta, causal, scale, plan, bm, bn, w, st)
+    got = G.launch_dkdv_gluon(*args, warp_spec=True, stats_smem=True)
+    plain = G.launch_dkdv_gluon(*args)
+    for a, r, p in zip(got, ref, plain):
+        assert torch.isfinite(a).all()
+        assert rel_err(a, r) < 2e-2, rel_err(a, r)
+        assert torch.equal(a, p)
 
 
 @pytest.mark.gpu
