@@ -34,6 +34,7 @@
 #   bash benchmarks/gpu_kernel.sh shortdocs  # (not yet run) WS vs tl forward on short documents at 8K/32K/128K
 #   bash benchmarks/gpu_kernel.sh s15a  # dispatch tests, short-document WS vs tl at 8K/128K, D=64 WS forward A/B, fixed-timer rows
 #   bash benchmarks/gpu_kernel.sh s15b  # the D=256 Gluon dK/dV (head-dim split): tests, A/B vs tl, D=256 causal rows
+#   BENCH_BUDGET=420 bash benchmarks/gpu_kernel.sh s15c  # the D=256 rows with v7.0 (32K, 8K, 128K; causal from s15b)
 #   SEQ=8192 BENCH_BUDGET=420 bash benchmarks/gpu_kernel.sh grid128  # (not yet run) the D=128 grid at one length, interleaved timer
 #   BENCH_BUDGET=170 bash benchmarks/gpu_kernel.sh order   # the persistent DS_SHARED kernel: tests, backward stages, A/B at D=128 and D=64 (STAGES=0, BUDGET_D64=0, CASES=... to trim)
 # Each stage has its own timeout so the whole call stays under the 600 s device limit; the
@@ -405,6 +406,13 @@ case "$PHASE" in
     FLASHMASK3_TRITON_AUTOTUNE=0 timeout $((${BUDGET_ROWS:-150} + 50)) python3 benchmarks/kernel.py --seqlens ${SEQS:-32768,8192,131072} --dims 256 --no-gqa \
       --masks ${MASKS:-causal} --impls flashmask3,flex,sdpa_cudnn,sdpa_flash --budget-s "${BUDGET_ROWS:-150}" --out "$OUT" --tag s15b_d256 2>&1 \
       | grep -v "DeprecationWarning\|create_block_mask(mm" | tee "$OUT/bench_s15b_d256.log"
+    ;;
+  s15c)
+    # session 15: the D=256 table rows with v7.0 (the Gluon dK/dV at D=256) at 32K, 8K, then
+    # 128K, every mask but the causal rows s15b measured (the budget cuts the 128K tail)
+    FLASHMASK3_TRITON_AUTOTUNE=0 timeout $((BUDGET + 80)) python3 benchmarks/kernel.py --seqlens 32768,8192,131072 --dims 256 --no-gqa \
+      --impls flashmask3,flex,sdpa_cudnn,sdpa_flash,varlen --budget-s "$BUDGET" --out "$OUT" --tag v70_d256 \
+      --skip-done benchmarks/results/kernel_v70_d256_causal.json 2>&1 | grep -v "DeprecationWarning\|create_block_mask(mm" | tee "$OUT/bench_v70_d256.log"
     ;;
   grid128)
     # (prepared in session 14) the D=128 grid with the interleaved timer, one sequence length

@@ -879,7 +879,7 @@ def main(argv=None) -> int:
     ap.add_argument("--skip-done", nargs="*", default=[], metavar="JSON",
                     help="leave out the cases these earlier kernel_*.json files measured "
                          "(continue a run that its --budget-s cut short)")
-    ap.add_argument("--kernel-version", default="v6.9")
+    ap.add_argument("--kernel-version", default="v7.0")
     ap.add_argument("--timer", default="interleaved", choices=["interleaved", "sequential"],
                     help="interleaved: every implementation's calls alternate round by round "
                          "(since session 14); sequential: each implementation timed in turn")
