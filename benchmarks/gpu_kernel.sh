@@ -35,6 +35,7 @@
 #   bash benchmarks/gpu_kernel.sh s15a  # dispatch tests, short-document WS vs tl at 8K/128K, D=64 WS forward A/B, fixed-timer rows
 #   bash benchmarks/gpu_kernel.sh s15b  # the D=256 Gluon dK/dV (head-dim split): tests, A/B vs tl, D=256 causal rows
 #   BENCH_BUDGET=420 bash benchmarks/gpu_kernel.sh s15c  # the D=256 rows with v7.0 (32K, 8K, 128K; causal from s15b)
+#   bash benchmarks/gpu_kernel.sh s15d  # every gpu test of the public function, then the 128K D=64 cells never run
 #   SEQ=8192 BENCH_BUDGET=420 bash benchmarks/gpu_kernel.sh grid128  # (not yet run) the D=128 grid at one length, interleaved timer
 #   BENCH_BUDGET=170 bash benchmarks/gpu_kernel.sh order   # the persistent DS_SHARED kernel: tests, backward stages, A/B at D=128 and D=64 (STAGES=0, BUDGET_D64=0, CASES=... to trim)
 # Each stage has its own timeout so the whole call stays under the 600 s device limit; the
@@ -413,6 +414,16 @@ case "$PHASE" in
     FLASHMASK3_TRITON_AUTOTUNE=0 timeout $((BUDGET + 80)) python3 benchmarks/kernel.py --seqlens 32768,8192,131072 --dims 256 --no-gqa \
       --impls flashmask3,flex,sdpa_cudnn,sdpa_flash,varlen --budget-s "$BUDGET" --out "$OUT" --tag v70_d256 \
       --skip-done benchmarks/results/kernel_v70_d256_causal.json 2>&1 | grep -v "DeprecationWarning\|create_block_mask(mm" | tee "$OUT/bench_v70_d256.log"
+    ;;
+  s15d)
+    # session 15's last call: the GPU tests of the public function (every gpu test of
+    # test_triton_flashmask.py against the float64 reference, through the v7.0 dispatch), then
+    # the three 128K D=64 grid cells never run (causal, full, random eviction)
+    FLASHMASK3_TRITON_AUTOTUNE=0 timeout ${TEST_S:-200} python3 -m pytest -q -m gpu tests/kernels/test_triton_flashmask.py \
+      -p no:cacheprovider --tb=short 2>&1 | tail -30 | tee "$OUT/pytest_s15d.log"
+    FLASHMASK3_TRITON_AUTOTUNE=0 timeout $((${BUDGET_ROWS:-120} + 80)) python3 benchmarks/kernel.py --seqlens 131072 --dims 64 --no-gqa \
+      --masks causal,random_eviction,full --impls flashmask3,flex,sdpa_cudnn,sdpa_flash --budget-s "${BUDGET_ROWS:-120}" --out "$OUT" --tag v69_d64_128k 2>&1 \
+      | grep -v "DeprecationWarning\|create_block_mask(mm" | tee "$OUT/bench_v69_d64_128k.log"
     ;;
   grid128)
     # (prepared in session 14) the D=128 grid with the interleaved timer, one sequence length
