@@ -422,8 +422,8 @@ case "$PHASE" in
     FLASHMASK3_TRITON_AUTOTUNE=0 timeout ${TEST_S:-200} python3 -m pytest -q -m gpu tests/kernels/test_triton_flashmask.py \
       -p no:cacheprovider --tb=short 2>&1 | tail -30 | tee "$OUT/pytest_s15d.log"
     FLASHMASK3_TRITON_AUTOTUNE=0 timeout $((${BUDGET_ROWS:-120} + 80)) python3 benchmarks/kernel.py --seqlens 131072 --dims 64 --no-gqa \
-      --masks causal,random_eviction,full --impls flashmask3,flex,sdpa_cudnn,sdpa_flash --budget-s "${BUDGET_ROWS:-120}" --out "$OUT" --tag v69_d64_128k 2>&1 \
-      | grep -v "DeprecationWarning\|create_block_mask(mm" | tee "$OUT/bench_v69_d64_128k.log"
+      --masks causal,random_eviction,full --impls flashmask3,flex,sdpa_cudnn,sdpa_flash --budget-s "${BUDGET_ROWS:-120}" --out "$OUT" --tag v70_d64_128k 2>&1 \
+      | grep -v "DeprecationWarning\|create_block_mask(mm" | tee "$OUT/bench_v70_d64_128k.log"
     ;;
   grid128)
     # (prepared in session 14) the D=128 grid with the interleaved timer, one sequence length
