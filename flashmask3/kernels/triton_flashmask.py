@@ -1284,7 +1284,8 @@ def _bwd_pre(out, dout, lse, dlse):
 #: (flashmask3/kernels/gluon_dkdv.py; the warp-specialised kernel measured 1.17-1.24x faster
 #: than the tl kernel at D=128 and 1.27-1.49x at D=64, NOTES.md v6.2, v6.3). At D=256 (session
 #: 15) its two compute warpgroups split the head dim of dK/dV (two 64 x 256 fp32 accumulators
-#: do not fit one warpgroup's registers), as the tl kernel's do.
+#: do not fit one warpgroup's registers), as the tl kernel's do: 1.61-1.87x the tl kernel at
+#: the same tile, dK/dV bitwise equal (results/gluon_dkdv_d256_ab.md).
 GLUON_DKDV_DIMS = (64, 128, 256)
 
 #: Default tiles of the backward kernels where the Gluon kernel runs them (else CANDIDATES'
@@ -1308,7 +1309,8 @@ GLUON_TILE = {("dkdv", 128): Config(64, 128, 8, 2), ("fused", 128): Config(64, 1
 
 #: Head dims at which the warp-specialised Gluon dK/dV stages each tile's lse2/delta in shared
 #: memory (STATS_SMEM; at D=128 1.03-1.06x faster at 32x64 too, same results bit for bit; not
-#: measured at D=64; at D=256 it halves the spills outside the tile loops, offline).
+#: measured at D=64; at D=256 it halves the spills outside the tile loops, offline, and is
+#: 0.99-1.06x the WS kernel without it on the H200).
 GLUON_STATS_SMEM_DIMS = (128, 256)
 
 
