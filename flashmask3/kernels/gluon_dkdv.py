@@ -1773,6 +1773,9 @@ REPORT_CONFIGS = [(64, 64, 4, 2), (32, 64, 4, 2), (32, 64, 4, 3), (16, 64, 4, 3)
                   (32, 128, 8, 3)]
 #: ... for the WARP_SPEC kernel (``--warp-spec``; with ``--fused`` too: FUSED_REPORT_CONFIGS) ...
 WS_REPORT_CONFIGS = [(32, 64, 4, 3), (32, 64, 4, 2), (64, 128, 8, 2)]
+#: ... at D=256 (both kernels): the head-dim split's tiles (64 keys, 8 warps; the first is the
+#: default) ...
+D256_REPORT_CONFIGS = [(64, 64, 8, 2), (32, 64, 8, 3)]
 #: ... and for the FUSE_DQ kernel (``--fused``).
 FUSED_REPORT_CONFIGS = [(32, 64, 4, 3), (32, 64, 4, 2), (16, 64, 4, 3), (16, 64, 4, 2),
                         (32, 128, 8, 3)]
@@ -1813,7 +1816,7 @@ def main(argv=None):
     else:
         configs = WS_REPORT_CONFIGS if args.warp_spec else REPORT_CONFIGS
     for d in (int(x) for x in args.dims.split(",")):
-        for cfg in configs:
+        for cfg in (D256_REPORT_CONFIGS if d == 256 and not args.fused else configs):
             for causal, c in ((bool(int(a)), int(b)) for a, b in
                               (x.split(":") for x in args.layouts.split(","))):
                 print(json.dumps(compile_report(d, *cfg, causal=causal, c=c, dtype=args.dtype,
