@@ -1411,6 +1411,8 @@ def check_config(d: int, block_m: int, block_n: int, num_warps: int, num_stages:
     with ``ds_shared``."""
     if d not in (64, 128, 256):
         raise ValueError(f"gluon dK/dV: head dim {d} (64, 128 or 256)")
+    if num_warps not in (4, 8):
+        raise ValueError(f"gluon dK/dV: num_warps={num_warps} (4 or 8: whole warpgroups)")
     if block_n * d_warps(d, block_n, num_warps) != 16 * num_warps:
         raise ValueError(f"gluon dK/dV: block_n={block_n} must be 16 * num_warps ({num_warps}), "
                          f"or 8 * num_warps at D=256 (two warpgroups split the head dim)")

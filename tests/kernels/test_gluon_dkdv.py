@@ -517,6 +517,8 @@ def test_config_checks_of_the_d256_head_dim_split():
         G.check_config(128, 64, 64, 8, 2)  # D=128 keeps warps along the keys
     with pytest.raises(ValueError, match="split-backward shape"):
         G.check_config(256, 64, 64, 8, 2, fuse_dq=True)
+    with pytest.raises(ValueError, match="whole warpgroups"):
+        G.check_config(256, 32, 32, 2, 2)  # wgmma needs 4-warp warpgroups
     assert T.GLUON_TILE[("dkdv", 256)] == T.Config(64, 64, 8, 2)
     G.check_config(256, *dataclasses.astuple(T.GLUON_TILE[("dkdv", 256)]), warp_spec=True,
                    stats_smem=True)
