@@ -785,12 +785,15 @@ def test_gpu_d256_head_dim_split_matches_tl(name):
 
 
 @pytest.mark.gpu
-def test_gpu_dispatch_picks_gluon_ws_at_d64_and_d128_on_hopper(monkeypatch):
+def test_gpu_dispatch_picks_gluon_ws_at_every_head_dim_on_hopper(monkeypatch):
     _require_hopper_gluon()
     monkeypatch.delenv("FLASHMASK3_TRITON_DKDV", raising=False)
     q = torch.zeros(1, 64, 2, 128, device="cuda", dtype=torch.bfloat16)
     assert T._dkdv_impl(q, T.CANDIDATES[("dkdv", 128)][0]) == "gluon_ws"  # the default
     assert T._dkdv_impl(q[..., :64].contiguous(), T.CANDIDATES[("dkdv", 64)][0]) == "gluon_ws"
+    q256 = torch.zeros(1, 64, 2, 256, device="cuda", dtype=torch.bfloat16)
+    assert T._dkdv_impl(q256, T.GLUON_TILE[("dkdv", 256)]) == "gluon_ws"  # the head-dim split
+    assert T._config("dkdv", 256, True, 1, q256.dtype, like=q256) == T.GLUON_TILE[("dkdv", 256)]
     assert T._dkdv_impl(q.float(), T.CANDIDATES[("dkdv", 128)][0]) == "tl"  # fp32: tl (tf32)
     for forced in ("tl", "gluon", "gluon_ws"):
         monkeypatch.setenv("FLASHMASK3_TRITON_DKDV", forced)

@@ -391,6 +391,22 @@ def test_gpu_random_columns(monkeypatch, d, bwd, causal, c, sq, sk):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("dtype,causal,c,sq,sk", [(torch.float16, True, 1, 700, 1100),
+                                                 (torch.bfloat16, False, 2, 1100, 700)],
+                         ids=["fp16-causal-C1-700x1100", "bf16-C2-1100x700"])
+def test_gpu_d256_random_columns(monkeypatch, dtype, causal, c, sq, sk):
+    """D=256 through the default backward (split, with the Gluon dK/dV whose two warpgroups
+    split the head dim on Hopper): random columns, Sq != Sk, ragged lengths, GQA 4:2, fp16
+    and bf16, Hm = 1 or Hq, with dlse."""
+    monkeypatch.delenv("FLASHMASK3_TRITON_BWD", raising=False)
+    b, hq, hk = 2, 4, 2
+    hm = hq if sq > sk else 1
+    cols = random_columns(b, hm, sq, sk, causal, c, seed=sq + c + 256).to(DEVICE)
+    q, k, v = _qkv(b, sq, sk, hq, hk, 256, dtype, seed=sk + c + 256)
+    _check(q, k, v, cols, causal)
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("bwd", ["split", "fused", "flipped"])
 @pytest.mark.parametrize("name,s", [("causal_document", 32768), ("global_sliding_window", 32768),
                                     ("causal", 16384)])
