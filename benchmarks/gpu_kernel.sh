@@ -36,6 +36,7 @@
 #   bash benchmarks/gpu_kernel.sh s15b  # the D=256 Gluon dK/dV (head-dim split): tests, A/B vs tl, D=256 causal rows
 #   BENCH_BUDGET=420 bash benchmarks/gpu_kernel.sh s15c  # the D=256 rows with v7.0 (32K, 8K, 128K; causal from s15b)
 #   bash benchmarks/gpu_kernel.sh s15d  # every gpu test of the public function, then the 128K D=64 cells never run
+#   bash benchmarks/gpu_kernel.sh next16  # (not yet run) session 15's unchecked GPU tests, D=64 WS forward on random eviction
 #   SEQ=8192 BENCH_BUDGET=420 bash benchmarks/gpu_kernel.sh grid128  # (not yet run) the D=128 grid at one length, interleaved timer
 #   BENCH_BUDGET=170 bash benchmarks/gpu_kernel.sh order   # the persistent DS_SHARED kernel: tests, backward stages, A/B at D=128 and D=64 (STAGES=0, BUDGET_D64=0, CASES=... to trim)
 # Each stage has its own timeout so the whole call stays under the 600 s device limit; the
@@ -424,6 +425,21 @@ case "$PHASE" in
     FLASHMASK3_TRITON_AUTOTUNE=0 timeout $((${BUDGET_ROWS:-120} + 80)) python3 benchmarks/kernel.py --seqlens 131072 --dims 64 --no-gqa \
       --masks causal,random_eviction,full --impls flashmask3,flex,sdpa_cudnn,sdpa_flash --budget-s "${BUDGET_ROWS:-120}" --out "$OUT" --tag v70_d64_128k 2>&1 \
       | grep -v "DeprecationWarning\|create_block_mask(mm" | tee "$OUT/bench_v70_d64_128k.log"
+    ;;
+  next16)
+    # (prepared in session 15, not yet run) what session 15 left unchecked on the GPU: the D=256
+    # tests written after its device time ran out, the public GPU test file's fused / fp16 /
+    # long-sequence / deterministic cases (its 200 s run stopped after the split ones), then the
+    # D=64 WS forward against tl on random eviction (81-84 TFLOP/s with tl)
+    # 5 + 51 tests: about 7 minutes cold, so the A/B below may want a call of its own (TEST_S)
+    FLASHMASK3_TRITON_AUTOTUNE=0 timeout 90 python3 -m pytest -q -m gpu tests/kernels/test_gluon_dkdv.py \
+      -k "dispatch_picks_gluon_ws or d256" -p no:cacheprovider --tb=short 2>&1 | tail -15 | tee "$OUT/pytest_next16_dkdv.log"
+    FLASHMASK3_TRITON_AUTOTUNE=0 timeout ${TEST_S:-330} python3 -m pytest -m gpu tests/kernels/test_triton_flashmask.py \
+      -k "d256_random_columns or fused or float16 or long_sequences or deterministic" \
+      -p no:cacheprovider --tb=short -v 2>&1 | tail -70 | tee "$OUT/pytest_next16.log"  # -v: names survive a timeout
+    FLASHMASK3_TRITON_AUTOTUNE=0 timeout ${AB_S:-150} python3 benchmarks/gluon_fwd_ab.py --skip-small --budget-s $((${AB_S:-150} - 50)) --dims 64 \
+      --cases random_eviction,causal_blockwise,shared_question --configs 128x128w8s3wsp 2>&1 | tee "$OUT/bench_d64re.log"
+    mv "$OUT/gluon_fwd_ab.json" "$OUT/gluon_fwd_d64re_ab.json"; mv "$OUT/gluon_fwd_ab.md" "$OUT/gluon_fwd_d64re_ab.md"
     ;;
   grid128)
     # (prepared in session 14) the D=128 grid with the interleaved timer, one sequence length
