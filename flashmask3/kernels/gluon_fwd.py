@@ -75,8 +75,8 @@ import triton
 
 from . import gluon_dkdv as _GD
 from .gluon_dkdv import (_gl_dtype, _jit, _load_stats, _needs_mask,  # noqa: F401
-                         _published_item, _query_block_ranges, _smem_layout, gl, sass_report, tile_loop_spills,
-                         unavailable_reason)
+                         _published_item, _query_block_ranges, _smem_layout, gl, sass_report,
+                         tile_loop_spills, unavailable_reason)
 from .triton_flashmask import _NO_SPEC, LOG2E
 
 if _GD.GLUON_IMPORT_ERROR is None:

@@ -1170,9 +1170,9 @@ def _gluon_runs(q: torch.Tensor, module: str, cfg: Config, **variant) -> bool:
 #: the producer staging the masked tiles' columns in shared memory (COLS_SMEM, session 14):
 #: D=128 at 128x128 s2 1.00-1.20x on every masked layout (causal documents: short 1.00, mixed
 #: 1.04, corpus 1.09; random eviction 1.20), 1.04-1.12x on causal and full; D=256 at 128x64 s2
-#: 1.13-1.26x. D=64 keeps tl (128x64 0.91x on causal short documents). On causal short
-#: documents the 8K and 128K table rows took 7-14% longer than tl rows of earlier runs (not
-#: yet timed in one run; NOTES.md session 14).
+#: 1.13-1.26x. D=64 keeps tl (128x64 0.91x on causal short documents, 128x128 1.00-1.06x on
+#: six other layouts, session 15). On causal short documents the two forwards are even at 8K
+#: and 128K too, timed in one run (0.98x, 1.005x; NOTES.md session 15).
 GLUON_FWD_DIMS: tuple = (128, 256)
 #: Whether the WS forward's two warpgroups take turns issuing their matmuls (FA3's ping-pong),
 #: per head dim: at D=128 ping-pong measured 0.93-1.04x of without; D=256 was measured with it.
