@@ -122,6 +122,19 @@ def tl_forward(q, k, v, cols, causal, scale):
     return (lambda: T._launch_fwd_tl(q, k, v, cols, causal, scale, cfg, plan)), cfg
 
 
+def tl_forward_at(q, k, v, cols, causal, scale, cfg):
+    """Closure of the tl forward at tile ``cfg`` (a ``T.Config``) with its own plan."""
+    plan = T.make_plan(cols, causal, q.shape[1], k.shape[1], cfg.block_m, cfg.block_n, False,
+                       q.device)
+    return lambda: T._launch_fwd_tl(q, k, v, cols, causal, scale, cfg, plan)
+
+
+def _parse_tl(label: str):
+    """``64x64w4s3`` -> ``T.Config(64, 64, 4, 3)`` (a ``--tl-configs`` entry)."""
+    nums = _parse_core(label)[:4]
+    return T.Config(*nums)
+
+
 def gluon_forward(q, k, v, cols, causal, scale, cfg):
     """Closure of the Gluon forward at ``cfg`` with its own plan."""
     bm, bn, w, s, ws, pp, per, cs = _flags(cfg)
@@ -216,7 +229,7 @@ def small_pass(records, deadline, out_path, configs=None):
             rec["error"] = traceback.format_exc()
             print(rec["error"], flush=True)
             continue
-        cfgs = (configs or SMALL_CONFIGS) if d == 128 else SMALL_CONFIGS_D64
+        cfgs = configs or (SMALL_CONFIGS if d == 128 else SMALL_CONFIGS_D64)
         for j, cfg in enumerate(cfgs):
             try:
                 out, lse = gluon_forward(q, k, v, cols, causal, scale, cfg)()
@@ -269,7 +282,30 @@ def timed_cases(names, dims):
     return cases
 
 
-def timed_pass(records, deadline, out_path, seqlen, configs, cases=None):
+def _time_variant(rec, label, make_fn, flops, tl_out, tl_lse, name, d, hq, hk):
+    """Time one variant of a timed case (``make_fn()`` builds its closure) against the tl
+    default's output; its result under ``rec["gluon"][label]``."""
+    try:
+        fn = make_fn()
+        out, lse = fn()
+        res = dict(o_max_abs_tl=_max_abs(out, tl_out), o_rel_tl=_rel(out, tl_out),
+                   lse_max_abs_tl=_lse_diff(lse, tl_lse),
+                   finite=bool(torch.isfinite(out).all().item()))
+        res["ok"] = res["o_rel_tl"] <= REL_TOL and res["finite"]
+        del out, lse
+        ms = _bench(fn)
+        res.update(ms=ms, tflops=flops / ms / 1e9, speedup_vs_tl=rec["tl"]["ms"] / ms)
+        print(f"timed {name:24s} D{d} {hq}:{hk} {label:17s} {ms:8.2f} ms "
+              f"{res['tflops']:5.0f} TFLOP/s x{res['speedup_vs_tl']:.3f} "
+              f"max|O-tl| {res['o_max_abs_tl']:.1e} " + ("ok" if res["ok"] else "FAIL"),
+              flush=True)
+    except Exception:
+        res = dict(ok=False, error=traceback.format_exc())
+        print(f"[{name} {label}]\n{res['error']}", flush=True)
+    rec["gluon"][label] = res
+
+
+def timed_pass(records, deadline, out_path, seqlen, configs, cases=None, tl_configs=()):
     for name, hq, hk, d in cases or timed_cases(None, (128, )):
         if time.time() > deadline:
             records.append(dict(part="timed", case=name, Hq=hq, Hk=hk, skipped="budget"))
@@ -301,24 +337,16 @@ def timed_pass(records, deadline, out_path, seqlen, configs, cases=None):
                 F.check_config(d, *flags[:6], flags[6] != 0)
             except ValueError:
                 continue  # not a shape of this head dim (e.g. 128-key tiles at D=256)
-            try:
-                fn = gluon_forward(q, k, v, cols, causal, scale, cfg)
-                out, lse = fn()
-                res = dict(o_max_abs_tl=_max_abs(out, tl_out), o_rel_tl=_rel(out, tl_out),
-                           lse_max_abs_tl=_lse_diff(lse, tl_lse),
-                           finite=bool(torch.isfinite(out).all().item()))
-                res["ok"] = res["o_rel_tl"] <= REL_TOL and res["finite"]
-                del out, lse
-                ms = _bench(fn)
-                res.update(ms=ms, tflops=flops / ms / 1e9, speedup_vs_tl=rec["tl"]["ms"] / ms)
-                print(f"timed {name:24s} D{d} {hq}:{hk} gluon {_label(cfg):14s} {ms:8.2f} ms "
-                      f"{res['tflops']:5.0f} TFLOP/s x{res['speedup_vs_tl']:.3f} "
-                      f"max|O-tl| {res['o_max_abs_tl']:.1e} " + ("ok" if res["ok"] else "FAIL"),
-                      flush=True)
-            except Exception:
-                res = dict(ok=False, error=traceback.format_exc())
-                print(f"[{name} {_label(cfg)}]\n{res['error']}", flush=True)
-            rec["gluon"][_label(cfg)] = res
+            _time_variant(rec, _label(cfg),
+                          lambda: gluon_forward(q, k, v, cols, causal, scale, cfg),
+                          flops, tl_out, tl_lse, name, d, hq, hk)
+        for cfg in tl_configs:  # the tl forward at other tiles ("tl" + label)
+            if dataclasses.astuple(cfg) == dataclasses.astuple(tl_cfg):
+                continue
+            _time_variant(rec, "tl" + _label(dataclasses.astuple(cfg)),
+                          lambda: tl_forward_at(q, k, v, cols, causal, scale, cfg), flops, tl_out,
+                          tl_lse,
+                          name, d, hq, hk)
         records.append(rec)
         _write(out_path, records)
         del q, k, v, tl_out, tl_lse
@@ -388,11 +416,14 @@ def main(argv=None) -> int:
     ap.add_argument("--seqlen", type=int, default=32768)
     ap.add_argument("--configs", default=",".join(_label(c) for c in TIMED_CONFIGS),
                     help="Gluon configs timed at 32K, e.g. 128x128w8s2,128x64w8s3")
-    ap.add_argument("--small-configs", default=",".join(_label(c) for c in SMALL_CONFIGS),
-                    help="Gluon configs checked on the small D=128 cases")
+    ap.add_argument("--small-configs", default=None,
+                    help="Gluon configs checked on every small case (default: SMALL_CONFIGS "
+                         "at D=128, SMALL_CONFIGS_D64 at D=64)")
     ap.add_argument("--dims", default="128", help="head dims of the timed pass, e.g. 128,64,256")
     ap.add_argument("--cases", default=None,
                     help="masks of the timed pass (default: TIMED_CASES), e.g. causal,full")
+    ap.add_argument("--tl-configs", default="",
+                    help="tl forward tiles timed beside its default, e.g. 64x64w4s3 (label tl...)")
     ap.add_argument("--skip-small", action="store_true")
     ap.add_argument("--skip-timed", action="store_true")
     args = ap.parse_args(argv)
@@ -408,11 +439,14 @@ def main(argv=None) -> int:
         "gluon_fwd_ab", args.budget_s, f"; case timeout {CASE_TIMEOUT_S} s")
     if not args.skip_small:
         small_pass(records, deadline, out_path,
-                   [_parse(lab) for lab in args.small_configs.split(",")])
+                   None if args.small_configs is None
+                   else [_parse(lab) for lab in args.small_configs.split(",")])
     if not args.skip_timed:
         dims = [int(x) for x in args.dims.split(",")]
         names = None if args.cases is None else args.cases.split(",")
-        timed_pass(records, deadline, out_path, args.seqlen, configs, timed_cases(names, dims))
+        tl_configs = [_parse_tl(lab) for lab in args.tl_configs.split(",") if lab]
+        timed_pass(records, deadline, out_path, args.seqlen, configs, timed_cases(names, dims),
+                   tl_configs)
     print(small_table(records))
     print(summary_table(records))
     bad = AB.failures(records, _fwd_error)

@@ -36,6 +36,7 @@
 #   bash benchmarks/gpu_kernel.sh s15b  # the D=256 Gluon dK/dV (head-dim split): tests, A/B vs tl, D=256 causal rows
 #   BENCH_BUDGET=420 bash benchmarks/gpu_kernel.sh s15c  # the D=256 rows with v7.0 (32K, 8K, 128K; causal from s15b)
 #   bash benchmarks/gpu_kernel.sh s15d  # every gpu test of the public function, then the 128K D=64 cells never run
+#   bash benchmarks/gpu_kernel.sh s16a    # the one-warpgroup WS forward A/B, its GPU tests, the D=256 tests
 #   bash benchmarks/gpu_kernel.sh next16  # (not yet run) session 15's unchecked GPU tests, D=64 WS forward on random eviction
 #   SEQ=8192 BENCH_BUDGET=420 bash benchmarks/gpu_kernel.sh grid128  # (not yet run) the D=128 grid at one length, interleaved timer
 #   BENCH_BUDGET=170 bash benchmarks/gpu_kernel.sh order   # the persistent DS_SHARED kernel: tests, backward stages, A/B at D=128 and D=64 (STAGES=0, BUDGET_D64=0, CASES=... to trim)
@@ -440,6 +441,21 @@ case "$PHASE" in
     FLASHMASK3_TRITON_AUTOTUNE=0 timeout ${AB_S:-150} python3 benchmarks/gluon_fwd_ab.py --skip-small --budget-s $((${AB_S:-150} - 50)) --dims 64 \
       --cases random_eviction,causal_blockwise,shared_question --configs 128x128w8s3wsp 2>&1 | tee "$OUT/bench_d64re.log"
     mv "$OUT/gluon_fwd_ab.json" "$OUT/gluon_fwd_d64re_ab.json"; mv "$OUT/gluon_fwd_ab.md" "$OUT/gluon_fwd_d64re_ab.md"
+    ;;
+  s16a)
+    # session 16: the one-warpgroup WS forward (64 query rows, two programs per SM) against the
+    # default WS tile and the tl 64x64 tiles on the document spreads, then its GPU tests, then
+    # session 15's unchecked D=256 tests
+    FLASHMASK3_TRITON_AUTOTUNE=0 timeout ${AB_S:-280} python3 benchmarks/gluon_fwd_ab.py --budget-s $((${AB_S:-280} - 60)) --dims 128,64 \
+      --skip-small --cases causal_document_short,document_short,causal_document_mixed,causal_document_corpus,causal,sliding_window \
+      --configs 128x128w8s2ws,64x64w4s2ws,64x128w4s2ws --tl-configs 64x64w4s3,64x64w4s2 2>&1 | tee "$OUT/bench_fwd1c.log"
+    mv "$OUT/gluon_fwd_ab.json" "$OUT/gluon_fwd_1c_ab.json"; mv "$OUT/gluon_fwd_ab.md" "$OUT/gluon_fwd_1c_ab.md"
+    FLASHMASK3_TRITON_AUTOTUNE=0 timeout ${T1_S:-80} python3 -m pytest -q -m gpu tests/kernels/test_gluon_fwd.py \
+      -k "one_consumer" -p no:cacheprovider --tb=short 2>&1 | tail -15 | tee "$OUT/pytest_s16a_fwd.log"
+    FLASHMASK3_TRITON_AUTOTUNE=0 timeout ${T2_S:-90} python3 -m pytest -q -m gpu tests/kernels/test_gluon_dkdv.py \
+      -k "dispatch_picks_gluon_ws or d256" -p no:cacheprovider --tb=short 2>&1 | tail -15 | tee "$OUT/pytest_next16_dkdv.log"
+    FLASHMASK3_TRITON_AUTOTUNE=0 timeout ${T3_S:-110} python3 -m pytest -m gpu tests/kernels/test_triton_flashmask.py \
+      -k "d256_random_columns or (fused and 128)" -p no:cacheprovider --tb=short -v 2>&1 | tail -40 | tee "$OUT/pytest_s16a_public.log"
     ;;
   grid128)
     # (prepared in session 14) the D=128 grid with the interleaved timer, one sequence length

@@ -528,11 +528,15 @@ def _ws_produce_tiles(k_desc, v_desc, k_ring, v_ring, k_ready, k_empty, v_ready,
 
 
 @_jit
-def _ws_load_q(q_desc, q_smem, q_bar, q_row, q_col, WG_M: gl.constexpr):
-    """Both 64-row halves of a query block into ``q_smem`` on ``q_bar``."""
-    mbarrier.expect(q_bar, 2 * q_desc.block_type.nbytes)
-    tma.async_copy_global_to_shared(q_desc, [q_row, q_col], q_bar, q_smem.index(0))
-    tma.async_copy_global_to_shared(q_desc, [q_row + WG_M, q_col], q_bar, q_smem.index(1))
+def _ws_load_q(q_desc, q_smem, q_bar, q_row, q_col):
+    """The query block's 64-row slices (one per consumer warpgroup, ``q_smem``'s first dim)
+    into ``q_smem`` on ``q_bar``."""
+    NC: gl.constexpr = q_smem.shape[0]
+    WG_M: gl.constexpr = q_smem.shape[1]
+    mbarrier.expect(q_bar, NC * q_desc.block_type.nbytes)
+    for wg in gl.static_range(NC):
+        tma.async_copy_global_to_shared(q_desc, [q_row + wg * WG_M, q_col], q_bar,
+                                        q_smem.index(wg))
 
 
 @_jit
@@ -586,7 +590,7 @@ def _ws_produce_persistent(q_desc, k_desc, v_desc, q_smem, k_ring, v_ring, q_bar
         mbarrier.wait(q_empty, (k & 1) ^ 1)
         item_smem.store(gl.full([1], item, gl.int32, st_layout))
         gl.thread_barrier()  # every lane's store before the (one-thread) expect-arrive below
-        _ws_load_q(q_desc, q_smem, q_bar, b * Sq + m_blk * BLOCK_M, h * D, BLOCK_M // 2)
+        _ws_load_q(q_desc, q_smem, q_bar, b * Sq + m_blk * BLOCK_M, h * D)
         t = _ws_produce_tiles(k_desc, v_desc, k_ring, v_ring, k_ready, k_empty, v_ready,
                               v_empty, col_ring, t, b * Sk, hk * D, mask_ptr + mbh * Sk * C, Sk,
                               lo0, flo0, fhi0, hi0, len0, lo1, flo1, fhi1, hi1, T, BLOCK_N,
@@ -726,7 +730,7 @@ def _ws_consume_block(WG: gl.constexpr, t, u, q_smem, k_ring, v_ring, q_bar, q_p
     [m_blk * BLOCK_M + WG * 64, + 64) over the block's live ranges, from ring tile ``t`` and
     ping-pong turn ``u`` on; PERSISTENT: hands Q back (``q_empty``) after its last S wait.
     Returns (t, u) after the block."""
-    WG_M: gl.constexpr = BLOCK_M // 2
+    WG_M: gl.constexpr = q_smem.shape[1]
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                        instr_shape=[16, BLOCK_N, 16])
     o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
@@ -848,22 +852,26 @@ def _ws_consume_wg1(q_smem, k_ring, v_ring, q_bar, q_empty, k_ready, k_empty, v_
                 NUM_STAGES, CAUSAL, C, NI, PINGPONG, PERSISTENT)
 
 
-#: WARP_SPEC forward: consumer warpgroups (64 query rows each) and the producer warp's registers.
-WS_CONSUMERS = 2
-WS_PRODUCER_REGS = 24
+#: WARP_SPEC forward: the producer warp's registers (the dK/dV kernel's).
+WS_PRODUCER_REGS = _GD.PRODUCER_REGS
+#: WARP_SPEC forward tiles, (block_m, num_warps): two consumer warpgroups of 64 query rows
+#: (one program per SM: 12 warp slots), or one (session 16: two programs per SM where the
+#: ring fits twice in shared memory, for blocks with few live tiles).
+WS_SHAPES = ((128, 8), (64, 4))
 
 
-def ws_maxnreg() -> int:
-    """The WARP_SPEC forward's ``maxnreg``: the SM's registers over its 12 warp slots (two
-    consumer warpgroups and the producer's warpgroup), a multiple of 8: 168."""
-    return _GD.SM_REGISTERS // (4 * (WS_CONSUMERS + 1) * 32) // 8 * 8
+def ws_maxnreg(num_warps: int = 8) -> int:
+    """The WARP_SPEC forward's ``maxnreg`` for ``num_warps`` consumer warps: the dK/dV
+    kernel's rule (:func:`gluon_dkdv.ws_maxnreg`: the consumers plus the producer's warpgroup
+    at the residency of the non-WS kernel): 168 at 8 warps (12 warp slots, one program per SM),
+    128 at 4 (8 warp slots, two programs per SM)."""
+    return _GD.ws_maxnreg(num_warps)
 
 
-def ws_consumer_regs() -> int:
+def ws_consumer_regs(num_warps: int = 8) -> int:
     """Registers per thread of each consumer warpgroup: what the producer warpgroup gives back,
-    shared equally (240 at maxnreg 168), capped at 255."""
-    total = ws_maxnreg() * 4 * (WS_CONSUMERS + 1) - WS_PRODUCER_REGS * 4
-    return min(_GD.MAX_THREAD_REGS, total // (4 * WS_CONSUMERS) // 8 * 8)
+    shared equally (240 at 8 consumer warps, 232 at 4), capped at 255."""
+    return _GD.ws_compute_regs(num_warps)
 
 
 @_jit(do_not_specialize=_NO_SPEC + ["n_items"])
@@ -874,16 +882,19 @@ def _fwd_ws_kernel(q_desc, k_desc, v_desc, o_ptr, lse_ptr, mask_ptr, sum_ptr, rn
                    NI: gl.constexpr, NUM_STAGES: gl.constexpr, NUM_WARPS: gl.constexpr,
                    PINGPONG: gl.constexpr, CONSUMER_REGS: gl.constexpr,
                    PERSISTENT: gl.constexpr, COLS_SMEM: gl.constexpr):
-    """The WARP_SPEC forward: one program per (query block of BLOCK_M = 128 rows, batch * query
+    """The WARP_SPEC forward: one program per (query block of BLOCK_M rows, batch * query
     head), same grid, program order, plan and tiles as :func:`_fwd_gluon_kernel`; PERSISTENT:
     a 1-D grid of programs that claim the ``n_items`` = NQB * B * Hq blocks, in that order, from
     the int32 counter at ``next_item_ptr`` (zeroed per launch; None without PERSISTENT).
-    Launched with 4 warps (consumer warpgroup 0, the default partition) plus a 4-warp worker
-    (consumer warpgroup 1) and a 1-warp TMA producer; NUM_WARPS counts the consumer warps (8)."""
-    gl.static_assert(BLOCK_M == 128 and NUM_WARPS == 8, "two consumer warpgroups of 64 rows")
-    WG_M: gl.constexpr = BLOCK_M // 2
+    Launched with 4 warps (consumer warpgroup 0, the default partition) plus, at BLOCK_M = 128,
+    a 4-warp worker (consumer warpgroup 1), and a 1-warp TMA producer; NUM_WARPS counts the
+    consumer warps (8 or 4: NC = NUM_WARPS // 4 warpgroups of 64 rows)."""
+    gl.static_assert(BLOCK_M == 16 * NUM_WARPS and (NUM_WARPS == 8 or NUM_WARPS == 4),
+                     "one or two consumer warpgroups of 64 rows")
+    NC: gl.constexpr = NUM_WARPS // 4
+    WG_M: gl.constexpr = 64
     dtype: gl.constexpr = q_desc.dtype
-    q_smem = gl.allocate_shared_memory(dtype, [2, WG_M, D], q_desc.layout)
+    q_smem = gl.allocate_shared_memory(dtype, [NC, WG_M, D], q_desc.layout)
     k_ring = gl.allocate_shared_memory(dtype, [NUM_STAGES, BLOCK_N, D], k_desc.layout)
     v_ring = gl.allocate_shared_memory(dtype, [NUM_STAGES, BLOCK_N, D], v_desc.layout)
     k_ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
@@ -905,10 +916,10 @@ def _fwd_ws_kernel(q_desc, k_desc, v_desc, o_ptr, lse_ptr, mask_ptr, sum_ptr, rn
         else:
             mbarrier.init(k_ready.index(i), count=1)
         mbarrier.init(v_ready.index(i), count=1)
-        mbarrier.init(k_empty.index(i), count=2)  # both consumer warpgroups release a slot
-        mbarrier.init(v_empty.index(i), count=2)
+        mbarrier.init(k_empty.index(i), count=NC)  # every consumer warpgroup releases a slot
+        mbarrier.init(v_empty.index(i), count=NC)
     mbarrier.init(q_bar, count=1)
-    mbarrier.init(q_empty, count=2)
+    mbarrier.init(q_empty, count=NC)
     mbarrier.init(turn.index(0), count=1)
     mbarrier.init(turn.index(1), count=1)
     fence_async_shared()
@@ -935,7 +946,7 @@ def _fwd_ws_kernel(q_desc, k_desc, v_desc, o_ptr, lse_ptr, mask_ptr, sum_ptr, rn
         m_blk, b, h, hk, b64, mbh = _ws_item(gl.program_id(0) + gl.program_id(1) * NQB, NQB, Hq,
                                              Hk, Hm, mask_b_stride, CAUSAL)
         # Q's two halves first: their load runs under the live ranges' scalar loads
-        _ws_load_q(q_desc, q_smem, q_bar, b * Sq + m_blk * BLOCK_M, h * D, WG_M)
+        _ws_load_q(q_desc, q_smem, q_bar, b * Sq + m_blk * BLOCK_M, h * D)
         lo0, flo0, fhi0, hi0, lo1, flo1, fhi1, hi1, len0, T = _ws_item_tiles(
             rng_ptr, mbh, m_blk, Sq, Sk, NQB, NKB, BLOCK_M, BLOCK_N, CAUSAL, C)
         kv_row0 = b * Sk
@@ -943,26 +954,41 @@ def _fwd_ws_kernel(q_desc, k_desc, v_desc, o_ptr, lse_ptr, mask_ptr, sum_ptr, rn
         col_ptr = mask_ptr + mbh * Sk * C
         item_smem = 0  # placeholders (a None cannot travel in the partitions' arguments)
         claim_ptr = 0
-    # (the two consumers' argument lists are spelled out: held in a tuple variable, the
+    # (the consumers' argument lists are spelled out: held in a tuple variable, the
     # constexprs among them reach the partitions as tensors in triton 3.6)
-    gl.warp_specialize([
-        (_ws_consume_wg0,
-         (q_smem, k_ring, v_ring, q_bar, q_empty, k_ready, k_empty, v_ready, v_empty, turn,
-          item_smem, col_ring, o_ptr, lse_ptr, sum_ptr, mask_ptr, rng_ptr, Sq, Sk, Hq, Hk, Hm, NQB,
-          NKB, mask_b_stride, scale_log2, n_items, D, BLOCK_M, BLOCK_N, NUM_STAGES, CAUSAL, C, NI,
-          PINGPONG, PERSISTENT)),
-        (_ws_consume_wg1,
-         (q_smem, k_ring, v_ring, q_bar, q_empty, k_ready, k_empty, v_ready, v_empty, turn,
-          item_smem, col_ring, o_ptr, lse_ptr, sum_ptr, mask_ptr, rng_ptr, Sq, Sk, Hq, Hk, Hm, NQB,
-          NKB, mask_b_stride, scale_log2, n_items, D, BLOCK_M, BLOCK_N, NUM_STAGES, CAUSAL, C, NI,
-          PINGPONG, PERSISTENT)),
-        (_ws_produce,
-         (q_desc, k_desc, v_desc, q_smem, k_ring, v_ring, q_bar, q_empty, k_ready, k_empty,
-          v_ready, v_empty, item_smem, claim_ptr, col_ring, mask_ptr, rng_ptr, Sq, Sk, Hq, Hk,
-          Hm, NQB, NKB, mask_b_stride, n_items, kv_row0, kv_col, col_ptr, lo0, flo0, fhi0, hi0,
-          len0, lo1, flo1, fhi1, hi1, T, D, BLOCK_M, BLOCK_N, NUM_STAGES, CAUSAL, C,
-          PERSISTENT)),
-    ], [4, 1], [CONSUMER_REGS, 24])  # consumer warpgroup 1, the producer (WS_PRODUCER_REGS)
+    if NC == 2:
+        gl.warp_specialize([
+            (_ws_consume_wg0,
+             (q_smem, k_ring, v_ring, q_bar, q_empty, k_ready, k_empty, v_ready, v_empty, turn,
+              item_smem, col_ring, o_ptr, lse_ptr, sum_ptr, mask_ptr, rng_ptr, Sq, Sk, Hq, Hk, Hm,
+              NQB, NKB, mask_b_stride, scale_log2, n_items, D, BLOCK_M, BLOCK_N, NUM_STAGES,
+              CAUSAL, C, NI, PINGPONG, PERSISTENT)),
+            (_ws_consume_wg1,
+             (q_smem, k_ring, v_ring, q_bar, q_empty, k_ready, k_empty, v_ready, v_empty, turn,
+              item_smem, col_ring, o_ptr, lse_ptr, sum_ptr, mask_ptr, rng_ptr, Sq, Sk, Hq, Hk, Hm,
+              NQB, NKB, mask_b_stride, scale_log2, n_items, D, BLOCK_M, BLOCK_N, NUM_STAGES,
+              CAUSAL, C, NI, PINGPONG, PERSISTENT)),
+            (_ws_produce,
+             (q_desc, k_desc, v_desc, q_smem, k_ring, v_ring, q_bar, q_empty, k_ready, k_empty,
+              v_ready, v_empty, item_smem, claim_ptr, col_ring, mask_ptr, rng_ptr, Sq, Sk, Hq,
+              Hk, Hm, NQB, NKB, mask_b_stride, n_items, kv_row0, kv_col, col_ptr, lo0, flo0,
+              fhi0, hi0, len0, lo1, flo1, fhi1, hi1, T, D, BLOCK_M, BLOCK_N, NUM_STAGES, CAUSAL,
+              C, PERSISTENT)),
+        ], [4, 1], [CONSUMER_REGS, 24])  # consumer warpgroup 1, the producer (WS_PRODUCER_REGS)
+    else:
+        gl.warp_specialize([
+            (_ws_consume_wg0,
+             (q_smem, k_ring, v_ring, q_bar, q_empty, k_ready, k_empty, v_ready, v_empty, turn,
+              item_smem, col_ring, o_ptr, lse_ptr, sum_ptr, mask_ptr, rng_ptr, Sq, Sk, Hq, Hk, Hm,
+              NQB, NKB, mask_b_stride, scale_log2, n_items, D, BLOCK_M, BLOCK_N, NUM_STAGES,
+              CAUSAL, C, NI, PINGPONG, PERSISTENT)),
+            (_ws_produce,
+             (q_desc, k_desc, v_desc, q_smem, k_ring, v_ring, q_bar, q_empty, k_ready, k_empty,
+              v_ready, v_empty, item_smem, claim_ptr, col_ring, mask_ptr, rng_ptr, Sq, Sk, Hq,
+              Hk, Hm, NQB, NKB, mask_b_stride, n_items, kv_row0, kv_col, col_ptr, lo0, flo0,
+              fhi0, hi0, len0, lo1, flo1, fhi1, hi1, T, D, BLOCK_M, BLOCK_N, NUM_STAGES, CAUSAL,
+              C, PERSISTENT)),
+        ], [1], [24])  # the producer (WS_PRODUCER_REGS)
     for i in gl.static_range(NUM_STAGES):
         mbarrier.invalidate(k_ready.index(i))
         mbarrier.invalidate(v_ready.index(i))
@@ -1003,18 +1029,22 @@ def check_config(d: int, block_m: int, block_n: int, num_warps: int, num_stages:
                  persistent: bool = False, col_words: int = 0) -> None:
     """Raise ValueError on a configuration the kernel cannot compile or launch: one wgmma row
     of 16 queries per warp (block_m == 16 * num_warps), power-of-two tiles, the ring in
-    shared memory (<= 227 KB on sm_90); the WARP_SPEC kernel: 128 query rows on 8 consumer
-    warps (two warpgroups of 64); PINGPONG and PERSISTENT need WARP_SPEC; ``col_words``: the
-    COLS_SMEM ring's words per key (the mask's C), counted in the shared memory."""
+    shared memory (<= 227 KB on sm_90); the WARP_SPEC kernel: a :data:`WS_SHAPES` block (one
+    or two consumer warpgroups of 64 query rows); PINGPONG needs two of them, PINGPONG and
+    PERSISTENT need WARP_SPEC; ``col_words``: the COLS_SMEM ring's words per key (the mask's
+    C), counted in the shared memory."""
     if d not in (64, 128, 256):
         raise ValueError(f"gluon fwd: head dim {d} (64, 128 or 256)")
     if block_m != 16 * num_warps:
         raise ValueError(f"gluon fwd: block_m={block_m} must be 16 * num_warps ({num_warps})")
-    if warp_spec and (block_m, num_warps) != (64 * WS_CONSUMERS, 4 * WS_CONSUMERS):
+    if warp_spec and (block_m, num_warps) not in WS_SHAPES:
         raise ValueError(f"gluon fwd warp_spec: block_m={block_m}, num_warps={num_warps} "
-                         "(128 and 8: two consumer warpgroups of 64 rows)")
+                         "(128 and 8: two consumer warpgroups of 64 rows, or 64 and 4: one)")
     if pingpong and not warp_spec:
         raise ValueError("gluon fwd: pingpong needs warp_spec")
+    if pingpong and num_warps != 8:
+        raise ValueError("gluon fwd: pingpong needs two consumer warpgroups (block_m=128, "
+                         f"num_warps=8), got num_warps={num_warps}")
     if persistent and not warp_spec:
         raise ValueError("gluon fwd: persistent needs warp_spec")
     if block_n not in (16, 32, 64, 128, 256):
@@ -1070,7 +1100,7 @@ def launch_fwd_gluon(q, k, v, mask, causal, softmax_scale, plan, block_m: int, b
     nqb, nkb = triton.cdiv(sq, block_m), triton.cdiv(sk, block_n)
     if plan.c > 0 and (plan.ranges.shape[1] != nqb or plan.summary.shape[1] != nkb):
         raise ValueError("gluon fwd: the plan was built for another tile shape (or by key)")
-    q_rows = block_m // WS_CONSUMERS if warp_spec else block_m
+    q_rows = 64 if warp_spec else block_m  # the WS kernel loads Q per consumer warpgroup
     q_desc, k_desc, v_desc = _descriptors(q, k, v, q_rows, block_n)
     args = (q_desc, k_desc, v_desc, out, lse, plan.mask, plan.summary, plan.ranges,
             softmax_scale * LOG2E, sq, sk, hq, hk, plan.hm, nqb, nkb, plan.mask_b_stride)
@@ -1086,8 +1116,8 @@ def launch_fwd_gluon(q, k, v, mask, causal, softmax_scale, plan, block_m: int, b
         else:
             grid = (nqb, b * hq)
         _fwd_ws_kernel[grid](*args, n_items, next_item, **consts, PINGPONG=pingpong,
-                             CONSUMER_REGS=ws_consumer_regs(), PERSISTENT=persistent,
-                             COLS_SMEM=cols_smem, num_warps=4, maxnreg=ws_maxnreg())
+                             CONSUMER_REGS=ws_consumer_regs(num_warps), PERSISTENT=persistent,
+                             COLS_SMEM=cols_smem, num_warps=4, maxnreg=ws_maxnreg(num_warps))
     else:
         _fwd_gluon_kernel[(nqb, b * hq)](*args, **consts, num_warps=num_warps)
     return out, lse
@@ -1112,14 +1142,14 @@ def compile_sm90(d: int = 128, block_m: int = 128, block_n: int = 128, num_warps
     cols_smem = _uses_cols_smem(warp_spec, c, cols_smem)
     check_config(d, block_m, block_n, num_warps, num_stages, warp_spec, pingpong, persistent,
                  c if cols_smem else 0)
-    q_rows = block_m // WS_CONSUMERS if warp_spec else block_m
+    q_rows = 64 if warp_spec else block_m
     descs = _GD.offline_descriptor_types(dtype, d, q_desc=q_rows, k_desc=block_n,
                                          v_desc=block_n)
     ptrs = {"o_ptr": f"*{dtype}", "lse_ptr": "*fp32", "mask_ptr": "*i32", "sum_ptr": "*i32",
             "rng_ptr": "*i32"}
     consts = _GD.offline_constexprs(d, block_m, block_n, num_warps, num_stages, causal, c)
     if warp_spec:
-        consts.update(PINGPONG=pingpong, CONSUMER_REGS=ws_consumer_regs(),
+        consts.update(PINGPONG=pingpong, CONSUMER_REGS=ws_consumer_regs(num_warps),
                       PERSISTENT=persistent, COLS_SMEM=cols_smem)
         ptrs["n_items"] = "i32"
         if persistent:
@@ -1127,7 +1157,7 @@ def compile_sm90(d: int = 128, block_m: int = 128, block_n: int = 128, num_warps
         else:
             consts["next_item_ptr"] = None
         return compile_gluon_sm90(_fwd_ws_kernel, ptrs, descs, consts, 4, num_stages,
-                                  maxnreg=ws_maxnreg())
+                                  maxnreg=ws_maxnreg(num_warps))
     return compile_gluon_sm90(_fwd_gluon_kernel, ptrs, descs, consts, num_warps, num_stages)
 
 

@@ -137,9 +137,27 @@ def test_default_forward_kernel_per_layout(monkeypatch):
 
 
 def test_ws_register_split():
-    """maxnreg 168 over 12 warp slots; the producer's warpgroup gives back all but 24."""
-    assert F.ws_maxnreg() == 168 and F.ws_consumer_regs() == 240
+    """Two consumer warpgroups: maxnreg 168 over 12 warp slots, one program per SM; one: 128
+    over 8 warp slots, two programs per SM; the producer's warpgroup gives back all but 24."""
+    assert F.ws_maxnreg() == F.ws_maxnreg(8) == 168 and F.ws_consumer_regs() == 240
     assert 4 * (2 * F.ws_consumer_regs() + F.WS_PRODUCER_REGS) <= 12 * F.ws_maxnreg()
+    assert F.ws_maxnreg(4) == 128 and F.ws_consumer_regs(4) == 232
+    assert 2 * 32 * 4 * (F.ws_consumer_regs(4) + F.WS_PRODUCER_REGS) <= 65536
+
+
+@pytest.mark.skipif(_SKIP is not None, reason=str(_SKIP))
+@pytest.mark.parametrize("d, causal, c", [(128, True, 1), (128, True, 0), (128, False, 2),
+                                          (64, True, 1)])
+def test_one_consumer_ws_kernel_fits_two_programs_per_sm(d, causal, c):
+    """The one-warpgroup WS forward (64 query rows, 4 consumer warps) at 64x64 s2: HGMMA with
+    the overlapped S wait, the producer's TMA loads, 24 / 232 registers, no spill in a tile
+    loop, and shared memory and registers for two programs per SM."""
+    r = F.compile_report(d, 64, 64, 4, 2, causal=causal, c=c, warp_spec=True)
+    assert "error" not in r, r.get("error")
+    assert r["hgmma"] > 0 and r["tma_load"] > 0 and r["overlap"], r
+    assert r["setmaxnreg"] == [24, 232] and r["regs"] <= 128, r
+    assert r["ldl_stl_in_tile_loops"] == 0, r
+    assert 2 * (r["shared"] + 1024) <= 228 * 1024, r
 
 
 def test_ab_config_labels_round_trip():
@@ -153,13 +171,15 @@ def test_ab_config_labels_round_trip():
              "128x128w8s2wsp": (128, 128, 8, 2, True, True, 0, True),
              "128x128w8s2wsg": (128, 128, 8, 2, True, False, 0, False),
              "128x128w8s2ws+P": (128, 128, 8, 2, True, False, -1, True),
-             "128x64w8s2wspg+P3": (128, 64, 8, 2, True, True, 3, False)}
+             "128x64w8s2wspg+P3": (128, 64, 8, 2, True, True, 3, False),
+             "64x64w4s2ws": (64, 64, 4, 2, True, False, 0, True)}
     for label, cfg in cases.items():
         assert AB._parse(label) == cfg
         assert AB._label(cfg) == label
     assert AB._label((128, 64, 8, 3)) == "128x64w8s3"
     with pytest.raises(ValueError, match="BMxBNwWsS"):
         AB._parse("128x64w8")
+    assert AB._parse_tl("64x64w4s3") == T.Config(64, 64, 4, 3)
 
 
 def test_config_checks():
@@ -179,8 +199,12 @@ def test_config_checks():
     with pytest.raises(ValueError):
         F.check_config(96, 128, 128, 8, 2)
     F.check_config(128, 128, 64, 8, 4, warp_spec=True, pingpong=True)
+    F.check_config(128, 64, 64, 4, 2, warp_spec=True)  # one consumer warpgroup
+    F.check_config(128, 64, 64, 4, 2, warp_spec=True, persistent=True)
     with pytest.raises(ValueError, match="warp_spec"):
-        F.check_config(128, 64, 64, 4, 4, warp_spec=True)  # two warpgroups of 64 rows
+        F.check_config(128, 32, 64, 2, 4, warp_spec=True)  # whole warpgroups of 64 rows
+    with pytest.raises(ValueError, match="two consumer warpgroups"):
+        F.check_config(128, 64, 64, 4, 2, warp_spec=True, pingpong=True)
     with pytest.raises(ValueError, match="pingpong"):
         F.check_config(128, 128, 64, 8, 4, pingpong=True)
 
@@ -317,3 +341,38 @@ def test_gpu_persistent_ws_forward_equals_one_block_kernel(d, causal, c, program
     ref_out, ref_lse = reference_attention(q, k, v, cols, causal, 1 / math.sqrt(d))
     assert rel_err(per[0], ref_out) < 2e-2
     assert torch.equal(torch.isinf(per[1]), torch.isinf(ref_lse))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("d, causal, c", [(128, True, 0), (128, True, 1), (128, False, 2),
+                                          (128, False, 4), (64, True, 1)])
+def test_gpu_one_consumer_ws_forward_matches_reference(d, causal, c):
+    """The one-warpgroup WS forward (64x64 w4 s2, two programs per SM), one-block and
+    persistent (3 programs), on random column masks whose rows may be fully masked (Sq != Sk,
+    GQA, fp16 and bf16): O and LSE against the float64 reference, zeros on the empty rows, and
+    O bitwise equal to the tl forward at the same tile (the same key blocks in the same order,
+    the same k-steps)."""
+    from tests.helpers import random_columns
+
+    _require_hopper_gluon()
+    b, sq, sk, hq, hk = 2, 700, 1100, 4, 2
+    for dtype in (torch.bfloat16, torch.float16):
+        g = torch.Generator(device="cuda").manual_seed(17)
+        q = torch.randn(b, sq, hq, d, device="cuda", dtype=dtype, generator=g)
+        k, v = (torch.randn(b, sk, hk, d, device="cuda", dtype=dtype, generator=g)
+                for _ in range(2))
+        cols = None if c == 0 else random_columns(b, hq, sq, sk, causal, c, seed=9).cuda()
+        plan = T.make_plan(cols, causal, sq, sk, 64, 64, False, q.device)
+        args = (q, k, v, cols, causal, 1 / math.sqrt(d), plan, 64, 64, 4, 2)
+        one = F.launch_fwd_gluon(*args, warp_spec=True)
+        per = F.launch_fwd_gluon(*args, warp_spec=True, persistent=True, programs=3)
+        tl_out, tl_lse = T._launch_fwd_tl(q, k, v, cols, causal, 1 / math.sqrt(d),
+                                          T.Config(64, 64, 4, 2), plan)
+        torch.cuda.synchronize()
+        assert torch.equal(one[0], per[0]) and torch.equal(one[1], per[1])
+        ref_out, ref_lse = reference_attention(q, k, v, cols, causal, 1 / math.sqrt(d))
+        empty = torch.isinf(ref_lse)
+        assert torch.equal(torch.isinf(one[1]), empty)
+        assert (one[0].permute(0, 2, 1, 3)[empty] == 0).all()
+        assert rel_err(one[0], ref_out) < 2e-2 and rel_err(one[1], ref_lse) < 1e-3
+        assert torch.equal(one[0], tl_out), (one[0].float() - tl_out.float()).abs().max()
