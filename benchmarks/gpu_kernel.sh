@@ -37,6 +37,7 @@
 #   BENCH_BUDGET=420 bash benchmarks/gpu_kernel.sh s15c  # the D=256 rows with v7.0 (32K, 8K, 128K; causal from s15b)
 #   bash benchmarks/gpu_kernel.sh s15d  # every gpu test of the public function, then the 128K D=64 cells never run
 #   bash benchmarks/gpu_kernel.sh s16a    # the one-warpgroup WS forward A/B, its GPU tests, the D=256 tests
+#   bash benchmarks/gpu_kernel.sh s16b    # the short-rows forward tile: GPU tests, its table rows, backward tiles
 #   bash benchmarks/gpu_kernel.sh next16  # (not yet run) session 15's unchecked GPU tests, D=64 WS forward on random eviction
 #   SEQ=8192 BENCH_BUDGET=420 bash benchmarks/gpu_kernel.sh grid128  # (not yet run) the D=128 grid at one length, interleaved timer
 #   BENCH_BUDGET=170 bash benchmarks/gpu_kernel.sh order   # the persistent DS_SHARED kernel: tests, backward stages, A/B at D=128 and D=64 (STAGES=0, BUDGET_D64=0, CASES=... to trim)
@@ -456,6 +457,23 @@ case "$PHASE" in
       -k "dispatch_picks_gluon_ws or d256" -p no:cacheprovider --tb=short 2>&1 | tail -15 | tee "$OUT/pytest_next16_dkdv.log"
     FLASHMASK3_TRITON_AUTOTUNE=0 timeout ${T3_S:-110} python3 -m pytest -m gpu tests/kernels/test_triton_flashmask.py \
       -k "d256_random_columns or (fused and 128)" -p no:cacheprovider --tb=short -v 2>&1 | tail -40 | tee "$OUT/pytest_s16a_public.log"
+    ;;
+  s16b)
+    # session 16: the short-rows forward tile through the public function (GPU tests), the rest
+    # of session 15's D=256 tests, the kernel table's rows the tile changes (the no-hint forward
+    # as a variant in the same run), then fused-backward tiles on short documents
+    FLASHMASK3_TRITON_AUTOTUNE=0 timeout ${T1_S:-130} python3 -m pytest -q -m gpu tests/kernels/test_gluon_fwd.py tests/kernels/test_gluon_dkdv.py \
+      -k "short_rows_tile or dispatch_picks_gluon_ws or d256_head_dim_split_matches_tl" -p no:cacheprovider --tb=short 2>&1 | tail -15 | tee "$OUT/pytest_s16b.log"
+    FLASHMASK3_TRITON_AUTOTUNE=0 timeout ${K1_S:-120} python3 benchmarks/kernel.py --seqlens 32768,8192,131072 --dims 128 --no-gqa \
+      --masks causal_document_short --impls flashmask3,flashmask3_fwd_ws,flex --budget-s $((${K1_S:-120} - 40)) \
+      --out "$OUT" --tag v71_d128 2>&1 | grep -v "DeprecationWarning\|create_block_mask(mm" | tee "$OUT/bench_v71_d128.log"
+    FLASHMASK3_TRITON_AUTOTUNE=0 timeout ${K2_S:-190} python3 benchmarks/kernel.py --seqlens 32768,8192,131072 --dims 64 --no-gqa \
+      --masks causal_document_short,document_short,shared_question,causal_document_mixed,random_eviction \
+      --impls flashmask3,flashmask3_tl_fwd,flex --budget-s $((${K2_S:-190} - 50)) \
+      --out "$OUT" --tag v71_d64 2>&1 | grep -v "DeprecationWarning\|create_block_mask(mm" | tee "$OUT/bench_v71_d64.log"
+    FLASHMASK3_TRITON_AUTOTUNE=0 timeout ${AB_S:-110} python3 benchmarks/gluon_dkdv_ab.py --fused --skip-small --skip-tl-fused \
+      --cases causal_document_short,document_short --fused-configs 64x128w8s2wsmds,64x128w8s3wsmds,32x64w4s3ws,64x64w4s2ws \
+      --budget-s $((${AB_S:-110} - 40)) 2>&1 | tee "$OUT/bench_bwd_short.log"
     ;;
   grid128)
     # (prepared in session 14) the D=128 grid with the interleaved timer, one sequence length

@@ -415,8 +415,9 @@ def flashmask_prep_ms(mask, causal, s, d, dtype) -> float:
     cols = None if mask is None else mask.startend_row_indices
     if cols is None:
         return 0.0
-    return do_bench(lambda: T.preprocess(cols, causal, s, s, d, dtype), warmup=10, rep=50,
-                    return_mode="median")
+    span = mask.mean_row_span  # (the forward's tile hint, as flashmask_attention passes it)
+    return do_bench(lambda: T.preprocess(cols, causal, s, s, d, dtype, row_span=span), warmup=10,
+                    rep=50, return_mode="median")
 
 
 def mask_bytes(mask, causal, s, d, dtype) -> int:
@@ -425,7 +426,8 @@ def mask_bytes(mask, causal, s, d, dtype) -> int:
 
     if mask is None:
         return 0
-    plans = T.preprocess(mask.startend_row_indices, causal, s, s, d, dtype)
+    plans = T.preprocess(mask.startend_row_indices, causal, s, s, d, dtype,
+                         row_span=mask.mean_row_span)
     n = mask.startend_row_indices.numel() * 4
     for p in plans:
         n += p.summary.numel() * 4 + p.ranges.numel() * 4
@@ -671,7 +673,10 @@ def markdown(results: list[dict], meta: dict) -> str:
               "D=64 document corpus) ran the fixed timer, which keeps the host's work out), v7.0 = "
               "the warp-specialised Gluon dK/dV at D=256 too, its two warpgroups splitting the head "
               "dim (1.61-1.87x the tl kernel, bitwise equal; rows at D=256 and the 128K D=64 causal "
-              "and random-eviction rows, fixed interleaved timer); a "
+              "and random-eviction rows, fixed interleaved timer), v7.1 = the forward's short-rows "
+              "tile: masks whose rows attend few keys (the constructors record the mean row span) "
+              "run the one-warpgroup WS forward at 64x64 (D=128, span < 1536) or tl at 64x64 w4 s3 "
+              "(D=64, span < 2048), two programs per SM; a "
               "later run of a case replaces an earlier one). `variants`: flashmask3 timed again in the "
               "same run with one option changed (`fused` / `split` backward; `masked`: no mask-free loops; "
               "`tl-dkdv`: the tl dK/dV kernel instead of the Gluon one; `tl-fwd`: the tl forward "
@@ -884,7 +889,7 @@ def main(argv=None) -> int:
     ap.add_argument("--skip-done", nargs="*", default=[], metavar="JSON",
                     help="leave out the cases these earlier kernel_*.json files measured "
                          "(continue a run that its --budget-s cut short)")
-    ap.add_argument("--kernel-version", default="v7.0")
+    ap.add_argument("--kernel-version", default="v7.1")
     ap.add_argument("--timer", default="interleaved", choices=["interleaved", "sequential"],
                     help="interleaved: every implementation's calls alternate round by round "
                          "(since session 14); sequential: each implementation timed in turn")

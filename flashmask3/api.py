@@ -27,14 +27,17 @@ _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 @torch.library.custom_op("flashmask3::attention_forward", mutates_args=())
 def _attention_forward(
     q: Tensor, k: Tensor, v: Tensor, startend_row_indices: Optional[Tensor], causal: bool,
-    softmax_scale: float, backend: str,
+    softmax_scale: float, backend: str, row_span: float,
 ) -> tuple[Tensor, Tensor]:
-    out, lse = get_backend(backend).forward(q, k, v, startend_row_indices, causal, softmax_scale)
+    # row_span: the mask's mean row span (FlashMask.mean_row_span), -1 when unknown
+    out, lse = get_backend(backend).forward(q, k, v, startend_row_indices, causal, softmax_scale,
+                                            row_span=None if row_span < 0 else row_span)
     return out.contiguous(), lse.contiguous()
 
 
 @_attention_forward.register_fake
-def _attention_forward_fake(q, k, v, startend_row_indices, causal, softmax_scale, backend):
+def _attention_forward_fake(q, k, v, startend_row_indices, causal, softmax_scale, backend,
+                            row_span):
     b, sq, hq, _ = q.shape
     out = q.new_empty(b, sq, hq, v.shape[-1])
     lse = q.new_empty(b, hq, sq, dtype=torch.float32)
@@ -59,7 +62,7 @@ def _attention_backward_fake(dout, dlse, q, k, v, out, lse, startend_row_indices
 
 
 def _setup_context(ctx, inputs, output):
-    q, k, v, startend_row_indices, causal, softmax_scale, backend = inputs
+    q, k, v, startend_row_indices, causal, softmax_scale, backend, _row_span = inputs
     out, lse = output
     ctx.save_for_backward(q, k, v, out, lse, startend_row_indices)
     ctx.causal, ctx.softmax_scale, ctx.backend = causal, softmax_scale, backend
@@ -71,7 +74,7 @@ def _backward(ctx, dout, dlse):
         dout.contiguous(), dlse, q, k, v, out, lse, startend_row_indices, ctx.causal,
         ctx.softmax_scale, ctx.backend,
     )
-    return dq, dk, dv, None, None, None, None
+    return dq, dk, dv, None, None, None, None, None
 
 
 _attention_forward.register_autograd(_backward, setup_context=_setup_context)
@@ -191,6 +194,7 @@ def flashmask_attention(
     if not isinstance(causal, bool):
         raise TypeError(f"causal must be a bool, got {type(causal).__name__}")
     check_values = not torch.compiler.is_compiling()
+    row_span = -1.0
     if isinstance(startend_row_indices, FlashMask):
         mask = startend_row_indices
         if causal and not mask.causal:
@@ -199,6 +203,8 @@ def flashmask_attention(
             raise ValueError(f"the FlashMask was built for seqlen_q={mask.seqlen_q}, but q has {sq} rows")
         causal, startend_row_indices = mask.causal, mask.startend_row_indices
         check_values = False  # validated when the mask was built
+        if mask.mean_row_span is not None:
+            row_span = mask.mean_row_span
     if window_size is not None:
         if startend_row_indices is not None:
             raise ValueError("pass either window_size or startend_row_indices, not both")
@@ -217,5 +223,6 @@ def flashmask_attention(
     softmax_scale = resolve_softmax_scale(softmax_scale, d)
     backend = choose_backend(q)
     q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))
-    out, lse = _attention_forward(q, k, v, startend_row_indices, causal, softmax_scale, backend)
+    out, lse = _attention_forward(q, k, v, startend_row_indices, causal, softmax_scale, backend,
+                                  row_span)
     return (out, lse) if return_softmax_lse else out

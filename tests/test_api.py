@@ -95,7 +95,33 @@ def test_custom_op_passes_opcheck(monkeypatch):
     cols = M.causal_document_mask([7, 13]).startend_row_indices
     op = torch.ops.flashmask3.attention_forward.default
     for mask in (cols, None):
-        torch.library.opcheck(op, (q, k, v, mask, True, 0.35, "torch"))
+        for span in (-1.0, 12.5):
+            torch.library.opcheck(op, (q, k, v, mask, True, 0.35, "torch", span))
+
+
+def test_the_mask_row_span_reaches_the_backend(monkeypatch):
+    """A FlashMask's mean row span (the forward's tile hint) reaches the backend's forward, in
+    eager mode and under torch.compile; a raw column tensor passes none."""
+    from flashmask3.kernels import torch_path
+
+    monkeypatch.setenv("FLASHMASK3_BACKEND", "torch")
+    seen = []
+    real = torch_path.forward
+
+    def spy(*args, row_span=None):
+        seen.append(row_span)
+        return real(*args, row_span=row_span)
+
+    monkeypatch.setattr(torch_path, "forward", spy)
+    q, k, v = qkv()
+    m = M.causal_document_mask([6, 10])
+    flashmask3.flashmask_attention(q, k, v, m)
+    flashmask3.flashmask_attention(q, k, v, m.startend_row_indices, causal=True)
+    torch._dynamo.reset()
+    torch.compile(lambda q, k, v: flashmask3.flashmask_attention(q, k, v, m), backend="aot_eager",
+                  fullgraph=True)(q, k, v)
+    assert seen == [m.mean_row_span, None, m.mean_row_span]
+    assert m.mean_row_span == (6 * 7 + 10 * 11) / 2 / 16
 
 
 def test_torch_compile_without_graph_breaks(monkeypatch):
@@ -103,8 +129,7 @@ def test_torch_compile_without_graph_breaks(monkeypatch):
     mask = M.causal_document_mask([9, 15], num_heads=2)
 
     def layer(q, k, v):
-        out, lse = flashmask3.flashmask_attention(q, k, v, mask.startend_row_indices, causal=True,
-                                                  return_softmax_lse=True)
+        out, lse = flashmask3.flashmask_attention(q, k, v, mask, return_softmax_lse=True)
         return (out * 2).sum() + lse.sum()
 
     torch._dynamo.reset()

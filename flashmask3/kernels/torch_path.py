@@ -89,8 +89,10 @@ def _tiles(n: int, block: int):
 
 
 def forward(q, k, v, startend_row_indices: Optional[torch.Tensor], causal: bool,
-            softmax_scale: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """Masked attention forward. Returns ``out [B, Sq, Hq, D]`` and ``lse [B, Hq, Sq]`` (fp32)."""
+            softmax_scale: float, row_span: Optional[float] = None
+            ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Masked attention forward. Returns ``out [B, Sq, Hq, D]`` and ``lse [B, Hq, Sq]`` (fp32).
+    ``row_span`` (the mask's mean row span, a tile hint for the Triton backend) is unused."""
     b, sq, hq, d = q.shape
     sk, hk, dv = k.shape[1], k.shape[2], v.shape[3]
     acc = _acc_dtype(q.dtype)

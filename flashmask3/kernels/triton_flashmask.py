@@ -908,12 +908,13 @@ def _interpreting() -> bool:
 
 
 def _config(kind: str, d: int, causal: bool, c: int, dtype: torch.dtype,
-            like: Optional[torch.Tensor] = None) -> Config:
-    """The configuration for one kernel launch (override > interpreter > tuned > default).
-    ``like``: a tensor on the launch's device with its dtype (e.g. q); given, the split
-    backward's dK/dV and the fused backward's defaults are :data:`GLUON_TILE`'s where the Gluon
-    kernel runs them (:func:`_dkdv_impl`, :func:`_fused_impl`): the Gluon and tl kernels are
-    fastest at different tiles."""
+            like: Optional[torch.Tensor] = None, row_span: Optional[float] = None) -> Config:
+    """The configuration for one kernel launch (override > interpreter > tuned > short-row
+    hint > default). ``like``: a tensor on the launch's device with its dtype (e.g. q); given,
+    the split backward's dK/dV and the fused backward's defaults are :data:`GLUON_TILE`'s where
+    the Gluon kernel runs them (:func:`_dkdv_impl`, :func:`_fused_impl`): the Gluon and tl
+    kernels are fastest at different tiles. ``row_span``: the mask's mean row span, where
+    known; the forward takes :data:`SHORT_ROWS_FWD`'s tile below its threshold."""
     if kind in CONFIG_OVERRIDE:
         return CONFIG_OVERRIDE[kind]
     if _interpreting():
@@ -921,7 +922,36 @@ def _config(kind: str, d: int, causal: bool, c: int, dtype: torch.dtype,
     tuned = _TUNED.get((kind, d, causal, c, dtype))
     if tuned is not None:
         return tuned
-    return _gluon_tile(kind, d, like, c) or CANDIDATES[(kind, _dim_class(d))][0]
+    return (_short_rows_tile(kind, d, like, c, row_span) or _gluon_tile(kind, d, like, c)
+            or CANDIDATES[(kind, _dim_class(d))][0])
+
+
+#: The forward's tile for masks whose rows attend few keys (short documents), per head dim:
+#: (mean row span below which it applies, the tile). A query block of such a mask has few
+#: live key tiles, so each program's fixed cost (Q load, ramp-up, O store) weighs more; a
+#: 64-row tile with two programs per SM hides it behind the other program. Measured at 32K
+#: (results/gluon_fwd_1c_ab.md, NOTES.md session 16): D=128, the one-warpgroup WS forward
+#: at 64x64 s2: causal short documents (span 987) 1.13x the default, document short (1973)
+#: 1.01x, causal mixed (2903) 0.86x; D=64, tl at 64x64 w4 s3: 1.20x / 1.10x / 1.045x, causal
+#: corpus (4434) 0.95x (the D=64 threshold stays at 2048, where the spans of the masks it was
+#: measured on lie, not at the break-even). D=256 keeps its tile (not measured).
+SHORT_ROWS_FWD = {128: (1536.0, Config(64, 64, 4, 2)), 64: (2048.0, Config(64, 64, 4, 3))}
+
+
+def _short_rows_tile(kind: str, d: int, like: Optional[torch.Tensor], c: int,
+                     row_span: Optional[float]) -> Optional[Config]:
+    """:data:`SHORT_ROWS_FWD`'s forward tile when the mean row span is below its threshold and
+    the kernel it was measured with runs here (the WS forward at D=128: :func:`_fwd_impl`
+    picks it for this tile; tl at D=64), else None. Env FLASHMASK3_TRITON_FWD set: None (the
+    kernel choice is the user's)."""
+    rule = SHORT_ROWS_FWD.get(_dim_class(d)) if kind == "fwd" else None
+    if rule is None or row_span is None or row_span >= rule[0] or like is None:
+        return None
+    if os.environ.get("FLASHMASK3_TRITON_FWD", "").strip():
+        return None
+    tile = rule[1]
+    want = "gluon_ws" if _dim_class(d) in GLUON_FWD_DIMS else "tl"
+    return tile if _fwd_impl(like, tile, c) == want else None
 
 
 def _gluon_tile(kind: str, d: int, like: Optional[torch.Tensor], c: int = 0) -> Optional[Config]:
@@ -1093,14 +1123,16 @@ def make_plan(mask: Optional[torch.Tensor], causal: bool, seqlen_q: int, seqlen_
 
 
 def preprocess(mask: Optional[torch.Tensor], causal: bool, seqlen_q: int, seqlen_k: int,
-               head_dim: int, dtype: torch.dtype, backward: bool = True) -> list[Plan]:
-    """All plans one forward (+ backward) call builds: what the benchmark times as 'mask prep'."""
+               head_dim: int, dtype: torch.dtype, backward: bool = True,
+               row_span: Optional[float] = None) -> list[Plan]:
+    """All plans one forward (+ backward) call builds: what the benchmark times as 'mask prep'
+    (``row_span``: the mask's mean row span, as the forward gets it)."""
     c = 0 if mask is None else mask.shape[-1]
     device = mask.device if mask is not None else "cpu"
     like = torch.empty((1, 1, 1, head_dim), dtype=dtype, device=device)
     out = []
     for kind in ("fwd",) + (BACKWARD_KERNELS[backward_mode(like=like)] if backward else ()):
-        cfg = _config(kind, head_dim, causal, c, dtype, like=like)
+        cfg = _config(kind, head_dim, causal, c, dtype, like=like, row_span=row_span)
         out.append(make_plan(mask, causal, seqlen_q, seqlen_k, cfg.block_m, cfg.block_n,
                              PLAN_BY_KEY[kind], device))
     return out
@@ -1250,8 +1282,10 @@ def _contig(*xs):
 
 
 def forward(q, k, v, startend_row_indices: Optional[torch.Tensor], causal: bool,
-            softmax_scale: float):
-    """Backend contract: masked attention forward, returns ``(out, lse)``."""
+            softmax_scale: float, row_span: Optional[float] = None):
+    """Backend contract: masked attention forward, returns ``(out, lse)``. ``row_span``: the
+    mask's mean row span (``FlashMask.mean_row_span``) where known, the tile hint of
+    :func:`_config`."""
     q, k, v = _contig(q, k, v)
     b, sq, hq, d = q.shape
     sk = k.shape[1]
@@ -1261,7 +1295,7 @@ def forward(q, k, v, startend_row_indices: Optional[torch.Tensor], causal: bool,
     c = 0 if startend_row_indices is None else startend_row_indices.shape[-1]
     if _autotune_enabled(q) and ("fwd", d, causal, c, q.dtype) not in _TUNED:
         autotune("fwd", q, k, v, startend_row_indices, causal, softmax_scale)
-    cfg = _config("fwd", d, causal, c, q.dtype, like=q)
+    cfg = _config("fwd", d, causal, c, q.dtype, like=q, row_span=row_span)
     plan = make_plan(startend_row_indices, causal, sq, sk, cfg.block_m, cfg.block_n, False,
                      q.device)
     return _launch_fwd(q, k, v, startend_row_indices, causal, softmax_scale, cfg, plan)

@@ -61,12 +61,19 @@ def _doc_bounds(lens: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def _finish(columns: list[torch.Tensor], causal: bool, num_heads: int, device) -> FlashMask:
-    """Stack per-batch ``[S, C]`` column tensors into a FlashMask over ``num_heads`` heads."""
+    """Stack per-batch ``[S, C]`` column tensors into a FlashMask over ``num_heads`` heads,
+    with its mean row span measured on the CPU columns (the kernels' tile hint)."""
     _check_positive_int("num_heads", num_heads)
     t = torch.stack(columns).to(torch.int32).unsqueeze(1)  # [B, 1, S, C]
+    span = FlashMask(t, causal).row_span()  # (on one mask head: the heads below are copies)
     if num_heads > 1:
         t = t.expand(-1, num_heads, -1, -1)
-    return FlashMask(t.contiguous().to(device), causal)
+    return FlashMask(t.contiguous().to(device), causal, mean_row_span=span)
+
+
+def _on_device(mask: FlashMask, device) -> FlashMask:
+    """A CPU-built mask with its mean row span measured, moved to ``device``."""
+    return mask.with_row_span().to(device)
 
 
 def _repeat(col: torch.Tensor, batch_size: int) -> list[torch.Tensor]:
@@ -312,7 +319,7 @@ def qk_sparse_mask(seqlen: int, query_ranges, key_ranges, *, device=None) -> Fla
     lts = torch.where(key_dropped, 0, qr[..., :1].expand(b, h, s))
     lte = torch.where(key_dropped, s, qr[..., 1:].expand(b, h, s))
     t = torch.stack([lts, lte], -1).to(torch.int32)
-    return FlashMask(t.contiguous().to(device), True)
+    return _on_device(FlashMask(t.contiguous(), True), device)
 
 
 def random_eviction_mask(seqlen: int, *, batch_size: int = 1, num_heads: int = 1, seed: int = 0,
@@ -330,7 +337,7 @@ def random_eviction_mask(seqlen: int, *, batch_size: int = 1, num_heads: int = 1
     u = torch.rand(batch_size, num_heads, s, generator=gen, dtype=torch.float64)
     lts = j + 1 + torch.floor(u * span).to(torch.int64)
     t = lts.clamp(max=s).unsqueeze(-1).to(torch.int32)
-    return FlashMask(t.contiguous().to(device), True)
+    return _on_device(FlashMask(t.contiguous(), True), device)
 
 
 def random_document_lengths(total: int, mean_len: int, *, min_len: int = 1, seed: int = 0) -> list[int]:

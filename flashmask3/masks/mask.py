@@ -14,6 +14,7 @@ This module is the single home of
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Optional
 
@@ -243,13 +244,27 @@ class FlashMask:
     Built by the constructors in :mod:`flashmask3.masks.constructors`; pass it as the fourth
     argument of :func:`flashmask3.flashmask_attention` (it brings its own ``causal``).
     ``seqlen_q`` defaults to the key length (self-attention).
+
+    ``mean_row_span``: the mean number of keys a query row attends (over batch, mask heads and
+    rows), known on the host. The constructors set it (they build the columns on the CPU); the
+    Triton forward uses it to pick a smaller query tile for masks whose rows see few keys
+    (short documents: NOTES.md session 16). ``None`` (a mask built from a tensor) keeps the
+    default tiles; :meth:`with_row_span` measures it (one device-to-host copy).
     """
 
     startend_row_indices: torch.Tensor
     causal: bool
     seqlen_q: Optional[int] = None
+    mean_row_span: Optional[float] = None
 
     def __post_init__(self):
+        span = self.mean_row_span
+        if span is not None:
+            if isinstance(span, bool) or not isinstance(span, (int, float)):
+                raise TypeError(f"mean_row_span must be a number or None, got {type(span).__name__}")
+            if not span >= 0:
+                raise ValueError(f"mean_row_span must be >= 0, got {span}")
+            object.__setattr__(self, "mean_row_span", float(span))
         t = self.startend_row_indices
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"startend_row_indices must be a torch.Tensor, got {type(t).__name__}")
@@ -285,7 +300,8 @@ class FlashMask:
 
     # -- conversions ---------------------------------------------------------------------
     def to(self, device) -> "FlashMask":
-        return FlashMask(self.startend_row_indices.to(device), self.causal, self.seqlen_q)
+        return FlashMask(self.startend_row_indices.to(device), self.causal, self.seqlen_q,
+                         self.mean_row_span)
 
     def to_dense(self) -> torch.Tensor:
         """Dense boolean ``[B, Hm, Sq, Sk]`` (True = attend). O(S²): tests and debugging only."""
@@ -296,12 +312,23 @@ class FlashMask:
         if self.num_heads != 1:
             raise ValueError(f"expand_heads needs a single-head mask, this one has {self.num_heads}")
         t = self.startend_row_indices.expand(-1, num_heads, -1, -1).contiguous()
-        return FlashMask(t, self.causal, self.seqlen_q)
+        return FlashMask(t, self.causal, self.seqlen_q, self.mean_row_span)
 
     # -- accounting ----------------------------------------------------------------------
     def unmasked_pairs(self) -> int:
         """Total unmasked (query, key) pairs over batch and mask heads."""
         return unmasked_pairs(self.startend_row_indices, self.causal, self.seqlen_q)
+
+    def row_span(self) -> float:
+        """Mean number of keys a query row attends, over batch, mask heads and rows (from the
+        columns: one device-to-host copy on a GPU mask)."""
+        rows = self.batch_size * self.num_heads * self.seqlen_q
+        return self.unmasked_pairs() / rows if rows else 0.0
+
+    def with_row_span(self) -> "FlashMask":
+        """This mask with :attr:`mean_row_span` measured (:meth:`row_span`), for masks built
+        from a tensor: the constructors set it themselves."""
+        return dataclasses.replace(self, mean_row_span=self.row_span())
 
     def density(self) -> float:
         """Fraction of (query, key) pairs that are attended (1 - sparsity)."""

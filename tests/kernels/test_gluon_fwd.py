@@ -15,6 +15,7 @@ ping-pong.
 
 from __future__ import annotations
 
+import importlib
 import math
 
 import pytest
@@ -209,6 +210,47 @@ def test_config_checks():
         F.check_config(128, 128, 64, 8, 4, pingpong=True)
 
 
+def test_short_rows_hint_picks_the_measured_tile(monkeypatch):
+    """A mean row span below SHORT_ROWS_FWD's threshold picks its forward tile: at D=128 the
+    one-warpgroup WS tile where the WS forward runs it (here, on a CPU tensor, where it is
+    made to), at D=64 the tl 64x64 tile; at or above the threshold, without a span, at D=256,
+    with FLASHMASK3_TRITON_FWD set, for the backward kernels or where the WS forward cannot
+    run, the usual tile."""
+    monkeypatch.delenv("FLASHMASK3_TRITON_FWD", raising=False)
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    monkeypatch.setattr(T, "_TUNED", {})
+    bf16 = torch.bfloat16
+    q128 = torch.zeros(1, 8, 1, 128, dtype=bf16)
+    q64 = torch.zeros(1, 8, 1, 64, dtype=bf16)
+    q256 = torch.zeros(1, 8, 1, 256, dtype=bf16)
+    default128 = T._config("fwd", 128, True, 1, bf16, like=q128)
+    assert T._config("fwd", 128, True, 1, bf16, like=q128, row_span=900.0) == default128
+    def runs_if_accepted(q, module, cfg, **variant):  # as on an H200: the config checks only
+        try:
+            importlib.import_module(f"flashmask3.kernels.{module}").check_config(
+                q.shape[-1], cfg.block_m, cfg.block_n, cfg.num_warps, cfg.num_stages, **variant)
+        except ValueError:
+            return False
+        return True
+
+    monkeypatch.setattr(T, "_gluon_runs", runs_if_accepted)
+    assert T._config("fwd", 128, True, 1, bf16, like=q128) == T.GLUON_TILE[("fwd", 128)]
+    threshold, tile = T.SHORT_ROWS_FWD[128]
+    assert tile == T.Config(64, 64, 4, 2) and T._fwd_impl(q128, tile, 1) == "gluon_ws"
+    assert T._config("fwd", 128, True, 1, bf16, like=q128, row_span=900.0) == tile
+    assert T._config("fwd", 128, False, 2, bf16, like=q128, row_span=threshold - 1) == tile
+    assert T._config("fwd", 128, True, 1, bf16, like=q128,
+                     row_span=threshold) == T.GLUON_TILE[("fwd", 128)]
+    assert T._config("dkdv", 128, True, 1, bf16, like=q128, row_span=900.0) == T.GLUON_TILE[
+        ("dkdv", 128)]
+    assert T._config("fwd", 64, True, 1, bf16, like=q64, row_span=900.0) == T.Config(64, 64, 4, 3)
+    assert T._config("fwd", 256, True, 1, bf16, like=q256, row_span=900.0) == T.GLUON_TILE[
+        ("fwd", 256)]
+    monkeypatch.setenv("FLASHMASK3_TRITON_FWD", "gluon_ws")
+    assert T._config("fwd", 128, True, 1, bf16, like=q128,
+                     row_span=900.0) == T.GLUON_TILE[("fwd", 128)]
+
+
 def test_dispatch_env(monkeypatch):
     """Default and =tl: tl; =gluon: tl wherever Gluon cannot run (CPU tensors here); anything
     else: a ValueError naming the variable."""
@@ -376,3 +418,35 @@ def test_gpu_one_consumer_ws_forward_matches_reference(d, causal, c):
         assert (one[0].permute(0, 2, 1, 3)[empty] == 0).all()
         assert rel_err(one[0], ref_out) < 2e-2 and rel_err(one[1], ref_lse) < 1e-3
         assert torch.equal(one[0], tl_out), (one[0].float() - tl_out.float()).abs().max()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("d", [128, 64])
+def test_gpu_short_documents_take_the_short_rows_tile(d):
+    """A causal document mask of short documents (a FlashMask from the constructor, so its
+    mean row span is known) runs the SHORT_ROWS_FWD tile through the public function, and O,
+    LSE and the gradients match the float64 reference."""
+    import flashmask3
+    import flashmask3.masks as M
+
+    _require_hopper_gluon()
+    s, hq, hk = 1500, 4, 2
+    lens = M.random_document_lengths(s, 90, seed=4)
+    mask = M.causal_document_mask(lens, batch_size=2, device="cuda")
+    assert mask.mean_row_span < T.SHORT_ROWS_FWD[d][0]
+    g = torch.Generator(device="cuda").manual_seed(21)
+    q = torch.randn(2, s, hq, d, device="cuda", dtype=torch.bfloat16, generator=g)
+    k, v = (torch.randn(2, s, hk, d, device="cuda", dtype=torch.bfloat16, generator=g)
+            for _ in range(2))
+    assert T._config("fwd", d, True, 1, q.dtype, like=q,
+                     row_span=mask.mean_row_span) == T.SHORT_ROWS_FWD[d][1]
+    q, k, v = (x.requires_grad_() for x in (q, k, v))
+    out, lse = flashmask3.flashmask_attention(q, k, v, mask, return_softmax_lse=True)
+    cols = mask.startend_row_indices
+    ref_out, ref_lse = reference_attention(q, k, v, cols, True, 1 / math.sqrt(d))
+    assert rel_err(out, ref_out) < 2e-2 and rel_err(lse, ref_lse) < 1e-3
+    dout = torch.randn_like(out)
+    grads = torch.autograd.grad(out, (q, k, v), dout)
+    ref_grads = torch.autograd.grad(ref_out, (q, k, v), dout.to(ref_out.dtype))
+    for gr, rg in zip(grads, ref_grads):
+        assert rel_err(gr, rg) < 3e-2

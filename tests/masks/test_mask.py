@@ -168,6 +168,32 @@ def test_named_masks_are_valid_and_sparse_where_expected():
     assert masks["causal_document"].density() < masks["causal"].density() < 1.0
 
 
+def test_constructors_record_the_mean_row_span():
+    """Every constructor's mask carries its mean row span (the forward's tile hint), equal to
+    the dense mask's attended keys per query row; to(), expand_heads() and with_row_span()
+    keep or measure it; a mask built from a tensor has none."""
+    masks = named_masks(64, batch_size=2, num_heads=2)
+    for name, m in masks.items():
+        dense = m.to_dense()
+        want = float(dense.sum()) / (dense.shape[0] * dense.shape[1] * dense.shape[2])
+        assert m.mean_row_span == pytest.approx(want), name
+        assert m.to("cpu").mean_row_span == m.mean_row_span, name
+    one = M.causal_document_mask([10, 30, 24])
+    assert one.mean_row_span == pytest.approx((10 * 11 + 30 * 31 + 24 * 25) / 2 / 64)
+    assert one.expand_heads(3).mean_row_span == one.mean_row_span
+    raw = M.FlashMask(one.startend_row_indices, True)
+    assert raw.mean_row_span is None
+    assert raw.with_row_span().mean_row_span == pytest.approx(one.mean_row_span)
+
+
+@pytest.mark.parametrize("span, exc", [("12", TypeError), (True, TypeError), (-1.0, ValueError),
+                                       (float("nan"), ValueError)])
+def test_flashmask_rejects_a_bad_row_span(span, exc):
+    cols = M.causal_mask(8).startend_row_indices
+    with pytest.raises(exc, match="mean_row_span"):
+        M.FlashMask(cols, True, mean_row_span=span)
+
+
 # -- validation ---------------------------------------------------------------------------------
 
 
