@@ -38,6 +38,7 @@
 #   bash benchmarks/gpu_kernel.sh s15d  # every gpu test of the public function, then the 128K D=64 cells never run
 #   bash benchmarks/gpu_kernel.sh s16a    # the one-warpgroup WS forward A/B, its GPU tests, the D=256 tests
 #   bash benchmarks/gpu_kernel.sh s16b    # the short-rows forward tile: GPU tests, its table rows, backward tiles
+#   bash benchmarks/gpu_kernel.sh s16c    # its last two table rows, the public GPU tests no recent run reached
 #   bash benchmarks/gpu_kernel.sh next16  # (not yet run) session 15's unchecked GPU tests, D=64 WS forward on random eviction
 #   SEQ=8192 BENCH_BUDGET=420 bash benchmarks/gpu_kernel.sh grid128  # (not yet run) the D=128 grid at one length, interleaved timer
 #   BENCH_BUDGET=170 bash benchmarks/gpu_kernel.sh order   # the persistent DS_SHARED kernel: tests, backward stages, A/B at D=128 and D=64 (STAGES=0, BUDGET_D64=0, CASES=... to trim)
@@ -474,6 +475,18 @@ case "$PHASE" in
     FLASHMASK3_TRITON_AUTOTUNE=0 timeout ${AB_S:-110} python3 benchmarks/gluon_dkdv_ab.py --fused --skip-small --skip-tl-fused \
       --cases causal_document_short,document_short --fused-configs 64x128w8s2wsmds,64x128w8s3wsmds,32x64w4s3ws,64x64w4s2ws \
       --budget-s $((${AB_S:-110} - 40)) 2>&1 | tee "$OUT/bench_bwd_short.log"
+    ;;
+  s16c)
+    # session 16: the two causal short-document rows the short-rows tile changes that s16b's
+    # budget left out (128K MHA, 32K GQA 32:8), then the public GPU test file's cases no recent
+    # run reached (fp16, bf16 fused at D=64/256, flipped, long sequences, deterministic)
+    FLASHMASK3_TRITON_AUTOTUNE=0 timeout ${K1_S:-150} python3 benchmarks/kernel.py --seqlens 131072,32768 --dims 128 \
+      --masks causal_document_short --impls flashmask3,flashmask3_fwd_ws,flex --budget-s $((${K1_S:-150} - 50)) \
+      --skip-done benchmarks/results/kernel_v71_d128.json \
+      --out "$OUT" --tag v71_d128b 2>&1 | grep -v "DeprecationWarning\|create_block_mask(mm" | tee "$OUT/bench_v71_d128b.log"
+    FLASHMASK3_TRITON_AUTOTUNE=0 timeout ${TEST_S:-330} python3 -m pytest -m gpu tests/kernels/test_triton_flashmask.py \
+      -k "(float16 and not bfloat16) or (fused and not 128) or flipped or long_sequences or deterministic" \
+      -p no:cacheprovider --tb=short -v 2>&1 | tail -45 | tee "$OUT/pytest_s16c.log"  # -v: names survive a timeout
     ;;
   grid128)
     # (prepared in session 14) the D=128 grid with the interleaved timer, one sequence length

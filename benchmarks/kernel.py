@@ -526,7 +526,9 @@ def run_case(name: str, s: int, d: int, hq: int, hk: int, dtype, args) -> dict:
         with flashmask_variant("flashmask3"):  # what the flashmask3 row ran
             fm["backward"] = T.backward_mode(like=q)
             kinds = ("fwd",) + T.BACKWARD_KERNELS[fm["backward"]]
-            fm["configs"] = {kind: str(T._config(kind, d, causal, c, dtype, like=q)) for kind in kinds}
+            span = None if mask is None else mask.mean_row_span  # (the forward's tile hint)
+            fm["configs"] = {kind: str(T._config(kind, d, causal, c, dtype, like=q, row_span=span))
+                             for kind in kinds}
             fm["prep_ms"] = flashmask_prep_ms(mask, causal, s, d, dtype)
             fm["mask_bytes"] = mask_bytes(mask, causal, s, d, dtype)
     return rec
