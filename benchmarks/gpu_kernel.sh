@@ -39,6 +39,7 @@
 #   bash benchmarks/gpu_kernel.sh s16a    # the one-warpgroup WS forward A/B, its GPU tests, the D=256 tests
 #   bash benchmarks/gpu_kernel.sh s16b    # the short-rows forward tile: GPU tests, its table rows, backward tiles
 #   bash benchmarks/gpu_kernel.sh s16c    # its last two table rows, the public GPU tests no recent run reached
+#   bash benchmarks/gpu_kernel.sh s16d    # the one-warpgroup WS forward persistent / 64x32; 128K D=64 full
 #   bash benchmarks/gpu_kernel.sh next16  # (not yet run) session 15's unchecked GPU tests, D=64 WS forward on random eviction
 #   SEQ=8192 BENCH_BUDGET=420 bash benchmarks/gpu_kernel.sh grid128  # (not yet run) the D=128 grid at one length, interleaved timer
 #   BENCH_BUDGET=170 bash benchmarks/gpu_kernel.sh order   # the persistent DS_SHARED kernel: tests, backward stages, A/B at D=128 and D=64 (STAGES=0, BUDGET_D64=0, CASES=... to trim)
@@ -487,6 +488,18 @@ case "$PHASE" in
     FLASHMASK3_TRITON_AUTOTUNE=0 timeout ${TEST_S:-330} python3 -m pytest -m gpu tests/kernels/test_triton_flashmask.py \
       -k "(float16 and not bfloat16) or (fused and not 128) or flipped or long_sequences or deterministic" \
       -p no:cacheprovider --tb=short -v 2>&1 | tail -45 | tee "$OUT/pytest_s16c.log"  # -v: names survive a timeout
+    ;;
+  s16d)
+    # session 16: the one-warpgroup WS forward persistent (two programs per SM) and at 64x32 s4,
+    # against its one-block 64x64 s2 on the short spreads; then the grid's never-run cell
+    # (128K D=64 full)
+    FLASHMASK3_TRITON_AUTOTUNE=0 timeout ${AB_S:-170} python3 benchmarks/gluon_fwd_ab.py --budget-s $((${AB_S:-170} - 50)) --dims 128 \
+      --skip-small --cases causal_document_short,document_short,causal_document_mixed \
+      --configs 128x128w8s2ws,64x64w4s2ws,64x64w4s2ws+P,64x32w4s4ws 2>&1 | tee "$OUT/bench_fwd1c2.log"
+    mv "$OUT/gluon_fwd_ab.json" "$OUT/gluon_fwd_1c2_ab.json"; mv "$OUT/gluon_fwd_ab.md" "$OUT/gluon_fwd_1c2_ab.md"
+    FLASHMASK3_TRITON_AUTOTUNE=0 timeout ${K1_S:-160} python3 benchmarks/kernel.py --seqlens 131072 --dims 64 --no-gqa \
+      --masks full --impls flashmask3,flex,sdpa_cudnn,sdpa_flash --budget-s 60 \
+      --out "$OUT" --tag v71_d64_full 2>&1 | grep -v "DeprecationWarning\|create_block_mask(mm" | tee "$OUT/bench_v71_d64_full.log"
     ;;
   grid128)
     # (prepared in session 14) the D=128 grid with the interleaved timer, one sequence length

@@ -1024,6 +1024,25 @@ def shared_bytes(d: int, block_m: int, block_n: int, num_stages: int, col_words:
     return 2 * d * (block_m + 2 * num_stages * block_n) + 4 * num_stages * col_words * block_n
 
 
+#: Shared memory per SM on sm_90 and what the hardware reserves per resident program.
+SM_SHARED = 233472
+RESERVED_SHARED_PER_PROGRAM = 1024
+#: Barriers and padding the WS kernel allocates beyond :func:`shared_bytes` (offline compiles:
+#: 380-1400 bytes; a bound).
+WS_SHARED_SLACK = 2048
+
+
+def ws_programs_per_sm(d: int, block_m: int, block_n: int, num_warps: int, num_stages: int,
+                       col_words: int = 0) -> int:
+    """WS forward programs resident per SM: what the registers allow at :func:`ws_maxnreg`
+    (two at 4 consumer warps, one at 8) and the shared memory (tiles plus a slack for the
+    barriers, plus the per-program reservation): 2 for the one-warpgroup 64x64 s2 tile at
+    D=128; the persistent kernel's default grid is that many per SM."""
+    per = shared_bytes(d, block_m, block_n, num_stages, col_words) + WS_SHARED_SLACK
+    by_smem = SM_SHARED // (per + RESERVED_SHARED_PER_PROGRAM)
+    return max(1, min(_GD.ws_programs_per_sm(num_warps), by_smem))
+
+
 def check_config(d: int, block_m: int, block_n: int, num_warps: int, num_stages: int,
                  warp_spec: bool = False, pingpong: bool = False,
                  persistent: bool = False, col_words: int = 0) -> None:
@@ -1078,7 +1097,8 @@ def launch_fwd_gluon(q, k, v, mask, causal, softmax_scale, plan, block_m: int, b
     unused (the plan holds it), as in ``_launch_fwd``. ``warp_spec``: the warp-specialised
     kernel (:func:`_fwd_ws_kernel`: a TMA producer warp, separate K and V rings, two consumer
     warpgroups of 64 rows; ``pingpong`` makes them take turns issuing their matmuls;
-    ``persistent``: one program per SM, or ``programs``, each claiming query blocks, in the
+    ``persistent``: as many programs as fit on the GPU at once (:func:`ws_programs_per_sm`
+    per SM), or ``programs``, each claiming query blocks, in the
     non-persistent grid's order, from a counter zeroed per launch; the next block's Q and key
     tiles load under the previous block's last PV and O store; ``cols_smem``: the producer
     stages the masked tiles' columns in shared memory, None: :data:`WS_COLS_SMEM`)."""
@@ -1111,7 +1131,9 @@ def launch_fwd_gluon(q, k, v, mask, causal, softmax_scale, plan, block_m: int, b
         next_item = None
         if persistent:
             sms = torch.cuda.get_device_properties(q.device).multi_processor_count
-            grid = (max(1, min(n_items, programs or sms)), )
+            resident = ws_programs_per_sm(d, block_m, block_n, num_warps, num_stages,
+                                          plan.c if cols_smem else 0)
+            grid = (max(1, min(n_items, programs or sms * resident)), )
             next_item = torch.zeros(1, dtype=torch.int32, device=q.device)
         else:
             grid = (nqb, b * hq)

@@ -158,7 +158,10 @@ def test_one_consumer_ws_kernel_fits_two_programs_per_sm(d, causal, c):
     assert r["hgmma"] > 0 and r["tma_load"] > 0 and r["overlap"], r
     assert r["setmaxnreg"] == [24, 232] and r["regs"] <= 128, r
     assert r["ldl_stl_in_tile_loops"] == 0, r
-    assert 2 * (r["shared"] + 1024) <= 228 * 1024, r
+    assert 2 * (r["shared"] + F.RESERVED_SHARED_PER_PROGRAM) <= F.SM_SHARED, r
+    assert r["shared"] <= F.shared_bytes(d, 64, 64, 2, c) + F.WS_SHARED_SLACK, r
+    assert F.ws_programs_per_sm(d, 64, 64, 4, 2, c) == 2
+    assert F.ws_programs_per_sm(d, 128, 128, 8, 2, c) == 1
 
 
 def test_ab_config_labels_round_trip():
