@@ -2,10 +2,12 @@
 (``_fwd_gluon_kernel``, opt-in through ``FLASHMASK3_TRITON_FWD=gluon``, slower than tl) and a
 warp-specialised one (``_fwd_ws_kernel``, session 13: a TMA producer warp, separate K and V
 rings, two consumer warpgroups of 64 query rows, optional ping-pong and a PERSISTENT mode;
-session 14: the producer stages the masked tiles' mask columns in shared memory), the
+session 14: the producer stages the masked tiles' mask columns in shared memory; session 16:
+one consumer warpgroup at 64x64, two programs per SM, for masks whose rows see few keys), the
 library's default forward where ``triton_flashmask.GLUON_FWD_DIMS`` lists the head dim
 (D=128: every layout, 1.00-1.20x the tl forward at 32K; D=256: 1.13-1.26x),
-``triton_flashmask._fwd_impl`` choosing. The rest of this docstring
+``triton_flashmask._fwd_impl`` choosing (the one-warpgroup tile through
+``triton_flashmask.SHORT_ROWS_FWD``). The rest of this docstring
 describes the plain kernel, whose per-tile schedule the WS consumers share; the WS section
 below says what it changes.
 
@@ -408,7 +410,7 @@ def _fwd_gluon_kernel(q_desc, k_desc, v_desc, o_ptr, lse_ptr, mask_ptr, sum_ptr,
 
 
 # ---------------------------------------------------------------------------------------------
-# Warp-specialised forward (WARP_SPEC): a TMA producer warp and two consumer warpgroups
+# Warp-specialised forward (WARP_SPEC): a TMA producer warp and one or two consumer warpgroups
 # ---------------------------------------------------------------------------------------------
 #
 # What the plain kernel's measurement (session 7) named, changed: (1) K and V share one ring
@@ -428,7 +430,13 @@ def _fwd_gluon_kernel(q_desc, k_desc, v_desc, o_ptr, lse_ptr, mask_ptr, sum_ptr,
 # spill left in any tile loop. PERSISTENT: one program per SM, the producer claiming blocks from
 # a global counter in the grid's order (session 14: 0.88-1.10x, opt-in); a static walk (program
 # p took blocks p, p + P, ...) lost in session 13: 0.80-0.96x (D=128), 0.94-1.08x (D=256), as it
-# did in the backward (session 12): the blocks in flight drift apart over heads.
+# did in the backward (session 12): the blocks in flight drift apart over heads. (5) Session
+# 16, one consumer warpgroup (BLOCK_M 64, 4 consumer warps, maxnreg 128 over 8 warp slots, the
+# consumer at 232): at 64x64 s2 (83 KB) two programs share an SM, so one's prologue and O store
+# run under the other's tiles. On causal short documents (~9 live 128x128 tiles per block)
+# 1.11-1.14x the two-warpgroup kernel in the A/B, 1.23x in the kernel table's run; 0.86-0.89x
+# on longer documents (results/gluon_fwd_1c_ab.md). Persistent (two programs per SM) 1.03x of
+# it on short documents, opt-in.
 
 
 @_jit
@@ -492,9 +500,10 @@ def _ws_produce_tiles(k_desc, v_desc, k_ring, v_ring, k_ready, k_empty, v_ready,
                       C: gl.constexpr):
     """The producer's loads of one block's T key tiles, ring tiles t .. t + T - 1 (tile j of
     the block: key block lo0 + j, or lo1 + j - len0 in the second range): K into K slot
-    t % NUM_STAGES once both consumers released it (``k_empty``, count 2), V likewise into
-    its V slot. K and V have separate rings, so a K slot is refilled as soon as both
-    warpgroups' S has been waited for, a tile before the PV that frees the V slot. With a
+    t % NUM_STAGES once every consumer released it (``k_empty``, one arrive per consumer
+    warpgroup), V likewise into its V slot. K and V have separate rings, so a K slot is
+    refilled as soon as the warpgroups' S has been waited for, a tile before the PV that frees
+    the V slot. With a
     column ring (COLS_SMEM, else ``col_ring`` is 0) a tile of a masked loop also gets its mask
     columns (:func:`_ws_produce_columns`) in the K slot's column slot, and ``k_ready`` counts
     a second arrive after them. Returns the ring counter after the block."""
@@ -575,7 +584,7 @@ def _ws_produce_persistent(q_desc, k_desc, v_desc, q_smem, k_ring, v_ring, q_bar
     order to whichever program is free, so the blocks in flight stay as close together as
     that grid's and share their K/V rows in L2). The next item is claimed and its live ranges
     loaded as soon as this block's loads are issued, under the consumers' last tiles; once
-    both consumers released Q (``q_empty``, after their last S wait) it is published in
+    every consumer released Q (``q_empty``, after its last S wait) it is published in
     ``item_smem`` and its Q loads on ``q_bar``, then its key tiles; the ring counter runs on
     across items. An item >= n_items is published with a plain arrive on ``q_bar``: the
     consumers' signal to stop."""
@@ -1095,8 +1104,9 @@ def launch_fwd_gluon(q, k, v, mask, causal, softmax_scale, plan, block_m: int, b
     """(out, lse) like ``triton_flashmask._launch_fwd``; ``plan`` must come from
     ``make_plan(mask, causal, Sq, Sk, block_m, block_n, by_key=False, device)``. ``mask`` is
     unused (the plan holds it), as in ``_launch_fwd``. ``warp_spec``: the warp-specialised
-    kernel (:func:`_fwd_ws_kernel`: a TMA producer warp, separate K and V rings, two consumer
-    warpgroups of 64 rows; ``pingpong`` makes them take turns issuing their matmuls;
+    kernel (:func:`_fwd_ws_kernel`: a TMA producer warp, separate K and V rings, one consumer
+    warpgroup of 64 rows per 4 of ``num_warps``; ``pingpong`` makes two take turns issuing
+    their matmuls;
     ``persistent``: as many programs as fit on the GPU at once (:func:`ws_programs_per_sm`
     per SM), or ``programs``, each claiming query blocks, in the
     non-persistent grid's order, from a counter zeroed per launch; the next block's Q and key
@@ -1229,7 +1239,8 @@ def main(argv=None):
     ap.add_argument("--configs", default=",".join("{}x{}w{}s{}".format(*c)
                                                    for c in REPORT_CONFIGS))
     ap.add_argument("--dtype", default="bf16")
-    ap.add_argument("--warp-spec", action="store_true", help="the WS kernel (block_m 128, w8)")
+    ap.add_argument("--warp-spec", action="store_true",
+                    help="the WS kernel (block_m 128 w8, or 64 w4: one consumer warpgroup)")
     ap.add_argument("--pingpong", action="store_true", help="the WS kernel with ping-pong")
     ap.add_argument("--persistent", action="store_true", help="the persistent WS kernel")
     args = ap.parse_args(argv)

@@ -1196,8 +1196,9 @@ def _gluon_runs(q: torch.Tensor, module: str, cfg: Config, **variant) -> bool:
 
 #: The warp-specialised Gluon forward (gluon_fwd._fwd_ws_kernel: a TMA producer warp,
 #: separate K and V rings, two consumer warpgroups of 64 query rows) is the default at these
-#: head dims, on every mask layout, at its :data:`GLUON_TILE` tile; elsewhere opt-in
-#: (FLASHMASK3_TRITON_FWD=gluon_ws / gluon_wsp).
+#: head dims, on every mask layout, at its :data:`GLUON_TILE` tile (at D=128 with one
+#: warpgroup at 64x64 where the mask's rows see few keys: :data:`SHORT_ROWS_FWD`); elsewhere
+#: opt-in (FLASHMASK3_TRITON_FWD=gluon_ws / gluon_wsp).
 #: Measured against the tl forward (H200, 32K, benchmarks/NOTES.md sessions 13 and 14), with
 #: the producer staging the masked tiles' columns in shared memory (COLS_SMEM, session 14):
 #: D=128 at 128x128 s2 1.00-1.20x on every masked layout (causal documents: short 1.00, mixed
@@ -1209,8 +1210,8 @@ GLUON_FWD_DIMS: tuple = (128, 256)
 #: Whether the WS forward's two warpgroups take turns issuing their matmuls (FA3's ping-pong),
 #: per head dim: at D=128 ping-pong measured 0.93-1.04x of without; D=256 was measured with it.
 GLUON_FWD_PINGPONG = {256: True, 128: False, 64: True}
-#: Whether the WS forward runs persistent (one program per SM taking the query blocks in the
-#: grid's order; env FLASHMASK3_TRITON_FWD_PERSISTENT=1 / 0 overrides).
+#: Whether the WS forward runs persistent (as many programs as fit per SM, taking the query
+#: blocks in the grid's order; env FLASHMASK3_TRITON_FWD_PERSISTENT=1 / 0 overrides).
 GLUON_FWD_PERSISTENT = False
 
 
