@@ -40,6 +40,7 @@
 #   bash benchmarks/gpu_kernel.sh s16b    # the short-rows forward tile: GPU tests, its table rows, backward tiles
 #   bash benchmarks/gpu_kernel.sh s16c    # its last two table rows, the public GPU tests no recent run reached
 #   bash benchmarks/gpu_kernel.sh s16d    # the one-warpgroup WS forward persistent / 64x32; 128K D=64 full
+#   bash benchmarks/gpu_kernel.sh s16e    # the 128K D=256 rows still from v6.6
 #   bash benchmarks/gpu_kernel.sh next16  # (not yet run) session 15's unchecked GPU tests, D=64 WS forward on random eviction
 #   SEQ=8192 BENCH_BUDGET=420 bash benchmarks/gpu_kernel.sh grid128  # (not yet run) the D=128 grid at one length, interleaved timer
 #   BENCH_BUDGET=170 bash benchmarks/gpu_kernel.sh order   # the persistent DS_SHARED kernel: tests, backward stages, A/B at D=128 and D=64 (STAGES=0, BUDGET_D64=0, CASES=... to trim)
@@ -500,6 +501,14 @@ case "$PHASE" in
     FLASHMASK3_TRITON_AUTOTUNE=0 timeout ${K1_S:-160} python3 benchmarks/kernel.py --seqlens 131072 --dims 64 --no-gqa \
       --masks full --impls flashmask3,flex,sdpa_cudnn,sdpa_flash --budget-s 60 \
       --out "$OUT" --tag v71_d64_full 2>&1 | grep -v "DeprecationWarning\|create_block_mask(mm" | tee "$OUT/bench_v71_d64_full.log"
+    ;;
+  s16e)
+    # session 16: grid upkeep, the 128K D=256 rows still from v6.6 (cheapest first; the budget
+    # cuts the tail)
+    FLASHMASK3_TRITON_AUTOTUNE=0 timeout ${K1_S:-320} python3 benchmarks/kernel.py --seqlens 131072 --dims 256 --no-gqa \
+      --masks shared_question,sliding_window,global_sliding_window,causal_blockwise,document_short,document_corpus,prefix_document_corpus,random_eviction,prefix_lm,full \
+      --impls flashmask3,flex,sdpa_cudnn,sdpa_flash,varlen --budget-s $((${K1_S:-320} - 80)) \
+      --out "$OUT" --tag v71_d256_128k 2>&1 | grep -v "DeprecationWarning\|create_block_mask(mm" | tee "$OUT/bench_v71_d256_128k.log"
     ;;
   grid128)
     # (prepared in session 14) the D=128 grid with the interleaved timer, one sequence length
