@@ -16,7 +16,7 @@ import torch
 from torch import Tensor
 
 from .kernels import choose_backend, get_backend
-from .masks.mask import FlashMask, validate_startend_row_indices
+from .masks.mask import FlashMask, row_span_of_bucket, validate_startend_row_indices
 
 _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
@@ -29,7 +29,8 @@ def _attention_forward(
     q: Tensor, k: Tensor, v: Tensor, startend_row_indices: Optional[Tensor], causal: bool,
     softmax_scale: float, backend: str, row_span: float,
 ) -> tuple[Tensor, Tensor]:
-    # row_span: the mask's mean row span (FlashMask.mean_row_span), -1 when unknown
+    # row_span: the mask's mean row span rounded down to its half octave (the lower edge of
+    # FlashMask.row_span_bucket), -1 when unknown
     out, lse = get_backend(backend).forward(q, k, v, startend_row_indices, causal, softmax_scale,
                                             row_span=None if row_span < 0 else row_span)
     return out.contiguous(), lse.contiguous()
@@ -110,6 +111,14 @@ def check_qkv(q, k, v) -> None:
         raise ValueError(f"the {hq} query heads must be a multiple of the {hk} key/value heads (GQA/MQA)")
     if sq == 0 or k.shape[1] == 0 or d == 0:
         raise ValueError(f"empty inputs are not supported: q {tuple(q.shape)}, k {tuple(k.shape)}")
+
+
+def kernel_row_span(mask: FlashMask) -> Optional[float]:
+    """The row span the kernels get for ``mask``: the lower edge of its half-octave bucket
+    (:attr:`FlashMask.row_span_bucket`; read alone, so torch.compile guards on the bucket, not
+    on the exact span), or None without one."""
+    bucket = mask.row_span_bucket
+    return None if bucket is None else row_span_of_bucket(bucket)
 
 
 def resolve_softmax_scale(softmax_scale, head_dim: int) -> float:
@@ -203,8 +212,8 @@ def flashmask_attention(
             raise ValueError(f"the FlashMask was built for seqlen_q={mask.seqlen_q}, but q has {sq} rows")
         causal, startend_row_indices = mask.causal, mask.startend_row_indices
         check_values = False  # validated when the mask was built
-        if mask.mean_row_span is not None:
-            row_span = mask.mean_row_span
+        span = kernel_row_span(mask)
+        row_span = -1.0 if span is None else span
     if window_size is not None:
         if startend_row_indices is not None:
             raise ValueError("pass either window_size or startend_row_indices, not both")

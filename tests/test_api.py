@@ -6,6 +6,7 @@ import torch
 import flashmask3
 import flashmask3.masks as M
 from flashmask3.kernels import resolve_backend
+from flashmask3.api import kernel_row_span
 from tests.kernels.attention_checks import make_qkv
 from tests.reference import reference_attention, rel_err
 
@@ -120,8 +121,32 @@ def test_the_mask_row_span_reaches_the_backend(monkeypatch):
     torch._dynamo.reset()
     torch.compile(lambda q, k, v: flashmask3.flashmask_attention(q, k, v, m), backend="aot_eager",
                   fullgraph=True)(q, k, v)
-    assert seen == [m.mean_row_span, None, m.mean_row_span]
-    assert m.mean_row_span == (6 * 7 + 10 * 11) / 2 / 16
+    edge = kernel_row_span(m)  # (the span's half octave, as the op sees it)
+    assert seen == [edge, None, edge]
+    assert m.mean_row_span == (6 * 7 + 10 * 11) / 2 / 16 and edge <= m.mean_row_span < 2 ** 0.5 * edge
+
+
+def test_torch_compile_recompiles_only_when_the_row_span_bucket_changes(monkeypatch):
+    """New masks whose mean row spans share a half octave reuse the compiled graph (the op sees
+    only the bucket); a mask in another bucket compiles one more."""
+    from torch._dynamo.utils import counters
+
+    monkeypatch.setenv("FLASHMASK3_BACKEND", "torch")
+    torch._dynamo.reset()
+    counters.clear()
+    compiled = torch.compile(lambda q, k, v, m: flashmask3.flashmask_attention(q, k, v, m),
+                             backend="eager", fullgraph=True)
+    q, k, v = make_qkv(1, 64, 64, 2, 2, 16, torch.float32, seed=3)
+    same = [M.causal_document_mask(lens) for lens in ([32, 32], [31, 33], [30, 34])]
+    assert len({m.mean_row_span for m in same}) == 3 and len({m.row_span_bucket for m in same}) == 1
+    for m in same:
+        out = compiled(q, k, v, m)
+        assert rel_err(out, reference_attention(q, k, v, m.startend_row_indices, True)[0]) < 1e-5
+    assert counters["stats"]["unique_graphs"] == 1
+    other = M.causal_document_mask([64])
+    assert other.row_span_bucket != same[0].row_span_bucket
+    compiled(q, k, v, other)
+    assert counters["stats"]["unique_graphs"] == 2
 
 
 def test_torch_compile_without_graph_breaks(monkeypatch):

@@ -927,15 +927,18 @@ def _config(kind: str, d: int, causal: bool, c: int, dtype: torch.dtype,
 
 
 #: The forward's tile for masks whose rows attend few keys (short documents), per head dim:
-#: (mean row span below which it applies, the tile). A query block of such a mask has few
+#: (mean row span below which it applies, the tile). The thresholds sit on the edges of
+#: ``FlashMask.row_span_bucket``'s half octaves (2 ** (k / 2)), so the bucketed span the
+#: public function passes decides as the exact one would. A query block of such a mask has few
 #: live key tiles, so each program's fixed cost (Q load, ramp-up, O store) weighs more; a
 #: 64-row tile with two programs per SM hides it behind the other program. Measured at 32K
 #: (results/gluon_fwd_1c_ab.md, NOTES.md session 16): D=128, the one-warpgroup WS forward
 #: at 64x64 s2: causal short documents (span 987) 1.13x the default, document short (1973)
 #: 1.01x, causal mixed (2903) 0.86x; D=64, tl at 64x64 w4 s3: 1.20x / 1.10x / 1.045x, causal
 #: corpus (4434) 0.95x (the D=64 threshold stays at 2048, where the spans of the masks it was
-#: measured on lie, not at the break-even). D=256 keeps its tile (not measured).
-SHORT_ROWS_FWD = {128: (1536.0, Config(64, 64, 4, 2)), 64: (2048.0, Config(64, 64, 4, 3))}
+#: measured on lie, not at the break-even). D=128: 2 ** 10.5 = 1448 (the 8K causal mixed
+#: spread, 1575, stays above it). D=256 keeps its tile (not measured).
+SHORT_ROWS_FWD = {128: (2.0 ** 10.5, Config(64, 64, 4, 2)), 64: (2.0 ** 11, Config(64, 64, 4, 3))}
 
 
 def _short_rows_tile(kind: str, d: int, like: Optional[torch.Tensor], c: int,

@@ -15,7 +15,8 @@ This module is the single home of
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass
+import math
+from dataclasses import dataclass, field
 from typing import Optional
 
 import torch
@@ -237,6 +238,21 @@ def to_dense(
     )
 
 
+#: Buckets per octave of :attr:`FlashMask.row_span_bucket`.
+ROW_SPAN_BUCKETS_PER_OCTAVE = 2
+
+
+def row_span_bucket(span: float) -> int:
+    """The half octave a mean row span falls in: floor(2 * log2(max(span, 1)))."""
+    return math.floor(ROW_SPAN_BUCKETS_PER_OCTAVE * math.log2(max(float(span), 1.0)))
+
+
+def row_span_of_bucket(bucket: int) -> float:
+    """The lower edge of a :func:`row_span_bucket` bucket (2 ** (bucket / 2)): a span the
+    kernels compare with their thresholds, which sit on bucket edges."""
+    return 2.0 ** (bucket / ROW_SPAN_BUCKETS_PER_OCTAVE)
+
+
 @dataclass(frozen=True)
 class FlashMask:
     """A column-wise sparse attention mask: ``startend_row_indices`` + ``causal``.
@@ -249,13 +265,18 @@ class FlashMask:
     rows), known on the host. The constructors set it (they build the columns on the CPU); the
     Triton forward uses it to pick a smaller query tile for masks whose rows see few keys
     (short documents: NOTES.md session 16). ``None`` (a mask built from a tensor) keeps the
-    default tiles; :meth:`with_row_span` measures it (one device-to-host copy).
+    default tiles; :meth:`with_row_span` measures it (one device-to-host copy). What the kernels
+    see is :attr:`row_span_bucket`, the span rounded down to a half octave, so that
+    ``torch.compile`` (which specialises on the Python numbers it reads) recompiles only when
+    that bucket changes (about two graphs per doubling of the span), not for every new mask.
     """
 
     startend_row_indices: torch.Tensor
     causal: bool
     seqlen_q: Optional[int] = None
     mean_row_span: Optional[float] = None
+    #: floor(2 * log2(max(mean_row_span, 1))), or None: derived, not an argument.
+    row_span_bucket: Optional[int] = field(default=None, init=False)
 
     def __post_init__(self):
         span = self.mean_row_span
@@ -265,6 +286,7 @@ class FlashMask:
             if not span >= 0:
                 raise ValueError(f"mean_row_span must be >= 0, got {span}")
             object.__setattr__(self, "mean_row_span", float(span))
+            object.__setattr__(self, "row_span_bucket", row_span_bucket(span))
         t = self.startend_row_indices
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"startend_row_indices must be a torch.Tensor, got {type(t).__name__}")

@@ -182,8 +182,22 @@ def test_constructors_record_the_mean_row_span():
     assert one.mean_row_span == pytest.approx((10 * 11 + 30 * 31 + 24 * 25) / 2 / 64)
     assert one.expand_heads(3).mean_row_span == one.mean_row_span
     raw = M.FlashMask(one.startend_row_indices, True)
-    assert raw.mean_row_span is None
+    assert raw.mean_row_span is None and raw.row_span_bucket is None
     assert raw.with_row_span().mean_row_span == pytest.approx(one.mean_row_span)
+    assert raw.with_row_span().row_span_bucket == one.row_span_bucket
+
+
+@pytest.mark.parametrize("span, bucket", [(0.0, 0), (1.0, 0), (1.41, 0), (1.42, 1), (2.0, 2),
+                                          (987.0, 19), (1448.0, 20), (1449.0, 21), (2048.0, 22)])
+def test_row_span_buckets_are_half_octaves(span, bucket):
+    """The bucket torch.compile guards on: floor(2 log2 span); its lower edge is <= the span and
+    the next edge above it (the kernels' thresholds sit on edges)."""
+    from flashmask3.masks.mask import row_span_bucket, row_span_of_bucket
+
+    assert row_span_bucket(span) == bucket
+    assert row_span_of_bucket(bucket) <= max(span, 1.0) < row_span_of_bucket(bucket + 1)
+    mask = M.FlashMask(M.causal_mask(8).startend_row_indices, True, mean_row_span=span)
+    assert mask.row_span_bucket == bucket
 
 
 @pytest.mark.parametrize("span, exc", [("12", TypeError), (True, TypeError), (-1.0, ValueError),
