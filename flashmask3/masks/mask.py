@@ -136,10 +136,12 @@ def unmasked_pairs(
             j = torch.arange(seqlen_k, dtype=torch.int64)
             total = int((seqlen_q - (j - offset).clamp(0, seqlen_q)).sum())
         return torch.tensor([[total]], dtype=torch.int64) if per_head else total
-    cols = startend_row_indices.to(torch.int64)
+    # int32 elementwise (every bound and per-column count is <= max(Sq, Sk) < 2^31): half the
+    # memory traffic of int64 on the CPU, where the constructors count their masks' pairs
+    cols = startend_row_indices.to(torch.int32)
     sk = cols.shape[2]
     offset = sk - seqlen_q
-    j = torch.arange(sk, dtype=torch.int64, device=cols.device)
+    j = torch.arange(sk, dtype=torch.int32, device=cols.device)
     base_start = (j - offset).clamp(0, seqlen_q) if causal else torch.zeros_like(j)
     base_start = base_start.expand(cols.shape[:3])
     base_end = torch.full_like(base_start, seqlen_q)
@@ -155,7 +157,7 @@ def unmasked_pairs(
         s2 = torch.maximum(s2, base_start)
         e2 = torch.minimum(e2, base_end)
         masked = masked + _overlap(s2, e2, base_start, base_end) - _overlap(s1, e1, s2, e2)
-    per_bh = (live - masked).sum(dim=2)
+    per_bh = (live - masked).sum(dim=2, dtype=torch.int64)
     return per_bh if per_head else int(per_bh.sum())
 
 
