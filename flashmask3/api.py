@@ -179,7 +179,8 @@ def flashmask_attention(
     Args:
         q: ``[B, Sq, Hq, D]``; k, v: ``[B, Sk, Hk, D]`` with ``Hq % Hk == 0`` (GQA/MQA).
         startend_row_indices: int32 ``[B, Hm, Sk, C]`` column mask (DESIGN.md §1), a
-            :class:`~flashmask3.masks.FlashMask` (which brings its own ``causal``), or ``None``
+            :class:`~flashmask3.masks.FlashMask` (which brings its own ``causal`` and, from the
+            constructors, its mean row span: the Triton forward's tile hint), or ``None``
             for full attention (plain bottom-right causal with ``causal=True``).
         causal: whether the causal diagonal applies (selects the meaning of the C columns).
         softmax_scale: defaults to ``1 / sqrt(D)``.
