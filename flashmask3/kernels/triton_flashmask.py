@@ -950,7 +950,7 @@ def _short_rows_tile(kind: str, d: int, like: Optional[torch.Tensor], c: int,
     rule = SHORT_ROWS_FWD.get(_dim_class(d)) if kind == "fwd" else None
     if rule is None or row_span is None or row_span >= rule[0] or like is None:
         return None
-    if os.environ.get("FLASHMASK3_TRITON_FWD", "").strip():
+    if _env_choice("FLASHMASK3_TRITON_FWD", FWD_IMPLS):
         return None
     tile = rule[1]
     want = "gluon_ws" if _dim_class(d) in GLUON_FWD_DIMS else "tl"
@@ -1224,6 +1224,10 @@ def _fwd_persistent() -> bool:
     return GLUON_FWD_PERSISTENT if not env else env == "1"
 
 
+#: The values of env FLASHMASK3_TRITON_FWD (:func:`_fwd_impl`).
+FWD_IMPLS = ("tl", "gluon", "gluon_ws", "gluon_wsp")
+
+
 def _fwd_impl(q: torch.Tensor, cfg: Config, c: int = 0) -> str:
     """"gluon_ws", "gluon_wsp", "gluon" or "tl": the kernel the forward launch uses for a mask of
     ``c`` columns. The warp-specialised Gluon forward (``gluon_wsp``: with ping-pong,
@@ -1231,7 +1235,7 @@ def _fwd_impl(q: torch.Tensor, cfg: Config, c: int = 0) -> str:
     (:func:`_gluon_runs`), else tl. Env FLASHMASK3_TRITON_FWD=tl forces tl; =gluon_ws /
     =gluon_wsp the warp-specialised kernel without / with ping-pong at any head dim; =gluon the
     plain Gluon forward (gluon_fwd.py, measured slower than tl)."""
-    env = _env_choice("FLASHMASK3_TRITON_FWD", ("tl", "gluon", "gluon_ws", "gluon_wsp"))
+    env = _env_choice("FLASHMASK3_TRITON_FWD", FWD_IMPLS)
     d = q.shape[-1]
     if env == "gluon":
         return "gluon" if _gluon_runs(q, "gluon_fwd", cfg) else "tl"
@@ -1288,8 +1292,8 @@ def _contig(*xs):
 def forward(q, k, v, startend_row_indices: Optional[torch.Tensor], causal: bool,
             softmax_scale: float, row_span: Optional[float] = None):
     """Backend contract: masked attention forward, returns ``(out, lse)``. ``row_span``: the
-    mask's mean row span (``FlashMask.mean_row_span``) where known, the tile hint of
-    :func:`_config`."""
+    mask's mean row span where known (as ``api.kernel_row_span`` gives it: rounded down to its
+    half octave), the tile hint of :func:`_config`."""
     q, k, v = _contig(q, k, v)
     b, sq, hq, d = q.shape
     sk = k.shape[1]

@@ -12,7 +12,7 @@ from typing import Optional, Sequence, Union
 
 import torch
 
-from .mask import FlashMask
+from .mask import FlashMask, mean_row_span
 
 DocLens = Union[Sequence[int], Sequence[Sequence[int]]]
 
@@ -65,15 +65,18 @@ def _finish(columns: list[torch.Tensor], causal: bool, num_heads: int, device) -
     with its mean row span measured on the CPU columns (the kernels' tile hint)."""
     _check_positive_int("num_heads", num_heads)
     t = torch.stack(columns).to(torch.int32).unsqueeze(1)  # [B, 1, S, C]
-    span = FlashMask(t, causal).row_span()  # (on one mask head: the heads below are copies)
+    span = mean_row_span(t, causal, t.shape[2])  # (on one mask head: the others are copies)
     if num_heads > 1:
         t = t.expand(-1, num_heads, -1, -1)
+    return _on_device(t, causal, device, span)
+
+
+def _on_device(t: torch.Tensor, causal: bool, device, span: Optional[float] = None) -> FlashMask:
+    """The FlashMask of CPU-built columns ``t`` (self-attention) on ``device``, with its mean
+    row span measured on the CPU (``span``: already measured)."""
+    if span is None:
+        span = mean_row_span(t, causal, t.shape[2])
     return FlashMask(t.contiguous().to(device), causal, mean_row_span=span)
-
-
-def _on_device(mask: FlashMask, device) -> FlashMask:
-    """A CPU-built mask with its mean row span measured, moved to ``device``."""
-    return mask.with_row_span().to(device)
 
 
 def _repeat(col: torch.Tensor, batch_size: int) -> list[torch.Tensor]:
@@ -319,7 +322,7 @@ def qk_sparse_mask(seqlen: int, query_ranges, key_ranges, *, device=None) -> Fla
     lts = torch.where(key_dropped, 0, qr[..., :1].expand(b, h, s))
     lte = torch.where(key_dropped, s, qr[..., 1:].expand(b, h, s))
     t = torch.stack([lts, lte], -1).to(torch.int32)
-    return _on_device(FlashMask(t.contiguous(), True), device)
+    return _on_device(t, True, device)
 
 
 def random_eviction_mask(seqlen: int, *, batch_size: int = 1, num_heads: int = 1, seed: int = 0,
@@ -337,7 +340,7 @@ def random_eviction_mask(seqlen: int, *, batch_size: int = 1, num_heads: int = 1
     u = torch.rand(batch_size, num_heads, s, generator=gen, dtype=torch.float64)
     lts = j + 1 + torch.floor(u * span).to(torch.int64)
     t = lts.clamp(max=s).unsqueeze(-1).to(torch.int32)
-    return _on_device(FlashMask(t.contiguous(), True), device)
+    return _on_device(t, True, device)
 
 
 def random_document_lengths(total: int, mean_len: int, *, min_len: int = 1, seed: int = 0) -> list[int]:

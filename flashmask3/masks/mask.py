@@ -240,6 +240,14 @@ def to_dense(
     )
 
 
+def mean_row_span(startend_row_indices: torch.Tensor, causal: bool, seqlen_q: int) -> float:
+    """Mean number of keys a query row attends, over batch, mask heads and rows (from
+    :func:`unmasked_pairs`; one device-to-host copy on a GPU tensor)."""
+    b, hm = startend_row_indices.shape[:2]
+    rows = b * hm * seqlen_q
+    return unmasked_pairs(startend_row_indices, causal, seqlen_q) / rows if rows else 0.0
+
+
 #: Buckets per octave of :attr:`FlashMask.row_span_bucket`.
 ROW_SPAN_BUCKETS_PER_OCTAVE = 2
 
@@ -346,8 +354,7 @@ class FlashMask:
     def row_span(self) -> float:
         """Mean number of keys a query row attends, over batch, mask heads and rows (from the
         columns: one device-to-host copy on a GPU mask)."""
-        rows = self.batch_size * self.num_heads * self.seqlen_q
-        return self.unmasked_pairs() / rows if rows else 0.0
+        return mean_row_span(self.startend_row_indices, self.causal, self.seqlen_q)
 
     def with_row_span(self) -> "FlashMask":
         """This mask with :attr:`mean_row_span` measured (:meth:`row_span`), for masks built
