@@ -1,9 +1,14 @@
 """Checkpoints: model, optimiser, data position, RNG states and the loss history, in one file.
 
 Files are ``<out_dir>/checkpoints/step_<N>.pt``, written atomically (temporary file, fsync,
-rename) by rank 0; every rank holds identical parameters and optimiser states after the
-gradient all-reduce, so one file resumes any CP size. ``load_checkpoint`` checks the format,
-the keys and the model shape and turns any failure into a ValueError naming the file.
+rename) by rank 0. The model and optimiser are saved as *full* state dicts (keyed by parameter
+name): ``torch.distributed.checkpoint.state_dict`` gathers the FSDP2 shards to rank 0 (on the
+CPU) when saving and broadcasts them from rank 0 and re-shards them when loading, so one file
+resumes on any ``dp x cp`` mesh (or one process). The price is that rank 0 holds the whole
+model and optimiser state in host memory while saving: right for the models this harness
+trains (up to a few billion parameters); a sharded ``torch.distributed.checkpoint`` save would
+be the next step for larger ones. ``load_checkpoint`` checks the format, the keys and the model
+shape and turns any failure into a ValueError naming the file.
 """
 
 from __future__ import annotations
@@ -18,11 +23,12 @@ from typing import Optional
 
 import numpy as np
 import torch
+import torch.distributed as dist
 
 from .config import MODEL_FIELDS
 
 FORMAT = "flashmask3-train-checkpoint"
-VERSION = 1
+VERSION = 2  # 2: full state dicts keyed by name, per-row data streams
 REQUIRED_KEYS = ("format", "version", "step", "model", "optimizer", "data", "rng", "config",
                  "history")
 _NAME = re.compile(r"^step_(\d{8})\.pt$")
@@ -74,13 +80,26 @@ def _as_tuple(x):
 
 # -- save / load --------------------------------------------------------------------------------
 
+def _options(env, **kw):
+    from torch.distributed.checkpoint.state_dict import StateDictOptions
+    distributed = env is not None and env.group is not None
+    return StateDictOptions(full_state_dict=True, cpu_offload=distributed, **kw)
+
+
 def save_checkpoint(out_dir, step: int, model, optimizer, data_state: dict, config: dict,
-                    history: dict) -> Path:
-    """Write ``step_<step>.pt`` atomically; returns its path."""
+                    history: dict, env=None) -> Optional[Path]:
+    """Write ``step_<step>.pt`` atomically (rank 0); returns its path (None on other ranks).
+
+    A collective when distributed: every rank must call it (the shards are gathered).
+    """
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+    model_state, optim_state = get_state_dict(model, optimizer, options=_options(env))
+    if env is not None and not env.is_main:
+        return None
     path = checkpoint_path(out_dir, step)
     path.parent.mkdir(parents=True, exist_ok=True)
     payload = {"format": FORMAT, "version": VERSION, "step": step,
-               "model": model.state_dict(), "optimizer": optimizer.state_dict(),
+               "model": model_state, "optimizer": optim_state,
                "data": data_state, "rng": rng_state(), "config": config, "history": history}
     tmp = path.with_name(path.name + ".tmp")
     with open(tmp, "wb") as fh:
@@ -89,6 +108,38 @@ def save_checkpoint(out_dir, step: int, model, optimizer, data_state: dict, conf
         os.fsync(fh.fileno())
     os.replace(tmp, path)
     return path
+
+
+def restore_state(out_dir, config: dict, model, optimizer, env) -> Optional[dict]:
+    """Resume from ``out_dir``'s latest checkpoint (None: no checkpoint or ``out_dir=None``).
+
+    Rank 0 reads and checks the file; the step, data position, RNG state and history reach
+    the other ranks by ``broadcast_object_list`` and the model/optimiser state by
+    ``set_state_dict(broadcast_from_rank0=True)`` (re-sharded for this mesh). Returns
+    ``{"step", "data", "history", "path"}``.
+    """
+    from torch.distributed.checkpoint.state_dict import set_state_dict
+    distributed = env.group is not None
+    ckpt = None
+    if env.is_main and out_dir is not None:
+        path = latest_checkpoint(out_dir)
+        if path is not None:
+            ckpt = load_checkpoint(path, config)
+            ckpt["path"] = str(path)
+    meta = None if ckpt is None else {k: ckpt[k] for k in ("step", "data", "history", "rng",
+                                                            "path")}
+    if distributed:
+        box = [meta]
+        dist.broadcast_object_list(box, src=0, group=env.group)
+        meta = box[0]
+    if meta is None:
+        return None
+    model_state = ckpt["model"] if ckpt is not None else {}
+    optim_state = ckpt["optimizer"] if ckpt is not None else {}
+    set_state_dict(model, optimizer, model_state_dict=model_state, optim_state_dict=optim_state,
+                   options=_options(env, broadcast_from_rank0=distributed))
+    set_rng_state(meta["rng"])
+    return meta
 
 
 def load_checkpoint(path, config: Optional[dict] = None) -> dict:

@@ -38,7 +38,8 @@ class TrainConfig:
                 "file, or a JSONL file with one document per line"})
     text_key: str = field(default="text", metadata={"help": "JSONL field holding the text"})
     seq_len: int = field(default=1024, metadata={"help": "tokens per packed sequence"})
-    batch_size: int = field(default=1, metadata={"help": "packed sequences per step"})
+    batch_size: int = field(default=1, metadata={
+        "help": "packed sequences per step, in the whole (global) batch: split over --dp"})
     mask: str = field(default="causal_document", metadata={
         "help": "attention mask of the packed documents", "choices": MASK_KINDS})
     prefix_frac: float = field(default=0.5, metadata={
@@ -73,7 +74,19 @@ class TrainConfig:
                 "else split); a resumed GPU run repeats the loss sequence bit for bit with split",
         "choices": ATTENTION_BACKWARD_CHOICES})
     cp: int = field(default=1, metadata={
-        "help": "context-parallel ranks (0: all GPUs, or 2 CPU ranks without a GPU)"})
+        "help": "context-parallel ranks per data-parallel group (0: all ranks, i.e. all GPUs "
+                "or 2 CPU ranks without a GPU or the torchrun world divided by --dp)"})
+    dp: int = field(default=0, metadata={
+        "help": "data-parallel groups (0: the world size divided by --cp); world = dp x cp"})
+    nodes: int = field(default=0, metadata={
+        "help": "nodes of the run (0: WORLD_SIZE / LOCAL_WORLD_SIZE under torchrun, else 1); "
+                "a CP group spanning several nodes is planned with hierarchical routing"})
+    prefetch: bool = field(default=True, metadata={
+        "help": "pack, mask, plan and copy the next batch to the device in a background "
+                "thread while the current step runs (--no-prefetch: inside the step)"})
+    dist_timeout: float = field(default=600.0, metadata={
+        "help": "seconds a collective may wait before it raises (a failed rank cannot hang "
+                "the others longer than this)"})
     balance: str = field(default="sparse", metadata={
         "help": "CP token ownership (dual_chunk = baseline)", "choices": BALANCE_CHOICES})
     comm: str = field(default="overlap", metadata={
@@ -131,7 +144,8 @@ class TrainConfig:
         for name in positive:
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
-        non_negative = ("max_doc_len", "ffn_dim", "moe_experts", "moe_ffn_dim", "cp", "chunk_size",
+        non_negative = ("max_doc_len", "ffn_dim", "moe_experts", "moe_ffn_dim", "cp", "dp", "nodes",
+                        "chunk_size",
                         "warmup_steps", "checkpoint_every", "stop_at", "warmup_exclude",
                         "grad_clip", "weight_decay", "moe_aux_coef", "min_lr_ratio")
         for name in non_negative:
@@ -150,6 +164,8 @@ class TrainConfig:
                              f"got {self.moe_top_k}")
         if not 0.0 <= self.prefix_frac <= 1.0:
             raise ValueError(f"prefix_frac must be in [0, 1], got {self.prefix_frac}")
+        if not self.dist_timeout > 0:
+            raise ValueError(f"dist_timeout must be > 0, got {self.dist_timeout}")
         if not self.lr > 0:
             raise ValueError(f"lr must be > 0, got {self.lr}")
         if not (0 <= self.beta1 < 1 and 0 <= self.beta2 < 1):
@@ -202,6 +218,13 @@ PRESETS: dict[str, dict[str, Any]] = {
                      ffn_dim=192, moe_experts=4, moe_top_k=2, steps=300, lr=3e-3,
                      warmup_steps=15, cp=0, checkpoint_every=100, log_every=25,
                      out_dir="runs/demo-moe"),
+    # MoE at the paper's proportions (14B active of 118B parameters: 0.119), small: 15.9M
+    # parameters, 1.89M active (0.119, embeddings and norms counted in both; test_model checks
+    # it): 32 fine-grained experts of width 152, top-2 routed.
+    "moe-small": dict(seq_len=1024, batch_size=2, max_doc_len=256, dim=256, n_layers=4,
+                      n_heads=4, n_kv_heads=2, moe_experts=32, moe_top_k=2, moe_ffn_dim=152,
+                      steps=300, lr=3e-3, warmup_steps=15, checkpoint_every=100, log_every=25,
+                      out_dir="runs/moe-small"),
     # ~0.6B parameters for one H200 (benchmarks/train.py uses the same shape).
     "bench-0.6b": dict(seq_len=32768, batch_size=1, dim=1536, n_layers=24, n_heads=12,
                        n_kv_heads=4, ffn_dim=4096, activation_checkpointing=True, steps=20,

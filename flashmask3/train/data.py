@@ -258,16 +258,23 @@ class PackedBatch:
 class DocumentPacker:
     """Packs shuffled corpus documents into ``batch_size`` x ``seq_len`` batches.
 
-    The packer walks *units* in a per-epoch permutation of ``np.random.default_rng((seed,
-    epoch))``: whole documents, or with ``max_doc_len`` the consecutive ``max_doc_len``-byte
-    pieces of every document (each then a document of its own, shuffled independently, so a
-    batch mixes many files). A unit that does not fit in the rest of a sequence is split there.
-    ``state_dict()`` / ``load_state_dict()`` capture the exact data position.
+    Each epoch walks *units* in a permutation of ``np.random.default_rng((seed, epoch))``:
+    whole documents, or with ``max_doc_len`` the consecutive ``max_doc_len``-byte pieces of
+    every document (each then a document of its own, shuffled independently, so a batch mixes
+    many files). Row ``r`` of every batch is fed by its own *row stream*: the units at
+    permutation positions ``r, r + batch_size, r + 2·batch_size, ...``. A unit that does not fit
+    in the rest of a row is split there and continues the next row of the same stream.
+
+    Row streams make the data of a row independent of the others, so a data-parallel group
+    that trains on rows ``rows`` (a range of the global batch) packs only those rows and reads
+    only their documents, and still sees exactly the rows a single process would
+    (``rows=None``: all of them). ``state_dict()`` / ``load_state_dict()`` capture the exact
+    position of every stream the packer holds.
     """
 
     def __init__(self, corpus: Corpus, seq_len: int, batch_size: int = 1, *, seed: int = 0,
                  mask: str = "causal_document", prefix_frac: float = 0.5, num_answers: int = 2,
-                 max_doc_len: int = 0):
+                 max_doc_len: int = 0, rows: Optional[range] = None):
         if not isinstance(corpus, Corpus):
             raise TypeError(f"corpus must be a Corpus, got {type(corpus).__name__}")
         if not isinstance(max_doc_len, int) or max_doc_len < 0:
@@ -278,30 +285,52 @@ class DocumentPacker:
                 raise ValueError(f"{name} must be a positive int, got {value!r}")
         if mask not in MASK_BUILDERS:
             raise ValueError(f"mask must be one of {sorted(MASK_BUILDERS)}, got {mask!r}")
+        rows = range(batch_size) if rows is None else rows
+        if (not isinstance(rows, range) or len(rows) == 0 or rows.start < 0
+                or rows.stop > batch_size or rows.step != 1):
+            raise ValueError(f"rows must be a non-empty range inside range({batch_size}), "
+                             f"got {rows!r}")
         self.corpus, self.seq_len, self.batch_size, self.seed = corpus, seq_len, batch_size, seed
         self.mask_kind, self.prefix_frac, self.num_answers = mask, prefix_frac, num_answers
         self.max_doc_len = max_doc_len
+        self.rows = rows
         self._units = self._make_units() if max_doc_len else None
-        self.epoch, self.cursor, self.offset = 0, 0, 0
-        self._order = self._permutation(0)
+        if self._num_units() < batch_size:
+            raise ValueError(f"the corpus has {self._num_units()} documents (units), fewer than "
+                             f"batch_size={batch_size} rows: use a larger corpus or --max-doc-len")
+        # per row stream: [epoch, cursor (index into the stream's units), offset in the unit]
+        self._pos = {r: [0, 0, 0] for r in rows}
+        self._perms: dict[int, np.ndarray] = {}
 
     # -- state --------------------------------------------------------------------------------
+    @property
+    def epoch(self) -> int:
+        """The epoch of the slowest row stream this packer holds."""
+        return min(p[0] for p in self._pos.values())
+
     def state_dict(self) -> dict:
-        return {"epoch": self.epoch, "cursor": self.cursor, "offset": self.offset,
+        return {"streams": {str(r): list(p) for r, p in self._pos.items()},
                 "seed": self.seed, "corpus": self.corpus.fingerprint(),
-                "max_doc_len": self.max_doc_len}
+                "max_doc_len": self.max_doc_len, "batch_size": self.batch_size}
 
     def load_state_dict(self, state: dict) -> None:
-        """Restore a data position; the corpus and seed must be the ones it was saved with."""
-        for key in ("epoch", "cursor", "offset", "seed", "corpus"):
+        """Restore the data position of this packer's rows; the corpus, seed, max_doc_len and
+        batch_size must be the ones it was saved with (``state`` may hold more rows: the merged
+        state of several data-parallel groups)."""
+        for key in ("streams", "seed", "corpus"):
             if key not in state:
                 raise ValueError(f"data state is missing {key!r}")
         if (state["corpus"] != self.corpus.fingerprint() or state["seed"] != self.seed
                 or state.get("max_doc_len", 0) != self.max_doc_len):
             raise ValueError("data state was saved for a different corpus, seed or max_doc_len; "
                              "resume with the same --data, --seed and --max-doc-len")
-        self.epoch, self.cursor, self.offset = state["epoch"], state["cursor"], state["offset"]
-        self._order = self._permutation(self.epoch)
+        if state.get("batch_size") != self.batch_size:
+            raise ValueError(f"data state was saved with batch_size={state.get('batch_size')}, "
+                             f"this run has batch_size={self.batch_size}")
+        missing = [r for r in self.rows if str(r) not in state["streams"]]
+        if missing:
+            raise ValueError(f"data state holds no position for rows {missing}")
+        self._pos = {r: list(state["streams"][str(r)]) for r in self.rows}
 
     def _make_units(self) -> np.ndarray:
         """``[n_units, 2]`` (document, byte start) for documents cut at ``max_doc_len``."""
@@ -320,44 +349,55 @@ class DocumentPacker:
         return self.corpus.get_range(int(doc), int(start), self.max_doc_len)
 
     def _permutation(self, epoch: int) -> np.ndarray:
-        return np.random.default_rng((self.seed, epoch)).permutation(self._num_units())
+        """The unit order of ``epoch`` (cached: the row streams share it)."""
+        if epoch not in self._perms:
+            if len(self._perms) > 4:
+                self._perms.pop(min(self._perms))
+            self._perms[epoch] = np.random.default_rng((self.seed, epoch)).permutation(
+                self._num_units())
+        return self._perms[epoch]
 
     # -- packing ------------------------------------------------------------------------------
-    def _next_piece(self, room: int) -> bytes:
-        """Up to ``room`` bytes of the current unit; advances the position."""
+    def _next_piece(self, row: int, room: int) -> bytes:
+        """Up to ``room`` bytes of row stream ``row``'s current unit; advances its position."""
+        pos = self._pos[row]
         skipped = 0
         while True:
-            if self.cursor >= len(self._order):
-                self.epoch, self.cursor, self.offset = self.epoch + 1, 0, 0
-                self._order = self._permutation(self.epoch)
-            doc = self._unit(int(self._order[self.cursor]))
-            if doc is not None and self.offset < len(doc):
-                piece = doc[self.offset:self.offset + room]
-                self.offset += len(piece)
-                if self.offset >= len(doc):
-                    self.cursor, self.offset = self.cursor + 1, 0
+            index = row + pos[1] * self.batch_size
+            if index >= self._num_units():
+                pos[:] = [pos[0] + 1, 0, 0]
+                continue
+            doc = self._unit(int(self._permutation(pos[0])[index]))
+            if doc is not None and pos[2] < len(doc):
+                piece = doc[pos[2]:pos[2] + room]
+                pos[2] += len(piece)
+                if pos[2] >= len(doc):
+                    pos[1], pos[2] = pos[1] + 1, 0
                 return piece
-            self.cursor, self.offset = self.cursor + 1, 0
+            pos[1], pos[2] = pos[1] + 1, 0
             skipped += 1
             if skipped > 2 * self._num_units():
                 raise ValueError("corpus has no readable (non-empty, non-binary) documents")
 
-    def next_row(self) -> tuple[bytes, list[int]]:
-        """One sequence: ``seq_len`` bytes and the lengths of the document pieces in it."""
+    def next_row(self, row: int = 0) -> tuple[bytes, list[int]]:
+        """One sequence of row stream ``row``: ``seq_len`` bytes and its document pieces."""
         parts, lens, used = [], [], 0
         while used < self.seq_len:
-            piece = self._next_piece(self.seq_len - used)
+            piece = self._next_piece(row, self.seq_len - used)
             parts.append(piece)
             lens.append(len(piece))
             used += len(piece)
         return b"".join(parts), lens
 
     def next_batch(self) -> PackedBatch:
-        # the masked-token choice (bidirectional documents) is a function of the data position
-        rng = np.random.default_rng((self.seed, self.epoch, self.cursor, self.offset, 1))
-        rows = [self.next_row() for _ in range(self.batch_size)]
+        """The next rows of this packer's streams (``len(self.rows)`` sequences)."""
+        rows, rngs = [], []
+        for r in self.rows:
+            # the masked-token choice (bidirectional documents) is a function of the position
+            rngs.append(np.random.default_rng((self.seed, r, *self._pos[r], 1)))
+            rows.append(self.next_row(r))
         return build_batch([r[0] for r in rows], [r[1] for r in rows], self.mask_kind,
-                           prefix_frac=self.prefix_frac, num_answers=self.num_answers, rng=rng)
+                           prefix_frac=self.prefix_frac, num_answers=self.num_answers, rng=rngs)
 
     def __iter__(self):
         while True:
@@ -454,12 +494,13 @@ MASK_BUILDERS = {
 
 def build_batch(rows: list[bytes], doc_lens: list[list[int]], kind: str, *,
                 prefix_frac: float = 0.5, num_answers: int = 2,
-                rng: Optional[np.random.Generator] = None) -> PackedBatch:
+                rng=None) -> PackedBatch:
     """Tensors + mask for packed rows of bytes with the given document pieces.
 
     Causal kinds get next-token targets inside each segment. Bidirectional documents would see
     their next token, so they get a masked-token objective instead: ``MLM_FRACTION`` of the
-    tokens (chosen by ``rng``) are replaced by ``MASK_TOKEN`` in the input and are the targets.
+    tokens (chosen by ``rng``: one Generator, or one per row) are replaced by ``MASK_TOKEN`` in
+    the input and are the targets.
     """
     seq_len = len(rows[0])
     if any(len(r) != seq_len or sum(d) != seq_len for r, d in zip(rows, doc_lens)):
@@ -475,7 +516,10 @@ def build_batch(rows: list[bytes], doc_lens: list[list[int]], kind: str, *,
     labels = np.stack(labels)
     if kind == "document":
         rng = rng if rng is not None else np.random.default_rng(0)
-        hidden = rng.random(tokens.shape) < MLM_FRACTION
+        if isinstance(rng, (list, tuple)):
+            hidden = np.stack([g.random(seq_len) for g in rng]) < MLM_FRACTION
+        else:
+            hidden = rng.random(tokens.shape) < MLM_FRACTION
         labels = np.where(hidden, tokens.numpy(), IGNORE_INDEX)
         tokens = tokens.masked_fill(torch.from_numpy(hidden), MASK_TOKEN)
     mask = build_mask(doc_lens, kind, prefix_frac=prefix_frac, num_answers=num_answers)
@@ -493,12 +537,13 @@ def mask_sparsity(mask: fm_masks.FlashMask) -> dict[str, float]:
             "skipped_vs_causal": max(0.0, 1.0 - pairs / causal_pairs)}
 
 
-def make_packer(cfg) -> DocumentPacker:
-    """The packer a TrainConfig describes."""
+def make_packer(cfg, rows: Optional[range] = None) -> DocumentPacker:
+    """The packer a TrainConfig describes; ``rows``: the global batch rows it packs (a
+    data-parallel group's share; default all)."""
     corpus = open_corpus(cfg.data, cfg.text_key)
     return DocumentPacker(corpus, cfg.seq_len, cfg.batch_size, seed=cfg.seed, mask=cfg.mask,
                           prefix_frac=cfg.prefix_frac, num_answers=cfg.num_answers,
-                          max_doc_len=cfg.max_doc_len)
+                          max_doc_len=cfg.max_doc_len, rows=rows)
 
 
 def mask_picture(mask: fm_masks.FlashMask, row: int = 0, cells: int = 32) -> str:

@@ -194,12 +194,17 @@ def loss_terms(model: Transformer, tokens, labels, position_ids, ctx: StepContex
                num_label_tokens: int, moe_aux_coef: float = 0.0):
     """This rank's share of the loss: ``(total, ce)`` with ``ce = Σ_local CE / num_label_tokens``.
 
-    ``num_label_tokens`` counts the targets of the *global* batch, so summing the shares of all
-    CP ranks gives the mean cross-entropy of the whole batch, as on a single rank.
+    ``num_label_tokens`` (an int, or a scalar tensor on the device) counts the targets of the
+    *global* batch, so summing the shares of all ranks gives the mean cross-entropy of the whole
+    batch, as on a single rank.
     """
     logits, aux = model(tokens, position_ids, ctx)
+    if isinstance(num_label_tokens, torch.Tensor):  # a device count: no host synchronisation
+        denominator = num_label_tokens.clamp(min=1)
+    else:
+        denominator = max(1, num_label_tokens)
     ce = F.cross_entropy(logits.float().flatten(0, 1), labels.flatten(), ignore_index=-100,
-                         reduction="sum") / max(1, num_label_tokens)
+                         reduction="sum") / denominator
     return ce + moe_aux_coef * aux, ce
 
 
@@ -207,6 +212,24 @@ def loss_terms(model: Transformer, tokens, labels, position_ids, ctx: StepContex
 
 def count_parameters(model: nn.Module) -> int:
     return sum(p.numel() for p in model.parameters())
+
+
+def parameter_counts(cfg) -> dict[str, int]:
+    """``{"total", "active"}`` parameters of the model ``cfg`` describes, counted from the
+    config (no model built). ``active``: what one token uses, i.e. the total minus the experts
+    it is not routed to (embeddings, norms and the router counted in both), the convention of
+    "14B active of 118B" MoE figures."""
+    d, hd = cfg.dim, cfg.head_dim
+    attn = d * hd * (2 * cfg.n_heads + 2 * cfg.n_kv_heads)
+    norms = 2 * d
+    if cfg.moe_experts:
+        expert = 3 * d * (cfg.moe_ffn_dim or cfg.resolved_ffn_dim())
+        ffn, idle = d * cfg.moe_experts + cfg.moe_experts * expert, \
+            (cfg.moe_experts - cfg.moe_top_k) * expert
+    else:
+        ffn, idle = 3 * d * cfg.resolved_ffn_dim(), 0
+    total = cfg.n_layers * (attn + norms + ffn) + 2 * cfg.vocab_size * d + d
+    return {"total": total, "active": total - cfg.n_layers * idle}
 
 
 def active_matmul_params(cfg) -> int:

@@ -1,17 +1,18 @@
 """The training loop: packed documents -> model -> AdamW, with CP, checkpoints and a summary.
 
 ``train(cfg)`` validates the configuration in the calling process (so bad input fails before any
-process is spawned), then runs :func:`run_rank` on every rank (see :mod:`.parallel`). Each step:
+process is spawned), then runs :func:`run_rank` on every rank of the ``dp x cp`` mesh (see
+:mod:`.parallel`). Each step:
 
-1. every rank packs the same global batch (documents, positions, mask);
-2. with CP, the plan assigns each rank its tokens and builds the attention over the group;
-   without CP, the selected backend runs on the whole mask;
-3. forward/backward under bf16 autocast on GPU; the loss of each rank is its share
-   ``Σ_local CE / (global target count)``, so gradients summed over ranks equal the single-rank
-   gradients (one all-reduce), and the logged loss is the same for every CP size;
-4. gradient clipping, AdamW with linear warm-up + cosine decay;
-5. periodic checkpoints with the data position and RNG states, so a resumed run repeats the
-   uninterrupted run's losses exactly.
+1. the loader (:mod:`.loader`, a background thread) has already packed this DP group's rows of
+   the next global batch, built its mask and CP plan, and copied this rank's shard to the device;
+2. forward/backward (bf16 autocast on GPU) of the FSDP2-sharded model; the loss of each rank is
+   its share ``Σ_local CE / (targets in the global batch)`` (the target count: one all-reduce),
+   so the gradients summed over all ranks by FSDP2's reduce-scatter equal the single-process
+   gradients, and the logged loss is the same for every ``dp x cp``;
+3. gradient clipping, AdamW with linear warm-up + cosine decay;
+4. periodic checkpoints (full state dicts, data position of every row stream, RNG states), so a
+   resumed run, on any mesh, repeats the uninterrupted run's losses.
 
 At the end rank 0 writes ``summary.json``, ``losses.csv``, ``loss.png`` and prints the throughput
 summary (tokens/s, model TFLOP/s, attention share of the step time, mask sparsity).
@@ -29,16 +30,17 @@ from pathlib import Path
 from typing import Optional
 
 import torch
+import torch.distributed as dist
 
 from .attention import AttentionTimer, attention_available, make_attention
-from .checkpoint import (checkpoint_dir, latest_checkpoint, load_checkpoint, save_checkpoint,
-                         set_rng_state)
+from .checkpoint import (checkpoint_dir, latest_checkpoint, load_checkpoint, restore_state,
+                         save_checkpoint)
 from .config import TrainConfig
-from .data import PackedBatch, make_packer, mask_picture, mask_sparsity
-from .model import (StepContext, Transformer, active_matmul_params, count_parameters,
-                    loss_terms, model_flops_per_step)
-from .parallel import (CPShard, DistEnv, all_reduce_gradients, launch, resolve_cp,
-                       resolve_device)
+from .data import make_packer, mask_picture, mask_sparsity
+from .loader import BatchLoader, DeviceBatch, make_group_plan
+from .model import (StepContext, Transformer, active_matmul_params, loss_terms,
+                    model_flops_per_step, parameter_counts)
+from .parallel import DistEnv, Layout, launch, resolve_device, resolve_layout, shard_model
 
 
 # -- entry point --------------------------------------------------------------------------------
@@ -49,18 +51,15 @@ def train(cfg: TrainConfig) -> Optional[dict]:
         raise TypeError(f"cfg must be a TrainConfig, got {type(cfg).__name__}")
     cfg.validate()
     device = resolve_device(cfg.device)
-    cp = resolve_cp(cfg.cp, device)
-    launched = int(os.environ.get("WORLD_SIZE", "1"))
-    if launched > 1:  # under torchrun every process is one CP rank
-        if cfg.cp not in (0, launched):
-            raise ValueError(f"cp={cfg.cp} but torchrun started {launched} processes; "
-                             f"pass --cp {launched} or --cp 0")
-        cp = launched
-    if cp > 1 and cfg.attention != "flashmask3":
+    layout = resolve_layout(cfg.cp, cfg.dp, cfg.nodes, device)
+    if cfg.batch_size % layout.dp:
+        raise ValueError(f"batch_size ({cfg.batch_size}) must be divisible by dp ({layout.dp}): "
+                         "it is the global batch, split over the data-parallel groups")
+    if layout.cp > 1 and cfg.attention != "flashmask3":
         raise ValueError(f"attention={cfg.attention!r} has no context-parallel path; "
                          "use --attention flashmask3 with --cp > 1")
-    if cp > 1:
-        _check_cp_chunking(cfg, cp)
+    if layout.cp > 1:
+        _check_cp_chunking(cfg, layout)
     reason = attention_available(cfg.attention, device)
     if reason:
         raise ValueError(f"attention={cfg.attention!r} cannot run: {reason}")
@@ -77,7 +76,8 @@ def train(cfg: TrainConfig) -> Optional[dict]:
     elif not cfg.resume:
         _remove_old_checkpoints(cfg.out_dir)
     with _triton_backward(cfg.attention_backward):
-        return launch(run_rank, cp, device, cfg)
+        return launch(run_rank, layout.world, device, cfg, layout=layout,
+                      timeout=cfg.dist_timeout)
 
 
 @contextlib.contextmanager
@@ -104,14 +104,15 @@ def _remove_old_checkpoints(out_dir) -> None:
               flush=True)
 
 
-def _check_cp_chunking(cfg: TrainConfig, cp: int) -> None:
-    """Fail early (in the launching process) if seq_len cannot be chunked over ``cp`` ranks."""
+def _check_cp_chunking(cfg: TrainConfig, layout: Layout) -> None:
+    """Fail early (in the launching process) if seq_len cannot be chunked over the CP group."""
     from flashmask3.distributed import plan
+    cp = layout.cp
     if cfg.seq_len % cp:
         raise ValueError(f"seq_len ({cfg.seq_len}) must be divisible by cp ({cp})")
     try:
         plan(None, True, cp, balance=cfg.balance, seqlen=cfg.seq_len,
-             chunk_size=cfg.chunk_size or None)
+             chunk_size=cfg.chunk_size or None, nodes=layout.cp_nodes)
     except ValueError as exc:
         raise ValueError(f"seq_len={cfg.seq_len}, cp={cp}, balance={cfg.balance}: {exc}") from None
 
@@ -145,52 +146,58 @@ def autocast_dtype(cfg: TrainConfig, device: torch.device) -> Optional[torch.dty
 
 # -- one step ----------------------------------------------------------------------------------
 
-def train_step(model, optimizer, batch: PackedBatch, cfg: TrainConfig, env: DistEnv,
+def train_step(model, optimizer, batch: DeviceBatch, cfg: TrainConfig, env: DistEnv,
                timer: AttentionTimer, lr: float) -> dict:
-    """Forward, backward, gradient all-reduce and clipping, optimiser step. Returns metrics."""
-    tokens, labels, positions, attention, plan = local_inputs(batch, cfg, env)
-    ctx = StepContext(timer.wrap(attention), num_tokens=batch.tokens.numel(),
+    """Forward, backward (FSDP2 sums the gradients over all ranks), clipping, optimiser step.
+    Returns metrics (their ``float()`` is the step's one host synchronisation)."""
+    attention = step_attention(batch, cfg, env)
+    ctx = StepContext(timer.wrap(attention), num_tokens=batch.num_tokens,
                       all_reduce=env.all_reduce_sum)
+    targets = env.all_reduce_sum(batch.label_count)  # targets in the global batch (on device)
     amp = autocast_dtype(cfg, env.device)
     autocast = torch.autocast(env.device.type, dtype=amp) if amp else contextlib.nullcontext()
     with autocast:
-        total, ce = loss_terms(model, tokens, labels, positions, ctx, batch.num_label_tokens,
-                               cfg.moe_aux_coef if cfg.moe_experts else 0.0)
+        total, ce = loss_terms(model, batch.tokens, batch.labels, batch.position_ids, ctx,
+                               targets, cfg.moe_aux_coef if cfg.moe_experts else 0.0)
     optimizer.zero_grad(set_to_none=True)
     total.backward()
     params = [p for p in model.parameters() if p.grad is not None]
-    all_reduce_gradients(params, env)
     max_norm = cfg.grad_clip if cfg.grad_clip > 0 else float("inf")
     grad_norm = torch.nn.utils.clip_grad_norm_(params, max_norm)
+    if hasattr(grad_norm, "full_tensor"):
+        grad_norm = grad_norm.full_tensor()
     for group in optimizer.param_groups:
         group["lr"] = lr
     optimizer.step()
     loss = env.all_reduce_sum(torch.stack([ce.detach().float(), total.detach().float()]))
+    plan = batch.plan
     return {"loss": float(loss[0]), "total_loss": float(loss[1]), "grad_norm": float(grad_norm),
             "imbalance": float(plan.imbalance) if plan is not None else None}
 
 
-def local_inputs(batch: PackedBatch, cfg: TrainConfig, env: DistEnv):
-    """This rank's tokens, labels, positions (on its device), the attention callable and the
-    CP plan (None without CP)."""
-    dev = env.device
-    if env.group is None:
-        attention = make_attention(cfg.attention, batch.mask.to(dev))
-        return (batch.tokens.to(dev), batch.labels.to(dev), batch.position_ids.to(dev), attention,
-                None)
-    shard = CPShard(batch, cfg, env)
-    return (shard.tokens.to(dev), shard.labels.to(dev), shard.position_ids.to(dev),
-            shard.attention, shard.plan)
+def step_attention(batch: DeviceBatch, cfg: TrainConfig, env: DistEnv):
+    """The attention callable of this step: over the CP group from the batch's plan, or the
+    selected backend on the batch's (device) mask."""
+    if batch.plan is not None:
+        from .attention import make_cp_attention
+        return make_cp_attention(batch.plan, env.cp_group, cfg.comm)
+    return make_attention(cfg.attention, batch.mask)
 
 
 # -- the run on one rank ------------------------------------------------------------------------
 
+def data_rows(cfg: TrainConfig, env: DistEnv) -> range:
+    """The rows of the global batch this rank's data-parallel group trains on."""
+    per_group = cfg.batch_size // env.dp
+    return range(env.dp_rank * per_group, (env.dp_rank + 1) * per_group)
+
+
 def run_rank(env: DistEnv, cfg: TrainConfig) -> dict:
     """The training loop on one rank; rank 0 returns (and writes) the summary."""
     torch.manual_seed(cfg.seed)
-    model = Transformer(cfg).to(env.device)
+    model = shard_model(Transformer(cfg).to(env.device), env)
     optimizer = build_optimizer(model, cfg)
-    packer = make_packer(cfg)
+    packer = make_packer(cfg, data_rows(cfg, env))
     history = {"step": [], "loss": [], "lr": [], "grad_norm": [], "step_time": [],
                "attention_time": [], "sparsity": []}
     start = _maybe_resume(cfg, model, optimizer, packer, history, env)
@@ -203,26 +210,32 @@ def run_rank(env: DistEnv, cfg: TrainConfig) -> dict:
     bar = _progress(cfg, env, start)
     stats = RunStats(cfg, env)
     end = min(cfg.steps, cfg.stop_at) if cfg.stop_at else cfg.steps
-    for step in range(start + 1, end + 1):
-        t0 = time.perf_counter()  # step time includes packing the batch: end to end
-        batch = packer.next_batch()
-        lr = lr_at(step, cfg)
-        metrics = train_step(model, optimizer, batch, cfg, env, timer, lr)
-        if env.device.type == "cuda":
-            torch.cuda.synchronize()
-        step_time = time.perf_counter() - t0
-        attn_time = timer.collect()
-        sparsity = mask_sparsity(batch.mask)
-        stats.add(step - start, batch, step_time, attn_time, metrics["imbalance"])
-        for key, value in (("step", step), ("loss", metrics["loss"]), ("lr", lr),
-                           ("grad_norm", metrics["grad_norm"]), ("step_time", step_time),
-                           ("attention_time", attn_time), ("sparsity", sparsity["sparsity"])):
-            history[key].append(value)
-        _report(bar, env, cfg, step, metrics, batch.tokens.numel() / step_time)
-        if cfg.checkpoint_every and (step % cfg.checkpoint_every == 0 or step == cfg.steps):
-            _checkpoint(cfg, env, step, model, optimizer, packer, history)
+    loader = BatchLoader(packer, cfg, env, prefetch=cfg.prefetch) if end > start else None
+    try:
+        for step in range(start + 1, end + 1):
+            t0 = time.perf_counter()  # with --no-prefetch the step also packs and plans
+            batch = loader.next()
+            lr = lr_at(step, cfg)
+            metrics = train_step(model, optimizer, batch, cfg, env, timer, lr)
+            if env.device.type == "cuda":
+                torch.cuda.synchronize()
+            step_time = time.perf_counter() - t0
+            attn_time = timer.collect()
+            sparsity = mask_sparsity(batch.host.mask)
+            stats.add(step - start, batch.host, step_time, attn_time, metrics["imbalance"])
+            for key, value in (("step", step), ("loss", metrics["loss"]), ("lr", lr),
+                               ("grad_norm", metrics["grad_norm"]), ("step_time", step_time),
+                               ("attention_time", attn_time), ("sparsity", sparsity["sparsity"])):
+                history[key].append(value)
+            _report(bar, env, cfg, step, metrics, batch.num_tokens / step_time)
+            if cfg.checkpoint_every and (step % cfg.checkpoint_every == 0 or step == cfg.steps):
+                _checkpoint(cfg, env, step, model, optimizer, batch.data_state, history)
+    finally:
+        if loader is not None:
+            loader.close()
     if bar is not None:
         bar.close()
+    stats.reduce()  # collective: every rank
     if not env.is_main:
         return None
     summary = stats.summary(model, history, start, packer)
@@ -231,20 +244,18 @@ def run_rank(env: DistEnv, cfg: TrainConfig) -> dict:
 
 
 def _maybe_resume(cfg, model, optimizer, packer, history, env) -> int:
-    """Load the latest checkpoint of ``out_dir`` if resuming; returns the step to continue from."""
-    path = latest_checkpoint(cfg.out_dir) if cfg.resume else None
-    if path is None:
+    """Load the latest checkpoint of ``out_dir`` if resuming (rank 0 reads it, the others get
+    it broadcast); returns the step to continue from."""
+    state = restore_state(cfg.out_dir if cfg.resume else None, cfg.to_dict(), model, optimizer,
+                          env)
+    if state is None:
         return 0
-    ckpt = load_checkpoint(path, cfg.to_dict())
-    model.load_state_dict(ckpt["model"])
-    optimizer.load_state_dict(ckpt["optimizer"])
-    packer.load_state_dict(ckpt["data"])
-    set_rng_state(ckpt["rng"])
+    packer.load_state_dict(state["data"])
     for key in history:
-        history[key].extend(ckpt["history"].get(key, []))
+        history[key].extend(state["history"].get(key, []))
     if env.is_main:
-        print(f"[flashmask3] resumed from {path} (step {ckpt['step']})", flush=True)
-    return int(ckpt["step"])
+        print(f"[flashmask3] resumed from {state['path']} (step {state['step']})", flush=True)
+    return int(state["step"])
 
 
 def _peek(packer):
@@ -255,10 +266,22 @@ def _peek(packer):
     return batch
 
 
-def _checkpoint(cfg, env, step, model, optimizer, packer, history) -> None:
-    if env.is_main:
-        save_checkpoint(cfg.out_dir, step, model, optimizer, packer.state_dict(),
-                        cfg.to_dict(), history)
+def _merged_data_state(data_state: dict, env: DistEnv) -> dict:
+    """The data position of every row stream of the global batch (each DP group holds its own
+    rows; one all_gather_object at checkpoint time)."""
+    if env.group is None:
+        return data_state
+    states = [None] * env.world_size
+    dist.all_gather_object(states, data_state)
+    merged = dict(data_state, streams={})
+    for s in states:
+        merged["streams"].update(s["streams"])
+    return merged
+
+
+def _checkpoint(cfg, env, step, model, optimizer, data_state, history) -> None:
+    save_checkpoint(cfg.out_dir, step, model, optimizer, _merged_data_state(data_state, env),
+                    cfg.to_dict(), history, env)
     env.barrier()
 
 
@@ -289,12 +312,17 @@ def _report(bar, env, cfg, step, metrics, tokens_per_s) -> None:
 
 
 def _print_header(cfg, model, env, packer, start, first_batch=None) -> None:
-    n_params = count_parameters(model)
-    ffn = (f"MoE {cfg.moe_experts} experts top-{cfg.moe_top_k}" if cfg.moe_experts
-           else f"SwiGLU {cfg.resolved_ffn_dim()}")
+    counts = parameter_counts(cfg)
+    n_params = counts["total"]
+    ffn = (f"MoE {cfg.moe_experts} experts top-{cfg.moe_top_k} ({counts['active'] / 1e6:.2f}M "
+           f"active)" if cfg.moe_experts else f"SwiGLU {cfg.resolved_ffn_dim()}")
     backend = "nccl" if env.device.type == "cuda" else "gloo"
-    par = (f"context parallel over {env.world_size} {backend} ranks (balance={cfg.balance}, "
-           f"comm={cfg.comm})" if env.world_size > 1 else "single rank (no CP)")
+    lay = env.layout
+    cp_text = (f"context parallel over {lay.cp} ranks per group (balance={cfg.balance}, "
+               f"comm={cfg.comm}" + (f", hierarchical over {lay.cp_nodes} nodes)"
+                                     if lay.cp_nodes > 1 else ")") if lay.cp > 1 else "no CP")
+    par = (f"mesh dp {lay.dp} x cp {lay.cp} = {env.world_size} {backend} ranks, FSDP2 over all; "
+           f"{cp_text}" if env.world_size > 1 else "single rank (no CP)")
     print(f"[flashmask3] model: {n_params / 1e6:.2f}M params, {cfg.n_layers} layers, dim "
           f"{cfg.dim}, heads {cfg.n_heads}/{cfg.n_kv_heads} (GQA), {ffn}", flush=True)
     print(f"[flashmask3] data: {cfg.data} ({len(packer.corpus)} documents), {cfg.batch_size} x "
@@ -341,6 +369,17 @@ class RunStats:
         self.tokens += batch.tokens.numel()
         self.steps += 1
 
+    def reduce(self) -> None:
+        """Sum the mask statistics of all DP groups (each CP rank of a group counted them
+        alike): one all-reduce at the end of the run, on every rank."""
+        if self.env.group is None:
+            return
+        t = torch.tensor([self.flops, self.pairs, self.causal_pairs, self.all_pairs],
+                         dtype=torch.float64, device=self.env.device)
+        t = self.env.all_reduce_sum(t).cpu() / self.env.cp
+        self.flops, self.pairs, self.causal_pairs, self.all_pairs = (float(x) for x in t)
+        self.tokens = self.steps * self.cfg.batch_size * self.cfg.seq_len
+
     def summary(self, model, history, start, packer) -> dict:
         cfg, env = self.cfg, self.env
         losses = history["loss"]
@@ -350,7 +389,10 @@ class RunStats:
             "final_step": history["step"][-1] if history["step"] else start,
             "loss_first": sum(losses[:k]) / k if losses else float("nan"),
             "loss_last": sum(losses[-k:]) / k if losses else float("nan"),
-            "params": count_parameters(model),
+            "params": parameter_counts(cfg)["total"],
+            "active_params": parameter_counts(cfg)["active"],
+            "dp": env.dp, "cp": env.cp, "cp_nodes": env.layout.cp_nodes,
+            "prefetch": cfg.prefetch,
             "active_matmul_params": active_matmul_params(cfg),
             "world_size": env.world_size, "device": str(env.device),
             "attention": cfg.attention, "balance": cfg.balance, "comm": cfg.comm,
@@ -390,7 +432,7 @@ def format_summary(s: dict) -> str:
             f"{s['model_tflops_per_device']:.4g} per device",
             f"attention      {'n/a' if share is None else f'{100 * share:.1f}% of step time'} "
             f"(backend {s['attention']}"
-            + (f", CP balance={s['balance']} comm={s['comm']})" if s["world_size"] > 1 else ")"),
+            + (f", CP balance={s['balance']} comm={s['comm']})" if s.get("cp", 1) > 1 else ")"),
         ]
     if s.get("cp_imbalance") is not None:
         lines.append(f"CP balance     attention work max/mean over ranks {s['cp_imbalance']:.3f} "

@@ -1,0 +1,182 @@
+"""The batch loader: packing, masks, CP plans and device copies off the training step.
+
+:func:`prepare_batch` turns one packed batch (this data-parallel group's rows) into what a step
+needs on the device: with context parallelism it plans from the group's mask (hierarchically
+when the CP group spans nodes), keeps this rank's shard of tokens, labels and position ids
+(``plan.shard``), and builds the rank's device program (:func:`prepare_plan_for_rank`);
+without, it moves the mask. Host tensors are pinned and copied with ``non_blocking=True``.
+
+:class:`BatchLoader` runs ``packer.next_batch()`` + :func:`prepare_batch` for the *next* batch
+in a background thread (on GPU on its own CUDA stream; the step's stream waits on an event, so
+the host never blocks) while the current step runs; ``prefetch=False`` does the same work
+inside the step, the comparison ``benchmarks/train.py --loader-ab`` measures.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+from flashmask3.masks import FlashMask
+
+from .data import IGNORE_INDEX, PackedBatch
+
+
+@dataclass
+class DeviceBatch:
+    """One step's inputs on this rank's device, and what the step reports about them."""
+
+    tokens: torch.Tensor          # [b, S/cp] this rank's tokens
+    labels: torch.Tensor          # [b, S/cp]
+    position_ids: torch.Tensor    # [b, S/cp] global (per-document) positions
+    label_count: torch.Tensor     # float32 scalar: this rank's targets
+    num_tokens: int               # tokens of the global batch (all DP groups)
+    mask: Optional[FlashMask]     # the group's mask on the device (None with CP)
+    plan: Optional[object]        # the group's CPPlan (None without CP)
+    host: PackedBatch             # the host batch (documents, mask: statistics only)
+    data_state: dict              # the packer's state right after this batch
+    ready: Optional[object] = None  # CUDA event: the copies are done (loader stream)
+
+    def wait(self) -> None:
+        """Make the current CUDA stream wait for the loader's copies (device-side only)."""
+        if self.ready is None:
+            return
+        stream = torch.cuda.current_stream(self.tokens.device)
+        stream.wait_event(self.ready)
+        for t in (self.tokens, self.labels, self.position_ids, self.label_count):
+            t.record_stream(stream)
+        if self.mask is not None:
+            self.mask.startend_row_indices.record_stream(stream)
+        self.ready = None
+
+
+def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """``t`` on ``device``: pinned and copied asynchronously for a GPU, as is on the CPU."""
+    if device.type != "cuda":
+        return t
+    return t.pin_memory().to(device, non_blocking=True)
+
+
+def prepare_plan_for_rank(plan, rank: int, device: torch.device, comm: str):
+    """Everything ``cp_flashmask_attention`` needs for ``rank`` of ``plan``, on ``device``.
+
+    The one place that wires the CP runtime's per-rank device program: it calls
+    ``flashmask3.distributed.prepare_rank(plan, rank, device, comm)`` where the library has it
+    (it caches the program on the plan; the attention calls then hit the cache). Without it,
+    the rank-local mask columns are copied to the device (pinned, non_blocking) and put in the
+    plan's local-mask cache, so the runtime's per-layer ``cols.to(q.device)`` is a no-op
+    instead of a blocking host-to-device copy per layer.
+    """
+    import flashmask3.distributed as cp_lib
+
+    prepare_rank = getattr(cp_lib, "prepare_rank", None)
+    if prepare_rank is not None:
+        return prepare_rank(plan, rank, device, comm)
+    order = "arrival" if comm == "overlap" else "sorted"
+    host = plan.local_mask(rank, order)
+    mask = FlashMask(to_device(host.startend_row_indices, device), host.causal, host.seqlen_q,
+                     host.mean_row_span)
+    cache = getattr(plan, "_local_masks", None)
+    if isinstance(cache, dict):
+        cache[(rank, order)] = mask
+    return mask
+
+
+def make_group_plan(mask: FlashMask, cfg, env):
+    """The CP plan of a DP group's mask: same on every rank of the group; hierarchical routing
+    (``nodes``) when the CP group spans several nodes."""
+    from flashmask3.distributed import plan as make_plan
+    kwargs = {"balance": cfg.balance, "nodes": env.layout.cp_nodes}
+    if cfg.chunk_size:
+        kwargs["chunk_size"] = cfg.chunk_size
+    return make_plan(mask.startend_row_indices, mask.causal, env.cp, **kwargs)
+
+
+def prepare_batch(batch: PackedBatch, cfg, env, data_state: Optional[dict] = None
+                  ) -> DeviceBatch:
+    """This rank's device inputs for ``batch`` (see the module doc)."""
+    dev = env.device
+    tokens, labels, positions = batch.tokens, batch.labels, batch.position_ids
+    plan, mask = None, None
+    if env.cp > 1:
+        plan = make_group_plan(batch.mask, cfg, env)
+        r = env.cp_rank
+        tokens, labels, positions = (plan.shard(t, r, 1) for t in (tokens, labels, positions))
+        prepare_plan_for_rank(plan, r, dev, cfg.comm)
+    else:
+        m = batch.mask
+        mask = FlashMask(to_device(m.startend_row_indices, dev), m.causal, m.seqlen_q,
+                         m.mean_row_span)
+    count = torch.tensor(float((labels != IGNORE_INDEX).sum()), dtype=torch.float32)
+    return DeviceBatch(to_device(tokens, dev), to_device(labels, dev), to_device(positions, dev),
+                       to_device(count, dev), cfg.batch_size * cfg.seq_len, mask, plan, batch,
+                       data_state if data_state is not None else {})
+
+
+class BatchLoader:
+    """Yields :class:`DeviceBatch` es from ``packer``, one batch ahead in a background thread
+    (``prefetch=True``) or built on demand (``prefetch=False``).
+
+    An exception in the thread is raised by the next :meth:`next` call. :meth:`close` stops the
+    thread (it is a daemon, so a crashing run never waits for it).
+    """
+
+    def __init__(self, packer, cfg, env, prefetch: bool = True):
+        self.packer, self.cfg, self.env, self.prefetch = packer, cfg, env, prefetch
+        self._queue: queue.Queue = queue.Queue(maxsize=1)
+        self._stop = threading.Event()
+        self._thread = None
+        if prefetch:
+            self._thread = threading.Thread(target=self._run, name="flashmask3-loader",
+                                            daemon=True)
+            self._thread.start()
+
+    def _build(self) -> DeviceBatch:
+        batch = self.packer.next_batch()
+        return prepare_batch(batch, self.cfg, self.env, self.packer.state_dict())
+
+    def _run(self) -> None:
+        cuda = self.env.device.type == "cuda"
+        stream = torch.cuda.Stream(self.env.device) if cuda else None
+        try:
+            if cuda:
+                torch.cuda.set_device(self.env.device)
+            while not self._stop.is_set():
+                if cuda:
+                    with torch.cuda.stream(stream):
+                        item = self._build()
+                        item.ready = torch.cuda.Event()
+                        item.ready.record(stream)
+                else:
+                    item = self._build()
+                self._put(item)
+        except BaseException as exc:  # hand it to the training thread
+            self._put(exc)
+
+    def _put(self, item) -> None:
+        while not self._stop.is_set():
+            try:
+                self._queue.put(item, timeout=0.1)
+                return
+            except queue.Full:
+                continue
+
+    def next(self) -> DeviceBatch:
+        """The next batch, its copies ordered before the current stream's work."""
+        if not self.prefetch:
+            item = self._build()
+        else:
+            item = self._queue.get()
+            if isinstance(item, BaseException):
+                raise item
+        item.wait()
+        return item
+
+    def close(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=5.0)
