@@ -113,33 +113,29 @@ def save_checkpoint(out_dir, step: int, model, optimizer, data_state: dict, conf
 def restore_state(out_dir, config: dict, model, optimizer, env) -> Optional[dict]:
     """Resume from ``out_dir``'s latest checkpoint (None: no checkpoint or ``out_dir=None``).
 
-    Rank 0 reads and checks the file; the step, data position, RNG state and history reach
-    the other ranks by ``broadcast_object_list`` and the model/optimiser state by
-    ``set_state_dict(broadcast_from_rank0=True)`` (re-sharded for this mesh). Returns
-    ``{"step", "data", "history", "path"}``.
+    Every rank reads the file (memory-mapped, so the ranks of a node share its pages) and takes
+    its shard of the full state (``set_state_dict(full_state_dict=True)``), so ``out_dir`` must
+    be on storage all nodes see; the ranks first check (one all-reduce) that they found the
+    same checkpoint, and raise together if not. Returns ``{"step", "data", "history", "path"}``.
     """
     from torch.distributed.checkpoint.state_dict import set_state_dict
-    distributed = env.group is not None
-    ckpt = None
-    if env.is_main and out_dir is not None:
-        path = latest_checkpoint(out_dir)
-        if path is not None:
-            ckpt = load_checkpoint(path, config)
-            ckpt["path"] = str(path)
-    meta = None if ckpt is None else {k: ckpt[k] for k in ("step", "data", "history", "rng",
-                                                            "path")}
-    if distributed:
-        box = [meta]
-        dist.broadcast_object_list(box, src=0, group=env.group)
-        meta = box[0]
-    if meta is None:
+    path = latest_checkpoint(out_dir) if out_dir is not None else None
+    step = -1 if path is None else int(_NAME.match(path.name).group(1))
+    if env.group is not None:
+        seen = torch.tensor([step, -step], dtype=torch.int64, device=env.device)
+        dist.all_reduce(seen, op=dist.ReduceOp.MAX, group=env.group)
+        if int(seen[0]) != step or -int(seen[1]) != step:
+            raise ValueError(f"the ranks found different latest checkpoints in {str(out_dir)!r} "
+                             f"(this rank: step {step}, others up to {int(seen[0])}); out_dir "
+                             "must be on storage every node sees")
+    if path is None:
         return None
-    model_state = ckpt["model"] if ckpt is not None else {}
-    optim_state = ckpt["optimizer"] if ckpt is not None else {}
-    set_state_dict(model, optimizer, model_state_dict=model_state, optim_state_dict=optim_state,
-                   options=_options(env, broadcast_from_rank0=distributed))
-    set_rng_state(meta["rng"])
-    return meta
+    ckpt = load_checkpoint(path, config)
+    set_state_dict(model, optimizer, model_state_dict=ckpt["model"],
+                   optim_state_dict=ckpt["optimizer"], options=_options(env))
+    set_rng_state(ckpt["rng"])
+    return {"step": ckpt["step"], "data": ckpt["data"], "history": ckpt["history"],
+            "path": str(path)}
 
 
 def load_checkpoint(path, config: Optional[dict] = None) -> dict:
@@ -152,7 +148,7 @@ def load_checkpoint(path, config: Optional[dict] = None) -> dict:
     if not path.is_file():
         raise ValueError(f"checkpoint {str(path)!r} does not exist")
     try:
-        payload = torch.load(path, map_location="cpu", weights_only=True)
+        payload = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
     except (RuntimeError, EOFError, OSError, ValueError, pickle.UnpicklingError,
             zipfile.BadZipFile, AttributeError, KeyError, IndexError) as exc:
         raise ValueError(f"checkpoint {str(path)!r} is corrupt or not a torch checkpoint: "

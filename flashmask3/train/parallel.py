@@ -27,6 +27,7 @@ from __future__ import annotations
 import os
 import queue as queue_module
 import socket
+import sys
 import time
 import traceback
 from dataclasses import dataclass
@@ -269,6 +270,7 @@ def _spawned_rank(rank, world_size, device, port, results, fn, args, layout, tim
         result = fn(env, *args)
         results.put(("ok", rank, result if rank == 0 else None))
     except BaseException as exc:  # report, then exit non-zero: the launcher raises
+        print(f"[flashmask3] rank {rank}: {traceback.format_exc()}", file=sys.stderr, flush=True)
         results.put(("error", rank, type(exc).__name__, str(exc) or repr(exc),
                      traceback.format_exc(), time.time()))
         raise SystemExit(1) from None
@@ -291,8 +293,6 @@ def init_rank(rank: int, world_size: int, device: torch.device, local_rank: int 
     Every group gets ``timeout`` (the mesh's groups are made here with it, not with torch's
     30-minute default), so a dead peer cannot block a collective longer than that.
     """
-    from torch.distributed.device_mesh import DeviceMesh
-
     layout = layout or Layout(1, world_size)
     device = _rank_device(device, local_rank)
     if device.type == "cpu":
@@ -301,21 +301,32 @@ def init_rank(rank: int, world_size: int, device: torch.device, local_rank: int 
     kwargs = {"device_id": device} if device.type == "cuda" else {}
     td = timedelta(seconds=timeout)
     dist.init_process_group(backend, rank=rank, world_size=world_size, timeout=td, **kwargs)
-    dp, cp = layout.dp, layout.cp
-    grid = torch.arange(world_size).view(dp, cp)
-    cp_group = dp_group = None
-    for d in range(dp):  # every rank creates every group, in the same order
-        g = dist.new_group(grid[d].tolist(), timeout=td)
-        if rank in grid[d].tolist():
-            cp_group = g
-    for c in range(cp):
-        g = dist.new_group(grid[:, c].tolist(), timeout=td)
-        if rank in grid[:, c].tolist():
-            dp_group = g
-    mesh = DeviceMesh.from_group([dp_group, cp_group], device.type, mesh=grid,
+    return mesh_env(device, layout, timeout)
+
+
+def mesh_env(device: torch.device, layout: Layout, timeout: float = 600.0) -> DistEnv:
+    """This rank's :class:`DistEnv` on a new ``("dp", "cp")`` mesh of the initialised world.
+
+    The groups are created here with ``timeout`` (not torch's 30-minute default), every rank
+    creating every group in the same order, and wrapped by ``DeviceMesh.from_group``.
+    """
+    from torch.distributed.device_mesh import DeviceMesh
+
+    world_size, rank = dist.get_world_size(), dist.get_rank()
+    if layout.world != world_size:
+        raise ValueError(f"layout dp {layout.dp} x cp {layout.cp} does not match the world of "
+                         f"{world_size} ranks")
+    td = timedelta(seconds=timeout)
+    grid = torch.arange(world_size).view(layout.dp, layout.cp)
+    mine = {}
+    for name, lines in (("cp", grid.tolist()), ("dp", grid.t().tolist())):
+        for ranks in lines:
+            g = dist.new_group(ranks, timeout=td)
+            if rank in ranks:
+                mine[name] = g
+    mesh = DeviceMesh.from_group([mine["dp"], mine["cp"]], device.type, mesh=grid,
                                  mesh_dim_names=("dp", "cp"))
-    shard_mesh = DeviceMesh.from_group(dist.group.WORLD, device.type,
-                                       mesh_dim_names=("dp_cp",))
+    shard_mesh = DeviceMesh.from_group(dist.group.WORLD, device.type, mesh_dim_names=("dp_cp",))
     return DistEnv(rank, world_size, device, dist.group.WORLD, layout, mesh, shard_mesh)
 
 
