@@ -15,6 +15,15 @@ skipped, and an out-of-memory error in any backend is reported as ``OOM`` instea
 
     python benchmarks/train.py --out $OUT                      # one H200, ~3-4 minutes
     python benchmarks/train.py --toy                           # CPU smoke test, tiny model
+
+``--loader-ab`` measures the harness itself instead (``flashmask3.train.train``, the real loop
+and its batch loader): the step time with the next batch packed, masked and copied to the
+device in the loader's background thread (``prefetch``) vs inside the step (``--no-prefetch``),
+flashmask3 attention, same batches; plus the host time of packing one batch and of planning it
+for CP 8 (the work the loader takes off the step at cp > 1). Writes ``harness_<tag>.json/.md``.
+
+    python benchmarks/train.py --loader-ab --seq-lens 131072 --out $OUT/harness   # one H200
+    python benchmarks/train.py --loader-ab --toy                                  # CPU
 """
 
 from __future__ import annotations
@@ -38,8 +47,9 @@ from flashmask3.train.config import from_preset  # noqa: E402
 from flashmask3.train.data import make_packer, mask_sparsity  # noqa: E402
 from flashmask3.train.model import (Transformer, active_matmul_params,  # noqa: E402
                                     count_parameters, model_flops_per_step)
-from flashmask3.train.parallel import DistEnv  # noqa: E402
-from flashmask3.train.trainer import build_optimizer, train_step  # noqa: E402
+from flashmask3.train.loader import make_group_plan, prepare_batch  # noqa: E402
+from flashmask3.train.parallel import DistEnv, Layout  # noqa: E402
+from flashmask3.train.trainer import build_optimizer, train, train_step  # noqa: E402
 
 #: the optional variants last (budget): flashmask3 with its backward pinned to one mode
 BACKENDS = ("flashmask3", "flex", "sdpa", "flashmask3-fused", "flashmask3-split")
@@ -69,6 +79,8 @@ def parse_args(argv=None):
     p.add_argument("--out", default="benchmarks/results",
                    help="directory for train_<tag>.json / .md")
     p.add_argument("--tag", default=None, help="file tag (default h200, or cpu_toy)")
+    p.add_argument("--loader-ab", action="store_true",
+                   help="the harness's step time, batch prepared in the loader vs in the step")
     args = p.parse_args(argv)
     for name in ("steps", "warmup"):
         if getattr(args, name) < (1 if name == "steps" else 0):
@@ -115,7 +127,8 @@ def _timed_steps(cfg, model, optimizer, batches, warmup: int, env, timer, device
     times, attn, flops, losses = [], [], 0.0, []
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats()
-    for i, batch in enumerate(batches):
+    for i, host_batch in enumerate(batches):
+        batch = prepare_batch(host_batch, cfg, env)  # before the timer: packing is not timed
         t0 = time.perf_counter()
         metrics = train_step(model, optimizer, batch, cfg, env, timer, cfg.lr)
         if device.type == "cuda":
@@ -126,8 +139,8 @@ def _timed_steps(cfg, model, optimizer, batches, warmup: int, env, timer, device
         if i >= warmup:
             times.append(dt)
             attn.append(a)
-            attn_flops = batch.mask.flops(cfg.n_heads, cfg.head_dim, "fwd_bwd")
-            flops += model_flops_per_step(cfg, batch.tokens.numel(), attn_flops)
+            attn_flops = host_batch.mask.flops(cfg.n_heads, cfg.head_dim, "fwd_bwd")
+            flops += model_flops_per_step(cfg, host_batch.tokens.numel(), attn_flops)
     total = sum(times)
     tokens = sum(b.tokens.numel() for b in batches[warmup:])
     out = {"status": "ok", "tokens_per_s": tokens / total, "step_time_s": total / len(times),
@@ -154,6 +167,10 @@ def main(argv=None) -> int:
         return 2
     seq_lens = args.seq_lens or ([512, 1024] if args.toy else [32768, 131072])
     tag = args.tag or ("cpu_toy" if args.toy else "h200")
+    if args.loader_ab:
+        if args.toy:  # 2 intra-op threads on a shared 2-core host spin ~10x slower (NOTES s17)
+            torch.set_num_threads(1)
+        return loader_ab(args, device, seq_lens, tag)
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
     env = run_environment(device)
@@ -263,6 +280,97 @@ def markdown(report: dict) -> str:
 def _write(report: dict, out_dir: Path, tag: str) -> None:
     (out_dir / f"train_{tag}.json").write_text(json.dumps(report, indent=2))
     (out_dir / f"train_{tag}.md").write_text(markdown(report))
+
+
+# -- the harness's loader: batch prepared in a background thread vs inside the step ----------
+
+def _median(xs):
+    xs = sorted(xs)
+    return xs[len(xs) // 2] if xs else float("nan")
+
+
+def host_batch_costs(cfg, repeats: int = 3, cp: int = 8) -> dict:
+    """Host seconds (median of ``repeats``) to pack one batch, and to plan it for ``cp`` ranks
+    (sparse and dual_chunk): the work the loader thread takes off the step."""
+    packer = make_packer(cfg)
+    pack, plans = [], {"sparse": [], "dual_chunk": []}
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        batch = packer.next_batch()
+        pack.append(time.perf_counter() - t0)
+        for balance in plans:
+            env = DistEnv(0, 1, torch.device("cpu"), layout=Layout(1, cp))
+            t0 = time.perf_counter()
+            make_group_plan(batch.mask, cfg.replace(balance=balance), env)
+            plans[balance].append(time.perf_counter() - t0)
+    return {"pack_s": _median(pack), "cp": cp,
+            **{f"plan_{b}_s": _median(v) for b, v in plans.items()}}
+
+
+def loader_ab(args, device, seq_lens, tag) -> int:
+    """Train the harness (``flashmask3.train.train``) with ``prefetch`` off and on, per length."""
+    import tempfile
+    out_dir = Path(args.out)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    env = run_environment(device)
+    report = {"date": env["date"], "device": env.get("gpu", "cpu"), "torch": env["torch"],
+              "triton": env["triton"] or "not installed", "command": env["command"],
+              "commit": env["commit"], "steps": args.steps, "warmup": args.warmup, "runs": []}
+    t_start = time.perf_counter()
+    for seq_len in seq_lens:
+        base = bench_config(seq_len, args.toy).replace(
+            steps=args.warmup + args.steps, warmup_exclude=args.warmup, checkpoint_every=0,
+            resume=False, progress=False, plot=False, log_every=10 ** 6, cp=1, dp=1,
+            time_attention=False, attention="flashmask3")
+        row = {"seq_len": seq_len, "host": host_batch_costs(base)}
+        for prefetch in (False, True):
+            key = "in_loader" if prefetch else "in_step"
+            if time.perf_counter() - t_start > args.budget_s:
+                row[key] = {"status": "skipped", "reason": "time budget used up"}
+                continue
+            with tempfile.TemporaryDirectory() as tmp:
+                try:
+                    summary = train(base.replace(prefetch=prefetch, out_dir=tmp))
+                    times = [float(line.split(",")[4]) for line in
+                             (Path(tmp) / "losses.csv").read_text().splitlines()[1:]]
+                    row[key] = {"status": "ok", "step_time_s": summary["step_time_s"],
+                                "tokens_per_s": summary["tokens_per_s"],
+                                "step_times_s": times, "loss_last": summary["loss_last"]}
+                except Exception as exc:  # keep the other numbers
+                    traceback.print_exc()
+                    row[key] = {"status": "error", "reason": f"{type(exc).__name__}: {exc}"[:300]}
+            _cleanup(device)
+        a, b = row.get("in_step", {}), row.get("in_loader", {})
+        if a.get("status") == "ok" and b.get("status") == "ok":
+            row["saved_s_per_step"] = a["step_time_s"] - b["step_time_s"]
+            row["saved_fraction"] = row["saved_s_per_step"] / a["step_time_s"]
+        report["runs"].append(row)
+        print(json.dumps(row), flush=True)
+        (out_dir / f"harness_{tag}.json").write_text(json.dumps(report, indent=2))
+    (out_dir / f"harness_{tag}.json").write_text(json.dumps(report, indent=2))
+    (out_dir / f"harness_{tag}.md").write_text(loader_markdown(report))
+    print(loader_markdown(report))
+    return 0
+
+
+def loader_markdown(report: dict) -> str:
+    lines = [f"# Harness step time: batch prepared in the loader vs in the step "
+             f"({report['device']}, {report['date']})", "",
+             f"torch {report['torch']}, triton {report['triton']}; command: "
+             f"`{report['command']}` (commit {report['commit'] or '?'}); cp 1, flashmask3, "
+             f"{report['warmup']} warm-up + {report['steps']} timed steps.", "",
+             "| S | step, prepared in step (s) | step, prepared in loader (s) | saved/step | "
+             "host: pack (s) | host: plan cp 8 sparse / dual_chunk (s) |",
+             "|---|---|---|---|---|---|"]
+    for r in report["runs"]:
+        a, b, h = r.get("in_step", {}), r.get("in_loader", {}), r["host"]
+        fmt = lambda x: f"{x['step_time_s']:.4f}" if x.get("status") == "ok" else \
+            x.get("status", "-")  # noqa: E731
+        saved = (f"{1000 * r['saved_s_per_step']:.1f} ms ({100 * r['saved_fraction']:.1f}%)"
+                 if "saved_s_per_step" in r else "-")
+        lines.append(f"| {r['seq_len']} | {fmt(a)} | {fmt(b)} | {saved} | {h['pack_s']:.4f} | "
+                     f"{h['plan_sparse_s']:.4f} / {h['plan_dual_chunk_s']:.4f} |")
+    return "\n".join(lines) + "\n"
 
 
 if __name__ == "__main__":
