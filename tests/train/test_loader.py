@@ -1,0 +1,130 @@
+"""The data side of the mesh, in one process: a DP group packs only its rows (the same rows a
+single process packs), a rank keeps only its CP shard, the loader thread hands over the same
+batches as the inline path, the layout comes from the launcher's environment, and the MoE
+preset has the paper's active/total proportion."""
+
+import pytest
+import torch
+
+from flashmask3.train.config import from_preset
+from flashmask3.train.data import DocumentPacker, open_corpus
+from flashmask3.train.loader import BatchLoader, prepare_batch, prepare_plan_for_rank
+from flashmask3.train.model import Transformer, count_parameters, parameter_counts
+from flashmask3.train.parallel import DistEnv, Layout, resolve_layout
+
+CPU = torch.device("cpu")
+
+
+def _packer(corpus, rows=None, mask="causal_document"):
+    return DocumentPacker(open_corpus(corpus), 128, batch_size=4, seed=3, mask=mask, rows=rows)
+
+
+@pytest.mark.parametrize("mask", ["causal_document", "document"])
+def test_a_dp_group_packs_exactly_its_rows_of_the_global_batch(jsonl_corpus, mask):
+    full, lo, hi = _packer(jsonl_corpus, mask=mask), \
+        _packer(jsonl_corpus, range(0, 2), mask), _packer(jsonl_corpus, range(2, 4), mask)
+    for _ in range(6):
+        want, a, b = full.next_batch(), lo.next_batch(), hi.next_batch()
+        assert torch.equal(torch.cat([a.tokens, b.tokens]), want.tokens)
+        assert torch.equal(torch.cat([a.labels, b.labels]), want.labels)
+        assert a.doc_lens + b.doc_lens == want.doc_lens
+        assert torch.equal(torch.cat([a.mask.startend_row_indices, b.mask.startend_row_indices]),
+                           want.mask.startend_row_indices)
+    # the groups' states merge into the state of the whole batch
+    merged = dict(lo.state_dict(), streams={**lo.state_dict()["streams"],
+                                            **hi.state_dict()["streams"]})
+    again = _packer(jsonl_corpus, mask=mask)
+    again.load_state_dict(merged)
+    assert torch.equal(again.next_batch().tokens, full.next_batch().tokens)
+    with pytest.raises(ValueError, match="no position for rows"):
+        _packer(jsonl_corpus).load_state_dict(lo.state_dict())
+    with pytest.raises(ValueError, match="rows must be a non-empty range"):
+        _packer(jsonl_corpus, range(3, 5))
+
+
+def test_a_rank_keeps_its_cp_shard_and_the_plan_is_on_its_device(jsonl_corpus):
+    cfg = from_preset("tiny", data=jsonl_corpus, seq_len=128, batch_size=4, balance="sparse")
+    batch = _packer(jsonl_corpus, range(2, 4)).next_batch()
+    env = DistEnv(3, 4, CPU, layout=Layout(2, 2))  # dp group 1, cp rank 1 (no process group)
+    got = prepare_batch(batch, cfg, env)
+    plan = got.plan
+    assert plan.cp_size == 2 and plan.nodes == 1 and got.mask is None
+    for name in ("tokens", "labels", "position_ids"):
+        assert torch.equal(getattr(got, name), plan.shard(getattr(batch, name), 1, 1)), name
+    assert got.tokens.shape == (2, 64) and got.num_tokens == 4 * 128
+    assert float(got.label_count) == float((got.labels != -100).sum())
+    # without the runtime's prepare_rank, the plan's cached local mask is the prepared one
+    import flashmask3.distributed as cp_lib
+    if not hasattr(cp_lib, "prepare_rank"):
+        for comm, order in (("overlap", "arrival"), ("allgather", "sorted")):
+            prepared = prepare_plan_for_rank(plan, 1, CPU, comm)
+            assert plan.local_mask(1, order) is prepared
+    # a CP group over 2 nodes is planned hierarchically
+    env = DistEnv(0, 4, CPU, layout=Layout(1, 4, nodes=2, cp_nodes=2))
+    assert prepare_batch(batch, cfg.replace(batch_size=2), env).plan.nodes == 2
+
+
+def test_the_loader_thread_hands_over_the_inline_batches(jsonl_corpus):
+    cfg = from_preset("tiny", data=jsonl_corpus, seq_len=128, batch_size=4)
+    env = DistEnv(0, 1, CPU)
+    inline = BatchLoader(_packer(jsonl_corpus), cfg, env, prefetch=False)
+    ahead = BatchLoader(_packer(jsonl_corpus), cfg, env, prefetch=True)
+    try:
+        for _ in range(4):
+            a, b = inline.next(), ahead.next()
+            assert torch.equal(a.tokens, b.tokens) and a.data_state == b.data_state
+            assert torch.equal(a.mask.startend_row_indices, b.mask.startend_row_indices)
+    finally:
+        ahead.close()
+
+    class Broken(DocumentPacker):
+        def next_batch(self):
+            raise ValueError("bad document")
+    broken = BatchLoader(Broken(open_corpus(jsonl_corpus), 128), cfg.replace(batch_size=1), env)
+    with pytest.raises(ValueError, match="bad document"):
+        broken.next()
+    broken.close()
+
+
+@pytest.mark.parametrize("cp, dp, nodes, want", [
+    (16, 0, 0, Layout(1, 16, 2, 2)),   # one CP group over both nodes: hierarchical
+    (0, 0, 0, Layout(1, 16, 2, 2)),
+    (4, 0, 0, Layout(4, 4, 2, 1)),
+    (0, 2, 0, Layout(2, 8, 2, 1)),
+    (8, 2, 0, Layout(2, 8, 2, 1)),
+    (16, 1, 4, Layout(1, 16, 4, 4)),
+])
+def test_layout_from_the_torchrun_environment(cp, dp, nodes, want):
+    environ = {"WORLD_SIZE": "16", "LOCAL_WORLD_SIZE": "8"}
+    assert resolve_layout(cp, dp, nodes, CPU, environ) == want
+
+
+@pytest.mark.parametrize("cp, dp, nodes, message", [
+    (3, 0, 0, "dp x cp must equal the 16 processes"),
+    (4, 3, 0, "dp x cp must equal"),
+    (12, 0, 0, "dp x cp must equal"),
+    (0, 0, 3, "nodes=3 must divide"),
+])
+def test_bad_layouts_are_clear_errors(cp, dp, nodes, message):
+    with pytest.raises(ValueError, match=message):
+        resolve_layout(cp, dp, nodes, CPU, {"WORLD_SIZE": "16", "LOCAL_WORLD_SIZE": "8"})
+
+
+def test_layout_of_a_plain_cpu_run_and_straddling_groups():
+    assert resolve_layout(0, 0, 0, CPU, {}) == Layout(1, 2, 1, 1)
+    assert resolve_layout(2, 2, 0, CPU, {}) == Layout(2, 2, 1, 1)
+    three_nodes = {"WORLD_SIZE": "24", "LOCAL_WORLD_SIZE": "8"}
+    with pytest.raises(ValueError, match="straddles two nodes"):
+        resolve_layout(6, 4, 0, CPU, three_nodes)
+    with pytest.raises(ValueError, match="must span whole nodes"):
+        resolve_layout(12, 2, 0, CPU, three_nodes)
+
+
+def test_moe_small_has_the_papers_active_share():
+    cfg = from_preset("moe-small")
+    counts = parameter_counts(cfg)
+    with torch.device("meta"):
+        assert count_parameters(Transformer(cfg)) == counts["total"]
+    assert counts["active"] / counts["total"] == pytest.approx(14 / 118, abs=0.005)
+    dense = from_preset("tiny")
+    assert parameter_counts(dense)["active"] == parameter_counts(dense)["total"]
