@@ -195,7 +195,9 @@ def data_rows(cfg: TrainConfig, env: DistEnv) -> range:
 def run_rank(env: DistEnv, cfg: TrainConfig) -> dict:
     """The training loop on one rank; rank 0 returns (and writes) the summary."""
     torch.manual_seed(cfg.seed)
-    model = shard_model(Transformer(cfg).to(env.device), env)
+    with torch.device(env.device):  # initialised in place (same seed: same weights per rank)
+        model = Transformer(cfg)
+    model = shard_model(model, env)
     optimizer = build_optimizer(model, cfg)
     packer = make_packer(cfg, data_rows(cfg, env))
     history = {"step": [], "loss": [], "lr": [], "grad_norm": [], "step_time": [],

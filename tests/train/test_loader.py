@@ -128,3 +128,17 @@ def test_moe_small_has_the_papers_active_share():
     assert counts["active"] / counts["total"] == pytest.approx(14 / 118, abs=0.005)
     dense = from_preset("tiny")
     assert parameter_counts(dense)["active"] == parameter_counts(dense)["total"]
+
+
+def test_memory_estimate_adds_up_and_shards_with_the_mesh():
+    from flashmask3.train.memory import estimate_memory
+    cfg = from_preset("bench-0.6b", seq_len=131072, batch_size=8)
+    one, many = estimate_memory(cfg, 1, 1), estimate_memory(cfg, 8, 8)
+    n = parameter_counts(cfg)["total"]
+    assert one["parameters (fp32 shard)"] == pytest.approx(4 * n / 2 ** 30)
+    assert many["AdamW moments (fp32 shards)"] == pytest.approx(8 * n / 64 / 2 ** 30)
+    total = [k for k in one if k.startswith("total")][0]
+    assert one[total] == pytest.approx(sum(v for k, v in one.items() if k != total))
+    assert many[total] < one[total]
+    with pytest.raises(ValueError, match="divisible by dp"):
+        estimate_memory(cfg.replace(batch_size=1), 8, 1)
