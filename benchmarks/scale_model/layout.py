@@ -67,7 +67,9 @@ def chunk_tile_matrix(startend_row_indices, causal: bool, seqlen: int, chunk_siz
     n, per = seqlen // chunk_size, chunk_size // TILE
 
     def blocks(sel):
-        x = sel.flatten(0, 1).sum(0, dtype=np.int64) if hasattr(sel, "flatten") else sel
+        import torch
+
+        x = sel.flatten(0, 1).sum(0, dtype=torch.int64)
         return x.view(n, per, n, per).sum((1, 3)).numpy().astype(np.int64)
 
     full = blocks((cls == UNMASKED).to("cpu"))

@@ -412,12 +412,25 @@ class LayerResult:
         return max(range(len(self.host)), key=self.rank_time)
 
 
+def _messages_per_rank(view: PlanView) -> list[int]:
+    """Messages each rank sends or receives in one pass of the rounds (cached on the view)."""
+    cached = getattr(view, "_msgs_per_rank", None)
+    if cached is None:
+        cached = [0] * view.cp_size
+        for rnd in view.rounds:
+            for (s, d, _) in rnd.transfers:
+                cached[s] += 1
+                cached[d] += 1
+        view._msgs_per_rank = cached
+    return cached
+
+
 def host_seconds(view: PlanView, r: int, comm: str, cluster: Cluster, runtime) -> float:
     """Host time of rank ``r``'s attention forward+backward (ops x time per op)."""
     if comm == "allgather":
         return 2 * 12 * cluster.host_op.value  # a few ops per pass: gather, call, scatter
     stages = sum(1 for t in view.stages[r] if t.live)
-    msgs = sum(1 for rnd in view.rounds for (s, d, _) in rnd.transfers if r in (s, d))
+    msgs = _messages_per_rank(view)[r]
     chunks = sum(view.stage_chunks[r][1:])
     calls = 2 * stages
     ops = runtime.host_ops(2 * len(view.stages[r]), 3 * msgs, 2 * chunks, calls)
