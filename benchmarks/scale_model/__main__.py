@@ -67,7 +67,7 @@ def run_paper(args, costs, cluster, runtime, bar_total=None):
     n_methods = len(X.METHODS) - (1 if layout.cp <= cluster.gpus_per_node else 0)
     steps = len(datasets) * args.sequences * n_methods
     if args.sensitivity:
-        steps += (2 * len(X.SWEPT) + 3) * args.sequences * n_methods
+        steps += (2 * len(X.SWEPT) + 6) * args.sequences * n_methods
     results = {}
     with tqdm(total=steps, desc="paper experiment", unit="layer") as bar:
         for name, ds in datasets.items():
@@ -142,6 +142,9 @@ def main(argv=None) -> int:
     g.add_argument("--sequences", type=int, default=4, help="packed sequences per dataset")
     g.add_argument("--lengths", default=None, help="json list of document lengths (default: this machine's corpus)")
     g.add_argument("--no-sensitivity", dest="sensitivity", action="store_false")
+    g.add_argument("--alt-cp", type=int, default=64, help="'all': also the paper experiment at this cp "
+                   "(pp = 128 / cp / alt-dp); 0 = skip")
+    g.add_argument("--alt-dp", type=int, default=1)
     g = ap.add_argument_group("sweep")
     g.add_argument("--sweep-model", choices=sorted(MODELS), default="dense7b")
     g.add_argument("--cps", type=int, nargs="+", default=[8, 16, 32, 64, 128])
@@ -192,6 +195,16 @@ def main(argv=None) -> int:
                         "attribution": {d: X.attribution(model, layout, r) for d, r in results.items()}}
         for d, r in results.items():
             print(f"{d}: PREDICTED gains " + ", ".join(f"{m} {100 * g:+.1f}%" for m, g in X.gains(r).items()))
+        if args.cmd == "all" and args.alt_cp:
+            alt = argparse.Namespace(**{**vars(args), "cp": args.alt_cp, "pp": 128 // args.alt_cp // args.alt_dp,
+                                        "dp": args.alt_dp, "micro_batches": max(1, args.micro_batches * args.dp // args.alt_dp),
+                                        "sensitivity": False})
+            _, alayout, adatasets, aresults, _ = run_paper(alt, costs, cluster, runtime)
+            md += ["### The same at another plausible layout", ""]
+            md += report.paper_section(model, alayout, adatasets, aresults, [], cluster)[4:] + [""]
+            out["paper_alt"] = {"layout": dataclasses.asdict(alayout),
+                                "gains": {d: X.gains(r) for d, r in aresults.items()},
+                                "results": {d: {m: X._summ(e) for m, e in r.items()} for d, r in aresults.items()}}
     if args.cmd in ("all", "sweep"):
         model, sweep, seqs = run_sweep(args, costs, cluster, runtime)
         md += report.sweep_section(model, sweep, cluster)

@@ -198,14 +198,19 @@ def sensitivity(seqs, model, layout, cluster, runtime, costs, factors=(0.5, 2.0)
     rows = []
     variants = [(p, f, cluster.swept(p, f), costs) for p in SWEPT for f in factors]
     cur = costs.flashmask3
-    for f in factors:
+    for f in (0.5, round(old_kernel_per_rank_factor(), 3), 2.0):
         variants.append(("per_rank_factor", f, cluster,
                          dataclasses.replace(costs, flashmask3=scaled_cost(cur, f, cur.fwd.call, cur.bwd.call,
                                                                            cur.source))))
+    for f in (0.5, 2.0):
+        variants.append(("comm_bytes(kv_heads)", f, cluster, costs))
     variants.append(("runtime=current", 1.0, cluster, costs))
     for name, f, cl, co in variants:
         rt = Runtime("current") if name == "runtime=current" else runtime
-        res = simulate_dataset(seqs, model, layout, cl, rt, co, progress=progress)
+        m = model
+        if name.startswith("comm_bytes"):  # K/V bytes per token x f (more or fewer KV heads)
+            m = dataclasses.replace(model, kv_heads=max(1, int(model.kv_heads * f)))
+        res = simulate_dataset(seqs, m, layout, cl, rt, co, progress=progress)
         gs = gains(res)
         rows.append({"param": name, "factor": f, **{k: gs[k] for k in gs if k != BASELINE}})
     return rows

@@ -64,8 +64,12 @@ class Cluster:
         return dataclasses.replace(self, **changes)
 
     def swept(self, name: str, factor: float) -> "Cluster":
-        """A copy with parameter ``name`` scaled by ``factor`` (the 0.5x-2x sweep)."""
-        return dataclasses.replace(self, **{name: getattr(self, name).scaled(factor)})
+        """A copy with parameter ``name`` scaled by ``factor`` (the 0.5x-2x sweep); fractions
+        (efficiencies, shares) are capped at 1."""
+        p = getattr(self, name).scaled(factor)
+        if name in FRACTIONS and p.value > 1.0:
+            p = Param(1.0, p.source + " (capped at 1)")
+        return dataclasses.replace(self, **{name: p})
 
     def params(self) -> dict[str, Param]:
         return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)
@@ -78,6 +82,9 @@ class Cluster:
     def latency(self, same_node: bool) -> float:
         return self.nvlink_latency.value if same_node else self.ib_latency.value
 
+
+#: Parameters that are fractions (a sweep caps them at 1).
+FRACTIONS = ("link_efficiency", "matmul_efficiency", "comm_sm_share", "nonmatmul_share", "dp_overlap")
 
 #: The link parameters swept 0.5x-2x in the sensitivity table.
 SWEPT = ("nvlink_bw", "ib_bw", "nvlink_latency", "ib_latency", "comm_sm_share", "host_op",
