@@ -187,6 +187,7 @@ def main(argv=None) -> int:
                              "multigpu": [dataclasses.asdict(p) for p in multi]}
     if args.cmd in ("all", "paper"):
         model, layout, datasets, results, sens = run_paper(args, costs, cluster, runtime)
+        model_p = model
         md += report.paper_section(model, layout, datasets, results, sens, cluster) + [""]
         out["paper"] = {"model": dataclasses.asdict(model), "layout": dataclasses.asdict(layout),
                         "datasets": datasets, "sensitivity": sens,
@@ -212,6 +213,10 @@ def main(argv=None) -> int:
                         "sequences": {str(k): v for k, v in seqs.items()}}
         os.makedirs(args.out, exist_ok=True)
         X.plot_sweep(sweep, os.path.join(args.out, "scale_model.png"))
+    if args.cmd == "all":
+        at = md.index("## Parameters")
+        md[at:at] = report.discussion(model_p, layout, results, alayout if args.alt_cp else None,
+                                      aresults if args.alt_cp else {}, sweep, sens)
     os.makedirs(args.out, exist_ok=True)
     base = os.path.join(args.out, "scale_model" if args.cmd == "all" else f"scale_model_{args.cmd}")
     X.write_json(out, base + ".json")

@@ -46,6 +46,8 @@ METHODS = {
     "torch_cp (head-tail+allgather, Flex)": Method("dual_chunk", "allgather", kernel="flex"),
 }
 COMBINED = "sparse+overlap+hier"
+#: The sweep's extra row: the best overlap method with the runtime on main (host floor).
+ON_MAIN = "best overlap, runtime on main"
 #: The paper's layout for 128 H100s (assumed): cp 16 over 2 nodes, pp 4, dp 2, experts 8-way
 #: inside each node, 16 micro-batches of one 128K sequence per replica.
 PAPER_LAYOUT = Layout(cp=16, pp=4, dp=2, ep=8, micro_batches=16, recompute=False)
@@ -224,6 +226,11 @@ def cp_sweep(seqs_by_len: dict, model: ModelConfig, cps: Sequence[int], cluster:
         out[seqlen] = {}
         for cp in cps:
             res = simulate_dataset(seqs, model, Layout(cp=cp), cluster, runtime, costs, progress=progress)
+            best = COMBINED if cp > cluster.gpus_per_node else "sparse+overlap"
+            if runtime.kind != "current":
+                on_main = simulate_dataset(seqs, model, Layout(cp=cp), cluster, Runtime("current"), costs,
+                                           methods={best: METHODS[best]})
+                res[ON_MAIN] = on_main[best]
             out[seqlen][cp] = {k: _summ(v) for k, v in res.items()}
     return out
 
@@ -240,10 +247,10 @@ def plot_sweep(sweep: dict, path: str) -> None:
     fig, axes = plt.subplots(1, len(sweep), figsize=(6 * len(sweep), 4.2), squeeze=False)
     for ax, (seqlen, by_cp) in zip(axes[0], sweep.items()):
         cps = sorted(by_cp)
-        for i, m in enumerate(METHODS):
+        for i, m in enumerate(list(METHODS) + [ON_MAIN]):
             ys = [by_cp[cp][m]["tokens_per_s"] / by_cp[cp][BASELINE]["tokens_per_s"]
                   if m in by_cp[cp] else math.nan for cp in cps]
-            ax.plot(cps, ys, "-o", color=f"C{i}", label=m)
+            ax.plot(cps, ys, "--x" if m == ON_MAIN else "-o", color=f"C{i}", label=m)
         ax.axhline(1.0, color="k", lw=0.8, ls=":")
         ax.set(xscale="log", xlabel="cp size", ylabel=f"predicted tokens/s vs {BASELINE}",
                title=f"PREDICTION: 7B dense, {seqlen // 1024}K tokens")

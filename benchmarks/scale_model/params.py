@@ -97,15 +97,18 @@ class Runtime:
 
     ``lean``: the cp-runtime target (issue 22): at most 64 launches per layer forward+backward
     outside the attention kernels. ``current``: the runtime on main before that rewrite, whose
-    op counts grow with messages and chunks (fitted to issue 22's 170-330 ops at cp 8 and
-    1,000-2,500 at cp 128 with communication stubbed).
+    op counts grow with messages and chunks: ``20 + 14/stage-pass + 8/message + 1/received
+    chunk`` per layer forward+backward (the ops of attention.py/comm.py on main: a stack and a
+    buffer per message each way, a cat/contiguous/merge per stage, per-chunk gradient
+    accumulation), which gives 260-350 at cp 8 and 760-3,100 at cp 128 on the 128K document
+    spreads, against issue 22's counts of 170-330 and 1,000-2,500.
     """
 
     kind: str = "lean"
     lean_ops: int = 64
     ops_per_stage: int = field(default=14)
-    ops_per_message: int = field(default=3)
-    ops_per_chunk: int = field(default=5)
+    ops_per_message: int = field(default=8)
+    ops_per_chunk: int = field(default=1)
 
     def host_ops(self, stages: int, messages: int, chunks: int, attention_calls: int) -> int:
         """Host ops of one layer's attention forward+backward (launches of any kind)."""

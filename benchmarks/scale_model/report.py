@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from .experiment import BASELINE, COMBINED, METHODS, PAPER_GAINS, _summ, attribution, gains
+from .experiment import BASELINE, COMBINED, METHODS, ON_MAIN, PAPER_GAINS, _summ, attribution, gains
 from .validate import TARGET, summary
 
 
@@ -140,15 +140,109 @@ def sweep_section(model, sweep: dict, cluster) -> list[str]:
              "gain over dual_chunk+allgather. Plot: scale_model.png.", ""]
     for seqlen, by_cp in sweep.items():
         lines += [f"### {seqlen // 1024}K tokens", "",
-                  "| cp | " + " | ".join(METHODS) + " | combined: attention ms / exposed comm ms / host floor? |",
-                  "|---|" + "---|" * (len(METHODS) + 1)]
+                  "| cp | " + " | ".join(list(METHODS) + [ON_MAIN]) + " | combined: attention ms / exposed comm ms / host floor? |",
+                  "|---|" + "---|" * (len(METHODS) + 2)]
         for cp, res in sorted(by_cp.items()):
             base = res[BASELINE]["tokens_per_s"]
             cells = [f"{res[m]['tokens_per_s']:,.0f} ({_pct(res[m]['tokens_per_s'] / base - 1)})" if m in res else "—"
-                     for m in METHODS]
+                     for m in list(METHODS) + [ON_MAIN]]
             c = res.get(COMBINED) or res.get("sparse+overlap")
             extra = f"{_ms(c['attention_s'])} / {_ms(c['attention_s'] - c['attention_compute_s'])} / " \
                     f"{'yes' if c['attention_host_floor'] else 'no'}"
             lines.append(f"| {cp} | " + " | ".join(cells) + f" | {extra} |")
         lines.append("")
+    return lines
+
+
+def _range(vals) -> str:
+    vals = [v for v in vals if v is not None]
+    return f"{_pct(min(vals))} to {_pct(max(vals))}" if vals else "—"
+
+
+def _pts(x) -> str:
+    return f"{100 * x:+.1f}"
+
+
+def discussion(model, layout, results: dict, alt_layout, alt_results: dict, sweep: dict, sens=(),
+               goal: float = 0.12) -> list[str]:
+    """What the predictions say about the paper's claim, computed from the numbers above."""
+    g = {d: gains(r) for d, r in results.items()}
+    comb = [g[d].get(COMBINED) for d in g]
+    flat = [g[d].get("sparse+overlap") for d in g]
+    sag = [g[d].get("sparse+allgather") for d in g]
+    torch_cp = [g[d].get("torch_cp (head-tail+allgather, Flex)") for d in g]
+    imb = [_imbalance(results[d][BASELINE]) for d in results]
+    attr = [attribution(model, layout, r) for r in results.values()]
+    comm_room = [a["without exposed comm"] - a["gain"] for a in attr]
+    lines = ["## Reading the predictions", "",
+             f"**Target (combined >= +{goal:.0%} at the paper's setting).** Predicted gain of "
+             f"sparse+overlap+hierarchical over dual_chunk+allgather at cp {layout.cp}: {_range(comb)} "
+             f"({'met on every dataset' if all(c is not None and c >= goal for c in comb) else 'NOT met on every dataset'}); "
+             f"without hierarchical routing (flat sparse+overlap) {_range(flat)}."]
+    if alt_results:
+        ga = {d: gains(r) for d, r in alt_results.items()}
+        lines[-1] += (f" At cp {alt_layout.cp} ({alt_layout.cp // 8} nodes): combined "
+                      f"{_range([ga[d].get(COMBINED) for d in ga])}, flat {_range([ga[d].get('sparse+overlap') for d in ga])}.")
+    lines += ["", "Which term holds the combined method back (from the attribution tables): at cp "
+              f"{layout.cp} the non-attention layers (experts, projections) are "
+              f"{_range([attribution(model, layout, r)['non-attention share of step'] for r in results.values()]).replace('+', '')} "
+              "of its step (shares, not gains) and removing exposed communication would add only "
+              + f"{_pts(min(comm_room))} to {_pts(max(comm_room))}"
+              + " percentage points; imbalance and host time add < 1 point. So at 2 nodes the gain is bounded "
+              "by the attention share, not by the exchange."]
+    if alt_results:
+        att = [attribution(model, alt_layout, r) for r in alt_results.values()]
+        lines[-1] += (f" At cp {alt_layout.cp} exposed communication is the binding term: without it the gain "
+                      f"would be {_range([a['without exposed comm'] for a in att])} instead of "
+                      f"{_range([a['gain'] for a in att])}.")
+    lines += ["", "**Disagreements with the paper, one by one.**", "",
+              f"1. *Our gains are larger (+7.3-11.0% in the paper).* The baseline's work imbalance on these datasets "
+              f"is {min(imb):.2f}-{max(imb):.2f} (live tiles, max/mean): they hold only a few long documents per 128K "
+              "sequence (the docs/seq column), and dual_chunk balances a causal triangle, not documents. A larger "
+              "share of non-attention work (the paper's model: MTP, vocabulary, recomputation, which we leave "
+              "out) shrinks every gain: halving the matmul efficiency (non-attention twice as slow) gives "
+              f"{_pct(next((r.get(COMBINED) for r in sens if r['param'] == 'matmul_efficiency' and r['factor'] == 0.5), None))} "
+              "on the middle dataset (sensitivity table). The paper's datasets and model details are not public here, so this is the "
+              "likely but unverified cause.",
+              f"2. *Balance alone carries the gain.* sparse+allgather reaches {_range(sag)}, within ~1-2 points "
+              "of the combined method at cp 16: with GQA 8:1 the K/V all-gather is ~2.4 ms of a 20-50 ms "
+              "attention layer, so even a free exchange can only win that back. The paper attributes part of "
+              "its gain to the exchange; a model with more K/V bytes per token (the comm_bytes rows) or a "
+              "higher cp gives the exchange more to win.",
+              f"3. *The ablation (no hierarchy: below the baseline on 2 of 3).* At cp {layout.cp} flat routing "
+              f"stays above the baseline ({_range(flat)}): the balance gain outweighs the exposed InfiniBand "
+              "time, since each rank pulls its remote K/V through its own 50 GB/s NIC while the all-gather "
+              "spreads it over all 8 NICs of a node."
+              + (f" At cp {alt_layout.cp} flat routing falls below the baseline on every dataset "
+                 f"({_range([gains(r).get('sparse+overlap') for r in alt_results.values()])}), which is the "
+                 "paper's finding; so the model puts the paper's CP group at more than 2 nodes, or its K/V "
+                 "traffic higher than ours." if alt_results else ""),
+              f"4. *torch context_parallel style* (head-tail = dual_chunk placement, all-gather, FlexAttention) "
+              f"is below the baseline ({_range(torch_cp)}): the same imbalance and Flex's slower tiles "
+              "(kernel tables: ~75 vs ~56 ns per tile and query head, forward+backward, D=128 GQA).",
+              "5. *Hierarchical routing on today's planner.* Its first round still mixes NVLink and "
+              "InfiniBand transfers, so stage 1 waits for InfiniBand; the cp-plan branch separates them "
+              "([intra direct, cross direct, intra relay]). The model reads `plan.rounds`, so rerunning after "
+              "that merge shows the change without touching the model.", ""]
+    if sweep:
+        s128 = sweep.get(131072) or next(iter(sweep.values()))
+        cps = sorted(s128)
+
+        def gain_at(cp, m):
+            r = s128[cp]
+            return r[m]["tokens_per_s"] / r[BASELINE]["tokens_per_s"] - 1 if m in r else None
+
+        lines += [f"**cp sweep (7B dense).** At 128K the combined method's gain goes "
+                  + ", ".join(f"{_pct(gain_at(cp, COMBINED) if gain_at(cp, COMBINED) is not None else gain_at(cp, 'sparse+overlap'))} (cp {cp})" for cp in cps)
+                  + "; sparse+allgather "
+                  + ", ".join(f"{_pct(gain_at(cp, 'sparse+allgather'))}" for cp in cps)
+                  + ". With 1K-2K tokens per rank the attention kernels shrink to a few ms per layer while the "
+                    "exchange does not, so exposed communication grows with cp; flat routing collapses beyond "
+                    "one node (per-GPU NIC). At 512K there is 4x more work per byte moved and the gains stay "
+                    "large. With the lean runtime (<= 64 launches per layer) no configuration is host-bound; "
+                    f"with the runtime on main (the '{ON_MAIN}' column: its op counts x 7 us) the best overlap "
+                    "method gets "
+                  + ", ".join(f"{_pct(s128[cp][ON_MAIN]['tokens_per_s'] / s128[cp][BASELINE]['tokens_per_s'] - 1)} (cp {cp}"
+                              f"{', host-bound' if s128[cp][ON_MAIN]['attention_host_floor'] else ''})" for cp in cps if ON_MAIN in s128[cp])
+                  + " at 128K: the host floor is the lean runtime's contribution.", ""]
     return lines

@@ -433,7 +433,7 @@ def host_seconds(view: PlanView, r: int, comm: str, cluster: Cluster, runtime) -
     msgs = _messages_per_rank(view)[r]
     chunks = sum(view.stage_chunks[r][1:])
     calls = 2 * stages
-    ops = runtime.host_ops(2 * len(view.stages[r]), 3 * msgs, 2 * chunks, calls)
+    ops = runtime.host_ops(2 * len(view.stages[r]), msgs, chunks, calls)
     return ops * cluster.host_op.value
 
 
