@@ -100,6 +100,7 @@ def run_validate(args):
         single = validate.validate_single(args.single)
         bar.update(1)
         multi = validate.validate_multigpu(args.multigpu)
+        multi += validate.validate_training(args.multigpu, multi)
         bar.update(1)
     return single, multi
 

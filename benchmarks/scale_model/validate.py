@@ -234,3 +234,30 @@ def summary(points: list[Point]) -> dict:
     return {"points": len(held), "max_abs_error": max(errs) if errs else math.nan,
             "mean_abs_error": float(np.mean(errs)) if errs else math.nan,
             "within_target": sum(e <= TARGET for e in errs)}
+
+
+def validate_training(path: str = MULTI, attention_points: Optional[list[Point]] = None) -> list[Point]:
+    """The end-to-end training pair of a ``cp_multigpu.json`` file (baseline vs ours).
+
+    The training masks come from the machine's corpus and change every step, so they cannot be
+    rebuilt here; this check takes the baseline's measured step time and attention share as
+    given and predicts ours from the two terms the model adds: the work imbalance of each run
+    (``cp_imbalance``, live tiles) and the overlapped exchange's cost relative to an all-gather
+    call at equal balance (the model's sparse+overlap / sparse+allgather attention times on the
+    same file). A weak check: it tests those two terms, not the non-attention model."""
+    with open(path) as f:
+        res = json.load(f)
+    train = res.get("train") or {}
+    base, ours = train.get("baseline"), train.get("ours")
+    if not base or not ours or "step_time_s" not in base or "step_time_s" not in ours:
+        return []
+    pts = attention_points if attention_points is not None else validate_multigpu(path)
+    by = {p.name.split()[-1]: p.predicted for p in pts}
+    ratio = by["sparse+overlap"] / by["sparse+allgather"] if {"sparse+overlap", "sparse+allgather"} <= set(by) else 1.0
+    if ours.get("comm") != "overlap":
+        ratio = 1.0
+    share = base["attention_share"]
+    pred = base["step_time_s"] * ((1 - share) + share * ours["cp_imbalance"] / base["cp_imbalance"] * ratio)
+    note = (f"baseline step and attention share ({share:.1%}) taken as measured; imbalance "
+            f"{base['cp_imbalance']:.3f} -> {ours['cp_imbalance']:.3f}, overlap/allgather x{ratio:.3f} (model)")
+    return [Point(f"training step, {ours.get('balance')}+{ours.get('comm')}", ours["step_time_s"], pred, True, note)]
