@@ -261,14 +261,17 @@ MATMUL_FILE = os.path.join(RESULTS, "scale_model_matmul.json")
 
 
 def matmul_tflops(cluster, shape_key: Optional[str] = None) -> tuple[float, str]:
-    """Achieved bf16 TFLOP/s for the model's matmuls: measured at the shape if committed,
-    else the measured dense ceiling x an assumed efficiency."""
+    """Achieved bf16 TFLOP/s for the model's matmuls: measured at the shape (the nearest token
+    count of the same model dims) if committed, else the measured dense ceiling x an assumed
+    efficiency. ``shape_key`` = ``"{tokens}x{hidden}x{ffn}"``."""
     if shape_key and os.path.exists(MATMUL_FILE):
         with open(MATMUL_FILE) as f:
             data = json.load(f)
-        hit = [r for r in data.get("matmul", []) if r.get("key") == shape_key]
-        if hit:
-            return hit[0]["tflops"], f"measured ({os.path.basename(MATMUL_FILE)}, {shape_key})"
+        tokens, dims = shape_key.split("x", 1)
+        same = [r for r in data.get("matmul", []) if r.get("key", "").split("x", 1)[-1] == dims]
+        if same:
+            best = min(same, key=lambda r: abs(math.log(int(r["key"].split("x")[0]) / int(tokens))))
+            return best["tflops"], f"measured ({os.path.basename(MATMUL_FILE)}, {best['key']})"
     eff = cluster.matmul_tflops.value * cluster.matmul_efficiency.value
     return eff, "measured dense ceiling x assumed efficiency"
 
