@@ -177,7 +177,12 @@ def main(argv=None) -> int:
           "Every throughput below is a **prediction** of the event-timeline model "
           "(`python -m benchmarks.scale_model`, docs/scale-model.md), not a measurement; the "
           "validation section compares predictions with the only measurements there are.", "",
-          f"Command: `{out['command']}`", "", "## Parameters", ""]
+          f"Command: `{out['command']}`", "",
+          f"Attention calibration used for the predictions: {costs.flashmask3.source}"
+          + ("" if costs.flashmask3.source.startswith("measured") else
+             " -- benchmarks/gpu/scale-model.sh has not run yet, so the current kernels' per-rank cost is "
+             "the full-sequence tables' (see Validation for what that costs on the old kernel)") + ".", "",
+          "## Parameters", ""]
     md += report.params_table(cluster, costs, runtime) + [""]
     if args.cmd == "all":
         single, multi = run_validate(args)

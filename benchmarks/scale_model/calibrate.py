@@ -145,11 +145,11 @@ def fit_pass(points: Iterable[tuple[TileCounts, int, float]], kind: str,
 
 def tile_counts(startend_row_indices, causal: bool, q_rows: int, keys: int) -> TileCounts:
     """Live full/partial 128x128 tiles of a mask (summed over batch and mask heads)."""
-    from flashmask3.masks import PARTIAL, SKIP, classify_tiles
+    from flashmask3.masks import PARTIAL, UNMASKED, classify_tiles
 
     cls = classify_tiles(startend_row_indices, causal, q_rows, keys, TILE, TILE)
     batch = 1 if startend_row_indices is None else startend_row_indices.shape[0]
-    return TileCounts(int((cls == 2).sum()), int((cls == PARTIAL).sum()), q_rows, keys, batch)
+    return TileCounts(int((cls == UNMASKED).sum()), int((cls == PARTIAL).sum()), q_rows, keys, batch)
 
 
 # -- the committed kernel tables ------------------------------------------------------------------
