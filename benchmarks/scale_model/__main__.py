@@ -33,8 +33,9 @@ from benchmarks.scale_model.params import GB, Cluster, Param, Runtime  # noqa: E
 MODELS = {"moe118b": MOE_118B, "dense7b": DENSE_7B}
 
 
-def _model(args) -> ModelConfig:
-    m = MODELS[args.model]
+def _model(args, default: str = "moe118b") -> ModelConfig:
+    """The model of a command: ``--model`` (default: ``default``) with any dims overridden."""
+    m = MODELS[args.model or default]
     changes = {k: getattr(args, k) for k in ("layers", "hidden", "heads", "kv_heads", "ffn", "experts",
                                              "top_k", "expert_ffn") if getattr(args, k, None) is not None}
     return dataclasses.replace(m, **changes) if changes else m
@@ -82,7 +83,7 @@ def run_paper(args, costs, cluster, runtime, bar_total=None):
 
 
 def run_sweep(args, costs, cluster, runtime):
-    model = MODELS[args.sweep_model] if args.cmd == "all" else _model(args)
+    model = MODELS[args.sweep_model] if args.cmd == "all" else _model(args, args.sweep_model)
     mid = [args.targets[len(args.targets) // 2]]
     seqs = {}
     for s in args.seqlens:
@@ -120,7 +121,8 @@ def main(argv=None) -> int:
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("cmd", choices=["all", "paper", "sweep", "validate", "calibrate"], nargs="?", default="paper")
     g = ap.add_argument_group("model")
-    g.add_argument("--model", choices=sorted(MODELS), default="moe118b")
+    g.add_argument("--model", choices=sorted(MODELS), default=None,
+                   help="paper: default moe118b; sweep: default --sweep-model")
     for name in ("layers", "hidden", "heads", "kv-heads", "ffn", "experts", "top-k", "expert-ffn"):
         g.add_argument(f"--{name}", type=int, default=None, help="override the model's value")
     g = ap.add_argument_group("layout (paper experiment)")
@@ -177,7 +179,12 @@ def main(argv=None) -> int:
           "Every throughput below is a **prediction** of the event-timeline model "
           "(`python -m benchmarks.scale_model`, docs/scale-model.md), not a measurement; the "
           "validation section compares predictions with the only measurements there are.", "",
-          f"Command: `{out['command']}`", "", "## Parameters", ""]
+          f"Command: `{out['command']}`", "",
+          f"Attention calibration used for the predictions: {costs.flashmask3.source}"
+          + ("" if costs.flashmask3.source.startswith("measured") else
+             " -- benchmarks/gpu/scale-model.sh has not run yet, so the current kernels' per-rank cost is "
+             "the full-sequence tables' (see Validation for what that costs on the old kernel)") + ".", "",
+          "## Parameters", ""]
     md += report.params_table(cluster, costs, runtime) + [""]
     if args.cmd == "all":
         single, multi = run_validate(args)

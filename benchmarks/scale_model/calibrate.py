@@ -145,11 +145,11 @@ def fit_pass(points: Iterable[tuple[TileCounts, int, float]], kind: str,
 
 def tile_counts(startend_row_indices, causal: bool, q_rows: int, keys: int) -> TileCounts:
     """Live full/partial 128x128 tiles of a mask (summed over batch and mask heads)."""
-    from flashmask3.masks import PARTIAL, SKIP, classify_tiles
+    from flashmask3.masks import PARTIAL, UNMASKED, classify_tiles
 
     cls = classify_tiles(startend_row_indices, causal, q_rows, keys, TILE, TILE)
     batch = 1 if startend_row_indices is None else startend_row_indices.shape[0]
-    return TileCounts(int((cls == 2).sum()), int((cls == PARTIAL).sum()), q_rows, keys, batch)
+    return TileCounts(int((cls == UNMASKED).sum()), int((cls == PARTIAL).sum()), q_rows, keys, batch)
 
 
 # -- the committed kernel tables ------------------------------------------------------------------
@@ -261,14 +261,17 @@ MATMUL_FILE = os.path.join(RESULTS, "scale_model_matmul.json")
 
 
 def matmul_tflops(cluster, shape_key: Optional[str] = None) -> tuple[float, str]:
-    """Achieved bf16 TFLOP/s for the model's matmuls: measured at the shape if committed,
-    else the measured dense ceiling x an assumed efficiency."""
+    """Achieved bf16 TFLOP/s for the model's matmuls: measured at the shape (the nearest token
+    count of the same model dims) if committed, else the measured dense ceiling x an assumed
+    efficiency. ``shape_key`` = ``"{tokens}x{hidden}x{ffn}"``."""
     if shape_key and os.path.exists(MATMUL_FILE):
         with open(MATMUL_FILE) as f:
             data = json.load(f)
-        hit = [r for r in data.get("matmul", []) if r.get("key") == shape_key]
-        if hit:
-            return hit[0]["tflops"], f"measured ({os.path.basename(MATMUL_FILE)}, {shape_key})"
+        tokens, dims = shape_key.split("x", 1)
+        same = [r for r in data.get("matmul", []) if r.get("key", "").split("x", 1)[-1] == dims]
+        if same:
+            best = min(same, key=lambda r: abs(math.log(int(r["key"].split("x")[0]) / int(tokens))))
+            return best["tflops"], f"measured ({os.path.basename(MATMUL_FILE)}, {best['key']})"
     eff = cluster.matmul_tflops.value * cluster.matmul_efficiency.value
     return eff, "measured dense ceiling x assumed efficiency"
 

@@ -14,15 +14,14 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
-import os
 from dataclasses import dataclass
 from typing import Optional, Sequence
 
 import numpy as np
 
-from .calibrate import RESULTS, AttentionCost, load_cost
+from .calibrate import AttentionCost, load_cost
 from .layout import document_plan_view, mask_sparsity
-from .model import DENSE_7B, MOE_118B, Layout, ModelConfig, StepBreakdown, step_time
+from .model import Layout, ModelConfig, StepBreakdown, step_time
 from .params import SWEPT, Cluster, Runtime
 from .timeline import LayerResult, simulate_layer
 from .validate import per_rank_calibration, scaled_cost
@@ -128,8 +127,10 @@ def layer_for(lens: Sequence[int], cp: int, method: Method, model: ModelConfig, 
               runtime: Runtime, costs: Costs, recompute: bool) -> LayerResult:
     nodes = max(1, cp // cluster.gpus_per_node) if method.hierarchical else 1
     v = document_plan_view(lens, cp, method.balance, nodes)
-    return simulate_layer(v, costs.of(method.kernel), cluster, model.shape(), method.comm, runtime,
-                          recompute)
+    lr = simulate_layer(v, costs.of(method.kernel), cluster, model.shape(), method.comm, runtime,
+                        recompute)
+    lr.plan_seconds = v.plan_seconds  # planning time when the view was built (cached after)
+    return lr
 
 
 def simulate_dataset(seqs: list[list[int]], model: ModelConfig, layout: Layout, cluster: Cluster,
@@ -157,7 +158,8 @@ def _summ(entry) -> dict:
     host = float(np.mean([max(lr.host) for lr in lrs]))
     return dict(st.as_dict(), mean_compute_s=mean_compute, host_s=host,
                 bytes_fwd=float(np.mean([lr.fwd.bytes for lr in lrs])),
-                xnode_bytes_fwd=float(np.mean([lr.fwd.cross_node_bytes for lr in lrs])))
+                xnode_bytes_fwd=float(np.mean([lr.fwd.cross_node_bytes for lr in lrs])),
+                plan_seconds=float(np.mean([getattr(lr, "plan_seconds", 0.0) for lr in lrs])))
 
 
 def gains(results: dict) -> dict:
@@ -282,4 +284,4 @@ def write_json(obj, path: str) -> None:
 
 __all__ = ["METHODS", "BASELINE", "COMBINED", "PAPER_LAYOUT", "PAPER_GAINS", "make_datasets",
            "default_costs", "simulate_dataset", "gains", "attribution", "sensitivity", "cp_sweep",
-           "plot_sweep", "write_json", "MOE_118B", "DENSE_7B", "RESULTS", "os"]
+           "plot_sweep", "write_json"]

@@ -13,7 +13,6 @@ on disk (``~/.cache/flashmask3-scale-model``) keyed by the mask, cp, balance and
 from __future__ import annotations
 
 import hashlib
-import math
 import os
 import pickle
 from dataclasses import dataclass
@@ -174,9 +173,5 @@ def mask_sparsity(doc_lens: Sequence[int]) -> float:
     return 1.0 - pairs / (s * s)
 
 
-def ceil_div(a: int, b: int) -> int:
-    return -(-a // b)
-
-
 __all__ = ["PlanView", "RoundView", "view_plan", "document_plan_view", "chunk_tile_matrix",
-           "mask_sparsity", "math"]
+           "mask_sparsity"]

@@ -134,7 +134,9 @@ def layer_gemms(model, tokens: int, ep: int) -> list[tuple[int, int, int]]:
     if not model.moe:
         return g + [(tokens, h, 2 * model.ffn), (tokens, model.ffn, h)]
     local = max(1, model.experts // ep)
-    per_expert = max(1, tokens * model.top_k // model.experts)  # balanced routing, after all-to-all
+    # balanced routing: after the all-to-all each local expert holds top_k * tokens * ep / experts
+    # tokens (the EP group's tokens routed to it), so a rank's expert work = tokens * top_k
+    per_expert = max(1, tokens * model.top_k * ep // model.experts)
     f = model.expert_ffn
     g += [(per_expert, h, 2 * f), (per_expert, f, h)] * local
     g += [(tokens, h, 2 * f * model.shared_experts), (tokens, f * model.shared_experts, h)]
@@ -177,7 +179,7 @@ def main(argv=None) -> int:
     ap.add_argument("--heads", type=int, default=32, help="query heads of the GQA 8:1 case")
     ap.add_argument("--mha-heads", type=int, default=16, help="heads of the 1:1 case")
     ap.add_argument("--head-dim", type=int, default=128)
-    ap.add_argument("--matmul-tokens", type=int, nargs="+", default=[1024, 4096, 8192, 16384])
+    ap.add_argument("--matmul-tokens", type=int, nargs="+", default=[1024, 2048, 4096, 8192, 16384, 32768, 65536])
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--rep-ms", type=float, default=40.0)
     ap.add_argument("--max-shapes", type=int, default=10_000, help="stop after this many attention shapes")

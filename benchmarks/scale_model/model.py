@@ -14,9 +14,7 @@ stage's parameters, of which ``1 - dp_overlap`` is exposed. Embedding and LM hea
 
 from __future__ import annotations
 
-import math
 from dataclasses import asdict, dataclass
-from typing import Optional
 
 from .calibrate import matmul_tflops
 from .params import Cluster
@@ -177,4 +175,4 @@ def step_time(model: ModelConfig, layout: Layout, seqlen: int, layers: list[Laye
 
 
 __all__ = ["ModelConfig", "Layout", "StepBreakdown", "MOE_118B", "DENSE_7B", "step_time",
-           "nonattention_seconds", "ep_alltoall_seconds", "dp_exposed_seconds", "math", "Optional"]
+           "nonattention_seconds", "ep_alltoall_seconds", "dp_exposed_seconds"]

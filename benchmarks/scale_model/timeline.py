@@ -41,7 +41,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Callable, Optional
 
-from .calibrate import AttentionCost, TileCounts
+from .calibrate import AttentionCost
 from .layout import PlanView
 from .params import Cluster
 
@@ -446,4 +446,4 @@ def simulate_layer(view: PlanView, cost: AttentionCost, cluster: Cluster, shape:
 
 
 __all__ = ["AttnShape", "Links", "PassResult", "LayerResult", "RankTimes", "ring_collective_time",
-           "simulate_layer", "simulate_pass", "simulate_overlap", "simulate_allgather", "TileCounts"]
+           "simulate_layer", "simulate_pass", "simulate_overlap", "simulate_allgather"]

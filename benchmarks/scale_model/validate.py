@@ -28,7 +28,7 @@ from typing import Optional
 
 import numpy as np
 
-from .calibrate import RESULTS, AttentionCost, PassCost, TileCounts, load_cost
+from .calibrate import RESULTS, AttentionCost, TileCounts, load_cost
 from .layout import PlanView, RoundView, document_plan_view, mask_sparsity
 from .params import Cluster, Runtime
 from .timeline import AttnShape, simulate_layer

@@ -81,3 +81,18 @@ def test_cached_calibration_loads_every_family():
     for name in C.FITS:
         cost = C.load_cost(name, True)
         assert cost.fwd.a_full > 0 and cost.bwd.a_full > 0 and cost.head_dim == 128
+
+
+def test_matmul_throughput_uses_the_nearest_measured_shape(tmp_path, monkeypatch):
+    from benchmarks.scale_model.params import Cluster
+
+    path = tmp_path / "mm.json"
+    path.write_text(json.dumps({"matmul": [{"key": "1024x4096x2048", "tflops": 400.0},
+                                           {"key": "8192x4096x2048", "tflops": 600.0},
+                                           {"key": "8192x4096x14336", "tflops": 700.0}]}))
+    monkeypatch.setattr(C, "MATMUL_FILE", str(path))
+    assert C.matmul_tflops(Cluster(), "6000x4096x2048")[0] == 600.0
+    assert C.matmul_tflops(Cluster(), "1500x4096x2048")[0] == 400.0
+    assert C.matmul_tflops(Cluster(), "100x4096x14336")[0] == 700.0
+    tf, src = C.matmul_tflops(Cluster(), "100x8192x1000")  # no such dims: ceiling x efficiency
+    assert tf == Cluster().matmul_tflops.value * Cluster().matmul_efficiency.value and "assumed" in src
