@@ -16,7 +16,7 @@ import torch
 BACKENDS = ("auto", "torch", "triton")
 ENV_VAR = "FLASHMASK3_BACKEND"
 
-_MODULES = {"torch": "flashmask3.kernels.torch_path", "triton": "flashmask3.kernels.triton_flashmask"}
+_MODULES = {"torch": "flashmask3.kernels.torch_path", "triton": "flashmask3.kernels.triton_backend"}
 
 
 def triton_available() -> bool:
