@@ -4,7 +4,8 @@
   default corpus (stdlib sources + /usr/share/doc), context parallel over 2 gloo CPU ranks (all
   visible GPUs with NCCL where there are GPUs). Any training flag can be added to override it.
 * ``flashmask3 train [--preset NAME] [--flags]`` — any run; ``--attention`` swaps the kernel,
-  ``--cp/--balance/--comm`` the distributed layer. Also works under ``torchrun``.
+  ``--dp/--cp/--nodes`` shape the mesh, ``--balance/--comm`` the CP layer. Also works under
+  ``torchrun`` (one node or several: see flashmask3/train/README.md).
 * ``flashmask3 data`` — inspect the packed data: documents, pieces per sequence, mask sparsity.
 """
 
