@@ -37,7 +37,7 @@ from .checkpoint import (checkpoint_dir, latest_checkpoint, load_checkpoint, res
                          save_checkpoint)
 from .config import TrainConfig
 from .data import make_packer, mask_picture, mask_sparsity
-from .loader import BatchLoader, DeviceBatch, make_group_plan
+from .loader import BatchLoader, DeviceBatch
 from .model import (StepContext, Transformer, active_matmul_params, loss_terms,
                     model_flops_per_step, parameter_counts)
 from .parallel import DistEnv, Layout, launch, resolve_device, resolve_layout, shard_model
