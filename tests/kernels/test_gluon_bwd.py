@@ -84,10 +84,10 @@ def _default_config(d: int) -> tuple:
 def _offline_skip_reason():
     reason = G.unavailable_reason()
     if reason:
-        return reason
+        return f"the offline sm_90 compile needs {reason}"
     for tool in ("ptxas", "cuobjdump"):
         if not os.path.exists(os.path.join(CT._TOOLS, tool)) and shutil.which(tool) is None:
-            return f"Triton's bundled {tool} is not available"
+            return f"the offline sm_90 compile needs Triton's bundled {tool}"
     return None
 
 
@@ -554,7 +554,7 @@ def _require_hopper_gluon():
     if G.unavailable_reason():
         pytest.skip(G.unavailable_reason())
     if torch.cuda.get_device_capability()[0] != 9:
-        pytest.skip("the Gluon kernel is for sm_90 (wgmma)")
+        pytest.skip("needs a Hopper GPU (sm_90: the Gluon kernels use wgmma)")
 
 
 def _gpu_inputs(name, s, d, seed):

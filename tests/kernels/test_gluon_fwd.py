@@ -131,7 +131,7 @@ def _require_hopper_gluon():
     if F.unavailable_reason():
         pytest.skip(F.unavailable_reason())
     if torch.cuda.get_device_capability()[0] != 9:
-        pytest.skip("the Gluon kernel is for sm_90 (wgmma)")
+        pytest.skip("needs a Hopper GPU (sm_90: the Gluon kernels use wgmma)")
 
 
 def _gpu_masks(s):
