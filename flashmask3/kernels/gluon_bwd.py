@@ -8,7 +8,7 @@ What it computes: exactly what the ``tl`` ``_dkdv_kernel`` computes (split backw
 block for the same ``block_m``/``block_n``), ``lse2`` (log2-domain LSE, +inf on fully masked
 rows) and ``delta`` from ``tl_kernels.backward_prepass``. On the H200 its dK, dV are bitwise
 equal to the ``tl`` kernel's (same wgmma k-steps in the same order), and it is 1.08-1.21x faster
-(32K, D=128, 6 masks, MHA and GQA: ``benchmarks/results/gluon_dkdv_ab.md``, NOTES.md v6);
+(32K, D=128, 6 masks, MHA and GQA: benchmarks/NOTES.md v6);
 with WARP_SPEC 1.17-1.24x at D=128 and 1.27-1.49x at D=64 (``gluon_dkdv_ws_ab.md``,
 ``gluon_dkdv_d64_ab.md``, NOTES.md v6.2, v6.3); with STATS_SMEM at 64x128 w8 1.31-1.40x at
 D=128 (``gluon_dkdv_wsm_ab.md``, v6.4). The DS_SHARED fused backward is 1.11-1.18x that split

@@ -53,7 +53,7 @@ output rounding (max |dO| 2e-3..8e-3 on unit-variance inputs, benchmarks/gluon_f
 An input V holding inf/NaN would also reach the first tile's zero-P product (0 * inf = NaN)
 where ``tl`` never multiplies it.
 
-Measured (H200, 32K, D=128, bf16, benchmarks/results/gluon_fwd_ab.md): correct on every
+Measured (H200, 32K, D=128, bf16, benchmarks/NOTES.md, session 13): correct on every
 small case, but SLOWER than the tl forward: 128x128 w8 s3 0.87-0.95x (causal 67.9 vs 64.2 ms),
 64x64 w4 s3 (two CTAs per SM) 0.88-0.95x, 128x64 w8 s3 0.88-0.89x, two-stage rings 0.69-0.86x.
 The stage count matters most (s2 -> s3: +15-30%), so the K/V loads land late: a slot is only
@@ -435,7 +435,7 @@ def _fwd_gluon_kernel(q_desc, k_desc, v_desc, o_ptr, lse_ptr, mask_ptr, sum_ptr,
 # consumer at 232): at 64x64 s2 (83 KB) two programs share an SM, so one's prologue and O store
 # run under the other's tiles. On causal short documents (~9 live 128x128 tiles per block)
 # 1.11-1.14x the two-warpgroup kernel in the A/B, 1.23x in the kernel table's run; 0.86-0.89x
-# on longer documents (results/gluon_fwd_1c_ab.md). Persistent (two programs per SM) 1.03x of
+# on longer documents (benchmarks/NOTES.md, session 16). Persistent (two programs per SM) 1.03x of
 # it on short documents, opt-in.
 
 

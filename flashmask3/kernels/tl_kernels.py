@@ -484,7 +484,7 @@ def _capability(index: int) -> tuple:
 A_OPERAND_IN_SMEM = {"fwd": True, "dkdv": False, "dq": False, "fused": False}
 #: Exceptions to :data:`A_OPERAND_IN_SMEM` per (kernel, head-dim class): the D=256 dQ kernel's
 #: 128x32 tile needs Q, dO in shared memory (128 registers per thread otherwise) and is 1.7x
-#: faster than the 64x64 one with them in registers (results/backward_configs_d256.md).
+#: faster than the 64x64 one with them in registers (benchmarks/NOTES.md, v6.3).
 A_OPERAND_IN_SMEM_BY_DIM = {("dq", 256): True}
 
 #: Whether a kernel visits each live range's run of UNMASKED tiles in a separate loop compiled
