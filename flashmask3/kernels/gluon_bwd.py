@@ -9,9 +9,9 @@ block for the same ``block_m``/``block_n``), ``lse2`` (log2-domain LSE, +inf on 
 rows) and ``delta`` from ``tl_kernels.backward_prepass``. On the H200 its dK, dV are bitwise
 equal to the ``tl`` kernel's (same wgmma k-steps in the same order), and it is 1.08-1.21x faster
 (32K, D=128, 6 masks, MHA and GQA: benchmarks/NOTES.md v6);
-with WARP_SPEC 1.17-1.24x at D=128 and 1.27-1.49x at D=64 (``gluon_dkdv_ws_ab.md``,
-``gluon_dkdv_d64_ab.md``, NOTES.md v6.2, v6.3); with STATS_SMEM at 64x128 w8 1.31-1.40x at
-D=128 (``gluon_dkdv_wsm_ab.md``, v6.4). The DS_SHARED fused backward is 1.11-1.18x that split
+with WARP_SPEC 1.17-1.24x at D=128 and 1.27-1.49x at D=64 (
+NOTES.md v6.2, v6.3); with STATS_SMEM at 64x128 w8 1.31-1.40x at
+D=128 (NOTES.md v6.4). The DS_SHARED fused backward is 1.11-1.18x that split
 backward (``gluon_fused64_ab.md``, v6.5); at D=64 its 64x64 w4 tile (one compute warpgroup)
 1.05-1.15x (``gluon_fused_d64_ab.md``, v6.6).
 
@@ -46,7 +46,7 @@ heads of its group):
   intervals are loaded once per query head; each tile of a masked loop is classified with
   scalar compares.
 
-Offline sm_90 report (``python -m flashmask3.kernels.gluon_dkdv``; D=128 bf16): every config
+Offline sm_90 report (``python -m flashmask3.kernels.compile_tools bwd``; D=128 bf16): every config
 sits at 255 registers; 32x64 w4 s3 (the default) has 22-36 LDL/STL, all in the per-head setup
 between live ranges, none inside a tile loop; BLOCK_M=64 configs spill inside the loops (~340).
 A variant that leaves dK in flight under the next tile's first wgmmas was measured 0-2% slower
@@ -54,7 +54,7 @@ and removed (NOTES.md v6).
 
 Fused dQ (constexpr FUSE_DQ; at 32x64 measured 0.85-0.94x of split, v6.1/v6.4: used by
 default only with DS_SHARED, below; :func:`fused_backward_gluon` runs any fused config for the
-A/B ``benchmarks/gluon_dkdv_ab.py --fused``): after dSᵀ each tile also computes dQᵀ = Kᵀ dSᵀ ([D, BLOCK_M]: wgmma M = D, since
+A/B, NOTES.md v6.1): after dSᵀ each tile also computes dQᵀ = Kᵀ dSᵀ ([D, BLOCK_M]: wgmma M = D, since
 BLOCK_M < 64; A = the transposed view of the K tile, B = dSᵀ stored to shared memory as
 bf16/fp16), stores the fp32 accumulator unchanged to a [D, BLOCK_M] shared tile and TMA
 reduce-adds it (``cp.reduce.async.bulk.tensor .add``, SASS UTMAREDG) into an fp32 dQᵀ buffer
@@ -180,7 +180,7 @@ other warpgroup keeps the tensor cores busy) and was deleted (benchmarks/NOTES.m
 Prediction for the D=64 GPU A/B (session 9; outcome in session 10: 1.05-1.15x split, causal
 234 vs 261 ms, full 1.05x, ``gluon_fused_d64_ab.md``): split at D=64, causal 32K (Hq=64) is ~252 ms
 (Gluon WS dK/dV ~161 ms at ~44% of the tensor-core peak + tl dQ ~89 ms, v6.3 table and
-``gluon_dkdv_d64_ab.md``). The fused kernel does 5 of split's 7 matmuls and one of its two
+NOTES.md v6.3). The fused kernel does 5 of split's 7 matmuls and one of its two
 exp2/mask passes; at D=128 it ran at ~52% of peak, and the D=64 dK/dV kernel runs at ~0.7x
 the utilisation of the D=128 one (exp2 work per FLOP doubles at half the head dim), which puts
 it at ~215-250 ms: 1.00-1.15x split, ~1.07x most likely, similar on the document masks. Two

@@ -51,7 +51,7 @@ SMEM_LIMIT = 232448 - 1024
 
 
 # ---------------------------------------------------------------------------------------------
-# Device code: query-major twins of the key-major helpers of gluon_dkdv
+# Device code: query-major twins of the key-major helpers of gluon_common
 # ---------------------------------------------------------------------------------------------
 
 
@@ -94,7 +94,7 @@ def _mask_scores(qk, rows, cols, col_src, slot, Sq, Sk, CAUSAL: gl.constexpr,
     """Scores ``qk`` [BM, BN] with -inf where (row, col) is masked (docs/masks.md); rows
     ``[BM]`` and cols ``[BN]`` are 1-D slices of the score layout; the column words come from
     ``col_src`` (:func:`_column_word`). Query-major twin of
-    ``gluon_dkdv._column_intervals`` + ``_element_masked`` (the ``tl`` ``_column_intervals``
+    ``gluon_common._column_intervals`` + ``_element_masked`` (the ``tl`` ``_column_intervals``
     table): the intervals are applied one at a time as they are loaded, because in this
     orientation every thread holds BN/4 columns and holding all four interval words at once
     costs ~BN registers; intervals that end at Sq or start at 0 take one compare each
@@ -529,7 +529,7 @@ WS_SHAPES = ((128, 8), (64, 4))
 
 def ws_maxnreg(num_warps: int = 8) -> int:
     """The WARP_SPEC forward's ``maxnreg`` for ``num_warps`` consumer warps: the dK/dV
-    kernel's rule (:func:`gluon_dkdv.ws_maxnreg`: the consumers plus the producer's warpgroup
+    kernel's rule (:func:`gluon_common.ws_maxnreg`: the consumers plus the producer's warpgroup
     at the residency of the non-WS kernel): 168 at 8 warps (12 warp slots, one program per SM),
     128 at 4 (8 warp slots, two programs per SM)."""
     return _GD.ws_maxnreg(num_warps)
