@@ -12,8 +12,8 @@ equal to the ``tl`` kernel's (same wgmma k-steps in the same order), and it is 1
 with WARP_SPEC 1.17-1.24x at D=128 and 1.27-1.49x at D=64 (
 NOTES.md v6.2, v6.3); with STATS_SMEM at 64x128 w8 1.31-1.40x at
 D=128 (NOTES.md v6.4). The DS_SHARED fused backward is 1.11-1.18x that split
-backward (``gluon_fused64_ab.md``, v6.5); at D=64 its 64x64 w4 tile (one compute warpgroup)
-1.05-1.15x (``gluon_fused_d64_ab.md``, v6.6).
+backward (NOTES.md v6.5); at D=64 its 64x64 w4 tile (one compute warpgroup)
+1.05-1.15x (NOTES.md v6.6).
 
 Why: the ``tl`` dK/dV kernel's SASS waits for every wgmma right after issuing it
 (``WARPGROUP.DEPBAR.LE gsb0, 0x0``), so the tensor cores and the exp/mask arithmetic never
@@ -152,7 +152,7 @@ min(BLOCK_M, 32)] (:func:`dq_reduce_block`) and a 64-query tile issues two reduc
 
 Fused dQ at D=64 (DS_SHARED at 64x64 w4; :data:`DS_SHARED_TILES`; A/B label ``64x64w4s2wsmds``;
 the default backward at D=64 on Hopper since v6.6: on the H200 its dK, dV are bitwise equal to
-split's and it is 1.05-1.15x the split backward, ``gluon_fused_d64_ab.md``): the same
+split's and it is 1.05-1.15x the split backward, NOTES.md v6.6): the same
 code as at D=128 (:func:`_tile_ds_shared`, :func:`_fused_dq_tail_ds_shared`,
 :func:`_reduce_dq_tile`) with one compute warpgroup: 64 queries x 64 keys, 4 compute warps and
 the 1-warp producer. The kernel's one rule for DS_SHARED is D = 16 * NUM_WARPS (one 16-row slice
@@ -178,7 +178,7 @@ dPᵀ wait keeps ptxas from hoisting it (the DP_LATE_WAIT variant) but measured 
 other warpgroup keeps the tensor cores busy) and was deleted (benchmarks/NOTES.md).
 
 Prediction for the D=64 GPU A/B (session 9; outcome in session 10: 1.05-1.15x split, causal
-234 vs 261 ms, full 1.05x, ``gluon_fused_d64_ab.md``): split at D=64, causal 32K (Hq=64) is ~252 ms
+234 vs 261 ms, full 1.05x, NOTES.md v6.6): split at D=64, causal 32K (Hq=64) is ~252 ms
 (Gluon WS dK/dV ~161 ms at ~44% of the tensor-core peak + tl dQ ~89 ms, v6.3 table and
 NOTES.md v6.3). The fused kernel does 5 of split's 7 matmuls and one of its two
 exp2/mask passes; at D=128 it ran at ~52% of peak, and the D=64 dK/dV kernel runs at ~0.7x
