@@ -3,7 +3,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.flashmask3-installed
 
-.PHONY: demo test venv clean
+.PHONY: demo test test-all venv clean
 
 venv: $(STAMP)
 
@@ -14,7 +14,12 @@ $(STAMP): pyproject.toml scripts/bootstrap.sh
 demo: $(STAMP)
 	$(PY) -m flashmask3.train.cli demo
 
+# test: the suite with each slow kernel test once (tests/conftest.py, SLOW_MATRIX_MODULES);
+# test-all: every CPU case (CI). Tests marked gpu run only where CUDA is.
 test: $(STAMP)
+	$(PY) -m pytest -q -m "not slow" tests
+
+test-all: $(STAMP)
 	$(PY) -m pytest -q tests
 
 clean:

@@ -3,9 +3,9 @@
 One process, one set of inputs per case, every implementation timed back to back:
 
 * ``flashmask3``   -- ``flashmask3.flashmask_attention`` with ``FLASHMASK3_BACKEND=triton``;
-* ``flashmask3_fused``, ``flashmask3_masked`` -- the same call with one kernel option changed
-                      (:data:`FLASHMASK_VARIANTS`: the fused backward; every kernel without
-                      its mask-free loop over UNMASKED runs);
+* ``flashmask3_split``, ``flashmask3_portable`` -- the same call with the kernel choice
+                      overridden (:data:`FLASHMASK_VARIANTS`: FLASHMASK3_KERNELS=split, the
+                      reproducible backward; =portable, the tl kernels only);
 * ``flex``         -- ``torch.compile(flex_attention)`` (Triton backend), block mask built once
                       by ``create_block_mask(_compile=True)``; its build time is reported apart.
                       One generic ``mask_mod`` reads the same column intervals as FlashMask
@@ -16,7 +16,7 @@ One process, one set of inputs per case, every implementation timed back to back
 
 Grid: mask type x S in {8K, 32K, 128K} (batch = 128K / S) x D in {64, 128, 256} (Hq = 4096 / D,
 Hk = Hq) plus GQA 32:8 at D=128. Effective TFLOP/s use ``flashmask3.masks.attention_flops``
-(DESIGN.md §2 convention). Results go to ``--out`` as JSON (written after every case), and
+(docs/masks.md convention). Results go to ``--out`` as JSON (written after every case), and
 ``--report`` turns one or more JSON files into the markdown table and the PNG plot.
 
     python benchmarks/kernel.py --dims 128 --out $OUT            # on the GPU

@@ -44,7 +44,28 @@ def _environment_is_restored():
     assert not changed, f"the test left environment changes behind (before, after): {changed}"
 
 
+#: Test modules whose parametrised CPU tests are slow (Triton interpreter, offline sm_90
+#: compiles): ``make test`` runs each such test once, at its first parametrisation; the other
+#: cases are marked ``slow`` and run by ``make test-all`` (CI). GPU tests are not affected.
+SLOW_MATRIX_MODULES = ("test_tl_kernels.py", "test_gluon_bwd.py", "test_gluon_fwd.py",
+                       "test_attention.py")
+
+
+def _mark_slow_matrix(items) -> None:
+    seen = set()
+    for item in items:
+        if item.fspath.basename not in SLOW_MATRIX_MODULES or "gpu" in item.keywords:
+            continue
+        if not hasattr(item, "callspec"):
+            continue
+        key = (item.fspath.basename, item.originalname)
+        if key in seen:
+            item.add_marker(pytest.mark.slow)
+        seen.add(key)
+
+
 def pytest_collection_modifyitems(config, items):
+    _mark_slow_matrix(items)
     if torch.cuda.is_available():
         return
     skip_gpu = pytest.mark.skip(reason="needs a CUDA GPU")

@@ -26,9 +26,9 @@ nvidia-smi --query-gpu=name,driver_version --format=csv,noheader || true
 $PY -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)" || true
 if [ ! -d old_tree/flashmask3 ]; then echo "old_tree/flashmask3 missing: the A/B cannot run"; fi
 
-# (a) old vs new, interleaved (budget 190 s inside a 215 s cap; compiles included).
+# (a) old vs new, interleaved (budget 180 s inside a 215 s cap; compiles included).
 # DRY_RUN=1: the same protocol on the CPU (interpreter, tiny, D=64 only): a check, not a number.
-AB_ARGS="--dims 64,128,256 --seqlen 16384 --batch 2 --hidden 2048 --rounds 4 --budget-s 190"
+AB_ARGS="--dims 64,128,256 --seqlen 16384 --batch 2 --hidden 2048 --rounds 3 --budget-s 180"
 [ "${DRY_RUN:-0}" = 1 ] && AB_ARGS="--dims 64 --dry-run --budget-s 400"
 [ -d old_tree/flashmask3 ] && step ab_trees "${AB_CAP:-215}" $PY benchmarks/ab_trees.py --a old_tree --b . $AB_ARGS \
   --out "$DIR/ab_trees.json" 2>&1 | tee "$DIR/ab_trees.log" || true
@@ -37,16 +37,16 @@ AB_ARGS="--dims 64,128,256 --seqlen 16384 --batch 2 --hidden 2048 --rounds 4 --b
 LEFT=$(( 410 - ($(date +%s) - START) ))
 [ "$LEFT" -lt 60 ] && LEFT=60
 FIRST=$(( LEFT * 45 / 100 ))
-step pytest_gpu_gluon "$FIRST" $PY -m pytest -q -rA -m gpu -p no:cacheprovider \
+step pytest_gpu_gluon "$FIRST" $PY -m pytest -v -rfE -m gpu -p no:cacheprovider \
   tests/kernels/test_dispatch.py tests/kernels/test_gluon_fwd.py tests/kernels/test_gluon_bwd.py \
   > "$DIR/pytest_gpu_gluon.log" 2>&1 || true
-tail -5 "$DIR/pytest_gpu_gluon.log" || true
+tail -n 5 "$DIR/pytest_gpu_gluon.log" || true
 LEFT=$(( 415 - ($(date +%s) - START) ))
 [ "$LEFT" -lt 30 ] && LEFT=30
-step pytest_gpu_rest "$LEFT" $PY -m pytest -q -rA -m gpu -p no:cacheprovider tests \
+step pytest_gpu_rest "$LEFT" $PY -m pytest -v -rfE -m gpu -p no:cacheprovider tests \
   --ignore=tests/kernels/test_dispatch.py --ignore=tests/kernels/test_gluon_fwd.py \
   --ignore=tests/kernels/test_gluon_bwd.py > "$DIR/pytest_gpu_rest.log" 2>&1 || true
-tail -5 "$DIR/pytest_gpu_rest.log" || true
+tail -n 5 "$DIR/pytest_gpu_rest.log" || true
 
 {
   echo "kernels-house summary ($(( $(date +%s) - START )) s)"
@@ -58,5 +58,5 @@ for row in r["rows"]:
     print(f"  {row['mask']:22s} D={row['D']:3d} {row['pass']:7s} ratio {row.get('ratio_b_over_a', float('nan')):.3f}"
           f" same_output={row.get('same_output')} {row['errors'] or ''}")
 EOF
-  for f in "$DIR"/pytest_gpu_*.log; do echo "$(basename "$f"): $(grep -E '(passed|failed|error)' "$f" | tail -1)"; done
+  for f in "$DIR"/pytest_gpu_*.log; do echo "$(basename "$f"): $(grep -E '(passed|failed|error|skipped|deselected)' "$f" | tail -n 1)"; done
 } | tee "$DIR/summary.txt"

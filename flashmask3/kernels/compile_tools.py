@@ -133,7 +133,7 @@ def cuobjdump(cubin: bytes) -> tuple[dict, str]:
 
 def compile_tl(kind: str, d: int, cfg: Config, causal: bool, c: int, dtype: str = "bf16",
                tma: bool = True, sass: bool = False) -> dict:
-    """Compile one tl kernel (``kind``: fwd, dkdv, fused or dq) for sm_90 and return its
+    """Compile one tl kernel (``kind``: fwd, dkdv or dq) for sm_90 and return its
     resource report (``sass``: with the SASS listing under "sass")."""
     ni = _num_intervals(causal, c)
     common = dict(D=d, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, CAUSAL=causal, C=c, NI=ni,
@@ -145,19 +145,13 @@ def compile_tl(kind: str, d: int, cfg: Config, causal: bool, c: int, dtype: str 
         ptrs.update(lse_ptr="*fp32", mask_ptr="*i32", sum_ptr="*i32", rng_ptr="*i32")
         descs = {n: f"tensordesc<{dtype}[{cfg.block_n}, {d}]>" for n in ("k_desc", "v_desc")}
         descs["q_desc"] = f"tensordesc<{dtype}[{cfg.block_m}, {d}]>"
-    elif kind in ("dkdv", "fused"):
+    elif kind == "dkdv":
         kernel = TL._dkdv_kernel
-        fused = kind == "fused"
-        common.update(FUSE_DQ=fused, DQ_TMA=fused and tma)
         ptrs = {n: f"*{dtype}" for n in ("q_ptr", "k_ptr", "v_ptr", "do_ptr", "dk_ptr", "dv_ptr")}
         ptrs.update(lse2_ptr="*fp32", delta_ptr="*fp32", mask_ptr="*i32", sum_ptr="*i32",
                     rng_ptr="*i32", dq_ptr="*fp32")
         descs = {n: f"tensordesc<{dtype}[{cfg.block_m}, {d}]>" for n in ("q_desc", "do_desc")}
         descs.update({n: f"tensordesc<{dtype}[{cfg.block_n}, {d}]>" for n in ("k_desc", "v_desc")})
-        if fused:
-            descs["dq_desc"] = f"tensordesc<fp32[{cfg.block_m}, {d}]>"
-        else:
-            common["dq_desc"] = None
     else:
         kernel = TL._dq_kernel
         ptrs = {n: f"*{dtype}" for n in ("q_ptr", "k_ptr", "v_ptr", "do_ptr", "dq_ptr")}
@@ -207,20 +201,17 @@ def offline_constexprs(d: int, block_m: int, block_n: int, num_warps: int, num_s
 
 
 def compile_bwd(d: int = 128, block_m: int = 64, block_n: int = 64, num_warps: int = 4,
-                 num_stages: int = 2, causal: bool = True, c: int = 1, dtype: str = "bf16",
-                 fuse_dq: bool = False, warp_spec: bool = False, maxnreg: Optional[int] = None,
-                 stats_smem: bool = False, ds_shared: bool = False, dp_late_wait: bool = False,
-                 persistent: bool = False):
-    """Compile the kernel (``fuse_dq``: the FUSE_DQ variant; ``warp_spec``: the WARP_SPEC one,
-    at ``maxnreg`` registers per thread, default :func:`G.ws_maxnreg`; ``dp_late_wait``: the
-    DS_SHARED variant with Pᵀ stored before the dPᵀ wait; ``persistent``: the DS_SHARED kernel
-    looping over key blocks, see :func:`launch_dkdv_gluon`) for sm_90 without a GPU; returns
-    the CompiledKernel."""
+                num_stages: int = 2, causal: bool = True, c: int = 1, dtype: str = "bf16",
+                fuse_dq: bool = False, warp_spec: bool = False, maxnreg: Optional[int] = None,
+                stats_smem: bool = False, ds_shared: bool = False):
+    """Compile the Gluon dK/dV kernel (``fuse_dq``: the FUSE_DQ variant; ``warp_spec``: the
+    WARP_SPEC one, at ``maxnreg`` registers per thread, default :func:`G.ws_maxnreg`) for sm_90
+    without a GPU, with the launcher's arguments; returns the CompiledKernel."""
     reason = G.unavailable_reason()
     if reason is not None:
         raise RuntimeError(reason)
     G.check_config(d, block_m, block_n, num_warps, num_stages, fuse_dq, warp_spec, stats_smem,
-                 ds_shared, dp_late_wait, persistent)
+                   ds_shared)
     kern = G._dkdv_gluon_kernel
     descs = offline_descriptor_types(dtype, d, q_desc=block_m, do_desc=block_m, k_desc=block_n,
                                      v_desc=block_n)
@@ -233,14 +224,6 @@ def compile_bwd(d: int = 128, block_m: int = 64, block_n: int = 64, num_warps: i
                                 FUSE_DQ=fuse_dq, WARP_SPEC=warp_spec)
     consts["STATS_SMEM"] = stats_smem  # a constexpr (left out, the compile makes it an argument)
     consts["DS_SHARED"] = ds_shared
-    consts["DP_LATE_WAIT"] = dp_late_wait
-    consts["PERSISTENT"] = persistent
-    if persistent:
-        ptrs["n_items"] = "i32"
-        ptrs["next_item_ptr"] = "*i32"
-    else:  # as the launcher passes them: constexprs, not parameters
-        consts["n_items"] = None
-        consts["next_item_ptr"] = None
     options = {}
     if warp_spec:  # as the launcher passes it (WARP_SPEC=False: the unchanged options)
         options["maxnreg"] = maxnreg if maxnreg is not None else G.ws_maxnreg(num_warps)
@@ -349,7 +332,7 @@ def sass_report(cubin: bytes) -> dict:
 
 def bwd_report(d=128, block_m=64, block_n=64, num_warps=4, num_stages=2, causal=True, c=1,
                    dtype="bf16", fuse_dq=False, warp_spec=False, stats_smem=False,
-                   ds_shared=False, dp_late_wait=False, persistent=False) -> dict:
+                   ds_shared=False) -> dict:
     """One configuration's offline sm_90 report (or its error); DS_SHARED ones also say how
     many exp2s of a tile loop come after its dPᵀ wait at most (:func:`dp_wait_order`)."""
     row = dict(D=d, block_m=block_m, block_n=block_n, num_warps=num_warps,
@@ -358,8 +341,7 @@ def bwd_report(d=128, block_m=64, block_n=64, num_warps=4, num_stages=2, causal=
         row.update(warp_spec=True, maxnreg=G.ws_maxnreg(num_warps))
     try:
         ck = compile_bwd(d, block_m, block_n, num_warps, num_stages, causal, c, dtype, fuse_dq,
-                          warp_spec, stats_smem=stats_smem, ds_shared=ds_shared,
-                          dp_late_wait=dp_late_wait, persistent=persistent)
+                          warp_spec, stats_smem=stats_smem, ds_shared=ds_shared)
     except Exception as exc:
         row["error"] = f"{type(exc).__name__}: {str(exc)[:2000]}"
         return row
@@ -367,8 +349,7 @@ def bwd_report(d=128, block_m=64, block_n=64, num_warps=4, num_stages=2, causal=
     row.update(sass_report(ck.asm["cubin"]))
     if ds_shared:
         order = dp_wait_order(cuobjdump(ck.asm["cubin"])[1])
-        row.update(dp_late_wait=dp_late_wait,
-                   ex2_after_dp_wait=max((r["ex2_after"] for r in order), default=0))
+        row.update(ex2_after_dp_wait=max((r["ex2_after"] for r in order), default=0))
     return row
 
 
@@ -399,9 +380,6 @@ def bwd_main(argv=None):
     ap.add_argument("--ds-shared", action="store_true",
                     help="the fused DS_SHARED kernel (WS + STATS_SMEM; s2/s3 at its "
                          "G.DS_SHARED_TILES tile: D=128 64x128 w8, D=64 64x64 w4)")
-    ap.add_argument("--dp-late-wait", action="store_true",
-                    help="with --ds-shared: the DP_LATE_WAIT variant (Pᵀ stored before the "
-                         "dPᵀ wait)")
     args = ap.parse_args(argv)
     if args.ds_shared:
         for d in (int(x) for x in args.dims.split(",")):
@@ -412,8 +390,7 @@ def bwd_main(argv=None):
                     print(json.dumps(bwd_report(d, bm, bn, w, st, causal=causal, c=c,
                                                     dtype=args.dtype, fuse_dq=True,
                                                     warp_spec=True, stats_smem=True,
-                                                    ds_shared=True,
-                                                    dp_late_wait=args.dp_late_wait)), flush=True)
+                                                    ds_shared=True)), flush=True)
         return
     if args.fused:
         configs = FUSED_BWD_REPORT_CONFIGS[:2] if args.warp_spec else FUSED_BWD_REPORT_CONFIGS
@@ -434,34 +411,28 @@ def bwd_main(argv=None):
 
 
 def compile_fwd(d: int = 128, block_m: int = 128, block_n: int = 128, num_warps: int = 8,
-                 num_stages: int = 2, causal: bool = True, c: int = 1, dtype: str = "bf16",
-                 warp_spec: bool = False, pingpong: bool = False, persistent: bool = False,
-                 cols_smem: Optional[bool] = None):
-    """Compile the forward kernel (``warp_spec``: :func:`F._fwd_ws_kernel`) for sm_90 without a
-    GPU, with the launcher's arguments; returns the CompiledKernel."""
+                num_stages: int = 2, causal: bool = True, c: int = 1, dtype: str = "bf16",
+                warp_spec: bool = True, pingpong: bool = False,
+                cols_smem: Optional[bool] = None):
+    """Compile the warp-specialised Gluon forward (:func:`F._fwd_ws_kernel`) for sm_90 without a
+    GPU, with the launcher's arguments; returns the CompiledKernel. ``warp_spec`` must be True
+    (the only Gluon forward left)."""
     reason = F.unavailable_reason()
     if reason is not None:
         raise RuntimeError(reason)
-    cols_smem = F._uses_cols_smem(warp_spec, c, cols_smem)
-    F.check_config(d, block_m, block_n, num_warps, num_stages, warp_spec, pingpong, persistent,
-                 c if cols_smem else 0)
-    q_rows = 64 if warp_spec else block_m
-    descs = offline_descriptor_types(dtype, d, q_desc=q_rows, k_desc=block_n,
-                                         v_desc=block_n)
+    if not warp_spec:
+        raise ValueError("compile_fwd: only the warp-specialised Gluon forward exists")
+    cols_smem = F._uses_cols_smem(True, c, cols_smem)
+    F.check_config(d, block_m, block_n, num_warps, num_stages, True, pingpong,
+                   c if cols_smem else 0)
+    descs = offline_descriptor_types(dtype, d, q_desc=64, k_desc=block_n, v_desc=block_n)
     ptrs = {"o_ptr": f"*{dtype}", "lse_ptr": "*fp32", "mask_ptr": "*i32", "sum_ptr": "*i32",
-            "rng_ptr": "*i32"}
+            "rng_ptr": "*i32", "n_items": "i32"}
     consts = offline_constexprs(d, block_m, block_n, num_warps, num_stages, causal, c)
-    if warp_spec:
-        consts.update(PINGPONG=pingpong, CONSUMER_REGS=F.ws_consumer_regs(num_warps),
-                      PERSISTENT=persistent, COLS_SMEM=cols_smem)
-        ptrs["n_items"] = "i32"
-        if persistent:
-            ptrs["next_item_ptr"] = "*i32"
-        else:
-            consts["next_item_ptr"] = None
-        return compile_gluon_sm90(F._fwd_ws_kernel, ptrs, descs, consts, 4, num_stages,
-                                  maxnreg=F.ws_maxnreg(num_warps))
-    return compile_gluon_sm90(F._fwd_gluon_kernel, ptrs, descs, consts, num_warps, num_stages)
+    consts.update(PINGPONG=pingpong, CONSUMER_REGS=F.ws_consumer_regs(num_warps),
+                  COLS_SMEM=cols_smem)
+    return compile_gluon_sm90(F._fwd_ws_kernel, ptrs, descs, consts, 4, num_stages,
+                              maxnreg=F.ws_maxnreg(num_warps))
 
 
 def sass(ck) -> str:
@@ -476,16 +447,15 @@ def overlaps(sass_text: str) -> bool:
 
 
 def fwd_report(d=128, block_m=128, block_n=128, num_warps=8, num_stages=2, causal=True, c=1,
-                   dtype="bf16", warp_spec=False, pingpong=False, persistent=False,
-                   cols_smem=None) -> dict:
+                   dtype="bf16", warp_spec=True, pingpong=False, cols_smem=None) -> dict:
     """One configuration's offline sm_90 report (registers, spills, HGMMA, overlap) or its
     error."""
     row = dict(D=d, block_m=block_m, block_n=block_n, num_warps=num_warps,
                num_stages=num_stages, causal=causal, C=c, dtype=dtype, warp_spec=warp_spec,
-               pingpong=pingpong, persistent=persistent, cols_smem=cols_smem)
+               pingpong=pingpong, cols_smem=cols_smem)
     try:
         ck = compile_fwd(d, block_m, block_n, num_warps, num_stages, causal, c, dtype,
-                          warp_spec, pingpong, persistent, cols_smem)
+                         warp_spec, pingpong, cols_smem)
     except Exception as exc:
         row["error"] = f"{type(exc).__name__}: {str(exc)[:2000]}"
         return row
@@ -496,8 +466,7 @@ def fwd_report(d=128, block_m=128, block_n=128, num_warps=8, num_stages=2, causa
 
 
 #: (block_m, block_n, num_warps, num_stages) tried at D=128 by the report.
-FWD_REPORT_CONFIGS = [(128, 128, 8, 2), (128, 128, 8, 3), (128, 64, 8, 3), (128, 64, 8, 4),
-                  (64, 128, 4, 2), (64, 128, 4, 3)]
+FWD_REPORT_CONFIGS = [(128, 128, 8, 2), (128, 128, 8, 3), (128, 64, 8, 2), (64, 64, 4, 2)]
 
 
 def fwd_main(argv=None):
@@ -511,20 +480,17 @@ def fwd_main(argv=None):
                                                    for c in FWD_REPORT_CONFIGS))
     ap.add_argument("--dtype", default="bf16")
     ap.add_argument("--warp-spec", action="store_true",
-                    help="the WS kernel (block_m 128 w8, or 64 w4: one consumer warpgroup)")
+                    help="(the default, kept for old command lines) block_m 128 w8 or 64 w4")
     ap.add_argument("--pingpong", action="store_true", help="the WS kernel with ping-pong")
-    ap.add_argument("--persistent", action="store_true", help="the persistent WS kernel")
     args = ap.parse_args(argv)
     configs = [tuple(int(x) for x in lab.replace("x", " ").replace("w", " ").replace("s", " ")
                      .split()) for lab in args.configs.split(",")]
-    ws = args.warp_spec or args.pingpong or args.persistent
     for d in (int(x) for x in args.dims.split(",")):
         for cfg in configs:
             for causal, c in ((bool(int(a)), int(b)) for a, b in
                               (x.split(":") for x in args.layouts.split(","))):
                 print(json.dumps(fwd_report(d, *cfg, causal=causal, c=c, dtype=args.dtype,
-                                                warp_spec=ws, pingpong=args.pingpong,
-                                                persistent=args.persistent)), flush=True)
+                                                pingpong=args.pingpong)), flush=True)
 
 
 # ---------------------------------------------------------------------------------------------

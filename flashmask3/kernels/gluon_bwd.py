@@ -8,12 +8,12 @@ What it computes: exactly what the ``tl`` ``_dkdv_kernel`` computes (split backw
 block for the same ``block_m``/``block_n``), ``lse2`` (log2-domain LSE, +inf on fully masked
 rows) and ``delta`` from ``tl_kernels.backward_prepass``. On the H200 its dK, dV are bitwise
 equal to the ``tl`` kernel's (same wgmma k-steps in the same order), and it is 1.08-1.21x faster
-(32K, D=128, 6 masks, MHA and GQA: ``benchmarks/results/gluon_dkdv_ab.md``, NOTES.md v6);
-with WARP_SPEC 1.17-1.24x at D=128 and 1.27-1.49x at D=64 (``gluon_dkdv_ws_ab.md``,
-``gluon_dkdv_d64_ab.md``, NOTES.md v6.2, v6.3); with STATS_SMEM at 64x128 w8 1.31-1.40x at
-D=128 (``gluon_dkdv_wsm_ab.md``, v6.4). The DS_SHARED fused backward is 1.11-1.18x that split
-backward (``gluon_fused64_ab.md``, v6.5); at D=64 its 64x64 w4 tile (one compute warpgroup)
-1.05-1.15x (``gluon_fused_d64_ab.md``, v6.6).
+(32K, D=128, 6 masks, MHA and GQA: benchmarks/NOTES.md v6);
+with WARP_SPEC 1.17-1.24x at D=128 and 1.27-1.49x at D=64 (
+NOTES.md v6.2, v6.3); with STATS_SMEM at 64x128 w8 1.31-1.40x at
+D=128 (NOTES.md v6.4). The DS_SHARED fused backward is 1.11-1.18x that split
+backward (NOTES.md v6.5); at D=64 its 64x64 w4 tile (one compute warpgroup)
+1.05-1.15x (NOTES.md v6.6).
 
 Why: the ``tl`` dK/dV kernel's SASS waits for every wgmma right after issuing it
 (``WARPGROUP.DEPBAR.LE gsb0, 0x0``), so the tensor cores and the exp/mask arithmetic never
@@ -46,7 +46,7 @@ heads of its group):
   intervals are loaded once per query head; each tile of a masked loop is classified with
   scalar compares.
 
-Offline sm_90 report (``python -m flashmask3.kernels.gluon_dkdv``; D=128 bf16): every config
+Offline sm_90 report (``python -m flashmask3.kernels.compile_tools bwd``; D=128 bf16): every config
 sits at 255 registers; 32x64 w4 s3 (the default) has 22-36 LDL/STL, all in the per-head setup
 between live ranges, none inside a tile loop; BLOCK_M=64 configs spill inside the loops (~340).
 A variant that leaves dK in flight under the next tile's first wgmmas was measured 0-2% slower
@@ -54,7 +54,7 @@ and removed (NOTES.md v6).
 
 Fused dQ (constexpr FUSE_DQ; at 32x64 measured 0.85-0.94x of split, v6.1/v6.4: used by
 default only with DS_SHARED, below; :func:`fused_backward_gluon` runs any fused config for the
-A/B ``benchmarks/gluon_dkdv_ab.py --fused``): after dSᵀ each tile also computes dQᵀ = Kᵀ dSᵀ ([D, BLOCK_M]: wgmma M = D, since
+A/B, NOTES.md v6.1): after dSᵀ each tile also computes dQᵀ = Kᵀ dSᵀ ([D, BLOCK_M]: wgmma M = D, since
 BLOCK_M < 64; A = the transposed view of the K tile, B = dSᵀ stored to shared memory as
 bf16/fp16), stores the fp32 accumulator unchanged to a [D, BLOCK_M] shared tile and TMA
 reduce-adds it (``cp.reduce.async.bulk.tensor .add``, SASS UTMAREDG) into an fp32 dQᵀ buffer
@@ -152,7 +152,7 @@ min(BLOCK_M, 32)] (:func:`dq_reduce_block`) and a 64-query tile issues two reduc
 
 Fused dQ at D=64 (DS_SHARED at 64x64 w4; :data:`DS_SHARED_TILES`; A/B label ``64x64w4s2wsmds``;
 the default backward at D=64 on Hopper since v6.6: on the H200 its dK, dV are bitwise equal to
-split's and it is 1.05-1.15x the split backward, ``gluon_fused_d64_ab.md``): the same
+split's and it is 1.05-1.15x the split backward, NOTES.md v6.6): the same
 code as at D=128 (:func:`_tile_ds_shared`, :func:`_fused_dq_tail_ds_shared`,
 :func:`_reduce_dq_tile`) with one compute warpgroup: 64 queries x 64 keys, 4 compute warps and
 the 1-warp producer. The kernel's one rule for DS_SHARED is D = 16 * NUM_WARPS (one 16-row slice
@@ -173,37 +173,14 @@ the SASS instruction text of the D=128 DS_SHARED kernel (s2, s3), the D=128 spli
 (64x128 w8 s2 WS + STATS_SMEM), the D=64 split default (64x64 w4 s2 WS), 32x64 w4 s3 WS and
 fused WS at D=128 and the D=64 FUSE_DQ 64x64 w4 kernel byte for byte unchanged (6 mask layouts
 each). As at D=128 the compiler puts the dPᵀ wait before the exp2s of Pᵀ (the source waits after
-them), so dPᵀ does not run under that arithmetic in either DS_SHARED kernel: DP_LATE_WAIT
-(below) is the opt-in fix at both head dims (measured no faster, 0.99-1.01x: the other
-warpgroup keeps the tensor cores busy).
-
-dPᵀ wait after the exp2s (constexpr DP_LATE_WAIT, default False, DS_SHARED only;
-``launch_dkdv_gluon(..., ds_shared=True, dp_late_wait=True)``, ``fused_backward_gluon`` config
-with an eighth element True, A/B label suffix ``wsmdsL``; opt-in: measured 0.99-1.01x the
-default on the H200, ``gluon_dpwait_ab.md``, NOTES.md v6.6):
-the PTX of the DS_SHARED tile has ``wgmma.wait_group.sync.aligned 0`` (dPᵀ) after all 32
-``ex2.approx`` of a thread's Pᵀ, as the source (Triton lowers the wait to a side-effecting
-inline asm whose ``deps`` are tied operands: LLVM keeps the order), but ptxas hoists
-``WARPGROUP.DEPBAR.LE gsb0, 0x0`` above 21-32 of the 32 MUFU.EX2 in every tile loop (D=128,
-6 layouts, s2/s3; D=64: above 30-32): the tied operands leave no trace in SASS, the exp2s
-touch no dPᵀ register, and hoisting a wait is always legal. So the tensor cores idle while
-the exp2s run (the masked loops' mask arithmetic does run under dPᵀ, before the wait). The
-split ``_tile`` is not affected: its dV wgmma (Pᵀ as a register operand, i.e. every exp2's
-result) is issued between the exp2s and the wait, and ptxas keeps the wait after it. With
-DP_LATE_WAIT, :func:`_tile_ds_shared` stores Pᵀ to shared memory before the dPᵀ wait instead
-of in the tail; ptxas does not hoist the wait above those stores (which need every exp2), so
-all 32 MUFU.EX2 come before it in every tile loop. Same bf16 Pᵀ in the same buffer, read by
-the same wgmma after the same barrier: dK, dV should stay bit for bit equal. Offline: D=128 s2
-and s3 touch 237-238 registers (default 230-238), D=64 s2 178-212 (default 171-211); LDL/STL
-unchanged (none in the tile loops; D=64 none at all); same HGMMA, UTMAREDG, 5 BAR.SYNC per tile,
-shared memory. DP_LATE_WAIT=False leaves the SASS instruction text of the D=128 DS_SHARED
-kernel (s2, s3), the D=128 split default, the D=64 split default and the D=64 DS_SHARED kernel
-byte for byte unchanged (6 layouts each).
+them), so dPᵀ does not run under that arithmetic in either DS_SHARED kernel. Storing Pᵀ before the
+dPᵀ wait keeps ptxas from hoisting it (the DP_LATE_WAIT variant) but measured 0.99-1.01x (the
+other warpgroup keeps the tensor cores busy) and was deleted (benchmarks/NOTES.md).
 
 Prediction for the D=64 GPU A/B (session 9; outcome in session 10: 1.05-1.15x split, causal
-234 vs 261 ms, full 1.05x, ``gluon_fused_d64_ab.md``): split at D=64, causal 32K (Hq=64) is ~252 ms
+234 vs 261 ms, full 1.05x, NOTES.md v6.6): split at D=64, causal 32K (Hq=64) is ~252 ms
 (Gluon WS dK/dV ~161 ms at ~44% of the tensor-core peak + tl dQ ~89 ms, v6.3 table and
-``gluon_dkdv_d64_ab.md``). The fused kernel does 5 of split's 7 matmuls and one of its two
+NOTES.md v6.3). The fused kernel does 5 of split's 7 matmuls and one of its two
 exp2/mask passes; at D=128 it ran at ~52% of peak, and the D=64 dK/dV kernel runs at ~0.7x
 the utilisation of the D=128 one (exp2 work per FLOP doubles at half the head dim), which puts
 it at ~215-250 ms: 1.00-1.15x split, ~1.07x most likely, similar on the document masks. Two
@@ -212,20 +189,6 @@ main risk is the dQ reduce traffic, twice D=128's per FLOP ([64, 64] fp32 per 64
 ~550 GB for causal 32K B=4, Hq=64, ~2.4 TB/s into L2 at the predicted time, where D=128 ran at
 ~1.6 TB/s); if that saturates, the fused backward may be slower than split. dK, dV should be
 bitwise equal to the tl kernel's and split's (same bf16 values, same 16-query k-steps).
-
-Persistent walk (constexpr PERSISTENT, default False, DS_SHARED only;
-``launch_dkdv_gluon(..., persistent=True)``, A/B label suffix ``+p``; opt-in: measured
-0.92-0.98x the default on the H200, ``gluon_persistent_ab.md``, NOTES.md session 12): as many
-programs as are resident (:func:`persistent_programs`), each looping over key blocks. The
-producer warp claims the next work item from a global counter (zeroed per launch) when the
-compute warps hand K/V back (``kv_empty``), publishes it in shared memory, loads its K/V and
-then its Q/dO tiles; the compute warps store dK/dV after handing K/V back, so the next key
-block's loads run under that store. The items go out in launch order to whichever program is
-free: a first version with a static walk (program p took items p, p+132, ...) was 0.61-0.87x,
-its programs drifting apart over heads and losing the L2 reuse of Q, dO and the dQ rows that
-the launch order gives (a head-major launch order, measured in the same run: 0.45-0.70x).
-Same tile code: offline the same HGMMA, reduces and barriers per tile, no LDL/STL in the tile
-loops, one atomic; dK, dV bitwise equal to the default kernel's on the H200.
 
 Not done: prefetching across live ranges / query heads (one TMA latency per range; the
 WARP_SPEC producer does run ahead across them), dK left in flight across tiles, two consumer
@@ -260,9 +223,7 @@ from .gluon_common import (  # noqa: F401  (the shared Gluon helpers)
     _gl_dtype,
     _key_block_ranges,
     _load_stats,
-    _max_combine,
     _needs_mask,
-    _published_item,
     _query_block_ranges,
     _smem_layout,
     unavailable_reason,
@@ -362,7 +323,7 @@ def _reduce_dq_tile(dq_desc, dq_row, dq_col, dq_smem):
 @_jit
 def _fused_dq_tail_ds_shared(dv, pT, dsT, dk, q_s, do_s, k_smem, ds_s, p_s, dq_smem, dq_desc,
                              dq_row, dq_col, s_layout: gl.constexpr,
-                             P_STORED: gl.constexpr = False):
+                             ):
     """The DS_SHARED end of a tile (FUSE_DQ + WARP_SPEC + STATS_SMEM, 64 queries, D = 16 *
     NUM_WARPS: 64x128 w8 at D=128, 64x64 w4 at D=64; Pᵀ and dSᵀ in fp32 registers, no wgmma in
     flight): Pᵀ and dSᵀ go to shared memory as bf16/fp16 (``p_s``, ``ds_s``: two [BLOCK_N,
@@ -388,14 +349,11 @@ def _fused_dq_tail_ds_shared(dv, pT, dsT, dk, q_s, do_s, k_smem, ds_s, p_s, dq_s
     reduces have read ``dq_smem``, which this tile overwrites after B1); B2 after dQᵀ is in
     ``dq_smem`` (the reduce reads every warp's part). ``ds_s`` and ``p_s`` are overwritten by
     the next tile only after B2 (every dQ wgmma retired) and the slot barrier (every dV, dK
-    wgmma retired).
-
-    ``P_STORED`` (DP_LATE_WAIT): the tile already stored Pᵀ to ``p_s`` (``pT`` is unused)."""
+    wgmma retired)."""
     dtype: gl.constexpr = q_s.dtype
     D: gl.constexpr = k_smem.shape[1]
     BLOCK_M: gl.constexpr = q_s.shape[0]
-    if not P_STORED:
-        p_s.store(pT.to(dtype))
+    p_s.store(pT.to(dtype))
     ds_s.store(dsT.to(dtype))
     tma.store_wait(0)  # the previous tile's reduces have read dq_smem
     fence_async_shared()
@@ -497,8 +455,7 @@ def _tile_ds_shared(dk, dv, it, m, k_smem, v_smem, q_ring, do_ring, ready, empty
                     delta_ring, offs_mb, cols, ivals, stats, n_blk, Sq, Sk, scale_log2, ds_smem,
                     dq_smem, dq_desc, dq_row0, s_layout: gl.constexpr, BLOCK_M: gl.constexpr,
                     BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr, CAUSAL: gl.constexpr,
-                    C: gl.constexpr, NI: gl.constexpr, MASKED: gl.constexpr,
-                    DP_LATE_WAIT: gl.constexpr = False):
+                    C: gl.constexpr, NI: gl.constexpr, MASKED: gl.constexpr):
     """DS_SHARED twin of :func:`_tile` (FUSE_DQ + WARP_SPEC + STATS_SMEM at 64x128 w8, D=128,
     or 64x64 w4, D=64; the kernel maps DS_SHARED to FUSE_DQ = 2 for the shared helpers): the
     same Sᵀ, Pᵀ, dPᵀ, dSᵀ arithmetic as the STATS_SMEM path of :func:`_tile` (masked scores
@@ -517,14 +474,7 @@ def _tile_ds_shared(dk, dv, it, m, k_smem, v_smem, q_ring, do_ring, ready, empty
     ~30 64-bit loop invariants, which ptxas kept in local memory (20-55 LDL/STL per tile loop;
     0 with the opaque indices). dSᵀ and Pᵀ are two allocations, not one [2, ...] buffer: with
     an opaque index into one buffer Triton's barrier analysis cannot tell the two stores apart
-    and puts a CTA barrier between them (6 BAR.SYNC per tile instead of 5).
-
-    ``DP_LATE_WAIT`` (opt-in): Pᵀ is stored to shared memory before the dPᵀ wait instead of in
-    the tail. Without it ptxas hoists the wait (``WARPGROUP.DEPBAR.LE gsb0, 0x0``) above most
-    of the tile's MUFU.EX2 (21-32 of 32) although the PTX has it after all of them (nothing in
-    SASS ties the wait to the exp2s: hoisting a wait is always legal); the Pᵀ stores consume
-    every exp2 and ptxas keeps the wait below them, so dPᵀ runs under the exp2s. Same bf16 Pᵀ in the same
-    buffer, read by the same wgmma after the same barrier: dK, dV unchanged bit for bit."""
+    and puts a CTA barrier between them (6 BAR.SYNC per tile instead of 5)."""
     dtype: gl.constexpr = k_smem.dtype
     slot = it % NUM_STAGES
     mbarrier.wait(ready.index(slot), (it // NUM_STAGES) & 1)
@@ -555,19 +505,12 @@ def _tile_ds_shared(dk, dv, it, m, k_smem, v_smem, q_ring, do_ring, ready, empty
             masked = _element_masked(rows[None, :], cols[:, None], iv, Sq, Sk, CAUSAL, C)
             sT = gl.where(masked, float("-inf"), sT)
     pT = gl.exp2(sT * scale_log2 - lse2[None, :])
-    if DP_LATE_WAIT:  # the Pᵀ stores keep ptxas from hoisting the dPᵀ wait above the exp2s
-        ds_smem[1].index(oz).store(pT.to(dtype))
     dpT = warpgroup_mma_wait(num_outstanding=0, deps=(dp_tok, ))
     delta = delta_ring.index(slot).load(gl.SliceLayout(0, s_layout))
     dsT = pT * (dpT - delta[None, :])
-    if DP_LATE_WAIT:
-        dv, dk = _fused_dq_tail_ds_shared(dv, pT, dsT, dk, q_s, do_s, k_smem,
-                                          ds_smem[0].index(oz), ds_smem[1].index(oz), dq_smem,
-                                          dq_desc, dq_row0, m * BLOCK_M, s_layout, True)
-    else:
-        dv, dk = _fused_dq_tail_ds_shared(dv, pT, dsT, dk, q_s, do_s, k_smem,
-                                          ds_smem[0].index(oz), ds_smem[1].index(oz), dq_smem,
-                                          dq_desc, dq_row0, m * BLOCK_M, s_layout)
+    dv, dk = _fused_dq_tail_ds_shared(dv, pT, dsT, dk, q_s, do_s, k_smem,
+                                      ds_smem[0].index(oz), ds_smem[1].index(oz), dq_smem,
+                                      dq_desc, dq_row0, m * BLOCK_M, s_layout)
     _release_slot(empty, slot)
     return dk, dv, it + 1
 
@@ -581,14 +524,8 @@ def _tile_of_variant(dk, dv, it, m, hi, k_smem, v_smem, q_ring, do_ring, ready, 
                      CAUSAL: gl.constexpr, C: gl.constexpr, NI: gl.constexpr,
                      MASKED: gl.constexpr, FUSE_DQ: gl.constexpr, WARP_SPEC: gl.constexpr):
     """One query tile of the kernel variant: :func:`_tile_ds_shared` for DS_SHARED (FUSE_DQ
-    == 2; 3 with DP_LATE_WAIT), else :func:`_tile`."""
-    if FUSE_DQ == 3:
-        dk, dv, it = _tile_ds_shared(dk, dv, it, m, k_smem, v_smem, q_ring, do_ring, ready,
-                                     empty, lse2_ptr, delta_ptr, offs_mb, cols, ivals, stats,
-                                     n_blk, Sq, Sk, scale_log2, ds_smem, dq_smem, dq_desc,
-                                     dq_row0, s_layout, BLOCK_M, BLOCK_N, NUM_STAGES, CAUSAL, C,
-                                     NI, MASKED, True)
-    elif FUSE_DQ == 2:
+    == 2), else :func:`_tile`."""
+    if FUSE_DQ == 2:
         dk, dv, it = _tile_ds_shared(dk, dv, it, m, k_smem, v_smem, q_ring, do_ring, ready,
                                      empty, lse2_ptr, delta_ptr, offs_mb, cols, ivals, stats,
                                      n_blk, Sq, Sk, scale_log2, ds_smem, dq_smem, dq_desc,
@@ -821,120 +758,7 @@ def _compute_partition(n_blk, b, hk, b64, group, k_smem, v_smem, q_ring, do_ring
     return (dk, dv)
 
 
-@_jit
-def _work_item(item, NKB, Hk):
-    """(n_blk, b, hk) of work item ``item`` (key block, batch, KV head), key blocks fastest:
-    the items claimed together read one head's Q and dO, which L2 then holds for all of them
-    (as the non-persistent grid's launch order does)."""
-    n_blk = item % NKB
-    bh = item // NKB
-    return n_blk, bh // Hk, bh % Hk
-
-
-@_jit
-def _store_dkdv(dk, dv, dk_ptr, dv_ptr, sm_scale, b64, c0, hk, Sk, Hk, acc_layout: gl.constexpr,
-                D: gl.constexpr, BLOCK_N: gl.constexpr):
-    """dK (times ``sm_scale``) and dV of the key block at c0 (batch b64, KV head hk) from the
-    accumulators to global memory, rows past Sk left out."""
-    dtype: gl.constexpr = dk_ptr.dtype.element_ty
-    offs_n = c0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, acc_layout))
-    offs_d = gl.arange(0, D, layout=gl.SliceLayout(0, acc_layout))
-    row_off = (b64 * Sk + offs_n) * (Hk * D) + hk * D
-    kv_off = row_off[:, None] + offs_d[None, :]
-    nmask = (offs_n[:, None] < Sk) & (offs_d[None, :] < D)
-    gl.store(dk_ptr + kv_off, (dk * sm_scale).to(dtype), mask=nmask)
-    gl.store(dv_ptr + kv_off, dv.to(dtype), mask=nmask)
-
-
-@_jit
-def _persistent_compute_partition(n_items, kv_smem, q_ring, do_ring, ready, empty, kv_bar,
-                                  kv_empty, item_smem, q_desc, do_desc, lse_ring, delta_ring,
-                                  mask_ptr, sum_ptr, rng_ptr, dk_ptr, dv_ptr, sm_scale,
-                                  scale_log2, Sq, Sk, Hq, Hk, Hm, NQB, NKB, mask_b_stride,
-                                  ds_smem, dq_smem, dq_desc, s_layout: gl.constexpr,
-                                  acc_layout: gl.constexpr, a_layout: gl.constexpr,
-                                  D: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-                                  NUM_STAGES: gl.constexpr, CAUSAL: gl.constexpr,
-                                  C: gl.constexpr, NI: gl.constexpr, FUSE_DQ: gl.constexpr,
-                                  NUM_WARPS: gl.constexpr):
-    """PERSISTENT default partition: the work items the producer claims for this program, one
-    after another (each published in ``item_smem`` with its K/V on ``kv_bar``; an item >=
-    n_items ends the loop), each as :func:`_compute_partition` computes one key block, then
-    hands K/V back (``kv_empty``: every wgmma reading them has retired) before it stores dK
-    and dV, so the producer claims and loads the next key block under that store. The ring
-    counter runs on across items (the producer's does too)."""
-    offs_mb = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, s_layout))
-    group = Hq // Hk
-    it = gl.program_id(0) * 0
-    n_done = gl.program_id(0) * 0
-    mbarrier.wait(kv_bar, 0)
-    item = _published_item(item_smem, NUM_WARPS)
-    while item < n_items:
-        n_blk, b, hk = _work_item(item, NKB, Hk)
-        b64 = b.to(gl.int64)
-        c0 = n_blk * BLOCK_N
-        cols = c0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, s_layout))
-        dk = gl.zeros([BLOCK_N, D], gl.float32, acc_layout)
-        dv = gl.zeros([BLOCK_N, D], gl.float32, acc_layout)
-        dk, dv, it = _heads(dk, dv, it, n_blk, b, hk, b64, group, kv_smem, kv_smem, q_ring,
-                            do_ring, ready, empty, q_desc, do_desc, lse_ring, delta_ring,
-                            mask_ptr, sum_ptr, rng_ptr, scale_log2, Sq, Sk, Hq, Hk, Hm, NQB, NKB,
-                            mask_b_stride, ds_smem, dq_smem, dq_desc, cols, offs_mb, s_layout,
-                            a_layout, D, BLOCK_M, BLOCK_N, NUM_STAGES, CAUSAL, C, NI, FUSE_DQ,
-                            True)
-        _release_slot(kv_empty, 0)
-        _store_dkdv(dk, dv, dk_ptr, dv_ptr, sm_scale, b64, c0, hk, Sk, Hk, acc_layout, D,
-                    BLOCK_N)
-        n_done += 1
-        mbarrier.wait(kv_bar, n_done & 1)
-        item = _published_item(item_smem, NUM_WARPS)
-    tma.store_wait(0)  # the last reduce has read dq_smem
-
-
-@_jit
-def _persistent_producer_partition(n_items, next_item_ptr, q_desc, do_desc, k_desc, v_desc,
-                                   kv_smem, kv_bar, kv_empty, item_smem, q_ring, do_ring, ready,
-                                   empty, rng_ptr, Sq, Sk, Hq, Hk, Hm, NQB, NKB, mask_b_stride,
-                                   lse2_ptr, delta_ptr, lse_ring, delta_ring, D: gl.constexpr,
-                                   BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-                                   NUM_STAGES: gl.constexpr, CAUSAL: gl.constexpr,
-                                   C: gl.constexpr):
-    """PERSISTENT worker (1 warp): once the compute partition has handed K/V back
-    (``kv_empty``, parity one behind: a fresh barrier counts as handed back), claims the next
-    work item from the global counter (``next_item_ptr``, zeroed by the launcher: items go
-    out in launch order, to whichever program is free first, so the key blocks in flight stay
-    as close together as the non-persistent grid's), publishes it in ``item_smem``, TMA-loads
-    its K and V on ``kv_bar`` and then its Q/dO tiles and statistics
-    (:func:`_produce_heads`). An item >= n_items is published with a plain arrive: the compute
-    partition's signal to stop. The ring runs ahead across items."""
-    group = Hq // Hk
-    it = gl.program_id(0) * 0
-    n_done = gl.program_id(0) * 0
-    item = gl.program_id(0) * 0
-    st_layout: gl.constexpr = gl.BlockedLayout([1], [32], [1], [0])
-    while item < n_items:
-        mbarrier.wait(kv_empty.index(0), (n_done & 1) ^ 1)
-        item = gl.atomic_add(next_item_ptr, 1)
-        item_smem.store(gl.full([1], item, gl.int32, st_layout))
-        gl.thread_barrier()  # every lane's store before the (one-thread) arrive below
-        if item < n_items:
-            n_blk, b, hk = _work_item(item, NKB, Hk)
-            b64 = b.to(gl.int64)
-            mbarrier.expect(kv_bar, k_desc.block_type.nbytes + v_desc.block_type.nbytes)
-            tma.async_copy_global_to_shared(k_desc, [b * Sk + n_blk * BLOCK_N, hk * D], kv_bar,
-                                            kv_smem.index(0))
-            tma.async_copy_global_to_shared(v_desc, [b * Sk + n_blk * BLOCK_N, hk * D], kv_bar,
-                                            kv_smem.index(1))
-            it = _produce_heads(it, n_blk, b, hk, b64, group, q_desc, do_desc, q_ring, do_ring,
-                                ready, empty, rng_ptr, Sq, Sk, Hq, Hm, NQB, NKB, mask_b_stride,
-                                lse2_ptr, delta_ptr, lse_ring, delta_ring, BLOCK_M, BLOCK_N,
-                                NUM_STAGES, CAUSAL, C)
-        else:
-            mbarrier.arrive(kv_bar)
-        n_done += 1
-
-
-@_jit(do_not_specialize=_NO_SPEC + ["n_items"])
+@_jit(do_not_specialize=_NO_SPEC)
 def _dkdv_gluon_kernel(q_desc, do_desc, k_desc, v_desc, dk_ptr, dv_ptr, lse2_ptr, delta_ptr,
                        mask_ptr, sum_ptr, rng_ptr, sm_scale, scale_log2,
                        Sq, Sk, Hq, Hk, Hm, NQB, NKB, mask_b_stride, dq_desc,
@@ -942,9 +766,7 @@ def _dkdv_gluon_kernel(q_desc, do_desc, k_desc, v_desc, dk_ptr, dv_ptr, lse2_ptr
                        CAUSAL: gl.constexpr, C: gl.constexpr, NI: gl.constexpr,
                        NUM_STAGES: gl.constexpr, NUM_WARPS: gl.constexpr,
                        FUSE_DQ: gl.constexpr = False, WARP_SPEC: gl.constexpr = False,
-                       STATS_SMEM: gl.constexpr = False, DS_SHARED: gl.constexpr = False,
-                       DP_LATE_WAIT: gl.constexpr = False, PERSISTENT: gl.constexpr = False,
-                       n_items=None, next_item_ptr=None):
+                       STATS_SMEM: gl.constexpr = False, DS_SHARED: gl.constexpr = False):
     """One program per (key block, batch * KV head); loops over the query heads of its group.
     FUSE_DQ: also reduce-adds dQ (unscaled, fp32) through ``dq_desc``: the [B*Hq*D, Sq] view of
     a dQᵀ buffer [B, Hq, D, Sq_pad] (block [D, BLOCK_M]: a wgmma accumulator tile as it sits
@@ -955,15 +777,7 @@ def _dkdv_gluon_kernel(q_desc, do_desc, k_desc, v_desc, dk_ptr, dv_ptr, lse2_ptr
     :func:`_compute_partition`) and a 1-warp TMA producer (:func:`_producer_partition`, 24
     registers) joined by a ready/empty mbarrier pair per ring slot; same math in the same
     order. Launch it with ``maxnreg`` (see :func:`ws_maxnreg`): the compute partition gets the
-    registers the producer's warpgroup gives back.
-
-    DP_LATE_WAIT (DS_SHARED only): Pᵀ stored before the dPᵀ wait (:func:`_tile_ds_shared`).
-
-    PERSISTENT (DS_SHARED only): a grid of at most as many programs as fit on the GPU at once,
-    each looping over the work items (key block, batch * KV head) of ``n_items`` that its
-    producer claims from the counter at ``next_item_ptr`` (:func:`_persistent_compute_partition`,
-    :func:`_persistent_producer_partition`): the producer loads K/V too, and one key block's
-    K/V and first tiles load under the previous one's dK/dV store."""
+    registers the producer's warpgroup gives back."""
     # wgmma M: 16 key rows per warp; warps beyond BLOCK_N // 16 split the head dim (and the
     # queries of Sᵀ, dPᵀ): D=256, where one warpgroup cannot hold BLOCK_N x 256 dK and dV
     KEY_WARPS: gl.constexpr = BLOCK_N // 16
@@ -971,8 +785,6 @@ def _dkdv_gluon_kernel(q_desc, do_desc, k_desc, v_desc, dk_ptr, dv_ptr, lse2_ptr
     gl.static_assert(KEY_WARPS * D_WARPS == NUM_WARPS and KEY_WARPS % 4 == 0,
                      "wgmma M: 16 key rows per warp, whole warpgroups along the keys")
     gl.static_assert(D_WARPS == 1 or not FUSE_DQ, "FUSE_DQ: warps along the keys only")
-    gl.static_assert(DS_SHARED or not DP_LATE_WAIT, "DP_LATE_WAIT: a DS_SHARED variant")
-    gl.static_assert(DS_SHARED or not PERSISTENT, "PERSISTENT: a DS_SHARED variant")
     dtype: gl.constexpr = q_desc.dtype
     # S^T, dP^T: [BLOCK_N keys, BLOCK_M queries]; dK, dV: [BLOCK_N, D]
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0],
@@ -1014,12 +826,6 @@ def _dkdv_gluon_kernel(q_desc, do_desc, k_desc, v_desc, dk_ptr, dv_ptr, lse2_ptr
         if WARP_SPEC:
             mbarrier.init(empty.index(i), count=1)
     mbarrier.init(kv_bar, count=1)
-    if PERSISTENT:  # the compute partition hands K/V back to the producer after each key block
-        kv_empty = gl.allocate_shared_memory(gl.int64, [1, 1], mbarrier.MBarrierLayout())
-        mbarrier.init(kv_empty.index(0), count=1)
-        # the claimed work item, from the producer to the compute partition
-        item_smem = gl.allocate_shared_memory(gl.int32, [1],
-                                              gl.SwizzledSharedLayout(1, 1, 1, order=[0]))
     if FUSE_DQ:
         gl.static_assert(D >= 16 * NUM_WARPS, "fused dQ^T: wgmma M = D, 16 rows per warp")
         if DS_SHARED:  # (dSᵀ, Pᵀ): both wgmma A operands from shared memory
@@ -1039,10 +845,9 @@ def _dkdv_gluon_kernel(q_desc, do_desc, k_desc, v_desc, dk_ptr, dv_ptr, lse2_ptr
         dq_smem = None
     fence_async_shared()
 
-    if not PERSISTENT:  # (PERSISTENT: the producer loads each key block's K/V)
-        mbarrier.expect(kv_bar, k_desc.block_type.nbytes + v_desc.block_type.nbytes)
-        tma.async_copy_global_to_shared(k_desc, [b * Sk + c0, hk * D], kv_bar, k_smem)
-        tma.async_copy_global_to_shared(v_desc, [b * Sk + c0, hk * D], kv_bar, v_smem)
+    mbarrier.expect(kv_bar, k_desc.block_type.nbytes + v_desc.block_type.nbytes)
+    tma.async_copy_global_to_shared(k_desc, [b * Sk + c0, hk * D], kv_bar, k_smem)
+    tma.async_copy_global_to_shared(v_desc, [b * Sk + c0, hk * D], kv_bar, v_smem)
 
     if WARP_SPEC:
         if not FUSE_DQ:  # placeholders: a None cannot travel in warp_specialize's arguments
@@ -1054,8 +859,8 @@ def _dkdv_gluon_kernel(q_desc, do_desc, k_desc, v_desc, dk_ptr, dv_ptr, lse2_ptr
             gl.static_assert(FUSE_DQ and STATS_SMEM and BLOCK_M == 64 and D == 16 * NUM_WARPS,
                              "DS_SHARED: FUSE_DQ + WARP_SPEC + STATS_SMEM, 64 queries, "
                              "D = 16 * NUM_WARPS (64x128 w8 at D=128, 64x64 w4 at D=64)")
-            # what the helpers see as FUSE_DQ: the DS_SHARED tail (3: Pᵀ stored before the dPᵀ wait)
-            FUSE_MODE: gl.constexpr = 3 if DP_LATE_WAIT else 2
+            # what the helpers see as FUSE_DQ: the DS_SHARED tail
+            FUSE_MODE: gl.constexpr = 2
         else:
             FUSE_MODE: gl.constexpr = FUSE_DQ
         if STATS_SMEM:  # the compute partition reads the statistics from these rings
@@ -1072,33 +877,17 @@ def _dkdv_gluon_kernel(q_desc, do_desc, k_desc, v_desc, dk_ptr, dv_ptr, lse2_ptr
             delta_ring = 0
             lse_src = lse2_ptr
             delta_src = delta_ptr
-        if PERSISTENT:
-            gl.warp_specialize([
-                (_persistent_compute_partition,
-                 (n_items, kv_smem, q_ring, do_ring, ready, empty, kv_bar, kv_empty, item_smem,
-                  q_desc, do_desc, lse_src, delta_src, mask_ptr, sum_ptr, rng_ptr, dk_ptr,
-                  dv_ptr, sm_scale, scale_log2, Sq, Sk, Hq, Hk, Hm, NQB, NKB, mask_b_stride,
-                  ds_smem, dq_smem, dq_desc, s_layout, acc_layout, a_layout, D, BLOCK_M,
-                  BLOCK_N, NUM_STAGES, CAUSAL, C, NI, FUSE_MODE, NUM_WARPS)),
-                (_persistent_producer_partition,
-                 (n_items, next_item_ptr, q_desc, do_desc, k_desc, v_desc, kv_smem, kv_bar,
-                  kv_empty, item_smem, q_ring, do_ring, ready, empty, rng_ptr, Sq, Sk, Hq, Hk,
-                  Hm, NQB, NKB, mask_b_stride, lse2_ptr, delta_ptr, lse_ring, delta_ring, D,
-                  BLOCK_M, BLOCK_N, NUM_STAGES, CAUSAL, C)),
-            ], [1], [24])  # PRODUCER_WARPS, PRODUCER_REGS
-            mbarrier.invalidate(kv_empty.index(0))
-        else:
-            dk, dv = gl.warp_specialize([
-                (_compute_partition,
-                 (n_blk, b, hk, b64, group, k_smem, v_smem, q_ring, do_ring, ready, empty, kv_bar,
-                  q_desc, do_desc, lse_src, delta_src, mask_ptr, sum_ptr, rng_ptr, scale_log2, Sq,
-                  Sk, Hq, Hk, Hm, NQB, NKB, mask_b_stride, ds_smem, dq_smem, dq_desc, s_layout,
-                  acc_layout, a_layout, D, BLOCK_M, BLOCK_N, NUM_STAGES, CAUSAL, C, NI, FUSE_MODE)),
-                (_producer_partition,
-                 (n_blk, b, hk, b64, group, q_desc, do_desc, q_ring, do_ring, ready, empty, rng_ptr,
-                  Sq, Sk, Hq, Hm, NQB, NKB, mask_b_stride, lse2_ptr, delta_ptr, lse_ring,
-                  delta_ring, BLOCK_M, BLOCK_N, NUM_STAGES, CAUSAL, C)),
-            ], [1], [24])  # PRODUCER_WARPS, PRODUCER_REGS
+        dk, dv = gl.warp_specialize([
+            (_compute_partition,
+             (n_blk, b, hk, b64, group, k_smem, v_smem, q_ring, do_ring, ready, empty, kv_bar,
+              q_desc, do_desc, lse_src, delta_src, mask_ptr, sum_ptr, rng_ptr, scale_log2, Sq,
+              Sk, Hq, Hk, Hm, NQB, NKB, mask_b_stride, ds_smem, dq_smem, dq_desc, s_layout,
+              acc_layout, a_layout, D, BLOCK_M, BLOCK_N, NUM_STAGES, CAUSAL, C, NI, FUSE_MODE)),
+            (_producer_partition,
+             (n_blk, b, hk, b64, group, q_desc, do_desc, q_ring, do_ring, ready, empty, rng_ptr,
+              Sq, Sk, Hq, Hm, NQB, NKB, mask_b_stride, lse2_ptr, delta_ptr, lse_ring,
+              delta_ring, BLOCK_M, BLOCK_N, NUM_STAGES, CAUSAL, C)),
+        ], [1], [24])  # PRODUCER_WARPS, PRODUCER_REGS
         for i in gl.static_range(NUM_STAGES):
             mbarrier.invalidate(empty.index(i))
     else:
@@ -1119,16 +908,15 @@ def _dkdv_gluon_kernel(q_desc, do_desc, k_desc, v_desc, dk_ptr, dv_ptr, lse2_ptr
         mbarrier.invalidate(ready.index(i))
     mbarrier.invalidate(kv_bar)
 
-    if not PERSISTENT:  # (PERSISTENT: stored per work item by the compute partition)
-        # _store_dkdv's lines, inline: called as a function they renumber the registers of the
-        # GPU-verified non-WS kernel (C=4 layout; its SASS is pinned by the tests)
-        offs_n = c0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, acc_layout))
-        offs_d = gl.arange(0, D, layout=gl.SliceLayout(0, acc_layout))
-        row_off = (b64 * Sk + offs_n) * (Hk * D) + hk * D
-        kv_off = row_off[:, None] + offs_d[None, :]
-        nmask = (offs_n[:, None] < Sk) & (offs_d[None, :] < D)
-        gl.store(dk_ptr + kv_off, (dk * sm_scale).to(dtype), mask=nmask)
-        gl.store(dv_ptr + kv_off, dv.to(dtype), mask=nmask)
+    # the store inline: called as a function these lines renumber the registers of the
+    # GPU-verified non-WS kernel (C=4 layout; its SASS is pinned by the tests)
+    offs_n = c0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, acc_layout))
+    offs_d = gl.arange(0, D, layout=gl.SliceLayout(0, acc_layout))
+    row_off = (b64 * Sk + offs_n) * (Hk * D) + hk * D
+    kv_off = row_off[:, None] + offs_d[None, :]
+    nmask = (offs_n[:, None] < Sk) & (offs_d[None, :] < D)
+    gl.store(dk_ptr + kv_off, (dk * sm_scale).to(dtype), mask=nmask)
+    gl.store(dv_ptr + kv_off, dv.to(dtype), mask=nmask)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -1176,14 +964,12 @@ def d_warps(d: int, block_n: int, num_warps: int) -> int:
 
 def check_config(d: int, block_m: int, block_n: int, num_warps: int, num_stages: int,
                  fuse_dq: bool = False, warp_spec: bool = False, stats_smem: bool = False,
-                 ds_shared: bool = False, dp_late_wait: bool = False,
-                 persistent: bool = False) -> None:
+                 ds_shared: bool = False) -> None:
     """Raise ValueError on a configuration the kernel cannot compile: one warpgroup row of 16
     keys per warp (block_n == 16 * num_warps; at D=256 also 8 * num_warps, two warpgroups
     splitting the head dim, :func:`d_warps`), power-of-two tiles; with ``fuse_dq`` also
     d >= 16 * num_warps (dQᵀ = Kᵀ dSᵀ has M = d rows, 16 per warp); ``ds_shared`` only with
-    fuse_dq + warp_spec + stats_smem at a :data:`DS_SHARED_TILES` tile; ``dp_late_wait`` only
-    with ``ds_shared``."""
+    fuse_dq + warp_spec + stats_smem at a :data:`DS_SHARED_TILES` tile."""
     if d not in (64, 128, 256):
         raise ValueError(f"gluon dK/dV: head dim {d} (64, 128 or 256)")
     if num_warps not in (4, 8):
@@ -1205,10 +991,6 @@ def check_config(d: int, block_m: int, block_n: int, num_warps: int, num_stages:
     if ds_shared:
         _check_ds_shared(d, block_m, block_n, num_warps, num_stages, fuse_dq, warp_spec,
                          stats_smem)
-    if dp_late_wait and not ds_shared:
-        raise ValueError("gluon fused dQ: dp_late_wait is a DS_SHARED variant (needs ds_shared)")
-    if persistent and not ds_shared:
-        raise ValueError("gluon fused dQ: persistent is a DS_SHARED variant (needs ds_shared)")
 
 
 def _check_ds_shared(d, block_m, block_n, num_warps, num_stages, fuse_dq, warp_spec,
@@ -1229,8 +1011,7 @@ def _check_ds_shared(d, block_m, block_n, num_warps, num_stages, fuse_dq, warp_s
 def launch_dkdv_gluon(q, k, v, dout, lse2, delta, causal, softmax_scale, plan, block_m: int,
                       block_n: int, num_warps: int, num_stages: int, fuse_dq: bool = False,
                       warp_spec: bool = False, stats_smem: bool = False,
-                      ds_shared: bool = False, dp_late_wait: bool = False,
-                      persistent: bool = False, programs: Optional[int] = None):
+                      ds_shared: bool = False):
     """(dk, dv) like ``_launch_dkdv(..., fuse_dq=False)[:2]``; ``plan`` must come from
     ``make_plan(mask, causal, Sq, Sk, block_m, block_n, by_key=True, device)``.
 
@@ -1247,16 +1028,6 @@ def launch_dkdv_gluon(q, k, v, dout, lse2, delta, causal, softmax_scale, plan, b
     at D=64, offline-checked, not yet run on a GPU): FA3's backward tile, dQ once per tile; Pᵀ
     and dSᵀ staged in shared memory as the A operands of dV, dK and dQ.
 
-    ``dp_late_wait=True`` (with ``ds_shared`` only; opt-in, not yet run on a GPU): Pᵀ is stored
-    before the dPᵀ wait, which keeps that wait below the exp2s in SASS (dPᵀ runs under them);
-    dK, dV should be bitwise equal to ``ds_shared`` alone.
-
-    ``persistent=True`` (with ``ds_shared`` only): :func:`persistent_programs` programs, each
-    looping over key blocks (work items, claimed in launch order from a counter) with the
-    producer loading K/V as well, so a key block's K/V and first tiles load under the previous
-    one's dK/dV store. Same arithmetic per key block: dK, dV should be bitwise equal.
-    ``programs`` (tests): the persistent grid's size instead of :func:`persistent_programs`.
-
     ``fuse_dq=True`` (the FUSE_DQ kernel): (dk, dv, dq_acc), dq_acc the
     unscaled fp32 dQ accumulated by TMA reduce-adds, shape [B, Sq, Hq, D] (a permuted view of
     the kernel's [B, Hq, D, Sq_pad] dQᵀ buffer, zero-initialised here); multiply by
@@ -1268,7 +1039,7 @@ def launch_dkdv_gluon(q, k, v, dout, lse2, delta, causal, softmax_scale, plan, b
     b, sq, hq, d = q.shape
     _, sk, hk, _ = k.shape
     check_config(d, block_m, block_n, num_warps, num_stages, fuse_dq, warp_spec, stats_smem,
-                 ds_shared, dp_late_wait, persistent)
+                 ds_shared)
     if q.dtype not in (torch.bfloat16, torch.float16):
         raise ValueError(f"gluon dK/dV: dtype {q.dtype} (bf16 or fp16)")
     q, k, v, dout = (x.contiguous() for x in (q, k, v, dout))
@@ -1305,19 +1076,7 @@ def launch_dkdv_gluon(q, k, v, dout, lse2, delta, causal, softmax_scale, plan, b
         kwargs.update(STATS_SMEM=True)
     if ds_shared:
         kwargs.update(DS_SHARED=True)
-    if dp_late_wait:
-        kwargs.update(DP_LATE_WAIT=True)
-    grid = (nkb, b * hk)
-    if persistent:
-        n_items = nkb * b * hk
-        kwargs.update(PERSISTENT=True, n_items=n_items,
-                      next_item_ptr=torch.zeros(1, dtype=torch.int32, device=q.device))
-        if programs is None:
-            programs = persistent_programs(q.device, num_warps)
-        if programs < 1:
-            raise ValueError(f"gluon dK/dV: programs={programs} (>= 1)")
-        grid = (min(n_items, programs), )
-    _dkdv_gluon_kernel[grid](
+    _dkdv_gluon_kernel[(nkb, b * hk)](
         q_desc, do_desc, k_desc, v_desc, dk, dv, lse2, delta, plan.mask, plan.summary,
         plan.ranges, softmax_scale, softmax_scale * LOG2E, sq, sk, hq, hk, plan.hm, nqb, nkb,
         plan.mask_b_stride, dq_desc, D=d, BLOCK_M=block_m, BLOCK_N=block_n, CAUSAL=causal,
@@ -1328,30 +1087,20 @@ def launch_dkdv_gluon(q, k, v, dout, lse2, delta, causal, softmax_scale, plan, b
     return dk, dv
 
 
-def persistent_programs(device, num_warps: int) -> int:
-    """Programs of a PERSISTENT launch: as many as are resident at once, the SM count times
-    :func:`ws_programs_per_sm` (the DS_SHARED tiles' shared memory allows as many)."""
-    sms = torch.cuda.get_device_properties(device).multi_processor_count
-    return sms * ws_programs_per_sm(num_warps)
-
-
-def fused_backward_gluon(q, k, v, dout, lse2, delta, causal, softmax_scale, plan, cfg_tuple,
-                         persistent: bool = False):
-    """(dq, dk, dv) of the fused Gluon backward at any FUSE_DQ config, for the GPU A/B
-    ``benchmarks/gluon_dkdv_ab.py --fused`` (the library's default, ``triton_backend.backward``,
-    launches the DS_SHARED one itself): one launch of the dK/dV kernel that also reduce-adds dQ,
+def fused_backward_gluon(q, k, v, dout, lse2, delta, causal, softmax_scale, plan, cfg_tuple):
+    """(dq, dk, dv) of the fused Gluon backward at any FUSE_DQ config (tests; the library's
+    default, ``triton_backend.backward``, launches the DS_SHARED one itself): one launch of the dK/dV kernel that also reduce-adds dQ,
     then dQ = softmax_scale * dq_acc cast to q's dtype (``tl_kernels.scale_dq``).
     ``lse2``, ``delta`` from ``tl_kernels.backward_prepass``; ``plan`` a by-key plan for
     ``cfg_tuple`` = (block_m, block_n, num_warps, num_stages[, warp_spec[, stats_smem[,
-    ds_shared[, dp_late_wait]]]]); ``persistent`` as :func:`launch_dkdv_gluon`."""
+    ds_shared]]]); a later element, if any, must be falsy."""
     block_m, block_n, num_warps, num_stages = cfg_tuple[:4]
-    warp_spec, stats_smem, ds_shared, dp_late_wait = (
-        bool(cfg_tuple[i]) if len(cfg_tuple) > i else False for i in (4, 5, 6, 7))
+    warp_spec, stats_smem, ds_shared = (
+        bool(cfg_tuple[i]) if len(cfg_tuple) > i else False for i in (4, 5, 6))
     dk, dv, dq_acc = launch_dkdv_gluon(q, k, v, dout, lse2, delta, causal, softmax_scale, plan,
                                        block_m, block_n, num_warps, num_stages, fuse_dq=True,
                                        warp_spec=warp_spec, stats_smem=stats_smem,
-                                       ds_shared=ds_shared, dp_late_wait=dp_late_wait,
-                                       persistent=persistent)
+                                       ds_shared=ds_shared)
     return scale_dq(dq_acc, softmax_scale, q.dtype), dk, dv
 
 

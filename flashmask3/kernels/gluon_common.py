@@ -211,21 +211,6 @@ def _load_stats(sum_ptr, mbh, n_blk, NKB, NI: gl.constexpr):
     return stats
 
 
-@_jit
-def _max_combine(a, b):
-    return gl.maximum(a, b)
-
-
-@_jit
-def _published_item(item_smem, NUM_WARPS: gl.constexpr):
-    """The work item the producer published in ``item_smem`` (one int32), as a scalar. (A
-    reduction with this module's own combine function: ``gl.max`` combines with
-    ``triton.language.standard``'s, a ``@triton.jit`` function that is an interpreter object
-    in a process started with TRITON_INTERPRET=1, where the offline compile then fails.)"""
-    layout: gl.constexpr = gl.BlockedLayout([1], [32], [NUM_WARPS], [0])
-    return gl.reduce(item_smem.load(layout), 0, _max_combine)
-
-
 def unavailable_reason() -> Optional[str]:
     """Why the Gluon kernel cannot be used here (None when it can be compiled)."""
     if GLUON_IMPORT_ERROR is not None:

@@ -203,20 +203,14 @@ def _scale_dq_kernel(src_ptr, dst_ptr, scale, Sq, Hq, s_b, s_q, s_h, s_d,
 
 @triton.jit
 def _dkdv_inner(dk, dv, k, v, lo, hi, q_ptr, do_ptr, q_desc, do_desc, lse2_ptr, delta_ptr,
-                dq_ptr, dq_desc,
                 q_row0, q_col, q_stride, stat_row0, sptr, col_ptr, n_blk, Sq, Sk, scale_log2,
                 D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                 CAUSAL: tl.constexpr, C: tl.constexpr, NI: tl.constexpr,
-                USE_TMA: tl.constexpr, PREC: tl.constexpr, FUSE_DQ: tl.constexpr,
-                DQ_TMA: tl.constexpr, MASKED: tl.constexpr):
+                USE_TMA: tl.constexpr, PREC: tl.constexpr, MASKED: tl.constexpr):
     """Accumulate dK, dV of one key block over query blocks [lo, hi) of one query head.
 
     MASKED=False compiles a loop with no mask code (fewer live registers: the caller passes
     only runs of UNMASKED tiles); MASKED=True classifies each tile and masks the PARTIAL ones.
-
-    With FUSE_DQ, also add this key block's share of dQ (unscaled, fp32) into ``dq_ptr`` with
-    atomics: a TMA reduce-add of the whole tile (DQ_TMA) or element atomics. Rows past Sq get
-    exact zeros (their P is 0), so a tile that spills into the next batch's rows adds nothing.
     """
     offs_d = tl.arange(0, D)
     offs_mb = tl.arange(0, BLOCK_M)
@@ -247,55 +241,49 @@ def _dkdv_inner(dk, dv, k, v, lo, hi, q_ptr, do_ptr, q_desc, do_desc, lse2_ptr, 
         dpT = tl.dot(v, tl.trans(do), input_precision=PREC)
         dsT = pT * (dpT - delta[None, :])
         dk = tl.dot(dsT.to(q.dtype), q, dk, input_precision=PREC)
-        if FUSE_DQ:
-            dq_part = tl.dot(tl.trans(dsT.to(k.dtype)), k, input_precision=PREC)
-            if DQ_TMA:
-                dq_desc.atomic_add([q_row0 + r0, q_col], dq_part)
-            else:
-                tl.atomic_add(dq_ptr + off, dq_part, mask=rmask[:, None], sem="relaxed")
     return dk, dv
 
 
 @triton.jit
 def _dkdv_range(dk, dv, k, v, lo, flo, fhi, hi, q_ptr, do_ptr, q_desc, do_desc, lse2_ptr,
-                delta_ptr, dq_ptr, dq_desc, q_row0, q_col, q_stride, stat_row0, sptr, col_ptr,
+                delta_ptr, q_row0, q_col, q_stride, stat_row0, sptr, col_ptr,
                 n_blk, Sq, Sk, scale_log2, D: tl.constexpr, BLOCK_M: tl.constexpr,
                 BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr, C: tl.constexpr, NI: tl.constexpr,
-                USE_TMA: tl.constexpr, PREC: tl.constexpr, FUSE_DQ: tl.constexpr,
-                DQ_TMA: tl.constexpr, SPLIT_UNMASKED: tl.constexpr):
+                USE_TMA: tl.constexpr, PREC: tl.constexpr, SPLIT_UNMASKED: tl.constexpr):
     """One live range [lo, hi) of query blocks: a masked loop over all of it, or (SPLIT_UNMASKED)
     masked [lo, flo), mask-free [flo, fhi), masked [fhi, hi)."""
     if SPLIT_UNMASKED:
         dk, dv = _dkdv_inner(dk, dv, k, v, lo, flo, q_ptr, do_ptr, q_desc, do_desc,
-                             lse2_ptr, delta_ptr, dq_ptr, dq_desc, q_row0, q_col, q_stride,
+                             lse2_ptr, delta_ptr, q_row0, q_col, q_stride,
                              stat_row0, sptr, col_ptr, n_blk, Sq, Sk, scale_log2, D, BLOCK_M,
-                             BLOCK_N, CAUSAL, C, NI, USE_TMA, PREC, FUSE_DQ, DQ_TMA, True)
+                             BLOCK_N, CAUSAL, C, NI, USE_TMA, PREC, True)
         dk, dv = _dkdv_inner(dk, dv, k, v, flo, fhi, q_ptr, do_ptr, q_desc, do_desc,
-                             lse2_ptr, delta_ptr, dq_ptr, dq_desc, q_row0, q_col, q_stride,
+                             lse2_ptr, delta_ptr, q_row0, q_col, q_stride,
                              stat_row0, sptr, col_ptr, n_blk, Sq, Sk, scale_log2, D, BLOCK_M,
-                             BLOCK_N, CAUSAL, C, NI, USE_TMA, PREC, FUSE_DQ, DQ_TMA, False)
+                             BLOCK_N, CAUSAL, C, NI, USE_TMA, PREC, False)
         dk, dv = _dkdv_inner(dk, dv, k, v, fhi, hi, q_ptr, do_ptr, q_desc, do_desc,
-                             lse2_ptr, delta_ptr, dq_ptr, dq_desc, q_row0, q_col, q_stride,
+                             lse2_ptr, delta_ptr, q_row0, q_col, q_stride,
                              stat_row0, sptr, col_ptr, n_blk, Sq, Sk, scale_log2, D, BLOCK_M,
-                             BLOCK_N, CAUSAL, C, NI, USE_TMA, PREC, FUSE_DQ, DQ_TMA, True)
+                             BLOCK_N, CAUSAL, C, NI, USE_TMA, PREC, True)
     else:
         dk, dv = _dkdv_inner(dk, dv, k, v, lo, hi, q_ptr, do_ptr, q_desc, do_desc,
-                             lse2_ptr, delta_ptr, dq_ptr, dq_desc, q_row0, q_col, q_stride,
+                             lse2_ptr, delta_ptr, q_row0, q_col, q_stride,
                              stat_row0, sptr, col_ptr, n_blk, Sq, Sk, scale_log2, D, BLOCK_M,
-                             BLOCK_N, CAUSAL, C, NI, USE_TMA, PREC, FUSE_DQ, DQ_TMA, True)
+                             BLOCK_N, CAUSAL, C, NI, USE_TMA, PREC, True)
     return dk, dv
 
 
 @triton.jit(do_not_specialize=_NO_SPEC)
 def _dkdv_kernel(q_ptr, k_ptr, v_ptr, do_ptr, dk_ptr, dv_ptr, lse2_ptr, delta_ptr,
-                 mask_ptr, sum_ptr, rng_ptr, q_desc, do_desc, k_desc, v_desc, dq_ptr, dq_desc,
+                 mask_ptr, sum_ptr, rng_ptr, q_desc, do_desc, k_desc, v_desc, dq_ptr,
                  sm_scale, scale_log2, Sq, Sk, Hq, Hk, Hm, NQB, NKB, mask_b_stride,
                  D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                  CAUSAL: tl.constexpr, C: tl.constexpr, NI: tl.constexpr,
                  USE_TMA: tl.constexpr, PREC: tl.constexpr, A_SMEM: tl.constexpr,
-                 FUSE_DQ: tl.constexpr, DQ_TMA: tl.constexpr, SPLIT_UNMASKED: tl.constexpr):
+                 SPLIT_UNMASKED: tl.constexpr):
     """One program per (key block, batch*KV head); loops over the query heads of its group.
-    FUSE_DQ: also accumulates dQ with atomics (the single-kernel, non-deterministic backward).
+    ``dq_ptr`` is unused (the deleted tl fused backward's dQ buffer; kept so that the compiled
+    kernel's parameter list, hence its machine code, stays the GPU-verified one).
     SPLIT_UNMASKED: visit each range's run of UNMASKED tiles in a loop without mask code."""
     n_blk = tl.program_id(0)
     bh = tl.program_id(1)
@@ -327,15 +315,13 @@ def _dkdv_kernel(q_ptr, k_ptr, v_ptr, do_ptr, dk_ptr, dv_ptr, lse2_ptr, delta_pt
         q_row0 = b * Sq
         q_col = h * D
         dk, dv = _dkdv_range(dk, dv, k, v, lo0, flo0, fhi0, hi0, q_ptr, do_ptr, q_desc, do_desc,
-                             lse2_ptr, delta_ptr, dq_ptr, dq_desc, q_row0, q_col, Hq * D,
+                             lse2_ptr, delta_ptr, q_row0, q_col, Hq * D,
                              stat_row0, sptr, col_ptr, n_blk, Sq, Sk, scale_log2, D, BLOCK_M,
-                             BLOCK_N, CAUSAL, C, NI, USE_TMA, PREC, FUSE_DQ, DQ_TMA,
-                             SPLIT_UNMASKED)
+                             BLOCK_N, CAUSAL, C, NI, USE_TMA, PREC, SPLIT_UNMASKED)
         dk, dv = _dkdv_range(dk, dv, k, v, lo1, flo1, fhi1, hi1, q_ptr, do_ptr, q_desc, do_desc,
-                             lse2_ptr, delta_ptr, dq_ptr, dq_desc, q_row0, q_col, Hq * D,
+                             lse2_ptr, delta_ptr, q_row0, q_col, Hq * D,
                              stat_row0, sptr, col_ptr, n_blk, Sq, Sk, scale_log2, D, BLOCK_M,
-                             BLOCK_N, CAUSAL, C, NI, USE_TMA, PREC, FUSE_DQ, DQ_TMA,
-                             SPLIT_UNMASKED)
+                             BLOCK_N, CAUSAL, C, NI, USE_TMA, PREC, SPLIT_UNMASKED)
     tl.store(dk_ptr + kv_off, (dk * sm_scale).to(dk_ptr.dtype.element_ty), mask=nmask)
     tl.store(dv_ptr + kv_off, dv.to(dv_ptr.dtype.element_ty), mask=nmask)
 
@@ -481,16 +467,16 @@ def _capability(index: int) -> tuple:
 #: are read through TMA into shared memory (True) or loaded into registers (False). Measured
 #: on the H200 (benchmarks/NOTES.md, v1 vs v2): shared memory helps the forward (+7% at 32K),
 #: registers are faster in both backward kernels (v2 backward was ~10% slower).
-A_OPERAND_IN_SMEM = {"fwd": True, "dkdv": False, "dq": False, "fused": False}
+A_OPERAND_IN_SMEM = {"fwd": True, "dkdv": False, "dq": False}
 #: Exceptions to :data:`A_OPERAND_IN_SMEM` per (kernel, head-dim class): the D=256 dQ kernel's
 #: 128x32 tile needs Q, dO in shared memory (128 registers per thread otherwise) and is 1.7x
-#: faster than the 64x64 one with them in registers (results/backward_configs_d256.md).
+#: faster than the 64x64 one with them in registers (benchmarks/NOTES.md, v6.3).
 A_OPERAND_IN_SMEM_BY_DIM = {("dq", 256): True}
 
 #: Whether a kernel visits each live range's run of UNMASKED tiles in a separate loop compiled
 #: without mask code. On for every kernel: measured on the H200 (NOTES.md v4 for dK/dV, v5 for
 #: the forward, 5-11% faster on 13 masks at 32K, and dQ).
-SPLIT_UNMASKED_LOOP = {"fwd": True, "dkdv": True, "fused": True, "dq": True}
+SPLIT_UNMASKED_LOOP = {"fwd": True, "dkdv": True, "dq": True}
 
 
 def a_smem(kind: str, d: int) -> bool:
@@ -544,33 +530,28 @@ def backward_prepass(out, dout, lse, dlse):
     return delta, lse2
 
 
-def launch_dkdv(q, k, v, dout, lse2, delta, causal, softmax_scale, cfg: Config, plan: Plan,
-                fuse_dq: bool = False):
-    """(dk, dv, dq_acc) of the tl dK/dV kernel at tile ``cfg`` (``plan`` by key block);
-    ``dq_acc`` None unless ``fuse_dq`` (the unscaled fp32 dQ accumulated with atomics)."""
+def launch_dkdv(q, k, v, dout, lse2, delta, causal, softmax_scale, cfg: Config, plan: Plan):
+    """(dk, dv) of the tl dK/dV kernel at tile ``cfg`` (``plan`` by key block)."""
     b, sq, hq, d = q.shape
     _, sk, hk, _ = k.shape
-    kind = "fused" if fuse_dq else "dkdv"
+    kind = "dkdv"
     dk = torch.empty_like(k)
     dv = torch.empty_like(v)
-    dq_acc = torch.zeros((b, sq, hq, d), dtype=torch.float32, device=q.device) if fuse_dq else None
     nqb, nkb = triton.cdiv(sq, cfg.block_m), triton.cdiv(sk, cfg.block_n)
     tma = use_tma(q)
-    dq_tma = fuse_dq and tma and not interpreting()  # the interpreter has no TMA reduce
     q_desc = _desc(q.view(b * sq, hq * d), cfg.block_m, d) if tma else None
     do_desc = _desc(dout.view(b * sq, hq * d), cfg.block_m, d) if tma else None
     k_desc = _desc(k.view(b * sk, hk * d), cfg.block_n, d) if tma and a_smem(kind, d) else None
     v_desc = _desc(v.view(b * sk, hk * d), cfg.block_n, d) if tma and a_smem(kind, d) else None
-    dq_desc = _desc(dq_acc.view(b * sq, hq * d), cfg.block_m, d) if dq_tma else None
     _dkdv_kernel[(nkb, b * hk)](
         q, k, v, dout, dk, dv, lse2, delta, plan.mask, plan.summary, plan.ranges, q_desc, do_desc,
-        k_desc, v_desc, dq_acc if fuse_dq else dk, dq_desc,  # (dk: an unused placeholder)
+        k_desc, v_desc, dk,  # (dk: the unused dq_ptr)
         softmax_scale, softmax_scale * LOG2E, sq, sk, hq, hk, plan.hm, nqb, nkb,
         plan.mask_b_stride, D=d, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, CAUSAL=causal,
         C=plan.c, NI=plan.ni, USE_TMA=tma, PREC=dot_precision(q.dtype), A_SMEM=a_smem(kind, d),
-        FUSE_DQ=fuse_dq, DQ_TMA=dq_tma, SPLIT_UNMASKED=SPLIT_UNMASKED_LOOP[kind],
+        SPLIT_UNMASKED=SPLIT_UNMASKED_LOOP[kind],
         num_warps=cfg.num_warps, num_stages=cfg.num_stages)
-    return dk, dv, dq_acc
+    return dk, dv
 
 
 def launch_dq(q, k, v, dout, lse2, delta, causal, softmax_scale, cfg: Config, plan: Plan):

@@ -68,7 +68,7 @@ def run_dkdv(launch: Launch, q, k, v, dout, lse2, delta, causal, softmax_scale, 
     fused, else None."""
     args = (q, k, v, dout, lse2, delta, causal, softmax_scale)
     if launch.kernel == "tl":
-        return tl_kernels.launch_dkdv(*args, launch.tile, plan, fuse_dq=launch.pass_ == "fused")
+        return tl_kernels.launch_dkdv(*args, launch.tile, plan) + (None,)
     if launch.kernel == "gluon_fused":
         return launch_dkdv_gluon(*args, plan, *_tile_args(launch.tile), **FUSED_VARIANT)
     dk, dv = launch_dkdv_gluon(*args, plan, *_tile_args(launch.tile), warp_spec=True,

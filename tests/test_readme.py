@@ -1,0 +1,31 @@
+"""The README's promises that can be checked without a GPU: its CPU quick start runs as written,
+no line is longer than 120 characters, it stays under 150 lines and links only files that exist
+(docs pages of other branches excepted while they land)."""
+
+import os
+import re
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+README = open(os.path.join(ROOT, "README.md")).read()
+
+
+def test_cpu_quick_start_runs_as_written(monkeypatch, capsys):
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    code = re.findall(r"```python\n(.*?)```", README, re.S)[0]
+    exec(compile(code, "README quick start", "exec"), {})
+    assert "torch.Size([1, 1024, 8, 64])" in capsys.readouterr().out
+
+
+def test_shape_of_the_readme():
+    lines = README.splitlines()
+    assert len(lines) <= 150
+    assert all(len(line) <= 120 for line in lines), [n for n, x in enumerate(lines, 1) if len(x) > 120]
+    assert "NOTES.md" not in README and "session" not in README.lower()
+
+
+def test_local_links_exist():
+    pending = {"docs/host-path.md", "docs/context-parallel.md", "docs/cp-runtime.md",
+               "docs/scale-model.md", "docs/transformers.md", "docs/cpu.md"}  # other branches' pages
+    for target in re.findall(r"\]\(([^)#]+)(?:#[^)]*)?\)", README):
+        if not target.startswith("http") and target not in pending:
+            assert os.path.exists(os.path.join(ROOT, target)), target
