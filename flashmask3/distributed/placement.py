@@ -204,13 +204,11 @@ def sparse_placement(work: np.ndarray, live: np.ndarray, cp_size: int, *, chunk_
     intra, cross = cost.intra_ps_per_byte * chunk_bytes, cost.cross_ps_per_byte * chunk_bytes
     limit = int(work.sum()) * (1 + tolerance) / cp_size
     owner = folded_owner(lo, cp_size)
-    sparse_placement.start = owner
     st = _State(work.astype(np.int64), live, owner, node)
     span = hi - lo
     tile_ps = max(1, int(round(cost.tile_ps * tile_scale)))
     cap = max(remote_lower_bound(live, k), int(st.remote.max()))
     big = np.iinfo(np.int64).max
-    swaps = 0
     for _ in range(64 * n):
         h = int(np.argmax(st.loads))
         if st.loads[h] <= limit:
@@ -245,8 +243,6 @@ def sparse_placement(work: np.ndarray, live: np.ndarray, cp_size: int, *, chunk_
             best = int(np.argmin(np.where(tied, link * (gain_h + gain_o), big)))
         slot, b = divmod(best, n)
         st.swap(h, slot, b)
-        swaps += 1
-    sparse_placement.last_swaps = swaps
     return st.owner
 
 
