@@ -130,9 +130,9 @@ def folded_owner(lo: np.ndarray, cp_size: int) -> np.ndarray:
 class _State:
     """Ownership with incrementally kept per-rank loads, need counts and remote K/V."""
 
-    def __init__(self, work: np.ndarray, live: np.ndarray, owner: np.ndarray, node: np.ndarray):
-        n, p = len(work), len(node)
-        self.work, self.live, self.node = work, live.astype(np.int32), node
+    def __init__(self, work: np.ndarray, live: np.ndarray, owner: np.ndarray, cp_size: int):
+        n, p = len(work), cp_size
+        self.work, self.live = work, live.astype(np.int32)
         self.owner = owner.copy()
         self.members = np.stack([np.flatnonzero(owner == r) for r in range(p)])
         self.loads = work[self.members].sum(1).astype(np.int64)
@@ -141,16 +141,13 @@ class _State:
         self.owns[owner, np.arange(n)] = True
         self.prefix = np.zeros((p, n + 1), dtype=np.int64)
         self.remote = np.zeros(p, dtype=np.int64)
-        self.cross = np.zeros(p, dtype=np.int64)
         for r in range(p):
             self._recount(r)
 
     def _recount(self, r: int) -> None:
         need = self.count[r] > 0
         np.cumsum(need, out=self.prefix[r, 1:])
-        remote = need & ~self.owns[r]
-        self.remote[r] = int(remote.sum())
-        self.cross[r] = int((remote & (self.node[self.owner] != self.node[r])).sum())
+        self.remote[r] = int((need & ~self.owns[r]).sum())
 
     def remote_after(self, rank: int, lose: np.ndarray, gain: np.ndarray) -> np.ndarray:
         """Exact remote K/V (chunks) of ``rank`` after losing chunks ``lose[i]`` and gaining
@@ -176,13 +173,6 @@ class _State:
         self.owns[h, b] = self.owns[o, a] = True
         self.count[h] += self.live[b] - self.live[a]
         self.count[o] += self.live[a] - self.live[b]
-        if self.node[h] != self.node[o]:
-            # Every other rank that needs a or b now fetches it over the other kind of link.
-            for x, src, dst in ((a, h, o), (b, o, h)):
-                needers = self.count[:, x] > 0
-                needers[[h, o]] = False
-                self.cross += needers * ((self.node != self.node[dst]).astype(np.int64)
-                                         - (self.node != self.node[src]))
         self._recount(h)
         self._recount(o)
 
@@ -204,10 +194,11 @@ def sparse_placement(work: np.ndarray, live: np.ndarray, cp_size: int, *, chunk_
     intra, cross = cost.intra_ps_per_byte * chunk_bytes, cost.cross_ps_per_byte * chunk_bytes
     limit = int(work.sum()) * (1 + tolerance) / cp_size
     owner = folded_owner(lo, cp_size)
-    st = _State(work.astype(np.int64), live, owner, node)
+    st = _State(work.astype(np.int64), live, owner, cp_size)
     span = hi - lo
     tile_ps = max(1, int(round(cost.tile_ps * tile_scale)))
     cap = max(remote_lower_bound(live, k), int(st.remote.max()))
+    bucket = max(1, tile_ps * int(st.loads.sum()) // (512 * cp_size))
     big = np.iinfo(np.int64).max
     for _ in range(64 * n):
         h = int(np.argmax(st.loads))
@@ -224,21 +215,20 @@ def sparse_placement(work: np.ndarray, live: np.ndarray, cp_size: int, *, chunk_
         gain_o = gain_o[:, o]                                                 # [k, n]
         gain_h = (span - (pre[h, hi] - pre[h, lo]))[None, :]                  # [1, n]
         link = np.where(node[o] != node[h], cross, intra)[None, :]           # [1, n]
-        comm = st.remote * intra + st.cross * (cross - intra)                # [P] now
-        time_h = np.maximum(tile_ps * (st.loads[h] - d), comm[h] + link * (gain_h + 1))
-        time_o = np.maximum(tile_ps * (st.loads[o][None, :] + d), comm[o][None, :] + link * (gain_o + 1))
-        score = np.maximum(time_h, time_o)
+        # Compute time of the pair's new maximum, to a 1/512 of the mean rank's; then the
+        # predicted time of the K/V the two ranks newly need (intra- or cross-node link).
+        compute = tile_ps * np.maximum(st.loads[h] - d, st.loads[o][None, :] + d) // bucket
         bound = np.maximum(st.remote[h] + gain_h, st.remote[o][None, :] + gain_o) + 1
-        pick = np.where(ok & (bound <= cap), score, big)
+        pick = np.where(ok & (bound <= cap), compute, big)
         best = int(np.argmin(pick))
         if pick.flat[best] == big:
-            best = _exact_pick(st, h, np.where(ok, score, big), cap, exact_checks)
+            best = _exact_pick(st, h, np.where(ok, compute, big), cap, exact_checks)
             if best < 0:
                 if cap >= n:
                     break
                 cap += max(1, cap // 16)
                 continue
-        else:  # among equally fast swaps, the one that moves the fewest bytes
+        else:  # among equally good swaps, the one whose new K/V takes the least link time
             tied = pick == pick.flat[best]
             best = int(np.argmin(np.where(tied, link * (gain_h + gain_o), big)))
         slot, b = divmod(best, n)
