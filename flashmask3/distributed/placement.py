@@ -205,16 +205,21 @@ def sparse_placement(work: np.ndarray, live: np.ndarray, cp_size: int, *, chunk_
         if st.loads[h] <= limit:
             break
         slots = st.members[h]
-        o = st.owner
-        d = st.work[slots][:, None] - st.work[None, :]                      # [k, n]
-        ok = (d > 0) & (d < (st.loads[h] - st.loads[o])[None, :]) & (o != h)[None, :]
+        # Candidates b: chunks lighter than h's heaviest, of ranks lighter than h.
+        cols = np.flatnonzero((st.work < st.work[slots].max()) & (st.loads[st.owner] < st.loads[h]))
+        if not len(cols):
+            break
+        o = st.owner[cols]
+        d = st.work[slots][:, None] - st.work[cols][None, :]                 # [k, m]
+        ok = (d > 0) & (d < (st.loads[h] - st.loads[o])[None, :])
         if not ok.any():
             break
         pre = st.prefix
+        lo_b, hi_b = lo[cols], hi[cols]
         gain_o = span[slots][:, None] - (pre[:, hi[slots]] - pre[:, lo[slots]]).T   # [k, P]
-        gain_o = gain_o[:, o]                                                 # [k, n]
-        gain_h = (span - (pre[h, hi] - pre[h, lo]))[None, :]                  # [1, n]
-        link = np.where(node[o] != node[h], cross, intra)[None, :]           # [1, n]
+        gain_o = gain_o[:, o]                                                 # [k, m]
+        gain_h = (span[cols] - (pre[h, hi_b] - pre[h, lo_b]))[None, :]        # [1, m]
+        link = np.where(node[o] != node[h], cross, intra)[None, :]            # [1, m]
         # Compute time of the pair's new maximum, to a 1/512 of the mean rank's; then the
         # predicted time of the K/V the two ranks newly need (intra- or cross-node link).
         compute = tile_ps * np.maximum(st.loads[h] - d, st.loads[o][None, :] + d) // bucket
@@ -222,7 +227,7 @@ def sparse_placement(work: np.ndarray, live: np.ndarray, cp_size: int, *, chunk_
         pick = np.where(ok & (bound <= cap), compute, big)
         best = int(np.argmin(pick))
         if pick.flat[best] == big:
-            best = _exact_pick(st, h, np.where(ok, compute, big), cap, exact_checks)
+            best = _exact_pick(st, h, cols, np.where(ok, compute, big), cap, exact_checks)
             if best < 0:
                 if cap >= n:
                     break
@@ -231,14 +236,14 @@ def sparse_placement(work: np.ndarray, live: np.ndarray, cp_size: int, *, chunk_
         else:  # among equally good swaps, the one whose new K/V takes the least link time
             tied = pick == pick.flat[best]
             best = int(np.argmin(np.where(tied, link * (gain_h + gain_o), big)))
-        slot, b = divmod(best, n)
-        st.swap(h, slot, b)
+        slot, j = divmod(best, len(cols))
+        st.swap(h, slot, int(cols[j]))
     return st.owner
 
 
-def _exact_pick(st: _State, h: int, score: np.ndarray, cap: int, m: int) -> int:
-    """The cheapest of the ``m`` best-scored swaps whose exact remote K/V stays within the cap
-    (flat index into ``score``), or -1."""
+def _exact_pick(st: _State, h: int, cols: np.ndarray, score: np.ndarray, cap: int, m: int) -> int:
+    """The best of the ``m`` best-scored swaps (``score``: ``[k, len(cols)]``) whose exact
+    remote K/V stays within the cap (flat index into ``score``), or -1."""
     flat = score.ravel()
     valid = int((flat < np.iinfo(np.int64).max).sum())
     if valid == 0:
@@ -246,12 +251,10 @@ def _exact_pick(st: _State, h: int, score: np.ndarray, cap: int, m: int) -> int:
     m = min(m, valid)
     idx = np.argpartition(flat, m - 1)[:m]
     idx = idx[np.lexsort((idx, flat[idx]))]
-    n = score.shape[1]
-    slot, b = np.divmod(idx, n)
-    a = st.members[h][slot]
+    slot, j = np.divmod(idx, len(cols))
+    a, b = st.members[h][slot], cols[j]
     o = st.owner[b]
     rh = st.remote_after(h, a, b)
-    ro = np.array([st.remote_after(int(oo), np.array([bb]), np.array([aa]))[0]
-                   for oo, aa, bb in zip(o, a, b)])
+    ro = np.array([st.remote_after(int(r), np.array([bb]), np.array([aa]))[0] for r, aa, bb in zip(o, a, b)])
     fits = np.flatnonzero(np.maximum(rh, ro) <= cap)
     return int(idx[fits[0]]) if len(fits) else -1

@@ -104,7 +104,8 @@ def _check_int(name: str, value, minimum: int = 1) -> int:
 
 
 def _mask_args(startend_row_indices, causal, seqlen):
-    """Normalise the mask argument to ``(cpu int32 tensor | None, causal, seqlen)``."""
+    """Normalise the mask argument to ``(int32 tensor | None, causal, seqlen)``."""
+    validated = False
     if isinstance(startend_row_indices, FlashMask):
         mask = startend_row_indices
         if causal is not None and bool(causal) != mask.causal:
@@ -112,6 +113,7 @@ def _mask_args(startend_row_indices, causal, seqlen):
         if mask.seqlen_q != mask.seqlen_k:
             raise ValueError("context parallelism needs a self-attention mask (seqlen_q == seqlen_k)")
         startend_row_indices, causal = mask.startend_row_indices, mask.causal
+        validated = True
     if not isinstance(causal, bool):
         raise TypeError(f"causal must be a bool, got {type(causal).__name__}")
     if startend_row_indices is None:
@@ -124,8 +126,9 @@ def _mask_args(startend_row_indices, causal, seqlen):
     s = startend_row_indices.shape[2] if startend_row_indices.dim() == 4 else -1
     if seqlen is not None and seqlen != s:
         raise ValueError(f"seqlen={seqlen} does not match the mask's {s} columns")
-    validate_startend_row_indices(startend_row_indices, causal=causal,
-                                  batch_size=startend_row_indices.shape[0], seqlen_q=s, seqlen_k=s)
+    if not validated:  # a FlashMask was validated when it was built
+        validate_startend_row_indices(startend_row_indices, causal=causal,
+                                      batch_size=startend_row_indices.shape[0], seqlen_q=s, seqlen_k=s)
     # Kept on its device: tile classification and local masks run there (GPU when training).
     return startend_row_indices.detach().contiguous(), causal, s
 

@@ -70,6 +70,20 @@ def _skip_ranges(col_min: np.ndarray, col_max: np.ndarray, causal: bool, seqlen:
     return out
 
 
+def _block_min_max(cols: torch.Tensor, block: int) -> tuple[np.ndarray, np.ndarray]:
+    """Per (batch x head, key block) min and max of the columns, int64 ``[B*Hm, nk, C]``:
+    numpy for a CPU mask (no thread-pool start-up), the mask layer's summary on its device
+    otherwise (only the summary is copied to the host)."""
+    b, hm, s, c = cols.shape
+    if cols.device.type == "cpu" and s % block == 0:
+        x = cols.numpy().reshape(b * hm, s // block, block, c)
+        return x.min(2).astype(np.int64), x.max(2).astype(np.int64)
+    summary = block_summary(cols, block)
+    nk = summary.col_min.shape[2]
+    return (summary.col_min.reshape(b * hm, nk, c).cpu().numpy().astype(np.int64),
+            summary.col_max.reshape(b * hm, nk, c).cpu().numpy().astype(np.int64))
+
+
 def _live_pieces(startend_row_indices: Optional[torch.Tensor], causal: bool, seqlen: int,
                  block: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Disjoint live query-block ranges of every (mask head, key block).
@@ -82,11 +96,8 @@ def _live_pieces(startend_row_indices: Optional[torch.Tensor], causal: bool, seq
         heads = 1
         skips = []
     else:
-        s = block_summary(startend_row_indices, block)
-        b, hm = s.col_min.shape[:2]
-        heads = b * hm
-        mn = s.col_min.reshape(heads, nq, -1).cpu().numpy().astype(np.int64)
-        mx = s.col_max.reshape(heads, nq, -1).cpu().numpy().astype(np.int64)
+        mn, mx = _block_min_max(startend_row_indices, block)
+        heads = mn.shape[0]
         skips = _skip_ranges(mn, mx, causal, seqlen, block, nq)
     first = np.broadcast_to(kb if causal else np.zeros_like(kb), (heads, nq))
     pieces = [(first, np.full((heads, nq), nq, dtype=np.int64))]
@@ -127,10 +138,29 @@ def chunk_summaries(startend_row_indices: Optional[torch.Tensor], causal: bool, 
     nq = seqlen // block
     starts, ends, keys = _live_pieces(startend_row_indices, causal, seqlen, block)
     work = _per_block_counts(starts, ends, nq).reshape(n, per).sum(1)
-    q0, q1, kc = starts // per, (ends - 1) // per + 1, keys // per
-    cells = np.bincount(q0 * n + kc, minlength=(n + 1) * n) - np.bincount(q1 * n + kc, minlength=(n + 1) * n)
-    live = np.cumsum(cells.reshape(n + 1, n)[:n], axis=0) > 0
+    live = _live_grid(starts // per, (ends - 1) // per + 1, keys // per, n)
     return work.astype(np.int64), live
+
+
+def _live_grid(q0: np.ndarray, q1: np.ndarray, kc: np.ndarray, n: int) -> np.ndarray:
+    """bool ``[n, n]``: query chunk q, key chunk k is live when some range ``[q0, q1)`` of key
+    chunk ``k`` covers q. Ranges are merged per key chunk first (sort, running max), so the
+    difference array holds at most one +1 and one -1 per cell and fits in int8."""
+    if not len(q0):
+        return np.zeros((n, n), dtype=bool)
+    stride = n + 1
+    start, end = kc * stride + q0, kc * stride + q1
+    order = np.argsort(start, kind="stable")
+    start, end = start[order], end[order]
+    reach = np.maximum.accumulate(end)
+    new = np.r_[True, start[1:] > reach[:-1]]
+    first = np.flatnonzero(new)
+    last = np.r_[first[1:], len(start)] - 1
+    diff = np.zeros(n * stride, dtype=np.int8)
+    diff[start[first]] = 1
+    diff[reach[last]] -= 1
+    grid = np.cumsum(diff.reshape(n, stride)[:, :n], axis=1, dtype=np.int8) > 0  # [key, query]
+    return np.ascontiguousarray(grid.T)
 
 
 def chunk_pair_counts(startend_row_indices: Optional[torch.Tensor], causal: bool, seqlen: int,
