@@ -6,36 +6,30 @@ small the K/V each rank has to receive: the key chunks its rows need that it doe
 ("remote K/V"). Scattering a document over many ranks balances work but makes every one of
 them fetch the document's keys; keeping it on consecutive ranks keeps the keys local but
 loads the ranks that hold the document's heavy tail (causal attention: a row's work grows
-with its position in the document).
+with its position in the document). Lower bound: the owner of chunk ``q`` needs all of ``q``'s
+live key chunks and owns at most ``k``, so some rank receives ``max_q |live(q)| - k`` chunks.
 
-Algorithm (see docs/context-parallel.md, "Placement"):
+Algorithm (docs/context-parallel.md, "Placement"):
 
-1. **Start contiguous**: rank ``r`` owns chunks ``[r k, (r + 1) k)``. A document then lives
-   on consecutive ranks, so a rank's remote K/V is about the part of its first document that
-   precedes it, close to the lower bound ``max_q |live(q)| - k`` (the owner of chunk ``q``
-   needs all of ``q``'s live key chunks and owns at most ``k`` of them).
-2. **Rebalance by swaps under a cap** on each rank's remote K/V. Repeatedly, the heaviest rank
-   ``h`` swaps one of its chunks ``a`` for a lighter chunk ``b`` of another rank ``o`` (a swap
-   keeps token counts equal) such that both new loads stay below ``h``'s old load. Among all
-   ``k x n`` such swaps it takes the one of least *time cost*::
+1. **Fold start** (:func:`folded_owner`): contiguous fill in document order, each document
+   longer than a rank's share folded head / tail / second / second-to-last ..., so the ranks
+   inside a long document are balanced among themselves and need only its keys; the owner of
+   its last chunk owns ``k`` of its chunks (at the lower bound).
+2. **Swaps under a cap on remote K/V**: while the heaviest rank ``h`` is more than
+   ``tolerance`` above the mean, it exchanges a chunk ``a`` for a lighter chunk ``b`` of a
+   lighter rank ``o`` (equal token counts kept; both new loads below ``h``'s old one). Eligible:
+   both ranks' remote K/V stays within the cap, by the bound ``remote + new keys + 1`` where new
+   keys are counted from each chunk's live key-chunk hull against prefix sums of each rank's
+   need set (a rank that already needs a chunk's keys takes it for free); when none is
+   eligible the best few are checked exactly, and only then the cap grows by 1/16 (it starts at
+   ``max(lower bound, remote K/V of the fold start)``). Choice, by a cost in time
+   (:class:`PlacementCost`): least predicted compute time of the pair's new maximum (tiles x
+   time per tile, to 1/512 of the mean rank's), then least link time of the K/V the two ranks
+   newly need (bytes x intra-node or cross-node time per byte, nodes of ``gpus_per_node``).
 
-       tile_ps * max(new load of h, new load of o)
-           + link_ps(h, o) * kv_bytes_per_chunk * (keys h newly needs + keys o newly needs)
-
-   where ``link_ps`` is the intra-node or cross-node time per byte (nodes of ``gpus_per_node``
-   ranks). "Keys newly needed" is counted from each chunk's live key-chunk *hull*
-   ``[lo, hi)`` against prefix sums of each rank's need set, so an owner that already needs a
-   chunk's keys (it holds a later chunk of the same document) takes it for free. Only swaps
-   whose conservative bound (``remote + new keys + 1``) keeps both ranks within the cap are
-   eligible; when none is, the best few by cost are checked exactly, and only then the cap
-   grows by 1/16. It stops when the heaviest rank is within ``tolerance`` of the mean load.
-
-The cap starts at ``max(lower bound, remote K/V of the contiguous start)``, so the rebalanced
-layout moves no more K/V per rank than it must. Every quantity is an integer and every tie
-is broken by the lowest index, so all ranks compute the same layout.
-
-Complexity: one swap costs O(k n) (candidate loads and costs) + O(k P) (hull overlaps) +
-O(n) (the two ranks' need counts, updated incrementally); a few hundred swaps at P = 128.
+Every quantity is an integer and every tie goes to the lowest index, so all ranks compute the
+same layout. Complexity: the fold start O(n); one exchange O(k n) to score all candidates,
+O(k P) for the hull overlaps, O(n) to update the two ranks' need counts.
 """
 
 from __future__ import annotations
