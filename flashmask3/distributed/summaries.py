@@ -156,11 +156,11 @@ def _live_grid(q0: np.ndarray, q1: np.ndarray, kc: np.ndarray, n: int) -> np.nda
     new = np.r_[True, start[1:] > reach[:-1]]
     first = np.flatnonzero(new)
     last = np.r_[first[1:], len(start)] - 1
-    diff = np.zeros(n * stride, dtype=np.int8)
-    diff[start[first]] = 1
-    diff[reach[last]] -= 1
-    grid = np.cumsum(diff.reshape(n, stride)[:, :n], axis=1, dtype=np.int8) > 0  # [key, query]
-    return np.ascontiguousarray(grid.T)
+    kc, q_start, q_end = start[first] // stride, start[first] % stride, reach[last] % stride
+    diff = np.zeros((n + 1) * n, dtype=np.int8)  # [query + 1, key], query-major
+    diff[q_start * n + kc] = 1
+    diff[q_end * n + kc] -= 1
+    return np.cumsum(diff.reshape(n + 1, n)[:n], axis=0, dtype=np.int8) > 0
 
 
 def chunk_pair_counts(startend_row_indices: Optional[torch.Tensor], causal: bool, seqlen: int,
