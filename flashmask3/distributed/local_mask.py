@@ -1,4 +1,4 @@
-"""Rank-local masks (DESIGN.md §3).
+"""Rank-local masks (docs/context-parallel.md, "Rank-local masks").
 
 A rank computes attention of its query rows ``R`` (sorted global indices) against a subset of
 keys ``K`` (global indices, in the order the K/V chunks arrive). The global mask is a set of

@@ -1,42 +1,46 @@
 """Context-parallel planning: who owns which tokens, what each rank computes and fetches.
 
 A :class:`CPPlan` is computed from the *global* mask, identically and deterministically on
-every rank (integer work counts, stable sorts, no randomness), so that no communication is
-needed to agree on it. It answers everything the communication layer needs before any data
-moves (DESIGN.md §3):
+every rank (integer work counts, stable sorts, lowest-index tie breaks, no randomness), so that
+no communication is needed to agree on it. It answers everything the communication layer needs
+before any data moves (docs/context-parallel.md):
 
 * ownership: the sequence is cut into chunks of ``chunk_size`` tokens and every rank owns the
-  same number of chunks (``contiguous``, ``dual_chunk`` or work-balanced ``sparse``);
-* work: per chunk, the number of live (not SKIP) tiles of its query rows, summed over batch and
-  mask heads, from the mask layer's tile classification;
-* liveness: which KV chunks are live for which query chunks, hence ``needed_chunks(rank)``;
-* routing: the point-to-point rounds that bring each rank its needed chunks (flat, or
-  hierarchical over ``nodes`` nodes: inter-node chunks once per node, then fanned out);
+  same number of chunks (``contiguous``, ``dual_chunk``, or the communication-aware ``sparse``
+  of :mod:`flashmask3.distributed.placement`);
+* work and liveness, from per-chunk summaries (:mod:`flashmask3.distributed.summaries`): per
+  chunk the live (not SKIP) tiles of its query rows, summed over batch and mask heads, and the
+  key chunks with a live tile, hence ``needed_chunks(rank)``;
+* routing: the point-to-point rounds that bring each rank its needed chunks (flat by ring
+  distance, or hierarchical over ``nodes`` nodes: intra-node direct, one cross-node copy per
+  node to the same-slot peer, then an intra-node relay);
 * rank-local masks (:mod:`flashmask3.distributed.local_mask`) over the rank's rows and its key
   axis in arrival order.
+
+Planning costs O(B * Hm * S / tile) for the summaries, O(n^2) for the chunk liveness grid
+(``n`` chunks), the placement's swaps (see its module) and O(P * n) for the routing; every
+per-rank query is precomputed or cached.
 """
 
 from __future__ import annotations
 
-import heapq
-import math
-from dataclasses import dataclass
+import hashlib
+from dataclasses import dataclass, field
 from typing import Optional, Sequence, Union
 
 import numpy as np
 import torch
 
-from ..masks import SKIP, FlashMask, classify_tiles, unmasked_pairs, validate_startend_row_indices
+from ..masks import FlashMask, validate_startend_row_indices
 from .local_mask import rank_local_columns
+from .placement import PlacementCost, sparse_placement
+from .summaries import chunk_pair_counts, chunk_summaries
 
 BALANCES = ("contiguous", "dual_chunk", "sparse")
 WORK_MODELS = ("tiles", "pairs")
 
 #: Tile edge of the work model (the kernels' query/key block size on Hopper).
 DEFAULT_TILE = 128
-
-#: Largest tile grid (over batch and mask heads) the work model will classify.
-_MAX_TILES = 1 << 28
 
 #: Chunks per rank tried (largest first) when ``balance="sparse"`` picks its own chunk size.
 _SPARSE_CHUNKS_PER_RANK = (16, 12, 8, 6, 4, 3, 2, 1)
@@ -55,18 +59,37 @@ class Transfer:
 class Round:
     """One batch of point-to-point transfers, the same on every rank's copy of the plan.
 
-    ``relay``: the round forwards chunks received in the previous round, so a rank may only
-    start it after that round has arrived.
+    ``relay=False``: a direct round; every sender sends chunks it owns, so all direct rounds
+    may be issued at once at the start of a layer. ``relay=True``: the senders forward chunks
+    they received in round ``source`` (an earlier round index), so a rank may issue it only
+    after round ``source`` has arrived.
     """
 
     transfers: tuple[Transfer, ...]
     relay: bool = False
+    source: Optional[int] = None
+    _by_src: dict = field(default=None, init=False, repr=False, compare=False, hash=False)
+    _by_dst: dict = field(default=None, init=False, repr=False, compare=False, hash=False)
+
+    def __post_init__(self):
+        if self.relay != (self.source is not None):
+            raise ValueError("a relay round needs its source round index, a direct round none "
+                             f"(relay={self.relay}, source={self.source})")
+        by_src: dict[int, list[Transfer]] = {}
+        by_dst: dict[int, list[Transfer]] = {}
+        for t in self.transfers:
+            by_src.setdefault(t.src, []).append(t)
+            by_dst.setdefault(t.dst, []).append(t)
+        object.__setattr__(self, "_by_src", {r: tuple(v) for r, v in by_src.items()})
+        object.__setattr__(self, "_by_dst", {r: tuple(v) for r, v in by_dst.items()})
 
     def sends(self, rank: int) -> list[Transfer]:
-        return [t for t in self.transfers if t.src == rank]
+        """Transfers ``rank`` sends in this round (by destination rank)."""
+        return list(self._by_src.get(rank, ()))
 
     def recvs(self, rank: int) -> list[Transfer]:
-        return [t for t in self.transfers if t.dst == rank]
+        """Transfers ``rank`` receives in this round (by source rank)."""
+        return list(self._by_dst.get(rank, ()))
 
 
 # -- argument handling ------------------------------------------------------------------------
@@ -81,7 +104,8 @@ def _check_int(name: str, value, minimum: int = 1) -> int:
 
 
 def _mask_args(startend_row_indices, causal, seqlen):
-    """Normalise the mask argument to ``(cpu int32 tensor | None, causal, seqlen)``."""
+    """Normalise the mask argument to ``(int32 tensor | None, causal, seqlen)``."""
+    validated = False
     if isinstance(startend_row_indices, FlashMask):
         mask = startend_row_indices
         if causal is not None and bool(causal) != mask.causal:
@@ -89,6 +113,7 @@ def _mask_args(startend_row_indices, causal, seqlen):
         if mask.seqlen_q != mask.seqlen_k:
             raise ValueError("context parallelism needs a self-attention mask (seqlen_q == seqlen_k)")
         startend_row_indices, causal = mask.startend_row_indices, mask.causal
+        validated = True
     if not isinstance(causal, bool):
         raise TypeError(f"causal must be a bool, got {type(causal).__name__}")
     if startend_row_indices is None:
@@ -101,14 +126,16 @@ def _mask_args(startend_row_indices, causal, seqlen):
     s = startend_row_indices.shape[2] if startend_row_indices.dim() == 4 else -1
     if seqlen is not None and seqlen != s:
         raise ValueError(f"seqlen={seqlen} does not match the mask's {s} columns")
-    validate_startend_row_indices(startend_row_indices, causal=causal,
-                                  batch_size=startend_row_indices.shape[0], seqlen_q=s, seqlen_k=s)
+    if not validated:  # a FlashMask was validated when it was built
+        validate_startend_row_indices(startend_row_indices, causal=causal,
+                                      batch_size=startend_row_indices.shape[0], seqlen_q=s, seqlen_k=s)
     # Kept on its device: tile classification and local masks run there (GPU when training).
     return startend_row_indices.detach().contiguous(), causal, s
 
 
 def _default_chunk_size(seqlen: int, cp_size: int, balance: str, tile: int) -> int:
-    """Chunk size when the caller gives none: P chunks, 2P chunks, or many for ``sparse``."""
+    """Chunk size when the caller gives none: P chunks, 2P chunks, or many for ``sparse``
+    (0 when the length cannot be split evenly)."""
     if balance == "contiguous":
         return seqlen // cp_size if seqlen % cp_size == 0 else 0
     if balance == "dual_chunk":
@@ -122,13 +149,24 @@ def _default_chunk_size(seqlen: int, cp_size: int, balance: str, tile: int) -> i
     return seqlen // (k * cp_size) if k else 0
 
 
+def _lengths_that_work(seqlen: int, cp_size: int, balance: str, tile: int) -> str:
+    """The sentence that says which sequence lengths a plan can split evenly."""
+    step = 2 * cp_size if balance == "dual_chunk" else cp_size
+    best = step * tile
+    up = -(-seqlen // best) * best
+    return (f"with balance={balance!r} the length must be a multiple of {step} "
+            f"({'2 * ' if balance == 'dual_chunk' else ''}cp_size), best a multiple of {best} so that chunks "
+            f"align with the {tile}-token tiles: pad the sequence to {up} tokens (masked padding "
+            f"documents) or pass a chunk_size that divides it into a multiple of {step} chunks")
+
+
 def _check_chunking(seqlen: int, cp_size: int, balance: str, chunk_size: int) -> int:
     """Validate that ``chunk_size`` splits the sequence evenly over the ranks; return #chunks."""
-    if chunk_size <= 0 or seqlen % chunk_size != 0:
-        raise ValueError(f"chunk_size={chunk_size} must divide the sequence length {seqlen} "
-                         f"(cannot split {seqlen} tokens evenly over cp_size={cp_size} ranks)")
-    n = seqlen // chunk_size
     per = 2 * cp_size if balance == "dual_chunk" else cp_size
+    if seqlen % chunk_size != 0:
+        raise ValueError(f"chunk_size={chunk_size} must divide the sequence length {seqlen} into a "
+                         f"multiple of {per} chunks ({balance} over cp_size={cp_size} ranks)")
+    n = seqlen // chunk_size
     if n % per != 0:
         raise ValueError(f"chunk_size={chunk_size} gives {n} chunks, which {balance} cannot share "
                          f"evenly over cp_size={cp_size} ranks (need a multiple of {per})")
@@ -144,41 +182,17 @@ def chunk_liveness(startend_row_indices: Optional[torch.Tensor], causal: bool, s
 
     Tiles are ``gcd(chunk_size, tile)`` square so that every tile lies in one chunk. Returns
     ``work`` int64 ``[n]`` (summed over batch and mask heads) and ``live`` bool ``[n, n]``
-    (live for some batch row or head). Uses the mask layer's tile rule; a SKIP tile is fully
-    masked, so a key chunk that is not live for a query chunk can be dropped exactly.
+    (live for some batch row or head), from per-block summaries with the mask layer's tile rule
+    (:mod:`flashmask3.distributed.summaries`): a key chunk that is not live for a query chunk
+    is fully masked there and can be dropped exactly.
     """
-    block = math.gcd(chunk_size, tile)
-    n, per = seqlen // chunk_size, chunk_size // block
-    heads = 1 if startend_row_indices is None else startend_row_indices.shape[0] * startend_row_indices.shape[1]
-    if heads * (seqlen // block) ** 2 > _MAX_TILES:
-        raise ValueError(f"chunk_size={chunk_size} needs {seqlen // block}^2 work tiles per head for "
-                         f"seqlen={seqlen}; use a chunk_size that is a multiple of {tile}")
-    cls = classify_tiles(startend_row_indices, causal, seqlen, seqlen, block, block)
-    alive = (cls != SKIP).flatten(0, 1)  # [B*Hm, nq, nk]
-    work = alive.sum(dim=(0, 2), dtype=torch.int64).view(n, per).sum(1)
-    live = alive.any(0).view(n, per, n, per).any(3).any(1)
-    return work.cpu().numpy(), live.cpu().numpy()
+    return chunk_summaries(startend_row_indices, causal, seqlen, chunk_size, tile)
 
 
 def chunk_pairs(startend_row_indices: Optional[torch.Tensor], causal: bool, seqlen: int,
-                chunk_size: int, group: int = 16) -> np.ndarray:
-    """Exact unmasked (query, key) pairs of each query chunk, summed over batch and mask heads.
-
-    Each chunk's rows get their own local mask (all keys) and the mask layer counts its pairs;
-    ``group`` chunks are counted per call (stacked on the batch dimension).
-    """
-    n = seqlen // chunk_size
-    device = startend_row_indices.device if startend_row_indices is not None else torch.device("cpu")
-    keys = torch.arange(seqlen, device=device)
-    out = []
-    for start in range(0, n, group):
-        ids = range(start, min(n, start + group))
-        cols = torch.cat([rank_local_columns(startend_row_indices, causal,
-                                             torch.arange(c * chunk_size, (c + 1) * chunk_size), keys)
-                          for c in ids])
-        per_head = unmasked_pairs(cols, False, chunk_size, per_head=True)  # [len(ids) * B, Hm]
-        out.append(per_head.view(len(ids), -1).sum(1))
-    return torch.cat(out).cpu().numpy()
+                chunk_size: int) -> np.ndarray:
+    """Exact unmasked (query, key) pairs of each query chunk, summed over batch and mask heads."""
+    return chunk_pair_counts(startend_row_indices, causal, seqlen, chunk_size)
 
 
 # -- ownership strategies -------------------------------------------------------------------------
@@ -194,161 +208,74 @@ def _dual_chunk(n: int, cp_size: int) -> np.ndarray:
     return np.minimum(seg, 2 * cp_size - 1 - seg)
 
 
-def _lpt(work: np.ndarray, cp_size: int) -> np.ndarray:
-    """Longest-processing-time greedy: heaviest chunk to the lightest rank that has room."""
-    per_rank = len(work) // cp_size
-    owner = np.empty(len(work), dtype=np.int64)
-    count = [0] * cp_size
-    heap = [(0, r) for r in range(cp_size)]
-    for c in np.argsort(-work, kind="stable"):
-        load, r = heapq.heappop(heap)
-        owner[c] = r
-        count[r] += 1
-        if count[r] < per_rank:
-            heapq.heappush(heap, (load + int(work[c]), r))
-    return owner
-
-
-def _improve(work: np.ndarray, owner: np.ndarray, cp_size: int, max_swaps: int) -> np.ndarray:
-    """Pairwise exchanges between the heaviest rank and the others until none lowers its load.
-
-    Each step takes the swap (a chunk of the heaviest rank for a lighter chunk of another rank)
-    that minimises the larger of the two new loads, if that is below the heaviest load.
-    """
-    members = np.stack([np.flatnonzero(owner == r) for r in range(cp_size)])  # [P, k]
-    for _ in range(max_swaps):
-        w = work[members]  # [P, k]
-        loads = w.sum(1)
-        h = int(np.argmax(loads))
-        d = w[h][None, :, None] - w[:, None, :]  # load moved from h to o by swapping a <-> b
-        gap = (loads[h] - loads)[:, None, None]
-        ok = (d > 0) & (d < gap)
-        ok[h] = False
-        if not ok.any():
-            break
-        new_max = np.maximum(loads[h] - d, loads[:, None, None] + d)
-        o, a, b = np.unravel_index(np.argmin(np.where(ok, new_max, np.iinfo(np.int64).max)),
-                                   ok.shape)
-        members[h, a], members[o, b] = members[o, b], members[h, a]
-    out = np.empty_like(owner)
-    for r in range(cp_size):
-        out[members[r]] = r
-    return out
-
-
-def _local_lpt(work: np.ndarray, live: np.ndarray, cp_size: int) -> np.ndarray:
-    """LPT with locality: the heaviest chunk goes, among the ranks with room that stay within
-    the mean load, to the one that already needs most of the chunk's live KV chunks (ties: the
-    lightest); when no rank stays within the mean, to the lightest rank with room (plain LPT).
-
-    Chunks of one document then gather on few ranks, so fewer KV chunks must travel.
-    """
-    n = len(work)
-    per_rank = n // cp_size
-    owner = np.empty(n, dtype=np.int64)
-    load = np.zeros(cp_size, dtype=np.int64)
-    count = np.zeros(cp_size, dtype=np.int64)
-    need = np.zeros((cp_size, n), dtype=bool)
-    total = int(work.sum())
-    for c in np.argsort(-work, kind="stable"):
-        room = count < per_rank
-        fits = room & ((load + work[c]) * cp_size <= total)
-        if fits.any():
-            affinity = np.where(fits, need[:, live[c]].sum(1), -1)
-            best = np.flatnonzero(affinity == affinity.max())
-        else:
-            best = np.flatnonzero(room)
-        r = int(best[np.argmin(load[best])])
-        owner[c] = r
-        load[r] += work[c]
-        count[r] += 1
-        need[r] |= live[c]
-    return owner
-
-
-def _fetches(owner: np.ndarray, live: np.ndarray, cp_size: int) -> int:
-    """KV chunks that must travel: per rank, live chunks it does not own."""
-    total = 0
-    for r in range(cp_size):
-        own = owner == r
-        total += int((live[own].any(0) & ~own).sum())
-    return total
-
-
-def _max_load(work: np.ndarray, owner: np.ndarray, cp_size: int) -> int:
-    return int(np.bincount(owner, weights=work, minlength=cp_size).max())
-
-
-def _sparse(work: np.ndarray, live: np.ndarray, cp_size: int, locality: bool) -> np.ndarray:
-    """LPT + pairwise improvement (DESIGN.md §3). With ``locality``, the locality-aware greedy
-    is tried too and kept when it balances as well (max load within 0.5%) and moves fewer
-    KV chunks."""
-    swaps = 4 * len(work) + 100
-    owner = _improve(work, _lpt(work, cp_size), cp_size, max_swaps=swaps)
-    if not locality or cp_size == 1:
-        return owner
-    local = _improve(work, _local_lpt(work, live, cp_size), cp_size, max_swaps=swaps)
-    balanced = _max_load(work, local, cp_size) * 200 <= _max_load(work, owner, cp_size) * 201
-    if balanced and _fetches(local, live, cp_size) < _fetches(owner, live, cp_size):
-        return local
-    return owner
-
-
 # -- routing ----------------------------------------------------------------------------------------
 
 
-def _flat_rounds(owned: list[np.ndarray], need: np.ndarray, n_rounds: int) -> list[Round]:
+def _group_transfers(src: np.ndarray, dst: np.ndarray, chunk: np.ndarray) -> tuple[Transfer, ...]:
+    """Transfers from (src, dst, chunk) triples: one per (src, dst), chunks ascending, sorted."""
+    if not len(src):
+        return ()
+    order = np.lexsort((chunk, dst, src))
+    src, dst, chunk = src[order], dst[order], chunk[order]
+    cut = np.flatnonzero((src[1:] != src[:-1]) | (dst[1:] != dst[:-1])) + 1
+    bounds = np.r_[0, cut, len(src)].tolist()
+    chunks = chunk.tolist()
+    return tuple(Transfer(int(src[i]), int(dst[i]), tuple(chunks[i:j])) for i, j in zip(bounds[:-1], bounds[1:]))
+
+
+def _remote_needs(owner: np.ndarray, need: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(rank, chunk) pairs of needed chunks the rank does not own."""
+    remote = need & (owner[None, :] != np.arange(need.shape[0])[:, None])
+    return np.nonzero(remote)
+
+
+def _flat_rounds(owner: np.ndarray, need: np.ndarray, n_rounds: int) -> list[Round]:
     """Direct transfers grouped by ring distance d (rank r sends to r+d), ``n_rounds`` groups.
 
     Grouping by distance gives every rank the same sequence of rounds, each round holding at
     most one message per (src, dst) pair, so batches match on both ends.
     """
-    p = len(owned)
-    dists = [d for d in range(1, p)]
-    groups = [g.tolist() for g in np.array_split(np.array(dists, dtype=np.int64), n_rounds) if len(g)]
-    rounds = []
-    for group in groups:
-        transfers = []
-        for src in range(p):
-            for d in group:
-                dst = (src + d) % p
-                chunks = tuple(int(c) for c in owned[src] if need[dst, c])
-                if chunks:
-                    transfers.append(Transfer(src, dst, chunks))
-        rounds.append(Round(tuple(sorted(transfers, key=lambda t: (t.src, t.dst)))))
-    return rounds
+    p = need.shape[0]
+    groups = [g for g in np.array_split(np.arange(1, p, dtype=np.int64), n_rounds) if len(g)]
+    which = np.zeros(p, dtype=np.int64)
+    for i, g in enumerate(groups):
+        which[g] = i
+    dst, chunk = _remote_needs(owner, need)
+    src = owner[chunk]
+    rnd = which[(dst - src) % p]
+    return [Round(_group_transfers(src[rnd == i], dst[rnd == i], chunk[rnd == i])) for i in range(len(groups))]
 
 
-def _hierarchical_rounds(owned: list[np.ndarray], need: np.ndarray, nodes: int) -> list[Round]:
-    """Two rounds: (0) intra-node direct + one inter-node copy per node to the owner's
-    same-slot peer; (1, relay) that peer fans the chunk out to the ranks of its node."""
-    p = len(owned)
+def _hierarchical_rounds(owner: np.ndarray, need: np.ndarray, nodes: int) -> list[Round]:
+    """Three rounds: intra-node direct; cross-node direct, one copy per (chunk, node) to the
+    owner's same-slot peer there; intra-node relay from that peer (source: the cross round).
+
+    The first remote stage thus waits only for intra-node traffic. Empty rounds are dropped
+    (the relay's ``source`` follows).
+    """
+    p, n = need.shape
     g = p // nodes
-    first: dict[tuple[int, int], list[int]] = {}
-    second: dict[tuple[int, int], list[int]] = {}
-    for src in range(p):
-        node, slot = divmod(src, g)
-        for c in owned[src]:
-            c = int(c)
-            for dst in range(node * g, (node + 1) * g):
-                if dst != src and need[dst, c]:
-                    first.setdefault((src, dst), []).append(c)
-            for other in range(nodes):
-                if other == node:
-                    continue
-                ranks = [r for r in range(other * g, (other + 1) * g) if need[r, c]]
-                if not ranks:
-                    continue
-                relay = other * g + slot
-                first.setdefault((src, relay), []).append(c)
-                for dst in ranks:
-                    if dst != relay:
-                        second.setdefault((relay, dst), []).append(c)
-
-    def as_round(d, relay):
-        return Round(tuple(Transfer(s, t, tuple(sorted(c))) for (s, t), c in sorted(d.items())), relay)
-
-    return [as_round(first, False), as_round(second, True)]
+    dst, chunk = _remote_needs(owner, need)
+    src = owner[chunk]
+    same = dst // g == src // g
+    intra = _group_transfers(src[same], dst[same], chunk[same])
+    # cross-node: (chunk, other node) pairs with some rank of that node needing the chunk
+    far_dst, far_chunk = dst[~same], chunk[~same]
+    far_src = owner[far_chunk]
+    peer = (far_dst // g) * g + far_src % g
+    key = np.unique(far_chunk * p + peer)
+    x_chunk, x_peer = key // p, key % p
+    cross = _group_transfers(owner[x_chunk], x_peer, x_chunk)
+    fan = far_dst != peer
+    relay = _group_transfers(peer[fan], far_dst[fan], far_chunk[fan])
+    rounds: list[Round] = []
+    if intra:
+        rounds.append(Round(intra))
+    if cross:
+        rounds.append(Round(cross))
+        if relay:
+            rounds.append(Round(relay, relay=True, source=len(rounds) - 1))
+    return rounds
 
 
 # -- the plan ---------------------------------------------------------------------------------------
@@ -358,11 +285,12 @@ class CPPlan:
     """Everything about one context-parallel layout of one global mask (see module doc).
 
     Built by :func:`plan`; immutable; identical on every rank. Rank numbers are ranks of the
-    CP process group (``0 .. cp_size-1``).
+    CP process group (``0 .. cp_size-1``). Per-rank answers are computed once at construction
+    (ownership, needs, stages) or on first use and cached (index tensors, local masks).
     """
 
     def __init__(self, startend_row_indices, causal, seqlen, cp_size, balance, chunk_size, nodes,
-                 tile, comm_rounds, work_model="tiles", locality=True):
+                 tile, comm_rounds, work_model="tiles", cost: Optional[PlacementCost] = None):
         self.startend_row_indices: Optional[torch.Tensor] = startend_row_indices
         self.causal: bool = causal
         self.seqlen: int = seqlen
@@ -383,16 +311,37 @@ class CPPlan:
         elif balance == "dual_chunk":
             owner = _dual_chunk(n, cp_size)
         else:
-            owner = _sparse(self.chunk_work, self.chunk_live, cp_size, locality)
-        self.owner: np.ndarray = owner.astype(np.int64)
+            block = int(np.gcd(chunk_size, tile))
+            scale = 1.0 / DEFAULT_TILE ** 2 if work_model == "pairs" else (block / DEFAULT_TILE) ** 2
+            owner = sparse_placement(self.chunk_work, self.chunk_live, cp_size, chunk_tokens=chunk_size,
+                                     tile_scale=scale, nodes=nodes, cost=cost or PlacementCost())
+        self.owner: np.ndarray = np.ascontiguousarray(owner, dtype=np.int64)
         self._owned = [np.flatnonzero(self.owner == r) for r in range(cp_size)]
+        members = np.stack(self._owned)  # [P, k]
         # need[r, c]: KV chunk c is live for some query row of rank r.
-        self.need: np.ndarray = np.stack([self.chunk_live[o].any(0) for o in self._owned])
+        self.need: np.ndarray = self.chunk_live[members].any(1)
         if nodes > 1:
-            self.rounds: list[Round] = _hierarchical_rounds(self._owned, self.need, nodes)
+            self.rounds: list[Round] = _hierarchical_rounds(self.owner, self.need, nodes)
         else:
-            self.rounds = _flat_rounds(self._owned, self.need, comm_rounds)
+            self.rounds = _flat_rounds(self.owner, self.need, comm_rounds)
+        self._works = np.bincount(self.owner, weights=self.chunk_work, minlength=cp_size).astype(np.int64)
+        self._chunks = [tuple(o.tolist()) for o in self._owned]
+        self._stages = [self._build_stages(r) for r in range(cp_size)]
+        self._needed = {}
+        for r, st in enumerate(self._stages):
+            arrival = tuple(c for stage in st for c in stage)
+            self._needed[(r, "arrival")] = arrival
+            self._needed[(r, "sorted")] = tuple(sorted(arrival))
+        self._index_cache: dict = {}
         self._local_masks: dict[tuple[int, str], FlashMask] = {}
+
+    def _build_stages(self, rank: int) -> list[tuple[int, ...]]:
+        need = self.need[rank]
+        out = [tuple(int(c) for c in self._owned[rank] if need[c])]
+        for rnd in self.rounds:
+            got = sorted(c for t in rnd.recvs(rank) for c in t.chunks if need[c])
+            out.append(tuple(got))
+        return out
 
     # -- ownership ---------------------------------------------------------------------------
     def _check_rank(self, rank) -> int:
@@ -403,17 +352,23 @@ class CPPlan:
 
     def chunks(self, rank: int) -> tuple[int, ...]:
         """Chunk ids owned by ``rank``, ascending."""
-        return tuple(int(c) for c in self._owned[self._check_rank(rank)])
+        return self._chunks[self._check_rank(rank)]
 
     def _token_index(self, chunks: Sequence[int]) -> torch.Tensor:
-        if not len(chunks):
-            return torch.zeros(0, dtype=torch.int64)
-        base = torch.as_tensor(list(chunks), dtype=torch.int64).view(-1, 1) * self.chunk_size
-        return (base + torch.arange(self.chunk_size)).flatten()
+        key = tuple(chunks)
+        hit = self._index_cache.get(key)
+        if hit is None:
+            if not len(key):
+                hit = torch.zeros(0, dtype=torch.int64)
+            else:
+                base = torch.as_tensor(key, dtype=torch.int64).view(-1, 1) * self.chunk_size
+                hit = (base + torch.arange(self.chunk_size)).flatten()
+            self._index_cache[key] = hit
+        return hit
 
     def rows(self, rank: int) -> torch.Tensor:
         """Global token indices owned by ``rank`` (sorted, int64): its query rows, and the
-        global position ids of its shard."""
+        global position ids of its shard. Cached: do not modify in place."""
         return self._token_index(self.chunks(rank))
 
     @property
@@ -425,46 +380,50 @@ class CPPlan:
     def work(self, rank: int) -> int:
         """Work of ``rank``'s query rows (summed over batch and mask heads): live tiles, or
         unmasked pairs with ``work="pairs"``."""
-        return int(self.chunk_work[self._owned[self._check_rank(rank)]].sum())
+        return int(self._works[self._check_rank(rank)])
 
     @property
     def works(self) -> list[int]:
-        return [self.work(r) for r in range(self.cp_size)]
+        return self._works.tolist()
 
     @property
     def imbalance(self) -> float:
         """max / mean of the per-rank work (1.0 = perfect; 1.0 when there is no work)."""
-        w = np.array(self.works, dtype=np.float64)
+        w = self._works.astype(np.float64)
         return float(w.max() / w.mean()) if w.sum() > 0 else 1.0
 
     # -- keys and communication ------------------------------------------------------------
     def stages(self, rank: int) -> list[tuple[int, ...]]:
-        """Needed KV chunks of ``rank`` grouped by arrival: [own chunks, round 0, round 1, ...],
-        ascending inside each stage (so a document's chunks stay contiguous within a stage and
-        the kernels' live key-block ranges stay tight).
+        """Needed KV chunks of ``rank`` grouped by arrival: [own chunks, round 0, round 1, ...]
+        (one entry per round, possibly empty), ascending inside each stage (so a document's
+        chunks stay contiguous within a stage and the kernels' live key-block ranges stay tight).
 
         Chunks that a rank only relays (needed by another rank of its node) are not listed.
         """
-        rank = self._check_rank(rank)
-        out = [tuple(int(c) for c in self._owned[rank] if self.need[rank, c])]
-        for rnd in self.rounds:
-            got = sorted(c for t in rnd.recvs(rank) for c in t.chunks if self.need[rank, c])
-            out.append(tuple(got))
-        return out
+        return list(self._stages[self._check_rank(rank)])
 
     def needed_chunks(self, rank: int, order: str = "arrival") -> tuple[int, ...]:
         """KV chunks live for ``rank``'s rows: in arrival order (the local key axis of the
         overlapped path) or ``order="sorted"`` (global order: one call over all keys)."""
-        chunks = tuple(c for stage in self.stages(rank) for c in stage)
-        if order == "sorted":
-            return tuple(sorted(chunks))
-        if order != "arrival":
+        rank = self._check_rank(rank)
+        if order not in ("arrival", "sorted"):
             raise ValueError(f"order must be 'arrival' or 'sorted', got {order!r}")
-        return chunks
+        return self._needed[(rank, order)]
 
     def key_index(self, rank: int, order: str = "arrival") -> torch.Tensor:
-        """Global key positions of ``rank``'s local key axis."""
+        """Global key positions of ``rank``'s local key axis (cached: do not modify in place)."""
         return self._token_index(self.needed_chunks(rank, order))
+
+    def remote_chunks(self, rank: int) -> int:
+        """Needed KV chunks of ``rank`` that it does not own (what it must receive)."""
+        rank = self._check_rank(rank)
+        return int((self.need[rank] & (self.owner != rank)).sum())
+
+    @property
+    def max_remote_kv_tokens(self) -> int:
+        """The largest per-rank remote K/V in tokens (needed chunks not owned x chunk size)."""
+        remote = (self.need & (self.owner[None, :] != np.arange(self.cp_size)[:, None])).sum(1)
+        return int(remote.max()) * self.chunk_size
 
     def local_mask(self, rank: int, order: str = "arrival") -> FlashMask:
         """The rank-local mask: rows = ``rows(rank)``, keys = ``key_index(rank, order)``,
@@ -472,9 +431,10 @@ class CPPlan:
 
         Every global bound v becomes ``#{i in rows : i < v}`` and the causal diagonal is folded
         into an upper interval, so the local problem equals the global one restricted to the
-        rank's rows and needed keys (DESIGN.md §3). The key axis is the K/V arrival order by
-        default; ``order="sorted"`` keeps global order, best when all keys are present at once
-        (all-gather) since every document's keys are then contiguous.
+        rank's rows and needed keys (docs/context-parallel.md, "Rank-local masks"). The key
+        axis is the K/V arrival order by default; ``order="sorted"`` keeps global order, best
+        when all keys are present at once (all-gather) since every document's keys are then
+        contiguous.
         """
         rank = self._check_rank(rank)
         key = (rank, order)
@@ -541,14 +501,14 @@ class CPPlan:
     def fingerprint(self) -> int:
         """A 63-bit digest of everything ranks must agree on (layout, ownership, routing), to
         detect ranks that planned from different masks before their traffic mismatches."""
-        import hashlib
-
-        h = hashlib.sha256(repr((self.seqlen, self.cp_size, self.chunk_size, self.nodes, self.causal,
-                                 [(t.src, t.dst, t.chunks) for r in self.rounds for t in r.transfers]
-                                 )).encode())
-        h.update(self.owner.tobytes())
-        h.update(np.packbits(self.need).tobytes())
-        return int.from_bytes(h.digest()[:8], "little") >> 1
+        if getattr(self, "_fingerprint", None) is None:
+            h = hashlib.sha256(repr((self.seqlen, self.cp_size, self.chunk_size, self.nodes, self.causal,
+                                     [(r.relay, r.source, [(t.src, t.dst, t.chunks) for t in r.transfers])
+                                      for r in self.rounds])).encode())
+            h.update(self.owner.tobytes())
+            h.update(np.packbits(self.need).tobytes())
+            self._fingerprint = int.from_bytes(h.digest()[:8], "little") >> 1
+        return self._fingerprint
 
     def __repr__(self) -> str:
         return (f"CPPlan(seqlen={self.seqlen}, cp_size={self.cp_size}, balance={self.balance!r}, "
@@ -558,7 +518,8 @@ class CPPlan:
 def plan(startend_row_indices: Union[torch.Tensor, FlashMask, None], causal: Optional[bool] = None,
          cp_size: int = 1, *, balance: str = "sparse", chunk_size: Optional[int] = None,
          nodes: int = 1, seqlen: Optional[int] = None, tile_size: int = DEFAULT_TILE,
-         comm_rounds: Optional[int] = None, work: str = "tiles", locality: bool = True) -> CPPlan:
+         comm_rounds: Optional[int] = None, work: str = "tiles",
+         cost: Optional[PlacementCost] = None) -> CPPlan:
     """Plan context parallelism over ``cp_size`` ranks for one global mask.
 
     Args:
@@ -566,18 +527,21 @@ def plan(startend_row_indices: Union[torch.Tensor, FlashMask, None], causal: Opt
             (full / plain causal; then ``seqlen`` is required).
         causal: the mask's causal flag (taken from a FlashMask when omitted).
         cp_size: number of ranks.
-        balance: ``"contiguous"``, ``"dual_chunk"`` or ``"sparse"`` (work-balanced).
+        balance: ``"contiguous"``, ``"dual_chunk"`` or ``"sparse"`` (equal tokens, balanced work
+            and small per-rank remote K/V: :mod:`flashmask3.distributed.placement`).
         chunk_size: tokens per chunk; must divide the sequence into a multiple of ``cp_size``
-            chunks (``2 * cp_size`` for dual_chunk). Default: S/P, S/2P, or ~16 chunks per rank
-            for sparse.
-        nodes: number of nodes; > 1 selects hierarchical routing (must divide ``cp_size``).
+            chunks (``2 * cp_size`` for dual_chunk). Default: S/P, S/2P, or up to 16 chunks per
+            rank for sparse (128-token aligned when the length allows). A length that cannot be
+            split evenly is refused with the lengths that work.
+        nodes: number of nodes; > 1 selects hierarchical routing (must divide ``cp_size``;
+            group rank r is assumed to live on node ``r // (cp_size // nodes)``).
         tile_size: tile edge of the work model.
         work: ``"tiles"`` (live tiles: what the kernels pay for) or ``"pairs"`` (exact unmasked
-            pairs, DESIGN.md's alternative).
-        locality: ``sparse`` only: also try a locality-aware greedy and keep it when it is as
-            balanced and moves fewer KV chunks (``False``: plain LPT + improvement).
+            pairs).
         comm_rounds: number of point-to-point rounds of the flat routing (default
             ``min(cp_size - 1, 3)``); more rounds overlap finer but launch more kernels.
+        cost: the time model ``sparse`` places by (:class:`PlacementCost`; default: H200-class
+            compute, NVLink inside nodes of 8 GPUs, InfiniBand across).
     """
     if causal is None and not isinstance(startend_row_indices, FlashMask):
         raise TypeError("causal is required unless startend_row_indices is a FlashMask")
@@ -591,17 +555,16 @@ def plan(startend_row_indices: Union[torch.Tensor, FlashMask, None], causal: Opt
     tile = _check_int("tile_size", tile_size)
     if work not in WORK_MODELS:
         raise ValueError(f"work must be one of {WORK_MODELS}, got {work!r}")
+    if cost is not None and not isinstance(cost, PlacementCost):
+        raise TypeError(f"cost must be a PlacementCost, got {type(cost).__name__}")
     if chunk_size is None:
         chunk_size = _default_chunk_size(s, cp_size, balance, tile)
         if chunk_size == 0:
             raise ValueError(f"cannot split a sequence of {s} tokens evenly over cp_size={cp_size} "
-                             f"ranks with balance={balance!r}; pad the sequence or pass chunk_size")
+                             f"ranks: {_lengths_that_work(s, cp_size, balance, tile)}")
     chunk_size = _check_int("chunk_size", chunk_size)
     _check_chunking(s, cp_size, balance, chunk_size)
     if comm_rounds is None:
         comm_rounds = max(1, min(cp_size - 1, 3))
     comm_rounds = min(_check_int("comm_rounds", comm_rounds), max(cp_size - 1, 1))
-    if not isinstance(locality, bool):
-        raise TypeError(f"locality must be a bool, got {type(locality).__name__}")
-    return CPPlan(cols, causal, s, cp_size, balance, chunk_size, nodes, tile, comm_rounds, work,
-                  locality)
+    return CPPlan(cols, causal, s, cp_size, balance, chunk_size, nodes, tile, comm_rounds, work, cost)
