@@ -30,9 +30,14 @@ def _reference(q, k, v, do, mask):
     return out.detach(), lse.detach(), q.grad, k.grad, v.grad
 
 
-def _run_cp(q, k, v, do, p, rank, comm, group=None, with_lse=False):
+def _run_cp(q, k, v, do, p, rank, comm, group=None, with_lse=False, node_layout=None):
+    """CP attention of ``rank``'s shards and its gradients. ``node_layout`` defaults to GPUs per
+    node = cp_size // nodes over the group's global ranks (every rank "on" its plan node)."""
     ql, kl, vl = (p.shard(t, rank).requires_grad_() for t in (q, k, v))
-    res = cp_flashmask_attention(ql, kl, vl, p, group=group, comm=comm, return_softmax_lse=with_lse)
+    if node_layout is None:
+        node_layout = p.cp_size // p.nodes
+    res = cp_flashmask_attention(ql, kl, vl, p, group=group, comm=comm, return_softmax_lse=with_lse,
+                                 node_layout=node_layout)
     out = res[0] if with_lse else res
     out.backward(p.shard(do, rank))
     return out.detach(), ql.grad, kl.grad, vl.grad, (res[1].detach() if with_lse else None)
