@@ -230,7 +230,8 @@ def parse_args(argv):
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--iters", type=int, default=5)
     ap.add_argument("--time-budget", type=float, default=float("inf"),
-                    help="seconds; ranks not started by then are skipped (and reported as such)")
+                    help="seconds, shared equally by the cp sizes; ranks not started within a cp "
+                         "size's share are skipped (and reported as such)")
     ap.add_argument("--check", action="store_true",
                     help="also compare every timed rank's output and dQ with the single-device layer")
     ap.add_argument("--seed", type=int, default=0)
@@ -241,7 +242,7 @@ def parse_args(argv):
 def main(argv=None) -> int:
     args = parse_args(argv)
     device, dtype = torch.device(args.device), DTYPES[args.dtype]
-    deadline = time.monotonic() + args.time_budget
+    end = time.monotonic() + args.time_budget
     if args.spread == "causal":
         mask = M.causal_mask(args.tokens)
     else:
@@ -250,7 +251,9 @@ def main(argv=None) -> int:
             raise SystemExit(f"unknown spread {args.spread!r}; choose from {sorted(spreads)} or 'causal'")
         mask = M.causal_document_mask(spreads[args.spread])
     res = {"args": vars(args), "env": run_environment(device), "cp": {}}
-    for cp in args.cp:
+    for i, cp in enumerate(args.cp):
+        # each cp size gets an equal share of what is left, so a slow one cannot starve the rest
+        deadline = time.monotonic() + (end - time.monotonic()) / (len(args.cp) - i)
         res["cp"][str(cp)] = {}
         for name in args.configs:
             if CONFIGS[name][2] and cp // GPUS_PER_NODE < 2:
