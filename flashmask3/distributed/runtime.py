@@ -72,7 +72,6 @@ class RoundProgram:
     stage_rows: Optional[torch.Tensor]
     stage_size: int
     grad_rows: Optional[torch.Tensor]
-    grad_identity: bool
     children: tuple[int, ...]
     send_chunk_ids: torch.Tensor
     recv_chunk_ids: torch.Tensor
@@ -111,7 +110,6 @@ class RankProgram:
     direct_send_rows: Optional[torch.Tensor]  # own rows of every direct round's payload, in round order
     n_direct_send: int
     gather_rows: Optional[torch.Tensor] = None  # allgather: rows of the gathered wire buffer
-    own_chunk_ids: Optional[torch.Tensor] = None
     _host: list = field(default_factory=list, repr=False)  # pinned sources of in-flight copies
     _batched_cols: dict = field(default_factory=dict, repr=False)
 
@@ -210,7 +208,7 @@ def _build_rounds(plan, rank, device, keep, own_pos) -> list[RoundProgram]:
             index=t, relay=src is not None, source=src, sends=sends, recvs=recvs,
             send_rows=_index(send_rows, device, keep) if send_rows else None,
             stage_rows=_index(stage_rows, device, keep) if stage_rows else None,
-            stage_size=len(stage), grad_rows=grad_rows, grad_identity=identity, children=(),
+            stage_size=len(stage), grad_rows=grad_rows, children=(),
             send_chunk_ids=_index([c for m in sends for c in m.chunks], device, keep),
             recv_chunk_ids=_index([c for m in recvs for c in m.chunks], device, keep),
             direct_offset=direct_offset))
@@ -264,8 +262,7 @@ def _build_program(plan, rank, device, comm) -> RankProgram:
     stages = [tuple(s) for s in plan.stages(rank)]
     own_stage = stages[0]
     own_rows = None if list(own_stage) == list(own) else _index([own_pos[c] for c in own_stage], device, keep)
-    common = dict(rank=rank, device=device, comm=comm, chunk_size=cs, n_own=len(own), own_chunks=own,
-                  own_chunk_ids=_index(list(own), device, keep))
+    common = dict(rank=rank, device=device, comm=comm, chunk_size=cs, n_own=len(own), own_chunks=own)
     if comm == "allgather":
         needed = sorted(c for s in stages for c in s)
         row_of = {}
