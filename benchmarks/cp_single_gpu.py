@@ -1,17 +1,24 @@
-"""Per-rank attention cost of a context-parallel layout, measured on ONE GPU.
+"""One layer of context-parallel attention, every rank's real staged path, on ONE GPU.
 
-For ``--cp`` ranks over a causal document mask of ``--tokens`` tokens, every rank's local
-attention problem (its query shard, its needed K/V chunks in global order, its rank-local mask
--- what ``cp_flashmask_attention(comm="allgather")`` computes on that rank in one call, without
-the communication) is run one after
-another with ``flashmask3.flashmask_attention`` (the Triton kernel on CUDA). The slowest rank
-sets the step time of a real CP run, so we report it for ``dual_chunk`` vs ``sparse``.
+For each cp size and layout, every (sampled) rank runs forward + backward of one attention layer
+through the runtime that ``cp_flashmask_attention`` uses -- its ``prepare_rank`` program, its
+local mask, its stages in arrival order, its gradient returns -- with communication replaced
+by device copies in one process (``EmulatedExchange``). Per rank: the layer's time (CUDA
+events around the whole step, so a host-bound step shows as host time), the host's time to
+issue it, and its kernel launches outside the attention calls (``LaunchCounter``, copies not
+counted). The slowest rank sets the step time of a real run.
 
-    python benchmarks/cp_single_gpu.py                              # H200: 128K, cp 8, bf16
-    python benchmarks/cp_single_gpu.py --device cpu --tokens 2048 --heads 2 --kv-heads 1 \
-        --head-dim 16 --dtype float32 --iters 1 --warmup 0           # CPU smoke run
+Layouts: ``dual_chunk+allgather`` (the baseline), ``sparse+allgather``, ``sparse+overlap``
+flat and hierarchical (``nodes = cp / 8``, 8 GPUs a node). Causal document masks from the real
+corpus lengths of benchmarks/corpus.py.
 
-Writes benchmarks/results/cp_single_gpu.{md,json,png} (``--out`` to change).
+    python benchmarks/cp_single_gpu.py                      # H200: 128K, cp 8 32 128, bf16
+    python benchmarks/cp_single_gpu.py --device cpu --tokens 4096 --cp 4 8 --heads 2 \\
+        --kv-heads 1 --head-dim 16 --dtype float32 --iters 1 --warmup 0   # CPU dry run
+
+Ranks: all at cp <= ``--all-ranks-up-to`` (8), else the ``--heaviest`` (8) heaviest by
+attention work plus ``--random`` (8) others drawn with ``--seed``, and the rank needing the
+most K/V. Writes ``cp_runtime.{json,md}`` under ``--out``.
 """
 
 from __future__ import annotations
@@ -19,6 +26,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import random
 import statistics
 import sys
 import time
@@ -30,172 +38,239 @@ import torch  # noqa: E402
 import flashmask3.masks as M  # noqa: E402
 from benchmarks.corpus import document_spreads  # noqa: E402
 from benchmarks.environment import run_environment  # noqa: E402
-from flashmask3 import flashmask_attention  # noqa: E402
-from flashmask3.distributed import plan  # noqa: E402
+from flashmask3.distributed import (EmulatedExchange, LaunchCounter, plan, prepare_rank,  # noqa: E402
+                                    run_layer)
+from flashmask3.distributed.runtime import to_wire  # noqa: E402
 
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+#: name -> (balance, comm, hierarchical)
+CONFIGS = {
+    "dual_chunk+allgather": ("dual_chunk", "allgather", False),
+    "sparse+allgather": ("sparse", "allgather", False),
+    "sparse+overlap": ("sparse", "overlap", False),
+    "sparse+overlap hier": ("sparse", "overlap", True),
+}
+GPUS_PER_NODE = 8
 
 
-def _sync(device):
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
+def sample_ranks(p, args) -> list[int]:
+    """Every rank at small cp; else the heaviest by work, some random ones and the one needing
+    the most K/V (the two candidates for the slowest rank)."""
+    if p.cp_size <= args.all_ranks_up_to:
+        return list(range(p.cp_size))
+    works = p.works
+    heavy = sorted(range(p.cp_size), key=lambda r: (-works[r], r))[:args.heaviest]
+    most_kv = max(range(p.cp_size), key=lambda r: (len(p.needed_chunks(r)), -r))
+    rest = [r for r in range(p.cp_size) if r not in heavy and r != most_kv]
+    picked = random.Random(args.seed).sample(rest, min(args.random, len(rest)))
+    return sorted(set(heavy) | {most_kv} | set(picked))
 
 
-def time_fwd_bwd(q, k, v, mask, warmup: int, iters: int) -> float:
-    """Median seconds of one forward+backward of ``flashmask_attention``."""
-    do = torch.randn_like(q)
-    q, k, v = (t.detach().requires_grad_() for t in (q, k, v))
+class Timer:
+    """Layer time (CUDA events on a GPU, wall clock on the CPU) and host issue time of a step."""
+
+    def __init__(self, device):
+        self.cuda = device.type == "cuda"
+
+    def __call__(self, step) -> tuple[float, float]:
+        if self.cuda:
+            torch.cuda.synchronize()
+            start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            t0 = time.perf_counter()
+            step()
+            host = time.perf_counter() - t0
+            stop.record()
+            torch.cuda.synchronize()
+            return start.elapsed_time(stop) * 1e-3, host
+        t0 = time.perf_counter()
+        step()
+        host = time.perf_counter() - t0
+        return host, host
+
+
+def reference(mask, full_q, full_k, full_v, full_do):
+    """Single-device output and dQ of the whole sequence (the emulation's forward and dQ are
+    exact, its returned dK/dV are not: see EmulatedExchange)."""
+    from flashmask3 import flashmask_attention
+
+    q = full_q.detach().requires_grad_()
+    out = flashmask_attention(q, full_k, full_v, mask.to(full_q.device))
+    out.backward(full_do)
+    return out.detach(), q.grad
+
+
+def measure_rank(p, rank, comm, full_wire, full_q, full_k, full_v, full_do, args, timer, ref=None) -> dict:
+    """Median layer and host seconds of ``rank``'s forward+backward, its launch count, and (with
+    ``ref``) its largest deviation from the single-device output and dQ."""
+    device = full_k.device
+    prog = prepare_rank(p, rank, device, comm)
+    q, k, v = (p.shard(t, rank).detach().requires_grad_() for t in (full_q, full_k, full_v))
+    do = p.shard(full_do, rank)
+    ex = EmulatedExchange(full_wire, p.cp_size, rank, plan=p)
+    scale = args.head_dim ** -0.5
 
     def step():
-        out = flashmask_attention(q, k, v, mask)
+        out, _ = run_layer(q, k, v, prog, ex, scale)
         out.backward(do)
         q.grad = k.grad = v.grad = None
 
-    for _ in range(warmup):
+    errors = {}
+    if ref is not None:
+        out, _ = run_layer(q, k, v, prog, ex, scale)
+        out.backward(do)
+        errors = {"max_err_out": (out.float() - p.shard(ref[0], rank).float()).abs().max().item(),
+                  "max_err_dq": (q.grad.float() - p.shard(ref[1], rank).float()).abs().max().item()}
+        q.grad = k.grad = v.grad = None
+    for _ in range(args.warmup):
         step()
-    times = []
-    for _ in range(iters):
-        _sync(q.device)
-        t0 = time.perf_counter()
+    with LaunchCounter() as counter:
         step()
-        _sync(q.device)
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+    times = [timer(step) for _ in range(args.iters)]
+    return {**errors, "rank": rank, "seconds": statistics.median(t for t, _ in times),
+            "host_seconds": statistics.median(h for _, h in times), "launches": counter.launches,
+            "attention_calls": counter.attention_calls, "syncs": counter.syncs,
+            "stages": sum(1 for s in prog.stage_chunks if s), "work": p.work(rank),
+            "keys": len(p.needed_chunks(rank)) * p.chunk_size}
 
 
-def rank_problems(p, args, device, dtype):
-    """Yield (rank, q, k, v, local mask) for every rank of plan ``p``."""
+def measure_config(mask, cp, name, args, device, dtype, deadline) -> dict:
+    balance, comm, hier = CONFIGS[name]
+    nodes = max(1, cp // GPUS_PER_NODE) if hier else 1
+    t0 = time.perf_counter()
+    p = plan(mask, None, cp, balance=balance, nodes=nodes)
+    plan_s = time.perf_counter() - t0
     g = torch.Generator(device=device).manual_seed(args.seed)
-    for r in range(p.cp_size):
-        sk = len(p.needed_chunks(r)) * p.chunk_size
-        q, k, v = (torch.randn(1, n, h, args.head_dim, generator=g, device=device, dtype=dtype)
-                   for n, h in ((p.local_seqlen, args.heads), (max(sk, 1), args.kv_heads),
-                                (max(sk, 1), args.kv_heads)))
-        yield r, q, k, v, (p.local_mask(r, "sorted").to(device) if sk else None), sk
-
-
-def measure_layout(mask, balance, args, device, dtype) -> dict:
-    p = plan(mask, None, args.cp, balance=balance)
-    ranks = []
-    for r, q, k, v, lm, sk in rank_problems(p, args, device, dtype):
-        if sk == 0:  # nothing live for this rank: no attention work at all
-            ranks.append({"rank": r, "seconds": 0.0, "keys": 0, "tflops": 0.0})
-            continue
-        sec = time_fwd_bwd(q, k, v, lm, args.warmup, args.iters)
-        flops = lm.flops(args.heads, args.head_dim, "fwd_bwd")
-        ranks.append({"rank": r, "seconds": sec, "keys": sk, "work": p.work(r),
-                      "tflops": flops / sec / 1e12})
-    slow = max(ranks, key=lambda x: x["seconds"])
-    return {"balance": balance, "chunk_size": p.chunk_size, "imbalance": p.imbalance,
-            "slowest_rank": slow["rank"], "slowest_seconds": slow["seconds"],
-            "mean_seconds": statistics.mean(x["seconds"] for x in ranks), "ranks": ranks}
-
-
-def full_problem(mask, args, device, dtype) -> float:
-    """Single-GPU time of the whole sequence (the ideal CP step is this / cp)."""
-    g = torch.Generator(device=device).manual_seed(args.seed)
-    q, k, v = (torch.randn(1, args.tokens, h, args.head_dim, generator=g, device=device, dtype=dtype)
-               for h in (args.heads, args.kv_heads, args.kv_heads))
-    return time_fwd_bwd(q, k, v, mask.to(device), args.warmup, args.iters)
+    full_q, full_do = (torch.randn(1, args.tokens, args.heads, args.head_dim, generator=g, device=device,
+                                   dtype=dtype) for _ in range(2))
+    full_k, full_v = (torch.randn(1, args.tokens, args.kv_heads, args.head_dim, generator=g, device=device,
+                                  dtype=dtype) for _ in range(2))
+    full_wire = to_wire(full_k, full_v, p.chunk_size)
+    timer = Timer(device)
+    ref = reference(mask, full_q, full_k, full_v, full_do) if args.check else None
+    ranks, wanted = [], sample_ranks(p, args)
+    for r in wanted:
+        if time.monotonic() > deadline:
+            break
+        ranks.append(measure_rank(p, r, comm, full_wire, full_q, full_k, full_v, full_do, args, timer, ref))
+    entry = {"config": name, "balance": balance, "comm": comm, "nodes": nodes, "chunk_size": p.chunk_size,
+             "imbalance": p.imbalance, "plan_seconds": plan_s, "ranks": ranks,
+             "ranks_wanted": len(wanted), "sampled": len(wanted) < cp}
+    if ranks:
+        slow = max(ranks, key=lambda x: x["seconds"])
+        entry.update(slowest_rank=slow["rank"], slowest_seconds=slow["seconds"],
+                     median_seconds=statistics.median(x["seconds"] for x in ranks),
+                     host_seconds_max=max(x["host_seconds"] for x in ranks),
+                     launches_max=max(x["launches"] for x in ranks),
+                     syncs_max=max(x["syncs"] for x in ranks))
+        if ref is not None:
+            entry["max_err_out"] = max(x["max_err_out"] for x in ranks)
+            entry["max_err_dq"] = max(x["max_err_dq"] for x in ranks)
+    return entry
 
 
 def markdown(res: dict) -> str:
-    a = res["args"]
-    lines = [f"# Slowest-rank attention fwd+bwd, cp={a['cp']}, {a['tokens']} tokens, one GPU",
-             "", f"{res['env'].get('gpu', res['env']['device'])}, {a['dtype']}, Hq={a['heads']}, "
-             f"Hk={a['kv_heads']}, D={a['head_dim']}; causal document masks; median of {a['iters']} "
-             f"iterations per rank. `{res['env']['command']}` ({res['env']['date']})", "",
-             "| spread | full seq / cp (ideal) ms | dual_chunk slowest ms | sparse slowest ms | sparse / dual "
-             "| imbalance dual | imbalance sparse |", "|---|---|---|---|---|---|---|"]
-    for spread, r in res["spreads"].items():
-        d, s = r["dual_chunk"], r["sparse"]
-        ratio = s["slowest_seconds"] / d["slowest_seconds"] if d["slowest_seconds"] else float("nan")
-        ideal = r["full_seconds"] / a["cp"] * 1e3 if r.get("full_seconds") else float("nan")
-        lines.append(f"| {spread} | {ideal:.2f} | {d['slowest_seconds'] * 1e3:.2f} | {s['slowest_seconds'] * 1e3:.2f} "
-                     f"| **{ratio:.3f}** | {d['imbalance']:.3f} | {s['imbalance']:.3f} |")
-    if "corpus" in res["spreads"]:
-        r = res["spreads"]["corpus"]
-        ratio = r["sparse"]["slowest_seconds"] / r["dual_chunk"]["slowest_seconds"]
-        lines += ["", f"Target: sparse <= 0.8x dual_chunk on the real-corpus mask: {ratio:.3f} — "
-                  f"{'met' if ratio <= 0.8 else 'NOT met'}."]
+    a, env = res["args"], res["env"]
+    lines = [f"# One CP layer (fwd+bwd) per rank through the staged runtime, {a['tokens']} tokens, one device",
+             "", f"{env.get('gpu', env['device'])}, torch {env['torch']}, triton {env['triton']}, "
+             f"{env['date']}; {a['dtype']}, B=1, Hq={a['heads']}, Hk={a['kv_heads']}, D={a['head_dim']}; "
+             f"causal document mask ({a['spread']} lengths). Communication emulated by device copies. "
+             f"Median of {a['iters']} after {a['warmup']} warm-up. `{env['command']}`", "",
+             "Layer ms: CUDA events around one rank's whole forward+backward (a host-bound step "
+             "shows its host time). Launches: kernel-launching ops outside attention, copies "
+             "not counted.", "",
+             "| cp | layout | nodes | imbalance | ranks timed | slowest rank ms | median rank ms "
+             "| host ms (max) | launches (max) | plan s | max err out / dQ |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
+    for cp, configs in res["cp"].items():
+        for e in configs.values():
+            if not e["ranks"]:
+                lines.append(f"| {cp} | {e['config']} | {e['nodes']} | {e['imbalance']:.3f} | 0 | - | - | - | - "
+                             f"| {e['plan_seconds']:.2f} | - |")
+                continue
+            timed = f"{len(e['ranks'])}/{cp}" + (" (sampled)" if e["sampled"] else "")
+            lines.append(f"| {cp} | {e['config']} | {e['nodes']} | {e['imbalance']:.3f} | {timed} "
+                         f"| {e['slowest_seconds'] * 1e3:.2f} | {e['median_seconds'] * 1e3:.2f} "
+                         f"| {e['host_seconds_max'] * 1e3:.2f} | {e['launches_max']} | {e['plan_seconds']:.2f} "
+                         f"| {_errors(e)} |")
+    lines += ["", "Sampled rows: all ranks at cp <= "
+              f"{a['all_ranks_up_to']}, else the {a['heaviest']} heaviest by work, {a['random']} random "
+              "others and the rank needing the most K/V; the slowest of those is reported."]
     return "\n".join(lines) + "\n"
 
 
-def plot(res: dict, path: str) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    spreads = list(res["spreads"])
-    fig, axes = plt.subplots(1, len(spreads), figsize=(4 * len(spreads), 3.5), squeeze=False)
-    for ax, spread in zip(axes[0], spreads):
-        for i, bal in enumerate(("dual_chunk", "sparse")):
-            ranks = res["spreads"][spread][bal]["ranks"]
-            xs = [x["rank"] + (i - 0.5) * 0.4 for x in ranks]
-            ax.bar(xs, [x["seconds"] * 1e3 for x in ranks], width=0.4, label=bal)
-        ax.set(title=spread, xlabel="rank", ylabel="fwd+bwd ms")
-        ax.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+def _errors(e) -> str:
+    return f"{e['max_err_out']:.1e} / {e['max_err_dq']:.1e}" if "max_err_out" in e else "-"
 
 
-def main(argv=None) -> int:
+def write(res: dict, out: str) -> None:
+    os.makedirs(out, exist_ok=True)
+    base = os.path.join(out, "cp_runtime")
+    with open(base + ".json", "w") as f:
+        json.dump(res, f, indent=1)
+    with open(base + ".md", "w") as f:
+        f.write(markdown(res))
+
+
+def parse_args(argv):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--tokens", type=int, default=131072)
-    ap.add_argument("--cp", type=int, default=8)
+    ap.add_argument("--cp", type=int, nargs="+", default=[8, 32, 128])
     ap.add_argument("--heads", type=int, default=16)
     ap.add_argument("--kv-heads", type=int, default=8)
     ap.add_argument("--head-dim", type=int, default=128)
     ap.add_argument("--dtype", choices=sorted(DTYPES), default="bfloat16")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    ap.add_argument("--spreads", nargs="+", default=["corpus", "short", "mixed", "long", "causal"],
-                    help="document spreads of benchmarks/corpus.py, or 'causal' (plain causal)")
+    ap.add_argument("--spread", default="corpus", help="a document spread of benchmarks/corpus.py, or 'causal'")
+    ap.add_argument("--configs", nargs="+", default=list(CONFIGS), choices=list(CONFIGS))
+    ap.add_argument("--all-ranks-up-to", type=int, default=8)
+    ap.add_argument("--heaviest", type=int, default=8)
+    ap.add_argument("--random", type=int, default=8)
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--iters", type=int, default=5)
-    ap.add_argument("--no-full", action="store_true", help="skip the whole-sequence reference timing")
+    ap.add_argument("--time-budget", type=float, default=float("inf"),
+                    help="seconds, shared equally by the cp sizes; ranks not started within a cp "
+                         "size's share are skipped (and reported as such)")
+    ap.add_argument("--check", action="store_true",
+                    help="also compare every timed rank's output and dQ with the single-device layer")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", default=RESULTS)
-    args = ap.parse_args(argv)
+    return ap.parse_args(argv)
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
     device, dtype = torch.device(args.device), DTYPES[args.dtype]
-    spreads = document_spreads(args.tokens, seed=args.seed)
-    unknown = set(args.spreads) - set(spreads) - {"causal"}
-    if unknown:
-        raise SystemExit(f"unknown spreads {sorted(unknown)}; choose from {sorted(spreads)}")
-    res = {"args": vars(args), "env": run_environment(device), "spreads": {}}
-    # One-time costs (imports, custom-op registration) must not land on the first timed rank.
-    x = torch.randn(1, 128, args.heads, args.head_dim, device=device, dtype=dtype)
-    kv = torch.randn(1, 128, args.kv_heads, args.head_dim, device=device, dtype=dtype)
-    time_fwd_bwd(x, kv, kv, M.causal_mask(128).to(device), 1, 1)
-    for name in args.spreads:
-        if name == "causal":
-            mask = M.causal_mask(args.tokens)
-        else:
-            mask = M.causal_document_mask(spreads[name])
-        entry = {"docs": len(spreads.get(name, [0])), "sparsity": mask.sparsity()}
-        for balance in ("dual_chunk", "sparse"):
-            entry[balance] = measure_layout(mask, balance, args, device, dtype)
-        if not args.no_full:
-            entry["full_seconds"] = full_problem(mask, args, device, dtype)
-        res["spreads"][name] = entry
-        d, s = entry["dual_chunk"]["slowest_seconds"], entry["sparse"]["slowest_seconds"]
-        print(f"{name:7s} slowest rank fwd+bwd: dual_chunk {d * 1e3:.2f} ms, sparse {s * 1e3:.2f} ms "
-              f"(sparse/dual {s / d:.3f})", flush=True)
-        write(res, args.out)  # after every spread: a time limit still leaves the finished ones
-    print(f"wrote {os.path.join(args.out, 'cp_single_gpu')}.md/.json/.png")
+    end = time.monotonic() + args.time_budget
+    if args.spread == "causal":
+        mask = M.causal_mask(args.tokens)
+    else:
+        spreads = document_spreads(args.tokens, seed=args.seed)
+        if args.spread not in spreads:
+            raise SystemExit(f"unknown spread {args.spread!r}; choose from {sorted(spreads)} or 'causal'")
+        mask = M.causal_document_mask(spreads[args.spread])
+    res = {"args": vars(args), "env": run_environment(device), "cp": {}}
+    for i, cp in enumerate(args.cp):
+        # each cp size gets an equal share of what is left, so a slow one cannot starve the rest
+        deadline = time.monotonic() + (end - time.monotonic()) / (len(args.cp) - i)
+        res["cp"][str(cp)] = {}
+        for name in args.configs:
+            if CONFIGS[name][2] and cp // GPUS_PER_NODE < 2:
+                continue  # one node: hierarchical is the flat plan
+            e = measure_config(mask, cp, name, args, device, dtype, deadline)
+            res["cp"][str(cp)][name] = e
+            if e["ranks"]:
+                print(f"cp={cp:4d} {name:22s} slowest {e['slowest_seconds'] * 1e3:8.2f} ms (rank "
+                      f"{e['slowest_rank']}), host max {e['host_seconds_max'] * 1e3:6.2f} ms, launches max "
+                      f"{e['launches_max']}, {len(e['ranks'])}/{cp} ranks"
+                      + (f", max err out {e['max_err_out']:.2e} dq {e['max_err_dq']:.2e}" if "max_err_out" in e else ""),
+                      flush=True)
+            else:
+                print(f"cp={cp:4d} {name:22s} skipped: time budget spent", flush=True)
+            write(res, args.out)  # after every layout: a time limit still leaves the finished ones
+    print(f"wrote {os.path.join(args.out, 'cp_runtime')}.md/.json")
     return 0
-
-
-def write(res: dict, out: str) -> None:
-    os.makedirs(out, exist_ok=True)
-    base = os.path.join(out, "cp_single_gpu")
-    with open(base + ".json", "w") as f:
-        json.dump(res, f, indent=1)
-    with open(base + ".md", "w") as f:
-        f.write(markdown(res))
-    plot(res, base + ".png")
 
 
 if __name__ == "__main__":

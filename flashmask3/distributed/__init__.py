@@ -1,10 +1,14 @@
-"""Mask-aware context parallelism (DESIGN.md §3).
+"""Mask-aware context parallelism (docs/context-parallel.md, docs/cp-runtime.md).
 
 * :func:`plan` -> :class:`CPPlan`: ownership (contiguous / dual_chunk / work-balanced sparse),
   rank-local masks, needed KV chunks and point-to-point routing (flat or hierarchical), all
   computed identically on every rank from the global mask before any data moves.
 * :func:`cp_flashmask_attention`: differentiable attention on each rank's shards, with the
   all-gather baseline or the overlapped mask-aware exchange.
+* :func:`prepare_rank` -> :class:`RankProgram`: a rank's per-layer device program (index
+  tensors, stage masks, message layouts), built once per plan and cached on it; a data loader
+  may call it ahead of time for the next batch.
+* :class:`LaunchCounter`: counts the kernel launches of a layer (the runtime's launch budget).
 
 Usage (every rank runs the same code; torch.distributed already initialised, NCCL with
 ``torch.cuda.set_device`` done, or gloo on CPU)::
@@ -17,15 +21,20 @@ Usage (every rank runs the same code; torch.distributed already initialised, NCC
     out = cp_flashmask_attention(q, k, v, p, group=cp_group, comm="overlap")
     full = p.unshard(list_of_outputs)                     # if the whole sequence is needed
 
-``nodes=N`` in :func:`plan` routes inter-node chunks hierarchically; it assumes node-major
-ranks in the CP group (group rank r sits on node r // (cp_size // N)), as torchrun assigns them.
+``nodes=N`` in :func:`plan` routes inter-node chunks hierarchically; it needs node-major ranks
+in the CP group (group rank r sits on node r // (cp_size // N)), as torchrun assigns them:
+``cp_flashmask_attention`` checks this (``node_layout=``) and raises ValueError otherwise.
 """
 
-from .attention import COMMS, cp_flashmask_attention, merge_partials
-from .comm import resolve_group
+from .attention import COMMS, cp_flashmask_attention, merge_partials, run_layer
+from .comm import DistExchange, resolve_group
+from .launches import LaunchCounter
 from .local_mask import rank_local_columns
 from .plan import BALANCES, WORK_MODELS, CPPlan, Round, Transfer, chunk_liveness, chunk_pairs, plan
+from .runtime import EmulatedExchange, RankProgram, prepare_rank
 
 __all__ = ["plan", "CPPlan", "Round", "Transfer", "BALANCES", "COMMS", "WORK_MODELS", "chunk_liveness",
            "chunk_pairs",
-           "cp_flashmask_attention", "merge_partials", "rank_local_columns", "resolve_group"]
+           "cp_flashmask_attention", "merge_partials", "rank_local_columns", "resolve_group",
+           "prepare_rank", "RankProgram", "run_layer", "DistExchange", "EmulatedExchange",
+           "LaunchCounter"]

@@ -10,13 +10,14 @@ Two communication schemes, both exact and differentiable:
   against the merged output/LSE (exact for a softmax split over key blocks), and returns each
   remote chunk's partial dK/dV to the rank it came from only (summed at relays on the way).
 
-The attention calls go straight to the selected backend's ``forward``/``backward``
-(docs/ARCHITECTURE.md backend contract), so this module owns its autograd.
+The schedule, the buffers and the per-rank device program live in
+:mod:`flashmask3.distributed.runtime` (docs/cp-runtime.md); this module checks the arguments,
+resolves the group and owns the autograd. The attention calls go straight to the selected
+backend's ``forward``/``backward`` (docs/ARCHITECTURE.md backend contract).
 """
 
 from __future__ import annotations
 
-import math
 from typing import Optional
 
 import torch
@@ -24,9 +25,10 @@ import torch.distributed as dist
 
 from ..api import check_qkv, resolve_softmax_scale
 from ..kernels import choose_backend, get_backend
-from .comm import (ChunkExchange, all_gather_kv, ensure_ready, reduce_scatter_kv,
-                   resolve_group)
+from .comm import DistExchange, check_node_layout, ensure_ready, resolve_group
 from .plan import CPPlan
+from .runtime import (backward_allgather, backward_overlap, forward_allgather, forward_overlap,
+                      merge_stages, prepare_rank)
 
 COMMS = ("allgather", "overlap")
 
@@ -34,192 +36,55 @@ COMMS = ("allgather", "overlap")
 def merge_partials(out_a, lse_a, out_b, lse_b):
     """Combine two attentions over disjoint key sets: weights ``exp(lse_x - lse)``.
 
-    ``out``: fp32 ``[B, S, H, D]``; ``lse``: fp32 ``[B, H, S]``. Rows masked in both parts keep
-    ``lse = -inf`` and ``out = 0``.
-    """
-    lse = torch.logaddexp(lse_a, lse_b)
-    safe = torch.where(torch.isinf(lse), torch.zeros_like(lse), lse)
-    wa = torch.exp(lse_a - safe).transpose(1, 2).unsqueeze(-1)
-    wb = torch.exp(lse_b - safe).transpose(1, 2).unsqueeze(-1)
-    return out_a * wa + out_b * wb, lse
+    ``out``: ``[B, S, H, D]``; ``lse``: ``[B, H, S]``. Rows masked in both parts keep
+    ``lse = -inf`` and ``out = 0``. Computed in float64 for float64 inputs, float32 otherwise."""
+    dtype = torch.float64 if torch.float64 in (out_a.dtype, lse_a.dtype) else torch.float32
+    return merge_stages([out_a, out_b], [lse_a, lse_b], dtype)
 
 
-class _Runtime:
-    """Per-call state shared by forward and backward (not tensors autograd must track)."""
+class _Call:
+    """What one layer's forward and backward share (not tensors autograd must track)."""
 
-    def __init__(self, plan: CPPlan, pg, rank: int, comm: str, scale: float, q, k):
-        self.plan, self.pg, self.rank, self.comm, self.scale = plan, pg, rank, comm, scale
-        self.backend = get_backend(choose_backend(q))
-        self.stages = plan.stages(rank)
-        self.own = plan.chunks(rank)
-        # overlap: key axis in arrival order (stage by stage); allgather: one call, global order.
-        order = "arrival" if comm == "overlap" else "sorted"
-        self.key_chunks = plan.needed_chunks(rank, order)
-        self.cols = self._columns(plan.local_mask(rank, order).startend_row_indices, q)
-        b, _, hk, d = k.shape
-        self.dtype = k.dtype
-        cs = plan.chunk_size
-        self.chunk_shape = (2, b, cs, hk, d)
-        self.device = q.device
-        bounds, start = [], 0
-        for stage in self.stages:
-            bounds.append((start, start + len(stage) * cs))
-            start += len(stage) * cs
-        self.bounds = bounds
-
-    @staticmethod
-    def _columns(cols, q):
-        """The local mask columns on q's device, broadcast over q's batch if the mask has one."""
-        cols = cols.to(q.device)
-        if cols.shape[0] == 1 and q.shape[0] > 1:
-            cols = cols.expand(q.shape[0], -1, -1, -1)
-        if cols.shape[0] != q.shape[0]:
-            raise ValueError(f"the plan's mask has batch {cols.shape[0]} but q has batch {q.shape[0]}")
-        if q.shape[2] % cols.shape[1]:
-            raise ValueError(f"the plan's mask has {cols.shape[1]} heads, which must divide the "
-                             f"{q.shape[2]} query heads")
-        return cols.contiguous()
-
-    # -- helpers -------------------------------------------------------------------------------
-    def make_buffer(self, n: int, dtype=None) -> torch.Tensor:
-        return torch.empty((n,) + self.chunk_shape, dtype=dtype or self.dtype, device=self.device)
-
-    def own_store(self, kv: torch.Tensor) -> dict[int, torch.Tensor]:
-        cs = self.plan.chunk_size
-        return {c: kv[:, :, i * cs:(i + 1) * cs] for i, c in enumerate(self.own)}
-
-    def stage_kv(self, store, chunks):
-        kv = torch.cat([store[c] for c in chunks], dim=2) if len(chunks) > 1 else store[chunks[0]]
-        return kv[0].contiguous(), kv[1].contiguous()
-
-    def stage_cols(self, s: int) -> torch.Tensor:
-        a, b = self.bounds[s]
-        return self.cols[:, :, a:b].contiguous()
-
-    def split_grads(self, grads, chunks, dk, dv) -> None:
-        """Add a stage's dK/dV into the per-chunk fp32 accumulators."""
-        cs = self.plan.chunk_size
-        for i, c in enumerate(chunks):
-            part = torch.stack([dk[:, i * cs:(i + 1) * cs], dv[:, i * cs:(i + 1) * cs]]).float()
-            if c in grads:
-                grads[c].add_(part)
-            else:
-                grads[c] = part
-
-    def gathered_store(self, gathered: torch.Tensor) -> dict[int, torch.Tensor]:
-        """Chunk id -> ``[2, B, cs, Hk, D]`` view of an all-gathered ``[P, 2, B, S_l, Hk, D]``."""
-        cs = self.plan.chunk_size
-        store = {}
-        for r in range(self.plan.cp_size):
-            for i, c in enumerate(self.plan.chunks(r)):
-                store[c] = gathered[r, :, :, i * cs:(i + 1) * cs]
-        return store
-
-
-def _empty_result(q, v):
-    b, s, h, _ = q.shape
-    out = torch.zeros(b, s, h, v.shape[-1], dtype=torch.float32, device=q.device)
-    lse = torch.full((b, h, s), -math.inf, dtype=torch.float32, device=q.device)
-    return out, lse
-
-
-# -- forward --------------------------------------------------------------------------------------
-
-
-def _forward_overlap(rt: _Runtime, q, k, v):
-    kv = torch.stack([k, v])
-    exch = ChunkExchange(rt.pg, rt.rank, rt.plan.rounds, rt.own_store(kv), rt.make_buffer)
-    exch.issue_ready()
-    out = lse = None
-    for s, chunks in enumerate(rt.stages):
-        if s > 0:
-            exch.wait_forward(s - 1)
-        if chunks:
-            ks, vs = rt.stage_kv(exch.store, chunks)
-            o, l = rt.backend.forward(q, ks, vs, rt.stage_cols(s), False, rt.scale)
-            out, lse = (o.float(), l) if out is None else merge_partials(out, lse, o.float(), l)
-    return _empty_result(q, v) if out is None else (out, lse)
-
-
-def _forward_allgather(rt: _Runtime, q, k, v):
-    gathered = all_gather_kv(rt.pg, torch.stack([k, v]), rt.plan.cp_size)
-    chunks = rt.key_chunks
-    if not chunks:
-        return _empty_result(q, v)
-    ks, vs = rt.stage_kv(rt.gathered_store(gathered), chunks)
-    o, l = rt.backend.forward(q, ks, vs, rt.cols, False, rt.scale)
-    return o.float(), l
-
-
-# -- backward -------------------------------------------------------------------------------------
-
-
-def _backward_overlap(rt: _Runtime, dout, dlse, q, k, v, out, lse):
-    kv = torch.stack([k, v])
-    exch = ChunkExchange(rt.pg, rt.rank, rt.plan.rounds, rt.own_store(kv), rt.make_buffer)
-    exch.issue_ready()
-    dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
-    grads: dict[int, torch.Tensor] = {}
-    n_rounds = len(rt.plan.rounds)
-    for s, chunks in enumerate(rt.stages):
-        if s > 0:
-            exch.wait_forward(s - 1)
-        if chunks:
-            ks, vs = rt.stage_kv(exch.store, chunks)
-            dq_s, dk_s, dv_s = rt.backend.backward(dout, dlse, q, ks, vs, out, lse,
-                                                   rt.stage_cols(s), False, rt.scale)
-            dq += dq_s.float()
-            rt.split_grads(grads, chunks, dk_s, dv_s)
-        if s > 0 and not exch.has_relay:
-            # Chunks of round s-1 are final: return their gradients while later stages compute.
-            exch.start_reverse(s - 1, grads, k.dtype)
-    if exch.has_relay:
-        # A relay forwards what it received, so gradients flow back round by round.
-        for t in reversed(range(n_rounds)):
-            exch.start_reverse(t, grads, k.dtype)
-            exch.wait_reverse(t, grads)
-    else:
-        for t in range(n_rounds):
-            exch.wait_reverse(t, grads)
-    zero = torch.zeros(rt.chunk_shape, dtype=torch.float32, device=q.device)
-    dkv = torch.cat([grads.get(c, zero) for c in rt.own], dim=2)
-    return dq, dkv[0], dkv[1]
-
-
-def _backward_allgather(rt: _Runtime, dout, dlse, q, k, v, out, lse):
-    p = rt.plan
-    gathered = all_gather_kv(rt.pg, torch.stack([k, v]), p.cp_size)
-    chunks = rt.key_chunks
-    full = torch.zeros_like(gathered)
-    dq = torch.zeros(q.shape, dtype=q.dtype, device=q.device)
-    if chunks:
-        ks, vs = rt.stage_kv(rt.gathered_store(gathered), chunks)
-        dq, dk, dv = rt.backend.backward(dout, dlse, q, ks, vs, out, lse, rt.cols, False, rt.scale)
-        target, cs = rt.gathered_store(full), p.chunk_size
-        for i, c in enumerate(chunks):  # each chunk's gradient to its owner's slot, no fp32 detour
-            target[c][0].copy_(dk[:, i * cs:(i + 1) * cs])
-            target[c][1].copy_(dv[:, i * cs:(i + 1) * cs])
-    mine = reduce_scatter_kv(rt.pg, full)
-    return dq, mine[0], mine[1]
+    def __init__(self, prog, exchange, backend, scale):
+        self.prog, self.exchange, self.backend, self.scale = prog, exchange, backend, scale
 
 
 class _CPAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, rt: _Runtime):
-        fwd = _forward_overlap if rt.comm == "overlap" else _forward_allgather
-        out32, lse = fwd(rt, q, k, v)
-        out = out32.to(q.dtype)
-        ctx.rt = rt
+    def forward(ctx, q, k, v, call: _Call):
+        fwd = forward_overlap if call.prog.comm == "overlap" else forward_allgather
+        out, lse = fwd(call.prog, call.exchange, call.backend, q, k, v, call.scale)
+        ctx.call = call
         ctx.save_for_backward(q, k, v, out, lse)
         return out, lse
 
     @staticmethod
     def backward(ctx, dout, dlse):
         q, k, v, out, lse = ctx.saved_tensors
-        rt = ctx.rt
-        bwd = _backward_overlap if rt.comm == "overlap" else _backward_allgather
-        dq, dk, dv = bwd(rt, dout.contiguous(), dlse, q, k, v, out, lse)
-        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None
+        call = ctx.call
+        bwd = backward_overlap if call.prog.comm == "overlap" else backward_allgather
+        dq, dk, dv = bwd(call.prog, call.exchange, call.backend, dout.contiguous(), dlse, q, k, v,
+                         out, lse, call.scale)
+        return dq, dk, dv, None
+
+
+def run_layer(q, k, v, prog, exchange, softmax_scale: float, backend=None):
+    """One differentiable layer of the staged runtime with any exchange (``DistExchange`` for
+    a process group; :class:`~flashmask3.distributed.runtime.EmulatedExchange` in one
+    process). Returns ``(out, lse)``."""
+    backend = backend or get_backend(choose_backend(q))
+    return _CPAttention.apply(q, k, v, _Call(prog, exchange, backend, softmax_scale))
+
+
+def _check_batch_and_heads(prog, q) -> None:
+    cols = next((c for c in prog.stage_cols if c is not None), None)
+    if cols is None:
+        return
+    if cols.shape[0] not in (1, q.shape[0]):
+        raise ValueError(f"the plan's mask has batch {cols.shape[0]} but q has batch {q.shape[0]}")
+    if q.shape[2] % cols.shape[1]:
+        raise ValueError(f"the plan's mask has {cols.shape[1]} heads, which must divide the "
+                         f"{q.shape[2]} query heads")
 
 
 def _check_same_plan(plan: CPPlan, pg, device) -> None:
@@ -234,7 +99,7 @@ def _check_same_plan(plan: CPPlan, pg, device) -> None:
 
 def cp_flashmask_attention(q, k, v, plan: CPPlan, *, group=None, comm: str = "overlap",
                            softmax_scale: Optional[float] = None, return_softmax_lse: bool = False,
-                           check_plan: bool = False):
+                           check_plan: bool = False, node_layout=None):
     """Attention of this rank's query shard over the whole (masked) sequence.
 
     Args:
@@ -249,6 +114,11 @@ def cp_flashmask_attention(q, k, v, plan: CPPlan, *, group=None, comm: str = "ov
         return_softmax_lse: also return the local LSE ``[B, Hq, S/P]`` (differentiable).
         check_plan: first verify (one all-reduce) that every rank holds the same plan, so a
             rank that planned from a different mask is a ValueError instead of a hang.
+        node_layout: for a plan with ``nodes > 1``, where the group's ranks live: GPUs per node
+            (node of global rank g = g // it), a node id per global rank (sequence or callable),
+            or ``None`` to read torchrun's ``LOCAL_WORLD_SIZE``. The group must be node-major
+            (group rank r on node r // (cp_size // nodes)); otherwise every rank raises
+            ValueError (checked once per group and layout).
 
     Returns the local output ``[B, S/P, Hq, D]`` (or ``(out, lse)``), equal to the matching rows
     of single-process ``flashmask_attention`` on the full sequence.
@@ -267,9 +137,11 @@ def cp_flashmask_attention(q, k, v, plan: CPPlan, *, group=None, comm: str = "ov
     if world != plan.cp_size:
         raise ValueError(f"group has {world} ranks but the plan was made for cp_size={plan.cp_size}")
     ensure_ready(pg, q.device)
+    check_node_layout(pg, plan.nodes, node_layout, q.device)
     if check_plan:
         _check_same_plan(plan, pg, q.device)
     q, k, v = (t.contiguous() for t in (q, k, v))
-    rt = _Runtime(plan, pg, dist.get_rank(pg), comm, softmax_scale, q, k)
-    out, lse = _CPAttention.apply(q, k, v, rt)
+    prog = prepare_rank(plan, dist.get_rank(pg), q.device, comm)
+    _check_batch_and_heads(prog, q)
+    out, lse = run_layer(q, k, v, prog, DistExchange(pg), softmax_scale)
     return (out, lse) if return_softmax_lse else out

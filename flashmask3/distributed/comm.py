@@ -3,33 +3,33 @@
 Everything goes through ``torch.distributed`` (NCCL on GPUs, gloo on CPU):
 
 * the baseline uses the single-tensor all-gather / reduce-scatter collectives;
-* the mask-aware path runs the plan's rounds (:class:`flashmask3.distributed.plan.Round`) as
-  batched point-to-point operations (``batch_isend_irecv``). They are asynchronous: NCCL runs
-  them on its own internal stream while the caller computes on the current stream, and
-  ``Work.wait()`` only makes the current stream wait for the transfer (no host sync).
+* the mask-aware path runs the plan's rounds as batched point-to-point operations
+  (``batch_isend_irecv``, :class:`DistExchange`). They are asynchronous: NCCL runs them on its
+  own internal stream while the caller computes on the current stream, and ``Work.wait()`` only
+  makes the current stream wait for the transfer (no host sync);
+* the node-layout check of hierarchical plans (:func:`check_node_layout`).
 
-Every rank issues the batches of one exchange in the same order (rounds ascending for K/V,
-descending for gradients), each batch holding at most one message per (src, dst) pair, so the
-two ends of every message always match.
+Every rank issues the batches of a layer in the same order (the runtime's schedule depends on
+the round list only, docs/cp-runtime.md), each batch holding at most one message per
+(src, dst) pair, so the two ends of every message always match and no two ranks wait on each
+other's later batches.
 """
 
 from __future__ import annotations
 
-from typing import Callable
+import os
+from typing import Optional
 
 import torch
 import torch.distributed as dist
 
-from .plan import Round
+from .runtime import GRAD_TAG
 
 _READY_GROUPS: set[str] = set()
 
 # Newer torch renames the single-tensor collectives; use whichever this version has.
 _ALL_GATHER = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 _REDUCE_SCATTER = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
-
-#: Tag offset of the gradient (reverse) rounds; forward rounds use their index as tag.
-GRAD_TAG = 1 << 10
 
 
 def resolve_group(group) -> dist.ProcessGroup:
@@ -61,128 +61,119 @@ def ensure_ready(pg: dist.ProcessGroup, device: torch.device) -> None:
     communicator; a batch of P2P ops may involve only some ranks, so we open with a tiny
     all-reduce (once per group).
     """
-    name = dist.get_backend(pg) + ":" + str(pg.group_name if hasattr(pg, "group_name") else id(pg))
+    name = _group_key(pg)
     if name in _READY_GROUPS:
         return
     dist.all_reduce(torch.zeros(1, device=device), group=pg)
     _READY_GROUPS.add(name)
 
 
-class Inflight:
-    """Handles of one issued batch: its works, receive buffers and (kept alive) payloads."""
+class _Batch:
+    """The works of one issued batch, and the payload they read (kept alive until waited)."""
 
-    def __init__(self, works, recvs, payloads):
-        self.works = works
-        self.recvs: list[tuple[tuple[int, ...], torch.Tensor]] = recvs
-        self.payloads = payloads
+    def __init__(self, works, payload):
+        self.works, self.payload = works, payload
 
-    def wait(self) -> list[tuple[tuple[int, ...], torch.Tensor]]:
+    def wait(self) -> None:
+        """Make the current stream wait for the batch (NCCL: no host sync; gloo: blocks)."""
         for w in self.works:
             w.wait()
-        self.payloads = None
-        return self.recvs
+        self.payload = None
 
 
-def issue(pg: dist.ProcessGroup, sends: list[tuple[int, torch.Tensor]],
-          recvs: list[tuple[int, tuple[int, ...], torch.Tensor]], tag: int) -> Inflight:
-    """Start one batch: ``sends`` = [(group peer, payload)], ``recvs`` = [(peer, chunks, buffer)]."""
-    ops = [dist.P2POp(dist.isend, payload, group=pg, group_peer=peer, tag=tag)
-           for peer, payload in sends]
-    ops += [dist.P2POp(dist.irecv, buf, group=pg, group_peer=peer, tag=tag)
-            for peer, _, buf in recvs]
-    works = dist.batch_isend_irecv(ops) if ops else []
-    return Inflight(works, [(chunks, buf) for _, chunks, buf in recvs], [p for _, p in sends])
+class DistExchange:
+    """The runtime's exchange over a torch.distributed group (see
+    :mod:`flashmask3.distributed.runtime`): one ``batch_isend_irecv`` per round and direction.
+
+    A forward round sends each message's wire rows ``send[m.start:m.stop]`` to ``m.peer`` and
+    receives straight into slices of ``recv``; the reverse round swaps the roles of the two
+    message lists. Tags: the round index, plus :data:`GRAD_TAG` in reverse."""
+
+    def __init__(self, pg: dist.ProcessGroup):
+        self.pg = pg
+        self.world = dist.get_world_size(pg)
+
+    def start(self, rnd, reverse: bool, send, recv) -> _Batch:
+        out_msgs, in_msgs = (rnd.recvs, rnd.sends) if reverse else (rnd.sends, rnd.recvs)
+        tag = rnd.index + (GRAD_TAG if reverse else 0)
+        ops = [dist.P2POp(dist.isend, send[m.start:m.stop], group=self.pg, group_peer=m.peer, tag=tag)
+               for m in out_msgs]
+        ops += [dist.P2POp(dist.irecv, recv[m.start:m.stop], group=self.pg, group_peer=m.peer, tag=tag)
+                for m in in_msgs]
+        return _Batch(dist.batch_isend_irecv(ops) if ops else [], send)
+
+    def all_gather(self, out: torch.Tensor, inp: torch.Tensor) -> None:
+        _ALL_GATHER(out, inp, group=self.pg)
+
+    def reduce_scatter(self, out: torch.Tensor, inp: torch.Tensor) -> None:
+        _REDUCE_SCATTER(out, inp, group=self.pg)
 
 
-class ChunkExchange:
-    """Runs a plan's rounds for one rank: K/V chunks forward, gradient partials in reverse.
+# -- node layout ---------------------------------------------------------------------------------
 
-    ``store`` maps chunk id -> tensor ``[2, B, chunk, Hk, D]`` (K and V stacked). Forward
-    rounds put received chunks into it; :meth:`start_reverse` sends back the accumulated
-    gradient of every received chunk to the rank it came from and adds what arrives into
-    ``grads``.
-    """
-
-    def __init__(self, pg, rank: int, rounds: list[Round], store: dict[int, torch.Tensor],
-                 make_buffer: Callable[..., torch.Tensor]):
-        self.pg, self.rank, self.rounds = pg, rank, rounds
-        self.store = store
-        self.make_buffer = make_buffer
-        self._inflight: dict[int, Inflight] = {}
-        self._next = 0  # next forward round to issue
-        self._reverse: dict[int, Inflight] = {}
-
-    # -- forward: K/V chunks ------------------------------------------------------------------
-    def _issue_forward(self, t: int) -> None:
-        rnd = self.rounds[t]
-        sends = [(tr.dst, torch.stack([self.store[c] for c in tr.chunks])) for tr in rnd.sends(self.rank)]
-        recvs = [(tr.src, tr.chunks, self.make_buffer(len(tr.chunks))) for tr in rnd.recvs(self.rank)]
-        self._inflight[t] = issue(self.pg, sends, recvs, tag=t)
-
-    def issue_ready(self) -> None:
-        """Issue, in order, every forward round whose payload is already available: leading
-        direct rounds at once; a relay round only after the previous round arrived."""
-        while self._next < len(self.rounds):
-            t = self._next
-            if self.rounds[t].relay and (t - 1) in self._inflight:
-                break
-            self._issue_forward(t)
-            self._next += 1
-
-    def wait_forward(self, t: int) -> list[int]:
-        """Wait for round ``t``; store its chunks; issue rounds that became ready. Returns the
-        received chunk ids."""
-        if t not in self._inflight:
-            raise RuntimeError(f"round {t} was never issued")
-        got = []
-        for chunks, buf in self._inflight.pop(t).wait():
-            for c, x in zip(chunks, buf.unbind(0)):
-                self.store[c] = x
-                got.append(c)
-        self.issue_ready()
-        return got
-
-    # -- reverse: gradient partials -----------------------------------------------------------
-    def start_reverse(self, t: int, grads: dict[int, torch.Tensor], dtype: torch.dtype) -> None:
-        """Send the gradients of the chunks received in round ``t`` back to their senders and
-        post receives for the partial gradients of the chunks this rank sent in round ``t``."""
-        rnd = self.rounds[t]
-        sends = []
-        for tr in rnd.recvs(self.rank):
-            payload = torch.stack([self._grad(grads, c) for c in tr.chunks]).to(dtype)
-            sends.append((tr.src, payload))
-        recvs = [(tr.dst, tr.chunks, self.make_buffer(len(tr.chunks), dtype))
-                 for tr in rnd.sends(self.rank)]
-        self._reverse[t] = issue(self.pg, sends, recvs, tag=GRAD_TAG + t)
-
-    def _grad(self, grads, c):
-        if c not in grads:
-            grads[c] = torch.zeros_like(self.store[c], dtype=torch.float32)
-        return grads[c]
-
-    def wait_reverse(self, t: int, grads: dict[int, torch.Tensor]) -> None:
-        """Wait for reverse round ``t`` and add the received partial gradients into ``grads``."""
-        for chunks, buf in self._reverse.pop(t).wait():
-            for c, x in zip(chunks, buf.unbind(0)):
-                self._grad(grads, c).add_(x)
-
-    @property
-    def has_relay(self) -> bool:
-        return any(r.relay for r in self.rounds)
+_LAYOUT_OK: set = set()
 
 
-def all_gather_kv(pg, kv_local: torch.Tensor, world: int) -> torch.Tensor:
-    """``[2, B, S_local, Hk, D]`` on every rank -> ``[P, 2, B, S_local, Hk, D]`` (rank order)."""
-    shape = tuple(kv_local.shape)
-    out = kv_local.new_empty((world * shape[0],) + shape[1:])
-    _ALL_GATHER(out, kv_local.contiguous(), group=pg)
-    return out.view((world,) + shape)
+def node_ids(global_ranks, node_layout) -> list:
+    """Node of every global rank: ``node_layout`` is GPUs per node (node = rank // it), a
+    sequence (node of global rank i = node_layout[i]) or a callable; ``None`` reads torchrun's
+    ``LOCAL_WORLD_SIZE``."""
+    if node_layout is None:
+        env = os.environ.get("LOCAL_WORLD_SIZE")
+        if not env:
+            raise ValueError("a plan with nodes > 1 needs the node layout to check that the CP group "
+                             "is node-major: run under torchrun (LOCAL_WORLD_SIZE) or pass "
+                             "node_layout=<GPUs per node> or a node id per global rank")
+        node_layout = int(env)
+    if isinstance(node_layout, bool):
+        raise TypeError("node_layout must be an int, a sequence or a callable, got bool")
+    if isinstance(node_layout, int):
+        if node_layout < 1:
+            raise ValueError(f"node_layout (GPUs per node) must be >= 1, got {node_layout}")
+        return [g // node_layout for g in global_ranks]
+    if callable(node_layout):
+        return [node_layout(g) for g in global_ranks]
+    try:
+        return [node_layout[g] for g in global_ranks]
+    except (IndexError, KeyError, TypeError) as e:
+        raise ValueError(f"node_layout must give a node for every global rank {list(global_ranks)}: {e}") from None
 
 
-def reduce_scatter_kv(pg, grads: torch.Tensor) -> torch.Tensor:
-    """``[P, 2, B, S_local, Hk, D]`` partial gradients on every rank -> this rank's sum."""
-    shape = tuple(grads.shape)
-    out = grads.new_empty(shape[1:])
-    _REDUCE_SCATTER(out, grads.contiguous().view((shape[0] * shape[1],) + shape[2:]), group=pg)
-    return out
+def node_layout_error(ids, nodes: int) -> Optional[str]:
+    """Why group ranks on nodes ``ids`` (group rank order) are not node-major for ``nodes``
+    nodes (group rank r on node r // (P / nodes)), or ``None`` when they are."""
+    per = len(ids) // nodes
+    blocks = [ids[i * per:(i + 1) * per] for i in range(nodes)]
+    if all(len(set(b)) == 1 for b in blocks) and len({b[0] for b in blocks}) == nodes:
+        return None
+    return (f"the plan routes over nodes={nodes} assuming group rank r sits on node r // {per}, "
+            f"but the group's ranks sit on nodes {list(ids)}; build the CP group node-major "
+            f"(consecutive group ranks on one node) or plan with nodes=1")
 
+
+def check_node_layout(pg: dist.ProcessGroup, nodes: int, node_layout, device) -> None:
+    """Raise ValueError on every rank unless the group is node-major for ``nodes`` nodes.
+
+    Checked once per (group, nodes, layout): the verdicts are combined by one all-reduce so that
+    a rank with a different view of the layout cannot leave the others waiting."""
+    if nodes == 1:
+        return
+    key = (_group_key(pg), nodes, repr(node_layout), os.environ.get("LOCAL_WORLD_SIZE"))
+    if key in _LAYOUT_OK:
+        return
+    try:
+        err = node_layout_error(node_ids(dist.get_process_group_ranks(pg), node_layout), nodes)
+    except (ValueError, TypeError) as e:
+        err = str(e)
+    flag = torch.tensor([0 if err is None else 1], dtype=torch.int64, device=device)
+    dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=pg)
+    if err is not None:
+        raise ValueError(err)
+    if int(flag.item()):
+        raise ValueError("another rank of the CP group found the group not node-major for the plan's "
+                         f"nodes={nodes} (see its error)")
+    _LAYOUT_OK.add(key)
+
+
+def _group_key(pg) -> str:
+    return dist.get_backend(pg) + ":" + str(pg.group_name if hasattr(pg, "group_name") else id(pg))

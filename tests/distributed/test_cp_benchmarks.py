@@ -35,14 +35,21 @@ def test_balance_benchmark_small(tmp_path):
 
 
 def test_cp_single_gpu_cpu_mode(tmp_path):
-    args = ["--device", "cpu", "--tokens", "1024", "--cp", "4", "--heads", "2", "--kv-heads", "1",
-            "--head-dim", "16", "--dtype", "float32", "--iters", "1", "--warmup", "0",
-            "--spreads", "corpus", "causal", "--no-full", "--out", str(tmp_path)]
+    """The one-device emulation runs every rank of cp 4 and a sample at cp 16 through the staged
+    runtime, and reports the slowest rank, host time and launches it measured."""
+    args = ["--device", "cpu", "--tokens", "1024", "--cp", "4", "16", "--heads", "2", "--kv-heads", "1",
+            "--head-dim", "8", "--dtype", "float32", "--iters", "1", "--warmup", "0",
+            "--all-ranks-up-to", "4", "--heaviest", "2", "--random", "1", "--check", "--out", str(tmp_path)]
     assert cp_single_gpu.main(args) == 0
-    res = json.loads((tmp_path / "cp_single_gpu.json").read_text())
-    for spread in ("corpus", "causal"):
-        for bal in ("dual_chunk", "sparse"):
-            entry = res["spreads"][spread][bal]
-            assert len(entry["ranks"]) == 4
-            assert entry["slowest_seconds"] == max(r["seconds"] for r in entry["ranks"]) > 0
-    assert "sparse / dual" in (tmp_path / "cp_single_gpu.md").read_text()
+    res = json.loads((tmp_path / "cp_runtime.json").read_text())["cp"]
+    assert set(res["4"]) == {"dual_chunk+allgather", "sparse+allgather", "sparse+overlap"}
+    assert "sparse+overlap hier" in res["16"]
+    for cp, configs in res.items():
+        for entry in configs.values():
+            ranks = entry["ranks"]
+            assert len(ranks) == (4 if cp == "4" else entry["ranks_wanted"]) and ranks
+            assert entry["slowest_seconds"] == max(r["seconds"] for r in ranks) > 0
+            assert entry["launches_max"] <= 64 and entry["syncs_max"] == 0
+            assert all(r["attention_calls"] == 2 * r["stages"] for r in ranks)
+            assert entry["max_err_out"] < 1e-5 and entry["max_err_dq"] < 1e-5
+    assert entry["sampled"] and "(sampled)" in (tmp_path / "cp_runtime.md").read_text()

@@ -30,9 +30,14 @@ def _reference(q, k, v, do, mask):
     return out.detach(), lse.detach(), q.grad, k.grad, v.grad
 
 
-def _run_cp(q, k, v, do, p, rank, comm, group=None, with_lse=False):
+def _run_cp(q, k, v, do, p, rank, comm, group=None, with_lse=False, node_layout=None):
+    """CP attention of ``rank``'s shards and its gradients. ``node_layout`` defaults to GPUs per
+    node = cp_size // nodes over the group's global ranks (every rank "on" its plan node)."""
     ql, kl, vl = (p.shard(t, rank).requires_grad_() for t in (q, k, v))
-    res = cp_flashmask_attention(ql, kl, vl, p, group=group, comm=comm, return_softmax_lse=with_lse)
+    if node_layout is None:
+        node_layout = p.cp_size // p.nodes
+    res = cp_flashmask_attention(ql, kl, vl, p, group=group, comm=comm, return_softmax_lse=with_lse,
+                                 node_layout=node_layout)
     out = res[0] if with_lse else res
     out.backward(p.shard(do, rank))
     return out.detach(), ql.grad, kl.grad, vl.grad, (res[1].detach() if with_lse else None)
@@ -205,3 +210,95 @@ def abort_on_first_attempt(rank, world, marker):
         open(marker, "w").close()
         time.sleep(1.0)  # rank 0 is in the final barrier: it records an echo error
         os.abort()
+
+
+# -- the runtime: hierarchical round structure, fully masked ranks, float64, node layout --------
+
+
+def split_hierarchical(p):
+    """Give a hierarchical plan the round structure [intra direct, cross direct, relay] of
+    docs/context-parallel.md if its planner still mixes intra- and cross-node transfers in one
+    direct round (an older plan.py); plans that already separate them are returned as they are."""
+    from flashmask3.distributed import Round
+
+    if p.nodes == 1:
+        return p
+    g = p.cp_size // p.nodes
+    direct = [r for r in p.rounds if not r.relay]
+    if len(direct) != 1 or all(t.src // g == t.dst // g for t in direct[0].transfers):
+        return p
+    relays = [r for r in p.rounds if r.relay]
+    intra = tuple(t for t in direct[0].transfers if t.src // g == t.dst // g)
+    cross = tuple(t for t in direct[0].transfers if t.src // g != t.dst // g)
+    p.rounds = [Round(intra, False), Round(cross, False)] + [Round(r.transfers, True) for r in relays]
+    return p
+
+
+def _half_masked(seqlen):
+    """A non-causal mask whose rows past the middle see no key: ranks holding only those rows
+    are fully masked (zeros out, zero gradients), the others attend over everything."""
+    from flashmask3.masks import FlashMask
+
+    cols = torch.zeros(1, 1, seqlen, 2, dtype=torch.int32)
+    cols[..., 0] = seqlen // 2
+    return FlashMask(cols, False, seqlen)
+
+
+def _check_against(ref, p, rank, got, tag, rtol=2e-4, atol=2e-5):
+    for label, g, want in zip(("out", "dq", "dk", "dv"), got, (ref[0], ref[2], ref[3], ref[4])):
+        w = p.shard(want, rank)
+        if not torch.allclose(g, w.to(g.dtype), rtol=rtol, atol=atol):
+            raise AssertionError(f"{tag}: {label} differs from the float64 reference "
+                                 f"(max abs err {(g - w).abs().max().item():.3g})")
+
+
+def runtime_suite(rank, world, seqlen, node_counts, seed):
+    """The reworked runtime on ``world`` gloo ranks against the float64 dense reference:
+    hierarchical plans in the [intra, cross, relay] structure for every node count in
+    ``node_counts`` and flat plans, every balance, GQA with per-head masks (Hm = Hk = 2 < Hq),
+    a mask with fully masked ranks, float64 inputs; then the node-layout check."""
+    from tests.reference import reference_attention
+
+    masks = named_masks(seqlen, batch_size=B, num_heads=HK)
+    cases = {"causal_document": masks["causal_document"], "random_eviction": masks["random_eviction"],
+             "half_masked": _half_masked(seqlen)}
+    for i, (name, mask) in enumerate(cases.items()):
+        for dtype in (torch.float32, torch.float64):
+            q, k, v, do = _inputs(seqlen, seed + i, dtype)
+            qr, kr, vr = (t.clone().requires_grad_() for t in (q, k, v))
+            out_r, lse_r = reference_attention(qr, kr, vr, mask.startend_row_indices, mask.causal)
+            out_r.backward(do.to(torch.float64))
+            ref = (out_r.detach(), lse_r, qr.grad, kr.grad, vr.grad)
+            # float64: the torch backend returns fp32 LSEs, which bound what the merge can keep
+            tol = dict(rtol=1e-6, atol=1e-6) if dtype == torch.float64 else {}
+            for balance in ("contiguous", "dual_chunk", "sparse"):
+                for nodes in (1, *node_counts):
+                    p = split_hierarchical(plan(mask, None, world, balance=balance, nodes=nodes))
+                    for comm in ("overlap", "allgather"):
+                        got = _run_cp(q, k, v, do, p, rank, comm)[:4]
+                        tag = f"rank {rank} {name} {dtype} {balance} nodes={nodes} {comm}"
+                        _check_against(ref, p, rank, got, tag, **tol)
+    check_node_layout_errors(rank, world, seqlen)
+
+
+def check_node_layout_errors(rank, world, seqlen):
+    """A hierarchical plan on a group that is not node-major raises ValueError on every rank,
+    never a hang: an interleaved layout, no layout at all, and ranks that disagree."""
+    import os
+
+    mask = named_masks(seqlen)["causal_document"]
+    p = plan(mask, None, world, balance="sparse", nodes=2)
+    x = torch.randn(1, seqlen // world, 2, 8)
+    interleaved = [r % 2 for r in range(world)]
+    disagree = list(range(world)) if rank == 0 else [r // (world // 2) for r in range(world)]
+    os.environ.pop("LOCAL_WORLD_SIZE", None)
+    for layout, words in ((interleaved, "node-major"), (None, "LOCAL_WORLD_SIZE"), (disagree, "node")):
+        try:
+            cp_flashmask_attention(x, x, x, p, node_layout=layout)
+        except ValueError as e:
+            assert words in str(e), str(e)
+        else:
+            raise AssertionError(f"rank {rank}: node_layout={layout} should be refused")
+    os.environ["LOCAL_WORLD_SIZE"] = str(world // 2)  # torchrun's variable: node-major, accepted
+    out = cp_flashmask_attention(x, x, x, p)
+    assert out.shape == x.shape

@@ -1,0 +1,589 @@
+"""The per-layer context-parallel runtime: a rank's device program and its staged schedule.
+
+:func:`prepare_rank` turns a :class:`~flashmask3.distributed.plan.CPPlan` into a
+:class:`RankProgram` for one rank on one device, once per plan (cached on the plan object):
+every index tensor, the local mask columns of each stage and the message layout of every
+round. A layer then runs :func:`forward` / :func:`backward` with a fixed number of tensor
+operations that does not grow with the cp size or the number of chunks; see docs/cp-runtime.md
+for the schedule, the buffers and the launch budget.
+
+Layouts. K and V travel together in *wire rows*: ``[rows, 2, B, chunk, Hk, D]``, one row per
+chunk, so that one message is one contiguous slice of a buffer and one ``index_select`` builds
+every payload of a round. A stage's keys are gathered from a round's receive buffer with one
+``index_select`` into ``[2, B, n, chunk, Hk, D]``, whose halves are the contiguous K and V the
+attention call takes. Gradients travel back in the same wire rows and are summed into one
+accumulator per rank with ``index_add_``.
+
+Communication goes through an *exchange* object (:class:`~flashmask3.distributed.comm.DistExchange`
+for torch.distributed, :class:`EmulatedExchange` for one-process emulation and launch counting)
+with ``start(round, reverse, send, recv)``, ``all_gather(out, inp)`` and
+``reduce_scatter(out, inp)``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional
+
+import numpy as np
+import torch
+
+from .launches import call_attention, not_counted
+
+#: Tag offset of the gradient (reverse) rounds; forward rounds use their index as tag.
+GRAD_TAG = 1 << 10
+
+
+def round_source(rounds, t: int) -> Optional[int]:
+    """The round whose chunks relay round ``t`` forwards (``None`` for a direct round).
+
+    Plans that predate ``Round.source`` relay from the previous round."""
+    r = rounds[t]
+    return getattr(r, "source", t - 1 if r.relay else None)
+
+
+@dataclass(frozen=True)
+class Message:
+    """One point-to-point message of a round: rows ``[start, stop)`` of a wire buffer."""
+
+    peer: int
+    start: int
+    stop: int
+    chunks: tuple[int, ...]
+
+
+@dataclass
+class RoundProgram:
+    """One round as seen by one rank.
+
+    ``sends``/``recvs``: its messages (rows of the payload / of the receive buffer).
+    ``send_rows``: rows the payload is gathered from (own wire rows for a direct round, rows
+    of the source round's receive buffer for a relay round). ``stage_rows``: receive rows this
+    rank attends to, in stage order. ``grad_rows``: for the fast gradient path, the stage
+    position of every receive row. ``children``: relay rounds forwarding this round's chunks.
+    """
+
+    index: int
+    relay: bool
+    source: Optional[int]
+    sends: tuple[Message, ...]
+    recvs: tuple[Message, ...]
+    send_rows: Optional[torch.Tensor]
+    stage_rows: Optional[torch.Tensor]
+    stage_size: int
+    grad_rows: Optional[torch.Tensor]
+    children: tuple[int, ...]
+    send_chunk_ids: torch.Tensor
+    recv_chunk_ids: torch.Tensor
+    direct_offset: int = 0  # rows before this round's in the direct gradient-return buffer
+
+    @property
+    def n_send(self) -> int:
+        return self.sends[-1].stop if self.sends else 0
+
+    @property
+    def n_recv(self) -> int:
+        return self.recvs[-1].stop if self.recvs else 0
+
+    @property
+    def fast_grad(self) -> bool:
+        """Gradients go back straight from the stage's dK/dV: every received chunk is attended
+        to and none is relayed on."""
+        return not self.children and self.stage_size == self.n_recv
+
+
+@dataclass
+class RankProgram:
+    """Everything one rank needs on its device to run one layer (see the module doc)."""
+
+    rank: int
+    device: torch.device
+    comm: str
+    chunk_size: int
+    n_own: int
+    own_chunks: tuple[int, ...]
+    stage_chunks: list[tuple[int, ...]]
+    stage_cols: list[Optional[torch.Tensor]]
+    own_rows: Optional[torch.Tensor]  # None: the own stage is every own chunk, in order
+    rounds: list[RoundProgram]
+    backward_order: list[int]
+    direct_send_rows: Optional[torch.Tensor]  # own rows of every direct round's payload, in round order
+    n_direct_send: int
+    gather_rows: Optional[torch.Tensor] = None  # allgather: rows of the gathered wire buffer
+    _host: list = field(default_factory=list, repr=False)  # pinned sources of in-flight copies
+    _batched_cols: dict = field(default_factory=dict, repr=False)
+
+    def cols(self, stage: int, batch: int) -> Optional[torch.Tensor]:
+        """Stage ``stage``'s local mask columns for a batch of ``batch`` rows."""
+        cols = self.stage_cols[stage]
+        if cols is None or cols.shape[0] == batch:
+            return cols
+        key = (stage, batch)
+        if key not in self._batched_cols:  # first layer of a new batch size only
+            self._batched_cols[key] = cols.expand(batch, -1, -1, -1).contiguous()
+        return self._batched_cols[key]
+
+
+# -- building a program -----------------------------------------------------------------------------
+
+
+def _to_device(x: torch.Tensor, device: torch.device, keep: list) -> torch.Tensor:
+    """``x`` on ``device``: from pinned host memory without blocking when it goes to a GPU."""
+    if x.device == device:
+        return x
+    if device.type == "cuda" and x.device.type == "cpu":
+        pinned = x.pin_memory()
+        keep.append(pinned)
+        return pinned.to(device, non_blocking=True)
+    return x.to(device)
+
+
+def _index(values, device, keep) -> torch.Tensor:
+    return _to_device(torch.as_tensor(np.asarray(values, dtype=np.int64)), device, keep)
+
+
+def _messages(transfers, peer_of) -> tuple[Message, ...]:
+    out, row = [], 0
+    for tr in transfers:
+        out.append(Message(peer_of(tr), row, row + len(tr.chunks), tuple(int(c) for c in tr.chunks)))
+        row += len(tr.chunks)
+    return tuple(out)
+
+
+def _rows_of(messages) -> dict[int, int]:
+    """Chunk id -> its first row in a buffer laid out by ``messages``."""
+    rows: dict[int, int] = {}
+    for m in messages:
+        for i, c in enumerate(m.chunks):
+            rows.setdefault(c, m.start + i)
+    return rows
+
+
+def backward_order(rounds) -> list[int]:
+    """The order in which the backward computes the remote stages.
+
+    A round that feeds relays comes with its family: the relays first (their gradients must
+    come back before the source's can be returned), then the source; families first (their
+    return path is the longest: it crosses nodes), then the other direct rounds ascending.
+    For a flat plan this is arrival order."""
+    children = {t: [u for u in range(len(rounds)) if round_source(rounds, u) == t] for t in range(len(rounds))}
+
+    def family(t):
+        out = []
+        for c in sorted(children[t], reverse=True):
+            out += family(c)
+        return out + [t]
+
+    direct = [t for t in range(len(rounds)) if round_source(rounds, t) is None]
+    order = []
+    for t in direct:
+        if children[t]:
+            order += family(t)
+    return order + [t for t in direct if not children[t]]
+
+
+def _build_rounds(plan, rank, device, keep, own_pos) -> list[RoundProgram]:
+    rounds = plan.rounds
+    stages = plan.stages(rank)
+    out: list[RoundProgram] = []
+    recv_rows: list[dict[int, int]] = []
+    direct_offset = 0
+    for t, rnd in enumerate(rounds):
+        src = round_source(rounds, t)
+        sends = _messages(rnd.sends(rank), lambda tr: tr.dst)
+        recvs = _messages(rnd.recvs(rank), lambda tr: tr.src)
+        rows = _rows_of(recvs)
+        recv_rows.append(rows)
+        base = own_pos if src is None else recv_rows[src]
+        send_rows = [base[c] for m in sends for c in m.chunks]
+        stage = stages[t + 1]
+        stage_rows = [rows[c] for c in stage]
+        n_recv = recvs[-1].stop if recvs else 0
+        grad_rows = None
+        identity = stage_rows == list(range(n_recv))
+        if len(stage) == n_recv and n_recv and not identity:
+            pos = {r: i for i, r in enumerate(stage_rows)}
+            grad_rows = _index([pos[r] for r in range(n_recv)], device, keep)
+        out.append(RoundProgram(
+            index=t, relay=src is not None, source=src, sends=sends, recvs=recvs,
+            send_rows=_index(send_rows, device, keep) if send_rows else None,
+            stage_rows=_index(stage_rows, device, keep) if stage_rows else None,
+            stage_size=len(stage), grad_rows=grad_rows, children=(),
+            send_chunk_ids=_index([c for m in sends for c in m.chunks], device, keep),
+            recv_chunk_ids=_index([c for m in recvs for c in m.chunks], device, keep),
+            direct_offset=direct_offset))
+        if src is None:
+            direct_offset += len(send_rows)
+    for r in out:
+        r.children = tuple(u.index for u in out if u.source == r.index)
+    return out
+
+
+def _stage_columns(cols: torch.Tensor, stage_chunks, chunk_size, device, keep):
+    """Each stage's slice of the local key axis, contiguous, on ``device``."""
+    out, start = [], 0
+    for chunks in stage_chunks:
+        stop = start + len(chunks) * chunk_size
+        out.append(_to_device(cols[:, :, start:stop].contiguous(), device, keep) if chunks else None)
+        start = stop
+    return out
+
+
+def _normal_device(device) -> torch.device:
+    device = torch.device(device)
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    return device
+
+
+def prepare_rank(plan, rank: int, device, comm: str = "overlap") -> RankProgram:
+    """The :class:`RankProgram` of ``rank`` on ``device`` for ``comm`` ("overlap" or
+    "allgather"), built once and cached on ``plan``.
+
+    Host-to-device copies come from pinned memory without blocking, so a data-loader thread can
+    prepare the next batch's programs while the current one trains."""
+    from .attention import COMMS
+
+    if comm not in COMMS:
+        raise ValueError(f"comm must be one of {COMMS}, got {comm!r}")
+    device = _normal_device(device)
+    cache = plan.__dict__.setdefault("_rank_programs", {})
+    key = (int(rank), str(device), comm)
+    if key not in cache:
+        cache[key] = _build_program(plan, int(rank), device, comm)
+    return cache[key]
+
+
+def _build_program(plan, rank, device, comm) -> RankProgram:
+    keep: list = []
+    own = plan.chunks(rank)
+    own_pos = {c: i for i, c in enumerate(own)}
+    cs = plan.chunk_size
+    stages = [tuple(s) for s in plan.stages(rank)]
+    own_stage = stages[0]
+    own_rows = None if list(own_stage) == list(own) else _index([own_pos[c] for c in own_stage], device, keep)
+    common = dict(rank=rank, device=device, comm=comm, chunk_size=cs, n_own=len(own), own_chunks=own)
+    if comm == "allgather":
+        needed = sorted(c for s in stages for c in s)
+        row_of = {}
+        for r in range(plan.cp_size):
+            for i, c in enumerate(plan.chunks(r)):
+                row_of[c] = r * len(own) + i
+        cols = plan.local_mask(rank, "sorted").startend_row_indices
+        return RankProgram(**common, stage_chunks=[tuple(needed)],
+                           stage_cols=_stage_columns(cols, [needed], cs, device, keep),
+                           own_rows=None, rounds=[], backward_order=[], direct_send_rows=None,
+                           n_direct_send=0,
+                           gather_rows=_index([row_of[c] for c in needed], device, keep) if needed else None,
+                           _host=keep)
+    rounds = _build_rounds(plan, rank, device, keep, own_pos)
+    direct = [r for r in rounds if r.source is None and r.send_rows is not None]
+    direct_rows = torch.cat([r.send_rows for r in direct]) if direct else None
+    cols = plan.local_mask(rank, "arrival").startend_row_indices
+    return RankProgram(**common, stage_chunks=stages,
+                       stage_cols=_stage_columns(cols, stages, cs, device, keep), own_rows=own_rows,
+                       rounds=rounds, backward_order=backward_order(plan.rounds),
+                       direct_send_rows=direct_rows, n_direct_send=sum(r.n_send for r in direct),
+                       _host=keep)
+
+
+# -- layouts ----------------------------------------------------------------------------------------
+
+
+def to_wire(k: torch.Tensor, v: torch.Tensor, chunk: int) -> torch.Tensor:
+    """``[B, n*chunk, Hk, D]`` K and V -> wire rows ``[n, 2, B, chunk, Hk, D]`` (one copy)."""
+    b, s, h, d = k.shape
+    kc = k.view(b, s // chunk, chunk, h, d).transpose(0, 1)
+    vc = v.view(b, s // chunk, chunk, h, d).transpose(0, 1)
+    return torch.stack([kc, vc], dim=1)
+
+
+def from_wire(rows: torch.Tensor, index: Optional[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Contiguous K and V ``[B, n*chunk, Hk, D]`` of wire ``rows`` (selected by ``index``)."""
+    n, _, b, cs, h, d = rows.shape
+    kv = rows.permute(1, 2, 0, 3, 4, 5)
+    kv = kv.index_select(2, index) if index is not None else kv.contiguous()
+    m = kv.shape[2]
+    return kv[0].view(b, m * cs, h, d), kv[1].view(b, m * cs, h, d)
+
+
+def _wire_shape(rows: int, k: torch.Tensor, chunk: int) -> tuple[int, ...]:
+    return (rows, 2, k.shape[0], chunk, k.shape[2], k.shape[3])
+
+
+def acc_dtype(dtype: torch.dtype) -> torch.dtype:
+    """Accumulation dtype: float64 stays float64, everything else sums in float32."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+# -- merging partial attentions ----------------------------------------------------------------------
+
+
+def merge_stages(outs: list[torch.Tensor], lses: list[torch.Tensor], dtype: torch.dtype):
+    """Combine attentions over disjoint key sets (``out [B, S, H, D]``, ``lse [B, H, S]``) in a
+    fixed number of operations: weights ``exp(lse_s - lse)``, computed in ``dtype``.
+
+    Rows masked in every part keep ``lse = -inf`` and ``out = 0``."""
+    if len(outs) == 1:
+        return outs[0], lses[0]
+    lse_all = torch.stack(lses).to(dtype)                   # [S, B, H, L]
+    top = lse_all.amax(0).clamp_min(torch.finfo(dtype).min)  # finite even where all are -inf
+    w = torch.exp(lse_all - top)
+    den = w.sum(0)
+    lse = top + den.log()                                   # -inf where every part is masked
+    w = w / den.clamp_min(torch.finfo(dtype).tiny)
+    out = (torch.stack(outs) * w.transpose(2, 3).unsqueeze(-1)).sum(0)
+    return out, lse
+
+
+# -- the per-layer schedule ----------------------------------------------------------------------------
+
+
+class _Rounds:
+    """Forward traffic of one pass: issues rounds as their payloads become available."""
+
+    def __init__(self, prog: RankProgram, exchange, wire_own: Optional[torch.Tensor], k):
+        self.prog, self.exchange = prog, exchange
+        cs = prog.chunk_size
+        self.bufs: dict[int, torch.Tensor] = {}
+        self.pending: dict[int, object] = {}
+        self.arrived: set[int] = set()
+        payload = None
+        if prog.direct_send_rows is not None:
+            payload = wire_own.index_select(0, prog.direct_send_rows)
+        for r in prog.rounds:
+            self.bufs[r.index] = k.new_empty(_wire_shape(r.n_recv, k, cs))
+        for r in prog.rounds:
+            if r.source is None:
+                send = payload[r.direct_offset:r.direct_offset + r.n_send] if r.n_send else None
+                self.pending[r.index] = exchange.start(r, False, send, self.bufs[r.index])
+
+    def arrive(self, t: int) -> torch.Tensor:
+        """Make the current stream wait for round ``t`` (its source first); returns its buffer.
+        Relay rounds that forward round ``t`` are issued right after it arrives."""
+        if t in self.arrived:
+            return self.bufs[t]
+        r = self.prog.rounds[t]
+        if r.source is not None:
+            self.arrive(r.source)
+        self.pending.pop(t).wait()
+        self.arrived.add(t)
+        for c in r.children:
+            child = self.prog.rounds[c]
+            send = self.bufs[t].index_select(0, child.send_rows) if child.n_send else None
+            self.pending[c] = self.exchange.start(child, False, send, self.bufs[c])
+        return self.bufs[t]
+
+
+def _stage_kv(prog, rounds: _Rounds, s, k, v):
+    """Contiguous K and V of stage ``s`` (0: the own chunks; s > 0: round s-1's arrivals)."""
+    if s == 0:
+        if prog.own_rows is None:
+            ks, vs = k, v
+        else:
+            b, _, h, d = k.shape
+            shape = (b, prog.n_own, prog.chunk_size, h, d)
+            ks = k.view(shape).index_select(1, prog.own_rows).flatten(1, 2)
+            vs = v.view(shape).index_select(1, prog.own_rows).flatten(1, 2)
+    else:
+        r = prog.rounds[s - 1]
+        ks, vs = from_wire(rounds.arrive(r.index), r.stage_rows)
+    return ks, vs
+
+
+def forward_overlap(prog: RankProgram, exchange, backend, q, k, v, scale):
+    """Staged forward: own chunks while the remote ones arrive, then each round's stage;
+    partial results merged once at the end. Returns ``(out, lse)``, out in q's dtype."""
+    wire_own = to_wire(k, v, prog.chunk_size) if prog.direct_send_rows is not None else None
+    rounds = _Rounds(prog, exchange, wire_own, k)
+    outs, lses = [], []
+    for s, chunks in enumerate(prog.stage_chunks):
+        if s > 0:
+            rounds.arrive(s - 1)
+        if not chunks:
+            continue
+        ks, vs = _stage_kv(prog, rounds, s, k, v)
+        o, l = call_attention(backend.forward, q, ks, vs, prog.cols(s, q.shape[0]), False, scale)
+        outs.append(o)
+        lses.append(l)
+    return _finish_forward(outs, lses, q, v)
+
+
+def _finish_forward(outs, lses, q, v):
+    if not outs:
+        b, s, h, _ = q.shape
+        out = q.new_zeros(b, s, h, v.shape[-1])
+        lse = torch.full((b, h, s), float("-inf"), dtype=torch.float32, device=q.device)
+        return out, lse
+    out, lse = merge_stages(outs, lses, acc_dtype(q.dtype))
+    return out.to(q.dtype), lse
+
+
+class _Returns:
+    """Backward traffic in reverse: each received chunk's gradient back to where it came from."""
+
+    def __init__(self, prog: RankProgram, exchange, k):
+        self.prog, self.exchange, self.k = prog, exchange, k
+        self.acc = acc_dtype(k.dtype)
+        cs = prog.chunk_size
+        self.direct_buf = k.new_empty(_wire_shape(prog.n_direct_send, k, cs))
+        self.relay_bufs: dict[int, torch.Tensor] = {}
+        self.grads: dict[int, torch.Tensor] = {}  # accumulators of rounds that relay on
+        self.pending: dict[int, object] = {}
+
+    def stage_grads(self, r: RoundProgram, dk, dv) -> None:
+        """Record round ``r``'s stage gradients (wire rows of its receive buffer)."""
+        wire = to_wire(dk, dv, self.prog.chunk_size)  # [n_stage, 2, B, cs, Hk, D]
+        if r.fast_grad:
+            self.grads[r.index] = wire if r.grad_rows is None else wire.index_select(0, r.grad_rows)
+            return
+        g = self.k.new_zeros(_wire_shape(r.n_recv, self.k, self.prog.chunk_size), dtype=self.acc)
+        if r.stage_size:
+            g.index_add_(0, r.stage_rows, wire.to(self.acc))
+        self.grads[r.index] = g
+
+    def send(self, r: RoundProgram) -> None:
+        """Issue round ``r``'s gradient return once its gradients are final: children's
+        returns summed in first (relays forward what their node's ranks sent back)."""
+        if r.index not in self.grads and r.n_recv:  # no stage here: only relayed on
+            self.grads[r.index] = self.k.new_zeros(_wire_shape(r.n_recv, self.k, self.prog.chunk_size),
+                                                   dtype=self.acc)
+        if r.children:
+            g = self.grads.get(r.index)  # None: nothing received, so nothing relayed on
+            for c in r.children:
+                child = self.prog.rounds[c]
+                self.pending.pop(c).wait()
+                if child.n_send:
+                    g.index_add_(0, child.send_rows, self.relay_bufs.pop(c).to(self.acc))
+        send = self.grads.pop(r.index, None)
+        if send is not None:
+            send = send.to(self.k.dtype)
+        if r.source is None:
+            recv = self.direct_buf[r.direct_offset:r.direct_offset + r.n_send]
+        else:
+            recv = self.k.new_empty(_wire_shape(r.n_send, self.k, self.prog.chunk_size))
+            self.relay_bufs[r.index] = recv
+        self.pending[r.index] = self.exchange.start(r, True, send, recv)
+
+    def own_grads(self, wire_own: Optional[torch.Tensor], q_like) -> tuple[torch.Tensor, torch.Tensor]:
+        """Wait for the direct returns and add them into the rank's own dK/dV."""
+        prog, k = self.prog, self.k
+        if wire_own is None:
+            acc = k.new_zeros(_wire_shape(prog.n_own, k, prog.chunk_size), dtype=self.acc)
+        elif prog.own_rows is None:
+            acc = wire_own.to(self.acc)
+        else:
+            acc = k.new_zeros(_wire_shape(prog.n_own, k, prog.chunk_size), dtype=self.acc)
+            acc.index_add_(0, prog.own_rows, wire_own.to(self.acc))
+        for t in list(self.pending):
+            self.pending.pop(t).wait()
+        if prog.n_direct_send:
+            acc.index_add_(0, prog.direct_send_rows, self.direct_buf.to(self.acc))
+        dk, dv = from_wire(acc, None)
+        return dk.to(k.dtype), dv.to(k.dtype)
+
+
+def backward_overlap(prog: RankProgram, exchange, backend, dout, dlse, q, k, v, out, lse, scale):
+    """Staged backward (see docs/cp-runtime.md): the K/V come again by the forward's rounds;
+    each remote stage's dK/dV go back as soon as they are final while later stages compute."""
+    wire_own = to_wire(k, v, prog.chunk_size) if prog.direct_send_rows is not None else None
+    rounds = _Rounds(prog, exchange, wire_own, k)
+    returns = _Returns(prog, exchange, k)
+    dq = None
+    own_wire = None
+
+    def run(s):
+        nonlocal dq
+        ks, vs = _stage_kv(prog, rounds, s, k, v)
+        dq_s, dk_s, dv_s = call_attention(backend.backward, dout, dlse, q, ks, vs, out, lse,
+                                          prog.cols(s, q.shape[0]), False, scale)
+        dq = dq_s.to(acc_dtype(q.dtype)) if dq is None else dq.add_(dq_s)
+        return dk_s, dv_s
+
+    if prog.stage_chunks[0]:
+        dk0, dv0 = run(0)
+        own_wire = to_wire(dk0, dv0, prog.chunk_size)
+    for t in prog.backward_order:
+        r = prog.rounds[t]
+        rounds.arrive(t)
+        if r.stage_size:
+            returns.stage_grads(r, *run(t + 1))
+        returns.send(r)
+    dk, dv = returns.own_grads(own_wire, q)
+    if dq is None:
+        dq = torch.zeros_like(q)
+    return dq.to(q.dtype), dk, dv
+
+
+def forward_allgather(prog: RankProgram, exchange, backend, q, k, v, scale):
+    """Baseline forward: all-gather the wire rows, one attention call over the needed keys."""
+    gathered = _gather(prog, exchange, k, v)
+    if prog.gather_rows is None:
+        return _finish_forward([], [], q, v)
+    ks, vs = from_wire(gathered, prog.gather_rows)
+    o, l = call_attention(backend.forward, q, ks, vs, prog.cols(0, q.shape[0]), False, scale)
+    return o.to(q.dtype), l
+
+
+def _gather(prog, exchange, k, v):
+    wire = to_wire(k, v, prog.chunk_size)
+    out = k.new_empty(_wire_shape(prog.n_own * exchange.world, k, prog.chunk_size))
+    exchange.all_gather(out, wire)
+    return out
+
+
+def backward_allgather(prog: RankProgram, exchange, backend, dout, dlse, q, k, v, out, lse, scale):
+    """Baseline backward: all-gather again, one backward call, reduce-scatter dK/dV."""
+    gathered = _gather(prog, exchange, k, v)
+    full = torch.zeros_like(gathered)
+    dq = None
+    if prog.gather_rows is not None:
+        ks, vs = from_wire(gathered, prog.gather_rows)
+        dq, dk, dv = call_attention(backend.backward, dout, dlse, q, ks, vs, out, lse,
+                                    prog.cols(0, q.shape[0]), False, scale)
+        full.index_copy_(0, prog.gather_rows, to_wire(dk, dv, prog.chunk_size))
+    mine = k.new_empty(_wire_shape(prog.n_own, k, prog.chunk_size))
+    exchange.reduce_scatter(mine, full)
+    dk, dv = from_wire(mine, None)
+    return (torch.zeros_like(q) if dq is None else dq), dk, dv
+
+
+# -- one-process emulation -----------------------------------------------------------------------------
+
+
+class _Done:
+    def wait(self):
+        return None
+
+
+class EmulatedExchange:
+    """Communication replaced by device copies in one process (the one-GPU benchmark, launch
+    counting): every receive buffer is filled from ``wire`` (the whole sequence's wire rows,
+    ``[num_chunks, 2, B, chunk, Hk, D]``, chunk ids as rows), gradient returns too (their values
+    are then K/V, not gradients: only the data movement is emulated). The copies are not counted
+    by a :class:`~flashmask3.distributed.launches.LaunchCounter`; ``copy=False`` skips them."""
+
+    def __init__(self, wire: torch.Tensor, world: int, rank: int = 0, plan=None, copy: bool = True):
+        self.wire, self.world, self.rank, self.copy = wire, world, rank, copy
+        self._rank_major = None
+        if plan is not None:
+            ids = [c for r in range(world) for c in plan.chunks(r)]
+            self._rank_major = torch.as_tensor(ids, dtype=torch.int64, device=wire.device)
+
+    def start(self, rnd: RoundProgram, reverse: bool, send, recv):
+        ids = rnd.send_chunk_ids if reverse else rnd.recv_chunk_ids
+        if self.copy and recv is not None and recv.shape[0]:
+            with not_counted():
+                torch.index_select(self.wire, 0, ids, out=recv)
+        return _Done()
+
+    def all_gather(self, out, inp):
+        if self.copy:
+            with not_counted():
+                torch.index_select(self.wire, 0, self._rank_major, out=out)
+
+    def reduce_scatter(self, out, inp):
+        if self.copy:
+            with not_counted():
+                n = out.shape[0]
+                out.copy_(inp[self.rank * n:(self.rank + 1) * n])

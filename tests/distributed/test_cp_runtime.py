@@ -1,0 +1,221 @@
+"""The per-layer CP runtime: its device program, launch budget, schedule and checks.
+
+One gloo launch per group size covers correctness (hierarchical 2x2, 2x3 and 3x2 in the
+[intra, cross, relay] round structure, flat, every balance, fully masked ranks, GQA with
+per-head masks, float64) and the node-layout errors; the rest runs in this process with the
+emulated exchange (communication replaced by copies).
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+import flashmask3.masks as M
+from benchmarks.corpus import document_spreads
+from flashmask3.distributed import EmulatedExchange, LaunchCounter, plan, prepare_rank, run_layer
+from flashmask3.distributed.comm import node_ids, node_layout_error
+from flashmask3.distributed.runtime import merge_stages, to_wire
+from flashmask3.kernels import get_backend
+from tests.distributed.harness import run_distributed
+from tests.distributed.workers import runtime_suite, split_hierarchical
+
+LAUNCH_BUDGET = 64
+
+
+def test_runtime_on_gloo_2x2_2x3_3x2_and_node_layout():
+    run_distributed(runtime_suite, 4, 128, [2], 11)
+    run_distributed(runtime_suite, 6, 192, [2, 3], 12)
+
+
+def _corpus_plan(tokens, cp, nodes, balance="sparse"):
+    mask = M.causal_document_mask(document_spreads(tokens)["corpus"])
+    return split_hierarchical(plan(mask, None, cp, balance=balance, nodes=nodes))
+
+
+def _heaviest_rank(p):
+    return max(range(p.cp_size), key=lambda r: (len(p.needed_chunks(r)), r))
+
+
+def _layer_inputs(p, rank, hq=2, hk=1, d=8, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    n = p.local_seqlen
+    q = torch.randn(1, n, hq, d, generator=g, requires_grad=True)
+    k = torch.randn(1, n, hk, d, generator=g, requires_grad=True)
+    v = torch.randn(1, n, hk, d, generator=g, requires_grad=True)
+    full_k = torch.randn(1, p.seqlen, hk, d, generator=g)
+    full_v = torch.randn(1, p.seqlen, hk, d, generator=g)
+    return q, k, v, EmulatedExchange(to_wire(full_k, full_v, p.chunk_size), p.cp_size, rank, plan=p)
+
+
+def test_prepare_rank_is_cached_and_matches_the_plan():
+    p = _corpus_plan(2048, 4, 2)
+    prog = prepare_rank(p, 1, "cpu")
+    assert prepare_rank(p, 1, torch.device("cpu")) is prog
+    assert prepare_rank(p, 1, "cpu", "allgather") is not prog
+    assert prepare_rank(p, 2, "cpu") is not prog
+    stages = p.stages(1)
+    assert prog.stage_chunks == [tuple(s) for s in stages]
+    for s, cols in enumerate(prog.stage_cols):
+        assert (cols is None) == (not stages[s])
+        if cols is not None:
+            assert cols.shape[2] == len(stages[s]) * p.chunk_size and cols.is_contiguous()
+    for r in prog.rounds:  # each stage is gathered from the rows its round receives
+        if r.stage_rows is not None:
+            got = [c for m in r.recvs for c in m.chunks]
+            assert [got[i] for i in r.stage_rows.tolist()] == list(stages[r.index + 1])
+    with pytest.raises(ValueError, match="comm"):
+        prepare_rank(p, 1, "cpu", "ring")
+
+
+@pytest.mark.parametrize("cp", [8, 32, 128])
+def test_launch_budget_per_layer(cp):
+    """Forward + backward of the heaviest rank with communication emulated: at most 64 kernel
+    launches outside the attention calls, no host sync, for flat and hierarchical routing."""
+    for nodes, comm in ((1, "overlap"), (max(2, cp // 8), "overlap"), (1, "allgather")):
+        p = _corpus_plan(max(4096, 128 * cp), cp, nodes)
+        rank = _heaviest_rank(p)
+        prog = prepare_rank(p, rank, "cpu", comm)
+        q, k, v, ex = _layer_inputs(p, rank)
+        do = torch.randn_like(q)
+        with LaunchCounter() as c:
+            out, _ = run_layer(q, k, v, prog, ex, 0.35)
+            out.backward(do)
+        stages = sum(1 for s in prog.stage_chunks if s)
+        tag = f"cp={cp} nodes={nodes} {comm}: {c.launches} launches {dict(c.by_op)}"
+        assert c.launches <= LAUNCH_BUDGET, tag
+        assert c.syncs == 0, tag
+        assert c.attention_calls == 2 * stages, tag
+        assert torch.isfinite(q.grad).all() and torch.isfinite(k.grad).all()
+
+
+class _Recording(EmulatedExchange):
+    """The emulated exchange, logging when each round starts and is waited for."""
+
+    def __init__(self, *a, log, **kw):
+        super().__init__(*a, **kw)
+        self.log = log
+
+    def start(self, rnd, reverse, send, recv):
+        super().start(rnd, reverse, send, recv)
+        self.log.append(("start", rnd.index, reverse))
+        log = self.log
+
+        class Handle:
+            def wait(self):
+                log.append(("wait", rnd.index, reverse))
+        return Handle()
+
+
+class _RecordingBackend:
+    def __init__(self, log):
+        self.log, self.b = log, get_backend("torch")
+
+    def forward(self, *a):
+        self.log.append(("attn", "fwd"))
+        return self.b.forward(*a)
+
+    def backward(self, *a):
+        self.log.append(("attn", "bwd"))
+        return self.b.backward(*a)
+
+
+def _schedule(p, rank):
+    log: list = []
+    q, k, v, ex = _layer_inputs(p, rank)
+    ex = _Recording(ex.wire, p.cp_size, rank, plan=p, log=log)
+    out, _ = run_layer(q, k, v, prepare_rank(p, rank, "cpu"), ex, 0.35, backend=_RecordingBackend(log))
+    split = len(log)
+    out.backward(torch.randn_like(out))
+    return log[:split], log[split:]
+
+
+def _attn_after(log, event):
+    """Index of the first attention call after ``event``."""
+    i = log.index(event)
+    return next(j for j in range(i, len(log)) if log[j][0] == "attn")
+
+
+def _full_rank(p):
+    """A rank with every stage non-empty (the strongest schedule check)."""
+    full = [r for r in range(p.cp_size) if all(p.stages(r))]
+    assert full, "test plan has no rank with every stage non-empty"
+    return full[0]
+
+
+def test_flat_backward_returns_each_stage_while_later_stages_compute():
+    p = _corpus_plan(4096, 8, 1)
+    rank = _full_rank(p)
+    _, bwd = _schedule(p, rank)
+    n = len(p.rounds)
+    attn = [i for i, e in enumerate(bwd) if e[0] == "attn"]
+    assert len(attn) == n + 1
+    for t in range(n - 1):  # round t's gradients leave before stage t+2 computes
+        assert bwd.index(("start", t, True)) < attn[t + 2]
+
+
+def test_hierarchical_schedule_overlaps_both_ways():
+    p = _corpus_plan(4096, 8, 2)
+    relay = [t for t, r in enumerate(p.rounds) if r.relay]
+    cross = [t for t, r in enumerate(p.rounds) if not r.relay and
+             any(tr.src // 4 != tr.dst // 4 for tr in r.transfers)]
+    intra = [t for t, r in enumerate(p.rounds) if not r.relay and t not in cross]
+    assert len(relay) == len(cross) == len(intra) == 1
+    (i0,), (c0,), (r0,) = intra, cross, relay
+    rank = _full_rank(p)
+    fwd, bwd = _schedule(p, rank)
+    # forward: the first remote stage computes before the cross-node round is waited for
+    assert _attn_after(fwd, ("wait", i0, False)) < fwd.index(("wait", c0, False))
+    assert fwd.index(("wait", c0, False)) < fwd.index(("start", r0, False))  # relay after its source
+    # backward: the relay's returns are summed before the cross-node return leaves, and that
+    # return is under way while the intra-node stage still computes
+    assert bwd.index(("wait", r0, True)) < bwd.index(("start", c0, True))
+    last_attn = max(i for i, e in enumerate(bwd) if e[0] == "attn")
+    assert bwd.index(("start", c0, True)) < last_attn
+    assert bwd.index(("start", c0, True)) < _attn_after(bwd, ("wait", i0, False))
+
+
+def test_merge_stages_keeps_float64():
+    """Partial attentions over disjoint key sets (float64, with fully masked rows in some parts
+    and in all) merge to the whole attention at float64 accuracy."""
+    g = torch.Generator().manual_seed(3)
+    b, s, h, d, n = 2, 24, 3, 8, 40
+    q = torch.randn(b, s, h, d, generator=g, dtype=torch.float64)
+    k = torch.randn(b, n, h, d, generator=g, dtype=torch.float64)
+    v = torch.randn(b, n, h, d, generator=g, dtype=torch.float64)
+    allowed = torch.rand(b, h, s, n, generator=g) < 0.5
+    allowed[:, :, :3] = False  # rows masked everywhere
+    allowed[:, :, 3:6, :20] = False  # rows masked in the first part only
+    scores = torch.einsum("bqhd,bkhd->bhqk", q, k).masked_fill(~allowed, -math.inf)
+
+    def attend(cols):
+        sc = scores[..., cols]
+        lse = torch.logsumexp(sc, -1)
+        p = torch.exp(sc - torch.where(torch.isinf(lse), 0, lse).unsqueeze(-1))
+        return torch.einsum("bhqk,bkhd->bqhd", p, v[:, cols]), lse
+
+    want_out, want_lse = attend(slice(0, n))
+    parts = [attend(slice(a, z)) for a, z in ((0, 20), (20, 33), (33, n))]
+    out, lse = merge_stages([o for o, _ in parts], [l for _, l in parts], torch.float64)
+    assert out.dtype == torch.float64 and lse.dtype == torch.float64
+    assert torch.equal(torch.isinf(lse), torch.isinf(want_lse))
+    assert (out - want_out).abs().max() < 1e-13
+    fin = torch.isfinite(want_lse)
+    assert (lse[fin] - want_lse[fin]).abs().max() < 1e-13
+    assert out[:, :3].abs().max() == 0
+
+
+def test_node_layout_rules():
+    assert node_layout_error([0, 0, 1, 1], 2) is None
+    assert node_layout_error([5, 5, 2, 2, 7, 7], 3) is None
+    assert "node-major" in node_layout_error([0, 1, 0, 1], 2)
+    assert "node-major" in node_layout_error([0, 0, 0, 0], 2)  # one node, plan says two
+    assert node_ids([4, 5, 6, 7], 2) == [2, 2, 3, 3]
+    assert node_ids([0, 1], [3, 9]) == [3, 9]
+    assert node_ids([0, 1], lambda g: -g) == [0, -1]
+    with pytest.raises(ValueError, match="every global rank"):
+        node_ids([0, 5], [0, 1])
+    with pytest.raises(TypeError):
+        node_ids([0, 1], True)
