@@ -8,8 +8,10 @@ from flashmask3.kernels import torch_path
 from tests.kernels.attention_checks import make_qkv
 
 
-def test_tiles_visited_follow_the_classification(monkeypatch):
-    """The forward computes exactly the tiles that are not SKIP for some (batch, head)."""
+def test_keys_visited_follow_the_classification(monkeypatch):
+    """Each query block multiplies exactly its live keys (key tiles that are not SKIP for some
+    batch row / head): two products (QKᵀ, PV) per query block with live keys, and the QKᵀ
+    products together cover the live tiles' key columns, none of the skipped ones."""
     monkeypatch.setattr(torch_path, "BLOCK_M", 16)
     monkeypatch.setattr(torch_path, "BLOCK_N", 16)
     mask = M.causal_document_mask([16, 48, 32, 32])
@@ -24,9 +26,21 @@ def test_tiles_visited_follow_the_classification(monkeypatch):
     monkeypatch.setattr(torch_path.torch, "matmul", counting_matmul)
     torch_path.forward(q.detach(), k.detach(), v.detach(), mask.startend_row_indices, True, 0.3)
     cls = M.classify_tiles(mask.startend_row_indices, True, 128, 128, 16, 16)
-    live = int((cls != M.SKIP).sum())
-    assert live < cls.numel() // 2  # the mask is sparse: most tiles are skipped
-    assert len(seen) == 2 * live    # two matmuls (QK^T, PV) per live tile, none for skipped ones
+    live = cls != M.SKIP
+    assert int(live.sum()) < cls.numel() // 2  # the mask is sparse: most tiles are skipped
+    blocks_with_keys = int(live.flatten(0, 2).any(-1).sum())
+    assert len(seen) == 2 * blocks_with_keys
+    qk_keys = sum(b[-1] for a, b in seen if b[-2] == 8)  # QKᵀ: [.., rows, 8] @ [.., 8, keys]
+    assert qk_keys == 16 * int(live.sum())
+
+
+def test_worker_threads_leave_torch_threads_as_they_were():
+    """The CPU path spreads query blocks over worker threads and restores torch's setting."""
+    before = torch.get_num_threads()
+    q, k, v = make_qkv(1, 300, 300, 2, 1, 16, torch.float32)
+    out = torch_path.forward(q.detach(), k.detach(), v.detach(), None, True, 0.25)[0]
+    assert torch.get_num_threads() == before
+    assert torch.isfinite(out).all()
 
 
 @pytest.mark.gpu
