@@ -154,6 +154,19 @@ def _add_live(acc: torch.Tensor, grad: torch.Tensor, key_runs) -> None:
         offset += c1 - c0
 
 
+_POOL: Optional[ThreadPoolExecutor] = None
+
+
+def _pool(n: int) -> ThreadPoolExecutor:
+    """The module's worker threads (created once, re-created if the thread count changes)."""
+    global _POOL
+    if _POOL is None or _POOL._max_workers != n:
+        if _POOL is not None:
+            _POOL.shutdown(wait=True)
+        _POOL = ThreadPoolExecutor(max_workers=n, thread_name_prefix="flashmask3-cpu")
+    return _POOL
+
+
 @contextlib.contextmanager
 def _block_workers(device: torch.device):
     """The worker threads the query blocks of one call run on, or None to run them in order.
@@ -171,8 +184,7 @@ def _block_workers(device: torch.device):
         return
     torch.set_num_threads(1)
     try:
-        with ThreadPoolExecutor(max_workers=n) as pool:
-            yield (pool, n)
+        yield (_pool(n), n)
     finally:
         torch.set_num_threads(n)
 
@@ -221,11 +233,6 @@ def _probabilities(s: torch.Tensor, fully_masked: Optional[torch.Tensor]) -> tor
     return p
 
 
-def _rows_or_none(flags: torch.Tensor) -> Optional[torch.Tensor]:
-    """``flags`` when any is set, else None (skips the NaN fix-up on the common path)."""
-    return flags if bool(flags.any()) else None
-
-
 def forward(q, k, v, startend_row_indices: Optional[torch.Tensor], causal: bool,
             softmax_scale: float, row_span: Optional[float] = None
             ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -245,15 +252,19 @@ def _forward(q, k, v, startend_row_indices, causal, softmax_scale, workers):
     kh, vh = _key_layout(k, acc), _key_layout(v, acc)
     out = torch.zeros(b, hk, sq, g, dv, dtype=acc, device=q.device)
     lse = torch.full((b, hk, sq, g), -math.inf, dtype=acc, device=q.device)
+
     def block_forward(blk: _QueryBlock, _slot: dict) -> None:
         rows, n = blk.r1 - blk.r0, blk.num_keys
         q_rows = qh[:, :, blk.r0:blk.r1].view(b, hk, rows * g, -1)
         s = _masked_scores(plan, blk, q_rows, _live(kh, blk.key_runs), (b, hk, rows, g, n))
-        row_max = s.amax(dim=-1)
-        empty = torch.isinf(row_max)
-        p = _probabilities(s, _rows_or_none(empty))
-        # the largest probability of a row is exp(max - lse), so lse = max - log(max p)
-        lse_blk = (row_max - torch.log(p.amax(dim=-1))).masked_fill_(empty, -math.inf)
+        p = torch.softmax(s, dim=-1)
+        # the largest probability of a row is exp(max - lse): lse = max score - log(max p)
+        p_max, arg = p.max(dim=-1)
+        empty = torch.isnan(p_max)  # a row whose keys are all masked: softmax gives NaN
+        if bool(empty.any()):
+            p.masked_fill_(empty.unsqueeze(-1), 0.0)
+        lse_blk = (s.gather(-1, arg.unsqueeze(-1)).squeeze(-1) - torch.log(p_max))
+        lse_blk = lse_blk.masked_fill_(empty, -math.inf)
         o = torch.matmul(p.view(b, hk, rows * g, n), _live(vh, blk.key_runs))
         out[:, :, blk.r0:blk.r1] = o.view(b, hk, rows, g, dv)
         lse[:, :, blk.r0:blk.r1] = lse_blk
