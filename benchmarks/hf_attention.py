@@ -42,6 +42,7 @@ from flashmask3.integrations.transformers import ATTN_IMPLEMENTATION  # noqa: E4
 from hf_packed_finetune import document_batches, llama_config  # noqa: E402
 
 IMPLS = (ATTN_IMPLEMENTATION, "sdpa", "flex_attention")
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
 
 def _sync(device):
@@ -139,7 +140,7 @@ def check_against_sdpa(model, docs, device, num_docs: int = 3) -> dict:
         inputs.pop("labels")
         packed = model(**inputs).logits.float()
         model.set_attn_implementation("sdpa")
-        worst, start = 0.0, 0
+        worst, start, num_docs = 0.0, 0, min(num_docs, len(docs))
         for d in docs[:num_docs]:
             alone = model(torch.tensor([d], device=device)).logits.float()
             diff = (packed[:, start:start + len(d)] - alone).abs().max() / alone.abs().max()
@@ -157,11 +158,13 @@ def main(argv=None) -> dict:
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--impls", nargs="+", default=list(IMPLS))
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--dtype", default=None, choices=sorted(DTYPES),
+                    help="default: bf16 on CUDA, fp32 on the CPU")
     ap.add_argument("--no-check", action="store_true")
     ap.add_argument("--out", default=".")
     args = ap.parse_args(argv)
     device = torch.device(args.device)
-    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    dtype = DTYPES[args.dtype or ("bf16" if device.type == "cuda" else "fp32")]
     docs = [f["input_ids"] for f in next(document_batches(args.tokens, args.max_doc_len))]
     torch.manual_seed(0)
     with torch.device(device):
@@ -182,6 +185,14 @@ def main(argv=None) -> dict:
         except Exception as e:  # keep measuring; the failure is recorded
             result["errors"]["check"] = repr(e)
             traceback.print_exc()
+    os.makedirs(args.out, exist_ok=True)
+    path = os.path.join(args.out, "hf_attention.json")
+
+    def save():  # after every step, so a time limit never loses the rows already measured
+        with open(path, "w") as f:
+            json.dump(result, f, indent=1)
+
+    save()
     for impl in args.impls:
         try:
             row = time_impl(model, impl, docs, args, device)
@@ -197,10 +208,7 @@ def main(argv=None) -> dict:
         model.zero_grad(set_to_none=True)
         if device.type == "cuda":
             torch.cuda.empty_cache()
-    os.makedirs(args.out, exist_ok=True)
-    path = os.path.join(args.out, "hf_attention.json")
-    with open(path, "w") as f:
-        json.dump(result, f, indent=1)
+        save()
     print(f"wrote {path}")
     return result
 
