@@ -31,7 +31,7 @@ import weakref
 from typing import Optional
 
 import torch
-from transformers import AttentionInterface
+from transformers.modeling_utils import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
 
