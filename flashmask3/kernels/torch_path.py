@@ -222,17 +222,6 @@ def _masked_scores(plan: _Plan, blk: _QueryBlock, q_rows, k_live, shape5):
     return s
 
 
-def _probabilities(s: torch.Tensor, fully_masked: Optional[torch.Tensor]) -> torch.Tensor:
-    """Row softmax of the scores, in place of ``s`` when possible; ``fully_masked`` (rows
-    whose keys are all masked, or None when there is none) get probabilities 0, not NaN.
-
-    One fused, row-local softmax: a row of the block holds every live key of that query."""
-    p = torch.softmax(s, dim=-1)
-    if fully_masked is not None:
-        p.masked_fill_(fully_masked.unsqueeze(-1), 0.0)
-    return p
-
-
 def forward(q, k, v, startend_row_indices: Optional[torch.Tensor], causal: bool,
             softmax_scale: float, row_span: Optional[float] = None
             ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -279,8 +268,8 @@ def backward(dout, dlse, q, k, v, out, lse, startend_row_indices: Optional[torch
              causal: bool, softmax_scale: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Gradients of the forward with respect to q, k, v (``dlse`` may be ``None``).
 
-    The probabilities are recomputed as the forward computed them (one row softmax per block),
-    so the saved log-sum-exp is only read to find the fully masked rows."""
+    The probabilities are ``exp(s - lse)`` with the given ``lse``, which need not be this
+    call's own: context parallelism passes the log-sum-exp merged over all key chunks."""
     with _block_workers(q.device) as workers:
         return _backward(dout, dlse, q, k, v, out, lse, startend_row_indices, causal,
                          softmax_scale, workers)
@@ -298,8 +287,9 @@ def _backward(dout, dlse, q, k, v, out, lse, startend_row_indices, causal, softm
     delta = (doh * _query_layout(out, hk, acc)).sum(-1)  # [B, Hk, Sq, G]
     if dlse is not None:
         delta = delta - dlse.to(acc).view(b, hk, g, sq).transpose(2, 3)
-    empty = torch.isinf(lse).view(b, hk, g, sq).transpose(2, 3)
-    any_empty = bool(empty.any())
+    lse_h = lse.to(acc).view(b, hk, g, sq).transpose(2, 3)
+    # fully masked rows: lse = -inf; use +inf so that every p = exp(s - lse) is exactly 0
+    lse_h = lse_h.masked_fill(torch.isinf(lse_h), math.inf).contiguous()
     dq = torch.zeros(b, hk, sq, g, d, dtype=acc, device=q.device)
 
     def block_backward(blk: _QueryBlock, slot: dict) -> None:
@@ -311,8 +301,7 @@ def _backward(dout, dlse, q, k, v, out, lse, startend_row_indices, causal, softm
         do_rows = doh[:, :, blk.r0:blk.r1].view(b, hk, rows * g, dv_dim)
         k_live, v_live = _live(kh, blk.key_runs), _live(vh, blk.key_runs)
         s = _masked_scores(plan, blk, q_rows, k_live, (b, hk, rows, g, n))
-        p = _probabilities(s, empty[:, :, blk.r0:blk.r1] if any_empty else None)
-        p = p.view(b, hk, rows * g, n)
+        p = s.sub_(lse_h[:, :, blk.r0:blk.r1].unsqueeze(-1)).exp_().view(b, hk, rows * g, n)
         _add_live(slot["dv"], torch.matmul(p.transpose(-1, -2), do_rows), blk.key_runs)
         dp = torch.matmul(do_rows, v_live.transpose(-1, -2)).view(b, hk, rows, g, n)
         ds = dp.sub_(delta[:, :, blk.r0:blk.r1].unsqueeze(-1)).view(b, hk, rows * g, n).mul_(p)
