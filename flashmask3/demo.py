@@ -16,6 +16,16 @@ import flashmask3
 import flashmask3.masks as M
 from flashmask3.kernels import resolve_backend
 
+#: What the tour says about the path it runs on.
+PATH_NOTES = {
+    "torch": ("The torch path (this CPU run) is for experiments, tests and CI without a GPU: the same "
+              "masks and numerics as the GPU kernels, O(S) mask memory; on a 2-core CPU faster than "
+              "dense SDPA on sparse masks from ~2K tokens, slower below that and on plain causal "
+              "masks at 1K (docs/cpu.md has the table). Training at scale runs on the Triton path "
+              "(Hopper GPUs)."),
+    "triton": "The Triton path: the Hopper kernels (docs/kernels.md).",
+}
+
 
 def tile_breakdown(mask: M.FlashMask, block: int = 128) -> dict[str, float]:
     """Share of SKIP / PARTIAL / UNMASKED tiles at ``block`` x ``block`` granularity."""
@@ -54,21 +64,26 @@ def demo_masks(seqlen: int) -> dict[str, M.FlashMask]:
 
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__)
-    ap.add_argument("--seqlen", type=int, default=None, help="default: 1024 on CPU, 16384 on GPU")
+    ap.add_argument("--seqlen", type=int, default=None, help="default: 2048 on CPU, 16384 on GPU")
     ap.add_argument("--heads", type=int, default=4)
     ap.add_argument("--head-dim", type=int, default=64)
     ap.add_argument("--repeats", type=int, default=3)
     args = ap.parse_args(argv)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    s = args.seqlen or (16384 if device.type == "cuda" else 1024)
+    s = args.seqlen or (16384 if device.type == "cuda" else 2048)
     h, d = args.heads, args.head_dim
     print(f"flashmask3 {flashmask3.__version__} | device {device} | backend "
           f"{resolve_backend(device)} | S={s} H={h} D={d} {dtype}")
     g = torch.Generator().manual_seed(0)
     q, k, v = (torch.randn(1, s, h, d, generator=g).to(device, dtype).requires_grad_() for _ in range(3))
     dout = torch.randn(1, s, h, d, generator=g).to(device, dtype)
-    header = f"{'mask':<22}{'density':>8}{'skip':>7}{'partial':>8}{'unmask':>7}{'ours ms':>9}{'dense ms':>9}{'TFLOP/s':>9}"
+    backend = resolve_backend(device)
+    # GFLOP/s on the CPU (a TFLOP/s column would read 0.000 there), TFLOP/s on a GPU
+    unit, scale = ("TFLOP/s", 1e12) if device.type == "cuda" else ("GFLOP/s", 1e9)
+    print(PATH_NOTES.get(backend, ""))
+    header = (f"{'mask':<22}{'density':>8}{'skip':>7}{'partial':>8}{'unmask':>7}{'ours ms':>9}"
+              f"{'dense ms':>9}{'speedup':>8}{unit:>9}")
     print(header)
     print("-" * len(header))
     for name, mask in demo_masks(s).items():
@@ -88,11 +103,13 @@ def main(argv=None) -> None:
 
         t_ours = _time(ours, args.repeats, device)
         t_dense = _time(baseline, args.repeats, device)
-        tflops = mask.flops(h, d, "fwd_bwd") / (t_ours * 1e-3) / 1e12
+        rate = mask.flops(h, d, "fwd_bwd") / (t_ours * 1e-3) / scale
         print(f"{name:<22}{mask.density():>8.3f}{tiles['skip']:>7.0%}{tiles['partial']:>8.0%}"
-              f"{tiles['unmasked']:>7.0%}{t_ours:>9.1f}{t_dense:>9.1f}{tflops:>9.3f}")
+              f"{tiles['unmasked']:>7.0%}{t_ours:>9.1f}{t_dense:>9.1f}{t_dense / t_ours:>7.2f}x"
+              f"{rate:>9.1f}")
     print("skip/partial/unmask: share of 128x128 tiles the kernels skip, mask element-wise, or run "
-          "without any mask work. ms: forward+backward, median.")
+          f"without any mask work. ms: forward+backward, median; speedup: dense / ours; {unit}: "
+          "effective (unmasked pairs only).")
 
 
 if __name__ == "__main__":

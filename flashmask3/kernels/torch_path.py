@@ -1,71 +1,110 @@
-"""Blockwise pure-PyTorch FlashMask attention: forward and backward on any device.
+"""Pure-PyTorch FlashMask attention: forward and backward on any device (the CPU path).
 
-The fallback for machines without a Hopper GPU and the reference the Triton kernels are
-tested against. It walks (query block, key block) tiles like the kernels do and uses the same
-tile classification (:func:`flashmask3.masks.blocks.classify_tiles`): SKIP tiles are never
-touched, PARTIAL tiles are masked element-wise, UNMASKED tiles do no mask work. Memory stays
-O(S · block) beyond the inputs and outputs: no ``[Sq, Sk]`` tensor is ever built.
+What it is for: running and testing masked attention where no Hopper GPU is (a laptop, CI, a
+CPU experiment, the Hugging Face integration on CPU), and checking the Triton kernels. It is
+built to be worth running: on a 2-core CPU it is at least as fast as dense
+``scaled_dot_product_attention`` with a boolean mask, and faster on sparse masks, while its
+mask memory stays O(S) (docs/cpu.md has the measured table).
+
+How: queries are cut into blocks of :data:`BLOCK_M` rows. The tile classification
+(:func:`flashmask3.masks.blocks.classify_tiles`, key tiles of :data:`BLOCK_N` columns) gives
+each query block its *live keys*: the runs of key tiles that are not SKIP for some (batch, mask
+head). One query block then does one dense step over exactly those keys: a single matrix
+product ``Q_blk · K_liveᵀ`` (all query heads of a KV head stacked as rows, so GQA shares the
+keys), the element-wise mask applied only on the PARTIAL tiles, an exact softmax over the whole
+row (no online rescaling: every live key of the row is in the block) and one product with
+``V_live``. The backward recomputes the block's probabilities from the saved log-sum-exp and
+does the four products of the attention gradient on the same keys. Nothing of size
+``[Sq, Sk]`` is ever built: the largest temporary is ``BLOCK_M x live keys`` per head.
 
 Tiles are shared by all batch rows and heads of one call, so a tile is skipped only when it is
 SKIP for every (batch, mask head) and computed without a mask only when UNMASKED for all of
-them. Accumulation is float32 (float64 for float64 inputs).
+them. Accumulation is float32 (float64 for float64 inputs). Fully masked rows give zero output,
+``-inf`` log-sum-exp and zero gradients.
 """
 
 from __future__ import annotations
 
+import contextlib
 import math
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from typing import Optional
 
+import numpy as np
 import torch
 
-from ..masks.blocks import PARTIAL, SKIP, UNMASKED, classify_tiles
+from ..masks.blocks import SKIP, UNMASKED, classify_tiles
 from ..masks.mask import element_mask
 
-#: Tile sizes of the torch path: large tiles amortise Python overhead per tile.
+#: Query rows per block (one dense step each). Measured on the 2-core CPU (docs/cpu.md).
 BLOCK_M = 128
-BLOCK_N = 128
+#: Width of the key tiles the classification runs on: the granularity of skipping and masking.
+BLOCK_N = 64
 
 
 def _acc_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
-def _group_view(x: torch.Tensor, num_kv_heads: int) -> torch.Tensor:
-    """``[B, S, Hq, D]`` -> ``[B, Hk, G, S, D]`` (query heads grouped by their KV head)."""
-    b, s, h, d = x.shape
-    return x.view(b, s, num_kv_heads, h // num_kv_heads, d).permute(0, 2, 3, 1, 4)
+@dataclass(frozen=True)
+class _QueryBlock:
+    """One block of query rows ``[r0, r1)``: its live key runs and where masking is needed.
+
+    ``key_runs``: ``(c0, c1)`` key ranges, ascending, that are not SKIP; ``mask_runs``:
+    ``(offset, c0, c1)`` PARTIAL key ranges with ``offset`` their position among the live keys.
+    """
+
+    r0: int
+    r1: int
+    key_runs: tuple
+    mask_runs: tuple
+
+    @property
+    def num_keys(self) -> int:
+        return sum(c1 - c0 for c0, c1 in self.key_runs)
 
 
-def _kv_view(x: torch.Tensor) -> torch.Tensor:
-    """``[B, S, Hk, D]`` -> ``[B, Hk, 1, S, D]`` (broadcast over the query-head group)."""
-    return x.permute(0, 2, 1, 3).unsqueeze(2)
+def _runs(flags: np.ndarray) -> list[tuple[int, int]]:
+    """Maximal runs ``[i0, i1)`` of True in a 1-D boolean array."""
+    padded = np.concatenate(([False], flags, [False]))
+    edges = np.flatnonzero(padded[1:] != padded[:-1])
+    return list(zip(edges[0::2].tolist(), edges[1::2].tolist()))
 
 
-def _ungroup(x: torch.Tensor) -> torch.Tensor:
-    """``[B, Hk, G, S, D]`` -> ``[B, S, Hk*G, D]``."""
-    b, hk, g, s, d = x.shape
-    return x.permute(0, 3, 1, 2, 4).reshape(b, s, hk * g, d)
-
-
-class _TilePlan:
-    """Tile classes of one call plus the element mask of a tile, in grouped-head layout."""
+class _Plan:
+    """The query blocks of one call and the element mask of a (rows, key range) piece, in the
+    head layout of this module (``[B, Hk, rows, G, keys]``)."""
 
     def __init__(self, startend, causal, sq, sk, hq, hk, device):
         self.startend, self.causal, self.sq, self.sk = startend, causal, sq, sk
-        self.hq, self.hk = hq, hk
-        cls = classify_tiles(startend, causal, sq, sk, BLOCK_M, BLOCK_N)
-        flat = cls.flatten(0, 1)
-        self.any_live = (flat != SKIP).any(0).tolist()
-        self.all_unmasked = (flat == UNMASKED).all(0).tolist()
-        self.device = device
+        self.hq, self.hk, self.device = hq, hk, device
+        cls = classify_tiles(startend, causal, sq, sk, BLOCK_M, BLOCK_N).flatten(0, 1)
+        live = (cls != SKIP).any(0).cpu().numpy()
+        partial = live & ~(cls == UNMASKED).all(0).cpu().numpy()
+        self.blocks = [self._block(qi, live[qi], partial[qi]) for qi in range(live.shape[0])]
 
-    def tile_kind(self, qi: int, ki: int) -> int:
-        if not self.any_live[qi][ki]:
-            return SKIP
-        return UNMASKED if self.all_unmasked[qi][ki] else PARTIAL
+    def _block(self, qi: int, live: np.ndarray, partial: np.ndarray) -> _QueryBlock:
+        r0, r1 = qi * BLOCK_M, min((qi + 1) * BLOCK_M, self.sq)
+
+        def cols(t0, t1):
+            return t0 * BLOCK_N, min(t1 * BLOCK_N, self.sk)
+
+        key_runs = tuple(cols(t0, t1) for t0, t1 in _runs(live))
+        # position of each live tile among the live keys (tiles are BLOCK_N wide but the last)
+        offset_of_tile, offset = {}, 0
+        for t0, t1 in _runs(live):
+            for t in range(t0, t1):
+                offset_of_tile[t] = offset + (t - t0) * BLOCK_N
+            offset += cols(t0, t1)[1] - cols(t0, t1)[0]
+        mask_runs = []
+        for t0, t1 in _runs(partial):
+            c0, c1 = cols(t0, t1)
+            mask_runs.append((offset_of_tile[t0], c0, c1))
+        return _QueryBlock(r0, r1, key_runs, tuple(mask_runs))
 
     def allowed(self, r0: int, r1: int, c0: int, c1: int) -> torch.Tensor:
-        """Boolean allowed mask broadcastable to ``[B, Hk, G, rows, cols]``."""
+        """Boolean allowed mask broadcastable to ``[B, Hk, rows, G, cols]``."""
         rows = torch.arange(r0, r1, device=self.device)
         cols = torch.arange(c0, c1, device=self.device)
         if self.startend is None:
@@ -74,18 +113,113 @@ class _TilePlan:
         else:
             m = element_mask(self.startend[:, :, c0:c1], self.causal, rows, cols, self.sq, self.sk)
         b, hm = m.shape[:2]
-        if hm == 1:
-            return m.view(b, 1, 1, r1 - r0, c1 - c0)
-        if hm == self.hk:
-            return m.view(b, hm, 1, r1 - r0, c1 - c0)
+        if hm == 1 or hm == self.hk:
+            return m.view(b, hm, r1 - r0, 1, c1 - c0)
         # Any other divisor of Hq: repeat to query heads, then group by KV head.
         m = m.repeat_interleave(self.hq // hm, dim=1)
-        return m.view(b, self.hk, self.hq // self.hk, r1 - r0, c1 - c0)
+        return m.view(b, self.hk, self.hq // self.hk, r1 - r0, c1 - c0).transpose(2, 3)
 
 
-def _tiles(n: int, block: int):
-    for idx, start in enumerate(range(0, n, block)):
-        yield idx, start, min(start + block, n)
+def _query_layout(x: torch.Tensor, num_kv_heads: int, dtype: torch.dtype) -> torch.Tensor:
+    """``[B, S, Hq, D]`` -> contiguous ``[B, Hk, S, G, D]``: the G query heads of a KV head
+    next to each other, so a block of rows is one contiguous ``[B, Hk, rows * G, D]`` matrix."""
+    b, s, h, d = x.shape
+    return x.view(b, s, num_kv_heads, h // num_kv_heads, d).permute(0, 2, 1, 3, 4).to(dtype).contiguous()
+
+
+def _key_layout(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``[B, S, Hk, D]`` -> contiguous ``[B, Hk, S, D]``."""
+    return x.permute(0, 2, 1, 3).to(dtype).contiguous()
+
+
+def _from_query_layout(x: torch.Tensor) -> torch.Tensor:
+    """``[B, Hk, S, G, D]`` -> ``[B, S, Hk * G, D]``."""
+    b, hk, s, g, d = x.shape
+    return x.permute(0, 2, 1, 3, 4).reshape(b, s, hk * g, d)
+
+
+def _live(x: torch.Tensor, key_runs) -> torch.Tensor:
+    """The live keys of ``x [B, Hk, S, D]``: a view for one run, a copy for several."""
+    if len(key_runs) == 1:
+        c0, c1 = key_runs[0]
+        return x[:, :, c0:c1]
+    return torch.cat([x[:, :, c0:c1] for c0, c1 in key_runs], dim=2)
+
+
+def _add_live(acc: torch.Tensor, grad: torch.Tensor, key_runs) -> None:
+    """Scatter-add a gradient over the live keys back into ``acc [B, Hk, S, D]``."""
+    offset = 0
+    for c0, c1 in key_runs:
+        acc[:, :, c0:c1] += grad[:, :, offset:offset + c1 - c0]
+        offset += c1 - c0
+
+
+_POOL: Optional[ThreadPoolExecutor] = None
+
+
+def _pool(n: int) -> ThreadPoolExecutor:
+    """The module's worker threads (created once, re-created if the thread count changes)."""
+    global _POOL
+    if _POOL is None or _POOL._max_workers != n:
+        if _POOL is not None:
+            _POOL.shutdown(wait=True)
+        _POOL = ThreadPoolExecutor(max_workers=n, thread_name_prefix="flashmask3-cpu")
+    return _POOL
+
+
+@contextlib.contextmanager
+def _block_workers(device: torch.device):
+    """The worker threads the query blocks of one call run on, or None to run them in order.
+
+    On the CPU, with more than one torch thread, the call's ops run single-threaded (torch's
+    intra-op threads are set to 1 for the duration and restored after) and the query blocks are
+    spread over that many worker threads. Why: a query block is a handful of medium-sized ops,
+    and on a busy machine every intra-op parallel region waits for its second thread to be
+    scheduled (~20 ms per op measured at load 12 on 2 cores, docs/cpu.md), while independent
+    workers never wait for each other. Elsewhere (CUDA, one thread) there is no pool.
+    """
+    n = torch.get_num_threads() if device.type == "cpu" else 1
+    if n <= 1:
+        yield None
+        return
+    torch.set_num_threads(1)
+    try:
+        yield (_pool(n), n)
+    finally:
+        torch.set_num_threads(n)
+
+
+def _for_each_block(work, blocks, workers) -> list:
+    """Run ``work(block, slot)`` on every block with live keys; returns the ``slot`` dicts.
+
+    Worker ``i`` of ``workers`` (from :func:`_block_workers`) runs blocks ``i, i + n, ...`` in
+    order with its own ``slot`` (a dict for private accumulators), so the results do not depend
+    on thread timing."""
+    blocks = [blk for blk in blocks if blk.key_runs]
+    if workers is None or len(blocks) <= 1:
+        slot: dict = {}
+        for blk in blocks:
+            work(blk, slot)
+        return [slot]
+    pool, n = workers
+    shares = [blocks[i::n] for i in range(n)]
+    slots = [{} for _ in shares]
+
+    def run_share(i):
+        for blk in shares[i]:
+            work(blk, slots[i])
+
+    for f in [pool.submit(run_share, i) for i in range(n)]:
+        f.result()
+    return slots
+
+
+def _masked_scores(plan: _Plan, blk: _QueryBlock, q_rows, k_live, shape5):
+    """``Q_blk K_liveᵀ`` (q already scaled) as ``[B, Hk, rows, G, L]``, -inf where masked."""
+    s = torch.matmul(q_rows, k_live.transpose(-1, -2)).view(shape5)
+    for offset, c0, c1 in blk.mask_runs:
+        s[..., offset:offset + c1 - c0].masked_fill_(~plan.allowed(blk.r0, blk.r1, c0, c1), -math.inf)
+    return s
 
 
 def forward(q, k, v, startend_row_indices: Optional[torch.Tensor], causal: bool,
@@ -93,78 +227,96 @@ def forward(q, k, v, startend_row_indices: Optional[torch.Tensor], causal: bool,
             ) -> tuple[torch.Tensor, torch.Tensor]:
     """Masked attention forward. Returns ``out [B, Sq, Hq, D]`` and ``lse [B, Hq, Sq]`` (fp32).
     ``row_span`` (the mask's mean row span, a tile hint for the Triton backend) is unused."""
-    b, sq, hq, d = q.shape
+    with _block_workers(q.device) as workers:
+        return _forward(q, k, v, startend_row_indices, causal, softmax_scale, workers)
+
+
+def _forward(q, k, v, startend_row_indices, causal, softmax_scale, workers):
+    b, sq, hq, _ = q.shape
     sk, hk, dv = k.shape[1], k.shape[2], v.shape[3]
-    acc = _acc_dtype(q.dtype)
-    plan = _TilePlan(startend_row_indices, causal, sq, sk, hq, hk, q.device)
-    qg, kg, vg = _group_view(q, hk), _kv_view(k), _kv_view(v)
     g = hq // hk
-    out = torch.empty(b, hk, g, sq, dv, dtype=q.dtype, device=q.device)
-    lse = torch.empty(b, hk, g, sq, dtype=acc, device=q.device)
-    for qi, r0, r1 in _tiles(sq, BLOCK_M):
-        q_blk = qg[:, :, :, r0:r1].to(acc)
-        m_i = torch.full((b, hk, g, r1 - r0), -math.inf, dtype=acc, device=q.device)
-        l_i = torch.zeros_like(m_i)
-        o_i = torch.zeros(b, hk, g, r1 - r0, dv, dtype=acc, device=q.device)
-        for ki, c0, c1 in _tiles(sk, BLOCK_N):
-            kind = plan.tile_kind(qi, ki)
-            if kind == SKIP:
-                continue
-            s = torch.matmul(q_blk, kg[:, :, :, c0:c1].to(acc).transpose(-1, -2)) * softmax_scale
-            if kind == PARTIAL:
-                s = s.masked_fill(~plan.allowed(r0, r1, c0, c1), -math.inf)
-            m_new = torch.maximum(m_i, s.amax(-1))
-            m_safe = torch.where(torch.isinf(m_new), torch.zeros_like(m_new), m_new)
-            p = torch.exp(s - m_safe.unsqueeze(-1))
-            alpha = torch.exp(m_i - m_safe)
-            l_i = l_i * alpha + p.sum(-1)
-            o_i = o_i * alpha.unsqueeze(-1) + torch.matmul(p, vg[:, :, :, c0:c1].to(acc))
-            m_i = m_new
-        empty = l_i == 0
-        out[:, :, :, r0:r1] = (o_i / torch.where(empty, 1.0, l_i).unsqueeze(-1)).to(q.dtype)
-        lse[:, :, :, r0:r1] = torch.where(empty, -math.inf, m_i + torch.log(l_i))
-    return _ungroup(out), lse.reshape(b, hq, sq).to(torch.float32)
+    acc = _acc_dtype(q.dtype)
+    plan = _Plan(startend_row_indices, causal, sq, sk, hq, hk, q.device)
+    qh = _query_layout(q, hk, acc) * softmax_scale  # a new tensor: never scale q in place
+    kh, vh = _key_layout(k, acc), _key_layout(v, acc)
+    out = torch.zeros(b, hk, sq, g, dv, dtype=acc, device=q.device)
+    lse = torch.full((b, hk, sq, g), -math.inf, dtype=acc, device=q.device)
+
+    def block_forward(blk: _QueryBlock, _slot: dict) -> None:
+        rows, n = blk.r1 - blk.r0, blk.num_keys
+        q_rows = qh[:, :, blk.r0:blk.r1].view(b, hk, rows * g, -1)
+        s = _masked_scores(plan, blk, q_rows, _live(kh, blk.key_runs), (b, hk, rows, g, n))
+        p = torch.softmax(s, dim=-1)
+        # the largest probability of a row is exp(max - lse): lse = max score - log(max p)
+        p_max, arg = p.max(dim=-1)
+        empty = torch.isnan(p_max)  # a row whose keys are all masked: softmax gives NaN
+        if bool(empty.any()):
+            p.masked_fill_(empty.unsqueeze(-1), 0.0)
+        lse_blk = (s.gather(-1, arg.unsqueeze(-1)).squeeze(-1) - torch.log(p_max))
+        lse_blk = lse_blk.masked_fill_(empty, -math.inf)
+        o = torch.matmul(p.view(b, hk, rows * g, n), _live(vh, blk.key_runs))
+        out[:, :, blk.r0:blk.r1] = o.view(b, hk, rows, g, dv)
+        lse[:, :, blk.r0:blk.r1] = lse_blk
+
+    # blocks without live keys are fully masked: their zeros and -inf stay
+    _for_each_block(block_forward, plan.blocks, workers)
+    return (_from_query_layout(out).to(q.dtype),
+            lse.permute(0, 1, 3, 2).reshape(b, hq, sq).to(torch.float32))
 
 
 def backward(dout, dlse, q, k, v, out, lse, startend_row_indices: Optional[torch.Tensor],
              causal: bool, softmax_scale: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Gradients of the forward with respect to q, k, v (``dlse`` may be ``None``)."""
+    """Gradients of the forward with respect to q, k, v (``dlse`` may be ``None``).
+
+    The probabilities are ``exp(s - lse)`` with the given ``lse``, which need not be this
+    call's own: context parallelism passes the log-sum-exp merged over all key chunks."""
+    with _block_workers(q.device) as workers:
+        return _backward(dout, dlse, q, k, v, out, lse, startend_row_indices, causal,
+                         softmax_scale, workers)
+
+
+def _backward(dout, dlse, q, k, v, out, lse, startend_row_indices, causal, softmax_scale, workers):
     b, sq, hq, d = q.shape
-    sk, hk = k.shape[1], k.shape[2]
+    sk, hk, dv_dim = k.shape[1], k.shape[2], v.shape[3]
     g = hq // hk
     acc = _acc_dtype(q.dtype)
-    plan = _TilePlan(startend_row_indices, causal, sq, sk, hq, hk, q.device)
-    qg, kg, vg = _group_view(q, hk), _kv_view(k), _kv_view(v)
-    dog = _group_view(dout, hk).to(acc)
-    delta = (dog * _group_view(out, hk).to(acc)).sum(-1)  # [B, Hk, G, Sq]
+    plan = _Plan(startend_row_indices, causal, sq, sk, hq, hk, q.device)
+    qh = _query_layout(q, hk, acc) * softmax_scale  # a new tensor: never scale q in place
+    kh, vh = _key_layout(k, acc), _key_layout(v, acc)
+    doh = _query_layout(dout, hk, acc)
+    delta = (doh * _query_layout(out, hk, acc)).sum(-1)  # [B, Hk, Sq, G]
     if dlse is not None:
-        delta = delta - dlse.to(acc).view(b, hk, g, sq)
-    lse_g = lse.to(acc).view(b, hk, g, sq)
-    # Fully masked rows: lse = -inf; use +inf so that every p = exp(s - lse) is exactly 0.
-    lse_g = torch.where(torch.isinf(lse_g), math.inf, lse_g)
-    dq = torch.zeros(b, hk, g, sq, d, dtype=acc, device=q.device)
-    dk = torch.zeros(b, hk, sk, d, dtype=acc, device=q.device)
-    dv = torch.zeros(b, hk, sk, v.shape[3], dtype=acc, device=q.device)
-    for ki, c0, c1 in _tiles(sk, BLOCK_N):
-        k_blk = kg[:, :, :, c0:c1].to(acc)
-        v_blk = vg[:, :, :, c0:c1].to(acc)
-        for qi, r0, r1 in _tiles(sq, BLOCK_M):
-            kind = plan.tile_kind(qi, ki)
-            if kind == SKIP:
-                continue
-            q_blk = qg[:, :, :, r0:r1].to(acc)
-            s = torch.matmul(q_blk, k_blk.transpose(-1, -2)) * softmax_scale
-            p = torch.exp(s - lse_g[:, :, :, r0:r1].unsqueeze(-1))
-            if kind == PARTIAL:
-                p = p.masked_fill(~plan.allowed(r0, r1, c0, c1), 0.0)
-            do_blk = dog[:, :, :, r0:r1]
-            dv[:, :, c0:c1] += torch.matmul(p.transpose(-1, -2), do_blk).sum(2)
-            dp = torch.matmul(do_blk, v_blk.transpose(-1, -2))
-            ds = p * (dp - delta[:, :, :, r0:r1].unsqueeze(-1)) * softmax_scale
-            dq[:, :, :, r0:r1] += torch.matmul(ds, k_blk)
-            dk[:, :, c0:c1] += torch.matmul(ds.transpose(-1, -2), q_blk).sum(2)
+        delta = delta - dlse.to(acc).view(b, hk, g, sq).transpose(2, 3)
+    lse_h = lse.to(acc).view(b, hk, g, sq).transpose(2, 3)
+    # fully masked rows: lse = -inf; use +inf so that every p = exp(s - lse) is exactly 0
+    lse_h = lse_h.masked_fill(torch.isinf(lse_h), math.inf).contiguous()
+    dq = torch.zeros(b, hk, sq, g, d, dtype=acc, device=q.device)
+
+    def block_backward(blk: _QueryBlock, slot: dict) -> None:
+        if not slot:  # this worker's own dK / dV accumulators
+            slot["dk"] = torch.zeros(b, hk, sk, d, dtype=acc, device=q.device)
+            slot["dv"] = torch.zeros(b, hk, sk, dv_dim, dtype=acc, device=q.device)
+        rows, n = blk.r1 - blk.r0, blk.num_keys
+        q_rows = qh[:, :, blk.r0:blk.r1].view(b, hk, rows * g, d)
+        do_rows = doh[:, :, blk.r0:blk.r1].view(b, hk, rows * g, dv_dim)
+        k_live, v_live = _live(kh, blk.key_runs), _live(vh, blk.key_runs)
+        s = _masked_scores(plan, blk, q_rows, k_live, (b, hk, rows, g, n))
+        p = s.sub_(lse_h[:, :, blk.r0:blk.r1].unsqueeze(-1)).exp_().view(b, hk, rows * g, n)
+        _add_live(slot["dv"], torch.matmul(p.transpose(-1, -2), do_rows), blk.key_runs)
+        dp = torch.matmul(do_rows, v_live.transpose(-1, -2)).view(b, hk, rows, g, n)
+        ds = dp.sub_(delta[:, :, blk.r0:blk.r1].unsqueeze(-1)).view(b, hk, rows * g, n).mul_(p)
+        dq[:, :, blk.r0:blk.r1] = torch.matmul(ds, k_live).mul_(softmax_scale).view(b, hk, rows, g, d)
+        # ds is dS / softmax_scale and q_rows is softmax_scale * Q: their product is dK
+        _add_live(slot["dk"], torch.matmul(ds.transpose(-1, -2), q_rows), blk.key_runs)
+
+    slots = [slot for slot in _for_each_block(block_backward, plan.blocks, workers) if slot]
+    if slots:
+        dk, dv = sum(slot["dk"] for slot in slots), sum(slot["dv"] for slot in slots)
+    else:  # every row fully masked
+        dk = torch.zeros(b, hk, sk, d, dtype=acc, device=q.device)
+        dv = torch.zeros(b, hk, sk, dv_dim, dtype=acc, device=q.device)
     return (
-        _ungroup(dq).to(q.dtype),
+        _from_query_layout(dq).to(q.dtype),
         dk.permute(0, 2, 1, 3).to(k.dtype),
         dv.permute(0, 2, 1, 3).to(v.dtype),
     )

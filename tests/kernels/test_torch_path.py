@@ -8,8 +8,10 @@ from flashmask3.kernels import torch_path
 from tests.kernels.attention_checks import make_qkv
 
 
-def test_tiles_visited_follow_the_classification(monkeypatch):
-    """The forward computes exactly the tiles that are not SKIP for some (batch, head)."""
+def test_keys_visited_follow_the_classification(monkeypatch):
+    """Each query block multiplies exactly its live keys (key tiles that are not SKIP for some
+    batch row / head): two products (QKᵀ, PV) per query block with live keys, and the QKᵀ
+    products together cover the live tiles' key columns, none of the skipped ones."""
     monkeypatch.setattr(torch_path, "BLOCK_M", 16)
     monkeypatch.setattr(torch_path, "BLOCK_N", 16)
     mask = M.causal_document_mask([16, 48, 32, 32])
@@ -24,9 +26,21 @@ def test_tiles_visited_follow_the_classification(monkeypatch):
     monkeypatch.setattr(torch_path.torch, "matmul", counting_matmul)
     torch_path.forward(q.detach(), k.detach(), v.detach(), mask.startend_row_indices, True, 0.3)
     cls = M.classify_tiles(mask.startend_row_indices, True, 128, 128, 16, 16)
-    live = int((cls != M.SKIP).sum())
-    assert live < cls.numel() // 2  # the mask is sparse: most tiles are skipped
-    assert len(seen) == 2 * live    # two matmuls (QK^T, PV) per live tile, none for skipped ones
+    live = cls != M.SKIP
+    assert int(live.sum()) < cls.numel() // 2  # the mask is sparse: most tiles are skipped
+    blocks_with_keys = int(live.flatten(0, 2).any(-1).sum())
+    assert len(seen) == 2 * blocks_with_keys
+    qk_keys = sum(b[-1] for a, b in seen if b[-2] == 8)  # QKᵀ: [.., rows, 8] @ [.., 8, keys]
+    assert qk_keys == 16 * int(live.sum())
+
+
+def test_worker_threads_leave_torch_threads_as_they_were():
+    """The CPU path spreads query blocks over worker threads and restores torch's setting."""
+    before = torch.get_num_threads()
+    q, k, v = make_qkv(1, 300, 300, 2, 1, 16, torch.float32)
+    out = torch_path.forward(q.detach(), k.detach(), v.detach(), None, True, 0.25)[0]
+    assert torch.get_num_threads() == before
+    assert torch.isfinite(out).all()
 
 
 @pytest.mark.gpu
@@ -43,3 +57,40 @@ def test_torch_path_memory_is_linear_in_seqlen():
     torch.cuda.synchronize()
     extra = torch.cuda.max_memory_allocated() - base
     assert extra < 128 * 2 ** 20, f"torch path used {extra / 2**20:.0f} MiB beyond its inputs"
+
+
+def test_backward_takes_a_merged_lse_like_context_parallelism():
+    """Two key chunks, forward on each, outputs merged by their log-sum-exp; the backward of
+    each chunk with the merged out/lse must sum to the gradient of attention over all keys."""
+    mask = M.causal_document_mask([40, 30, 26])
+    q, k, v = (t.detach() for t in make_qkv(1, 96, 96, 4, 2, 16, torch.float32, seed=3))
+    cols = mask.startend_row_indices
+    dout = torch.randn_like(q)
+    out, lse = torch_path.forward(q, k, v, cols, True, 0.25)
+    full = torch_path.backward(dout, None, q, k, v, out, lse, cols, True, 0.25)
+    # chunk the keys: columns keep their rows; the causal diagonal offset is Sk - Sq, so use a
+    # non-causal 4-column equivalent of the same mask to cut it freely
+    dense = mask.to_dense()[0, 0]
+    parts = []
+    for c0, c1 in ((0, 50), (50, 96)):
+        allowed = dense[:, c0:c1]
+        # masked rows of each key column as two intervals [LTS, LTE) ∪ [UTS, UTE) (contiguous
+        # visible run per column under a causal document mask)
+        vis = allowed.t()  # [keys, rows]
+        first = torch.where(vis.any(1), vis.float().argmax(1), 96)
+        last = torch.where(vis.any(1), 96 - vis.flip(1).float().argmax(1), 96)
+        col4 = torch.stack([last, torch.full_like(last, 96), torch.zeros_like(first), first], -1)
+        col4 = col4.to(torch.int32).view(1, 1, c1 - c0, 4)
+        o, l = torch_path.forward(q, k[:, c0:c1], v[:, c0:c1], col4, False, 0.25)
+        parts.append((c0, c1, col4, o, l))
+    merged_lse = torch.logaddexp(parts[0][4], parts[1][4])
+    merged = sum(o * torch.exp(l - merged_lse).transpose(1, 2).unsqueeze(-1) for *_, o, l in parts)
+    torch.testing.assert_close(merged, out, rtol=1e-5, atol=1e-6)
+    dq = torch.zeros_like(q)
+    for c0, c1, col4, _, _ in parts:
+        gq, gk, gv = torch_path.backward(dout, None, q, k[:, c0:c1], v[:, c0:c1], merged, merged_lse,
+                                         col4, False, 0.25)
+        dq += gq
+        torch.testing.assert_close(gk, full[1][:, c0:c1], rtol=1e-4, atol=1e-5)
+        torch.testing.assert_close(gv, full[2][:, c0:c1], rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(dq, full[0], rtol=1e-4, atol=1e-5)
