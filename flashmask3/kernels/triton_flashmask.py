@@ -46,8 +46,10 @@ from __future__ import annotations
 
 import contextlib
 import importlib
+import logging
 import math
 import os
+import warnings
 from dataclasses import dataclass
 from typing import Optional
 
@@ -1175,12 +1177,40 @@ def _env_choice(name: str, allowed: tuple) -> str:
     return env
 
 
+#: Triton versions on which the Gluon kernels were run and checked on a GPU (H200: the gpu
+#: tests and the kernel benchmark). Gluon is an experimental language whose layouts and
+#: intrinsics change between releases, so on any other version the dispatch takes the
+#: portable tl kernels for every launch (docs/host-path.md has the matrix and the CI checks).
+GLUON_CHECKED_TRITON = ("3.6.0",)
+
+#: Whether this Triton is one of them: the version guard of the dispatch, decided at import.
+GLUON_CHECKED_HERE = triton.__version__ in GLUON_CHECKED_TRITON
+
+
+def _announce_kernel_path() -> None:
+    """Say once (at import) which kernels the CUDA path runs with this Triton: a log line on a
+    checked version, a warning on an unchecked one (never a silent change of kernels)."""
+    if GLUON_CHECKED_HERE:
+        logging.getLogger("flashmask3").info(
+            "flashmask3: Triton %s: the Gluon kernels (checked on this version) run on Hopper "
+            "where the dispatch picks them, the tl kernels elsewhere", triton.__version__)
+    else:
+        warnings.warn(
+            f"flashmask3: Triton {triton.__version__} is not a version the Gluon kernels were "
+            f"checked on ({', '.join(GLUON_CHECKED_TRITON)}): every launch uses the portable tl "
+            "kernels (slower on Hopper; see docs/host-path.md)", RuntimeWarning, stacklevel=2)
+
+
+_announce_kernel_path()
+
+
 def _gluon_runs(q: torch.Tensor, module: str, cfg: Config, **variant) -> bool:
     """Whether the Gluon kernel of ``flashmask3.kernels.<module>`` can run these inputs with
-    this config: CUDA with TMA, a Hopper GPU (wgmma is sm_90 only), 16-bit inputs (its wgmma
-    operands; float32 runs tf32 in tl), Gluon available and the config (and ``variant``, the
-    kernel's own check_config flags) accepted."""
-    if _interpreting() or not q.is_cuda or not _use_tma(q):
+    this config: a Triton version it was checked on (:data:`GLUON_CHECKED_HERE`), CUDA with
+    TMA, a Hopper GPU (wgmma is sm_90 only), 16-bit inputs (its wgmma operands; float32 runs
+    tf32 in tl), Gluon available and the config (and ``variant``, the kernel's own check_config
+    flags) accepted."""
+    if not GLUON_CHECKED_HERE or _interpreting() or not q.is_cuda or not _use_tma(q):
         return False
     if q.dtype not in (torch.float16, torch.bfloat16):
         return False
