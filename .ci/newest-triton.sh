@@ -1,0 +1,54 @@
+#!/usr/bin/env bash
+# CI step 2: the Triton kernels under the newest Triton, next to a CPU torch, in a venv of its
+# own (the project's .venv keeps the Triton its torch pins). Runs (1) an offline sm_90 compile
+# of every kernel the dispatch can launch (.ci/compile_sm90.py: the tl kernels must compile;
+# Gluon kernels are reported, and on a Triton outside GLUON_CHECKED_TRITON the script checks
+# that the dispatch routes every launch to tl) and (2) the interpreter tests of the tl kernels
+# and of the public function. Budget: <= 20 minutes on a 2-core machine (docs/host-path.md).
+#
+#   NEWEST_TRITON   the Triton release to test (default 3.9.0)
+#   TORCH_SPEC      what pip installs as torch (default: the newest CPU wheel in /opt/wheels,
+#                   else torch from the PyTorch CPU index)
+#   VENV            where the venv goes (default .venv-newest-triton; reused when its stamp
+#                   matches)
+set -euo pipefail
+cd "$(dirname "$0")/.."
+NEWEST_TRITON=${NEWEST_TRITON:-3.9.0}
+VENV=${VENV:-.venv-newest-triton}
+PYTHON=${PYTHON:-python3.11}
+if [[ -z "${TORCH_SPEC:-}" ]]; then
+  TORCH_SPEC=$(ls /opt/wheels/torch-*+cpu-*.whl 2>/dev/null | sort -V | tail -1 || true)
+  TORCH_INDEX=()
+  if [[ -z "$TORCH_SPEC" ]]; then
+    TORCH_SPEC=torch
+    TORCH_INDEX=(--index-url https://download.pytorch.org/whl/cpu)
+  fi
+else
+  TORCH_INDEX=()
+fi
+STAMP="$VENV/.stamp-triton-$NEWEST_TRITON"
+if [[ ! -f "$STAMP" ]]; then
+  rm -rf "$VENV"
+  "$PYTHON" -m venv "$VENV"
+  "$VENV/bin/pip" install -q "$TORCH_SPEC" "${TORCH_INDEX[@]}"
+  # --no-deps: a CPU torch does not depend on Triton; the newest Triton goes next to it
+  "$VENV/bin/pip" install -q --no-deps "triton==$NEWEST_TRITON"
+  "$VENV/bin/pip" install -q "numpy<2.4" tqdm matplotlib "pytest>=8" "pytest-timeout>=2.3" "hypothesis>=6.100"
+  touch "$STAMP"
+fi
+PY="$VENV/bin/python"
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"  # this tree's flashmask3
+"$PY" -c "import torch, triton; print('newest-triton step: torch', torch.__version__, 'triton', triton.__version__)"
+mkdir -p .ci/out
+# a fresh kernel cache: every kernel is really compiled by this Triton
+export TRITON_CACHE_DIR
+TRITON_CACHE_DIR=$(mktemp -d)
+trap 'rm -rf "$TRITON_CACHE_DIR"' EXIT
+status=0
+"$PY" -W ignore .ci/compile_sm90.py --out ".ci/out/compile_sm90_triton$NEWEST_TRITON.json" || status=1
+# the interpreter tests of the tl kernels (the Gluon test files compile Gluon offline: they
+# belong to the checked versions, and the dispatch never runs Gluon here)
+TRITON_INTERPRET=1 "$PY" -m pytest -q -p no:cacheprovider -W ignore::DeprecationWarning \
+  tests/kernels/test_triton_flashmask.py tests/kernels/test_attention.py tests/test_api.py \
+  || status=1
+exit $status
