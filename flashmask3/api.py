@@ -33,6 +33,13 @@ def _attention_forward(
     # row_span: FlashMask.row_span_hint, the mask's mean row span rounded down to its half
     # octave as a 0-d CPU tensor (read here without a device sync; a tensor, so that
     # torch.compile does not specialise on its value), or None when unknown
+    return _attention_forward_impl(q, k, v, startend_row_indices, causal, softmax_scale, backend,
+                                   row_span)
+
+
+def _attention_forward_impl(q, k, v, startend_row_indices, causal, softmax_scale, backend,
+                            row_span):
+    """The backend's forward (the body of both the custom op and the eager Function)."""
     span = None if row_span is None else float(row_span)
     out, lse = get_backend(backend).forward(q, k, v, startend_row_indices, causal, softmax_scale,
                                             row_span=span)
@@ -82,6 +89,36 @@ def _backward(ctx, dout, dlse):
 
 
 _attention_forward.register_autograd(_backward, setup_context=_setup_context)
+
+
+class _EagerAttention(torch.autograd.Function):
+    """The same forward and backward as the custom op, for eager calls on plain tensors: one
+    ``autograd.Function`` frame instead of the custom op's dispatcher round trip (about 100
+    fewer Python calls per forward, ~90 per backward: benchmarks/host_profile.py). Traced calls
+    (torch.compile, export, fake or dispatch modes, tensor subclasses) take the custom op."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, startend_row_indices, causal, softmax_scale, backend, row_span):
+        out, lse = _attention_forward_impl(q, k, v, startend_row_indices, causal, softmax_scale,
+                                           backend, row_span)
+        ctx.save_for_backward(q, k, v, out, lse, startend_row_indices)
+        ctx.causal, ctx.softmax_scale, ctx.backend = causal, softmax_scale, backend
+        return out, lse
+
+    @staticmethod
+    def backward(ctx, dout, dlse):
+        q, k, v, out, lse, startend_row_indices = ctx.saved_tensors
+        dq, dk, dv = get_backend(ctx.backend).backward(
+            dout.contiguous(), dlse, q, k, v, out, lse, startend_row_indices, ctx.causal,
+            ctx.softmax_scale)
+        return dq.contiguous(), dk.contiguous(), dv.contiguous(), None, None, None, None, None
+
+
+def _traced(q: Tensor) -> bool:
+    """Whether this call must go through the custom op: under torch.compile / export, inside a
+    dispatch mode (FakeTensorMode, functionalization, ...), or on a tensor subclass."""
+    return (torch.compiler.is_compiling() or type(q) is not Tensor
+            or torch._C._len_torch_dispatch_stack() > 0)
 
 
 # -- argument checks ------------------------------------------------------------------------
@@ -246,6 +283,6 @@ def flashmask_attention(
     softmax_scale = resolve_softmax_scale(softmax_scale, d)
     backend = choose_backend(q)
     q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))
-    out, lse = _attention_forward(q, k, v, startend_row_indices, causal, softmax_scale, backend,
-                                  row_span)
+    op = _attention_forward if _traced(q) else _EagerAttention.apply
+    out, lse = op(q, k, v, startend_row_indices, causal, softmax_scale, backend, row_span)
     return (out, lse) if return_softmax_lse else out

@@ -453,3 +453,28 @@ def test_the_kernel_path_is_announced_once_per_import(monkeypatch, caplog):
     with caplog.at_level(logging.INFO, logger="flashmask3"):
         T._announce_kernel_path()
     assert "Gluon kernels (checked on this version)" in caplog.text
+
+
+def test_eager_calls_and_the_custom_op_agree(monkeypatch):
+    """Eager calls on plain tensors run the autograd.Function (fewer host frames), traced ones
+    the custom op; both give the same output and gradients, bit for bit (torch path)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from flashmask3.api import _traced
+
+    monkeypatch.setenv("FLASHMASK3_BACKEND", "torch")
+    q, k, v = make_qkv(1, 40, 40, 2, 1, 16, torch.float32, seed=7)
+    mask = M.causal_document_mask([15, 25])
+    assert not _traced(q)
+    with FakeTensorMode():
+        assert _traced(torch.empty(1))
+    out = flashmask3.flashmask_attention(q, k, v, mask)
+    assert out.grad_fn is not None and "EagerAttention" in type(out.grad_fn).__name__
+    op_out, _ = torch.ops.flashmask3.attention_forward(q, k, v, mask.startend_row_indices, True,
+                                                       0.25, "torch", mask.row_span_hint)
+    dout = torch.randn_like(out)
+    grads = torch.autograd.grad(out, (q, k, v), dout)
+    op_grads = torch.autograd.grad(op_out, (q, k, v), dout)
+    torch.testing.assert_close(out, op_out, rtol=0, atol=0)
+    for a, b in zip(grads, op_grads):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
