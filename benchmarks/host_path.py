@@ -93,7 +93,30 @@ def kernels_per_call(fn) -> int:
     return sum(1 for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA)
 
 
-def host_table(seqlen: int, heads: int, d: int, dtype, ndocs: int) -> list[dict]:
+def host_profile_text(fn, calls: int = 20) -> str:
+    """cProfile of ``calls`` calls of ``fn`` (GPU kept busy, so no call waits for it): the top
+    functions by own time and by cumulative time, per call, for finding the host cost."""
+    import cProfile
+    import io
+    import pstats
+
+    torch.cuda.synchronize()
+    torch.cuda._sleep(200_000_000)
+    prof = cProfile.Profile()
+    prof.enable()
+    for _ in range(calls):
+        fn()
+    prof.disable()
+    torch.cuda.synchronize()
+    buf = io.StringIO()
+    st = pstats.Stats(prof, stream=buf)
+    buf.write(f"{calls} calls; {st.total_calls / calls:.0f} Python function calls per call\n")
+    st.sort_stats("tottime").print_stats(30)
+    st.sort_stats("cumulative").print_stats(40)
+    return buf.getvalue()
+
+
+def host_table(seqlen: int, heads: int, d: int, dtype, ndocs: int, out_dir=None) -> list[dict]:
     from benchmarks.kernel import host_us, standard_ms
 
     q, k, v = _inputs(seqlen, heads, d, "cuda", dtype)
@@ -113,6 +136,10 @@ def host_table(seqlen: int, heads: int, d: int, dtype, ndocs: int) -> list[dict]
                              gpu_ms=gpu_ms(fn, leaves), kernels=kernels_per_call(fn),
                              target_us=target, met=host <= target))
             print(json.dumps(rows[-1]), flush=True)
+            if out_dir:
+                name = f"profile_{form.split()[0].lower()}_{mode.replace('+', '_')}.txt"
+                with open(os.path.join(out_dir, name), "w") as f:
+                    f.write(host_profile_text(fn))
     return rows
 
 
@@ -205,7 +232,7 @@ def main(argv=None) -> int:
     dtype, heads, d = torch.bfloat16, 16, 128
     meta = dict(run_environment(torch.device("cuda")), command=" ".join(sys.argv))
     os.makedirs(args.out, exist_ok=True)
-    host = host_table(args.host_seqlen, heads, d, dtype, args.host_docs)
+    host = host_table(args.host_seqlen, heads, d, dtype, args.host_docs, args.out)
     md = write(args.out, meta, host, [])  # (kept if the small table runs out of time)
     if not args.skip_small:
         small = small_table([int(x) for x in args.small_seqlens.split(",")], heads, d, dtype,

@@ -76,7 +76,9 @@ def fake_hopper(launches: list):
     def record(self, *args, grid, warmup, **kwargs):
         launches.append(self.fn.__name__)
 
-    with mock.patch.object(JITFunction, "run", record), \
+    from flashmask3.kernels import triton_flashmask as T
+
+    with mock.patch.object(JITFunction, "run", record), mock.patch.object(T, "_CAPABILITY", {}), \
             mock.patch.object(torch.cuda, "get_device_capability", lambda device=None: (9, 0)), \
             mock.patch.object(torch.cuda, "get_device_properties", lambda device=None: _Props()), \
             mock.patch.object(torch.Tensor, "__getitem__", _slice_by_narrow(torch.Tensor.__getitem__)), \

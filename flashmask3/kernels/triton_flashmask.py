@@ -981,7 +981,29 @@ def _use_tma(x: torch.Tensor) -> bool:
         return False
     if flag == "1":
         return True
-    return x.is_cuda and torch.cuda.get_device_capability(x.device)[0] >= 9
+    return x.is_cuda and _capability(x.device)[0] >= 9
+
+
+#: Compute capability per CUDA device, asked once (a host-side query on every launch otherwise).
+_CAPABILITY: dict = {}
+
+
+def _capability(device: torch.device) -> tuple:
+    cap = _CAPABILITY.get(device)
+    if cap is None:
+        cap = _CAPABILITY[device] = tuple(torch.cuda.get_device_capability(device))
+    return cap
+
+
+#: The Gluon kernel modules, imported on first use (no importlib call per launch).
+_GLUON_MODULES: dict = {}
+
+
+def _gluon_module(module: str):
+    mod = _GLUON_MODULES.get(module)
+    if mod is None:
+        mod = _GLUON_MODULES[module] = importlib.import_module(f"{__package__}.{module}")
+    return mod
 
 
 #: Whether the loop-invariant wgmma A operands (Q in the forward; K, V in dK/dV; Q, dO in dQ)
@@ -1214,9 +1236,9 @@ def _gluon_runs(q: torch.Tensor, module: str, cfg: Config, **variant) -> bool:
         return False
     if q.dtype not in (torch.float16, torch.bfloat16):
         return False
-    if torch.cuda.get_device_capability(q.device)[0] != 9:
+    if _capability(q.device)[0] != 9:
         return False
-    mod = importlib.import_module(f"{__package__}.{module}")
+    mod = _gluon_module(module)
     if mod.unavailable_reason() is not None:
         return False
     try:
