@@ -28,33 +28,25 @@ import os
 import sys
 import time
 
-#: (causal, C) mask layouts per head dim: every layout at D=128, the two extremes elsewhere.
+#: (causal, C) mask layouts per head dim of the tl rows: every layout at D=128, the two
+#: extremes elsewhere; the Gluon rows on one layout (C=1: the column ring included).
 LAYOUTS = {128: [(True, 0), (True, 1), (True, 2), (False, 2), (False, 4)],
            64: [(True, 1), (False, 4)], 256: [(True, 1), (False, 4)]}
+GLUON_LAYOUTS = [(True, 1)]
 
 
 def jobs() -> list[dict]:
-    """Every compile, as a picklable description."""
-    from flashmask3.kernels import triton_flashmask as K
+    """Every compile, as a picklable description: each (pass, kernel, head dim, tile) of the
+    dispatch table (``compile_tools.table_kernels``) on its layouts, and the small kernels."""
+    from flashmask3.kernels import compile_tools as CT
 
     out = [dict(family="tl", kernel=name) for name in ("summary", "range_by_query",
                                                         "range_by_key", "bwd_pre", "scale_dq")]
-    for d, layouts in LAYOUTS.items():
-        for kind in ("fwd", "dkdv", "dq"):
-            cfg = K.CANDIDATES[(kind, d)][0]
-            out += [dict(family="tl", kernel=kind, d=d, cfg=cfg.__dict__, causal=causal, c=c)
-                    for causal, c in layouts]
-    short = K.SHORT_ROWS_FWD[64][1]
-    out.append(dict(family="tl", kernel="fwd", d=64, cfg=short.__dict__, causal=True, c=1))
-    cfg = K.CANDIDATES[("fused", 128)][0]
-    out += [dict(family="tl", kernel="fused", d=128, cfg=cfg.__dict__, causal=causal, c=c)
-            for causal, c in ((True, 1), (False, 4))]
-    for d in K.GLUON_FWD_DIMS:
-        out.append(dict(family="gluon", kernel="fwd_ws", d=d, causal=True, c=1))
-    for d in K.GLUON_DKDV_DIMS:
-        out.append(dict(family="gluon", kernel="dkdv_ws", d=d, causal=True, c=1))
-    for d in K.GLUON_FUSED_DIMS:
-        out.append(dict(family="gluon", kernel="fused", d=d, causal=True, c=1))
+    for pass_, kernel, d, t in CT.table_kernels():
+        family = "tl" if kernel == "tl" else "gluon"
+        for causal, c in (LAYOUTS[d] if family == "tl" else GLUON_LAYOUTS):
+            out.append(dict(family=family, pass_=pass_, kernel=kernel, d=d, cfg=t._asdict()
+                            if hasattr(t, "_asdict") else dict(t.__dict__), causal=causal, c=c))
     return out
 
 
@@ -62,54 +54,44 @@ def _compile_small(name: str) -> dict:
     """The preprocessing / pre-pass / scaling kernels (no tile config of their own)."""
     from triton.compiler import ASTSource
 
-    from flashmask3.kernels import triton_flashmask as K
-    from flashmask3.kernels import triton_report as R
+    from flashmask3.kernels import compile_tools as CT
+    from flashmask3.kernels import tiles as TI
+    from flashmask3.kernels import tl_kernels as TL
 
     kernel, ptrs, consts = {
-        "summary": (K._summary_kernel, dict(mask_ptr="*i32", sum_ptr="*i32"),
+        "summary": (TI._summary_kernel, dict(mask_ptr="*i32", sum_ptr="*i32"),
                     dict(BLOCK_N=128, CAUSAL=False, C=4)),
-        "range_by_query": (K._range_kernel, dict(sum_ptr="*i32", rng_ptr="*i32"),
+        "range_by_query": (TI._range_kernel, dict(sum_ptr="*i32", rng_ptr="*i32"),
                            dict(BLOCK_M=128, BLOCK_N=128, CAUSAL=False, NI=2, BY_KEY=False,
                                 CHUNK=256)),
-        "range_by_key": (K._range_kernel, dict(sum_ptr="*i32", rng_ptr="*i32"),
+        "range_by_key": (TI._range_kernel, dict(sum_ptr="*i32", rng_ptr="*i32"),
                          dict(BLOCK_M=64, BLOCK_N=128, CAUSAL=True, NI=1, BY_KEY=True,
                               CHUNK=256)),
-        "bwd_pre": (K._bwd_pre_kernel, dict(o_ptr="*bf16", do_ptr="*bf16", lse_ptr="*fp32",
-                                            dlse_ptr="*fp32", delta_ptr="*fp32",
-                                            lse2_ptr="*fp32"),
+        "bwd_pre": (TL._bwd_pre_kernel, dict(o_ptr="*bf16", do_ptr="*bf16", lse_ptr="*fp32",
+                                             dlse_ptr="*fp32", delta_ptr="*fp32",
+                                             lse2_ptr="*fp32"),
                     dict(D=128, BLOCK_M=64, HAS_DLSE=True)),
-        "scale_dq": (K._scale_dq_kernel, dict(src_ptr="*fp32", dst_ptr="*bf16"),
+        "scale_dq": (TL._scale_dq_kernel, dict(src_ptr="*fp32", dst_ptr="*bf16"),
                      dict(D=128, BLOCK_Q=64)),
     }[name]
-    sig, attrs = R._signature(kernel, ptrs, {}, consts)
-    ck = R.compile_sm90_source(ASTSource(kernel, sig, constexprs=consts, attrs=attrs), 4, 1)
-    usage, _ = R.cuobjdump(ck.asm["cubin"])
+    sig, attrs = CT._signature(kernel, ptrs, {}, consts)
+    ck = CT.compile_sm90_source(ASTSource(kernel, sig, constexprs=consts, attrs=attrs), 4, 1)
+    usage, _ = CT.cuobjdump(ck.asm["cubin"])
     return dict(regs=usage["regs"], local=usage["local"])
 
 
-def _compile_gluon(kernel: str, d: int, causal: bool, c: int) -> dict:
-    """A Gluon kernel at the tile and variant the dispatch launches it with."""
-    from flashmask3.kernels import triton_flashmask as K
-    from flashmask3.kernels import triton_report as R
+def _compile_table_kernel(job: dict) -> dict:
+    """One dispatch-table kernel, compiled as its launcher launches it (compile_tools)."""
+    from flashmask3.kernels import compile_tools as CT
+    from flashmask3.kernels.tiles import Config
 
-    if kernel == "fwd_ws":
-        from flashmask3.kernels import gluon_fwd as G
-
-        t = K.GLUON_TILE[("fwd", d)]
-        variant = dict(warp_spec=True, pingpong=K.GLUON_FWD_PINGPONG.get(d, False))
-    else:
-        from flashmask3.kernels import gluon_dkdv as G
-
-        if kernel == "fused":
-            t = K.GLUON_TILE[("fused", d)]
-            variant = K.GLUON_FUSED_VARIANT
-        else:
-            t = K.GLUON_TILE.get(("dkdv", d)) or K.CANDIDATES[("dkdv", d)][0]
-            variant = dict(warp_spec=True, stats_smem=d in K.GLUON_STATS_SMEM_DIMS)
-    ck = G.compile_sm90(d, t.block_m, t.block_n, t.num_warps, t.num_stages, causal=causal, c=c,
-                        **variant)
-    usage, sass = R.cuobjdump(ck.asm["cubin"])
-    return dict(regs=usage["regs"], local=usage["local"], hgmma=sass.count("HGMMA"))
+    listing = CT.compile_launch(job["pass_"], job["kernel"], job["d"], Config(**job["cfg"]),
+                                job["causal"], job["c"])
+    report = dict(hgmma=listing.count("HGMMA"),
+                  ldl_stl=listing.count("LDL") + listing.count("STL"))
+    if report["hgmma"] == 0:
+        raise RuntimeError(f"no HGMMA in the SASS (the slow mma.sync path): {report}")
+    return report
 
 
 def run_one(job: dict) -> dict:
@@ -117,19 +99,7 @@ def run_one(job: dict) -> dict:
     os.environ.pop("TRITON_INTERPRET", None)
     start = time.perf_counter()
     try:
-        if job["family"] == "gluon":
-            report = _compile_gluon(job["kernel"], job["d"], job["causal"], job["c"])
-        elif "cfg" not in job:
-            report = _compile_small(job["kernel"])
-        else:
-            from flashmask3.kernels import triton_flashmask as K
-            from flashmask3.kernels import triton_report as R
-
-            r = R.compile_one(job["kernel"], job["d"], K.Config(**job["cfg"]), job["causal"],
-                              job["c"])
-            report = {k: r[k] for k in ("regs", "local", "hgmma", "ldl_stl")}
-            if report["hgmma"] == 0:
-                raise RuntimeError(f"no HGMMA in the SASS (the slow mma.sync path): {report}")
+        report = _compile_small(job["kernel"]) if "cfg" not in job else _compile_table_kernel(job)
         return dict(job, ok=True, seconds=round(time.perf_counter() - start, 1), **report)
     except Exception as exc:  # reported per kernel: one failure must not hide the others
         msg = str(exc).strip().splitlines()
@@ -151,7 +121,7 @@ def main(argv=None) -> int:
     import torch
     import triton
 
-    from flashmask3.kernels import triton_flashmask as K
+    from flashmask3.kernels import dispatch as K
 
     todo = [j for j in jobs() if not args.only or j["family"] in args.only.split(",")]
     print(f"triton {triton.__version__}, torch {torch.__version__}: {len(todo)} sm_90 compiles, "
@@ -164,7 +134,8 @@ def main(argv=None) -> int:
     with futures.ProcessPoolExecutor(args.jobs, mp_context=ctx) as pool:
         for row in pool.map(run_one, todo):
             rows.append(row)
-            what = {k: row.get(k) for k in ("family", "kernel", "d", "causal", "c")}
+            what = {k: row.get(k) for k in ("family", "pass_", "kernel", "d", "cfg", "causal", "c")
+                    if k in row}
             print(("ok  " if row["ok"] else "FAIL") + f" {what} {row['seconds']}s "
                   + (row.get("error", "") if not row["ok"] else ""), flush=True)
     failed_tl = [r for r in rows if r["family"] == "tl" and not r["ok"]]
@@ -186,27 +157,21 @@ def main(argv=None) -> int:
 
 
 def _gate_routes_to_tl() -> bool:
-    """On this (unchecked) Triton, the dispatch picks tl for every kernel kind of a Hopper
-    bf16 call at every head dim, even when env asks for Gluon."""
+    """On this (unchecked) Triton, the dispatch picks tl for every pass of a Hopper bf16 call
+    at every head dim and row span, and the split backward."""
     import torch
 
-    from flashmask3.kernels import triton_flashmask as K
+    from flashmask3.kernels import dispatch
 
-    class Q:
-        is_cuda, dtype, device = True, torch.bfloat16, torch.device("cuda", 0)
-
-    K._use_tma = lambda x: True  # (this process only: what an H200 would answer)
-    torch.cuda.get_device_capability = lambda device=None: (9, 0)
+    dispatch._capability = lambda index: (9, 0)  # (this process only: what an H200 answers)
+    dispatch.decide.cache_clear()
+    cuda = torch.device("cuda", 0)
     for d in (64, 128, 256):
-        Q.shape = (1, 4096, 16, d)
-        for kind in ("fwd", "dkdv", "fused"):
-            tile = K.GLUON_TILE.get((kind, d)) or K.CANDIDATES[(kind, d)][0]
-            impl = {"fwd": lambda: K._fwd_impl(Q, tile, 1), "dkdv": lambda: K._dkdv_impl(Q, tile),
-                    "fused": lambda: K._fused_impl(Q, tile)}[kind]()
-            if impl != "tl":
-                return False
-        if K.backward_mode(like=Q) != "split":
-            return False
+        for span in (None, 512.0):
+            for c in (0, 1, 4):
+                choice = dispatch.choose(cuda, torch.bfloat16, d, c != 4, c, span)
+                if any(x.kernel != "tl" for x in (choice.forward, *choice.backward)):
+                    return False
     return True
 
 

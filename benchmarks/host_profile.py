@@ -3,7 +3,7 @@ of the CUDA path does per call, so that its reductions are measurable before a G
 
 Two parts, each timed over many calls and profiled (cProfile: Python function calls per call):
 
-* **backend**: ``triton_flashmask.forward`` / ``backward`` as on an H200 (bf16, D=128, a
+* **backend**: ``triton_backend.forward`` / ``backward`` as on an H200 (bf16, D=128, a
   ``[B, 1, S, 1]`` causal mask), on fake CUDA tensors (``FakeTensorMode``: no memory, no
   device) with the device queries answering "Hopper" and every Triton launch replaced by a
   recorder: the dispatch, the plans, the allocations, the descriptors, the argument lists.
@@ -76,14 +76,19 @@ def fake_hopper(launches: list):
     def record(self, *args, grid, warmup, **kwargs):
         launches.append(self.fn.__name__)
 
-    from flashmask3.kernels import triton_flashmask as T
+    from flashmask3.kernels import dispatch, tl_kernels
 
-    with mock.patch.object(JITFunction, "run", record), mock.patch.object(T, "_CAPABILITY", {}), \
+    hopper = lambda index: (9, 0)  # noqa: E731
+    dispatch.decide.cache_clear()
+    with mock.patch.object(JITFunction, "run", record), \
+            mock.patch.object(dispatch, "_capability", hopper), \
+            mock.patch.object(tl_kernels, "_capability", hopper), \
             mock.patch.object(torch.cuda, "get_device_capability", lambda device=None: (9, 0)), \
             mock.patch.object(torch.cuda, "get_device_properties", lambda device=None: _Props()), \
             mock.patch.object(torch.Tensor, "__getitem__", _slice_by_narrow(torch.Tensor.__getitem__)), \
             FakeTensorMode(allow_non_fake_inputs=True):
         yield
+    dispatch.decide.cache_clear()
 
 
 def _per_call(fn, calls: int, launches: list | None = None) -> dict:
@@ -121,7 +126,7 @@ def _per_call(fn, calls: int, launches: list | None = None) -> dict:
 
 
 def backend_profile(calls: int, seqlen: int = 32768, heads: int = 16, d: int = 128) -> dict:
-    from flashmask3.kernels import triton_flashmask as T
+    from flashmask3.kernels import triton_backend as T
 
     launches: list = []
     res = {}

@@ -459,7 +459,7 @@ def flashmask_prep_ms(mask, causal, s, d, dtype) -> float:
     """Median time of the mask preprocessing of one fwd+bwd (summaries + live ranges of every pass)."""
     from triton.testing import do_bench
 
-    from flashmask3.kernels import triton_flashmask as T
+    from flashmask3.kernels import triton_backend as T
 
     cols = None if mask is None else mask.startend_row_indices
     if cols is None:
@@ -471,7 +471,7 @@ def flashmask_prep_ms(mask, causal, s, d, dtype) -> float:
 
 def mask_bytes(mask, causal, s, d, dtype) -> int:
     """Bytes of the column mask plus every block summary and live-range table."""
-    from flashmask3.kernels import triton_flashmask as T
+    from flashmask3.kernels import triton_backend as T
 
     if mask is None:
         return 0
@@ -483,53 +483,36 @@ def mask_bytes(mask, causal, s, d, dtype) -> int:
     return n
 
 
-#: flashmask3 timed again in the same run with one kernel option changed:
-#: impl name -> (short label, backward mode, SPLIT_UNMASKED_LOOP entries changed, environment).
-#: ``masked``: every kernel visits UNMASKED tiles in its masked loop (the v3 loops), the A/B
-#: for the mask-free loops that are on by default since v5. ``tl-dkdv``: the tl dK/dV kernel
-#: where the Gluon one is the default (v6). ``split``: the split backward where the fused one is
-#: the default (D=128 on Hopper since v6.5, D=64 since v6.6). ``tl-fwd``, ``fwd-ws``,
-#: ``fwd-wsp``: the tl forward, the warp-specialised Gluon forward without / with ping-pong,
-#: ``fwd-ws+P`` the persistent one (session 13).
+#: flashmask3 timed again in the same run with the kernel choice overridden:
+#: impl name -> (short label, FLASHMASK3_KERNELS value). ``split``: the split backward where the
+#: fused one is the default (D=64/128 on Hopper); ``portable``: the tl kernels only.
 FLASHMASK_VARIANTS = {
-    "flashmask3_fused": ("fused", "fused", {}, {}),
-    "flashmask3_split": ("split", "split", {}, {}),
-    "flashmask3_masked": ("masked", "split", {"fwd": False, "dkdv": False, "dq": False}, {}),
-    "flashmask3_tl_dkdv": ("tl-dkdv", "split", {}, {"FLASHMASK3_TRITON_DKDV": "tl"}),
-    "flashmask3_tl_fwd": ("tl-fwd", "auto", {}, {"FLASHMASK3_TRITON_FWD": "tl"}),
-    "flashmask3_fwd_ws": ("fwd-ws", "auto", {}, {"FLASHMASK3_TRITON_FWD": "gluon_ws"}),
-    "flashmask3_fwd_wsp": ("fwd-wsp", "auto", {}, {"FLASHMASK3_TRITON_FWD": "gluon_wsp"}),
-    "flashmask3_fwd_ws_p": ("fwd-ws+P", "auto", {}, {"FLASHMASK3_TRITON_FWD": "gluon_ws",
-                                                      "FLASHMASK3_TRITON_FWD_PERSISTENT": "1"}),
+    "flashmask3_split": ("split", "split"),
+    "flashmask3_portable": ("portable", "portable"),
 }
 
 
-#: Labels of the variant columns in reports, with variants of earlier runs that are now the
-#: default (v4.1 rows: "maskfree" = the v5 loops).
+#: Labels of the variant columns in reports, with variants of earlier runs (their code is
+#: deleted; their rows stay readable in committed results).
 _VARIANT_LABELS = {**{name: v[0] for name, v in FLASHMASK_VARIANTS.items()},
-                   "flashmask3_maskfree": "maskfree"}
+                   "flashmask3_maskfree": "maskfree", "flashmask3_fused": "fused",
+                   "flashmask3_masked": "masked", "flashmask3_tl_dkdv": "tl-dkdv",
+                   "flashmask3_tl_fwd": "tl-fwd", "flashmask3_fwd_ws": "fwd-ws",
+                   "flashmask3_fwd_wsp": "fwd-wsp", "flashmask3_fwd_ws_p": "fwd-ws+P"}
 
 
 @contextlib.contextmanager
 def flashmask_variant(impl_name: str):
-    """The kernel options of one flashmask3 row: the library defaults ("flashmask3"; the
-    backward is the library's choice, FLASHMASK3_TRITON_BWD unset) or a
-    :data:`FLASHMASK_VARIANTS` entry; restored afterwards."""
-    from flashmask3.kernels import triton_flashmask as T
-
-    _, backward, loops, env = FLASHMASK_VARIANTS.get(impl_name, ("", "auto", {}, {}))
-    old = dict(T.SPLIT_UNMASKED_LOOP)
-    T.SPLIT_UNMASKED_LOOP.update(loops)
-    try:
-        with T.use_backward(backward), mock.patch.dict(os.environ, env):
-            yield
-    finally:
-        T.SPLIT_UNMASKED_LOOP.clear()
-        T.SPLIT_UNMASKED_LOOP.update(old)
+    """The kernel choice of one flashmask3 row: the library's ("flashmask3") or a
+    :data:`FLASHMASK_VARIANTS` entry's FLASHMASK3_KERNELS value; restored afterwards."""
+    value = FLASHMASK_VARIANTS.get(impl_name, ("", None))[1]
+    env = {} if value is None else {"FLASHMASK3_KERNELS": value}
+    with mock.patch.dict(os.environ, env):
+        yield
 
 
 def run_case(name: str, s: int, d: int, hq: int, hk: int, dtype, args) -> dict:
-    from flashmask3.kernels import triton_flashmask as T
+    from flashmask3.kernels import dispatch
 
     batch = TOTAL_TOKENS // s
     mask, causal, ndocs = build_mask(name, s, batch)
@@ -573,11 +556,11 @@ def run_case(name: str, s: int, d: int, hq: int, hk: int, dtype, args) -> dict:
         fm = rec["impls"]["flashmask3"]
         c = 0 if cols is None else cols.shape[-1]
         with flashmask_variant("flashmask3"):  # what the flashmask3 row ran
-            fm["backward"] = T.backward_mode(like=q)
-            kinds = ("fwd",) + T.BACKWARD_KERNELS[fm["backward"]]
             span = None if mask is None else kernel_row_span(mask)  # (the forward's tile hint)
-            fm["configs"] = {kind: str(T._config(kind, d, causal, c, dtype, like=q, row_span=span))
-                             for kind in kinds}
+            choice = dispatch.choose(q.device, q.dtype, d, causal, c, span)
+            fm["backward"] = choice.backward_mode
+            fm["configs"] = {x.pass_: f"{x.kernel} {x.tile}" for x in
+                             (choice.forward, *dispatch.choose(q.device, q.dtype, d, causal, c).backward)}
             fm["prep_ms"] = flashmask_prep_ms(mask, causal, s, d, dtype)
             fm["mask_bytes"] = mask_bytes(mask, causal, s, d, dtype)
     return rec
@@ -862,7 +845,7 @@ def compiled_kernels_report(path: str) -> None:
 
     import triton
 
-    from flashmask3.kernels import triton_flashmask as T
+    from flashmask3.kernels import tl_kernels as T
 
     tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
     rows = []
@@ -889,23 +872,6 @@ def compiled_kernels_report(path: str) -> None:
     for r in rows:
         print("compiled", {k: r.get(k) for k in ("kernel", "n_regs", "n_spills", "num_warps", "num_stages",
                                                    "shared", "hgmma", "ldl_stl", "error")})
-
-
-def _tuned_configs() -> dict:
-    """The configurations flashmask3's autotuner chose so far, with every candidate's time:
-    "kernel D causal C dtype" -> "chosen tile (candidate ms, ...)"."""
-    from flashmask3.kernels import triton_flashmask as T
-
-    def tile(c):
-        return f"{c.block_m}x{c.block_n} w{c.num_warps} s{c.num_stages}"
-
-    out = {}
-    for key, chosen in T._TUNED.items():
-        times = T.TUNING_TIMES.get(key, {})
-        tried = ", ".join(f"{tile(c)}: {'failed' if ms is None else f'{ms:.3f} ms'}"
-                          for c, ms in times.items())
-        out[" ".join(str(x) for x in key)] = tile(chosen) + (f" ({tried})" if tried else "")
-    return out
 
 
 FINAL_PLAN = (
@@ -984,7 +950,7 @@ def main(argv=None) -> int:
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[args.dtype]
     meta = dict(run_environment(torch.device("cuda")), dtype=args.dtype, not_run=[],
                 kernel_version=args.kernel_version, timer=args.timer,
-                autotune=os.environ.get("FLASHMASK3_TRITON_AUTOTUNE", "0"))
+                kernels=os.environ.get("FLASHMASK3_KERNELS", "default"))
     try:
         __import__("torch.nn.attention.varlen")
         meta["varlen"] = "torch.nn.attention.varlen available"
@@ -1012,7 +978,6 @@ def main(argv=None) -> int:
               f"{'; '.join(targets(rec))} ({time.time() - t0:.0f}s)"
               + (f" ERR {[(k, v['error'][:120]) for k, v in rec['impls'].items() if 'error' in v]}"
                  if any('error' in v for v in rec['impls'].values()) else ""), flush=True)
-        meta["tuned"] = _tuned_configs()
         with open(path, "w") as fh:
             json.dump({"meta": meta, "results": results}, fh, indent=1)
     with open(path, "w") as fh:

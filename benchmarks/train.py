@@ -104,9 +104,9 @@ def run_backend(cfg, backend: str, batches, warmup: int, device: torch.device) -
     optimizer = build_optimizer(model, cfg)
     timer = AttentionTimer(device, True)
     attention, backward = _ATTENTION[backend]
-    from flashmask3.kernels import triton_flashmask as T
+    from flashmask3.kernels.dispatch import use_backward
 
-    with T.use_backward(backward):
+    with use_backward(backward):
         return _timed_steps(cfg.replace(attention=attention, attention_backward=backward), model,
                             optimizer, batches, warmup, env, timer, device)
 

@@ -402,42 +402,41 @@ def test_gpu_torch_compile_one_graph_for_every_mask_of_a_shape():
 # -- the Triton version gate of the Gluon kernels ---------------------------------------------
 
 
-class _HopperTensor:
-    """What the dispatch reads of q on an H200 (bf16, D=128), without a GPU."""
+@pytest.fixture
+def hopper_dispatch(monkeypatch):
+    """The dispatch as on an H200 (compute capability 9.0, compiled kernels), without a GPU;
+    its decision cache cleared before and after."""
+    from flashmask3.kernels import dispatch
 
-    is_cuda = True
-    dtype = torch.bfloat16
-    shape = (1, 4096, 16, 128)
-    device = torch.device("cuda", 0)
+    monkeypatch.setattr(dispatch, "_capability", lambda index: (9, 0))
+    monkeypatch.setattr(dispatch, "interpreting", lambda: False)
+    dispatch.decide.cache_clear()
+    yield dispatch
+    dispatch.decide.cache_clear()
 
 
 @needs_triton
 @pytest.mark.parametrize("checked", [True, False])
-def test_gluon_kernels_run_only_on_checked_triton_versions(checked, monkeypatch):
-    """On a Triton version outside GLUON_CHECKED_TRITON every kernel kind (forward, split dK/dV,
-    fused backward), even when forced by env, takes the tl kernel; on a checked one the Gluon
-    defaults stand (where Gluon itself imports)."""
-    from flashmask3.kernels import gluon_dkdv
-    from flashmask3.kernels import triton_flashmask as T
-
-    if checked and gluon_dkdv.unavailable_reason() is not None:
-        pytest.skip(gluon_dkdv.unavailable_reason())
-    monkeypatch.setattr(T, "GLUON_CHECKED_HERE", checked)
-    monkeypatch.setattr(T, "_interpreting", lambda: False)
-    monkeypatch.setattr(T, "_use_tma", lambda x: True)
-    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
-    monkeypatch.setattr(T, "_CAPABILITY", {})
-    q = _HopperTensor()
-    fwd, dkdv, fused = (T.GLUON_TILE[(kind, 128)] for kind in ("fwd", "dkdv", "fused"))
-    want = (lambda impl: impl) if checked else (lambda impl: "tl")
-    assert T._fwd_impl(q, fwd, 1) == want("gluon_ws")
-    assert T._dkdv_impl(q, dkdv) == want("gluon_ws")
-    assert T._fused_impl(q, fused) == want("gluon")
-    assert T.backward_mode(like=q) == ("fused" if checked else "split")
-    for env, value in (("FLASHMASK3_TRITON_FWD", "gluon_ws"), ("FLASHMASK3_TRITON_DKDV", "gluon")):
-        monkeypatch.setenv(env, value)
-    assert T._fwd_impl(q, fwd, 1) == want("gluon_ws")
-    assert T._dkdv_impl(q, dkdv) == want("gluon")
+def test_gluon_kernels_run_only_on_checked_triton_versions(checked, hopper_dispatch, monkeypatch):
+    """On a Triton version outside GLUON_CHECKED_TRITON every pass of a Hopper bf16 call takes
+    its tl row (and the split backward: the fused one is Gluon only), at every head dim; on a
+    checked one the table's Gluon rows stand (where Gluon itself imports)."""
+    dispatch = hopper_dispatch
+    if checked and not dispatch.gluon_usable():
+        pytest.skip("Gluon does not import here")
+    monkeypatch.setattr(dispatch, "GLUON_CHECKED_HERE", checked)
+    cuda = torch.device("cuda", 0)
+    for d in (64, 128, 256):
+        for span in (None, 900.0):
+            choice = dispatch.choose(cuda, torch.bfloat16, d, True, 1, span)
+            kernels = [x.kernel for x in (choice.forward, *choice.backward)]
+            if checked:
+                assert any(k.startswith("gluon") for k in kernels), (d, kernels)
+            else:
+                assert kernels == ["tl"] * 3 and choice.backward_mode == "split", (d, kernels)
+    if checked:
+        choice = dispatch.choose(cuda, torch.bfloat16, 128, True, 1)
+        assert (choice.forward.kernel, choice.backward[0].kernel) == ("gluon_ws", "gluon_fused")
 
 
 @needs_triton
@@ -445,14 +444,14 @@ def test_the_kernel_path_is_announced_once_per_import(monkeypatch, caplog):
     """A checked Triton logs which kernels run; an unchecked one warns (a RuntimeWarning)."""
     import logging
 
-    from flashmask3.kernels import triton_flashmask as T
+    from flashmask3.kernels import dispatch
 
-    monkeypatch.setattr(T, "GLUON_CHECKED_HERE", False)
+    monkeypatch.setattr(dispatch, "GLUON_CHECKED_HERE", False)
     with pytest.warns(RuntimeWarning, match="portable tl kernels"):
-        T._announce_kernel_path()
-    monkeypatch.setattr(T, "GLUON_CHECKED_HERE", True)
+        dispatch.announce_kernel_path()
+    monkeypatch.setattr(dispatch, "GLUON_CHECKED_HERE", True)
     with caplog.at_level(logging.INFO, logger="flashmask3"):
-        T._announce_kernel_path()
+        dispatch.announce_kernel_path()
     assert "Gluon kernels (checked on this version)" in caplog.text
 
 

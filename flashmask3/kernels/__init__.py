@@ -22,7 +22,7 @@ import torch
 BACKENDS = ("auto", "torch", "triton")
 ENV_VAR = "FLASHMASK3_BACKEND"
 
-_MODULES = {"torch": "flashmask3.kernels.torch_path", "triton": "flashmask3.kernels.triton_flashmask"}
+_MODULES = {"torch": "flashmask3.kernels.torch_path", "triton": "flashmask3.kernels.triton_backend"}
 
 #: Backend modules imported so far (name -> module), and why one could not be (name -> error).
 _LOADED: dict[str, ModuleType] = {}

@@ -13,7 +13,7 @@ below says what it changes.
 
 What it computes: what the ``tl`` ``_fwd_kernel`` computes, O ``[B, Sq, Hq, D]`` and the LSE
 ``[B, Hq, Sq]`` (natural log, ``-inf`` on fully masked rows, whose O is 0), from the same
-:class:`~flashmask3.kernels.triton_flashmask.Plan` (built by query block for the same
+:class:`~flashmask3.kernels.tiles.Plan` (built by query block for the same
 ``block_m``/``block_n``), on the same grid (one program per (query block, batch * query head),
 the causal kernel's heavy late query blocks first), visiting the same tiles: per live range a
 masked loop [lo, flo), a mask-free loop [flo, fhi) compiled without mask code and a masked loop
@@ -75,11 +75,11 @@ from typing import Optional
 import torch
 import triton
 
-from . import gluon_dkdv as _GD
-from .gluon_dkdv import (_gl_dtype, _jit, _load_stats, _needs_mask,  # noqa: F401
-                         _published_item, _query_block_ranges, _smem_layout, gl, sass_report,
-                         tile_loop_spills, unavailable_reason)
-from .triton_flashmask import _NO_SPEC, LOG2E
+from . import gluon_common as _GD
+from .gluon_common import (_gl_dtype, _jit, _load_stats, _needs_mask,  # noqa: F401
+                           _published_item, _query_block_ranges, _smem_layout, gl,
+                           unavailable_reason)
+from .tiles import _NO_SPEC, LOG2E
 
 if _GD.GLUON_IMPORT_ERROR is None:
     from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier,
@@ -1101,7 +1101,7 @@ def launch_fwd_gluon(q, k, v, mask, causal, softmax_scale, plan, block_m: int, b
                      num_warps: int, num_stages: int, warp_spec: bool = False,
                      pingpong: bool = False, persistent: bool = False,
                      programs: Optional[int] = None, cols_smem: Optional[bool] = None):
-    """(out, lse) like ``triton_flashmask._launch_fwd``; ``plan`` must come from
+    """(out, lse) like ``tl_kernels.launch_fwd``; ``plan`` must come from
     ``make_plan(mask, causal, Sq, Sk, block_m, block_n, by_key=False, device)``. ``mask`` is
     unused (the plan holds it), as in ``_launch_fwd``. ``warp_spec``: the warp-specialised
     kernel (:func:`_fwd_ws_kernel`: a TMA producer warp, separate K and V rings, one consumer
@@ -1156,105 +1156,3 @@ def launch_fwd_gluon(q, k, v, mask, causal, softmax_scale, plan, block_m: int, b
 
 
 # ---------------------------------------------------------------------------------------------
-# Offline compile report (no GPU needed)
-# ---------------------------------------------------------------------------------------------
-
-from .triton_report import compile_gluon_sm90, cuobjdump  # noqa: E402  (the shared compile toolkit)
-
-
-def compile_sm90(d: int = 128, block_m: int = 128, block_n: int = 128, num_warps: int = 8,
-                 num_stages: int = 2, causal: bool = True, c: int = 1, dtype: str = "bf16",
-                 warp_spec: bool = False, pingpong: bool = False, persistent: bool = False,
-                 cols_smem: Optional[bool] = None):
-    """Compile the forward kernel (``warp_spec``: :func:`_fwd_ws_kernel`) for sm_90 without a
-    GPU, with the launcher's arguments; returns the CompiledKernel."""
-    reason = unavailable_reason()
-    if reason is not None:
-        raise RuntimeError(reason)
-    cols_smem = _uses_cols_smem(warp_spec, c, cols_smem)
-    check_config(d, block_m, block_n, num_warps, num_stages, warp_spec, pingpong, persistent,
-                 c if cols_smem else 0)
-    q_rows = 64 if warp_spec else block_m
-    descs = _GD.offline_descriptor_types(dtype, d, q_desc=q_rows, k_desc=block_n,
-                                         v_desc=block_n)
-    ptrs = {"o_ptr": f"*{dtype}", "lse_ptr": "*fp32", "mask_ptr": "*i32", "sum_ptr": "*i32",
-            "rng_ptr": "*i32"}
-    consts = _GD.offline_constexprs(d, block_m, block_n, num_warps, num_stages, causal, c)
-    if warp_spec:
-        consts.update(PINGPONG=pingpong, CONSUMER_REGS=ws_consumer_regs(num_warps),
-                      PERSISTENT=persistent, COLS_SMEM=cols_smem)
-        ptrs["n_items"] = "i32"
-        if persistent:
-            ptrs["next_item_ptr"] = "*i32"
-        else:
-            consts["next_item_ptr"] = None
-        return compile_gluon_sm90(_fwd_ws_kernel, ptrs, descs, consts, 4, num_stages,
-                                  maxnreg=ws_maxnreg(num_warps))
-    return compile_gluon_sm90(_fwd_gluon_kernel, ptrs, descs, consts, num_warps, num_stages)
-
-
-def sass(ck) -> str:
-    """The ``cuobjdump -sass`` listing of a compiled kernel."""
-    return cuobjdump(ck.asm["cubin"])[1]
-
-
-def overlaps(sass_text: str) -> bool:
-    """Whether some wgmma wait leaves one group in flight (``WARPGROUP.DEPBAR.LE gsb0, 0x1``):
-    the S wait under the running PV matmul."""
-    return "WARPGROUP.DEPBAR.LE gsb0, 0x1" in sass_text
-
-
-def compile_report(d=128, block_m=128, block_n=128, num_warps=8, num_stages=2, causal=True, c=1,
-                   dtype="bf16", warp_spec=False, pingpong=False, persistent=False,
-                   cols_smem=None) -> dict:
-    """One configuration's offline sm_90 report (registers, spills, HGMMA, overlap) or its
-    error."""
-    row = dict(D=d, block_m=block_m, block_n=block_n, num_warps=num_warps,
-               num_stages=num_stages, causal=causal, C=c, dtype=dtype, warp_spec=warp_spec,
-               pingpong=pingpong, persistent=persistent, cols_smem=cols_smem)
-    try:
-        ck = compile_sm90(d, block_m, block_n, num_warps, num_stages, causal, c, dtype,
-                          warp_spec, pingpong, persistent, cols_smem)
-    except Exception as exc:
-        row["error"] = f"{type(exc).__name__}: {str(exc)[:2000]}"
-        return row
-    row["shared"] = ck.metadata.shared
-    row.update(sass_report(ck.asm["cubin"]))
-    row["overlap"] = overlaps(sass(ck))
-    return row
-
-
-#: (block_m, block_n, num_warps, num_stages) tried at D=128 by the report.
-REPORT_CONFIGS = [(128, 128, 8, 2), (128, 128, 8, 3), (128, 64, 8, 3), (128, 64, 8, 4),
-                  (64, 128, 4, 2), (64, 128, 4, 3)]
-
-
-def main(argv=None):
-    import argparse
-    import json
-
-    ap = argparse.ArgumentParser(description="offline sm_90 report of the Gluon forward kernel")
-    ap.add_argument("--dims", default="128")
-    ap.add_argument("--layouts", default="1:0,1:1,1:2,0:0,0:2,0:4", help="causal:C pairs")
-    ap.add_argument("--configs", default=",".join("{}x{}w{}s{}".format(*c)
-                                                   for c in REPORT_CONFIGS))
-    ap.add_argument("--dtype", default="bf16")
-    ap.add_argument("--warp-spec", action="store_true",
-                    help="the WS kernel (block_m 128 w8, or 64 w4: one consumer warpgroup)")
-    ap.add_argument("--pingpong", action="store_true", help="the WS kernel with ping-pong")
-    ap.add_argument("--persistent", action="store_true", help="the persistent WS kernel")
-    args = ap.parse_args(argv)
-    configs = [tuple(int(x) for x in lab.replace("x", " ").replace("w", " ").replace("s", " ")
-                     .split()) for lab in args.configs.split(",")]
-    ws = args.warp_spec or args.pingpong or args.persistent
-    for d in (int(x) for x in args.dims.split(",")):
-        for cfg in configs:
-            for causal, c in ((bool(int(a)), int(b)) for a, b in
-                              (x.split(":") for x in args.layouts.split(","))):
-                print(json.dumps(compile_report(d, *cfg, causal=causal, c=c, dtype=args.dtype,
-                                                warp_spec=ws, pingpong=args.pingpong,
-                                                persistent=args.persistent)), flush=True)
-
-
-if __name__ == "__main__":
-    main()

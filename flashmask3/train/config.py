@@ -69,7 +69,7 @@ class TrainConfig:
         "help": "attention backend", "choices": ATTENTION_BACKENDS})
     attention_backward: str = field(default="auto", metadata={
         "help": "flashmask3 Triton backward: split (deterministic), fused (dQ by atomics), "
-                "auto (library default / FLASHMASK3_TRITON_BWD: fused at head dims 64, 128 on Hopper, "
+                "auto (library default / FLASHMASK3_KERNELS: fused at head dims 64, 128 on Hopper, "
                 "else split); a resumed GPU run repeats the loss sequence bit for bit with split",
         "choices": ATTENTION_BACKWARD_CHOICES})
     cp: int = field(default=1, metadata={

@@ -87,7 +87,7 @@ def _triton_backward(choice: str):
     if choice == "auto":
         yield
         return
-    from flashmask3.kernels.triton_flashmask import use_backward
+    from flashmask3.kernels.dispatch import use_backward
     with use_backward(choice):
         yield
 

@@ -37,7 +37,7 @@ def test_triton_kernel_under_the_interpreter(bwd):
     both Triton backwards."""
     run_distributed(check_configs, 2, 64, ["causal_blockwise"], ["sparse"], COMMS, [1], [None], 5,
                     env={"FLASHMASK3_BACKEND": "triton", "TRITON_INTERPRET": "1",
-                         "FLASHMASK3_TRITON_BWD": bwd})
+                         "FLASHMASK3_KERNELS": "split" if bwd == "split" else "default"})
 
 
 def test_device_mesh_group_lse_gradient_and_single_rank():

@@ -54,22 +54,19 @@ def test_report_merges_files_and_shows_the_fused_backward(tmp_path):
     assert (tmp_path / "kernel.png").exists()
 
 
-def test_flashmask_variant_sets_and_restores_the_kernel_options():
-    from flashmask3.kernels import triton_flashmask as T
+def test_flashmask_variant_sets_and_restores_the_kernel_choice(monkeypatch):
+    """A variant row runs under its FLASHMASK3_KERNELS value, the library's row under the
+    caller's setting; both restored afterwards."""
+    from flashmask3.kernels import dispatch
 
-    before = dict(T.SPLIT_UNMASKED_LOOP)
-    with KB.flashmask_variant("flashmask3_masked"):
-        assert not any(T.SPLIT_UNMASKED_LOOP[k] for k in ("fwd", "dkdv", "dq"))
-        assert T.backward_mode() == "split"
-    with KB.flashmask_variant("flashmask3_fused"):
-        assert T.backward_mode() == "fused" and T.SPLIT_UNMASKED_LOOP == before
+    monkeypatch.delenv("FLASHMASK3_KERNELS", raising=False)
+    with KB.flashmask_variant("flashmask3_split"):
+        assert dispatch.mode() == "split"
+    with KB.flashmask_variant("flashmask3_portable"):
+        assert dispatch.mode() == "portable"
     with KB.flashmask_variant("flashmask3"):
-        assert T.backward_mode() == "split" and T.SPLIT_UNMASKED_LOOP == before
-    assert T.SPLIT_UNMASKED_LOOP == before
-    env_before = os.environ.get("FLASHMASK3_TRITON_DKDV")
-    with KB.flashmask_variant("flashmask3_tl_dkdv"):
-        assert os.environ["FLASHMASK3_TRITON_DKDV"] == "tl" and T.backward_mode() == "split"
-    assert os.environ.get("FLASHMASK3_TRITON_DKDV") == env_before
+        assert dispatch.mode() == "default"
+    assert "FLASHMASK3_KERNELS" not in os.environ
 
 
 def test_skip_done_leaves_out_exactly_the_measured_cases(tmp_path):
@@ -85,36 +82,6 @@ def test_skip_done_leaves_out_exactly_the_measured_cases(tmp_path):
     assert len(left) == len(KB.FINAL_PLAN) - 2
     assert ("causal_document_corpus", 32768, 128, 32, 32) in left  # the MHA row is not done
     assert left == [c for c in KB.FINAL_PLAN if c in left]
-
-
-def test_autotune_keeps_every_candidates_time_for_the_report(monkeypatch):
-    """autotune picks the fastest candidate that runs, remembers each candidate's time (None for
-    one that fails), and the benchmark's meta shows the choice with the times it came from."""
-    import triton.testing
-
-    from flashmask3.kernels import triton_flashmask as T
-
-    monkeypatch.setattr(T, "_TUNED", {})
-    monkeypatch.setattr(T, "TUNING_TIMES", {})
-    outcomes = [2.0, RuntimeError("out of shared memory"), 1.5]
-
-    def fake_do_bench(fn, **kwargs):
-        out = outcomes.pop(0)
-        if isinstance(out, Exception):
-            raise out
-        return out
-
-    monkeypatch.setattr(triton.testing, "do_bench", fake_do_bench)
-    cands = [T.Config(128, 128, 8, 3), T.Config(128, 128, 8, 2), T.Config(128, 64, 8, 3)]
-    monkeypatch.setitem(T.CANDIDATES, ("fwd", 128), cands)
-    q = k = v = torch.randn(1, 64, 2, 128)
-    best = T.autotune("fwd", q, k, v, None, True, 0.1)
-    key = ("fwd", 128, True, 0, torch.float32)
-    assert best == cands[2] and T._TUNED[key] == cands[2]
-    assert T.TUNING_TIMES[key] == {cands[0]: 2.0, cands[1]: None, cands[2]: 1.5}
-    shown = KB._tuned_configs()["fwd 128 True 0 torch.float32"]
-    assert shown.startswith("128x64 w8 s3 (")
-    assert "128x128 w8 s3: 2.000 ms" in shown and "128x128 w8 s2: failed" in shown
 
 
 def test_report_keeps_the_later_run_of_a_case_whatever_the_file_order(tmp_path):

@@ -27,7 +27,7 @@ def test_train_command_writes_summary_curve_and_checkpoints(tmp_path, jsonl_corp
 
 
 def test_attention_backward_flag_selects_the_triton_backward(tmp_path, jsonl_corpus, monkeypatch):
-    """--attention-backward reaches the kernel's switch (FLASHMASK3_TRITON_BWD) while the ranks
+    """--attention-backward reaches the kernel's switch (FLASHMASK3_KERNELS) while the ranks
     are launched, and the caller's environment is restored afterwards; auto leaves it alone."""
     from flashmask3.train import trainer
 
@@ -35,20 +35,20 @@ def test_attention_backward_flag_selects_the_triton_backward(tmp_path, jsonl_cor
     real_launch = trainer.launch
 
     def recording_launch(*args, **kwargs):
-        seen.append(os.environ.get("FLASHMASK3_TRITON_BWD"))
+        seen.append(os.environ.get("FLASHMASK3_KERNELS"))
         return real_launch(*args, **kwargs)
 
     monkeypatch.setattr(trainer, "launch", recording_launch)
-    monkeypatch.setenv("FLASHMASK3_TRITON_BWD", "split")
+    monkeypatch.setenv("FLASHMASK3_KERNELS", "split")
     base = ["train", "--preset", "tiny", "--data", jsonl_corpus, "--steps", "1", "--no-plot",
             "--checkpoint-every", "0"]
     assert main(base + ["--out-dir", str(tmp_path / "a")]) == 0
     assert main(base + ["--out-dir", str(tmp_path / "b"), "--attention-backward", "fused"]) == 0
-    assert seen == ["split", "fused"]
-    assert os.environ["FLASHMASK3_TRITON_BWD"] == "split"
-    monkeypatch.delenv("FLASHMASK3_TRITON_BWD")
+    assert seen == ["split", "default"]
+    assert os.environ["FLASHMASK3_KERNELS"] == "split"
+    monkeypatch.delenv("FLASHMASK3_KERNELS")
     assert main(base + ["--out-dir", str(tmp_path / "c"), "--attention-backward", "fused"]) == 0
-    assert seen[-1] == "fused" and "FLASHMASK3_TRITON_BWD" not in os.environ
+    assert seen[-1] == "default" and "FLASHMASK3_KERNELS" not in os.environ
 
 
 def test_data_command_reports_sparsity(jsonl_corpus, capsys):

@@ -1,4 +1,4 @@
-"""The Gluon dK/dV kernel (flashmask3/kernels/gluon_dkdv.py).
+"""The Gluon backward kernels (flashmask3/kernels/gluon_bwd.py): dK/dV and the fused backward.
 
 CPU: the kernel compiles offline for sm_90 (Triton's bundled ptxas/cuobjdump, no GPU) into a
 cubin that uses wgmma (HGMMA) with overlapped waits and spills at most a few loop-invariant
@@ -22,10 +22,12 @@ import shutil
 import pytest
 import torch
 
-from benchmarks import gluon_dkdv_ab as AB
-from flashmask3.kernels import gluon_dkdv as G
-from flashmask3.kernels import triton_flashmask as T
-from flashmask3.kernels.triton_report import cuobjdump
+from flashmask3.kernels import compile_tools as CT
+from flashmask3.kernels import dispatch, tiles
+from flashmask3.kernels import gluon_bwd as G
+from flashmask3.kernels import tl_kernels as TL
+from flashmask3.kernels import triton_backend as T
+from flashmask3.kernels.compile_tools import cuobjdump
 from tests.helpers import gpu_masks
 from tests.reference import rel_err
 
@@ -69,9 +71,13 @@ PRE_WS_SASS_SHA256 = {
 }
 
 
+#: The table's Hopper D=256 dK/dV tile (the head-dim split).
+D256_DKDV_TILE = dispatch.decide("sm90", 256, "16bit", True, 1, None, "split").backward[0].tile
+
+
 def _default_config(d: int) -> tuple:
     """The library's default dK/dV (block_m, block_n, num_warps, num_stages) at head dim d."""
-    c = T.CANDIDATES[("dkdv", d)][0]
+    c = dispatch.decide("any", d, "16bit", True, 1, None).backward[0].tile
     return (c.block_m, c.block_n, c.num_warps, c.num_stages)
 
 
@@ -80,7 +86,7 @@ def _offline_skip_reason():
     if reason:
         return reason
     for tool in ("ptxas", "cuobjdump"):
-        if not os.path.exists(os.path.join(G._TOOLS, tool)) and shutil.which(tool) is None:
+        if not os.path.exists(os.path.join(CT._TOOLS, tool)) and shutil.which(tool) is None:
             return f"Triton's bundled {tool} is not available"
     return None
 
@@ -89,7 +95,7 @@ def _offline_skip_reason():
 @pytest.mark.parametrize("causal, c", [(True, 1), (False, 2), (True, 0), (False, 4)])
 def test_compiles_for_sm90_with_overlapped_wgmma(causal, c):
     cfg = _default_config(128)
-    r = G.compile_report(128, *cfg, causal=causal, c=c)
+    r = CT.bwd_report(128, *cfg, causal=causal, c=c)
     assert "error" not in r, r.get("error")
     assert r["hgmma"] > 0, r
     assert r["ldl_stl"] <= MAX_LDL_STL, r
@@ -102,7 +108,7 @@ def test_compiles_for_sm90_with_overlapped_wgmma(causal, c):
 def test_wait_leaves_a_group_in_flight():
     """The SASS waits ``WARPGROUP.DEPBAR.LE gsb0, 0x1`` (the point of the kernel): S^T's wait
     leaves dP^T running, dP^T's wait leaves dV running."""
-    ck = G.compile_sm90(128, *_default_config(128), causal=True, c=1)
+    ck = CT.compile_bwd(128, *_default_config(128), causal=True, c=1)
     sass = cuobjdump(ck.asm["cubin"])[1]
     assert "WARPGROUP.DEPBAR.LE gsb0, 0x1" in sass
 
@@ -112,8 +118,8 @@ def test_wait_leaves_a_group_in_flight():
 def test_fused_dq_compiles_for_sm90(causal, c):
     """FUSE_DQ (32x64 w4 s3, D=128): the dQ^T wgmmas (more HGMMA than the split kernel), one TMA
     reduce-add (UTMAREDG) per tile loop, no element atomics, bounded spills in the tile loops."""
-    split = G.compile_report(128, 32, 64, 4, 3, causal=causal, c=c)
-    r = G.compile_report(128, 32, 64, 4, 3, causal=causal, c=c, fuse_dq=True)
+    split = CT.bwd_report(128, 32, 64, 4, 3, causal=causal, c=c)
+    r = CT.bwd_report(128, 32, 64, 4, 3, causal=causal, c=c, fuse_dq=True)
     assert "error" not in r, r.get("error")
     assert split["tma_reduce"] == 0 and split["ldl_stl_in_tile_loops"] == 0, split
     assert r["hgmma"] > split["hgmma"], (r, split)
@@ -126,7 +132,7 @@ def test_fused_dq_compiles_for_sm90(causal, c):
 @pytest.mark.skipif(_offline_skip_reason() is not None, reason=str(_offline_skip_reason()))
 @pytest.mark.parametrize("causal, c", [(True, 1), (False, 2)])
 def test_fused_dq_16x64_does_not_spill_in_tile_loops(causal, c):
-    r = G.compile_report(128, 16, 64, 4, 3, causal=causal, c=c, fuse_dq=True)
+    r = CT.bwd_report(128, 16, 64, 4, 3, causal=causal, c=c, fuse_dq=True)
     assert "error" not in r, r.get("error")
     assert r["tma_reduce"] > 0 and r["ldl_stl_in_tile_loops"] == 0, r
 
@@ -169,8 +175,8 @@ def test_launcher_compiles_the_offline_checked_kernels(monkeypatch):
     ds_opts = dict(fuse_dq=True, warp_spec=True, stats_smem=True, ds_shared=True)
     # compiled before the patch: its cache key differs from the launcher's (the SASS does not),
     # and a compile from source under the patch would see the stand-in kernel object
-    ds_ref = G.compile_sm90(128, 64, 128, 8, 2, True, 1, "bf16", **ds_opts)
-    ds64_ref = G.compile_sm90(64, 64, 64, 4, 2, True, 1, "bf16", **ds_opts)
+    ds_ref = CT.compile_bwd(128, 64, 128, 8, 2, True, 1, "bf16", **ds_opts)
+    ds64_ref = CT.compile_bwd(64, 64, 64, 4, 2, True, 1, "bf16", **ds_opts)
     saved = driver._active
     kern.device_caches.clear()
     driver.set_active(_Sm90())
@@ -183,7 +189,7 @@ def test_launcher_compiles_the_offline_checked_kernels(monkeypatch):
         lse2 = torch.zeros(b, hq, sq)
         cols = torch.full((b, 1, sk, 1), sq, dtype=torch.int32)
         stats = torch.zeros(b, nkb, 8, dtype=torch.int32)
-        plan = T.Plan(cols, stats, stats.clone(), 1, 1, 1, 1)
+        plan = tiles.Plan(cols, stats, stats.clone(), 1, 1, 1, 1)
         for fuse, ws in ((False, False), (True, False), (False, True)):
             out = G.launch_dkdv_gluon(q, k, k, q, lse2, lse2, True, 0.1, plan, 32, 64, 4, 3,
                                       fuse_dq=fuse, warp_spec=ws)
@@ -191,11 +197,11 @@ def test_launcher_compiles_the_offline_checked_kernels(monkeypatch):
             if fuse:
                 assert out[2].shape == (b, sq, hq, d) and out[2].dtype == torch.float32
                 assert out[2].stride()[1] == 1  # the [B, Hq, D, Sq_pad] dQ^T buffer
-            ref = G.compile_sm90(128, 32, 64, 4, 3, True, 1, "bf16", fuse_dq=fuse, warp_spec=ws)
+            ref = CT.compile_bwd(128, 32, 64, 4, 3, True, 1, "bf16", fuse_dq=fuse, warp_spec=ws)
             assert sass(compiled["kernel"].asm["cubin"]) == sass(ref.asm["cubin"]), (fuse, ws)
         # DS_SHARED (64x128 w8, WS + STATS_SMEM): the [D, 32] dQ^T reduce descriptor
         stats = torch.zeros(b, -(-sk // 128), 8, dtype=torch.int32)
-        plan = T.Plan(cols, stats, stats.clone(), 1, 1, 1, 1)
+        plan = tiles.Plan(cols, stats, stats.clone(), 1, 1, 1, 1)
         out = G.launch_dkdv_gluon(q, k, k, q, lse2, lse2, True, 0.1, plan, 64, 128, 8, 2,
                                   **ds_opts)
         assert len(out) == 3 and out[2].shape == (b, sq, hq, d)
@@ -203,7 +209,7 @@ def test_launcher_compiles_the_offline_checked_kernels(monkeypatch):
         # DS_SHARED at D=64 (64x64 w4): the [64, 32] reduce descriptor
         q64, k64 = q[..., :64].contiguous(), k[..., :64].contiguous()
         stats = torch.zeros(b, nkb, 8, dtype=torch.int32)  # 64-key blocks again
-        plan = T.Plan(cols, stats, stats.clone(), 1, 1, 1, 1)
+        plan = tiles.Plan(cols, stats, stats.clone(), 1, 1, 1, 1)
         out = G.launch_dkdv_gluon(q64, k64, k64, q64, lse2, lse2, True, 0.1, plan, 64, 64, 4, 2,
                                   **ds_opts)
         assert len(out) == 3 and out[2].shape == (b, sq, hq, 64)
@@ -221,7 +227,7 @@ def test_warp_spec_off_compiles_to_the_pre_warp_spec_sass(key):
     """WARP_SPEC=False (the default, the GPU-verified kernel) is byte-identical in SASS to the
     kernel before the WARP_SPEC code was added."""
     bm, bn, w, st, causal, c, fused = key
-    ck = G.compile_sm90(128, bm, bn, w, st, causal=causal, c=c, fuse_dq=fused)
+    ck = CT.compile_bwd(128, bm, bn, w, st, causal=causal, c=c, fuse_dq=fused)
     sass = cuobjdump(ck.asm["cubin"])[1]
     assert hashlib.sha256(sass.encode()).hexdigest() == PRE_WS_SASS_SHA256[key]
 
@@ -233,8 +239,8 @@ def test_warp_spec_compiles_for_sm90(causal, c):
     compute partition at setmaxnreg 232 (producer 24), no spill and no TMA load inside the tile
     loops, which synchronise through one mbarrier wait and one arrive per tile."""
     cfg = (32, 64, 4, 3)
-    plain = G.compile_report(128, *cfg, causal=causal, c=c)
-    r = G.compile_report(128, *cfg, causal=causal, c=c, warp_spec=True)
+    plain = CT.bwd_report(128, *cfg, causal=causal, c=c)
+    r = CT.bwd_report(128, *cfg, causal=causal, c=c, warp_spec=True)
     assert "error" not in r, r.get("error")
     assert r["hgmma"] == plain["hgmma"] > 0, (r, plain)
     assert r["tile_loops"] == plain["tile_loops"], (r, plain)
@@ -247,13 +253,13 @@ def test_warp_spec_compiles_for_sm90(causal, c):
     assert r["bar_sync_per_tile"] <= MAX_WS_BAR_SYNC_PER_TILE < plain["bar_sync_per_tile"], \
         (r, plain)
     assert "WARPGROUP.DEPBAR.LE gsb0, 0x1" in cuobjdump(
-        G.compile_sm90(128, *cfg, causal=causal, c=c, warp_spec=True).asm["cubin"])[1]
+        CT.compile_bwd(128, *cfg, causal=causal, c=c, warp_spec=True).asm["cubin"])[1]
 
 
 def _loops(sass: str) -> list:
     """Instruction texts of every backward-branch range of a SASS listing before its last EXIT
     (loops, including the producer's, which holds no HGMMA)."""
-    ins = G._sass_instructions(sass)
+    ins = CT._sass_instructions(sass)
     last_exit = max(a for a, t in ins if re.search(r"\bEXIT\b", t))
     out = []
     for addr, txt in ins:
@@ -268,7 +274,7 @@ def test_warp_spec_producer_loads_and_consumer_waits():
     """The SASS has a producer loop (no HGMMA) that waits on an empty barrier, arms the ready
     barrier and issues UTMALDG, and tile loops that wait (SYNCS.PHASECHK) and arrive with no
     UTMALDG; the producer warpgroup gives registers back (USETMAXREG.DEALLOC 24)."""
-    sass = cuobjdump(G.compile_sm90(128, 32, 64, 4, 3, causal=True, c=1,
+    sass = cuobjdump(CT.compile_bwd(128, 32, 64, 4, 3, causal=True, c=1,
                                     warp_spec=True).asm["cubin"])[1]
     loops = _loops(sass)
     producer = [lp for lp in loops if not any("HGMMA" in t for t in lp)
@@ -290,8 +296,8 @@ def test_warp_spec_other_shapes_compile(cfg, compute_regs):
     """WARP_SPEC at 2 stages and at 8 warps (maxnreg 168 x 12 warps: 240 for the compute
     warps) compiles with the non-WS kernel's wgmmas. 64x128 spills in its tile loops (~250,
     the non-WS kernel ~215 at 255 registers): measured, not bounded here."""
-    plain = G.compile_report(128, *cfg, causal=True, c=1)
-    r = G.compile_report(128, *cfg, causal=True, c=1, warp_spec=True)
+    plain = CT.bwd_report(128, *cfg, causal=True, c=1)
+    r = CT.bwd_report(128, *cfg, causal=True, c=1, warp_spec=True)
     assert "error" not in r, r.get("error")
     assert r["hgmma"] == plain["hgmma"] > 0, (r, plain)
     assert r["setmaxnreg"] == [G.PRODUCER_REGS, compute_regs] and r["regs_touched"] <= compute_regs
@@ -309,8 +315,8 @@ def test_stats_smem_64x128_has_no_spills_in_tile_loops(causal, c):
     intervals reloaded per masked non-causal tile, mask applied before exp2): the 64-query x
     128-key tile at 8 warps (240 registers) keeps every mask layout's tile loops free of
     LDL/STL (the WS kernel without it: up to ~360), with the WS kernel's wgmmas."""
-    ws = G.compile_report(128, 64, 128, 8, 2, causal=causal, c=c, warp_spec=True)
-    r = G.compile_report(128, 64, 128, 8, 2, causal=causal, c=c, warp_spec=True,
+    ws = CT.bwd_report(128, 64, 128, 8, 2, causal=causal, c=c, warp_spec=True)
+    r = CT.bwd_report(128, 64, 128, 8, 2, causal=causal, c=c, warp_spec=True,
                          stats_smem=True)
     assert "error" not in r, r.get("error")
     assert r["hgmma"] == ws["hgmma"] > 0, (r, ws)
@@ -325,8 +331,8 @@ def test_fused_dq_with_warp_spec_compiles(causal, c):
     """FUSE_DQ with WARP_SPEC (32x64 w4 s3): the fused kernel's wgmmas and one TMA reduce-add
     per tile loop, no TMA load and (measured) no spill inside the tile loops (the non-WS fused
     kernel has 2-22 there)."""
-    fused = G.compile_report(128, 32, 64, 4, 3, causal=causal, c=c, fuse_dq=True)
-    r = G.compile_report(128, 32, 64, 4, 3, causal=causal, c=c, fuse_dq=True, warp_spec=True)
+    fused = CT.bwd_report(128, 32, 64, 4, 3, causal=causal, c=c, fuse_dq=True)
+    r = CT.bwd_report(128, 32, 64, 4, 3, causal=causal, c=c, fuse_dq=True, warp_spec=True)
     assert "error" not in r, r.get("error")
     assert r["hgmma"] == fused["hgmma"] and r["tma_reduce"] == r["tile_loops"] > 0, (r, fused)
     assert r["atomics"] == 0 and r["tma_load_per_tile"] == 0, r
@@ -342,7 +348,7 @@ def test_fused_ds_shared_64x128_has_no_spills_in_tile_loops(causal, c):
     all 128 keys) and two TMA reduce-adds ([D, 32] each), no TMA load, one ready wait, and no
     LDL/STL inside the tile loops in any mask layout, at the 240 registers of the WS
     kernel."""
-    r = G.compile_report(128, 64, 128, 8, 2, causal=causal, c=c, fuse_dq=True, warp_spec=True,
+    r = CT.bwd_report(128, 64, 128, 8, 2, causal=causal, c=c, fuse_dq=True, warp_spec=True,
                          stats_smem=True, ds_shared=True)
     assert "error" not in r, r.get("error")
     assert r["tile_loops"] > 0 and r["hgmma"] == 32 * r["tile_loops"], r
@@ -358,11 +364,11 @@ def test_fused_64_query_tile_reduces_every_column():
     """A 64-query fused dQᵀ tile is 256 bytes wide in fp32, a 128-byte-swizzled TMA box at most
     128: the kernel issues two [D, 32] reduces per tile (one [D, 64] reduce lowered to a single
     message, i.e. half the tile). Also s3 of DS_SHARED fits in shared memory without spills."""
-    r = G.compile_report(128, 64, 128, 8, 2, causal=True, c=1, fuse_dq=True, warp_spec=True,
+    r = CT.bwd_report(128, 64, 128, 8, 2, causal=True, c=1, fuse_dq=True, warp_spec=True,
                          stats_smem=True)
     assert "error" not in r, r.get("error")
     assert r["tma_reduce"] == 2 * r["tile_loops"] > 0, r
-    r = G.compile_report(128, 64, 128, 8, 3, causal=True, c=1, fuse_dq=True, warp_spec=True,
+    r = CT.bwd_report(128, 64, 128, 8, 3, causal=True, c=1, fuse_dq=True, warp_spec=True,
                          stats_smem=True, ds_shared=True)
     assert "error" not in r, r.get("error")
     assert r["ldl_stl_in_tile_loops"] == 0 and r["shared"] <= 232448, r
@@ -377,14 +383,14 @@ def test_fused_ds_shared_dp_late_wait_keeps_the_dp_wait_below_the_exp2s(d, causa
     LDL/STL in the tile loops, the wgmma/reduce/barrier counts of the default kernel."""
     bm, bn, w, _ = G.DS_SHARED_TILES[d]
     ds = dict(fuse_dq=True, warp_spec=True, stats_smem=True, ds_shared=True)
-    base = G.compile_sm90(d, bm, bn, w, 2, causal, c, **ds)
-    late = G.compile_sm90(d, bm, bn, w, 2, causal, c, dp_late_wait=True, **ds)
+    base = CT.compile_bwd(d, bm, bn, w, 2, causal, c, **ds)
+    late = CT.compile_bwd(d, bm, bn, w, 2, causal, c, dp_late_wait=True, **ds)
     base_sass, late_sass = (cuobjdump(k.asm["cubin"])[1] for k in (base, late))
-    base_order, late_order = G.dp_wait_order(base_sass), G.dp_wait_order(late_sass)
+    base_order, late_order = CT.dp_wait_order(base_sass), CT.dp_wait_order(late_sass)
     assert len(late_order) == len(base_order) > 0
     assert all(r["ex2_before"] == 32 and r["ex2_after"] == 0 for r in late_order), late_order
     assert all(r["ex2_after"] > 0 for r in base_order), base_order  # the hoisted wait
-    r, r0 = G.sass_report(late.asm["cubin"]), G.sass_report(base.asm["cubin"])
+    r, r0 = CT.sass_report(late.asm["cubin"]), CT.sass_report(base.asm["cubin"])
     assert r["ldl_stl_in_tile_loops"] == 0, r
     for key in ("hgmma", "tma_reduce", "bar_sync_per_tile", "mufu_ex2", "setmaxnreg"):
         assert r[key] == r0[key], (key, r, r0)
@@ -400,8 +406,8 @@ def test_fused_ds_shared_persistent_keeps_the_tile_loops(d, causal, c):
     (D=128) or two (D=64)."""
     bm, bn, w, _ = G.DS_SHARED_TILES[d]
     ds = dict(fuse_dq=True, warp_spec=True, stats_smem=True, ds_shared=True)
-    base = G.compile_report(d, bm, bn, w, 2, causal=causal, c=c, **ds)
-    r = G.compile_report(d, bm, bn, w, 2, causal=causal, c=c, persistent=True, **ds)
+    base = CT.bwd_report(d, bm, bn, w, 2, causal=causal, c=c, **ds)
+    r = CT.bwd_report(d, bm, bn, w, 2, causal=causal, c=c, persistent=True, **ds)
     assert "error" not in r, r.get("error")
     for key in ("tile_loops", "hgmma", "tma_reduce", "bar_sync_per_tile", "mbar_wait_per_tile",
                 "tma_load_per_tile", "setmaxnreg"):
@@ -409,30 +415,11 @@ def test_fused_ds_shared_persistent_keeps_the_tile_loops(d, causal, c):
     assert r["ldl_stl_in_tile_loops"] == 0, r
     assert base["atomics"] == 0 and r["atomics"] == 1, (r, base)
     assert r["shared"] <= (232448 if d == 128 else TWO_PER_SM_SHARED), r
-    sass = cuobjdump(G.compile_sm90(d, bm, bn, w, 2, causal, c, persistent=True,
+    sass = cuobjdump(CT.compile_bwd(d, bm, bn, w, 2, causal, c, persistent=True,
                                     **ds).asm["cubin"])[1]
     producer = [lp for lp in _loops(sass) if not any("HGMMA" in t for t in lp)
                 and any("UTMALDG" in t for t in lp)]
     assert producer
-
-
-def test_work_order_flags_are_checked():
-    """``persistent`` needs the DS_SHARED kernel; the A/B labels carry it as ``+p``."""
-    with pytest.raises(ValueError, match="persistent"):
-        G.check_config(128, 64, 128, 8, 2, fuse_dq=True, warp_spec=True, stats_smem=True,
-                       persistent=True)
-    G.check_config(128, 64, 128, 8, 2, fuse_dq=True, warp_spec=True, stats_smem=True,
-                   ds_shared=True, persistent=True)
-    spec = AB._parse_spec("64x128w8s2wsmds+p")
-    assert spec == ((64, 128, 8, 2, True, True, True), dict(persistent=True))
-    assert AB._spec_label(spec) == "64x128w8s2wsmds+p"
-    assert AB._parse_spec("64x64w4s2wsmds")[1] == dict(persistent=False)
-    assert AB._spec_label((32, 64, 4, 3)) == "32x64w4s3"
-    assert AB._config_refusal(128, AB._parse_spec("64x128w8s2wsm+p")) is not None
-    assert AB.parse_cases("causal_document_short,causal/32/8") == [
-        ("causal_document_short", 32, 32), ("causal", 32, 8)]
-    with pytest.raises(ValueError, match="--cases"):
-        AB.parse_cases("causal/32")
 
 
 #: Shared memory of one program when two share an sm_90 SM (228 KB each SM, 1 KB reserved per
@@ -450,7 +437,7 @@ def test_fused_ds_shared_d64_has_no_spills_in_tile_loops(st, causal, c):
     keys) and two [64, 32] TMA reduce-adds, no TMA load, one ready wait, no LDL/STL inside the tile
     loops (offline: none in the whole kernel) at the 232 registers of the 4-warp WS kernel,
     and shared memory for two programs per SM at s2 and s3."""
-    r = G.compile_report(64, 64, 64, 4, st, causal=causal, c=c, fuse_dq=True, warp_spec=True,
+    r = CT.bwd_report(64, 64, 64, 4, st, causal=causal, c=c, fuse_dq=True, warp_spec=True,
                          stats_smem=True, ds_shared=True)
     assert "error" not in r, r.get("error")
     assert r["tile_loops"] > 0 and r["hgmma"] == 20 * r["tile_loops"], r
@@ -519,8 +506,8 @@ def test_config_checks_of_the_d256_head_dim_split():
         G.check_config(256, 64, 64, 8, 2, fuse_dq=True)
     with pytest.raises(ValueError, match="whole warpgroups"):
         G.check_config(256, 32, 32, 2, 2)  # wgmma needs 4-warp warpgroups
-    assert T.GLUON_TILE[("dkdv", 256)] == T.Config(64, 64, 8, 2)
-    G.check_config(256, *dataclasses.astuple(T.GLUON_TILE[("dkdv", 256)]), warp_spec=True,
+    assert D256_DKDV_TILE == tiles.Config(64, 64, 8, 2)
+    G.check_config(256, *dataclasses.astuple(D256_DKDV_TILE), warp_spec=True,
                    stats_smem=True)
 
 
@@ -529,7 +516,7 @@ def test_config_checks_of_the_d256_head_dim_split():
 def test_d256_head_dim_split_has_no_spills_in_tile_loops(causal, c):
     """The D=256 default (64x64 w8 s2, WARP_SPEC + STATS_SMEM): wgmma throughout, no local
     memory traffic in any tile loop, under the shared-memory limit."""
-    r = G.compile_report(256, 64, 64, 8, 2, causal=causal, c=c, warp_spec=True, stats_smem=True)
+    r = CT.bwd_report(256, 64, 64, 8, 2, causal=causal, c=c, warp_spec=True, stats_smem=True)
     assert r.get("error") is None, r.get("error")
     assert r["hgmma"] > 0 and r["ldl_stl_in_tile_loops"] == 0, r
     assert r["tile_loops"] >= (1 if c == 0 else 3), r
@@ -555,108 +542,6 @@ def test_ds_shared_config_check_at_d64():
         with pytest.raises(ValueError, match=f"{off}=False"):
             G.check_config(64, 64, 64, 4, 2, **dict(ds, **flags))
     G.check_config(64, 64, 64, 4, 2, fuse_dq=True, warp_spec=True, stats_smem=True)  # not DS
-
-
-def test_ab_labels_round_trip():
-    """The A/B scripts' config labels, including the fused DS_SHARED suffix ``wsmds``."""
-
-    for cfg in [(32, 64, 4, 3), (32, 64, 4, 3, True), (64, 128, 8, 2, True, True),
-                (64, 128, 8, 2, True, True, True)]:
-        assert AB._parse(AB._label(cfg)) == cfg
-    assert AB._label((64, 128, 8, 3, True, True, True)) == "64x128w8s3wsmds"
-    assert AB._parse("64x64w4s2wsmds") == (64, 64, 4, 2, True, True, True)  # the D=64 DS tile
-    assert AB._flags(AB._parse("64x128w8s2wsmds"))["ds_shared"]
-    assert not AB._flags((64, 128, 8, 2, True, True))["ds_shared"]
-    # a flag counts only with every earlier one set (DS_SHARED without STATS_SMEM: plain WS)
-    assert AB._flags((64, 128, 8, 2, True, False, True)) == dict(
-        warp_spec=True, stats_smem=False, ds_shared=False, dp_late_wait=False)
-    assert AB._label((64, 128, 8, 2, True, False, True)) == "64x128w8s2ws"
-    with pytest.raises(ValueError, match="BMxBNwWsS"):
-        AB._parse("64x128w8wsm")
-    late = (64, 128, 8, 2, True, True, True, True)  # DS_SHARED + DP_LATE_WAIT: ``wsmdsL``
-    assert AB._label(late) == "64x128w8s2wsmdsL" and AB._parse("64x128w8s2wsmdsL") == late
-    assert AB._parse("64x64w4s3wsmdsL") == (64, 64, 4, 3, True, True, True, True)
-    assert AB._label((64, 128, 8, 2, True, True, True, False)) == "64x128w8s2wsmds"
-
-
-def test_fused_default_tiles_are_ds_shared_tiles():
-    """Each fused Gluon default tile (D=64 since v6.6, D=128 since v6.5) is a DS_SHARED tile the
-    kernel accepts at its head dim, and the last fused candidate (what the autotuner also
-    tries); D=64 has no Gluon dK/dV default tile (the WS kernel runs the tl kernel's tile)."""
-    assert set(T.GLUON_FUSED_DIMS) == {64, 128} and ("dkdv", 64) not in T.GLUON_TILE
-    for d in T.GLUON_FUSED_DIMS:
-        tile = T.GLUON_TILE[("fused", d)]
-        assert T.CANDIDATES[("fused", d)][-1] == tile
-        assert (tile.block_m, tile.block_n, tile.num_warps) == G.DS_SHARED_TILES[d][:3]
-        G.check_config(d, tile.block_m, tile.block_n, tile.num_warps, tile.num_stages,
-                       **T.GLUON_FUSED_VARIANT)
-
-
-def test_ab_tl_fused_column_pins_the_tl_kernel(monkeypatch):
-    """The A/B's "tl fused" column runs the fused backward with the tl kernel forced, whatever
-    the environment (the Gluon kernel is the fused default at D=64 and D=128 on Hopper)."""
-    seen = []
-    monkeypatch.setenv("FLASHMASK3_TRITON_FUSED", "gluon")
-    monkeypatch.setattr(T, "backward", lambda *a: seen.append(
-        (os.environ.get("FLASHMASK3_TRITON_FUSED"), os.environ.get("FLASHMASK3_TRITON_BWD"))))
-    AB.tl_fused_backward(*range(9))
-    assert seen == [("tl", "fused")]
-    assert os.environ["FLASHMASK3_TRITON_FUSED"] == "gluon"  # restored afterwards
-
-
-def test_ab_fused_small_cases_at_d64():
-    """``gluon_dkdv_ab.py --fused --head-dim 64``: every small case's shape at D=64 once (the
-    D=64 case of SMALL_CASES duplicates a D=128 one), and a config the kernel refuses at D=64
-    (64x128 w8 DS_SHARED: dQᵀ's 64 rows over 8 warps) is reported, not launched."""
-
-    cases = AB.small_cases_at(64)
-    assert all(c[7] == 64 for c in cases) and len({c[0] for c in cases}) == len(cases)
-    shapes = {c[1:7] + c[8:] for c in AB.SMALL_CASES}  # the head dim left out
-    assert len({c[1:] for c in cases}) == len(cases) == len(shapes)
-    assert {(c[9], c[10]) for c in cases} == {(True, 0), (True, 1), (True, 2), (False, 0),
-                                              (False, 2), (False, 4)}
-    assert AB._config_refusal(64, AB._parse("64x64w4s2wsmds")) is None
-    assert AB._config_refusal(64, AB._parse("64x64w4s3wsmds")) is None
-    assert "16 * num_warps" in AB._config_refusal(64, AB._parse("64x128w8s2wsmds"))
-    assert AB.small_cases_at(128) == [c for c in AB.SMALL_CASES if c[7] == 128]
-
-def test_dispatch_uses_tl_off_hopper(monkeypatch):
-    """CPU tensors (and the interpreter) take the tl kernel; a bad override is a clear error."""
-    q = torch.zeros(1, 8, 1, 128)
-    cfg = T.CANDIDATES[("dkdv", 128)][0]
-    monkeypatch.delenv("FLASHMASK3_TRITON_DKDV", raising=False)
-    assert T._dkdv_impl(q, cfg) == "tl"
-    for forced in ("gluon", "gluon_ws"):
-        monkeypatch.setenv("FLASHMASK3_TRITON_DKDV", forced)
-        assert T._dkdv_impl(q, cfg) == "tl"  # no GPU: gluon cannot run, falls back
-    monkeypatch.setenv("FLASHMASK3_TRITON_DKDV", "cutlass")
-    with pytest.raises(ValueError, match="FLASHMASK3_TRITON_DKDV"):
-        T._dkdv_impl(q, cfg)
-
-
-def test_dkdv_default_tile_is_the_tl_one_where_gluon_cannot_run(monkeypatch):
-    """The Gluon dK/dV tile (GLUON_TILE) is the default only where that kernel runs: on
-    CPU tensors, or with the tl kernel forced, the split backward keeps the tl kernel's tile."""
-    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
-    monkeypatch.delenv("FLASHMASK3_TRITON_DKDV", raising=False)
-    q = torch.zeros(1, 8, 1, 128, dtype=torch.bfloat16)
-    tl_default = T.CANDIDATES[("dkdv", 128)][0]
-    assert T.GLUON_TILE[("dkdv", 128)] != tl_default  # else this test checks nothing
-    assert T._config("dkdv", 128, True, 1, q.dtype, like=q) == tl_default
-    assert T._config("dkdv", 128, True, 1, q.dtype) == tl_default
-    assert T._config("dq", 128, True, 1, q.dtype, like=q) == T.CANDIDATES[("dq", 128)][0]
-    assert T._config("fused", 128, True, 1, q.dtype, like=q) == T.CANDIDATES[("fused", 128)][0]
-    monkeypatch.delenv("FLASHMASK3_TRITON_BWD", raising=False)
-    assert T.backward_mode(like=q) == "split"  # the tl fused kernel is never the default
-
-
-def test_gluon_fused_variant_is_a_valid_config():
-    """The fused default's tile and variant flags pass the Gluon kernel's own config check."""
-    tile = T.GLUON_TILE[("fused", 128)]
-    G.check_config(128, tile.block_m, tile.block_n, tile.num_warps, tile.num_stages,
-                   **T.GLUON_FUSED_VARIANT)
-    with pytest.raises(ValueError, match="ds_shared"):
-        G.check_config(256, 64, 128, 8, 2, **T.GLUON_FUSED_VARIANT)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -693,11 +578,11 @@ def _tl_dkdv_reference(name, s, d, seed):
     dK/dV kernel's (dK, dV) at its default tile: what the Gluon variants are checked against."""
     inputs = _gpu_inputs(name, s, d, seed=seed)
     q, k, v, dout, cols, causal, scale, out, lse = inputs
-    delta, lse2 = T._bwd_pre(out, dout, lse, None)
+    delta, lse2 = TL.backward_prepass(out, dout, lse, None)
     c = 0 if cols is None else cols.shape[-1]
-    tcfg = T._config("dkdv", d, causal, c, q.dtype)
-    tplan = T.make_plan(cols, causal, s, s, tcfg.block_m, tcfg.block_n, True, q.device)
-    ref = T._launch_dkdv_tl(q, k, v, dout, lse2, delta, causal, scale, tcfg, tplan)[:2]
+    tcfg = dispatch.decide("any", d, "16bit", causal, c, None).backward[0].tile
+    tplan = tiles.make_plan(cols, causal, s, s, tcfg.block_m, tcfg.block_n, True, q.device)
+    ref = TL.launch_dkdv(q, k, v, dout, lse2, delta, causal, scale, tcfg, tplan)[:2]
     return inputs, delta, lse2, ref
 
 
@@ -711,7 +596,7 @@ def test_gpu_matches_tl_kernel(name, cfg):
     (q, k, v, dout, cols, causal, scale, out, lse), delta, lse2, ref = \
         _tl_dkdv_reference(name, s, d, seed=3)
     bm, bn, w, st = cfg
-    plan = T.make_plan(cols, causal, s, s, bm, bn, True, q.device)
+    plan = tiles.make_plan(cols, causal, s, s, bm, bn, True, q.device)
     got = G.launch_dkdv_gluon(q, k, v, dout, lse2, delta, causal, scale, plan, bm, bn, w, st)
     for a, r in zip(got, ref):
         assert torch.isfinite(a).all()
@@ -739,7 +624,7 @@ def _check_bitwise_variant(name, d, cfg, seed, twin, variant):
     (q, k, v, dout, cols, causal, scale, out, lse), delta, lse2, ref = \
         _tl_dkdv_reference(name, s, d, seed=seed)
     bm, bn, w, st = cfg
-    plan = T.make_plan(cols, causal, s, s, bm, bn, True, q.device)
+    plan = tiles.make_plan(cols, causal, s, s, bm, bn, True, q.device)
     args = (q, k, v, dout, lse2, delta, causal, scale, plan, bm, bn, w, st)
     other = G.launch_dkdv_gluon(*args, **twin)
     got = G.launch_dkdv_gluon(*args, **variant)
@@ -773,8 +658,8 @@ def test_gpu_d256_head_dim_split_matches_tl(name):
     s, d = 1000, 256
     (q, k, v, dout, cols, causal, scale, out, lse), delta, lse2, ref = \
         _tl_dkdv_reference(name, s, d, seed=17)
-    bm, bn, w, st = dataclasses.astuple(T.GLUON_TILE[("dkdv", 256)])
-    plan = T.make_plan(cols, causal, s, s, bm, bn, True, q.device)
+    bm, bn, w, st = dataclasses.astuple(D256_DKDV_TILE)
+    plan = tiles.make_plan(cols, causal, s, s, bm, bn, True, q.device)
     args = (q, k, v, dout, lse2, delta, causal, scale, plan, bm, bn, w, st)
     got = G.launch_dkdv_gluon(*args, warp_spec=True, stats_smem=True)
     plain = G.launch_dkdv_gluon(*args)
@@ -782,59 +667,6 @@ def test_gpu_d256_head_dim_split_matches_tl(name):
         assert torch.isfinite(a).all()
         assert rel_err(a, r) < 2e-2, rel_err(a, r)
         assert torch.equal(a, p)
-
-
-@pytest.mark.gpu
-def test_gpu_dispatch_picks_gluon_ws_at_every_head_dim_on_hopper(monkeypatch):
-    _require_hopper_gluon()
-    monkeypatch.delenv("FLASHMASK3_TRITON_DKDV", raising=False)
-    q = torch.zeros(1, 64, 2, 128, device="cuda", dtype=torch.bfloat16)
-    assert T._dkdv_impl(q, T.CANDIDATES[("dkdv", 128)][0]) == "gluon_ws"  # the default
-    assert T._dkdv_impl(q[..., :64].contiguous(), T.CANDIDATES[("dkdv", 64)][0]) == "gluon_ws"
-    q256 = torch.zeros(1, 64, 2, 256, device="cuda", dtype=torch.bfloat16)
-    assert T._dkdv_impl(q256, T.GLUON_TILE[("dkdv", 256)]) == "gluon_ws"  # the head-dim split
-    assert T._config("dkdv", 256, True, 1, q256.dtype, like=q256) == T.GLUON_TILE[("dkdv", 256)]
-    assert T._dkdv_impl(q.float(), T.CANDIDATES[("dkdv", 128)][0]) == "tl"  # fp32: tl (tf32)
-    for forced in ("tl", "gluon", "gluon_ws"):
-        monkeypatch.setenv("FLASHMASK3_TRITON_DKDV", forced)
-        assert T._dkdv_impl(q, T.CANDIDATES[("dkdv", 128)][0]) == forced
-
-
-@pytest.mark.gpu
-def test_gpu_dkdv_default_tile_follows_the_kernel(monkeypatch):
-    """On Hopper the split backward's D=128 dK/dV runs the Gluon tile (GLUON_TILE); with
-    the tl kernel forced, or fp32 inputs, the tl kernel's own default tile."""
-    _require_hopper_gluon()
-    monkeypatch.delenv("FLASHMASK3_TRITON_DKDV", raising=False)
-    q = torch.zeros(1, 64, 2, 128, device="cuda", dtype=torch.bfloat16)
-    assert T._config("dkdv", 128, True, 1, q.dtype, like=q) == T.GLUON_TILE[("dkdv", 128)]
-    tl_tile = T.CANDIDATES[("dkdv", 128)][0]
-    assert T._config("dkdv", 128, True, 1, torch.float32, like=q.float()) == tl_tile
-    monkeypatch.setenv("FLASHMASK3_TRITON_DKDV", "tl")
-    assert T._config("dkdv", 128, True, 1, q.dtype, like=q) == T.CANDIDATES[("dkdv", 128)][0]
-
-
-@pytest.mark.gpu
-def test_gpu_default_backward_is_the_gluon_fused_one_at_d64_d128(monkeypatch):
-    """On Hopper the default backward at D=64 and D=128 (16-bit) is the fused Gluon kernel at
-    its head dim's tile; D=256, fp32, deterministic mode and FLASHMASK3_TRITON_FUSED=tl take
-    the split backward."""
-    _require_hopper_gluon()
-    monkeypatch.delenv("FLASHMASK3_TRITON_BWD", raising=False)
-    monkeypatch.delenv("FLASHMASK3_TRITON_FUSED", raising=False)
-    q = torch.zeros(1, 64, 2, 128, device="cuda", dtype=torch.float16)
-    q64 = q[..., :64].contiguous()
-    assert T.backward_mode(like=q) == "fused" and T.backward_mode(like=q64) == "fused"
-    assert T._config("fused", 128, True, 1, q.dtype, like=q) == T.GLUON_TILE[("fused", 128)]
-    assert T._config("fused", 64, True, 1, q.dtype, like=q64) == T.GLUON_TILE[("fused", 64)]
-    assert T.backward_mode(like=torch.zeros(1, 64, 2, 256, device="cuda",
-                                            dtype=torch.float16)) == "split"
-    assert T.backward_mode(like=q.float()) == "split"
-    monkeypatch.setattr(torch, "are_deterministic_algorithms_enabled", lambda: True)
-    assert T.backward_mode(like=q) == "split"
-    monkeypatch.undo()
-    monkeypatch.setenv("FLASHMASK3_TRITON_FUSED", "tl")
-    assert T.backward_mode(like=q) == "split"
 
 
 #: The D=64 DS_SHARED configs (64x64 w4, one compute warpgroup; offline-checked, s2 and s3).
@@ -848,7 +680,14 @@ FUSED_CASES = ([(128, cfg) for cfg in [(32, 64, 4, 3), (16, 64, 4, 3), (32, 64, 
                                        (64, 128, 8, 3, True, True, True)]]
                + [(64, cfg) for cfg in DS_SHARED_D64_CONFIGS])
 
-FUSED_CASE_IDS = [("ds_shared_" if d == 64 else "") + f"d{d}-{AB._label(cfg)}"
+def _label(cfg) -> str:
+    """``BMxBNwWsS`` plus ``ws`` (WARP_SPEC), ``m`` (STATS_SMEM), ``ds`` (DS_SHARED)."""
+    bm, bn, w, st = cfg[:4]
+    flags = "".join(f for f, on in zip(("ws", "m", "ds"), cfg[4:]) if on)
+    return f"{bm}x{bn}w{w}s{st}{flags}"
+
+
+FUSED_CASE_IDS = [("ds_shared_" if d == 64 else "") + f"d{d}-{_label(cfg)}"
                   for d, cfg in FUSED_CASES]
 
 
@@ -865,10 +704,10 @@ def test_gpu_fused_backward_matches_split(name, d, cfg):
     _require_hopper_gluon()
     s = 1000
     q, k, v, dout, cols, causal, scale, out, lse = _gpu_inputs(name, s, d, seed=5)
-    with T.use_backward("split"):
+    with dispatch.use_backward("split"):
         ref = T.backward(dout, None, q, k, v, out, lse, cols, causal, scale)
-    delta, lse2 = T._bwd_pre(out, dout, lse, None)
-    plan = T.make_plan(cols, causal, s, s, cfg[0], cfg[1], True, q.device)
+    delta, lse2 = TL.backward_prepass(out, dout, lse, None)
+    plan = tiles.make_plan(cols, causal, s, s, cfg[0], cfg[1], True, q.device)
     got = G.fused_backward_gluon(q, k, v, dout, lse2, delta, causal, scale, plan, cfg)
     for a, r in zip(got, ref):
         assert a.shape == r.shape and a.dtype == r.dtype
@@ -892,11 +731,11 @@ def test_gpu_fused_ds_shared_dkdv_bitwise_equal_to_tl_and_split(name, d, st):
     (q, k, v, dout, cols, causal, scale, out, lse), delta, lse2, ref = \
         _tl_dkdv_reference(name, s, d, seed=17)
     bm, bn, w, _ = G.DS_SHARED_TILES[d]
-    plan = T.make_plan(cols, causal, s, s, bm, bn, True, q.device)
+    plan = tiles.make_plan(cols, causal, s, s, bm, bn, True, q.device)
     dq, dk, dv = G.fused_backward_gluon(q, k, v, dout, lse2, delta, causal, scale, plan,
                                         (bm, bn, w, st, True, True, True))
     assert torch.equal(dk, ref[0]) and torch.equal(dv, ref[1])
-    with T.use_backward("split"):
+    with dispatch.use_backward("split"):
         dq_ref, dk_split, dv_split = T.backward(dout, None, q, k, v, out, lse, cols, causal,
                                                 scale)[:3]
     assert torch.equal(dk, dk_split) and torch.equal(dv, dv_split)
@@ -917,13 +756,13 @@ def test_gpu_dp_late_wait_dkdv_bitwise_equal_to_default(name, d, st):
     (q, k, v, dout, cols, causal, scale, out, lse), delta, lse2, ref = \
         _tl_dkdv_reference(name, s, d, seed=19)
     bm, bn, w, _ = G.DS_SHARED_TILES[d]
-    plan = T.make_plan(cols, causal, s, s, bm, bn, True, q.device)
+    plan = tiles.make_plan(cols, causal, s, s, bm, bn, True, q.device)
     args = (q, k, v, dout, lse2, delta, causal, scale, plan)
     _, dk0, dv0 = G.fused_backward_gluon(*args, (bm, bn, w, st, True, True, True))
     dq, dk, dv = G.fused_backward_gluon(*args, (bm, bn, w, st, True, True, True, True))
     assert torch.equal(dk, dk0) and torch.equal(dv, dv0)
     assert torch.equal(dk, ref[0]) and torch.equal(dv, ref[1])
-    with T.use_backward("split"):
+    with dispatch.use_backward("split"):
         dq_ref = T.backward(dout, None, q, k, v, out, lse, cols, causal, scale)[0]
     rel = rel_err(dq, dq_ref)
     assert torch.isfinite(dq).all() and rel < 2e-2, rel
@@ -950,9 +789,9 @@ def test_gpu_persistent_is_bitwise_equal_to_default(d, name, programs):
     _require_hopper_gluon()
     s = 1000
     q, k, v, dout, cols, causal, scale, out, lse = _gpu_inputs(name, s, d, seed=23)
-    delta, lse2 = T._bwd_pre(out, dout, lse, None)
+    delta, lse2 = TL.backward_prepass(out, dout, lse, None)
     bm, bn, w, _ = G.DS_SHARED_TILES[d]
-    plan = T.make_plan(cols, causal, s, s, bm, bn, True, q.device)
+    plan = tiles.make_plan(cols, causal, s, s, bm, bn, True, q.device)
     args = (q, k, v, dout, lse2, delta, causal, scale, plan, bm, bn, w, 2)
     ds = dict(fuse_dq=True, warp_spec=True, stats_smem=True, ds_shared=True)
     dk0, dv0, dq0 = G.launch_dkdv_gluon(*args, **ds)
@@ -978,7 +817,7 @@ def test_gpu_scale_dq_equals_torch_mul(d):
         for dtype in (torch.bfloat16, torch.float16):
             ref = torch.empty(acc.shape, dtype=dtype, device="cuda")
             torch.mul(acc, 0.0883883, out=ref)
-            assert torch.equal(T.scale_dq(acc, 0.0883883, dtype), ref)
+            assert torch.equal(TL.scale_dq(acc, 0.0883883, dtype), ref)
 
 
 @pytest.mark.skipif(_offline_skip_reason() is not None, reason=str(_offline_skip_reason()))
@@ -988,12 +827,12 @@ def test_offline_compile_survives_a_leaked_interpreter_patch(monkeypatch, tmp_pa
     really compiled) instead of failing with "block_argument has no attribute dtype"."""
     from triton.runtime import interpreter
 
-    from flashmask3.kernels import triton_report as R
+    R = CT
 
     monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path))
-    interpreter._patch_lang(T._fwd_kernel.fn)  # what such a call leaves behind
+    interpreter._patch_lang(TL._fwd_kernel.fn)  # what such a call leaves behind
     try:
-        ck = G.compile_sm90(128, 32, 64, 4, 3, causal=False, c=4)
+        ck = CT.compile_bwd(128, 32, 64, 4, 3, causal=False, c=4)
     finally:
         R.restore_triton_language()
     assert "HGMMA" in cuobjdump(ck.asm["cubin"])[1]

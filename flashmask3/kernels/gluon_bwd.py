@@ -1,12 +1,12 @@
 """Gluon (``triton.experimental.gluon``) dK/dV kernel for Hopper (sm_90): the default dK/dV
-kernel of the split backward at D=64 and D=128 on Hopper GPUs (``triton_flashmask._dkdv_impl``;
+kernel of the split backward at D=64 and D=128 on Hopper GPUs (the dispatch table (``dispatch.py``);
 at D=128 at 64x128 w8 with STATS_SMEM), and with FUSE_DQ + DS_SHARED the default (fused)
-backward at D=64 and D=128 (``triton_flashmask._fused_impl``); the ``tl`` kernels elsewhere.
+backward at D=64 and D=128 (the dispatch table); the ``tl`` kernels elsewhere.
 
 What it computes: exactly what the ``tl`` ``_dkdv_kernel`` computes (split backward), dK
 (already multiplied by ``softmax_scale``) and dV, from the same :class:`Plan` (built by key
 block for the same ``block_m``/``block_n``), ``lse2`` (log2-domain LSE, +inf on fully masked
-rows) and ``delta`` from ``triton_flashmask._bwd_pre``. On the H200 its dK, dV are bitwise
+rows) and ``delta`` from ``tl_kernels.backward_prepass``. On the H200 its dK, dV are bitwise
 equal to the ``tl`` kernel's (same wgmma k-steps in the same order), and it is 1.08-1.21x faster
 (32K, D=128, 6 masks, MHA and GQA: ``benchmarks/results/gluon_dkdv_ab.md``, NOTES.md v6);
 with WARP_SPEC 1.17-1.24x at D=128 and 1.27-1.49x at D=64 (``gluon_dkdv_ws_ab.md``,
@@ -123,7 +123,7 @@ Fused dQ at 64x128 (constexpr DS_SHARED, default False; FUSE_DQ + WARP_SPEC + ST
 BLOCK_M=64, BLOCK_N=128, 8 warps only; ``launch_dkdv_gluon(..., fuse_dq=True, warp_spec=True,
 stats_smem=True, ds_shared=True)``, ``fused_backward_gluon`` config ``(64, 128, 8, S, True,
 True, True)``, A/B label suffix ``wsmds``; the default backward at D=128 on Hopper since v6.5,
-``triton_flashmask.GLUON_FUSED_VARIANT``; at D=64 since v6.6 at 64x64 w4, below): FA3's backward tile. dQ is computed once per tile: dQᵀ [D, 64] = Kᵀ dSᵀ with wgmma M = D split over
+``FUSED_VARIANT``; at D=64 since v6.6 at 64x64 w4, below): FA3's backward tile. dQ is computed once per tile: dQᵀ [D, 64] = Kᵀ dSᵀ with wgmma M = D split over
 the two compute warpgroups (each M = 64 of the D rows, N = 64 queries, K = all 128 keys, so
 both warpgroups' dSᵀ rows: a partition barrier between them), 32 fp32 registers per thread,
 stored to a [D, 64] fp32 tile and TMA reduce-added as two [D, 32] boxes (the existing FUSE_DQ
@@ -237,35 +237,47 @@ launch or in :func:`compile_report`; :func:`unavailable_reason` says why it cann
 
 from __future__ import annotations
 
-import re
 from typing import Optional
 
 import torch
 import triton
 
-try:  # gluon (triton >= 3.5); the module must import without it
-    from triton.experimental import gluon
-    from triton.experimental.gluon import language as gl
-    from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier,
+from .gluon_common import (  # noqa: F401  (the shared Gluon helpers)
+    GLUON_IMPORT_ERROR,
+    GluonDescriptor,
+    _gluon_builtin,
+    _jit,
+    _triton_ir,
+    gl,
+    gluon,
+    MAX_THREAD_REGS,
+    PRODUCER_REGS,
+    PRODUCER_WARPS,
+    SM_REGISTERS,
+    _column_interval_words,
+    _column_intervals,
+    _element_masked,
+    _gl_dtype,
+    _key_block_ranges,
+    _load_stats,
+    _max_combine,
+    _needs_mask,
+    _published_item,
+    _query_block_ranges,
+    _smem_layout,
+    unavailable_reason,
+    ws_compute_regs,
+    ws_maxnreg,
+    ws_programs_per_sm)
+from .tiles import _NO_SPEC, LOG2E, _num_intervals  # noqa: F401
+from .tl_kernels import scale_dq
+
+if GLUON_IMPORT_ERROR is None:
+    from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier,  # noqa: F401
                                                                    tma, warpgroup_mma,
-                                                                   warpgroup_mma_wait)
-    from triton.experimental.gluon.language.nvidia.hopper import warpgroup_mma_init
-    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor as GluonDescriptor
-    from triton.experimental.gluon.language._core import builtin as _gluon_builtin
-    from triton._C.libtriton import ir as _triton_ir
-    GLUON_IMPORT_ERROR: Optional[str] = None
-    _jit = gluon.jit
-except Exception as exc:  # pragma: no cover - older triton
-    gluon = gl = GluonDescriptor = _triton_ir = None
-    GLUON_IMPORT_ERROR = f"{type(exc).__name__}: {exc}"
+                                                                   warpgroup_mma_wait, warpgroup_mma_init)
 
-    def _gluon_builtin(fn):
-        return fn
 
-    def _jit(fn=None, **kwargs):
-        return fn if fn is not None else (lambda f: f)
-
-from .triton_flashmask import _NO_SPEC, LOG2E, _num_intervals, scale_dq  # noqa: E402  (shared with tl)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -291,181 +303,6 @@ def _issue_tile(q_desc, do_desc, q_ring, do_ring, ready, slot, row, col, pred):
     mbarrier.expect(bar, q_desc.block_type.nbytes + do_desc.block_type.nbytes, pred=pred)
     tma.async_copy_global_to_shared(q_desc, [row, col], bar, q_ring.index(slot), pred=pred)
     tma.async_copy_global_to_shared(do_desc, [row, col], bar, do_ring.index(slot), pred=pred)
-
-
-@_jit
-def _needs_mask(m, n_blk, Sq, Sk, stats, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-                CAUSAL: gl.constexpr, NI: gl.constexpr, LEAN: gl.constexpr = False):
-    """Whether tile (query block m, key block n_blk) is not UNMASKED or is clipped at Sk (the
-    scalar twin of ``_clipped_tile_class(...) != 2``). ``LEAN`` (STATS_SMEM: fewer loop
-    invariants) reads 4 of the 8 statistics: the terms ``(r0 >= s_max) & (r1 <= e_min)`` it
-    drops imply the kept ``(r0 < e_max) & (r1 > s_min)`` (r0 < r1: the tile holds a row below
-    Sq; s_min <= s_max, e_min <= e_max), so the answer is the same."""
-    r0 = m * BLOCK_M
-    r1 = gl.minimum(r0 + BLOCK_M, Sq)
-    c0 = n_blk * BLOCK_N
-    c1 = gl.minimum(c0 + BLOCK_N, Sk)
-    need = c0 + BLOCK_N > Sk
-    if CAUSAL:
-        need = need | (c1 - 1 > r0 + (Sk - Sq))
-    if NI >= 1:
-        s0max, s0min, e0max, e0min, s1max, s1min, e1max, e1min = stats
-        if not LEAN:
-            need = need | ((r0 >= s0max) & (r1 <= e0min))
-        need = need | ((r0 < e0max) & (r1 > s0min))
-        if NI >= 2:
-            if not LEAN:
-                need = need | ((r0 >= s1max) & (r1 <= e1min))
-            need = need | ((r0 < e1max) & (r1 > s1min))
-    return need
-
-
-@_jit
-def _element_masked(rows, cols, ivals, Sq, Sk, CAUSAL: gl.constexpr, C: gl.constexpr):
-    """True where (row, col) is masked (DESIGN.md §1); rows ``[1, BM]``, cols ``[BN, 1]``, the
-    column intervals ``ivals`` = (s0, e0, s1, e1) ``[BN, 1]``. Columns >= Sk are masked."""
-    masked = cols >= Sk
-    if C > 0:
-        s0, e0, s1, e1 = ivals
-        masked = masked | ((rows >= s0) & (rows < e0))
-        if (not CAUSAL) or C == 4:
-            masked = masked | ((rows >= s1) & (rows < e1))
-    if CAUSAL:
-        masked = masked | (cols > rows + (Sk - Sq))
-    return masked
-
-
-@_jit
-def _column_interval_words(col_ptr, cols, Sq, Sk, CAUSAL: gl.constexpr, C: gl.constexpr):
-    """Masked row intervals [s0, e0), [s1, e1) of the key columns ``cols`` (1-D each; the ``tl``
-    ``_column_intervals`` table): the one Gluon copy, which the dK/dV kernel reads as columns
-    (:func:`_column_intervals`) and the dQ kernel as rows."""
-    cvalid = cols < Sk
-    zero = cols * 0
-    if C == 0:
-        s0 = zero + Sq
-        e0 = s0
-        s1 = s0
-        e1 = s0
-    elif CAUSAL and C == 1:
-        s0 = gl.load(col_ptr + cols, mask=cvalid, other=0)
-        e0 = zero + Sq
-        s1 = e0
-        e1 = e0
-    elif CAUSAL:
-        s0 = gl.load(col_ptr + cols * 2, mask=cvalid, other=0)
-        e0 = gl.load(col_ptr + cols * 2 + 1, mask=cvalid, other=0)
-        s1 = zero + Sq
-        e1 = s1
-    elif C == 2:
-        s0 = gl.load(col_ptr + cols * 2, mask=cvalid, other=0)
-        e0 = zero + Sq
-        s1 = zero
-        e1 = gl.load(col_ptr + cols * 2 + 1, mask=cvalid, other=0)
-    else:
-        s0 = gl.load(col_ptr + cols * 4, mask=cvalid, other=0)
-        e0 = gl.load(col_ptr + cols * 4 + 1, mask=cvalid, other=0)
-        s1 = gl.load(col_ptr + cols * 4 + 2, mask=cvalid, other=0)
-        e1 = gl.load(col_ptr + cols * 4 + 3, mask=cvalid, other=0)
-    return s0, e0, s1, e1
-
-
-@_jit
-def _column_intervals(col_ptr, cols, Sq, Sk, CAUSAL: gl.constexpr, C: gl.constexpr):
-    """:func:`_column_interval_words` as ``[BN, 1]`` columns (the dK/dV kernel's transposed
-    tiles); loop invariants of one mask head."""
-    s0, e0, s1, e1 = _column_interval_words(col_ptr, cols, Sq, Sk, CAUSAL, C)
-    return s0[:, None], e0[:, None], s1[:, None], e1[:, None]
-
-
-@_jit
-def _key_block_ranges(rng_ptr, mbh, n_blk, Sq, Sk, NQB, BLOCK_M: gl.constexpr,
-                      BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr, C: gl.constexpr, NKB):
-    """(lo0, flo0, fhi0, hi0, lo1, flo1, fhi1, hi1) of one key block: the stored table with a
-    mask, the causal diagonal (or everything) without one (``tl`` ``_key_block_ranges``)."""
-    if C > 0:
-        rp = rng_ptr + (mbh * NKB + n_blk) * 8
-        lo0 = gl.load(rp)
-        hi0 = gl.load(rp + 1)
-        lo1 = gl.load(rp + 2)
-        hi1 = gl.load(rp + 3)
-        flo0 = gl.load(rp + 4)
-        fhi0 = gl.load(rp + 5)
-        flo1 = gl.load(rp + 6)
-        fhi1 = gl.load(rp + 7)
-    else:
-        c0 = n_blk * BLOCK_N
-        lo0 = n_blk * 0
-        flo0 = lo0
-        if CAUSAL:
-            first_row = c0 - (Sk - Sq)
-            lo0 = gl.minimum(gl.maximum(first_row, 0) // BLOCK_M, NQB)
-            last_col = gl.minimum(c0 + BLOCK_N, Sk) - 1
-            flo0 = gl.minimum(gl.cdiv(gl.maximum(last_col - (Sk - Sq), 0), BLOCK_M), NQB)
-        hi0 = lo0 * 0 + NQB
-        fhi0 = hi0
-        if c0 + BLOCK_N > Sk:
-            flo0 = hi0
-        lo1 = hi0
-        hi1 = hi0
-        flo1 = hi0
-        fhi1 = hi0
-    return lo0, flo0, fhi0, hi0, lo1, flo1, fhi1, hi1
-
-
-@_jit
-def _query_block_ranges(rng_ptr, mbh, m_blk, Sq, Sk, NQB, NKB, BLOCK_M: gl.constexpr,
-                        BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr, C: gl.constexpr):
-    """(lo0, flo0, fhi0, hi0, lo1, flo1, fhi1, hi1): the two live key-block ranges of query
-    block ``m_blk`` and the first run of UNMASKED tiles in each, for the Gluon dQ and forward
-    kernels. Query-major twin of :func:`_key_block_ranges` (and Gluon twin of the ``tl``
-    ``_query_block_ranges``, same integer expressions): the stored table with a mask, the causal
-    diagonal (or everything) without one."""
-    if C > 0:
-        rp = rng_ptr + (mbh * NQB + m_blk) * 8
-        lo0 = gl.load(rp)
-        hi0 = gl.load(rp + 1)
-        lo1 = gl.load(rp + 2)
-        hi1 = gl.load(rp + 3)
-        flo0 = gl.load(rp + 4)
-        fhi0 = gl.load(rp + 5)
-        flo1 = gl.load(rp + 6)
-        fhi1 = gl.load(rp + 7)
-    else:
-        lo0 = m_blk * 0
-        n_whole = Sk // BLOCK_N  # key blocks that end inside Sk
-        if CAUSAL:
-            r0 = m_blk * BLOCK_M
-            r1 = gl.minimum(r0 + BLOCK_M, Sq)
-            last = r1 - 1 + (Sk - Sq)  # last visible column of the block
-            hi0 = gl.maximum(gl.minimum((last + BLOCK_N) // BLOCK_N, NKB), 0)
-            hi0 = gl.where(last < 0, 0, hi0)
-            # key blocks whose every column is visible from the block's first row
-            fhi0 = gl.maximum(r0 + (Sk - Sq) + 1, 0) // BLOCK_N
-        else:
-            hi0 = lo0 + NKB
-            fhi0 = hi0
-        fhi0 = gl.minimum(gl.minimum(fhi0, n_whole), hi0)
-        flo0 = gl.where(fhi0 > 0, 0, hi0)
-        fhi0 = gl.where(fhi0 > 0, fhi0, hi0)
-        lo1 = hi0
-        hi1 = hi0
-        flo1 = hi0
-        fhi1 = hi0
-    return lo0, flo0, fhi0, hi0, lo1, flo1, fhi1, hi1
-
-
-@_jit
-def _load_stats(sum_ptr, mbh, n_blk, NKB, NI: gl.constexpr):
-    """The key block's 8 statistics (max/min start, max/min end of both intervals)."""
-    if NI > 0:
-        p = sum_ptr + (mbh * NKB + n_blk) * 8
-        stats = (gl.load(p), gl.load(p + 1), gl.load(p + 2), gl.load(p + 3),
-                 gl.load(p + 4), gl.load(p + 5), gl.load(p + 6), gl.load(p + 7))
-    else:
-        z = n_blk * 0
-        stats = (z, z, z, z, z, z, z, z)
-    return stats
 
 
 @_jit
@@ -995,21 +832,6 @@ def _work_item(item, NKB, Hk):
 
 
 @_jit
-def _max_combine(a, b):
-    return gl.maximum(a, b)
-
-
-@_jit
-def _published_item(item_smem, NUM_WARPS: gl.constexpr):
-    """The work item the producer published in ``item_smem`` (one int32), as a scalar. (A
-    reduction with this module's own combine function: ``gl.max`` combines with
-    ``triton.language.standard``'s, a ``@triton.jit`` function that is an interpreter object
-    in a process started with TRITON_INTERPRET=1, where the offline compile then fails.)"""
-    layout: gl.constexpr = gl.BlockedLayout([1], [32], [NUM_WARPS], [0])
-    return gl.reduce(item_smem.load(layout), 0, _max_combine)
-
-
-@_jit
 def _store_dkdv(dk, dv, dk_ptr, dv_ptr, sm_scale, b64, c0, hk, Sk, Hk, acc_layout: gl.constexpr,
                 D: gl.constexpr, BLOCK_N: gl.constexpr):
     """dK (times ``sm_scale``) and dV of the key block at c0 (batch b64, KV head hk) from the
@@ -1314,23 +1136,6 @@ def _dkdv_gluon_kernel(q_desc, do_desc, k_desc, v_desc, dk_ptr, dv_ptr, lse2_ptr
 # ---------------------------------------------------------------------------------------------
 
 
-def unavailable_reason() -> Optional[str]:
-    """Why the Gluon kernel cannot be used here (None when it can be compiled)."""
-    if GLUON_IMPORT_ERROR is not None:
-        return f"triton.experimental.gluon unavailable ({GLUON_IMPORT_ERROR})"
-    return None
-
-
-def _gl_dtype(dtype):
-    return {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16}[dtype]
-
-
-def _smem_layout(block_rows: int, d: int, dtype):
-    """The NVMMA (swizzled) shared layout of a [block_rows, d] tile: TMA destination and wgmma
-    operand (both orientations: the 16-bit wgmma reads the transposed view as well)."""
-    return gl.NVMMASharedLayout.get_default_for([block_rows, d], _gl_dtype(dtype))
-
-
 def _dq_smem_layout(block_m: int, d: int):
     """The shared layout of the fused kernel's fp32 [d, block_m] dQᵀ tile (TMA reduce source;
     at block_m=32 one 128-byte swizzled row per head-dim index; at 64 two [d, 32] blocks)."""
@@ -1348,41 +1153,6 @@ def dq_reduce_block(block_m: int, d: int) -> list:
     return [d, min(block_m, DQ_REDUCE_COLS)]
 
 
-#: Registers of one Hopper SM, and what one thread may hold at most.
-SM_REGISTERS = 65536
-MAX_THREAD_REGS = 255
-#: WARP_SPEC producer partition: one warp, 24 registers (the setmaxnreg minimum); register
-#: allocation is per warpgroup, so it occupies 4 warp slots of the launch.
-PRODUCER_WARPS = 1
-PRODUCER_REGS = 24
-
-
-def ws_programs_per_sm(num_warps: int) -> int:
-    """Programs of the WARP_SPEC kernel resident per SM: as many as the non-WS kernel has at 255
-    registers (register files are allocated in 256-register warp slices): 2 at 4 warps, 1 at
-    8."""
-    return max(1, SM_REGISTERS // (num_warps * 32 * 256))
-
-
-def ws_maxnreg(num_warps: int) -> int:
-    """The ``maxnreg`` launch option of the WARP_SPEC kernel: the register budget per thread of
-    num_warps + 4 warps that keeps as many programs resident per SM as the non-WS kernel has at
-    255 registers (2 at 4 warps, 1 at 8: register files are allocated in 256-register warp
-    slices), rounded down to a multiple of 8 (setmaxnreg's granularity). The compute warps get
-    what the producer warpgroup gives back: (maxnreg * (num_warps + 4) - 24 * 4) / num_warps,
-    e.g. 232 at 4 warps, 240 at 8 (:func:`ws_compute_regs`)."""
-    per_thread = SM_REGISTERS // (ws_programs_per_sm(num_warps) * (num_warps + 4) * 32)
-    return min(256, per_thread // 8 * 8)
-
-
-def ws_compute_regs(num_warps: int, maxnreg: Optional[int] = None) -> int:
-    """Registers per thread the WARP_SPEC compute partition can raise itself to (capped at
-    255: no thread holds more, so warp specialisation cannot lift the non-WS kernel's cap)."""
-    maxnreg = ws_maxnreg(num_warps) if maxnreg is None else maxnreg
-    total = maxnreg * (num_warps + 4) - PRODUCER_REGS * 4
-    return min(MAX_THREAD_REGS, total // num_warps // 8 * 8)
-
-
 #: The DS_SHARED (fused, FA3-style) tiles, head dim -> (block_m, block_n, num_warps, most
 #: stages): 64 queries and D = 16 * num_warps, so dQᵀ's D rows are one 16-row slice per compute
 #: warp (two warpgroups at D=128, one at D=64; at D=64 and 8 warps each warpgroup would get
@@ -1390,6 +1160,11 @@ def ws_compute_regs(num_warps: int, maxnreg: Optional[int] = None) -> int:
 #: 231,180 B of the 232,448; D=64: s3 is 100,108 B, two programs per SM; s4 would fit one
 #: program per SM only and was not compiled or measured).
 DS_SHARED_TILES = {128: (64, 128, 8, 3), 64: (64, 64, 4, 3)}
+
+
+#: The fused backward's variant flags: FA3's tile, warp-specialised, the statistics and Pᵀ/dSᵀ
+#: in shared memory, dQ reduce-added once per tile (the table's ``gluon_fused`` kernel).
+FUSED_VARIANT = dict(fuse_dq=True, warp_spec=True, stats_smem=True, ds_shared=True)
 
 
 def d_warps(d: int, block_n: int, num_warps: int) -> int:
@@ -1563,10 +1338,10 @@ def persistent_programs(device, num_warps: int) -> int:
 def fused_backward_gluon(q, k, v, dout, lse2, delta, causal, softmax_scale, plan, cfg_tuple,
                          persistent: bool = False):
     """(dq, dk, dv) of the fused Gluon backward at any FUSE_DQ config, for the GPU A/B
-    ``benchmarks/gluon_dkdv_ab.py --fused`` (the library's default, ``triton_flashmask.backward``,
+    ``benchmarks/gluon_dkdv_ab.py --fused`` (the library's default, ``triton_backend.backward``,
     launches the DS_SHARED one itself): one launch of the dK/dV kernel that also reduce-adds dQ,
-    then dQ = softmax_scale * dq_acc cast to q's dtype (``triton_flashmask.scale_dq``).
-    ``lse2``, ``delta`` from ``triton_flashmask._bwd_pre``; ``plan`` a by-key plan for
+    then dQ = softmax_scale * dq_acc cast to q's dtype (``tl_kernels.scale_dq``).
+    ``lse2``, ``delta`` from ``tl_kernels.backward_prepass``; ``plan`` a by-key plan for
     ``cfg_tuple`` = (block_m, block_n, num_warps, num_stages[, warp_spec[, stats_smem[,
     ds_shared[, dp_late_wait]]]]); ``persistent`` as :func:`launch_dkdv_gluon`."""
     block_m, block_n, num_warps, num_stages = cfg_tuple[:4]
@@ -1581,250 +1356,3 @@ def fused_backward_gluon(q, k, v, dout, lse2, delta, causal, softmax_scale, plan
 
 
 # ---------------------------------------------------------------------------------------------
-# Offline compile report (no GPU needed)
-# ---------------------------------------------------------------------------------------------
-
-from .triton_report import _TOOLS, compile_gluon_sm90, cuobjdump  # noqa: E402,F401  (one compile toolkit)
-
-
-def offline_descriptor_types(dtype: str, d: int, **rows_by_name: int) -> dict:
-    """Tensor-descriptor types as the launchers build them (NVMMA shared layouts), for an
-    offline compile: one ``name=block_rows`` per descriptor argument. Shared by the Gluon
-    modules."""
-    tdt = {"bf16": torch.bfloat16, "fp16": torch.float16}[dtype]
-    return {name: f"tensordesc<{dtype}[{rows}, {d}],{_smem_layout(rows, d, tdt)!r}>"
-            for name, rows in rows_by_name.items()}
-
-
-def offline_constexprs(d: int, block_m: int, block_n: int, num_warps: int, num_stages: int,
-                       causal: bool, c: int, **extra) -> dict:
-    """The constexpr arguments every Gluon kernel of this package takes, plus ``extra``."""
-    return dict(D=d, BLOCK_M=block_m, BLOCK_N=block_n, CAUSAL=causal, C=c,
-                NI=_num_intervals(causal, c), NUM_STAGES=num_stages, NUM_WARPS=num_warps,
-                **extra)
-
-
-def compile_sm90(d: int = 128, block_m: int = 64, block_n: int = 64, num_warps: int = 4,
-                 num_stages: int = 2, causal: bool = True, c: int = 1, dtype: str = "bf16",
-                 fuse_dq: bool = False, warp_spec: bool = False, maxnreg: Optional[int] = None,
-                 stats_smem: bool = False, ds_shared: bool = False, dp_late_wait: bool = False,
-                 persistent: bool = False):
-    """Compile the kernel (``fuse_dq``: the FUSE_DQ variant; ``warp_spec``: the WARP_SPEC one,
-    at ``maxnreg`` registers per thread, default :func:`ws_maxnreg`; ``dp_late_wait``: the
-    DS_SHARED variant with Pᵀ stored before the dPᵀ wait; ``persistent``: the DS_SHARED kernel
-    looping over key blocks, see :func:`launch_dkdv_gluon`) for sm_90 without a GPU; returns
-    the CompiledKernel."""
-    reason = unavailable_reason()
-    if reason is not None:
-        raise RuntimeError(reason)
-    check_config(d, block_m, block_n, num_warps, num_stages, fuse_dq, warp_spec, stats_smem,
-                 ds_shared, dp_late_wait, persistent)
-    kern = _dkdv_gluon_kernel
-    descs = offline_descriptor_types(dtype, d, q_desc=block_m, do_desc=block_m, k_desc=block_n,
-                                     v_desc=block_n)
-    if fuse_dq:
-        dq_rows, dq_cols = dq_reduce_block(block_m, d)
-        descs["dq_desc"] = f"tensordesc<fp32[{dq_rows}, {dq_cols}],{_dq_smem_layout(block_m, d)!r}>"
-    ptrs = {"dk_ptr": f"*{dtype}", "dv_ptr": f"*{dtype}", "lse2_ptr": "*fp32",
-            "delta_ptr": "*fp32", "mask_ptr": "*i32", "sum_ptr": "*i32", "rng_ptr": "*i32"}
-    consts = offline_constexprs(d, block_m, block_n, num_warps, num_stages, causal, c,
-                                FUSE_DQ=fuse_dq, WARP_SPEC=warp_spec)
-    consts["STATS_SMEM"] = stats_smem  # a constexpr (left out, the compile makes it an argument)
-    consts["DS_SHARED"] = ds_shared
-    consts["DP_LATE_WAIT"] = dp_late_wait
-    consts["PERSISTENT"] = persistent
-    if persistent:
-        ptrs["n_items"] = "i32"
-        ptrs["next_item_ptr"] = "*i32"
-    else:  # as the launcher passes them: constexprs, not parameters
-        consts["n_items"] = None
-        consts["next_item_ptr"] = None
-    options = {}
-    if warp_spec:  # as the launcher passes it (WARP_SPEC=False: the unchanged options)
-        options["maxnreg"] = maxnreg if maxnreg is not None else ws_maxnreg(num_warps)
-    if not fuse_dq:
-        consts["dq_desc"] = None  # as the launcher passes it: a constexpr, not a parameter
-    return compile_gluon_sm90(kern, ptrs, descs, consts, num_warps, num_stages, **options)
-
-
-def _sass_instructions(sass: str) -> list:
-    """(address, instruction text) of every instruction of a ``cuobjdump -sass`` listing."""
-    ins = []
-    for line in sass.splitlines():
-        m = re.match(r"\s*/\*([0-9a-f]{4,})\*/\s+(.*?);", line)
-        if m:
-            ins.append((int(m.group(1), 16), m.group(2)))
-    return ins
-
-
-def _tile_loops(ins: list) -> list:
-    """(lo, hi) address ranges of the tile loops: innermost backward-branch ranges that hold
-    HGMMA (the out-of-line mbarrier-wait stubs after the last EXIT, which branch back into the
-    loops, are not loops; the WARP_SPEC producer's loops hold no HGMMA)."""
-    last_exit = max((a for a, t in ins if re.search(r"\bEXIT\b", t)), default=None)
-    cands = []
-    for addr, txt in ins:
-        br = re.search(r"\bBRA\s+(0x[0-9a-f]+)", txt)
-        if br and int(br.group(1), 16) < addr and (last_exit is None or addr < last_exit):
-            lo = int(br.group(1), 16)
-            if any(lo <= a <= addr and "HGMMA" in t for a, t in ins):
-                cands.append((lo, addr))
-    return [c for c in cands
-            if not any(o != c and c[0] <= o[0] and o[1] <= c[1] for o in cands)]
-
-
-def tile_loop_spills(sass: str):
-    """(tile loops, the LDL/STL inside them) of a ``cuobjdump -sass`` listing (tile loops as
-    in :func:`_tile_loops`); loops are (lo, hi) addresses, spills (address, instruction)."""
-    ins = _sass_instructions(sass)
-    loops = _tile_loops(ins)
-    spills = [(a, t) for a, t in ins if re.search(r"\b(?:LDL|STL)\b", t)
-              and any(lo <= a <= hi for lo, hi in loops)]
-    return loops, spills
-
-
-#: Synchronisation and load instructions counted per tile loop (one tile per iteration).
-_PER_TILE_PATTERNS = {"bar_sync": r"\bBAR\.SYNC\b", "mbar_wait": r"\bSYNCS\.PHASECHK\b",
-                      "mbar_arrive": r"\bSYNCS\.ARRIVE\b", "tma_load": r"\bUTMALDG\b"}
-
-
-def tile_loop_counts(sass: str) -> dict:
-    """The most of each :data:`_PER_TILE_PATTERNS` instruction in one tile loop (= per tile):
-    CTA/partition barriers (BAR.SYNC), mbarrier waits and arrives, TMA loads. The non-WS kernel
-    issues its refill from the loop (UTMALDG, expect-arrive and CTA barriers around them); the
-    WARP_SPEC compute partition only waits on ``ready`` and arrives on ``empty``."""
-    ins = _sass_instructions(sass)
-    loops = _tile_loops(ins)
-    return {f"{key}_per_tile": max((sum(1 for a, t in ins if lo <= a <= hi and re.search(pat, t))
-                                    for lo, hi in loops), default=0)
-            for key, pat in _PER_TILE_PATTERNS.items()}
-
-
-def dp_wait_order(sass: str) -> list:
-    """Per tile loop (as in :func:`_tile_loops`), where the dPᵀ wait sits among the exp2s of
-    Pᵀ: the loop's second ``WARPGROUP.DEPBAR`` (the first waits for Sᵀ; the tiles issue Sᵀ
-    then dPᵀ, as :func:`_tile` and :func:`_tile_ds_shared` do) and the MUFU.EX2 before and
-    after it, as dicts ``dp_wait`` (instruction index in the loop), ``ex2_before``,
-    ``ex2_after``. ``ex2_after`` > 0: the tensor cores idle under those exp2s."""
-    ins = _sass_instructions(sass)
-    rows = []
-    for lo, hi in _tile_loops(ins):
-        body = [t for a, t in ins if lo <= a <= hi]
-        waits = [i for i, t in enumerate(body) if "WARPGROUP.DEPBAR" in t]
-        ex2 = [i for i, t in enumerate(body) if "MUFU.EX2" in t]
-        if len(waits) < 2:
-            continue
-        w = waits[1]
-        rows.append(dict(dp_wait=w, ex2_before=sum(i < w for i in ex2),
-                         ex2_after=sum(i > w for i in ex2)))
-    return rows
-
-
-def _max_register(sass: str) -> int:
-    """Registers the code touches (highest R index + 1): for a WARP_SPEC kernel, whose
-    ``regs`` is the launch's ``maxnreg``, this is what the compute partition uses."""
-    return 1 + max((int(r) for r in re.findall(r"\bR(\d+)\b", sass)), default=-1)
-
-
-def sass_report(cubin: bytes) -> dict:
-    """Registers, spills, and instruction counts of a cubin (bundled cuobjdump); setmaxnreg
-    values (USETMAXREG) for a warp-specialised one."""
-    usage, sass = cuobjdump(cubin)
-    loops, in_loops = tile_loop_spills(sass)
-    setmaxnreg = sorted({int(x, 16) for x in
-                         re.findall(r"USETMAXREG\.\S+\s+(?:UP\d, )?(0x[0-9a-f]+)", sass)})
-    return dict(regs=usage["regs"], stack=usage["stack"], local=usage["local"],
-                regs_touched=_max_register(sass), setmaxnreg=setmaxnreg,
-                hgmma=sass.count("HGMMA"),
-                ldl_stl=sass.count("LDL") + sass.count("STL"), tile_loops=len(loops),
-                ldl_stl_in_tile_loops=len(in_loops), tma_reduce=sass.count("UTMAREDG"),
-                atomics=len(re.findall(r"\b(?:RED|ATOM|ATOMG)\.", sass)),
-                wgmma_wait=sass.count("WARPGROUP.DEPBAR"), warpgroup_arrive=sass.count("WARPGROUP.ARRIVE"),
-                bar_sync=sass.count("BAR.SYNC"), syncs_arrive=sass.count("SYNCS.ARRIVE"),
-                tma_load=sass.count("UTMALDG"), mufu_ex2=sass.count("MUFU.EX2"),
-                **tile_loop_counts(sass))
-
-
-def compile_report(d=128, block_m=64, block_n=64, num_warps=4, num_stages=2, causal=True, c=1,
-                   dtype="bf16", fuse_dq=False, warp_spec=False, stats_smem=False,
-                   ds_shared=False, dp_late_wait=False, persistent=False) -> dict:
-    """One configuration's offline sm_90 report (or its error); DS_SHARED ones also say how
-    many exp2s of a tile loop come after its dPᵀ wait at most (:func:`dp_wait_order`)."""
-    row = dict(D=d, block_m=block_m, block_n=block_n, num_warps=num_warps,
-               num_stages=num_stages, causal=causal, C=c, dtype=dtype, fuse_dq=fuse_dq)
-    if warp_spec:
-        row.update(warp_spec=True, maxnreg=ws_maxnreg(num_warps))
-    try:
-        ck = compile_sm90(d, block_m, block_n, num_warps, num_stages, causal, c, dtype, fuse_dq,
-                          warp_spec, stats_smem=stats_smem, ds_shared=ds_shared,
-                          dp_late_wait=dp_late_wait, persistent=persistent)
-    except Exception as exc:
-        row["error"] = f"{type(exc).__name__}: {str(exc)[:2000]}"
-        return row
-    row["shared"] = ck.metadata.shared
-    row.update(sass_report(ck.asm["cubin"]))
-    if ds_shared:
-        order = dp_wait_order(cuobjdump(ck.asm["cubin"])[1])
-        row.update(dp_late_wait=dp_late_wait,
-                   ex2_after_dp_wait=max((r["ex2_after"] for r in order), default=0))
-    return row
-
-
-#: (block_m, block_n, num_warps, num_stages) tried at D=128 by the report.
-REPORT_CONFIGS = [(64, 64, 4, 2), (32, 64, 4, 2), (32, 64, 4, 3), (16, 64, 4, 3), (64, 128, 8, 2),
-                  (32, 128, 8, 3)]
-#: ... for the WARP_SPEC kernel (``--warp-spec``; with ``--fused`` too: FUSED_REPORT_CONFIGS) ...
-WS_REPORT_CONFIGS = [(32, 64, 4, 3), (32, 64, 4, 2), (64, 128, 8, 2)]
-#: ... at D=256 (both kernels): the head-dim split's tiles (64 keys, 8 warps; the first is the
-#: default) ...
-D256_REPORT_CONFIGS = [(64, 64, 8, 2), (32, 64, 8, 3)]
-#: ... and for the FUSE_DQ kernel (``--fused``).
-FUSED_REPORT_CONFIGS = [(32, 64, 4, 3), (32, 64, 4, 2), (16, 64, 4, 3), (16, 64, 4, 2),
-                        (32, 128, 8, 3)]
-
-
-def main(argv=None):
-    import argparse
-    import json
-
-    ap = argparse.ArgumentParser(description="offline sm_90 report of the Gluon dK/dV kernel")
-    ap.add_argument("--dims", default="128")
-    ap.add_argument("--layouts", default="1:1,0:2,1:0", help="causal:C pairs")
-    ap.add_argument("--dtype", default="bf16")
-    ap.add_argument("--fused", action="store_true", help="the FUSE_DQ kernel")
-    ap.add_argument("--warp-spec", action="store_true",
-                    help="the WARP_SPEC kernel (1-warp TMA producer partition)")
-    ap.add_argument("--ds-shared", action="store_true",
-                    help="the fused DS_SHARED kernel (WS + STATS_SMEM; s2/s3 at its "
-                         "DS_SHARED_TILES tile: D=128 64x128 w8, D=64 64x64 w4)")
-    ap.add_argument("--dp-late-wait", action="store_true",
-                    help="with --ds-shared: the DP_LATE_WAIT variant (Pᵀ stored before the "
-                         "dPᵀ wait)")
-    args = ap.parse_args(argv)
-    if args.ds_shared:
-        for d in (int(x) for x in args.dims.split(",")):
-            bm, bn, w, most = DS_SHARED_TILES[d]
-            for st in range(2, most + 1):
-                for causal, c in ((bool(int(a)), int(b)) for a, b in
-                                  (x.split(":") for x in args.layouts.split(","))):
-                    print(json.dumps(compile_report(d, bm, bn, w, st, causal=causal, c=c,
-                                                    dtype=args.dtype, fuse_dq=True,
-                                                    warp_spec=True, stats_smem=True,
-                                                    ds_shared=True,
-                                                    dp_late_wait=args.dp_late_wait)), flush=True)
-        return
-    if args.fused:
-        configs = FUSED_REPORT_CONFIGS[:2] if args.warp_spec else FUSED_REPORT_CONFIGS
-    else:
-        configs = WS_REPORT_CONFIGS if args.warp_spec else REPORT_CONFIGS
-    for d in (int(x) for x in args.dims.split(",")):
-        for cfg in (D256_REPORT_CONFIGS if d == 256 and not args.fused else configs):
-            for causal, c in ((bool(int(a)), int(b)) for a, b in
-                              (x.split(":") for x in args.layouts.split(","))):
-                print(json.dumps(compile_report(d, *cfg, causal=causal, c=c, dtype=args.dtype,
-                                                fuse_dq=args.fused, warp_spec=args.warp_spec)),
-                      flush=True)
-
-
-if __name__ == "__main__":
-    main()

@@ -1,4 +1,4 @@
-"""The Triton FlashMask kernels, called through the backend contract.
+"""The portable tl kernels and the mask/tile helpers, called through the Triton backend contract.
 
 Without a GPU these run under ``TRITON_INTERPRET=1`` (tests/conftest.py) on small shapes in
 fp32/fp16; tests marked ``gpu`` run bf16/fp16 at realistic sizes on a CUDA device. Every
@@ -18,7 +18,9 @@ import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
 
 import flashmask3.masks as M  # noqa: E402
-from flashmask3.kernels import triton_flashmask as T  # noqa: E402
+from flashmask3.kernels import dispatch, tiles  # noqa: E402
+from flashmask3.kernels import tl_kernels as TL  # noqa: E402
+from flashmask3.kernels import triton_backend as T  # noqa: E402
 from tests.helpers import LAYOUTS, gpu_masks, named_masks, random_columns  # noqa: E402
 from tests.reference import reference_attention, rel_err  # noqa: E402
 
@@ -40,7 +42,7 @@ def _classify_all_kernel(sum_ptr, out_ptr, Sq, Sk, NQB, NKB, BLOCK_M: tl.constex
     bh = tl.program_id(1)
     n = tl.arange(0, NKB_P2)
     valid = n < NKB
-    cls = T._tile_class(sum_ptr + bh * NKB * 8, m, n, Sq, Sk, valid, BLOCK_M, BLOCK_N, CAUSAL, NI)
+    cls = tiles._tile_class(sum_ptr + bh * NKB * 8, m, n, Sq, Sk, valid, BLOCK_M, BLOCK_N, CAUSAL, NI)
     tl.store(out_ptr + (bh * NQB + m) * NKB + n, cls, mask=valid)
 
 
@@ -50,10 +52,10 @@ def _twin_classes(cols, causal, sq, sk, bm, bn):
     nqb, nkb = triton.cdiv(sq, bm), triton.cdiv(sk, bn)
     c = 0 if cols is None else cols.shape[-1]
     summary = (torch.zeros(1, nkb, 8, dtype=torch.int32, device=DEVICE) if cols is None
-               else T.block_summaries(cols.contiguous(), causal, sq, bn))
+               else tiles.block_summaries(cols.contiguous(), causal, sq, bn))
     out = torch.empty(b * hm, nqb, nkb, dtype=torch.int32, device=DEVICE)
     _classify_all_kernel[(nqb, b * hm)](summary, out, sq, sk, nqb, nkb, BLOCK_M=bm, BLOCK_N=bn,
-                                        CAUSAL=causal, NI=T._num_intervals(causal, c),
+                                        CAUSAL=causal, NI=tiles._num_intervals(causal, c),
                                         NKB_P2=triton.next_power_of_2(nkb))
     return out.view(b, hm, nqb, nkb)
 
@@ -88,8 +90,8 @@ def _covered(ranges, n):
 def test_live_ranges_cover_every_live_tile(causal, c, by_key):
     sq, sk, bm, bn = 130, 100, 16, 16
     cols = random_columns(2, 2, sq, sk, causal, c, seed=7 + c).to(DEVICE)
-    summary = T.block_summaries(cols, causal, sq, bn)
-    ranges = T.live_ranges(summary, causal, T._num_intervals(causal, c), sq, sk, bm, bn, by_key).cpu()
+    summary = tiles.block_summaries(cols, causal, sq, bn)
+    ranges = tiles.live_ranges(summary, causal, tiles._num_intervals(causal, c), sq, sk, bm, bn, by_key).cpu()
     cls = M.classify_tiles(cols.cpu(), causal, sq, sk, bm, bn).flatten(0, 1)  # [bh, nq, nk]
     if by_key:
         cls = cls.transpose(1, 2)
@@ -177,59 +179,28 @@ def test_forward_backward_random_columns(causal, c, hm_kind):
     _check(q, k, v, cols, causal)
 
 
-@pytest.mark.parametrize("causal,c", LAYOUTS + [(True, 0), (False, 0)])
-def test_fused_backward_random_columns(monkeypatch, causal, c):
-    """The one-kernel backward (dQ by atomics) on every layout, GQA, Sq != Sk, ragged lengths."""
-    monkeypatch.setenv("FLASHMASK3_TRITON_BWD", "fused")
-    b, sq, sk, hq, hk, d = 2, 90, 75, 4, 2, 32
-    cols = None if c == 0 else random_columns(b, hk, sq, sk, causal, c, seed=7 * c + 1).to(DEVICE)
-    q, k, v = _qkv(b, sq, sk, hq, hk, d, torch.float32, seed=c + 40)
-    _check(q, k, v, cols, causal)
-
-
 @pytest.mark.parametrize("split", [True, False], ids=["split", "one-loop"])
 @pytest.mark.parametrize("causal,c", LAYOUTS + [(True, 0), (False, 0)])
 @pytest.mark.parametrize("sq,sk", [(100, 70), (70, 100), (96, 96)])
 def test_unmasked_run_loops(monkeypatch, split, causal, c, sq, sk):
     """Every kernel with and without its mask-free loop over runs of UNMASKED tiles
     (SPLIT_UNMASKED_LOOP), on random columns and document masks, GQA, ragged lengths."""
-    for kind in T.SPLIT_UNMASKED_LOOP:
-        monkeypatch.setitem(T.SPLIT_UNMASKED_LOOP, kind, split)
+    for kind in TL.SPLIT_UNMASKED_LOOP:
+        monkeypatch.setitem(TL.SPLIT_UNMASKED_LOOP, kind, split)
     b, hq, hk, d = 2, 4, 2, 32
     masks = [None] if c == 0 else [random_columns(b, hk, sq, sk, causal, c, seed=sq + c)]
     docs = (M.causal_document_mask if causal else M.document_mask)([64, 32])
     if sq == sk and docs.startend_row_indices.shape[-1] == c:  # long UNMASKED runs
         masks.append(docs.startend_row_indices.expand(b, 1, sk, c).contiguous())
         for kind in ("fwd", "dkdv"):
-            cfg = T._config(kind, d, causal, c, torch.float32)
-            plan = T.make_plan(masks[-1].to(DEVICE), causal, sq, sk, cfg.block_m, cfg.block_n,
-                               T.PLAN_BY_KEY[kind], DEVICE)
+            choice = dispatch.choose(torch.device(DEVICE), torch.float32, d, causal, c)
+            cfg = (choice.forward if kind == "fwd" else choice.backward[0]).tile
+            plan = tiles.make_plan(masks[-1].to(DEVICE), causal, sq, sk, cfg.block_m, cfg.block_n,
+                               dispatch.PLAN_BY_KEY[kind], DEVICE)
             assert (plan.ranges[..., 5] - plan.ranges[..., 4]).sum() > 0, "no UNMASKED run"
     for i, cols in enumerate(masks):
         q, k, v = _qkv(b, sq, sk, hq, hk, d, torch.float32, seed=sq + 3 * c + i)
         _check(q, k, v, None if cols is None else cols.to(DEVICE), causal)
-
-
-def test_backward_mode_choice(monkeypatch):
-    """Deterministic mode always takes the split (atomic-free) backward; bad values are named."""
-    monkeypatch.setenv("FLASHMASK3_TRITON_BWD", "fused")
-    assert T.backward_mode() == "fused"
-    monkeypatch.setattr(torch, "are_deterministic_algorithms_enabled", lambda: True)
-    assert T.backward_mode() == "split"
-    monkeypatch.undo()
-    monkeypatch.setenv("FLASHMASK3_TRITON_BWD", "atomic")
-    with pytest.raises(ValueError, match="FLASHMASK3_TRITON_BWD"):
-        T.backward_mode()
-    monkeypatch.setenv("FLASHMASK3_TRITON_BWD", "split")
-    with T.use_backward("fused"):
-        assert T.backward_mode() == "fused"
-    assert T.backward_mode() == "split"  # restored
-    with T.use_backward("auto"):  # the library default: the variable unset inside the block
-        assert "FLASHMASK3_TRITON_BWD" not in os.environ
-    assert os.environ["FLASHMASK3_TRITON_BWD"] == "split"
-    with pytest.raises(ValueError, match="mode must be 'fused' or 'split'"):
-        with T.use_backward("atomic"):
-            pass
 
 
 @pytest.mark.parametrize("name", ["causal_document", "global_sliding_window", "shared_question",
@@ -247,61 +218,59 @@ def test_short_and_unequal_lengths_without_dlse(sq, sk):
     _check(q, k, v, cols, True, scale=0.2, with_dlse=False)
 
 
-@pytest.mark.parametrize("a_smem,bwd", [("fwd", "split"), ("fwd,dkdv,dq", "split"), ("", "split"),
-                                        ("fused", "fused")])
-def test_tma_descriptor_path(monkeypatch, a_smem, bwd):
+@pytest.mark.parametrize("a_smem", [("fwd",), ("fwd", "dkdv", "dq"), ()])
+def test_tma_descriptor_path(monkeypatch, a_smem):
     """The tensor-descriptor (TMA) loads give the same results (interpreter emulates them), with
     the wgmma A operands in shared memory or registers; B=2 makes loads cross the batch
     boundary, which the masks must neutralise."""
-    monkeypatch.setenv("FLASHMASK3_TRITON_TMA", "1")
-    monkeypatch.setenv("FLASHMASK3_TRITON_A_SMEM", a_smem)
-    monkeypatch.setenv("FLASHMASK3_TRITON_BWD", bwd)
+    monkeypatch.setattr(TL, "use_tma", lambda x: True)
+    for kind in TL.A_OPERAND_IN_SMEM:
+        monkeypatch.setitem(TL.A_OPERAND_IN_SMEM, kind, kind in a_smem)
+    monkeypatch.setattr(TL, "A_OPERAND_IN_SMEM_BY_DIM", {})
     mask = M.causal_document_mask([30, 41, 29], batch_size=2)
     q, k, v = _qkv(2, 100, 100, 2, 1, 32, torch.float32, seed=3)
     _check(q, k, v, mask.startend_row_indices.to(DEVICE), True)
 
 
-def test_a_operand_placement_per_head_dim(monkeypatch):
+def test_a_operand_placement_per_head_dim():
     """Q, dO of the D=256 dQ kernel sit in shared memory (its 128x32 tile needs it), the other
-    head dims keep the per-kernel default; the environment override still wins."""
-    monkeypatch.delenv("FLASHMASK3_TRITON_A_SMEM", raising=False)
-    assert T._a_smem("dq", 256) and T._a_smem("dq", 200)
-    assert not T._a_smem("dq", 128) and not T._a_smem("dkdv", 256) and T._a_smem("fwd", 64)
-    monkeypatch.setenv("FLASHMASK3_TRITON_A_SMEM", "fwd")
-    assert not T._a_smem("dq", 256)
+    head dims keep the per-kernel default."""
+    assert TL.a_smem("dq", 256) and TL.a_smem("dq", 200)
+    assert not TL.a_smem("dq", 128) and not TL.a_smem("dkdv", 256) and TL.a_smem("fwd", 64)
 
 
 def test_other_tile_shapes(monkeypatch):
     """Block shapes differ between passes (BLOCK_M != BLOCK_N, several per pass)."""
-    monkeypatch.setitem(T.CONFIG_OVERRIDE, "fwd", T.Config(16, 32, 4, 1))
-    monkeypatch.setitem(T.CONFIG_OVERRIDE, "dkdv", T.Config(32, 16, 4, 1))
-    monkeypatch.setitem(T.CONFIG_OVERRIDE, "dq", T.Config(16, 64, 4, 1))
-    monkeypatch.setitem(T.CONFIG_OVERRIDE, "fused", T.Config(16, 32, 4, 1))
+    monkeypatch.setitem(dispatch.TILE_OVERRIDE, "fwd", tiles.Config(16, 32, 4, 1))
+    monkeypatch.setitem(dispatch.TILE_OVERRIDE, "dkdv", tiles.Config(32, 16, 4, 1))
+    monkeypatch.setitem(dispatch.TILE_OVERRIDE, "dq", tiles.Config(16, 64, 4, 1))
     cols = random_columns(1, 2, 90, 90, False, 4, seed=5).to(DEVICE)
     q, k, v = _qkv(1, 90, 90, 2, 2, 16, torch.float32, seed=6)
-    _check(q, k, v, cols, False)
-    monkeypatch.setenv("FLASHMASK3_TRITON_BWD", "fused")
     _check(q, k, v, cols, False)
 
 
 @pytest.mark.parametrize("d", [64, 128, 256])
 @pytest.mark.parametrize("causal,c", [(True, 1), (False, 4)])
 def test_default_forward_tiles_of_each_head_dim(monkeypatch, d, causal, c):
-    """The Hopper default forward tile of each head dim (e.g. 128x64 at D=256), run by the
+    """The portable forward tile of each head dim (e.g. 128x64 at D=256), run by the
     interpreter on lengths that are not multiples of it: the tile logic at the shipped shapes."""
-    monkeypatch.setitem(T.CONFIG_OVERRIDE, "fwd", T.CANDIDATES[("fwd", d)][0])
+    monkeypatch.setitem(dispatch.TILE_OVERRIDE, "fwd",
+                        dispatch.decide("any", d, "16bit", causal, c, None).forward.tile)
     cols = random_columns(1, 1, 300, 200, causal, c, seed=d + c).to(DEVICE)
     q, k, v = _qkv(1, 300, 200, 2, 1, d, torch.float32, seed=d)
     _check(q, k, v, cols, causal)
 
 
-@pytest.mark.parametrize("d,cfg", [(d, cfg) for d in (64, 128) for cfg in T.CANDIDATES[("fwd", d)][1:]
-                                    if cfg.block_m == 64])
-def test_short_document_forward_tiles_the_autotuner_may_pick(monkeypatch, d, cfg):
-    """The 64x64 forward tiles among the autotuner's candidates (measured faster on short
-    documents, results/forward_configs.md), run by the interpreter on short causal documents
-    whose boundaries fall inside tiles, against the float64 reference."""
-    monkeypatch.setitem(T.CONFIG_OVERRIDE, "fwd", cfg)
+#: The table's short-row forward tiles (head dim, tile), run here by the tl kernel.
+SHORT_ROW_TILES = [(row.dims[-1], row.tile) for row in dispatch.TABLE
+                   if row.pass_ == "fwd" and row.span_below is not None]
+
+
+@pytest.mark.parametrize("d,cfg", SHORT_ROW_TILES)
+def test_short_document_forward_tiles(monkeypatch, d, cfg):
+    """The table's 64x64 forward tiles for short rows, run by the interpreter on short causal
+    documents whose boundaries fall inside tiles, against the float64 reference."""
+    monkeypatch.setitem(dispatch.TILE_OVERRIDE, "fwd", cfg)
     cols = M.causal_document_mask([37, 70, 21, 90, 82]).startend_row_indices.to(DEVICE)
     q, k, v = _qkv(1, 300, 300, 2, 1, d, torch.float32, seed=d + cfg.num_stages)
     _check(q, k, v, cols, True)
@@ -310,7 +279,7 @@ def test_short_document_forward_tiles_the_autotuner_may_pick(monkeypatch, d, cfg
 @pytest.mark.parametrize("bwd", ["split", "fused"])
 def test_fully_masked_everything(monkeypatch, bwd):
     """Every row masked: zeros, -inf LSE, zero gradients, no NaN."""
-    monkeypatch.setenv("FLASHMASK3_TRITON_BWD", bwd)
+    monkeypatch.setenv("FLASHMASK3_KERNELS", "split" if bwd == "split" else "default")
     cols = torch.zeros(1, 1, 40, 1, dtype=torch.int32, device=DEVICE)  # LTS=0: all masked
     q, k, v = _qkv(1, 40, 40, 2, 1, 16, torch.float32, seed=8)
     out, lse = T.forward(q, k, v, cols, True, 0.25)
@@ -339,7 +308,7 @@ GPU_FUSED_CASES = ([(torch.bfloat16, 128, n) for n in gpu_masks(256)]
                    + [(torch.bfloat16, 64, "causal_document"), (torch.bfloat16, 256, "document"),
                       (torch.float16, 128, "sliding_window"), (torch.float16, 64, "document")])
 #: Cases run a third time with every kernel's UNMASKED-run loop split flipped from its default
-#: (SPLIT_UNMASKED_LOOP), so both loop structures of each kernel are checked on the GPU.
+#: (SPLIT_UNMASKED_LOOP, tl kernels), so both loop structures are checked on the GPU.
 GPU_FLIPPED_CASES = ([(torch.bfloat16, 128, n) for n in gpu_masks(256)]
                      + [(torch.bfloat16, 64, "document"), (torch.bfloat16, 256, "causal_document")])
 GPU_ALL = ([c + ("split",) for c in GPU_CASES] + [c + ("fused",) for c in GPU_FUSED_CASES]
@@ -350,10 +319,10 @@ def _gpu_backward_mode(monkeypatch, mode):
     """"split"/"fused": that backward; "flipped": split backward with every kernel's
     SPLIT_UNMASKED_LOOP entry inverted."""
     if mode == "flipped":
-        for kind, split in list(T.SPLIT_UNMASKED_LOOP.items()):
-            monkeypatch.setitem(T.SPLIT_UNMASKED_LOOP, kind, not split)
+        for kind, split in list(TL.SPLIT_UNMASKED_LOOP.items()):
+            monkeypatch.setitem(TL.SPLIT_UNMASKED_LOOP, kind, not split)
         mode = "split"
-    monkeypatch.setenv("FLASHMASK3_TRITON_BWD", mode)
+    monkeypatch.setenv("FLASHMASK3_KERNELS", "split" if mode == "split" else "default")
 
 
 @pytest.mark.gpu
@@ -379,10 +348,7 @@ def test_gpu_random_columns(monkeypatch, d, bwd, causal, c, sq, sk):
     """bf16 at the head dims where the Gluon kernels run by default (the fused backward on
     Hopper at D=64 and D=128; split's Gluon dK/dV at D=128): random columns on every layout,
     GQA 4:2, Sq != Sk, ragged lengths, Hm = Hq or 1, with dlse."""
-    if bwd == "default":
-        monkeypatch.delenv("FLASHMASK3_TRITON_BWD", raising=False)
-    else:
-        monkeypatch.setenv("FLASHMASK3_TRITON_BWD", bwd)
+    monkeypatch.setenv("FLASHMASK3_KERNELS", bwd)
     b, hq, hk = 2, 4, 2
     hm = hq if sq > sk else 1
     cols = None if c == 0 else random_columns(b, hm, sq, sk, causal, c, seed=sq + c).to(DEVICE)
@@ -398,7 +364,7 @@ def test_gpu_d256_random_columns(monkeypatch, dtype, causal, c, sq, sk):
     """D=256 through the default backward (split, with the Gluon dK/dV whose two warpgroups
     split the head dim on Hopper): random columns, Sq != Sk, ragged lengths, GQA 4:2, fp16
     and bf16, Hm = 1 or Hq, with dlse."""
-    monkeypatch.delenv("FLASHMASK3_TRITON_BWD", raising=False)
+    monkeypatch.delenv("FLASHMASK3_KERNELS", raising=False)
     b, hq, hk = 2, 4, 2
     hm = hq if sq > sk else 1
     cols = random_columns(b, hm, sq, sk, causal, c, seed=sq + c + 256).to(DEVICE)
@@ -439,10 +405,10 @@ def test_gpu_long_sequences_against_sdpa(monkeypatch, name, s, bwd):
 
 @pytest.mark.gpu
 def test_gpu_deterministic_mode_is_bitwise_reproducible(monkeypatch):
-    """With torch's deterministic mode on, even FLASHMASK3_TRITON_BWD=fused takes the split
-    (atomic-free) backward: two runs give bitwise equal gradients. The fused backward agrees
-    with them to rounding."""
-    monkeypatch.setenv("FLASHMASK3_TRITON_BWD", "fused")
+    """With torch's deterministic mode on, the default (fused) backward becomes the split
+    (atomic-free) one: two runs give bitwise equal gradients. The fused backward agrees with
+    them to rounding."""
+    monkeypatch.delenv("FLASHMASK3_KERNELS", raising=False)
     mask, _ = gpu_masks(4096)["causal_document"]
     cols = mask.startend_row_indices.cuda()
     q, k, v = _qkv(1, 4096, 4096, 8, 2, 128, torch.bfloat16, seed=2)
@@ -474,7 +440,7 @@ def test_scale_dq_reads_any_strides(d):
     for acc in (t[..., :sq].permute(0, 3, 1, 2), torch.randn(b, sq, hq, d, device=DEVICE,
                                                              generator=g)):
         for dtype, ulp in ((torch.float16, 0.0), (torch.float32, 0.0), (torch.bfloat16, 2 ** -7)):
-            got = T.scale_dq(acc, 0.3, dtype)
+            got = TL.scale_dq(acc, 0.3, dtype)
             ref = torch.empty(acc.shape, dtype=dtype, device=DEVICE)
             torch.mul(acc, 0.3, out=ref)
             assert got.is_contiguous() and got.dtype == dtype and got.shape == (b, sq, hq, d)

@@ -1,0 +1,612 @@
+"""The portable ``tl`` (Triton language) kernels and their launchers.
+
+Forward, dK/dV and dQ attention kernels over the live ranges of :mod:`.tiles`, plus the two
+small passes every backward runs: the delta pre-pass (``rowsum(dO * O) - dlse`` and the base-2
+LSE) and the dQ scale of the fused backward. They run on every GPU Triton supports (and on CPU
+tensors under ``TRITON_INTERPRET=1``); on Hopper the streamed tiles are read through TMA
+descriptors. Which kernel runs at which tile is decided in :mod:`.dispatch`, not here.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+try:  # host-side TMA descriptors (triton >= 3.3)
+    from triton.tools.tensor_descriptor import TensorDescriptor
+except ImportError:  # pragma: no cover - older triton
+    TensorDescriptor = None
+
+from .tiles import (LOG2E, NSTAT, PARTIAL, RANGE_WORDS, SKIP, UNMASKED, _NO_SPEC,  # noqa: F401
+                    Config, Plan, _classify_rule, _clipped_tile_class, _column_intervals,
+                    _element_masked, _key_block_ranges, _load_stats, _query_block_ranges,
+                    _stored_ranges, _tile_class, _unmasked, _unmasked_run, _kv_tile,
+                    _classes_along)
+
+# ---------------------------------------------------------------------------------------------
+# Forward
+# ---------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _fwd_inner(acc, l_i, m_i, q, offs_m, lo, hi,
+               k_ptr, v_ptr, k_desc, v_desc, kv_row0, kv_col, kv_stride,
+               sptr, col_ptr, m_blk, Sq, Sk, scale_log2,
+               D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+               CAUSAL: tl.constexpr, C: tl.constexpr, NI: tl.constexpr,
+               USE_TMA: tl.constexpr, PREC: tl.constexpr, MASKED: tl.constexpr):
+    """Online-softmax accumulation of key blocks [lo, hi) into (acc, l_i, m_i).
+
+    MASKED=False: a loop with no mask code, for runs of UNMASKED tiles (every score is finite,
+    so the running max is too)."""
+    offs_nb = tl.arange(0, BLOCK_N)
+    for n in tl.range(lo, hi):
+        c0 = n * BLOCK_N
+        k, v = _kv_tile(k_ptr, v_ptr, k_desc, v_desc, kv_row0, kv_col, kv_stride, c0, Sk, D,
+                        BLOCK_N, USE_TMA)
+        qk = tl.dot(q, tl.trans(k), input_precision=PREC) * scale_log2
+        if MASKED:
+            cls = _clipped_tile_class(sptr, m_blk, n, Sq, Sk, BLOCK_M, BLOCK_N, CAUSAL, NI)
+            if cls != 2:
+                cols = (c0 + offs_nb)[None, :]
+                masked = _element_masked(offs_m[:, None], cols, col_ptr, Sq, Sk, CAUSAL, C)
+                qk = tl.where(masked, float("-inf"), qk)
+        m_new = tl.maximum(m_i, tl.max(qk, 1))
+        if MASKED:
+            m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+        else:
+            m_use = m_new
+        p = tl.math.exp2(qk - m_use[:, None])
+        alpha = tl.math.exp2(m_i - m_use)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None]
+        acc = tl.dot(p.to(v.dtype), v, acc, input_precision=PREC)
+        m_i = m_new
+    return acc, l_i, m_i
+
+
+@triton.jit
+def _fwd_range(acc, l_i, m_i, q, offs_m, lo, flo, fhi, hi, k_ptr, v_ptr, k_desc, v_desc,
+               kv_row0, kv_col, kv_stride, sptr, col_ptr, m_blk, Sq, Sk, scale_log2,
+               D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+               CAUSAL: tl.constexpr, C: tl.constexpr, NI: tl.constexpr,
+               USE_TMA: tl.constexpr, PREC: tl.constexpr, SPLIT_UNMASKED: tl.constexpr):
+    """One live range [lo, hi) of key blocks: a masked loop over all of it, or (SPLIT_UNMASKED)
+    masked [lo, flo), mask-free [flo, fhi), masked [fhi, hi)."""
+    if SPLIT_UNMASKED:
+        acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, offs_m, lo, flo, k_ptr, v_ptr, k_desc,
+                                   v_desc, kv_row0, kv_col, kv_stride, sptr, col_ptr, m_blk, Sq,
+                                   Sk, scale_log2, D, BLOCK_M, BLOCK_N, CAUSAL, C, NI, USE_TMA,
+                                   PREC, True)
+        acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, offs_m, flo, fhi, k_ptr, v_ptr, k_desc,
+                                   v_desc, kv_row0, kv_col, kv_stride, sptr, col_ptr, m_blk, Sq,
+                                   Sk, scale_log2, D, BLOCK_M, BLOCK_N, CAUSAL, C, NI, USE_TMA,
+                                   PREC, False)
+        acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, offs_m, fhi, hi, k_ptr, v_ptr, k_desc,
+                                   v_desc, kv_row0, kv_col, kv_stride, sptr, col_ptr, m_blk, Sq,
+                                   Sk, scale_log2, D, BLOCK_M, BLOCK_N, CAUSAL, C, NI, USE_TMA,
+                                   PREC, True)
+    else:
+        acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, offs_m, lo, hi, k_ptr, v_ptr, k_desc,
+                                   v_desc, kv_row0, kv_col, kv_stride, sptr, col_ptr, m_blk, Sq,
+                                   Sk, scale_log2, D, BLOCK_M, BLOCK_N, CAUSAL, C, NI, USE_TMA,
+                                   PREC, True)
+    return acc, l_i, m_i
+
+
+@triton.jit(do_not_specialize=_NO_SPEC)
+def _fwd_kernel(q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr, mask_ptr, sum_ptr, rng_ptr,
+                k_desc, v_desc, q_desc,
+                scale_log2, Sq, Sk, Hq, Hk, Hm, NQB, NKB, mask_b_stride,
+                D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                CAUSAL: tl.constexpr, C: tl.constexpr, NI: tl.constexpr,
+                USE_TMA: tl.constexpr, PREC: tl.constexpr, A_SMEM: tl.constexpr,
+                SPLIT_UNMASKED: tl.constexpr):
+    """One program per (query block, batch*query head): O and LSE of BLOCK_M query rows."""
+    pid = tl.program_id(0)
+    if CAUSAL:
+        m_blk = NQB - 1 - pid  # heavy (late) query blocks first
+    else:
+        m_blk = pid
+    bh = tl.program_id(1)
+    b = bh // Hq
+    h = bh % Hq
+    hk = h // (Hq // Hk)
+    hm = h // (Hq // Hm)
+    b64 = b.to(tl.int64)
+    offs_m = m_blk * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, D)
+    q_off = (b64 * Sq + offs_m)[:, None] * (Hq * D) + h * D + offs_d[None, :]
+    if USE_TMA and A_SMEM:  # Q stays in shared memory as the wgmma A operand (saves registers)
+        q = q_desc.load([b * Sq + m_blk * BLOCK_M, h * D])
+    else:
+        q = tl.load(q_ptr + q_off, mask=(offs_m < Sq)[:, None], other=0.0)
+
+    mbh = b64 * mask_b_stride + hm
+    sptr = sum_ptr + mbh * NKB * 8
+    col_ptr = mask_ptr + mbh * Sk * C
+    lo0, hi0, lo1, hi1, flo0, fhi0, flo1, fhi1 = _query_block_ranges(
+        rng_ptr, mbh, m_blk, Sq, Sk, NQB, NKB, BLOCK_M, BLOCK_N, CAUSAL, C)
+
+    acc = tl.zeros([BLOCK_M, D], dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    kv_row0 = b * Sk
+    kv_col = hk * D
+    kv_stride = Hk * D
+    acc, l_i, m_i = _fwd_range(acc, l_i, m_i, q, offs_m, lo0, flo0, fhi0, hi0, k_ptr, v_ptr,
+                               k_desc, v_desc, kv_row0, kv_col, kv_stride, sptr, col_ptr, m_blk,
+                               Sq, Sk, scale_log2, D, BLOCK_M, BLOCK_N, CAUSAL, C, NI, USE_TMA,
+                               PREC, SPLIT_UNMASKED)
+    acc, l_i, m_i = _fwd_range(acc, l_i, m_i, q, offs_m, lo1, flo1, fhi1, hi1, k_ptr, v_ptr,
+                               k_desc, v_desc, kv_row0, kv_col, kv_stride, sptr, col_ptr, m_blk,
+                               Sq, Sk, scale_log2, D, BLOCK_M, BLOCK_N, CAUSAL, C, NI, USE_TMA,
+                               PREC, SPLIT_UNMASKED)
+    empty = l_i == 0.0
+    l_safe = tl.where(empty, 1.0, l_i)
+    out = acc / l_safe[:, None]
+    lse = tl.where(empty, float("-inf"), (m_i + tl.math.log2(l_safe)) / 1.4426950408889634)
+    tl.store(o_ptr + q_off, out.to(o_ptr.dtype.element_ty), mask=(offs_m < Sq)[:, None])
+    tl.store(lse_ptr + (b64 * Hq + h) * Sq + offs_m, lse, mask=offs_m < Sq)
+
+
+# ---------------------------------------------------------------------------------------------
+# Backward
+# ---------------------------------------------------------------------------------------------
+
+
+@triton.jit(do_not_specialize=["Sq", "Hq"])
+def _bwd_pre_kernel(o_ptr, do_ptr, lse_ptr, dlse_ptr, delta_ptr, lse2_ptr, Sq, Hq,
+                    D: tl.constexpr, BLOCK_M: tl.constexpr, HAS_DLSE: tl.constexpr):
+    """delta = rowsum(dO * O) - dlse and lse2 = lse * log2(e) (+inf on fully masked rows)."""
+    m_blk = tl.program_id(0)
+    bh = tl.program_id(1)
+    b = (bh // Hq).to(tl.int64)
+    h = bh % Hq
+    offs_m = m_blk * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, D)
+    rmask = offs_m < Sq
+    off = (b * Sq + offs_m)[:, None] * (Hq * D) + h * D + offs_d[None, :]
+    o = tl.load(o_ptr + off, mask=rmask[:, None], other=0.0).to(tl.float32)
+    do = tl.load(do_ptr + off, mask=rmask[:, None], other=0.0).to(tl.float32)
+    delta = tl.sum(o * do, 1)
+    row = (b * Hq + h) * Sq + offs_m
+    if HAS_DLSE:
+        delta -= tl.load(dlse_ptr + row, mask=rmask, other=0.0).to(tl.float32)
+    lse = tl.load(lse_ptr + row, mask=rmask, other=0.0)
+    lse2 = tl.where(lse == float("-inf"), float("inf"), lse * 1.4426950408889634)
+    tl.store(delta_ptr + row, delta, mask=rmask)
+    tl.store(lse2_ptr + row, lse2, mask=rmask)
+
+
+@triton.jit(do_not_specialize=["Sq", "Hq"])
+def _scale_dq_kernel(src_ptr, dst_ptr, scale, Sq, Hq, s_b, s_q, s_h, s_d,
+                     D: tl.constexpr, BLOCK_Q: tl.constexpr):
+    """dst[b, q, h, :] = scale * src[b, q, h, :] cast to dst's dtype, dst contiguous, src any
+    strides: the fused backward's fp32 dQ accumulator (a [B, Sq, Hq, D] view of the Gluon
+    kernel's dQᵀ buffer [B, Hq, D, Sq_pad], q contiguous) read along q and written along D."""
+    q_blk = tl.program_id(0)
+    bh = tl.program_id(1)
+    b = (bh // Hq).to(tl.int64)
+    h = (bh % Hq).to(tl.int64)
+    offs_q = q_blk * BLOCK_Q + tl.arange(0, BLOCK_Q)
+    offs_d = tl.arange(0, D)
+    qmask = (offs_q < Sq)[:, None]
+    src = src_ptr + b * s_b + h * s_h + offs_q[:, None].to(tl.int64) * s_q + offs_d[None, :] * s_d
+    x = tl.load(src, mask=qmask, other=0.0)
+    dst = dst_ptr + ((b * Sq + offs_q[:, None]) * Hq + h) * D + offs_d[None, :]
+    tl.store(dst, (x * scale).to(dst_ptr.dtype.element_ty), mask=qmask)
+
+
+@triton.jit
+def _dkdv_inner(dk, dv, k, v, lo, hi, q_ptr, do_ptr, q_desc, do_desc, lse2_ptr, delta_ptr,
+                dq_ptr, dq_desc,
+                q_row0, q_col, q_stride, stat_row0, sptr, col_ptr, n_blk, Sq, Sk, scale_log2,
+                D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                CAUSAL: tl.constexpr, C: tl.constexpr, NI: tl.constexpr,
+                USE_TMA: tl.constexpr, PREC: tl.constexpr, FUSE_DQ: tl.constexpr,
+                DQ_TMA: tl.constexpr, MASKED: tl.constexpr):
+    """Accumulate dK, dV of one key block over query blocks [lo, hi) of one query head.
+
+    MASKED=False compiles a loop with no mask code (fewer live registers: the caller passes
+    only runs of UNMASKED tiles); MASKED=True classifies each tile and masks the PARTIAL ones.
+
+    With FUSE_DQ, also add this key block's share of dQ (unscaled, fp32) into ``dq_ptr`` with
+    atomics: a TMA reduce-add of the whole tile (DQ_TMA) or element atomics. Rows past Sq get
+    exact zeros (their P is 0), so a tile that spills into the next batch's rows adds nothing.
+    """
+    offs_d = tl.arange(0, D)
+    offs_mb = tl.arange(0, BLOCK_M)
+    c0 = n_blk * BLOCK_N
+    offs_n = c0 + tl.arange(0, BLOCK_N)
+    for m in tl.range(lo, hi):
+        r0 = m * BLOCK_M
+        offs_m = r0 + offs_mb
+        rmask = offs_m < Sq
+        off = (q_row0 + offs_m).to(tl.int64)[:, None] * q_stride + q_col + offs_d[None, :]
+        if USE_TMA:
+            q = q_desc.load([q_row0 + r0, q_col])
+            do = do_desc.load([q_row0 + r0, q_col])
+        else:
+            q = tl.load(q_ptr + off, mask=rmask[:, None], other=0.0)
+            do = tl.load(do_ptr + off, mask=rmask[:, None], other=0.0)
+        lse2 = tl.load(lse2_ptr + stat_row0 + offs_m, mask=rmask, other=float("inf"))
+        delta = tl.load(delta_ptr + stat_row0 + offs_m, mask=rmask, other=0.0)
+        qkT = tl.dot(k, tl.trans(q), input_precision=PREC)
+        pT = tl.math.exp2(qkT * scale_log2 - lse2[None, :])
+        if MASKED:
+            cls = _clipped_tile_class(sptr, m, n_blk, Sq, Sk, BLOCK_M, BLOCK_N, CAUSAL, NI)
+            if cls != 2:
+                masked = _element_masked(offs_m[None, :], offs_n[:, None], col_ptr, Sq, Sk,
+                                         CAUSAL, C)
+                pT = tl.where(masked, 0.0, pT)
+        dv = tl.dot(pT.to(do.dtype), do, dv, input_precision=PREC)
+        dpT = tl.dot(v, tl.trans(do), input_precision=PREC)
+        dsT = pT * (dpT - delta[None, :])
+        dk = tl.dot(dsT.to(q.dtype), q, dk, input_precision=PREC)
+        if FUSE_DQ:
+            dq_part = tl.dot(tl.trans(dsT.to(k.dtype)), k, input_precision=PREC)
+            if DQ_TMA:
+                dq_desc.atomic_add([q_row0 + r0, q_col], dq_part)
+            else:
+                tl.atomic_add(dq_ptr + off, dq_part, mask=rmask[:, None], sem="relaxed")
+    return dk, dv
+
+
+@triton.jit
+def _dkdv_range(dk, dv, k, v, lo, flo, fhi, hi, q_ptr, do_ptr, q_desc, do_desc, lse2_ptr,
+                delta_ptr, dq_ptr, dq_desc, q_row0, q_col, q_stride, stat_row0, sptr, col_ptr,
+                n_blk, Sq, Sk, scale_log2, D: tl.constexpr, BLOCK_M: tl.constexpr,
+                BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr, C: tl.constexpr, NI: tl.constexpr,
+                USE_TMA: tl.constexpr, PREC: tl.constexpr, FUSE_DQ: tl.constexpr,
+                DQ_TMA: tl.constexpr, SPLIT_UNMASKED: tl.constexpr):
+    """One live range [lo, hi) of query blocks: a masked loop over all of it, or (SPLIT_UNMASKED)
+    masked [lo, flo), mask-free [flo, fhi), masked [fhi, hi)."""
+    if SPLIT_UNMASKED:
+        dk, dv = _dkdv_inner(dk, dv, k, v, lo, flo, q_ptr, do_ptr, q_desc, do_desc,
+                             lse2_ptr, delta_ptr, dq_ptr, dq_desc, q_row0, q_col, q_stride,
+                             stat_row0, sptr, col_ptr, n_blk, Sq, Sk, scale_log2, D, BLOCK_M,
+                             BLOCK_N, CAUSAL, C, NI, USE_TMA, PREC, FUSE_DQ, DQ_TMA, True)
+        dk, dv = _dkdv_inner(dk, dv, k, v, flo, fhi, q_ptr, do_ptr, q_desc, do_desc,
+                             lse2_ptr, delta_ptr, dq_ptr, dq_desc, q_row0, q_col, q_stride,
+                             stat_row0, sptr, col_ptr, n_blk, Sq, Sk, scale_log2, D, BLOCK_M,
+                             BLOCK_N, CAUSAL, C, NI, USE_TMA, PREC, FUSE_DQ, DQ_TMA, False)
+        dk, dv = _dkdv_inner(dk, dv, k, v, fhi, hi, q_ptr, do_ptr, q_desc, do_desc,
+                             lse2_ptr, delta_ptr, dq_ptr, dq_desc, q_row0, q_col, q_stride,
+                             stat_row0, sptr, col_ptr, n_blk, Sq, Sk, scale_log2, D, BLOCK_M,
+                             BLOCK_N, CAUSAL, C, NI, USE_TMA, PREC, FUSE_DQ, DQ_TMA, True)
+    else:
+        dk, dv = _dkdv_inner(dk, dv, k, v, lo, hi, q_ptr, do_ptr, q_desc, do_desc,
+                             lse2_ptr, delta_ptr, dq_ptr, dq_desc, q_row0, q_col, q_stride,
+                             stat_row0, sptr, col_ptr, n_blk, Sq, Sk, scale_log2, D, BLOCK_M,
+                             BLOCK_N, CAUSAL, C, NI, USE_TMA, PREC, FUSE_DQ, DQ_TMA, True)
+    return dk, dv
+
+
+@triton.jit(do_not_specialize=_NO_SPEC)
+def _dkdv_kernel(q_ptr, k_ptr, v_ptr, do_ptr, dk_ptr, dv_ptr, lse2_ptr, delta_ptr,
+                 mask_ptr, sum_ptr, rng_ptr, q_desc, do_desc, k_desc, v_desc, dq_ptr, dq_desc,
+                 sm_scale, scale_log2, Sq, Sk, Hq, Hk, Hm, NQB, NKB, mask_b_stride,
+                 D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                 CAUSAL: tl.constexpr, C: tl.constexpr, NI: tl.constexpr,
+                 USE_TMA: tl.constexpr, PREC: tl.constexpr, A_SMEM: tl.constexpr,
+                 FUSE_DQ: tl.constexpr, DQ_TMA: tl.constexpr, SPLIT_UNMASKED: tl.constexpr):
+    """One program per (key block, batch*KV head); loops over the query heads of its group.
+    FUSE_DQ: also accumulates dQ with atomics (the single-kernel, non-deterministic backward).
+    SPLIT_UNMASKED: visit each range's run of UNMASKED tiles in a loop without mask code."""
+    n_blk = tl.program_id(0)
+    bh = tl.program_id(1)
+    b = bh // Hk
+    hk = bh % Hk
+    b64 = b.to(tl.int64)
+    group = Hq // Hk
+    offs_n = n_blk * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, D)
+    kv_off = (b64 * Sk + offs_n)[:, None] * (Hk * D) + hk * D + offs_d[None, :]
+    nmask = (offs_n < Sk)[:, None]
+    if USE_TMA and A_SMEM:  # K, V stay in shared memory as wgmma A operands (saves registers)
+        k = k_desc.load([b * Sk + n_blk * BLOCK_N, hk * D])
+        v = v_desc.load([b * Sk + n_blk * BLOCK_N, hk * D])
+    else:
+        k = tl.load(k_ptr + kv_off, mask=nmask, other=0.0)
+        v = tl.load(v_ptr + kv_off, mask=nmask, other=0.0)
+    dk = tl.zeros([BLOCK_N, D], dtype=tl.float32)
+    dv = tl.zeros([BLOCK_N, D], dtype=tl.float32)
+    for g in range(0, group):
+        h = hk * group + g
+        hm = h // (Hq // Hm)
+        mbh = b64 * mask_b_stride + hm
+        sptr = sum_ptr + mbh * NKB * 8
+        col_ptr = mask_ptr + mbh * Sk * C
+        lo0, hi0, lo1, hi1, flo0, fhi0, flo1, fhi1 = _key_block_ranges(
+            rng_ptr, mbh, n_blk, Sq, Sk, NQB, NKB, BLOCK_M, BLOCK_N, CAUSAL, C)
+        stat_row0 = (b64 * Hq + h) * Sq
+        q_row0 = b * Sq
+        q_col = h * D
+        dk, dv = _dkdv_range(dk, dv, k, v, lo0, flo0, fhi0, hi0, q_ptr, do_ptr, q_desc, do_desc,
+                             lse2_ptr, delta_ptr, dq_ptr, dq_desc, q_row0, q_col, Hq * D,
+                             stat_row0, sptr, col_ptr, n_blk, Sq, Sk, scale_log2, D, BLOCK_M,
+                             BLOCK_N, CAUSAL, C, NI, USE_TMA, PREC, FUSE_DQ, DQ_TMA,
+                             SPLIT_UNMASKED)
+        dk, dv = _dkdv_range(dk, dv, k, v, lo1, flo1, fhi1, hi1, q_ptr, do_ptr, q_desc, do_desc,
+                             lse2_ptr, delta_ptr, dq_ptr, dq_desc, q_row0, q_col, Hq * D,
+                             stat_row0, sptr, col_ptr, n_blk, Sq, Sk, scale_log2, D, BLOCK_M,
+                             BLOCK_N, CAUSAL, C, NI, USE_TMA, PREC, FUSE_DQ, DQ_TMA,
+                             SPLIT_UNMASKED)
+    tl.store(dk_ptr + kv_off, (dk * sm_scale).to(dk_ptr.dtype.element_ty), mask=nmask)
+    tl.store(dv_ptr + kv_off, dv.to(dv_ptr.dtype.element_ty), mask=nmask)
+
+
+@triton.jit
+def _dq_inner(dq, q, do, lse2, delta, offs_m, lo, hi, k_ptr, v_ptr, k_desc, v_desc,
+              kv_row0, kv_col, kv_stride, sptr, col_ptr, m_blk, Sq, Sk, scale_log2,
+              D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+              CAUSAL: tl.constexpr, C: tl.constexpr, NI: tl.constexpr,
+              USE_TMA: tl.constexpr, PREC: tl.constexpr, MASKED: tl.constexpr):
+    """Accumulate dQ of one query block over key blocks [lo, hi) (MASKED=False: a loop with no
+    mask code, for runs of UNMASKED tiles)."""
+    offs_nb = tl.arange(0, BLOCK_N)
+    for n in tl.range(lo, hi):
+        c0 = n * BLOCK_N
+        k, v = _kv_tile(k_ptr, v_ptr, k_desc, v_desc, kv_row0, kv_col, kv_stride, c0, Sk, D,
+                        BLOCK_N, USE_TMA)
+        qk = tl.dot(q, tl.trans(k), input_precision=PREC)
+        p = tl.math.exp2(qk * scale_log2 - lse2[:, None])
+        if MASKED:
+            cls = _clipped_tile_class(sptr, m_blk, n, Sq, Sk, BLOCK_M, BLOCK_N, CAUSAL, NI)
+            if cls != 2:
+                cols = (c0 + offs_nb)[None, :]
+                masked = _element_masked(offs_m[:, None], cols, col_ptr, Sq, Sk, CAUSAL, C)
+                p = tl.where(masked, 0.0, p)
+        dp = tl.dot(do, tl.trans(v), input_precision=PREC)
+        ds = p * (dp - delta[:, None])
+        dq = tl.dot(ds.to(k.dtype), k, dq, input_precision=PREC)
+    return dq
+
+
+@triton.jit
+def _dq_range(dq, q, do, lse2, delta, offs_m, lo, flo, fhi, hi, k_ptr, v_ptr, k_desc, v_desc,
+              kv_row0, kv_col, kv_stride, sptr, col_ptr, m_blk, Sq, Sk, scale_log2,
+              D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+              CAUSAL: tl.constexpr, C: tl.constexpr, NI: tl.constexpr,
+              USE_TMA: tl.constexpr, PREC: tl.constexpr, SPLIT_UNMASKED: tl.constexpr):
+    """One live range [lo, hi) of key blocks: a masked loop over all of it, or (SPLIT_UNMASKED)
+    masked [lo, flo), mask-free [flo, fhi), masked [fhi, hi)."""
+    if SPLIT_UNMASKED:
+        dq = _dq_inner(dq, q, do, lse2, delta, offs_m, lo, flo, k_ptr, v_ptr, k_desc, v_desc,
+                       kv_row0, kv_col, kv_stride, sptr, col_ptr, m_blk, Sq, Sk, scale_log2,
+                       D, BLOCK_M, BLOCK_N, CAUSAL, C, NI, USE_TMA, PREC, True)
+        dq = _dq_inner(dq, q, do, lse2, delta, offs_m, flo, fhi, k_ptr, v_ptr, k_desc, v_desc,
+                       kv_row0, kv_col, kv_stride, sptr, col_ptr, m_blk, Sq, Sk, scale_log2,
+                       D, BLOCK_M, BLOCK_N, CAUSAL, C, NI, USE_TMA, PREC, False)
+        dq = _dq_inner(dq, q, do, lse2, delta, offs_m, fhi, hi, k_ptr, v_ptr, k_desc, v_desc,
+                       kv_row0, kv_col, kv_stride, sptr, col_ptr, m_blk, Sq, Sk, scale_log2,
+                       D, BLOCK_M, BLOCK_N, CAUSAL, C, NI, USE_TMA, PREC, True)
+    else:
+        dq = _dq_inner(dq, q, do, lse2, delta, offs_m, lo, hi, k_ptr, v_ptr, k_desc, v_desc,
+                       kv_row0, kv_col, kv_stride, sptr, col_ptr, m_blk, Sq, Sk, scale_log2,
+                       D, BLOCK_M, BLOCK_N, CAUSAL, C, NI, USE_TMA, PREC, True)
+    return dq
+
+
+@triton.jit(do_not_specialize=_NO_SPEC)
+def _dq_kernel(q_ptr, k_ptr, v_ptr, do_ptr, dq_ptr, lse2_ptr, delta_ptr,
+               mask_ptr, sum_ptr, rng_ptr, k_desc, v_desc, q_desc, do_desc,
+               sm_scale, scale_log2, Sq, Sk, Hq, Hk, Hm, NQB, NKB, mask_b_stride,
+               D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+               CAUSAL: tl.constexpr, C: tl.constexpr, NI: tl.constexpr,
+               USE_TMA: tl.constexpr, PREC: tl.constexpr, A_SMEM: tl.constexpr,
+               SPLIT_UNMASKED: tl.constexpr):
+    """One program per (query block, batch*query head): dQ of BLOCK_M rows."""
+    pid = tl.program_id(0)
+    if CAUSAL:
+        m_blk = NQB - 1 - pid
+    else:
+        m_blk = pid
+    bh = tl.program_id(1)
+    b = bh // Hq
+    h = bh % Hq
+    hk = h // (Hq // Hk)
+    hm = h // (Hq // Hm)
+    b64 = b.to(tl.int64)
+    offs_m = m_blk * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, D)
+    rmask = offs_m < Sq
+    q_off = (b64 * Sq + offs_m)[:, None] * (Hq * D) + h * D + offs_d[None, :]
+    if USE_TMA and A_SMEM:  # Q, dO stay in shared memory as wgmma A operands (saves registers)
+        q = q_desc.load([b * Sq + m_blk * BLOCK_M, h * D])
+        do = do_desc.load([b * Sq + m_blk * BLOCK_M, h * D])
+    else:
+        q = tl.load(q_ptr + q_off, mask=rmask[:, None], other=0.0)
+        do = tl.load(do_ptr + q_off, mask=rmask[:, None], other=0.0)
+    row = (b64 * Hq + h) * Sq + offs_m
+    lse2 = tl.load(lse2_ptr + row, mask=rmask, other=float("inf"))
+    delta = tl.load(delta_ptr + row, mask=rmask, other=0.0)
+
+    mbh = b64 * mask_b_stride + hm
+    sptr = sum_ptr + mbh * NKB * 8
+    col_ptr = mask_ptr + mbh * Sk * C
+    lo0, hi0, lo1, hi1, flo0, fhi0, flo1, fhi1 = _query_block_ranges(
+        rng_ptr, mbh, m_blk, Sq, Sk, NQB, NKB, BLOCK_M, BLOCK_N, CAUSAL, C)
+    dq = tl.zeros([BLOCK_M, D], dtype=tl.float32)
+    kv_row0 = b * Sk
+    kv_col = hk * D
+    dq = _dq_range(dq, q, do, lse2, delta, offs_m, lo0, flo0, fhi0, hi0, k_ptr, v_ptr, k_desc,
+                   v_desc, kv_row0, kv_col, Hk * D, sptr, col_ptr, m_blk, Sq, Sk, scale_log2,
+                   D, BLOCK_M, BLOCK_N, CAUSAL, C, NI, USE_TMA, PREC, SPLIT_UNMASKED)
+    dq = _dq_range(dq, q, do, lse2, delta, offs_m, lo1, flo1, fhi1, hi1, k_ptr, v_ptr, k_desc,
+                   v_desc, kv_row0, kv_col, Hk * D, sptr, col_ptr, m_blk, Sq, Sk, scale_log2,
+                   D, BLOCK_M, BLOCK_N, CAUSAL, C, NI, USE_TMA, PREC, SPLIT_UNMASKED)
+    tl.store(dq_ptr + q_off, (dq * sm_scale).to(dq_ptr.dtype.element_ty), mask=rmask[:, None])
+
+
+
+
+# ---------------------------------------------------------------------------------------------
+# Launchers
+# ---------------------------------------------------------------------------------------------
+
+
+def interpreting() -> bool:
+    """Whether Triton runs its CPU interpreter (``TRITON_INTERPRET=1``)."""
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+def dim_class(d: int) -> int:
+    """Head dims are padded to a power of two >= 16 for tl.arange; the tile class of ``d``."""
+    return 64 if d <= 64 else (128 if d <= 128 else 256)
+
+
+def use_tma(x: torch.Tensor) -> bool:
+    """TMA descriptors for the streamed tiles: on CUDA devices of compute capability >= 9."""
+    if TensorDescriptor is None or not x.is_cuda:
+        return False
+    return _capability(x.device.index if x.device.index is not None else torch.cuda.current_device())[0] >= 9
+
+
+_CAPABILITY: dict = {}
+
+
+def _capability(index: int) -> tuple:
+    """The compute capability of CUDA device ``index`` (asked once per device)."""
+    if index not in _CAPABILITY:
+        _CAPABILITY[index] = torch.cuda.get_device_capability(index)
+    return _CAPABILITY[index]
+
+
+#: Whether the loop-invariant wgmma A operands (Q in the forward; K, V in dK/dV; Q, dO in dQ)
+#: are read through TMA into shared memory (True) or loaded into registers (False). Measured
+#: on the H200 (benchmarks/NOTES.md, v1 vs v2): shared memory helps the forward (+7% at 32K),
+#: registers are faster in both backward kernels (v2 backward was ~10% slower).
+A_OPERAND_IN_SMEM = {"fwd": True, "dkdv": False, "dq": False, "fused": False}
+#: Exceptions to :data:`A_OPERAND_IN_SMEM` per (kernel, head-dim class): the D=256 dQ kernel's
+#: 128x32 tile needs Q, dO in shared memory (128 registers per thread otherwise) and is 1.7x
+#: faster than the 64x64 one with them in registers (results/backward_configs_d256.md).
+A_OPERAND_IN_SMEM_BY_DIM = {("dq", 256): True}
+
+#: Whether a kernel visits each live range's run of UNMASKED tiles in a separate loop compiled
+#: without mask code. On for every kernel: measured on the H200 (NOTES.md v4 for dK/dV, v5 for
+#: the forward, 5-11% faster on 13 masks at 32K, and dQ).
+SPLIT_UNMASKED_LOOP = {"fwd": True, "dkdv": True, "fused": True, "dq": True}
+
+
+def a_smem(kind: str, d: int) -> bool:
+    """Whether kernel ``kind`` at head dim ``d`` reads its A operands from shared memory."""
+    return A_OPERAND_IN_SMEM_BY_DIM.get((kind, dim_class(d)), A_OPERAND_IN_SMEM[kind])
+
+
+def _desc(x2d: torch.Tensor, rows: int, d: int):
+    return TensorDescriptor.from_tensor(x2d, [rows, d])
+
+
+def dot_precision(dtype: torch.dtype) -> str:
+    """The tl.dot input precision: exact for float32 inputs, else tf32 (unused by 16-bit)."""
+    return "ieee" if dtype == torch.float32 else "tf32"
+
+
+def launch_fwd(q, k, v, causal, softmax_scale, cfg: Config, plan: Plan):
+    """(out, lse) of the tl forward kernel at tile ``cfg``; ``plan`` built by query block for
+    ``cfg``'s tile (:func:`flashmask3.kernels.tiles.make_plan`)."""
+    b, sq, hq, d = q.shape
+    _, sk, hk, _ = k.shape
+    out = torch.empty_like(q)
+    lse = torch.empty((b, hq, sq), dtype=torch.float32, device=q.device)
+    nqb, nkb = triton.cdiv(sq, cfg.block_m), triton.cdiv(sk, cfg.block_n)
+    tma = use_tma(q)
+    k_desc = _desc(k.view(b * sk, hk * d), cfg.block_n, d) if tma else None
+    v_desc = _desc(v.view(b * sk, hk * d), cfg.block_n, d) if tma else None
+    q_desc = _desc(q.view(b * sq, hq * d), cfg.block_m, d) if tma and a_smem("fwd", d) else None
+    _fwd_kernel[(nqb, b * hq)](
+        q, k, v, out, lse, plan.mask, plan.summary, plan.ranges, k_desc, v_desc, q_desc,
+        softmax_scale * LOG2E, sq, sk, hq, hk, plan.hm, nqb, nkb, plan.mask_b_stride,
+        D=d, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, CAUSAL=causal, C=plan.c, NI=plan.ni,
+        USE_TMA=tma, PREC=dot_precision(q.dtype), A_SMEM=a_smem("fwd", d),
+        SPLIT_UNMASKED=SPLIT_UNMASKED_LOOP["fwd"], num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages)
+    return out, lse
+
+
+def backward_prepass(out, dout, lse, dlse):
+    """(delta, lse2) of the backward: ``rowsum(dO * O) - dlse`` and the LSE in base 2 with
+    ``+inf`` on fully masked rows, both fp32 ``[B, Hq, Sq]``."""
+    b, sq, hq, d = out.shape
+    delta = torch.empty((b, hq, sq), dtype=torch.float32, device=out.device)
+    lse2 = torch.empty_like(delta)
+    bm = 64 if d <= 128 else 32
+    has_dlse = dlse is not None
+    dl = dlse.to(torch.float32).contiguous() if has_dlse else delta
+    _bwd_pre_kernel[(triton.cdiv(sq, bm), b * hq)](out, dout, lse.contiguous(), dl, delta, lse2,
+                                                    sq, hq, D=d, BLOCK_M=bm, HAS_DLSE=has_dlse,
+                                                    num_warps=4)
+    return delta, lse2
+
+
+def launch_dkdv(q, k, v, dout, lse2, delta, causal, softmax_scale, cfg: Config, plan: Plan,
+                fuse_dq: bool = False):
+    """(dk, dv, dq_acc) of the tl dK/dV kernel at tile ``cfg`` (``plan`` by key block);
+    ``dq_acc`` None unless ``fuse_dq`` (the unscaled fp32 dQ accumulated with atomics)."""
+    b, sq, hq, d = q.shape
+    _, sk, hk, _ = k.shape
+    kind = "fused" if fuse_dq else "dkdv"
+    dk = torch.empty_like(k)
+    dv = torch.empty_like(v)
+    dq_acc = torch.zeros((b, sq, hq, d), dtype=torch.float32, device=q.device) if fuse_dq else None
+    nqb, nkb = triton.cdiv(sq, cfg.block_m), triton.cdiv(sk, cfg.block_n)
+    tma = use_tma(q)
+    dq_tma = fuse_dq and tma and not interpreting()  # the interpreter has no TMA reduce
+    q_desc = _desc(q.view(b * sq, hq * d), cfg.block_m, d) if tma else None
+    do_desc = _desc(dout.view(b * sq, hq * d), cfg.block_m, d) if tma else None
+    k_desc = _desc(k.view(b * sk, hk * d), cfg.block_n, d) if tma and a_smem(kind, d) else None
+    v_desc = _desc(v.view(b * sk, hk * d), cfg.block_n, d) if tma and a_smem(kind, d) else None
+    dq_desc = _desc(dq_acc.view(b * sq, hq * d), cfg.block_m, d) if dq_tma else None
+    _dkdv_kernel[(nkb, b * hk)](
+        q, k, v, dout, dk, dv, lse2, delta, plan.mask, plan.summary, plan.ranges, q_desc, do_desc,
+        k_desc, v_desc, dq_acc if fuse_dq else dk, dq_desc,  # (dk: an unused placeholder)
+        softmax_scale, softmax_scale * LOG2E, sq, sk, hq, hk, plan.hm, nqb, nkb,
+        plan.mask_b_stride, D=d, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, CAUSAL=causal,
+        C=plan.c, NI=plan.ni, USE_TMA=tma, PREC=dot_precision(q.dtype), A_SMEM=a_smem(kind, d),
+        FUSE_DQ=fuse_dq, DQ_TMA=dq_tma, SPLIT_UNMASKED=SPLIT_UNMASKED_LOOP[kind],
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    return dk, dv, dq_acc
+
+
+def launch_dq(q, k, v, dout, lse2, delta, causal, softmax_scale, cfg: Config, plan: Plan):
+    """dQ of the tl dQ kernel at tile ``cfg`` (``plan`` by query block)."""
+    b, sq, hq, d = q.shape
+    _, sk, hk, _ = k.shape
+    dq = torch.empty_like(q)
+    nqb, nkb = triton.cdiv(sq, cfg.block_m), triton.cdiv(sk, cfg.block_n)
+    tma = use_tma(q)
+    k_desc = _desc(k.view(b * sk, hk * d), cfg.block_n, d) if tma else None
+    v_desc = _desc(v.view(b * sk, hk * d), cfg.block_n, d) if tma else None
+    q_desc = _desc(q.view(b * sq, hq * d), cfg.block_m, d) if tma and a_smem("dq", d) else None
+    do_desc = _desc(dout.view(b * sq, hq * d), cfg.block_m, d) if tma and a_smem("dq", d) else None
+    _dq_kernel[(nqb, b * hq)](
+        q, k, v, dout, dq, lse2, delta, plan.mask, plan.summary, plan.ranges, k_desc, v_desc,
+        q_desc, do_desc,
+        softmax_scale, softmax_scale * LOG2E, sq, sk, hq, hk, plan.hm, nqb, nkb,
+        plan.mask_b_stride, D=d, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, CAUSAL=causal,
+        C=plan.c, NI=plan.ni, USE_TMA=tma, PREC=dot_precision(q.dtype), A_SMEM=a_smem("dq", d),
+        SPLIT_UNMASKED=SPLIT_UNMASKED_LOOP["dq"], num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages)
+    return dq
+
+
+def scale_dq(dq_acc: torch.Tensor, softmax_scale: float, dtype: torch.dtype) -> torch.Tensor:
+    """dQ = softmax_scale * dq_acc as a new contiguous ``dtype`` tensor: the fused backward's
+    last step. ``dq_acc`` [B, Sq, Hq, D] fp32 with any strides (the Gluon kernel's is a
+    transposed view). The kernel reads it along its contiguous axis and writes dQ along D
+    (``torch.mul(dq_acc, scale, out=dq)`` walks dQ's order: one element per D step of a
+    transposed view, measured slower, benchmarks/NOTES.md)."""
+    b, sq, hq, d = dq_acc.shape
+    dq = torch.empty((b, sq, hq, d), dtype=dtype, device=dq_acc.device)
+    if dq.numel() == 0:
+        return dq
+    block_q = 64 if d <= 128 else 32
+    _scale_dq_kernel[(triton.cdiv(sq, block_q), b * hq)](
+        dq_acc, dq, softmax_scale, sq, hq, dq_acc.stride(0), dq_acc.stride(1), dq_acc.stride(2),
+        dq_acc.stride(3), D=d, BLOCK_Q=block_q, num_warps=4)
+    return dq

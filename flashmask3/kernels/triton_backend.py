@@ -1,0 +1,133 @@
+"""The Triton backend of :func:`flashmask3.flashmask_attention`: what runs a call.
+
+Backend contract (docs/ARCHITECTURE.md): :func:`forward` and :func:`backward`. Layout is
+q ``[B, Sq, Hq, D]``, k/v ``[B, Sk, Hk, D]`` (GQA without repeating K/V), mask
+``startend_row_indices`` int32 ``[B, Hm, Sk, C]`` or ``None``, LSE fp32 ``[B, Hq, Sq]``.
+
+Each call asks :func:`flashmask3.kernels.dispatch.choose` which kernel and tile run each pass,
+builds the mask's plan for that tile (:func:`flashmask3.kernels.tiles.make_plan`) and launches
+the kernel: :mod:`.tl_kernels` (portable), :mod:`.gluon_fwd` or :mod:`.gluon_bwd` (Hopper).
+The module imports without a GPU; under ``TRITON_INTERPRET=1`` it runs on CPU tensors.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from . import dispatch, tl_kernels
+from .dispatch import PLAN_BY_KEY, Launch, backward_mode, use_backward  # noqa: F401
+from .gluon_bwd import FUSED_VARIANT, launch_dkdv_gluon
+from .gluon_fwd import launch_fwd_gluon
+from .tiles import Config, Plan, make_plan  # noqa: F401
+
+HEAD_DIMS = (16, 32, 64, 128, 256)
+
+
+def unsupported_reason(q: torch.Tensor) -> Optional[str]:
+    """Why these inputs cannot run on the Triton kernels (None when they can); api.py falls
+    back to the torch path on ``auto``."""
+    if q.dtype not in (torch.float16, torch.bfloat16, torch.float32):
+        return f"dtype {q.dtype} (the Triton kernels take float16, bfloat16 and float32)"
+    if q.shape[-1] not in HEAD_DIMS:
+        return f"head dim {q.shape[-1]} (the Triton kernels take 16, 32, 64, 128 or 256)"
+    if not q.is_cuda and not tl_kernels.interpreting():
+        return f"tensors on {q.device} (CUDA, or TRITON_INTERPRET=1 for CPU tensors)"
+    return None
+
+
+def _check_head_dim(d: int) -> None:
+    if d not in HEAD_DIMS:
+        raise ValueError(f"the Triton FlashMask kernel supports head dims 16..256 powers of two, got {d}")
+
+
+def _contig(*xs):
+    return [x.contiguous() for x in xs]
+
+
+def _plan(mask, causal, sq, sk, launch: Launch, device) -> Plan:
+    t = launch.tile
+    return make_plan(mask, causal, sq, sk, t.block_m, t.block_n, PLAN_BY_KEY[launch.pass_], device)
+
+
+def _tile_args(t: Config) -> tuple:
+    return (t.block_m, t.block_n, t.num_warps, t.num_stages)
+
+
+def run_forward(launch: Launch, q, k, v, mask, causal, softmax_scale, plan: Plan):
+    """(out, lse) of the forward ``launch`` (a :class:`~.dispatch.Launch` of pass "fwd")."""
+    if launch.kernel == "tl":
+        return tl_kernels.launch_fwd(q, k, v, causal, softmax_scale, launch.tile, plan)
+    return launch_fwd_gluon(q, k, v, mask, causal, softmax_scale, plan, *_tile_args(launch.tile),
+                            warp_spec=True, pingpong=launch.kernel == "gluon_ws_pingpong")
+
+
+def run_dkdv(launch: Launch, q, k, v, dout, lse2, delta, causal, softmax_scale, plan: Plan):
+    """(dk, dv, dq_acc) of a dK/dV or fused ``launch``; dq_acc (unscaled fp32 dQ) only when
+    fused, else None."""
+    args = (q, k, v, dout, lse2, delta, causal, softmax_scale)
+    if launch.kernel == "tl":
+        return tl_kernels.launch_dkdv(*args, launch.tile, plan, fuse_dq=launch.pass_ == "fused")
+    if launch.kernel == "gluon_fused":
+        return launch_dkdv_gluon(*args, plan, *_tile_args(launch.tile), **FUSED_VARIANT)
+    dk, dv = launch_dkdv_gluon(*args, plan, *_tile_args(launch.tile), warp_spec=True,
+                               stats_smem=launch.kernel == "gluon_ws_dkdv_stats")
+    return dk, dv, None
+
+
+def forward(q, k, v, startend_row_indices: Optional[torch.Tensor], causal: bool,
+            softmax_scale: float, row_span: Optional[float] = None):
+    """Backend contract: masked attention forward, returns ``(out, lse)``. ``row_span``: the
+    mask's mean row span where known (as ``api.kernel_row_span`` gives it: rounded down to its
+    half octave), a key of the dispatch table."""
+    q, k, v = _contig(q, k, v)
+    b, sq, hq, d = q.shape
+    sk = k.shape[1]
+    _check_head_dim(d)
+    if sq == 0 or sk == 0:
+        return torch.zeros_like(q), torch.full((b, hq, sq), float("-inf"), device=q.device)
+    c = 0 if startend_row_indices is None else startend_row_indices.shape[-1]
+    launch = dispatch.choose(q.device, q.dtype, d, causal, c, row_span).forward
+    plan = _plan(startend_row_indices, causal, sq, sk, launch, q.device)
+    return run_forward(launch, q, k, v, startend_row_indices, causal, softmax_scale, plan)
+
+
+def backward(dout, dlse, q, k, v, out, lse, startend_row_indices: Optional[torch.Tensor],
+             causal: bool, softmax_scale: float):
+    """Backend contract: gradients ``(dq, dk, dv)``; ``dlse`` (or None) is folded into delta.
+    The fused backward (the table's default on Hopper at D=64/128) adds dQ with atomics, so
+    its rounding order varies run to run; the split one is bitwise reproducible."""
+    q, k, v, out, dout = _contig(q, k, v, out, dout)
+    b, sq, hq, d = q.shape
+    sk = k.shape[1]
+    _check_head_dim(d)
+    if sq == 0 or sk == 0:
+        return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
+    dout = dout.to(q.dtype)
+    c = 0 if startend_row_indices is None else startend_row_indices.shape[-1]
+    delta, lse2 = tl_kernels.backward_prepass(out, dout, lse, dlse)
+    launches = dispatch.choose(q.device, q.dtype, d, causal, c).backward
+    first = launches[0]
+    plan = _plan(startend_row_indices, causal, sq, sk, first, q.device)
+    dk, dv, dq_acc = run_dkdv(first, q, k, v, dout, lse2, delta, causal, softmax_scale, plan)
+    if dq_acc is not None:
+        return tl_kernels.scale_dq(dq_acc, softmax_scale, q.dtype), dk, dv
+    dq_launch = launches[1]
+    plan = _plan(startend_row_indices, causal, sq, sk, dq_launch, q.device)
+    dq = tl_kernels.launch_dq(q, k, v, dout, lse2, delta, causal, softmax_scale, dq_launch.tile,
+                              plan)
+    return dq, dk, dv
+
+
+def preprocess(mask: Optional[torch.Tensor], causal: bool, seqlen_q: int, seqlen_k: int,
+               head_dim: int, dtype: torch.dtype, backward: bool = True,
+               row_span: Optional[float] = None) -> list[Plan]:
+    """All plans one forward (+ backward) call builds: what the benchmark times as 'mask prep'
+    (``row_span``: the mask's mean row span, as the forward gets it)."""
+    c = 0 if mask is None else mask.shape[-1]
+    device = mask.device if mask is not None else torch.device("cpu")
+    choice = dispatch.choose(device, dtype, head_dim, causal, c, row_span)
+    launches = (choice.forward,) + (dispatch.choose(device, dtype, head_dim, causal, c).backward
+                                    if backward else ())
+    return [_plan(mask, causal, seqlen_q, seqlen_k, x, device) for x in launches]

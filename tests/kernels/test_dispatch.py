@@ -1,0 +1,166 @@
+"""The dispatch table (flashmask3/kernels/dispatch.py): which kernels run a call, on any machine.
+
+:func:`dispatch.decide` is a pure function of its keys, so every hardware's choice is checked
+here on the CPU; the GPU tests check that a real Hopper device gets the "sm90" key.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+from flashmask3.kernels import dispatch  # noqa: E402
+from flashmask3.kernels import gluon_bwd as G  # noqa: E402
+from flashmask3.kernels.tiles import Config  # noqa: E402
+
+
+def _kernels(choice) -> tuple:
+    return (choice.forward.kernel,) + tuple(x.kernel for x in choice.backward)
+
+
+@pytest.mark.parametrize("c", [0, 1, 2, 4])
+def test_hopper_16bit_defaults(c):
+    """Hopper, 16-bit: the WS Gluon forward at D=128/256 (ping-pong at 256), tl at D<=64; the
+    fused Gluon backward at D=64/128, the split one (Gluon WS dK/dV + tl dQ) at D=256."""
+    d128 = dispatch.decide("sm90", 128, "16bit", True, c, None)
+    assert _kernels(d128) == ("gluon_ws", "gluon_fused") and d128.backward_mode == "fused"
+    assert d128.forward.tile == Config(128, 128, 8, 2) and d128.backward[0].tile == Config(64, 128, 8, 2)
+    d64 = dispatch.decide("sm90", 64, "16bit", False, c, None)
+    assert _kernels(d64) == ("tl", "gluon_fused") and d64.backward[0].tile == Config(64, 64, 4, 2)
+    d256 = dispatch.decide("sm90", 256, "16bit", True, c, None)
+    assert _kernels(d256) == ("gluon_ws_pingpong", "gluon_ws_dkdv_stats", "tl")
+    assert d256.backward_mode == "split" and d256.backward[1].tile == Config(128, 32, 8, 2)
+    assert _kernels(dispatch.decide("sm90", 32, "16bit", True, c, None)) == ("tl", "tl", "tl")
+
+
+def test_short_rows_take_the_small_forward_tile():
+    """Below the row-span threshold of its head dim the forward takes the 64x64 tile (the WS
+    kernel at D=128, tl at D=64); at the threshold and without a span, the default tile. The
+    backward never depends on the span."""
+    short = dispatch.decide("sm90", 128, "16bit", True, 1, 1024.0)
+    assert short.forward.kernel == "gluon_ws" and short.forward.tile == Config(64, 64, 4, 2)
+    assert dispatch.decide("sm90", 128, "16bit", True, 1, 2.0 ** 10.5).forward.tile == Config(128, 128, 8, 2)
+    assert dispatch.decide("sm90", 64, "16bit", True, 1, 1448.0).forward.tile == Config(64, 64, 4, 3)
+    assert dispatch.decide("any", 64, "any", True, 1, 1448.0).forward.tile == Config(64, 64, 4, 3)
+    assert dispatch.decide("any", 128, "16bit", True, 1, 900.0).forward.tile == Config(128, 128, 8, 3)
+    assert short.backward == dispatch.decide("sm90", 128, "16bit", True, 1, None).backward
+
+
+def test_portable_fp32_and_other_gpus_run_tl_only():
+    """fp32 on Hopper, another GPU, and FLASHMASK3_KERNELS=portable run the tl kernels with
+    their own tiles and the split backward."""
+    for choice in (dispatch.decide("sm90", 128, "any", True, 1, None),
+                   dispatch.decide("any", 128, "16bit", True, 1, None),
+                   dispatch.decide("sm90", 128, "16bit", True, 1, None, "portable")):
+        assert _kernels(choice) == ("tl", "tl", "tl") and choice.backward_mode == "split"
+        assert [x.tile for x in choice.backward] == [Config(32, 64, 4, 3), Config(128, 64, 8, 3)]
+
+
+def test_split_mode_keeps_the_gluon_kernels():
+    """FLASHMASK3_KERNELS=split: the table's forward and the split backward, whose D=128 dK/dV is
+    the Gluon WS kernel with its statistics in shared memory at 64x128."""
+    choice = dispatch.decide("sm90", 128, "16bit", True, 1, None, "split")
+    assert _kernels(choice) == ("gluon_ws", "gluon_ws_dkdv_stats", "tl")
+    assert choice.backward[0].tile == Config(64, 128, 8, 2)
+    assert _kernels(dispatch.decide("sm90", 64, "16bit", True, 1, None, "split")) == (
+        "tl", "gluon_ws_dkdv", "tl")
+
+
+def test_interpreter_runs_tl_at_small_tiles():
+    choice = dispatch.decide("interpreter", 128, "16bit", True, 1, 500.0)
+    assert _kernels(choice) == ("tl", "tl", "tl")
+    assert {x.tile for x in (choice.forward, *choice.backward)} == {Config(32, 16, 4, 1)}
+
+
+def test_every_row_is_valid_and_says_why():
+    """Every Gluon row's tile passes its kernel's own config check at every head dim it lists;
+    every row has a reason; every (hardware, head dim) has a forward and a split backward."""
+    for row in dispatch.TABLE:
+        assert row.kernel in dispatch.KERNELS and row.pass_ in dispatch.PASSES and row.reason
+        for d in row.dims:
+            if row.hardware != "interpreter":
+                assert dispatch._accepts(row, d, 1), row
+    for hw in ("sm90", "any", "interpreter"):
+        for d in (16, 32, 64, 128, 256):
+            choice = dispatch.decide(hw, d, "16bit", False, 4, None, "split")
+            assert choice.forward is not None and len(choice.backward) == 2
+
+
+def test_fused_rows_are_ds_shared_tiles():
+    """The fused rows' tiles are the DS_SHARED tiles of their head dims; D=256 has none."""
+    for row in dispatch.TABLE:
+        if row.pass_ == "fused":
+            t = row.tile
+            assert (t.block_m, t.block_n, t.num_warps) == G.DS_SHARED_TILES[row.dims[0]][:3]
+    with pytest.raises(ValueError, match="ds_shared"):
+        G.check_config(256, 64, 128, 8, 2, **G.FUSED_VARIANT)
+
+
+def test_mode_override_and_deterministic(monkeypatch):
+    """FLASHMASK3_KERNELS picks the mode (a bad value is named); deterministic algorithms turn the
+    default into split; use_backward sets and restores the variable."""
+    monkeypatch.delenv("FLASHMASK3_KERNELS", raising=False)
+    assert dispatch.mode() == "default"
+    monkeypatch.setattr(torch, "are_deterministic_algorithms_enabled", lambda: True)
+    assert dispatch.mode() == "split"
+    monkeypatch.setenv("FLASHMASK3_KERNELS", "portable")
+    assert dispatch.mode() == "portable"
+    monkeypatch.undo()
+    monkeypatch.setenv("FLASHMASK3_KERNELS", "gluon")
+    with pytest.raises(ValueError, match="FLASHMASK3_KERNELS"):
+        dispatch.mode()
+    monkeypatch.setenv("FLASHMASK3_KERNELS", "split")
+    with dispatch.use_backward("fused"):
+        assert dispatch.mode() == "default"
+    assert os.environ["FLASHMASK3_KERNELS"] == "split"
+    with dispatch.use_backward("auto"):
+        assert "FLASHMASK3_KERNELS" not in os.environ
+    monkeypatch.setenv("FLASHMASK3_KERNELS", "portable")
+    with dispatch.use_backward("split"):
+        assert dispatch.mode() == "portable"
+    with pytest.raises(ValueError, match="mode must be"):
+        with dispatch.use_backward("atomic"):
+            pass
+
+
+def test_decide_is_cached_and_checks_its_keys():
+    dispatch.decide.cache_clear()
+    a = dispatch.decide("sm90", 128, "16bit", True, 1, None)
+    assert dispatch.decide("sm90", 128, "16bit", True, 1, None) is a
+    assert dispatch.decide.cache_info().hits >= 1
+    with pytest.raises(ValueError, match="head_dim"):
+        dispatch.decide("sm90", 96, "16bit", True, 1, None)
+
+
+def test_cpu_tensors_get_the_any_key(monkeypatch):
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    assert dispatch.hardware(torch.device("cpu")) == "any"
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    assert dispatch.hardware(torch.device("cpu")) == "interpreter"
+    assert dispatch.dtype_class(torch.bfloat16) == "16bit" and dispatch.dtype_class(torch.float32) == "any"
+
+
+def test_tile_override_runs_tl_and_refuses_the_fused_pass(monkeypatch):
+    monkeypatch.setitem(dispatch.TILE_OVERRIDE, "fwd", Config(16, 32, 4, 1))
+    choice = dispatch.choose(torch.device("cpu"), torch.float32, 64, True, 1)
+    assert choice.forward.kernel == "tl" and choice.forward.tile == Config(16, 32, 4, 1)
+    monkeypatch.setitem(dispatch.TILE_OVERRIDE, "fused", Config(16, 32, 4, 1))
+    with pytest.raises(ValueError, match="TILE_OVERRIDE"):
+        dispatch.choose(torch.device("cpu"), torch.float32, 64, True, 1)
+
+
+@pytest.mark.gpu
+def test_gpu_hopper_gets_the_gluon_rows(monkeypatch):
+    """On an H100/H200 with Gluon, 16-bit calls get the sm90 rows; backward_mode follows."""
+    monkeypatch.delenv("FLASHMASK3_KERNELS", raising=False)
+    if torch.cuda.get_device_capability()[0] != 9 or not dispatch.gluon_usable():
+        pytest.skip("needs a Hopper GPU (sm_90) with triton.experimental.gluon")
+    dev = torch.device("cuda")
+    assert dispatch.hardware(dev) == "sm90"
+    q = torch.zeros(1, 64, 2, 128, device=dev, dtype=torch.bfloat16)
+    assert dispatch.backward_mode(like=q) == "fused"
+    assert dispatch.backward_mode(like=q.float()) == "split"
+    assert dispatch.choose(dev, torch.bfloat16, 256, True, 1).forward.kernel == "gluon_ws_pingpong"
