@@ -9,12 +9,13 @@
 #   NEWEST_TRITON   the Triton release to test (default 3.9.0)
 #   TORCH_SPEC      what pip installs as torch (default: the newest CPU wheel in /opt/wheels,
 #                   else torch from the PyTorch CPU index)
-#   VENV            where the venv goes (default .venv-newest-triton; reused when its stamp
-#                   matches)
+#   VENV            where the venv goes (default: under ~/.cache, outside the clone, so that a
+#                   CI run reuses it; it is rebuilt when its Triton stamp is missing: the
+#                   install takes 3-9 minutes on the 2-core machine)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 NEWEST_TRITON=${NEWEST_TRITON:-3.9.0}
-VENV=${VENV:-.venv-newest-triton}
+VENV=${VENV:-${XDG_CACHE_HOME:-$HOME/.cache}/flashmask3/venv-triton-$NEWEST_TRITON}
 PYTHON=${PYTHON:-python3.11}
 if [[ -z "${TORCH_SPEC:-}" ]]; then
   TORCH_SPEC=$(ls /opt/wheels/torch-*+cpu-*.whl 2>/dev/null | sort -V | tail -1 || true)
