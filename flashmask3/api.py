@@ -232,7 +232,7 @@ def flashmask_attention(
 
     Args:
         q: ``[B, Sq, Hq, D]``; k, v: ``[B, Sk, Hk, D]`` with ``Hq % Hk == 0`` (GQA/MQA).
-        startend_row_indices: int32 ``[B, Hm, Sk, C]`` column mask (DESIGN.md §1), a
+        startend_row_indices: int32 ``[B, Hm, Sk, C]`` column mask (docs/masks.md), a
             :class:`~flashmask3.masks.FlashMask` (which brings its own ``causal`` and, from the
             constructors, its mean row span: the Triton forward's tile hint), or ``None``
             for full attention (plain bottom-right causal with ``causal=True``).
@@ -247,10 +247,12 @@ def flashmask_attention(
         ``out [B, Sq, Hq, D]`` (the dtype of q), or ``(out, lse)``. Fully masked rows give zeros
         and zero gradients.
 
-    The backend is ``FLASHMASK3_BACKEND`` (``auto``: Triton on CUDA, else the torch path). The
-    Triton backward is bitwise reproducible by default; ``FLASHMASK3_TRITON_BWD=fused`` selects
-    a one-kernel backward whose dQ is summed with atomics (not reproducible), and
-    ``torch.use_deterministic_algorithms(True)`` always keeps the reproducible one.
+    The backend is ``FLASHMASK3_BACKEND`` (``auto``: Triton on CUDA, else the torch path); the
+    Triton kernels of each call come from one table (docs/kernels.md). Reproducibility: on
+    Hopper at D=64 and D=128 (fp16/bf16) the default Triton backward is the fused kernel, whose
+    dQ is summed with atomics, so it is **not** bitwise reproducible run to run; every other
+    case, ``FLASHMASK3_KERNELS=split`` and ``torch.use_deterministic_algorithms(True)`` run the
+    split backward, which is. The torch path is deterministic.
     """
     check_qkv(q, k, v)
     b, sq, hq, d = q.shape

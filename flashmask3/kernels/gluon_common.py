@@ -65,7 +65,7 @@ def _needs_mask(m, n_blk, Sq, Sk, stats, BLOCK_M: gl.constexpr, BLOCK_N: gl.cons
 
 @_jit
 def _element_masked(rows, cols, ivals, Sq, Sk, CAUSAL: gl.constexpr, C: gl.constexpr):
-    """True where (row, col) is masked (DESIGN.md §1); rows ``[1, BM]``, cols ``[BN, 1]``, the
+    """True where (row, col) is masked (docs/masks.md); rows ``[1, BM]``, cols ``[BN, 1]``, the
     column intervals ``ivals`` = (s0, e0, s1, e1) ``[BN, 1]``. Columns >= Sk are masked."""
     masked = cols >= Sk
     if C > 0:

@@ -134,7 +134,7 @@ def _mask_below(qk, rows, e):
 @_jit
 def _mask_scores(qk, rows, cols, col_src, slot, Sq, Sk, CAUSAL: gl.constexpr,
                  C: gl.constexpr):
-    """Scores ``qk`` [BM, BN] with -inf where (row, col) is masked (DESIGN.md §1); rows
+    """Scores ``qk`` [BM, BN] with -inf where (row, col) is masked (docs/masks.md); rows
     ``[BM]`` and cols ``[BN]`` are 1-D slices of the score layout; the column words come from
     ``col_src`` (:func:`_column_word`). Query-major twin of
     ``gluon_dkdv._column_intervals`` + ``_element_masked`` (the ``tl`` ``_column_intervals``

@@ -198,7 +198,7 @@ def _query_block_ranges(rng_ptr, mbh, m_blk, Sq, Sk, NQB, NKB, BLOCK_M: tl.const
 
 @triton.jit
 def _column_intervals(col_ptr, cols, cvalid, Sq, CAUSAL: tl.constexpr, C: tl.constexpr):
-    """Masked row intervals [s0, e0) and [s1, e1) of columns ``cols`` (DESIGN.md §1 table)."""
+    """Masked row intervals [s0, e0) and [s1, e1) of columns ``cols`` (docs/masks.md)."""
     if C == 0:
         s0 = cols * 0 + Sq
         e0 = s0

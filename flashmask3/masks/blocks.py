@@ -1,4 +1,4 @@
-"""Per-block summaries of a column mask and the tile classification rule (DESIGN.md §2).
+"""Per-block summaries of a column mask and the tile classification rule (docs/kernels.md).
 
 A tile is a block of query rows ``[r0, r1)`` times a block of key columns ``[c0, c1)``. Its
 class decides the work every attention path does on it:

@@ -1,4 +1,4 @@
-"""Constructors for every mask type of DESIGN.md §1, from natural arguments.
+"""Constructors for every mask type of docs/masks.md, from natural arguments.
 
 Each returns a :class:`~flashmask3.masks.mask.FlashMask` with ``[B, Hm, S, C]`` int32 columns.
 Document-style constructors accept either one list of document lengths (used for every batch

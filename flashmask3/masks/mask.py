@@ -2,7 +2,7 @@
 
 A mask is an int32 tensor ``startend_row_indices`` of shape ``[B, Hm, Sk, C]`` plus a
 ``causal`` flag. Each key column ``j`` stores up to two half-open intervals of query rows that
-are masked (DESIGN.md §1). Memory is O(Sk), whatever the mask.
+are masked (docs/masks.md). Memory is O(Sk), whatever the mask.
 
 This module is the single home of
 * the validation of that tensor (:func:`validate_startend_row_indices`),
@@ -21,7 +21,7 @@ from typing import Optional
 
 import torch
 
-#: Allowed number of column vectors for each value of ``causal`` (DESIGN.md §1 table).
+#: Allowed number of column vectors for each value of ``causal`` (docs/masks.md, the layout table).
 ALLOWED_COLUMNS = {True: (1, 2), False: (2, 4)}
 
 #: Names of the column vectors, per (causal, C).
@@ -32,7 +32,7 @@ COLUMN_NAMES = {
     (False, 4): ("LTS", "LTE", "UTS", "UTE"),
 }
 
-#: FLOP multipliers relative to the forward pass (DESIGN.md §2 convention).
+#: FLOP multipliers relative to the forward pass (docs/masks.md, FLOP convention).
 _FLOP_MODE_FACTOR = {"fwd": 1.0, "bwd": 2.5, "fwd_bwd": 3.5}
 
 
@@ -47,7 +47,7 @@ def validate_startend_row_indices(
     check_values: bool = True,
     device: Optional[torch.device] = None,
 ) -> None:
-    """Raise ``TypeError``/``ValueError`` unless the mask tensor is valid per DESIGN.md §1.
+    """Raise ``TypeError``/``ValueError`` unless the mask tensor is valid per docs/masks.md.
 
     ``num_heads`` is the number of query heads (the mask's head dimension must divide it).
     ``device``: the device the tensor must be on (that of q), checked before anything reads it.
@@ -179,7 +179,7 @@ def attention_flops(
     head_dim: int,
     mode: str = "fwd",
 ) -> float:
-    """Effective attention FLOPs by the DESIGN.md §2 convention.
+    """Effective attention FLOPs by the convention of docs/masks.md.
 
     forward = ``4 · D · Σ_{b, query head} unmasked pairs``; backward 2.5×, fwd+bwd 3.5×.
     The one place in the project where this number is computed.
@@ -206,7 +206,7 @@ def element_mask(
 
     ``columns``: ``[..., n_cols, C]`` column vectors of the key columns ``cols`` (1-D, length
     ``n_cols``); ``rows``: 1-D query rows. Returns ``[..., n_rows, n_cols]``, True = attend.
-    This is the element-wise rule of DESIGN.md §1, shared by the dense expansion and the
+    This is the element-wise rule of docs/masks.md, shared by the dense expansion and the
     partial-tile path of the torch backend.
     """
     i = rows.view(-1, 1).to(torch.int64)
@@ -220,12 +220,27 @@ def element_mask(
 
 
 def to_dense(
-    startend_row_indices: Optional[torch.Tensor],
-    causal: bool,
-    seqlen_q: int,
+    startend_row_indices,
+    causal: Optional[bool] = None,
+    seqlen_q: Optional[int] = None,
     seqlen_k: Optional[int] = None,
 ) -> torch.Tensor:
-    """Expand to a dense boolean ``[B, Hm, Sq, Sk]`` mask (True = attend). O(S²): tests only."""
+    """Expand to a dense boolean ``[B, Hm, Sq, Sk]`` mask (True = attend). O(S²): tests only.
+
+    Two call forms: ``to_dense(mask)`` with a :class:`FlashMask` (which brings its ``causal``
+    and ``seqlen_q``; the same as ``mask.to_dense()``), or ``to_dense(columns, causal,
+    seqlen_q[, seqlen_k])`` with a raw ``[B, Hm, Sk, C]`` column tensor (or ``None`` for no
+    mask, then ``seqlen_k`` is required)."""
+    if isinstance(startend_row_indices, FlashMask):
+        mask = startend_row_indices
+        if causal is not None and causal != mask.causal:
+            raise ValueError(f"causal={causal} conflicts with the FlashMask's causal={mask.causal}")
+        if seqlen_q is not None and seqlen_q != mask.seqlen_q:
+            raise ValueError(f"seqlen_q={seqlen_q} conflicts with the FlashMask's {mask.seqlen_q}")
+        return to_dense(mask.startend_row_indices, mask.causal, mask.seqlen_q, seqlen_k)
+    if causal is None or seqlen_q is None:
+        raise TypeError("to_dense(columns, causal, seqlen_q): causal and seqlen_q are required "
+                        "with a column tensor (or pass a FlashMask)")
     if startend_row_indices is None:
         if seqlen_k is None:
             raise ValueError("seqlen_k is required when startend_row_indices is None")

@@ -10,7 +10,7 @@ from tests.helpers import LAYOUTS, named_masks, random_columns
 
 
 def literal_allowed(cols, causal, sq, sk):
-    """The DESIGN.md §1 table read literally, one element at a time (slow, obviously right)."""
+    """The docs/masks.md table read literally, one element at a time (slow, obviously right)."""
     b, hm, _, c = cols.shape
     out = torch.zeros(b, hm, sq, sk, dtype=torch.bool)
     off = sk - sq
@@ -268,3 +268,19 @@ def test_validation_accepts_every_layout():
 def test_constructors_reject_bad_arguments(build, exc):
     with pytest.raises(exc):
         build()
+
+
+def test_to_dense_takes_a_flashmask_or_columns():
+    """``masks.to_dense(mask)`` and ``mask.to_dense()`` give the same dense mask as the column
+    form; conflicting or missing arguments are clear errors."""
+    mask = M.causal_document_mask([5, 9, 3], batch_size=2)
+    want = M.to_dense(mask.startend_row_indices, True, 17)
+    assert want.shape == (2, 1, 17, 17) and want.any() and not want.all()
+    assert torch.equal(M.to_dense(mask), want) and torch.equal(mask.to_dense(), want)
+    assert torch.equal(M.to_dense(mask, True, 17), want)
+    with pytest.raises(ValueError, match="causal"):
+        M.to_dense(mask, False)
+    with pytest.raises(ValueError, match="seqlen_q"):
+        M.to_dense(mask, True, 16)
+    with pytest.raises(TypeError, match="causal and seqlen_q"):
+        M.to_dense(mask.startend_row_indices)

@@ -1,0 +1,324 @@
+"""Attention and matmul cost, fitted from measurements on one H200.
+
+Attention: the time of one FlashMask call is modelled as
+
+    t = call + heads * (a_full * full_tiles + a_partial * partial_tiles) * fill
+
+where ``full_tiles`` / ``partial_tiles`` are the call's live 128x128 tiles (per mask head,
+summed over the batch; the mask layer's tile rule) and ``fill = max(1, SMs / programs)``
+stretches calls too small to fill the GPU (fewer query-block programs in the forward, key-block
+programs in the backward, than SMs). ``a_*`` and ``call`` are fitted by least squares on the
+relative error, separately for the forward and for the backward (= fwd+bwd - fwd), per head
+dim and GQA class, from:
+
+* ``benchmarks/results/scale_model_attention.json`` -- the per-rank shapes measured by
+  ``benchmarks/gpu/scale-model.sh`` (preferred once it exists), or
+* the committed kernel tables (``kernel.json``: the current kernels, 8K-128K tokens, large
+  batches): there the per-call overhead cannot be separated (every call is milliseconds), so
+  it is fixed at an assumed value and only the per-tile costs are fitted.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from dataclasses import asdict, dataclass
+from typing import Iterable, Optional
+
+import numpy as np
+
+RESULTS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "results")
+MEASURED_FILE = os.path.join(RESULTS, "scale_model_attention.json")
+TILE = 128
+N_SM = 132
+#: Per-call GPU overhead assumed when the data cannot separate it (launch tail, prologue).
+ASSUMED_CALL = {"fwd": 20e-6, "bwd": 50e-6}
+
+
+@dataclass(frozen=True)
+class TileCounts:
+    """Live tiles of one attention call (per mask head, summed over batch) and its shape."""
+
+    full: int
+    partial: int
+    q_rows: int
+    keys: int
+    batch: int = 1
+
+    @property
+    def live(self) -> int:
+        return self.full + self.partial
+
+
+@dataclass(frozen=True)
+class PassCost:
+    """Fitted cost of one pass (forward or backward) of one kernel family."""
+
+    a_full: float      # seconds per full tile per query head
+    a_partial: float   # seconds per partial tile per query head
+    call: float        # seconds per call
+    rms_rel_err: float
+    points: int
+
+    def seconds(self, tiles: TileCounts, heads: int, programs: int) -> float:
+        if tiles.live == 0:
+            return 0.0
+        fill = max(1.0, N_SM / max(programs, 1))
+        return self.call + heads * (self.a_full * tiles.full + self.a_partial * tiles.partial) * fill
+
+
+@dataclass(frozen=True)
+class AttentionCost:
+    """Forward and backward cost of one kernel family at one head dim / GQA class."""
+
+    fwd: PassCost
+    bwd: PassCost
+    source: str
+    head_dim: int
+    gqa: bool
+
+    def forward(self, tiles: TileCounts, heads: int) -> float:
+        programs = math.ceil(tiles.q_rows / TILE) * heads * tiles.batch
+        return self.fwd.seconds(tiles, heads, programs)
+
+    def backward(self, tiles: TileCounts, heads: int) -> float:
+        programs = math.ceil(tiles.keys / TILE) * heads * tiles.batch
+        return self.bwd.seconds(tiles, heads, programs)
+
+    def describe(self) -> str:
+        f, b = self.fwd, self.bwd
+        return (f"{self.source}; D={self.head_dim} {'GQA' if self.gqa else 'MHA'}: fwd "
+                f"{f.a_full * 1e9:.2f}/{f.a_partial * 1e9:.2f} ns per full/partial tile-head + "
+                f"{f.call * 1e6:.0f} us/call (rms rel. err {f.rms_rel_err:.1%}, {f.points} pts); bwd "
+                f"{b.a_full * 1e9:.2f}/{b.a_partial * 1e9:.2f} ns + {b.call * 1e6:.0f} us/call "
+                f"(rms {b.rms_rel_err:.1%}, {b.points} pts)")
+
+
+# -- fitting -------------------------------------------------------------------------------------
+
+
+def _programs(kind: str, t: TileCounts, heads: int) -> int:
+    rows = t.q_rows if kind == "fwd" else t.keys
+    return math.ceil(rows / TILE) * heads * t.batch
+
+
+def fit_pass(points: Iterable[tuple[TileCounts, int, float]], kind: str,
+             call: Optional[float] = None) -> PassCost:
+    """Least squares on the relative error of ``(tiles, heads, seconds)`` points.
+
+    ``call=None`` fits the per-call overhead too; otherwise it is held at ``call``. Falls back
+    to one coefficient for full and partial tiles when two are not identifiable (negative).
+    """
+    pts = [(t, h, s) for t, h, s in points if s > 0 and t.live > 0]
+    if not pts:
+        raise ValueError(f"no {kind} points to fit")
+    fill = np.array([max(1.0, N_SM / _programs(kind, t, h)) for t, h, _ in pts])
+    xf = np.array([h * t.full for t, h, _ in pts], dtype=np.float64) * fill
+    xp = np.array([h * t.partial for t, h, _ in pts], dtype=np.float64) * fill
+    y = np.array([s for _, _, s in pts])
+    w = 1.0 / y
+
+    def solve(cols, fixed):
+        a = np.stack(cols, 1) * w[:, None]
+        coef, *_ = np.linalg.lstsq(a, (y - fixed) * w, rcond=None)
+        return coef
+
+    fixed = 0.0 if call is None else call
+    for split in (True, False):
+        cols = [xf, xp] if split else [xf + xp]
+        if call is None:
+            cols.append(np.ones_like(y))
+        coef = solve(cols, fixed)
+        if split and (coef[:2] <= 0).any():
+            continue
+        if call is None and coef[-1] < 0:  # overhead not identifiable: hold it at zero
+            coef = np.append(solve(cols[:-1], 0.0), 0.0)
+        a_full = float(coef[0])
+        a_part = float(coef[1]) if split else a_full
+        c = float(coef[-1]) if call is None else call
+        pred = c + a_full * xf + a_part * xp
+        rms = float(np.sqrt(np.mean(((pred - y) / y) ** 2)))
+        return PassCost(a_full, a_part, c, rms, len(pts))
+    raise AssertionError("unreachable")
+
+
+def tile_counts(startend_row_indices, causal: bool, q_rows: int, keys: int) -> TileCounts:
+    """Live full/partial 128x128 tiles of a mask (summed over batch and mask heads)."""
+    from flashmask3.masks import PARTIAL, UNMASKED, classify_tiles
+
+    cls = classify_tiles(startend_row_indices, causal, q_rows, keys, TILE, TILE)
+    batch = 1 if startend_row_indices is None else startend_row_indices.shape[0]
+    return TileCounts(int((cls == UNMASKED).sum()), int((cls == PARTIAL).sum()), q_rows, keys, batch)
+
+
+# -- the committed kernel tables ------------------------------------------------------------------
+
+_KERNEL_TILES_CACHE: dict = {}
+
+
+def _kernel_row_tiles(mask: str, s: int, batch: int) -> TileCounts:
+    key = (mask, s, batch)
+    if key not in _KERNEL_TILES_CACHE:
+        from benchmarks.kernel import build_mask
+
+        fm, causal, _ = build_mask(mask, s, batch)
+        cols = None if fm is None else fm.startend_row_indices
+        t = tile_counts(cols, causal, s, s)
+        if fm is None and batch > 1:
+            t = TileCounts(t.full * batch, t.partial * batch, s, s, batch)
+        _KERNEL_TILES_CACHE[key] = t
+    return _KERNEL_TILES_CACHE[key]
+
+
+def kernel_table_points(path: str, impl: str, head_dim: int, gqa: bool, passes=("fwd", "bwd"),
+                        max_seqlen: int = 131072) -> dict[str, list]:
+    """``{pass: [(tiles, heads, seconds)]}`` from a committed ``kernel*.json`` table."""
+    with open(path) as f:
+        rows = json.load(f)["results"]
+    out = {p: [] for p in passes}
+    for r in rows:
+        if r["D"] != head_dim or (r["Hq"] != r["Hk"]) != gqa or r["S"] > max_seqlen:
+            continue
+        m = r["impls"].get(impl) or {}
+        if not m or m.get("skipped"):
+            continue
+        try:
+            tiles = _kernel_row_tiles(r["mask"], r["S"], r["B"])
+        except Exception:  # a mask this checkout cannot build: skip the row
+            continue
+        for p in passes:
+            ms = m.get(f"{p}_ms")
+            if ms:
+                out[p].append((tiles, r["Hq"], ms * 1e-3))
+    return out
+
+
+def fit_from_kernel_tables(impl: str = "flashmask3", head_dim: int = 128, gqa: bool = True,
+                           fwd_file: str = "kernel.json", bwd_file: Optional[str] = None,
+                           label: Optional[str] = None) -> AttentionCost:
+    """Fit from committed tables (per-call overhead held at :data:`ASSUMED_CALL`).
+
+    Falls back to the other GQA class when a table has no rows of the requested one."""
+    bwd_file = bwd_file or fwd_file
+    parts = {}
+    for kind, fname in (("fwd", fwd_file), ("bwd", bwd_file)):
+        path = os.path.join(RESULTS, fname)
+        pts = kernel_table_points(path, impl, head_dim, gqa, passes=(kind,))[kind]
+        used_gqa = gqa
+        if not pts:
+            used_gqa = not gqa
+            pts = kernel_table_points(path, impl, head_dim, used_gqa, passes=(kind,))[kind]
+        parts[kind] = fit_pass(pts, kind, call=ASSUMED_CALL[kind])
+    src = label or (f"fitted from committed kernel tables ({impl}: fwd {fwd_file}, bwd {bwd_file}; "
+                    "per-call overhead assumed)")
+    return AttentionCost(parts["fwd"], parts["bwd"], src, head_dim, gqa)
+
+
+def fit_from_measured(path: str = MEASURED_FILE, head_dim: int = 128, gqa: bool = True) -> AttentionCost:
+    """Fit from the per-rank-shape measurements of ``benchmarks/gpu/scale-model.sh``."""
+    with open(path) as f:
+        data = json.load(f)
+    pts = {"fwd": [], "bwd": []}
+    for r in data["attention"]:
+        if r["head_dim"] != head_dim or (r["heads"] != r["kv_heads"]) != gqa or "fwd_ms" not in r:
+            continue
+        t = TileCounts(r["full_tiles"], r["partial_tiles"], r["q_rows"], r["keys"], 1)
+        pts["fwd"].append((t, r["heads"], r["fwd_ms"] * 1e-3))
+        if "fwd_bwd_ms" in r:
+            pts["bwd"].append((t, r["heads"], (r["fwd_bwd_ms"] - r["fwd_ms"]) * 1e-3))
+    env = data.get("env", {})
+    src = (f"measured: per-rank shapes on {env.get('gpu', '?')} ({env.get('date', '?')}), "
+           f"{os.path.basename(path)}")
+    return AttentionCost(fit_pass(pts["fwd"], "fwd"), fit_pass(pts["bwd"], "bwd"), src, head_dim, gqa)
+
+
+def attention_cost(impl: str = "flashmask3", head_dim: int = 128, gqa: bool = True,
+                   prefer_measured: bool = True) -> AttentionCost:
+    """The calibration the model uses: measured per-rank shapes if committed, else the tables."""
+    if impl == "flashmask3" and prefer_measured and os.path.exists(MEASURED_FILE):
+        try:
+            return fit_from_measured(MEASURED_FILE, head_dim, gqa)
+        except (ValueError, KeyError):
+            pass
+    return fit_from_kernel_tables(impl, head_dim, gqa)
+
+
+def old_kernel_cost(gqa: bool = True) -> AttentionCost:
+    """The kernel the committed multi-GPU / per-rank CP runs used (2026-11-29 ~13:00: v2
+    forward + v1 backward, commit 234a020): forward from ``kernel_v2_final.json``, backward
+    from ``kernel_v1_d128.json``."""
+    return fit_from_kernel_tables("flashmask3", 128, gqa, fwd_file="kernel_v2_final.json",
+                                  bwd_file="kernel_v1_d128.json",
+                                  label="fitted from kernel_v2_final.json (fwd) + kernel_v1_d128.json "
+                                        "(bwd): the kernel of the 2026-11-29 CP runs; per-call "
+                                        "overhead assumed")
+
+
+# -- matmuls ----------------------------------------------------------------------------------------
+
+MATMUL_FILE = os.path.join(RESULTS, "scale_model_matmul.json")
+
+
+def matmul_tflops(cluster, shape_key: Optional[str] = None) -> tuple[float, str]:
+    """Achieved bf16 TFLOP/s for the model's matmuls: measured at the shape (the nearest token
+    count of the same model dims) if committed, else the measured dense ceiling x an assumed
+    efficiency. ``shape_key`` = ``"{tokens}x{hidden}x{ffn}"``."""
+    if shape_key and os.path.exists(MATMUL_FILE):
+        with open(MATMUL_FILE) as f:
+            data = json.load(f)
+        tokens, dims = shape_key.split("x", 1)
+        same = [r for r in data.get("matmul", []) if r.get("key", "").split("x", 1)[-1] == dims]
+        if same:
+            best = min(same, key=lambda r: abs(math.log(int(r["key"].split("x")[0]) / int(tokens))))
+            return best["tflops"], f"measured ({os.path.basename(MATMUL_FILE)}, {best['key']})"
+    eff = cluster.matmul_tflops.value * cluster.matmul_efficiency.value
+    return eff, "measured dense ceiling x assumed efficiency"
+
+
+def as_dict(cost: AttentionCost) -> dict:
+    return asdict(cost)
+
+
+# -- the cached fits the CLI uses ----------------------------------------------------------------
+
+CALIBRATION_FILE = os.path.join(RESULTS, "scale_model_calibration.json")
+#: name -> how to fit it. "flashmask3": the current kernels; "flex": FlexAttention (the torch
+#: context_parallel style baseline); "flashmask3_old": the kernel of the committed CP runs.
+FITS = {
+    "flashmask3": lambda gqa: attention_cost("flashmask3", 128, gqa),
+    "flex": lambda gqa: fit_from_kernel_tables("flex", 128, gqa),
+    "flashmask3_old": lambda gqa: old_kernel_cost(gqa),
+}
+
+
+def build_calibration(path: str = CALIBRATION_FILE, progress=None) -> dict:
+    """Fit every kernel family (slow: builds the kernel tables' masks) and write ``path``."""
+    out = {}
+    for name, fn in FITS.items():
+        for gqa in (False, True):
+            out[f"{name}:{'gqa' if gqa else 'mha'}"] = asdict(fn(gqa))
+            if progress is not None:
+                progress.update(1)
+    with open(path, "w") as f:
+        json.dump(out, f, indent=1)
+    return out
+
+
+def _from_dict(d: dict) -> AttentionCost:
+    return AttentionCost(PassCost(**d["fwd"]), PassCost(**d["bwd"]), d["source"], d["head_dim"], d["gqa"])
+
+
+def load_cost(name: str = "flashmask3", gqa: bool = True, path: str = CALIBRATION_FILE) -> AttentionCost:
+    """A fitted cost from the cached calibration (fitted now when the cache lacks it)."""
+    key = f"{name}:{'gqa' if gqa else 'mha'}"
+    fresh = os.path.exists(path) and (not os.path.exists(MEASURED_FILE)
+                                      or os.path.getmtime(path) >= os.path.getmtime(MEASURED_FILE))
+    if fresh:
+        with open(path) as f:
+            data = json.load(f)
+        if key in data:
+            return _from_dict(data[key])
+    if name not in FITS:
+        raise ValueError(f"unknown kernel family {name!r}; choose from {sorted(FITS)}")
+    return FITS[name](gqa)

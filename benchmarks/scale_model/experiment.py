@@ -1,0 +1,287 @@
+"""The FlashMask-3 experiment and the cp sweep, by simulation (predictions).
+
+Datasets: causal document masks packed from real text lengths (benchmarks/corpus.py: this
+machine's stdlib sources and /usr/share/doc), keeping only documents of at least ``min_len``
+tokens; ``min_len`` is chosen per dataset so that the mean sparsity over its sequences is
+closest to a target (70%, 78%, 86% by default). The lengths used are written to the json, so a
+run on another machine can be compared.
+
+Methods: see :data:`METHODS`. The baseline of every gain is ``dual_chunk+allgather``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+from dataclasses import dataclass
+from typing import Optional, Sequence
+
+import numpy as np
+
+from .calibrate import AttentionCost, load_cost
+from .layout import document_plan_view, mask_sparsity
+from .model import Layout, ModelConfig, StepBreakdown, step_time
+from .params import SWEPT, Cluster, Runtime
+from .timeline import LayerResult, simulate_layer
+from .validate import per_rank_calibration, scaled_cost
+
+BASELINE = "dual_chunk+allgather"
+
+
+@dataclass(frozen=True)
+class Method:
+    balance: str
+    comm: str
+    hierarchical: bool = False
+    kernel: str = "flashmask3"
+
+
+METHODS = {
+    "dual_chunk+allgather": Method("dual_chunk", "allgather"),
+    "sparse+allgather": Method("sparse", "allgather"),
+    "sparse+overlap": Method("sparse", "overlap"),
+    "sparse+overlap+hier": Method("sparse", "overlap", hierarchical=True),
+    "torch_cp (head-tail+allgather, Flex)": Method("dual_chunk", "allgather", kernel="flex"),
+}
+COMBINED = "sparse+overlap+hier"
+#: The sweep's extra row: the best overlap method with the runtime on main (host floor).
+ON_MAIN = "best overlap, runtime on main"
+#: The paper's layout for 128 H100s (assumed): cp 16 over 2 nodes, pp 4, dp 2, experts 8-way
+#: inside each node, 16 micro-batches of one 128K sequence per replica.
+PAPER_LAYOUT = Layout(cp=16, pp=4, dp=2, ep=8, micro_batches=16, recompute=False)
+PAPER_GAINS = {"combined": (7.3, 11.0), "note": "FlashMask-3: +7.3-11.0% full-training throughput "
+               "over Dual Chunk + all-gather (118B-A14B MoE, 128K, 128 H100, 3 document-mask datasets "
+               "of 70-86% mean sparsity); without hierarchical routing below the baseline on 2 of 3"}
+
+
+# -- datasets -------------------------------------------------------------------------------------
+
+
+def _pack(pool: list[int], total: int, seed: int) -> list[int]:
+    from benchmarks.corpus import pack_corpus_documents
+
+    return pack_corpus_documents(total, seed=seed, lengths=pool)
+
+
+def make_datasets(seqlen: int, targets: Sequence[float] = (0.70, 0.78, 0.86), sequences: int = 3,
+                  lengths: Optional[list[int]] = None) -> dict:
+    """``{name: {"min_len", "sparsity", "sequences": [[doc lengths]...]}}`` for each target.
+
+    Each dataset is ``sequences`` packed sequences (seeds 0..n-1) of the documents of at least
+    ``min_len`` tokens; ``min_len`` (a quarter-octave grid) is the one whose mean sparsity over
+    exactly those sequences is closest to the target (cheap: sparsity from lengths)."""
+    from benchmarks.corpus import corpus_document_lengths
+
+    pool = lengths if lengths is not None else corpus_document_lengths()
+    candidates = sorted({int(256 * 2 ** (i / 4)) for i in range(0, 37)})
+    table = []
+    for m in candidates:
+        sub = [n for n in pool if n >= m]
+        if len(sub) < 8:
+            break
+        seqs = [_pack(sub, seqlen, s) for s in range(sequences)]
+        table.append((m, float(np.mean([mask_sparsity(x) for x in seqs])), seqs))
+    out = {}
+    for t in targets:
+        m, sp, seqs = min(table, key=lambda row: abs(row[1] - t))
+        out[f"docs>={m}"] = {"min_len": m, "target": t, "sparsity": sp, "sequences": seqs,
+                             "docs_per_sequence": float(np.mean([len(x) for x in seqs]))}
+    return out
+
+
+# -- simulation -----------------------------------------------------------------------------------
+
+
+@dataclass
+class Costs:
+    """The kernel costs the experiment uses, with how they were obtained."""
+
+    flashmask3: AttentionCost
+    flex: AttentionCost
+    k: float
+
+    def of(self, kernel: str) -> AttentionCost:
+        return self.flashmask3 if kernel == "flashmask3" else self.flex
+
+
+def old_kernel_per_rank_factor() -> float:
+    """The per-rank-shape factor measured on the old kernel (cp_single_gpu.json vs its tables)."""
+    return per_rank_calibration()[1]
+
+
+def default_costs(gqa: bool = True, per_rank_factor: float = 1.0) -> Costs:
+    """Current kernels: the per-rank-shape measurements of scale-model.sh once committed, else
+    the kernel tables (``per_rank_factor`` scales their per-tile cost: 1.0 = the tables as they
+    are; :func:`old_kernel_per_rank_factor` = the penalty the old kernel showed at per-rank
+    shapes, a sensitivity case)."""
+    cur = load_cost("flashmask3", gqa)
+    if per_rank_factor != 1.0:
+        cur = scaled_cost(cur, per_rank_factor, cur.fwd.call, cur.bwd.call,
+                          f"{cur.source}; x{per_rank_factor:.3f} per-rank-shape factor (measured on the "
+                          "old kernel: cp_single_gpu.json vs its kernel tables; assumed to carry over)")
+    return Costs(cur, load_cost("flex", gqa), per_rank_factor)
+
+
+def layer_for(lens: Sequence[int], cp: int, method: Method, model: ModelConfig, cluster: Cluster,
+              runtime: Runtime, costs: Costs, recompute: bool) -> LayerResult:
+    nodes = max(1, cp // cluster.gpus_per_node) if method.hierarchical else 1
+    v = document_plan_view(lens, cp, method.balance, nodes)
+    lr = simulate_layer(v, costs.of(method.kernel), cluster, model.shape(), method.comm, runtime,
+                        recompute)
+    lr.plan_seconds = v.plan_seconds  # planning time when the view was built (cached after)
+    return lr
+
+
+def simulate_dataset(seqs: list[list[int]], model: ModelConfig, layout: Layout, cluster: Cluster,
+                     runtime: Runtime, costs: Costs, methods=METHODS, progress=None) -> dict:
+    out = {}
+    for name, m in methods.items():
+        if m.hierarchical and layout.cp <= cluster.gpus_per_node:
+            continue  # one node: hierarchical routing is the flat routing
+        layers = []
+        for lens in seqs:
+            layers.append(layer_for(lens, layout.cp, m, model, cluster, runtime, costs, layout.recompute))
+            if progress is not None:
+                progress.update(1)
+        st = step_time(model, layout, int(sum(seqs[0])), layers, cluster)
+        out[name] = {"step": st, "layers": layers}
+    return out
+
+
+def _summ(entry) -> dict:
+    st: StepBreakdown = entry["step"]
+    lrs: list[LayerResult] = entry["layers"]
+    mean_compute = float(np.mean([np.mean([lr.fwd.ranks[r].compute * (2 if lr.recompute else 1)
+                                            + lr.bwd.ranks[r].compute for r in range(len(lr.host))])
+                                  for lr in lrs]))
+    host = float(np.mean([max(lr.host) for lr in lrs]))
+    return dict(st.as_dict(), mean_compute_s=mean_compute, host_s=host,
+                bytes_fwd=float(np.mean([lr.fwd.bytes for lr in lrs])),
+                xnode_bytes_fwd=float(np.mean([lr.fwd.cross_node_bytes for lr in lrs])),
+                plan_seconds=float(np.mean([getattr(lr, "plan_seconds", 0.0) for lr in lrs])))
+
+
+def gains(results: dict) -> dict:
+    base = results[BASELINE]["step"].tokens_per_s
+    return {k: v["step"].tokens_per_s / base - 1.0 for k, v in results.items()}
+
+
+def attribution(model: ModelConfig, layout: Layout, results: dict) -> dict:
+    """The combined method's gain over the baseline if one term of its step were removed."""
+    if COMBINED not in results:
+        return {}
+    base = results[BASELINE]["step"].step_s
+    c = _summ(results[COMBINED])
+    per_layer_to_step = model.layers / layout.pp * (layout.micro_batches + layout.pp - 1)
+    step = c["step_s"]
+    att = c["attention_s"]
+    exposed = c["attention_s"] - c["attention_compute_s"] if not c["attention_host_floor"] else 0.0
+    imbalance = c["attention_compute_s"] - c["mean_compute_s"]
+    host = (c["attention_s"] - c["attention_compute_s"]) if c["attention_host_floor"] else 0.0
+    non = (c["nonattn_s"] + c["ep_alltoall_s"]) * per_layer_to_step + c["dp_exposed_s"]
+
+    def g(saved):
+        return base / (step - saved) - 1.0
+
+    ideal_att = c["mean_compute_s"]
+    return {
+        "gain": base / step - 1.0,
+        "without exposed comm": g(exposed * per_layer_to_step),
+        "without imbalance": g(max(0.0, imbalance) * per_layer_to_step),
+        "without host floor": g(host * per_layer_to_step),
+        "ceiling (attention = mean compute, no comm)": g((att - ideal_att) * per_layer_to_step),
+        "attention share of step": att * per_layer_to_step / step,
+        "non-attention share of step": non / step,
+        "bubble share": c["bubble_share"],
+    }
+
+
+def sensitivity(seqs, model, layout, cluster, runtime, costs, factors=(0.5, 2.0), progress=None) -> list:
+    """Gains of the overlap methods over the baseline with each parameter scaled 0.5x / 2x."""
+    rows = []
+    variants = [(p, f, cluster.swept(p, f), costs) for p in SWEPT for f in factors]
+    cur = costs.flashmask3
+    for f in (0.5, round(old_kernel_per_rank_factor(), 3), 2.0):
+        variants.append(("per_rank_factor", f, cluster,
+                         dataclasses.replace(costs, flashmask3=scaled_cost(cur, f, cur.fwd.call, cur.bwd.call,
+                                                                           cur.source))))
+    for f in (0.5, 2.0):
+        variants.append(("comm_bytes(kv_heads)", f, cluster, costs))
+    variants.append(("runtime=current", 1.0, cluster, costs))
+    for name, f, cl, co in variants:
+        rt = Runtime("current") if name == "runtime=current" else runtime
+        m = model
+        if name.startswith("comm_bytes"):  # K/V bytes per token x f (more or fewer KV heads)
+            m = dataclasses.replace(model, kv_heads=max(1, int(model.kv_heads * f)))
+        res = simulate_dataset(seqs, m, layout, cl, rt, co, progress=progress)
+        gs = gains(res)
+        rows.append({"param": name, "factor": f, **{k: gs[k] for k in gs if k != BASELINE}})
+    return rows
+
+
+def cp_sweep(seqs_by_len: dict, model: ModelConfig, cps: Sequence[int], cluster: Cluster,
+             runtime: Runtime, costs: Costs, progress=None) -> dict:
+    """tokens/s per method for each seqlen and cp (one replica, no pp/dp)."""
+    out = {}
+    for seqlen, seqs in seqs_by_len.items():
+        out[seqlen] = {}
+        for cp in cps:
+            res = simulate_dataset(seqs, model, Layout(cp=cp), cluster, runtime, costs, progress=progress)
+            best = COMBINED if cp > cluster.gpus_per_node else "sparse+overlap"
+            if runtime.kind != "current":
+                on_main = simulate_dataset(seqs, model, Layout(cp=cp), cluster, Runtime("current"), costs,
+                                           methods={best: METHODS[best]})
+                res[ON_MAIN] = on_main[best]
+            out[seqlen][cp] = {k: _summ(v) for k, v in res.items()}
+    return out
+
+
+# -- output ---------------------------------------------------------------------------------------
+
+
+def plot_sweep(sweep: dict, path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, len(sweep), figsize=(6 * len(sweep), 4.2), squeeze=False)
+    for ax, (seqlen, by_cp) in zip(axes[0], sweep.items()):
+        cps = sorted(by_cp)
+        for i, m in enumerate(list(METHODS) + [ON_MAIN]):
+            ys = [by_cp[cp][m]["tokens_per_s"] / by_cp[cp][BASELINE]["tokens_per_s"]
+                  if m in by_cp[cp] else math.nan for cp in cps]
+            ax.plot(cps, ys, "--x" if m == ON_MAIN else "-o", color=f"C{i}", label=m)
+        ax.axhline(1.0, color="k", lw=0.8, ls=":")
+        ax.set(xscale="log", xlabel="cp size", ylabel=f"predicted tokens/s vs {BASELINE}",
+               title=f"PREDICTION: 7B dense, {seqlen // 1024}K tokens")
+        ax.set_xticks(cps)
+        ax.get_xaxis().set_major_formatter(matplotlib.ticker.ScalarFormatter())
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def to_jsonable(x):
+    if dataclasses.is_dataclass(x):
+        return to_jsonable(dataclasses.asdict(x))
+    if isinstance(x, dict):
+        return {str(k): to_jsonable(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [to_jsonable(v) for v in x]
+    if isinstance(x, (np.floating, np.integer)):
+        return x.item()
+    return x
+
+
+def write_json(obj, path: str) -> None:
+    with open(path, "w") as f:
+        json.dump(to_jsonable(obj), f, indent=1)
+
+
+__all__ = ["METHODS", "BASELINE", "COMBINED", "PAPER_LAYOUT", "PAPER_GAINS", "make_datasets",
+           "default_costs", "simulate_dataset", "gains", "attribution", "sensitivity", "cp_sweep",
+           "plot_sweep", "write_json"]

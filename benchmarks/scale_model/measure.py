@@ -1,0 +1,226 @@
+"""Calibration run for the scale model (one H200, <= the time budget): what one CP rank runs.
+
+1. ``flashmask_attention`` forward and forward+backward at the per-rank shapes of real plans:
+   B=1, S_q = tokens per rank, keys = one stage's chunks (or all needed chunks, the all-gather
+   call), the rank-local mask of that stage (``plan.local_mask`` sliced by ``plan.stages``),
+   D=128, GQA 8:1 (32 query / 4 KV heads) and 1:1 (16 / 16), bf16; causal document masks at 128K
+   tokens, cp 8-128, dual_chunk and sparse (hierarchical); every call's live full/partial
+   tiles counted by the mask layer's tile rule. Order: most diverse first, so that a budget cut
+   still leaves a spread of tile counts.
+2. bf16 matmul throughput at the models' per-rank MLP/expert shapes (the GEMMs of one layer's
+   forward: projections and dense MLP, or the local experts' share of routed tokens).
+
+Writes ``scale_model_attention.json`` and ``scale_model_matmul.json`` under ``--out`` (commit
+them to benchmarks/results/ and rerun ``python -m benchmarks.scale_model calibrate``).
+
+    python benchmarks/scale_model/measure.py --out $OUT/scale-model --budget-s 150
+    python benchmarks/scale_model/measure.py --device cpu --dry-run --out /tmp/sm   # CPU smoke run
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import os
+import statistics
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+
+import torch  # noqa: E402
+
+import flashmask3.masks as M  # noqa: E402
+from benchmarks.corpus import document_spreads  # noqa: E402
+from benchmarks.environment import run_environment  # noqa: E402
+from benchmarks.scale_model.calibrate import tile_counts  # noqa: E402
+from benchmarks.scale_model.model import DENSE_7B, MOE_118B, _shape_key  # noqa: E402
+from flashmask3 import flashmask_attention  # noqa: E402
+from flashmask3.distributed import plan  # noqa: E402
+from flashmask3.masks import FlashMask  # noqa: E402
+
+
+def timer(fn, device, warmup: int, rep_ms: float) -> float:
+    """Median milliseconds of ``fn``: triton's do_bench on CUDA, perf_counter elsewhere."""
+    if device.type == "cuda":
+        import triton.testing
+
+        return float(triton.testing.do_bench(fn, warmup=max(1, warmup * 5), rep=rep_ms))
+    for _ in range(warmup):
+        fn()
+    ts = []
+    for _ in range(1 if rep_ms <= 0 else 3):
+        t0 = time.perf_counter()
+        fn()
+        ts.append((time.perf_counter() - t0) * 1e3)
+    return statistics.median(ts)
+
+
+def stage_problems(tokens: int, cps, spreads, device):
+    """Yield (meta, local FlashMask, keys) for stage calls and the sorted call of real plans."""
+    lens = document_spreads(tokens, seed=0)
+    for spread, cp, balance in itertools.product(spreads, cps, ("sparse", "dual_chunk")):
+        mask = M.causal_document_mask(lens[spread])
+        nodes = cp // 8 if (balance == "sparse" and cp > 8 and cp % 8 == 0) else 1
+        p = plan(mask, None, cp, balance=balance, nodes=nodes)
+        works = p.works
+        ranks = sorted({0, max(range(cp), key=lambda r: works[r])})
+        for r in ranks:
+            stages = p.stages(r)
+            local = p.local_mask(r, "arrival").startend_row_indices
+            start = 0
+            for s, chunks in enumerate(stages):
+                n = len(chunks) * p.chunk_size
+                if n:
+                    cols = local[:, :, start:start + n].contiguous()
+                    yield ({"spread": spread, "cp": cp, "balance": balance, "nodes": nodes, "rank": r,
+                            "stage": s}, FlashMask(cols, False, p.local_seqlen), n)
+                start += n
+            keys = len(p.needed_chunks(r)) * p.chunk_size
+            if keys:
+                yield ({"spread": spread, "cp": cp, "balance": balance, "nodes": nodes, "rank": r,
+                        "stage": "sorted"}, p.local_mask(r, "sorted"), keys)
+
+
+def measure_attention(args, device, dtype, deadline: float, log, save=None) -> list[dict]:
+    """Time every stage problem until ``deadline``; ``save(rows)`` after each (a kill keeps them)."""
+    rows = []
+    heads_sets = [(args.heads, args.heads // 8), (args.mha_heads, args.mha_heads)]
+    for meta, fm, keys in stage_problems(args.tokens, args.cps, args.spreads, device):
+        if len(rows) >= args.max_shapes * len(heads_sets):
+            break
+        if time.perf_counter() > deadline:
+            log("attention: time budget reached")
+            break
+        q_rows = fm.seqlen_q
+        t = tile_counts(fm.startend_row_indices, False, q_rows, keys)
+        fm = fm.to(device)
+        for hq, hk in heads_sets:
+            if time.perf_counter() > deadline:
+                break
+            g = torch.Generator(device=device).manual_seed(len(rows))
+            q = torch.randn(1, q_rows, hq, args.head_dim, device=device, dtype=dtype, generator=g)
+            k = torch.randn(1, keys, hk, args.head_dim, device=device, dtype=dtype, generator=g)
+            v = torch.randn(1, keys, hk, args.head_dim, device=device, dtype=dtype, generator=g)
+            do = torch.randn_like(q)
+            row = dict(meta, q_rows=q_rows, keys=keys, heads=hq, kv_heads=hk, head_dim=args.head_dim,
+                       full_tiles=t.full, partial_tiles=t.partial)
+            try:
+                with torch.no_grad():
+                    row["fwd_ms"] = timer(lambda: flashmask_attention(q, k, v, fm), device, args.warmup, args.rep_ms)
+                qg, kg, vg = (x.detach().requires_grad_() for x in (q, k, v))
+
+                def step():
+                    flashmask_attention(qg, kg, vg, fm).backward(do)
+                    qg.grad = kg.grad = vg.grad = None
+
+                row["fwd_bwd_ms"] = timer(step, device, args.warmup, args.rep_ms)
+            except Exception as e:  # keep going: one failing shape must not lose the others
+                row["error"] = f"{type(e).__name__}: {e}"[:300]
+                log(f"attention {meta} failed: {row['error']}")
+            rows.append(row)
+            if save is not None:
+                save(rows)
+            log(f"attention {meta} Hq={hq} Hk={hk} rows={q_rows} keys={keys} tiles={t.full}+{t.partial} "
+                f"fwd={row.get('fwd_ms', float('nan')):.3f} ms fwd+bwd={row.get('fwd_bwd_ms', float('nan')):.3f} ms")
+    return rows
+
+
+def layer_gemms(model, tokens: int, ep: int) -> list[tuple[int, int, int]]:
+    """(m, k, n) of one layer's forward GEMMs on one rank (experts: its local share)."""
+    h, d = model.hidden, model.head_dim
+    g = [(tokens, h, (model.heads + 2 * model.kv_heads) * d), (tokens, model.heads * d, h)]
+    if not model.moe:
+        return g + [(tokens, h, 2 * model.ffn), (tokens, model.ffn, h)]
+    local = max(1, model.experts // ep)
+    # balanced routing: after the all-to-all each local expert holds top_k * tokens * ep / experts
+    # tokens (the EP group's tokens routed to it), so a rank's expert work = tokens * top_k
+    per_expert = max(1, tokens * model.top_k * ep // model.experts)
+    f = model.expert_ffn
+    g += [(per_expert, h, 2 * f), (per_expert, f, h)] * local
+    g += [(tokens, h, 2 * f * model.shared_experts), (tokens, f * model.shared_experts, h)]
+    return g
+
+
+def measure_matmul(args, device, dtype, deadline: float, log) -> list[dict]:
+    rows = []
+    for model, ep in ((MOE_118B, 8), (DENSE_7B, 1)):
+        for tokens in args.matmul_tokens:
+            if time.perf_counter() > deadline:
+                log("matmul: time budget reached")
+                return rows
+            gemms = layer_gemms(model, tokens, ep)
+            shapes = sorted(set(gemms))
+            mats = {s: (torch.randn(s[0], s[1], device=device, dtype=dtype),
+                        torch.randn(s[1], s[2], device=device, dtype=dtype)) for s in shapes}
+
+            def run():
+                for s in gemms:
+                    a, b = mats[s]
+                    torch.matmul(a, b)
+
+            ms = timer(run, device, args.warmup, args.rep_ms)
+            flops = sum(2 * m * k * n for m, k, n in gemms)
+            rows.append({"key": _shape_key(model, tokens), "model": model.name, "tokens": tokens, "ep": ep,
+                         "gemms": len(gemms), "ms": ms, "tflops": flops / ms / 1e9})
+            log(f"matmul {model.name} tokens={tokens}: {ms:.3f} ms, {flops / ms / 1e9:.1f} TFLOP/s")
+    return rows
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--budget-s", type=float, default=150.0)
+    ap.add_argument("--tokens", type=int, default=131072)
+    ap.add_argument("--cps", type=int, nargs="+", default=[8, 128, 32, 16, 64])
+    ap.add_argument("--spreads", nargs="+", default=["long", "mixed", "corpus", "short"])
+    ap.add_argument("--heads", type=int, default=32, help="query heads of the GQA 8:1 case")
+    ap.add_argument("--mha-heads", type=int, default=16, help="heads of the 1:1 case")
+    ap.add_argument("--head-dim", type=int, default=128)
+    ap.add_argument("--matmul-tokens", type=int, nargs="+", default=[1024, 2048, 4096, 8192, 16384, 32768, 65536])
+    ap.add_argument("--warmup", type=int, default=2)
+    ap.add_argument("--rep-ms", type=float, default=40.0)
+    ap.add_argument("--max-shapes", type=int, default=10_000, help="stop after this many attention shapes")
+    ap.add_argument("--dry-run", action="store_true", help="tiny sizes (CPU smoke run)")
+    args = ap.parse_args(argv)
+    if args.dry_run:
+        args.tokens, args.cps, args.spreads = 2048, [2, 16], ["long"]
+        args.heads, args.mha_heads, args.head_dim = 8, 1, 16
+        args.matmul_tokens, args.warmup, args.rep_ms, args.max_shapes = [64], 0, 0.0, 2
+    device = torch.device(args.device)
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    os.makedirs(args.out, exist_ok=True)
+    log_path = os.path.join(args.out, "measure.log")
+    logf = open(log_path, "a")
+
+    def log(msg):
+        print(msg, flush=True)
+        logf.write(msg + "\n")
+        logf.flush()
+
+    t0 = time.perf_counter()
+    env = dict(run_environment(device), dtype=str(dtype), dry_run=args.dry_run)
+    att_deadline = t0 + args.budget_s * 0.85
+    def save(rows):
+        tmp = os.path.join(args.out, "scale_model_attention.json.tmp")
+        with open(tmp, "w") as f:
+            json.dump({"env": env, "args": vars(args), "attention": rows}, f, indent=1)
+        os.replace(tmp, os.path.join(args.out, "scale_model_attention.json"))
+
+    att = measure_attention(args, device, dtype, att_deadline, log, save)
+    save(att)
+    mm = measure_matmul(args, device, dtype, t0 + args.budget_s, log)
+    with open(os.path.join(args.out, "scale_model_matmul.json"), "w") as f:
+        json.dump({"env": env, "args": vars(args), "matmul": mm}, f, indent=1)
+    ok = sum("fwd_bwd_ms" in r for r in att)
+    log(f"SUMMARY scale-model: {ok}/{len(att)} attention shapes timed (tiles "
+        f"{min((r['full_tiles'] + r['partial_tiles'] for r in att), default=0)}-"
+        f"{max((r['full_tiles'] + r['partial_tiles'] for r in att), default=0)}), {len(mm)} matmul sets; "
+        f"{time.perf_counter() - t0:.0f} s")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

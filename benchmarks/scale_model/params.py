@@ -1,0 +1,120 @@
+"""Cluster parameters of the scale model, each with where it comes from.
+
+Every number carries a ``source`` string that says whether it was **measured** (on this
+project's H200, with the file), **published** (vendor figure, with the document) or
+**assumed** (no measurement possible here; swept in the sensitivity table).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+
+GB = 1e9
+
+
+@dataclass(frozen=True)
+class Param:
+    """A value and its provenance ("measured: ...", "published: ...", "assumed: ...")."""
+
+    value: float
+    source: str
+
+    def scaled(self, factor: float) -> "Param":
+        return Param(self.value * factor, f"{self.source} (x{factor:g})")
+
+
+@dataclass(frozen=True)
+class Cluster:
+    """Links, GPU and host of one cluster. Bandwidths in bytes/s, times in seconds."""
+
+    name: str = "H100 SXM, 8 GPUs/node, 8x400 Gb/s InfiniBand (one NIC per GPU)"
+    gpus_per_node: int = 8
+    nvlink_bw: Param = Param(450 * GB, "published: NVLink 4 = 900 GB/s bidirectional per GPU "
+                             "(NVIDIA H100/H200 SXM datasheets) -> 450 GB/s per direction")
+    ib_bw: Param = Param(50 * GB, "published: 400 Gb/s NDR InfiniBand (ConnectX-7), one NIC per "
+                         "GPU (NVIDIA DGX H100 user guide) -> 50 GB/s per direction per GPU")
+    link_efficiency: Param = Param(0.8, "assumed: achieved / peak bandwidth of NCCL point-to-point "
+                                   "and ring collectives (nccl-tests typically reach 0.75-0.9)")
+    nvlink_latency: Param = Param(3e-6, "assumed: per-message NVLink latency ('a few us')")
+    ib_latency: Param = Param(6e-6, "assumed: per-message InfiniBand latency incl. GPUDirect RDMA "
+                              "setup ('a few us')")
+    msg_overhead: Param = Param(1e-6, "assumed: port time per message (NCCL work item) on top of "
+                                "bytes / bandwidth")
+    comm_sm_share: Param = Param(0.08, "assumed: fraction of the GPU's SMs NCCL kernels occupy "
+                                 "while a transfer is active (~8-16 of 132 SMs)")
+    hbm_bw: Param = Param(4.3e12, "measured: device copy ~4.3 TB/s on the H200 "
+                          "(benchmarks/NOTES.md 'Ceilings'); elementwise merges and casts")
+    matmul_tflops: Param = Param(790.0, "measured: dense bf16 matmul ~790 TFLOP/s on the H200 "
+                                 "(benchmarks/NOTES.md 'Ceilings')")
+    matmul_efficiency: Param = Param(0.75, "assumed: achieved / dense-ceiling matmul throughput "
+                                     "at the model's MLP/expert shapes (grouped expert GEMMs) until "
+                                     "benchmarks/gpu/scale-model.sh has measured them")
+    nonmatmul_share: Param = Param(0.15, "assumed: norms, activations, rotary, router, token "
+                                   "permutation as a fraction of the matmul time")
+    host_op: Param = Param(7e-6, "assumed: host time per eager PyTorch op that launches work "
+                           "(dispatch + launch, 5-10 us on a server CPU)")
+    gpu_scale: Param = Param(1.0, "assumed: H100 SXM runs the measured H200 kernels at the same "
+                             "speed (same SM count and clocks; H200 only adds memory bandwidth, "
+                             "which attention does not need: FLOP-bound by 20-60x)")
+    dp_overlap: Param = Param(0.8, "assumed: share of the data-parallel gradient reduction that "
+                              "overlaps with the last micro-batch's backward")
+
+    def with_(self, **changes) -> "Cluster":
+        return dataclasses.replace(self, **changes)
+
+    def swept(self, name: str, factor: float) -> "Cluster":
+        """A copy with parameter ``name`` scaled by ``factor`` (the 0.5x-2x sweep); fractions
+        (efficiencies, shares) are capped at 1."""
+        p = getattr(self, name).scaled(factor)
+        if name in FRACTIONS and p.value > 1.0:
+            p = Param(1.0, p.source + " (capped at 1)")
+        return dataclasses.replace(self, **{name: p})
+
+    def params(self) -> dict[str, Param]:
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)
+                if isinstance(getattr(self, f.name), Param)}
+
+    def p2p_bw(self, same_node: bool) -> float:
+        bw = self.nvlink_bw.value if same_node else self.ib_bw.value
+        return bw * self.link_efficiency.value
+
+    def latency(self, same_node: bool) -> float:
+        return self.nvlink_latency.value if same_node else self.ib_latency.value
+
+
+#: Parameters that are fractions (a sweep caps them at 1).
+FRACTIONS = ("link_efficiency", "matmul_efficiency", "comm_sm_share", "nonmatmul_share", "dp_overlap")
+
+#: The link parameters swept 0.5x-2x in the sensitivity table.
+SWEPT = ("nvlink_bw", "ib_bw", "nvlink_latency", "ib_latency", "comm_sm_share", "host_op",
+         "matmul_efficiency")
+
+
+@dataclass(frozen=True)
+class Runtime:
+    """What the context-parallel runtime costs on the host and in small device ops.
+
+    ``lean``: the cp-runtime target (issue 22): at most 64 launches per layer forward+backward
+    outside the attention kernels. ``current``: the runtime on main before that rewrite, whose
+    op counts grow with messages and chunks: ``20 + 14/stage-pass + 8/message + 1/received
+    chunk`` per layer forward+backward (the ops of attention.py/comm.py on main: a stack and a
+    buffer per message each way, a cat/contiguous/merge per stage, per-chunk gradient
+    accumulation), which gives 260-350 at cp 8 and 760-3,100 at cp 128 on the 128K document
+    spreads, against issue 22's counts of 170-330 and 1,000-2,500.
+    """
+
+    kind: str = "lean"
+    lean_ops: int = 64
+    ops_per_stage: int = field(default=14)
+    ops_per_message: int = field(default=8)
+    ops_per_chunk: int = field(default=1)
+
+    def host_ops(self, stages: int, messages: int, chunks: int, attention_calls: int) -> int:
+        """Host ops of one layer's attention forward+backward (launches of any kind)."""
+        if self.kind == "lean":
+            return self.lean_ops + 2 * attention_calls
+        if self.kind != "current":
+            raise ValueError(f"runtime kind must be 'lean' or 'current', got {self.kind!r}")
+        return (20 + self.ops_per_stage * stages + self.ops_per_message * messages
+                + self.ops_per_chunk * chunks)

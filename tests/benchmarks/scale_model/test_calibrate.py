@@ -1,0 +1,98 @@
+"""Calibration: the fit recovers known costs (round trip), through the measurement file too."""
+
+import json
+import random
+
+import pytest
+
+from benchmarks.scale_model import calibrate as C
+from benchmarks.scale_model.calibrate import TileCounts
+
+
+def _points(rng, a_full, a_part, call, kind):
+    pts = []
+    for _ in range(40):
+        rows = rng.choice([1024, 4096, 16384])
+        keys = rng.choice([1024, 8192, 65536])
+        t = TileCounts(rng.randint(50, 40000), rng.randint(0, 3000), rows, keys)
+        heads = rng.choice([8, 16, 32])
+        programs = C._programs(kind, t, heads)
+        fill = max(1.0, C.N_SM / programs)
+        pts.append((t, heads, call + heads * (a_full * t.full + a_part * t.partial) * fill))
+    return pts
+
+
+@pytest.mark.parametrize("kind", ["fwd", "bwd"])
+def test_fit_recovers_known_costs(kind):
+    rng = random.Random(7 if kind == "fwd" else 8)
+    a_full, a_part, call = rng.uniform(10e-9, 60e-9), rng.uniform(20e-9, 90e-9), rng.uniform(5e-6, 80e-6)
+    fit = C.fit_pass(_points(rng, a_full, a_part, call, kind), kind)
+    assert fit.a_full == pytest.approx(a_full, rel=1e-6)
+    assert fit.a_partial == pytest.approx(a_part, rel=1e-6)
+    assert fit.call == pytest.approx(call, rel=1e-5)
+    assert fit.rms_rel_err < 1e-6
+
+
+def test_fit_with_fixed_call_and_noise():
+    rng = random.Random(3)
+    pts = [(t, h, s * rng.uniform(0.97, 1.03)) for t, h, s in _points(rng, 20e-9, 30e-9, 20e-6, "fwd")]
+    fit = C.fit_pass(pts, "fwd", call=20e-6)
+    assert fit.call == 20e-6
+    assert fit.a_full == pytest.approx(20e-9, rel=0.1)
+    assert 0 < fit.rms_rel_err < 0.05
+
+
+def test_fit_from_the_measurement_file_round_trip(tmp_path):
+    """measure.py's json format -> fit_from_measured -> the costs that generated it."""
+    rng = random.Random(11)
+    rows = []
+    for _ in range(30):
+        q_rows, keys = rng.choice([1024, 8192]), rng.choice([2048, 32768])
+        full, part = rng.randint(100, 20000), rng.randint(0, 2000)
+        t = TileCounts(full, part, q_rows, keys)
+        fwd = C.PassCost(15e-9, 25e-9, 30e-6, 0, 0).seconds(t, 32, C._programs("fwd", t, 32))
+        bwd = C.PassCost(40e-9, 45e-9, 60e-6, 0, 0).seconds(t, 32, C._programs("bwd", t, 32))
+        rows.append({"head_dim": 128, "heads": 32, "kv_heads": 4, "q_rows": q_rows, "keys": keys,
+                     "full_tiles": full, "partial_tiles": part, "fwd_ms": fwd * 1e3,
+                     "fwd_bwd_ms": (fwd + bwd) * 1e3})
+    rows.append({"head_dim": 128, "heads": 32, "kv_heads": 4, "q_rows": 1024, "keys": 1024,
+                 "full_tiles": 1, "partial_tiles": 0, "error": "failed shape"})  # skipped
+    path = tmp_path / "scale_model_attention.json"
+    path.write_text(json.dumps({"env": {"gpu": "test", "date": "now"}, "attention": rows}))
+    cost = C.fit_from_measured(str(path), 128, True)
+    assert cost.source.startswith("measured")
+    assert cost.fwd.a_full == pytest.approx(15e-9, rel=1e-4) and cost.fwd.call == pytest.approx(30e-6, rel=1e-3)
+    assert cost.bwd.a_partial == pytest.approx(45e-9, rel=1e-4) and cost.bwd.call == pytest.approx(60e-6, rel=1e-3)
+    t = TileCounts(5000, 300, 4096, 16384)
+    assert cost.forward(t, 32) == pytest.approx(C.PassCost(15e-9, 25e-9, 30e-6, 0, 0).seconds(t, 32, 4096 // 128 * 32))
+
+
+def test_fit_without_points_is_a_clear_error():
+    with pytest.raises(ValueError, match="no fwd points"):
+        C.fit_pass([], "fwd")
+
+
+def test_tile_counts_of_a_causal_mask():
+    t = C.tile_counts(None, True, 1024, 1024)  # 8x8 blocks: 8 diagonal partial, 28 full
+    assert (t.full, t.partial) == (28, 8)
+
+
+def test_cached_calibration_loads_every_family():
+    for name in C.FITS:
+        cost = C.load_cost(name, True)
+        assert cost.fwd.a_full > 0 and cost.bwd.a_full > 0 and cost.head_dim == 128
+
+
+def test_matmul_throughput_uses_the_nearest_measured_shape(tmp_path, monkeypatch):
+    from benchmarks.scale_model.params import Cluster
+
+    path = tmp_path / "mm.json"
+    path.write_text(json.dumps({"matmul": [{"key": "1024x4096x2048", "tflops": 400.0},
+                                           {"key": "8192x4096x2048", "tflops": 600.0},
+                                           {"key": "8192x4096x14336", "tflops": 700.0}]}))
+    monkeypatch.setattr(C, "MATMUL_FILE", str(path))
+    assert C.matmul_tflops(Cluster(), "6000x4096x2048")[0] == 600.0
+    assert C.matmul_tflops(Cluster(), "1500x4096x2048")[0] == 400.0
+    assert C.matmul_tflops(Cluster(), "100x4096x14336")[0] == 700.0
+    tf, src = C.matmul_tflops(Cluster(), "100x8192x1000")  # no such dims: ceiling x efficiency
+    assert tf == Cluster().matmul_tflops.value * Cluster().matmul_efficiency.value and "assumed" in src

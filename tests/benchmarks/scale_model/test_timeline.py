@@ -1,0 +1,159 @@
+"""The timeline's rules on tiny cases whose answer can be worked out by hand."""
+
+import math
+
+import pytest
+
+from benchmarks.scale_model.calibrate import TileCounts
+from benchmarks.scale_model.layout import PlanView, RoundView
+from benchmarks.scale_model.params import Cluster, Param, Runtime
+from benchmarks.scale_model.timeline import (AttnShape, Links, ring_collective_time, simulate_layer,
+                                             simulate_pass)
+
+MS = 1e-3
+SHAPE = AttnShape(heads=1, kv_heads=1, head_dim=64, elem_bytes=2)
+CHUNK = 1024
+CHUNK_BYTES = SHAPE.kv_bytes(CHUNK)  # 262144
+
+
+class TileCost:
+    """Forward: 1 ms per full tile; backward: 2 ms per full tile; no per-call cost."""
+
+    def forward(self, tiles, heads):
+        return tiles.full * MS
+
+    def backward(self, tiles, heads):
+        return 2 * tiles.full * MS
+
+
+def cluster(**kw) -> Cluster:
+    """A chunk takes 1 ms on any link; no latency, overhead or SM share; merges free."""
+    base = dict(nvlink_bw=Param(CHUNK_BYTES / MS, "test"), ib_bw=Param(CHUNK_BYTES / MS, "test"),
+                link_efficiency=Param(1.0, "test"), nvlink_latency=Param(0.0, "test"),
+                ib_latency=Param(0.0, "test"), msg_overhead=Param(0.0, "test"),
+                comm_sm_share=Param(0.0, "test"), hbm_bw=Param(1e30, "test"), gpus_per_node=2)
+    base.update(kw)
+    return Cluster().with_(**base)
+
+
+def tiles(n: int, keys: int = CHUNK) -> TileCounts:
+    return TileCounts(n, 0, CHUNK, keys)
+
+
+def view(stages, rounds, nodes=1) -> PlanView:
+    p = len(stages)
+    chunks = [[1 if t.live else 0 for t in st] for st in stages]
+    works = [sum(t.live for t in st) for st in stages]
+    sorted_tiles = [TileCounts(sum(t.full for t in st), 0, CHUNK, CHUNK * p) for st in stages]
+    return PlanView(p, nodes, CHUNK * p, CHUNK, "test", 1.0, works, stages, chunks, sorted_tiles,
+                    rounds, 0.0)
+
+
+def test_a_stage_waits_for_its_round():
+    # rank 0: own stage 1 ms, then a chunk from rank 1 that needs 3 chunk-times on the link.
+    v = view([[tiles(1), tiles(2)], [tiles(1), tiles(0)]],
+             [RoundView(((1, 0, 3),), False, None)])
+    r = simulate_pass(v, TileCost(), cluster(), SHAPE, "overlap", backward=False)
+    assert r.ranks[0].end == pytest.approx(3 * MS + 2 * MS)  # waits until 3 ms, then 2 ms
+    assert r.ranks[0].exposed_comm == pytest.approx(2 * MS)
+    assert r.ranks[1].end == pytest.approx(3 * MS)  # its send completes at 3 ms
+    assert r.slowest == 0
+
+
+def test_compute_hides_a_short_transfer():
+    v = view([[tiles(5), tiles(1)], [tiles(1), tiles(0)]], [RoundView(((1, 0, 1),), False, None)])
+    r = simulate_pass(v, TileCost(), cluster(), SHAPE, "overlap", backward=False)
+    assert r.ranks[0].end == pytest.approx(6 * MS) and r.ranks[0].exposed_comm == pytest.approx(0)
+
+
+def test_allgather_is_exposed():
+    v = view([[tiles(2)], [tiles(1)]], [])
+    c = cluster()
+    ag = ring_collective_time(c, 2, SHAPE.kv_bytes(CHUNK))
+    assert ag == pytest.approx(1 * MS)  # one shard over one link
+    f = simulate_pass(v, TileCost(), c, SHAPE, "allgather", backward=False)
+    b = simulate_pass(v, TileCost(), c, SHAPE, "allgather", backward=True)
+    assert f.ranks[0].end == pytest.approx(ag + 2 * MS)
+    # backward: all-gather + kernels + reduce-scatter (+ the dK/dV copy into the gathered slots)
+    copy = 2 * SHAPE.kv_bytes(v.sorted_tiles[0].keys) / c.hbm_bw.value
+    assert b.ranks[0].end == pytest.approx(2 * ag + 4 * MS + copy)
+
+
+def test_allgather_across_nodes_uses_every_nic():
+    c = cluster(gpus_per_node=2, ib_bw=Param(CHUNK_BYTES / MS / 10, "slow IB"))
+    # 4 ranks, 2 nodes: each node ingests 2 shards through 2 NICs at 0.1 shard/ms -> 10 ms
+    assert ring_collective_time(c, 4, CHUNK_BYTES) == pytest.approx(10 * MS)
+
+
+def test_relay_waits_for_its_source_round():
+    # 4 ranks, 2 nodes of 2: rank 0 -> rank 2 across nodes (round 0), rank 2 relays to rank 3
+    # (round 1, source 0). Rank 3's remote stage cannot start before 2 ms (1 + 1 link times).
+    c = cluster(ib_bw=Param(CHUNK_BYTES / (2 * MS), "IB: 2 ms a chunk"))
+    rounds = [RoundView(((0, 2, 1),), False, None), RoundView(((2, 3, 1),), True, 0)]
+    stages = [[tiles(1), tiles(0), tiles(0)], [tiles(1), tiles(0), tiles(0)],
+              [tiles(1), tiles(1), tiles(0)], [tiles(1), tiles(0), tiles(1)]]
+    r = simulate_pass(view(stages, rounds, nodes=2), TileCost(), c, SHAPE, "overlap", backward=False)
+    assert r.ranks[2].end == pytest.approx(2 * MS + 1 * MS)   # IB 2 ms, then 1 ms of compute
+    assert r.ranks[3].end == pytest.approx(2 * MS + 1 * MS + 1 * MS)  # + NVLink relay 1 ms
+    assert r.cross_node_bytes == CHUNK_BYTES
+
+
+def test_backward_gradient_return_after_the_relays_and_the_stage():
+    # Same routing, backward: rank 3 returns its gradient to rank 2 after its stage 2; rank 2
+    # sums and returns to rank 0 over IB only after that arrives.
+    c = cluster(ib_bw=Param(CHUNK_BYTES / (2 * MS), "IB: 2 ms a chunk"))
+    rounds = [RoundView(((0, 2, 1),), False, None), RoundView(((2, 3, 1),), True, 0)]
+    stages = [[tiles(1), tiles(0), tiles(0)], [tiles(1), tiles(0), tiles(0)],
+              [tiles(1), tiles(1), tiles(0)], [tiles(1), tiles(0), tiles(1)]]
+    r = simulate_pass(view(stages, rounds, nodes=2), TileCost(), c, SHAPE, "overlap", backward=True)
+    # K/V: rank 2 has it at 2 ms, rank 3 at 3 ms; rank 3 computes 3..5 (2 ms a tile), returns 5..6;
+    # rank 2 returns to rank 0 over IB 6..8 (its own stage ended at 2 + 2 = 4 ms).
+    assert r.ranks[3].end == pytest.approx(6 * MS)
+    assert r.ranks[0].end == pytest.approx(8 * MS)
+    assert r.ranks[2].end == pytest.approx(8 * MS)
+
+
+def test_link_contention_on_the_receivers_port():
+    c = cluster(gpus_per_node=4)
+    one_port = Links(c)
+    assert one_port.transfer(0.0, 1, 0, CHUNK_BYTES) == pytest.approx(1 * MS)
+    assert one_port.transfer(0.0, 2, 0, CHUNK_BYTES) == pytest.approx(2 * MS)  # queued behind it
+    two_ports = Links(c)
+    assert two_ports.transfer(0.0, 1, 0, CHUNK_BYTES) == pytest.approx(1 * MS)
+    assert two_ports.transfer(0.0, 2, 3, CHUNK_BYTES) == pytest.approx(1 * MS)  # other ports
+
+
+def test_round_with_two_senders_to_one_rank_waits_for_both():
+    v = view([[tiles(0), tiles(1)], [tiles(1), tiles(0)], [tiles(1), tiles(0)]],
+             [RoundView(((1, 0, 1), (2, 0, 1)), False, None)])
+    r = simulate_pass(v, TileCost(), cluster(gpus_per_node=4), SHAPE, "overlap", backward=False)
+    assert r.ranks[0].end == pytest.approx(2 * MS + 1 * MS)
+
+
+def test_sm_share_slows_overlapped_compute():
+    # 2 ms of compute on rank 1 while its 1 ms send is in flight at half speed: 0.5 ms of work done
+    # in the first ms, the remaining 1.5 ms after -> 2.5 ms.
+    v = view([[tiles(0), tiles(1)], [tiles(2), tiles(0)]], [RoundView(((1, 0, 1),), False, None)])
+    r = simulate_pass(v, TileCost(), cluster(comm_sm_share=Param(0.5, "test")), SHAPE, "overlap", False)
+    assert r.ranks[1].end == pytest.approx(2.5 * MS)
+
+
+def test_step_is_the_slowest_rank_and_host_floor():
+    v = view([[tiles(1)], [tiles(3)]], [])
+    lr = simulate_layer(v, TileCost(), cluster(), SHAPE, "overlap", Runtime("lean"))
+    assert lr.slowest == 1
+    assert lr.time == pytest.approx(lr.rank_time(1)) and lr.time == pytest.approx(3 * MS + 6 * MS)
+    slow_host = cluster(host_op=Param(1.0, "1 s per op"))
+    lr = simulate_layer(v, TileCost(), slow_host, SHAPE, "overlap", Runtime("lean"))
+    assert lr.time == pytest.approx(max(lr.host))  # host-bound: the host sets the pace
+
+
+def test_bad_comm_is_a_clear_error():
+    v = view([[tiles(1)]], [])
+    with pytest.raises(ValueError, match="comm"):
+        simulate_pass(v, TileCost(), cluster(), SHAPE, "ring", False)
+
+
+def test_empty_layout_sanity():
+    assert ring_collective_time(cluster(), 1, 123) == 0.0
+    assert math.isfinite(ring_collective_time(cluster(), 128, CHUNK_BYTES))
