@@ -3,7 +3,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.flashmask3-installed
 
-.PHONY: demo test test-all venv clean
+.PHONY: demo test test-slow test-all venv clean
 
 venv: $(STAMP)
 
@@ -15,9 +15,12 @@ demo: $(STAMP)
 	$(PY) -m flashmask3.train.cli demo
 
 # test: the suite with each slow kernel test once (tests/conftest.py, SLOW_MATRIX_MODULES);
-# test-all: every CPU case (CI). Tests marked gpu run only where CUDA is.
+# test-slow: the rest of those matrices; test-all: both (CI runs test, then test-slow). Tests marked gpu run only where CUDA is.
 test: $(STAMP)
 	$(PY) -m pytest -q -m "not slow" tests
+
+test-slow: $(STAMP)
+	$(PY) -m pytest -q -m slow tests
 
 test-all: $(STAMP)
 	$(PY) -m pytest -q tests

@@ -224,6 +224,52 @@ def _event_timer(call) -> float:
     return start.elapsed_time(end)
 
 
+def standard_ms(fn, leaves=None) -> float:
+    """Median ms of ``fn`` by plain ``triton.testing.do_bench`` (its defaults: 25 ms warm-up,
+    100 ms of calls, L2 flushed before each): the standard number every peer reports. Each
+    timed span starts right after the L2 flush, so it includes whatever host work of the call
+    the GPU does not hide: the column to quote, next to the interleaved timer's GPU time."""
+    from triton.testing import do_bench
+
+    return do_bench(fn, grad_to_none=leaves, return_mode="median")
+
+
+#: Calls per host-time sample and the GPU sleep (cycles) that covers them: the host's work of
+#: :data:`HOST_CALLS` fwd+bwd calls must be enqueued before the GPU runs dry (100M cycles is
+#: ~50 ms on an H200: 5 ms per call).
+HOST_CALLS, HOST_SLEEP_CYCLES = 10, 100_000_000
+
+
+def host_us(fn, leaves=None, samples: int = 5) -> float:
+    """Median host time per call (µs) of ``fn``: CPU wall time to enqueue :data:`HOST_CALLS`
+    back-to-back calls while the GPU is kept busy (``torch.cuda._sleep``), so it measures the
+    Python and launch work only, never a wait for the device (a synchronising call shows up as
+    the GPU sleep's length)."""
+    per_call = []
+    for _ in range(samples):
+        for t in leaves or ():
+            t.grad = None
+        _sync()
+        torch.cuda._sleep(HOST_SLEEP_CYCLES)
+        t0 = time.perf_counter()
+        for _ in range(HOST_CALLS):
+            fn()
+        per_call.append((time.perf_counter() - t0) / HOST_CALLS * 1e6)
+        _sync()
+    return statistics.median(per_call)
+
+
+def standard_columns(fwd, leaves, dout) -> dict:
+    """The host-inclusive columns of one implementation: do_bench medians of fwd and fwd+bwd
+    (``std_fwd_ms``, ``std_fwd_bwd_ms``) and host µs per call (``host_fwd_us``,
+    ``host_fwd_bwd_us``)."""
+    def fwd_bwd():
+        fwd().backward(dout)
+
+    return dict(std_fwd_ms=standard_ms(fwd), std_fwd_bwd_ms=standard_ms(fwd_bwd, leaves),
+                host_fwd_us=host_us(fwd), host_fwd_bwd_us=host_us(fwd_bwd, leaves))
+
+
 def measure_interleaved(built: dict) -> dict:
     """fwd, bwd and fwd+bwd medians (ms) and peak extra memory (GB) of every implementation in
     ``built`` (name -> (fwd, leaves, dout)), the implementations' calls interleaved round by
@@ -257,6 +303,8 @@ def measure_interleaved(built: dict) -> dict:
     for n, (fwd, leaves, dout) in built.items():
         with flashmask_variant(n):
             res[n]["peak_extra_gb"] = _peak_extra_gb(fwd, leaves, dout)
+            if torch.cuda.is_available():  # (CUDA-timed; the CPU tests of this wiring skip it)
+                res[n].update(standard_columns(fwd, leaves, dout))
     return res
 
 
@@ -285,6 +333,8 @@ def measure(fwd, leaves, dout) -> dict:
     del out
     res["fwd_bwd_ms"], _ = bench(lambda: fwd().backward(dout), grad_to_none=leaves)
     res["peak_extra_gb"] = _peak_extra_gb(fwd, leaves, dout)
+    if torch.cuda.is_available():
+        res.update(standard_columns(fwd, leaves, dout))
     return res
 
 
@@ -622,6 +672,29 @@ def _variants_cell(r: dict) -> str:
     return "; ".join(cells) or "-"
 
 
+def standard_table(results: list[dict]) -> list[str]:
+    """Markdown lines of the host-inclusive columns (:func:`standard_columns`) of the rows that
+    have them: do_bench fwd / fwd+bwd (ms) and host µs per call, flashmask3 and Flex."""
+    rows = [r for r in results if "std_fwd_bwd_ms" in r["impls"].get("flashmask3", {})]
+    if not rows:
+        return []
+    hdr = ("| D | mask | S | fm std fwd | fm std f+b | flex std f+b | x flex (std) | fm GPU f+b | "
+           "fm std / GPU | fm host fwd µs | fm host f+b µs | flex host f+b µs |")
+    out = ["", "Standard timing (plain `triton.testing.do_bench`, host launch work included, as "
+           "peers report; `GPU` = the interleaved timer above) and host time per call (CPU time "
+           "to enqueue while the GPU is busy):", "", hdr, "|" + "---|" * (hdr.count("|") - 1)]
+    for r in rows:
+        fm, fx = r["impls"]["flashmask3"], r["impls"].get("flex", {})
+        ratio = (fx["std_fwd_bwd_ms"] / fm["std_fwd_bwd_ms"]) if "std_fwd_bwd_ms" in fx else None
+        out.append("| " + " | ".join([
+            str(r["D"]), r["mask"], f"{r['S'] // 1024}K", _fmt(fm["std_fwd_ms"]),
+            _fmt(fm["std_fwd_bwd_ms"]), _fmt(fx.get("std_fwd_bwd_ms")), _fmt(ratio),
+            _fmt(fm.get("fwd_bwd_ms")), _fmt(fm["std_fwd_bwd_ms"] / fm["fwd_bwd_ms"])
+            if fm.get("fwd_bwd_ms") else "-", _fmt(fm["host_fwd_us"], ".0f"),
+            _fmt(fm["host_fwd_bwd_us"], ".0f"), _fmt(fx.get("host_fwd_bwd_us"), ".0f")]) + " |")
+    return out
+
+
 def markdown(results: list[dict], meta: dict) -> str:
     lines = ["# Kernel benchmark: flashmask3 (Triton) vs FlexAttention / SDPA / varlen", ""]
     for k in ("gpu", "date", "torch", "triton", "cuda", "command"):
@@ -692,6 +765,7 @@ def markdown(results: list[dict], meta: dict) -> str:
         errs = {k: v["error"] for k, v in r["impls"].items() if "error" in v}
         if errs:
             lines.append(f"|  |  | errors: {errs} |" + " |" * (hdr.count("|") - 4))
+    lines += standard_table(results)
     missed = [(r["mask"], r["S"], r["D"], t) for r in results for t in targets(r) if "MISSED" in t]
     met = [t for r in results for t in targets(r) if t.endswith("met")]
     lines += ["", f"**Targets**: {len(met)} met, {len(missed)} missed (see benchmarks/NOTES.md for "

@@ -10,6 +10,7 @@ without graph breaks.
 from __future__ import annotations
 
 import math
+import os
 from typing import Optional, Union
 
 import torch
@@ -27,12 +28,21 @@ _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 @torch.library.custom_op("flashmask3::attention_forward", mutates_args=())
 def _attention_forward(
     q: Tensor, k: Tensor, v: Tensor, startend_row_indices: Optional[Tensor], causal: bool,
-    softmax_scale: float, backend: str, row_span: float,
+    softmax_scale: float, backend: str, row_span: Optional[Tensor],
 ) -> tuple[Tensor, Tensor]:
-    # row_span: the mask's mean row span rounded down to its half octave (the lower edge of
-    # FlashMask.row_span_bucket), -1 when unknown
+    # row_span: FlashMask.row_span_hint, the mask's mean row span rounded down to its half
+    # octave as a 0-d CPU tensor (read here without a device sync; a tensor, so that
+    # torch.compile does not specialise on its value), or None when unknown
+    return _attention_forward_impl(q, k, v, startend_row_indices, causal, softmax_scale, backend,
+                                   row_span)
+
+
+def _attention_forward_impl(q, k, v, startend_row_indices, causal, softmax_scale, backend,
+                            row_span):
+    """The backend's forward (the body of both the custom op and the eager Function)."""
+    span = None if row_span is None else float(row_span)
     out, lse = get_backend(backend).forward(q, k, v, startend_row_indices, causal, softmax_scale,
-                                            row_span=None if row_span < 0 else row_span)
+                                            row_span=span)
     return out.contiguous(), lse.contiguous()
 
 
@@ -81,6 +91,36 @@ def _backward(ctx, dout, dlse):
 _attention_forward.register_autograd(_backward, setup_context=_setup_context)
 
 
+class _EagerAttention(torch.autograd.Function):
+    """The same forward and backward as the custom op, for eager calls on plain tensors: one
+    ``autograd.Function`` frame instead of the custom op's dispatcher round trip (about 100
+    fewer Python calls per forward, ~90 per backward: benchmarks/host_profile.py). Traced calls
+    (torch.compile, export, fake or dispatch modes, tensor subclasses) take the custom op."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, startend_row_indices, causal, softmax_scale, backend, row_span):
+        out, lse = _attention_forward_impl(q, k, v, startend_row_indices, causal, softmax_scale,
+                                           backend, row_span)
+        ctx.save_for_backward(q, k, v, out, lse, startend_row_indices)
+        ctx.causal, ctx.softmax_scale, ctx.backend = causal, softmax_scale, backend
+        return out, lse
+
+    @staticmethod
+    def backward(ctx, dout, dlse):
+        q, k, v, out, lse, startend_row_indices = ctx.saved_tensors
+        dq, dk, dv = get_backend(ctx.backend).backward(
+            dout.contiguous(), dlse, q, k, v, out, lse, startend_row_indices, ctx.causal,
+            ctx.softmax_scale)
+        return dq.contiguous(), dk.contiguous(), dv.contiguous(), None, None, None, None, None
+
+
+def _traced(q: Tensor) -> bool:
+    """Whether this call must go through the custom op: under torch.compile / export, inside a
+    dispatch mode (FakeTensorMode, functionalization, ...), or on a tensor subclass."""
+    return (torch.compiler.is_compiling() or type(q) is not Tensor
+            or torch._C._len_torch_dispatch_stack() > 0)
+
+
 # -- argument checks ------------------------------------------------------------------------
 
 
@@ -114,11 +154,25 @@ def check_qkv(q, k, v) -> None:
 
 
 def kernel_row_span(mask: FlashMask) -> Optional[float]:
-    """The row span the kernels get for ``mask``: the lower edge of its half-octave bucket
-    (:attr:`FlashMask.row_span_bucket`; read alone, so torch.compile guards on the bucket, not
-    on the exact span), or None without one."""
+    """The row span the kernels get for ``mask`` (as a number, for benchmarks and tests): the
+    lower edge of its half-octave bucket (:attr:`FlashMask.row_span_bucket`), or None without
+    one. :func:`flashmask_attention` passes the same value as :attr:`FlashMask.row_span_hint`."""
     bucket = mask.row_span_bucket
     return None if bucket is None else row_span_of_bucket(bucket)
+
+
+#: Set to 1 to have :func:`flashmask_attention` read the values of column tensors on a GPU too
+#: (min/max: one device sync per call): a debugging switch, read on every eager call.
+CHECK_VALUES_ENV = "FLASHMASK3_CHECK_MASK_VALUES"
+
+
+def _check_column_values(columns: Tensor) -> bool:
+    """Whether the call reads the column values: on CPU tensors (free), or everywhere with
+    ``FLASHMASK3_CHECK_MASK_VALUES=1``; never while tracing. Unchecked out-of-range values act
+    as if clamped to ``[0, Sq]`` (the kernels only compare them with row indices)."""
+    if torch.compiler.is_compiling():
+        return False
+    return columns.device.type == "cpu" or os.environ.get(CHECK_VALUES_ENV, "0") == "1"
 
 
 def resolve_softmax_scale(softmax_scale, head_dim: int) -> float:
@@ -205,8 +259,8 @@ def flashmask_attention(
     sk = k.shape[1]
     if not isinstance(causal, bool):
         raise TypeError(f"causal must be a bool, got {type(causal).__name__}")
-    check_values = not torch.compiler.is_compiling()
-    row_span = -1.0
+    check_values = True
+    row_span = None
     if isinstance(startend_row_indices, FlashMask):
         mask = startend_row_indices
         if causal and not mask.causal:
@@ -215,8 +269,7 @@ def flashmask_attention(
             raise ValueError(f"the FlashMask was built for seqlen_q={mask.seqlen_q}, but q has {sq} rows")
         causal, startend_row_indices = mask.causal, mask.startend_row_indices
         check_values = False  # validated when the mask was built
-        span = kernel_row_span(mask)
-        row_span = -1.0 if span is None else span
+        row_span = mask.row_span_hint
     if window_size is not None:
         if startend_row_indices is not None:
             raise ValueError("pass either window_size or startend_row_indices, not both")
@@ -225,16 +278,13 @@ def flashmask_attention(
     if startend_row_indices is not None:
         validate_startend_row_indices(
             startend_row_indices, causal=causal, batch_size=b, seqlen_q=sq, seqlen_k=sk,
-            num_heads=hq, check_values=check_values,
+            num_heads=hq, device=q.device,
+            check_values=check_values and _check_column_values(startend_row_indices),
         )
-        if startend_row_indices.device != q.device:
-            raise ValueError(
-                f"startend_row_indices is on {startend_row_indices.device} but q is on {q.device}"
-            )
         startend_row_indices = startend_row_indices.contiguous()
     softmax_scale = resolve_softmax_scale(softmax_scale, d)
     backend = choose_backend(q)
     q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))
-    out, lse = _attention_forward(q, k, v, startend_row_indices, causal, softmax_scale, backend,
-                                  row_span)
+    op = _attention_forward if _traced(q) else _EagerAttention.apply
+    out, lse = op(q, k, v, startend_row_indices, causal, softmax_scale, backend, row_span)
     return (out, lse) if return_softmax_lse else out

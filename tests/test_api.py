@@ -5,10 +5,16 @@ import torch
 
 import flashmask3
 import flashmask3.masks as M
-from flashmask3.kernels import resolve_backend
+from flashmask3.kernels import resolve_backend, triton_available
 from flashmask3.api import kernel_row_span
 from tests.kernels.attention_checks import make_qkv
 from tests.reference import reference_attention, rel_err
+
+
+# The Triton kernels are defined now, under the interpreter on CPU (conftest), before any test
+# here sets TRITON_INTERPRET=0.
+HAS_TRITON = triton_available()
+needs_triton = pytest.mark.skipif(not HAS_TRITON, reason="needs Triton installed")
 
 
 def qkv(b=1, s=16, hq=4, hk=2, d=16, dtype=torch.float32):
@@ -96,7 +102,7 @@ def test_custom_op_passes_opcheck(monkeypatch):
     cols = M.causal_document_mask([7, 13]).startend_row_indices
     op = torch.ops.flashmask3.attention_forward.default
     for mask in (cols, None):
-        for span in (-1.0, 12.5):
+        for span in (None, torch.tensor(12.5, dtype=torch.float64)):
             torch.library.opcheck(op, (q, k, v, mask, True, 0.35, "torch", span))
 
 
@@ -126,27 +132,6 @@ def test_the_mask_row_span_reaches_the_backend(monkeypatch):
     assert m.mean_row_span == (6 * 7 + 10 * 11) / 2 / 16 and edge <= m.mean_row_span < 2 ** 0.5 * edge
 
 
-def test_torch_compile_recompiles_only_when_the_row_span_bucket_changes(monkeypatch):
-    """New masks whose mean row spans share a half octave reuse the compiled graph (the op sees
-    only the bucket); a mask in another bucket compiles one more."""
-    from torch._dynamo.utils import counters
-
-    monkeypatch.setenv("FLASHMASK3_BACKEND", "torch")
-    torch._dynamo.reset()
-    counters.clear()
-    compiled = torch.compile(lambda q, k, v, m: flashmask3.flashmask_attention(q, k, v, m),
-                             backend="eager", fullgraph=True)
-    q, k, v = make_qkv(1, 64, 64, 2, 2, 16, torch.float32, seed=3)
-    same = [M.causal_document_mask(lens) for lens in ([32, 32], [31, 33], [30, 34])]
-    assert len({m.mean_row_span for m in same}) == 3 and len({m.row_span_bucket for m in same}) == 1
-    for m in same:
-        out = compiled(q, k, v, m)
-        assert rel_err(out, reference_attention(q, k, v, m.startend_row_indices, True)[0]) < 1e-5
-    assert counters["stats"]["unique_graphs"] == 1
-    other = M.causal_document_mask([64])
-    assert other.row_span_bucket != same[0].row_span_bucket
-    compiled(q, k, v, other)
-    assert counters["stats"]["unique_graphs"] == 2
 
 
 def test_torch_compile_without_graph_breaks(monkeypatch):
@@ -167,3 +152,329 @@ def test_torch_compile_without_graph_breaks(monkeypatch):
     assert rel_err(loss_c, (out * 2).sum() + lse.sum()) < 1e-5
     for g, r in zip(grads_c, grads_r):
         assert rel_err(g, r) < 1e-4
+
+
+# -- no host reads of the mask: devices, out-of-range values, compile, CUDA graphs --------------
+
+
+def test_a_mask_on_another_device_is_a_value_error():
+    q, k, v = qkv()
+    cols = M.causal_document_mask([6, 10]).startend_row_indices
+    with pytest.raises(ValueError, match="startend_row_indices is on meta but must be on cpu"):
+        flashmask3.flashmask_attention(q, k, v, cols.to("meta"), causal=True)
+    with pytest.raises(ValueError, match="is on meta"):
+        flashmask3.flashmask_attention(q, k, v, M.FlashMask(cols.to("meta"), True))
+
+
+def test_cuda_columns_are_read_only_on_request(monkeypatch):
+    """The values of non-CPU column tensors are not read (that would sync the device) unless
+    FLASHMASK3_CHECK_MASK_VALUES=1; CPU tensors always are; tracing never reads them."""
+    from flashmask3.api import _check_column_values
+
+    cpu = torch.zeros(1, 1, 4, 1, dtype=torch.int32)
+    meta = cpu.to("meta")
+    monkeypatch.delenv("FLASHMASK3_CHECK_MASK_VALUES", raising=False)
+    assert _check_column_values(cpu) and not _check_column_values(meta)
+    monkeypatch.setenv("FLASHMASK3_CHECK_MASK_VALUES", "1")
+    assert _check_column_values(meta)
+
+
+def _out_of_range(cols: torch.Tensor, seqlen_q: int, seed: int) -> torch.Tensor:
+    """``cols`` with a third of its entries pushed outside [0, Sq] (including int32's ends),
+    keeping the meaning the clamp gives: below 0 where the entry was 0, above Sq where Sq."""
+    g = torch.Generator().manual_seed(seed)
+    low = torch.tensor([-1, -7, -2**31], dtype=torch.int32)[torch.randint(0, 3, cols.shape, generator=g)]
+    high = torch.tensor([1, 9, 2**31 - 1 - seqlen_q], dtype=torch.int32)[
+        torch.randint(0, 3, cols.shape, generator=g)] + seqlen_q
+    pick = torch.rand(cols.shape, generator=g) < 0.7
+    out = torch.where((cols == 0) & pick, low, cols)
+    return torch.where((cols == seqlen_q) & pick, high, out)
+
+
+@pytest.mark.parametrize("backend", ["torch", pytest.param("triton", marks=needs_triton)])
+@pytest.mark.parametrize("causal,c", [(True, 1), (True, 2), (False, 2), (False, 4)])
+def test_out_of_range_values_act_as_clamped(backend, causal, c, monkeypatch):
+    """Unchecked columns (as on a GPU) with values outside [0, Sq] give exactly the result of
+    the columns clamped to [0, Sq], forward and backward, in the torch path and the Triton
+    kernels (interpreter on CPU)."""
+    from flashmask3.kernels import get_backend
+
+    monkeypatch.setenv("FLASHMASK3_BACKEND", backend)
+    sq = 48
+    g = torch.Generator().manual_seed(c + 10 * causal)
+    cols = torch.randint(0, sq + 1, (2, 1, sq, c), generator=g, dtype=torch.int32)
+    cols = torch.sort(cols, dim=-1).values if c == 4 else cols
+    cols[:, :, :5] = torch.tensor([0, sq, 0, sq][:c], dtype=torch.int32)  # ends of the range
+    cols[:, :, 5:9] = torch.tensor([sq, 0, sq, 0][:c], dtype=torch.int32)
+    wild = _out_of_range(cols, sq, seed=c)
+    assert (wild < 0).any() and (wild > sq).any() and torch.equal(wild.clamp(0, sq), cols)
+    q, k, v = make_qkv(2, sq, sq, 2, 1, 16, torch.float32, seed=c)
+    op = torch.ops.flashmask3.attention_forward
+    scale = 0.25
+    out, lse = op(q, k, v, wild, causal, scale, backend, None)
+    ref_out, ref_lse = reference_attention(q, k, v, cols, causal, scale)
+    assert rel_err(out, ref_out) < 2e-4
+    assert torch.equal(torch.isinf(lse), torch.isinf(ref_lse))
+    dout = torch.randn_like(out)
+    grads = torch.autograd.grad((out * dout).sum(), (q, k, v))
+    ref_grads = torch.autograd.grad((ref_out * dout.double()).sum(), (q, k, v))
+    for got, want in zip(grads, ref_grads):
+        assert rel_err(got, want) < 2e-4
+    # and bit for bit what the clamped columns give through the same backend
+    same = get_backend(backend).forward(q.detach(), k.detach(), v.detach(), cols, causal, scale)
+    torch.testing.assert_close(out, same[0], rtol=0, atol=0)
+
+
+def _graph_count():
+    from torch._dynamo.utils import counters
+
+    return counters["stats"]["unique_graphs"]
+
+
+def _masks_of_one_shape(seqlen: int):
+    """Causal document masks of one shape whose mean row spans lie in different half octaves
+    (each a would-be recompile if the span were a guarded Python number)."""
+    masks = [M.causal_document_mask(lens) for lens in
+             ([seqlen], [seqlen // 2] * 2, [seqlen // 4] * 4, [seqlen // 8] * 8)]
+    assert len({m.row_span_bucket for m in masks}) == len(masks)
+    return masks
+
+
+@pytest.mark.parametrize("backend", ["torch", pytest.param("triton", marks=needs_triton)])
+def test_torch_compile_one_graph_for_every_mask_of_a_shape(backend, monkeypatch):
+    """torch.compile(fullgraph=True) builds one graph for FlashMasks of one shape with spans in
+    four half octaves, and one for raw columns of one shape; forward and backward match the
+    reference (the Triton backend under its interpreter on CPU)."""
+    from torch._dynamo.utils import counters
+
+    from flashmask3 import kernels
+
+    monkeypatch.setenv("FLASHMASK3_BACKEND", backend)
+    # the backend's availability decided for the first time under tracing
+    monkeypatch.setattr(kernels, "_LOADED", {})
+    monkeypatch.setattr(kernels, "_IMPORT_ERROR", {})
+    torch._dynamo.reset()
+    counters.clear()
+
+    def loss(q, k, v, m, causal=False):
+        out, lse = flashmask3.flashmask_attention(q, k, v, m, causal=causal, return_softmax_lse=True)
+        return (out * out.detach().sin()).sum() + lse.sum(), out
+
+    compiled = torch.compile(loss, backend="aot_eager", fullgraph=True)
+    seqlen = 64
+    q, k, v = make_qkv(1, seqlen, seqlen, 2, 1, 16, torch.float32, seed=4)
+    for i, mask in enumerate(_masks_of_one_shape(seqlen)):
+        for m, causal in ((mask, False), (mask.startend_row_indices.clone(), True)):
+            got, out = compiled(q, k, v, m, causal)
+            grads = torch.autograd.grad(got, (q, k, v))
+            ref_out, ref_lse = reference_attention(q, k, v, mask.startend_row_indices, True)
+            want = (ref_out * out.detach().sin().double()).sum() + ref_lse.sum()
+            ref_grads = torch.autograd.grad(want, (q, k, v))
+            assert rel_err(out, ref_out) < 2e-4, (i, type(m))
+            for g, r in zip(grads, ref_grads):
+                assert rel_err(g, r) < 2e-4, (i, type(m))
+    assert _graph_count() == 2  # one for FlashMask, one for raw columns
+    assert counters["stats"]["calls_captured"] > 0
+
+
+# -- GPU: no syncs, CUDA graphs, compile (gpu-marked: run by benchmarks/gpu/host-path.sh) ----
+
+
+def _gpu_case(seqlen=2048, heads=4, d=128, dtype=torch.bfloat16, seed=0):
+    q, k, v = make_qkv(1, seqlen, seqlen, heads, heads, d, dtype, device="cuda", seed=seed)
+    return q, k, v
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kind", ["flashmask", "columns"])
+def test_gpu_no_device_sync_per_call(kind):
+    """Forward and backward of every mask form run under sync-debug mode "error": no call
+    reads anything back from the device (raw columns included: their values are not read)."""
+    q, k, v = _gpu_case()
+    mask = M.causal_document_mask([512, 1024, 512], device="cuda")
+    args = {"flashmask": dict(startend_row_indices=mask),
+            "columns": dict(startend_row_indices=mask.startend_row_indices, causal=True)}[kind]
+    dout = torch.randn(q.shape, device="cuda", dtype=q.dtype)
+    for _ in range(2):  # the first call compiles the kernels (which may sync): warm up first
+        out = flashmask3.flashmask_attention(q, k, v, **args)
+        torch.autograd.backward(out, dout)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        for _ in range(3):
+            out, lse = flashmask3.flashmask_attention(q, k, v, **args, return_softmax_lse=True)
+            torch.autograd.backward((out, lse), (dout, torch.zeros_like(lse)))
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    torch.cuda.synchronize()
+    assert torch.isfinite(q.grad).all()
+
+
+@pytest.mark.gpu
+def test_gpu_out_of_range_columns_are_clamped_or_rejected_on_request(monkeypatch):
+    """CUDA columns are not checked by default (values outside [0, Sq] act as clamped);
+    FLASHMASK3_CHECK_MASK_VALUES=1 checks them (one sync) and raises."""
+    q, k, v = _gpu_case(seqlen=1024, heads=2)
+    cols = M.causal_document_mask([300, 724], device="cuda").startend_row_indices
+    wild = _out_of_range(cols.cpu(), 1024, seed=1).cuda()
+    got = flashmask3.flashmask_attention(q, k, v, wild, causal=True)
+    want = flashmask3.flashmask_attention(q, k, v, cols, causal=True)
+    torch.testing.assert_close(got, want, rtol=0, atol=0)
+    monkeypatch.setenv("FLASHMASK3_CHECK_MASK_VALUES", "1")
+    with pytest.raises(ValueError, match="values must lie"):
+        flashmask3.flashmask_attention(q, k, v, wild, causal=True)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("raw", [False, True])
+def test_gpu_cuda_graph_replays_forward_and_backward_with_a_new_mask(raw):
+    """Forward + backward captured once in a CUDA graph, replayed with new q/k/v/dout and a new
+    mask of the same shape (copied into the captured buffers), equal the eager result."""
+    seqlen, heads, d = 2048, 4, 128
+    q, k, v = (t.detach() for t in _gpu_case(seqlen, heads, d))
+    first = M.causal_document_mask([1024, 1024], device="cuda")
+    cols = first.startend_row_indices.clone()
+    mask = cols if raw else M.FlashMask(cols, True, mean_row_span=first.mean_row_span)
+    qs, ks, vs = (t.clone().requires_grad_() for t in (q, k, v))
+    dout = torch.randn_like(q)
+
+    def step():
+        out = flashmask3.flashmask_attention(qs, ks, vs, mask, causal=True)
+        dq, dk, dv = torch.autograd.grad(out, (qs, ks, vs), dout)
+        return out, dq, dk, dv
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(2):
+            step()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = step()
+    for seed, lens in ((1, [512, 1536]), (2, [256] * 8)):
+        new = M.causal_document_mask(lens, device="cuda")
+        nq, nk, nv = (t.detach() for t in _gpu_case(seqlen, heads, d, seed=seed))
+        nd = torch.randn_like(nq)
+        for dst, src in ((qs, nq), (ks, nk), (vs, nv), (dout, nd), (cols, new.startend_row_indices)):
+            with torch.no_grad():
+                dst.copy_(src)
+        graph.replay()
+        torch.cuda.synchronize()
+        eq, ek, ev = (t.clone().requires_grad_() for t in (nq, nk, nv))
+        eout = flashmask3.flashmask_attention(eq, ek, ev, new.startend_row_indices, causal=True)
+        egrads = torch.autograd.grad(eout, (eq, ek, ev), nd)
+        ref_out = reference_attention(nq, nk, nv, new.startend_row_indices, True)[0]
+        assert rel_err(captured[0], ref_out) < 2e-2
+        for got, want in zip(captured, (eout, *egrads)):  # (the fused dQ is not bitwise)
+            assert rel_err(got, want) < 1e-2
+
+
+@pytest.mark.gpu
+def test_gpu_torch_compile_one_graph_for_every_mask_of_a_shape():
+    """torch.compile(fullgraph=True) (inductor) on CUDA: FlashMasks and raw columns of one shape
+    with spans in four half octaves build one graph each; forward and backward match eager."""
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    counters.clear()
+
+    def loss(q, k, v, m, causal=False):
+        out = flashmask3.flashmask_attention(q, k, v, m, causal=causal)
+        return (out.float() ** 2).sum(), out
+
+    compiled = torch.compile(loss, fullgraph=True)
+    seqlen = 4096
+    q, k, v = make_qkv(1, seqlen, seqlen, 4, 4, 128, torch.bfloat16, device="cuda", seed=5)
+    for mask in _masks_of_one_shape(seqlen):
+        mask = mask.to("cuda")
+        for m, causal in ((mask, False), (mask.startend_row_indices.clone(), True)):
+            got, out = compiled(q, k, v, m, causal)
+            grads = torch.autograd.grad(got, (q, k, v))
+            want, eout = loss(q, k, v, m, causal)
+            egrads = torch.autograd.grad(want, (q, k, v))
+            assert rel_err(out, eout) < 1e-2
+            for g, r in zip(grads, egrads):
+                assert rel_err(g, r) < 2e-2
+    assert _graph_count() == 2
+
+
+# -- the Triton version gate of the Gluon kernels ---------------------------------------------
+
+
+@pytest.fixture
+def hopper_dispatch(monkeypatch):
+    """The dispatch as on an H200 (compute capability 9.0, compiled kernels), without a GPU;
+    its decision cache cleared before and after."""
+    from flashmask3.kernels import dispatch
+
+    monkeypatch.setattr(dispatch, "_capability", lambda index: (9, 0))
+    monkeypatch.setattr(dispatch, "interpreting", lambda: False)
+    dispatch.decide.cache_clear()
+    yield dispatch
+    dispatch.decide.cache_clear()
+
+
+@needs_triton
+@pytest.mark.parametrize("checked", [True, False])
+def test_gluon_kernels_run_only_on_checked_triton_versions(checked, hopper_dispatch, monkeypatch):
+    """On a Triton version outside GLUON_CHECKED_TRITON every pass of a Hopper bf16 call takes
+    its tl row (and the split backward: the fused one is Gluon only), at every head dim; on a
+    checked one the table's Gluon rows stand (where Gluon itself imports)."""
+    dispatch = hopper_dispatch
+    if checked and not dispatch.gluon_usable():
+        pytest.skip("Gluon does not import here")
+    monkeypatch.setattr(dispatch, "GLUON_CHECKED_HERE", checked)
+    cuda = torch.device("cuda", 0)
+    for d in (64, 128, 256):
+        for span in (None, 900.0):
+            choice = dispatch.choose(cuda, torch.bfloat16, d, True, 1, span)
+            kernels = [x.kernel for x in (choice.forward, *choice.backward)]
+            if checked:
+                assert any(k.startswith("gluon") for k in kernels), (d, kernels)
+            else:
+                assert kernels == ["tl"] * 3 and choice.backward_mode == "split", (d, kernels)
+    if checked:
+        choice = dispatch.choose(cuda, torch.bfloat16, 128, True, 1)
+        assert (choice.forward.kernel, choice.backward[0].kernel) == ("gluon_ws", "gluon_fused")
+
+
+@needs_triton
+def test_the_kernel_path_is_announced_once_per_import(monkeypatch, caplog):
+    """A checked Triton logs which kernels run; an unchecked one warns (a RuntimeWarning)."""
+    import logging
+
+    from flashmask3.kernels import dispatch
+
+    monkeypatch.setattr(dispatch, "GLUON_CHECKED_HERE", False)
+    with pytest.warns(RuntimeWarning, match="portable tl kernels"):
+        dispatch.announce_kernel_path()
+    monkeypatch.setattr(dispatch, "GLUON_CHECKED_HERE", True)
+    with caplog.at_level(logging.INFO, logger="flashmask3"):
+        dispatch.announce_kernel_path()
+    assert "Gluon kernels (checked on this version)" in caplog.text
+
+
+def test_eager_calls_and_the_custom_op_agree(monkeypatch):
+    """Eager calls on plain tensors run the autograd.Function (fewer host frames), traced ones
+    the custom op; both give the same output and gradients, bit for bit (torch path)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from flashmask3.api import _traced
+
+    monkeypatch.setenv("FLASHMASK3_BACKEND", "torch")
+    q, k, v = make_qkv(1, 40, 40, 2, 1, 16, torch.float32, seed=7)
+    mask = M.causal_document_mask([15, 25])
+    assert not _traced(q)
+    with FakeTensorMode():
+        assert _traced(torch.empty(1))
+    out = flashmask3.flashmask_attention(q, k, v, mask)
+    assert out.grad_fn is not None and "EagerAttention" in type(out.grad_fn).__name__
+    op_out, _ = torch.ops.flashmask3.attention_forward(q, k, v, mask.startend_row_indices, True,
+                                                       0.25, "torch", mask.row_span_hint)
+    dout = torch.randn_like(out)
+    grads = torch.autograd.grad(out, (q, k, v), dout)
+    op_grads = torch.autograd.grad(op_out, (q, k, v), dout)
+    torch.testing.assert_close(out, op_out, rtol=0, atol=0)
+    for a, b in zip(grads, op_grads):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)

@@ -3,6 +3,11 @@
 Each backend is a module with ``forward`` and ``backward`` following the contract in
 docs/ARCHITECTURE.md. ``torch`` (blockwise PyTorch) runs anywhere; ``triton`` runs the Triton
 kernels on CUDA (and on CPU tensors under ``TRITON_INTERPRET=1``).
+
+The backend modules are imported once, on first use, and kept in :data:`_LOADED`; whether the
+Triton one imports is decided then and never again (:func:`triton_available`), so that the
+choice made on every call is a few dictionary and attribute reads: cheap on the host and
+traceable by ``torch.compile`` (no ``importlib`` under dynamo; docs/host-path.md).
 """
 
 from __future__ import annotations
@@ -10,6 +15,7 @@ from __future__ import annotations
 import importlib
 import os
 from types import ModuleType
+from typing import Optional
 
 import torch
 
@@ -18,18 +24,37 @@ ENV_VAR = "FLASHMASK3_BACKEND"
 
 _MODULES = {"torch": "flashmask3.kernels.torch_path", "triton": "flashmask3.kernels.triton_backend"}
 
+#: Backend modules imported so far (name -> module), and why one could not be (name -> error).
+_LOADED: dict[str, ModuleType] = {}
+_IMPORT_ERROR: dict[str, str] = {}
 
+
+def _load(name: str) -> Optional[ModuleType]:
+    """The backend module ``name``, imported on the first call (None when it cannot be)."""
+    mod = _LOADED.get(name)
+    if mod is None and name not in _IMPORT_ERROR:
+        try:
+            mod = importlib.import_module(_MODULES[name])
+        except ImportError as exc:
+            _IMPORT_ERROR[name] = f"{type(exc).__name__}: {exc}"
+            return None
+        _LOADED[name] = mod
+    return mod
+
+
+@torch.compiler.assume_constant_result
 def triton_available() -> bool:
-    """True when the Triton backend can be imported (Triton installed and kernels present)."""
-    try:
-        importlib.import_module(_MODULES["triton"])
-    except ImportError:
-        return False
-    return True
+    """True when the Triton backend can be imported (Triton installed and kernels present).
+    Decided on the first call and cached; under ``torch.compile`` a constant of the graph."""
+    return _load("triton") is not None
 
 
 def _interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+def _requested() -> str:
+    return (os.environ.get(ENV_VAR) or "auto").strip().lower()
 
 
 def resolve_backend(device: torch.device, requested: str | None = None) -> str:
@@ -38,7 +63,7 @@ def resolve_backend(device: torch.device, requested: str | None = None) -> str:
     ``requested`` (else ``$FLASHMASK3_BACKEND``, else ``auto``) is one of :data:`BACKENDS`.
     ``auto`` picks Triton on CUDA when it is importable and the torch path otherwise.
     """
-    name = (requested or os.environ.get(ENV_VAR) or "auto").strip().lower()
+    name = (requested or _requested()).strip().lower()
     if name not in BACKENDS:
         raise ValueError(f"{ENV_VAR} must be one of {BACKENDS}, got {name!r}")
     if name == "auto":
@@ -47,7 +72,8 @@ def resolve_backend(device: torch.device, requested: str | None = None) -> str:
         if not triton_available():
             raise RuntimeError(
                 f"{ENV_VAR}=triton but the Triton backend cannot be imported "
-                "(install the 'triton' extra: pip install flashmask3[triton])"
+                f"({_IMPORT_ERROR.get('triton', 'unknown reason')}; install Triton: the one "
+                "your torch depends on, or pip install flashmask3[triton])"
             )
         if device.type != "cuda" and not _interpreting():
             raise ValueError(
@@ -65,10 +91,10 @@ def choose_backend(q: torch.Tensor) -> str:
     name = resolve_backend(q.device)
     if name != "triton":
         return name
-    reason = getattr(get_backend("triton"), "unsupported_reason", lambda _q: None)(q)
+    reason = getattr(_LOADED["triton"], "unsupported_reason", lambda _q: None)(q)
     if reason is None:
         return name
-    if (os.environ.get(ENV_VAR) or "auto").strip().lower() == "triton":
+    if _requested() == "triton":
         raise ValueError(f"{ENV_VAR}=triton cannot run these inputs: {reason}")
     return "torch"
 
@@ -77,4 +103,7 @@ def get_backend(name: str) -> ModuleType:
     """The module implementing backend ``name`` ('torch' or 'triton')."""
     if name not in _MODULES:
         raise ValueError(f"unknown backend {name!r}; expected one of {tuple(_MODULES)}")
-    return importlib.import_module(_MODULES[name])
+    mod = _load(name)
+    if mod is None:
+        raise RuntimeError(f"the {name} backend cannot be imported: {_IMPORT_ERROR[name]}")
+    return mod

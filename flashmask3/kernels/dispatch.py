@@ -24,11 +24,14 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import logging
 import os
+import warnings
 from dataclasses import dataclass
 from typing import NamedTuple, Optional
 
 import torch
+import triton
 
 from . import gluon_bwd, gluon_common, gluon_fwd
 from .tiles import Config
@@ -166,9 +169,39 @@ def mode() -> str:
     return env
 
 
+#: The version guard of the table's "sm90" rows: the Triton versions on which the Gluon
+#: kernels were run and checked on a GPU (H200: the gpu tests and the kernel benchmark). Gluon
+#: is an experimental language whose API changes between releases (3.9 removed the TMA copy
+#: the kernels use), so on any other version every pass takes its portable tl row
+#: (docs/host-path.md: the supported matrix and what CI checks on the newest Triton).
+GLUON_CHECKED_TRITON = ("3.6.0",)
+
+#: Whether this process's Triton is one of them (decided at import).
+GLUON_CHECKED_HERE = triton.__version__ in GLUON_CHECKED_TRITON
+
+
+def announce_kernel_path() -> None:
+    """Say once (at import) which kernels the Hopper path runs with this Triton: an INFO log
+    line (logger "flashmask3") on a checked version, a RuntimeWarning on an unchecked one."""
+    if GLUON_CHECKED_HERE:
+        logging.getLogger("flashmask3").info(
+            "flashmask3: Triton %s: the Gluon kernels (checked on this version) run on Hopper "
+            "where the dispatch table picks them, the tl kernels elsewhere", triton.__version__)
+    else:
+        warnings.warn(
+            f"flashmask3: Triton {triton.__version__} is not a version the Gluon kernels were "
+            f"checked on ({', '.join(GLUON_CHECKED_TRITON)}): every launch uses the portable tl "
+            "kernels (slower on Hopper; see docs/host-path.md)", RuntimeWarning, stacklevel=2)
+
+
+announce_kernel_path()
+
+
 def gluon_usable() -> bool:
-    """Whether the Gluon kernels can be compiled here (Gluon and TMA descriptors import)."""
-    return gluon_common.unavailable_reason() is None and TensorDescriptor is not None
+    """Whether the Gluon kernels may run here: a Triton version they were checked on
+    (:data:`GLUON_CHECKED_HERE`), and Gluon and TMA descriptors import."""
+    return (GLUON_CHECKED_HERE and gluon_common.unavailable_reason() is None
+            and TensorDescriptor is not None)
 
 
 def hardware(device: torch.device) -> str:

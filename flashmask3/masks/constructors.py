@@ -76,7 +76,8 @@ def _on_device(t: torch.Tensor, causal: bool, device, span: Optional[float] = No
     row span measured on the CPU (``span``: already measured)."""
     if span is None:
         span = mean_row_span(t, causal, t.shape[2])
-    return FlashMask(t.contiguous().to(device), causal, mean_row_span=span)
+    # validated on the CPU (free), then moved: no device sync
+    return FlashMask(t.contiguous(), causal, mean_row_span=span).to(device)
 
 
 def _repeat(col: torch.Tensor, batch_size: int) -> list[torch.Tensor]:

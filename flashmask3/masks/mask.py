@@ -45,16 +45,23 @@ def validate_startend_row_indices(
     seqlen_k: int,
     num_heads: Optional[int] = None,
     check_values: bool = True,
+    device: Optional[torch.device] = None,
 ) -> None:
     """Raise ``TypeError``/``ValueError`` unless the mask tensor is valid per docs/masks.md.
 
     ``num_heads`` is the number of query heads (the mask's head dimension must divide it).
-    ``check_values`` reads the tensor's min/max (one device sync); callers skip it only when
-    the values are known to be valid (masks built by our constructors, traced graphs).
+    ``device``: the device the tensor must be on (that of q), checked before anything reads it.
+    ``check_values`` reads the tensor's min/max: free on a CPU tensor, one device sync on a GPU
+    tensor, so :func:`flashmask3.flashmask_attention` asks for it only on CPU tensors (or with
+    ``FLASHMASK3_CHECK_MASK_VALUES=1``); values outside ``[0, seqlen_q]`` that reach the kernels
+    unchecked act as if clamped to it (docs/host-path.md). Never on ``meta`` tensors.
     """
     name = "startend_row_indices"
     if not isinstance(startend_row_indices, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor, got {type(startend_row_indices).__name__}")
+    if device is not None and startend_row_indices.device != torch.device(device):
+        raise ValueError(f"{name} is on {startend_row_indices.device} but must be on {device} "
+                         "(the device of q)")
     if startend_row_indices.dtype != torch.int32:
         raise TypeError(f"{name} must have dtype torch.int32, got {startend_row_indices.dtype}")
     if startend_row_indices.dim() != 4:
@@ -78,7 +85,7 @@ def validate_startend_row_indices(
             f"{name} has {hm} mask heads, which must divide the {num_heads} query heads "
             "(use 1, the number of KV heads, or the number of query heads)"
         )
-    if check_values and startend_row_indices.numel() > 0:
+    if check_values and startend_row_indices.numel() > 0 and startend_row_indices.device.type != "meta":
         lo = int(startend_row_indices.min())
         hi = int(startend_row_indices.max())
         if lo < 0 or hi > seqlen_q:
@@ -291,9 +298,13 @@ class FlashMask:
     Triton forward uses it to pick a smaller query tile for masks whose rows see few keys
     (short documents: NOTES.md session 16). ``None`` (a mask built from a tensor) keeps the
     default tiles; :meth:`with_row_span` measures it (one device-to-host copy). What the kernels
-    see is :attr:`row_span_bucket`, the span rounded down to a half octave, so that
-    ``torch.compile`` (which specialises on the Python numbers it reads) recompiles only when
-    that bucket changes (about two graphs per doubling of the span), not for every new mask.
+    see is :attr:`row_span_bucket`, the span rounded down to a half octave, carried as
+    :attr:`row_span_hint`, a 0-d CPU tensor: ``torch.compile`` guards on a tensor's shape, not
+    its value, so every new mask of the same shape reuses the compiled graph (a Python number
+    would be specialised on), and reading it inside the op costs no device sync.
+
+    The constructor validates the columns, values included (one device sync for a GPU tensor,
+    once per mask, not per attention call); :meth:`to` and :meth:`expand_heads` keep that check.
     """
 
     startend_row_indices: torch.Tensor
@@ -302,6 +313,11 @@ class FlashMask:
     mean_row_span: Optional[float] = None
     #: floor(2 * log2(max(mean_row_span, 1))), or None: derived, not an argument.
     row_span_bucket: Optional[int] = field(default=None, init=False)
+    #: The bucket's lower edge as a float64 0-d CPU tensor (the op's tile hint), or None.
+    row_span_hint: Optional[torch.Tensor] = field(default=None, init=False, repr=False,
+                                                  compare=False)
+    #: Set by :meth:`to` / :meth:`expand_heads`: the columns come from a validated mask.
+    _validated: bool = field(default=False, repr=False, compare=False)
 
     def __post_init__(self):
         span = self.mean_row_span
@@ -310,8 +326,11 @@ class FlashMask:
                 raise TypeError(f"mean_row_span must be a number or None, got {type(span).__name__}")
             if not span >= 0:
                 raise ValueError(f"mean_row_span must be >= 0, got {span}")
+            bucket = row_span_bucket(span)
             object.__setattr__(self, "mean_row_span", float(span))
-            object.__setattr__(self, "row_span_bucket", row_span_bucket(span))
+            object.__setattr__(self, "row_span_bucket", bucket)
+            object.__setattr__(self, "row_span_hint",
+                               torch.tensor(row_span_of_bucket(bucket), dtype=torch.float64))
         t = self.startend_row_indices
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"startend_row_indices must be a torch.Tensor, got {type(t).__name__}")
@@ -325,6 +344,7 @@ class FlashMask:
             batch_size=t.shape[0] if t.dim() == 4 else -1,
             seqlen_q=self.seqlen_q,
             seqlen_k=t.shape[2] if t.dim() == 4 else -1,
+            check_values=not self._validated,
         )
 
     # -- shape ---------------------------------------------------------------------------
@@ -348,7 +368,7 @@ class FlashMask:
     # -- conversions ---------------------------------------------------------------------
     def to(self, device) -> "FlashMask":
         return FlashMask(self.startend_row_indices.to(device), self.causal, self.seqlen_q,
-                         self.mean_row_span)
+                         self.mean_row_span, _validated=True)
 
     def to_dense(self) -> torch.Tensor:
         """Dense boolean ``[B, Hm, Sq, Sk]`` (True = attend). O(S²): tests and debugging only."""
@@ -359,7 +379,7 @@ class FlashMask:
         if self.num_heads != 1:
             raise ValueError(f"expand_heads needs a single-head mask, this one has {self.num_heads}")
         t = self.startend_row_indices.expand(-1, num_heads, -1, -1).contiguous()
-        return FlashMask(t, self.causal, self.seqlen_q, self.mean_row_span)
+        return FlashMask(t, self.causal, self.seqlen_q, self.mean_row_span, _validated=True)
 
     # -- accounting ----------------------------------------------------------------------
     def unmasked_pairs(self) -> int:

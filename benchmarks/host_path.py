@@ -1,0 +1,256 @@
+"""Host cost of one attention call, and small problems end to end (issue 25's numbers).
+
+Two tables, one JSON (``--out``/host_path.json) and a markdown summary:
+
+* **host**: at 32K tokens (B=1, 16 heads, D=128, causal documents) for a ``FlashMask`` and for
+  the same raw column tensor: host µs per call (CPU time to enqueue while the GPU is busy,
+  ``benchmarks.kernel.host_us``), the standard ``do_bench`` median (host work included), the
+  GPU time (CUDA events behind a GPU sleep that hides the host's work), and the kernels each
+  call launches (torch profiler), forward and forward+backward. Targets: host <= 100 µs (fwd),
+  <= 250 µs (fwd+bwd).
+* **small**: fwd+bwd at 4K and 8K tokens (B=1, 16 heads, D=128; one and five causal documents):
+  flashmask3 vs FlexAttention, standard do_bench (wall time incl. host) and GPU time. Targets:
+  flashmask3 std <= Flex std, and <= 1.3x flashmask3's GPU time.
+
+    python benchmarks/host_path.py --out $OUT/host-path          # on the GPU
+    python benchmarks/host_path.py --dry-run                     # CPU: code path only
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import statistics
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import flashmask3  # noqa: E402
+import flashmask3.masks as M  # noqa: E402
+
+HOST_FWD_US, HOST_FWD_BWD_US = 100.0, 250.0  # targets
+SMALL_VS_GPU = 1.3
+
+
+def _docs(s: int, n: int) -> list[int]:
+    """``n`` causal documents of near-equal length filling ``s`` tokens."""
+    base = s // n
+    return [base] * (n - 1) + [s - base * (n - 1)]
+
+
+def _inputs(s: int, heads: int, d: int, device, dtype, seed=0):
+    g = torch.Generator(device="cpu").manual_seed(seed)
+    return [torch.randn(1, s, heads, d, generator=g).to(device=device, dtype=dtype).requires_grad_()
+            for _ in range(3)]
+
+
+def _calls(q, k, v, mask, causal):
+    """(fwd, fwd_bwd) closures of one flashmask3 call."""
+    dout = torch.randn_like(q)
+
+    def fwd():
+        return flashmask3.flashmask_attention(q, k, v, mask, causal=causal)
+
+    def fwd_bwd():
+        fwd().backward(dout)
+
+    return fwd, fwd_bwd
+
+
+def gpu_ms(fn, leaves, reps: int = 20) -> float:
+    """Median GPU time (ms) of ``fn`` by CUDA events, each call behind a GPU sleep that covers
+    its host work (the interleaved timer of benchmarks/kernel.py, one implementation)."""
+    from benchmarks.kernel import HOST_COVER_CYCLES
+
+    out = []
+    for _ in range(reps):
+        for t in leaves:
+            t.grad = None
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        torch.cuda._sleep(HOST_COVER_CYCLES)
+        a.record()
+        fn()
+        b.record()
+        torch.cuda.synchronize()
+        out.append(a.elapsed_time(b))
+    return statistics.median(out)
+
+
+def kernels_per_call(fn) -> int:
+    """CUDA kernels one call launches (torch profiler; after warm-up)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    return sum(1 for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA)
+
+
+def host_profile_text(fn, calls: int = 20) -> str:
+    """cProfile of ``calls`` calls of ``fn`` (GPU kept busy, so no call waits for it): the top
+    functions by own time and by cumulative time, per call, for finding the host cost."""
+    import cProfile
+    import io
+    import pstats
+
+    torch.cuda.synchronize()
+    torch.cuda._sleep(200_000_000)
+    prof = cProfile.Profile()
+    prof.enable()
+    for _ in range(calls):
+        fn()
+    prof.disable()
+    torch.cuda.synchronize()
+    buf = io.StringIO()
+    st = pstats.Stats(prof, stream=buf)
+    buf.write(f"{calls} calls; {st.total_calls / calls:.0f} Python function calls per call\n")
+    st.sort_stats("tottime").print_stats(30)
+    st.sort_stats("cumulative").print_stats(40)
+    return buf.getvalue()
+
+
+def host_table(seqlen: int, heads: int, d: int, dtype, ndocs: int, out_dir=None) -> list[dict]:
+    from benchmarks.kernel import host_us, standard_ms
+
+    q, k, v = _inputs(seqlen, heads, d, "cuda", dtype)
+    fm = M.causal_document_mask(_docs(seqlen, ndocs), device="cuda")
+    rows = []
+    for form, mask, causal in (("FlashMask", fm, False),
+                               ("raw columns", fm.startend_row_indices, True)):
+        fwd, fwd_bwd = _calls(q, k, v, mask, causal)
+        for _ in range(3):
+            fwd_bwd()
+        torch.cuda.synchronize()
+        for mode, fn, target in (("fwd", fwd, HOST_FWD_US), ("fwd+bwd", fwd_bwd, HOST_FWD_BWD_US)):
+            leaves = [q, k, v] if mode != "fwd" else []
+            host = host_us(fn, leaves)
+            rows.append(dict(form=form, mode=mode, S=seqlen, H=heads, D=d, docs=ndocs,
+                             host_us=host, std_ms=standard_ms(fn, leaves or None),
+                             gpu_ms=gpu_ms(fn, leaves), kernels=kernels_per_call(fn),
+                             target_us=target, met=host <= target))
+            print(json.dumps(rows[-1]), flush=True)
+            if out_dir:
+                name = f"profile_{form.split()[0].lower()}_{mode.replace('+', '_')}.txt"
+                with open(os.path.join(out_dir, name), "w") as f:
+                    f.write(host_profile_text(fn))
+    return rows
+
+
+def small_table(seqlens, heads: int, d: int, dtype, docs) -> list[dict]:
+    from benchmarks.kernel import flex_impl, standard_ms
+
+    rows = []
+    for s in seqlens:
+        for n in docs:
+            q, k, v = _inputs(s, heads, d, "cuda", dtype, seed=s + n)
+            mask = M.causal_document_mask(_docs(s, n), device="cuda")
+            _, fm_fb = _calls(q, k, v, mask, False)
+            ffwd, fleaves, _ = flex_impl(mask, True, q, k, v, 1 / math.sqrt(d))
+            fdout = torch.randn_like(ffwd())
+
+            def flex_fb():
+                ffwd().backward(fdout)
+
+            for fn in (fm_fb, flex_fb):
+                for _ in range(3):
+                    fn()
+            torch.cuda.synchronize()
+            fm_std, fm_gpu = standard_ms(fm_fb, [q, k, v]), gpu_ms(fm_fb, [q, k, v])
+            fx_std, fx_gpu = standard_ms(flex_fb, fleaves), gpu_ms(flex_fb, fleaves)
+            rows.append(dict(S=s, docs=n, H=heads, D=d, fm_std_ms=fm_std, fm_gpu_ms=fm_gpu,
+                             flex_std_ms=fx_std, flex_gpu_ms=fx_gpu,
+                             fm_std_over_flex_std=fm_std / fx_std, fm_std_over_gpu=fm_std / fm_gpu,
+                             met_vs_flex=fm_std <= fx_std, met_vs_gpu=fm_std <= SMALL_VS_GPU * fm_gpu))
+            print(json.dumps(rows[-1]), flush=True)
+    return rows
+
+
+def markdown(meta: dict, host: list[dict], small: list[dict]) -> str:
+    lines = ["# Host path: host time per call and small problems", ""]
+    lines += [f"- **{k}**: `{v}`" for k, v in meta.items()]
+    lines += ["", "Host µs = CPU time per call to enqueue while the GPU is busy; std = "
+              "`triton.testing.do_bench` median (host work included); GPU = CUDA events behind "
+              "a GPU sleep (host work hidden); kernels = CUDA kernels per call (profiler).", "",
+              "| form | mode | S | docs | host µs | target | std ms | GPU ms | kernels |",
+              "|---|---|---|---|---|---|---|---|---|"]
+    for r in host:
+        lines.append(f"| {r['form']} | {r['mode']} | {r['S'] // 1024}K | {r['docs']} | "
+                     f"{r['host_us']:.0f} | <= {r['target_us']:.0f} {'met' if r['met'] else 'MISSED'} | "
+                     f"{r['std_ms']:.3f} | {r['gpu_ms']:.3f} | {r['kernels']} |")
+    lines += ["", "| S | docs | fm std f+b | fm GPU f+b | flex std f+b | flex GPU f+b | fm/flex (std) "
+              "| fm std/GPU |", "|---|---|---|---|---|---|---|---|"]
+    for r in small:
+        lines.append(f"| {r['S'] // 1024}K | {r['docs']} | {r['fm_std_ms']:.3f} | {r['fm_gpu_ms']:.3f} | "
+                     f"{r['flex_std_ms']:.3f} | {r['flex_gpu_ms']:.3f} | "
+                     f"{r['fm_std_over_flex_std']:.2f} <= 1 {'met' if r['met_vs_flex'] else 'MISSED'} | "
+                     f"{r['fm_std_over_gpu']:.2f} <= {SMALL_VS_GPU} "
+                     f"{'met' if r['met_vs_gpu'] else 'MISSED'} |")
+    return "\n".join(lines) + "\n"
+
+
+def dry_run() -> int:
+    """The code path on the CPU (torch backend, tiny sizes): the calls, the profiler-free parts."""
+    os.environ.setdefault("FLASHMASK3_BACKEND", "torch")
+    q, k, v = _inputs(256, 2, 16, "cpu", torch.float32)
+    fm = M.causal_document_mask(_docs(256, 5))
+    for mask, causal in ((fm, False), (fm.startend_row_indices, True)):
+        fwd, fwd_bwd = _calls(q, k, v, mask, causal)
+        fwd_bwd()
+        t0 = time.perf_counter()
+        fwd()
+        print(f"dry run: {type(mask).__name__} fwd {1e6 * (time.perf_counter() - t0):.0f} µs (CPU, torch path)")
+    print(markdown({"dry_run": True}, [dict(form="FlashMask", mode="fwd", S=256, docs=5, host_us=1.0,
+                                            target_us=100, met=True, std_ms=0.0, gpu_ms=0.0, kernels=0)],
+                   [dict(S=4096, docs=5, fm_std_ms=1, fm_gpu_ms=1, flex_std_ms=1, flex_gpu_ms=1,
+                         fm_std_over_flex_std=1, fm_std_over_gpu=1, met_vs_flex=True, met_vs_gpu=True)]))
+    return 0
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", default="benchmarks/results/host-path")
+    ap.add_argument("--dry-run", action="store_true")
+    ap.add_argument("--host-seqlen", type=int, default=32768)
+    ap.add_argument("--host-docs", type=int, default=16)
+    ap.add_argument("--small-seqlens", default="4096,8192")
+    ap.add_argument("--small-docs", default="1,5")
+    ap.add_argument("--skip-small", action="store_true")
+    args = ap.parse_args(argv)
+    if args.dry_run:
+        return dry_run()
+    from benchmarks.environment import run_environment
+
+    os.environ.setdefault("FLASHMASK3_BACKEND", "triton")
+    torch._functorch.config.donated_buffer = False
+    dtype, heads, d = torch.bfloat16, 16, 128
+    meta = dict(run_environment(torch.device("cuda")), command=" ".join(sys.argv))
+    os.makedirs(args.out, exist_ok=True)
+    host = host_table(args.host_seqlen, heads, d, dtype, args.host_docs, args.out)
+    md = write(args.out, meta, host, [])  # (kept if the small table runs out of time)
+    if not args.skip_small:
+        small = small_table([int(x) for x in args.small_seqlens.split(",")], heads, d, dtype,
+                            [int(x) for x in args.small_docs.split(",")])
+        md = write(args.out, meta, host, small)
+    print(md)
+    return 0
+
+
+def write(out: str, meta: dict, host: list, small: list) -> str:
+    """host_path.json and host_path.md under ``out``; returns the markdown."""
+    with open(os.path.join(out, "host_path.json"), "w") as f:
+        json.dump(dict(meta=meta, host=host, small=small), f, indent=1)
+    md = markdown(meta, host, small)
+    with open(os.path.join(out, "host_path.md"), "w") as f:
+        f.write(md)
+    return md
+
+
+if __name__ == "__main__":
+    sys.exit(main())

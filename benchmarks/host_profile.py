@@ -1,0 +1,201 @@
+"""Host work of one attention call, measured on a CPU machine (no GPU): what the Python side
+of the CUDA path does per call, so that its reductions are measurable before a GPU run.
+
+Two parts, each timed over many calls and profiled (cProfile: Python function calls per call):
+
+* **backend**: ``triton_backend.forward`` / ``backward`` as on an H200 (bf16, D=128, a
+  ``[B, 1, S, 1]`` causal mask), on fake CUDA tensors (``FakeTensorMode``: no memory, no
+  device) with the device queries answering "Hopper" and every Triton launch replaced by a
+  recorder: the dispatch, the plans, the allocations, the descriptors, the argument lists.
+  Triton's own launcher (argument binding and the C launch, per kernel) is *not* in it: it
+  is counted as launches, and timed only on the GPU (benchmarks/host_path.py).
+* **api**: ``flashmask_attention`` forward (and fwd+bwd) on CPU tensors with the backend's
+  kernels replaced by a stub that returns ready outputs: the argument checks, the backend
+  choice, the custom op and autograd around it.
+
+    python benchmarks/host_profile.py [--calls 200] [--out FILE.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import cProfile
+import json
+import os
+import pstats
+import sys
+import time
+from unittest import mock
+
+os.environ.pop("TRITON_INTERPRET", None)  # (before the kernels are defined: the JIT launcher)
+
+import torch  # noqa: E402
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+class _Props:
+    multi_processor_count = 132
+    major, minor = 9, 0
+    name = "fake H200"
+
+
+def _slice_by_narrow(orig):
+    """Tensor.__getitem__ for fake CUDA tensors in a CPU-only torch: basic slices as narrow
+    (indexing with slices creates a device tensor there, which such a build cannot)."""
+    def getitem(self, idx):
+        from torch._subclasses.fake_tensor import FakeTensor
+
+        if not isinstance(self, FakeTensor):
+            return orig(self, idx)
+        idx = idx if isinstance(idx, tuple) else (idx,)
+        out, dim = self, 0
+        for i in idx:
+            if i is Ellipsis:
+                dim = out.dim() - (len(idx) - 1 - idx.index(Ellipsis)) + 0
+                dim = out.dim() - len(idx[idx.index(Ellipsis) + 1:])
+                continue
+            if not isinstance(i, slice) or i.step not in (None, 1):
+                return orig(self, idx)
+            n = out.shape[dim]
+            start, stop, _ = i.indices(n)
+            out = out.narrow(dim, start, max(0, stop - start))
+            dim += 1
+        return out
+
+    return getitem
+
+
+@contextlib.contextmanager
+def fake_hopper(launches: list):
+    """Fake CUDA tensors on a Hopper that never runs: launches are appended to ``launches``."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from triton.runtime.jit import JITFunction
+
+    def record(self, *args, grid, warmup, **kwargs):
+        launches.append(self.fn.__name__)
+
+    from flashmask3.kernels import dispatch, tl_kernels
+
+    hopper = lambda index: (9, 0)  # noqa: E731
+    dispatch.decide.cache_clear()
+    with mock.patch.object(JITFunction, "run", record), \
+            mock.patch.object(dispatch, "_capability", hopper), \
+            mock.patch.object(tl_kernels, "_capability", hopper), \
+            mock.patch.object(torch.cuda, "get_device_capability", lambda device=None: (9, 0)), \
+            mock.patch.object(torch.cuda, "get_device_properties", lambda device=None: _Props()), \
+            mock.patch.object(torch.Tensor, "__getitem__", _slice_by_narrow(torch.Tensor.__getitem__)), \
+            FakeTensorMode(allow_non_fake_inputs=True):
+        yield
+    dispatch.decide.cache_clear()
+
+
+def _per_call(fn, calls: int, launches: list | None = None) -> dict:
+    """Per call: µs (median of 5 batches; on fake tensors it includes FakeTensor's own
+    dispatch, so compare the counts), Python function calls (cProfile) in flashmask3's files,
+    in Triton's and in all, torch ops dispatched (on fake tensors: FakeTensorMode dispatches)
+    and Triton launches."""
+    fn()
+    times = []
+    for _ in range(5):
+        t0 = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        times.append((time.perf_counter() - t0) / calls * 1e6)
+    if launches is not None:
+        launches.clear()
+    prof = cProfile.Profile()
+    prof.enable()
+    for _ in range(calls):
+        fn()
+    prof.disable()
+    stats = pstats.Stats(prof).stats
+    ours = sum(v[1] for k, v in stats.items() if f"{os.sep}flashmask3{os.sep}" in k[0])
+    trit = sum(v[1] for k, v in stats.items() if f"{os.sep}triton{os.sep}" in k[0])
+    ops = sum(v[1] for k, v in stats.items() if k[2] == "__torch_dispatch__"
+              and "fake_tensor" in k[0])
+    top = sorted(((v[3] / calls * 1e6, f"{k[0].split(os.sep)[-1]}:{k[2]}") for k, v in
+                  stats.items() if f"{os.sep}flashmask3{os.sep}" in k[0]), reverse=True)[:10]
+    out = dict(us=sorted(times)[2], calls_flashmask3=ours / calls, calls_triton=trit / calls,
+               calls_all=sum(v[1] for v in stats.values()) / calls, torch_ops=ops / calls,
+               top_cumulative_us=[(name, round(us, 1)) for us, name in top])
+    if launches is not None:
+        out["launches"] = launches[:len(launches) // calls]
+    return out
+
+
+def backend_profile(calls: int, seqlen: int = 32768, heads: int = 16, d: int = 128) -> dict:
+    from flashmask3.kernels import triton_backend as T
+
+    launches: list = []
+    res = {}
+    with fake_hopper(launches):
+        q = torch.empty(1, seqlen, heads, d, dtype=torch.bfloat16, device="cuda")
+        k, v = torch.empty_like(q), torch.empty_like(q)
+        cols = torch.empty(1, 1, seqlen, 1, dtype=torch.int32, device="cuda")
+        scale = d ** -0.5
+        for span in (None, 1024.0):  # default tile, short-rows tile
+            label = "default tile" if span is None else "short-rows tile"
+            out, lse = T.forward(q, k, v, cols, True, scale, row_span=span)
+            res[f"backend fwd ({label})"] = _per_call(
+                lambda: T.forward(q, k, v, cols, True, scale, row_span=span), calls, launches)
+        res["backend bwd"] = _per_call(
+            lambda: T.backward(out, None, q, k, v, out, lse, cols, True, scale), calls, launches)
+    return res
+
+
+def api_profile(calls: int) -> dict:
+    """flashmask_attention around a stub backend (CPU tensors): the public layer's own work."""
+    import flashmask3
+    import flashmask3.masks as M
+    from flashmask3.kernels import torch_path
+
+    s, h, d = 256, 2, 16
+    q, k, v = (torch.randn(1, s, h, d, requires_grad=True) for _ in range(3))
+    out0, lse0 = torch.randn(1, s, h, d), torch.randn(1, h, s)
+    grads = tuple(torch.randn(1, s, h, d) for _ in range(3))
+    mask = M.causal_document_mask([128, 128])
+    dout = torch.randn(1, s, h, d)
+    res = {}
+    with mock.patch.object(torch_path, "forward", lambda *a, **kw: (out0, lse0)), \
+            mock.patch.object(torch_path, "backward", lambda *a, **kw: grads), \
+            mock.patch.dict(os.environ, {"FLASHMASK3_BACKEND": "torch"}):
+        for form, m, causal in (("FlashMask", mask, False),
+                                ("raw columns (CPU: values read)", mask.startend_row_indices, True)):
+            res[f"api fwd, {form}"] = _per_call(
+                lambda: flashmask3.flashmask_attention(q, k, v, m, causal=causal), calls)
+            res[f"api fwd+bwd, {form}"] = _per_call(
+                lambda: flashmask3.flashmask_attention(q, k, v, m, causal=causal).backward(dout),
+                calls)
+    return res
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--calls", type=int, default=200)
+    ap.add_argument("--out", default=None)
+    ap.add_argument("--top", action="store_true", help="print the top cumulative functions")
+    args = ap.parse_args(argv)
+    import triton
+
+    res = dict(torch=torch.__version__, triton=triton.__version__,
+               backend=backend_profile(args.calls), api=api_profile(args.calls))
+    for part in ("backend", "api"):
+        for name, r in res[part].items():
+            print(f"{name:44s} {r['us']:7.1f} µs  Python calls: flashmask3 "
+                  f"{r['calls_flashmask3']:4.0f}, triton {r['calls_triton']:4.0f}, all "
+                  f"{r['calls_all']:5.0f}; torch ops {r['torch_ops']:3.0f}"
+                  + (f"; launches {len(r['launches'])}: {','.join(r['launches'])}"
+                     if "launches" in r else ""))
+            if args.top:
+                for fn, us in r["top_cumulative_us"]:
+                    print(f"      {us:7.1f} µs  {fn}")
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(res, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
