@@ -17,9 +17,14 @@ if not torch.cuda.is_available():
 #: them), so both are errors.
 _STEERING = ("FLASHMASK3_", "TRITON_")
 
+#: Set by torch's inductor itself the first time it compiles a Triton kernel (it points
+#: Triton at torch's ptxas and its own cache); they steer nothing of ours.
+_SET_BY_INDUCTOR = ("TRITON_PTXAS_PATH", "TRITON_CACHE_DIR")
+
 
 def _steering_env() -> dict:
-    return {k: v for k, v in os.environ.items() if k.startswith(_STEERING)}
+    return {k: v for k, v in os.environ.items()
+            if k.startswith(_STEERING) and k not in _SET_BY_INDUCTOR}
 
 
 _ENV_AT_START = _steering_env()
