@@ -66,13 +66,16 @@ def run_paper(args, costs, cluster, runtime, bar_total=None):
                     recompute=args.recompute)
     datasets = _datasets(args, args.seqlen, args.sequences)
     n_methods = len(X.METHODS) - (1 if layout.cp <= cluster.gpus_per_node else 0)
-    steps = len(datasets) * args.sequences * n_methods
+    steps = len(datasets) * args.sequences * (n_methods + (1 if layout.cp > cluster.gpus_per_node else 0))
     if args.sensitivity:
         steps += (2 * len(X.SWEPT) + 6) * args.sequences * n_methods
     results = {}
     with tqdm(total=steps, desc="paper experiment", unit="layer") as bar:
         for name, ds in datasets.items():
             results[name] = X.simulate_dataset(ds["sequences"], model, layout, cluster, runtime, costs, progress=bar)
+            free = X.per_call_free(ds["sequences"], model, layout, cluster, runtime, costs, progress=bar)
+            if free is not None:
+                results[name][X.NO_CALL] = free
         sens = []
         if args.sensitivity:
             mid = list(datasets)[len(datasets) // 2]
@@ -99,6 +102,8 @@ def run_sweep(args, costs, cluster, runtime):
 def run_validate(args):
     with tqdm(total=2, desc="validation", unit="file") as bar:
         single = validate.validate_single(args.single)
+        if os.path.exists(calibrate.MEASURED_FILE):
+            single["measured"] = validate.validate_measured(calibrate.MEASURED_FILE)
         bar.update(1)
         multi = validate.validate_multigpu(args.multigpu)
         multi += validate.validate_training(args.multigpu, multi)
@@ -110,6 +115,11 @@ def _print_validation(single, multi):
     for kind in ("tables", "per_rank"):
         print(f"cp_single_gpu [{kind}]: {validate.summary(single[kind])}")
     print(f"per-rank calibration: k={single['k']:.3f}, per-call {single['c'] * 1e3:.2f} ms")
+    for cls, d in single.get("measured", {}).items():
+        for kind in ("fwd", "fwd+bwd"):
+            print(f"current kernels, measured shapes, {cls} {kind}: in-sample "
+                  f"{validate.summary(d['in_sample'][kind], held_only=False)}; held out "
+                  f"{validate.summary(d['held_out'][kind])}")
     for p in multi:
         print(f"  {p.name}: measured {p.measured * 1e3:.2f} ms, PREDICTED {p.predicted * 1e3:.2f} ms "
               f"({100 * p.error:+.1f}%)")
@@ -192,6 +202,10 @@ def main(argv=None) -> int:
         md += report.validation_section(single, multi, os.path.relpath(args.multigpu, os.getcwd()))
         out["validation"] = {"single": {k: [dataclasses.asdict(p) for p in single[k]] for k in ("tables", "per_rank")},
                              "k": single["k"], "c": single["c"],
+                             "measured_shapes": {cls: {chk: {kind: validate.summary(d[chk][kind], held_only=False)
+                                                             for kind in ("fwd", "fwd+bwd")}
+                                                       for chk in ("in_sample", "held_out")}
+                                                 for cls, d in single.get("measured", {}).items()},
                              "multigpu": [dataclasses.asdict(p) for p in multi]}
     if args.cmd in ("all", "paper"):
         model, layout, datasets, results, sens = run_paper(args, costs, cluster, runtime)

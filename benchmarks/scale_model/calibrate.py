@@ -2,13 +2,15 @@
 
 Attention: the time of one FlashMask call is modelled as
 
-    t = call + heads * (a_full * full_tiles + a_partial * partial_tiles) * fill
+    t = max(floor, call + heads * (a_full * full_tiles + a_partial * partial_tiles) * fill)
 
 where ``full_tiles`` / ``partial_tiles`` are the call's live 128x128 tiles (per mask head,
 summed over the batch; the mask layer's tile rule) and ``fill = max(1, SMs / programs)``
 stretches calls too small to fill the GPU (fewer query-block programs in the forward, key-block
-programs in the backward, than SMs). ``a_*`` and ``call`` are fitted by least squares on the
-relative error, separately for the forward and for the backward (= fwd+bwd - fwd), per head
+programs in the backward, than SMs), and ``floor`` is the time below which a call never
+went in the measurements: back-to-back calls of the public API are host-bound there (the
+measured floor is ~0.5 ms forward, ~1.5 ms backward per call, whatever the tiles). ``a_*`` and
+``call`` are fitted by least squares on the relative error of the calls above the floor, separately for the forward and for the backward (= fwd+bwd - fwd), per head
 dim and GQA class, from:
 
 * ``benchmarks/results/scale_model_attention.json`` -- the per-rank shapes measured by
@@ -60,12 +62,14 @@ class PassCost:
     call: float        # seconds per call
     rms_rel_err: float
     points: int
+    floor: float = 0.0  # seconds: host-bound minimum of one call (0 = none fitted)
 
     def seconds(self, tiles: TileCounts, heads: int, programs: int) -> float:
         if tiles.live == 0:
             return 0.0
         fill = max(1.0, N_SM / max(programs, 1))
-        return self.call + heads * (self.a_full * tiles.full + self.a_partial * tiles.partial) * fill
+        gpu = self.call + heads * (self.a_full * tiles.full + self.a_partial * tiles.partial) * fill
+        return max(self.floor, gpu)
 
 
 @dataclass(frozen=True)
@@ -90,9 +94,10 @@ class AttentionCost:
         f, b = self.fwd, self.bwd
         return (f"{self.source}; D={self.head_dim} {'GQA' if self.gqa else 'MHA'}: fwd "
                 f"{f.a_full * 1e9:.2f}/{f.a_partial * 1e9:.2f} ns per full/partial tile-head + "
-                f"{f.call * 1e6:.0f} us/call (rms rel. err {f.rms_rel_err:.1%}, {f.points} pts); bwd "
-                f"{b.a_full * 1e9:.2f}/{b.a_partial * 1e9:.2f} ns + {b.call * 1e6:.0f} us/call "
-                f"(rms {b.rms_rel_err:.1%}, {b.points} pts)")
+                f"{f.call * 1e6:.0f} us/call, floor {f.floor * 1e3:.2f} ms (rms rel. err {f.rms_rel_err:.1%}, "
+                f"{f.points} pts); bwd {b.a_full * 1e9:.2f}/{b.a_partial * 1e9:.2f} ns + "
+                f"{b.call * 1e6:.0f} us/call, floor {b.floor * 1e3:.2f} ms (rms {b.rms_rel_err:.1%}, "
+                f"{b.points} pts)")
 
 
 # -- fitting -------------------------------------------------------------------------------------
@@ -103,20 +108,12 @@ def _programs(kind: str, t: TileCounts, heads: int) -> int:
     return math.ceil(rows / TILE) * heads * t.batch
 
 
-def fit_pass(points: Iterable[tuple[TileCounts, int, float]], kind: str,
-             call: Optional[float] = None) -> PassCost:
-    """Least squares on the relative error of ``(tiles, heads, seconds)`` points.
+def _fit_linear(xf, xp, y, use, call: Optional[float]) -> tuple[float, float, float]:
+    """``(a_full, a_partial, call)`` by least squares on the relative error of the ``use`` rows.
 
-    ``call=None`` fits the per-call overhead too; otherwise it is held at ``call``. Falls back
-    to one coefficient for full and partial tiles when two are not identifiable (negative).
-    """
-    pts = [(t, h, s) for t, h, s in points if s > 0 and t.live > 0]
-    if not pts:
-        raise ValueError(f"no {kind} points to fit")
-    fill = np.array([max(1.0, N_SM / _programs(kind, t, h)) for t, h, _ in pts])
-    xf = np.array([h * t.full for t, h, _ in pts], dtype=np.float64) * fill
-    xp = np.array([h * t.partial for t, h, _ in pts], dtype=np.float64) * fill
-    y = np.array([s for _, _, s in pts])
+    Falls back to one coefficient for full and partial tiles when two are not identifiable
+    (negative), and holds the per-call cost at zero when it comes out negative."""
+    xf, xp, y = xf[use], xp[use], y[use]
     w = 1.0 / y
 
     def solve(cols, fixed):
@@ -135,12 +132,40 @@ def fit_pass(points: Iterable[tuple[TileCounts, int, float]], kind: str,
         if call is None and coef[-1] < 0:  # overhead not identifiable: hold it at zero
             coef = np.append(solve(cols[:-1], 0.0), 0.0)
         a_full = float(coef[0])
-        a_part = float(coef[1]) if split else a_full
-        c = float(coef[-1]) if call is None else call
-        pred = c + a_full * xf + a_part * xp
-        rms = float(np.sqrt(np.mean(((pred - y) / y) ** 2)))
-        return PassCost(a_full, a_part, c, rms, len(pts))
+        return a_full, float(coef[1]) if split else a_full, float(coef[-1]) if call is None else call
     raise AssertionError("unreachable")
+
+
+def fit_pass(points: Iterable[tuple[TileCounts, int, float]], kind: str,
+             call: Optional[float] = None, floor: bool = False) -> PassCost:
+    """Least squares on the relative error of ``(tiles, heads, seconds)`` points.
+
+    ``call=None`` fits the per-call overhead too; otherwise it is held at ``call``.
+    ``floor=True`` also fits a floor (``t = max(floor, linear)``): candidate floors are
+    zero and quantiles of the measured times, the linear part is refitted on the calls it
+    predicts above the floor, and the floor with the lowest rms relative error wins.
+    """
+    pts = [(t, h, s) for t, h, s in points if s > 0 and t.live > 0]
+    if not pts:
+        raise ValueError(f"no {kind} points to fit")
+    fill = np.array([max(1.0, N_SM / _programs(kind, t, h)) for t, h, _ in pts])
+    xf = np.array([h * t.full for t, h, _ in pts], dtype=np.float64) * fill
+    xp = np.array([h * t.partial for t, h, _ in pts], dtype=np.float64) * fill
+    y = np.array([s for _, _, s in pts])
+    best = None
+    for lo in [0.0] + (list(np.quantile(y, np.linspace(0.0, 0.5, 26))) if floor else []):
+        use = np.ones(len(y), dtype=bool)
+        for _ in range(8):  # refit on the calls above the floor until that set is stable
+            a_full, a_part, c = _fit_linear(xf, xp, y, use, call)
+            lin = c + a_full * xf + a_part * xp
+            above = lin >= lo
+            if above.sum() < 3 or (above == use).all():
+                break
+            use = above
+        rms = float(np.sqrt(np.mean((np.maximum(lin, lo) / y - 1.0) ** 2)))
+        if best is None or rms < best.rms_rel_err - 1e-4:  # a floor must earn its place
+            best = PassCost(a_full, a_part, c, rms, len(pts), float(lo))
+    return best
 
 
 def tile_counts(startend_row_indices, causal: bool, q_rows: int, keys: int) -> TileCounts:
@@ -215,22 +240,38 @@ def fit_from_kernel_tables(impl: str = "flashmask3", head_dim: int = 128, gqa: b
     return AttentionCost(parts["fwd"], parts["bwd"], src, head_dim, gqa)
 
 
-def fit_from_measured(path: str = MEASURED_FILE, head_dim: int = 128, gqa: bool = True) -> AttentionCost:
-    """Fit from the per-rank-shape measurements of ``benchmarks/gpu/scale-model.sh``."""
+def measured_rows(path: str = MEASURED_FILE, head_dim: int = 128, gqa: bool = True) -> tuple[list[dict], dict]:
+    """The timed attention rows of a ``scale_model_attention.json`` at one head dim / GQA
+    class, and the file's environment."""
     with open(path) as f:
         data = json.load(f)
+    rows = [r for r in data["attention"] if r["head_dim"] == head_dim
+            and (r["heads"] != r["kv_heads"]) == gqa and "fwd_ms" in r]
+    return rows, data.get("env", {})
+
+
+def row_tiles(r: dict) -> TileCounts:
+    return TileCounts(r["full_tiles"], r["partial_tiles"], r["q_rows"], r["keys"], 1)
+
+
+def fit_rows(rows: list[dict], source: str, head_dim: int = 128, gqa: bool = True) -> AttentionCost:
+    """Forward and backward (= fwd+bwd - fwd) fits, each with its host-bound floor."""
     pts = {"fwd": [], "bwd": []}
-    for r in data["attention"]:
-        if r["head_dim"] != head_dim or (r["heads"] != r["kv_heads"]) != gqa or "fwd_ms" not in r:
-            continue
-        t = TileCounts(r["full_tiles"], r["partial_tiles"], r["q_rows"], r["keys"], 1)
+    for r in rows:
+        t = row_tiles(r)
         pts["fwd"].append((t, r["heads"], r["fwd_ms"] * 1e-3))
         if "fwd_bwd_ms" in r:
             pts["bwd"].append((t, r["heads"], (r["fwd_bwd_ms"] - r["fwd_ms"]) * 1e-3))
-    env = data.get("env", {})
+    return AttentionCost(fit_pass(pts["fwd"], "fwd", floor=True), fit_pass(pts["bwd"], "bwd", floor=True),
+                         source, head_dim, gqa)
+
+
+def fit_from_measured(path: str = MEASURED_FILE, head_dim: int = 128, gqa: bool = True) -> AttentionCost:
+    """Fit from the per-rank-shape measurements of ``benchmarks/gpu/scale-model.sh``."""
+    rows, env = measured_rows(path, head_dim, gqa)
     src = (f"measured: per-rank shapes on {env.get('gpu', '?')} ({env.get('date', '?')}), "
            f"{os.path.basename(path)}")
-    return AttentionCost(fit_pass(pts["fwd"], "fwd"), fit_pass(pts["bwd"], "bwd"), src, head_dim, gqa)
+    return fit_rows(rows, src, head_dim, gqa)
 
 
 def attention_cost(impl: str = "flashmask3", head_dim: int = 128, gqa: bool = True,

@@ -45,6 +45,8 @@ METHODS = {
     "torch_cp (head-tail+allgather, Flex)": Method("dual_chunk", "allgather", kernel="flex"),
 }
 COMBINED = "sparse+overlap+hier"
+#: The combined method again with the attention calls' per-call cost (floor + call term) at zero.
+NO_CALL = "combined, no per-call cost"
 #: The sweep's extra row: the best overlap method with the runtime on main (host floor).
 ON_MAIN = "best overlap, runtime on main"
 #: The paper's layout for 128 H100s (assumed): cp 16 over 2 nodes, pp 4, dp 2, experts 8-way
@@ -110,6 +112,13 @@ def old_kernel_per_rank_factor() -> float:
     return per_rank_calibration()[1]
 
 
+def scaled_per_call(cost, f: float):
+    """``cost`` with its per-call term and host-bound floor x ``f`` (0 = calls cost only tiles)."""
+    fw = dataclasses.replace(cost.fwd, call=cost.fwd.call * f, floor=cost.fwd.floor * f)
+    bw = dataclasses.replace(cost.bwd, call=cost.bwd.call * f, floor=cost.bwd.floor * f)
+    return dataclasses.replace(cost, fwd=fw, bwd=bw, source=f"{cost.source}; per-call cost x{f:g}")
+
+
 def default_costs(gqa: bool = True, per_rank_factor: float = 1.0) -> Costs:
     """Current kernels: the per-rank-shape measurements of scale-model.sh once committed, else
     the kernel tables (``per_rank_factor`` scales their per-tile cost: 1.0 = the tables as they
@@ -167,6 +176,14 @@ def gains(results: dict) -> dict:
     return {k: v["step"].tokens_per_s / base - 1.0 for k, v in results.items()}
 
 
+def per_call_free(seqs, model, layout, cluster, runtime, costs, progress=None) -> Optional[dict]:
+    """The combined method's entry with the attention per-call cost removed (None at one node)."""
+    free = dataclasses.replace(costs, flashmask3=scaled_per_call(costs.flashmask3, 0.0))
+    res = simulate_dataset(seqs, model, layout, cluster, runtime, free, methods={COMBINED: METHODS[COMBINED]},
+                           progress=progress)
+    return res.get(COMBINED)
+
+
 def attribution(model: ModelConfig, layout: Layout, results: dict) -> dict:
     """The combined method's gain over the baseline if one term of its step were removed."""
     if COMBINED not in results:
@@ -190,6 +207,7 @@ def attribution(model: ModelConfig, layout: Layout, results: dict) -> dict:
         "without exposed comm": g(exposed * per_layer_to_step),
         "without imbalance": g(max(0.0, imbalance) * per_layer_to_step),
         "without host floor": g(host * per_layer_to_step),
+        "without per-call cost": (base / results[NO_CALL]["step"].step_s - 1.0) if NO_CALL in results else None,
         "ceiling (attention = mean compute, no comm)": g((att - ideal_att) * per_layer_to_step),
         "attention share of step": att * per_layer_to_step / step,
         "non-attention share of step": non / step,
@@ -202,10 +220,13 @@ def sensitivity(seqs, model, layout, cluster, runtime, costs, factors=(0.5, 2.0)
     rows = []
     variants = [(p, f, cluster.swept(p, f), costs) for p in SWEPT for f in factors]
     cur = costs.flashmask3
-    for f in (0.5, round(old_kernel_per_rank_factor(), 3), 2.0):
-        variants.append(("per_rank_factor", f, cluster,
+    for f in (0.5, 2.0):  # the per-tile cost of the current kernels
+        variants.append(("per_tile_cost", f, cluster,
                          dataclasses.replace(costs, flashmask3=scaled_cost(cur, f, cur.fwd.call, cur.bwd.call,
                                                                            cur.source))))
+    for f in (0.0, 0.5, 2.0):  # the per-call cost (the measured host-bound floor and per-call term)
+        variants.append(("per_call_cost", f, cluster,
+                         dataclasses.replace(costs, flashmask3=scaled_per_call(cur, f))))
     for f in (0.5, 2.0):
         variants.append(("comm_bytes(kv_heads)", f, cluster, costs))
     variants.append(("runtime=current", 1.0, cluster, costs))
@@ -283,5 +304,5 @@ def write_json(obj, path: str) -> None:
 
 
 __all__ = ["METHODS", "BASELINE", "COMBINED", "PAPER_LAYOUT", "PAPER_GAINS", "make_datasets",
-           "default_costs", "simulate_dataset", "gains", "attribution", "sensitivity", "cp_sweep",
+           "default_costs", "scaled_per_call", "NO_CALL", "per_call_free", "simulate_dataset", "gains", "attribution", "sensitivity", "cp_sweep",
            "plot_sweep", "write_json"]

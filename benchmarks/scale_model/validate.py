@@ -28,7 +28,7 @@ from typing import Optional
 
 import numpy as np
 
-from .calibrate import RESULTS, AttentionCost, TileCounts, load_cost
+from .calibrate import MEASURED_FILE, RESULTS, AttentionCost, TileCounts, fit_rows, load_cost, measured_rows, row_tiles
 from .layout import PlanView, RoundView, document_plan_view, mask_sparsity
 from .params import Cluster, Runtime
 from .timeline import AttnShape, simulate_layer
@@ -145,6 +145,40 @@ def validate_single(path: str = SINGLE) -> dict:
     return out
 
 
+# -- the current kernels' per-rank shapes ----------------------------------------------------------
+
+
+def _shape_points(cost: AttentionCost, rows: list[dict], held_out: bool) -> dict[str, list[Point]]:
+    out = {"fwd": [], "fwd+bwd": []}
+    for r in rows:
+        t, h = row_tiles(r), r["heads"]
+        name = f"{r['spread']} cp {r['cp']} {r['balance']} rank {r['rank']} stage {r['stage']} Hq={h}"
+        f = cost.forward(t, h)
+        out["fwd"].append(Point(name, r["fwd_ms"] * 1e-3, f, held_out))
+        if "fwd_bwd_ms" in r:
+            out["fwd+bwd"].append(Point(name, r["fwd_bwd_ms"] * 1e-3, f + cost.backward(t, h), held_out))
+    return out
+
+
+def validate_measured(path: str = MEASURED_FILE) -> dict:
+    """The current kernels' calibration on its own measurements (scale-model.sh): per GQA class,
+    the in-sample error of the fit on every shape, and a hold-out check -- fitted on the
+    dual_chunk plans' calls only, predicting the sparse plans' calls."""
+    out = {}
+    for gqa in (True, False):
+        rows, _ = measured_rows(path, 128, gqa)
+        if not rows:
+            continue
+        cls = "GQA" if gqa else "MHA"
+        fit_set = [r for r in rows if r["balance"] == "dual_chunk"]
+        held = [r for r in rows if r["balance"] != "dual_chunk"]
+        every = fit_rows(rows, "all shapes", 128, gqa)
+        dual = fit_rows(fit_set, "dual_chunk shapes", 128, gqa)
+        out[cls] = {"in_sample": _shape_points(every, rows, False),
+                    "held_out": _shape_points(dual, held, True), "cost": every}
+    return out
+
+
 # -- the multi-GPU file -----------------------------------------------------------------------------
 
 METHODS = {"dual_chunk+allgather": ("dual_chunk", "allgather"), "sparse+allgather": ("sparse", "allgather"),
@@ -228,8 +262,8 @@ def validate_multigpu(path: str = MULTI, cost: Optional[AttentionCost] = None,
     return points
 
 
-def summary(points: list[Point]) -> dict:
-    held = [p for p in points if p.held_out]
+def summary(points: list[Point], held_only: bool = True) -> dict:
+    held = [p for p in points if p.held_out or not held_only]
     errs = [abs(p.error) for p in held]
     return {"points": len(held), "max_abs_error": max(errs) if errs else math.nan,
             "mean_abs_error": float(np.mean(errs)) if errs else math.nan,

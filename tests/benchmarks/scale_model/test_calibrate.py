@@ -42,6 +42,23 @@ def test_fit_with_fixed_call_and_noise():
     assert 0 < fit.rms_rel_err < 0.05
 
 
+def test_fit_recovers_a_host_bound_floor():
+    """Calls below a floor take the floor (host-bound); the fit finds it and the linear part."""
+    rng = random.Random(5)
+    truth = C.PassCost(12e-9, 40e-9, 100e-6, 0, 0, floor=0.5e-3)
+    pts = []
+    for _ in range(120):
+        t = TileCounts(int(10 ** rng.uniform(0, 4.3)), rng.randint(0, 300), 4096, rng.choice([2048, 16384]))
+        pts.append((t, 32, truth.seconds(t, 32, C._programs("fwd", t, 32)) * rng.uniform(0.97, 1.03)))
+    assert sum(s <= 0.52e-3 for _, _, s in pts) >= 20  # the floor is really sampled
+    fit = C.fit_pass(pts, "fwd", floor=True)
+    assert fit.floor == pytest.approx(0.5e-3, rel=0.1)
+    assert fit.a_full == pytest.approx(12e-9, rel=0.1)
+    assert fit.rms_rel_err < 0.05
+    linear = C.fit_pass(pts, "fwd")
+    assert linear.floor == 0.0 and linear.rms_rel_err > fit.rms_rel_err
+
+
 def test_fit_from_the_measurement_file_round_trip(tmp_path):
     """measure.py's json format -> fit_from_measured -> the costs that generated it."""
     rng = random.Random(11)
