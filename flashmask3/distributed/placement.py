@@ -207,21 +207,23 @@ def sparse_placement(work: np.ndarray, live: np.ndarray, cp_size: int, *, chunk_
         if not len(cols):
             break
         found = _best_capped_swap(st, h, cols, wk, lo, hi, span, node, intra, cross, tile_ps, bucket, cap)
-        if found is None:  # no exchange lowers the pair's maximum
-            break
-        if found < 0:  # none passes the bound: check the best few exactly, else raise the cap
+        if found is None:  # none passes the bound (or none lowers the pair's maximum at all)
             o = st.owner[cols]
             d = st.work[slots][:, None] - st.work[cols][None, :]
             ok = (d > 0) & (d < (st.loads[h] - st.loads[o])[None, :])
+            if not ok.any():
+                break
+            # check the best few exactly, else raise the cap
             compute = tile_ps * np.maximum(st.loads[h] - d, st.loads[o][None, :] + d) // bucket
-            found = _exact_pick(st, h, cols, np.where(ok, compute, big), cap, exact_checks)
-            if found < 0:
+            best = _exact_pick(st, h, cols, np.where(ok, compute, big), cap, exact_checks)
+            if best < 0:
                 if cap >= n:
                     break
                 cap += max(1, cap // 16)
                 continue
-        slot, j = divmod(found, len(cols))
-        st.swap(h, slot, int(cols[j]))
+            slot, j = divmod(best, len(cols))
+            found = slot, int(cols[j])
+        st.swap(h, *found)
     return st.owner
 
 
@@ -229,52 +231,49 @@ def _best_capped_swap(st: _State, h: int, cols: np.ndarray, wk: np.ndarray, lo: 
                       hi: np.ndarray, span: np.ndarray, node: np.ndarray, intra: int, cross: int,
                       tile_ps: int, bucket: int, cap: int):
     """The exchange of a chunk of rank ``h`` (a slot of ``members[h]``) for a chunk of ``cols``
-    chosen by the rule of the module docstring, among those whose remote K/V bound stays
-    within ``cap``: its flat index ``slot * len(cols) + j``; -1 if no exchange that lowers the
-    pair's maximum passes the bound; None if there is no such exchange at all.
+    chosen by the rule of the module docstring among those whose remote K/V bound stays
+    within ``cap``, as ``(slot, b)``; None if there is none.
 
     Exchange (a, b), b of rank o, lowers the pair's maximum iff ``0 < w_a - w_b < L_h - L_o``.
     The bound ``max(remote_h + gain_h(b), remote_o + gain_o(a)) + 1 <= cap`` splits into a
-    test on b alone and one on (a, o), so only the columns passing the first, with some ``a``
-    in range (a sorted search), enter the ``[k, m]`` grids. The compute key
+    test on b alone and one on (a, o), so only the columns passing the first enter the
+    ``[k, m]`` grids. The compute key
     ``tile_ps * X // bucket`` (X the pair's new maximum) is monotone in X: the tied set is
     ``X < ceil((key(X_min) + 1) * bucket / tile_ps)``, one exact integer threshold.
     """
     slots = st.members[h]
     load_h, rem_h = int(st.loads[h]), int(st.remote[h])
-    wa = wk[slots]
-    wb = wk[cols]
-    o = st.owner[cols]
-    gap = (load_h - st.loads[o]).astype(wk.dtype)
-    sa = np.sort(wa)
-    in_range = np.searchsorted(sa, wb + gap, "left") > np.searchsorted(sa, wb, "right")
-    if not in_range.any():
-        return None
     pre_h = st.prefix[h]
     gain_h = span[cols] - (pre_h[hi[cols]] - pre_h[lo[cols]])
-    sel = np.flatnonzero(in_range & (gain_h <= cap - 1 - rem_h))
+    fits_h = gain_h <= cap - 1 - rem_h
+    sel, gain_h = cols[fits_h], gain_h[fits_h]
     if not len(sel):
-        return -1
+        return None
     pre = st.prefix
     gain_o = span[slots][:, None] - (pre[:, hi[slots]] - pre[:, lo[slots]]).T   # [k, P]
     fits_o = gain_o <= (cap - 1 - st.remote)[None, :]                        # [k, P]
-    os_, wbs = o[sel], wb[sel]
-    d = wa[:, None] - wbs[None, :]                                            # [k, m']
-    elig = (d > 0) & (d < gap[sel][None, :]) & fits_o[:, os_]
-    if not elig.any():
-        return -1
-    new_max = np.maximum(load_h - d, st.loads[os_].astype(wk.dtype)[None, :] + d)
-    x_min = int(new_max[elig].min())
+    o = st.owner[sel]
+    load_o = st.loads[o].astype(wk.dtype)
+    # d - 1 = w_a - w_b - 1; 0 < d < gap  <=>  d - 1, as unsigned, < gap - 1
+    d1 = (wk[slots] - 1)[:, None] - wk[sel][None, :]                           # [k, m']
+    unsigned = np.dtype(f"u{wk.itemsize}")
+    elig = d1.view(unsigned) < (load_h - 1 - load_o).view(unsigned)[None, :]
+    elig &= np.take(fits_o, o, axis=1)
+    new_max = np.maximum(load_h - 1 - d1, d1 + 1 + load_o[None, :])
+    never = np.iinfo(wk.dtype).max
+    np.putmask(new_max, ~elig, never)
+    x_min = int(new_max.min())
+    if x_min == never:
+        return None
     key = tile_ps * x_min // bucket
     threshold = -(-(key + 1) * bucket // tile_ps)
-    tied = np.flatnonzero(elig & (new_max < threshold))   # ascending flat index
+    tied = np.flatnonzero(new_max < threshold)   # ascending flat index
     slot, jj = np.divmod(tied, len(sel))
-    link = np.where(node[os_[jj]] != node[h], cross, intra)
+    link = np.where(node[o[jj]] != node[h], cross, intra)
     # among equally good swaps, the one whose new K/V takes the least link time
-    score = link * (gain_h[sel[jj]] + gain_o[slot, os_[jj]])
+    score = link * (gain_h[jj] + gain_o[slot, o[jj]])
     t = int(np.argmin(score))
-    return int(slot[t]) * len(cols) + int(sel[jj[t]])
-
+    return int(slot[t]), int(sel[jj[t]])
 
 def _exact_pick(st: _State, h: int, cols: np.ndarray, score: np.ndarray, cap: int, m: int) -> int:
     """The best of the ``m`` best-scored swaps (``score``: ``[k, len(cols)]``) whose exact
