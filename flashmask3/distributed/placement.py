@@ -234,11 +234,12 @@ def _best_capped_swap(st: _State, h: int, cols: np.ndarray, wk: np.ndarray, lo: 
     chosen by the rule of the module docstring among those whose remote K/V bound stays
     within ``cap``, as ``(slot, b)``; None if there is none.
 
-    Exchange (a, b), b of rank o, lowers the pair's maximum iff ``0 < w_a - w_b < L_h - L_o``.
-    The bound ``max(remote_h + gain_h(b), remote_o + gain_o(a)) + 1 <= cap`` splits into a
-    test on b alone and one on (a, o), so only the columns passing the first enter the
-    ``[k, m]`` grids. The compute key
-    ``tile_ps * X // bucket`` (X the pair's new maximum) is monotone in X: the tied set is
+    Exchange (a, b), b of a rank o lighter than h, lowers the pair's maximum iff
+    ``0 < d < L_h - L_o`` (``d = w_a - w_b``), that is iff its new maximum
+    ``X = max(L_h - d, L_o + d)`` is below ``L_h``, so X alone marks them. The bound
+    ``max(remote_h + gain_h(b), remote_o + gain_o(a)) + 1 <= cap`` splits into a test on b
+    alone (it filters the columns of the ``[k, m]`` grid) and one on (a, o) (a penalty added
+    to X). The compute key ``tile_ps * X // bucket`` is monotone in X: the tied set is
     ``X < ceil((key(X_min) + 1) * bucket / tile_ps)``, one exact integer threshold.
     """
     slots = st.members[h]
@@ -251,22 +252,20 @@ def _best_capped_swap(st: _State, h: int, cols: np.ndarray, wk: np.ndarray, lo: 
         return None
     pre = st.prefix
     gain_o = span[slots][:, None] - (pre[:, hi[slots]] - pre[:, lo[slots]]).T   # [k, P]
-    fits_o = gain_o <= (cap - 1 - st.remote)[None, :]                        # [k, P]
+    # An exchange that breaks the cap on o's side costs more than any new maximum.
+    never = np.iinfo(wk.dtype).max // 2
+    penalty = np.where(gain_o <= (cap - 1 - st.remote)[None, :], 0, never).astype(wk.dtype)  # [k, P]
     o = st.owner[sel]
-    load_o = st.loads[o].astype(wk.dtype)
-    # d - 1 = w_a - w_b - 1; 0 < d < gap  <=>  d - 1, as unsigned, < gap - 1
-    d1 = (wk[slots] - 1)[:, None] - wk[sel][None, :]                           # [k, m']
-    unsigned = np.dtype(f"u{wk.itemsize}")
-    elig = d1.view(unsigned) < (load_h - 1 - load_o).view(unsigned)[None, :]
-    elig &= np.take(fits_o, o, axis=1)
-    new_max = np.maximum(load_h - 1 - d1, d1 + 1 + load_o[None, :])
-    never = np.iinfo(wk.dtype).max
-    np.putmask(new_max, ~elig, never)
+    wa, wb = wk[slots], wk[sel]
+    # X = max(L_h - d, L_o + d) with d = w_a - w_b; X < L_h exactly when 0 < d < L_h - L_o.
+    new_max = (wb + load_h)[None, :] - wa[:, None]                              # [k, m']
+    np.maximum(new_max, (st.loads[o].astype(wk.dtype) - wb)[None, :] + wa[:, None], out=new_max)
+    new_max += np.take(penalty, o, axis=1)
     x_min = int(new_max.min())
-    if x_min == never:
+    if x_min >= load_h:
         return None
     key = tile_ps * x_min // bucket
-    threshold = -(-(key + 1) * bucket // tile_ps)
+    threshold = min(load_h, -(-(key + 1) * bucket // tile_ps))
     tied = np.flatnonzero(new_max < threshold)   # ascending flat index
     slot, jj = np.divmod(tied, len(sel))
     link = np.where(node[o[jj]] != node[h], cross, intra)
@@ -274,6 +273,7 @@ def _best_capped_swap(st: _State, h: int, cols: np.ndarray, wk: np.ndarray, lo: 
     score = link * (gain_h[jj] + gain_o[slot, o[jj]])
     t = int(np.argmin(score))
     return int(slot[t]), int(sel[jj[t]])
+
 
 def _exact_pick(st: _State, h: int, cols: np.ndarray, score: np.ndarray, cap: int, m: int) -> int:
     """The best of the ``m`` best-scored swaps (``score``: ``[k, len(cols)]``) whose exact
