@@ -193,6 +193,26 @@ def test_summaries_equal_the_tile_rule_and_never_drop_a_live_key(layout, seed, h
     assert not (dense & ~live).any()  # conservative: every truly live pair is reported live
 
 
+@pytest.mark.parametrize("max_layers", [0, 2, 8])
+def test_live_grid_range_layers_and_difference_array_fill_the_same_cells(monkeypatch, max_layers):
+    """The chunk grid from merged key-chunk ranges, range by range or by the difference
+    array's cumulative sum (``max_layers=0``), equals a dense fill of the raw ranges."""
+    from flashmask3.distributed import summaries
+
+    monkeypatch.setattr(summaries, "_MAX_GRID_LAYERS", max_layers)
+    rng = np.random.default_rng(17)
+    for _ in range(60):
+        n = int(rng.integers(1, 90))
+        m = int(rng.integers(0, 4 * n + 1))
+        q0 = rng.integers(0, n, m)
+        q1 = np.minimum(n, q0 + rng.integers(1, n + 1, m))
+        kc = rng.integers(0, n, m)
+        want = np.zeros((n, n), dtype=bool)
+        for a, b, k in zip(q0, q1, kc):
+            want[a:b, k] = True
+        assert np.array_equal(summaries._live_grid(q0, q1, kc, n), want)
+
+
 def test_rank_needs_are_exact_or_conservative_on_random_masks():
     """A key chunk left out of needed_chunks(rank) is fully masked for the rank's rows."""
     for causal, c in LAYOUTS:
