@@ -165,8 +165,9 @@ class _State:
         self.loads[o] += d
         self.owns[h, a] = self.owns[o, b] = False
         self.owns[h, b] = self.owns[o, a] = True
-        self.count[h] += self.live[b] - self.live[a]
-        self.count[o] += self.live[a] - self.live[b]
+        delta = self.live[b] - self.live[a]
+        self.count[h] += delta
+        self.count[o] -= delta
         self._recount(h)
         self._recount(o)
 
