@@ -28,7 +28,8 @@ Algorithm (docs/context-parallel.md, "Placement"):
    newly need (bytes x intra-node or cross-node time per byte, nodes of ``gpus_per_node``).
 
 Every quantity is an integer and every tie goes to the lowest index, so all ranks compute the
-same layout. Complexity: the fold start O(n); one exchange O(k n) to score all candidates,
+same layout. Complexity: the fold start O(n); one exchange O(k n) to score all candidates
+(numpy over the whole ``[k, m]`` grid, with the exact shortcuts of :func:`_best_capped_swap`),
 O(k P) for the hull overlaps, O(n) to update the two ranks' need counts.
 """
 
