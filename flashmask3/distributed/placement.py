@@ -36,6 +36,7 @@ O(k P) for the hull overlaps, O(n) to update the two ranks' need counts.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Optional
 
 import numpy as np
 
@@ -231,7 +232,7 @@ def sparse_placement(work: np.ndarray, live: np.ndarray, cp_size: int, *, chunk_
 
 def _best_capped_swap(st: _State, h: int, cols: np.ndarray, wk: np.ndarray, lo: np.ndarray,
                       hi: np.ndarray, span: np.ndarray, node: np.ndarray, intra: int, cross: int,
-                      tile_ps: int, bucket: int, cap: int):
+                      tile_ps: int, bucket: int, cap: int) -> Optional[tuple[int, int]]:
     """The exchange of a chunk of rank ``h`` (a slot of ``members[h]``) for a chunk of ``cols``
     chosen by the rule of the module docstring among those whose remote K/V bound stays
     within ``cap``, as ``(slot, b)``; None if there is none.
