@@ -43,7 +43,8 @@ def _attention_forward_impl(q, k, v, startend_row_indices, causal, softmax_scale
     span = None if row_span is None else float(row_span)
     out, lse = get_backend(backend).forward(q, k, v, startend_row_indices, causal, softmax_scale,
                                             row_span=span)
-    return out.contiguous(), lse.contiguous()
+    # the public contract is an fp32 LSE (a backend may return float64 for float64 inputs)
+    return out.contiguous(), lse.to(torch.float32).contiguous()
 
 
 @_attention_forward.register_fake

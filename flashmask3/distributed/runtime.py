@@ -413,7 +413,7 @@ def _finish_forward(outs, lses, q, v):
     if not outs:
         b, s, h, _ = q.shape
         out = q.new_zeros(b, s, h, v.shape[-1])
-        lse = torch.full((b, h, s), float("-inf"), dtype=torch.float32, device=q.device)
+        lse = torch.full((b, h, s), float("-inf"), dtype=acc_dtype(q.dtype), device=q.device)
         return out, lse
     out, lse = merge_stages(outs, lses, acc_dtype(q.dtype))
     return out.to(q.dtype), lse

@@ -225,7 +225,9 @@ def _masked_scores(plan: _Plan, blk: _QueryBlock, q_rows, k_live, shape5):
 def forward(q, k, v, startend_row_indices: Optional[torch.Tensor], causal: bool,
             softmax_scale: float, row_span: Optional[float] = None
             ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Masked attention forward. Returns ``out [B, Sq, Hq, D]`` and ``lse [B, Hq, Sq]`` (fp32).
+    """Masked attention forward. Returns ``out [B, Sq, Hq, D]`` and ``lse [B, Hq, Sq]`` in the
+    accumulation dtype (fp32; float64 for float64 inputs, so that context parallelism's LSE merge
+    keeps float64 accuracy; the public function returns it as fp32).
     ``row_span`` (the mask's mean row span, a tile hint for the Triton backend) is unused."""
     with _block_workers(q.device) as workers:
         return _forward(q, k, v, startend_row_indices, causal, softmax_scale, workers)
@@ -261,7 +263,7 @@ def _forward(q, k, v, startend_row_indices, causal, softmax_scale, workers):
     # blocks without live keys are fully masked: their zeros and -inf stay
     _for_each_block(block_forward, plan.blocks, workers)
     return (_from_query_layout(out).to(q.dtype),
-            lse.permute(0, 1, 3, 2).reshape(b, hq, sq).to(torch.float32))
+            lse.permute(0, 1, 3, 2).reshape(b, hq, sq))
 
 
 def backward(dout, dlse, q, k, v, out, lse, startend_row_indices: Optional[torch.Tensor],
