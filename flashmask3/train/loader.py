@@ -62,28 +62,12 @@ def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
 
 
 def prepare_plan_for_rank(plan, rank: int, device: torch.device, comm: str):
-    """Everything ``cp_flashmask_attention`` needs for ``rank`` of ``plan``, on ``device``.
+    """Everything ``cp_flashmask_attention`` needs for ``rank`` of ``plan``, on ``device``: the
+    CP runtime's per-rank device program (:func:`flashmask3.distributed.prepare_rank`, cached on
+    the plan, so the step's attention calls find it ready and copy nothing per layer)."""
+    from flashmask3.distributed import prepare_rank
 
-    The one place that wires the CP runtime's per-rank device program: it calls
-    ``flashmask3.distributed.prepare_rank(plan, rank, device, comm)`` where the library has it
-    (it caches the program on the plan; the attention calls then hit the cache). Without it,
-    the rank-local mask columns are copied to the device (pinned, non_blocking) and put in the
-    plan's local-mask cache, so the runtime's per-layer ``cols.to(q.device)`` is a no-op
-    instead of a blocking host-to-device copy per layer.
-    """
-    import flashmask3.distributed as cp_lib
-
-    prepare_rank = getattr(cp_lib, "prepare_rank", None)
-    if prepare_rank is not None:
-        return prepare_rank(plan, rank, device, comm)
-    order = "arrival" if comm == "overlap" else "sorted"
-    host = plan.local_mask(rank, order)
-    mask = FlashMask(to_device(host.startend_row_indices, device), host.causal, host.seqlen_q,
-                     host.mean_row_span)
-    cache = getattr(plan, "_local_masks", None)
-    if isinstance(cache, dict):
-        cache[(rank, order)] = mask
-    return mask
+    return prepare_rank(plan, rank, device, comm)
 
 
 def make_group_plan(mask: FlashMask, cfg, env):
