@@ -200,6 +200,7 @@ launch or in :func:`compile_report`; :func:`unavailable_reason` says why it cann
 
 from __future__ import annotations
 
+import functools
 from typing import Optional
 
 import torch
@@ -230,6 +231,7 @@ from .gluon_common import (  # noqa: F401  (the shared Gluon helpers)
     ws_compute_regs,
     ws_maxnreg,
     ws_programs_per_sm)
+from .launcher import launch
 from .tiles import _NO_SPEC, LOG2E, _num_intervals  # noqa: F401
 from .tl_kernels import scale_dq
 
@@ -924,6 +926,7 @@ def _dkdv_gluon_kernel(q_desc, do_desc, k_desc, v_desc, dk_ptr, dv_ptr, lse2_ptr
 # ---------------------------------------------------------------------------------------------
 
 
+@functools.lru_cache(maxsize=None)
 def _dq_smem_layout(block_m: int, d: int):
     """The shared layout of the fused kernel's fp32 [d, block_m] dQᵀ tile (TMA reduce source;
     at block_m=32 one 128-byte swizzled row per head-dim index; at 64 two [d, 32] blocks)."""
@@ -1076,7 +1079,7 @@ def launch_dkdv_gluon(q, k, v, dout, lse2, delta, causal, softmax_scale, plan, b
         kwargs.update(STATS_SMEM=True)
     if ds_shared:
         kwargs.update(DS_SHARED=True)
-    _dkdv_gluon_kernel[(nkb, b * hk)](
+    launch(_dkdv_gluon_kernel, (nkb, b * hk),
         q_desc, do_desc, k_desc, v_desc, dk, dv, lse2, delta, plan.mask, plan.summary,
         plan.ranges, softmax_scale, softmax_scale * LOG2E, sq, sk, hq, hk, plan.hm, nqb, nkb,
         plan.mask_b_stride, dq_desc, D=d, BLOCK_M=block_m, BLOCK_N=block_n, CAUSAL=causal,

@@ -5,6 +5,7 @@ live-range helpers in Gluon, shared-memory layouts and the warp-specialisation r
 
 from __future__ import annotations
 
+import functools
 import re
 from typing import Optional
 
@@ -222,6 +223,7 @@ def _gl_dtype(dtype):
     return {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16}[dtype]
 
 
+@functools.lru_cache(maxsize=None)
 def _smem_layout(block_rows: int, d: int, dtype):
     """The NVMMA (swizzled) shared layout of a [block_rows, d] tile: TMA destination and wgmma
     operand (both orientations: the 16-bit wgmma reads the transposed view as well)."""

@@ -36,6 +36,7 @@ from . import gluon_common as _GD
 from .gluon_common import (_gl_dtype, _jit, _load_stats, _needs_mask,  # noqa: F401
                            _query_block_ranges, _smem_layout, gl,
                            unavailable_reason)
+from .launcher import launch
 from .tiles import _NO_SPEC, LOG2E
 
 if _GD.GLUON_IMPORT_ERROR is None:
@@ -770,7 +771,7 @@ def launch_fwd_gluon(q, k, v, mask, causal, softmax_scale, plan, block_m: int, b
                   NUM_STAGES=num_stages, NUM_WARPS=num_warps)
     if not warp_spec:  # the one-partition Gluon forward measured 0.87-0.95x tl and was deleted
         raise ValueError("gluon fwd: only the warp-specialised kernel exists (warp_spec=True)")
-    _fwd_ws_kernel[(nqb, b * hq)](*args, nqb * b * hq, **consts, PINGPONG=pingpong,
+    launch(_fwd_ws_kernel, (nqb, b * hq), *args, nqb * b * hq, **consts, PINGPONG=pingpong,
                                   CONSUMER_REGS=ws_consumer_regs(num_warps), COLS_SMEM=cols_smem,
                                   num_warps=4, maxnreg=ws_maxnreg(num_warps))
     return out, lse

@@ -12,12 +12,15 @@ tile shape and launch parameters) and :class:`Plan` (the preprocessed mask for o
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass
 from typing import Optional
 
 import torch
 import triton
 import triton.language as tl
+
+from .launcher import launch
 
 LOG2E = 1.4426950408889634
 SKIP, PARTIAL, UNMASKED = 0, 1, 2
@@ -425,8 +428,8 @@ def block_summaries(mask: torch.Tensor, causal: bool, seqlen_q: int, block_n: in
     nkb = triton.cdiv(sk, block_n)
     summary = torch.empty((bm * hm, nkb, NSTAT), dtype=torch.int32, device=mask.device)
     if nkb > 0 and bm * hm > 0:
-        _summary_kernel[(nkb, bm * hm)](mask, summary, seqlen_q, sk, nkb, sk * c,
-                                        BLOCK_N=block_n, CAUSAL=causal, C=c, num_warps=4)
+        launch(_summary_kernel, (nkb, bm * hm), mask, summary, seqlen_q, sk, nkb, sk * c,
+               BLOCK_N=block_n, CAUSAL=causal, C=c, num_warps=4)
     return summary
 
 
@@ -440,9 +443,8 @@ def live_ranges(summary: torch.Tensor, causal: bool, ni: int, seqlen_q: int, seq
     nbh = summary.shape[0]
     ranges = torch.empty((nbh, n_fixed, RANGE_WORDS), dtype=torch.int32, device=summary.device)
     if n_fixed > 0 and nbh > 0:
-        _range_kernel[(n_fixed, nbh)](summary, ranges, seqlen_q, seqlen_k, nqb, nkb,
-                                      BLOCK_M=block_m, BLOCK_N=block_n, CAUSAL=causal, NI=ni,
-                                      BY_KEY=by_key, CHUNK=256, num_warps=4)
+        launch(_range_kernel, (n_fixed, nbh), summary, ranges, seqlen_q, seqlen_k, nqb, nkb,
+               BLOCK_M=block_m, BLOCK_N=block_n, CAUSAL=causal, NI=ni, BY_KEY=by_key, CHUNK=256, num_warps=4)
     return ranges
 
 
@@ -453,8 +455,87 @@ def make_plan(mask: Optional[torch.Tensor], causal: bool, seqlen_q: int, seqlen_
         d = _dummy(device)
         return Plan(d, d, d, 0, 0, 1, 0)
     mask = mask.contiguous()
+    summary = block_summaries(mask, causal, seqlen_q, block_n)
+    return _plan_from(mask, summary, causal, seqlen_q, seqlen_k, block_m, block_n, by_key)
+
+
+def _plan_from(mask, summary, causal, seqlen_q, seqlen_k, block_m, block_n, by_key) -> Plan:
+    """The plan of a contiguous ``mask`` whose block summaries (for ``block_n``) are known."""
     bm, hm, _, c = mask.shape
     ni = _num_intervals(causal, c)
-    summary = block_summaries(mask, causal, seqlen_q, block_n)
     ranges = live_ranges(summary, causal, ni, seqlen_q, seqlen_k, block_m, block_n, by_key)
     return Plan(mask, summary, ranges, c, ni, hm, hm if bm > 1 else 0)
+
+
+# ---------------------------------------------------------------------------------------------
+# Plan reuse: a model calls attention once per layer with the same mask tensor
+# ---------------------------------------------------------------------------------------------
+
+#: id(mask) -> _MaskPlans. An entry goes when its mask is freed (weakref callback), so the
+#: cache never keeps a mask alive; it holds the plans' summary / range tensors only.
+_PLAN_CACHE: dict = {}
+
+
+class _MaskPlans:
+    """The plans of one live mask tensor at one ``_version``: summaries by (causal, Sq,
+    block_n) and ranges by (causal, Sq, Sk, block_m, block_n, by_key)."""
+
+    __slots__ = ("ref", "version", "summaries", "plans")
+
+    def __init__(self, mask: torch.Tensor):
+        key = id(mask)
+        self.ref = weakref.ref(mask, lambda _ref, key=key: _forget(key, _ref))
+        self.version = mask._version
+        self.summaries: dict = {}
+        self.plans: dict = {}
+
+
+def _forget(key: int, ref) -> None:
+    """Drop the cache entry of a freed mask (only if it is still that mask's entry)."""
+    entry = _PLAN_CACHE.get(key)
+    if entry is not None and entry.ref is ref:
+        del _PLAN_CACHE[key]
+
+
+def _capturing(mask: torch.Tensor) -> bool:
+    """Whether a CUDA graph is being captured on the current stream (then plans are built
+    from the mask's memory, so that replays with new columns copied in are right)."""
+    return mask.is_cuda and torch.cuda.is_current_stream_capturing()
+
+
+def _entry_of(mask: torch.Tensor) -> _MaskPlans:
+    """This mask's cache entry, new when the mask is new (a recycled id holding another
+    tensor included) or was written in place since (its ``_version`` moved)."""
+    entry = _PLAN_CACHE.get(id(mask))
+    if entry is None or entry.ref() is not mask or entry.version != mask._version:
+        entry = _PLAN_CACHE[id(mask)] = _MaskPlans(mask)
+    return entry
+
+
+def cached_plan(mask: Optional[torch.Tensor], causal: bool, seqlen_q: int, seqlen_k: int,
+                block_m: int, block_n: int, by_key: bool, device) -> Plan:
+    """:func:`make_plan`, reused while the same mask tensor is unchanged: keyed on the tensor's
+    identity (a weak reference) and its ``_version`` (in-place writes through torch bump it),
+    plus causal, Sq, Sk and the tile; the block summaries are shared by every plan with the same
+    ``block_n`` (the forward's and the backward's). Never used while a CUDA graph is being
+    captured. Caveat (docs/host-path.md): writes that bypass torch's version counter (a custom
+    kernel writing through a raw pointer) are not seen."""
+    if mask is None or not mask.is_contiguous() or _capturing(mask):
+        return make_plan(mask, causal, seqlen_q, seqlen_k, block_m, block_n, by_key, device)
+    entry = _entry_of(mask)
+    key = (causal, seqlen_q, seqlen_k, block_m, block_n, by_key)
+    plan = entry.plans.get(key)
+    if plan is None:
+        skey = (causal, seqlen_q, block_n)
+        summary = entry.summaries.get(skey)
+        if summary is None:
+            summary = entry.summaries[skey] = block_summaries(mask, causal, seqlen_q, block_n)
+        plan = _plan_from(mask, summary, causal, seqlen_q, seqlen_k, block_m, block_n, by_key)
+        plan.mask = None  # the cache must not hold the mask
+        entry.plans[key] = plan
+    return Plan(mask, plan.summary, plan.ranges, plan.c, plan.ni, plan.hm, plan.mask_b_stride)
+
+
+def clear_plan_cache() -> None:
+    """Forget every cached plan (tests, benchmarks of the uncached path)."""
+    _PLAN_CACHE.clear()

@@ -20,6 +20,7 @@ try:  # host-side TMA descriptors (triton >= 3.3)
 except ImportError:  # pragma: no cover - older triton
     TensorDescriptor = None
 
+from .launcher import launch
 from .tiles import (LOG2E, NSTAT, PARTIAL, RANGE_WORDS, SKIP, UNMASKED, _NO_SPEC,  # noqa: F401
                     Config, Plan, _classify_rule, _clipped_tile_class, _column_intervals,
                     _element_masked, _key_block_ranges, _load_stats, _query_block_ranges,
@@ -505,7 +506,7 @@ def launch_fwd(q, k, v, causal, softmax_scale, cfg: Config, plan: Plan):
     k_desc = _desc(k.view(b * sk, hk * d), cfg.block_n, d) if tma else None
     v_desc = _desc(v.view(b * sk, hk * d), cfg.block_n, d) if tma else None
     q_desc = _desc(q.view(b * sq, hq * d), cfg.block_m, d) if tma and a_smem("fwd", d) else None
-    _fwd_kernel[(nqb, b * hq)](
+    launch(_fwd_kernel, (nqb, b * hq),
         q, k, v, out, lse, plan.mask, plan.summary, plan.ranges, k_desc, v_desc, q_desc,
         softmax_scale * LOG2E, sq, sk, hq, hk, plan.hm, nqb, nkb, plan.mask_b_stride,
         D=d, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, CAUSAL=causal, C=plan.c, NI=plan.ni,
@@ -524,9 +525,8 @@ def backward_prepass(out, dout, lse, dlse):
     bm = 64 if d <= 128 else 32
     has_dlse = dlse is not None
     dl = dlse.to(torch.float32).contiguous() if has_dlse else delta
-    _bwd_pre_kernel[(triton.cdiv(sq, bm), b * hq)](out, dout, lse.contiguous(), dl, delta, lse2,
-                                                    sq, hq, D=d, BLOCK_M=bm, HAS_DLSE=has_dlse,
-                                                    num_warps=4)
+    launch(_bwd_pre_kernel, (triton.cdiv(sq, bm), b * hq), out, dout, lse.contiguous(), dl,
+           delta, lse2, sq, hq, D=d, BLOCK_M=bm, HAS_DLSE=has_dlse, num_warps=4)
     return delta, lse2
 
 
@@ -543,7 +543,7 @@ def launch_dkdv(q, k, v, dout, lse2, delta, causal, softmax_scale, cfg: Config, 
     do_desc = _desc(dout.view(b * sq, hq * d), cfg.block_m, d) if tma else None
     k_desc = _desc(k.view(b * sk, hk * d), cfg.block_n, d) if tma and a_smem(kind, d) else None
     v_desc = _desc(v.view(b * sk, hk * d), cfg.block_n, d) if tma and a_smem(kind, d) else None
-    _dkdv_kernel[(nkb, b * hk)](
+    launch(_dkdv_kernel, (nkb, b * hk),
         q, k, v, dout, dk, dv, lse2, delta, plan.mask, plan.summary, plan.ranges, q_desc, do_desc,
         k_desc, v_desc, dk,  # (dk: the unused dq_ptr)
         softmax_scale, softmax_scale * LOG2E, sq, sk, hq, hk, plan.hm, nqb, nkb,
@@ -565,7 +565,7 @@ def launch_dq(q, k, v, dout, lse2, delta, causal, softmax_scale, cfg: Config, pl
     v_desc = _desc(v.view(b * sk, hk * d), cfg.block_n, d) if tma else None
     q_desc = _desc(q.view(b * sq, hq * d), cfg.block_m, d) if tma and a_smem("dq", d) else None
     do_desc = _desc(dout.view(b * sq, hq * d), cfg.block_m, d) if tma and a_smem("dq", d) else None
-    _dq_kernel[(nqb, b * hq)](
+    launch(_dq_kernel, (nqb, b * hq),
         q, k, v, dout, dq, lse2, delta, plan.mask, plan.summary, plan.ranges, k_desc, v_desc,
         q_desc, do_desc,
         softmax_scale, softmax_scale * LOG2E, sq, sk, hq, hk, plan.hm, nqb, nkb,
@@ -587,7 +587,7 @@ def scale_dq(dq_acc: torch.Tensor, softmax_scale: float, dtype: torch.dtype) -> 
     if dq.numel() == 0:
         return dq
     block_q = 64 if d <= 128 else 32
-    _scale_dq_kernel[(triton.cdiv(sq, block_q), b * hq)](
+    launch(_scale_dq_kernel, (triton.cdiv(sq, block_q), b * hq),
         dq_acc, dq, softmax_scale, sq, hq, dq_acc.stride(0), dq_acc.stride(1), dq_acc.stride(2),
         dq_acc.stride(3), D=d, BLOCK_Q=block_q, num_warps=4)
     return dq

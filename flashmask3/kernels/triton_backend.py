@@ -20,7 +20,7 @@ from . import dispatch, tl_kernels
 from .dispatch import PLAN_BY_KEY, Launch, backward_mode, use_backward  # noqa: F401
 from .gluon_bwd import FUSED_VARIANT, launch_dkdv_gluon
 from .gluon_fwd import launch_fwd_gluon
-from .tiles import Config, Plan, make_plan  # noqa: F401
+from .tiles import Config, Plan, cached_plan, make_plan  # noqa: F401
 
 HEAD_DIMS = (16, 32, 64, 128, 256)
 
@@ -48,7 +48,8 @@ def _contig(*xs):
 
 def _plan(mask, causal, sq, sk, launch: Launch, device) -> Plan:
     t = launch.tile
-    return make_plan(mask, causal, sq, sk, t.block_m, t.block_n, PLAN_BY_KEY[launch.pass_], device)
+    return cached_plan(mask, causal, sq, sk, t.block_m, t.block_n, PLAN_BY_KEY[launch.pass_],
+                       device)
 
 
 def _tile_args(t: Config) -> tuple:
@@ -130,4 +131,5 @@ def preprocess(mask: Optional[torch.Tensor], causal: bool, seqlen_q: int, seqlen
     choice = dispatch.choose(device, dtype, head_dim, causal, c, row_span)
     launches = (choice.forward,) + (dispatch.choose(device, dtype, head_dim, causal, c).backward
                                     if backward else ())
-    return [_plan(mask, causal, seqlen_q, seqlen_k, x, device) for x in launches]
+    return [make_plan(mask, causal, seqlen_q, seqlen_k, x.tile.block_m, x.tile.block_n,
+                      PLAN_BY_KEY[x.pass_], device) for x in launches]

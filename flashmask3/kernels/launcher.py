@@ -1,0 +1,138 @@
+"""One launch path for every Triton/Gluon kernel of the package, without ``JITFunction.run``
+on the warm path.
+
+``kernel[grid](*args, **kwargs)`` costs ~40 µs of host time a launch in Triton 3.6 (argument
+binding, specialisation of every argument, a string cache key of the options, the global
+check, launch metadata). :func:`launch` does the same launch with a fraction of that:
+
+1. It computes a cheap key: the kernel, the current device, the keyword arguments
+   (constexprs and launch options, as given) and, per positional argument, everything Triton
+   specialises on (:func:`_arg_key`).
+2. On a miss it launches through the normal path (``kernel[grid](...)``, which compiles if
+   needed and returns the ``CompiledKernel``) and keeps that compiled kernel for the key.
+3. On a hit it calls ``compiled.run(gx, gy, gz, stream, function, packed_metadata, None,
+   None, None, *all_args)``, the call ``JITFunction.run`` ends with, on the CURRENT stream
+   (CUDA-graph capture records that stream).
+
+Specialisation safety. Triton 3.6 specialises (``native_specialize_impl``) a tensor on its
+dtype and on its data pointer being 16-byte aligned; an integer on its type (i32 / i64 /
+u64 by range), on being 1 and on being divisible by 16 (the last two unless listed in
+``do_not_specialize``); ``None`` as a constexpr; a bool / float on its type; a tensor
+descriptor on its block shape, dtype and layout. :func:`_arg_key` keys on a superset of these
+(the integer flags even for ``do_not_specialize`` arguments, the descriptor's base alignment
+and shape/stride divisibility), so a hit never reuses a compile that Triton would not; an
+argument of any other type is never cached (the normal path runs). Over-keying can only cost
+an extra pass through the normal path, which returns the right compiled kernel.
+
+The normal path runs instead whenever Triton's launch hooks are set (profilers, Proton), the
+kernel has pre-run hooks, under ``TRITON_INTERPRET=1``, or with ``FLASHMASK3_FAST_LAUNCH=0``.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import torch
+
+try:
+    from triton import knobs as _knobs
+    from triton.runtime.driver import driver as _driver
+except ImportError:  # pragma: no cover - triton is a dependency of the kernels
+    _knobs = _driver = None
+
+#: Set to 0 to launch every kernel through ``kernel[grid](...)`` (the A/B switch of the GPU test).
+FAST_LAUNCH_ENV = "FLASHMASK3_FAST_LAUNCH"
+
+_I32 = 2 ** 31
+_U64 = 2 ** 63
+
+
+class _Entry:
+    """A compiled kernel and how to lay out a call's arguments in its parameter order."""
+
+    __slots__ = ("compiled", "n_pos", "tail")
+
+    def __init__(self, compiled, kernel, n_pos: int, kwargs: dict):
+        self.compiled = compiled
+        self.n_pos = n_pos
+        params = kernel.signature.parameters
+        names = list(params)[n_pos:]
+        # (name, default) of every parameter after the positional ones
+        self.tail = [(name, params[name].default) for name in names]
+
+
+_COMPILED: dict = {}
+
+
+def fast_launch_enabled() -> bool:
+    """Whether :func:`launch` may skip ``JITFunction.run`` (not under the interpreter, not
+    with ``FLASHMASK3_FAST_LAUNCH=0``, not while Triton launch hooks are set)."""
+    if _knobs is None or os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
+        return False
+    if os.environ.get(FAST_LAUNCH_ENV, "1") == "0":
+        return False
+    rt = _knobs.runtime
+    return not (_hooked(rt.launch_enter_hook) or _hooked(rt.launch_exit_hook))
+
+
+def _hooked(hook) -> bool:
+    """Whether a Triton launch hook (a ``HookChain`` in 3.6, a callable or None before) is set."""
+    if hook is None:
+        return False
+    calls = getattr(hook, "calls", None)
+    return bool(calls) if calls is not None else True
+
+
+def _arg_key(x) -> Any:
+    """What Triton specialises on for one runtime argument (a superset), or raises TypeError
+    for an argument type this module does not know (the caller then takes the normal path)."""
+    if isinstance(x, torch.Tensor):
+        return (x.dtype, x.data_ptr() % 16 == 0)
+    if x is None:
+        return None
+    if isinstance(x, bool):
+        return ("i1",)
+    if isinstance(x, int):
+        rng = 0 if -_I32 <= x < _I32 else (1 if -_U64 <= x < _U64 else 2)
+        return (rng, x == 1, x % 16 == 0)
+    if isinstance(x, float):
+        return ("fp32",)
+    base = getattr(x, "base", None)
+    if isinstance(base, torch.Tensor) and hasattr(x, "block_shape"):  # a TMA descriptor
+        return (type(x), base.dtype, base.data_ptr() % 16 == 0, tuple(x.block_shape),
+                getattr(x, "layout", None), getattr(x, "padding", None),
+                tuple(s % 16 == 0 for s in x.shape), tuple(s % 16 == 0 for s in x.strides))
+    raise TypeError(type(x))
+
+
+def launch(kernel, grid: tuple, *args, **kwargs):
+    """``kernel[grid](*args, **kwargs)`` (same arguments, same result), through the cached
+    compiled kernel when the call's key was seen before (module docstring)."""
+    if not fast_launch_enabled() or kernel.pre_run_hooks:
+        return kernel[grid](*args, **kwargs)
+    device = _driver.active.get_current_device()
+    try:
+        key = (kernel, device, len(args), tuple(map(_arg_key, args)), tuple(kwargs.items()))
+        entry = _COMPILED.get(key)
+    except TypeError:  # an unknown argument type, or an unhashable keyword value
+        return kernel[grid](*args, **kwargs)
+    if entry is None:
+        compiled = kernel[grid](*args, **kwargs)
+        if compiled is not None:
+            _COMPILED[key] = _Entry(compiled, kernel, len(args), kwargs)
+        return compiled
+    full = list(args)
+    full.extend([kwargs.get(name, default) for name, default in entry.tail])
+    c = entry.compiled
+    stream = _driver.active.get_current_stream(device)
+    gx = grid[0]
+    gy = grid[1] if len(grid) > 1 else 1
+    gz = grid[2] if len(grid) > 2 else 1
+    c.run(gx, gy, gz, stream, c.function, c.packed_metadata, None, None, None, *full)
+    return c
+
+
+def clear_cache() -> None:
+    """Forget every compiled kernel kept by :func:`launch` (tests)."""
+    _COMPILED.clear()
