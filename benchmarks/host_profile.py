@@ -6,9 +6,12 @@ Two parts, each timed over many calls and profiled (cProfile: Python function ca
 * **backend**: ``triton_backend.forward`` / ``backward`` as on an H200 (bf16, D=128, a
   ``[B, 1, S, 1]`` causal mask), on fake CUDA tensors (``FakeTensorMode``: no memory, no
   device) with the device queries answering "Hopper" and every Triton launch replaced by a
-  recorder: the dispatch, the plans, the allocations, the descriptors, the argument lists.
-  Triton's own launcher (argument binding and the C launch, per kernel) is *not* in it: it
-  is counted as launches, and timed only on the GPU (benchmarks/host_path.py).
+  recorder: the dispatch, the plans, the allocations, the descriptors, the argument lists,
+  and the package's launcher (:mod:`flashmask3.kernels.launcher`: its warm path up to the
+  compiled kernel's ``run``). Three forms: one mask reused (as a model's layers call it),
+  a fresh mask every call (plans rebuilt), and every launch through ``JITFunction.run`` (the
+  launcher off: Triton's ``run`` itself is mocked, so its ~40 µs a launch is not in these
+  numbers; the C launch is timed only on the GPU, benchmarks/host_path.py).
 * **api**: ``flashmask_attention`` forward (and fwd+bwd) on CPU tensors with the backend's
   kernels replaced by a stub that returns ready outputs: the argument checks, the backend
   choice, the custom op and autograd around it.
@@ -26,6 +29,7 @@ import os
 import pstats
 import sys
 import time
+import warnings
 from unittest import mock
 
 os.environ.pop("TRITON_INTERPRET", None)  # (before the kernels are defined: the JIT launcher)
@@ -67,28 +71,62 @@ def _slice_by_narrow(orig):
     return getitem
 
 
+class _FakeCompiled:
+    """What ``JITFunction.run`` returns on a GPU (a ``CompiledKernel``), for the fake Hopper:
+    its ``run`` (the launcher's warm path, :mod:`flashmask3.kernels.launcher`) records too."""
+
+    function = packed_metadata = None
+
+    def __init__(self, name: str, launches: list):
+        self.name, self.launches = name, launches
+
+    def run(self, gx, gy, gz, stream, function, packed, metadata, enter, exit_, *args):
+        self.launches.append(self.name)
+
+
+class _FakeDriver:
+    """``triton.runtime.driver.driver`` on a machine without one: device 0, stream 0."""
+
+    class active:  # noqa: N801 (the attribute name Triton uses)
+        get_current_device = staticmethod(lambda: 0)
+        get_current_stream = staticmethod(lambda device=None: 0)
+
+
 @contextlib.contextmanager
-def fake_hopper(launches: list):
-    """Fake CUDA tensors on a Hopper that never runs: launches are appended to ``launches``."""
+def fake_hopper(launches: list, fast_launch: bool = True):
+    """Fake CUDA tensors on a Hopper that never runs: launches are appended to ``launches``.
+    ``JITFunction.run`` (Triton's launch path, mocked: it is not measured) returns a fake
+    compiled kernel, so the package's launcher takes its warm path from the second call on
+    (``fast_launch=False``: every launch through ``JITFunction.run``, as before the launcher)."""
     from torch._subclasses.fake_tensor import FakeTensorMode
     from triton.runtime.jit import JITFunction
 
+    from flashmask3.kernels import dispatch, launcher, tiles, tl_kernels
+
     def record(self, *args, grid, warmup, **kwargs):
         launches.append(self.fn.__name__)
-
-    from flashmask3.kernels import dispatch, tl_kernels
+        return _FakeCompiled(self.fn.__name__, launches)
 
     hopper = lambda index: (9, 0)  # noqa: E731
     dispatch.decide.cache_clear()
+    launcher.clear_cache()
+    tiles.clear_plan_cache()
+    env = {launcher.FAST_LAUNCH_ENV: "1" if fast_launch else "0"}
     with mock.patch.object(JITFunction, "run", record), \
+            mock.patch.object(launcher, "_driver", _FakeDriver), \
+            mock.patch.dict(os.environ, env), \
+            mock.patch.object(torch.cuda, "is_current_stream_capturing", lambda: False), \
             mock.patch.object(dispatch, "_capability", hopper), \
             mock.patch.object(tl_kernels, "_capability", hopper), \
             mock.patch.object(torch.cuda, "get_device_capability", lambda device=None: (9, 0)), \
             mock.patch.object(torch.cuda, "get_device_properties", lambda device=None: _Props()), \
             mock.patch.object(torch.Tensor, "__getitem__", _slice_by_narrow(torch.Tensor.__getitem__)), \
-            FakeTensorMode(allow_non_fake_inputs=True):
+            warnings.catch_warnings(), FakeTensorMode(allow_non_fake_inputs=True):
+        warnings.filterwarnings("ignore", "Accessing the data pointer of FakeTensor")
         yield
     dispatch.decide.cache_clear()
+    launcher.clear_cache()
+    tiles.clear_plan_cache()
 
 
 def _per_call(fn, calls: int, launches: list | None = None) -> dict:
@@ -125,23 +163,29 @@ def _per_call(fn, calls: int, launches: list | None = None) -> dict:
     return out
 
 
-def backend_profile(calls: int, seqlen: int = 32768, heads: int = 16, d: int = 128) -> dict:
+def backend_profile(calls: int, seqlen: int = 32768, heads: int = 16, d: int = 128,
+                    fast_launch: bool = True, fresh_mask: bool = False) -> dict:
+    """The backend per call on the fake Hopper. ``fresh_mask``: a new mask tensor every call
+    (the plan cache misses: the preprocessing launches run), else one mask reused (a model's
+    layers: after the first call the plans come from the cache)."""
     from flashmask3.kernels import triton_backend as T
 
     launches: list = []
     res = {}
-    with fake_hopper(launches):
+    with fake_hopper(launches, fast_launch):
         q = torch.empty(1, seqlen, heads, d, dtype=torch.bfloat16, device="cuda")
         k, v = torch.empty_like(q), torch.empty_like(q)
         cols = torch.empty(1, 1, seqlen, 1, dtype=torch.int32, device="cuda")
+        mask = (lambda: torch.empty_like(cols)) if fresh_mask else (lambda: cols)
         scale = d ** -0.5
         for span in (None, 1024.0):  # default tile, short-rows tile
             label = "default tile" if span is None else "short-rows tile"
             out, lse = T.forward(q, k, v, cols, True, scale, row_span=span)
             res[f"backend fwd ({label})"] = _per_call(
-                lambda: T.forward(q, k, v, cols, True, scale, row_span=span), calls, launches)
+                lambda: T.forward(q, k, v, mask(), True, scale, row_span=span), calls, launches)
         res["backend bwd"] = _per_call(
-            lambda: T.backward(out, None, q, k, v, out, lse, cols, True, scale), calls, launches)
+            lambda: T.backward(out, None, q, k, v, out, lse, mask(), True, scale), calls,
+            launches)
     return res
 
 
@@ -180,8 +224,12 @@ def main(argv=None) -> int:
     import triton
 
     res = dict(torch=torch.__version__, triton=triton.__version__,
-               backend=backend_profile(args.calls), api=api_profile(args.calls))
-    for part in ("backend", "api"):
+               backend=backend_profile(args.calls),
+               backend_fresh_mask=backend_profile(args.calls, fresh_mask=True),
+               backend_jit_run=backend_profile(args.calls, fast_launch=False, fresh_mask=True),
+               api=api_profile(args.calls))
+    for part in ("backend", "backend_fresh_mask", "backend_jit_run", "api"):
+        print(f"-- {part}")
         for name, r in res[part].items():
             print(f"{name:44s} {r['us']:7.1f} µs  Python calls: flashmask3 "
                   f"{r['calls_flashmask3']:4.0f}, triton {r['calls_triton']:4.0f}, all "

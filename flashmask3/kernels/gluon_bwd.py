@@ -231,7 +231,7 @@ from .gluon_common import (  # noqa: F401  (the shared Gluon helpers)
     ws_compute_regs,
     ws_maxnreg,
     ws_programs_per_sm)
-from .launcher import launch
+from .launcher import descriptor, launch
 from .tiles import _NO_SPEC, LOG2E, _num_intervals  # noqa: F401
 from .tl_kernels import scale_dq
 
@@ -1058,19 +1058,18 @@ def launch_dkdv_gluon(q, k, v, dout, lse2, delta, causal, softmax_scale, plan, b
     dv = torch.empty_like(v)
     ql = _smem_layout(block_m, d, q.dtype)
     kl = _smem_layout(block_n, d, q.dtype)
-    q_desc = GluonDescriptor.from_tensor(q.view(b * sq, hq * d), [block_m, d], ql)
-    do_desc = GluonDescriptor.from_tensor(dout.view(b * sq, hq * d), [block_m, d], ql)
-    k_desc = GluonDescriptor.from_tensor(k.view(b * sk, hk * d), [block_n, d], kl)
-    v_desc = GluonDescriptor.from_tensor(v.view(b * sk, hk * d), [block_n, d], kl)
+    q_desc = descriptor(GluonDescriptor, q.view(b * sq, hq * d), [block_m, d], ql)
+    do_desc = descriptor(GluonDescriptor, dout.view(b * sq, hq * d), [block_m, d], ql)
+    k_desc = descriptor(GluonDescriptor, k.view(b * sk, hk * d), [block_n, d], kl)
+    v_desc = descriptor(GluonDescriptor, v.view(b * sk, hk * d), [block_n, d], kl)
     dq_desc = dq_acc = None  # None: a constexpr, the split kernel's parameter list
     if fuse_dq:
         # dQᵀ per (batch, head): [B, Hq, D, Sq_pad], Sq_pad a multiple of 4 (TMA: 16-byte row
         # stride); the descriptor's [B*Hq*D, Sq] view clips each tile's query columns at Sq
         sq_pad = triton.cdiv(sq, 4) * 4
         dq_t = torch.zeros((b, hq, d, sq_pad), dtype=torch.float32, device=q.device)
-        dq_desc = GluonDescriptor.from_tensor(dq_t.view(b * hq * d, sq_pad)[:, :sq],
-                                              dq_reduce_block(block_m, d),
-                                              _dq_smem_layout(block_m, d))
+        dq_desc = descriptor(GluonDescriptor, dq_t.view(b * hq * d, sq_pad)[:, :sq],
+                             dq_reduce_block(block_m, d), _dq_smem_layout(block_m, d))
         dq_acc = dq_t[..., :sq].permute(0, 3, 1, 2)
     kwargs = dict(FUSE_DQ=True) if fuse_dq else {}
     if warp_spec:

@@ -36,7 +36,7 @@ from . import gluon_common as _GD
 from .gluon_common import (_gl_dtype, _jit, _load_stats, _needs_mask,  # noqa: F401
                            _query_block_ranges, _smem_layout, gl,
                            unavailable_reason)
-from .launcher import launch
+from .launcher import descriptor, launch
 from .tiles import _NO_SPEC, LOG2E
 
 if _GD.GLUON_IMPORT_ERROR is None:
@@ -728,9 +728,9 @@ def _descriptors(q, k, v, q_rows: int, block_n: int):
     b, sq, hq, d = q.shape
     _, sk, hk, _ = k.shape
     ql, kl = _smem_layout(q_rows, d, q.dtype), _smem_layout(block_n, d, q.dtype)
-    q_desc = GluonDescriptor.from_tensor(q.view(b * sq, hq * d), [q_rows, d], ql)
-    k_desc = GluonDescriptor.from_tensor(k.view(b * sk, hk * d), [block_n, d], kl)
-    v_desc = GluonDescriptor.from_tensor(v.view(b * sk, hk * d), [block_n, d], kl)
+    q_desc = descriptor(GluonDescriptor, q.view(b * sq, hq * d), [q_rows, d], ql)
+    k_desc = descriptor(GluonDescriptor, k.view(b * sk, hk * d), [block_n, d], kl)
+    v_desc = descriptor(GluonDescriptor, v.view(b * sk, hk * d), [block_n, d], kl)
     return q_desc, k_desc, v_desc
 
 

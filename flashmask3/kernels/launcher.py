@@ -51,10 +51,11 @@ _U64 = 2 ** 63
 class _Entry:
     """A compiled kernel and how to lay out a call's arguments in its parameter order."""
 
-    __slots__ = ("compiled", "n_pos", "tail")
+    __slots__ = ("compiled", "kernel", "n_pos", "tail")
 
     def __init__(self, compiled, kernel, n_pos: int, kwargs: dict):
         self.compiled = compiled
+        self.kernel = kernel  # held: the cache key uses id(kernel)
         self.n_pos = n_pos
         params = kernel.signature.parameters
         names = list(params)[n_pos:]
@@ -86,7 +87,8 @@ def _hooked(hook) -> bool:
 
 def _arg_key(x) -> Any:
     """What Triton specialises on for one runtime argument (a superset), or raises TypeError
-    for an argument type this module does not know (the caller then takes the normal path)."""
+    for an argument type this module does not know (the caller then takes the normal path).
+    Tensors, None and floats are keyed inline in :func:`launch` (the common cases)."""
     if isinstance(x, torch.Tensor):
         return (x.dtype, x.data_ptr() % 16 == 0)
     if x is None:
@@ -106,6 +108,29 @@ def _arg_key(x) -> Any:
     raise TypeError(type(x))
 
 
+def _args_key(args: tuple) -> tuple:
+    """:func:`_arg_key` of every argument, with plain tensors and small ints inline (one
+    Python frame for the usual 15-25 arguments of a launch)."""
+    key = []
+    for x in args:
+        t = type(x)
+        if t is torch.Tensor:
+            key.append((x.dtype, x.data_ptr() % 16 == 0))
+        elif t is int and -_I32 <= x < _I32:
+            key.append((0, x == 1, x % 16 == 0))
+        elif t is float:
+            key.append(1.5)  # the float marker (no int or tensor key equals it)
+        elif x is None:
+            key.append(None)
+        else:
+            spec = getattr(x, "_flashmask3_key", None)  # a descriptor from descriptor()
+            if spec is not None:
+                key.append((spec, x.base.data_ptr() % 16 == 0))
+            else:
+                key.append(_arg_key(x))
+    return tuple(key)
+
+
 def launch(kernel, grid: tuple, *args, **kwargs):
     """``kernel[grid](*args, **kwargs)`` (same arguments, same result), through the cached
     compiled kernel when the call's key was seen before (module docstring)."""
@@ -113,7 +138,7 @@ def launch(kernel, grid: tuple, *args, **kwargs):
         return kernel[grid](*args, **kwargs)
     device = _driver.active.get_current_device()
     try:
-        key = (kernel, device, len(args), tuple(map(_arg_key, args)), tuple(kwargs.items()))
+        key = (id(kernel), device, len(args), _args_key(args), tuple(kwargs.items()))
         entry = _COMPILED.get(key)
     except TypeError:  # an unknown argument type, or an unhashable keyword value
         return kernel[grid](*args, **kwargs)
@@ -133,6 +158,37 @@ def launch(kernel, grid: tuple, *args, **kwargs):
     return c
 
 
+#: (descriptor class, dtype, shape, strides, block shape, layout) -> a validated descriptor
+#: whose base is gone (None): the template :func:`descriptor` copies (it holds no tensor).
+_DESCRIPTORS: dict = {}
+
+
+def descriptor(cls, tensor: torch.Tensor, block_shape: list, layout=None):
+    """``cls.from_tensor(tensor, block_shape[, layout])`` (a Triton / Gluon host TMA
+    descriptor), validated by Triton once per (dtype, shape, strides, block, layout) and
+    copied from that template afterwards: the dataclass checks in ``__post_init__`` depend only
+    on those and on the base's 16-byte alignment, which is checked here on every call."""
+    # id(layout): the template holds the layout, so the id is not reused while it exists
+    key = (cls, tensor.dtype, tuple(tensor.shape), tensor.stride(), tuple(block_shape),
+           id(layout))
+    proto = _DESCRIPTORS.get(key)
+    if proto is None or tensor.data_ptr() % 16 != 0:
+        d = (cls.from_tensor(tensor, block_shape) if layout is None
+             else cls.from_tensor(tensor, block_shape, layout))
+        proto = object.__new__(cls)
+        proto.__dict__.update(d.__dict__)
+        proto.base = None
+        # what launch() keys this descriptor on (with its base's alignment, per call)
+        proto._flashmask3_key = _arg_key(d)[:2] + _arg_key(d)[3:]
+        _DESCRIPTORS[key] = proto
+        return d
+    d = object.__new__(cls)
+    d.__dict__.update(proto.__dict__)
+    d.base = tensor
+    return d
+
+
 def clear_cache() -> None:
-    """Forget every compiled kernel kept by :func:`launch` (tests)."""
+    """Forget every compiled kernel and descriptor template kept here (tests)."""
     _COMPILED.clear()
+    _DESCRIPTORS.clear()

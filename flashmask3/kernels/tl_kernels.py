@@ -20,7 +20,7 @@ try:  # host-side TMA descriptors (triton >= 3.3)
 except ImportError:  # pragma: no cover - older triton
     TensorDescriptor = None
 
-from .launcher import launch
+from .launcher import descriptor, launch
 from .tiles import (LOG2E, NSTAT, PARTIAL, RANGE_WORDS, SKIP, UNMASKED, _NO_SPEC,  # noqa: F401
                     Config, Plan, _classify_rule, _clipped_tile_class, _column_intervals,
                     _element_masked, _key_block_ranges, _load_stats, _query_block_ranges,
@@ -486,7 +486,7 @@ def a_smem(kind: str, d: int) -> bool:
 
 
 def _desc(x2d: torch.Tensor, rows: int, d: int):
-    return TensorDescriptor.from_tensor(x2d, [rows, d])
+    return descriptor(TensorDescriptor, x2d, [rows, d])
 
 
 def dot_precision(dtype: torch.dtype) -> str:
