@@ -1,0 +1,230 @@
+"""The launch path past ``JITFunction.run`` (flashmask3/kernels/launcher.py).
+
+CPU tests drive :func:`launcher.launch` with a stand-in kernel (the interface it uses: a
+signature, pre-run hooks, ``kernel[grid](...)`` returning a compiled kernel with ``run``);
+the gpu-marked tests compare the fast path with Triton's own on the real kernels of the
+H200 (run by benchmarks/gpu/host-path.sh).
+"""
+
+import inspect
+import os
+from unittest import mock
+
+import pytest
+import torch
+
+from flashmask3.kernels import launcher
+
+
+class _Compiled:
+    function, packed_metadata = "fn", "meta"
+
+    def __init__(self, calls):
+        self.calls = calls
+
+    def run(self, gx, gy, gz, stream, function, packed, metadata, enter, exit_, *args):
+        self.calls.append(("fast", (gx, gy, gz), stream, args, (metadata, enter, exit_)))
+
+
+class _Kernel:
+    """A stand-in JITFunction: ``kernel[grid](*args, **kw)`` is the normal path."""
+
+    def __init__(self):
+        def body(x_ptr, n, scale, y_ptr=None, BLOCK: int = 16, FLAG: bool = False):
+            pass
+
+        self.signature = inspect.signature(body)
+        self.pre_run_hooks = []
+        self.calls = []
+
+    def __getitem__(self, grid):
+        def run(*args, **kwargs):
+            self.calls.append(("slow", grid, args, kwargs))
+            return _Compiled(self.calls)
+        return run
+
+
+class _Driver:
+    class active:  # noqa: N801
+        get_current_device = staticmethod(lambda: 0)
+        stream = 77
+        get_current_stream = staticmethod(lambda device: _Driver.active.stream)
+
+
+@pytest.fixture
+def fast(monkeypatch):
+    launcher.clear_cache()
+    monkeypatch.setattr(launcher, "_driver", _Driver)
+    monkeypatch.setattr(launcher, "fast_launch_enabled", lambda: True)
+    yield
+    launcher.clear_cache()
+
+
+def test_second_launch_skips_the_normal_path_with_all_arguments_in_order(fast):
+    k = _Kernel()
+    x = torch.randn(64)
+    n = 1000 + int(torch.randint(0, 7, ()).item()) * 16
+    launcher.launch(k, (3, 2), x, n, 0.5, BLOCK=32, num_warps=4)
+    _Driver.active.stream = 91
+    launcher.launch(k, (3, 2), x, n, 0.5, BLOCK=32, num_warps=4)
+    assert [c[0] for c in k.calls] == ["slow", "fast"]
+    kind, grid, stream, args, hooks = k.calls[1]
+    # every parameter in signature order, defaults filled, launch options dropped
+    assert grid == (3, 2, 1) and stream == 91 and hooks == (None, None, None)
+    assert args[0] is x and args[1:] == (n, 0.5, None, 32, False)
+
+
+@pytest.mark.parametrize("change", [
+    "int_is_one", "int_div16", "int64", "misaligned", "dtype", "none_to_tensor", "constexpr",
+    "option"])
+def test_anything_triton_specialises_on_takes_the_normal_path_again(fast, change):
+    """A change of any property Triton specialises on misses the cache (and compiles or finds
+    the right kernel through ``kernel[grid]``)."""
+    k = _Kernel()
+    base = torch.randn(80)
+    x, n, y, kw = base[:64], 1001, None, dict(BLOCK=32, num_warps=4)
+    launcher.launch(k, (1,), x, n, 0.5, y, **kw)
+    if change == "int_is_one":
+        n = 1
+    elif change == "int_div16":
+        n = 1008
+    elif change == "int64":
+        n = 2 ** 40 + 1
+    elif change == "misaligned":
+        x = base[1:65]  # 4 bytes past a 16-byte boundary
+    elif change == "dtype":
+        x = x.double()
+    elif change == "none_to_tensor":
+        y = torch.randn(4)
+    elif change == "constexpr":
+        kw["BLOCK"] = 64
+    elif change == "option":
+        kw["num_warps"] = 8
+    launcher.launch(k, (1,), x, n, 0.5, y, **kw)
+    assert [c[0] for c in k.calls] == ["slow", "slow"]
+    launcher.launch(k, (1,), x, n, 0.5, y, **kw)  # and that key is cached in turn
+    assert k.calls[-1][0] == "fast"
+
+
+def test_hooks_interpreter_and_switch_keep_the_normal_path(monkeypatch):
+    """Triton launch hooks (profilers), pre-run hooks, TRITON_INTERPRET and
+    FLASHMASK3_FAST_LAUNCH=0 all launch through ``kernel[grid]`` every time."""
+    launcher.clear_cache()
+    monkeypatch.setattr(launcher, "_driver", _Driver)
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    monkeypatch.delenv(launcher.FAST_LAUNCH_ENV, raising=False)
+    assert launcher.fast_launch_enabled()
+    hook = launcher._knobs.runtime.launch_enter_hook
+    hook.add(print)
+    try:
+        assert not launcher.fast_launch_enabled()
+    finally:
+        hook.remove(print)
+    monkeypatch.setenv(launcher.FAST_LAUNCH_ENV, "0")
+    assert not launcher.fast_launch_enabled()
+    monkeypatch.delenv(launcher.FAST_LAUNCH_ENV)
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    assert not launcher.fast_launch_enabled()
+    monkeypatch.delenv("TRITON_INTERPRET")
+    k = _Kernel()
+    k.pre_run_hooks.append(lambda *a, **kw: None)
+    x = torch.randn(16)
+    for _ in range(2):
+        launcher.launch(k, (1,), x, 5, 1.0)
+    assert [c[0] for c in k.calls] == ["slow", "slow"]
+    launcher.clear_cache()
+
+
+def test_unknown_argument_types_are_never_cached(fast):
+    k = _Kernel()
+    for _ in range(2):
+        launcher.launch(k, (1,), torch.randn(4), [1, 2], 1.0)
+    assert [c[0] for c in k.calls] == ["slow", "slow"]
+
+
+def test_descriptor_templates_copy_triton_descriptors_with_the_new_base():
+    """descriptor() equals Triton's own from_tensor field by field, for a new tensor of the
+    same shape, and holds no tensor in its template."""
+    td = pytest.importorskip("triton.tools.tensor_descriptor")
+    launcher.clear_cache()
+    a, b = torch.randn(64, 32), torch.randn(64, 32)
+    first = launcher.descriptor(td.TensorDescriptor, a, [16, 32])
+    second = launcher.descriptor(td.TensorDescriptor, b, [16, 32])
+    want = td.TensorDescriptor.from_tensor(b, [16, 32])
+    assert second.base is b and first.base is a
+    for f in ("shape", "strides", "block_shape", "padding"):
+        assert list(getattr(second, f)) == list(getattr(want, f)), f
+    assert all(p.base is None for p in launcher._DESCRIPTORS.values())
+    launcher.clear_cache()
+
+
+# -- GPU: the fast path against Triton's (gpu-marked: benchmarks/gpu/host-path.sh) ----------
+
+
+def _case(seqlen=2048, heads=4, d=128, seed=0):
+    from tests.kernels.attention_checks import make_qkv
+    import flashmask3.masks as M
+
+    q, k, v = (t.detach().requires_grad_() for t in
+               make_qkv(1, seqlen, seqlen, heads, heads, d, torch.bfloat16, device="cuda",
+                        seed=seed))
+    mask = M.causal_document_mask([512, 1024, 512], device="cuda")
+    return q, k, v, mask, torch.randn_like(q)
+
+
+def _run(q, k, v, mask, dout):
+    import flashmask3
+
+    out = flashmask3.flashmask_attention(q, k, v, mask)
+    dq, dk, dv = torch.autograd.grad(out, (q, k, v), dout)
+    return out, dq, dk, dv
+
+
+@pytest.mark.gpu
+def test_gpu_fast_launch_equals_the_triton_launch_path(monkeypatch):
+    """Forward bitwise, dK/dV bitwise, dQ within fp32-atomics tolerance (the fused backward
+    adds dQ in a varying order) between FLASHMASK3_FAST_LAUNCH=0 and the warm fast path."""
+    from tests.reference import rel_err
+
+    case = _case()
+    monkeypatch.setenv(launcher.FAST_LAUNCH_ENV, "0")
+    slow = _run(*case)
+    monkeypatch.setenv(launcher.FAST_LAUNCH_ENV, "1")
+    launcher.clear_cache()
+    _run(*case)  # fills the cache
+    n = len(launcher._COMPILED)
+    fast = _run(*case)
+    assert len(launcher._COMPILED) == n > 0  # warm: nothing new was compiled or keyed
+    torch.testing.assert_close(fast[0], slow[0], rtol=0, atol=0)
+    torch.testing.assert_close(fast[2], slow[2], rtol=0, atol=0)
+    torch.testing.assert_close(fast[3], slow[3], rtol=0, atol=0)
+    assert rel_err(fast[1], slow[1]) < 1e-3
+
+
+@pytest.mark.gpu
+def test_gpu_fast_launch_uses_the_current_stream():
+    """Launched on a side stream, the result is there once that stream is done (the fast path
+    takes the current stream, not the one of its first launch)."""
+    case = _case(seed=3)
+    want = _run(*case)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        got = _run(*case)
+    side.synchronize()
+    torch.testing.assert_close(got[0], want[0], rtol=0, atol=0)
+    assert os.environ.get(launcher.FAST_LAUNCH_ENV, "1") != "0"
+
+
+@pytest.mark.gpu
+def test_gpu_launch_under_a_profiler_hook_takes_the_normal_path():
+    """With a Triton launch hook set, launches go through JITFunction.run (the hook sees them)."""
+    seen = []
+    hook = launcher._knobs.runtime.launch_enter_hook
+    hook.add(lambda metadata: seen.append(metadata))
+    try:
+        with mock.patch.object(launcher, "_COMPILED", {}):
+            _run(*_case(seed=4))
+    finally:
+        hook.calls.pop()
+    assert len(seen) >= 3
