@@ -116,6 +116,32 @@ def host_profile_text(fn, calls: int = 20) -> str:
     return buf.getvalue()
 
 
+#: The host table's variants: (mask, launch) -> what changes. "reused": one mask tensor for
+#: every call (a model's layers: the plans come from the cache after the first call);
+#: "fresh": the plan cache emptied before each call (a new mask every call: the preprocessing
+#: runs); launch "triton": every kernel through JITFunction.run (FLASHMASK3_FAST_LAUNCH=0, the
+#: A/B of flashmask3/kernels/launcher.py).
+HOST_VARIANTS = (("reused", "fast"), ("fresh", "fast"), ("reused", "triton"))
+
+
+def _variant(fn, mask_mode: str, launch: str):
+    """``fn`` under a host-table variant (:data:`HOST_VARIANTS`)."""
+    from flashmask3.kernels import launcher, tiles
+
+    def call():
+        if mask_mode == "fresh":
+            tiles.clear_plan_cache()
+        if launch == "triton":
+            os.environ[launcher.FAST_LAUNCH_ENV] = "0"
+            try:
+                return fn()
+            finally:
+                del os.environ[launcher.FAST_LAUNCH_ENV]
+        return fn()
+
+    return call
+
+
 def host_table(seqlen: int, heads: int, d: int, dtype, ndocs: int, out_dir=None) -> list[dict]:
     from benchmarks.kernel import host_us, standard_ms
 
@@ -124,22 +150,31 @@ def host_table(seqlen: int, heads: int, d: int, dtype, ndocs: int, out_dir=None)
     rows = []
     for form, mask, causal in (("FlashMask", fm, False),
                                ("raw columns", fm.startend_row_indices, True)):
-        fwd, fwd_bwd = _calls(q, k, v, mask, causal)
+        fwd0, fwd_bwd0 = _calls(q, k, v, mask, causal)
         for _ in range(3):
-            fwd_bwd()
+            fwd_bwd0()
         torch.cuda.synchronize()
-        for mode, fn, target in (("fwd", fwd, HOST_FWD_US), ("fwd+bwd", fwd_bwd, HOST_FWD_BWD_US)):
-            leaves = [q, k, v] if mode != "fwd" else []
-            host = host_us(fn, leaves)
-            rows.append(dict(form=form, mode=mode, S=seqlen, H=heads, D=d, docs=ndocs,
-                             host_us=host, std_ms=standard_ms(fn, leaves or None),
-                             gpu_ms=gpu_ms(fn, leaves), kernels=kernels_per_call(fn),
-                             target_us=target, met=host <= target))
-            print(json.dumps(rows[-1]), flush=True)
-            if out_dir:
-                name = f"profile_{form.split()[0].lower()}_{mode.replace('+', '_')}.txt"
-                with open(os.path.join(out_dir, name), "w") as f:
-                    f.write(host_profile_text(fn))
+        for mask_mode, launch in HOST_VARIANTS:
+            if launch == "triton" and form != "FlashMask":
+                continue
+            fwd, fwd_bwd = (_variant(f, mask_mode, launch) for f in (fwd0, fwd_bwd0))
+            full = (mask_mode, launch) == HOST_VARIANTS[0]  # do_bench / GPU time once per form
+            for mode, fn, target in (("fwd", fwd, HOST_FWD_US),
+                                     ("fwd+bwd", fwd_bwd, HOST_FWD_BWD_US)):
+                leaves = [q, k, v] if mode != "fwd" else []
+                host = host_us(fn, leaves)
+                rows.append(dict(form=form, mask=mask_mode, launch=launch, mode=mode, S=seqlen,
+                                 H=heads, D=d, docs=ndocs, host_us=host,
+                                 std_ms=standard_ms(fn, leaves or None) if full else None,
+                                 gpu_ms=gpu_ms(fn, leaves) if full else None,
+                                 kernels=kernels_per_call(fn), target_us=target,
+                                 met=host <= target))
+                print(json.dumps(rows[-1]), flush=True)
+                if out_dir:
+                    name = (f"profile_{form.split()[0].lower()}_{mask_mode}_{launch}_"
+                            f"{mode.replace('+', '_')}.txt")
+                    with open(os.path.join(out_dir, name), "w") as f:
+                        f.write(host_profile_text(fn))
     return rows
 
 
@@ -178,12 +213,18 @@ def markdown(meta: dict, host: list[dict], small: list[dict]) -> str:
     lines += ["", "Host µs = CPU time per call to enqueue while the GPU is busy; std = "
               "`triton.testing.do_bench` median (host work included); GPU = CUDA events behind "
               "a GPU sleep (host work hidden); kernels = CUDA kernels per call (profiler).", "",
-              "| form | mode | S | docs | host µs | target | std ms | GPU ms | kernels |",
-              "|---|---|---|---|---|---|---|---|---|"]
+              "mask: reused = one mask tensor every call (plans cached), fresh = plans rebuilt "
+              "every call; launch: fast = flashmask3/kernels/launcher.py, triton = every "
+              "kernel through JITFunction.run (FLASHMASK3_FAST_LAUNCH=0).", "",
+              "| form | mask | launch | mode | S | docs | host µs | target | std ms | GPU ms "
+              "| kernels |",
+              "|---|---|---|---|---|---|---|---|---|---|---|"]
+    ms = lambda x: "-" if x is None else f"{x:.3f}"  # noqa: E731
     for r in host:
-        lines.append(f"| {r['form']} | {r['mode']} | {r['S'] // 1024}K | {r['docs']} | "
+        lines.append(f"| {r['form']} | {r.get('mask', 'reused')} | {r.get('launch', 'fast')} | "
+                     f"{r['mode']} | {r['S'] // 1024}K | {r['docs']} | "
                      f"{r['host_us']:.0f} | <= {r['target_us']:.0f} {'met' if r['met'] else 'MISSED'} | "
-                     f"{r['std_ms']:.3f} | {r['gpu_ms']:.3f} | {r['kernels']} |")
+                     f"{ms(r['std_ms'])} | {ms(r['gpu_ms'])} | {r['kernels']} |")
     lines += ["", "| S | docs | fm std f+b | fm GPU f+b | flex std f+b | flex GPU f+b | fm/flex (std) "
               "| fm std/GPU |", "|---|---|---|---|---|---|---|---|"]
     for r in small:
@@ -202,12 +243,14 @@ def dry_run() -> int:
     fm = M.causal_document_mask(_docs(256, 5))
     for mask, causal in ((fm, False), (fm.startend_row_indices, True)):
         fwd, fwd_bwd = _calls(q, k, v, mask, causal)
-        fwd_bwd()
+        for mask_mode, launch in HOST_VARIANTS:
+            _variant(fwd_bwd, mask_mode, launch)()
         t0 = time.perf_counter()
         fwd()
         print(f"dry run: {type(mask).__name__} fwd {1e6 * (time.perf_counter() - t0):.0f} µs (CPU, torch path)")
     print(markdown({"dry_run": True}, [dict(form="FlashMask", mode="fwd", S=256, docs=5, host_us=1.0,
-                                            target_us=100, met=True, std_ms=0.0, gpu_ms=0.0, kernels=0)],
+                                            target_us=100, met=True, std_ms=0.0, gpu_ms=None,
+                                            kernels=0, mask="fresh", launch="triton")],
                    [dict(S=4096, docs=5, fm_std_ms=1, fm_gpu_ms=1, flex_std_ms=1, flex_gpu_ms=1,
                          fm_std_over_flex_std=1, fm_std_over_gpu=1, met_vs_flex=True, met_vs_gpu=True)]))
     return 0
