@@ -179,7 +179,8 @@ def descriptor(cls, tensor: torch.Tensor, block_shape: list, layout=None):
         proto.__dict__.update(d.__dict__)
         proto.base = None
         # what launch() keys this descriptor on (with its base's alignment, per call)
-        proto._flashmask3_key = _arg_key(d)[:2] + _arg_key(d)[3:]
+        spec = _arg_key(d)
+        d._flashmask3_key = proto._flashmask3_key = spec[:2] + spec[3:]
         _DESCRIPTORS[key] = proto
         return d
     d = object.__new__(cls)

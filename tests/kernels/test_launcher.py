@@ -155,6 +155,10 @@ def test_descriptor_templates_copy_triton_descriptors_with_the_new_base():
     for f in ("shape", "strides", "block_shape", "padding"):
         assert list(getattr(second, f)) == list(getattr(want, f)), f
     assert all(p.base is None for p in launcher._DESCRIPTORS.values())
+    # the first (Triton-built) and later (copied) descriptors key one compiled kernel
+    assert launcher._args_key((first,)) == launcher._args_key((second,))
+    assert launcher._args_key((second,)) != launcher._args_key(
+        (launcher.descriptor(td.TensorDescriptor, b, [32, 32]),))
     launcher.clear_cache()
 
 
@@ -198,7 +202,7 @@ def test_gpu_fast_launch_equals_the_triton_launch_path(monkeypatch):
     torch.testing.assert_close(fast[0], slow[0], rtol=0, atol=0)
     torch.testing.assert_close(fast[2], slow[2], rtol=0, atol=0)
     torch.testing.assert_close(fast[3], slow[3], rtol=0, atol=0)
-    assert rel_err(fast[1], slow[1]) < 1e-3
+    assert rel_err(fast[1], slow[1]) < 4e-3  # at most one bf16 rounding flip per element
 
 
 @pytest.mark.gpu
