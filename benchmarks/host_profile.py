@@ -186,6 +186,13 @@ def backend_profile(calls: int, seqlen: int = 32768, heads: int = 16, d: int = 1
         res["backend bwd"] = _per_call(
             lambda: T.backward(out, None, q, k, v, out, lse, mask(), True, scale), calls,
             launches)
+
+        def fwd_bwd():  # one call's forward and backward see one mask tensor
+            m = mask()
+            o, l_ = T.forward(q, k, v, m, True, scale)
+            T.backward(o, None, q, k, v, o, l_, m, True, scale)
+
+        res["backend fwd+bwd (default tile)"] = _per_call(fwd_bwd, calls, launches)
     return res
 
 

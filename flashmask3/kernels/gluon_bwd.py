@@ -231,7 +231,7 @@ from .gluon_common import (  # noqa: F401  (the shared Gluon helpers)
     ws_compute_regs,
     ws_maxnreg,
     ws_programs_per_sm)
-from .launcher import descriptor, launch
+from .launcher import cdiv, descriptor, launch
 from .tiles import _NO_SPEC, LOG2E, _num_intervals  # noqa: F401
 from .tl_kernels import scale_dq
 
@@ -1045,13 +1045,13 @@ def launch_dkdv_gluon(q, k, v, dout, lse2, delta, causal, softmax_scale, plan, b
                  ds_shared)
     if q.dtype not in (torch.bfloat16, torch.float16):
         raise ValueError(f"gluon dK/dV: dtype {q.dtype} (bf16 or fp16)")
-    q, k, v, dout = (x.contiguous() for x in (q, k, v, dout))
+    q, k, v, dout = q.contiguous(), k.contiguous(), v.contiguous(), dout.contiguous()
     if sq == 0 or sk == 0:
         zeros = (torch.zeros_like(k), torch.zeros_like(v))
         if fuse_dq:
             zeros += (torch.zeros((b, sq, hq, d), dtype=torch.float32, device=q.device), )
         return zeros
-    nqb, nkb = triton.cdiv(sq, block_m), triton.cdiv(sk, block_n)
+    nqb, nkb = cdiv(sq, block_m), cdiv(sk, block_n)
     if plan.c > 0 and (plan.ranges.shape[1] != nkb or plan.summary.shape[1] != nkb):
         raise ValueError("gluon dK/dV: the plan was built for another block_n (or by query)")
     dk = torch.empty_like(k)
@@ -1066,7 +1066,7 @@ def launch_dkdv_gluon(q, k, v, dout, lse2, delta, causal, softmax_scale, plan, b
     if fuse_dq:
         # dQᵀ per (batch, head): [B, Hq, D, Sq_pad], Sq_pad a multiple of 4 (TMA: 16-byte row
         # stride); the descriptor's [B*Hq*D, Sq] view clips each tile's query columns at Sq
-        sq_pad = triton.cdiv(sq, 4) * 4
+        sq_pad = cdiv(sq, 4) * 4
         dq_t = torch.zeros((b, hq, d, sq_pad), dtype=torch.float32, device=q.device)
         dq_desc = descriptor(GluonDescriptor, dq_t.view(b * hq * d, sq_pad)[:, :sq],
                              dq_reduce_block(block_m, d), _dq_smem_layout(block_m, d))

@@ -246,6 +246,7 @@ def ws_programs_per_sm(num_warps: int) -> int:
     return max(1, SM_REGISTERS // (num_warps * 32 * 256))
 
 
+@functools.lru_cache(maxsize=None)
 def ws_maxnreg(num_warps: int) -> int:
     """The ``maxnreg`` launch option of the WARP_SPEC kernel: the register budget per thread of
     num_warps + 4 warps that keeps as many programs resident per SM as the non-WS kernel has at

@@ -36,7 +36,7 @@ from . import gluon_common as _GD
 from .gluon_common import (_gl_dtype, _jit, _load_stats, _needs_mask,  # noqa: F401
                            _query_block_ranges, _smem_layout, gl,
                            unavailable_reason)
-from .launcher import descriptor, launch
+from .launcher import cdiv, descriptor, launch
 from .tiles import _NO_SPEC, LOG2E
 
 if _GD.GLUON_IMPORT_ERROR is None:
@@ -755,12 +755,12 @@ def launch_fwd_gluon(q, k, v, mask, causal, softmax_scale, plan, block_m: int, b
                  plan.c if cols_smem else 0)
     if q.dtype not in (torch.bfloat16, torch.float16):
         raise ValueError(f"gluon fwd: dtype {q.dtype} (bf16 or fp16)")
-    q, k, v = (x.contiguous() for x in (q, k, v))
+    q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
     out = torch.empty_like(q)
     lse = torch.empty((b, hq, sq), dtype=torch.float32, device=q.device)
     if sq == 0 or sk == 0:
         return out.zero_(), lse.fill_(float("-inf"))
-    nqb, nkb = triton.cdiv(sq, block_m), triton.cdiv(sk, block_n)
+    nqb, nkb = cdiv(sq, block_m), cdiv(sk, block_n)
     if plan.c > 0 and (plan.ranges.shape[1] != nqb or plan.summary.shape[1] != nkb):
         raise ValueError("gluon fwd: the plan was built for another tile shape (or by key)")
     q_rows = 64 if warp_spec else block_m  # the WS kernel loads Q per consumer warpgroup

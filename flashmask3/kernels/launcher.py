@@ -68,21 +68,23 @@ _COMPILED: dict = {}
 
 def fast_launch_enabled() -> bool:
     """Whether :func:`launch` may skip ``JITFunction.run`` (not under the interpreter, not
-    with ``FLASHMASK3_FAST_LAUNCH=0``, not while Triton launch hooks are set)."""
-    if _knobs is None or os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
+    with ``FLASHMASK3_FAST_LAUNCH=0``, not while Triton launch hooks are set: a hook is a
+    ``HookChain`` in Triton 3.6, set when its ``calls`` list is not empty; a callable or None
+    in older versions)."""
+    env = os.environ
+    if _knobs is None or env.get("TRITON_INTERPRET", "0") not in ("", "0"):
         return False
-    if os.environ.get(FAST_LAUNCH_ENV, "1") == "0":
+    if env.get(FAST_LAUNCH_ENV, "1") == "0":
         return False
     rt = _knobs.runtime
-    return not (_hooked(rt.launch_enter_hook) or _hooked(rt.launch_exit_hook))
+    enter, exit_ = rt.launch_enter_hook, rt.launch_exit_hook
+    return not (getattr(enter, "calls", enter) or getattr(exit_, "calls", exit_))
 
 
-def _hooked(hook) -> bool:
-    """Whether a Triton launch hook (a ``HookChain`` in 3.6, a callable or None before) is set."""
-    if hook is None:
-        return False
-    calls = getattr(hook, "calls", None)
-    return bool(calls) if calls is not None else True
+def cdiv(a: int, b: int) -> int:
+    """``ceil(a / b)`` for host-side grid sizes (``triton.cdiv`` is a constexpr function in
+    Triton 3.6: five Python calls a use)."""
+    return -(-a // b)
 
 
 def _arg_key(x) -> Any:
@@ -180,7 +182,10 @@ def descriptor(cls, tensor: torch.Tensor, block_shape: list, layout=None):
         proto.base = None
         # what launch() keys this descriptor on (with its base's alignment, per call)
         spec = _arg_key(d)
-        d._flashmask3_key = proto._flashmask3_key = spec[:2] + spec[3:]
+        # without the base's alignment (keyed per call) and with id(layout) for the layout
+        # (hashing a layout dataclass is a Python call; the template keeps the layout alive)
+        spec = spec[:2] + spec[3:4] + (id(layout),) + spec[5:]
+        d._flashmask3_key = proto._flashmask3_key = spec
         _DESCRIPTORS[key] = proto
         return d
     d = object.__new__(cls)

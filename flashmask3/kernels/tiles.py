@@ -20,7 +20,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .launcher import launch
+from .launcher import cdiv, launch
 
 LOG2E = 1.4426950408889634
 SKIP, PARTIAL, UNMASKED = 0, 1, 2
@@ -425,7 +425,7 @@ def _dummy(device) -> torch.Tensor:
 def block_summaries(mask: torch.Tensor, causal: bool, seqlen_q: int, block_n: int) -> torch.Tensor:
     """Per key block: max/min start and max/min end of both masked intervals, [Bm*Hm, NKB, 8]."""
     bm, hm, sk, c = mask.shape
-    nkb = triton.cdiv(sk, block_n)
+    nkb = cdiv(sk, block_n)
     summary = torch.empty((bm * hm, nkb, NSTAT), dtype=torch.int32, device=mask.device)
     if nkb > 0 and bm * hm > 0:
         launch(_summary_kernel, (nkb, bm * hm), mask, summary, seqlen_q, sk, nkb, sk * c,
@@ -437,8 +437,8 @@ def live_ranges(summary: torch.Tensor, causal: bool, ni: int, seqlen_q: int, seq
                 block_m: int, block_n: int, by_key: bool) -> torch.Tensor:
     """Two live ranges per query block (by_key=False) or per key block (by_key=True), and the
     first run of UNMASKED tiles in each: ``[.., RANGE_WORDS]`` (layout in ``_range_kernel``)."""
-    nqb = triton.cdiv(seqlen_q, block_m)
-    nkb = triton.cdiv(seqlen_k, block_n)
+    nqb = cdiv(seqlen_q, block_m)
+    nkb = cdiv(seqlen_k, block_n)
     n_fixed = nkb if by_key else nqb
     nbh = summary.shape[0]
     ranges = torch.empty((nbh, n_fixed, RANGE_WORDS), dtype=torch.int32, device=summary.device)

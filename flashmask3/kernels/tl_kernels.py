@@ -20,7 +20,7 @@ try:  # host-side TMA descriptors (triton >= 3.3)
 except ImportError:  # pragma: no cover - older triton
     TensorDescriptor = None
 
-from .launcher import descriptor, launch
+from .launcher import cdiv, descriptor, launch
 from .tiles import (LOG2E, NSTAT, PARTIAL, RANGE_WORDS, SKIP, UNMASKED, _NO_SPEC,  # noqa: F401
                     Config, Plan, _classify_rule, _clipped_tile_class, _column_intervals,
                     _element_masked, _key_block_ranges, _load_stats, _query_block_ranges,
@@ -501,7 +501,7 @@ def launch_fwd(q, k, v, causal, softmax_scale, cfg: Config, plan: Plan):
     _, sk, hk, _ = k.shape
     out = torch.empty_like(q)
     lse = torch.empty((b, hq, sq), dtype=torch.float32, device=q.device)
-    nqb, nkb = triton.cdiv(sq, cfg.block_m), triton.cdiv(sk, cfg.block_n)
+    nqb, nkb = cdiv(sq, cfg.block_m), cdiv(sk, cfg.block_n)
     tma = use_tma(q)
     k_desc = _desc(k.view(b * sk, hk * d), cfg.block_n, d) if tma else None
     v_desc = _desc(v.view(b * sk, hk * d), cfg.block_n, d) if tma else None
@@ -525,7 +525,7 @@ def backward_prepass(out, dout, lse, dlse):
     bm = 64 if d <= 128 else 32
     has_dlse = dlse is not None
     dl = dlse.to(torch.float32).contiguous() if has_dlse else delta
-    launch(_bwd_pre_kernel, (triton.cdiv(sq, bm), b * hq), out, dout, lse.contiguous(), dl,
+    launch(_bwd_pre_kernel, (cdiv(sq, bm), b * hq), out, dout, lse.contiguous(), dl,
            delta, lse2, sq, hq, D=d, BLOCK_M=bm, HAS_DLSE=has_dlse, num_warps=4)
     return delta, lse2
 
@@ -537,7 +537,7 @@ def launch_dkdv(q, k, v, dout, lse2, delta, causal, softmax_scale, cfg: Config, 
     kind = "dkdv"
     dk = torch.empty_like(k)
     dv = torch.empty_like(v)
-    nqb, nkb = triton.cdiv(sq, cfg.block_m), triton.cdiv(sk, cfg.block_n)
+    nqb, nkb = cdiv(sq, cfg.block_m), cdiv(sk, cfg.block_n)
     tma = use_tma(q)
     q_desc = _desc(q.view(b * sq, hq * d), cfg.block_m, d) if tma else None
     do_desc = _desc(dout.view(b * sq, hq * d), cfg.block_m, d) if tma else None
@@ -559,7 +559,7 @@ def launch_dq(q, k, v, dout, lse2, delta, causal, softmax_scale, cfg: Config, pl
     b, sq, hq, d = q.shape
     _, sk, hk, _ = k.shape
     dq = torch.empty_like(q)
-    nqb, nkb = triton.cdiv(sq, cfg.block_m), triton.cdiv(sk, cfg.block_n)
+    nqb, nkb = cdiv(sq, cfg.block_m), cdiv(sk, cfg.block_n)
     tma = use_tma(q)
     k_desc = _desc(k.view(b * sk, hk * d), cfg.block_n, d) if tma else None
     v_desc = _desc(v.view(b * sk, hk * d), cfg.block_n, d) if tma else None
@@ -587,7 +587,7 @@ def scale_dq(dq_acc: torch.Tensor, softmax_scale: float, dtype: torch.dtype) -> 
     if dq.numel() == 0:
         return dq
     block_q = 64 if d <= 128 else 32
-    launch(_scale_dq_kernel, (triton.cdiv(sq, block_q), b * hq),
+    launch(_scale_dq_kernel, (cdiv(sq, block_q), b * hq),
         dq_acc, dq, softmax_scale, sq, hq, dq_acc.stride(0), dq_acc.stride(1), dq_acc.stride(2),
         dq_acc.stride(3), D=d, BLOCK_Q=block_q, num_warps=4)
     return dq
