@@ -230,7 +230,18 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     import triton
 
-    res = dict(torch=torch.__version__, triton=triton.__version__,
+    import datetime
+    import platform
+    import subprocess
+
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
+                            text=True, cwd=os.path.dirname(os.path.abspath(__file__))).stdout
+    res = dict(date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+               machine=f"{platform.node()} {platform.processor() or platform.machine()} "
+                       f"({os.cpu_count()} CPUs, no GPU: fake Hopper tensors)",
+               python=platform.python_version(), commit=commit.strip(),
+               command=" ".join(["python"] + sys.argv),
+               torch=torch.__version__, triton=triton.__version__,
                backend=backend_profile(args.calls),
                backend_fresh_mask=backend_profile(args.calls, fresh_mask=True),
                backend_jit_run=backend_profile(args.calls, fast_launch=False, fresh_mask=True),
