@@ -162,6 +162,57 @@ def test_descriptor_templates_copy_triton_descriptors_with_the_new_base():
     launcher.clear_cache()
 
 
+def _triton_binder():
+    """Triton 3.6's own argument binder for a small kernel (offline, sm_90 target): what
+    ``JITFunction.run`` computes on every launch (bound arguments, specialisation)."""
+    triton = pytest.importorskip("triton")
+    import triton.language as tl
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import make_backend
+    from triton.runtime.jit import JITFunction, create_function_from_signature
+
+    def body(x_ptr, desc, n, m, scale, y_ptr, BLOCK: tl.constexpr, FLAG: tl.constexpr = False):
+        pass
+
+    jf = JITFunction(body, do_not_specialize=["m"])
+    backend = make_backend(GPUTarget("cuda", 90, 32))
+    return jf, create_function_from_signature(jf.signature, jf.params, backend), triton
+
+
+def test_keys_separate_whatever_triton_specialises_on_and_arguments_bind_as_triton_binds():
+    """Against Triton's binder, over a grid of argument variants: equal launcher keys imply an
+    equal Triton specialisation (so a cached compiled kernel is always the one Triton would
+    pick), and the warm path's argument list is Triton's bound argument list."""
+    td = pytest.importorskip("triton.tools.tensor_descriptor")
+    jf, binder, _ = _triton_binder()
+    base = torch.randn(200, 32)
+    flat = base.view(-1)  # offsets of 1 and 2 elements: 4 and 8 bytes past 16-byte alignment
+    tensors = [base[:64], flat[1:2049].view(64, 32), flat[2:2050].view(64, 32),
+               flat[4:2052].view(64, 32), base[:64].double(), base[:64].half()]
+    descs = [td.TensorDescriptor.from_tensor(base[:64], [16, 32]),
+             td.TensorDescriptor.from_tensor(base[:64], [32, 32]),
+             td.TensorDescriptor.from_tensor(base[16:80].half(), [16, 32])]
+    ints = [1, 2, 16, 17, 32, 2 ** 31 + 16, -5]
+    seen = {}
+    for xi, x in enumerate(tensors):
+        for d in descs:
+            for n in ints:
+                for m in (1, 16, 7, 2 ** 33):
+                    for y in (None, tensors[0], tensors[1]):
+                        for block in (16, 32):
+                            args = (x, d, n, m, 0.5, y)
+                            kw = dict(BLOCK=block, num_warps=4)
+                            bound, spec, _ = binder(*args, **kw)
+                            key = (launcher._args_key(args), tuple(kw.items()))
+                            spec = tuple(spec)
+                            assert seen.setdefault(key, spec) == spec, (args, kw)
+                            entry = launcher._Entry(None, jf, len(args), kw)
+                            full = list(args) + [kw.get(nm, df) for nm, df in entry.tail]
+                            assert len(full) == len(bound)
+                            assert all(a is b for a, b in zip(full, bound.values()))
+    assert len(seen) > 100
+
+
 # -- GPU: the fast path against Triton's (gpu-marked: benchmarks/gpu/host-path.sh) ----------
 
 
