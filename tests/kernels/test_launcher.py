@@ -258,17 +258,22 @@ def test_gpu_fast_launch_equals_the_triton_launch_path(monkeypatch):
 
 @pytest.mark.gpu
 def test_gpu_fast_launch_uses_the_current_stream():
-    """Launched on a side stream, the result is there once that stream is done (the fast path
-    takes the current stream, not the one of its first launch)."""
-    case = _case(seed=3)
-    want = _run(*case)
+    """Warm launches from a side stream run on that stream: with the default stream held busy
+    by a GPU sleep, the side stream's result is complete when the side stream is (had the
+    fast path launched on the default stream, the copy would read an unfinished output)."""
+    import flashmask3
+
+    q, k, v, mask, dout = _case(seed=3)
+    want = _run(q, k, v, mask, dout)[0]
+    flashmask3.flashmask_attention(q, k, v, mask)
+    torch.cuda.synchronize()
+    assert os.environ.get(launcher.FAST_LAUNCH_ENV, "1") != "0" and launcher._COMPILED
     side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
+    torch.cuda._sleep(2_000_000_000)  # the default stream: busy for about a second
     with torch.cuda.stream(side):
-        got = _run(*case)
-    side.synchronize()
-    torch.testing.assert_close(got[0], want[0], rtol=0, atol=0)
-    assert os.environ.get(launcher.FAST_LAUNCH_ENV, "1") != "0"
+        got = flashmask3.flashmask_attention(q, k, v, mask).detach().cpu()
+    torch.cuda.synchronize()
+    torch.testing.assert_close(got, want.detach().cpu(), rtol=0, atol=0)
 
 
 @pytest.mark.gpu
