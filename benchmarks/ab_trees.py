@@ -141,8 +141,21 @@ def _ask(p: subprocess.Popen, cell: dict) -> dict:
 
 
 def cells(args) -> list:
+    """Every (mask, D, pass) cell of ``--dims`` x MASKS x PASSES, or only the ``--cells`` ones."""
+    want = args.cells
     return [dict(mask=m, S=args.seqlen, D=d, B=args.batch, hidden=args.hidden, **{"pass": p})
-            for d in args.dims for m in MASKS for p in PASSES]
+            for d in args.dims for m in MASKS for p in PASSES if not want or (p, d) in want]
+
+
+def _pass_dims(text: str) -> set:
+    """``fwd:64,fwd_bwd:128`` -> {("fwd", 64), ("fwd_bwd", 128)} (the ``--cells`` filter)."""
+    out = set()
+    for item in text.split(","):
+        p, _, d = item.partition(":")
+        if p not in PASSES or not d.isdigit():
+            raise argparse.ArgumentTypeError(f"--cells wants PASS:D items with PASS in {PASSES}, got {item!r}")
+        out.add((p, int(d)))
+    return out
 
 
 def run(args) -> dict:
@@ -222,6 +235,8 @@ def main(argv=None) -> int:
     ap.add_argument("--batch", type=int, default=2)
     ap.add_argument("--hidden", type=int, default=2048, help="heads = hidden / D")
     ap.add_argument("--rounds", type=int, default=4)
+    ap.add_argument("--cells", type=_pass_dims, default=None,
+                    help="only these pass:D pairs of the grid, e.g. fwd:64,fwd_bwd:64 (every mask)")
     ap.add_argument("--budget-s", type=float, default=240)
     ap.add_argument("--dry-run", action="store_true")
     ap.add_argument("--out", default=None)

@@ -12,7 +12,7 @@ Subcommands:
   - ``flex_cp``               (PyTorch ``context_parallel`` with FlexAttention, the outside
     reference; guarded: if it cannot run, the reason is recorded),
 
-  reporting time/iteration (slowest rank) and effective TFLOP/s per GPU (DESIGN.md §2 FLOPs).
+  reporting time/iteration (slowest rank) and effective TFLOP/s per GPU (the FLOP convention of docs/masks.md).
   With ``--check`` (default for <= 16K tokens) every method's output is compared with
   single-process attention on the full sequence.
 * ``report``: merge the attention JSON and the training summaries into

@@ -701,7 +701,8 @@ def markdown(results: list[dict], meta: dict) -> str:
         if k in meta:
             lines.append(f"- **{k}**: `{meta[k]}`")
     lines += ["", "Times are medians in ms (fwd / bwd / fwd+bwd); TFLOP/s are effective "
-              "(DESIGN.md §2: 4·B·Hq·D·unmasked pairs, bwd 2.5x, f+b 3.5x). `x flex` = Flex time / "
+              "(docs/masks.md, FLOP convention: 4·B·Hq·D·unmasked pairs, bwd 2.5x, f+b 3.5x). "
+              "`x flex` = Flex time / "
               "flashmask3 time for fwd+bwd. prep = flashmask3 mask preprocessing (summaries + ranges, "
               "fwd and bwd plans); build = Flex create_block_mask. mem = peak extra GB of one fwd+bwd. "
               "ver = flashmask3 kernel version of that row (benchmarks/NOTES.md: v1 = first kernels, v2 = "

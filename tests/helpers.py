@@ -9,7 +9,7 @@ import torch
 
 import flashmask3.masks as M
 
-#: Every valid (causal, C) row of the DESIGN.md §1 table.
+#: Every valid (causal, C) row of the column-mask table in docs/masks.md.
 LAYOUTS = [(True, 1), (True, 2), (False, 2), (False, 4)]
 
 
@@ -45,7 +45,7 @@ def random_columns(batch, heads, seqlen_q, seqlen_k, causal, c, *, seed=0, devic
 
 
 def named_masks(seqlen, *, batch_size=1, num_heads=1):
-    """One instance of every mask type of DESIGN.md §1 at length ``seqlen`` (>= 16)."""
+    """One instance of every mask type of docs/masks.md at length ``seqlen`` (>= 16)."""
     s = seqlen
     docs = M.random_document_lengths(s, max(2, s // 5), seed=s)
     third = max(1, s // 3)

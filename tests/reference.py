@@ -2,7 +2,7 @@
 
 Dense O(S²) on purpose and in float64: it shares no code with the kernels except the
 documented mask semantics (via :func:`flashmask3.masks.to_dense`, itself tested against a
-literal reading of the DESIGN.md §1 table in tests/masks).
+literal reading of the column-mask table in docs/masks.md, tested in tests/masks).
 """
 
 from __future__ import annotations

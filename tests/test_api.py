@@ -423,7 +423,7 @@ def test_gluon_kernels_run_only_on_checked_triton_versions(checked, hopper_dispa
     checked one the table's Gluon rows stand (where Gluon itself imports)."""
     dispatch = hopper_dispatch
     if checked and not dispatch.gluon_usable():
-        pytest.skip("Gluon does not import here")
+        pytest.skip("needs triton.experimental.gluon (Triton >= 3.5) to import")
     monkeypatch.setattr(dispatch, "GLUON_CHECKED_HERE", checked)
     cuda = torch.device("cuda", 0)
     for d in (64, 128, 256):

@@ -6,6 +6,7 @@
 #   OUT=/path bash benchmarks/gpu/harness.sh            # GPU
 #   DRY_RUN=1 OUT=/tmp/x bash benchmarks/gpu/harness.sh # CPU smoke test, tiny model
 # Results: $OUT/harness/harness_h200.{json,md} (or harness_cpu_toy.* when dry), harness.log.
+# benchmarks/results/ keeps the harness table as a section of train_h200.md (folded in session 18).
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 OUT=${OUT:?set OUT to the results directory}

@@ -543,6 +543,21 @@ def _tile_of_variant(dk, dv, it, m, hi, k_smem, v_smem, q_ring, do_ring, ready, 
 
 
 @_jit
+def _segment(lo, flo, fhi, hi, SEG: gl.constexpr):
+    """Bounds of segment ``SEG`` of a clamped live range: 0 = masked [lo, flo), 1 = mask-free
+    [flo, fhi), 2 = masked [fhi, hi)."""
+    first = lo
+    last = flo
+    if SEG == 1:
+        first = flo
+        last = fhi
+    if SEG == 2:
+        first = fhi
+        last = hi
+    return first, last
+
+
+@_jit
 def _range(dk, dv, it, lo, flo, fhi, hi, k_smem, v_smem, q_ring, do_ring, ready, empty, q_desc,
            do_desc, lse2_ptr, delta_ptr, stat_row0, q_row0, q_col, offs_mb, cols, ivals, stats,
            n_blk, Sq, Sk, scale_log2, ds_smem, dq_smem, dq_desc, dq_row0,
@@ -560,27 +575,16 @@ def _range(dk, dv, it, lo, flo, fhi, hi, k_smem, v_smem, q_ring, do_ring, ready,
         for j in gl.static_range(NUM_STAGES):
             _issue_tile(q_desc, do_desc, q_ring, do_ring, ready, (it + j) % NUM_STAGES,
                         q_row0 + (lo + j) * BLOCK_M, q_col, lo + j < hi)
-    for m in range(lo, flo):
-        dk, dv, it = _tile_of_variant(dk, dv, it, m, hi, k_smem, v_smem, q_ring, do_ring, ready,
-                                      empty, q_desc, do_desc, lse2_ptr, delta_ptr, stat_row0,
-                                      q_row0, q_col, offs_mb, cols, ivals, stats, n_blk, Sq, Sk,
-                                      scale_log2, ds_smem, dq_smem, dq_desc, dq_row0, s_layout,
-                                      a_layout, BLOCK_M, BLOCK_N, NUM_STAGES, CAUSAL, C, NI,
-                                      True, FUSE_DQ, WARP_SPEC)
-    for m in range(flo, fhi):
-        dk, dv, it = _tile_of_variant(dk, dv, it, m, hi, k_smem, v_smem, q_ring, do_ring, ready,
-                                      empty, q_desc, do_desc, lse2_ptr, delta_ptr, stat_row0,
-                                      q_row0, q_col, offs_mb, cols, ivals, stats, n_blk, Sq, Sk,
-                                      scale_log2, ds_smem, dq_smem, dq_desc, dq_row0, s_layout,
-                                      a_layout, BLOCK_M, BLOCK_N, NUM_STAGES, CAUSAL, C, NI,
-                                      False, FUSE_DQ, WARP_SPEC)
-    for m in range(fhi, hi):
-        dk, dv, it = _tile_of_variant(dk, dv, it, m, hi, k_smem, v_smem, q_ring, do_ring, ready,
-                                      empty, q_desc, do_desc, lse2_ptr, delta_ptr, stat_row0,
-                                      q_row0, q_col, offs_mb, cols, ivals, stats, n_blk, Sq, Sk,
-                                      scale_log2, ds_smem, dq_smem, dq_desc, dq_row0, s_layout,
-                                      a_layout, BLOCK_M, BLOCK_N, NUM_STAGES, CAUSAL, C, NI,
-                                      True, FUSE_DQ, WARP_SPEC)
+    for seg in gl.static_range(3):  # masked [lo, flo), mask-free [flo, fhi), masked [fhi, hi)
+        first, last = _segment(lo, flo, fhi, hi, seg)
+        for m in range(first, last):
+            dk, dv, it = _tile_of_variant(dk, dv, it, m, hi, k_smem, v_smem, q_ring, do_ring,
+                                          ready, empty, q_desc, do_desc, lse2_ptr, delta_ptr,
+                                          stat_row0, q_row0, q_col, offs_mb, cols, ivals, stats,
+                                          n_blk, Sq, Sk, scale_log2, ds_smem, dq_smem, dq_desc,
+                                          dq_row0, s_layout, a_layout, BLOCK_M, BLOCK_N,
+                                          NUM_STAGES, CAUSAL, C, NI, seg != 1, FUSE_DQ,
+                                          WARP_SPEC)
     return dk, dv, it
 
 

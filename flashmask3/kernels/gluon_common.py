@@ -164,7 +164,9 @@ def _query_block_ranges(rng_ptr, mbh, m_blk, Sq, Sk, NQB, NKB, BLOCK_M: gl.const
     block ``m_blk`` and the first run of UNMASKED tiles in each, for the Gluon dQ and forward
     kernels. Query-major twin of :func:`_key_block_ranges` (and Gluon twin of the ``tl``
     ``_query_block_ranges``, same integer expressions): the stored table with a mask, the causal
-    diagonal (or everything) without one."""
+    diagonal (or everything) without one. Both are scalar code that a Gluon kernel can call as
+    ``tl`` functions (checked offline with Triton 3.6), so the two copies can become one once
+    tiles.py's rewrite (session 18, branch host-path) lands."""
     if C > 0:
         rp = rng_ptr + (mbh * NQB + m_blk) * 8
         lo0 = gl.load(rp)

@@ -98,6 +98,30 @@ def _fwd_range(acc, l_i, m_i, q, offs_m, lo, flo, fhi, hi, k_ptr, v_ptr, k_desc,
     return acc, l_i, m_i
 
 
+@triton.jit
+def _query_block_program(NQB, Hq, Hk, Hm, CAUSAL: tl.constexpr):
+    """This program's query block and heads on the (query block, batch*query head) grid of the
+    forward and dQ kernels: ``(m_blk, b, h, hk, hm, b64)``. Causal masks run the heavy (late)
+    query blocks first."""
+    pid = tl.program_id(0)
+    if CAUSAL:
+        m_blk = NQB - 1 - pid
+    else:
+        m_blk = pid
+    bh = tl.program_id(1)
+    b = bh // Hq
+    h = bh % Hq
+    return m_blk, b, h, h // (Hq // Hk), h // (Hq // Hm), b.to(tl.int64)
+
+
+@triton.jit
+def _mask_head(mask_ptr, sum_ptr, b64, hm, mask_b_stride, Sk, NKB, C: tl.constexpr):
+    """``(mbh, sptr, col_ptr)`` of mask head ``hm`` of batch ``b64``: its row in the plan's
+    range table, its block summaries and its ``C`` column vectors."""
+    mbh = b64 * mask_b_stride + hm
+    return mbh, sum_ptr + mbh * NKB * 8, mask_ptr + mbh * Sk * C
+
+
 @triton.jit(do_not_specialize=_NO_SPEC)
 def _fwd_kernel(q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr, mask_ptr, sum_ptr, rng_ptr,
                 k_desc, v_desc, q_desc,
@@ -107,17 +131,7 @@ def _fwd_kernel(q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr, mask_ptr, sum_ptr, rng_ptr,
                 USE_TMA: tl.constexpr, PREC: tl.constexpr, A_SMEM: tl.constexpr,
                 SPLIT_UNMASKED: tl.constexpr):
     """One program per (query block, batch*query head): O and LSE of BLOCK_M query rows."""
-    pid = tl.program_id(0)
-    if CAUSAL:
-        m_blk = NQB - 1 - pid  # heavy (late) query blocks first
-    else:
-        m_blk = pid
-    bh = tl.program_id(1)
-    b = bh // Hq
-    h = bh % Hq
-    hk = h // (Hq // Hk)
-    hm = h // (Hq // Hm)
-    b64 = b.to(tl.int64)
+    m_blk, b, h, hk, hm, b64 = _query_block_program(NQB, Hq, Hk, Hm, CAUSAL)
     offs_m = m_blk * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, D)
     q_off = (b64 * Sq + offs_m)[:, None] * (Hq * D) + h * D + offs_d[None, :]
@@ -126,9 +140,7 @@ def _fwd_kernel(q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr, mask_ptr, sum_ptr, rng_ptr,
     else:
         q = tl.load(q_ptr + q_off, mask=(offs_m < Sq)[:, None], other=0.0)
 
-    mbh = b64 * mask_b_stride + hm
-    sptr = sum_ptr + mbh * NKB * 8
-    col_ptr = mask_ptr + mbh * Sk * C
+    mbh, sptr, col_ptr = _mask_head(mask_ptr, sum_ptr, b64, hm, mask_b_stride, Sk, NKB, C)
     lo0, hi0, lo1, hi1, flo0, fhi0, flo1, fhi1 = _query_block_ranges(
         rng_ptr, mbh, m_blk, Sq, Sk, NQB, NKB, BLOCK_M, BLOCK_N, CAUSAL, C)
 
@@ -307,9 +319,7 @@ def _dkdv_kernel(q_ptr, k_ptr, v_ptr, do_ptr, dk_ptr, dv_ptr, lse2_ptr, delta_pt
     for g in range(0, group):
         h = hk * group + g
         hm = h // (Hq // Hm)
-        mbh = b64 * mask_b_stride + hm
-        sptr = sum_ptr + mbh * NKB * 8
-        col_ptr = mask_ptr + mbh * Sk * C
+        mbh, sptr, col_ptr = _mask_head(mask_ptr, sum_ptr, b64, hm, mask_b_stride, Sk, NKB, C)
         lo0, hi0, lo1, hi1, flo0, fhi0, flo1, fhi1 = _key_block_ranges(
             rng_ptr, mbh, n_blk, Sq, Sk, NQB, NKB, BLOCK_M, BLOCK_N, CAUSAL, C)
         stat_row0 = (b64 * Hq + h) * Sq
@@ -388,17 +398,7 @@ def _dq_kernel(q_ptr, k_ptr, v_ptr, do_ptr, dq_ptr, lse2_ptr, delta_ptr,
                USE_TMA: tl.constexpr, PREC: tl.constexpr, A_SMEM: tl.constexpr,
                SPLIT_UNMASKED: tl.constexpr):
     """One program per (query block, batch*query head): dQ of BLOCK_M rows."""
-    pid = tl.program_id(0)
-    if CAUSAL:
-        m_blk = NQB - 1 - pid
-    else:
-        m_blk = pid
-    bh = tl.program_id(1)
-    b = bh // Hq
-    h = bh % Hq
-    hk = h // (Hq // Hk)
-    hm = h // (Hq // Hm)
-    b64 = b.to(tl.int64)
+    m_blk, b, h, hk, hm, b64 = _query_block_program(NQB, Hq, Hk, Hm, CAUSAL)
     offs_m = m_blk * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, D)
     rmask = offs_m < Sq
@@ -413,9 +413,7 @@ def _dq_kernel(q_ptr, k_ptr, v_ptr, do_ptr, dq_ptr, lse2_ptr, delta_ptr,
     lse2 = tl.load(lse2_ptr + row, mask=rmask, other=float("inf"))
     delta = tl.load(delta_ptr + row, mask=rmask, other=0.0)
 
-    mbh = b64 * mask_b_stride + hm
-    sptr = sum_ptr + mbh * NKB * 8
-    col_ptr = mask_ptr + mbh * Sk * C
+    mbh, sptr, col_ptr = _mask_head(mask_ptr, sum_ptr, b64, hm, mask_b_stride, Sk, NKB, C)
     lo0, hi0, lo1, hi1, flo0, fhi0, flo1, fhi1 = _query_block_ranges(
         rng_ptr, mbh, m_blk, Sq, Sk, NQB, NKB, BLOCK_M, BLOCK_N, CAUSAL, C)
     dq = tl.zeros([BLOCK_M, D], dtype=tl.float32)

@@ -98,7 +98,7 @@ def _flex_fn(device: torch.device, compiled: bool):
 
 
 def flex_mask_mod(columns: tuple, causal: bool):
-    """A FlexAttention ``mask_mod`` (True = attend) for the DESIGN.md §1 column semantics.
+    """A FlexAttention ``mask_mod`` (True = attend) for the column semantics of docs/masks.md.
 
     ``columns``: the C column vectors, each ``[B, S]`` (one mask head) or ``[B, H, S]`` (one
     per query head), read inside the mask_mod, so refilling the same tensors with the next

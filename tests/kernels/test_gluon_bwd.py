@@ -221,7 +221,7 @@ def test_launcher_compiles_the_offline_checked_kernels(monkeypatch):
 
 @pytest.mark.skipif(_offline_skip_reason() is not None, reason=str(_offline_skip_reason()))
 @pytest.mark.skipif(__import__("triton").__version__ != "3.6.0",
-                    reason="the recorded SASS is triton 3.6.0's ptxas output")
+                    reason="needs triton 3.6.0 (the recorded SASS hashes are its ptxas output)")
 @pytest.mark.parametrize("key", list(PRE_WS_SASS_SHA256))
 def test_warp_spec_off_compiles_to_the_pre_warp_spec_sass(key):
     """WARP_SPEC=False (the default, the GPU-verified kernel) is byte-identical in SASS to the

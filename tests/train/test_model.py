@@ -104,7 +104,7 @@ def test_bad_backend_and_mask_arguments(jsonl_corpus):
         make_attention("sdpa", batch.mask.startend_row_indices)
 
 
-@pytest.mark.skipif(not flex_available(), reason="no FlexAttention in this torch")
+@pytest.mark.skipif(not flex_available(), reason="needs torch.nn.attention.flex_attention (torch >= 2.5)")
 @pytest.mark.filterwarnings("ignore:.*torch.jit.script_method.*:DeprecationWarning")
 def test_flex_compiled_path_matches_dense(jsonl_corpus):
     """The GPU flex path (compiled block-mask builder + compiled kernel, forward) on CPU: the
