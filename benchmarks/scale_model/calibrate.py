@@ -313,6 +313,14 @@ def measured_rows(path: str = MEASURED_FILE, head_dim: int = 128, gqa: bool = Tr
     return rows, data.get("env", {})
 
 
+def measured_env(path: str = MEASURED_FILE) -> dict:
+    """The environment (GPU, date, versions, command) recorded in a measurement file."""
+    if not os.path.exists(path):
+        return {}
+    with open(path) as f:
+        return json.load(f).get("env", {})
+
+
 def row_tiles(r: dict) -> TileCounts:
     return TileCounts(r["full_tiles"], r["partial_tiles"], r["q_rows"], r["keys"], 1)
 
