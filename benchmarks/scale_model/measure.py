@@ -65,10 +65,12 @@ def timer(fn, device, warmup: int, rep_ms: float) -> float:
 #: Back-to-back calls per host/GPU sample, samples per pass, and the first GPU sleep (cycles,
 #: ~2 GHz: 20M ~ 10 ms) that must outlast the host's enqueueing of those calls (doubled until it does).
 OVERLAP_CALLS, OVERLAP_SAMPLES, OVERLAP_SLEEP_CYCLES = 5, 3, 20_000_000
+#: The sleep that last sufficed, per pass (kept between shapes, so a slow host path is found once).
+_sleep_cycles: dict = {}
 
 
 def overlap_times(fn, device, reset=None, calls: int = OVERLAP_CALLS,
-                  samples: int = OVERLAP_SAMPLES) -> tuple[float, float, bool]:
+                  samples: int = OVERLAP_SAMPLES, key: str = "") -> tuple[float, float, bool]:
     """``(host_us, gpu_ms, hidden)`` per call of ``fn``, medians over ``samples``.
 
     One loop gives both: the GPU sleeps, the host enqueues ``calls`` back-to-back calls
@@ -90,7 +92,7 @@ def overlap_times(fn, device, reset=None, calls: int = OVERLAP_CALLS,
             host.append(dt * 1e6)
             gpu.append(dt * 1e3)
             continue
-        cycles = OVERLAP_SLEEP_CYCLES
+        cycles = _sleep_cycles.get(key, OVERLAP_SLEEP_CYCLES)
         for attempt in range(4):
             torch.cuda.synchronize()
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -108,6 +110,7 @@ def overlap_times(fn, device, reset=None, calls: int = OVERLAP_CALLS,
             if hidden or attempt == 3:
                 break
             cycles *= 2
+            _sleep_cycles[key] = cycles
         all_hidden &= hidden
         host.append(dt / calls * 1e6)
         gpu.append(start.elapsed_time(end) / calls)
@@ -169,7 +172,7 @@ def measure_attention(args, device, dtype, deadline: float, log, save=None) -> l
                         flashmask_attention(q, k, v, fm)
 
                 row["fwd_ms"] = timer(fwd, device, args.warmup, args.rep_ms)
-                row["host_fwd_us"], row["gpu_fwd_ms"], row["fwd_hidden"] = overlap_times(fwd, device)
+                row["host_fwd_us"], row["gpu_fwd_ms"], row["fwd_hidden"] = overlap_times(fwd, device, key="fwd")
                 qg, kg, vg = (x.detach().requires_grad_() for x in (q, k, v))
 
                 def clear():
@@ -180,7 +183,7 @@ def measure_attention(args, device, dtype, deadline: float, log, save=None) -> l
                     clear()
 
                 row["fwd_bwd_ms"] = timer(step, device, args.warmup, args.rep_ms)
-                row["host_fwd_bwd_us"], row["gpu_fwd_bwd_ms"], row["fwd_bwd_hidden"] = overlap_times(step, device)
+                row["host_fwd_bwd_us"], row["gpu_fwd_bwd_ms"], row["fwd_bwd_hidden"] = overlap_times(step, device, key="fwd+bwd")
             except Exception as e:  # keep going: one failing shape must not lose the others
                 row["error"] = f"{type(e).__name__}: {e}"[:300]
                 log(f"attention {meta} failed: {row['error']}")
