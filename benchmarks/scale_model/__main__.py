@@ -246,7 +246,7 @@ def main(argv=None) -> int:
     if args.cmd == "all":
         at = md.index("## Parameters")
         md[at:at] = report.discussion(model_p, layout, results, alayout if args.alt_cp else None,
-                                      aresults if args.alt_cp else {}, sweep, sens)
+                                      aresults if args.alt_cp else {}, sweep, sens, cost=costs.flashmask3)
     os.makedirs(args.out, exist_ok=True)
     base = os.path.join(args.out, "scale_model" if args.cmd == "all" else f"scale_model_{args.cmd}")
     X.write_json(out, base + ".json")

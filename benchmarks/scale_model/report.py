@@ -248,7 +248,7 @@ def _pts(x) -> str:
 
 
 def discussion(model, layout, results: dict, alt_layout, alt_results: dict, sweep: dict, sens=(),
-               goal: float = 0.12) -> list[str]:
+               goal: float = 0.12, cost=None) -> list[str]:
     """What the predictions say about the paper's claim, computed from the numbers above."""
     g = {d: gains(r) for d, r in results.items()}
     comb = [g[d].get(COMBINED) for d in g]
@@ -281,12 +281,21 @@ def discussion(model, layout, results: dict, alt_layout, alt_results: dict, swee
               f"to {_pts(max(room('without imbalance')))}, the lean runtime's launch floor "
               f"{_pts(min(room('without host floor')))} to {_pts(max(room('without host floor')))}."]
     if call_room:
-        lines[-1] += (f" The per-call cost of the attention calls would add {_pts(min(call_room))} to "
-                      f"{_pts(max(call_room))}: the measured calls never go below ~0.46 ms forward and ~1.56 ms "
-                      "backward (host-bound: the public API's host path, back to back), and the overlapped "
-                      "methods make one call per stage (3-4 live stages per rank and pass in these plans) where the all-gather methods "
-                      "make one. That per-call host time and the remaining imbalance are the terms that keep "
-                      "the combined method behind sparse+allgather here; exposed communication is smaller.")
+        host = (f"a host time of {cost.fwd.floor * 1e6:.0f} us forward and {cost.bwd.floor * 1e6:.0f} us backward "
+                f"per call ({'measured' if cost.fwd.host_measured else 'the fitted do_bench floor'}) and a GPU "
+                f"part that every call pays whatever its tiles ({cost.fwd.call * 1e6:.0f} / {cost.bwd.call * 1e6:.0f} us, "
+                f"plus {cost.bwd.a_qblock * 1e9:.0f} ns per query block and head in the backward: the backward's "
+                "pass over all the rank's query rows, once per stage call)") if cost is not None else "the per-call terms"
+        lines[-1] += (f" The per-call cost of the attention calls (host and GPU) would add {_pts(min(call_room))} to "
+                      f"{_pts(max(call_room))}: {host}; the overlapped methods make one call per stage (3-4 live "
+                      "stages per rank and pass in these plans) where the all-gather methods make one.")
+    hs = [r for r in sens if r.get("param") == "host_per_call"]
+    if hs:
+        by = {}
+        for r in hs:
+            by.setdefault(r["host"], []).append(r.get(COMBINED))
+        lines[-1] += (" Combined gain vs the host time per call alone (the GPU part kept; PREDICTIONS, table below "
+                      "the attribution): " + "; ".join(f"{k}: {_range(v)}" for k, v in by.items()) + ".")
     if alt_results:
         att = [attribution(model, alt_layout, r) for r in alt_results.values()]
         terms = {"exposed communication": [a["without exposed comm"] for a in att],
