@@ -65,6 +65,8 @@ def timer(fn, device, warmup: int, rep_ms: float) -> float:
 #: Back-to-back calls per host/GPU sample, samples per pass, and the first GPU sleep (cycles,
 #: ~2 GHz: 20M ~ 10 ms) that must outlast the host's enqueueing of those calls (doubled until it does).
 OVERLAP_CALLS, OVERLAP_SAMPLES, OVERLAP_SLEEP_CYCLES = 5, 3, 20_000_000
+#: The longest sleep tried (~40 ms): a call that synchronises never hides, so stop doubling there.
+OVERLAP_SLEEP_MAX = 8 * OVERLAP_SLEEP_CYCLES // 2
 #: The sleep that last sufficed, per pass (kept between shapes, so a slow host path is found once).
 _sleep_cycles: dict = {}
 
@@ -93,7 +95,7 @@ def overlap_times(fn, device, reset=None, calls: int = OVERLAP_CALLS,
             gpu.append(dt * 1e3)
             continue
         cycles = _sleep_cycles.get(key, OVERLAP_SLEEP_CYCLES)
-        for attempt in range(4):
+        while True:
             torch.cuda.synchronize()
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             torch.cuda._sleep(cycles)
@@ -107,9 +109,9 @@ def overlap_times(fn, device, reset=None, calls: int = OVERLAP_CALLS,
             hidden = not start.query()
             end.record()
             torch.cuda.synchronize()
-            if hidden or attempt == 3:
+            if hidden or cycles >= OVERLAP_SLEEP_MAX:
                 break
-            cycles *= 2
+            cycles = min(2 * cycles, OVERLAP_SLEEP_MAX)
             _sleep_cycles[key] = cycles
         all_hidden &= hidden
         host.append(dt / calls * 1e6)
