@@ -68,7 +68,7 @@ def run_paper(args, costs, cluster, runtime, bar_total=None):
     n_methods = len(X.METHODS) - (1 if layout.cp <= cluster.gpus_per_node else 0)
     steps = len(datasets) * args.sequences * (n_methods + (1 if layout.cp > cluster.gpus_per_node else 0))
     if args.sensitivity:
-        steps += (2 * len(X.SWEPT) + 6) * args.sequences * n_methods
+        steps += (2 * len(X.SWEPT) + 8) * args.sequences * n_methods  # x0.5/x2 each, per-tile 2, per-call 3, bytes 2, runtime 1
     if args.host_sweep:
         steps += len(datasets) * X.host_sweep_layers(layout, cluster, args.sequences)
     results = {}
