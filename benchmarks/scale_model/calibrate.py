@@ -313,8 +313,9 @@ def measured_rows(path: str = MEASURED_FILE, head_dim: int = 128, gqa: bool = Tr
     return rows, data.get("env", {})
 
 
-def measured_env(path: str = MEASURED_FILE) -> dict:
+def measured_env(path: Optional[str] = None) -> dict:
     """The environment (GPU, date, versions, command) recorded in a measurement file."""
+    path = path or MEASURED_FILE
     if not os.path.exists(path):
         return {}
     with open(path) as f:
