@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# Scale-model calibration on one H200 (issue 23): per-rank attention shapes + matmul throughput.
-# Runs from the repo root; <= ~180 s (BUDGET_S of measurement + start-up). Writes $OUT/scale-model/.
+# Scale-model calibration on one H200 (issue 23): per-rank attention shapes (do_bench, GPU time
+# with the host hidden, host time per call) + matmul throughput.
+# Runs from the repo root; <= ~200 s (BUDGET_S of measurement + start-up). Writes $OUT/scale-model/.
 #   OUT=/root/out bash benchmarks/gpu/scale-model.sh
 #   OUT=/tmp/sm DRY_RUN=1 bash benchmarks/gpu/scale-model.sh      # CPU smoke run (tiny sizes)
 # Then commit $OUT/scale-model/scale_model_{attention,matmul}.json to benchmarks/results/ and run
@@ -9,7 +10,7 @@ set -euo pipefail
 OUT="${OUT:?set OUT}"
 DIR="$OUT/scale-model"
 PY="${PYTHON:-python3}"
-BUDGET_S="${BUDGET_S:-150}"
+BUDGET_S="${BUDGET_S:-170}"
 EXTRA=()
 if [[ "${DRY_RUN:-0}" == "1" ]]; then EXTRA=(--dry-run --device cpu); fi
 mkdir -p "$DIR"

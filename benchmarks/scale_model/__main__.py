@@ -68,7 +68,9 @@ def run_paper(args, costs, cluster, runtime, bar_total=None):
     n_methods = len(X.METHODS) - (1 if layout.cp <= cluster.gpus_per_node else 0)
     steps = len(datasets) * args.sequences * (n_methods + (1 if layout.cp > cluster.gpus_per_node else 0))
     if args.sensitivity:
-        steps += (2 * len(X.SWEPT) + 6) * args.sequences * n_methods
+        steps += (2 * len(X.SWEPT) + 8) * args.sequences * n_methods  # x0.5/x2 each, per-tile 2, per-call 3, bytes 2, runtime 1
+    if args.host_sweep:
+        steps += len(datasets) * X.host_sweep_layers(layout, cluster, args.sequences)
     results = {}
     with tqdm(total=steps, desc="paper experiment", unit="layer") as bar:
         for name, ds in datasets.items():
@@ -82,6 +84,10 @@ def run_paper(args, costs, cluster, runtime, bar_total=None):
             sens = X.sensitivity(datasets[mid]["sequences"], model, layout, cluster, runtime, costs, progress=bar)
             for r in sens:
                 r["dataset"] = mid
+        if args.host_sweep:
+            for name, ds in datasets.items():
+                for r in X.host_sweep(ds["sequences"], model, layout, cluster, runtime, costs, progress=bar):
+                    sens.append(dict(r, param="host_per_call", dataset=name))
     return model, layout, datasets, results, sens
 
 
@@ -155,6 +161,8 @@ def main(argv=None) -> int:
     g.add_argument("--sequences", type=int, default=4, help="packed sequences per dataset")
     g.add_argument("--lengths", default=None, help="json list of document lengths (default: this machine's corpus)")
     g.add_argument("--no-sensitivity", dest="sensitivity", action="store_false")
+    g.add_argument("--no-host-sweep", dest="host_sweep", action="store_false",
+                   help="skip the gains vs the host time per attention call (measured, issue-25 targets, zero)")
     g.add_argument("--alt-cp", type=int, default=64, help="'all': also the paper experiment at this cp "
                    "(pp = 128 / cp / alt-dp); 0 = skip")
     g.add_argument("--alt-dp", type=int, default=1)
@@ -221,7 +229,7 @@ def main(argv=None) -> int:
         if args.cmd == "all" and args.alt_cp:
             alt = argparse.Namespace(**{**vars(args), "cp": args.alt_cp, "pp": 128 // args.alt_cp // args.alt_dp,
                                         "dp": args.alt_dp, "micro_batches": max(1, args.micro_batches * args.dp // args.alt_dp),
-                                        "sensitivity": False})
+                                        "sensitivity": False, "host_sweep": False})
             _, alayout, adatasets, aresults, _ = run_paper(alt, costs, cluster, runtime)
             md += ["### The same at another plausible layout", ""]
             md += report.paper_section(model, alayout, adatasets, aresults, [], cluster)[4:] + [""]
@@ -238,7 +246,7 @@ def main(argv=None) -> int:
     if args.cmd == "all":
         at = md.index("## Parameters")
         md[at:at] = report.discussion(model_p, layout, results, alayout if args.alt_cp else None,
-                                      aresults if args.alt_cp else {}, sweep, sens)
+                                      aresults if args.alt_cp else {}, sweep, sens, cost=costs.flashmask3)
     os.makedirs(args.out, exist_ok=True)
     base = os.path.join(args.out, "scale_model" if args.cmd == "all" else f"scale_model_{args.cmd}")
     X.write_json(out, base + ".json")

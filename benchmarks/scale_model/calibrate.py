@@ -1,23 +1,28 @@
 """Attention and matmul cost, fitted from measurements on one H200.
 
-Attention: the time of one FlashMask call is modelled as
+Attention: one FlashMask call in a stream of calls (a CP rank's stage calls) costs
 
-    t = max(floor, call + heads * (a_full * full_tiles + a_partial * partial_tiles) * fill)
+    t = max(host, gpu)
+    gpu = call + heads * ((a_full * full + a_partial * partial) * fill + a_qblock * q_blocks + a_kblock * k_blocks)
 
-where ``full_tiles`` / ``partial_tiles`` are the call's live 128x128 tiles (per mask head,
-summed over the batch; the mask layer's tile rule) and ``fill = max(1, SMs / programs)``
-stretches calls too small to fill the GPU (fewer query-block programs in the forward, key-block
-programs in the backward, than SMs), and ``floor`` is the time below which a call never
-went in the measurements: back-to-back calls of the public API are host-bound there (the
-measured floor is ~0.5 ms forward, ~1.5 ms backward per call, whatever the tiles). ``a_*`` and
-``call`` are fitted by least squares on the relative error of the calls above the floor, separately for the forward and for the backward (= fwd+bwd - fwd), per head
-dim and GQA class, from:
+``host`` (the field ``floor``) is the CPU time to issue one call: when the host is slower than
+the GPU, back-to-back calls wait for it. ``full`` / ``partial`` are the call's live 128x128 tiles
+(per mask head, summed over the batch; the mask layer's tile rule), ``q_blocks`` / ``k_blocks``
+its 128-row query and key blocks (the programs' prologue / epilogue and the per-block metadata
+the kernels read whether the block's tiles are live or not), and ``fill = max(1, SMs /
+programs)`` stretches calls too small to fill the GPU (query-block programs in the forward,
+key-block programs in the backward). Forward and backward (= fwd+bwd - fwd) apart, per head dim
+and GQA class, fitted by least squares on relative error from:
 
 * ``benchmarks/results/scale_model_attention.json`` -- the per-rank shapes measured by
-  ``benchmarks/gpu/scale-model.sh`` (preferred once it exists), or
-* the committed kernel tables (``kernel.json``: the current kernels, 8K-128K tokens, large
-  batches): there the per-call overhead cannot be separated (every call is milliseconds), so
-  it is fixed at an assumed value and only the per-tile costs are fitted.
+  ``benchmarks/gpu/scale-model.sh``. When its rows carry the GPU time (``gpu_fwd_ms``: host work
+  hidden) and the host time per call (``host_fwd_us``), the GPU part is fitted on the GPU time
+  and ``host`` is the measured median host time per call (a parameter read from the
+  measurement). Older files have only the ``do_bench`` time (host included): then ``host`` is
+  fitted as a floor (candidate floors, the GPU part refitted on the calls above it);
+* the committed kernel tables (``kernel.json``: 8K-128K tokens, large batches, every call
+  milliseconds): the per-call overhead cannot be separated there, so it is held at an assumed
+  value, there is no host term, and only the per-tile costs are fitted.
 """
 
 from __future__ import annotations
@@ -52,6 +57,14 @@ class TileCounts:
     def live(self) -> int:
         return self.full + self.partial
 
+    @property
+    def q_blocks(self) -> int:
+        return math.ceil(self.q_rows / TILE) * self.batch
+
+    @property
+    def k_blocks(self) -> int:
+        return math.ceil(self.keys / TILE) * self.batch
+
 
 @dataclass(frozen=True)
 class PassCost:
@@ -59,17 +72,28 @@ class PassCost:
 
     a_full: float      # seconds per full tile per query head
     a_partial: float   # seconds per partial tile per query head
-    call: float        # seconds per call
+    call: float        # seconds of GPU time per call
     rms_rel_err: float
     points: int
-    floor: float = 0.0  # seconds: host-bound minimum of one call (0 = none fitted)
+    floor: float = 0.0  # seconds: host time per call (a stream of calls costs max(host, GPU))
+    a_qblock: float = 0.0  # seconds per query block per query head
+    a_kblock: float = 0.0  # seconds per key block per query head
+    host_measured: bool = False  # floor = measured host time per call (else fitted or none)
+    fitted_on: str = "do_bench"  # the time the GPU part was fitted on: "gpu" or "do_bench"
 
-    def seconds(self, tiles: TileCounts, heads: int, programs: int) -> float:
+    def gpu_seconds(self, tiles: TileCounts, heads: int, programs: int) -> float:
+        """GPU time of one call (host work hidden)."""
         if tiles.live == 0:
             return 0.0
         fill = max(1.0, N_SM / max(programs, 1))
-        gpu = self.call + heads * (self.a_full * tiles.full + self.a_partial * tiles.partial) * fill
-        return max(self.floor, gpu)
+        return self.call + heads * ((self.a_full * tiles.full + self.a_partial * tiles.partial) * fill
+                                    + self.a_qblock * tiles.q_blocks + self.a_kblock * tiles.k_blocks)
+
+    def seconds(self, tiles: TileCounts, heads: int, programs: int) -> float:
+        """Time of one call in a stream of calls: the slower of its host and its GPU work."""
+        if tiles.live == 0:
+            return 0.0
+        return max(self.floor, self.gpu_seconds(tiles, heads, programs))
 
 
 @dataclass(frozen=True)
@@ -90,14 +114,29 @@ class AttentionCost:
         programs = math.ceil(tiles.keys / TILE) * heads * tiles.batch
         return self.bwd.seconds(tiles, heads, programs)
 
+    def gpu_forward(self, tiles: TileCounts, heads: int) -> float:
+        return self.fwd.gpu_seconds(tiles, heads, _programs("fwd", tiles, heads))
+
+    def gpu_backward(self, tiles: TileCounts, heads: int) -> float:
+        return self.bwd.gpu_seconds(tiles, heads, _programs("bwd", tiles, heads))
+
     def describe(self) -> str:
         f, b = self.fwd, self.bwd
         return (f"{self.source}; D={self.head_dim} {'GQA' if self.gqa else 'MHA'}: fwd "
                 f"{f.a_full * 1e9:.2f}/{f.a_partial * 1e9:.2f} ns per full/partial tile-head + "
-                f"{f.call * 1e6:.0f} us/call, floor {f.floor * 1e3:.2f} ms (rms rel. err {f.rms_rel_err:.1%}, "
-                f"{f.points} pts); bwd {b.a_full * 1e9:.2f}/{b.a_partial * 1e9:.2f} ns + "
-                f"{b.call * 1e6:.0f} us/call, floor {b.floor * 1e3:.2f} ms (rms {b.rms_rel_err:.1%}, "
-                f"{b.points} pts)")
+                f"{f.a_qblock * 1e9:.0f}/{f.a_kblock * 1e9:.0f} ns per query/key block-head + "
+                f"{f.call * 1e6:.0f} us/call GPU, host {f.floor * 1e6:.0f} us/call ({_host_kind(f)}; "
+                f"rms rel. err {f.rms_rel_err:.1%} on {f.fitted_on} time, {f.points} pts); bwd "
+                f"{b.a_full * 1e9:.2f}/{b.a_partial * 1e9:.2f} ns + {b.a_qblock * 1e9:.0f}/{b.a_kblock * 1e9:.0f} ns + "
+                f"{b.call * 1e6:.0f} us/call GPU, host {b.floor * 1e6:.0f} us/call ({_host_kind(b)}; rms "
+                f"{b.rms_rel_err:.1%} on {b.fitted_on} time, {b.points} pts)")
+
+
+def _host_kind(p: PassCost) -> str:
+    if p.host_measured:
+        return "measured"
+    return "fitted floor of do_bench times" if p.floor > 0 else "none"
+
 
 
 # -- fitting -------------------------------------------------------------------------------------
@@ -108,63 +147,87 @@ def _programs(kind: str, t: TileCounts, heads: int) -> int:
     return math.ceil(rows / TILE) * heads * t.batch
 
 
-def _fit_linear(xf, xp, y, use, call: Optional[float]) -> tuple[float, float, float]:
-    """``(a_full, a_partial, call)`` by least squares on the relative error of the ``use`` rows.
+def _fit_columns(cols: list, y, use, call: Optional[float]) -> tuple[list[float], float]:
+    """Least squares on the relative error of the ``use`` rows: the coefficients of ``cols``
+    (``[full, partial, *extra]``) and the per-call term (fitted when ``call`` is None).
 
-    Falls back to one coefficient for full and partial tiles when two are not identifiable
-    (negative), and holds the per-call cost at zero when it comes out negative."""
-    xf, xp, y = xf[use], xp[use], y[use]
+    A negative partial-tile coefficient merges partial into full tiles (one cost for both: not
+    identifiable apart); any other negative coefficient (block terms, per-call term) is held at
+    zero and the rest refitted: a cost is never negative."""
+    y = y[use]
     w = 1.0 / y
-
-    def solve(cols, fixed):
-        a = np.stack(cols, 1) * w[:, None]
-        coef, *_ = np.linalg.lstsq(a, (y - fixed) * w, rcond=None)
-        return coef
-
     fixed = 0.0 if call is None else call
-    for split in (True, False):
-        cols = [xf, xp] if split else [xf + xp]
-        if call is None:
-            cols.append(np.ones_like(y))
-        coef = solve(cols, fixed)
-        if split and (coef[:2] <= 0).any():
+    names = list(range(len(cols))) + (["call"] if call is None else [])
+    mats = {i: c[use] for i, c in enumerate(cols)}
+    if call is None:
+        mats["call"] = np.ones_like(y)
+    merged = False
+    active = list(names)
+    while True:
+        a = np.stack([mats[n] + (mats[1] if merged and n == 0 else 0.0) for n in active], 1) * w[:, None]
+        coef = dict(zip(active, np.linalg.lstsq(a, (y - fixed) * w, rcond=None)[0]))
+        if not merged and 1 in coef and coef[1] <= 0 < coef.get(0, 1):
+            merged, active = True, [n for n in active if n != 1]
             continue
-        if call is None and coef[-1] < 0:  # overhead not identifiable: hold it at zero
-            coef = np.append(solve(cols[:-1], 0.0), 0.0)
-        a_full = float(coef[0])
-        return a_full, float(coef[1]) if split else a_full, float(coef[-1]) if call is None else call
-    raise AssertionError("unreachable")
+        neg = [n for n in active if coef[n] < 0 and n != 0]
+        if not neg:
+            break
+        active.remove(min(neg, key=lambda n: coef[n]))
+    out = [float(coef.get(i, 0.0)) for i in range(len(cols))]
+    if merged:
+        out[1] = out[0]
+    return out, (float(coef.get("call", 0.0)) if call is None else call)
+
+
+def _columns(pts, kind: str, blocks: bool) -> list:
+    fill = np.array([max(1.0, N_SM / _programs(kind, t, h)) for t, h, _ in pts])
+    cols = [np.array([h * t.full for t, h, _ in pts], dtype=np.float64) * fill,
+            np.array([h * t.partial for t, h, _ in pts], dtype=np.float64) * fill]
+    if blocks:
+        cols += [np.array([h * t.q_blocks for t, h, _ in pts], dtype=np.float64),
+                 np.array([h * t.k_blocks for t, h, _ in pts], dtype=np.float64)]
+    return cols
 
 
 def fit_pass(points: Iterable[tuple[TileCounts, int, float]], kind: str,
-             call: Optional[float] = None, floor: bool = False) -> PassCost:
+             call: Optional[float] = None, floor: bool = False, blocks: bool = False,
+             host: Optional[float] = None) -> PassCost:
     """Least squares on the relative error of ``(tiles, heads, seconds)`` points.
 
-    ``call=None`` fits the per-call overhead too; otherwise it is held at ``call``.
-    ``floor=True`` also fits a floor (``t = max(floor, linear)``): candidate floors are
-    zero and quantiles of the measured times, the linear part is refitted on the calls it
-    predicts above the floor, and the floor with the lowest rms relative error wins.
+    ``call=None`` fits the per-call GPU term too; otherwise it is held at ``call``.
+    ``blocks=True`` adds the per-query-block and per-key-block terms.
+    ``host`` (seconds, measured): the points are GPU times (host hidden), the fit has no floor
+    and the result's host time per call is ``host``.
+    ``floor=True`` (points are do_bench times, host included) fits the host time as a floor
+    (``t = max(floor, gpu)``): candidate floors are zero and quantiles of the measured times, the
+    GPU part is refitted on the calls it predicts above the floor, and the floor with the lowest
+    rms relative error wins.
     """
     pts = [(t, h, s) for t, h, s in points if s > 0 and t.live > 0]
     if not pts:
         raise ValueError(f"no {kind} points to fit")
-    fill = np.array([max(1.0, N_SM / _programs(kind, t, h)) for t, h, _ in pts])
-    xf = np.array([h * t.full for t, h, _ in pts], dtype=np.float64) * fill
-    xp = np.array([h * t.partial for t, h, _ in pts], dtype=np.float64) * fill
+    cols = _columns(pts, kind, blocks)
     y = np.array([s for _, _, s in pts])
+    if host is not None:
+        coef, c = _fit_columns(cols, y, np.ones(len(y), dtype=bool), call)
+        lin = c + sum(a * x for a, x in zip(coef, cols))
+        rms = float(np.sqrt(np.mean((lin / y - 1.0) ** 2)))
+        return PassCost(coef[0], coef[1], c, rms, len(pts), float(host), *(coef[2:4] if blocks else (0.0, 0.0)),
+                        host_measured=True, fitted_on="gpu")
     best = None
     for lo in [0.0] + (list(np.quantile(y, np.linspace(0.0, 0.5, 26))) if floor else []):
         use = np.ones(len(y), dtype=bool)
         for _ in range(8):  # refit on the calls above the floor until that set is stable
-            a_full, a_part, c = _fit_linear(xf, xp, y, use, call)
-            lin = c + a_full * xf + a_part * xp
+            coef, c = _fit_columns(cols, y, use, call)
+            lin = c + sum(a * x for a, x in zip(coef, cols))
             above = lin >= lo
             if above.sum() < 3 or (above == use).all():
                 break
             use = above
         rms = float(np.sqrt(np.mean((np.maximum(lin, lo) / y - 1.0) ** 2)))
         if best is None or rms < best.rms_rel_err - 1e-4:  # a floor must earn its place
-            best = PassCost(a_full, a_part, c, rms, len(pts), float(lo))
+            best = PassCost(coef[0], coef[1], c, rms, len(pts), float(lo),
+                            *(coef[2:4] if blocks else (0.0, 0.0)))
     return best
 
 
@@ -250,20 +313,56 @@ def measured_rows(path: str = MEASURED_FILE, head_dim: int = 128, gqa: bool = Tr
     return rows, data.get("env", {})
 
 
+def measured_env(path: Optional[str] = None) -> dict:
+    """The environment (GPU, date, versions, command) recorded in a measurement file."""
+    path = path or MEASURED_FILE
+    if not os.path.exists(path):
+        return {}
+    with open(path) as f:
+        return json.load(f).get("env", {})
+
+
 def row_tiles(r: dict) -> TileCounts:
     return TileCounts(r["full_tiles"], r["partial_tiles"], r["q_rows"], r["keys"], 1)
 
 
-def fit_rows(rows: list[dict], source: str, head_dim: int = 128, gqa: bool = True) -> AttentionCost:
-    """Forward and backward (= fwd+bwd - fwd) fits, each with its host-bound floor."""
+#: Fit the per-block terms on the per-rank measurements (the kernel tables cannot separate them).
+MEASURED_BLOCKS = True
+
+
+def has_gpu_times(rows: list[dict]) -> bool:
+    """Whether measured rows carry GPU and host times (scale-model.sh since session 18)."""
+    return bool(rows) and all(k in r for r in rows for k in ("gpu_fwd_ms", "gpu_fwd_bwd_ms",
+                                                               "host_fwd_us", "host_fwd_bwd_us"))
+
+
+def measured_host(rows: list[dict]) -> tuple[float, float]:
+    """Median host seconds per call: forward, and backward (= fwd+bwd - fwd)."""
+    fwd = float(np.median([r["host_fwd_us"] for r in rows])) * 1e-6
+    fb = float(np.median([r["host_fwd_bwd_us"] for r in rows])) * 1e-6
+    return fwd, max(0.0, fb - fwd)
+
+
+def fit_rows(rows: list[dict], source: str, head_dim: int = 128, gqa: bool = True,
+             blocks: bool = MEASURED_BLOCKS, use_gpu_times: Optional[bool] = None) -> AttentionCost:
+    """Forward and backward (= fwd+bwd - fwd) fits of measured rows.
+
+    With GPU and host times in the rows (default when present): the GPU part on the GPU time,
+    the host time per call measured. Without: the do_bench time with a fitted host floor."""
+    gpu = has_gpu_times(rows) if use_gpu_times is None else use_gpu_times
+    fk, fbk = ("gpu_fwd_ms", "gpu_fwd_bwd_ms") if gpu else ("fwd_ms", "fwd_bwd_ms")
     pts = {"fwd": [], "bwd": []}
     for r in rows:
         t = row_tiles(r)
-        pts["fwd"].append((t, r["heads"], r["fwd_ms"] * 1e-3))
-        if "fwd_bwd_ms" in r:
-            pts["bwd"].append((t, r["heads"], (r["fwd_bwd_ms"] - r["fwd_ms"]) * 1e-3))
-    return AttentionCost(fit_pass(pts["fwd"], "fwd", floor=True), fit_pass(pts["bwd"], "bwd", floor=True),
-                         source, head_dim, gqa)
+        pts["fwd"].append((t, r["heads"], r[fk] * 1e-3))
+        if fbk in r:
+            pts["bwd"].append((t, r["heads"], (r[fbk] - r[fk]) * 1e-3))
+    if gpu:
+        hf, hb = measured_host(rows)
+        return AttentionCost(fit_pass(pts["fwd"], "fwd", blocks=blocks, host=hf),
+                             fit_pass(pts["bwd"], "bwd", blocks=blocks, host=hb), source, head_dim, gqa)
+    return AttentionCost(fit_pass(pts["fwd"], "fwd", floor=True, blocks=blocks),
+                         fit_pass(pts["bwd"], "bwd", floor=True, blocks=blocks), source, head_dim, gqa)
 
 
 def fit_from_measured(path: str = MEASURED_FILE, head_dim: int = 128, gqa: bool = True) -> AttentionCost:
@@ -363,3 +462,12 @@ def load_cost(name: str = "flashmask3", gqa: bool = True, path: str = CALIBRATIO
     if name not in FITS:
         raise ValueError(f"unknown kernel family {name!r}; choose from {sorted(FITS)}")
     return FITS[name](gqa)
+
+
+def with_host(cost: AttentionCost, fwd_s: float, bwd_s: float, label: str) -> AttentionCost:
+    """``cost`` with another host time per call (seconds; forward, backward = fwd+bwd - fwd): the
+    host-path sweep (today's measured host cost, issue 25's targets, zero)."""
+    from dataclasses import replace
+
+    return replace(cost, fwd=replace(cost.fwd, floor=fwd_s), bwd=replace(cost.bwd, floor=bwd_s),
+                   source=f"{cost.source}; host per call {label}")

@@ -14,12 +14,13 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import os
 from dataclasses import dataclass
 from typing import Optional, Sequence
 
 import numpy as np
 
-from .calibrate import AttentionCost, load_cost
+from .calibrate import RESULTS, AttentionCost, load_cost, with_host
 from .layout import document_plan_view, mask_sparsity
 from .model import Layout, ModelConfig, StepBreakdown, step_time
 from .params import SWEPT, Cluster, Runtime
@@ -184,6 +185,53 @@ def per_call_free(seqs, model, layout, cluster, runtime, costs, progress=None) -
     return res.get(COMBINED)
 
 
+#: Issue 25's targets for the host time per call: forward 100 us, forward+backward 250 us.
+HOST_TARGETS_US = (100.0, 250.0)
+HOST_PATH_FILE = os.path.join(RESULTS, "host_path.json")
+#: The methods the host sweep simulates (the gains it reports are over the baseline).
+HOST_SWEEP_METHODS = (BASELINE, "sparse+allgather", "sparse+overlap", COMBINED)
+
+
+def host_points(cost: AttentionCost, host_path_file: str = HOST_PATH_FILE) -> list[tuple[str, float, float]]:
+    """``(label, fwd s, bwd s)`` host times per call to sweep: this calibration's (measured by
+    scale-model.sh, or the do_bench floor of an older file), ``host_path.json``'s measured
+    FlashMask call where committed, issue 25's targets, and zero. Backward = fwd+bwd - fwd."""
+    kind = "measured by scale-model.sh" if cost.fwd.host_measured else "fitted do_bench floor"
+    pts = [(f"calibration ({kind})", cost.fwd.floor, cost.bwd.floor)]
+    if os.path.exists(host_path_file):
+        with open(host_path_file) as f:
+            hp = json.load(f)
+        rows = {r["mode"]: r["host_us"] for r in hp.get("host", []) if r.get("form") == "FlashMask"}
+        if "fwd" in rows and "fwd+bwd" in rows:
+            date = hp.get("meta", {}).get("date", "?")[:16]
+            pts.append((f"host_path.json ({date}, 32K, measured)", rows["fwd"] * 1e-6,
+                        max(0.0, rows["fwd+bwd"] - rows["fwd"]) * 1e-6))
+    f_us, fb_us = HOST_TARGETS_US
+    pts.append(("issue 25 targets (100 / 250 us)", f_us * 1e-6, (fb_us - f_us) * 1e-6))
+    pts.append(("zero", 0.0, 0.0))
+    return pts
+
+
+def host_sweep(seqs, model, layout, cluster, runtime, costs, progress=None) -> list[dict]:
+    """Gains over the baseline with the flashmask3 calls' host time per call set to each of
+    :func:`host_points` (PREDICTIONS): how the paper-setting gain follows the host path."""
+    methods = {k: METHODS[k] for k in HOST_SWEEP_METHODS}
+    rows = []
+    for label, hf, hb in host_points(costs.flashmask3):
+        co = dataclasses.replace(costs, flashmask3=with_host(costs.flashmask3, hf, hb, label))
+        res = simulate_dataset(seqs, model, layout, cluster, runtime, co, methods=methods, progress=progress)
+        rows.append({"host": label, "host_fwd_us": hf * 1e6, "host_fwd_bwd_us": (hf + hb) * 1e6,
+                     **{k: v for k, v in gains(res).items() if k != BASELINE}})
+    return rows
+
+
+def host_sweep_layers(layout: Layout, cluster: Cluster, sequences: int) -> int:
+    """Progress-bar steps of one dataset's host sweep."""
+    n = sum(1 for k in HOST_SWEEP_METHODS
+            if not (METHODS[k].hierarchical and layout.cp <= cluster.gpus_per_node))
+    return 4 * n * sequences
+
+
 def attribution(model: ModelConfig, layout: Layout, results: dict) -> dict:
     """The combined method's gain over the baseline if one term of its step were removed."""
     if COMBINED not in results:
@@ -304,5 +352,5 @@ def write_json(obj, path: str) -> None:
 
 
 __all__ = ["METHODS", "BASELINE", "COMBINED", "PAPER_LAYOUT", "PAPER_GAINS", "make_datasets",
-           "default_costs", "scaled_per_call", "NO_CALL", "per_call_free", "simulate_dataset", "gains", "attribution", "sensitivity", "cp_sweep",
+           "default_costs", "scaled_per_call", "host_points", "host_sweep", "NO_CALL", "per_call_free", "simulate_dataset", "gains", "attribution", "sensitivity", "cp_sweep",
            "plot_sweep", "write_json"]

@@ -1,6 +1,11 @@
 """Calibration run for the scale model (one H200, <= the time budget): what one CP rank runs.
 
-1. ``flashmask_attention`` forward and forward+backward at the per-rank shapes of real plans:
+1. ``flashmask_attention`` forward and forward+backward at the per-rank shapes of real plans,
+   three numbers per pass: the standard ``do_bench`` median (``fwd_ms``, ``fwd_bwd_ms``: host
+   work included), the GPU time per call (``gpu_fwd_ms``, ``gpu_fwd_bwd_ms``: CUDA events around
+   back-to-back calls enqueued behind a GPU sleep, so the host's work is hidden) and the host time
+   per call (``host_fwd_us``, ``host_fwd_bwd_us``: CPU time to enqueue those calls while the GPU
+   sleeps), from one loop (:func:`overlap_times`);
    B=1, S_q = tokens per rank, keys = one stage's chunks (or all needed chunks, the all-gather
    call), the rank-local mask of that stage (``plan.local_mask`` sliced by ``plan.stages``),
    D=128, GQA 8:1 (32 query / 4 KV heads) and 1:1 (16 / 16), bf16; causal document masks at 128K
@@ -13,7 +18,7 @@
 Writes ``scale_model_attention.json`` and ``scale_model_matmul.json`` under ``--out`` (commit
 them to benchmarks/results/ and rerun ``python -m benchmarks.scale_model calibrate``).
 
-    python benchmarks/scale_model/measure.py --out $OUT/scale-model --budget-s 150
+    python benchmarks/scale_model/measure.py --out $OUT/scale-model --budget-s 170
     python benchmarks/scale_model/measure.py --device cpu --dry-run --out /tmp/sm   # CPU smoke run
 """
 
@@ -55,6 +60,63 @@ def timer(fn, device, warmup: int, rep_ms: float) -> float:
         fn()
         ts.append((time.perf_counter() - t0) * 1e3)
     return statistics.median(ts)
+
+
+#: Back-to-back calls per host/GPU sample, samples per pass, and the first GPU sleep (cycles,
+#: ~2 GHz: 20M ~ 10 ms) that must outlast the host's enqueueing of those calls (doubled until it does).
+OVERLAP_CALLS, OVERLAP_SAMPLES, OVERLAP_SLEEP_CYCLES = 5, 3, 20_000_000
+#: The longest sleep tried (~40 ms): a call that synchronises never hides, so stop doubling there.
+OVERLAP_SLEEP_MAX = 8 * OVERLAP_SLEEP_CYCLES // 2
+#: The sleep that last sufficed, per pass (kept between shapes, so a slow host path is found once).
+_sleep_cycles: dict = {}
+
+
+def overlap_times(fn, device, reset=None, calls: int = OVERLAP_CALLS,
+                  samples: int = OVERLAP_SAMPLES, key: str = "") -> tuple[float, float, bool]:
+    """``(host_us, gpu_ms, hidden)`` per call of ``fn``, medians over ``samples``.
+
+    One loop gives both: the GPU sleeps, the host enqueues ``calls`` back-to-back calls
+    (``host_us`` = its CPU time per call, as ``benchmarks/host_path.py`` measures it), CUDA events
+    around the calls give the GPU time per call with the host's work hidden (the "GPU ms" of
+    host_path.py, but for a stream of calls, as a CP rank runs its stages). ``hidden`` says the
+    sleep outlasted the enqueueing (the start event had not run when the host finished); if it
+    did not, the sleep is doubled and the sample retaken (a call that synchronises never hides:
+    ``hidden=False`` and its GPU time includes host gaps). Off CUDA both are wall time per call."""
+    host, gpu, all_hidden = [], [], True
+    for _ in range(samples):
+        if device.type != "cuda":
+            t0 = time.perf_counter()
+            for _ in range(calls):
+                if reset is not None:
+                    reset()
+                fn()
+            dt = (time.perf_counter() - t0) / calls
+            host.append(dt * 1e6)
+            gpu.append(dt * 1e3)
+            continue
+        cycles = _sleep_cycles.get(key, OVERLAP_SLEEP_CYCLES)
+        while True:
+            torch.cuda.synchronize()
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            torch.cuda._sleep(cycles)
+            start.record()
+            t0 = time.perf_counter()
+            for _ in range(calls):
+                if reset is not None:
+                    reset()
+                fn()
+            dt = time.perf_counter() - t0
+            hidden = not start.query()
+            end.record()
+            torch.cuda.synchronize()
+            if hidden or cycles >= OVERLAP_SLEEP_MAX:
+                break
+            cycles = min(2 * cycles, OVERLAP_SLEEP_MAX)
+            _sleep_cycles[key] = cycles
+        all_hidden &= hidden
+        host.append(dt / calls * 1e6)
+        gpu.append(start.elapsed_time(end) / calls)
+    return statistics.median(host), statistics.median(gpu), all_hidden
 
 
 def stage_problems(tokens: int, cps, spreads, device):
@@ -107,15 +169,23 @@ def measure_attention(args, device, dtype, deadline: float, log, save=None) -> l
             row = dict(meta, q_rows=q_rows, keys=keys, heads=hq, kv_heads=hk, head_dim=args.head_dim,
                        full_tiles=t.full, partial_tiles=t.partial)
             try:
-                with torch.no_grad():
-                    row["fwd_ms"] = timer(lambda: flashmask_attention(q, k, v, fm), device, args.warmup, args.rep_ms)
+                def fwd():
+                    with torch.no_grad():
+                        flashmask_attention(q, k, v, fm)
+
+                row["fwd_ms"] = timer(fwd, device, args.warmup, args.rep_ms)
+                row["host_fwd_us"], row["gpu_fwd_ms"], row["fwd_hidden"] = overlap_times(fwd, device, key="fwd")
                 qg, kg, vg = (x.detach().requires_grad_() for x in (q, k, v))
+
+                def clear():
+                    qg.grad = kg.grad = vg.grad = None
 
                 def step():
                     flashmask_attention(qg, kg, vg, fm).backward(do)
-                    qg.grad = kg.grad = vg.grad = None
+                    clear()
 
                 row["fwd_bwd_ms"] = timer(step, device, args.warmup, args.rep_ms)
+                row["host_fwd_bwd_us"], row["gpu_fwd_bwd_ms"], row["fwd_bwd_hidden"] = overlap_times(step, device, key="fwd+bwd")
             except Exception as e:  # keep going: one failing shape must not lose the others
                 row["error"] = f"{type(e).__name__}: {e}"[:300]
                 log(f"attention {meta} failed: {row['error']}")
@@ -123,7 +193,9 @@ def measure_attention(args, device, dtype, deadline: float, log, save=None) -> l
             if save is not None:
                 save(rows)
             log(f"attention {meta} Hq={hq} Hk={hk} rows={q_rows} keys={keys} tiles={t.full}+{t.partial} "
-                f"fwd={row.get('fwd_ms', float('nan')):.3f} ms fwd+bwd={row.get('fwd_bwd_ms', float('nan')):.3f} ms")
+                f"fwd={row.get('fwd_ms', float('nan')):.3f} ms (GPU {row.get('gpu_fwd_ms', float('nan')):.3f}, host "
+                f"{row.get('host_fwd_us', float('nan')):.0f} us) fwd+bwd={row.get('fwd_bwd_ms', float('nan')):.3f} ms "
+                f"(GPU {row.get('gpu_fwd_bwd_ms', float('nan')):.3f}, host {row.get('host_fwd_bwd_us', float('nan')):.0f} us)")
     return rows
 
 
@@ -172,7 +244,7 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", required=True)
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    ap.add_argument("--budget-s", type=float, default=150.0)
+    ap.add_argument("--budget-s", type=float, default=170.0)
     ap.add_argument("--tokens", type=int, default=131072)
     ap.add_argument("--cps", type=int, nargs="+", default=[8, 128, 32, 16, 64])
     ap.add_argument("--spreads", nargs="+", default=["long", "mixed", "corpus", "short"])
@@ -181,7 +253,7 @@ def main(argv=None) -> int:
     ap.add_argument("--head-dim", type=int, default=128)
     ap.add_argument("--matmul-tokens", type=int, nargs="+", default=[1024, 2048, 4096, 8192, 16384, 32768, 65536])
     ap.add_argument("--warmup", type=int, default=2)
-    ap.add_argument("--rep-ms", type=float, default=40.0)
+    ap.add_argument("--rep-ms", type=float, default=30.0)
     ap.add_argument("--max-shapes", type=int, default=10_000, help="stop after this many attention shapes")
     ap.add_argument("--dry-run", action="store_true", help="tiny sizes (CPU smoke run)")
     args = ap.parse_args(argv)
@@ -218,8 +290,15 @@ def main(argv=None) -> int:
     log(f"SUMMARY scale-model: {ok}/{len(att)} attention shapes timed (tiles "
         f"{min((r['full_tiles'] + r['partial_tiles'] for r in att), default=0)}-"
         f"{max((r['full_tiles'] + r['partial_tiles'] for r in att), default=0)}), {len(mm)} matmul sets; "
-        f"{time.perf_counter() - t0:.0f} s")
+        f"{time.perf_counter() - t0:.0f} s; host per call median "
+        f"{_median(att, 'host_fwd_us'):.0f} us fwd / {_median(att, 'host_fwd_bwd_us'):.0f} us fwd+bwd; "
+        f"host hidden behind the sleep in {sum(bool(r.get('fwd_bwd_hidden')) for r in att)}/{len(att)} fwd+bwd rows")
     return 0
+
+
+def _median(rows: list[dict], key: str) -> float:
+    vals = [r[key] for r in rows if key in r]
+    return statistics.median(vals) if vals else float("nan")
 
 
 if __name__ == "__main__":

@@ -149,7 +149,10 @@ def validate_single(path: str = SINGLE) -> dict:
 
 
 def _shape_points(cost: AttentionCost, rows: list[dict], held_out: bool) -> dict[str, list[Point]]:
-    out = {"fwd": [], "fwd+bwd": []}
+    """Predicted vs measured per call: ``fwd`` / ``fwd+bwd`` against the do_bench time
+    (prediction: max(host, GPU) per pass), and where the rows have it ``fwd GPU`` / ``fwd+bwd GPU``
+    against the GPU time (prediction: the GPU part alone)."""
+    out = {"fwd": [], "fwd+bwd": [], "fwd GPU": [], "fwd+bwd GPU": []}
     for r in rows:
         t, h = row_tiles(r), r["heads"]
         name = f"{r['spread']} cp {r['cp']} {r['balance']} rank {r['rank']} stage {r['stage']} Hq={h}"
@@ -157,7 +160,13 @@ def _shape_points(cost: AttentionCost, rows: list[dict], held_out: bool) -> dict
         out["fwd"].append(Point(name, r["fwd_ms"] * 1e-3, f, held_out))
         if "fwd_bwd_ms" in r:
             out["fwd+bwd"].append(Point(name, r["fwd_bwd_ms"] * 1e-3, f + cost.backward(t, h), held_out))
-    return out
+        if "gpu_fwd_ms" in r:
+            g = cost.gpu_forward(t, h)
+            out["fwd GPU"].append(Point(name, r["gpu_fwd_ms"] * 1e-3, g, held_out))
+            if "gpu_fwd_bwd_ms" in r:
+                out["fwd+bwd GPU"].append(Point(name, r["gpu_fwd_bwd_ms"] * 1e-3, g + cost.gpu_backward(t, h),
+                                                held_out))
+    return {k: v for k, v in out.items() if v}
 
 
 def validate_measured(path: str = MEASURED_FILE) -> dict:

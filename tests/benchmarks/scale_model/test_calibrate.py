@@ -113,3 +113,66 @@ def test_matmul_throughput_uses_the_nearest_measured_shape(tmp_path, monkeypatch
     assert C.matmul_tflops(Cluster(), "100x4096x14336")[0] == 700.0
     tf, src = C.matmul_tflops(Cluster(), "100x8192x1000")  # no such dims: ceiling x efficiency
     assert tf == Cluster().matmul_tflops.value * Cluster().matmul_efficiency.value and "assumed" in src
+
+
+def test_fit_recovers_per_block_costs():
+    """GPU times built from tile and per-query/key-block costs: the fit with blocks finds them."""
+    rng = random.Random(13)
+    truth = C.PassCost(15e-9, 40e-9, 20e-6, 0, 0, a_qblock=200e-9, a_kblock=30e-9)
+    pts = []
+    for _ in range(60):
+        t = TileCounts(rng.randint(50, 30000), rng.randint(0, 2000), rng.choice([1024, 4096, 16384]),
+                       rng.choice([2048, 16384, 65536]))
+        h = rng.choice([16, 32])
+        pts.append((t, h, truth.gpu_seconds(t, h, C._programs("bwd", t, h))))
+    fit = C.fit_pass(pts, "bwd", blocks=True)
+    assert fit.a_qblock == pytest.approx(200e-9, rel=1e-4) and fit.a_kblock == pytest.approx(30e-9, rel=1e-3)
+    assert fit.a_full == pytest.approx(15e-9, rel=1e-4) and fit.rms_rel_err < 1e-6
+    assert C.fit_pass(pts, "bwd").rms_rel_err > 1e-3  # without the block terms it cannot fit them
+
+
+def _gpu_host_rows(rng, host_fwd_us, host_fb_us):
+    fwd_c = C.PassCost(15e-9, 25e-9, 30e-6, 0, 0, a_qblock=20e-9)
+    bwd_c = C.PassCost(40e-9, 45e-9, 60e-6, 0, 0, a_qblock=150e-9)
+    rows = []
+    for _ in range(40):
+        q_rows, keys = rng.choice([1024, 8192]), rng.choice([2048, 32768])
+        t = TileCounts(int(10 ** rng.uniform(0.5, 4.3)), rng.randint(0, 200), q_rows, keys)
+        g_f = fwd_c.gpu_seconds(t, 32, C._programs("fwd", t, 32))
+        g_b = bwd_c.gpu_seconds(t, 32, C._programs("bwd", t, 32))
+        hf = host_fwd_us * rng.uniform(0.9, 1.1)
+        hfb = host_fb_us * rng.uniform(0.9, 1.1)
+        rows.append({"head_dim": 128, "heads": 32, "kv_heads": 4, "q_rows": q_rows, "keys": keys,
+                     "full_tiles": t.full, "partial_tiles": t.partial,
+                     "gpu_fwd_ms": g_f * 1e3, "gpu_fwd_bwd_ms": (g_f + g_b) * 1e3,
+                     "host_fwd_us": hf, "host_fwd_bwd_us": hfb,
+                     "fwd_ms": max(hf * 1e-3, g_f * 1e3), "fwd_bwd_ms": max(hfb * 1e-3, (g_f + g_b) * 1e3)})
+    return rows, fwd_c, bwd_c
+
+
+def test_fit_on_gpu_time_with_measured_host():
+    """Rows with GPU and host times: the GPU part is fitted on the GPU time (exact here, although
+    most do_bench times are host-bound), the host term is the rows' median host time."""
+    rows, fwd_c, bwd_c = _gpu_host_rows(random.Random(17), 300.0, 1400.0)
+    assert sum(r["fwd_ms"] == r["host_fwd_us"] * 1e-3 for r in rows) > 10  # host-bound calls exist
+    cost = C.fit_rows(rows, "test", 128, True)
+    assert cost.fwd.host_measured and cost.fwd.fitted_on == "gpu"
+    assert cost.fwd.a_full == pytest.approx(15e-9, rel=1e-4) and cost.bwd.a_qblock == pytest.approx(150e-9, rel=1e-3)
+    hf, hb = C.measured_host(rows)
+    assert cost.fwd.floor == hf and cost.bwd.floor == hb
+    assert 250e-6 < hf < 350e-6 and 1000e-6 < hb < 1250e-6
+    t = TileCounts(5000, 300, 4096, 16384)
+    assert cost.gpu_forward(t, 32) == pytest.approx(fwd_c.gpu_seconds(t, 32, C._programs("fwd", t, 32)), rel=1e-4)
+    assert cost.forward(t, 32) == pytest.approx(max(hf, cost.gpu_forward(t, 32)))
+    # forced onto the do_bench times instead, the host term comes out as a fitted floor
+    floored = C.fit_rows(rows, "test", 128, True, use_gpu_times=False)
+    assert not floored.fwd.host_measured and floored.fwd.floor > 0
+
+
+def test_with_host_replaces_only_the_host_term():
+    rows, _, _ = _gpu_host_rows(random.Random(19), 300.0, 1400.0)
+    cost = C.fit_rows(rows, "test", 128, True)
+    zero = C.with_host(cost, 0.0, 0.0, "zero")
+    t = TileCounts(50, 0, 1024, 2048)  # a small call: host-bound with the measured host
+    assert cost.forward(t, 32) == cost.fwd.floor > zero.forward(t, 32) == pytest.approx(cost.gpu_forward(t, 32))
+    assert zero.fwd.a_full == cost.fwd.a_full and "zero" in zero.source
