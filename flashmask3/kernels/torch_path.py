@@ -6,16 +6,17 @@ built to be worth running: on a 2-core CPU it is at least as fast as dense
 ``scaled_dot_product_attention`` with a boolean mask, and faster on sparse masks, while its
 mask memory stays O(S) (docs/cpu.md has the measured table).
 
-How: queries are cut into blocks of :data:`BLOCK_M` rows. The tile classification
+How, on the CPU: queries are cut into blocks of ``2 * BLOCK_M`` rows. The tile classification
 (:func:`flashmask3.masks.blocks.classify_tiles`, key tiles of :data:`BLOCK_N` columns) gives
 each query block its *live keys*: the runs of key tiles that are not SKIP for some (batch, mask
-head). One query block then does one dense step over exactly those keys: a single matrix
-product ``Q_blk · K_liveᵀ`` (all query heads of a KV head stacked as rows, so GQA shares the
-keys), the element-wise mask applied only on the PARTIAL tiles, an exact softmax over the whole
-row (no online rescaling: every live key of the row is in the block) and one product with
-``V_live``. The backward recomputes the block's probabilities from the saved log-sum-exp and
-does the four products of the attention gradient on the same keys. Nothing of size
-``[Sq, Sk]`` is ever built: the largest temporary is ``BLOCK_M x live keys`` per head.
+head). One query block is then one call of torch's fused CPU attention kernel (which returns
+the log-sum-exp) on exactly those keys, with an additive mask only over the PARTIAL tiles; the
+backward is that kernel's backward per block with the given log-sum-exp. Elsewhere (CUDA), and
+for a backward that receives a gradient of the log-sum-exp, each block of :data:`BLOCK_M` rows
+is explicit products: ``Q_blk · K_liveᵀ`` (all query heads of a KV head stacked as rows, so GQA
+shares the keys), the element mask on the PARTIAL tiles, an exact row softmax and ``P V_live``;
+its backward recomputes ``P = exp(S - lse)`` and does the four products of the gradient.
+Nothing of size ``[Sq, Sk]`` is ever built: the largest temporary is rows x live keys.
 
 Tiles are shared by all batch rows and heads of one call, so a tile is skipped only when it is
 SKIP for every (batch, mask head) and computed without a mask only when UNMASKED for all of
