@@ -63,9 +63,9 @@ def _dense(q, k, v, dout, dense_mask, backward: bool):
     return run
 
 
-def interleaved_medians(fns: dict, rounds: int) -> dict[str, float]:
-    """Median wall time (ms) of each function over ``rounds`` rounds that run every function
-    once, in turn, after one warm-up call each."""
+def interleaved_times(fns: dict, rounds: int) -> dict[str, list[float]]:
+    """Wall times (ms) of each function over ``rounds`` rounds that run every function once, in
+    turn, after one warm-up call each."""
     for fn in fns.values():
         fn()
     times = {name: [] for name in fns}
@@ -74,7 +74,7 @@ def interleaved_medians(fns: dict, rounds: int) -> dict[str, float]:
             t0 = time.perf_counter()
             fn()
             times[name].append((time.perf_counter() - t0) * 1e3)
-    return {name: statistics.median(ts) for name, ts in times.items()}
+    return times
 
 
 def run(seqlens, heads: int, head_dim: int, rounds: int) -> list[dict]:
@@ -86,16 +86,25 @@ def run(seqlens, heads: int, head_dim: int, rounds: int) -> list[dict]:
         for name, mask in bench_masks(s).items():
             dense = mask.to_dense()  # [1, 1, S, S] bool: the baseline's O(S²) mask
             for mode, backward in (("fwd", False), ("fwd+bwd", True)):
-                t = interleaved_medians({"ours": _ours(q, k, v, dout, mask, backward),
-                                         "dense": _dense(q, k, v, dout, dense, backward)}, rounds)
+                times = interleaved_times({"ours": _ours(q, k, v, dout, mask, backward),
+                                           "dense": _dense(q, k, v, dout, dense, backward)}, rounds)
+                t = {name: statistics.median(ts) for name, ts in times.items()}
+                # per-round ratios (same round: same machine load) give the speedup's spread
+                ratios = [d / o for o, d in zip(times["ours"], times["dense"])]
                 row = {"seqlen": s, "mask": name, "mode": mode, "density": mask.density(),
                        "ours_ms": t["ours"], "dense_ms": t["dense"],
-                       "speedup": t["dense"] / t["ours"]}
+                       "speedup": t["dense"] / t["ours"],
+                       "round_speedup_min": min(ratios), "round_speedup_max": max(ratios),
+                       "ours_ms_rounds": times["ours"], "dense_ms_rounds": times["dense"]}
                 rows.append(row)
                 print(f"S={s:>5} {name:<22} {mode:<8} density {row['density']:.3f}  ours "
-                      f"{t['ours']:8.1f} ms  dense {t['dense']:8.1f} ms  x{row['speedup']:.2f}",
-                      flush=True)
+                      f"{t['ours']:8.1f} ms  dense {t['dense']:8.1f} ms  x{row['speedup']:.2f} "
+                      f"(rounds {min(ratios):.2f}-{max(ratios):.2f})", flush=True)
     return rows
+
+
+def _load(avg) -> str:
+    return " / ".join(f"{x:.1f}" for x in avg)
 
 
 def markdown(rows: list[dict], env: dict, args) -> str:
@@ -108,18 +117,23 @@ def markdown(rows: list[dict], env: dict, args) -> str:
         "",
         f"Command: `{env['command']}` (commit {env['commit']})",
         "",
+        f"Machine load (`os.getloadavg()`, 1/5/15 min) at start {_load(env['load_start'])}, at "
+        f"end {_load(env['load_end'])}; wall time of the run {env['wall_s'] / 60:.1f} min.",
+        "",
         f"Median of {args.rounds} rounds; in each round the two implementations run one after "
         "the other on the same inputs (interleaved, because the machine is shared). `dense`: "
         "`F.scaled_dot_product_attention(q, k, v, attn_mask=<[S, S] bool>)`; `ours`: "
         "`flashmask3.flashmask_attention` on the torch path (O(S) mask memory). "
-        "speedup = dense / ours (> 1: ours is faster).",
+        "speedup = median dense / median ours (> 1: ours is faster); spread: the lowest and "
+        "highest per-round ratio (dense / ours of the same round).",
         "",
-        "| S | mask | density | mode | ours ms | dense ms | speedup |",
-        "|---:|---|---:|---|---:|---:|---:|",
+        "| S | mask | density | mode | ours ms | dense ms | speedup | spread |",
+        "|---:|---|---:|---|---:|---:|---:|---:|",
     ]
     for r in rows:
         lines.append(f"| {r['seqlen']} | {r['mask']} | {r['density']:.3f} | {r['mode']} | "
-                     f"{r['ours_ms']:.1f} | {r['dense_ms']:.1f} | {r['speedup']:.2f} |")
+                     f"{r['ours_ms']:.1f} | {r['dense_ms']:.1f} | {r['speedup']:.2f} | "
+                     f"{r['round_speedup_min']:.2f}-{r['round_speedup_max']:.2f} |")
     return "\n".join(lines) + "\n"
 
 
@@ -133,8 +147,10 @@ def main(argv=None) -> None:
                                                   "results", "cpu_path"))
     args = ap.parse_args(argv)
     os.environ.setdefault("FLASHMASK3_BACKEND", "torch")
+    load_start, t0 = os.getloadavg(), time.perf_counter()
     rows = run(args.seqlens, args.heads, args.head_dim, args.rounds)
     env = run_environment(torch.device("cpu"))
+    env.update(load_start=load_start, load_end=os.getloadavg(), wall_s=time.perf_counter() - t0)
     env["torch_threads"] = torch.get_num_threads()
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     with open(args.out + ".json", "w") as f:

@@ -6,16 +6,17 @@ built to be worth running: on a 2-core CPU it is at least as fast as dense
 ``scaled_dot_product_attention`` with a boolean mask, and faster on sparse masks, while its
 mask memory stays O(S) (docs/cpu.md has the measured table).
 
-How: queries are cut into blocks of :data:`BLOCK_M` rows. The tile classification
+How, on the CPU: queries are cut into blocks of ``2 * BLOCK_M`` rows. The tile classification
 (:func:`flashmask3.masks.blocks.classify_tiles`, key tiles of :data:`BLOCK_N` columns) gives
 each query block its *live keys*: the runs of key tiles that are not SKIP for some (batch, mask
-head). One query block then does one dense step over exactly those keys: a single matrix
-product ``Q_blk · K_liveᵀ`` (all query heads of a KV head stacked as rows, so GQA shares the
-keys), the element-wise mask applied only on the PARTIAL tiles, an exact softmax over the whole
-row (no online rescaling: every live key of the row is in the block) and one product with
-``V_live``. The backward recomputes the block's probabilities from the saved log-sum-exp and
-does the four products of the attention gradient on the same keys. Nothing of size
-``[Sq, Sk]`` is ever built: the largest temporary is ``BLOCK_M x live keys`` per head.
+head). One query block is then one call of torch's fused CPU attention kernel (which returns
+the log-sum-exp) on exactly those keys, with an additive mask only over the PARTIAL tiles; the
+backward is that kernel's backward per block with the given log-sum-exp. Elsewhere (CUDA), and
+for a backward that receives a gradient of the log-sum-exp, each block of :data:`BLOCK_M` rows
+is explicit products: ``Q_blk · K_liveᵀ`` (all query heads of a KV head stacked as rows, so GQA
+shares the keys), the element mask on the PARTIAL tiles, an exact row softmax and ``P V_live``;
+its backward recomputes ``P = exp(S - lse)`` and does the four products of the gradient.
+Nothing of size ``[Sq, Sk]`` is ever built: the largest temporary is rows x live keys.
 
 Tiles are shared by all batch rows and heads of one call, so a tile is skipped only when it is
 SKIP for every (batch, mask head) and computed without a mask only when UNMASKED for all of
@@ -59,6 +60,8 @@ class _QueryBlock:
     r1: int
     key_runs: tuple
     mask_runs: tuple
+    #: some live tile is UNMASKED for every (batch, head): no row of the block is fully masked
+    has_unmasked: bool = False
 
     @property
     def num_keys(self) -> int:
@@ -76,16 +79,18 @@ class _Plan:
     """The query blocks of one call and the element mask of a (rows, key range) piece, in the
     head layout of this module (``[B, Hk, rows, G, keys]``)."""
 
-    def __init__(self, startend, causal, sq, sk, hq, hk, device):
+    def __init__(self, startend, causal, sq, sk, hq, hk, device, block_m=None):
         self.startend, self.causal, self.sq, self.sk = startend, causal, sq, sk
         self.hq, self.hk, self.device = hq, hk, device
-        cls = classify_tiles(startend, causal, sq, sk, BLOCK_M, BLOCK_N).flatten(0, 1)
+        self.block_m = BLOCK_M if block_m is None else block_m
+        cls = classify_tiles(startend, causal, sq, sk, self.block_m, BLOCK_N).flatten(0, 1)
         live = (cls != SKIP).any(0).cpu().numpy()
         partial = live & ~(cls == UNMASKED).all(0).cpu().numpy()
         self.blocks = [self._block(qi, live[qi], partial[qi]) for qi in range(live.shape[0])]
 
     def _block(self, qi: int, live: np.ndarray, partial: np.ndarray) -> _QueryBlock:
-        r0, r1 = qi * BLOCK_M, min((qi + 1) * BLOCK_M, self.sq)
+        """Query block ``qi``: its live key runs and, among them, the PARTIAL runs."""
+        r0, r1 = qi * self.block_m, min((qi + 1) * self.block_m, self.sq)
 
         def cols(t0, t1):
             return t0 * BLOCK_N, min(t1 * BLOCK_N, self.sk)
@@ -101,17 +106,20 @@ class _Plan:
         for t0, t1 in _runs(partial):
             c0, c1 = cols(t0, t1)
             mask_runs.append((offset_of_tile[t0], c0, c1))
-        return _QueryBlock(r0, r1, key_runs, tuple(mask_runs))
+        return _QueryBlock(r0, r1, key_runs, tuple(mask_runs), bool((live & ~partial).any()))
 
-    def allowed(self, r0: int, r1: int, c0: int, c1: int) -> torch.Tensor:
-        """Boolean allowed mask broadcastable to ``[B, Hk, rows, G, cols]``."""
+    def allowed_heads(self, r0: int, r1: int, c0: int, c1: int) -> torch.Tensor:
+        """Boolean allowed mask ``[B or 1, 1 or mask heads, rows, cols]`` of one piece."""
         rows = torch.arange(r0, r1, device=self.device)
         cols = torch.arange(c0, c1, device=self.device)
         if self.startend is None:
-            m = element_mask(torch.full((1, 1, c1 - c0, 1), self.sq, device=self.device),
-                             True, rows, cols, self.sq, self.sk)
-        else:
-            m = element_mask(self.startend[:, :, c0:c1], self.causal, rows, cols, self.sq, self.sk)
+            return element_mask(torch.full((1, 1, c1 - c0, 1), self.sq, device=self.device),
+                                True, rows, cols, self.sq, self.sk)
+        return element_mask(self.startend[:, :, c0:c1], self.causal, rows, cols, self.sq, self.sk)
+
+    def allowed(self, r0: int, r1: int, c0: int, c1: int) -> torch.Tensor:
+        """Boolean allowed mask broadcastable to ``[B, Hk, rows, G, cols]``."""
+        m = self.allowed_heads(r0, r1, c0, c1)
         b, hm = m.shape[:2]
         if hm == 1 or hm == self.hk:
             return m.view(b, hm, r1 - r0, 1, c1 - c0)
@@ -206,8 +214,9 @@ def _for_each_block(work, blocks, workers) -> list:
     slots = [{} for _ in shares]
 
     def run_share(i):
-        for blk in shares[i]:
-            work(blk, slots[i])
+        with torch.no_grad():  # grad mode is per thread: the caller's (an autograd.Function) is off
+            for blk in shares[i]:
+                work(blk, slots[i])
 
     for f in [pool.submit(run_share, i) for i in range(n)]:
         f.result()
@@ -230,6 +239,8 @@ def forward(q, k, v, startend_row_indices: Optional[torch.Tensor], causal: bool,
     keeps float64 accuracy; the public function returns it as fp32).
     ``row_span`` (the mask's mean row span, a tile hint for the Triton backend) is unused."""
     with _block_workers(q.device) as workers:
+        if _uses_fused(q):
+            return _forward_fused(q, k, v, startend_row_indices, causal, softmax_scale, workers)
         return _forward(q, k, v, startend_row_indices, causal, softmax_scale, workers)
 
 
@@ -273,6 +284,10 @@ def backward(dout, dlse, q, k, v, out, lse, startend_row_indices: Optional[torch
     The probabilities are ``exp(s - lse)`` with the given ``lse``, which need not be this
     call's own: context parallelism passes the log-sum-exp merged over all key chunks."""
     with _block_workers(q.device) as workers:
+        # autograd hands a zero dlse when the log-sum-exp output was not used
+        if _uses_fused(q) and (dlse is None or not bool(dlse.any())):
+            return _backward_fused(dout, q, k, v, out, lse, startend_row_indices, causal,
+                                   softmax_scale, workers)
         return _backward(dout, dlse, q, k, v, out, lse, startend_row_indices, causal,
                          softmax_scale, workers)
 
@@ -322,3 +337,122 @@ def _backward(dout, dlse, q, k, v, out, lse, startend_row_indices, causal, softm
         dk.permute(0, 2, 1, 3).to(k.dtype),
         dv.permute(0, 2, 1, 3).to(v.dtype),
     )
+
+
+# --------------------------------------------------------------------------------------------
+# The CPU path proper: torch's fused CPU attention kernel on each query block's live keys.
+
+def _fused_kernels():
+    """torch's fused CPU attention (forward returns the log-sum-exp; the backward takes it), or
+    None where this torch does not have it."""
+    ops = torch.ops.aten
+    if not hasattr(ops, "_scaled_dot_product_flash_attention_for_cpu"):
+        return None
+    return (ops._scaled_dot_product_flash_attention_for_cpu,
+            ops._scaled_dot_product_flash_attention_for_cpu_backward)
+
+
+_FUSED = _fused_kernels()
+
+
+def _uses_fused(q: torch.Tensor) -> bool:
+    return q.device.type == "cpu" and _FUSED is not None
+
+
+def fused_block_rows() -> int:
+    """Query rows per block on the fused CPU path: ``2 * BLOCK_M`` (256). Measured at 1K tokens
+    on the 2-core CPU (docs/cpu.md): 64 / 128 / 256 / 512 / 1024 rows gave a causal forward of
+    94 / 53 / 45 / 46 / 57 ms; fewer, larger blocks pay less per-call overhead, but below two
+    blocks per worker the two workers are unbalanced and larger blocks read more masked keys."""
+    return 2 * BLOCK_M
+
+
+def _bias(plan: _Plan, blk: _QueryBlock, num_heads: int, dtype: torch.dtype):
+    """Additive mask (0 where allowed, -inf where masked) ``[B | 1, Hq | 1, rows, L]`` over the
+    block's ``L`` live keys, or None when none of its live tiles is PARTIAL. Only the PARTIAL
+    runs are evaluated element-wise; the UNMASKED ones stay 0."""
+    if not blk.mask_runs:
+        return None
+    pieces = [(off, c1 - c0, plan.allowed_heads(blk.r0, blk.r1, c0, c1))
+              for off, c0, c1 in blk.mask_runs]
+    bm, hm = pieces[0][2].shape[:2]
+    bias = torch.zeros(bm, hm, blk.r1 - blk.r0, blk.num_keys, dtype=dtype, device=plan.device)
+    for off, width, allowed in pieces:
+        bias[..., off:off + width].masked_fill_(~allowed, -math.inf)
+    if hm not in (1, num_heads):  # mask heads that group query heads: one row per query head
+        bias = bias.repeat_interleave(num_heads // hm, dim=1)
+    return bias
+
+
+def _empty_rows(bias, blk: _QueryBlock):
+    """``[B | 1, Hq | 1, rows]`` True where a row of the block has no allowed key, or None when
+    no row can be empty (an UNMASKED live tile, or no mask at all)."""
+    if bias is None or blk.has_unmasked:
+        return None
+    empty = torch.isinf(bias).all(-1)
+    return empty if bool(empty.any()) else None
+
+
+def _heads_first(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``[B, S, H, D]`` -> a ``[B, H, S, D]`` view in the accumulation dtype (no copy for fp32)."""
+    return x.to(dtype).transpose(1, 2)
+
+
+def _forward_fused(q, k, v, startend, causal, softmax_scale, workers):
+    b, sq, hq, _ = q.shape
+    sk, hk, dv = k.shape[1], k.shape[2], v.shape[3]
+    acc = _acc_dtype(q.dtype)
+    plan = _Plan(startend, causal, sq, sk, hq, hk, q.device, fused_block_rows())
+    qt, kt, vt = (_heads_first(x, acc) for x in (q, k, v))
+    out = torch.zeros(b, sq, hq, dv, dtype=acc, device=q.device)
+    out_t = out.transpose(1, 2)
+    lse = torch.full((b, hq, sq), -math.inf, dtype=acc, device=q.device)
+    fwd = _FUSED[0]
+
+    def block_forward(blk: _QueryBlock, _slot: dict) -> None:
+        bias = _bias(plan, blk, hq, acc)
+        o, l = fwd(qt[:, :, blk.r0:blk.r1], _live(kt, blk.key_runs), _live(vt, blk.key_runs),
+                   0.0, False, attn_mask=bias, scale=softmax_scale)
+        empty = _empty_rows(bias, blk)
+        if empty is not None:  # fully masked rows: zeros and -inf, whatever the kernel gives
+            l = l.masked_fill(empty, -math.inf)
+            o = o.masked_fill(empty.unsqueeze(-1), 0.0)
+        out_t[:, :, blk.r0:blk.r1] = o
+        lse[:, :, blk.r0:blk.r1] = l
+
+    _for_each_block(block_forward, plan.blocks, workers)
+    return out.to(q.dtype), lse
+
+
+def _backward_fused(dout, q, k, v, out, lse, startend, causal, softmax_scale, workers):
+    b, sq, hq, d = q.shape
+    sk, hk, dv_dim = k.shape[1], k.shape[2], v.shape[3]
+    acc = _acc_dtype(q.dtype)
+    plan = _Plan(startend, causal, sq, sk, hq, hk, q.device, fused_block_rows())
+    qt, kt, vt, dot, ot = (_heads_first(x, acc) for x in (q, k, v, dout, out))
+    # fully masked rows: lse = -inf; +inf makes every p = exp(s - lse) exactly 0
+    lse_t = lse.to(acc)
+    lse_t = lse_t.masked_fill(torch.isinf(lse_t), math.inf)
+    dq = torch.zeros(b, sq, hq, d, dtype=acc, device=q.device)
+    dq_t = dq.transpose(1, 2)
+    bwd = _FUSED[1]
+
+    def block_backward(blk: _QueryBlock, slot: dict) -> None:
+        if not slot:  # this worker's own dK / dV accumulators
+            slot["dk"] = torch.zeros(b, hk, sk, d, dtype=acc, device=q.device)
+            slot["dv"] = torch.zeros(b, hk, sk, dv_dim, dtype=acc, device=q.device)
+        rows = slice(blk.r0, blk.r1)
+        gq, gk, gv = bwd(dot[:, :, rows], qt[:, :, rows], _live(kt, blk.key_runs),
+                         _live(vt, blk.key_runs), ot[:, :, rows], lse_t[:, :, rows], 0.0, False,
+                         attn_mask=_bias(plan, blk, hq, acc), scale=softmax_scale)
+        dq_t[:, :, rows] = gq
+        _add_live(slot["dk"], gk, blk.key_runs)
+        _add_live(slot["dv"], gv, blk.key_runs)
+
+    slots = [slot for slot in _for_each_block(block_backward, plan.blocks, workers) if slot]
+    if slots:
+        dk, dv = sum(slot["dk"] for slot in slots), sum(slot["dv"] for slot in slots)
+    else:  # every row fully masked
+        dk = torch.zeros(b, hk, sk, d, dtype=acc, device=q.device)
+        dv = torch.zeros(b, hk, sk, dv_dim, dtype=acc, device=q.device)
+    return dq.to(q.dtype), dk.transpose(1, 2).to(k.dtype), dv.transpose(1, 2).to(v.dtype)

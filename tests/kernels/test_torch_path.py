@@ -5,33 +5,78 @@ import torch
 
 import flashmask3.masks as M
 from flashmask3.kernels import torch_path
+from tests.helpers import named_masks
 from tests.kernels.attention_checks import make_qkv
+from tests.reference import reference_attention, rel_err
 
 
 def test_keys_visited_follow_the_classification(monkeypatch):
-    """Each query block multiplies exactly its live keys (key tiles that are not SKIP for some
-    batch row / head): two products (QKᵀ, PV) per query block with live keys, and the QKᵀ
-    products together cover the live tiles' key columns, none of the skipped ones."""
-    monkeypatch.setattr(torch_path, "BLOCK_M", 16)
+    """Each query block runs the fused kernel once on exactly its live keys (key tiles that are
+    not SKIP for some batch row / head), none of the skipped ones."""
+    monkeypatch.setattr(torch_path, "BLOCK_M", 8)  # fused blocks of 2 * 8 = 16 rows
     monkeypatch.setattr(torch_path, "BLOCK_N", 16)
     mask = M.causal_document_mask([16, 48, 32, 32])
     q, k, v = make_qkv(1, 128, 128, 2, 2, 8, torch.float32)
     seen = []
-    real_matmul = torch.matmul
+    real_fwd, real_bwd = torch_path._FUSED
 
-    def counting_matmul(a, b):
-        seen.append((a.shape, b.shape))
-        return real_matmul(a, b)
+    def counting_fwd(q_blk, k_live, *args, **kwargs):
+        seen.append(k_live.shape[2])
+        return real_fwd(q_blk, k_live, *args, **kwargs)
 
-    monkeypatch.setattr(torch_path.torch, "matmul", counting_matmul)
+    monkeypatch.setattr(torch_path, "_FUSED", (counting_fwd, real_bwd))
     torch_path.forward(q.detach(), k.detach(), v.detach(), mask.startend_row_indices, True, 0.3)
     cls = M.classify_tiles(mask.startend_row_indices, True, 128, 128, 16, 16)
     live = cls != M.SKIP
     assert int(live.sum()) < cls.numel() // 2  # the mask is sparse: most tiles are skipped
-    blocks_with_keys = int(live.flatten(0, 2).any(-1).sum())
-    assert len(seen) == 2 * blocks_with_keys
-    qk_keys = sum(b[-1] for a, b in seen if b[-2] == 8)  # QKᵀ: [.., rows, 8] @ [.., 8, keys]
-    assert qk_keys == 16 * int(live.sum())
+    assert len(seen) == int(live.flatten(0, 2).any(-1).sum())
+    assert sum(seen) == 16 * int(live.sum())
+
+
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 2e-4), (torch.float64, 1e-10)])
+@pytest.mark.parametrize("name", list(named_masks(90)))
+def test_fused_blocks_match_the_float64_reference(monkeypatch, name, dtype, tol):
+    """The fused CPU path over several query blocks (16 rows) and key tiles (8 columns), GQA:
+    out, lse and the gradients through out alone (the fused backward: dlse is None) against the
+    float64 dense reference; fully masked rows give zeros and -inf."""
+    monkeypatch.setattr(torch_path, "BLOCK_M", 8)
+    monkeypatch.setattr(torch_path, "BLOCK_N", 8)
+    cols = named_masks(90)[name]
+    cols = cols.startend_row_indices, cols.causal
+    q, k, v = make_qkv(1, 90, 90, 4, 2, 16, dtype, seed=hash(name) % 1000)
+    out, lse = torch_path.forward(q.detach(), k.detach(), v.detach(), *cols, 0.3)
+    ref_out, ref_lse = reference_attention(q, k, v, *cols, 0.3)
+    assert rel_err(out, ref_out) <= tol and rel_err(lse, ref_lse) <= tol
+    assert torch.equal(torch.isinf(lse), torch.isinf(ref_lse))
+    empty = torch.isinf(ref_lse).transpose(1, 2)  # [B, S, H]
+    assert torch.equal(out[empty], torch.zeros_like(out[empty]))
+    dout = torch.randn_like(out)
+    grads = torch_path.backward(dout, None, q.detach(), k.detach(), v.detach(), out, lse, *cols, 0.3)
+    ref_grads = torch.autograd.grad(ref_out, (q, k, v), dout.double())
+    for g, rg in zip(grads, ref_grads):
+        assert not torch.isnan(g).any()
+        assert rel_err(g, rg) <= tol
+
+
+def test_fully_masked_rows_give_zero_gradients_on_the_fused_path(monkeypatch):
+    """Rows no key may attend (a key range mask leaving the first rows empty): zero output,
+    -inf lse, and no gradient flows from them."""
+    monkeypatch.setattr(torch_path, "BLOCK_M", 8)
+    monkeypatch.setattr(torch_path, "BLOCK_N", 8)
+    s = 48
+    cols = torch.zeros(1, 1, s, 2, dtype=torch.int32)  # non-causal [LTS, UTE): rows 0..19 masked
+    cols[..., 0] = s
+    cols[..., 1] = 20
+    q, k, v = make_qkv(1, s, s, 2, 2, 8, torch.float32, seed=4)
+    out, lse = torch_path.forward(q.detach(), k.detach(), v.detach(), cols, False, 0.35)
+    assert torch.isinf(lse[:, :, :20]).all() and torch.isfinite(lse[:, :, 20:]).all()
+    assert torch.equal(out[:, :20], torch.zeros_like(out[:, :20]))
+    dq, dk, dv = torch_path.backward(torch.randn_like(out), None, q.detach(), k.detach(),
+                                     v.detach(), out, lse, cols, False, 0.35)
+    assert torch.equal(dq[:, :20], torch.zeros_like(dq[:, :20]))
+    ref_out, _ = reference_attention(q, k, v, cols, False, 0.35)
+    assert rel_err(out, ref_out) <= 2e-4
+    assert torch.isfinite(dk).all() and torch.isfinite(dv).all()
 
 
 def test_worker_threads_leave_torch_threads_as_they_were():
