@@ -34,10 +34,9 @@ import triton
 
 from . import gluon_common as _GD
 from .gluon_common import (_gl_dtype, _jit, _load_stats, _needs_mask,  # noqa: F401
-                           _query_block_ranges, _smem_layout, gl,
-                           unavailable_reason)
+                           _smem_layout, gl, unavailable_reason)
 from .launcher import cdiv, descriptor, launch
-from .tiles import _NO_SPEC, LOG2E
+from .tiles import _NO_SPEC, LOG2E, _query_block_ranges
 
 if _GD.GLUON_IMPORT_ERROR is None:
     from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier,
@@ -195,9 +194,9 @@ def _ws_item(item, NQB, Hq, Hk, Hm, mask_b_stride, CAUSAL: gl.constexpr):
 @_jit
 def _ws_item_tiles(rng_ptr, mbh, m_blk, Sq, Sk, NQB, NKB, BLOCK_M: gl.constexpr,
                    BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr, C: gl.constexpr):
-    """The block's live ranges (:func:`_query_block_ranges`) plus len0 (tiles of the first
-    range) and T (tiles of both)."""
-    lo0, flo0, fhi0, hi0, lo1, flo1, fhi1, hi1 = _query_block_ranges(
+    """The block's live ranges (``tiles._query_block_ranges``, a ``tl`` scalar helper) plus len0
+    (tiles of the first range) and T (tiles of both)."""
+    lo0, hi0, lo1, hi1, flo0, fhi0, flo1, fhi1 = _query_block_ranges(
         rng_ptr, mbh, m_blk, Sq, Sk, NQB, NKB, BLOCK_M, BLOCK_N, CAUSAL, C)
     len0 = gl.maximum(hi0 - lo0, 0)
     T = len0 + gl.maximum(hi1 - lo1, 0)
@@ -602,8 +601,12 @@ def _fwd_ws_kernel(q_desc, k_desc, v_desc, o_ptr, lse_ptr, mask_ptr, sum_ptr, rn
     col_ptr = mask_ptr + mbh * Sk * C
     item_smem = 0  # placeholders (a None cannot travel in the partitions' arguments)
     claim_ptr = 0
-    # (the consumers' argument lists are spelled out: held in a tuple variable, the
-    # constexprs among them reach the partitions as tensors in triton 3.6)
+    # Two spelled-out calls for one idea (the partitions, with or without consumer warpgroup
+    # 1), because triton 3.6's frontend cannot build them once: held in a tuple variable, the
+    # constexprs among the arguments reach the partitions as tensors; a list built at compile
+    # time (``[wg0] + ([wg1] if NC == 2 else []) + [producer]``) does not compile either (the
+    # concatenation rewraps the partitions' entries: "'int' object has no attribute
+    # '_flatten_ir'", tried in session 18).
     if NC == 2:
         gl.warp_specialize([
             (_ws_consume_wg0,
