@@ -5,9 +5,10 @@ Gluon, shared-memory layouts and the warp-specialisation register budget.
 The live ranges of one block (``_key_block_ranges``, ``_query_block_ranges``) are scalar code:
 the Gluon kernels call the ``@triton.jit`` functions of :mod:`.tiles` directly (Triton 3.6
 compiles a ``tl`` scalar helper inside a Gluon kernel; the SASS is the one the former Gluon copies
-gave, ``compile_tools fingerprint``). The helpers here stay Gluon because they build tensors
-with layouts (``_element_masked``, ``_column_interval_words``) or are tuned for the Gluon loops
-(``_needs_mask``'s LEAN form, ``_load_stats``'s per-mask-head row).
+gave, ``compile_tools fingerprint``). The helpers here are Gluon-specific: they work on Gluon
+tensors with layouts (``_element_masked``, ``_column_interval_words``) or are scalar helpers
+shaped for the Gluon loops with no ``tl`` twin of the same form (``_needs_mask``'s LEAN test,
+``_load_stats`` by mask-head row).
 """
 
 from __future__ import annotations
