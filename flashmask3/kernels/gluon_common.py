@@ -2,13 +2,14 @@
 (:mod:`.gluon_bwd`): the Gluon imports (the package imports without Gluon), the mask helpers in
 Gluon, shared-memory layouts and the warp-specialisation register budget.
 
-The live ranges of one block (``_key_block_ranges``, ``_query_block_ranges``) are scalar code:
-the Gluon kernels call the ``@triton.jit`` functions of :mod:`.tiles` directly (Triton 3.6
-compiles a ``tl`` scalar helper inside a Gluon kernel; the SASS is the one the former Gluon copies
-gave, ``compile_tools fingerprint``). The helpers here are Gluon-specific: they work on Gluon
-tensors with layouts (``_element_masked``, ``_column_interval_words``) or are scalar helpers
-shaped for the Gluon loops with no ``tl`` twin of the same form (``_needs_mask``'s LEAN test,
-``_load_stats`` by mask-head row).
+The live ranges of one block (``_key_block_ranges``, ``_query_block_ranges``) are scalar code: the
+Gluon kernels call the ``@triton.jit`` functions of :mod:`.tiles` directly (Triton 3.6 compiles a
+``tl`` scalar helper inside a Gluon kernel). The IR is the one the former Gluon copies gave but for
+SSA value names; those reach ptxas, which allocates a few prologue registers differently in 7 of
+the 32 Gluon table kernels (``compile_tools fingerprint``, session 18). The helpers here are
+Gluon-specific: they work on Gluon tensors with layouts (``_element_masked``,
+``_column_interval_words``) or are scalar helpers shaped for the Gluon loops with no ``tl`` twin of
+the same form (``_needs_mask``'s LEAN test, ``_load_stats`` by mask-head row).
 """
 
 from __future__ import annotations
