@@ -6,9 +6,9 @@
 #    "twins") lost to its cap: fwd+bwd at D=256 on a causal, a causal-document and a
 #    non-causal C=4 (global + sliding window) mask;
 #  * two that round 2's edit (the Gluon kernels call tiles.py's live-range helpers) touches:
-#    it changed the SASS of 7 of the 32 Gluon table kernels (compile_tools fingerprint; the
-#    TTGIR is the same but for SSA value names, so ptxas allocates a few registers of the
-#    prologue differently): of the A/B grid's cells those are fwd at D=256 causal-document
+#    it changed the SASS of 7 of the 32 Gluon table kernels (compile_tools fingerprint; in the
+#    one compared, fused D=64 non-causal C=2, the TTGIR is the same but for SSA value names and
+#    26 of 4,096 instructions differ): of the A/B grid's cells those are fwd at D=256 causal-document
 #    (ping-pong forward, causal C=1) and fwd+bwd at D=64 non-causal C=4 (fused backward);
 #    fwd+bwd at D=256 causal-document runs the changed forward too. The other changed kernels
 #    run on layouts outside the grid (non-causal C=2: document masks) or only in the split

@@ -222,6 +222,7 @@ from .gluon_common import (  # noqa: F401  (the shared Gluon helpers)
     _column_intervals,
     _element_masked,
     _gl_dtype,
+    _key_block_ranges,
     _load_stats,
     _needs_mask,
     _smem_layout,
@@ -230,7 +231,7 @@ from .gluon_common import (  # noqa: F401  (the shared Gluon helpers)
     ws_maxnreg,
     ws_programs_per_sm)
 from .launcher import cdiv, descriptor, launch
-from .tiles import _NO_SPEC, LOG2E, _key_block_ranges, _num_intervals  # noqa: F401
+from .tiles import _NO_SPEC, LOG2E, _num_intervals  # noqa: F401
 from .tl_kernels import scale_dq
 
 if GLUON_IMPORT_ERROR is None:

@@ -4,10 +4,10 @@ Gluon, shared-memory layouts and the warp-specialisation register budget.
 
 The live ranges of one block (``_key_block_ranges``, ``_query_block_ranges``) are scalar code: the
 Gluon kernels call the ``@triton.jit`` functions of :mod:`.tiles` directly (Triton 3.6 compiles a
-``tl`` scalar helper inside a Gluon kernel). The IR is the one the former Gluon copies gave but for
-SSA value names; those reach ptxas, which allocates a few prologue registers differently in 7 of
-the 32 Gluon table kernels (``compile_tools fingerprint``, session 18). The helpers here are
-Gluon-specific: they work on Gluon tensors with layouts (``_element_masked``,
+``tl`` scalar helper inside a Gluon kernel). The SASS of 7 of the 32 Gluon table kernels changed
+with it (``compile_tools fingerprint``, session 18); in the one compared, the TTGIR is the former
+one but for SSA value names and 26 of 4,096 instructions differ (registers, order). The helpers
+here are Gluon-specific: they work on Gluon tensors with layouts (``_element_masked``,
 ``_column_interval_words``) or are scalar helpers shaped for the Gluon loops with no ``tl`` twin of
 the same form (``_needs_mask``'s LEAN test, ``_load_stats`` by mask-head row).
 """
@@ -43,7 +43,35 @@ except Exception as exc:  # pragma: no cover - older triton
     def _jit(fn=None, **kwargs):
         return fn if fn is not None else (lambda f: f)
 
+from . import tiles as _tiles  # noqa: E402
 from .tiles import _NO_SPEC, LOG2E, _num_intervals  # noqa: E402,F401
+
+
+def _compilable(helper, *callees):
+    """``tiles``' ``@triton.jit`` scalar helper as a function a Gluon kernel can reference.
+
+    Normally that is the helper itself. Under ``TRITON_INTERPRET=1`` (CPU tests, which still
+    compile the Gluon kernels offline) ``@triton.jit`` makes interpreter functions, which a
+    compiled kernel cannot call; then the same Python function is wrapped as a JITFunction,
+    its ``callees`` (the tiles helpers it calls, by name) likewise: the code stays written
+    once."""
+    from triton.runtime.jit import JITFunction
+
+    if isinstance(helper, JITFunction):
+        return helper
+    import types
+
+    scope = dict(helper.fn.__globals__)
+    for name in callees:
+        scope[name] = JITFunction(getattr(_tiles, name).fn)
+    fn = helper.fn
+    return JITFunction(types.FunctionType(fn.__code__, scope, fn.__name__, fn.__defaults__,
+                                          fn.__closure__))
+
+
+#: The live ranges of one block, for the Gluon forward and dK/dV kernels (:mod:`.tiles`).
+_key_block_ranges = _compilable(_tiles._key_block_ranges, "_stored_ranges")
+_query_block_ranges = _compilable(_tiles._query_block_ranges, "_stored_ranges")
 
 
 @_jit

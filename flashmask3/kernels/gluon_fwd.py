@@ -34,9 +34,9 @@ import triton
 
 from . import gluon_common as _GD
 from .gluon_common import (_gl_dtype, _jit, _load_stats, _needs_mask,  # noqa: F401
-                           _smem_layout, gl, unavailable_reason)
+                           _query_block_ranges, _smem_layout, gl, unavailable_reason)
 from .launcher import cdiv, descriptor, launch
-from .tiles import _NO_SPEC, LOG2E, _query_block_ranges
+from .tiles import _NO_SPEC, LOG2E
 
 if _GD.GLUON_IMPORT_ERROR is None:
     from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier,
