@@ -225,6 +225,7 @@ from .gluon_common import (  # noqa: F401  (the shared Gluon helpers)
     _key_block_ranges,
     _load_stats,
     _needs_mask,
+    _query_block_ranges,
     _smem_layout,
     unavailable_reason,
     ws_compute_regs,
@@ -637,8 +638,8 @@ def _produce_heads(it, n_blk, b, hk, b64, group, q_desc, do_desc, q_ring, do_rin
     for g in range(0, group):
         h = hk * group + g
         mbh = b64 * mask_b_stride + h // (Hq // Hm)
-        lo0, hi0, lo1, hi1, flo0, fhi0, flo1, fhi1 = _key_block_ranges(
-            rng_ptr, mbh, n_blk, Sq, Sk, NQB, NKB, BLOCK_M, BLOCK_N, CAUSAL, C)
+        lo0, flo0, fhi0, hi0, lo1, flo1, fhi1, hi1 = _key_block_ranges(
+            rng_ptr, mbh, n_blk, Sq, Sk, NQB, BLOCK_M, BLOCK_N, CAUSAL, C, NKB)
         if isinstance(lse_ring, gl.shared_memory_descriptor):
             stat_row0 = (b64 * Hq + h) * Sq
             it = _produce_range_stats(q_desc, do_desc, q_ring, do_ring, ready, empty, it, lo0,
@@ -705,8 +706,8 @@ def _heads(dk, dv, it, n_blk, b, hk, b64, group, k_smem, v_smem, q_ring, do_ring
         h = hk * group + g
         hm = h // (Hq // Hm)
         mbh = b64 * mask_b_stride + hm
-        lo0, hi0, lo1, hi1, flo0, fhi0, flo1, fhi1 = _key_block_ranges(
-            rng_ptr, mbh, n_blk, Sq, Sk, NQB, NKB, BLOCK_M, BLOCK_N, CAUSAL, C)
+        lo0, flo0, fhi0, hi0, lo1, flo1, fhi1, hi1 = _key_block_ranges(
+            rng_ptr, mbh, n_blk, Sq, Sk, NQB, BLOCK_M, BLOCK_N, CAUSAL, C, NKB)
         stats = _load_stats(sum_ptr, mbh, n_blk, NKB, NI)
         if (FUSE_DQ or isinstance(lse2_ptr, gl.shared_memory_descriptor)) and not CAUSAL:
             # the fused and the STATS_SMEM kernels' non-causal masked loops reload the column

@@ -1,15 +1,6 @@
 """Gluon helpers shared by the Gluon forward (:mod:`.gluon_fwd`) and backward
-(:mod:`.gluon_bwd`): the Gluon imports (the package imports without Gluon), the mask helpers in
-Gluon, shared-memory layouts and the warp-specialisation register budget.
-
-The live ranges of one block (``_key_block_ranges``, ``_query_block_ranges``) are scalar code: the
-Gluon kernels call the ``@triton.jit`` functions of :mod:`.tiles` directly (Triton 3.6 compiles a
-``tl`` scalar helper inside a Gluon kernel). The SASS of 7 of the 32 Gluon table kernels changed
-with it (``compile_tools fingerprint``, session 18); in the one compared, the TTGIR is the former
-one but for SSA value names and 26 of 4,096 instructions differ (registers, order). The helpers
-here are Gluon-specific: they work on Gluon tensors with layouts (``_element_masked``,
-``_column_interval_words``) or are scalar helpers shaped for the Gluon loops with no ``tl`` twin of
-the same form (``_needs_mask``'s LEAN test, ``_load_stats`` by mask-head row).
+(:mod:`.gluon_bwd`): the Gluon imports (the package imports without Gluon), the mask and
+live-range helpers in Gluon, shared-memory layouts and the warp-specialisation register budget.
 """
 
 from __future__ import annotations
@@ -43,35 +34,7 @@ except Exception as exc:  # pragma: no cover - older triton
     def _jit(fn=None, **kwargs):
         return fn if fn is not None else (lambda f: f)
 
-from . import tiles as _tiles  # noqa: E402
 from .tiles import _NO_SPEC, LOG2E, _num_intervals  # noqa: E402,F401
-
-
-def _compilable(helper, *callees):
-    """``tiles``' ``@triton.jit`` scalar helper as a function a Gluon kernel can reference.
-
-    Normally that is the helper itself. Under ``TRITON_INTERPRET=1`` (CPU tests, which still
-    compile the Gluon kernels offline) ``@triton.jit`` makes interpreter functions, which a
-    compiled kernel cannot call; then the same Python function is wrapped as a JITFunction,
-    its ``callees`` (the tiles helpers it calls, by name) likewise: the code stays written
-    once."""
-    from triton.runtime.jit import JITFunction
-
-    if isinstance(helper, JITFunction):
-        return helper
-    import types
-
-    scope = dict(helper.fn.__globals__)
-    for name in callees:
-        scope[name] = JITFunction(getattr(_tiles, name).fn)
-    fn = helper.fn
-    return JITFunction(types.FunctionType(fn.__code__, scope, fn.__name__, fn.__defaults__,
-                                          fn.__closure__))
-
-
-#: The live ranges of one block, for the Gluon forward and dK/dV kernels (:mod:`.tiles`).
-_key_block_ranges = _compilable(_tiles._key_block_ranges, "_stored_ranges")
-_query_block_ranges = _compilable(_tiles._query_block_ranges, "_stored_ranges")
 
 
 @_jit
@@ -157,6 +120,90 @@ def _column_intervals(col_ptr, cols, Sq, Sk, CAUSAL: gl.constexpr, C: gl.constex
     tiles); loop invariants of one mask head."""
     s0, e0, s1, e1 = _column_interval_words(col_ptr, cols, Sq, Sk, CAUSAL, C)
     return s0[:, None], e0[:, None], s1[:, None], e1[:, None]
+
+
+@_jit
+def _key_block_ranges(rng_ptr, mbh, n_blk, Sq, Sk, NQB, BLOCK_M: gl.constexpr,
+                      BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr, C: gl.constexpr, NKB):
+    """(lo0, flo0, fhi0, hi0, lo1, flo1, fhi1, hi1) of one key block: the stored table with a
+    mask, the causal diagonal (or everything) without one (``tl`` ``_key_block_ranges``)."""
+    if C > 0:
+        rp = rng_ptr + (mbh * NKB + n_blk) * 8
+        lo0 = gl.load(rp)
+        hi0 = gl.load(rp + 1)
+        lo1 = gl.load(rp + 2)
+        hi1 = gl.load(rp + 3)
+        flo0 = gl.load(rp + 4)
+        fhi0 = gl.load(rp + 5)
+        flo1 = gl.load(rp + 6)
+        fhi1 = gl.load(rp + 7)
+    else:
+        c0 = n_blk * BLOCK_N
+        lo0 = n_blk * 0
+        flo0 = lo0
+        if CAUSAL:
+            first_row = c0 - (Sk - Sq)
+            lo0 = gl.minimum(gl.maximum(first_row, 0) // BLOCK_M, NQB)
+            last_col = gl.minimum(c0 + BLOCK_N, Sk) - 1
+            flo0 = gl.minimum(gl.cdiv(gl.maximum(last_col - (Sk - Sq), 0), BLOCK_M), NQB)
+        hi0 = lo0 * 0 + NQB
+        fhi0 = hi0
+        if c0 + BLOCK_N > Sk:
+            flo0 = hi0
+        lo1 = hi0
+        hi1 = hi0
+        flo1 = hi0
+        fhi1 = hi0
+    return lo0, flo0, fhi0, hi0, lo1, flo1, fhi1, hi1
+
+
+@_jit
+def _query_block_ranges(rng_ptr, mbh, m_blk, Sq, Sk, NQB, NKB, BLOCK_M: gl.constexpr,
+                        BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr, C: gl.constexpr):
+    """(lo0, flo0, fhi0, hi0, lo1, flo1, fhi1, hi1): the two live key-block ranges of query
+    block ``m_blk`` and the first run of UNMASKED tiles in each, for the Gluon dQ and forward
+    kernels. Query-major twin of :func:`_key_block_ranges` (and Gluon twin of the ``tl``
+    ``_query_block_ranges``, same integer expressions): the stored table with a mask, the causal
+    diagonal (or everything) without one.
+
+    Why two copies (tried in session 18, round 2): calling the ``tl`` functions compiles
+    offline without the interpreter, but under ``TRITON_INTERPRET=1`` (the CPU test suite,
+    which still compiles these kernels offline) ``@triton.jit`` makes interpreter functions,
+    which a compiled Gluon kernel cannot reference (wrapped as JITFunctions, 3 of the 6
+    recorded-SASS compiles of test_gluon_bwd still failed inside them); and calling them
+    changed the SASS of 7 of the 32 Gluon table kernels (the same IR but for SSA value names)."""
+    if C > 0:
+        rp = rng_ptr + (mbh * NQB + m_blk) * 8
+        lo0 = gl.load(rp)
+        hi0 = gl.load(rp + 1)
+        lo1 = gl.load(rp + 2)
+        hi1 = gl.load(rp + 3)
+        flo0 = gl.load(rp + 4)
+        fhi0 = gl.load(rp + 5)
+        flo1 = gl.load(rp + 6)
+        fhi1 = gl.load(rp + 7)
+    else:
+        lo0 = m_blk * 0
+        n_whole = Sk // BLOCK_N  # key blocks that end inside Sk
+        if CAUSAL:
+            r0 = m_blk * BLOCK_M
+            r1 = gl.minimum(r0 + BLOCK_M, Sq)
+            last = r1 - 1 + (Sk - Sq)  # last visible column of the block
+            hi0 = gl.maximum(gl.minimum((last + BLOCK_N) // BLOCK_N, NKB), 0)
+            hi0 = gl.where(last < 0, 0, hi0)
+            # key blocks whose every column is visible from the block's first row
+            fhi0 = gl.maximum(r0 + (Sk - Sq) + 1, 0) // BLOCK_N
+        else:
+            hi0 = lo0 + NKB
+            fhi0 = hi0
+        fhi0 = gl.minimum(gl.minimum(fhi0, n_whole), hi0)
+        flo0 = gl.where(fhi0 > 0, 0, hi0)
+        fhi0 = gl.where(fhi0 > 0, fhi0, hi0)
+        lo1 = hi0
+        hi1 = hi0
+        flo1 = hi0
+        fhi1 = hi0
+    return lo0, flo0, fhi0, hi0, lo1, flo1, fhi1, hi1
 
 
 @_jit

@@ -34,7 +34,8 @@ import triton
 
 from . import gluon_common as _GD
 from .gluon_common import (_gl_dtype, _jit, _load_stats, _needs_mask,  # noqa: F401
-                           _query_block_ranges, _smem_layout, gl, unavailable_reason)
+                           _query_block_ranges, _smem_layout, gl,
+                           unavailable_reason)
 from .launcher import cdiv, descriptor, launch
 from .tiles import _NO_SPEC, LOG2E
 
@@ -194,9 +195,9 @@ def _ws_item(item, NQB, Hq, Hk, Hm, mask_b_stride, CAUSAL: gl.constexpr):
 @_jit
 def _ws_item_tiles(rng_ptr, mbh, m_blk, Sq, Sk, NQB, NKB, BLOCK_M: gl.constexpr,
                    BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr, C: gl.constexpr):
-    """The block's live ranges (``tiles._query_block_ranges``, a ``tl`` scalar helper) plus len0
-    (tiles of the first range) and T (tiles of both)."""
-    lo0, hi0, lo1, hi1, flo0, fhi0, flo1, fhi1 = _query_block_ranges(
+    """The block's live ranges (:func:`_query_block_ranges`) plus len0 (tiles of the first
+    range) and T (tiles of both)."""
+    lo0, flo0, fhi0, hi0, lo1, flo1, fhi1, hi1 = _query_block_ranges(
         rng_ptr, mbh, m_blk, Sq, Sk, NQB, NKB, BLOCK_M, BLOCK_N, CAUSAL, C)
     len0 = gl.maximum(hi0 - lo0, 0)
     T = len0 + gl.maximum(hi1 - lo1, 0)
