@@ -144,17 +144,21 @@ def cells(args) -> list:
     """Every (mask, D, pass) cell of ``--dims`` x MASKS x PASSES, or only the ``--cells`` ones."""
     want = args.cells
     return [dict(mask=m, S=args.seqlen, D=d, B=args.batch, hidden=args.hidden, **{"pass": p})
-            for d in args.dims for m in MASKS for p in PASSES if not want or (p, d) in want]
+            for d in args.dims for m in MASKS for p in PASSES
+            if not want or (p, d, None) in want or (p, d, m) in want]
 
 
 def _pass_dims(text: str) -> set:
-    """``fwd:64,fwd_bwd:128`` -> {("fwd", 64), ("fwd_bwd", 128)} (the ``--cells`` filter)."""
+    """``fwd:64,fwd_bwd:128:causal`` -> {("fwd", 64, None), ("fwd_bwd", 128, "causal")} (the
+    ``--cells`` filter: PASS:D for every mask, PASS:D:MASK for one)."""
     out = set()
     for item in text.split(","):
-        p, _, d = item.partition(":")
-        if p not in PASSES or not d.isdigit():
-            raise argparse.ArgumentTypeError(f"--cells wants PASS:D items with PASS in {PASSES}, got {item!r}")
-        out.add((p, int(d)))
+        p, d, *m = item.split(":")
+        if p not in PASSES or not d.isdigit() or len(m) > 1 or (m and m[0] not in MASKS):
+            raise argparse.ArgumentTypeError(
+                f"--cells wants PASS:D or PASS:D:MASK items with PASS in {PASSES} and MASK in "
+                f"{MASKS}, got {item!r}")
+        out.add((p, int(d), m[0] if m else None))
     return out
 
 
@@ -236,7 +240,8 @@ def main(argv=None) -> int:
     ap.add_argument("--hidden", type=int, default=2048, help="heads = hidden / D")
     ap.add_argument("--rounds", type=int, default=4)
     ap.add_argument("--cells", type=_pass_dims, default=None,
-                    help="only these pass:D pairs of the grid, e.g. fwd:64,fwd_bwd:64 (every mask)")
+                    help="only these cells of the grid: PASS:D (every mask) or PASS:D:MASK, "
+                         "e.g. fwd:64,fwd_bwd:256:causal")
     ap.add_argument("--budget-s", type=float, default=240)
     ap.add_argument("--dry-run", action="store_true")
     ap.add_argument("--out", default=None)

@@ -16,7 +16,11 @@ Two parts, each timed over many calls and profiled (cProfile: Python function ca
   kernels replaced by a stub that returns ready outputs: the argument checks, the backend
   choice, the custom op and autograd around it.
 
-    python benchmarks/host_profile.py [--calls 200] [--out FILE.json]
+    python benchmarks/host_profile.py [--calls 200] [--out FILE.json] [--run after]
+
+``--out`` keeps one file of named runs (``--run``, e.g. ``before`` and ``after`` a change):
+the run is stored under its key and the file's other runs stay
+(``benchmarks/results/host_profile_cpu.json``).
 """
 
 from __future__ import annotations
@@ -226,6 +230,8 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--calls", type=int, default=200)
     ap.add_argument("--out", default=None)
+    ap.add_argument("--run", default="after",
+                    help="the key this run is stored under in --out (other keys are kept)")
     ap.add_argument("--top", action="store_true", help="print the top cumulative functions")
     args = ap.parse_args(argv)
     import triton
@@ -258,9 +264,20 @@ def main(argv=None) -> int:
                 for fn, us in r["top_cumulative_us"]:
                     print(f"      {us:7.1f} µs  {fn}")
     if args.out:
-        with open(args.out, "w") as f:
-            json.dump(res, f, indent=1)
+        write_run(args.out, args.run, res)
     return 0
+
+
+def write_run(path: str, run: str, res: dict) -> None:
+    """Store ``res`` as run ``run`` of the JSON file ``path`` (``{run: result, ...}``), keeping
+    the file's other runs, so that before/after profiles of a change live in one file."""
+    runs = {}
+    if os.path.exists(path):
+        with open(path) as f:
+            runs = json.load(f)
+    runs[run] = res
+    with open(path, "w") as f:
+        json.dump(runs, f, indent=1)
 
 
 if __name__ == "__main__":

@@ -164,9 +164,14 @@ def _query_block_ranges(rng_ptr, mbh, m_blk, Sq, Sk, NQB, NKB, BLOCK_M: gl.const
     block ``m_blk`` and the first run of UNMASKED tiles in each, for the Gluon dQ and forward
     kernels. Query-major twin of :func:`_key_block_ranges` (and Gluon twin of the ``tl``
     ``_query_block_ranges``, same integer expressions): the stored table with a mask, the causal
-    diagonal (or everything) without one. Both are scalar code that a Gluon kernel can call as
-    ``tl`` functions (checked offline with Triton 3.6), so the two copies can become one once
-    tiles.py's rewrite (session 18, branch host-path) lands."""
+    diagonal (or everything) without one.
+
+    Why two copies (tried in session 18, round 2): calling the ``tl`` functions compiles
+    offline without the interpreter, but under ``TRITON_INTERPRET=1`` (the CPU test suite,
+    which still compiles these kernels offline) ``@triton.jit`` makes interpreter functions,
+    which a compiled Gluon kernel cannot reference (wrapped as JITFunctions, 3 of the 6
+    recorded-SASS compiles of test_gluon_bwd still failed inside them); and calling them
+    changed the SASS of 7 of the 32 Gluon table kernels (the same IR but for SSA value names)."""
     if C > 0:
         rp = rng_ptr + (mbh * NQB + m_blk) * 8
         lo0 = gl.load(rp)

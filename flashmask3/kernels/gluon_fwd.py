@@ -602,8 +602,12 @@ def _fwd_ws_kernel(q_desc, k_desc, v_desc, o_ptr, lse_ptr, mask_ptr, sum_ptr, rn
     col_ptr = mask_ptr + mbh * Sk * C
     item_smem = 0  # placeholders (a None cannot travel in the partitions' arguments)
     claim_ptr = 0
-    # (the consumers' argument lists are spelled out: held in a tuple variable, the
-    # constexprs among them reach the partitions as tensors in triton 3.6)
+    # Two spelled-out calls for one idea (the partitions, with or without consumer warpgroup
+    # 1), because triton 3.6's frontend cannot build them once: held in a tuple variable, the
+    # constexprs among the arguments reach the partitions as tensors; a list built at compile
+    # time (``[wg0] + ([wg1] if NC == 2 else []) + [producer]``) does not compile either (the
+    # concatenation rewraps the partitions' entries: "'int' object has no attribute
+    # '_flatten_ir'", tried in session 18).
     if NC == 2:
         gl.warp_specialize([
             (_ws_consume_wg0,
