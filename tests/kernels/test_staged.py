@@ -17,6 +17,7 @@ import pytest
 import torch
 
 from flashmask3.kernels import staged
+from flashmask3.masks import to_dense
 from flashmask3.kernels import torch_path as P
 from tests.helpers import random_columns
 from tests.reference import reference_attention, rel_err
@@ -194,7 +195,7 @@ def test_triton_staged_fused_accumulation(monkeypatch):
         q64, k64, v64, do64 = (x.double() for x in (q, k, v, dout))
         g = q.shape[2] // k.shape[2]
         kk, vv = k64.repeat_interleave(g, 2), v64.repeat_interleave(g, 2)
-        allowed = _allowed(plan_cols[0], q.shape[1], k.shape[1]).repeat_interleave(
+        allowed = to_dense(plan_cols[0], False, q.shape[1], k.shape[1]).repeat_interleave(
             q.shape[2] // plan_cols[0].shape[1], 1)
         s = torch.einsum("bqhd,bkhd->bhqk", q64, kk) * softmax_scale * math.log2(math.e)
         p = torch.exp2(s - lse2.double().unsqueeze(-1)).masked_fill(~allowed, 0.0)
@@ -209,12 +210,7 @@ def test_triton_staged_fused_accumulation(monkeypatch):
         T.dq_accumulator_view(dq_t, q.shape[1]).add_(dq_unscaled.float())
         return dk.to(k.dtype), dv.to(v.dtype), None
 
-    from tests.reference import to_dense
-
-    def _allowed(cols, sq, sk):
-        return to_dense(cols, False, sq, sk)
-
-    plan_cols = []
+    plan_cols = []  # the stage's mask columns (the stand-in gets the kernel's plan, not them)
     real_stage = T.backward_stage
 
     def stage(state, q, k, v, cols, causal, scale):
