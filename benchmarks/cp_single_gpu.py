@@ -9,8 +9,10 @@ issue it, and its kernel launches outside the attention calls (``LaunchCounter``
 counted). The slowest rank sets the step time of a real run.
 
 Layouts: ``dual_chunk+allgather`` (the baseline), ``sparse+allgather``, ``sparse+overlap``
-flat and hierarchical (``nodes = cp / 8``, 8 GPUs a node). Causal document masks from the real
-corpus lengths of benchmarks/corpus.py.
+flat and hierarchical (``nodes = cp / 8``, 8 GPUs a node), and ``sparse+overlap bwd per stage``
+(the flat layout with one whole backend backward per stage instead of the staged backward: the
+A/B of kernels/staged.py). Causal document masks from the real corpus lengths of
+benchmarks/corpus.py.
 
     python benchmarks/cp_single_gpu.py                      # H200: 128K, cp 8 32 128, bf16
     python benchmarks/cp_single_gpu.py --device cpu --tokens 4096 --cp 4 8 --heads 2 \\
@@ -41,6 +43,7 @@ from benchmarks.environment import run_environment  # noqa: E402
 from flashmask3.distributed import (EmulatedExchange, LaunchCounter, plan, prepare_rank,  # noqa: E402
                                     run_layer)
 from flashmask3.distributed.runtime import to_wire  # noqa: E402
+from flashmask3.kernels import choose_backend, get_backend  # noqa: E402
 
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
@@ -50,8 +53,20 @@ CONFIGS = {
     "sparse+allgather": ("sparse", "allgather", False),
     "sparse+overlap": ("sparse", "overlap", False),
     "sparse+overlap hier": ("sparse", "overlap", True),
+    "sparse+overlap bwd per stage": ("sparse", "overlap", False),
 }
+#: Layouts whose backward calls the backend's whole ``backward`` once per stage (the runtime
+#: before the staged backward: pre-pass, dQ memset and scaling repeated per stage), for A/B.
+WHOLE_BACKWARD = {"sparse+overlap bwd per stage"}
 GPUS_PER_NODE = 8
+
+
+class WholeBackward:
+    """``backend`` without staged functions: the runtime then runs one whole backward per stage
+    (kernels/staged.py's WholeCallStages)."""
+
+    def __init__(self, backend):
+        self.forward, self.backward = backend.forward, backend.backward
 
 
 def sample_ranks(p, args) -> list[int]:
@@ -101,7 +116,8 @@ def reference(mask, full_q, full_k, full_v, full_do):
     return out.detach(), q.grad
 
 
-def measure_rank(p, rank, comm, full_wire, full_q, full_k, full_v, full_do, args, timer, ref=None) -> dict:
+def measure_rank(p, rank, comm, full_wire, full_q, full_k, full_v, full_do, args, timer, ref=None,
+                 backend=None) -> dict:
     """Median layer and host seconds of ``rank``'s forward+backward, its launch count, and (with
     ``ref``) its largest deviation from the single-device output and dQ."""
     device = full_k.device
@@ -112,13 +128,13 @@ def measure_rank(p, rank, comm, full_wire, full_q, full_k, full_v, full_do, args
     scale = args.head_dim ** -0.5
 
     def step():
-        out, _ = run_layer(q, k, v, prog, ex, scale)
+        out, _ = run_layer(q, k, v, prog, ex, scale, backend=backend)
         out.backward(do)
         q.grad = k.grad = v.grad = None
 
     errors = {}
     if ref is not None:
-        out, _ = run_layer(q, k, v, prog, ex, scale)
+        out, _ = run_layer(q, k, v, prog, ex, scale, backend=backend)
         out.backward(do)
         errors = {"max_err_out": (out.float() - p.shard(ref[0], rank).float()).abs().max().item(),
                   "max_err_dq": (q.grad.float() - p.shard(ref[1], rank).float()).abs().max().item()}
@@ -130,6 +146,7 @@ def measure_rank(p, rank, comm, full_wire, full_q, full_k, full_v, full_do, args
     times = [timer(step) for _ in range(args.iters)]
     return {**errors, "rank": rank, "seconds": statistics.median(t for t, _ in times),
             "host_seconds": statistics.median(h for _, h in times), "launches": counter.launches,
+            "backend_aten_launches": counter.attention_launches,
             "attention_calls": counter.attention_calls, "syncs": counter.syncs,
             "stages": sum(1 for s in prog.stage_chunks if s), "work": p.work(rank),
             "keys": len(p.needed_chunks(rank)) * p.chunk_size}
@@ -147,13 +164,15 @@ def measure_config(mask, cp, name, args, device, dtype, deadline) -> dict:
     full_k, full_v = (torch.randn(1, args.tokens, args.kv_heads, args.head_dim, generator=g, device=device,
                                   dtype=dtype) for _ in range(2))
     full_wire = to_wire(full_k, full_v, p.chunk_size)
+    backend = WholeBackward(get_backend(choose_backend(full_q))) if name in WHOLE_BACKWARD else None
     timer = Timer(device)
     ref = reference(mask, full_q, full_k, full_v, full_do) if args.check else None
     ranks, wanted = [], sample_ranks(p, args)
     for r in wanted:
         if time.monotonic() > deadline:
             break
-        ranks.append(measure_rank(p, r, comm, full_wire, full_q, full_k, full_v, full_do, args, timer, ref))
+        ranks.append(measure_rank(p, r, comm, full_wire, full_q, full_k, full_v, full_do, args, timer, ref,
+                                  backend))
     entry = {"config": name, "balance": balance, "comm": comm, "nodes": nodes, "chunk_size": p.chunk_size,
              "imbalance": p.imbalance, "plan_seconds": plan_s, "ranks": ranks,
              "ranks_wanted": len(wanted), "sampled": len(wanted) < cp}

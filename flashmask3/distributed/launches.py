@@ -6,9 +6,12 @@ friends allocate from the caching allocator without a kernel). On a CPU run the 
 the same code launches on a GPU, operator for operator (an operator that launches two kernels
 on CUDA still counts one: the count is a lower bound there).
 
-The attention backend's ``forward``/``backward`` are counted apart, as attention calls: the
-runtime calls them through :func:`call_attention`, which pauses the operator count while the
-backend runs. Communication stubs and emulators pause it too (:meth:`LaunchCounter.paused`),
+The attention backend's functions (``forward``, the staged backward's ``backward_prepare`` /
+``backward_stage`` / ``backward_finish``, or ``backward``) are counted apart, as attention
+calls: the runtime calls them through :func:`call_attention`, and the operators they issue go
+to :attr:`LaunchCounter.attention_launches` (Triton kernels are not aten operators: count those
+with the launch recorder of ``benchmarks/host_profile.py``, as ``benchmarks/cp_launches.py``
+does). Communication stubs and emulators pause it too (:meth:`LaunchCounter.paused`),
 so the count is the runtime's own work. Host synchronisations (``.item()``, ``.tolist()``,
 a tensor's truth value) are counted in :attr:`LaunchCounter.syncs`.
 
@@ -52,16 +55,35 @@ class LaunchCounter(TorchDispatchMode):
         self.attention_calls = 0
         self.syncs = 0
         self.by_op: collections.Counter = collections.Counter()
+        self.attention_launches = 0
+        self.attention_by_op: collections.Counter = collections.Counter()
         self._pause = 0
+        self._attention = 0
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         if not self._pause:
-            if func in _SYNCS:
-                self.syncs += 1
-            if not (func.is_view or func in _NO_KERNEL):
-                self.launches += 1
-                self.by_op[str(func.overloadpacket.__name__)] += 1
+            kernel = not (func.is_view or func in _NO_KERNEL)
+            name = str(func.overloadpacket.__name__)
+            if self._attention:
+                if kernel:
+                    self.attention_launches += 1
+                    self.attention_by_op[name] += 1
+            else:
+                if func in _SYNCS:
+                    self.syncs += 1
+                if kernel:
+                    self.launches += 1
+                    self.by_op[name] += 1
         return func(*args, **(kwargs or {}))
+
+    @contextlib.contextmanager
+    def in_attention(self):
+        """Operators issued inside are the attention backend's (:attr:`attention_launches`)."""
+        self._attention += 1
+        try:
+            yield
+        finally:
+            self._attention -= 1
 
     @contextlib.contextmanager
     def paused(self):
@@ -90,12 +112,13 @@ def active_counter() -> Optional[LaunchCounter]:
 
 
 def call_attention(fn, *args):
-    """Call a backend's ``forward``/``backward``; under a counter, as one attention call."""
+    """Call one of a backend's functions; under a counter, as one attention call whose
+    operators are counted apart (:attr:`LaunchCounter.attention_launches`)."""
     counter = _ACTIVE
     if counter is None:
         return fn(*args)
     counter.attention_calls += 1
-    with counter.paused():
+    with counter.in_attention():
         return fn(*args)
 
 

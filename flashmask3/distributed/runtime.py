@@ -28,6 +28,7 @@ from typing import Optional
 import numpy as np
 import torch
 
+from ..kernels.staged import staged_functions
 from .launches import call_attention, not_counted
 
 #: Tag offset of the gradient (reverse) rounds; forward rounds use their index as tag.
@@ -485,20 +486,19 @@ class _Returns:
 
 def backward_overlap(prog: RankProgram, exchange, backend, dout, dlse, q, k, v, out, lse, scale):
     """Staged backward (see docs/cp-runtime.md): the K/V come again by the forward's rounds;
-    each remote stage's dK/dV go back as soon as they are final while later stages compute."""
+    each remote stage's dK/dV go back as soon as they are final while later stages compute.
+    The backend's staged backward (kernels/staged.py) pays the per-layer work once: one
+    prepare (pre-pass), one call per stage (dQ accumulated by the backend), one finish."""
+    prepare, stage, finish = staged_functions(backend)
     wire_own = to_wire(k, v, prog.chunk_size) if prog.direct_send_rows is not None else None
     rounds = _Rounds(prog, exchange, wire_own, k)
     returns = _Returns(prog, exchange, k)
-    dq = None
+    state = call_attention(prepare, q, out, dout, lse, dlse)
     own_wire = None
 
     def run(s):
-        nonlocal dq
         ks, vs = _stage_kv(prog, rounds, s, k, v)
-        dq_s, dk_s, dv_s = call_attention(backend.backward, dout, dlse, q, ks, vs, out, lse,
-                                          prog.cols(s, q.shape[0]), False, scale)
-        dq = dq_s.to(acc_dtype(q.dtype)) if dq is None else dq.add_(dq_s)
-        return dk_s, dv_s
+        return call_attention(stage, state, q, ks, vs, prog.cols(s, q.shape[0]), False, scale)
 
     if prog.stage_chunks[0]:
         dk0, dv0 = run(0)
@@ -510,9 +510,7 @@ def backward_overlap(prog: RankProgram, exchange, backend, dout, dlse, q, k, v, 
             returns.stage_grads(r, *run(t + 1))
         returns.send(r)
     dk, dv = returns.own_grads(own_wire, q)
-    if dq is None:
-        dq = torch.zeros_like(q)
-    return dq.to(q.dtype), dk, dv
+    return call_attention(finish, state), dk, dv
 
 
 def forward_allgather(prog: RankProgram, exchange, backend, q, k, v, scale):

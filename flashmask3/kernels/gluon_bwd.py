@@ -1015,10 +1015,21 @@ def _check_ds_shared(d, block_m, block_n, num_warps, num_stages, fuse_dq, warp_s
         raise ValueError(f"{what} (got D={d} {block_m}x{block_n} w{num_warps} s{num_stages})")
 
 
+def new_dq_accumulator(b: int, sq: int, hq: int, d: int, device) -> torch.Tensor:
+    """A zeroed fp32 dQᵀ buffer ``[B, Hq, D, Sq_pad]`` for the FUSE_DQ kernel's reduce-adds
+    (``Sq_pad``: Sq rounded up to a multiple of 4, TMA's 16-byte row stride)."""
+    return torch.zeros((b, hq, d, cdiv(sq, 4) * 4), dtype=torch.float32, device=device)
+
+
+def dq_accumulator_view(dq_t: torch.Tensor, sq: int) -> torch.Tensor:
+    """The unscaled fp32 dQ ``[B, Sq, Hq, D]`` held by a :func:`new_dq_accumulator` buffer."""
+    return dq_t[..., :sq].permute(0, 3, 1, 2)
+
+
 def launch_dkdv_gluon(q, k, v, dout, lse2, delta, causal, softmax_scale, plan, block_m: int,
                       block_n: int, num_warps: int, num_stages: int, fuse_dq: bool = False,
                       warp_spec: bool = False, stats_smem: bool = False,
-                      ds_shared: bool = False):
+                      ds_shared: bool = False, dq_t: Optional[torch.Tensor] = None):
     """(dk, dv) like ``_launch_dkdv(..., fuse_dq=False)[:2]``; ``plan`` must come from
     ``make_plan(mask, causal, Sq, Sk, block_m, block_n, by_key=True, device)``.
 
@@ -1039,7 +1050,9 @@ def launch_dkdv_gluon(q, k, v, dout, lse2, delta, causal, softmax_scale, plan, b
     unscaled fp32 dQ accumulated by TMA reduce-adds, shape [B, Sq, Hq, D] (a permuted view of
     the kernel's [B, Hq, D, Sq_pad] dQᵀ buffer, zero-initialised here); multiply by
     ``softmax_scale`` for dQ (:func:`fused_backward_gluon`). Its rounding order varies between
-    runs (atomics)."""
+    runs (atomics). ``dq_t`` (with ``fuse_dq``): an existing dQᵀ buffer from
+    :func:`new_dq_accumulator` to add into instead of a new zeroed one (the staged backward
+    of context parallelism: one accumulator for every stage of a layer)."""
     reason = unavailable_reason()
     if reason is not None:
         raise RuntimeError(reason)
@@ -1071,10 +1084,11 @@ def launch_dkdv_gluon(q, k, v, dout, lse2, delta, causal, softmax_scale, plan, b
         # dQᵀ per (batch, head): [B, Hq, D, Sq_pad], Sq_pad a multiple of 4 (TMA: 16-byte row
         # stride); the descriptor's [B*Hq*D, Sq] view clips each tile's query columns at Sq
         sq_pad = cdiv(sq, 4) * 4
-        dq_t = torch.zeros((b, hq, d, sq_pad), dtype=torch.float32, device=q.device)
+        if dq_t is None:
+            dq_t = new_dq_accumulator(b, sq, hq, d, q.device)
         dq_desc = descriptor(GluonDescriptor, dq_t.view(b * hq * d, sq_pad)[:, :sq],
                              dq_reduce_block(block_m, d), _dq_smem_layout(block_m, d))
-        dq_acc = dq_t[..., :sq].permute(0, 3, 1, 2)
+        dq_acc = dq_accumulator_view(dq_t, sq)
     kwargs = dict(FUSE_DQ=True) if fuse_dq else {}
     if warp_spec:
         kwargs.update(WARP_SPEC=True, maxnreg=ws_maxnreg(num_warps))

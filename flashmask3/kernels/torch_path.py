@@ -456,3 +456,16 @@ def _backward_fused(dout, q, k, v, out, lse, startend, causal, softmax_scale, wo
         dk = torch.zeros(b, hk, sk, d, dtype=acc, device=q.device)
         dv = torch.zeros(b, hk, sk, dv_dim, dtype=acc, device=q.device)
     return dq.to(q.dtype), dk.transpose(1, 2).to(k.dtype), dv.transpose(1, 2).to(v.dtype)
+
+
+# --------------------------------------------------------------------------------------------
+# Staged backward (context parallelism; kernels/staged.py). Each stage is one whole
+# :func:`backward` call and the stages' dQs are summed in fp32 (float64 for float64 inputs): on
+# this path the pre-pass is part of each block's work, so there is no per-call work to share.
+
+from .staged import WholeCallStages as _WholeCallStages  # noqa: E402
+
+_STAGES = _WholeCallStages(backward)
+backward_prepare = _STAGES.backward_prepare
+backward_stage = _STAGES.backward_stage
+backward_finish = _STAGES.backward_finish

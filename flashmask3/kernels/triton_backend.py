@@ -133,3 +133,83 @@ def preprocess(mask: Optional[torch.Tensor], causal: bool, seqlen_q: int, seqlen
                                     if backward else ())
     return [make_plan(mask, causal, seqlen_q, seqlen_k, x.tile.block_m, x.tile.block_n,
                       PLAN_BY_KEY[x.pass_], device) for x in launches]
+
+
+# -- staged backward (context parallelism: docs/cp-runtime.md, kernels/staged.py) ------------------
+# (imports here, not at the top: this section is appended apart from forward/backward)
+
+from dataclasses import dataclass  # noqa: E402
+
+from . import staged  # noqa: E402
+from .gluon_bwd import dq_accumulator_view, new_dq_accumulator  # noqa: E402
+
+
+@dataclass
+class StagedBackward:
+    """What every stage of one layer's backward shares: ``dout`` in q's dtype, the pre-pass
+    results (``delta``, ``lse2``), the fused kernel's fp32 dQᵀ accumulator (created zeroed by
+    the first fused stage: one memset per layer) and the split stages' summed dQ."""
+
+    q: torch.Tensor
+    dout: torch.Tensor
+    delta: Optional[torch.Tensor]
+    lse2: Optional[torch.Tensor]
+    dq_t: Optional[torch.Tensor] = None  # fused stages: unscaled dQᵀ [B, Hq, D, Sq_pad] fp32
+    dq_split: Optional[torch.Tensor] = None  # split stages: sum of their (scaled) dQ
+    scale: Optional[float] = None
+
+
+def backward_prepare(q, out, dout, lse, dlse) -> StagedBackward:
+    """Staged backward, once per layer: the pre-pass over all local query rows (``delta``
+    with ``dlse`` folded in, ``lse2``), shared by every :func:`backward_stage` call."""
+    out, dout = _contig(out, dout.to(q.dtype))
+    _check_head_dim(q.shape[-1])
+    if q.shape[1] == 0:
+        return StagedBackward(q, dout, None, None)
+    delta, lse2 = tl_kernels.backward_prepass(out, dout, lse, dlse)
+    return StagedBackward(q, dout, delta, lse2)
+
+
+def backward_stage(state: StagedBackward, q, k, v, startend_row_indices: Optional[torch.Tensor],
+                   causal: bool, softmax_scale: float):
+    """Staged backward, once per stage: ``(dk, dv)`` of this stage's keys. Its dQ goes into
+    ``state``: the fused kernel reduce-adds into the layer's one accumulator (no pre-pass, no
+    memset, no scaling here); the split one's dQ kernel output is added to the stages' sum."""
+    q, k, v = _contig(q, k, v)
+    b, sq, hq, d = q.shape
+    sk = k.shape[1]
+    _check_head_dim(d)
+    staged.check_stage_scale(state, softmax_scale)
+    if sq == 0 or sk == 0:
+        return torch.zeros_like(k), torch.zeros_like(v)
+    c = 0 if startend_row_indices is None else startend_row_indices.shape[-1]
+    launches = dispatch.choose(q.device, q.dtype, d, causal, c).backward
+    first = launches[0]
+    plan = _plan(startend_row_indices, causal, sq, sk, first, q.device)
+    args = (q, k, v, state.dout, state.lse2, state.delta, causal, softmax_scale)
+    if first.kernel == "gluon_fused":
+        if state.dq_t is None:
+            state.dq_t = new_dq_accumulator(b, sq, hq, d, q.device)
+        dk, dv, _ = launch_dkdv_gluon(*args, plan, *_tile_args(first.tile), dq_t=state.dq_t,
+                                      **FUSED_VARIANT)
+        return dk, dv
+    dk, dv, _ = run_dkdv(first, *args, plan)
+    dq_launch = launches[1]
+    plan = _plan(startend_row_indices, causal, sq, sk, dq_launch, q.device)
+    dq = tl_kernels.launch_dq(*args, dq_launch.tile, plan)
+    state.dq_split = staged.add_dq(state.dq_split, dq)
+    return dk, dv
+
+
+def backward_finish(state: StagedBackward) -> torch.Tensor:
+    """Staged backward, once per layer: dQ in q's dtype (one scaling pass of the fused
+    accumulator, or the split stages' sum converted)."""
+    dq = None
+    if state.dq_t is not None:
+        dq = tl_kernels.scale_dq(dq_accumulator_view(state.dq_t, state.q.shape[1]), state.scale,
+                                 state.q.dtype)
+    if state.dq_split is not None:
+        dq = state.dq_split if dq is None else staged.add_dq(dq, state.dq_split)
+    if dq is None:  # no stage had keys
+        return torch.zeros_like(state.q)
+    return dq.to(state.q.dtype)
