@@ -393,9 +393,13 @@ def _bias(plan: _Plan, blk: _QueryBlock, num_heads: int, dtype: torch.dtype):
     pieces = [(off, c1 - c0, plan.allowed_heads(blk.r0, blk.r1, c0, c1))
               for off, c0, c1 in blk.mask_runs]
     bm, hm = pieces[0][2].shape[:2]
-    bias = torch.zeros(bm, hm, blk.r1 - blk.r0, blk.num_keys, dtype=dtype, device=plan.device)
-    for off, width, allowed in pieces:
-        bias[..., off:off + width].masked_fill_(~allowed, -math.inf)
+    if len(pieces) == 1 and pieces[0][1] == blk.num_keys:  # one op: every live key is PARTIAL
+        bias = torch.where(pieces[0][2], torch.zeros((), dtype=dtype),
+                           torch.full((), -math.inf, dtype=dtype))
+    else:
+        bias = torch.zeros(bm, hm, blk.r1 - blk.r0, blk.num_keys, dtype=dtype, device=plan.device)
+        for off, width, allowed in pieces:
+            bias[..., off:off + width].masked_fill_(allowed.logical_not_(), -math.inf)
     if hm not in (1, num_heads):  # mask heads that group query heads: one row per query head
         bias = bias.repeat_interleave(num_heads // hm, dim=1)
     return bias
