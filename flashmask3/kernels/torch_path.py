@@ -10,8 +10,10 @@ How, on the CPU: queries are cut into blocks of ``2 * BLOCK_M`` rows. The tile c
 (:func:`flashmask3.masks.blocks.classify_tiles`, key tiles of :data:`BLOCK_N` columns) gives
 each query block its *live keys*: the runs of key tiles that are not SKIP for some (batch, mask
 head). One query block is then one call of torch's fused CPU attention kernel (which returns
-the log-sum-exp) on exactly those keys, with an additive mask only over the PARTIAL tiles; the
-backward is that kernel's backward per block with the given log-sum-exp. Elsewhere (CUDA), and
+the log-sum-exp) on exactly those keys, with an additive mask only over the PARTIAL tiles (a
+block whose only PARTIAL keys are its causal diagonal square instead calls the kernel with
+``is_causal`` on the square and without a mask before it, merged by LSE); the backward is that
+kernel's backward per block with the given log-sum-exp. Elsewhere (CUDA), and
 for a backward that receives a gradient of the log-sum-exp, each block of :data:`BLOCK_M` rows
 is explicit products: ``Q_blk · K_liveᵀ`` (all query heads of a KV head stacked as rows, so GQA
 shares the keys), the element mask on the PARTIAL tiles, an exact row softmax and ``P V_live``;
