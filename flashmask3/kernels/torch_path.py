@@ -395,8 +395,9 @@ def _bias(plan: _Plan, blk: _QueryBlock, num_heads: int, dtype: torch.dtype):
     pieces = [(off, c1 - c0, plan.allowed_heads(blk.r0, blk.r1, c0, c1))
               for off, c0, c1 in blk.mask_runs]
     bm, hm = pieces[0][2].shape[:2]
-    if len(pieces) == 1 and pieces[0][1] == blk.num_keys:  # one op: every live key is PARTIAL
-        bias = torch.where(pieces[0][2], torch.zeros((), dtype=dtype),
+    if sum(width for _, width, _ in pieces) == blk.num_keys:  # every live key is PARTIAL
+        allowed = pieces[0][2] if len(pieces) == 1 else torch.cat([a for *_, a in pieces], -1)
+        bias = torch.where(allowed, torch.zeros((), dtype=dtype),
                            torch.full((), -math.inf, dtype=dtype))
     else:
         bias = torch.zeros(bm, hm, blk.r1 - blk.r0, blk.num_keys, dtype=dtype, device=plan.device)
@@ -412,7 +413,7 @@ def _empty_rows(bias, blk: _QueryBlock):
     no row can be empty (an UNMASKED live tile, or no mask at all)."""
     if bias is None or blk.has_unmasked:
         return None
-    empty = torch.isinf(bias).all(-1)
+    empty = bias.amax(-1) == -math.inf  # one pass over the mask (isinf + all took two)
     return empty if bool(empty.any()) else None
 
 
