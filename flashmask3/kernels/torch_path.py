@@ -10,8 +10,10 @@ How, on the CPU: queries are cut into blocks of ``2 * BLOCK_M`` rows. The tile c
 (:func:`flashmask3.masks.blocks.classify_tiles`, key tiles of :data:`BLOCK_N` columns) gives
 each query block its *live keys*: the runs of key tiles that are not SKIP for some (batch, mask
 head). One query block is then one call of torch's fused CPU attention kernel (which returns
-the log-sum-exp) on exactly those keys, with an additive mask only over the PARTIAL tiles; the
-backward is that kernel's backward per block with the given log-sum-exp. Elsewhere (CUDA), and
+the log-sum-exp) on exactly those keys, with an additive mask only over the PARTIAL tiles (a
+block whose only PARTIAL keys are its causal diagonal square instead calls the kernel with
+``is_causal`` on the square and without a mask before it, merged by LSE); the backward is that
+kernel's backward per block with the given log-sum-exp. Elsewhere (CUDA), and
 for a backward that receives a gradient of the log-sum-exp, each block of :data:`BLOCK_M` rows
 is explicit products: ``Q_blk · K_liveᵀ`` (all query heads of a KV head stacked as rows, so GQA
 shares the keys), the element mask on the PARTIAL tiles, an exact row softmax and ``P V_live``;
@@ -27,6 +29,7 @@ them. Accumulation is float32 (float64 for float64 inputs). Fully masked rows gi
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import math
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -36,7 +39,7 @@ import numpy as np
 import torch
 
 from ..masks.blocks import SKIP, UNMASKED, classify_tiles
-from ..masks.mask import element_mask
+from ..masks.mask import element_mask, masked_row_intervals
 
 #: Query rows per block (one dense step each). Measured on the 2-core CPU (docs/cpu.md).
 BLOCK_M = 128
@@ -62,6 +65,9 @@ class _QueryBlock:
     mask_runs: tuple
     #: some live tile is UNMASKED for every (batch, head): no row of the block is fully masked
     has_unmasked: bool = False
+    #: the only PARTIAL keys are the block's diagonal square ``[r0, r1)`` and, inside it, the
+    #: mask is exactly the causal triangle (set by :func:`_mark_causal_squares`)
+    causal_square: bool = False
 
     @property
     def num_keys(self) -> int:
@@ -200,9 +206,9 @@ def _block_workers(device: torch.device):
 def _for_each_block(work, blocks, workers) -> list:
     """Run ``work(block, slot)`` on every block with live keys; returns the ``slot`` dicts.
 
-    Worker ``i`` of ``workers`` (from :func:`_block_workers`) runs blocks ``i, i + n, ...`` in
-    order with its own ``slot`` (a dict for private accumulators), so the results do not depend
-    on thread timing."""
+    Worker ``i`` of ``workers`` (from :func:`_block_workers`) runs a fixed share of the blocks
+    (:func:`_balanced_shares`) in order with its own ``slot`` (a dict for private accumulators),
+    so the results do not depend on thread timing."""
     blocks = [blk for blk in blocks if blk.key_runs]
     if workers is None or len(blocks) <= 1:
         slot: dict = {}
@@ -210,7 +216,7 @@ def _for_each_block(work, blocks, workers) -> list:
             work(blk, slot)
         return [slot]
     pool, n = workers
-    shares = [blocks[i::n] for i in range(n)]
+    shares = _balanced_shares(blocks, n)
     slots = [{} for _ in shares]
 
     def run_share(i):
@@ -221,6 +227,19 @@ def _for_each_block(work, blocks, workers) -> list:
     for f in [pool.submit(run_share, i) for i in range(n)]:
         f.result()
     return slots
+
+
+def _balanced_shares(blocks, n: int) -> list[list]:
+    """Split the blocks into ``n`` shares of about equal work (rows x live keys), each in row
+    order: largest block first to the least loaded share. Deterministic. Why not round robin: a
+    causal mask's blocks grow with the row, so blocks ``0, 2`` vs ``1, 3`` of a 4-block causal
+    problem is 4 : 6 units of work, and the call waits for the larger share."""
+    loads, shares = [0] * n, [[] for _ in range(n)]
+    for i in sorted(range(len(blocks)), key=lambda i: -(blocks[i].r1 - blocks[i].r0) * blocks[i].num_keys):
+        w = loads.index(min(loads))
+        shares[w].append(i)
+        loads[w] += (blocks[i].r1 - blocks[i].r0) * blocks[i].num_keys
+    return [[blocks[i] for i in sorted(share)] for share in shares]
 
 
 def _masked_scores(plan: _Plan, blk: _QueryBlock, q_rows, k_live, shape5):
@@ -376,9 +395,14 @@ def _bias(plan: _Plan, blk: _QueryBlock, num_heads: int, dtype: torch.dtype):
     pieces = [(off, c1 - c0, plan.allowed_heads(blk.r0, blk.r1, c0, c1))
               for off, c0, c1 in blk.mask_runs]
     bm, hm = pieces[0][2].shape[:2]
-    bias = torch.zeros(bm, hm, blk.r1 - blk.r0, blk.num_keys, dtype=dtype, device=plan.device)
-    for off, width, allowed in pieces:
-        bias[..., off:off + width].masked_fill_(~allowed, -math.inf)
+    if sum(width for _, width, _ in pieces) == blk.num_keys:  # every live key is PARTIAL
+        allowed = pieces[0][2] if len(pieces) == 1 else torch.cat([a for *_, a in pieces], -1)
+        bias = torch.where(allowed, torch.zeros((), dtype=dtype),
+                           torch.full((), -math.inf, dtype=dtype))
+    else:
+        bias = torch.zeros(bm, hm, blk.r1 - blk.r0, blk.num_keys, dtype=dtype, device=plan.device)
+        for off, width, allowed in pieces:
+            bias[..., off:off + width].masked_fill_(allowed.logical_not_(), -math.inf)
     if hm not in (1, num_heads):  # mask heads that group query heads: one row per query head
         bias = bias.repeat_interleave(num_heads // hm, dim=1)
     return bias
@@ -389,13 +413,62 @@ def _empty_rows(bias, blk: _QueryBlock):
     no row can be empty (an UNMASKED live tile, or no mask at all)."""
     if bias is None or blk.has_unmasked:
         return None
-    empty = torch.isinf(bias).all(-1)
+    empty = bias.amax(-1) == -math.inf  # one pass over the mask (isinf + all took two)
     return empty if bool(empty.any()) else None
 
 
 def _heads_first(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """``[B, S, H, D]`` -> a ``[B, H, S, D]`` view in the accumulation dtype (no copy for fp32)."""
     return x.to(dtype).transpose(1, 2)
+
+
+def _causal_square_columns(plan: _Plan) -> torch.Tensor:
+    """``[Sk]`` bool: True where key column ``c`` is masked for no row of ``[c, r1)`` beyond the
+    causal diagonal (``r1``: the end of the query block holding row ``c``) in every (batch, mask
+    head). A block whose diagonal square has only such columns is exactly a causal triangle."""
+    if plan.startend is None:
+        return torch.ones(plan.sk, dtype=torch.bool)
+    cols = torch.arange(plan.sk)
+    block_end = ((cols // plan.block_m + 1) * plan.block_m).clamp_max(plan.sq)
+    ok = torch.ones(plan.startend.shape[:3], dtype=torch.bool)
+    for start, end in masked_row_intervals(plan.startend.to(torch.int64).cpu(), plan.causal, plan.sq):
+        ok &= (start >= block_end) | (end <= cols) | (start >= end)
+    return ok.flatten(0, 1).all(0)
+
+
+def _mark_causal_squares(plan: _Plan) -> None:
+    """Set ``causal_square`` on the blocks of a causal, square (Sq == Sk) plan whose only PARTIAL
+    keys are their diagonal square and whose square is the plain causal triangle: those are
+    computed with the kernel's own ``is_causal`` on the square and without a mask on the keys
+    before it, so no additive mask is built and the square's upper half is not computed."""
+    if not plan.causal or plan.sq != plan.sk:
+        return
+    ok = None
+    for i, blk in enumerate(plan.blocks):
+        if blk.mask_runs != ((blk.num_keys - (blk.r1 - blk.r0), blk.r0, blk.r1),):
+            continue
+        if ok is None:
+            ok = _causal_square_columns(plan)
+        if bool(ok[blk.r0:blk.r1].all()):
+            plan.blocks[i] = dataclasses.replace(blk, causal_square=True)
+
+
+def _keys_before_square(blk: _QueryBlock) -> tuple:
+    """The live key runs of a causal-square block left of its diagonal square (all UNMASKED)."""
+    return tuple((c0, min(c1, blk.r0)) for c0, c1 in blk.key_runs if c0 < blk.r0)
+
+
+def _square_forward(fwd, q_blk, kt, vt, blk: _QueryBlock, scale: float):
+    """Forward of a causal-square block: ``is_causal`` on the square, no mask on the keys
+    before it, the two merged by their log-sum-exps."""
+    o, l = fwd(q_blk, kt[:, :, blk.r0:blk.r1], vt[:, :, blk.r0:blk.r1], 0.0, True, scale=scale)
+    before = _keys_before_square(blk)
+    if not before:
+        return o, l
+    o1, l1 = fwd(q_blk, _live(kt, before), _live(vt, before), 0.0, False, scale=scale)
+    lse = torch.logaddexp(l, l1)
+    o = o * (l - lse).exp_().unsqueeze(-1) + o1 * (l1 - lse).exp_().unsqueeze(-1)
+    return o, lse
 
 
 def _forward_fused(q, k, v, startend, causal, softmax_scale, workers):
@@ -409,7 +482,13 @@ def _forward_fused(q, k, v, startend, causal, softmax_scale, workers):
     lse = torch.full((b, hq, sq), -math.inf, dtype=acc, device=q.device)
     fwd = _FUSED[0]
 
+    _mark_causal_squares(plan)
+
     def block_forward(blk: _QueryBlock, _slot: dict) -> None:
+        if blk.causal_square:
+            out_t[:, :, blk.r0:blk.r1], lse[:, :, blk.r0:blk.r1] = _square_forward(
+                fwd, qt[:, :, blk.r0:blk.r1], kt, vt, blk, softmax_scale)
+            return
         bias = _bias(plan, blk, hq, acc)
         o, l = fwd(qt[:, :, blk.r0:blk.r1], _live(kt, blk.key_runs), _live(vt, blk.key_runs),
                    0.0, False, attn_mask=bias, scale=softmax_scale)
@@ -436,12 +515,28 @@ def _backward_fused(dout, q, k, v, out, lse, startend, causal, softmax_scale, wo
     dq = torch.zeros(b, sq, hq, d, dtype=acc, device=q.device)
     dq_t = dq.transpose(1, 2)
     bwd = _FUSED[1]
+    _mark_causal_squares(plan)
 
     def block_backward(blk: _QueryBlock, slot: dict) -> None:
         if not slot:  # this worker's own dK / dV accumulators
             slot["dk"] = torch.zeros(b, hk, sk, d, dtype=acc, device=q.device)
             slot["dv"] = torch.zeros(b, hk, sk, dv_dim, dtype=acc, device=q.device)
         rows = slice(blk.r0, blk.r1)
+        if blk.causal_square:  # the square with is_causal, the keys before it without a mask
+            gq, gk, gv = bwd(dot[:, :, rows], qt[:, :, rows], kt[:, :, rows], vt[:, :, rows],
+                             ot[:, :, rows], lse_t[:, :, rows], 0.0, True, scale=softmax_scale)
+            slot["dk"][:, :, rows] += gk
+            slot["dv"][:, :, rows] += gv
+            before = _keys_before_square(blk)
+            if before:
+                gq1, gk, gv = bwd(dot[:, :, rows], qt[:, :, rows], _live(kt, before),
+                                  _live(vt, before), ot[:, :, rows], lse_t[:, :, rows], 0.0,
+                                  False, scale=softmax_scale)
+                gq = gq + gq1
+                _add_live(slot["dk"], gk, before)
+                _add_live(slot["dv"], gv, before)
+            dq_t[:, :, rows] = gq
+            return
         gq, gk, gv = bwd(dot[:, :, rows], qt[:, :, rows], _live(kt, blk.key_runs),
                          _live(vt, blk.key_runs), ot[:, :, rows], lse_t[:, :, rows], 0.0, False,
                          attn_mask=_bias(plan, blk, hq, acc), scale=softmax_scale)

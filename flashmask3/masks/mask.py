@@ -210,13 +210,14 @@ def element_mask(
     partial-tile path of the torch backend.
     """
     i = rows.view(-1, 1).to(torch.int64)
-    masked = torch.zeros((*columns.shape[:-2], rows.numel(), cols.numel()), dtype=torch.bool,
-                         device=columns.device)
+    # few full-size ops: the CPU path builds a block's additive mask from this on every call
+    masked = None  # masked_row_intervals gives at least one interval (or raises)
     for start, end in masked_row_intervals(columns.to(torch.int64), causal, seqlen_q):
-        masked |= (i >= start.unsqueeze(-2)) & (i < end.unsqueeze(-2))
+        piece = (i >= start.unsqueeze(-2)).logical_and_(i < end.unsqueeze(-2))
+        masked = piece if masked is None else masked.logical_or_(piece)
     if causal:
-        masked |= cols.view(1, -1).to(torch.int64) > i + (seqlen_k - seqlen_q)
-    return ~masked
+        masked.logical_or_(cols.view(1, -1).to(torch.int64) > i + (seqlen_k - seqlen_q))
+    return masked.logical_not_()
 
 
 def to_dense(

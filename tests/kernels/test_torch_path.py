@@ -11,8 +11,9 @@ from tests.reference import reference_attention, rel_err
 
 
 def test_keys_visited_follow_the_classification(monkeypatch):
-    """Each query block runs the fused kernel once on exactly its live keys (key tiles that are
-    not SKIP for some batch row / head), none of the skipped ones."""
+    """The fused kernel calls of each query block cover exactly its live keys (key tiles that
+    are not SKIP for some batch row / head), none of the skipped ones: one call per block, or
+    two for a causal-square block with keys before its square."""
     monkeypatch.setattr(torch_path, "BLOCK_M", 8)  # fused blocks of 2 * 8 = 16 rows
     monkeypatch.setattr(torch_path, "BLOCK_N", 16)
     mask = M.causal_document_mask([16, 48, 32, 32])
@@ -29,8 +30,35 @@ def test_keys_visited_follow_the_classification(monkeypatch):
     cls = M.classify_tiles(mask.startend_row_indices, True, 128, 128, 16, 16)
     live = cls != M.SKIP
     assert int(live.sum()) < cls.numel() // 2  # the mask is sparse: most tiles are skipped
-    assert len(seen) == int(live.flatten(0, 2).any(-1).sum())
+    plan = torch_path._Plan(mask.startend_row_indices, True, 128, 128, 2, 2, q.device, 16)
+    torch_path._mark_causal_squares(plan)
+    split = sum(1 for blk in plan.blocks if blk.causal_square and blk.key_runs[0][0] < blk.r0)
+    assert split > 0
+    assert len(seen) == int(live.flatten(0, 2).any(-1).sum()) + split
     assert sum(seen) == 16 * int(live.sum())
+
+
+def test_causal_squares_are_found_exactly(monkeypatch):
+    """A block is a causal square only when its diagonal square is the plain causal triangle:
+    every block of a causal mask; the blocks of a causal document mask whose square no
+    document boundary crosses and whose keys before the square are all unmasked (a PARTIAL
+    tile before the square disqualifies it); none of a non-causal or sliding-window mask."""
+    monkeypatch.setattr(torch_path, "BLOCK_N", 16)
+
+    def squares(mask):
+        plan = torch_path._Plan(mask.startend_row_indices, mask.causal, 128, 128, 1, 1,
+                                torch.device("cpu"), 16)
+        torch_path._mark_causal_squares(plan)
+        return [blk.causal_square for blk in plan.blocks]
+
+    assert all(squares(M.causal_mask(128)))
+    # documents [0, 16), [16, 56), [56, 64), [64, 128): the square [48, 64) holds a boundary
+    assert squares(M.causal_document_mask([16, 40, 8, 64])) == [True] * 3 + [False] + [True] * 4
+    # [0, 16), [16, 64), [64, 72), [72, 128): the square [64, 80) holds a boundary, and the
+    # blocks after it see the PARTIAL key tile [64, 80)
+    assert squares(M.causal_document_mask([16, 48, 8, 56])) == [True] * 4 + [False] * 4
+    assert not any(squares(M.document_mask([16, 48, 8, 56])))
+    assert not any(squares(M.sliding_window_mask(128, 8)))
 
 
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 2e-4), (torch.float64, 1e-10)])
