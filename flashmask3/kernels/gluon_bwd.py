@@ -1015,10 +1015,15 @@ def _check_ds_shared(d, block_m, block_n, num_warps, num_stages, fuse_dq, warp_s
         raise ValueError(f"{what} (got D={d} {block_m}x{block_n} w{num_warps} s{num_stages})")
 
 
+#: :func:`check_config` once per configuration (it raises on a bad one, so only good ones are
+#: kept; an ``lru_cache`` hit is no Python call).
+_checked_config = functools.lru_cache(maxsize=None)(check_config)
+
+
 def launch_dkdv_gluon(q, k, v, dout, lse2, delta, causal, softmax_scale, plan, block_m: int,
                       block_n: int, num_warps: int, num_stages: int, fuse_dq: bool = False,
                       warp_spec: bool = False, stats_smem: bool = False,
-                      ds_shared: bool = False):
+                      ds_shared: bool = False, dq_t: Optional[torch.Tensor] = None):
     """(dk, dv) like ``_launch_dkdv(..., fuse_dq=False)[:2]``; ``plan`` must come from
     ``make_plan(mask, causal, Sq, Sk, block_m, block_n, by_key=True, device)``.
 
@@ -1039,14 +1044,15 @@ def launch_dkdv_gluon(q, k, v, dout, lse2, delta, causal, softmax_scale, plan, b
     unscaled fp32 dQ accumulated by TMA reduce-adds, shape [B, Sq, Hq, D] (a permuted view of
     the kernel's [B, Hq, D, Sq_pad] dQᵀ buffer, zero-initialised here); multiply by
     ``softmax_scale`` for dQ (:func:`fused_backward_gluon`). Its rounding order varies between
-    runs (atomics)."""
+    runs (atomics). ``dq_t``: that buffer, already zeroed (``tl_kernels.dq_accumulator``,
+    zeroed by ``backward_prepass``: one launch less), else it is allocated zeroed here."""
     reason = unavailable_reason()
     if reason is not None:
         raise RuntimeError(reason)
     b, sq, hq, d = q.shape
     _, sk, hk, _ = k.shape
-    check_config(d, block_m, block_n, num_warps, num_stages, fuse_dq, warp_spec, stats_smem,
-                 ds_shared)
+    _checked_config(d, block_m, block_n, num_warps, num_stages, fuse_dq, warp_spec, stats_smem,
+                    ds_shared)
     if q.dtype not in (torch.bfloat16, torch.float16):
         raise ValueError(f"gluon dK/dV: dtype {q.dtype} (bf16 or fp16)")
     q, k, v, dout = q.contiguous(), k.contiguous(), v.contiguous(), dout.contiguous()
@@ -1071,7 +1077,11 @@ def launch_dkdv_gluon(q, k, v, dout, lse2, delta, causal, softmax_scale, plan, b
         # dQᵀ per (batch, head): [B, Hq, D, Sq_pad], Sq_pad a multiple of 4 (TMA: 16-byte row
         # stride); the descriptor's [B*Hq*D, Sq] view clips each tile's query columns at Sq
         sq_pad = cdiv(sq, 4) * 4
-        dq_t = torch.zeros((b, hq, d, sq_pad), dtype=torch.float32, device=q.device)
+        if dq_t is None:
+            dq_t = torch.zeros((b, hq, d, sq_pad), dtype=torch.float32, device=q.device)
+        elif dq_t.shape != (b, hq, d, sq_pad) or dq_t.dtype != torch.float32:
+            raise ValueError(f"gluon fused dQ: dq_t must be fp32 [{b}, {hq}, {d}, {sq_pad}], "
+                             f"got {dq_t.dtype} {tuple(dq_t.shape)}")
         dq_desc = descriptor(GluonDescriptor, dq_t.view(b * hq * d, sq_pad)[:, :sq],
                              dq_reduce_block(block_m, d), _dq_smem_layout(block_m, d))
         dq_acc = dq_t[..., :sq].permute(0, 3, 1, 2)

@@ -60,14 +60,17 @@ def run_forward(launch: Launch, q, k, v, mask, causal, softmax_scale, plan: Plan
                             warp_spec=True, pingpong=launch.kernel == "gluon_ws_pingpong")
 
 
-def run_dkdv(launch: Launch, q, k, v, dout, lse2, delta, causal, softmax_scale, plan: Plan):
+def run_dkdv(launch: Launch, q, k, v, dout, lse2, delta, causal, softmax_scale, plan: Plan,
+             dq_t: Optional[torch.Tensor] = None):
     """(dk, dv, dq_acc) of a dK/dV or fused ``launch``; dq_acc (unscaled fp32 dQ) only when
-    fused, else None."""
+    fused, else None. ``dq_t``: the fused kernel's zeroed dQᵀ accumulator
+    (``tl_kernels.dq_accumulator`` zeroed by the pre-pass), else it allocates one."""
     args = (q, k, v, dout, lse2, delta, causal, softmax_scale)
     if launch.kernel == "tl":
         return tl_kernels.launch_dkdv(*args, launch.tile, plan) + (None,)
     if launch.kernel == "gluon_fused":
-        return launch_dkdv_gluon(*args, plan, *_tile_args(launch.tile), **FUSED_VARIANT)
+        return launch_dkdv_gluon(*args, plan, *_tile_args(launch.tile), **FUSED_VARIANT,
+                                 dq_t=dq_t)
     dk, dv = launch_dkdv_gluon(*args, plan, *_tile_args(launch.tile), warp_spec=True,
                                stats_smem=launch.kernel == "gluon_ws_dkdv_stats")
     return dk, dv, None
@@ -113,11 +116,14 @@ class PreparedCall:
         if dout.dtype != q.dtype:
             dout = dout.to(q.dtype)
         causal, scale = self.causal, self.scale
-        delta, lse2 = tl_kernels.backward_prepass(out, dout, lse, dlse)
         launches = self.bwd_launches
         first = launches[0]
+        # the fused kernel's dQ accumulator is zeroed by the pre-pass (no memset launch)
+        dq_t = (tl_kernels.dq_accumulator(b, sq, hq, d, q.device)
+                if first.kernel == "gluon_fused" else None)
+        delta, lse2 = tl_kernels.backward_prepass(out, dout, lse, dlse, dq_t)
         plan = _plan(startend_row_indices, causal, sq, sk, first, q.device)
-        dk, dv, dq_acc = run_dkdv(first, q, k, v, dout, lse2, delta, causal, scale, plan)
+        dk, dv, dq_acc = run_dkdv(first, q, k, v, dout, lse2, delta, causal, scale, plan, dq_t)
         if dq_acc is not None:
             return tl_kernels.scale_dq(dq_acc, scale, q.dtype), dk, dv
         dq_launch = launches[1]
