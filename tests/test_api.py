@@ -599,3 +599,30 @@ def test_prepared_calls_follow_the_environment(monkeypatch):
         monkeypatch.setenv("FLASHMASK3_BACKEND", "triton")
         flashmask3.flashmask_attention(q, k, v, mask)
         assert seen == [1]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("d", [64, 128])
+def test_gpu_prepared_calls_match_the_reference_with_a_dirty_allocator(d):
+    """The default Triton path on the GPU (the fused backward at D=64/128 on Hopper, its dQ
+    accumulator zeroed by the pre-pass): first call (checks) and later calls (the prepared
+    signature) match the float64 reference, with the caching allocator's free blocks filled
+    with NaN before each call (an accumulator left unzeroed would show)."""
+    flashmask3.api.clear_prepared()
+    s, h = 1024, 4
+    mask = M.causal_document_mask([300, 724], device="cuda")
+    q0, k0, v0 = make_qkv(1, s, s, h, h, d, torch.bfloat16, device="cuda", seed=d)
+    dout = torch.randn(q0.shape, device="cuda", dtype=q0.dtype)
+    qr, kr, vr = _fresh(q0, k0, v0)
+    ref_out, _ = reference_attention(qr, kr, vr, mask.startend_row_indices, True)
+    ref_out.backward(dout.double())
+    for call in range(3):
+        junk = torch.empty(8 * s * h * d, device="cuda").fill_(float("nan"))
+        del junk  # (its block goes back to the allocator's free list, NaN inside)
+        q, k, v = _fresh(q0, k0, v0)
+        out = flashmask3.flashmask_attention(q, k, v, mask)
+        out.backward(dout)
+        assert rel_err(out, ref_out) < 2e-2, call
+        for got, want in ((q.grad, qr.grad), (k.grad, kr.grad), (v.grad, vr.grad)):
+            assert torch.isfinite(got).all() and rel_err(got, want) < 2e-2, call
+    assert len(flashmask3.api._PREPARED) == 1
