@@ -16,6 +16,7 @@ from typing import Optional, Union
 import torch
 from torch import Tensor
 
+from ._env import env_reader
 from .kernels import ENV_VAR as ENV_BACKEND
 from .kernels import choose_backend, get_backend
 from .kernels.dispatch import ENV_VAR as ENV_KERNELS
@@ -317,23 +318,13 @@ def flashmask_attention(
 #: The environment variables a call's checks and decisions read (the backend, the kernels'
 #: mode, the column-value switch, the interpreter): part of every signature.
 _ENV_NAMES = (ENV_BACKEND, ENV_KERNELS, CHECK_VALUES_ENV, "TRITON_INTERPRET")
-try:  # os.environ's own dict and key encoding: a C-level read (os.environ.get is 3 calls)
-    _ENV_DATA = os.environ._data
-    _ENV_KEYS = tuple(os.environ.encodekey(n) for n in _ENV_NAMES)
-except AttributeError:  # pragma: no cover - an os.environ without them
-    _ENV_DATA, _ENV_KEYS = None, ()
+#: The values of :data:`_ENV_NAMES` now (an iterator; C-level reads, flashmask3/_env.py).
+_env_state = env_reader(*_ENV_NAMES)
 
 #: signature (:func:`_call_key`) -> :class:`_Prepared`, filled by calls that passed every check.
 _PREPARED: dict = {}
 #: More signatures than this (a shape per call, e.g. varying sequence lengths): start over.
 _MAX_PREPARED = 1024
-
-
-def _env_state() -> tuple:
-    """The values of :data:`_ENV_NAMES` now."""
-    if _ENV_DATA is None:  # pragma: no cover
-        return tuple(os.environ.get(n) for n in _ENV_NAMES)
-    return tuple(map(_ENV_DATA.get, _ENV_KEYS))
 
 
 def _call_key(q, k, v, mask, causal, softmax_scale) -> Optional[tuple]:
@@ -361,7 +352,7 @@ def _call_key(q, k, v, mask, causal, softmax_scale) -> Optional[tuple]:
         return None
     key = (q.shape, q.stride(), q.dtype, q.device, k.shape, k.stride(), k.dtype, k.device,
            v.shape, v.stride(), v.dtype, v.device, tm, mk, type(causal), causal,
-           type(softmax_scale), softmax_scale, _env_state(), _deterministic())
+           type(softmax_scale), softmax_scale, tuple(_env_state()), _deterministic())
     try:
         hash(key)
     except TypeError:  # e.g. softmax_scale a list: the full path raises the TypeError
