@@ -150,9 +150,19 @@ class _EagerAttention(torch.autograd.Function):
 
 
 #: ``_EagerAttention.apply`` without ``Function.apply``'s Python wrapper (default-argument
-#: binding and functorch's dead-wrapper unwrapping, 5-9 Python calls): the C entry point it
-#: ends with. Used only on plain tensors with no functorch transform active.
+#: binding, unused here, and functorch's dead-wrapper unwrapping, done by :func:`_run_eager`
+#: with the same C function: 5-12 Python calls): the C entry point it ends with. Used only
+#: with no functorch transform active (those calls take the custom op, :func:`_traced`).
 _apply_eager = torch._C._FunctionBase.__dict__["apply"].__get__(None, _EagerAttention)
+_unwrap_if_dead = torch._C._functorch.unwrap_if_dead
+
+
+def _run_eager(q, k, v, cols, call):
+    """``_EagerAttention.apply(q, k, v, cols, call)`` as ``Function.apply`` runs it outside
+    functorch transforms (dead functorch wrappers unwrapped), without its Python frames."""
+    if cols is not None:
+        cols = _unwrap_if_dead(cols)
+    return _apply_eager(_unwrap_if_dead(q), _unwrap_if_dead(k), _unwrap_if_dead(v), cols, call)
 
 
 _dispatch_stack_len = torch._C._len_torch_dispatch_stack
@@ -162,9 +172,10 @@ _deterministic = torch.are_deterministic_algorithms_enabled
 
 def _traced(q: Tensor) -> bool:
     """Whether this call must go through the custom op: under torch.compile / export, inside a
-    dispatch mode (FakeTensorMode, functionalization, ...), or on a tensor subclass."""
+    dispatch mode (FakeTensorMode, functionalization, ...), under a functorch transform
+    (vmap, grad, ...), or on a tensor subclass."""
     return (torch.compiler.is_compiling() or type(q) is not Tensor
-            or torch._C._len_torch_dispatch_stack() > 0)
+            or _dispatch_stack_len() > 0 or _functorch_active())
 
 
 # -- argument checks ------------------------------------------------------------------------
@@ -382,7 +393,7 @@ class _Prepared:
             k = k.contiguous()
         if v.stride(-1) != 1:
             v = v.contiguous()
-        return _apply_eager(q, k, v, cols, self.call)
+        return _run_eager(q, k, v, cols, self.call)
 
 
 def clear_prepared() -> None:
@@ -435,7 +446,7 @@ def _checked_call(q, k, v, startend_row_indices, causal, softmax_scale, window_s
         span = None if row_span is None else float(row_span)
         call = _prepare_backend(backend, q, k, startend_row_indices, causal, softmax_scale,
                                 span)
-        out, lse = _apply_eager(q, k, v, startend_row_indices, call)
+        out, lse = _run_eager(q, k, v, startend_row_indices, call)
         if key is not None:
             _remember(key, call, is_flashmask, value_check)
     return (out, lse) if return_softmax_lse else out
