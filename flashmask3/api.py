@@ -125,10 +125,10 @@ def _prepare_backend(backend: str, q, k, cols, causal: bool, softmax_scale: floa
 class _EagerAttention(torch.autograd.Function):
     """The same forward and backward as the custom op, for eager calls on plain tensors: one
     ``autograd.Function`` frame instead of the custom op's dispatcher round trip. Traced calls
-    (torch.compile, export, fake or dispatch modes, tensor subclasses) take the custom op.
-    ``call`` is the signature's prepared backend call (:func:`_prepare_backend`). Gradients
-    are not materialised: an unused LSE (or output) gets None, not a zero tensor (no memset
-    launch; the backends take ``dlse=None``)."""
+    (torch.compile, export, fake or dispatch modes, functorch transforms, tensor subclasses)
+    take the custom op. ``call`` is the signature's prepared backend call
+    (:func:`_prepare_backend`). Gradients are not materialised: an unused LSE (or output) gets
+    None, not a zero tensor (no memset launch; the backends take ``dlse=None``)."""
 
     @staticmethod
     def forward(ctx, q, k, v, cols, call):
