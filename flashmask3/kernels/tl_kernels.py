@@ -198,10 +198,12 @@ def _bwd_pre_kernel(o_ptr, do_ptr, lse_ptr, dlse_ptr, delta_ptr, lse2_ptr, dq_pt
     lse2 = tl.where(lse == float("-inf"), float("inf"), lse * 1.4426950408889634)
     tl.store(delta_ptr + row, delta, mask=rmask)
     tl.store(lse2_ptr + row, lse2, mask=rmask)
-    if ZERO_DQ:
-        dq_off = ((b * Hq + h) * D + offs_d[None, :]) * Sq_pad + offs_m[:, None]
-        tl.store(dq_ptr + dq_off, tl.zeros([BLOCK_M, D], dtype=tl.float32),
-                 mask=rmask[:, None])
+    if ZERO_DQ:  # [16, BLOCK_M] tiles, their last axis (the rows) contiguous in memory
+        offs_c = tl.arange(0, 16)
+        for c0 in tl.static_range(0, D, 16):
+            dq_off = ((b * Hq + h) * D + c0 + offs_c[:, None]) * Sq_pad + offs_m[None, :]
+            tl.store(dq_ptr + dq_off, tl.zeros([16, BLOCK_M], dtype=tl.float32),
+                     mask=rmask[None, :])
 
 
 @triton.jit(do_not_specialize=["Sq", "Hq"])
