@@ -71,8 +71,8 @@ def _compile_small(name: str) -> dict:
                               CHUNK=256)),
         "bwd_pre": (TL._bwd_pre_kernel, dict(o_ptr="*bf16", do_ptr="*bf16", lse_ptr="*fp32",
                                              dlse_ptr="*fp32", delta_ptr="*fp32",
-                                             lse2_ptr="*fp32"),
-                    dict(D=128, BLOCK_M=64, HAS_DLSE=True)),
+                                             lse2_ptr="*fp32", dq_ptr="*fp32"),
+                    dict(D=128, BLOCK_M=64, HAS_DLSE=True, ZERO_DQ=True)),
         "scale_dq": (TL._scale_dq_kernel, dict(src_ptr="*fp32", dst_ptr="*bf16"),
                      dict(D=128, BLOCK_Q=64)),
     }[name]

@@ -8,11 +8,17 @@ Two tables, one JSON (``--out``/host_path.json) and a markdown summary:
   GPU time (CUDA events behind a GPU sleep that hides the host's work), and the kernels each
   call launches (torch profiler), forward and forward+backward. Targets: host <= 100 µs (fwd),
   <= 250 µs (fwd+bwd).
+* **floor** (``--floor``): what this host allows, host µs of the smallest pieces of a call:
+  ``torch.empty_like`` of a CUDA tensor, a bare CUDA launch through torch (``x.add_(1)``),
+  ``autograd.Function.apply`` of an identity (and with its backward), one launch of a
+  trivial Triton kernel through the package's launcher and through ``JITFunction.run``, and
+  FlexAttention's forward at the host table's size.
 * **small**: fwd+bwd at 4K and 8K tokens (B=1, 16 heads, D=128; one and five causal documents):
   flashmask3 vs FlexAttention, standard do_bench (wall time incl. host) and GPU time. Targets:
   flashmask3 std <= Flex std, and <= 1.3x flashmask3's GPU time.
 
     python benchmarks/host_path.py --out $OUT/host-path          # on the GPU
+    python benchmarks/host_path.py --floor --out $OUT/host-path  # on the GPU: the floor only
     python benchmarks/host_path.py --dry-run                     # CPU: code path only
 """
 
@@ -32,6 +38,12 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import flashmask3  # noqa: E402
 import flashmask3.masks as M  # noqa: E402
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # pragma: no cover - the floor's Triton rows need it
+    triton = None
 
 HOST_FWD_US, HOST_FWD_BWD_US = 100.0, 250.0  # targets
 SMALL_VS_GPU = 1.3
@@ -178,6 +190,98 @@ def host_table(seqlen: int, heads: int, d: int, dtype, ndocs: int, out_dir=None)
     return rows
 
 
+if triton is not None:
+    @triton.jit
+    def _add_one_kernel(x_ptr, n, BLOCK: tl.constexpr):
+        """x[:n] += 1: the trivial kernel of the host floor."""
+        offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+        tl.store(x_ptr + offs, tl.load(x_ptr + offs, mask=offs < n) + 1, mask=offs < n)
+
+
+class _Identity(torch.autograd.Function):
+    """The cheapest autograd.Function: a view of its input, the gradient passed through."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, g):
+        return g
+
+
+def floor_rows(device: str, seqlen: int, heads: int, d: int, dtype, ndocs: int,
+               measure=None, save=None) -> list[dict]:
+    """Host µs of the smallest pieces of a call on this host (module docstring, "floor").
+    ``measure(fn, leaves)``: the timer (``benchmarks.kernel.host_us`` on the GPU); ``save``:
+    called with the rows after each one (so a timeout keeps what was measured). Flex's row
+    comes last (it compiles)."""
+    from flashmask3.kernels import launcher
+
+    x = torch.randn(1, seqlen, heads, d, device=device, dtype=dtype)
+    small = torch.zeros(1024, device=device)
+    xg = torch.randn(64, device=device, requires_grad=True)
+    g = torch.ones(64, device=device)
+    pieces = [("torch.empty_like(q) (CUDA, 32K x 16 x 128 bf16)", lambda: torch.empty_like(x), None),
+              ("x.add_(1) (a bare CUDA launch through torch)", lambda: small.add_(1), None),
+              ("autograd.Function.apply of an identity", lambda: _Identity.apply(xg), None),
+              ("... and its backward (autograd engine)",
+               lambda: _Identity.apply(xg).backward(g), [xg])]
+    if triton is not None and (device != "cpu" or os.environ.get("TRITON_INTERPRET") == "1"):
+        pieces += [("trivial Triton kernel via flashmask3 launcher",
+                    lambda: launcher.launch(_add_one_kernel, (1,), small, 1024, BLOCK=1024), None),
+                   ("trivial Triton kernel via JITFunction.run",
+                    lambda: _add_one_kernel[(1,)](small, 1024, BLOCK=1024), None)]
+    pieces.append(("flashmask_attention forward (the host table's call, for comparison)",
+                   _calls(*_inputs(seqlen, heads, d, device, dtype),
+                          M.causal_document_mask(_docs(seqlen, ndocs), device=device), False)[0],
+                   None))
+    pieces.append(("flex_attention forward (same size, block mask reused)",
+                   _flex_forward(device, seqlen, heads, d, dtype, ndocs), None))
+    rows = []
+    for name, fn, leaves in pieces:
+        if fn is None:
+            continue
+        for _ in range(3):
+            fn()
+        us = measure(fn, leaves) if measure else _cpu_us(fn)
+        rows.append(dict(piece=name, host_us=us))
+        print(json.dumps(rows[-1]), flush=True)
+        if save:
+            save(rows)
+    return rows
+
+
+def _flex_forward(device, seqlen, heads, d, dtype, ndocs):
+    """A lazily built FlexAttention forward of the floor (None when Flex cannot run here)."""
+    state = {}
+
+    def fwd():
+        if "fn" not in state:
+            from benchmarks.kernel import flex_impl
+
+            q, k, v = _inputs(seqlen, heads, d, device, dtype)
+            fm = M.causal_document_mask(_docs(seqlen, ndocs), device=device)
+            state["fn"] = flex_impl(fm, True, q, k, v, 1 / math.sqrt(d))[0]
+        return state["fn"]()
+
+    try:
+        from torch.nn.attention.flex_attention import flex_attention  # noqa: F401
+    except ImportError:
+        return None
+    if device == "cpu":  # (the dry run: Flex's block mask wants CUDA in this torch build)
+        return None
+    return fwd
+
+
+def _cpu_us(fn, calls: int = 50) -> float:
+    """µs per call by wall time (the dry run's stand-in for the GPU timer)."""
+    t0 = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    return (time.perf_counter() - t0) / calls * 1e6
+
+
 def small_table(seqlens, heads: int, d: int, dtype, docs) -> list[dict]:
     from benchmarks.kernel import flex_impl, standard_ms
 
@@ -207,9 +311,13 @@ def small_table(seqlens, heads: int, d: int, dtype, docs) -> list[dict]:
     return rows
 
 
-def markdown(meta: dict, host: list[dict], small: list[dict]) -> str:
+def markdown(meta: dict, host: list[dict], small: list[dict], floor=()) -> str:
     lines = ["# Host path: host time per call and small problems", ""]
     lines += [f"- **{k}**: `{v}`" for k, v in meta.items()]
+    if floor:
+        lines += ["", "Host floor (µs per call, CPU time to enqueue while the GPU is busy):", "",
+                  "| piece | host µs |", "|---|---|"]
+        lines += [f"| {r['piece']} | {r['host_us']:.1f} |" for r in floor]
     lines += ["", "Host µs = CPU time per call to enqueue while the GPU is busy; std = "
               "`triton.testing.do_bench` median (host work included); GPU = CUDA events behind "
               "a GPU sleep (host work hidden); kernels = CUDA kernels per call (profiler).", "",
@@ -252,7 +360,8 @@ def dry_run() -> int:
                                             target_us=100, met=True, std_ms=0.0, gpu_ms=None,
                                             kernels=0, mask="fresh", launch="triton")],
                    [dict(S=4096, docs=5, fm_std_ms=1, fm_gpu_ms=1, flex_std_ms=1, flex_gpu_ms=1,
-                         fm_std_over_flex_std=1, fm_std_over_gpu=1, met_vs_flex=True, met_vs_gpu=True)]))
+                         fm_std_over_flex_std=1, fm_std_over_gpu=1, met_vs_flex=True, met_vs_gpu=True)],
+                   floor_rows("cpu", 256, 2, 16, torch.float32, 5)))
     return 0
 
 
@@ -265,6 +374,7 @@ def main(argv=None) -> int:
     ap.add_argument("--small-seqlens", default="4096,8192")
     ap.add_argument("--small-docs", default="1,5")
     ap.add_argument("--skip-small", action="store_true")
+    ap.add_argument("--floor", action="store_true", help="only the host floor (floor.json/.md)")
     args = ap.parse_args(argv)
     if args.dry_run:
         return dry_run()
@@ -275,6 +385,19 @@ def main(argv=None) -> int:
     dtype, heads, d = torch.bfloat16, 16, 128
     meta = dict(run_environment(torch.device("cuda")), command=" ".join(sys.argv))
     os.makedirs(args.out, exist_ok=True)
+    if args.floor:
+        from benchmarks.kernel import host_us
+
+        def save(rows):
+            with open(os.path.join(args.out, "floor.json"), "w") as f:
+                json.dump(dict(meta=meta, floor=rows), f, indent=1)
+            with open(os.path.join(args.out, "floor.md"), "w") as f:
+                f.write(markdown(meta, [], [], rows))
+
+        floor_rows("cuda", args.host_seqlen, heads, d, dtype, args.host_docs, host_us, save)
+        with open(os.path.join(args.out, "floor.md")) as f:
+            print(f.read())
+        return 0
     host = host_table(args.host_seqlen, heads, d, dtype, args.host_docs, args.out)
     md = write(args.out, meta, host, [])  # (kept if the small table runs out of time)
     if not args.skip_small:

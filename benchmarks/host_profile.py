@@ -112,9 +112,12 @@ def fake_hopper(launches: list, fast_launch: bool = True):
         return _FakeCompiled(self.fn.__name__, launches)
 
     hopper = lambda index: (9, 0)  # noqa: E731
+    from flashmask3 import api
+
     dispatch.decide.cache_clear()
     launcher.clear_cache()
     tiles.clear_plan_cache()
+    getattr(api, "clear_prepared", lambda: None)()  # (absent before the prepared calls)
     env = {launcher.FAST_LAUNCH_ENV: "1" if fast_launch else "0"}
     with mock.patch.object(JITFunction, "run", record), \
             mock.patch.object(launcher, "_driver", _FakeDriver), \
@@ -131,6 +134,7 @@ def fake_hopper(launches: list, fast_launch: bool = True):
     dispatch.decide.cache_clear()
     launcher.clear_cache()
     tiles.clear_plan_cache()
+    getattr(api, "clear_prepared", lambda: None)()  # (absent before the prepared calls)
 
 
 def _per_call(fn, calls: int, launches: list | None = None) -> dict:
@@ -155,13 +159,19 @@ def _per_call(fn, calls: int, launches: list | None = None) -> dict:
     stats = pstats.Stats(prof).stats
     ours = sum(v[1] for k, v in stats.items() if f"{os.sep}flashmask3{os.sep}" in k[0])
     trit = sum(v[1] for k, v in stats.items() if f"{os.sep}triton{os.sep}" in k[0])
+    wrap = sum(v[1] for k, v in stats.items()  # torch's Python wrapper of autograd.Function
+               if k[0].endswith((f"autograd{os.sep}function.py", f"_functorch{os.sep}utils.py")))
     ops = sum(v[1] for k, v in stats.items() if k[2] == "__torch_dispatch__"
               and "fake_tensor" in k[0])
+    per_fn = sorted(((v[1] / calls, f"{k[0].split(os.sep)[-1]}:{k[2]}") for k, v in
+                     stats.items() if f"{os.sep}flashmask3{os.sep}" in k[0]), reverse=True)
     top = sorted(((v[3] / calls * 1e6, f"{k[0].split(os.sep)[-1]}:{k[2]}") for k, v in
                   stats.items() if f"{os.sep}flashmask3{os.sep}" in k[0]), reverse=True)[:10]
     out = dict(us=sorted(times)[2], calls_flashmask3=ours / calls, calls_triton=trit / calls,
+               calls_autograd_function=wrap / calls,
                calls_all=sum(v[1] for v in stats.values()) / calls, torch_ops=ops / calls,
-               top_cumulative_us=[(name, round(us, 1)) for us, name in top])
+               top_cumulative_us=[(name, round(us, 1)) for us, name in top],
+               flashmask3_calls_by_function=[(name, n) for n, name in per_fn])
     if launches is not None:
         out["launches"] = launches[:len(launches) // calls]
     return out
@@ -200,6 +210,82 @@ def backend_profile(calls: int, seqlen: int = 32768, heads: int = 16, d: int = 1
     return res
 
 
+def public_profile(calls: int, seqlen: int = 32768, heads: int = 16, d: int = 128) -> dict:
+    """``flashmask_attention`` itself (the public call: checks or the prepared signature,
+    autograd's apply, the backend, the launcher) on the fake Hopper, as a model's layer calls
+    it: one ``FlashMask`` (and one raw column tensor) reused. The eager route is forced
+    (``api._traced`` answers False: fake tensors would take the custom op). A CPU-only torch
+    cannot build an autograd graph on fake CUDA tensors, so the backward is measured as the
+    body autograd's engine runs (``_EagerAttention.backward`` on the context the forward
+    saved), the engine itself (C++) not included."""
+    import flashmask3
+    from flashmask3 import api
+    from flashmask3.masks import FlashMask
+
+    launches: list = []
+    res = {}
+    key = getattr(api, "_call_key", None)  # (None: a tree before the prepared calls)
+    with fake_hopper(launches), mock.patch.object(api, "_traced", lambda q: False), \
+            mock.patch.object(api, "_call_key", _plain_tensor_key(key), create=True), \
+            mock.patch.object(api._EagerAttention, "forward", _saving_forward(api)):
+        q, k, v = (torch.empty(1, seqlen, heads, d, dtype=torch.bfloat16, device="cuda")
+                   for _ in range(3))
+        cols = torch.empty(1, 1, seqlen, 1, dtype=torch.int32, device="cuda")
+        fm = FlashMask(cols, True, seqlen, None, _validated=True)  # (no value read)
+        dout = torch.empty(1, seqlen, heads, d, dtype=torch.bfloat16, device="cuda")
+        for form, m in (("FlashMask", fm), ("raw columns", cols)):
+            def fwd():
+                return flashmask3.flashmask_attention(q, k, v, m, causal=True)
+
+            def fwd_bwd():
+                fwd()
+                api._EagerAttention.backward(_LAST_CTX[0], dout, None)
+
+            res[f"public fwd, {form}"] = _per_call(fwd, calls, launches)
+            res[f"public fwd+bwd, {form}"] = _per_call(fwd_bwd, calls, launches)
+    return res
+
+
+#: The context of the last forward (:func:`_saving_forward`).
+_LAST_CTX: list = [None]
+
+
+def _saving_forward(api):
+    """``_EagerAttention.forward`` that also keeps its context (the backward is run on it)."""
+    real = api._EagerAttention.forward
+
+    class _Ctx:
+        """A stand-in autograd context (no graph on fake CUDA tensors in a CPU-only torch)."""
+
+        def save_for_backward(self, *ts):
+            self.saved_tensors = ts
+
+        def set_materialize_grads(self, value):
+            pass
+
+    def forward(ctx, *args):
+        ctx = _Ctx()  # (the real one cannot hold fake CUDA tensors for a backward here)
+        _LAST_CTX[0] = ctx
+        return real(ctx, *args)
+
+    return staticmethod(forward)
+
+
+def _plain_tensor_key(call_key):
+    """``api._call_key`` that takes fake tensors for plain ones (FakeTensor is a subclass, and
+    FakeTensorMode is a dispatch mode: the real key refuses both, as it should)."""
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    def key(q, k, v, mask, causal, softmax_scale):
+        if call_key is None:
+            return None
+        with mock.patch("flashmask3.api.Tensor", FakeTensor), \
+                mock.patch("flashmask3.api._dispatch_stack_len", lambda: 0):
+            return call_key(q, k, v, mask, causal, softmax_scale)
+
+    return key
+
+
 def api_profile(calls: int) -> dict:
     """flashmask_attention around a stub backend (CPU tensors): the public layer's own work."""
     import flashmask3
@@ -233,6 +319,7 @@ def main(argv=None) -> int:
     ap.add_argument("--run", default="after",
                     help="the key this run is stored under in --out (other keys are kept)")
     ap.add_argument("--top", action="store_true", help="print the top cumulative functions")
+    ap.add_argument("--only-public", action="store_true", help="only the public-call part")
     args = ap.parse_args(argv)
     import triton
 
@@ -248,21 +335,28 @@ def main(argv=None) -> int:
                python=platform.python_version(), commit=commit.strip(),
                command=" ".join(["python"] + sys.argv),
                torch=torch.__version__, triton=triton.__version__,
-               backend=backend_profile(args.calls),
+               **({} if args.only_public else dict(
+                   backend=backend_profile(args.calls),
                backend_fresh_mask=backend_profile(args.calls, fresh_mask=True),
                backend_jit_run=backend_profile(args.calls, fast_launch=False, fresh_mask=True),
-               api=api_profile(args.calls))
-    for part in ("backend", "backend_fresh_mask", "backend_jit_run", "api"):
+                   api=api_profile(args.calls))),
+               public=public_profile(args.calls))
+    for part in ("public", "backend", "backend_fresh_mask", "backend_jit_run", "api"):
+        if part not in res:
+            continue
         print(f"-- {part}")
         for name, r in res[part].items():
             print(f"{name:44s} {r['us']:7.1f} µs  Python calls: flashmask3 "
-                  f"{r['calls_flashmask3']:4.0f}, triton {r['calls_triton']:4.0f}, all "
+                  f"{r['calls_flashmask3']:4.0f}, triton {r['calls_triton']:4.0f}, autograd.Function "
+                  f"{r['calls_autograd_function']:3.0f}, all "
                   f"{r['calls_all']:5.0f}; torch ops {r['torch_ops']:3.0f}"
                   + (f"; launches {len(r['launches'])}: {','.join(r['launches'])}"
                      if "launches" in r else ""))
             if args.top:
                 for fn, us in r["top_cumulative_us"]:
                     print(f"      {us:7.1f} µs  {fn}")
+                print("      calls: " + ", ".join(f"{fn} {n:g}" for fn, n in
+                                                 r["flashmask3_calls_by_function"]))
     if args.out:
         write_run(args.out, args.run, res)
     return 0

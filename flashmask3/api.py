@@ -16,7 +16,11 @@ from typing import Optional, Union
 import torch
 from torch import Tensor
 
+from ._env import env_reader
+from .kernels import ENV_VAR as ENV_BACKEND
 from .kernels import choose_backend, get_backend
+from .kernels.dispatch import ENV_VAR as ENV_KERNELS
+from .kernels.dispatch import TILE_OVERRIDE
 from .masks.mask import FlashMask, row_span_of_bucket, validate_startend_row_indices
 
 _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
@@ -92,34 +96,86 @@ def _backward(ctx, dout, dlse):
 _attention_forward.register_autograd(_backward, setup_context=_setup_context)
 
 
+class _BackendCall:
+    """A backend's forward and backward for one call signature, for backends without a
+    ``prepare`` of their own (the torch path): the decisions are the arguments."""
+
+    __slots__ = ("mod", "causal", "scale", "span")
+
+    def __init__(self, mod, causal: bool, softmax_scale: float, row_span: Optional[float]):
+        self.mod, self.causal, self.scale, self.span = mod, causal, softmax_scale, row_span
+
+    def forward(self, q, k, v, cols):
+        return self.mod.forward(q, k, v, cols, self.causal, self.scale, row_span=self.span)
+
+    def backward(self, dout, dlse, q, k, v, out, lse, cols):
+        return self.mod.backward(dout, dlse, q, k, v, out, lse, cols, self.causal, self.scale)
+
+
+def _prepare_backend(backend: str, q, k, cols, causal: bool, softmax_scale: float,
+                     row_span: Optional[float]):
+    """The backend's prepared call for this signature (its ``prepare`` if it has one)."""
+    mod = get_backend(backend)
+    prepare = getattr(mod, "prepare", None)
+    if prepare is None:
+        return _BackendCall(mod, causal, softmax_scale, row_span)
+    return prepare(q, k, cols, causal, softmax_scale, row_span)
+
+
 class _EagerAttention(torch.autograd.Function):
     """The same forward and backward as the custom op, for eager calls on plain tensors: one
-    ``autograd.Function`` frame instead of the custom op's dispatcher round trip (about 100
-    fewer Python calls per forward, ~90 per backward: benchmarks/host_profile.py). Traced calls
-    (torch.compile, export, fake or dispatch modes, tensor subclasses) take the custom op."""
+    ``autograd.Function`` frame instead of the custom op's dispatcher round trip. Traced calls
+    (torch.compile, export, fake or dispatch modes, functorch transforms, tensor subclasses)
+    take the custom op. ``call`` is the signature's prepared backend call
+    (:func:`_prepare_backend`). Gradients are not materialised: an unused LSE (or output) gets
+    None, not a zero tensor (no memset launch; the backends take ``dlse=None``)."""
 
     @staticmethod
-    def forward(ctx, q, k, v, startend_row_indices, causal, softmax_scale, backend, row_span):
-        out, lse = _attention_forward_impl(q, k, v, startend_row_indices, causal, softmax_scale,
-                                           backend, row_span)
-        ctx.save_for_backward(q, k, v, out, lse, startend_row_indices)
-        ctx.causal, ctx.softmax_scale, ctx.backend = causal, softmax_scale, backend
+    def forward(ctx, q, k, v, cols, call):
+        out, lse = call.forward(q, k, v, cols)
+        # the public contract: out contiguous, an fp32 LSE (float64 inputs give float64)
+        out, lse = out.contiguous(), lse.to(torch.float32).contiguous()
+        ctx.save_for_backward(q, k, v, out, lse, cols)
+        ctx.call = call
+        ctx.set_materialize_grads(False)
         return out, lse
 
     @staticmethod
     def backward(ctx, dout, dlse):
-        q, k, v, out, lse, startend_row_indices = ctx.saved_tensors
-        dq, dk, dv = get_backend(ctx.backend).backward(
-            dout.contiguous(), dlse, q, k, v, out, lse, startend_row_indices, ctx.causal,
-            ctx.softmax_scale)
-        return dq.contiguous(), dk.contiguous(), dv.contiguous(), None, None, None, None, None
+        q, k, v, out, lse, cols = ctx.saved_tensors
+        if dout is None:  # only the LSE was used
+            dout = torch.zeros_like(out)
+        dq, dk, dv = ctx.call.backward(dout.contiguous(), dlse, q, k, v, out, lse, cols)
+        return dq.contiguous(), dk.contiguous(), dv.contiguous(), None, None
+
+
+#: ``_EagerAttention.apply`` without ``Function.apply``'s Python wrapper (default-argument
+#: binding, unused here, and functorch's dead-wrapper unwrapping, done by :func:`_run_eager`
+#: with the same C function: 5-12 Python calls): the C entry point it ends with. Used only
+#: with no functorch transform active (those calls take the custom op, :func:`_traced`).
+_apply_eager = torch._C._FunctionBase.__dict__["apply"].__get__(None, _EagerAttention)
+_unwrap_if_dead = torch._C._functorch.unwrap_if_dead
+
+
+def _run_eager(q, k, v, cols, call):
+    """``_EagerAttention.apply(q, k, v, cols, call)`` as ``Function.apply`` runs it outside
+    functorch transforms (dead functorch wrappers unwrapped), without its Python frames."""
+    if cols is not None:
+        cols = _unwrap_if_dead(cols)
+    return _apply_eager(_unwrap_if_dead(q), _unwrap_if_dead(k), _unwrap_if_dead(v), cols, call)
+
+
+_dispatch_stack_len = torch._C._len_torch_dispatch_stack
+_functorch_active = torch._C._are_functorch_transforms_active
+_deterministic = torch.are_deterministic_algorithms_enabled
 
 
 def _traced(q: Tensor) -> bool:
     """Whether this call must go through the custom op: under torch.compile / export, inside a
-    dispatch mode (FakeTensorMode, functionalization, ...), or on a tensor subclass."""
+    dispatch mode (FakeTensorMode, functionalization, ...), under a functorch transform
+    (vmap, grad, ...), or on a tensor subclass."""
     return (torch.compiler.is_compiling() or type(q) is not Tensor
-            or torch._C._len_torch_dispatch_stack() > 0)
+            or _dispatch_stack_len() > 0 or _functorch_active())
 
 
 # -- argument checks ------------------------------------------------------------------------
@@ -255,6 +311,100 @@ def flashmask_attention(
     case, ``FLASHMASK3_KERNELS=split`` and ``torch.use_deterministic_algorithms(True)`` run the
     split backward, which is. The torch path is deterministic.
     """
+    if window_size is None and not torch.compiler.is_compiling():
+        key = _call_key(q, k, v, startend_row_indices, causal, softmax_scale)
+        prepared = None if key is None else _PREPARED.get(key)
+        if prepared is not None:
+            out, lse = prepared.run(q, k, v, startend_row_indices)
+            return (out, lse) if return_softmax_lse else out
+    else:
+        key = None
+    return _checked_call(q, k, v, startend_row_indices, causal, softmax_scale, window_size,
+                         return_softmax_lse, key)
+
+
+# -- prepared calls: the decisions of a call signature, made once ---------------------------
+
+
+#: The environment variables a call's checks and decisions read (the backend, the kernels'
+#: mode, the column-value switch, the interpreter): part of every signature.
+_ENV_NAMES = (ENV_BACKEND, ENV_KERNELS, CHECK_VALUES_ENV, "TRITON_INTERPRET")
+#: The values of :data:`_ENV_NAMES` now (an iterator; C-level reads, flashmask3/_env.py).
+_env_state = env_reader(*_ENV_NAMES)
+
+#: signature (:func:`_call_key`) -> :class:`_Prepared`, filled by calls that passed every check.
+_PREPARED: dict = {}
+#: More signatures than this (a shape per call, e.g. varying sequence lengths): start over.
+_MAX_PREPARED = 1024
+
+
+def _call_key(q, k, v, mask, causal, softmax_scale) -> Optional[tuple]:
+    """The signature of an eager call: everything :func:`_checked_call`'s checks and
+    decisions read (types, shapes, strides, dtypes, devices, the mask's form and layout, a
+    ``FlashMask``'s ``causal``/``seqlen_q``/row-span bucket, ``causal``, ``softmax_scale``
+    with their types, so that ``1`` and ``True`` differ, the environment, the deterministic
+    flag), or None when the call must take the full path (not plain tensors, a
+    dispatch mode or functorch transform active, a tile override, an unhashable argument)."""
+    if (type(q) is not Tensor or type(k) is not Tensor or type(v) is not Tensor
+            or _dispatch_stack_len() or _functorch_active() or TILE_OVERRIDE):
+        return None
+    tm = type(mask)
+    if mask is None:
+        mk = None
+    elif tm is Tensor:
+        mk = (mask.shape, mask.stride(), mask.dtype, mask.device)
+    elif tm is FlashMask:
+        cols = mask.startend_row_indices
+        if type(cols) is not Tensor:
+            return None
+        mk = (mask.causal, mask.seqlen_q, mask.row_span_bucket, cols.shape, cols.stride(),
+              cols.dtype, cols.device)
+    else:
+        return None
+    key = (q.shape, q.stride(), q.dtype, q.device, k.shape, k.stride(), k.dtype, k.device,
+           v.shape, v.stride(), v.dtype, v.device, tm, mk, type(causal), causal,
+           type(softmax_scale), softmax_scale, tuple(_env_state()), _deterministic())
+    try:
+        hash(key)
+    except TypeError:  # e.g. softmax_scale a list: the full path raises the TypeError
+        return None
+    return key
+
+
+class _Prepared:
+    """What a call signature runs after its checks: the prepared backend call, and whether
+    the columns' values are read on every call (CPU raw columns, or the debug switch)."""
+
+    __slots__ = ("call", "flashmask", "value_check")
+
+    def __init__(self, call, flashmask: bool, value_check: Optional[dict]):
+        self.call, self.flashmask, self.value_check = call, flashmask, value_check
+
+    def run(self, q, k, v, mask):
+        """(out, lse) of a call of this signature."""
+        cols = mask.startend_row_indices if self.flashmask else mask
+        if cols is not None:
+            if self.value_check is not None:
+                validate_startend_row_indices(cols, **self.value_check)
+            cols = cols.contiguous()
+        if q.stride(-1) != 1:
+            q = q.contiguous()
+        if k.stride(-1) != 1:
+            k = k.contiguous()
+        if v.stride(-1) != 1:
+            v = v.contiguous()
+        return _run_eager(q, k, v, cols, self.call)
+
+
+def clear_prepared() -> None:
+    """Forget every prepared call signature (tests that mock the hardware or the dispatch)."""
+    _PREPARED.clear()
+
+
+def _checked_call(q, k, v, startend_row_indices, causal, softmax_scale, window_size,
+                  return_softmax_lse, key):
+    """The full path of :func:`flashmask_attention`: every check, the decisions, the call;
+    when ``key`` is given (an eager signature), the decisions are kept under it."""
     check_qkv(q, k, v)
     b, sq, hq, d = q.shape
     sk = k.shape[1]
@@ -262,7 +412,8 @@ def flashmask_attention(
         raise TypeError(f"causal must be a bool, got {type(causal).__name__}")
     check_values = True
     row_span = None
-    if isinstance(startend_row_indices, FlashMask):
+    is_flashmask = isinstance(startend_row_indices, FlashMask)
+    if is_flashmask:
         mask = startend_row_indices
         if causal and not mask.causal:
             raise ValueError("causal=True conflicts with the given FlashMask, which has causal=False")
@@ -276,16 +427,32 @@ def flashmask_attention(
             raise ValueError("pass either window_size or startend_row_indices, not both")
         startend_row_indices = _window_columns(window_size, causal, b, sq, sk, q.device)
         check_values = False
+    value_check = None  # the validation a prepared call repeats: only the values' part
     if startend_row_indices is not None:
-        validate_startend_row_indices(
-            startend_row_indices, causal=causal, batch_size=b, seqlen_q=sq, seqlen_k=sk,
-            num_heads=hq, device=q.device,
-            check_values=check_values and _check_column_values(startend_row_indices),
-        )
+        checks = dict(causal=causal, batch_size=b, seqlen_q=sq, seqlen_k=sk, num_heads=hq,
+                      device=q.device,
+                      check_values=check_values and _check_column_values(startend_row_indices))
+        validate_startend_row_indices(startend_row_indices, **checks)
+        if checks["check_values"]:
+            value_check = checks
         startend_row_indices = startend_row_indices.contiguous()
     softmax_scale = resolve_softmax_scale(softmax_scale, d)
     backend = choose_backend(q)
     q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))
-    op = _attention_forward if _traced(q) else _EagerAttention.apply
-    out, lse = op(q, k, v, startend_row_indices, causal, softmax_scale, backend, row_span)
+    if _traced(q):
+        out, lse = _attention_forward(q, k, v, startend_row_indices, causal, softmax_scale,
+                                      backend, row_span)
+    else:
+        span = None if row_span is None else float(row_span)
+        call = _prepare_backend(backend, q, k, startend_row_indices, causal, softmax_scale,
+                                span)
+        out, lse = _run_eager(q, k, v, startend_row_indices, call)
+        if key is not None:
+            _remember(key, call, is_flashmask, value_check)
     return (out, lse) if return_softmax_lse else out
+
+
+def _remember(key, call, is_flashmask: bool, value_check: Optional[dict]) -> None:
+    if len(_PREPARED) >= _MAX_PREPARED:
+        _PREPARED.clear()
+    _PREPARED[key] = _Prepared(call, is_flashmask, value_check)

@@ -411,8 +411,10 @@ def hopper_dispatch(monkeypatch):
     monkeypatch.setattr(dispatch, "_capability", lambda index: (9, 0))
     monkeypatch.setattr(dispatch, "interpreting", lambda: False)
     dispatch.decide.cache_clear()
+    flashmask3.api.clear_prepared()  # (the hardware is not part of a call's signature)
     yield dispatch
     dispatch.decide.cache_clear()
+    flashmask3.api.clear_prepared()
 
 
 @needs_triton
@@ -478,3 +480,149 @@ def test_eager_calls_and_the_custom_op_agree(monkeypatch):
     torch.testing.assert_close(out, op_out, rtol=0, atol=0)
     for a, b in zip(grads, op_grads):
         torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
+# -- prepared calls: one signature's checks and decisions, made once ------------------------
+
+
+def _fresh(*ts):
+    return [t.detach().clone().requires_grad_() for t in ts]
+
+
+@pytest.mark.parametrize("form", ["FlashMask", "raw", "none"])
+def test_a_prepared_call_gives_the_full_paths_results(form, monkeypatch):
+    """The second call of a signature (a prepared call) gives the first's output, LSE and
+    gradients bit for bit, and both match the float64 reference; a gradient through the LSE
+    alone (the output unused: autograd passes None for it) matches the reference too."""
+    monkeypatch.setenv("FLASHMASK3_BACKEND", "torch")
+    flashmask3.api.clear_prepared()
+    q0, k0, v0 = make_qkv(1, 40, 40, 2, 1, 16, torch.float32, seed=11)
+    mask = M.causal_document_mask([15, 25])
+    arg = {"FlashMask": mask, "raw": mask.startend_row_indices, "none": None}[form]
+    cols = None if form == "none" else mask.startend_row_indices
+    runs = []
+    for _ in range(2):
+        q, k, v = _fresh(q0, k0, v0)
+        out, lse = flashmask3.flashmask_attention(q, k, v, arg, causal=True,
+                                                  return_softmax_lse=True)
+        dout = torch.randn(out.shape, generator=torch.Generator().manual_seed(3))
+        (out * dout).sum().backward()
+        runs.append((out, lse, q.grad, k.grad, v.grad))
+        assert len(flashmask3.api._PREPARED) == 1
+    for a, b in zip(*runs):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+    ref_out, ref_lse = reference_attention(q0, k0, v0, cols, True)
+    assert rel_err(runs[0][0], ref_out) < 1e-5 and rel_err(runs[0][1], ref_lse) < 1e-5
+    for _ in range(2):  # the LSE alone
+        q, k, v = _fresh(q0, k0, v0)
+        _, lse = flashmask3.flashmask_attention(q, k, v, arg, causal=True,
+                                                return_softmax_lse=True)
+        w = torch.randn(lse.shape, generator=torch.Generator().manual_seed(5))
+        (torch.where(torch.isinf(lse), 0, lse) * w).sum().backward()
+        qr, kr, vr = _fresh(q0, k0, v0)
+        _, ref = reference_attention(qr, kr, vr, cols, True)
+        (torch.where(torch.isinf(ref), 0, ref) * w.double()).sum().backward()
+        for got, want in ((q.grad, qr.grad), (k.grad, kr.grad)):
+            assert rel_err(got, want) < 1e-5
+        assert vr.grad is None and torch.count_nonzero(v.grad) == 0  # the LSE ignores v
+
+
+def test_a_bad_call_never_reuses_a_good_signature(monkeypatch):
+    """After good calls of a signature, calls that differ in one checked thing (types with
+    equal values such as 1 / True / 1.0, shapes, dtypes, a FlashMask's seqlen_q or causal
+    flag, out-of-range CPU column values of the same shape) still get their error, on every
+    call."""
+    monkeypatch.setenv("FLASHMASK3_BACKEND", "torch")
+    flashmask3.api.clear_prepared()
+    q, k, v = qkv()
+    mask = M.causal_document_mask([6, 10])
+    cols = mask.startend_row_indices
+    doc = M.document_mask([6, 10])  # (not causal)
+    good = [dict(startend_row_indices=cols, causal=True, softmax_scale=1.0),
+            dict(startend_row_indices=mask, causal=False, softmax_scale=None),
+            dict(startend_row_indices=doc, causal=False, softmax_scale=None)]
+    for kw in good:
+        for _ in range(2):
+            flashmask3.flashmask_attention(q, k, v, **kw)
+    assert len(flashmask3.api._PREPARED) == 3
+    bad_cols = cols.clone()
+    bad_cols[0, 0, 3, 0] = 99  # > Sq: CPU columns are read on every call
+    bad = [
+        (dict(startend_row_indices=cols, causal=1, softmax_scale=1.0), TypeError, "causal"),
+        (dict(startend_row_indices=cols, causal=True, softmax_scale=True), TypeError,
+         "softmax_scale"),
+        (dict(startend_row_indices=cols, causal=True, softmax_scale=-1.0), ValueError,
+         "softmax_scale"),
+        (dict(startend_row_indices=cols, causal=True, softmax_scale=[1.0]), TypeError,
+         "softmax_scale"),
+        (dict(startend_row_indices=bad_cols, causal=True, softmax_scale=1.0), ValueError,
+         "startend_row_indices"),
+        (dict(startend_row_indices=cols.long(), causal=True, softmax_scale=1.0), TypeError,
+         "int32"),
+        (dict(startend_row_indices=doc, causal=True, softmax_scale=None), ValueError,
+         "conflicts"),
+        (dict(startend_row_indices=M.FlashMask(cols, True, 8, None, _validated=True),
+              causal=False, softmax_scale=None), ValueError, "seqlen_q"),
+    ]
+    for kw, exc, match in bad:
+        for _ in range(2):
+            with pytest.raises(exc, match=match):
+                flashmask3.flashmask_attention(q, k, v, **kw)
+    for change in (lambda t: t.double(), lambda t: t[:, :8]):
+        for _ in range(2):
+            with pytest.raises((TypeError, ValueError)):
+                flashmask3.flashmask_attention(q, change(k), v, **good[0])
+
+
+def test_prepared_calls_follow_the_environment(monkeypatch):
+    """The environment is part of a signature: after good calls, a bad backend name is a
+    ValueError on every call, and switching backends takes effect on the next call."""
+    from flashmask3.kernels import torch_path
+
+    monkeypatch.setenv("FLASHMASK3_BACKEND", "torch")
+    flashmask3.api.clear_prepared()
+    q, k, v = qkv()
+    mask = M.causal_document_mask([6, 10])
+    for _ in range(2):
+        flashmask3.flashmask_attention(q, k, v, mask)
+    monkeypatch.setenv("FLASHMASK3_BACKEND", "bogus")
+    for _ in range(2):
+        with pytest.raises(ValueError, match="FLASHMASK3_BACKEND"):
+            flashmask3.flashmask_attention(q, k, v, mask)
+    seen = []
+    real = torch_path.forward
+    monkeypatch.setattr(torch_path, "forward", lambda *a, **kw: seen.append(1) or real(*a, **kw))
+    monkeypatch.setenv("FLASHMASK3_BACKEND", "torch")
+    flashmask3.flashmask_attention(q, k, v, mask)
+    assert seen == [1]
+    if HAS_TRITON:  # the Triton backend under the interpreter (conftest) for CPU tensors
+        monkeypatch.setenv("FLASHMASK3_BACKEND", "triton")
+        flashmask3.flashmask_attention(q, k, v, mask)
+        assert seen == [1]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("d", [64, 128])
+def test_gpu_prepared_calls_match_the_reference_with_a_dirty_allocator(d):
+    """The default Triton path on the GPU (the fused backward at D=64/128 on Hopper, its dQ
+    accumulator zeroed by the pre-pass): first call (checks) and later calls (the prepared
+    signature) match the float64 reference, with the caching allocator's free blocks filled
+    with NaN before each call (an accumulator left unzeroed would show)."""
+    flashmask3.api.clear_prepared()
+    s, h = 1024, 4
+    mask = M.causal_document_mask([300, 724], device="cuda")
+    q0, k0, v0 = make_qkv(1, s, s, h, h, d, torch.bfloat16, device="cuda", seed=d)
+    dout = torch.randn(q0.shape, device="cuda", dtype=q0.dtype)
+    qr, kr, vr = _fresh(q0, k0, v0)
+    ref_out, _ = reference_attention(qr, kr, vr, mask.startend_row_indices, True)
+    ref_out.backward(dout.double())
+    for call in range(3):
+        junk = torch.empty(8 * s * h * d, device="cuda").fill_(float("nan"))
+        del junk  # (its block goes back to the allocator's free list, NaN inside)
+        q, k, v = _fresh(q0, k0, v0)
+        out = flashmask3.flashmask_attention(q, k, v, mask)
+        out.backward(dout)
+        assert rel_err(out, ref_out) < 2e-2, call
+        for got, want in ((q.grad, qr.grad), (k.grad, kr.grad), (v.grad, vr.grad)):
+            assert torch.isfinite(got).all() and rel_err(got, want) < 2e-2, call
+    assert len(flashmask3.api._PREPARED) == 1

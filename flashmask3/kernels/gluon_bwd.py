@@ -1026,6 +1026,11 @@ def dq_accumulator_view(dq_t: torch.Tensor, sq: int) -> torch.Tensor:
     return dq_t[..., :sq].permute(0, 3, 1, 2)
 
 
+#: :func:`check_config` once per configuration (it raises on a bad one, so only good ones are
+#: kept; an ``lru_cache`` hit is no Python call).
+_checked_config = functools.lru_cache(maxsize=None)(check_config)
+
+
 def launch_dkdv_gluon(q, k, v, dout, lse2, delta, causal, softmax_scale, plan, block_m: int,
                       block_n: int, num_warps: int, num_stages: int, fuse_dq: bool = False,
                       warp_spec: bool = False, stats_smem: bool = False,
@@ -1050,16 +1055,17 @@ def launch_dkdv_gluon(q, k, v, dout, lse2, delta, causal, softmax_scale, plan, b
     unscaled fp32 dQ accumulated by TMA reduce-adds, shape [B, Sq, Hq, D] (a permuted view of
     the kernel's [B, Hq, D, Sq_pad] dQᵀ buffer, zero-initialised here); multiply by
     ``softmax_scale`` for dQ (:func:`fused_backward_gluon`). Its rounding order varies between
-    runs (atomics). ``dq_t`` (with ``fuse_dq``): an existing dQᵀ buffer from
-    :func:`new_dq_accumulator` to add into instead of a new zeroed one (the staged backward
-    of context parallelism: one accumulator for every stage of a layer)."""
+    runs (atomics). ``dq_t`` (with ``fuse_dq``): an existing dQᵀ buffer to add into, already
+    zeroed (``tl_kernels.dq_accumulator`` zeroed by ``backward_prepass``: one launch less; or
+    :func:`new_dq_accumulator`, shared by every stage of a context-parallel layer's staged
+    backward), else a new zeroed one is allocated here."""
     reason = unavailable_reason()
     if reason is not None:
         raise RuntimeError(reason)
     b, sq, hq, d = q.shape
     _, sk, hk, _ = k.shape
-    check_config(d, block_m, block_n, num_warps, num_stages, fuse_dq, warp_spec, stats_smem,
-                 ds_shared)
+    _checked_config(d, block_m, block_n, num_warps, num_stages, fuse_dq, warp_spec, stats_smem,
+                    ds_shared)
     if q.dtype not in (torch.bfloat16, torch.float16):
         raise ValueError(f"gluon dK/dV: dtype {q.dtype} (bf16 or fp16)")
     q, k, v, dout = q.contiguous(), k.contiguous(), v.contiguous(), dout.contiguous()
@@ -1086,6 +1092,9 @@ def launch_dkdv_gluon(q, k, v, dout, lse2, delta, causal, softmax_scale, plan, b
         sq_pad = cdiv(sq, 4) * 4
         if dq_t is None:
             dq_t = new_dq_accumulator(b, sq, hq, d, q.device)
+        elif dq_t.shape != (b, hq, d, sq_pad) or dq_t.dtype != torch.float32:
+            raise ValueError(f"gluon fused dQ: dq_t must be fp32 [{b}, {hq}, {d}, {sq_pad}], "
+                             f"got {dq_t.dtype} {tuple(dq_t.shape)}")
         dq_desc = descriptor(GluonDescriptor, dq_t.view(b * hq * d, sq_pad)[:, :sq],
                              dq_reduce_block(block_m, d), _dq_smem_layout(block_m, d))
         dq_acc = dq_accumulator_view(dq_t, sq)

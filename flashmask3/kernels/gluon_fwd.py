@@ -27,6 +27,7 @@ launch); :func:`unavailable_reason` says why it cannot be used. Offline sm_90 re
 
 from __future__ import annotations
 
+import functools
 from typing import Optional
 
 import torch
@@ -726,6 +727,16 @@ def check_config(d: int, block_m: int, block_n: int, num_warps: int, num_stages:
         raise ValueError(f"gluon fwd: {smem} bytes of shared memory > {SMEM_LIMIT}")
 
 
+@functools.lru_cache(maxsize=None)
+def _launch_params(d: int, block_m: int, block_n: int, num_warps: int, num_stages: int,
+                   warp_spec: bool, pingpong: bool, col_words: int) -> tuple:
+    """:func:`check_config` (raises on a bad configuration, so an error is never cached) and
+    the launch's (CONSUMER_REGS, maxnreg): a function of the configuration only, computed
+    once per configuration (an ``lru_cache`` hit is no Python call)."""
+    check_config(d, block_m, block_n, num_warps, num_stages, warp_spec, pingpong, col_words)
+    return ws_consumer_regs(num_warps), ws_maxnreg(num_warps)
+
+
 def _descriptors(q, k, v, q_rows: int, block_n: int):
     """TMA descriptors of Q ``[B*Sq, Hq*D]`` (block [q_rows, D]) and K, V ``[B*Sk, Hk*D]``
     (block [block_n, D]), NVMMA-swizzled for the wgmma."""
@@ -755,8 +766,8 @@ def launch_fwd_gluon(q, k, v, mask, causal, softmax_scale, plan, block_m: int, b
     b, sq, hq, d = q.shape
     _, sk, hk, _ = k.shape
     cols_smem = _uses_cols_smem(warp_spec, plan.c, cols_smem)
-    check_config(d, block_m, block_n, num_warps, num_stages, warp_spec, pingpong,
-                 plan.c if cols_smem else 0)
+    consumer_regs, maxnreg = _launch_params(d, block_m, block_n, num_warps, num_stages,
+                                            warp_spec, pingpong, plan.c if cols_smem else 0)
     if q.dtype not in (torch.bfloat16, torch.float16):
         raise ValueError(f"gluon fwd: dtype {q.dtype} (bf16 or fp16)")
     q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
@@ -776,8 +787,8 @@ def launch_fwd_gluon(q, k, v, mask, causal, softmax_scale, plan, block_m: int, b
     if not warp_spec:  # the one-partition Gluon forward measured 0.87-0.95x tl and was deleted
         raise ValueError("gluon fwd: only the warp-specialised kernel exists (warp_spec=True)")
     launch(_fwd_ws_kernel, (nqb, b * hq), *args, nqb * b * hq, **consts, PINGPONG=pingpong,
-                                  CONSUMER_REGS=ws_consumer_regs(num_warps), COLS_SMEM=cols_smem,
-                                  num_warps=4, maxnreg=ws_maxnreg(num_warps))
+                                  CONSUMER_REGS=consumer_regs, COLS_SMEM=cols_smem,
+                                  num_warps=4, maxnreg=maxnreg)
     return out, lse
 
 

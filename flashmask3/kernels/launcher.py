@@ -30,10 +30,11 @@ kernel has pre-run hooks, under ``TRITON_INTERPRET=1``, or with ``FLASHMASK3_FAS
 
 from __future__ import annotations
 
-import os
 from typing import Any
 
 import torch
+
+from .._env import UNSET_OR_OFF, env_reader
 
 try:
     from triton import knobs as _knobs
@@ -43,6 +44,9 @@ except ImportError:  # pragma: no cover - triton is a dependency of the kernels
 
 #: Set to 0 to launch every kernel through ``kernel[grid](...)`` (the A/B switch of the GPU test).
 FAST_LAUNCH_ENV = "FLASHMASK3_FAST_LAUNCH"
+
+#: (TRITON_INTERPRET, FLASHMASK3_FAST_LAUNCH) now: C-level reads (flashmask3/_env.py).
+_read_env = env_reader("TRITON_INTERPRET", FAST_LAUNCH_ENV)
 
 _I32 = 2 ** 31
 _U64 = 2 ** 63
@@ -71,10 +75,8 @@ def fast_launch_enabled() -> bool:
     with ``FLASHMASK3_FAST_LAUNCH=0``, not while Triton launch hooks are set: a hook is a
     ``HookChain`` in Triton 3.6, set when its ``calls`` list is not empty; a callable or None
     in older versions)."""
-    env = os.environ
-    if _knobs is None or env.get("TRITON_INTERPRET", "0") not in ("", "0"):
-        return False
-    if env.get(FAST_LAUNCH_ENV, "1") == "0":
+    interpret, fast = _read_env()
+    if _knobs is None or interpret not in UNSET_OR_OFF or fast in ("0", b"0"):
         return False
     rt = _knobs.runtime
     enter, exit_ = rt.launch_enter_hook, rt.launch_exit_hook

@@ -10,6 +10,7 @@ descriptors. Which kernel runs at which tile is decided in :mod:`.dispatch`, not
 from __future__ import annotations
 
 import os
+from typing import Optional
 
 import torch
 import triton
@@ -171,10 +172,14 @@ def _fwd_kernel(q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr, mask_ptr, sum_ptr, rng_ptr,
 # ---------------------------------------------------------------------------------------------
 
 
-@triton.jit(do_not_specialize=["Sq", "Hq"])
-def _bwd_pre_kernel(o_ptr, do_ptr, lse_ptr, dlse_ptr, delta_ptr, lse2_ptr, Sq, Hq,
-                    D: tl.constexpr, BLOCK_M: tl.constexpr, HAS_DLSE: tl.constexpr):
-    """delta = rowsum(dO * O) - dlse and lse2 = lse * log2(e) (+inf on fully masked rows)."""
+@triton.jit(do_not_specialize=["Sq", "Hq", "Sq_pad"])
+def _bwd_pre_kernel(o_ptr, do_ptr, lse_ptr, dlse_ptr, delta_ptr, lse2_ptr, dq_ptr, Sq, Hq,
+                    Sq_pad, D: tl.constexpr, BLOCK_M: tl.constexpr, HAS_DLSE: tl.constexpr,
+                    ZERO_DQ: tl.constexpr):
+    """delta = rowsum(dO * O) - dlse and lse2 = lse * log2(e) (+inf on fully masked rows);
+    with ``ZERO_DQ`` also zeroes this block's rows of the fused backward's fp32 dQᵀ
+    accumulator ``[B, Hq, D, Sq_pad]`` (rows < Sq: the padding is never read), which saves
+    the memset launch of a ``torch.zeros``."""
     m_blk = tl.program_id(0)
     bh = tl.program_id(1)
     b = (bh // Hq).to(tl.int64)
@@ -193,6 +198,12 @@ def _bwd_pre_kernel(o_ptr, do_ptr, lse_ptr, dlse_ptr, delta_ptr, lse2_ptr, Sq, H
     lse2 = tl.where(lse == float("-inf"), float("inf"), lse * 1.4426950408889634)
     tl.store(delta_ptr + row, delta, mask=rmask)
     tl.store(lse2_ptr + row, lse2, mask=rmask)
+    if ZERO_DQ:  # [16, BLOCK_M] tiles, their last axis (the rows) contiguous in memory
+        offs_c = tl.arange(0, 16)
+        for c0 in tl.static_range(0, D, 16):
+            dq_off = ((b * Hq + h) * D + c0 + offs_c[:, None]) * Sq_pad + offs_m[None, :]
+            tl.store(dq_ptr + dq_off, tl.zeros([16, BLOCK_M], dtype=tl.float32),
+                     mask=rmask[None, :])
 
 
 @triton.jit(do_not_specialize=["Sq", "Hq"])
@@ -514,18 +525,33 @@ def launch_fwd(q, k, v, causal, softmax_scale, cfg: Config, plan: Plan):
     return out, lse
 
 
-def backward_prepass(out, dout, lse, dlse):
+def backward_prepass(out, dout, lse, dlse, dq_t: Optional[torch.Tensor] = None):
     """(delta, lse2) of the backward: ``rowsum(dO * O) - dlse`` and the LSE in base 2 with
-    ``+inf`` on fully masked rows, both fp32 ``[B, Hq, Sq]``."""
+    ``+inf`` on fully masked rows, both fp32 ``[B, Hq, Sq]``. ``dq_t``: the fused backward's
+    fp32 dQᵀ accumulator ``[B, Hq, D, Sq_pad]`` (contiguous, :func:`dq_accumulator`), zeroed
+    here on its first Sq columns (one launch instead of two)."""
     b, sq, hq, d = out.shape
     delta = torch.empty((b, hq, sq), dtype=torch.float32, device=out.device)
     lse2 = torch.empty_like(delta)
     bm = 64 if d <= 128 else 32
     has_dlse = dlse is not None
     dl = dlse.to(torch.float32).contiguous() if has_dlse else delta
+    zero_dq = dq_t is not None
+    if zero_dq and (dq_t.shape[:3] != (b, hq, d) or dq_t.shape[3] < sq
+                    or dq_t.dtype != torch.float32 or not dq_t.is_contiguous()):
+        raise ValueError(f"dq_t must be a contiguous fp32 [B, Hq, D, >= Sq] = [{b}, {hq}, {d}, "
+                         f">= {sq}] tensor, got {dq_t.dtype} {tuple(dq_t.shape)}")
     launch(_bwd_pre_kernel, (cdiv(sq, bm), b * hq), out, dout, lse.contiguous(), dl,
-           delta, lse2, sq, hq, D=d, BLOCK_M=bm, HAS_DLSE=has_dlse, num_warps=4)
+           delta, lse2, dq_t if zero_dq else delta, sq, hq, dq_t.shape[3] if zero_dq else 0,
+           D=d, BLOCK_M=bm, HAS_DLSE=has_dlse, ZERO_DQ=zero_dq, num_warps=4)
     return delta, lse2
+
+
+def dq_accumulator(b: int, sq: int, hq: int, d: int, device) -> torch.Tensor:
+    """An uninitialised fp32 dQᵀ accumulator ``[B, Hq, D, Sq_pad]`` of the fused backward
+    (Sq_pad: Sq rounded up to 4, a 16-byte row stride for TMA), to be zeroed by
+    :func:`backward_prepass`."""
+    return torch.empty((b, hq, d, cdiv(sq, 4) * 4), dtype=torch.float32, device=device)
 
 
 def launch_dkdv(q, k, v, dout, lse2, delta, causal, softmax_scale, cfg: Config, plan: Plan):

@@ -42,10 +42,6 @@ def _check_head_dim(d: int) -> None:
         raise ValueError(f"the Triton FlashMask kernel supports head dims 16..256 powers of two, got {d}")
 
 
-def _contig(*xs):
-    return [x.contiguous() for x in xs]
-
-
 def _plan(mask, causal, sq, sk, launch: Launch, device) -> Plan:
     t = launch.tile
     return cached_plan(mask, causal, sq, sk, t.block_m, t.block_n, PLAN_BY_KEY[launch.pass_],
@@ -64,17 +60,83 @@ def run_forward(launch: Launch, q, k, v, mask, causal, softmax_scale, plan: Plan
                             warp_spec=True, pingpong=launch.kernel == "gluon_ws_pingpong")
 
 
-def run_dkdv(launch: Launch, q, k, v, dout, lse2, delta, causal, softmax_scale, plan: Plan):
+def run_dkdv(launch: Launch, q, k, v, dout, lse2, delta, causal, softmax_scale, plan: Plan,
+             dq_t: Optional[torch.Tensor] = None):
     """(dk, dv, dq_acc) of a dK/dV or fused ``launch``; dq_acc (unscaled fp32 dQ) only when
-    fused, else None."""
+    fused, else None. ``dq_t``: the fused kernel's zeroed dQᵀ accumulator
+    (``tl_kernels.dq_accumulator`` zeroed by the pre-pass), else it allocates one."""
     args = (q, k, v, dout, lse2, delta, causal, softmax_scale)
     if launch.kernel == "tl":
         return tl_kernels.launch_dkdv(*args, launch.tile, plan) + (None,)
     if launch.kernel == "gluon_fused":
-        return launch_dkdv_gluon(*args, plan, *_tile_args(launch.tile), **FUSED_VARIANT)
+        return launch_dkdv_gluon(*args, plan, *_tile_args(launch.tile), **FUSED_VARIANT,
+                                 dq_t=dq_t)
     dk, dv = launch_dkdv_gluon(*args, plan, *_tile_args(launch.tile), warp_spec=True,
                                stats_smem=launch.kernel == "gluon_ws_dkdv_stats")
     return dk, dv, None
+
+
+class PreparedCall:
+    """The decisions of one call signature, made once: the dispatch's forward and backward
+    launches for these shapes, dtype, mask layout and row span (``api.py`` keeps one per
+    signature, docs/host-path.md). :meth:`forward` / :meth:`backward` do only the per-call
+    work: the plans (cached per mask tensor), the outputs and the launches. The backward
+    runs the launches chosen when the call was prepared (with the environment of then)."""
+
+    __slots__ = ("causal", "scale", "fwd_launch", "bwd_launches")
+
+    def __init__(self, q, k, startend_row_indices: Optional[torch.Tensor], causal: bool,
+                 softmax_scale: float, row_span: Optional[float] = None):
+        d = q.shape[-1]
+        _check_head_dim(d)
+        c = 0 if startend_row_indices is None else startend_row_indices.shape[-1]
+        self.causal, self.scale = causal, softmax_scale
+        self.fwd_launch = dispatch.choose(q.device, q.dtype, d, causal, c, row_span).forward
+        self.bwd_launches = dispatch.choose(q.device, q.dtype, d, causal, c).backward
+
+    def forward(self, q, k, v, startend_row_indices):
+        """``(out, lse)`` of these inputs (the signature's shapes)."""
+        q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
+        b, sq, hq, _ = q.shape
+        sk = k.shape[1]
+        if sq == 0 or sk == 0:
+            return torch.zeros_like(q), torch.full((b, hq, sq), float("-inf"), device=q.device)
+        launch = self.fwd_launch
+        plan = _plan(startend_row_indices, self.causal, sq, sk, launch, q.device)
+        return run_forward(launch, q, k, v, startend_row_indices, self.causal, self.scale, plan)
+
+    def backward(self, dout, dlse, q, k, v, out, lse, startend_row_indices):
+        """``(dq, dk, dv)``; ``dlse`` (or None) is folded into delta."""
+        q, k, v, out = q.contiguous(), k.contiguous(), v.contiguous(), out.contiguous()
+        dout = dout.contiguous()
+        b, sq, hq, d = q.shape
+        sk = k.shape[1]
+        if sq == 0 or sk == 0:
+            return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
+        if dout.dtype != q.dtype:
+            dout = dout.to(q.dtype)
+        causal, scale = self.causal, self.scale
+        launches = self.bwd_launches
+        first = launches[0]
+        # the fused kernel's dQ accumulator is zeroed by the pre-pass (no memset launch)
+        dq_t = (tl_kernels.dq_accumulator(b, sq, hq, d, q.device)
+                if first.kernel == "gluon_fused" else None)
+        delta, lse2 = tl_kernels.backward_prepass(out, dout, lse, dlse, dq_t)
+        plan = _plan(startend_row_indices, causal, sq, sk, first, q.device)
+        dk, dv, dq_acc = run_dkdv(first, q, k, v, dout, lse2, delta, causal, scale, plan, dq_t)
+        if dq_acc is not None:
+            return tl_kernels.scale_dq(dq_acc, scale, q.dtype), dk, dv
+        dq_launch = launches[1]
+        plan = _plan(startend_row_indices, causal, sq, sk, dq_launch, q.device)
+        dq = tl_kernels.launch_dq(q, k, v, dout, lse2, delta, causal, scale, dq_launch.tile,
+                                  plan)
+        return dq, dk, dv
+
+
+def prepare(q, k, startend_row_indices: Optional[torch.Tensor], causal: bool,
+            softmax_scale: float, row_span: Optional[float] = None) -> PreparedCall:
+    """The :class:`PreparedCall` of a signature (``api.py``'s per-signature cache)."""
+    return PreparedCall(q, k, startend_row_indices, causal, softmax_scale, row_span)
 
 
 def forward(q, k, v, startend_row_indices: Optional[torch.Tensor], causal: bool,
@@ -82,16 +144,8 @@ def forward(q, k, v, startend_row_indices: Optional[torch.Tensor], causal: bool,
     """Backend contract: masked attention forward, returns ``(out, lse)``. ``row_span``: the
     mask's mean row span where known (as ``api.kernel_row_span`` gives it: rounded down to its
     half octave), a key of the dispatch table."""
-    q, k, v = _contig(q, k, v)
-    b, sq, hq, d = q.shape
-    sk = k.shape[1]
-    _check_head_dim(d)
-    if sq == 0 or sk == 0:
-        return torch.zeros_like(q), torch.full((b, hq, sq), float("-inf"), device=q.device)
-    c = 0 if startend_row_indices is None else startend_row_indices.shape[-1]
-    launch = dispatch.choose(q.device, q.dtype, d, causal, c, row_span).forward
-    plan = _plan(startend_row_indices, causal, sq, sk, launch, q.device)
-    return run_forward(launch, q, k, v, startend_row_indices, causal, softmax_scale, plan)
+    return prepare(q, k, startend_row_indices, causal, softmax_scale, row_span).forward(
+        q, k, v, startend_row_indices)
 
 
 def backward(dout, dlse, q, k, v, out, lse, startend_row_indices: Optional[torch.Tensor],
@@ -99,26 +153,8 @@ def backward(dout, dlse, q, k, v, out, lse, startend_row_indices: Optional[torch
     """Backend contract: gradients ``(dq, dk, dv)``; ``dlse`` (or None) is folded into delta.
     The fused backward (the table's default on Hopper at D=64/128) adds dQ with atomics, so
     its rounding order varies run to run; the split one is bitwise reproducible."""
-    q, k, v, out, dout = _contig(q, k, v, out, dout)
-    b, sq, hq, d = q.shape
-    sk = k.shape[1]
-    _check_head_dim(d)
-    if sq == 0 or sk == 0:
-        return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
-    dout = dout.to(q.dtype)
-    c = 0 if startend_row_indices is None else startend_row_indices.shape[-1]
-    delta, lse2 = tl_kernels.backward_prepass(out, dout, lse, dlse)
-    launches = dispatch.choose(q.device, q.dtype, d, causal, c).backward
-    first = launches[0]
-    plan = _plan(startend_row_indices, causal, sq, sk, first, q.device)
-    dk, dv, dq_acc = run_dkdv(first, q, k, v, dout, lse2, delta, causal, softmax_scale, plan)
-    if dq_acc is not None:
-        return tl_kernels.scale_dq(dq_acc, softmax_scale, q.dtype), dk, dv
-    dq_launch = launches[1]
-    plan = _plan(startend_row_indices, causal, sq, sk, dq_launch, q.device)
-    dq = tl_kernels.launch_dq(q, k, v, dout, lse2, delta, causal, softmax_scale, dq_launch.tile,
-                              plan)
-    return dq, dk, dv
+    return prepare(q, k, startend_row_indices, causal, softmax_scale).backward(
+        dout, dlse, q, k, v, out, lse, startend_row_indices)
 
 
 def preprocess(mask: Optional[torch.Tensor], causal: bool, seqlen_q: int, seqlen_k: int,

@@ -426,6 +426,35 @@ def test_gpu_deterministic_mode_is_bitwise_reproducible(monkeypatch):
         assert rel_err(f, a) < 1e-2
 
 
+@pytest.mark.parametrize("d,dlse", [(64, False), (128, True)])
+def test_backward_prepass_zeroes_the_fused_dq_accumulator(d, dlse):
+    """``backward_prepass`` with the fused backward's dQᵀ accumulator: delta and lse2 bit for
+    bit those of the pre-pass without it (and equal to torch's formula), the accumulator's first
+    Sq columns zeroed over random garbage (Sq not a multiple of the block), the padding
+    untouched (never read)."""
+    b, sq, hq = 2, 70, 3
+    g = torch.Generator(device=DEVICE).manual_seed(d)
+    out, dout = (torch.randn(b, sq, hq, d, device=DEVICE, generator=g) for _ in range(2))
+    lse = torch.randn(b, hq, sq, device=DEVICE, generator=g)
+    lse[0, 1, 5] = float("-inf")
+    dl = torch.randn(b, hq, sq, device=DEVICE, generator=g) if dlse else None
+    dq_t = TL.dq_accumulator(b, sq, hq, d, DEVICE)
+    assert dq_t.shape == (b, hq, d, 72)
+    dq_t.copy_(torch.randn(dq_t.shape, device=DEVICE, generator=g))
+    pad = dq_t[..., sq:].clone()
+    delta, lse2 = TL.backward_prepass(out, dout, lse, dl, dq_t)
+    delta0, lse20 = TL.backward_prepass(out, dout, lse, dl)
+    assert torch.equal(delta, delta0) and torch.equal(lse2, lse20)
+    assert torch.count_nonzero(dq_t[..., :sq]) == 0 and torch.equal(dq_t[..., sq:], pad)
+    ref = (out.double() * dout.double()).sum(-1).permute(0, 2, 1)
+    if dlse:
+        ref = ref - dl.double()
+    assert rel_err(delta, ref) < 1e-5
+    assert lse2[0, 1, 5] == float("inf")
+    with pytest.raises(ValueError, match="dq_t"):
+        TL.backward_prepass(out, dout, lse, dl, dq_t[..., :sq])
+
+
 @pytest.mark.parametrize("d", [64, 256])
 def test_scale_dq_reads_any_strides(d):
     """``scale_dq`` (the fused backward's last step) on the Gluon kernel's transposed
