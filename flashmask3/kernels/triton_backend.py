@@ -180,6 +180,10 @@ from . import staged  # noqa: E402
 from .gluon_bwd import dq_accumulator_view, new_dq_accumulator  # noqa: E402
 
 
+def _contig(*xs):
+    return [x.contiguous() for x in xs]
+
+
 @dataclass
 class StagedBackward:
     """What every stage of one layer's backward shares: ``dout`` in q's dtype, the pre-pass
