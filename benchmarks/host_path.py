@@ -374,6 +374,7 @@ def main(argv=None) -> int:
     ap.add_argument("--small-seqlens", default="4096,8192")
     ap.add_argument("--small-docs", default="1,5")
     ap.add_argument("--skip-small", action="store_true")
+    ap.add_argument("--skip-host", action="store_true", help="only the small-problem table")
     ap.add_argument("--floor", action="store_true", help="only the host floor (floor.json/.md)")
     args = ap.parse_args(argv)
     if args.dry_run:
@@ -398,7 +399,8 @@ def main(argv=None) -> int:
         with open(os.path.join(args.out, "floor.md")) as f:
             print(f.read())
         return 0
-    host = host_table(args.host_seqlen, heads, d, dtype, args.host_docs, args.out)
+    host = [] if args.skip_host else host_table(args.host_seqlen, heads, d, dtype, args.host_docs,
+                                                 args.out)
     md = write(args.out, meta, host, [])  # (kept if the small table runs out of time)
     if not args.skip_small:
         small = small_table([int(x) for x in args.small_seqlens.split(",")], heads, d, dtype,
