@@ -30,7 +30,7 @@ from __future__ import annotations
 import json
 import math
 import os
-from dataclasses import asdict, dataclass
+from dataclasses import replace, asdict, dataclass
 from typing import Iterable, Optional
 
 import numpy as np
@@ -113,6 +113,19 @@ class AttentionCost:
     def backward(self, tiles: TileCounts, heads: int) -> float:
         programs = math.ceil(tiles.keys / TILE) * heads * tiles.batch
         return self.bwd.seconds(tiles, heads, programs)
+
+    def backward_stage(self, tiles: TileCounts, heads: int) -> float:
+        """One staged ``backward_stage`` call (overlap mode): tiles, key blocks and the per-call
+        cost, without the per-query-block term, which the runtime pays once per layer in
+        ``backward_prepare`` / ``backward_finish`` (:meth:`backward_query_blocks`)."""
+        programs = math.ceil(tiles.keys / TILE) * heads * tiles.batch
+        staged = replace(self.bwd, a_qblock=0.0)
+        return staged.seconds(tiles, heads, programs)
+
+    def backward_query_blocks(self, tiles: TileCounts, heads: int) -> float:
+        """The backward's per-query-block GPU time (delta/lse pre-pass, dQ zeroing and scaling),
+        charged once per layer in overlap mode (``tiles``: any stage over all local query rows)."""
+        return self.bwd.a_qblock * tiles.q_blocks * heads
 
     def gpu_forward(self, tiles: TileCounts, heads: int) -> float:
         return self.fwd.gpu_seconds(tiles, heads, _programs("fwd", tiles, heads))

@@ -322,8 +322,10 @@ def _stage_tasks(view: PlanView, r: int, cost: AttentionCost, cluster: Cluster, 
         work = 0.0
         if tiles.live:
             if backward:
-                work = cost.backward(tiles, shape.heads) * gpu_scale
+                work = cost.backward_stage(tiles, shape.heads) * gpu_scale
                 work += _grad_accum_seconds(cluster, shape, tiles.q_rows, tiles.keys)
+                if not have:  # backward_prepare: the per-query-block pre-pass, once per layer
+                    work += cost.backward_query_blocks(tiles, shape.heads) * gpu_scale
             else:
                 work = cost.forward(tiles, shape.heads) * gpu_scale
                 if have:
@@ -432,7 +434,7 @@ def host_seconds(view: PlanView, r: int, comm: str, cluster: Cluster, runtime) -
     stages = sum(1 for t in view.stages[r] if t.live)
     msgs = _messages_per_rank(view)[r]
     chunks = sum(view.stage_chunks[r][1:])
-    calls = 2 * stages
+    calls = 2 * stages + 2  # forward + backward_stage per stage, backward_prepare/finish once
     ops = runtime.host_ops(2 * len(view.stages[r]), msgs, chunks, calls)
     return ops * cluster.host_op.value
 

@@ -25,6 +25,12 @@ class TileCost:
     def backward(self, tiles, heads):
         return 2 * tiles.full * MS
 
+    def backward_stage(self, tiles, heads):
+        return self.backward(tiles, heads)
+
+    def backward_query_blocks(self, tiles, heads):
+        return 0.0
+
 
 def cluster(**kw) -> Cluster:
     """A chunk takes 1 ms on any link; no latency, overhead or SM share; merges free."""
