@@ -285,7 +285,7 @@ def discussion(model, layout, results: dict, alt_layout, alt_results: dict, swee
                 f"per call ({'measured' if cost.fwd.host_measured else 'the fitted do_bench floor'}) and a GPU "
                 f"part that every call pays whatever its tiles ({cost.fwd.call * 1e6:.0f} / {cost.bwd.call * 1e6:.0f} us, "
                 f"plus {cost.bwd.a_qblock * 1e9:.0f} ns per query block and head in the backward: the backward's "
-                "pass over all the rank's query rows, once per stage call)") if cost is not None else "the per-call terms"
+                "pass over all the rank's query rows, once per backward call in the all-gather modes and once per layer in the staged overlap backward)") if cost is not None else "the per-call terms"
         lines[-1] += (f" The per-call cost of the attention calls (host and GPU) would add {_pts(min(call_room))} to "
                       f"{_pts(max(call_room))}: {host}; the overlapped methods make one call per stage (3-4 live "
                       "stages per rank and pass in these plans) where the all-gather methods make one.")
