@@ -203,6 +203,16 @@ def _block_workers(device: torch.device):
         torch.set_num_threads(n)
 
 
+def _summed_key_grads(slots, dk_shape, dv_shape, acc, device):
+    """(dK, dV) summed over the workers' accumulation slots, in the workers' layout; zeros of
+    ``dk_shape`` / ``dv_shape`` when no worker had a live block (every row fully masked)."""
+    slots = [slot for slot in slots if slot]
+    if not slots:
+        return (torch.zeros(dk_shape, dtype=acc, device=device),
+                torch.zeros(dv_shape, dtype=acc, device=device))
+    return sum(slot["dk"] for slot in slots), sum(slot["dv"] for slot in slots)
+
+
 def _for_each_block(work, blocks, workers) -> list:
     """Run ``work(block, slot)`` on every block with live keys; returns the ``slot`` dicts.
 
@@ -345,12 +355,8 @@ def _backward(dout, dlse, q, k, v, out, lse, startend_row_indices, causal, softm
         # ds is dS / softmax_scale and q_rows is softmax_scale * Q: their product is dK
         _add_live(slot["dk"], torch.matmul(ds.transpose(-1, -2), q_rows), blk.key_runs)
 
-    slots = [slot for slot in _for_each_block(block_backward, plan.blocks, workers) if slot]
-    if slots:
-        dk, dv = sum(slot["dk"] for slot in slots), sum(slot["dv"] for slot in slots)
-    else:  # every row fully masked
-        dk = torch.zeros(b, hk, sk, d, dtype=acc, device=q.device)
-        dv = torch.zeros(b, hk, sk, dv_dim, dtype=acc, device=q.device)
+    dk, dv = _summed_key_grads(_for_each_block(block_backward, plan.blocks, workers),
+                               (b, hk, sk, d), (b, hk, sk, dv_dim), acc, q.device)
     return (
         _from_query_layout(dq).to(q.dtype),
         dk.permute(0, 2, 1, 3).to(k.dtype),
@@ -544,12 +550,8 @@ def _backward_fused(dout, q, k, v, out, lse, startend, causal, softmax_scale, wo
         _add_live(slot["dk"], gk, blk.key_runs)
         _add_live(slot["dv"], gv, blk.key_runs)
 
-    slots = [slot for slot in _for_each_block(block_backward, plan.blocks, workers) if slot]
-    if slots:
-        dk, dv = sum(slot["dk"] for slot in slots), sum(slot["dv"] for slot in slots)
-    else:  # every row fully masked
-        dk = torch.zeros(b, hk, sk, d, dtype=acc, device=q.device)
-        dv = torch.zeros(b, hk, sk, dv_dim, dtype=acc, device=q.device)
+    dk, dv = _summed_key_grads(_for_each_block(block_backward, plan.blocks, workers),
+                               (b, hk, sk, d), (b, hk, sk, dv_dim), acc, q.device)
     return dq.to(q.dtype), dk.transpose(1, 2).to(k.dtype), dv.transpose(1, 2).to(v.dtype)
 
 
