@@ -233,7 +233,7 @@ from .gluon_common import (  # noqa: F401  (the shared Gluon helpers)
     ws_programs_per_sm)
 from .launcher import cdiv, descriptor, launch
 from .tiles import _NO_SPEC, LOG2E, _num_intervals  # noqa: F401
-from .tl_kernels import scale_dq
+from .tl_kernels import dq_accumulator, scale_dq
 
 if GLUON_IMPORT_ERROR is None:
     from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier,  # noqa: F401
@@ -1018,7 +1018,7 @@ def _check_ds_shared(d, block_m, block_n, num_warps, num_stages, fuse_dq, warp_s
 def new_dq_accumulator(b: int, sq: int, hq: int, d: int, device) -> torch.Tensor:
     """A zeroed fp32 dQᵀ buffer ``[B, Hq, D, Sq_pad]`` for the FUSE_DQ kernel's reduce-adds
     (``Sq_pad``: Sq rounded up to a multiple of 4, TMA's 16-byte row stride)."""
-    return torch.zeros((b, hq, d, cdiv(sq, 4) * 4), dtype=torch.float32, device=device)
+    return dq_accumulator(b, sq, hq, d, device).zero_()
 
 
 def dq_accumulator_view(dq_t: torch.Tensor, sq: int) -> torch.Tensor:
