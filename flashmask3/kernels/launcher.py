@@ -12,7 +12,10 @@ check, launch metadata). :func:`launch` does the same launch with a fraction of 
    needed and returns the ``CompiledKernel``) and keeps that compiled kernel for the key.
 3. On a hit it calls ``compiled.run(gx, gy, gz, stream, function, packed_metadata, None,
    None, None, *all_args)``, the call ``JITFunction.run`` ends with, on the CURRENT stream
-   (CUDA-graph capture records that stream).
+   (CUDA-graph capture records that stream); with Triton 3.6's ``CudaLauncher`` it goes one
+   step further and calls the C launcher inside it, with each host TMA descriptor expanded
+   from a cache (the CUtensorMap of a descriptor template and base pointer is encoded once,
+   not on every launch: :func:`_raw_launch_parts`).
 
 Specialisation safety. Triton 3.6 specialises (``native_specialize_impl``) a tensor on its
 dtype and on its data pointer being 16-byte aligned; an integer on its type (i32 / i64 /
@@ -41,6 +44,10 @@ try:
     from triton.runtime.driver import driver as _driver
 except ImportError:  # pragma: no cover - triton is a dependency of the kernels
     _knobs = _driver = None
+try:  # Triton 3.6's per-launch expansion of a host tensor descriptor (_raw_launch_parts)
+    from triton.backends.nvidia.driver import make_tensordesc_arg as _make_tensordesc_arg
+except ImportError:  # pragma: no cover - another Triton layout: compiled.run is called
+    _make_tensordesc_arg = None
 
 #: Set to 0 to launch every kernel through ``kernel[grid](...)`` (the A/B switch of the GPU test).
 FAST_LAUNCH_ENV = "FLASHMASK3_FAST_LAUNCH"
@@ -53,9 +60,11 @@ _U64 = 2 ** 63
 
 
 class _Entry:
-    """A compiled kernel and how to lay out a call's arguments in its parameter order."""
+    """A compiled kernel and how to lay out a call's arguments in its parameter order, and,
+    where Triton's launcher has the known shape (:func:`_raw_launch_parts`), how to call its C
+    entry point directly."""
 
-    __slots__ = ("compiled", "kernel", "n_pos", "tail")
+    __slots__ = ("compiled", "kernel", "n_pos", "tail", "raw", "descs")
 
     def __init__(self, compiled, kernel, n_pos: int, kwargs: dict):
         self.compiled = compiled
@@ -65,6 +74,60 @@ class _Entry:
         names = list(params)[n_pos:]
         # (name, default) of every parameter after the positional ones
         self.tail = [(name, params[name].default) for name in names]
+        parts = _raw_launch_parts(compiled)
+        self.raw, self.descs = parts if parts is not None else (None, ())
+
+
+def _raw_launch_parts(compiled):
+    """``(head, descs)`` for calling the C launcher of ``compiled`` past Triton's Python
+    wrappers, or None where this module does not know their shape (then ``compiled.run`` is
+    called). ``head`` = (C launch function, cooperative-grid flag, PDL flag, kernel metadata);
+    ``descs`` = ((position, TMA metadata), ...) of the tensor-descriptor arguments, which
+    Triton 3.6's ``CudaLauncher`` expands per launch (``make_tensordesc_arg``: a CUtensorMap
+    encoded on the host, then the shape and strides) and :func:`_expand_descriptor` expands
+    from a cache instead. Never used when the kernel needs scratch memory (allocated per
+    launch by the wrapper)."""
+    run = getattr(compiled, "run", None)
+    if type(run).__name__ != "CudaLauncher" or _make_tensordesc_arg is None:
+        return None
+    if getattr(run, "global_scratch_size", 1) or getattr(run, "profile_scratch_size", 1):
+        return None
+    fn = getattr(run, "launch", None)
+    head = (fn, run.launch_cooperative_grid, run.launch_pdl, compiled.packed_metadata)
+    code = getattr(fn, "__code__", None)
+    if code is None:  # no descriptor arguments: the C function itself
+        return (head, ()) if callable(fn) else None
+    cells = dict(zip(code.co_freevars, (c.cell_contents for c in fn.__closure__ or ())))
+    inner, indices, metas = (cells.get("launcher"), cells.get("tensordesc_indices"),
+                             cells.get("tensordesc_meta"))
+    if (fn.__name__ != "inner" or code.co_freevars is None or not callable(inner)
+            or getattr(inner, "__code__", None) is not None or not isinstance(indices, set)
+            or metas is None or len(metas) != len(indices)):
+        return None
+    head = (inner,) + head[1:]
+    return head, tuple(zip(sorted(indices), metas))
+
+
+#: (id(entry), descriptor position, id(template), base pointer) -> the expanded arguments of a
+#: tensor descriptor (``make_tensordesc_arg``'s list): the CUtensorMap depends only on the
+#: template's dtype / shape / strides / block / layout and on the base pointer.
+_TMA_ARGS: dict = {}
+_MAX_TMA_ARGS = 4096
+
+
+def _expand_descriptor(entry_id: int, pos: int, desc, meta) -> list:
+    """``make_tensordesc_arg(desc, meta)`` from :data:`_TMA_ARGS` where ``desc`` came from
+    :func:`descriptor` (its template identifies everything but the pointer)."""
+    proto = getattr(desc, "_flashmask3_proto", None)
+    if proto is None or meta is None:
+        return _make_tensordesc_arg(desc, meta)
+    key = (entry_id, pos, proto, desc.base.data_ptr())
+    got = _TMA_ARGS.get(key)
+    if got is None:
+        if len(_TMA_ARGS) >= _MAX_TMA_ARGS:
+            _TMA_ARGS.clear()
+        got = _TMA_ARGS[key] = _make_tensordesc_arg(desc, meta)
+    return got
 
 
 _COMPILED: dict = {}
@@ -152,13 +215,27 @@ def launch(kernel, grid: tuple, *args, **kwargs):
             _COMPILED[key] = _Entry(compiled, kernel, len(args), kwargs)
         return compiled
     full = list(args)
-    full.extend([kwargs.get(name, default) for name, default in entry.tail])
+    if entry.tail:
+        full.extend([kwargs.get(name, default) for name, default in entry.tail])
     c = entry.compiled
     stream = _driver.active.get_current_stream(device)
     gx = grid[0]
     gy = grid[1] if len(grid) > 1 else 1
     gz = grid[2] if len(grid) > 2 else 1
-    c.run(gx, gy, gz, stream, c.function, c.packed_metadata, None, None, None, *full)
+    raw = entry.raw
+    if raw is None:
+        c.run(gx, gy, gz, stream, c.function, c.packed_metadata, None, None, None, *full)
+        return c
+    # the C launcher's own argument order (CudaLauncher.__call__ and its descriptor wrapper)
+    final = [gx, gy, gz, stream, c.function, raw[1], raw[2], None, None, raw[3], None, None, None]
+    prev = 0
+    eid = id(entry)
+    for pos, meta in entry.descs:
+        final += full[prev:pos]
+        final += _expand_descriptor(eid, pos, full[pos], meta)
+        prev = pos + 1
+    final += full[prev:]
+    raw[0](*final)
     return c
 
 
@@ -188,6 +265,8 @@ def descriptor(cls, tensor: torch.Tensor, block_shape: list, layout=None):
         # (hashing a layout dataclass is a Python call; the template keeps the layout alive)
         spec = spec[:2] + spec[3:4] + (id(layout),) + spec[5:]
         d._flashmask3_key = proto._flashmask3_key = spec
+        # the template's identity: with the base pointer, all a CUtensorMap depends on
+        d._flashmask3_proto = proto._flashmask3_proto = id(proto)
         _DESCRIPTORS[key] = proto
         return d
     d = object.__new__(cls)
@@ -200,3 +279,4 @@ def clear_cache() -> None:
     """Forget every compiled kernel and descriptor template kept here (tests)."""
     _COMPILED.clear()
     _DESCRIPTORS.clear()
+    _TMA_ARGS.clear()

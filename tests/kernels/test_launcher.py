@@ -216,6 +216,98 @@ def test_keys_separate_whatever_triton_specialises_on_and_arguments_bind_as_trit
 # -- GPU: the fast path against Triton's (gpu-marked: benchmarks/gpu/host-path.sh) ----------
 
 
+def _fake_cuda_launcher(monkeypatch, recorded, fills):
+    """A real Triton 3.6 ``CudaLauncher`` (its ``__call__`` and descriptor wrapper) around a
+    recording stand-in for the compiled C function, with ``fill_tma_descriptor`` mocked (no
+    GPU): what Triton's own path passes the C launcher, to compare the raw path with."""
+    import triton
+    from triton.backends.nvidia import driver as nv
+
+    class CLaunch:  # the compiled C function: a callable without __code__
+        def __call__(self, *a):
+            recorded.append(a)
+
+    class Utils:
+        @staticmethod
+        def fill_tma_descriptor(ptr, swizzle, elem_size, dtype, block, shape, strides, pad):
+            fills.append(ptr)
+            return ("CUtensorMap", ptr, swizzle, elem_size, dtype, tuple(block), tuple(shape),
+                    tuple(strides), pad)
+
+    class Driver:
+        utils = Utils()
+
+    monkeypatch.setattr(triton.runtime.driver, "_active", Driver())
+    sig = {0: "tensordesc<bf16[64, 128]>", 1: "*fp32", 2: "i32", 3: "tensordesc<bf16[32, 128]>",
+           4: "fp32"}
+    metas = [dict(swizzle=3, elem_size=2, elem_type=10, block_size=[64, 128], fp4_padded=False),
+             dict(swizzle=2, elem_size=2, elem_type=10, block_size=[32, 128], fp4_padded=False)]
+    run = object.__new__(nv.CudaLauncher)
+    run.launch = nv.wrap_handle_tensordesc(CLaunch(), sig, metas)
+    run.num_ctas, run.launch_cooperative_grid, run.launch_pdl = 1, False, True
+    run.global_scratch_size = run.profile_scratch_size = 0
+    run.global_scratch_align = run.profile_scratch_align = 1
+
+    class Compiled:
+        function, packed_metadata = 1234, (4, 1, 0)
+
+    compiled = Compiled()
+    compiled.run = run
+
+    class Kernel(_Kernel):
+        def __init__(self):
+            super().__init__()
+
+            def body(a_desc, x_ptr, n, b_desc, scale, BLOCK: int = 16):
+                pass
+
+            self.signature = inspect.signature(body)
+
+        def __getitem__(self, grid):
+            def slow(*args, **kwargs):
+                self.calls.append(("slow", grid, args, kwargs))
+                return compiled
+            return slow
+
+    return Kernel(), compiled
+
+
+def test_raw_launch_passes_the_c_launcher_what_tritons_wrappers_pass(fast, monkeypatch):
+    """The hit path calls Triton 3.6's C launcher directly with the descriptors expanded from
+    a cache: the same arguments as ``CudaLauncher.__call__`` + its descriptor wrapper pass,
+    one CUtensorMap encoding per (template, pointer), a new one for a new pointer."""
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    recorded, fills = [], []
+    kernel, compiled = _fake_cuda_launcher(monkeypatch, recorded, fills)
+    a, b = torch.randn(256, 128).bfloat16(), torch.randn(96, 128).bfloat16()
+    x = torch.randn(64)
+
+    def args(a, b):
+        return (launcher.descriptor(TensorDescriptor, a, [64, 128]), x, 7,
+                launcher.descriptor(TensorDescriptor, b, [32, 128]), 0.25)
+
+    def tritons_own(a, b):  # what JITFunction.run ends with on a warm kernel
+        c = compiled
+        c.run(5, 3, 1, 77, c.function, c.packed_metadata, None, None, None, *args(a, b), 16)
+        return recorded.pop()
+
+    launcher.launch(kernel, (5, 3), *args(a, b), BLOCK=16)  # fills the cache (normal path)
+    assert [c[0] for c in kernel.calls] == ["slow"] and not recorded
+    expected = tritons_own(a, b)
+    fills.clear()
+    _Driver.active.stream = 77
+    for _ in range(2):
+        launcher.launch(kernel, (5, 3), *args(a, b), BLOCK=16)
+        assert recorded.pop() == expected
+    assert [c[0] for c in kernel.calls] == ["slow"]  # both were raw launches
+    assert len(fills) == 2  # one encoding per descriptor, reused by the second launch
+    a2 = torch.randn(256, 128).bfloat16()  # a new pointer: a new encoding, as Triton does it
+    launcher.launch(kernel, (5, 3), *args(a2, b), BLOCK=16)
+    got = recorded.pop()
+    assert got == tritons_own(a2, b) and got != expected and len(fills) == 3 + 2
+
+
 def _case(seqlen=2048, heads=4, d=128, seed=0):
     from tests.kernels.attention_checks import make_qkv
     import flashmask3.masks as M
@@ -250,6 +342,8 @@ def test_gpu_fast_launch_equals_the_triton_launch_path(monkeypatch):
     n = len(launcher._COMPILED)
     fast = _run(*case)
     assert len(launcher._COMPILED) == n > 0  # warm: nothing new was compiled or keyed
+    # the warm launches of the descriptor kernels went straight to Triton's C launcher
+    assert any(e.raw is not None and e.descs for e in launcher._COMPILED.values())
     torch.testing.assert_close(fast[0], slow[0], rtol=0, atol=0)
     torch.testing.assert_close(fast[2], slow[2], rtol=0, atol=0)
     torch.testing.assert_close(fast[3], slow[3], rtol=0, atol=0)

@@ -1,0 +1,213 @@
+"""Where the host time of one attention call goes, piece by piece (issue 25), on the GPU.
+
+Every row is host µs per call (``benchmarks.kernel.host_us``: CPU time to enqueue while the GPU
+is kept busy). Pieces: the autograd engine's floor (an identity Function, its backward with the
+engine's device thread and without it, ``torch.autograd.grad``), our forward and fwd+bwd through
+the public call and with layers peeled off (no key lookup, no autograd Function, the backend
+call, each kernel launch replayed alone through the launcher and through Triton's compiled
+``run``), and the torch allocations a call makes. A cProfile of the forward and of the
+backward's body is written next to the JSON.
+
+    python benchmarks/host_breakdown.py --out $OUT/host-breakdown     # on the GPU
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import cProfile
+import io
+import json
+import os
+import pstats
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import flashmask3  # noqa: E402
+import flashmask3.masks as M  # noqa: E402
+from flashmask3 import api  # noqa: E402
+from flashmask3.kernels import launcher  # noqa: E402
+
+
+class _Identity(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, g):
+        return g
+
+
+@contextlib.contextmanager
+def single_thread_autograd():
+    """The autograd engine runs the backward on the calling thread (no device-thread hand-off)."""
+    prev = torch._C._is_multithreading_enabled()
+    torch.autograd.set_multithreading_enabled(False)
+    try:
+        yield
+    finally:
+        torch.autograd.set_multithreading_enabled(prev)
+
+
+def _captured_launches(fn):
+    """(kernel name, replay via launcher.launch, replay via compiled.run) of every launch of
+    one call of ``fn`` (the launcher's hit path)."""
+    seen = []
+    orig = launcher.launch
+
+    def spy(kernel, grid, *args, **kwargs):
+        seen.append((kernel, grid, args, kwargs))
+        return orig(kernel, grid, *args, **kwargs)
+
+    mods = [m for m in list(sys.modules.values())
+            if m is not None and getattr(m, "__name__", "").startswith("flashmask3.kernels")
+            and getattr(m, "launch", None) is orig]
+    for m in mods:
+        m.launch = spy
+    try:
+        fn()
+    finally:
+        for m in mods:
+            m.launch = orig
+    out = []
+    for kernel, grid, args, kwargs in seen:
+        entry = None
+        for e in launcher._COMPILED.values():
+            if e.kernel is kernel:
+                entry = e
+        name = getattr(kernel, "__name__", str(kernel))
+        via_launcher = (lambda k=kernel, g=grid, a=args, kw=kwargs: orig(k, g, *a, **kw))
+        via_run = None
+        if entry is not None:
+            full = list(args) + [kwargs.get(n, d) for n, d in entry.tail]
+            c = entry.compiled
+            gx = grid[0]
+            gy = grid[1] if len(grid) > 1 else 1
+            gz = grid[2] if len(grid) > 2 else 1
+
+            def via_run(c=c, full=full, gx=gx, gy=gy, gz=gz):
+                s = torch.cuda.current_stream().cuda_stream
+                c.run(gx, gy, gz, s, c.function, c.packed_metadata, None, None, None, *full)
+        out.append((name, via_launcher, via_run))
+    return out
+
+
+def profile_text(fn, calls=30) -> str:
+    torch.cuda.synchronize()
+    torch.cuda._sleep(300_000_000)
+    prof = cProfile.Profile()
+    prof.enable()
+    for _ in range(calls):
+        fn()
+    prof.disable()
+    torch.cuda.synchronize()
+    buf = io.StringIO()
+    st = pstats.Stats(prof, stream=buf)
+    buf.write(f"{calls} calls; {st.total_calls / calls:.0f} function calls per call\n")
+    st.sort_stats("tottime").print_stats(35)
+    return buf.getvalue()
+
+
+def main(argv=None) -> int:
+    from benchmarks.kernel import host_us
+
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", default="/tmp/host-breakdown")
+    ap.add_argument("--seqlen", type=int, default=32768)
+    args = ap.parse_args(argv)
+    os.makedirs(args.out, exist_ok=True)
+    os.environ.setdefault("FLASHMASK3_BACKEND", "triton")
+    dev, dt, s, h, d = "cuda", torch.bfloat16, args.seqlen, 16, 128
+    g = torch.Generator(device=dev).manual_seed(0)
+    q, k, v = (torch.randn(1, s, h, d, device=dev, dtype=dt, generator=g).requires_grad_()
+               for _ in range(3))
+    docs = [s // 16] * 16
+    fm = M.causal_document_mask(docs, device=dev)
+    dout = torch.randn(1, s, h, d, device=dev, dtype=dt, generator=g)
+    xg = torch.randn(64, device=dev, requires_grad=True)
+    gg = torch.ones(64, device=dev)
+    rows = []
+
+    def add(name, fn, leaves=None):
+        for _ in range(3):
+            fn()
+        torch.cuda.synchronize()
+        us = host_us(fn, leaves, samples=7)
+        rows.append(dict(piece=name, host_us=us))
+        print(f"{us:9.1f}  {name}", flush=True)
+
+    def fwd():
+        return flashmask3.flashmask_attention(q, k, v, fm)
+
+    def fwd_bwd():
+        fwd().backward(dout)
+
+    def fwd_grad():
+        torch.autograd.grad(fwd(), (q, k, v), dout)
+
+    def fwd_bwd_1t():
+        with single_thread_autograd():
+            fwd().backward(dout)
+
+    def fwd_grad_1t():
+        with single_thread_autograd():
+            torch.autograd.grad(fwd(), (q, k, v), dout)
+
+    # the engine's floor
+    add("identity apply", lambda: _Identity.apply(xg))
+    add("identity apply + .backward (engine device thread)", lambda: _Identity.apply(xg).backward(gg), [xg])
+    add("identity apply + autograd.grad", lambda: torch.autograd.grad(_Identity.apply(xg), xg, gg))
+    with single_thread_autograd():
+        add("identity apply + .backward, single-thread autograd", lambda: _Identity.apply(xg).backward(gg), [xg])
+        add("identity apply + autograd.grad, single-thread autograd",
+            lambda: torch.autograd.grad(_Identity.apply(xg), xg, gg))
+    add("torch.empty_like(q)", lambda: torch.empty_like(q))
+    add("torch.empty lse [1,16,S] fp32", lambda: torch.empty((1, h, s), dtype=torch.float32, device=dev))
+    small = torch.zeros(1024, device=dev)
+    add("x.add_(1)", lambda: small.add_(1))
+
+    # ours, whole
+    fwd_bwd()
+    add("fwd (public, FlashMask reused)", fwd)
+    add("fwd+bwd .backward (grads accumulate)", fwd_bwd, [q, k, v])
+    add("fwd+bwd autograd.grad", fwd_grad)
+    add("fwd+bwd .backward, single-thread autograd", fwd_bwd_1t, [q, k, v])
+    add("fwd+bwd autograd.grad, single-thread autograd", fwd_grad_1t)
+
+    # ours, peeled
+    key = api._call_key(q, k, v, fm, False, None)
+    prepared = api._PREPARED[key]
+    cols = fm.startend_row_indices.contiguous()
+    call = prepared.call
+    add("api._call_key", lambda: api._call_key(q, k, v, fm, False, None))
+    add("prepared.run (no key)", lambda: prepared.run(q, k, v, fm))
+    qd, kd, vd = q.detach(), k.detach(), v.detach()
+    add("call.forward (no autograd Function)", lambda: call.forward(qd, kd, vd, cols))
+    out, lse = call.forward(qd, kd, vd, cols)
+    add("call.backward (the backward body, no engine)",
+        lambda: call.backward(dout, None, qd, kd, vd, out, lse, cols))
+    for name, via_l, via_r in _captured_launches(lambda: (call.forward(qd, kd, vd, cols),
+                                                          call.backward(dout, None, qd, kd, vd, out, lse, cols))):
+        add(f"launch {name} via launcher.launch", via_l)
+        if via_r is not None:
+            add(f"launch {name} via compiled.run", via_r)
+
+    with open(os.path.join(args.out, "profile_forward.txt"), "w") as f:
+        f.write(profile_text(fwd))
+    with open(os.path.join(args.out, "profile_backward_body.txt"), "w") as f:
+        f.write(profile_text(lambda: call.backward(dout, None, qd, kd, vd, out, lse, cols)))
+    with open(os.path.join(args.out, "profile_fwd_bwd.txt"), "w") as f:
+        f.write(profile_text(fwd_grad))
+    from benchmarks.environment import run_environment
+    with open(os.path.join(args.out, "host_breakdown.json"), "w") as f:
+        json.dump(dict(meta=dict(run_environment(torch.device(dev)), command=" ".join(sys.argv)),
+                       rows=rows), f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
