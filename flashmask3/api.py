@@ -157,12 +157,21 @@ _apply_eager = torch._C._FunctionBase.__dict__["apply"].__get__(None, _EagerAtte
 _unwrap_if_dead = torch._C._functorch.unwrap_if_dead
 
 
+_grad_enabled = torch.is_grad_enabled
+
+
 def _run_eager(q, k, v, cols, call):
     """``_EagerAttention.apply(q, k, v, cols, call)`` as ``Function.apply`` runs it outside
-    functorch transforms (dead functorch wrappers unwrapped), without its Python frames."""
+    functorch transforms (dead functorch wrappers unwrapped), without its Python frames; with
+    no gradient to compute (grad mode off, or no input requiring one) the backend's forward
+    alone (no autograd node: what ``Function.apply`` would give, without its cost)."""
+    q, k, v = _unwrap_if_dead(q), _unwrap_if_dead(k), _unwrap_if_dead(v)
     if cols is not None:
         cols = _unwrap_if_dead(cols)
-    return _apply_eager(_unwrap_if_dead(q), _unwrap_if_dead(k), _unwrap_if_dead(v), cols, call)
+    if not (_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)):
+        out, lse = call.forward(q, k, v, cols)
+        return out.contiguous(), lse.to(torch.float32).contiguous()
+    return _apply_eager(q, k, v, cols, call)
 
 
 _dispatch_stack_len = torch._C._len_torch_dispatch_stack

@@ -482,6 +482,29 @@ def test_eager_calls_and_the_custom_op_agree(monkeypatch):
         torch.testing.assert_close(a, b, rtol=0, atol=0)
 
 
+@pytest.mark.parametrize("how", ["no_grad", "inputs_without_grad", "inference_mode"])
+def test_calls_without_gradients_skip_the_autograd_node(how, monkeypatch):
+    """With nothing to differentiate the call runs the backend's forward alone: no grad_fn,
+    the same output and LSE as a differentiable call, bit for bit, and the reference's."""
+    monkeypatch.setenv("FLASHMASK3_BACKEND", "torch")
+    flashmask3.api.clear_prepared()
+    q, k, v = make_qkv(1, 48, 48, 2, 1, 16, torch.float32, seed=17)
+    mask = M.causal_document_mask([20, 28])
+    want = flashmask3.flashmask_attention(q, k, v, mask, return_softmax_lse=True)
+    assert want[0].grad_fn is not None
+    ctx = {"no_grad": torch.no_grad, "inference_mode": torch.inference_mode}.get(how)
+    args = (q, k, v) if ctx else (q.detach(), k.detach(), v.detach())
+    for _ in range(2):  # the full path, then the prepared one
+        with ctx() if ctx else torch.enable_grad():
+            got = flashmask3.flashmask_attention(*args, mask, return_softmax_lse=True)
+        assert got[0].grad_fn is None and got[1].grad_fn is None
+        assert got[1].dtype == torch.float32 and got[0].is_contiguous()
+        for a, b in zip(got, want):
+            torch.testing.assert_close(a, b.detach(), rtol=0, atol=0)
+    ref_out, _ = reference_attention(q, k, v, mask.startend_row_indices, True)
+    assert rel_err(got[0], ref_out) < 1e-5
+
+
 # -- prepared calls: one signature's checks and decisions, made once ------------------------
 
 

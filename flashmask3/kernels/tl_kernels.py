@@ -531,8 +531,8 @@ def backward_prepass(out, dout, lse, dlse, dq_t: Optional[torch.Tensor] = None):
     fp32 dQᵀ accumulator ``[B, Hq, D, Sq_pad]`` (contiguous, :func:`dq_accumulator`), zeroed
     here on its first Sq columns (one launch instead of two)."""
     b, sq, hq, d = out.shape
-    delta = torch.empty((b, hq, sq), dtype=torch.float32, device=out.device)
-    lse2 = torch.empty_like(delta)
+    # one allocation for both (a host allocation costs as much as a small launch)
+    delta, lse2 = torch.empty((2, b, hq, sq), dtype=torch.float32, device=out.device).unbind(0)
     bm = 64 if d <= 128 else 32
     has_dlse = dlse is not None
     dl = dlse.to(torch.float32).contiguous() if has_dlse else delta
