@@ -25,6 +25,7 @@ Two tables, one JSON (``--out``/host_path.json) and a markdown summary:
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
 import os
@@ -133,23 +134,39 @@ def host_profile_text(fn, calls: int = 20) -> str:
 #: "fresh": the plan cache emptied before each call (a new mask every call: the preprocessing
 #: runs); launch "triton": every kernel through JITFunction.run (FLASHMASK3_FAST_LAUNCH=0, the
 #: A/B of flashmask3/kernels/launcher.py).
-HOST_VARIANTS = (("reused", "fast"), ("fresh", "fast"), ("reused", "triton"))
+HOST_VARIANTS = (("reused", "fast"), ("fresh", "fast"), ("reused", "triton"),
+                 ("reused", "fast", "calling"))
+#: The autograd engine runs a CUDA backward on its device thread ("device", torch's default)
+#: or, with ``torch.autograd.set_multithreading_enabled(False)``, on the calling thread.
+AUTOGRAD_THREADS = ("device", "calling")
 
 
-def _variant(fn, mask_mode: str, launch: str):
+@contextlib.contextmanager
+def autograd_thread(which: str):
+    """The autograd engine's backward thread for the block (:data:`AUTOGRAD_THREADS`)."""
+    prev = torch._C._is_multithreading_enabled()
+    torch.autograd.set_multithreading_enabled(which == "device")
+    try:
+        yield
+    finally:
+        torch.autograd.set_multithreading_enabled(prev)
+
+
+def _variant(fn, mask_mode: str, launch: str, thread: str = "device"):
     """``fn`` under a host-table variant (:data:`HOST_VARIANTS`)."""
     from flashmask3.kernels import launcher, tiles
 
     def call():
         if mask_mode == "fresh":
             tiles.clear_plan_cache()
-        if launch == "triton":
-            os.environ[launcher.FAST_LAUNCH_ENV] = "0"
-            try:
-                return fn()
-            finally:
-                del os.environ[launcher.FAST_LAUNCH_ENV]
-        return fn()
+        with autograd_thread(thread):
+            if launch == "triton":
+                os.environ[launcher.FAST_LAUNCH_ENV] = "0"
+                try:
+                    return fn()
+                finally:
+                    del os.environ[launcher.FAST_LAUNCH_ENV]
+            return fn()
 
     return call
 
@@ -166,16 +183,20 @@ def host_table(seqlen: int, heads: int, d: int, dtype, ndocs: int, out_dir=None)
         for _ in range(3):
             fwd_bwd0()
         torch.cuda.synchronize()
-        for mask_mode, launch in HOST_VARIANTS:
+        for mask_mode, launch, *thread in HOST_VARIANTS:
+            thread = thread[0] if thread else "device"
             if launch == "triton" and form != "FlashMask":
                 continue
-            fwd, fwd_bwd = (_variant(f, mask_mode, launch) for f in (fwd0, fwd_bwd0))
-            full = (mask_mode, launch) == HOST_VARIANTS[0]  # do_bench / GPU time once per form
+            fwd, fwd_bwd = (_variant(f, mask_mode, launch, thread) for f in (fwd0, fwd_bwd0))
+            full = (mask_mode, launch, thread) == HOST_VARIANTS[0] + ("device",)  # once per form
             for mode, fn, target in (("fwd", fwd, HOST_FWD_US),
                                      ("fwd+bwd", fwd_bwd, HOST_FWD_BWD_US)):
+                if mode == "fwd" and thread != "device":
+                    continue  # (the thread matters to the backward only)
                 leaves = [q, k, v] if mode != "fwd" else []
                 host = host_us(fn, leaves)
-                rows.append(dict(form=form, mask=mask_mode, launch=launch, mode=mode, S=seqlen,
+                rows.append(dict(form=form, mask=mask_mode, launch=launch, autograd=thread,
+                                 mode=mode, S=seqlen,
                                  H=heads, D=d, docs=ndocs, host_us=host,
                                  std_ms=standard_ms(fn, leaves or None) if full else None,
                                  gpu_ms=gpu_ms(fn, leaves) if full else None,
@@ -226,7 +247,10 @@ def floor_rows(device: str, seqlen: int, heads: int, d: int, dtype, ndocs: int,
               ("x.add_(1) (a bare CUDA launch through torch)", lambda: small.add_(1), None),
               ("autograd.Function.apply of an identity", lambda: _Identity.apply(xg), None),
               ("... and its backward (autograd engine)",
-               lambda: _Identity.apply(xg).backward(g), [xg])]
+               lambda: _Identity.apply(xg).backward(g), [xg]),
+              ("... and its backward, calling-thread autograd (set_multithreading_enabled(False))",
+               _variant(lambda: _Identity.apply(xg).backward(g), "reused", "fast", "calling"),
+               [xg])]
     if triton is not None and (device != "cpu" or os.environ.get("TRITON_INTERPRET") == "1"):
         pieces += [("trivial Triton kernel via flashmask3 launcher",
                     lambda: launcher.launch(_add_one_kernel, (1,), small, 1024, BLOCK=1024), None),
@@ -301,13 +325,17 @@ def small_table(seqlens, heads: int, d: int, dtype, docs) -> list[dict]:
                 for _ in range(3):
                     fn()
             torch.cuda.synchronize()
-            fm_std, fm_gpu = standard_ms(fm_fb, [q, k, v]), gpu_ms(fm_fb, [q, k, v])
-            fx_std, fx_gpu = standard_ms(flex_fb, fleaves), gpu_ms(flex_fb, fleaves)
-            rows.append(dict(S=s, docs=n, H=heads, D=d, fm_std_ms=fm_std, fm_gpu_ms=fm_gpu,
-                             flex_std_ms=fx_std, flex_gpu_ms=fx_gpu,
-                             fm_std_over_flex_std=fm_std / fx_std, fm_std_over_gpu=fm_std / fm_gpu,
-                             met_vs_flex=fm_std <= fx_std, met_vs_gpu=fm_std <= SMALL_VS_GPU * fm_gpu))
-            print(json.dumps(rows[-1]), flush=True)
+            fm_gpu, fx_gpu = gpu_ms(fm_fb, [q, k, v]), gpu_ms(flex_fb, fleaves)
+            for thread in AUTOGRAD_THREADS:
+                with autograd_thread(thread):
+                    fm_std = standard_ms(fm_fb, [q, k, v])
+                    fx_std = standard_ms(flex_fb, fleaves)
+                rows.append(dict(S=s, docs=n, H=heads, D=d, autograd=thread, fm_std_ms=fm_std,
+                                 fm_gpu_ms=fm_gpu, flex_std_ms=fx_std, flex_gpu_ms=fx_gpu,
+                                 fm_std_over_flex_std=fm_std / fx_std,
+                                 fm_std_over_gpu=fm_std / fm_gpu, met_vs_flex=fm_std <= fx_std,
+                                 met_vs_gpu=fm_std <= SMALL_VS_GPU * fm_gpu))
+                print(json.dumps(rows[-1]), flush=True)
     return rows
 
 
@@ -324,19 +352,23 @@ def markdown(meta: dict, host: list[dict], small: list[dict], floor=()) -> str:
               "mask: reused = one mask tensor every call (plans cached), fresh = plans rebuilt "
               "every call; launch: fast = flashmask3/kernels/launcher.py, triton = every "
               "kernel through JITFunction.run (FLASHMASK3_FAST_LAUNCH=0).", "",
-              "| form | mask | launch | mode | S | docs | host µs | target | std ms | GPU ms "
-              "| kernels |",
-              "|---|---|---|---|---|---|---|---|---|---|---|"]
+              "autograd: the thread the engine runs the backward on, device = torch's default "
+              "(its CUDA device thread), calling = `torch.autograd.set_multithreading_enabled("
+              "False)`.", "",
+              "| form | mask | launch | autograd | mode | S | docs | host µs | target | std ms "
+              "| GPU ms | kernels |",
+              "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     ms = lambda x: "-" if x is None else f"{x:.3f}"  # noqa: E731
     for r in host:
         lines.append(f"| {r['form']} | {r.get('mask', 'reused')} | {r.get('launch', 'fast')} | "
-                     f"{r['mode']} | {r['S'] // 1024}K | {r['docs']} | "
+                     f"{r.get('autograd', 'device')} | {r['mode']} | {r['S'] // 1024}K | {r['docs']} | "
                      f"{r['host_us']:.0f} | <= {r['target_us']:.0f} {'met' if r['met'] else 'MISSED'} | "
                      f"{ms(r['std_ms'])} | {ms(r['gpu_ms'])} | {r['kernels']} |")
-    lines += ["", "| S | docs | fm std f+b | fm GPU f+b | flex std f+b | flex GPU f+b | fm/flex (std) "
-              "| fm std/GPU |", "|---|---|---|---|---|---|---|---|"]
+    lines += ["", "| S | docs | autograd | fm std f+b | fm GPU f+b | flex std f+b | flex GPU f+b "
+              "| fm/flex (std) | fm std/GPU |", "|---|---|---|---|---|---|---|---|---|"]
     for r in small:
-        lines.append(f"| {r['S'] // 1024}K | {r['docs']} | {r['fm_std_ms']:.3f} | {r['fm_gpu_ms']:.3f} | "
+        lines.append(f"| {r['S'] // 1024}K | {r['docs']} | {r.get('autograd', 'device')} | "
+                     f"{r['fm_std_ms']:.3f} | {r['fm_gpu_ms']:.3f} | "
                      f"{r['flex_std_ms']:.3f} | {r['flex_gpu_ms']:.3f} | "
                      f"{r['fm_std_over_flex_std']:.2f} <= 1 {'met' if r['met_vs_flex'] else 'MISSED'} | "
                      f"{r['fm_std_over_gpu']:.2f} <= {SMALL_VS_GPU} "
@@ -351,8 +383,8 @@ def dry_run() -> int:
     fm = M.causal_document_mask(_docs(256, 5))
     for mask, causal in ((fm, False), (fm.startend_row_indices, True)):
         fwd, fwd_bwd = _calls(q, k, v, mask, causal)
-        for mask_mode, launch in HOST_VARIANTS:
-            _variant(fwd_bwd, mask_mode, launch)()
+        for variant in HOST_VARIANTS:
+            _variant(fwd_bwd, *variant)()
         t0 = time.perf_counter()
         fwd()
         print(f"dry run: {type(mask).__name__} fwd {1e6 * (time.perf_counter() - t0):.0f} µs (CPU, torch path)")

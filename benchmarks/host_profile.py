@@ -227,7 +227,8 @@ def public_profile(calls: int, seqlen: int = 32768, heads: int = 16, d: int = 12
     key = getattr(api, "_call_key", None)  # (None: a tree before the prepared calls)
     with fake_hopper(launches), mock.patch.object(api, "_traced", lambda q: False), \
             mock.patch.object(api, "_call_key", _plain_tensor_key(key), create=True), \
-            mock.patch.object(api._EagerAttention, "forward", _saving_forward(api)):
+            mock.patch.object(api._EagerAttention, "forward", _saving_forward(api)), \
+            mock.patch.object(api, "_needs_autograd", lambda q, k, v: True, create=True):
         q, k, v = (torch.empty(1, seqlen, heads, d, dtype=torch.bfloat16, device="cuda")
                    for _ in range(3))
         cols = torch.empty(1, 1, seqlen, 1, dtype=torch.int32, device="cuda")

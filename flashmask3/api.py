@@ -160,6 +160,11 @@ _unwrap_if_dead = torch._C._functorch.unwrap_if_dead
 _grad_enabled = torch.is_grad_enabled
 
 
+def _needs_autograd(q, k, v) -> bool:
+    """Whether the call builds an autograd node: grad mode on and an input requiring grad."""
+    return _grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
+
+
 def _run_eager(q, k, v, cols, call):
     """``_EagerAttention.apply(q, k, v, cols, call)`` as ``Function.apply`` runs it outside
     functorch transforms (dead functorch wrappers unwrapped), without its Python frames; with
@@ -168,7 +173,7 @@ def _run_eager(q, k, v, cols, call):
     q, k, v = _unwrap_if_dead(q), _unwrap_if_dead(k), _unwrap_if_dead(v)
     if cols is not None:
         cols = _unwrap_if_dead(cols)
-    if not (_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)):
+    if not _needs_autograd(q, k, v):
         out, lse = call.forward(q, k, v, cols)
         return out.contiguous(), lse.to(torch.float32).contiguous()
     return _apply_eager(q, k, v, cols, call)
