@@ -15,7 +15,10 @@ check, launch metadata). :func:`launch` does the same launch with a fraction of 
    (CUDA-graph capture records that stream); with Triton 3.6's ``CudaLauncher`` it goes one
    step further and calls the C launcher inside it, with each host TMA descriptor expanded
    from a cache (the CUtensorMap of a descriptor template and base pointer is encoded once,
-   not on every launch: :func:`_raw_launch_parts`).
+   not on every launch: :func:`_raw_launch_parts`) and each plain tensor passed as its data
+   pointer (an int: the C launcher then skips its ``data_ptr()`` call and the driver's
+   pointer query, ``cuPointerGetAttribute``; the library's tensors are CUDA device memory of
+   one device, for which that query returns the same pointer).
 
 Specialisation safety. Triton 3.6 specialises (``native_specialize_impl``) a tensor on its
 dtype and on its data pointer being 16-byte aligned; an integer on its type (i32 / i64 /
@@ -64,12 +67,15 @@ class _Entry:
     where Triton's launcher has the known shape (:func:`_raw_launch_parts`), how to call its C
     entry point directly."""
 
-    __slots__ = ("compiled", "kernel", "n_pos", "tail", "raw", "descs")
+    __slots__ = ("compiled", "kernel", "n_pos", "tail", "raw", "descs", "tensors")
 
-    def __init__(self, compiled, kernel, n_pos: int, kwargs: dict):
+    def __init__(self, compiled, kernel, args: tuple, kwargs: dict):
         self.compiled = compiled
         self.kernel = kernel  # held: the cache key uses id(kernel)
-        self.n_pos = n_pos
+        n_pos = self.n_pos = len(args)
+        # positions of the plain tensors (the same on every hit: the key holds each argument's
+        # kind); the raw launch passes their data pointers (module docstring)
+        self.tensors = tuple(i for i, x in enumerate(args) if type(x) is torch.Tensor)
         params = kernel.signature.parameters
         names = list(params)[n_pos:]
         # (name, default) of every parameter after the positional ones
@@ -212,7 +218,7 @@ def launch(kernel, grid: tuple, *args, **kwargs):
     if entry is None:
         compiled = kernel[grid](*args, **kwargs)
         if compiled is not None:
-            _COMPILED[key] = _Entry(compiled, kernel, len(args), kwargs)
+            _COMPILED[key] = _Entry(compiled, kernel, args, kwargs)
         return compiled
     full = list(args)
     if entry.tail:
@@ -226,6 +232,8 @@ def launch(kernel, grid: tuple, *args, **kwargs):
     if raw is None:
         c.run(gx, gy, gz, stream, c.function, c.packed_metadata, None, None, None, *full)
         return c
+    for i in entry.tensors:  # a pointer as an int: no data_ptr() call or driver query in C
+        full[i] = full[i].data_ptr()
     # the C launcher's own argument order (CudaLauncher.__call__ and its descriptor wrapper)
     final = [gx, gy, gz, stream, c.function, raw[1], raw[2], None, None, raw[3], None, None, None]
     prev = 0

@@ -206,7 +206,7 @@ def test_keys_separate_whatever_triton_specialises_on_and_arguments_bind_as_trit
                             key = (launcher._args_key(args), tuple(kw.items()))
                             spec = tuple(spec)
                             assert seen.setdefault(key, spec) == spec, (args, kw)
-                            entry = launcher._Entry(None, jf, len(args), kw)
+                            entry = launcher._Entry(None, jf, args, kw)
                             full = list(args) + [kw.get(nm, df) for nm, df in entry.tail]
                             assert len(full) == len(bound)
                             assert all(a is b for a, b in zip(full, bound.values()))
@@ -287,10 +287,10 @@ def test_raw_launch_passes_the_c_launcher_what_tritons_wrappers_pass(fast, monke
         return (launcher.descriptor(TensorDescriptor, a, [64, 128]), x, 7,
                 launcher.descriptor(TensorDescriptor, b, [32, 128]), 0.25)
 
-    def tritons_own(a, b):  # what JITFunction.run ends with on a warm kernel
-        c = compiled
+    def tritons_own(a, b):  # what JITFunction.run ends with on a warm kernel, with each
+        c = compiled      # plain tensor as the pointer the C launcher's getPointer reads
         c.run(5, 3, 1, 77, c.function, c.packed_metadata, None, None, None, *args(a, b), 16)
-        return recorded.pop()
+        return tuple(t.data_ptr() if type(t) is torch.Tensor else t for t in recorded.pop())
 
     launcher.launch(kernel, (5, 3), *args(a, b), BLOCK=16)  # fills the cache (normal path)
     assert [c[0] for c in kernel.calls] == ["slow"] and not recorded
@@ -299,7 +299,8 @@ def test_raw_launch_passes_the_c_launcher_what_tritons_wrappers_pass(fast, monke
     _Driver.active.stream = 77
     for _ in range(2):
         launcher.launch(kernel, (5, 3), *args(a, b), BLOCK=16)
-        assert recorded.pop() == expected
+        got = recorded.pop()
+        assert got == expected and type(got[13 + 5]) is int and got[13 + 5] == x.data_ptr()
     assert [c[0] for c in kernel.calls] == ["slow"]  # both were raw launches
     assert len(fills) == 2  # one encoding per descriptor, reused by the second launch
     a2 = torch.randn(256, 128).bfloat16()  # a new pointer: a new encoding, as Triton does it
