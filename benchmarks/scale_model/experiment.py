@@ -201,7 +201,10 @@ def host_points(cost: AttentionCost, host_path_file: str = HOST_PATH_FILE) -> li
     if os.path.exists(host_path_file):
         with open(host_path_file) as f:
             hp = json.load(f)
-        rows = {r["mode"]: r["host_us"] for r in hp.get("host", []) if r.get("form") == "FlashMask"}
+        # the default call: a FlashMask reused, the package's launcher, torch's autograd thread
+        rows = {r["mode"]: r["host_us"] for r in hp.get("host", [])
+                if r.get("form") == "FlashMask" and r.get("mask", "reused") == "reused"
+                and r.get("launch", "fast") == "fast" and r.get("autograd", "device") == "device"}
         if "fwd" in rows and "fwd+bwd" in rows:
             date = hp.get("meta", {}).get("date", "?")[:16]
             pts.append((f"host_path.json ({date}, 32K, measured)", rows["fwd"] * 1e-6,
