@@ -19,13 +19,13 @@ CHUNK_BYTES = SHAPE.kv_bytes(CHUNK)  # 262144
 class TileCost:
     """Forward: 1 ms per full tile; backward: 2 ms per full tile; no per-call cost."""
 
-    def forward(self, tiles, heads):
+    def forward(self, tiles, heads, kv_heads=None):
         return tiles.full * MS
 
-    def backward(self, tiles, heads):
+    def backward(self, tiles, heads, kv_heads=None):
         return 2 * tiles.full * MS
 
-    def backward_stage(self, tiles, heads):
+    def backward_stage(self, tiles, heads, kv_heads=None):
         return self.backward(tiles, heads)
 
     def backward_query_blocks(self, tiles, heads):
