@@ -212,7 +212,8 @@ class PassCost:
     host_measured: bool = False  # floor = measured host time per call (else fitted or none)
     fitted_on: str = "do_bench"  # the time the GPU part was fitted on: "gpu" or "do_bench"
     a_program: float = 0.0  # "greedy": seconds per program whatever its tiles (prologue/epilogue)
-    schedule: str = "fill"  # "fill" or "greedy"
+    schedule: str = "fill"  # "fill", "greedy", or "filled" (greedy's programs spread evenly over
+    #                         every SM: the attribution's "no SM underfill" case, not a fit)
 
     def gpu_seconds(self, tiles: TileCounts, heads: int, programs: int) -> float:
         """GPU time of one call (host work hidden), ``"fill"`` schedule."""
@@ -235,13 +236,13 @@ class PassCost:
 
     def gpu_time(self, tiles: TileCounts, kind: str, heads: int, kv_heads: int) -> float:
         """GPU time of one call of pass ``kind`` ("fwd"/"bwd") under this cost's schedule."""
-        if self.schedule != "greedy":
+        if self.schedule not in ("greedy", "filled"):
             return self.gpu_seconds(tiles, heads, _programs(kind, tiles, heads))
         if tiles.live == 0:
             return 0.0
         costs, sweeps = self.program_costs(tiles, kind, heads, kv_heads)
-        return (self.call + greedy_makespan(costs, sweeps)
-                + heads * (self.a_qblock * tiles.q_blocks + self.a_kblock * tiles.k_blocks))
+        span = greedy_makespan(costs, sweeps) if self.schedule == "greedy" else float(costs.sum()) * sweeps / SLOTS
+        return self.call + span + heads * (self.a_qblock * tiles.q_blocks + self.a_kblock * tiles.k_blocks)
 
     def seconds(self, tiles: TileCounts, heads: int, programs: int) -> float:
         """Time of one call in a stream of calls: the slower of its host and its GPU work
@@ -258,7 +259,7 @@ class PassCost:
 
     def describe(self) -> str:
         """The coefficients in words (units depend on the schedule)."""
-        if self.schedule == "greedy":
+        if self.schedule in ("greedy", "filled"):
             return (f"{self.a_program * 1e6:.2f} us per program + {self.a_full * 1e6:.2f}/{self.a_partial * 1e6:.2f} "
                     f"us per full/partial tile on one SM, greedy over {SLOTS} SMs, + {self.a_qblock * 1e9:.0f} ns per "
                     f"query block-head + {self.call * 1e6:.0f} us/call GPU")
@@ -677,11 +678,15 @@ def fit_rows(rows: list[dict], source: str, head_dim: int = 128, gqa: bool = Tru
                          fit_pass(pts["bwd"], "bwd", floor=True, blocks=blocks), source, head_dim, gqa)
 
 
-def fit_from_measured(path: str = MEASURED_FILE, head_dim: int = 128, gqa: bool = True) -> AttentionCost:
-    """Fit from the per-rank-shape measurements of ``benchmarks/gpu/scale-model.sh``."""
+def fit_from_measured(path: str = MEASURED_FILE, head_dim: int = 128, gqa: bool = True,
+                      balance: Optional[str] = None) -> AttentionCost:
+    """Fit from the per-rank-shape measurements of ``benchmarks/gpu/scale-model.sh``
+    (``balance``: only the calls of that balance's plans, the validation's hold-out fit)."""
     rows, env = measured_rows(path, head_dim, gqa)
+    if balance is not None:
+        rows = [r for r in rows if r["balance"] == balance]
     src = (f"measured: per-rank shapes on {env.get('gpu', '?')} ({env.get('date', '?')}), "
-           f"{os.path.basename(path)}")
+           f"{os.path.basename(path)}" + (f", {balance} calls only" if balance else ""))
     return fit_rows(rows, src, head_dim, gqa)
 
 
@@ -736,9 +741,12 @@ def as_dict(cost: AttentionCost) -> dict:
 
 CALIBRATION_FILE = os.path.join(RESULTS, "scale_model_calibration.json")
 #: name -> how to fit it. "flashmask3": the current kernels; "flex": FlexAttention (the torch
-#: context_parallel style baseline); "flashmask3_old": the kernel of the committed CP runs.
+#: context_parallel style baseline); "flashmask3_old": the kernel of the committed CP runs;
+#: "flashmask3_dual_chunk": the current kernels fitted on the dual_chunk plans' calls only (the
+#: validation's hold-out fit, cached here because the greedy fit takes seconds).
 FITS = {
     "flashmask3": lambda gqa: attention_cost("flashmask3", 128, gqa),
+    "flashmask3_dual_chunk": lambda gqa: fit_from_measured(MEASURED_FILE, 128, gqa, balance="dual_chunk"),
     "flex": lambda gqa: fit_from_kernel_tables("flex", 128, gqa),
     "flashmask3_old": lambda gqa: old_kernel_cost(gqa),
 }
@@ -774,6 +782,16 @@ def load_cost(name: str = "flashmask3", gqa: bool = True, path: str = CALIBRATIO
     if name not in FITS:
         raise ValueError(f"unknown kernel family {name!r}; choose from {sorted(FITS)}")
     return FITS[name](gqa)
+
+
+def filled(cost: AttentionCost) -> AttentionCost:
+    """``cost`` with every call's programs spread evenly over all SMs (total work / SMs instead
+    of the greedy makespan): what a call would cost if it filled the GPU whatever its grid and
+    however uneven its programs (the attribution's "no SM underfill"; greedy costs only)."""
+    if cost.fwd.schedule != "greedy":
+        return cost
+    return replace(cost, fwd=replace(cost.fwd, schedule="filled"), bwd=replace(cost.bwd, schedule="filled"),
+                   source=f"{cost.source}; every call filling the SMs")
 
 
 def with_host(cost: AttentionCost, fwd_s: float, bwd_s: float, label: str) -> AttentionCost:

@@ -272,3 +272,16 @@ def test_rows_that_cannot_be_rebuilt_are_left_without_work(tmp_path):
     assert all(r["_work"] is not None for r in rows[1:-1])
     n, missing = C.work_summary(rows)
     assert n == len(rows) - 2 and missing == {"long": 1, "nowhere": 1}
+
+
+def test_filled_spreads_the_programs_over_every_sm():
+    """The attribution's "no SM underfill": total program work / SMs instead of the makespan."""
+    w = C.ProgramWork(np.array([100, 0, 0]), np.array([0, 0, 0]), np.array([1]), np.array([0]))
+    t = TileCounts(100, 0, 384, 128, work=w)
+    p = C.PassCost(1e-6, 1e-6, 5e-6, 0, 0, a_program=2e-6, schedule="greedy")
+    cost = C.AttentionCost(p, p, "test", 128, False)
+    assert cost.gpu_forward(t, 1) == pytest.approx(5e-6 + 102e-6)  # one SM runs the 100-tile program
+    f = C.filled(cost)
+    assert f.gpu_forward(t, 1) == pytest.approx(5e-6 + (100e-6 + 3 * 2e-6) / C.SLOTS)
+    fill_model = C.AttentionCost(C.PassCost(1e-9, 1e-9, 0, 0, 0), C.PassCost(1e-9, 1e-9, 0, 0, 0), "x", 128, False)
+    assert C.filled(fill_model) is fill_model  # only the per-program model has programs to spread
