@@ -423,7 +423,9 @@ def discussion(model, layout, results: dict, alt_layout, alt_results: dict, swee
               f"{_pts(min(a - c for a, c in zip(sag, comb)))} to {_pts(max(a - c for a, c in zip(sag, comb)))} points "
               "against the combined method at cp 16 (positive: the all-gather is ahead): with GQA 8:1 the K/V "
               "all-gather is ~2.4 ms of a 20-50 ms attention layer, so even a free exchange can only win that "
-              "back, and the overlapped stage calls cost more per call than that (above). The paper attributes "
+              "back, and the overlapped stage calls cost more than that (above): their per-call cost and, with "
+              "the per-program model, their underfilled grids (a stage call over few key blocks runs few "
+              "backward programs: the 'no SM underfill' column). The paper attributes "
               "part of its gain to the exchange; a model with more K/V bytes per token (the comm_bytes rows), "
               "a higher cp, or a runtime with cheaper calls gives the exchange more to win.",
               f"3. *The ablation (no hierarchy: below the baseline on 2 of 3).* At cp {layout.cp} flat routing "
