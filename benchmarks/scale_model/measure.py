@@ -140,9 +140,12 @@ def stream_times(fn, device, per_call_ms: float, samples: int = OVERLAP_SAMPLES)
     This is what a CP rank's stream of stage calls costs per call and what the scale model
     predicts, ``max(host, GPU)``. (``do_bench`` zeroes 256 MB before each call and times each
     call apart, which hides part of a host-bound call's host work behind the memset.)
-    ``per_call_ms`` (a first estimate) sets ``calls``. Off CUDA: wall time of the second half."""
+    ``per_call_ms`` (a first estimate) sets ``calls`` (and one sample for calls of >= STREAM_MS,
+    to keep the run within its budget). Off CUDA: wall time of the second half."""
     lo, hi = STREAM_CALLS
     calls = max(lo, min(hi, math.ceil(STREAM_MS / max(per_call_ms, 1e-3))))
+    if per_call_ms >= STREAM_MS:  # GPU-bound milliseconds a call: one sample of 2 x calls is plenty
+        samples = 1
     ts = []
     for _ in range(samples):
         if device.type == "cuda":

@@ -19,8 +19,9 @@ def test_stream_times_off_cuda_runs_twice_the_timed_calls():
     calls = []
     ms, n = measure.stream_times(lambda: calls.append(1), torch.device("cpu"), per_call_ms=1.0, samples=2)
     assert n == 5 and len(calls) == 2 * 2 * n and ms >= 0  # 5 ms of work at 1 ms a call
-    _, n = measure.stream_times(lambda: None, torch.device("cpu"), per_call_ms=100.0, samples=1)
-    assert n == measure.STREAM_CALLS[0]
+    calls = []
+    _, n = measure.stream_times(lambda: calls.append(1), torch.device("cpu"), per_call_ms=100.0, samples=3)
+    assert n == measure.STREAM_CALLS[0] and len(calls) == 2 * n  # long calls: one sample
 
 
 def test_stage_problems_take_one_call_of_each_plan_in_turn():
