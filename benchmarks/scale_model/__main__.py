@@ -66,7 +66,7 @@ def run_paper(args, costs, cluster, runtime, bar_total=None):
                     recompute=args.recompute)
     datasets = _datasets(args, args.seqlen, args.sequences)
     n_methods = len(X.METHODS) - (1 if layout.cp <= cluster.gpus_per_node else 0)
-    steps = len(datasets) * args.sequences * (n_methods + (1 if layout.cp > cluster.gpus_per_node else 0))
+    steps = len(datasets) * args.sequences * (n_methods + (2 if layout.cp > cluster.gpus_per_node else 0))
     if args.sensitivity:
         steps += (2 * len(X.SWEPT) + 8) * args.sequences * n_methods  # x0.5/x2 each, per-tile 2, per-call 3, bytes 2, runtime 1
     if args.host_sweep:
@@ -78,6 +78,9 @@ def run_paper(args, costs, cluster, runtime, bar_total=None):
             free = X.per_call_free(ds["sequences"], model, layout, cluster, runtime, costs, progress=bar)
             if free is not None:
                 results[name][X.NO_CALL] = free
+            fill = X.sm_filled(ds["sequences"], model, layout, cluster, runtime, costs, progress=bar)
+            if fill is not None:
+                results[name][X.NO_UNDERFILL] = fill
         sens = []
         if args.sensitivity:
             mid = list(datasets)[len(datasets) // 2]
@@ -122,7 +125,7 @@ def _print_validation(single, multi):
         print(f"cp_single_gpu [{kind}]: {validate.summary(single[kind])}")
     print(f"per-rank calibration: k={single['k']:.3f}, per-call {single['c'] * 1e3:.2f} ms")
     for cls, d in single.get("measured", {}).items():
-        for kind in ("fwd", "fwd+bwd"):
+        for kind in [k for k in d["in_sample"] if k in d["held_out"]]:
             print(f"current kernels, measured shapes, {cls} {kind}: in-sample "
                   f"{validate.summary(d['in_sample'][kind], held_only=False)}; held out "
                   f"{validate.summary(d['held_out'][kind])}")
@@ -210,8 +213,8 @@ def main(argv=None) -> int:
         md += report.validation_section(single, multi, os.path.relpath(args.multigpu, os.getcwd()))
         out["validation"] = {"single": {k: [dataclasses.asdict(p) for p in single[k]] for k in ("tables", "per_rank")},
                              "k": single["k"], "c": single["c"],
-                             "measured_shapes": {cls: {chk: {kind: validate.summary(d[chk][kind], held_only=False)
-                                                             for kind in ("fwd", "fwd+bwd")}
+                             "measured_shapes": {cls: {chk: {kind: validate.summary(pts, held_only=False)
+                                                             for kind, pts in d[chk].items()}
                                                        for chk in ("in_sample", "held_out")}
                                                  for cls, d in single.get("measured", {}).items()},
                              "multigpu": [dataclasses.asdict(p) for p in multi]}

@@ -11,8 +11,26 @@ the GPU, back-to-back calls wait for it. ``full`` / ``partial`` are the call's l
 its 128-row query and key blocks (the programs' prologue / epilogue and the per-block metadata
 the kernels read whether the block's tiles are live or not), and ``fill = max(1, SMs /
 programs)`` stretches calls too small to fill the GPU (query-block programs in the forward,
-key-block programs in the backward). Forward and backward (= fwd+bwd - fwd) apart, per head dim
-and GQA class, fitted by least squares on relative error from:
+key-block programs in the backward). That is the ``"fill"`` schedule, used where only a call's
+total tiles are known (the kernel tables, older measurement files).
+
+Where the tiles of every kernel program are known (:class:`ProgramWork`, recreated from the plans
+the measurement built), the ``"greedy"`` schedule charges what the GPU does: the forward launches
+one program per (128-row query block, query head), the fused backward one per (128-key block, KV
+head) looping over the ``Hq / Hk`` query heads of its group (``gluon_fwd.launch_fwd_gluon``,
+``gluon_bwd.launch_dkdv_gluon``); a program costs ``a_program + group x (a_full x its full tiles +
+a_partial x its partial tiles)`` on one SM, the block scheduler hands programs in launch order to
+whichever of the 132 SMs frees first (one resident program per SM: both kernels' shared-memory
+rings exceed half an SM's 228 KB), and
+
+    gpu = call + makespan(programs) + heads * (a_qblock * q_blocks + a_kblock * k_blocks)
+
+where the block terms are now the passes over all rows that fill the whole GPU (the backward's
+delta/lse pre-pass and dQ scaling). Under document masks the work per query block is very
+uneven, so with few programs per call the slowest SM, not the total, sets the time.
+
+Forward and backward (= fwd+bwd - fwd) apart, per head dim and GQA class, fitted by least
+squares on relative error from:
 
 * ``benchmarks/results/scale_model_attention.json`` -- the per-rank shapes measured by
   ``benchmarks/gpu/scale-model.sh``. When its rows carry the GPU time (``gpu_fwd_ms``: host work
@@ -30,7 +48,7 @@ from __future__ import annotations
 import json
 import math
 import os
-from dataclasses import replace, asdict, dataclass
+from dataclasses import replace, asdict, dataclass, field
 from typing import Iterable, Optional
 
 import numpy as np
@@ -41,6 +59,112 @@ TILE = 128
 N_SM = 132
 #: Per-call GPU overhead assumed when the data cannot separate it (launch tail, prologue).
 ASSUMED_CALL = {"fwd": 20e-6, "bwd": 50e-6}
+#: (query rows, keys) of one program's tile at D=128 bf16 on Hopper (``dispatch.TABLE``, mask
+#: without a row-span hint, as the CP runtime and the measurement call it): forward 128x128,
+#: fused backward 64x128. One program per (query block, query head) forward, per (key block, KV
+#: head) backward.
+FWD_TILE, BWD_TILE = (128, 128), (64, 128)
+#: Programs resident per SM: one (forward: Q + 2-stage K/V rings = 160 KB of shared memory;
+#: fused backward: K, V, Q/dO rings, P and dS = 160 KB+; an SM has 228 KB).
+PROGRAMS_PER_SM = 1
+SLOTS = N_SM * PROGRAMS_PER_SM
+
+
+@dataclass(frozen=True)
+class ProgramWork:
+    """Live tiles of every kernel program of one call (one mask head, batch 1).
+
+    ``fwd_*``: per 128-row query block, its live 128x128 tiles (what one forward program, one
+    query head, runs); ``bwd_*``: per 128-key block, its live 64x128 tiles (what one fused
+    backward program runs per query head of its group). In launch order (local row / key order)."""
+
+    fwd_full: np.ndarray
+    fwd_partial: np.ndarray
+    bwd_full: np.ndarray
+    bwd_partial: np.ndarray
+
+    def totals(self) -> tuple[int, int]:
+        """(full, partial) 128x128 tiles of the call: the forward's per-block counts summed."""
+        return int(self.fwd_full.sum()), int(self.fwd_partial.sum())
+
+
+def _per_program(startend_row_indices, causal: bool, q_rows: int, keys: int, tile, axis: int):
+    from flashmask3.masks import PARTIAL, UNMASKED, classify_tiles
+
+    cls = classify_tiles(startend_row_indices, causal, q_rows, keys, *tile)
+    if cls.shape[0] * cls.shape[1] != 1:
+        raise ValueError("per-program work: batch 1 and one mask head only")
+    cls = cls[0, 0]
+    return ((cls == UNMASKED).sum(axis).numpy().astype(np.int32),
+            (cls == PARTIAL).sum(axis).numpy().astype(np.int32))
+
+
+def program_work(startend_row_indices, causal: bool, q_rows: int, keys: int) -> ProgramWork:
+    """Per-program live tiles of one call's mask (the mask layer's tile rule at the kernels'
+    tiles, :data:`FWD_TILE` summed over keys, :data:`BWD_TILE` summed over queries)."""
+    ff, fp = _per_program(startend_row_indices, causal, q_rows, keys, FWD_TILE, 1)
+    bf, bp = _per_program(startend_row_indices, causal, q_rows, keys, BWD_TILE, 0)
+    return ProgramWork(ff, fp, bf, bp)
+
+
+def uniform_work(t: "TileCounts") -> ProgramWork:
+    """A call's tiles spread evenly over its programs: the stand-in where only totals are known
+    (a backward 128x128 tile = two 64x128 tiles)."""
+    nq, nk = max(1, math.ceil(t.q_rows / FWD_TILE[0])), max(1, math.ceil(t.keys / BWD_TILE[1]))
+    return ProgramWork(np.full(nq, t.full / nq), np.full(nq, t.partial / nq),
+                       np.full(nk, 2 * t.full / nk), np.full(nk, 2 * t.partial / nk))
+
+
+_MAKESPAN_CACHE: dict = {}
+
+
+def greedy_makespan(costs: np.ndarray, repeats: int, slots: int = SLOTS) -> float:
+    """Finish time of ``repeats`` sweeps of programs of ``costs`` (seconds each, launch order)
+    when each program goes to the SM that frees first: the block scheduler's greedy list
+    schedule over ``slots`` identical SMs (memoised: the timeline asks for the same call often)."""
+    n = len(costs) * repeats
+    if n == 0:
+        return 0.0
+    if n <= slots:
+        return float(np.max(costs))
+    key = (costs.tobytes(), repeats, slots)
+    hit = _MAKESPAN_CACHE.get(key)
+    if hit is None:
+        import heapq
+
+        heap = [0.0] * slots
+        rep = heapq.heapreplace
+        for c in costs.tolist() * repeats:
+            rep(heap, heap[0] + c)
+        hit = _MAKESPAN_CACHE[key] = max(heap)
+        if len(_MAKESPAN_CACHE) > 200_000:
+            _MAKESPAN_CACHE.clear()
+    return hit
+
+
+def critical_features(features: np.ndarray, theta: np.ndarray, repeats: int, slots: int = SLOTS) -> np.ndarray:
+    """The summed feature rows of the programs on the SM that finishes last under
+    :func:`greedy_makespan` with program costs ``features @ theta`` (the linear form of the
+    makespan for that schedule: what the fit solves for, then reschedules)."""
+    f = np.tile(features, (repeats, 1))
+    costs = f @ theta
+    if len(costs) <= slots:
+        return f[int(np.argmax(costs))]
+    import heapq
+
+    # integer heap: time in ns << 8 | SM index (the SM rides along in the low bits)
+    assert slots <= 256
+    ticks = (np.maximum(np.rint(costs * 1e9), 0).astype(np.int64) << 8).tolist()
+    heap = list(range(slots))
+    rep = heapq.heapreplace
+    slot = []
+    for c in ticks:
+        top = heap[0]
+        slot.append(top & 255)
+        rep(heap, top + c)
+    sums = np.zeros((slots, f.shape[1]))
+    np.add.at(sums, np.array(slot), f)
+    return sums[int(np.argmax(sums @ theta))]
 
 
 @dataclass(frozen=True)
@@ -52,6 +176,8 @@ class TileCounts:
     q_rows: int
     keys: int
     batch: int = 1
+    #: per-program tiles where known (else None: the "greedy" schedule spreads the totals evenly)
+    work: Optional[ProgramWork] = field(default=None, compare=False, repr=False)
 
     @property
     def live(self) -> int:
@@ -68,10 +194,15 @@ class TileCounts:
 
 @dataclass(frozen=True)
 class PassCost:
-    """Fitted cost of one pass (forward or backward) of one kernel family."""
+    """Fitted cost of one pass (forward or backward) of one kernel family.
 
-    a_full: float      # seconds per full tile per query head
-    a_partial: float   # seconds per partial tile per query head
+    ``schedule="fill"``: ``a_full`` / ``a_partial`` are seconds per tile and query head of the
+    whole GPU, stretched by ``fill`` for calls with fewer programs than SMs. ``schedule="greedy"``:
+    they are seconds per tile on one SM (one program), ``a_program`` the fixed cost of a program,
+    and the call takes the greedy makespan of its programs (module docstring)."""
+
+    a_full: float      # seconds per full tile (per query head; "greedy": on one SM)
+    a_partial: float   # seconds per partial tile (likewise)
     call: float        # seconds of GPU time per call
     rms_rel_err: float
     points: int
@@ -80,25 +211,69 @@ class PassCost:
     a_kblock: float = 0.0  # seconds per key block per query head
     host_measured: bool = False  # floor = measured host time per call (else fitted or none)
     fitted_on: str = "do_bench"  # the time the GPU part was fitted on: "gpu" or "do_bench"
+    a_program: float = 0.0  # "greedy": seconds per program whatever its tiles (prologue/epilogue)
+    schedule: str = "fill"  # "fill", "greedy", or "filled" (greedy's programs spread evenly over
+    #                         every SM: the attribution's "no SM underfill" case, not a fit)
 
     def gpu_seconds(self, tiles: TileCounts, heads: int, programs: int) -> float:
-        """GPU time of one call (host work hidden)."""
+        """GPU time of one call (host work hidden), ``"fill"`` schedule."""
         if tiles.live == 0:
             return 0.0
         fill = max(1.0, N_SM / max(programs, 1))
         return self.call + heads * ((self.a_full * tiles.full + self.a_partial * tiles.partial) * fill
                                     + self.a_qblock * tiles.q_blocks + self.a_kblock * tiles.k_blocks)
 
+    def program_costs(self, tiles: TileCounts, kind: str, heads: int, kv_heads: int) -> tuple[np.ndarray, int]:
+        """``(seconds of each program of one sweep, sweeps)``: the forward sweeps its query
+        blocks once per query head, the backward its key blocks once per KV head, each backward
+        program looping over the ``heads / kv_heads`` query heads of its group."""
+        w = tiles.work if tiles.work is not None else uniform_work(tiles)
+        if kind == "fwd":
+            full, part, group, sweeps = w.fwd_full, w.fwd_partial, 1, heads * tiles.batch
+        else:
+            full, part, group, sweeps = w.bwd_full, w.bwd_partial, max(1, heads // kv_heads), kv_heads * tiles.batch
+        return self.a_program + group * (self.a_full * full + self.a_partial * part), sweeps
+
+    def gpu_time(self, tiles: TileCounts, kind: str, heads: int, kv_heads: int) -> float:
+        """GPU time of one call of pass ``kind`` ("fwd"/"bwd") under this cost's schedule."""
+        if self.schedule not in ("greedy", "filled"):
+            return self.gpu_seconds(tiles, heads, _programs(kind, tiles, heads))
+        if tiles.live == 0:
+            return 0.0
+        costs, sweeps = self.program_costs(tiles, kind, heads, kv_heads)
+        span = greedy_makespan(costs, sweeps) if self.schedule == "greedy" else float(costs.sum()) * sweeps / SLOTS
+        return self.call + span + heads * (self.a_qblock * tiles.q_blocks + self.a_kblock * tiles.k_blocks)
+
     def seconds(self, tiles: TileCounts, heads: int, programs: int) -> float:
-        """Time of one call in a stream of calls: the slower of its host and its GPU work."""
+        """Time of one call in a stream of calls: the slower of its host and its GPU work
+        (``"fill"`` schedule; :meth:`time` for either)."""
         if tiles.live == 0:
             return 0.0
         return max(self.floor, self.gpu_seconds(tiles, heads, programs))
 
+    def time(self, tiles: TileCounts, kind: str, heads: int, kv_heads: int) -> float:
+        """Time of one call in a stream of calls: ``max(host, GPU)``."""
+        if tiles.live == 0:
+            return 0.0
+        return max(self.floor, self.gpu_time(tiles, kind, heads, kv_heads))
+
+    def describe(self) -> str:
+        """The coefficients in words (units depend on the schedule)."""
+        if self.schedule in ("greedy", "filled"):
+            return (f"{self.a_program * 1e6:.2f} us per program + {self.a_full * 1e6:.2f}/{self.a_partial * 1e6:.2f} "
+                    f"us per full/partial tile on one SM, greedy over {SLOTS} SMs, + {self.a_qblock * 1e9:.0f} ns per "
+                    f"query block-head + {self.call * 1e6:.0f} us/call GPU")
+        return (f"{self.a_full * 1e9:.2f}/{self.a_partial * 1e9:.2f} ns per full/partial tile-head + "
+                f"{self.a_qblock * 1e9:.0f}/{self.a_kblock * 1e9:.0f} ns per query/key block-head + "
+                f"{self.call * 1e6:.0f} us/call GPU")
+
 
 @dataclass(frozen=True)
 class AttentionCost:
-    """Forward and backward cost of one kernel family at one head dim / GQA class."""
+    """Forward and backward cost of one kernel family at one head dim / GQA class.
+
+    ``kv_heads`` (default ``heads``) matters to the ``"greedy"`` backward only: its programs are
+    per KV head."""
 
     fwd: PassCost
     bwd: PassCost
@@ -106,42 +281,36 @@ class AttentionCost:
     head_dim: int
     gqa: bool
 
-    def forward(self, tiles: TileCounts, heads: int) -> float:
-        programs = math.ceil(tiles.q_rows / TILE) * heads * tiles.batch
-        return self.fwd.seconds(tiles, heads, programs)
+    def forward(self, tiles: TileCounts, heads: int, kv_heads: Optional[int] = None) -> float:
+        return self.fwd.time(tiles, "fwd", heads, kv_heads or heads)
 
-    def backward(self, tiles: TileCounts, heads: int) -> float:
-        programs = math.ceil(tiles.keys / TILE) * heads * tiles.batch
-        return self.bwd.seconds(tiles, heads, programs)
+    def backward(self, tiles: TileCounts, heads: int, kv_heads: Optional[int] = None) -> float:
+        return self.bwd.time(tiles, "bwd", heads, kv_heads or heads)
 
-    def backward_stage(self, tiles: TileCounts, heads: int) -> float:
+    def backward_stage(self, tiles: TileCounts, heads: int, kv_heads: Optional[int] = None) -> float:
         """One staged ``backward_stage`` call (overlap mode): tiles, key blocks and the per-call
         cost, without the per-query-block term, which the runtime pays once per layer in
         ``backward_prepare`` / ``backward_finish`` (:meth:`backward_query_blocks`)."""
-        programs = math.ceil(tiles.keys / TILE) * heads * tiles.batch
         staged = replace(self.bwd, a_qblock=0.0)
-        return staged.seconds(tiles, heads, programs)
+        return staged.time(tiles, "bwd", heads, kv_heads or heads)
 
     def backward_query_blocks(self, tiles: TileCounts, heads: int) -> float:
         """The backward's per-query-block GPU time (delta/lse pre-pass, dQ zeroing and scaling),
         charged once per layer in overlap mode (``tiles``: any stage over all local query rows)."""
         return self.bwd.a_qblock * tiles.q_blocks * heads
 
-    def gpu_forward(self, tiles: TileCounts, heads: int) -> float:
-        return self.fwd.gpu_seconds(tiles, heads, _programs("fwd", tiles, heads))
+    def gpu_forward(self, tiles: TileCounts, heads: int, kv_heads: Optional[int] = None) -> float:
+        return self.fwd.gpu_time(tiles, "fwd", heads, kv_heads or heads)
 
-    def gpu_backward(self, tiles: TileCounts, heads: int) -> float:
-        return self.bwd.gpu_seconds(tiles, heads, _programs("bwd", tiles, heads))
+    def gpu_backward(self, tiles: TileCounts, heads: int, kv_heads: Optional[int] = None) -> float:
+        return self.bwd.gpu_time(tiles, "bwd", heads, kv_heads or heads)
 
     def describe(self) -> str:
         f, b = self.fwd, self.bwd
-        return (f"{self.source}; D={self.head_dim} {'GQA' if self.gqa else 'MHA'}: fwd "
-                f"{f.a_full * 1e9:.2f}/{f.a_partial * 1e9:.2f} ns per full/partial tile-head + "
-                f"{f.a_qblock * 1e9:.0f}/{f.a_kblock * 1e9:.0f} ns per query/key block-head + "
-                f"{f.call * 1e6:.0f} us/call GPU, host {f.floor * 1e6:.0f} us/call ({_host_kind(f)}; "
-                f"rms rel. err {f.rms_rel_err:.1%} on {f.fitted_on} time, {f.points} pts); bwd "
-                f"{b.a_full * 1e9:.2f}/{b.a_partial * 1e9:.2f} ns + {b.a_qblock * 1e9:.0f}/{b.a_kblock * 1e9:.0f} ns + "
-                f"{b.call * 1e6:.0f} us/call GPU, host {b.floor * 1e6:.0f} us/call ({_host_kind(b)}; rms "
+        return (f"{self.source}; D={self.head_dim} {'GQA' if self.gqa else 'MHA'}: fwd {f.describe()}, "
+                f"host {f.floor * 1e6:.0f} us/call ({_host_kind(f)}; "
+                f"rms rel. err {f.rms_rel_err:.1%} on {f.fitted_on} time, {f.points} pts); bwd {b.describe()}, "
+                f"host {b.floor * 1e6:.0f} us/call ({_host_kind(b)}; rms "
                 f"{b.rms_rel_err:.1%} on {b.fitted_on} time, {b.points} pts)")
 
 
@@ -244,6 +413,59 @@ def fit_pass(points: Iterable[tuple[TileCounts, int, float]], kind: str,
     return best
 
 
+#: Start of the "greedy" fit (seconds: per program, per full / partial tile on one SM) and its
+#: rescheduling rounds (it converges in a few: the critical SM's programs change little).
+GREEDY_START, GREEDY_ROUNDS = (5e-6, 1.5e-6, 3e-6), 20
+
+
+def _program_features(t: TileCounts, kind: str, heads: int, kv_heads: int) -> tuple[np.ndarray, int]:
+    """``([programs, 3] = (1, group x full, group x partial), sweeps)`` of one call's programs."""
+    w = t.work if t.work is not None else uniform_work(t)
+    if kind == "fwd":
+        full, part, group, sweeps = w.fwd_full, w.fwd_partial, 1, heads * t.batch
+    else:
+        full, part, group, sweeps = w.bwd_full, w.bwd_partial, max(1, heads // kv_heads), kv_heads * t.batch
+    f = np.stack([np.ones(len(full)), group * np.asarray(full, float), group * np.asarray(part, float)], 1)
+    return f, sweeps
+
+
+def fit_pass_greedy(points: Iterable[tuple[TileCounts, int, int, float]], kind: str, host: float,
+                    blocks: bool = True) -> PassCost:
+    """Fit the ``"greedy"`` schedule on GPU times ``(tiles with work, heads, kv_heads, seconds)``.
+
+    The makespan of a fixed schedule is linear in the costs: schedule the programs with the
+    current coefficients, take the summed features of the SM that finishes last, solve the least
+    squares on relative error (``_fit_columns``: no negative cost) for ``call``, ``a_program``,
+    ``a_full``, ``a_partial`` (and, backward with ``blocks``, ``a_qblock``: the whole-GPU passes
+    over the query rows), reschedule, repeat; keep the round whose real makespans fit best.
+    ``host``: the measured host time per call."""
+    pts = [p for p in points if p[3] > 0 and p[0].live > 0]
+    if not pts:
+        raise ValueError(f"no {kind} points to fit")
+    y = np.array([p[3] for p in pts])
+    feats = [_program_features(t, kind, h, hk) for t, h, hk, _ in pts]
+    qcol = np.array([h * t.q_blocks for t, h, _, _ in pts], dtype=np.float64)
+    use = np.ones(len(y), dtype=bool)
+    theta = np.array(GREEDY_START)
+    best = None
+    for _ in range(GREEDY_ROUNDS):
+        crit = np.array([critical_features(f, theta, sw) for f, sw in feats])
+        cols = [crit[:, 1], crit[:, 2], crit[:, 0]] + ([qcol] if blocks and kind == "bwd" else [])
+        coef, call = _fit_columns(cols, y, use, None)
+        cost = PassCost(coef[0], coef[1], call, 0.0, len(pts), float(host),
+                        a_qblock=coef[3] if len(coef) > 3 else 0.0, host_measured=True, fitted_on="gpu",
+                        a_program=coef[2], schedule="greedy")
+        pred = np.array([cost.gpu_time(t, kind, h, hk) for t, h, hk, _ in pts])
+        rms = float(np.sqrt(np.mean((pred / y - 1.0) ** 2)))
+        if best is None or rms < best.rms_rel_err:
+            best = replace(cost, rms_rel_err=rms)
+        new = np.maximum(np.array([coef[2], coef[0], coef[1]]), 1e-12)
+        if np.allclose(new, theta, rtol=1e-3):
+            break
+        theta = new
+    return best
+
+
 def tile_counts(startend_row_indices, causal: bool, q_rows: int, keys: int) -> TileCounts:
     """Live full/partial 128x128 tiles of a mask (summed over batch and mask heads)."""
     from flashmask3.masks import PARTIAL, UNMASKED, classify_tiles
@@ -318,12 +540,79 @@ def fit_from_kernel_tables(impl: str = "flashmask3", head_dim: int = 128, gqa: b
 
 def measured_rows(path: str = MEASURED_FILE, head_dim: int = 128, gqa: bool = True) -> tuple[list[dict], dict]:
     """The timed attention rows of a ``scale_model_attention.json`` at one head dim / GQA
-    class, and the file's environment."""
-    with open(path) as f:
-        data = json.load(f)
-    rows = [r for r in data["attention"] if r["head_dim"] == head_dim
-            and (r["heads"] != r["kv_heads"]) == gqa and "fwd_ms" in r]
-    return rows, data.get("env", {})
+    class, and the file's environment. Rows with GPU times also carry ``"_work"``: their
+    per-program tiles rebuilt from the plans (:func:`attach_program_work`; None where the call
+    cannot be rebuilt here)."""
+    rows, env = _load_measured(path)
+    return [r for r in rows if r["head_dim"] == head_dim and (r["heads"] != r["kv_heads"]) == gqa], env
+
+
+_MEASURED_CACHE: dict = {}
+
+
+def _load_measured(path: str) -> tuple[list[dict], dict]:
+    """Every timed row of a measurement file (per-program tiles attached), cached per file
+    version: rebuilding the plans' calls takes a second or two."""
+    key = (os.path.abspath(path), os.path.getmtime(path))
+    if key not in _MEASURED_CACHE:
+        with open(path) as f:
+            data = json.load(f)
+        rows = [r for r in data["attention"] if "error" not in r and ("fwd_ms" in r or "gpu_fwd_ms" in r)]
+        if has_gpu_times(rows):
+            attach_program_work(rows, data)
+        _MEASURED_CACHE[key] = (rows, data.get("env", {}))
+    return _MEASURED_CACHE[key]
+
+
+def attach_program_work(rows: list[dict], data: dict) -> None:
+    """Set ``r["_work"]`` of every row to the :class:`ProgramWork` of its call, rebuilt the way
+    ``measure.py`` built it (``measure.plan_calls``: same document lengths, cp, balance, nodes,
+    rank and stage), or None where it cannot be rebuilt: no such call in today's plan, or its
+    tile totals differ from the row's ``full_tiles`` / ``partial_tiles`` (a changed planner, or
+    the ``corpus`` spread of a file without ``spreads``: that one is packed from the measuring
+    machine's files)."""
+    from benchmarks.corpus import document_spreads
+    from benchmarks.scale_model.measure import plan_calls
+
+    tokens = data.get("args", {}).get("tokens", 131072)
+    stored = data.get("spreads") or {}
+    here = None
+    groups: dict = {}
+    for r in rows:
+        r["_work"] = None
+        if all(k in r for k in ("spread", "cp", "balance", "rank", "stage")):
+            groups.setdefault((r["spread"], r["cp"], r["balance"]), []).append(r)
+    for (spread, cp, balance), rs in groups.items():
+        lens = stored.get(spread)
+        if lens is None:
+            here = here if here is not None else document_spreads(tokens, seed=0)
+            lens = here.get(spread)
+        calls = {}
+        if lens is not None and sum(lens) == tokens:
+            try:
+                for meta, fm, keys in plan_calls(lens, spread, cp, balance):
+                    calls[(meta["rank"], str(meta["stage"]))] = (fm, keys)
+            except ValueError:  # a cp the planner rejects for these lengths
+                calls = {}
+        works: dict = {}
+        for r in rs:
+            k = (r["rank"], str(r["stage"]))
+            if k not in calls or calls[k][1] != r["keys"] or calls[k][0].seqlen_q != r["q_rows"]:
+                continue
+            if k not in works:
+                fm, keys = calls[k]
+                works[k] = program_work(fm.startend_row_indices, False, fm.seqlen_q, keys)
+            if works[k].totals() == (r["full_tiles"], r["partial_tiles"]):
+                r["_work"] = works[k]
+
+
+def work_summary(rows: list[dict]) -> tuple[int, dict]:
+    """``(rows with per-program tiles, {spread: rows without})``."""
+    missing: dict = {}
+    for r in rows:
+        if r.get("_work") is None:
+            missing[r.get("spread", "?")] = missing.get(r.get("spread", "?"), 0) + 1
+    return sum(r.get("_work") is not None for r in rows), missing
 
 
 def measured_env(path: Optional[str] = None) -> dict:
@@ -336,7 +625,7 @@ def measured_env(path: Optional[str] = None) -> dict:
 
 
 def row_tiles(r: dict) -> TileCounts:
-    return TileCounts(r["full_tiles"], r["partial_tiles"], r["q_rows"], r["keys"], 1)
+    return TileCounts(r["full_tiles"], r["partial_tiles"], r["q_rows"], r["keys"], 1, work=r.get("_work"))
 
 
 #: Fit the per-block terms on the per-rank measurements (the kernel tables cannot separate them).
@@ -357,13 +646,24 @@ def measured_host(rows: list[dict]) -> tuple[float, float]:
 
 
 def fit_rows(rows: list[dict], source: str, head_dim: int = 128, gqa: bool = True,
-             blocks: bool = MEASURED_BLOCKS, use_gpu_times: Optional[bool] = None) -> AttentionCost:
+             blocks: bool = MEASURED_BLOCKS, use_gpu_times: Optional[bool] = None,
+             schedule: Optional[str] = None) -> AttentionCost:
     """Forward and backward (= fwd+bwd - fwd) fits of measured rows.
 
     With GPU and host times in the rows (default when present): the GPU part on the GPU time,
-    the host time per call measured. Without: the do_bench time with a fitted host floor."""
+    the host time per call measured (median of every row); where rows carry per-program tiles
+    (``"_work"``) the ``"greedy"`` schedule on those rows (``schedule="fill"`` forces the
+    total-tiles model). Without GPU times: the do_bench time with a fitted host floor."""
     gpu = has_gpu_times(rows) if use_gpu_times is None else use_gpu_times
     fk, fbk = ("gpu_fwd_ms", "gpu_fwd_bwd_ms") if gpu else ("fwd_ms", "fwd_bwd_ms")
+    with_work = [r for r in rows if r.get("_work") is not None]
+    if gpu and with_work and schedule != "fill":
+        hf, hb = measured_host(rows)
+        fwd = [(row_tiles(r), r["heads"], r["kv_heads"], r[fk] * 1e-3) for r in with_work]
+        bwd = [(row_tiles(r), r["heads"], r["kv_heads"], (r[fbk] - r[fk]) * 1e-3) for r in with_work]
+        src = f"{source}; greedy schedule fitted on {len(with_work)} of {len(rows)} calls (per-program tiles rebuilt)"
+        return AttentionCost(fit_pass_greedy(fwd, "fwd", hf, blocks), fit_pass_greedy(bwd, "bwd", hb, blocks),
+                             src, head_dim, gqa)
     pts = {"fwd": [], "bwd": []}
     for r in rows:
         t = row_tiles(r)
@@ -378,11 +678,15 @@ def fit_rows(rows: list[dict], source: str, head_dim: int = 128, gqa: bool = Tru
                          fit_pass(pts["bwd"], "bwd", floor=True, blocks=blocks), source, head_dim, gqa)
 
 
-def fit_from_measured(path: str = MEASURED_FILE, head_dim: int = 128, gqa: bool = True) -> AttentionCost:
-    """Fit from the per-rank-shape measurements of ``benchmarks/gpu/scale-model.sh``."""
+def fit_from_measured(path: str = MEASURED_FILE, head_dim: int = 128, gqa: bool = True,
+                      balance: Optional[str] = None) -> AttentionCost:
+    """Fit from the per-rank-shape measurements of ``benchmarks/gpu/scale-model.sh``
+    (``balance``: only the calls of that balance's plans, the validation's hold-out fit)."""
     rows, env = measured_rows(path, head_dim, gqa)
+    if balance is not None:
+        rows = [r for r in rows if r["balance"] == balance]
     src = (f"measured: per-rank shapes on {env.get('gpu', '?')} ({env.get('date', '?')}), "
-           f"{os.path.basename(path)}")
+           f"{os.path.basename(path)}" + (f", {balance} calls only" if balance else ""))
     return fit_rows(rows, src, head_dim, gqa)
 
 
@@ -437,9 +741,12 @@ def as_dict(cost: AttentionCost) -> dict:
 
 CALIBRATION_FILE = os.path.join(RESULTS, "scale_model_calibration.json")
 #: name -> how to fit it. "flashmask3": the current kernels; "flex": FlexAttention (the torch
-#: context_parallel style baseline); "flashmask3_old": the kernel of the committed CP runs.
+#: context_parallel style baseline); "flashmask3_old": the kernel of the committed CP runs;
+#: "flashmask3_dual_chunk": the current kernels fitted on the dual_chunk plans' calls only (the
+#: validation's hold-out fit, cached here because the greedy fit takes seconds).
 FITS = {
     "flashmask3": lambda gqa: attention_cost("flashmask3", 128, gqa),
+    "flashmask3_dual_chunk": lambda gqa: fit_from_measured(MEASURED_FILE, 128, gqa, balance="dual_chunk"),
     "flex": lambda gqa: fit_from_kernel_tables("flex", 128, gqa),
     "flashmask3_old": lambda gqa: old_kernel_cost(gqa),
 }
@@ -475,6 +782,16 @@ def load_cost(name: str = "flashmask3", gqa: bool = True, path: str = CALIBRATIO
     if name not in FITS:
         raise ValueError(f"unknown kernel family {name!r}; choose from {sorted(FITS)}")
     return FITS[name](gqa)
+
+
+def filled(cost: AttentionCost) -> AttentionCost:
+    """``cost`` with every call's programs spread evenly over all SMs (total work / SMs instead
+    of the greedy makespan): what a call would cost if it filled the GPU whatever its grid and
+    however uneven its programs (the attribution's "no SM underfill"; greedy costs only)."""
+    if cost.fwd.schedule != "greedy":
+        return cost
+    return replace(cost, fwd=replace(cost.fwd, schedule="filled"), bwd=replace(cost.bwd, schedule="filled"),
+                   source=f"{cost.source}; every call filling the SMs")
 
 
 def with_host(cost: AttentionCost, fwd_s: float, bwd_s: float, label: str) -> AttentionCost:

@@ -20,7 +20,7 @@ from typing import Optional, Sequence
 
 import numpy as np
 
-from .calibrate import RESULTS, AttentionCost, load_cost, with_host
+from .calibrate import RESULTS, AttentionCost, filled, load_cost, with_host
 from .layout import document_plan_view, mask_sparsity
 from .model import Layout, ModelConfig, StepBreakdown, step_time
 from .params import SWEPT, Cluster, Runtime
@@ -48,6 +48,8 @@ METHODS = {
 COMBINED = "sparse+overlap+hier"
 #: The combined method again with the attention calls' per-call cost (floor + call term) at zero.
 NO_CALL = "combined, no per-call cost"
+#: The combined method again with every attention call filling the SMs (no underfilled grid).
+NO_UNDERFILL = "combined, SMs filled"
 #: The sweep's extra row: the best overlap method with the runtime on main (host floor).
 ON_MAIN = "best overlap, runtime on main"
 #: The paper's layout for 128 H100s (assumed): cp 16 over 2 nodes, pp 4, dp 2, experts 8-way
@@ -185,6 +187,18 @@ def per_call_free(seqs, model, layout, cluster, runtime, costs, progress=None) -
     return res.get(COMBINED)
 
 
+def sm_filled(seqs, model, layout, cluster, runtime, costs, progress=None) -> Optional[dict]:
+    """The combined method's entry with every attention call's programs spread evenly over the
+    SMs (``calibrate.filled``): what the underfilled grids of its stage calls cost it (None at
+    one node, or when the calibration has no per-program model)."""
+    if costs.flashmask3.fwd.schedule != "greedy":
+        return None
+    co = dataclasses.replace(costs, flashmask3=filled(costs.flashmask3))
+    res = simulate_dataset(seqs, model, layout, cluster, runtime, co, methods={COMBINED: METHODS[COMBINED]},
+                           progress=progress)
+    return res.get(COMBINED)
+
+
 #: Issue 25's targets for the host time per call: forward 100 us, forward+backward 250 us.
 HOST_TARGETS_US = (100.0, 250.0)
 HOST_PATH_FILE = os.path.join(RESULTS, "host_path.json")
@@ -259,6 +273,7 @@ def attribution(model: ModelConfig, layout: Layout, results: dict) -> dict:
         "without imbalance": g(max(0.0, imbalance) * per_layer_to_step),
         "without host floor": g(host * per_layer_to_step),
         "without per-call cost": (base / results[NO_CALL]["step"].step_s - 1.0) if NO_CALL in results else None,
+        "without SM underfill": (base / results[NO_UNDERFILL]["step"].step_s - 1.0) if NO_UNDERFILL in results else None,
         "ceiling (attention = mean compute, no comm)": g((att - ideal_att) * per_layer_to_step),
         "attention share of step": att * per_layer_to_step / step,
         "non-attention share of step": non / step,
@@ -355,5 +370,5 @@ def write_json(obj, path: str) -> None:
 
 
 __all__ = ["METHODS", "BASELINE", "COMBINED", "PAPER_LAYOUT", "PAPER_GAINS", "make_datasets",
-           "default_costs", "scaled_per_call", "host_points", "host_sweep", "NO_CALL", "per_call_free", "simulate_dataset", "gains", "attribution", "sensitivity", "cp_sweep",
+           "default_costs", "scaled_per_call", "host_points", "host_sweep", "NO_CALL", "per_call_free", "NO_UNDERFILL", "sm_filled", "simulate_dataset", "gains", "attribution", "sensitivity", "cp_sweep",
            "plot_sweep", "write_json"]

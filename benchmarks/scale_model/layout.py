@@ -2,7 +2,8 @@
 
 :class:`PlanView` holds, per rank, its stages (``plan.stages(r)``), the live full/partial tiles
 of each stage (from the global mask's 128x128 tile classes, summed over the (query chunk, key
-chunk) blocks of the stage), its work (``plan.works``) and the plan's rounds (``plan.rounds``:
+chunk) blocks of the stage) and of each kernel program of the stage's call (per query block
+forward, per key block backward: the greedy schedule of ``calibrate``), its work (``plan.works``) and the plan's rounds (``plan.rounds``:
 ``Transfer(src, dst, chunks)``, ``Round.relay``, ``Round.source``). Nothing about placement or
 routing is re-derived here, so a change of ``plan()`` shows up in the model as it is.
 
@@ -20,11 +21,11 @@ from typing import Optional, Sequence
 
 import numpy as np
 
-from .calibrate import TILE, TileCounts
+from .calibrate import BWD_TILE, FWD_TILE, TILE, ProgramWork, TileCounts
 
 CACHE_DIR = os.environ.get("FLASHMASK3_SCALE_MODEL_CACHE",
                            os.path.join(os.path.expanduser("~"), ".cache", "flashmask3-scale-model"))
-CACHE_VERSION = 3
+CACHE_VERSION = 4  # 4: per-program tiles (session 19)
 
 
 @dataclass(frozen=True)
@@ -56,29 +57,75 @@ class PlanView:
         return self.seqlen // self.cp_size
 
 
-def chunk_tile_matrix(startend_row_indices, causal: bool, seqlen: int, chunk_size: int):
-    """``(full, partial)`` int64 ``[n, n]``: live tiles of (query chunk, key chunk) blocks."""
-    from flashmask3.masks import PARTIAL, UNMASKED, classify_tiles
+def _class_counts(cls, per: int, n: int, over_rows: bool):
+    """(full, partial) int64 counts of a ``[B, Hm, rows, cols]`` class tensor, summed over
+    batch and mask heads and over groups of ``per`` blocks along the other axis (its chunks)."""
+    import torch
+
+    from flashmask3.masks import PARTIAL, UNMASKED
+
+    out = []
+    for c in (UNMASKED, PARTIAL):
+        x = (cls == c).to("cpu").flatten(0, 1).sum(0, dtype=torch.int64)  # [rows, cols]
+        if over_rows:  # sum query blocks per query chunk: [n, per, cols] -> [cols, n]
+            x = x.view(n, per, -1).sum(1).T
+        else:  # sum key blocks per key chunk: [rows, n, per] -> [rows, n]
+            x = x.view(-1, n, per).sum(2)
+        out.append(x.contiguous().numpy().astype(np.int64))
+    return out
+
+
+def program_chunk_matrices(startend_row_indices, causal: bool, seqlen: int, chunk_size: int) -> dict:
+    """Per-program live tiles against every chunk, the mask layer's tile rule at the kernels'
+    tiles (:data:`~.calibrate.FWD_TILE`, :data:`~.calibrate.BWD_TILE`) on the global mask:
+    ``fwd_full`` / ``fwd_partial`` ``[query blocks, chunks]`` (a forward program's tiles against
+    each key chunk), ``bwd_full`` / ``bwd_partial`` ``[key blocks, chunks]`` (a backward
+    program's tiles against each query chunk)."""
+    from flashmask3.masks import classify_tiles
 
     if chunk_size % TILE:
         raise ValueError(f"chunk_size={chunk_size} must be a multiple of {TILE} for the tile model")
-    cls = classify_tiles(startend_row_indices, causal, seqlen, seqlen, TILE, TILE)
-    n, per = seqlen // chunk_size, chunk_size // TILE
+    n = seqlen // chunk_size
+    fq, fk = FWD_TILE
+    bq, bk = BWD_TILE
+    cls = classify_tiles(startend_row_indices, causal, seqlen, seqlen, fq, fk)
+    ff, fp = _class_counts(cls, chunk_size // fk, n, over_rows=False)
+    cls = classify_tiles(startend_row_indices, causal, seqlen, seqlen, bq, bk)
+    bf, bp = _class_counts(cls, chunk_size // bq, n, over_rows=True)
+    return {"fwd_full": ff, "fwd_partial": fp, "bwd_full": bf, "bwd_partial": bp,
+            "per_q": chunk_size // fq, "per_k": chunk_size // bk}
 
-    def blocks(sel):
-        import torch
 
-        x = sel.flatten(0, 1).sum(0, dtype=torch.int64)
-        return x.view(n, per, n, per).sum((1, 3)).numpy().astype(np.int64)
+def chunk_tile_matrix(startend_row_indices, causal: bool, seqlen: int, chunk_size: int):
+    """``(full, partial)`` int64 ``[n, n]``: live 128x128 tiles of (query chunk, key chunk) blocks."""
+    m = program_chunk_matrices(startend_row_indices, causal, seqlen, chunk_size)
+    return _chunk_totals(m, seqlen // chunk_size)
 
-    full = blocks((cls == UNMASKED).to("cpu"))
-    part = blocks((cls == PARTIAL).to("cpu"))
-    return full, part
+
+def _chunk_totals(m: dict, n: int):
+    per = m["per_q"]
+    return tuple(m[k].reshape(n, per, n).sum(1) for k in ("fwd_full", "fwd_partial"))
+
+
+def _blocks(chunks: np.ndarray, per: int) -> np.ndarray:
+    """The block indices of ``chunks`` in order (``per`` blocks a chunk)."""
+    return (np.asarray(chunks, dtype=np.int64)[:, None] * per + np.arange(per)).ravel()
+
+
+def call_work(m: dict, q_chunks: np.ndarray, k_chunks: np.ndarray) -> ProgramWork:
+    """The :class:`ProgramWork` of one call: the rank's query chunks (local row order) against
+    ``k_chunks`` (local key order)."""
+    qb, kb = _blocks(q_chunks, m["per_q"]), _blocks(k_chunks, m["per_k"])
+    q_chunks, k_chunks = np.asarray(q_chunks, dtype=np.int64), np.asarray(k_chunks, dtype=np.int64)
+    return ProgramWork(*(m[f"fwd_{c}"][np.ix_(qb, k_chunks)].sum(1).astype(np.int32) for c in ("full", "partial")),
+                       *(m[f"bwd_{c}"][np.ix_(kb, q_chunks)].sum(1).astype(np.int32) for c in ("full", "partial")))
 
 
 def view_plan(p, startend_row_indices, causal: bool, plan_seconds: float = 0.0) -> PlanView:
-    """Read a :class:`~flashmask3.distributed.plan.CPPlan` into a :class:`PlanView`."""
-    full, part = chunk_tile_matrix(startend_row_indices, causal, p.seqlen, p.chunk_size)
+    """Read a :class:`~flashmask3.distributed.plan.CPPlan` into a :class:`PlanView`: per rank
+    and stage the live tiles, and the tiles of every kernel program (:func:`call_work`)."""
+    m = program_chunk_matrices(startend_row_indices, causal, p.seqlen, p.chunk_size)
+    full, part = _chunk_totals(m, p.seqlen // p.chunk_size)
     owner = np.asarray(p.owner)
     rows = p.seqlen // p.cp_size
     stages, stage_chunks, sorted_tiles = [], [], []
@@ -90,11 +137,12 @@ def view_plan(p, startend_row_indices, causal: bool, plan_seconds: float = 0.0) 
             all_keys.append(k)
             f = int(full[np.ix_(q, k)].sum()) if len(k) else 0
             pa = int(part[np.ix_(q, k)].sum()) if len(k) else 0
-            per_rank.append(TileCounts(f, pa, rows, len(k) * p.chunk_size))
+            work = call_work(m, q, k) if len(k) else None
+            per_rank.append(TileCounts(f, pa, rows, len(k) * p.chunk_size, work=work))
             counts.append(len(k))
-        k = np.concatenate(all_keys) if all_keys else np.zeros(0, np.int64)
+        k = np.sort(np.concatenate(all_keys)) if all_keys else np.zeros(0, np.int64)
         sorted_tiles.append(TileCounts(int(full[np.ix_(q, k)].sum()), int(part[np.ix_(q, k)].sum()),
-                                       rows, len(k) * p.chunk_size))
+                                       rows, len(k) * p.chunk_size, work=call_work(m, q, k) if len(k) else None))
         stages.append(per_rank)
         stage_chunks.append(counts)
     rounds = [RoundView(tuple((t.src, t.dst, len(t.chunks)) for t in rnd.transfers), bool(rnd.relay),
@@ -174,4 +222,4 @@ def mask_sparsity(doc_lens: Sequence[int]) -> float:
 
 
 __all__ = ["PlanView", "RoundView", "view_plan", "document_plan_view", "chunk_tile_matrix",
-           "mask_sparsity"]
+           "program_chunk_matrices", "call_work", "mask_sparsity"]

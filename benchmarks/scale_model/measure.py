@@ -1,24 +1,29 @@
 """Calibration run for the scale model (one H200, <= the time budget): what one CP rank runs.
 
 1. ``flashmask_attention`` forward and forward+backward at the per-rank shapes of real plans,
-   three numbers per pass: the standard ``do_bench`` median (``fwd_ms``, ``fwd_bwd_ms``: host
-   work included), the GPU time per call (``gpu_fwd_ms``, ``gpu_fwd_bwd_ms``: CUDA events around
-   back-to-back calls enqueued behind a GPU sleep, so the host's work is hidden) and the host time
-   per call (``host_fwd_us``, ``host_fwd_bwd_us``: CPU time to enqueue those calls while the GPU
-   sleeps), from one loop (:func:`overlap_times`);
+   three numbers per pass: the GPU time per call (``gpu_fwd_ms``, ``gpu_fwd_bwd_ms``: CUDA
+   events around back-to-back calls enqueued behind a GPU sleep, so the host's work is hidden)
+   and the host time per call (``host_fwd_us``, ``host_fwd_bwd_us``: CPU time to enqueue those
+   calls while the GPU sleeps), from one loop (:func:`overlap_times`), and the steady-state time
+   per call of a stream of back-to-back calls (``stream_fwd_ms``, ``stream_fwd_bwd_ms``:
+   :func:`stream_times`), the quantity the scale model predicts as ``max(host, GPU)``. (Files
+   before session 19 have the ``do_bench`` median instead, ``fwd_ms`` / ``fwd_bwd_ms``: it
+   zeroes 256 MB before each call, which hides part of a host-bound call's host work.)
    B=1, S_q = tokens per rank, keys = one stage's chunks (or all needed chunks, the all-gather
    call), the rank-local mask of that stage (``plan.local_mask`` sliced by ``plan.stages``),
    D=128, GQA 8:1 (32 query / 4 KV heads) and 1:1 (16 / 16), bf16; causal document masks at 128K
    tokens, cp 8-128, dual_chunk and sparse (hierarchical); every call's live full/partial
-   tiles counted by the mask layer's tile rule. Order: most diverse first, so that a budget cut
-   still leaves a spread of tile counts.
+   tiles counted by the mask layer's tile rule. Order: one call of each plan in turn, so that
+   a budget cut still leaves every spread, cp and balance sampled. The document lengths of
+   every spread are written to the file (``spreads``), so the calls (and their per-program
+   tiles, ``calibrate.attach_program_work``) can be rebuilt on any machine.
 2. bf16 matmul throughput at the models' per-rank MLP/expert shapes (the GEMMs of one layer's
    forward: projections and dense MLP, or the local experts' share of routed tokens).
 
 Writes ``scale_model_attention.json`` and ``scale_model_matmul.json`` under ``--out`` (commit
 them to benchmarks/results/ and rerun ``python -m benchmarks.scale_model calibrate``).
 
-    python benchmarks/scale_model/measure.py --out $OUT/scale-model --budget-s 170
+    python benchmarks/scale_model/measure.py --out $OUT/scale-model --budget-s 115
     python benchmarks/scale_model/measure.py --device cpu --dry-run --out /tmp/sm   # CPU smoke run
 """
 
@@ -27,6 +32,7 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
+import math
 import os
 import statistics
 import sys
@@ -119,37 +125,92 @@ def overlap_times(fn, device, reset=None, calls: int = OVERLAP_CALLS,
     return statistics.median(host), statistics.median(gpu), all_hidden
 
 
-def stage_problems(tokens: int, cps, spreads, device):
-    """Yield (meta, local FlashMask, keys) for stage calls and the sorted call of real plans."""
-    lens = document_spreads(tokens, seed=0)
-    for spread, cp, balance in itertools.product(spreads, cps, ("sparse", "dual_chunk")):
-        mask = M.causal_document_mask(lens[spread])
-        nodes = cp // 8 if (balance == "sparse" and cp > 8 and cp % 8 == 0) else 1
-        p = plan(mask, None, cp, balance=balance, nodes=nodes)
-        works = p.works
-        ranks = sorted({0, max(range(cp), key=lambda r: works[r])})
-        for r in ranks:
-            stages = p.stages(r)
-            local = p.local_mask(r, "arrival").startend_row_indices
-            start = 0
-            for s, chunks in enumerate(stages):
-                n = len(chunks) * p.chunk_size
-                if n:
-                    cols = local[:, :, start:start + n].contiguous()
-                    yield ({"spread": spread, "cp": cp, "balance": balance, "nodes": nodes, "rank": r,
-                            "stage": s}, FlashMask(cols, False, p.local_seqlen), n)
-                start += n
-            keys = len(p.needed_chunks(r)) * p.chunk_size
-            if keys:
-                yield ({"spread": spread, "cp": cp, "balance": balance, "nodes": nodes, "rank": r,
-                        "stage": "sorted"}, p.local_mask(r, "sorted"), keys)
+#: Back-to-back calls of one stream sample: 2 x calls, the second half timed; calls give ~STREAM_MS
+#: of work, within these bounds.
+STREAM_MS, STREAM_CALLS = 5.0, (3, 30)
+
+
+def stream_times(fn, device, per_call_ms: float, samples: int = OVERLAP_SAMPLES) -> tuple[float, int]:
+    """``(ms per call, calls)``: the steady-state time per call of a stream of back-to-back calls
+    (median of ``samples``). Each sample enqueues ``2 x calls`` calls with no synchronisation
+    between them and times the second half: CUDA events after call ``calls`` and after the
+    last, so the GPU's idle gaps while it waits for a host-bound host are counted and the
+    stream's start (host before any GPU work) and end (GPU after the host) are not.
+
+    This is what a CP rank's stream of stage calls costs per call and what the scale model
+    predicts, ``max(host, GPU)``. (``do_bench`` zeroes 256 MB before each call and times each
+    call apart, which hides part of a host-bound call's host work behind the memset.)
+    ``per_call_ms`` (a first estimate) sets ``calls`` (and one sample for calls of >= STREAM_MS,
+    to keep the run within its budget). Off CUDA: wall time of the second half."""
+    lo, hi = STREAM_CALLS
+    calls = max(lo, min(hi, math.ceil(STREAM_MS / max(per_call_ms, 1e-3))))
+    if per_call_ms >= STREAM_MS:  # GPU-bound milliseconds a call: one sample of 2 x calls is plenty
+        samples = 1
+    ts = []
+    for _ in range(samples):
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+            e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        for i in range(2 * calls):
+            fn()
+            if i == calls - 1:
+                if device.type == "cuda":
+                    e0.record()
+                else:
+                    t0 = time.perf_counter()
+        if device.type == "cuda":
+            e1.record()
+            torch.cuda.synchronize()
+            ts.append(e0.elapsed_time(e1) / calls)
+        else:
+            ts.append((time.perf_counter() - t0) / calls * 1e3)
+    return statistics.median(ts), calls
+
+
+def plan_calls(lens: list[int], spread: str, cp: int, balance: str):
+    """Yield ``(meta, local FlashMask, keys)`` for every stage call and the sorted (all-gather)
+    call of ranks 0 and the busiest rank of one real plan (causal documents of ``lens``).
+    ``calibrate.attach_program_work`` rebuilds the measured calls through this same function."""
+    mask = M.causal_document_mask(lens)
+    nodes = cp // 8 if (balance == "sparse" and cp > 8 and cp % 8 == 0) else 1
+    p = plan(mask, None, cp, balance=balance, nodes=nodes)
+    works = p.works
+    base = {"spread": spread, "cp": cp, "balance": balance, "nodes": nodes}
+    for r in sorted({0, max(range(cp), key=lambda r: works[r])}):
+        local = p.local_mask(r, "arrival").startend_row_indices
+        start = 0
+        for s, chunks in enumerate(p.stages(r)):
+            n = len(chunks) * p.chunk_size
+            if n:
+                cols = local[:, :, start:start + n].contiguous()
+                yield dict(base, rank=r, stage=s), FlashMask(cols, False, p.local_seqlen), n
+            start += n
+        keys = len(p.needed_chunks(r)) * p.chunk_size
+        if keys:
+            yield dict(base, rank=r, stage="sorted"), p.local_mask(r, "sorted"), keys
+
+
+def stage_problems(lens_by_spread: dict, cps, spreads):
+    """Yield (meta, local FlashMask, keys) of real plans' calls, one plan after the other in
+    turn (round robin over spread x cp x balance), so that a budget cut still leaves every
+    spread, cp and balance sampled."""
+    gens = [plan_calls(lens_by_spread[s], s, cp, b)
+            for s, cp, b in itertools.product(spreads, cps, ("sparse", "dual_chunk"))]
+    while gens:
+        alive = []
+        for g in gens:
+            item = next(g, None)
+            if item is not None:
+                alive.append(g)
+                yield item
+        gens = alive
 
 
 def measure_attention(args, device, dtype, deadline: float, log, save=None) -> list[dict]:
     """Time every stage problem until ``deadline``; ``save(rows)`` after each (a kill keeps them)."""
     rows = []
     heads_sets = [(args.heads, args.heads // 8), (args.mha_heads, args.mha_heads)]
-    for meta, fm, keys in stage_problems(args.tokens, args.cps, args.spreads, device):
+    for meta, fm, keys in stage_problems(args.doc_lens, args.cps, args.spreads):
         if len(rows) >= args.max_shapes * len(heads_sets):
             break
         if time.perf_counter() > deadline:
@@ -173,8 +234,10 @@ def measure_attention(args, device, dtype, deadline: float, log, save=None) -> l
                     with torch.no_grad():
                         flashmask_attention(q, k, v, fm)
 
-                row["fwd_ms"] = timer(fwd, device, args.warmup, args.rep_ms)
+                fwd()  # compile / warm
                 row["host_fwd_us"], row["gpu_fwd_ms"], row["fwd_hidden"] = overlap_times(fwd, device, key="fwd")
+                row["stream_fwd_ms"], row["stream_fwd_calls"] = stream_times(
+                    fwd, device, max(row["gpu_fwd_ms"], row["host_fwd_us"] * 1e-3))
                 qg, kg, vg = (x.detach().requires_grad_() for x in (q, k, v))
 
                 def clear():
@@ -184,8 +247,10 @@ def measure_attention(args, device, dtype, deadline: float, log, save=None) -> l
                     flashmask_attention(qg, kg, vg, fm).backward(do)
                     clear()
 
-                row["fwd_bwd_ms"] = timer(step, device, args.warmup, args.rep_ms)
+                step()  # compile / warm
                 row["host_fwd_bwd_us"], row["gpu_fwd_bwd_ms"], row["fwd_bwd_hidden"] = overlap_times(step, device, key="fwd+bwd")
+                row["stream_fwd_bwd_ms"], row["stream_fwd_bwd_calls"] = stream_times(
+                    step, device, max(row["gpu_fwd_bwd_ms"], row["host_fwd_bwd_us"] * 1e-3))
             except Exception as e:  # keep going: one failing shape must not lose the others
                 row["error"] = f"{type(e).__name__}: {e}"[:300]
                 log(f"attention {meta} failed: {row['error']}")
@@ -193,8 +258,8 @@ def measure_attention(args, device, dtype, deadline: float, log, save=None) -> l
             if save is not None:
                 save(rows)
             log(f"attention {meta} Hq={hq} Hk={hk} rows={q_rows} keys={keys} tiles={t.full}+{t.partial} "
-                f"fwd={row.get('fwd_ms', float('nan')):.3f} ms (GPU {row.get('gpu_fwd_ms', float('nan')):.3f}, host "
-                f"{row.get('host_fwd_us', float('nan')):.0f} us) fwd+bwd={row.get('fwd_bwd_ms', float('nan')):.3f} ms "
+                f"fwd={row.get('stream_fwd_ms', float('nan')):.3f} ms (GPU {row.get('gpu_fwd_ms', float('nan')):.3f}, host "
+                f"{row.get('host_fwd_us', float('nan')):.0f} us) fwd+bwd={row.get('stream_fwd_bwd_ms', float('nan')):.3f} ms "
                 f"(GPU {row.get('gpu_fwd_bwd_ms', float('nan')):.3f}, host {row.get('host_fwd_bwd_us', float('nan')):.0f} us)")
     return rows
 
@@ -244,7 +309,8 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", required=True)
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    ap.add_argument("--budget-s", type=float, default=170.0)
+    ap.add_argument("--budget-s", type=float, default=115.0,
+                    help="seconds of measurement (attention gets 85%%, matmuls the rest)")
     ap.add_argument("--tokens", type=int, default=131072)
     ap.add_argument("--cps", type=int, nargs="+", default=[8, 128, 32, 16, 64])
     ap.add_argument("--spreads", nargs="+", default=["long", "mixed", "corpus", "short"])
@@ -261,6 +327,8 @@ def main(argv=None) -> int:
         args.tokens, args.cps, args.spreads = 2048, [2, 16], ["long"]
         args.heads, args.mha_heads, args.head_dim = 8, 1, 16
         args.matmul_tokens, args.warmup, args.rep_ms, args.max_shapes = [64], 0, 0.0, 2
+    lens = document_spreads(args.tokens, seed=0)
+    args.doc_lens = {s: lens[s] for s in args.spreads}
     device = torch.device(args.device)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     os.makedirs(args.out, exist_ok=True)
@@ -278,22 +346,29 @@ def main(argv=None) -> int:
     def save(rows):
         tmp = os.path.join(args.out, "scale_model_attention.json.tmp")
         with open(tmp, "w") as f:
-            json.dump({"env": env, "args": vars(args), "attention": rows}, f, indent=1)
+            json.dump({"env": env, "args": _args_dict(args), "spreads": args.doc_lens, "attention": rows}, f,
+                      indent=1)
         os.replace(tmp, os.path.join(args.out, "scale_model_attention.json"))
 
     att = measure_attention(args, device, dtype, att_deadline, log, save)
     save(att)
     mm = measure_matmul(args, device, dtype, t0 + args.budget_s, log)
     with open(os.path.join(args.out, "scale_model_matmul.json"), "w") as f:
-        json.dump({"env": env, "args": vars(args), "matmul": mm}, f, indent=1)
-    ok = sum("fwd_bwd_ms" in r for r in att)
+        json.dump({"env": env, "args": _args_dict(args), "matmul": mm}, f, indent=1)
+    ok = sum("stream_fwd_bwd_ms" in r for r in att)
     log(f"SUMMARY scale-model: {ok}/{len(att)} attention shapes timed (tiles "
         f"{min((r['full_tiles'] + r['partial_tiles'] for r in att), default=0)}-"
         f"{max((r['full_tiles'] + r['partial_tiles'] for r in att), default=0)}), {len(mm)} matmul sets; "
         f"{time.perf_counter() - t0:.0f} s; host per call median "
         f"{_median(att, 'host_fwd_us'):.0f} us fwd / {_median(att, 'host_fwd_bwd_us'):.0f} us fwd+bwd; "
-        f"host hidden behind the sleep in {sum(bool(r.get('fwd_bwd_hidden')) for r in att)}/{len(att)} fwd+bwd rows")
+        f"host hidden behind the sleep in {sum(bool(r.get('fwd_bwd_hidden')) for r in att)}/{len(att)} fwd+bwd rows; "
+        f"spreads x cp x balance sampled: {len({(r['spread'], r['cp'], r['balance']) for r in att})}")
     return 0
+
+
+def _args_dict(args) -> dict:
+    """The command-line arguments as written to the files (the document lengths apart)."""
+    return {k: v for k, v in vars(args).items() if k != "doc_lens"}
 
 
 def _median(rows: list[dict], key: str) -> float:

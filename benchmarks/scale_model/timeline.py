@@ -322,12 +322,12 @@ def _stage_tasks(view: PlanView, r: int, cost: AttentionCost, cluster: Cluster, 
         work = 0.0
         if tiles.live:
             if backward:
-                work = cost.backward_stage(tiles, shape.heads) * gpu_scale
+                work = cost.backward_stage(tiles, shape.heads, shape.kv_heads) * gpu_scale
                 work += _grad_accum_seconds(cluster, shape, tiles.q_rows, tiles.keys)
                 if not have:  # backward_prepare: the per-query-block pre-pass, once per layer
                     work += cost.backward_query_blocks(tiles, shape.heads) * gpu_scale
             else:
-                work = cost.forward(tiles, shape.heads) * gpu_scale
+                work = cost.forward(tiles, shape.heads, shape.kv_heads) * gpu_scale
                 if have:
                     work += _merge_seconds(cluster, shape, tiles.q_rows)
             have = True
@@ -370,11 +370,11 @@ def simulate_allgather(view: PlanView, cost: AttentionCost, cluster: Cluster, sh
     for r in range(p):
         tiles = view.sorted_tiles[r]
         if backward:
-            work = cost.backward(tiles, shape.heads) * gpu_scale if tiles.live else 0.0
+            work = cost.backward(tiles, shape.heads, shape.kv_heads) * gpu_scale if tiles.live else 0.0
             work += 2 * shape.kv_bytes(tiles.keys) / cluster.hbm_bw.value  # dK/dV into gathered slots
             comm = 2 * ag
         else:
-            work = cost.forward(tiles, shape.heads) * gpu_scale if tiles.live else 0.0
+            work = cost.forward(tiles, shape.heads, shape.kv_heads) * gpu_scale if tiles.live else 0.0
             comm = ag
         ranks.append(RankTimes(end=comm + work, compute=work, exposed_comm=comm))
     g = min(p, cluster.gpus_per_node)

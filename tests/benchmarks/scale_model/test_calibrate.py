@@ -176,3 +176,112 @@ def test_with_host_replaces_only_the_host_term():
     t = TileCounts(50, 0, 1024, 2048)  # a small call: host-bound with the measured host
     assert cost.forward(t, 32) == cost.fwd.floor > zero.forward(t, 32) == pytest.approx(cost.gpu_forward(t, 32))
     assert zero.fwd.a_full == cost.fwd.a_full and "zero" in zero.source
+
+
+# -- per-program work and the greedy schedule (session 19) ----------------------------------------
+
+import numpy as np  # noqa: E402
+
+
+def test_greedy_makespan_follows_the_launch_order():
+    """Two SMs: [3, 1, 1] -> the long program first, the two short ones share the other SM
+    (3); [1, 1, 3] -> the long one starts after a short one (4). Few programs: the longest."""
+    assert C.greedy_makespan(np.array([3.0, 1.0, 1.0]), 1, slots=2) == 3.0
+    assert C.greedy_makespan(np.array([1.0, 1.0, 3.0]), 1, slots=2) == 4.0
+    assert C.greedy_makespan(np.array([1.0, 2.0]), 3, slots=6) == 2.0  # 6 programs, 6 SMs
+    assert C.greedy_makespan(np.array([1.0]), 264, slots=132) == 2.0  # two full waves
+    f = np.array([[1.0, 3.0, 0.0], [1.0, 1.0, 0.0], [1.0, 1.0, 0.0]])
+    crit = C.critical_features(f, np.array([0.0, 1.0, 0.0]), 1, slots=2)
+    assert list(crit) == [1.0, 3.0, 0.0]  # the SM of the long program finishes last
+
+
+def test_program_work_of_a_document_mask():
+    """Per-program tiles: forward per 128-row query block (128x128), backward per 128-key block
+    (64x128 tiles); the forward's blocks add up to the call's tile totals."""
+    import flashmask3.masks as M
+
+    m = M.causal_document_mask([256, 768])  # 1024 tokens: 8 query blocks, 8 key blocks
+    w = C.program_work(m.startend_row_indices, True, 1024, 1024)
+    t = C.tile_counts(m.startend_row_indices, True, 1024, 1024)
+    assert w.totals() == (t.full, t.partial)
+    assert list(w.fwd_full + w.fwd_partial) == [1, 2, 1, 2, 3, 4, 5, 6]  # docs of 2 and 6 blocks
+    # backward: key block 2 (first of the 6-block document) is seen by 12 query blocks of 64 rows
+    assert (w.bwd_full + w.bwd_partial)[2] == 12 and len(w.bwd_full) == 8
+
+
+def _greedy_points(rng, truth, kind, n=50):
+    import flashmask3.masks as M
+
+    pts = []
+    for _ in range(n):
+        docs = [rng.choice([100, 300, 650, 1000, 2000, 4100]) for _ in range(rng.randint(1, 12))]
+        s = sum(docs)
+        s += (-s) % 128
+        docs[-1] += s - sum(docs)
+        m = M.causal_document_mask(docs)
+        w = C.program_work(m.startend_row_indices, True, s, s)
+        f, p = w.totals()
+        t = TileCounts(f, p, s, s, work=w)
+        h, hk = rng.choice([(32, 4), (16, 16), (8, 8)])
+        pts.append((t, h, hk, truth.gpu_time(t, kind, h, hk)))
+    return pts
+
+
+@pytest.mark.parametrize("kind", ["fwd", "bwd"])
+def test_greedy_fit_recovers_known_costs(kind):
+    """GPU times made by the greedy schedule itself: the fit (reschedule, refit) finds them."""
+    rng = random.Random(23 if kind == "fwd" else 29)
+    truth = C.PassCost(1.6e-6, 2.8e-6, 10e-6, 0, 0, a_qblock=40e-9 if kind == "bwd" else 0.0,
+                       a_program=6e-6, schedule="greedy")
+    fit = C.fit_pass_greedy(_greedy_points(rng, truth, kind), kind, host=200e-6)
+    assert fit.schedule == "greedy" and fit.floor == 200e-6 and fit.host_measured
+    assert fit.rms_rel_err < 1e-3
+    assert fit.a_full == pytest.approx(1.6e-6, rel=0.02) and fit.a_program == pytest.approx(6e-6, rel=0.05)
+    assert fit.a_partial == pytest.approx(2.8e-6, rel=0.05) and fit.call == pytest.approx(10e-6, rel=0.1)
+    # the fill model cannot reproduce these times (few programs, uneven documents)
+    fill = C.fit_pass([(t, h, s) for t, h, _, s in _greedy_points(random.Random(1), truth, kind)], kind,
+                      blocks=True)
+    assert fill.rms_rel_err > 10 * fit.rms_rel_err
+
+
+def test_backward_programs_are_per_kv_head():
+    """GQA 8:1 backward: 4 KV-head programs each loop over 8 query heads, so a call with one
+    live key block takes 8x the per-head work on one SM, not 1/32 of a 32-head total."""
+    w = C.ProgramWork(np.array([1]), np.array([0]), np.array([10, 0]), np.array([0, 0]))
+    t = TileCounts(1, 0, 128, 256, work=w)
+    cost = C.PassCost(1e-6, 1e-6, 0.0, 0, 0, a_program=0.0, schedule="greedy")
+    assert cost.gpu_time(t, "bwd", 32, 4) == pytest.approx(8 * 10 * 1e-6)
+    assert cost.gpu_time(t, "bwd", 16, 16) == pytest.approx(10 * 1e-6)
+
+
+def test_rows_that_cannot_be_rebuilt_are_left_without_work(tmp_path):
+    """attach_program_work rebuilds a measured call from its plan and keeps it only when the tile
+    totals match the row's: a changed count (another planner, another corpus) is excluded."""
+    from benchmarks.corpus import document_spreads
+    from benchmarks.scale_model.measure import plan_calls
+
+    lens = document_spreads(4096, seed=0)["long"]
+    rows = []
+    for meta, fm, keys in plan_calls(lens, "long", 4, "sparse"):
+        t = C.tile_counts(fm.startend_row_indices, False, fm.seqlen_q, keys)
+        rows.append(dict(meta, q_rows=fm.seqlen_q, keys=keys, full_tiles=t.full, partial_tiles=t.partial))
+    rows[0]["full_tiles"] += 1
+    rows.append(dict(rows[1], spread="nowhere"))
+    C.attach_program_work(rows, {"args": {"tokens": 4096}, "spreads": {"long": lens}})
+    assert rows[0]["_work"] is None and rows[-1]["_work"] is None
+    assert all(r["_work"] is not None for r in rows[1:-1])
+    n, missing = C.work_summary(rows)
+    assert n == len(rows) - 2 and missing == {"long": 1, "nowhere": 1}
+
+
+def test_filled_spreads_the_programs_over_every_sm():
+    """The attribution's "no SM underfill": total program work / SMs instead of the makespan."""
+    w = C.ProgramWork(np.array([100, 0, 0]), np.array([0, 0, 0]), np.array([1]), np.array([0]))
+    t = TileCounts(100, 0, 384, 128, work=w)
+    p = C.PassCost(1e-6, 1e-6, 5e-6, 0, 0, a_program=2e-6, schedule="greedy")
+    cost = C.AttentionCost(p, p, "test", 128, False)
+    assert cost.gpu_forward(t, 1) == pytest.approx(5e-6 + 102e-6)  # one SM runs the 100-tile program
+    f = C.filled(cost)
+    assert f.gpu_forward(t, 1) == pytest.approx(5e-6 + (100e-6 + 3 * 2e-6) / C.SLOTS)
+    fill_model = C.AttentionCost(C.PassCost(1e-9, 1e-9, 0, 0, 0), C.PassCost(1e-9, 1e-9, 0, 0, 0), "x", 128, False)
+    assert C.filled(fill_model) is fill_model  # only the per-program model has programs to spread

@@ -4,6 +4,7 @@ import json
 
 import torch
 
+from benchmarks.scale_model import calibrate as C
 from benchmarks.scale_model import measure
 
 
@@ -14,10 +15,35 @@ def test_overlap_times_off_cuda_counts_every_call():
     assert len(calls) == 12 and host_us >= 0 and gpu_ms >= 0 and hidden
 
 
-def test_dry_run_writes_gpu_and_host_columns(tmp_path):
+def test_stream_times_off_cuda_runs_twice_the_timed_calls():
+    calls = []
+    ms, n = measure.stream_times(lambda: calls.append(1), torch.device("cpu"), per_call_ms=1.0, samples=2)
+    assert n == 5 and len(calls) == 2 * 2 * n and ms >= 0  # 5 ms of work at 1 ms a call
+    calls = []
+    _, n = measure.stream_times(lambda: calls.append(1), torch.device("cpu"), per_call_ms=100.0, samples=3)
+    assert n == measure.STREAM_CALLS[0] and len(calls) == 2 * n  # long calls: one sample
+
+
+def test_stage_problems_take_one_call_of_each_plan_in_turn():
+    from benchmarks.corpus import document_spreads
+
+    lens = document_spreads(4096, seed=0)
+    metas = [m for m, _, _ in measure.stage_problems(lens, [2, 4], ["long", "short"])]
+    first = [(m["spread"], m["cp"], m["balance"]) for m in metas[:8]]
+    assert len(set(first)) == 8  # the first round visits every spread x cp x balance once
+
+
+def test_dry_run_writes_gpu_host_and_stream_columns_and_rebuildable_calls(tmp_path):
     assert measure.main(["--out", str(tmp_path), "--device", "cpu", "--dry-run"]) == 0
-    rows = json.loads((tmp_path / "scale_model_attention.json").read_text())["attention"]
+    data = json.loads((tmp_path / "scale_model_attention.json").read_text())
+    rows = data["attention"]
     assert rows and all("error" not in r for r in rows)
     for r in rows:
-        for k in ("fwd_ms", "fwd_bwd_ms", "gpu_fwd_ms", "gpu_fwd_bwd_ms", "host_fwd_us", "host_fwd_bwd_us"):
+        for k in ("stream_fwd_ms", "stream_fwd_bwd_ms", "gpu_fwd_ms", "gpu_fwd_bwd_ms", "host_fwd_us",
+                  "host_fwd_bwd_us"):
             assert r[k] > 0, k
+    assert set(data["spreads"]) == {"long"} and sum(data["spreads"]["long"]) == data["args"]["tokens"]
+    # calibrate rebuilds every measured call from the file alone, tile totals checked
+    C.attach_program_work(rows, data)
+    assert all(r["_work"] is not None and r["_work"].totals() == (r["full_tiles"], r["partial_tiles"])
+               for r in rows)

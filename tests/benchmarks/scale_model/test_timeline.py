@@ -19,13 +19,13 @@ CHUNK_BYTES = SHAPE.kv_bytes(CHUNK)  # 262144
 class TileCost:
     """Forward: 1 ms per full tile; backward: 2 ms per full tile; no per-call cost."""
 
-    def forward(self, tiles, heads):
+    def forward(self, tiles, heads, kv_heads=None):
         return tiles.full * MS
 
-    def backward(self, tiles, heads):
+    def backward(self, tiles, heads, kv_heads=None):
         return 2 * tiles.full * MS
 
-    def backward_stage(self, tiles, heads):
+    def backward_stage(self, tiles, heads, kv_heads=None):
         return self.backward(tiles, heads)
 
     def backward_query_blocks(self, tiles, heads):
@@ -163,3 +163,73 @@ def test_bad_comm_is_a_clear_error():
 def test_empty_layout_sanity():
     assert ring_collective_time(cluster(), 1, 123) == 0.0
     assert math.isfinite(ring_collective_time(cluster(), 128, CHUNK_BYTES))
+
+
+# -- the staged overlap backward's per-query-block term (session 19) -----------------------------
+
+def _qblock_cost(a_qblock: float):
+    """A real "greedy" cost: 1 ms per program-tile-free call, a_qblock per query block and head."""
+    from benchmarks.scale_model.calibrate import AttentionCost, PassCost
+
+    p = PassCost(0.0, 0.0, 1 * MS, 0.0, 0, a_qblock=a_qblock, schedule="greedy")
+    return AttentionCost(p, p, "test", 64, False)
+
+
+def _three_stage_view(first_empty: bool):
+    """Rank 0 with three stages (the first without keys if ``first_empty``), rank 1 sends."""
+    s0 = TileCounts(0, 0, CHUNK, 0) if first_empty else tiles(1)
+    return view([[s0, tiles(1), tiles(1)], [tiles(1), tiles(0), tiles(0)]],
+                [RoundView(((1, 0, 1),), False, None), RoundView(((1, 0, 1),), False, None)])
+
+
+@pytest.mark.parametrize("first_empty", [False, True])
+def test_query_block_term_is_charged_once_per_rank_per_layer_in_the_staged_backward(first_empty):
+    """backward_prepare / backward_finish run once per layer: the per-query-block term adds
+    a_qblock x (all the rank's query blocks) x heads once, not once per stage call, and also
+    when the rank's stage 0 has no keys (it lands on the first live stage)."""
+    v = _three_stage_view(first_empty)
+    a_q = 1e-6
+    with_q = simulate_pass(v, _qblock_cost(a_q), cluster(), SHAPE, "overlap", backward=True)
+    without = simulate_pass(v, _qblock_cost(0.0), cluster(), SHAPE, "overlap", backward=True)
+    q_blocks = CHUNK // 128
+    live_stages = 2 if first_empty else 3
+    assert without.ranks[0].compute == pytest.approx(live_stages * MS)  # one call cost per live stage
+    assert with_q.ranks[0].compute - without.ranks[0].compute == pytest.approx(a_q * q_blocks * SHAPE.heads)
+    # the all-gather backward is one call: it pays the term once too
+    ag = simulate_pass(v, _qblock_cost(a_q), cluster(), SHAPE, "allgather", backward=True)
+    ag0 = simulate_pass(v, _qblock_cost(0.0), cluster(), SHAPE, "allgather", backward=True)
+    assert ag.ranks[0].compute - ag0.ranks[0].compute == pytest.approx(a_q * q_blocks * SHAPE.heads)
+
+
+def test_forward_merges_only_after_the_first_live_stage():
+    """A rank whose stage 0 has no keys: its first live stage starts the output, so two live
+    stages cost one LSE merge, not two."""
+    from benchmarks.scale_model.timeline import _merge_seconds
+
+    c = cluster(hbm_bw=Param(1e9, "slow HBM: merges cost"))
+    empty = simulate_pass(_three_stage_view(True), _qblock_cost(0.0), c, SHAPE, "overlap", backward=False)
+    assert empty.ranks[0].compute == pytest.approx(2 * MS + _merge_seconds(c, SHAPE, CHUNK))
+    full = simulate_pass(_three_stage_view(False), _qblock_cost(0.0), c, SHAPE, "overlap", backward=False)
+    assert full.ranks[0].compute == pytest.approx(3 * MS + 2 * _merge_seconds(c, SHAPE, CHUNK))
+
+
+def test_every_stage_call_covers_all_the_ranks_query_rows():
+    """The once-per-layer query-block term is charged on the rank's first live stage with that
+    stage's query rows: every stage call of a real plan runs over all the rank's rows (the keys
+    change per stage, the rows do not), so that charge covers the whole local query axis."""
+    import flashmask3.masks as M
+    from benchmarks.scale_model.layout import view_plan
+    from flashmask3.distributed import plan
+
+    lens = [700, 1300, 300, 1796, 4096, 2000, 6192]
+    mask = M.causal_document_mask(lens)
+    p = plan(mask, None, 4, balance="sparse", nodes=2)
+    v = view_plan(p, mask.startend_row_indices, True)
+    for r in range(4):
+        live = [t for t in v.stages[r] if t.live]
+        assert live, f"rank {r} has no live stage"
+        for t in v.stages[r]:
+            assert t.q_rows == p.local_seqlen == len(p.rows(r))
+            if t.work is not None:
+                assert len(t.work.fwd_full) == p.local_seqlen // 128  # one forward program per query block
+        assert v.stages[r][0].live > 0  # causal documents: a rank's own chunks are always needed

@@ -1,6 +1,7 @@
 """The validation script on the committed measurement files, and the plan view."""
 
 import json
+from dataclasses import replace
 import subprocess
 import sys
 
@@ -86,3 +87,98 @@ def test_measured_shapes_validation_holds_the_sparse_calls_out(tmp_path):
     for check in ("in_sample", "held_out"):
         s = V.summary(d[check]["fwd+bwd"], held_only=False)
         assert s["max_abs_error"] < 0.06 and s["within_target"] == s["points"]
+
+
+# -- per-program work through the pipeline (session 19) --------------------------------------------
+
+def test_plan_view_work_equals_the_measured_calls_work():
+    """The timeline's per-program tiles (view_plan, from the global mask) equal those of the
+    very calls measure.py times (plan_calls: the rank-local masks), in launch order."""
+    from benchmarks.corpus import document_spreads
+    from benchmarks.scale_model.calibrate import program_work
+    from benchmarks.scale_model.measure import plan_calls
+
+    lens = document_spreads(16384, seed=0)["mixed"]
+    for cp, balance in ((4, "dual_chunk"), (16, "sparse")):
+        nodes = cp // 8 if balance == "sparse" and cp > 8 else 1
+        mask = M.causal_document_mask(lens)
+        v = view_plan(plan(mask, None, cp, balance=balance, nodes=nodes), mask.startend_row_indices, True)
+        n = 0
+        for meta, fm, keys in plan_calls(lens, "mixed", cp, balance):
+            w = program_work(fm.startend_row_indices, False, fm.seqlen_q, keys)
+            t = v.sorted_tiles[meta["rank"]] if meta["stage"] == "sorted" else v.stages[meta["rank"]][meta["stage"]]
+            for f in ("fwd_full", "fwd_partial", "bwd_full", "bwd_partial"):
+                assert np.array_equal(getattr(w, f), getattr(t.work, f)), (meta, f)
+            assert w.totals() == (t.full, t.partial)
+            n += 1
+        assert n >= 4
+
+
+def _greedy_file(tmp_path, rng):
+    """A measurement file of real plans' calls (4K tokens) timed by a known greedy cost, with
+    host times scattered +-10% around 200 / 900 us and stream / do_bench columns from them."""
+    from benchmarks.corpus import document_spreads
+    from benchmarks.scale_model import calibrate as C
+    from benchmarks.scale_model.measure import plan_calls
+
+    fwd = C.PassCost(1.6e-6, 2.8e-6, 5e-6, 0, 0, a_program=6e-6, schedule="greedy")
+    bwd = C.PassCost(2.4e-6, 3.0e-6, 30e-6, 0, 0, a_qblock=40e-9, a_program=2e-6, schedule="greedy")
+    lens = document_spreads(4096, seed=0)
+    hidden = V.do_bench_hidden()
+    rows = []
+    for spread in ("long", "mixed", "short"):
+        for cp in (2, 4, 8):
+            for balance in ("sparse", "dual_chunk"):
+                for meta, fm, keys in plan_calls(lens[spread], spread, cp, balance):
+                    w = C.program_work(fm.startend_row_indices, False, fm.seqlen_q, keys)
+                    f, p = w.totals()
+                    t = C.TileCounts(f, p, fm.seqlen_q, keys, work=w)
+                    for h, hk in ((32, 4), (16, 16)):
+                        gf, gb = fwd.gpu_time(t, "fwd", h, hk), bwd.gpu_time(t, "bwd", h, hk)
+                        hf, hfb = 200e-6 * rng.uniform(0.9, 1.1), 900e-6 * rng.uniform(0.9, 1.1)
+                        rows.append(dict(meta, q_rows=fm.seqlen_q, keys=keys, heads=h, kv_heads=hk, head_dim=128,
+                                         full_tiles=f, partial_tiles=p, gpu_fwd_ms=gf * 1e3,
+                                         gpu_fwd_bwd_ms=(gf + gb) * 1e3, host_fwd_us=hf * 1e6,
+                                         host_fwd_bwd_us=hfb * 1e6, stream_fwd_ms=max(hf, gf) * 1e3,
+                                         stream_fwd_bwd_ms=max(hfb, gf + gb) * 1e3,
+                                         fwd_ms=max(gf, hf - hidden) * 1e3,
+                                         fwd_bwd_ms=max(gf + gb, hfb - hidden) * 1e3))
+    path = tmp_path / "scale_model_attention.json"
+    path.write_text(json.dumps({"env": {"gpu": "test"}, "args": {"tokens": 4096}, "spreads": lens,
+                                "attention": rows}))
+    return str(path), rows
+
+
+def test_measured_validation_with_per_program_work_round_trip(tmp_path):
+    """validate_measured on a file timed by a known greedy cost: every call rebuilt, the GPU
+    checks exact, the stream and do_bench checks exact with the row's host and within the
+    host's scatter with the median host."""
+    path, rows = _greedy_file(tmp_path, np.random.default_rng(5))
+    out = V.validate_measured(path)
+    for cls in ("GQA", "MHA"):
+        d = out[cls]
+        assert d["cost"].fwd.schedule == "greedy" and d["excluded"] == {} and d["with_work"] == d["rows"]
+        for check in ("in_sample", "held_out"):
+            for kind in ("fwd GPU", "fwd+bwd GPU", "fwd stream, row's host", "fwd+bwd do_bench, row's host"):
+                assert V.summary(d[check][kind], held_only=False)["max_abs_error"] < 0.01, (cls, check, kind)
+            for kind in ("fwd stream", "fwd+bwd stream"):
+                assert V.summary(d[check][kind], held_only=False)["max_abs_error"] < 0.12, (cls, check, kind)
+            # do_bench subtracts the memset from the host: its +-10% scatter grows to ~+-15-20%
+            assert V.summary(d[check]["fwd do_bench"], held_only=False)["max_abs_error"] < 0.25
+
+
+def test_do_bench_hides_its_memset_behind_the_host():
+    """do_bench of a host-bound call = host - the 256 MB memset's time; a stream = host."""
+    from benchmarks.scale_model import calibrate as C
+
+    p = C.PassCost(0.0, 0.0, 10e-6, 0, 0, floor=300e-6, host_measured=True, schedule="greedy")
+    cost = C.AttentionCost(p, replace(p, floor=700e-6), "test", 128, True)
+    r = {"heads": 32, "kv_heads": 4, "q_rows": 1024, "keys": 1024, "full_tiles": 1, "partial_tiles": 0,
+         "gpu_fwd_ms": 0.01, "host_fwd_us": 250.0, "host_fwd_bwd_us": 950.0, "fwd_ms": 0.2,
+         "stream_fwd_ms": 0.3}
+    pred = V._predictions(cost, r, hidden=60e-6)
+    assert pred["fwd do_bench"] == pytest.approx(300e-6 - 60e-6)
+    assert pred["fwd do_bench, row's host"] == pytest.approx(250e-6 - 60e-6)
+    assert pred["fwd stream"] == pytest.approx(300e-6) and pred["fwd stream, row's host"] == pytest.approx(250e-6)
+    assert pred["fwd+bwd stream"] == pytest.approx(1000e-6)
+    assert V.do_bench_hidden() == pytest.approx(256 * 2 ** 20 / 4.3e12)
