@@ -75,4 +75,5 @@ step "host breakdown" 90 $PY benchmarks/host_breakdown.py --out "$DIR"
   printf '%s\n' "${status[@]}"
   grep -E "passed|failed|error" "$LOG" | tail -4 || true
   [[ -f "$DIR/host_path.md" ]] && sed -n '/^| form/,$p' "$DIR/host_path.md"
-  [[ -f "$DIR/floor.md" ]] && sed -n '/^| piece/,/^$/p' "$DIR/floor.md"; } | tee "$DIR/summary.txt"
+  if [[ -f "$DIR/floor.md" ]]; then sed -n '/^| piece/,/^$/p' "$DIR/floor.md"; fi
+} | tee "$DIR/summary.txt"
