@@ -154,11 +154,23 @@ def _check_triton_staged(T, q, k, v, cols, scale, tol=2e-4):
     return got
 
 
-def test_triton_staged_split_accumulation(monkeypatch):
+def _force_kv_expansion(monkeypatch, T, expand: bool) -> list:
+    """With ``expand``, every GQA dK/dV launch runs with K/V expanded to the query heads (an SM
+    count no grid fills); returns the calls of ``expand_heads`` (2 per expanded launch)."""
+    if expand:
+        monkeypatch.setattr(T, "sm_count", lambda device: 10_000)
+    return _count_calls(monkeypatch, T, "expand_heads")
+
+
+@pytest.mark.parametrize("expand", [False, True])
+def test_triton_staged_split_accumulation(expand, monkeypatch):
     """The split backward (tl dK/dV and dQ kernels, the interpreter's dispatch): one pre-pass
-    per layer, each stage's dQ summed, no scaling pass."""
+    per layer, each stage's dQ summed, no scaling pass; with K/V expanded to the query heads
+    (the few-programs GQA case) the same gradients."""
     T = _triton()
     from flashmask3.kernels import tl_kernels as TL
+
+    expanded = _force_kv_expansion(monkeypatch, T, expand)
 
     prepass = _count_calls(monkeypatch, TL, "backward_prepass")
     scaling = _count_calls(monkeypatch, TL, "scale_dq")
@@ -166,9 +178,11 @@ def test_triton_staged_split_accumulation(monkeypatch):
     assert T.dispatch.choose(q.device, q.dtype, 16, False, 2).backward_mode == "split"
     _check_triton_staged(T, q, k, v, cols, 1 / math.sqrt(16))
     assert len(prepass) == 1 and not scaling
+    assert len(expanded) == (2 * _nonempty_stages() if expand else 0)
 
 
-def test_triton_staged_fused_accumulation(monkeypatch):
+@pytest.mark.parametrize("expand", [False, True])
+def test_triton_staged_fused_accumulation(expand, monkeypatch):
     """The fused backward's accumulation: one zeroed fp32 dQᵀ buffer for the layer, every stage's
     kernel adds its unscaled dQ into it, one scaling pass at the end (the real ``scale_dq``)."""
     T = _triton()
@@ -223,11 +237,55 @@ def test_triton_staged_fused_accumulation(monkeypatch):
     prepass = _count_calls(monkeypatch, TL, "backward_prepass")
     scaling = _count_calls(monkeypatch, TL, "scale_dq")
     memsets = _count_calls(monkeypatch, T, "new_dq_accumulator")
+    expanded = _force_kv_expansion(monkeypatch, T, expand)
     q, k, v, cols = _inputs(torch.float32, seed=9)
     _check_triton_staged(T, q, k, v, cols, 1 / math.sqrt(16))
+    assert len(expanded) == (2 * _nonempty_stages() if expand else 0)
     assert len(kernel_calls) == _nonempty_stages()
     assert len(prepass) == 1 and len(scaling) == 1 and len(memsets) == 1
     assert all(b is buffers[0] for b in buffers)
+
+
+def test_triton_backward_with_kv_heads_expanded_matches_the_reference(monkeypatch):
+    """The whole backward (interpreter), GQA 4:1 with dK/dV computed per query head and summed
+    per group, against the float64 reference."""
+    T = _triton()
+    expanded = _force_kv_expansion(monkeypatch, T, True)
+    q, k, v, cols = _inputs(torch.float32, hq=4, hk=1, seed=13)
+    scale = 1 / math.sqrt(16)
+    out, lse = T.forward(q, k, v, cols, False, scale)
+    dout, dlse = _dout_dlse(out, lse, seed=6)
+    got = T.backward(dout, dlse, q, k, v, out, lse, cols, False, scale)
+    _, _, ref = _reference_grads(q, k, v, cols, scale, dout, dlse)
+    errs = {n: rel_err(g, r) for n, g, r in zip(("dq", "dk", "dv"), got, ref)}
+    assert len(expanded) == 2 and all(e <= 2e-4 for e in errs.values()), errs
+    assert got[1].shape == k.shape and got[2].shape == v.shape
+
+
+def test_kv_heads_expand_only_when_the_grouped_grid_leaves_the_sms_idle(monkeypatch):
+    """The rule: GQA, a CUDA device, and the expanded grid at most half the grouped one's
+    waves (one program per SM, 132 SMs here)."""
+    from flashmask3.kernels import dispatch, triton_backend as T
+    from flashmask3.kernels.tiles import Config
+
+    monkeypatch.setattr(T, "sm_count", lambda device: None if device.type == "cpu" else 132)
+    launch = dispatch.Launch("fused", "gluon_fused", Config(64, 128, 8, 2), "test")
+    cuda = torch.device("cuda", 0)
+    # (grouped: programs = key blocks x KV heads, one wave of 8 heads each while <= 132;
+    # expanded: 8x the programs of one head each)
+    assert T.expands_kv_heads(launch, 1, 32, 4, 1024, cuda)  # 32 programs: 8 -> 2 waves
+    assert T.expands_kv_heads(launch, 1, 32, 4, 2048, cuda)  # 64 programs: 8 -> 4 waves
+    assert not T.expands_kv_heads(launch, 1, 32, 4, 4096, cuda)  # 128 programs: 8 -> 8 waves
+    assert not T.expands_kv_heads(launch, 2, 32, 4, 2048, cuda)  # 128 programs (batch 2)
+    assert not T.expands_kv_heads(launch, 1, 32, 32, 1024, cuda)  # MHA
+    assert not T.expands_kv_heads(launch, 1, 32, 4, 1024, torch.device("cpu"))
+    k = torch.randn(2, 5, 3, 4)
+    e = T.expand_heads(k, 6)
+    assert e.shape == (2, 5, 6, 4) and e.is_contiguous()
+    assert torch.equal(e[:, :, 2], k[:, :, 1]) and torch.equal(e[:, :, 3], k[:, :, 1])
+    torch.testing.assert_close(T.sum_groups(e, 3), 2 * k)
+    one = T.expand_heads(k[:, :, :1], 4)  # one KV head: a copy too, not a stride-0 view
+    assert one.is_contiguous() and torch.equal(one[:, :, 3], k[:, :, 0])
 
 
 @pytest.mark.gpu
