@@ -113,6 +113,7 @@ def run_validate(args):
         single = validate.validate_single(args.single)
         if os.path.exists(calibrate.MEASURED_FILE):
             single["measured"] = validate.validate_measured(calibrate.MEASURED_FILE)
+        single["kv_expansion"] = validate.validate_kv_expansion()
         bar.update(1)
         multi = validate.validate_multigpu(args.multigpu)
         multi += validate.validate_training(args.multigpu, multi)

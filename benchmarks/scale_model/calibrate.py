@@ -107,6 +107,31 @@ def program_work(startend_row_indices, causal: bool, q_rows: int, keys: int) -> 
     return ProgramWork(ff, fp, bf, bp)
 
 
+def backward_grid(t: "TileCounts", w: ProgramWork, heads: int, kv_heads: int) -> tuple[int, int, bool]:
+    """``(query heads per program, sweeps over the key blocks, expanded)`` of a call's fused
+    backward: one program per (key block, KV head) looping over its group, or, where the
+    library expands K/V (``dispatch.kv_expansion``, or as ``t.kv_expanded`` records a measured
+    call), one per (key block, query head)."""
+    from flashmask3.kernels.dispatch import kv_expansion
+
+    group = max(1, heads // kv_heads)
+    expanded = t.kv_expanded
+    if expanded is None:
+        expanded = kv_expansion(t.batch * kv_heads * len(w.bwd_full), group, N_SM)
+    if expanded and group > 1:
+        return 1, heads * t.batch, True
+    return group, kv_heads * t.batch, False
+
+
+#: The expanded backward's extra work per call: two copies of K/V to the query heads and two sums
+#: of dK/dV over each group (bytes ~ 4 x keys x query heads x D x 2 at the measured HBM
+#: bandwidth, D=128) and their four launches on the host (the H200 host's bare torch launch,
+#: 19-25 us: benchmarks/results/host_breakdown.md).
+EXPAND_HOST_S = 4 * 22e-6
+EXPAND_BYTES_PER_KEY_HEAD = 4 * 128 * 2
+HBM_BYTES_S = 4.3e12
+
+
 def uniform_work(t: "TileCounts") -> ProgramWork:
     """A call's tiles spread evenly over its programs: the stand-in where only totals are known
     (a backward 128x128 tile = two 64x128 tiles)."""
@@ -178,6 +203,9 @@ class TileCounts:
     batch: int = 1
     #: per-program tiles where known (else None: the "greedy" schedule spreads the totals evenly)
     work: Optional[ProgramWork] = field(default=None, compare=False, repr=False)
+    #: whether the backward ran with K/V expanded to the query heads (``dispatch.kv_expansion``):
+    #: None = as the library decides now (predictions), False/True = as a measured call ran
+    kv_expanded: Optional[bool] = field(default=None, compare=False)
 
     @property
     def live(self) -> int:
@@ -231,7 +259,8 @@ class PassCost:
         if kind == "fwd":
             full, part, group, sweeps = w.fwd_full, w.fwd_partial, 1, heads * tiles.batch
         else:
-            full, part, group, sweeps = w.bwd_full, w.bwd_partial, max(1, heads // kv_heads), kv_heads * tiles.batch
+            full, part = w.bwd_full, w.bwd_partial
+            group, sweeps, _ = backward_grid(tiles, w, heads, kv_heads)
         return self.a_program + group * (self.a_full * full + self.a_partial * part), sweeps
 
     def gpu_time(self, tiles: TileCounts, kind: str, heads: int, kv_heads: int) -> float:
@@ -242,7 +271,20 @@ class PassCost:
             return 0.0
         costs, sweeps = self.program_costs(tiles, kind, heads, kv_heads)
         span = greedy_makespan(costs, sweeps) if self.schedule == "greedy" else float(costs.sum()) * sweeps / SLOTS
-        return self.call + span + heads * (self.a_qblock * tiles.q_blocks + self.a_kblock * tiles.k_blocks)
+        return (self.call + span + heads * (self.a_qblock * tiles.q_blocks + self.a_kblock * tiles.k_blocks)
+                + self._expansion_gpu(tiles, kind, heads, kv_heads))
+
+    def _expansion_gpu(self, tiles: TileCounts, kind: str, heads: int, kv_heads: int) -> float:
+        """GPU seconds of an expanded backward's copies and sums (:data:`EXPAND_BYTES_PER_KEY_HEAD`)."""
+        if kind == "fwd" or not self._expanded(tiles, heads, kv_heads):
+            return 0.0
+        return tiles.keys * tiles.batch * heads * EXPAND_BYTES_PER_KEY_HEAD / HBM_BYTES_S
+
+    def _expanded(self, tiles: TileCounts, heads: int, kv_heads: int) -> bool:
+        if self.schedule not in ("greedy", "filled") or heads <= kv_heads:
+            return False
+        w = tiles.work if tiles.work is not None else uniform_work(tiles)
+        return backward_grid(tiles, w, heads, kv_heads)[2]
 
     def seconds(self, tiles: TileCounts, heads: int, programs: int) -> float:
         """Time of one call in a stream of calls: the slower of its host and its GPU work
@@ -255,7 +297,10 @@ class PassCost:
         """Time of one call in a stream of calls: ``max(host, GPU)``."""
         if tiles.live == 0:
             return 0.0
-        return max(self.floor, self.gpu_time(tiles, kind, heads, kv_heads))
+        host = self.floor
+        if kind != "fwd" and host and self._expanded(tiles, heads, kv_heads):
+            host += EXPAND_HOST_S
+        return max(host, self.gpu_time(tiles, kind, heads, kv_heads))
 
     def describe(self) -> str:
         """The coefficients in words (units depend on the schedule)."""
@@ -424,7 +469,8 @@ def _program_features(t: TileCounts, kind: str, heads: int, kv_heads: int) -> tu
     if kind == "fwd":
         full, part, group, sweeps = w.fwd_full, w.fwd_partial, 1, heads * t.batch
     else:
-        full, part, group, sweeps = w.bwd_full, w.bwd_partial, max(1, heads // kv_heads), kv_heads * t.batch
+        full, part = w.bwd_full, w.bwd_partial
+        group, sweeps, _ = backward_grid(t, w, heads, kv_heads)
     f = np.stack([np.ones(len(full)), group * np.asarray(full, float), group * np.asarray(part, float)], 1)
     return f, sweeps
 
@@ -625,7 +671,9 @@ def measured_env(path: Optional[str] = None) -> dict:
 
 
 def row_tiles(r: dict) -> TileCounts:
-    return TileCounts(r["full_tiles"], r["partial_tiles"], r["q_rows"], r["keys"], 1, work=r.get("_work"))
+    # (calls measured before the expanded GQA backward existed, 2026-12-02 01:37, ran grouped)
+    return TileCounts(r["full_tiles"], r["partial_tiles"], r["q_rows"], r["keys"], 1, work=r.get("_work"),
+                      kv_expanded=r.get("kv_expanded", False))
 
 
 #: Fit the per-block terms on the per-rank measurements (the kernel tables cannot separate them).

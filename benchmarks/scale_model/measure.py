@@ -206,6 +206,18 @@ def stage_problems(lens_by_spread: dict, cps, spreads):
         gens = alive
 
 
+def _kv_expanded(q, k, fm, device) -> bool:
+    """Whether the library runs this call's backward with K/V expanded to the query heads
+    (``triton_backend.expands_kv_heads``: recorded so that the fit models the grid that ran)."""
+    if device.type != "cuda":
+        return False
+    from flashmask3.kernels import dispatch, triton_backend
+
+    c = fm.startend_row_indices.shape[-1]
+    launch = dispatch.choose(device, q.dtype, q.shape[-1], fm.causal, c).backward[0]
+    return triton_backend.expands_kv_heads(launch, q.shape[0], q.shape[2], k.shape[2], k.shape[1], device)
+
+
 def measure_attention(args, device, dtype, deadline: float, log, save=None) -> list[dict]:
     """Time every stage problem until ``deadline``; ``save(rows)`` after each (a kill keeps them)."""
     rows = []
@@ -228,18 +240,17 @@ def measure_attention(args, device, dtype, deadline: float, log, save=None) -> l
             v = torch.randn(1, keys, hk, args.head_dim, device=device, dtype=dtype, generator=g)
             do = torch.randn_like(q)
             row = dict(meta, q_rows=q_rows, keys=keys, heads=hq, kv_heads=hk, head_dim=args.head_dim,
-                       full_tiles=t.full, partial_tiles=t.partial)
+                       full_tiles=t.full, partial_tiles=t.partial,
+                       kv_expanded=_kv_expanded(q, k, fm, device))
+            qg, kg, vg = (x.detach().requires_grad_() for x in (q, k, v))
             try:
-                def fwd():
-                    with torch.no_grad():
-                        flashmask_attention(q, k, v, fm)
+                def fwd():  # as training calls it: inputs that require grad (an autograd node)
+                    flashmask_attention(qg, kg, vg, fm)
 
                 fwd()  # compile / warm
                 row["host_fwd_us"], row["gpu_fwd_ms"], row["fwd_hidden"] = overlap_times(fwd, device, key="fwd")
                 row["stream_fwd_ms"], row["stream_fwd_calls"] = stream_times(
                     fwd, device, max(row["gpu_fwd_ms"], row["host_fwd_us"] * 1e-3))
-                qg, kg, vg = (x.detach().requires_grad_() for x in (q, k, v))
-
                 def clear():
                     qg.grad = kg.grad = vg.grad = None
 

@@ -74,6 +74,23 @@ def validation_section(single: dict, multi: list, multi_path: str) -> list[str]:
               "ranks). This is why benchmarks/gpu/scale-model.sh measures the per-rank shapes.", ""]
     if single.get("measured"):
         lines += measured_section(single["measured"])
+    if single.get("kv_expansion"):
+        lines += kv_expansion_section(single["kv_expansion"])
+    return lines
+
+
+def kv_expansion_section(points) -> list[str]:
+    """The held-out A/B of the expanded GQA backward (validate.validate_kv_expansion)."""
+    worst = max(abs(p.error) for p in points)
+    lines = ["### A change the model was not fitted on: the expanded GQA backward (gqa_expand_ab.json)", "",
+             "The library now runs a GQA backward whose grouped dK/dV grid (one program per key block and KV "
+             "head) would leave most SMs idle with K/V expanded to one head per query head "
+             "(`dispatch.kv_expansion`, docs/kernels.md). The calibration above was measured with the grouped "
+             "backward only; `benchmarks/gqa_expand_ab.py` timed both on one H200 afterwards (fwd+bwd GPU time, "
+             "host hidden). The per-program model's predictions, from the GQA calibration:", "",
+             "| call | measured ms | predicted ms | error |", "|---|---|---|---|"]
+    lines += [f"| {p.name} | {_ms(p.measured)} | {_ms(p.predicted)} | {_pct(p.error)} |" for p in points]
+    lines += ["", f"Worst error {worst:.1%} ({'within' if worst <= TARGET else 'outside'} {TARGET:.0%}).", ""]
     return lines
 
 

@@ -250,6 +250,35 @@ def validate_measured(path: str = MEASURED_FILE) -> dict:
     return out
 
 
+#: The H200 A/B of the expanded GQA backward (benchmarks/gqa_expand_ab.py): fwd+bwd GPU time of
+#: full-attention stage-shaped calls, expanded and grouped, measured after the calibration file.
+EXPAND_AB = os.path.join(RESULTS, "gqa_expand_ab.json")
+
+
+def validate_kv_expansion(path: str = EXPAND_AB) -> list[Point]:
+    """Held-out check of the per-program model on a change it was not fitted on: the fwd+bwd GPU
+    time of each A/B call with the backward grouped and with K/V expanded (the calibration was
+    measured with the grouped backward only), from the GQA calibration."""
+    from .calibrate import program_work, tile_counts
+
+    if not os.path.exists(path):
+        return []
+    with open(path) as f:
+        rows = json.load(f)["rows"]
+    cost = load_cost("flashmask3", True)
+    pts = []
+    for r in rows:
+        sq, sk, h, hk = r["Sq"], r["Sk"], r["Hq"], r["Hk"]
+        t = tile_counts(None, False, sq, sk)
+        w = program_work(None, False, sq, sk)
+        for name, expanded in (("grouped", False), ("expanded", True)):
+            tt = replace(t, work=w, kv_expanded=expanded)
+            pred = cost.gpu_forward(tt, h, hk) + cost.gpu_backward(tt, h, hk)
+            pts.append(Point(f"{sq // 1024}K rows x {sk} keys, {h}/{hk} heads, {name}", r[f"{name}_ms"] * 1e-3,
+                             pred, True, "full attention; GPU time (host hidden)"))
+    return pts
+
+
 # -- the multi-GPU file -----------------------------------------------------------------------------
 
 METHODS = {"dual_chunk+allgather": ("dual_chunk", "allgather"), "sparse+allgather": ("sparse", "allgather"),

@@ -331,6 +331,15 @@ def use_backward(mode_: str):
             os.environ[ENV_VAR] = old
 
 
+def kv_expansion(programs: int, group: int, sms: int) -> bool:
+    """Whether a GQA dK/dV launch of ``programs`` programs (one per key block and KV head, each
+    looping over ``group`` query heads) runs with K/V expanded to one head per query head: when
+    the expanded grid (``group`` times the programs, one head each) needs at most half as many
+    waves over ``sms`` SMs (one program per SM) as the grouped one has heads per program
+    (``triton_backend.expands_kv_heads``; the scale model uses the same rule)."""
+    return group > 1 and 2 * (-(-programs * group // sms)) <= group
+
+
 def describe(choice: Choice) -> str:
     """One line per pass: kernel, tile and reason (for logs and benchmark reports)."""
     lines = []

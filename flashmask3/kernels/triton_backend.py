@@ -98,16 +98,13 @@ def expands_kv_heads(launch: Launch, b: int, hq: int, hk: int, sk: int, device) 
     GPU idles (measured: 1024 keys, 32/4 heads, 4.2 ms where 16/16 heads take 0.62 ms;
     docs/scale-model.md). Expanded, the same work runs as ``Hq/Hk`` times more programs of one
     head each; the copies of K, V and the sums of dK, dV over each group cost bytes of order
-    Sk x Hq x D. Chosen when the expanded grid needs at most half as many waves of programs
-    (one program per SM) as the grouped one has heads per program."""
+    Sk x Hq x D. The rule: :func:`dispatch.kv_expansion`."""
     if hk >= hq:
         return False
     sms = sm_count(device)
     if sms is None:
         return False
-    group = hq // hk
-    programs = b * hk * cdiv(sk, launch.tile.block_n)
-    return 2 * cdiv(programs * group, sms) <= group
+    return dispatch.kv_expansion(b * hk * cdiv(sk, launch.tile.block_n), hq // hk, sms)
 
 
 def expand_heads(x: torch.Tensor, hq: int) -> torch.Tensor:

@@ -221,7 +221,7 @@ def _greedy_points(rng, truth, kind, n=50):
         m = M.causal_document_mask(docs)
         w = C.program_work(m.startend_row_indices, True, s, s)
         f, p = w.totals()
-        t = TileCounts(f, p, s, s, work=w)
+        t = TileCounts(f, p, s, s, work=w, kv_expanded=False)  # (as the measured calls ran)
         h, hk = rng.choice([(32, 4), (16, 16), (8, 8)])
         pts.append((t, h, hk, truth.gpu_time(t, kind, h, hk)))
     return pts
@@ -248,10 +248,28 @@ def test_backward_programs_are_per_kv_head():
     """GQA 8:1 backward: 4 KV-head programs each loop over 8 query heads, so a call with one
     live key block takes 8x the per-head work on one SM, not 1/32 of a 32-head total."""
     w = C.ProgramWork(np.array([1]), np.array([0]), np.array([10, 0]), np.array([0, 0]))
-    t = TileCounts(1, 0, 128, 256, work=w)
+    t = TileCounts(1, 0, 128, 256, work=w, kv_expanded=False)
     cost = C.PassCost(1e-6, 1e-6, 0.0, 0, 0, a_program=0.0, schedule="greedy")
     assert cost.gpu_time(t, "bwd", 32, 4) == pytest.approx(8 * 10 * 1e-6)
     assert cost.gpu_time(t, "bwd", 16, 16) == pytest.approx(10 * 1e-6)
+
+
+def test_the_expanded_gqa_backward_runs_one_program_per_query_head():
+    """Where the library expands K/V (dispatch.kv_expansion: 8 grouped programs of 8 heads on
+    132 SMs), the model runs 64 programs of one head each, plus the copies' bytes; the host
+    pays the copies' launches. A call recorded as grouped stays grouped."""
+    from flashmask3.kernels.dispatch import kv_expansion
+
+    assert kv_expansion(8, 8, C.N_SM) and not kv_expansion(8, 1, C.N_SM)
+    w = C.ProgramWork(np.array([1]), np.array([0]), np.array([10, 0]), np.array([0, 0]))
+    t = TileCounts(1, 0, 128, 256, work=w)  # kv_expanded None: as the library decides
+    cost = C.PassCost(1e-6, 1e-6, 0.0, 0, 0, a_program=0.0, schedule="greedy", floor=100e-6)
+    copies = 256 * 32 * C.EXPAND_BYTES_PER_KEY_HEAD / C.HBM_BYTES_S
+    assert cost.gpu_time(t, "bwd", 32, 4) == pytest.approx(10e-6 + copies)
+    assert cost.time(t, "bwd", 32, 4) == pytest.approx(100e-6 + C.EXPAND_HOST_S)
+    assert cost.time(t, "fwd", 32, 4) == pytest.approx(100e-6)  # the forward is not expanded
+    grouped = TileCounts(1, 0, 128, 256, work=w, kv_expanded=False)
+    assert cost.gpu_time(grouped, "bwd", 32, 4) == pytest.approx(80e-6)
 
 
 def test_rows_that_cannot_be_rebuilt_are_left_without_work(tmp_path):
