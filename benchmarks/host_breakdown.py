@@ -14,12 +14,8 @@ backward's body is written next to the JSON.
 from __future__ import annotations
 
 import argparse
-import contextlib
-import cProfile
-import io
 import json
 import os
-import pstats
 import sys
 
 import torch
@@ -30,27 +26,7 @@ import flashmask3  # noqa: E402
 import flashmask3.masks as M  # noqa: E402
 from flashmask3 import api  # noqa: E402
 from flashmask3.kernels import launcher  # noqa: E402
-
-
-class _Identity(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x):
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx, g):
-        return g
-
-
-@contextlib.contextmanager
-def single_thread_autograd():
-    """The autograd engine runs the backward on the calling thread (no device-thread hand-off)."""
-    prev = torch._C._is_multithreading_enabled()
-    torch.autograd.set_multithreading_enabled(False)
-    try:
-        yield
-    finally:
-        torch.autograd.set_multithreading_enabled(prev)
+from benchmarks.host_path import _Identity, autograd_thread, host_profile_text  # noqa: E402
 
 
 def _captured_launches(fn):
@@ -96,22 +72,6 @@ def _captured_launches(fn):
     return out
 
 
-def profile_text(fn, calls=30) -> str:
-    torch.cuda.synchronize()
-    torch.cuda._sleep(300_000_000)
-    prof = cProfile.Profile()
-    prof.enable()
-    for _ in range(calls):
-        fn()
-    prof.disable()
-    torch.cuda.synchronize()
-    buf = io.StringIO()
-    st = pstats.Stats(prof, stream=buf)
-    buf.write(f"{calls} calls; {st.total_calls / calls:.0f} function calls per call\n")
-    st.sort_stats("tottime").print_stats(35)
-    return buf.getvalue()
-
-
 def main(argv=None) -> int:
     from benchmarks.kernel import host_us
 
@@ -150,18 +110,18 @@ def main(argv=None) -> int:
         torch.autograd.grad(fwd(), (q, k, v), dout)
 
     def fwd_bwd_1t():
-        with single_thread_autograd():
+        with autograd_thread("calling"):
             fwd().backward(dout)
 
     def fwd_grad_1t():
-        with single_thread_autograd():
+        with autograd_thread("calling"):
             torch.autograd.grad(fwd(), (q, k, v), dout)
 
     # the engine's floor
     add("identity apply", lambda: _Identity.apply(xg))
     add("identity apply + .backward (engine device thread)", lambda: _Identity.apply(xg).backward(gg), [xg])
     add("identity apply + autograd.grad", lambda: torch.autograd.grad(_Identity.apply(xg), xg, gg))
-    with single_thread_autograd():
+    with autograd_thread("calling"):
         add("identity apply + .backward, single-thread autograd", lambda: _Identity.apply(xg).backward(gg), [xg])
         add("identity apply + autograd.grad, single-thread autograd",
             lambda: torch.autograd.grad(_Identity.apply(xg), xg, gg))
@@ -197,11 +157,11 @@ def main(argv=None) -> int:
             add(f"launch {name} via compiled.run", via_r)
 
     with open(os.path.join(args.out, "profile_forward.txt"), "w") as f:
-        f.write(profile_text(fwd))
+        f.write(host_profile_text(fwd))
     with open(os.path.join(args.out, "profile_backward_body.txt"), "w") as f:
-        f.write(profile_text(lambda: call.backward(dout, None, qd, kd, vd, out, lse, cols)))
+        f.write(host_profile_text(lambda: call.backward(dout, None, qd, kd, vd, out, lse, cols)))
     with open(os.path.join(args.out, "profile_fwd_bwd.txt"), "w") as f:
-        f.write(profile_text(fwd_grad))
+        f.write(host_profile_text(fwd_grad))
     from benchmarks.environment import run_environment
     meta = dict(run_environment(torch.device(dev)), command=" ".join(sys.argv))
     with open(os.path.join(args.out, "host_breakdown.json"), "w") as f:

@@ -123,6 +123,17 @@ def backward_grid(t: "TileCounts", w: ProgramWork, heads: int, kv_heads: int) ->
     return group, kv_heads * t.batch, False
 
 
+def program_grid(t: "TileCounts", kind: str, heads: int, kv_heads: int):
+    """``(full tiles, partial tiles of each program of one sweep, heads per program, sweeps)``
+    of a call of pass ``kind``: the forward sweeps its query blocks once per query head, the
+    backward its key blocks per :func:`backward_grid`."""
+    w = t.work if t.work is not None else uniform_work(t)
+    if kind == "fwd":
+        return w.fwd_full, w.fwd_partial, 1, heads * t.batch
+    group, sweeps, _ = backward_grid(t, w, heads, kv_heads)
+    return w.bwd_full, w.bwd_partial, group, sweeps
+
+
 #: The expanded backward's extra work per call: two copies of K/V to the query heads and two sums
 #: of dK/dV over each group (bytes ~ 4 x keys x query heads x D x 2 at the measured HBM
 #: bandwidth, D=128) and their four launches on the host (the H200 host's bare torch launch,
@@ -255,12 +266,7 @@ class PassCost:
         """``(seconds of each program of one sweep, sweeps)``: the forward sweeps its query
         blocks once per query head, the backward its key blocks once per KV head, each backward
         program looping over the ``heads / kv_heads`` query heads of its group."""
-        w = tiles.work if tiles.work is not None else uniform_work(tiles)
-        if kind == "fwd":
-            full, part, group, sweeps = w.fwd_full, w.fwd_partial, 1, heads * tiles.batch
-        else:
-            full, part = w.bwd_full, w.bwd_partial
-            group, sweeps, _ = backward_grid(tiles, w, heads, kv_heads)
+        full, part, group, sweeps = program_grid(tiles, kind, heads, kv_heads)
         return self.a_program + group * (self.a_full * full + self.a_partial * part), sweeps
 
     def gpu_time(self, tiles: TileCounts, kind: str, heads: int, kv_heads: int) -> float:
@@ -465,12 +471,7 @@ GREEDY_START, GREEDY_ROUNDS = (5e-6, 1.5e-6, 3e-6), 20
 
 def _program_features(t: TileCounts, kind: str, heads: int, kv_heads: int) -> tuple[np.ndarray, int]:
     """``([programs, 3] = (1, group x full, group x partial), sweeps)`` of one call's programs."""
-    w = t.work if t.work is not None else uniform_work(t)
-    if kind == "fwd":
-        full, part, group, sweeps = w.fwd_full, w.fwd_partial, 1, heads * t.batch
-    else:
-        full, part = w.bwd_full, w.bwd_partial
-        group, sweeps, _ = backward_grid(t, w, heads, kv_heads)
+    full, part, group, sweeps = program_grid(t, kind, heads, kv_heads)
     f = np.stack([np.ones(len(full)), group * np.asarray(full, float), group * np.asarray(part, float)], 1)
     return f, sweeps
 
