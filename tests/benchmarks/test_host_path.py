@@ -1,0 +1,30 @@
+"""The host-path benchmark's CPU dry run (its tables and variants, without a GPU), so that the
+GPU call's script does not rot between device sessions."""
+
+from __future__ import annotations
+
+import torch
+
+
+def test_host_path_dry_run_prints_every_table(capsys, monkeypatch):
+    from benchmarks import host_path
+
+    monkeypatch.setenv("FLASHMASK3_BACKEND", "torch")
+    prev = torch._C._is_multithreading_enabled()
+    assert host_path.main(["--dry-run"]) == 0
+    out = capsys.readouterr().out
+    assert "| form | mask | launch | autograd | mode |" in out
+    assert "| S | docs | autograd | fm std f+b |" in out
+    assert "calling-thread autograd" in out  # the floor's engine-thread row
+    assert torch._C._is_multithreading_enabled() == prev  # the variants restore torch's setting
+
+
+def test_autograd_thread_switch_runs_a_backward_either_way():
+    from benchmarks.host_path import autograd_thread
+
+    x = torch.randn(8, requires_grad=True)
+    for which in ("device", "calling"):
+        with autograd_thread(which):
+            assert torch._C._is_multithreading_enabled() == (which == "device")
+            (x * x).sum().backward()
+    torch.testing.assert_close(x.grad, 4 * x.detach())
