@@ -20,7 +20,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import flashmask3  # noqa: E402
-import flashmask3.masks as M  # noqa: E402
+from benchmarks.host_path import gpu_ms  # noqa: E402
 from flashmask3.kernels import triton_backend as T  # noqa: E402
 
 
@@ -33,23 +33,16 @@ def _case(sq: int, sk: int, hq: int, hk: int, seed: int):
     return [x.requires_grad_() for x in (q, k, v)], cols, torch.randn_like(q)
 
 
+def _use(counts) -> None:
+    """Run the next calls with ``counts`` as the SM count (None: the grouped backward); the
+    prepared calls decided with the old one are forgotten (they decide once per signature)."""
+    T.sm_count = counts
+    flashmask3.api.clear_prepared()
+
+
 def _grads(q, k, v, cols, dout):
     out = flashmask3.flashmask_attention(q, k, v, cols)
     return torch.autograd.grad(out, (q, k, v), dout)
-
-
-def _time(fn, reps: int = 9) -> float:
-    ts = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        torch.cuda.synchronize()
-        torch.cuda._sleep(20_000_000)  # the host's launch work hidden behind the GPU
-        a.record()
-        fn()
-        b.record()
-        torch.cuda.synchronize()
-        ts.append(a.elapsed_time(b))
-    return statistics.median(ts)
 
 
 def main(argv=None) -> int:
@@ -65,17 +58,17 @@ def main(argv=None) -> int:
         on = T.expands_kv_heads(launch, 1, hq, hk, sk, q.device)
         res = {}
         for name, counts in (("expanded", real), ("grouped", lambda device: None)):
-            T.sm_count = counts
-            res[name] = (_grads(q, k, v, cols, dout), None)
-        T.sm_count = real
+            _use(counts)
+            res[name] = _grads(q, k, v, cols, dout)
+        _use(real)
         err = max(float((a.float() - b.float()).norm() / b.float().norm().clamp_min(1e-30))
-                  for a, b in zip(res["expanded"][0], res["grouped"][0]))
+                  for a, b in zip(res["expanded"], res["grouped"]))
         times = {"expanded": [], "grouped": []}
         for _ in range(3):  # interleaved rounds
             for name, counts in (("expanded", real), ("grouped", lambda device: None)):
-                T.sm_count = counts
-                times[name].append(_time(lambda: _grads(q, k, v, cols, dout)))
-        T.sm_count = real
+                _use(counts)
+                times[name].append(gpu_ms(lambda: _grads(q, k, v, cols, dout), [], reps=9))
+        _use(real)
         row = dict(Sq=sq, Sk=sk, Hq=hq, Hk=hk, rule_expands=on,
                    expanded_ms=statistics.median(times["expanded"]),
                    grouped_ms=statistics.median(times["grouped"]), max_rel_diff=err)

@@ -123,12 +123,15 @@ def sum_groups(dx: torch.Tensor, hk: int) -> torch.Tensor:
 
 
 def run_dkdv_grouped(launch: Launch, q, k, v, dout, lse2, delta, causal, softmax_scale,
-                     plan: Plan, dq_t: Optional[torch.Tensor] = None):
+                     plan: Plan, dq_t: Optional[torch.Tensor] = None,
+                     expand: Optional[bool] = None):
     """:func:`run_dkdv`, with K/V expanded to the query heads and dK/dV summed back per group
-    where :func:`expands_kv_heads` says so (the plan does not depend on the KV heads)."""
-    b, _, hq, _ = q.shape
-    _, sk, hk, _ = k.shape
-    if not expands_kv_heads(launch, b, hq, hk, sk, q.device):
+    where ``expand`` says so (None: :func:`expands_kv_heads` decides here; a prepared call
+    decided it once for its shapes). The plan does not depend on the KV heads."""
+    hq, hk = q.shape[2], k.shape[2]
+    if expand is None:
+        expand = expands_kv_heads(launch, q.shape[0], hq, hk, k.shape[1], q.device)
+    if not expand:
         return run_dkdv(launch, q, k, v, dout, lse2, delta, causal, softmax_scale, plan, dq_t)
     dk, dv, dq_acc = run_dkdv(launch, q, expand_heads(k, hq), expand_heads(v, hq), dout, lse2,
                               delta, causal, softmax_scale, plan, dq_t)
@@ -140,9 +143,10 @@ class PreparedCall:
     launches for these shapes, dtype, mask layout and row span (``api.py`` keeps one per
     signature, docs/host-path.md). :meth:`forward` / :meth:`backward` do only the per-call
     work: the plans (cached per mask tensor), the outputs and the launches. The backward
-    runs the launches chosen when the call was prepared (with the environment of then)."""
+    runs the launches chosen when the call was prepared (with the environment of then), with
+    K/V expanded to the query heads where :func:`expands_kv_heads` said so for these shapes."""
 
-    __slots__ = ("causal", "scale", "fwd_launch", "bwd_launches")
+    __slots__ = ("causal", "scale", "fwd_launch", "bwd_launches", "expand_kv")
 
     def __init__(self, q, k, startend_row_indices: Optional[torch.Tensor], causal: bool,
                  softmax_scale: float, row_span: Optional[float] = None):
@@ -152,6 +156,9 @@ class PreparedCall:
         self.causal, self.scale = causal, softmax_scale
         self.fwd_launch = dispatch.choose(q.device, q.dtype, d, causal, c, row_span).forward
         self.bwd_launches = dispatch.choose(q.device, q.dtype, d, causal, c).backward
+        b, _, hq, _ = q.shape
+        _, sk, hk, _ = k.shape
+        self.expand_kv = expands_kv_heads(self.bwd_launches[0], b, hq, hk, sk, q.device)
 
     def forward(self, q, k, v, startend_row_indices):
         """``(out, lse)`` of these inputs (the signature's shapes)."""
@@ -183,7 +190,7 @@ class PreparedCall:
         delta, lse2 = tl_kernels.backward_prepass(out, dout, lse, dlse, dq_t)
         plan = _plan(startend_row_indices, causal, sq, sk, first, q.device)
         dk, dv, dq_acc = run_dkdv_grouped(first, q, k, v, dout, lse2, delta, causal, scale, plan,
-                                          dq_t)
+                                          dq_t, self.expand_kv)
         if dq_acc is not None:
             return tl_kernels.scale_dq(dq_acc, scale, q.dtype), dk, dv
         dq_launch = launches[1]
