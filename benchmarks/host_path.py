@@ -133,9 +133,9 @@ def host_profile_text(fn, calls: int = 20) -> str:
 #: every call (a model's layers: the plans come from the cache after the first call);
 #: "fresh": the plan cache emptied before each call (a new mask every call: the preprocessing
 #: runs); launch "triton": every kernel through JITFunction.run (FLASHMASK3_FAST_LAUNCH=0, the
-#: A/B of flashmask3/kernels/launcher.py).
-HOST_VARIANTS = (("reused", "fast"), ("fresh", "fast"), ("reused", "triton"),
-                 ("reused", "fast", "calling"))
+#: A/B of flashmask3/kernels/launcher.py); the autograd thread (:data:`AUTOGRAD_THREADS`).
+HOST_VARIANTS = (("reused", "fast", "device"), ("fresh", "fast", "device"),
+                 ("reused", "triton", "device"), ("reused", "fast", "calling"))
 #: The autograd engine runs a CUDA backward on its device thread ("device", torch's default)
 #: or, with ``torch.autograd.set_multithreading_enabled(False)``, on the calling thread.
 AUTOGRAD_THREADS = ("device", "calling")
@@ -183,12 +183,12 @@ def host_table(seqlen: int, heads: int, d: int, dtype, ndocs: int, out_dir=None)
         for _ in range(3):
             fwd_bwd0()
         torch.cuda.synchronize()
-        for mask_mode, launch, *thread in HOST_VARIANTS:
-            thread = thread[0] if thread else "device"
+        for variant in HOST_VARIANTS:
+            mask_mode, launch, thread = variant
             if launch == "triton" and form != "FlashMask":
                 continue
-            fwd, fwd_bwd = (_variant(f, mask_mode, launch, thread) for f in (fwd0, fwd_bwd0))
-            full = (mask_mode, launch, thread) == HOST_VARIANTS[0] + ("device",)  # once per form
+            fwd, fwd_bwd = (_variant(f, *variant) for f in (fwd0, fwd_bwd0))
+            full = variant == HOST_VARIANTS[0]  # do_bench / GPU time once per form
             for mode, fn, target in (("fwd", fwd, HOST_FWD_US),
                                      ("fwd+bwd", fwd_bwd, HOST_FWD_BWD_US)):
                 if mode == "fwd" and thread != "device":

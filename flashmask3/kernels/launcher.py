@@ -106,7 +106,7 @@ def _raw_launch_parts(compiled):
     cells = dict(zip(code.co_freevars, (c.cell_contents for c in fn.__closure__ or ())))
     inner, indices, metas = (cells.get("launcher"), cells.get("tensordesc_indices"),
                              cells.get("tensordesc_meta"))
-    if (fn.__name__ != "inner" or code.co_freevars is None or not callable(inner)
+    if (fn.__name__ != "inner" or not callable(inner)
             or getattr(inner, "__code__", None) is not None or not isinstance(indices, set)
             or metas is None or len(metas) != len(indices)):
         return None
