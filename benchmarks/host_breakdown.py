@@ -16,7 +16,9 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import sys
+import time
 
 import torch
 
@@ -70,6 +72,55 @@ def _captured_launches(fn):
                 c.run(gx, gy, gz, s, c.function, c.packed_metadata, None, None, None, *full)
         out.append((name, via_launcher, via_run))
     return out
+
+
+class _Repeat(torch.autograd.Function):
+    """An identity whose backward first runs ``work`` ``reps`` times, timing each run from the
+    inside (``_Repeat.times``, µs): the same piece of host work on whichever thread the engine
+    runs the backward on."""
+
+    times: list = []
+
+    @staticmethod
+    def forward(ctx, x, work, reps):
+        ctx.work, ctx.reps = work, reps
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, g):
+        clock = time.perf_counter
+        for _ in range(ctx.reps):
+            t0 = clock()
+            ctx.work()
+            _Repeat.times.append((clock() - t0) * 1e6)
+        return g, None, None
+
+
+def thread_rows(pieces, xg, gg, reps: int = 10) -> list[dict]:
+    """Median µs of each ``(name, work)`` piece run inside a backward, on the engine's device
+    thread and on the calling thread (``set_multithreading_enabled(False)``), and outside any
+    backward: where the device thread's extra cost of a fwd+bwd goes."""
+    rows = []
+    for name, work in pieces:
+        row = dict(piece=name)
+        for where in ("device", "calling", "outside"):
+            _Repeat.times = []
+            for _ in range(12):
+                if where == "outside":
+                    for _ in range(reps):
+                        t0 = time.perf_counter()
+                        work()
+                        _Repeat.times.append((time.perf_counter() - t0) * 1e6)
+                    torch.cuda.synchronize()
+                    continue
+                with autograd_thread(where):
+                    _Repeat.apply(xg, work, reps).backward(gg)
+                torch.cuda.synchronize()  # never a full launch queue
+            row[where] = statistics.median(_Repeat.times[reps * 2:])  # first two rounds: warm-up
+        rows.append(row)
+        print(f"{row['device']:9.1f} {row['calling']:9.1f} {row['outside']:9.1f}  {name} "
+              "(device thread / calling thread / outside a backward, us)", flush=True)
+    return rows
 
 
 def main(argv=None) -> int:
@@ -156,6 +207,18 @@ def main(argv=None) -> int:
         if via_r is not None:
             add(f"launch {name} via compiled.run", via_r)
 
+    # the same host work inside a backward on either thread (the device thread's extra cost)
+    launches = _captured_launches(lambda: call.backward(dout, None, qd, kd, vd, out, lse, cols))
+    pieces = [("call.backward (the backward body)",
+               lambda: call.backward(dout, None, qd, kd, vd, out, lse, cols)),
+              ("call.forward", lambda: call.forward(qd, kd, vd, cols)),
+              ("torch.empty_like(q)", lambda: torch.empty_like(q)),
+              ("x.add_(1)", lambda: small.add_(1)),
+              ("torch.cuda.current_stream()", torch.cuda.current_stream),
+              ("python loop of 1000 adds", lambda: sum(range(1000)))]
+    pieces += [(f"launch {name} via launcher.launch", via_l) for name, via_l, _ in launches]
+    thread = thread_rows(pieces, xg, gg)
+
     with open(os.path.join(args.out, "profile_forward.txt"), "w") as f:
         f.write(host_profile_text(fwd))
     with open(os.path.join(args.out, "profile_backward_body.txt"), "w") as f:
@@ -165,13 +228,13 @@ def main(argv=None) -> int:
     from benchmarks.environment import run_environment
     meta = dict(run_environment(torch.device(dev)), command=" ".join(sys.argv))
     with open(os.path.join(args.out, "host_breakdown.json"), "w") as f:
-        json.dump(dict(meta=meta, rows=rows), f, indent=1)
+        json.dump(dict(meta=meta, rows=rows, threads=thread), f, indent=1)
     with open(os.path.join(args.out, "host_breakdown.md"), "w") as f:
-        f.write(markdown(meta, rows))
+        f.write(markdown(meta, rows, thread))
     return 0
 
 
-def markdown(meta: dict, rows: list[dict]) -> str:
+def markdown(meta: dict, rows: list[dict], thread: list[dict] = ()) -> str:
     lines = ["# Host time of one attention call, piece by piece", ""]
     lines += [f"- **{k}**: `{v}`" for k, v in meta.items()]
     lines += ["", "Host µs per call = CPU time to enqueue while the GPU is kept busy "
@@ -181,6 +244,13 @@ def markdown(meta: dict, rows: list[dict]) -> str:
               "calling thread instead of the engine's CUDA device thread.", "",
               "| piece | host µs |", "|---|---|"]
     lines += [f"| {r['piece']} | {r['host_us']:.1f} |" for r in rows]
+    if thread:
+        lines += ["", "The same host work timed from inside a backward (`_Repeat`: median µs of one "
+                  "run of the piece) on the engine's device thread, on the calling thread, and "
+                  "outside any backward:", "",
+                  "| piece | device thread µs | calling thread µs | outside µs |", "|---|---|---|---|"]
+        lines += [f"| {r['piece']} | {r['device']:.1f} | {r['calling']:.1f} | {r['outside']:.1f} |"
+                  for r in thread]
     return "\n".join(lines) + "\n"
 
 

@@ -6,7 +6,9 @@
    and the host time per call (``host_fwd_us``, ``host_fwd_bwd_us``: CPU time to enqueue those
    calls while the GPU sleeps), from one loop (:func:`overlap_times`), and the steady-state time
    per call of a stream of back-to-back calls (``stream_fwd_ms``, ``stream_fwd_bwd_ms``:
-   :func:`stream_times`), the quantity the scale model predicts as ``max(host, GPU)``. (Files
+   :func:`stream_times`), the quantity the scale model predicts as ``max(host, GPU)``, with the
+   host's CPU time for those same calls (``stream_host_fwd_us``, ``stream_host_fwd_bwd_us``;
+   from session 20 on). (Files
    before session 19 have the ``do_bench`` median instead, ``fwd_ms`` / ``fwd_bwd_ms``: it
    zeroes 256 MB before each call, which hides part of a host-bound call's host work.)
    B=1, S_q = tokens per rank, keys = one stage's chunks (or all needed chunks, the all-gather
@@ -130,41 +132,46 @@ def overlap_times(fn, device, reset=None, calls: int = OVERLAP_CALLS,
 STREAM_MS, STREAM_CALLS = 5.0, (3, 30)
 
 
-def stream_times(fn, device, per_call_ms: float, samples: int = OVERLAP_SAMPLES) -> tuple[float, int]:
-    """``(ms per call, calls)``: the steady-state time per call of a stream of back-to-back calls
-    (median of ``samples``). Each sample enqueues ``2 x calls`` calls with no synchronisation
-    between them and times the second half: CUDA events after call ``calls`` and after the
-    last, so the GPU's idle gaps while it waits for a host-bound host are counted and the
-    stream's start (host before any GPU work) and end (GPU after the host) are not.
+def stream_times(fn, device, per_call_ms: float, samples: int = OVERLAP_SAMPLES) -> tuple[float, int, float]:
+    """``(ms per call, calls, host us per call)``: the steady-state time per call of a stream of
+    back-to-back calls and the CPU time the host took to enqueue the same calls (medians of
+    ``samples``). Each sample enqueues ``2 x calls`` calls with no synchronisation between them
+    and times the second half: CUDA events after call ``calls`` and after the last, so the GPU's
+    idle gaps while it waits for a host-bound host are counted and the stream's start (host
+    before any GPU work) and end (GPU after the host) are not; the host time is the wall time of
+    the same half on the CPU (the host cost of exactly the calls the events time: a host-bound
+    stream follows it, whatever this host's speed is at that minute).
 
     This is what a CP rank's stream of stage calls costs per call and what the scale model
     predicts, ``max(host, GPU)``. (``do_bench`` zeroes 256 MB before each call and times each
     call apart, which hides part of a host-bound call's host work behind the memset.)
     ``per_call_ms`` (a first estimate) sets ``calls`` (and one sample for calls of >= STREAM_MS,
-    to keep the run within its budget). Off CUDA: wall time of the second half."""
+    to keep the run within its budget). Off CUDA: wall time of the second half (both)."""
     lo, hi = STREAM_CALLS
     calls = max(lo, min(hi, math.ceil(STREAM_MS / max(per_call_ms, 1e-3))))
     if per_call_ms >= STREAM_MS:  # GPU-bound milliseconds a call: one sample of 2 x calls is plenty
         samples = 1
-    ts = []
+    ts, hs = [], []
     for _ in range(samples):
-        if device.type == "cuda":
+        cuda = device.type == "cuda"
+        if cuda:
             torch.cuda.synchronize()
             e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         for i in range(2 * calls):
             fn()
             if i == calls - 1:
-                if device.type == "cuda":
+                if cuda:
                     e0.record()
-                else:
-                    t0 = time.perf_counter()
-        if device.type == "cuda":
+                t0 = time.perf_counter()
+        host = time.perf_counter() - t0
+        hs.append(host / calls * 1e6)
+        if cuda:
             e1.record()
             torch.cuda.synchronize()
             ts.append(e0.elapsed_time(e1) / calls)
         else:
-            ts.append((time.perf_counter() - t0) / calls * 1e3)
-    return statistics.median(ts), calls
+            ts.append(host / calls * 1e3)
+    return statistics.median(ts), calls, statistics.median(hs)
 
 
 def plan_calls(lens: list[int], spread: str, cp: int, balance: str):
@@ -249,7 +256,7 @@ def measure_attention(args, device, dtype, deadline: float, log, save=None) -> l
 
                 fwd()  # compile / warm
                 row["host_fwd_us"], row["gpu_fwd_ms"], row["fwd_hidden"] = overlap_times(fwd, device, key="fwd")
-                row["stream_fwd_ms"], row["stream_fwd_calls"] = stream_times(
+                row["stream_fwd_ms"], row["stream_fwd_calls"], row["stream_host_fwd_us"] = stream_times(
                     fwd, device, max(row["gpu_fwd_ms"], row["host_fwd_us"] * 1e-3))
                 def clear():
                     qg.grad = kg.grad = vg.grad = None
@@ -260,7 +267,7 @@ def measure_attention(args, device, dtype, deadline: float, log, save=None) -> l
 
                 step()  # compile / warm
                 row["host_fwd_bwd_us"], row["gpu_fwd_bwd_ms"], row["fwd_bwd_hidden"] = overlap_times(step, device, key="fwd+bwd")
-                row["stream_fwd_bwd_ms"], row["stream_fwd_bwd_calls"] = stream_times(
+                row["stream_fwd_bwd_ms"], row["stream_fwd_bwd_calls"], row["stream_host_fwd_bwd_us"] = stream_times(
                     step, device, max(row["gpu_fwd_bwd_ms"], row["host_fwd_bwd_us"] * 1e-3))
             except Exception as e:  # keep going: one failing shape must not lose the others
                 row["error"] = f"{type(e).__name__}: {e}"[:300]

@@ -167,6 +167,8 @@ def _predictions(cost: AttentionCost, r: dict, hidden: float) -> dict[str, float
     ``fwd stream`` / ``fwd+bwd stream``: a stream of back-to-back calls, ``max(host, GPU)``
     with the model's host (the measured median); ``..., row's host``: the same with the host
     time measured for that row (checks how host and GPU combine, not the host's scatter);
+    ``..., its own host``: with the host's CPU time for the very calls the stream timed (files
+    from session 20 on: the combination rule alone, the host's drift between loops removed);
     ``fwd do_bench`` / ``fwd+bwd do_bench``: ``max(GPU, host - memset)`` (``do_bench`` hides
     ``hidden`` seconds of host work behind its memset), with the model's and the row's host.
     Files without GPU times (do_bench only, floor fitted on it): ``fwd`` / ``fwd+bwd`` =
@@ -185,6 +187,10 @@ def _predictions(cost: AttentionCost, r: dict, hidden: float) -> dict[str, float
     if "stream_fwd_ms" in r:
         out["fwd stream"], out["fwd+bwd stream"] = max(hf, gf), max(hfb, gfb)
         out["fwd stream, row's host"], out["fwd+bwd stream, row's host"] = max(rf, gf), max(rfb, gfb)
+        if "stream_host_fwd_us" in r:  # the host's CPU time for the very calls the stream timed
+            sf, sfb = r["stream_host_fwd_us"] * 1e-6, r["stream_host_fwd_bwd_us"] * 1e-6
+            out["fwd stream, its own host"] = max(sf, gf)
+            out["fwd+bwd stream, its own host"] = max(sfb, gfb)
     if "fwd_ms" in r:
         out["fwd do_bench"], out["fwd+bwd do_bench"] = max(gf, hf - hidden), max(gfb, hfb - hidden)
         out["fwd do_bench, row's host"] = max(gf, rf - hidden)

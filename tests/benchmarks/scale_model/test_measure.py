@@ -2,6 +2,7 @@
 
 import json
 
+import pytest
 import torch
 
 from benchmarks.scale_model import calibrate as C
@@ -17,10 +18,13 @@ def test_overlap_times_off_cuda_counts_every_call():
 
 def test_stream_times_off_cuda_runs_twice_the_timed_calls():
     calls = []
-    ms, n = measure.stream_times(lambda: calls.append(1), torch.device("cpu"), per_call_ms=1.0, samples=2)
+    ms, n, host_us = measure.stream_times(lambda: calls.append(1), torch.device("cpu"), per_call_ms=1.0,
+                                          samples=2)
     assert n == 5 and len(calls) == 2 * 2 * n and ms >= 0  # 5 ms of work at 1 ms a call
+    assert host_us == pytest.approx(ms * 1e3)  # off CUDA both are the second half's wall time
     calls = []
-    _, n = measure.stream_times(lambda: calls.append(1), torch.device("cpu"), per_call_ms=100.0, samples=3)
+    _, n, _ = measure.stream_times(lambda: calls.append(1), torch.device("cpu"), per_call_ms=100.0,
+                                   samples=3)
     assert n == measure.STREAM_CALLS[0] and len(calls) == 2 * n  # long calls: one sample
 
 
@@ -40,7 +44,7 @@ def test_dry_run_writes_gpu_host_and_stream_columns_and_rebuildable_calls(tmp_pa
     assert rows and all("error" not in r for r in rows)
     for r in rows:
         for k in ("stream_fwd_ms", "stream_fwd_bwd_ms", "gpu_fwd_ms", "gpu_fwd_bwd_ms", "host_fwd_us",
-                  "host_fwd_bwd_us"):
+                  "host_fwd_bwd_us", "stream_host_fwd_us", "stream_host_fwd_bwd_us"):
             assert r[k] > 0, k
     assert set(data["spreads"]) == {"long"} and sum(data["spreads"]["long"]) == data["args"]["tokens"]
     # calibrate rebuilds every measured call from the file alone, tile totals checked
