@@ -670,12 +670,16 @@ def test_gpu_fused_backward_matches_split(name, d, cfg):
                                   "global_sliding_window", "causal_blockwise"])
 @pytest.mark.parametrize("d,st", [(128, 2), (128, 3), (64, 2), (64, 3)],
                          ids=["d128-s2", "d128-s3", "d64-s2", "d64-s3"])
-def test_gpu_fused_ds_shared_dkdv_bitwise_equal_to_tl_and_split(name, d, st):
+def test_gpu_fused_ds_shared_dkdv_bitwise_equal_to_tl_and_split(name, d, st, monkeypatch):
     """DS_SHARED (at its head dim's DS_SHARED_TILES tile; D=64: offline-checked) reads Pᵀ and
     dSᵀ from shared memory for dV and dK (the split kernels: from registers): the same bf16
     values in the same k-steps, so dK, dV bit for bit equal to the tl kernel's and to the split
-    backward's; dQ (TMA reduce-adds: run-to-run rounding) within 2e-2 of the split backward's."""
+    backward's; dQ (TMA reduce-adds: run-to-run rounding) within 2e-2 of the split backward's.
+    The split backward runs grouped here: this small GQA call would otherwise take the expanded
+    path (``triton_backend.expands_kv_heads``), whose per-head dK/dV are rounded before the
+    group sum (other bits; its accuracy is checked in test_staged.py and gqa_expand_ab.py)."""
     _require_hopper_gluon()
+    monkeypatch.setattr(T, "sm_count", lambda device: None)  # no SM count: never expanded
     s = 1000
     (q, k, v, dout, cols, causal, scale, out, lse), delta, lse2, ref = \
         _tl_dkdv_reference(name, s, d, seed=17)
