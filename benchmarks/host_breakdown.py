@@ -123,6 +123,41 @@ def thread_rows(pieces, xg, gg, reps: int = 10) -> list[dict]:
     return rows
 
 
+class _Busy(torch.autograd.Function):
+    """An identity whose backward keeps the CPU busy for ``us`` microseconds (a spin, no
+    sleep): how the engine's hand-off to its device thread and back costs as the backward's
+    length grows (:func:`handoff_rows`)."""
+
+    @staticmethod
+    def forward(ctx, x, us):
+        ctx.us = us
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, g):
+        end = time.perf_counter() + ctx.us * 1e-6
+        while time.perf_counter() < end:
+            pass
+        return g, None
+
+
+def handoff_rows(xg, gg, host_us, lengths=(0, 25, 50, 100, 200, 400)) -> list[dict]:
+    """Host µs of ``_Busy.apply(x).backward()`` minus the backward's own spin, with the engine's
+    device thread and on the calling thread, for backwards of ``lengths`` µs: the engine's
+    cost around one backward, by the backward's length."""
+    rows = []
+    for us in lengths:
+        row = dict(backward_us=us)
+        for where in ("device", "calling"):
+            with autograd_thread(where):
+                t = host_us(lambda: _Busy.apply(xg, us).backward(gg), [xg], samples=7)
+            row[where] = t - us
+        rows.append(row)
+        print(f"{row['device']:9.1f} {row['calling']:9.1f}  engine cost around a {us} us backward "
+              "(device thread / calling thread, us)", flush=True)
+    return rows
+
+
 def main(argv=None) -> int:
     from benchmarks.kernel import host_us
 
@@ -218,6 +253,22 @@ def main(argv=None) -> int:
               ("python loop of 1000 adds", lambda: sum(range(1000)))]
     pieces += [(f"launch {name} via launcher.launch", via_l) for name, via_l, _ in launches]
     thread = thread_rows(pieces, xg, gg)
+    handoff = handoff_rows(xg, gg, host_us)
+
+    # per call in a model: 8 calls chained (each call's output is the next one's query), one
+    # backward: the engine's hand-offs are paid once per backward, not once per call
+    def chain_fwd_bwd(n=8):
+        x = q
+        for _ in range(n):
+            x = flashmask3.flashmask_attention(x, k, v, fm)
+        x.backward(dout)
+
+    for where in ("device", "calling"):
+        with autograd_thread(where):
+            add(f"fwd+bwd per call of 8 chained calls, one .backward ({where} thread), total / 8",
+                chain_fwd_bwd, [q, k, v])
+            rows[-1]["host_us"] /= 8
+            print(f"   (per call: {rows[-1]['host_us']:.1f})", flush=True)
 
     with open(os.path.join(args.out, "profile_forward.txt"), "w") as f:
         f.write(host_profile_text(fwd))
@@ -228,13 +279,13 @@ def main(argv=None) -> int:
     from benchmarks.environment import run_environment
     meta = dict(run_environment(torch.device(dev)), command=" ".join(sys.argv))
     with open(os.path.join(args.out, "host_breakdown.json"), "w") as f:
-        json.dump(dict(meta=meta, rows=rows, threads=thread), f, indent=1)
+        json.dump(dict(meta=meta, rows=rows, threads=thread, handoff=handoff), f, indent=1)
     with open(os.path.join(args.out, "host_breakdown.md"), "w") as f:
-        f.write(markdown(meta, rows, thread))
+        f.write(markdown(meta, rows, thread, handoff))
     return 0
 
 
-def markdown(meta: dict, rows: list[dict], thread: list[dict] = ()) -> str:
+def markdown(meta: dict, rows: list[dict], thread: list[dict] = (), handoff: list[dict] = ()) -> str:
     lines = ["# Host time of one attention call, piece by piece", ""]
     lines += [f"- **{k}**: `{v}`" for k, v in meta.items()]
     lines += ["", "Host µs per call = CPU time to enqueue while the GPU is kept busy "
@@ -251,6 +302,11 @@ def markdown(meta: dict, rows: list[dict], thread: list[dict] = ()) -> str:
                   "| piece | device thread µs | calling thread µs | outside µs |", "|---|---|---|---|"]
         lines += [f"| {r['piece']} | {r['device']:.1f} | {r['calling']:.1f} | {r['outside']:.1f} |"
                   for r in thread]
+    if handoff:
+        lines += ["", "The engine's cost around one backward (`_Busy`: an identity whose backward spins "
+                  "for the given time; host µs of apply + `.backward()` minus the spin):", "",
+                  "| backward length µs | device thread µs | calling thread µs |", "|---|---|---|"]
+        lines += [f"| {r['backward_us']} | {r['device']:.1f} | {r['calling']:.1f} |" for r in handoff]
     return "\n".join(lines) + "\n"
 
 
