@@ -117,6 +117,15 @@ def layer_breakdown(view: PlanView, cost: AttentionCost, cluster, shape: AttnSha
             "calls": rank_calls(view, r, cost, shape, comm, getattr(runtime, "bwd_calls", "stage"))}
 
 
+KIND_ORDER = ("fwd local", "fwd remote", "fwd all keys", "bwd local grouped", "bwd local expanded",
+              "bwd remote grouped", "bwd remote expanded", "bwd all keys grouped", "bwd all keys expanded")
+
+
+def _kind_key(x) -> tuple:
+    k = x if isinstance(x, str) else x["kind"]
+    return (KIND_ORDER.index(k) if k in KIND_ORDER else len(KIND_ORDER), k)
+
+
 def summarise(layers: Sequence[dict]) -> list[dict]:
     """Per call kind (:attr:`CallUnderfill.label`), means per layer over ``layers`` (of
     :func:`layer_breakdown`): calls, GPU ms, loss ms (grid / spread parts), loss after the host
@@ -138,8 +147,7 @@ def summarise(layers: Sequence[dict]) -> list[dict]:
                      "grid_ms": ms(lambda c: c.grid), "spread_ms": ms(lambda c: c.spread_loss),
                      "exposed_loss_ms": ms(lambda c: c.exposed_loss),
                      "lpt_saves_ms": ms(lambda c: c.gpu - c.lpt)})
-    order = ["fwd local", "fwd remote", "fwd all keys"]
-    rows.sort(key=lambda x: (order.index(x["kind"]) if x["kind"] in order else 9, x["kind"]))
+    rows.sort(key=_kind_key)
     total = {"kind": "total", "calls": sum(x["calls"] for x in rows)}
     for k in ("gpu_ms", "loss_ms", "grid_ms", "spread_ms", "exposed_loss_ms", "lpt_saves_ms"):
         total[k] = sum(x[k] for x in rows)
@@ -157,7 +165,7 @@ SWITCHES = {
     "(a) kv rule waves: ceil(Pg/SMs) < g ceil(P/SMs)": ({"kv_rule": "waves"}, "stage"),
     "(a) kv rule best (per-call oracle)": ({"kv_rule": "best"}, "stage"),
     "(b) longest-first order": ({"order": "longest"}, "stage"),
-    "(c) partial expansion (best e | g)": ({"kv_rule": "split"}, "stage"),
+    "(c) partial expansion (best e dividing g)": ({"kv_rule": "split"}, "stage"),
     "(c) one bwd call per layer": ({}, "one"),
     "(c) local + one remote bwd call": ({}, "local+one"),
     "(a waves)+(b)": ({"kv_rule": "waves", "order": "longest"}, "stage"),
@@ -255,6 +263,26 @@ def breakdown_table(rows: list[dict]) -> list[str]:
     return lines
 
 
+def compact_table(breakdown: dict) -> list[str]:
+    """One row per call kind, one column per ``cp:dataset`` of :func:`run`'s breakdown: the
+    slowest rank's loss per layer, ms (grid / spread), and for the total the layer's time."""
+    cols = list(breakdown)
+    kinds = []
+    for rows in breakdown.values():
+        kinds += [r["kind"] for r in rows if r["kind"] not in kinds]
+    kinds = sorted((k for k in kinds if k != "total"), key=_kind_key) + ["total"]
+    lines = ["| call kind | " + " | ".join(c.replace(":", " ") for c in cols) + " |", "|---|" + "---|" * len(cols)]
+    for k in kinds:
+        cells = []
+        for c in cols:
+            r = next((x for x in breakdown[c] if x["kind"] == k), None)
+            cells.append("" if r is None else f"{r['loss_ms']:.2f} ({r['grid_ms']:.2f}/{r['spread_ms']:.2f})")
+        lines.append(f"| {k} | " + " | ".join(cells) + " |")
+    lines.append("| layer ms: now / filled | " + " | ".join(
+        f"{breakdown[c][-1]['layer_ms']:.1f} / {breakdown[c][-1]['layer_filled_ms']:.1f}" for c in cols) + " |")
+    return lines
+
+
 def run(out_dir: str, cps=((16, 4, 2, 16), (64, 2, 1, 32)), sequences: int = 4, progress=None) -> dict:
     """Breakdown (combined method, slowest rank) at each ``(cp, pp, dp, micro-batches)``, the
     switches' gains, and the A/B shape set; writes ``scale_model_underfill.{md,json}`` and
@@ -297,6 +325,9 @@ def run(out_dir: str, cps=((16, 4, 2, 16), (64, 2, 1, 32)), sequences: int = 4, 
                 f"{100 * g[d]['sparse+overlap+hier']:+.1f}% / {100 * g[d]['sparse+allgather']:+.1f}%" for d in names)
                 + " |")
         md.append("")
+    at = md.index("## cp 16, " + next(iter(datasets)))
+    md[at:at] = ["## Summary: loss per layer on the slowest rank, ms (grid / spread)", ""] + \
+        compact_table(res["breakdown"]) + [""]
     shapes = ab_shapes(datasets, 16, costs.flashmask3, shape)
     res["ab_shapes"] = shapes
     md += ["## A/B shapes for gqa_expand_ab.py --shapes (cp 16 backward stage calls where the waves rule "
@@ -324,5 +355,5 @@ def run(out_dir: str, cps=((16, 4, 2, 16), (64, 2, 1, 32)), sequences: int = 4, 
     return res
 
 
-__all__ = ["CallUnderfill", "call_underfill", "rank_calls", "layer_breakdown", "summarise", "SWITCHES",
+__all__ = ["CallUnderfill", "call_underfill", "rank_calls", "layer_breakdown", "summarise", "compact_table", "SWITCHES",
            "switch_gains", "ab_shapes", "run"]
