@@ -5,6 +5,8 @@
     python -m benchmarks.scale_model sweep --model dense7b --seqlens 131072 --cps 8 16 32
     python -m benchmarks.scale_model validate --multigpu other_run.json  # errors on a result file
     python -m benchmarks.scale_model calibrate           # refit the cached calibration (slow)
+    python -m benchmarks.scale_model underfill           # the SM underfill by call kind + the levers
+    python -m benchmarks.scale_model paper --kv-rule waves --order longest --bwd-calls one   # a variant
 
 Every number it writes about a cluster is a PREDICTION. Plans are cached on disk
 (~/.cache/flashmask3-scale-model), so reruns on the same datasets take seconds; the first run
@@ -139,7 +141,8 @@ def _print_validation(single, multi):
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m benchmarks.scale_model", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("cmd", choices=["all", "paper", "sweep", "validate", "calibrate"], nargs="?", default="paper")
+    ap.add_argument("cmd", choices=["all", "paper", "sweep", "validate", "calibrate", "underfill"], nargs="?",
+                    default="paper")
     g = ap.add_argument_group("model")
     g.add_argument("--model", choices=sorted(MODELS), default=None,
                    help="paper: default moe118b; sweep: default --sweep-model")
@@ -160,6 +163,14 @@ def main(argv=None) -> int:
     g.add_argument("--runtime", choices=["lean", "current"], default="lean")
     g.add_argument("--per-rank-factor", type=float, default=1.0,
                    help="scale the current kernels' per-tile cost (1 = tables; see docs/scale-model.md)")
+    g = ap.add_argument_group("kernel and runtime variants (PREDICTIONS with the same calibration)")
+    g.add_argument("--kv-rule", default=None,
+                   choices=sorted(calibrate.KV_RULES) + list(calibrate.KV_CHOSEN),
+                   help="GQA K/V expansion rule of the backward (default: the library's, dispatch.kv_expansion)")
+    g.add_argument("--order", choices=["launch", "longest"], default=None,
+                   help="program launch order of both kernels (longest: by descending live tiles)")
+    g.add_argument("--bwd-calls", choices=["stage", "one", "local+one"], default="stage",
+                   help="the overlapped backward: one call per stage (now), one per layer, or own keys + one")
     g = ap.add_argument_group("datasets")
     g.add_argument("--targets", type=float, nargs="+", default=[0.70, 0.78, 0.86], help="mean sparsities")
     g.add_argument("--sequences", type=int, default=4, help="packed sequences per dataset")
@@ -190,9 +201,19 @@ def main(argv=None) -> int:
     if args.cmd == "validate":
         _print_validation(*run_validate(args))
         return 0
+    if args.cmd == "underfill":
+        from benchmarks.scale_model import underfill
 
-    cluster, runtime = _cluster(args), Runtime(args.runtime)
+        with tqdm(desc="underfill", unit="step") as bar:
+            underfill.run(args.out, sequences=args.sequences, progress=bar)
+        print(f"wrote {os.path.join(args.out, 'scale_model_underfill.md')}/.json, gqa_expand_shapes.json "
+              f"({time.perf_counter() - t0:.1f} s)")
+        return 0
+
+    cluster, runtime = _cluster(args), Runtime(args.runtime, bwd_calls=args.bwd_calls)
     costs = X.default_costs(gqa=True, per_rank_factor=args.per_rank_factor)
+    if args.kv_rule or args.order:
+        costs = dataclasses.replace(costs, flashmask3=calibrate.variant(costs.flashmask3, args.kv_rule, args.order))
     out = {"label": "PREDICTIONS of the scale model (benchmarks/scale_model), not measurements",
            "command": "python -m benchmarks.scale_model " + " ".join(sys.argv[1:] if argv is None else argv),
            "calibration": {"flashmask3": costs.flashmask3.source, "flex": costs.flex.source},

@@ -107,30 +107,68 @@ def program_work(startend_row_indices, causal: bool, q_rows: int, keys: int) -> 
     return ProgramWork(ff, fp, bf, bp)
 
 
-def backward_grid(t: "TileCounts", w: ProgramWork, heads: int, kv_heads: int) -> tuple[int, int, bool]:
+def _waves(programs: int, sms: int) -> int:
+    return -(-programs // sms)
+
+
+#: The GQA K/V expansion rules the model can apply (``PassCost.kv_rule``), each a function of
+#: ``(grouped programs P, group g, SMs)`` like ``dispatch.kv_expansion``: ``"library"`` is that
+#: rule (expanded waves at most half the group: ``2 ceil(Pg/SMs) <= g``); ``"lt_group"``: the
+#: expanded grid needs fewer waves than the grouped programs have heads (``ceil(Pg/SMs) < g``);
+#: ``"waves"``: fewer waves of one head than the grouped grid's waves of ``g`` heads
+#: (``ceil(Pg/SMs) < g ceil(P/SMs)``, which also expands grids of a few waves with a ragged
+#: tail); ``"never"`` / ``"always"``. Two more are chosen per call by :class:`PassCost` from its
+#: own costs: ``"best"`` (grouped or expanded, whichever the model predicts faster, copies and
+#: their launches included: an oracle no shape rule beats) and ``"split"`` (the same over every
+#: partial expansion, K/V repeated to ``e`` heads per KV head, ``e`` dividing ``g``).
+KV_RULES = {
+    "library": None,  # dispatch.kv_expansion (imported late)
+    "lt_group": lambda p, g, sms: g > 1 and _waves(p * g, sms) < g,
+    "waves": lambda p, g, sms: g > 1 and _waves(p * g, sms) < g * _waves(p, sms),
+    "never": lambda p, g, sms: False,
+    "always": lambda p, g, sms: g > 1,
+}
+KV_CHOSEN = ("best", "split")
+
+
+def expansion_factor(t: "TileCounts", w: ProgramWork, heads: int, kv_heads: int, rule: str = "library") -> int:
+    """K/V heads per KV head the backward runs with under a shape rule of :data:`KV_RULES`: the
+    group ``g`` (expanded to the query heads) or 1 (grouped); a measured call as it ran
+    (``t.kv_expanded``)."""
+    group = max(1, heads // kv_heads)
+    if group == 1:
+        return 1
+    if t.kv_expanded is not None:
+        return group if t.kv_expanded else 1
+    fn = KV_RULES[rule]
+    if fn is None:
+        from flashmask3.kernels.dispatch import kv_expansion as fn
+    return group if fn(t.batch * kv_heads * len(w.bwd_full), group, N_SM) else 1
+
+
+def backward_grid(t: "TileCounts", w: ProgramWork, heads: int, kv_heads: int, rule: str = "library",
+                  factor: Optional[int] = None) -> tuple[int, int, bool]:
     """``(query heads per program, sweeps over the key blocks, expanded)`` of a call's fused
     backward: one program per (key block, KV head) looping over its group, or, where the
-    library expands K/V (``dispatch.kv_expansion``, or as ``t.kv_expanded`` records a measured
-    call), one per (key block, query head)."""
-    from flashmask3.kernels.dispatch import kv_expansion
-
+    library expands K/V (``dispatch.kv_expansion``, another rule of :data:`KV_RULES`, or as
+    ``t.kv_expanded`` records a measured call), one per (key block, query head). ``factor``
+    (a divisor of the group) forces K/V repeated to ``factor`` heads per KV head."""
     group = max(1, heads // kv_heads)
-    expanded = t.kv_expanded
-    if expanded is None:
-        expanded = kv_expansion(t.batch * kv_heads * len(w.bwd_full), group, N_SM)
-    if expanded and group > 1:
-        return 1, heads * t.batch, True
-    return group, kv_heads * t.batch, False
+    e = expansion_factor(t, w, heads, kv_heads, rule) if factor is None else factor
+    if group % e:
+        raise ValueError(f"expansion factor {e} does not divide the GQA group {group}")
+    return group // e, kv_heads * e * t.batch, e > 1
 
 
-def program_grid(t: "TileCounts", kind: str, heads: int, kv_heads: int):
+def program_grid(t: "TileCounts", kind: str, heads: int, kv_heads: int, rule: str = "library",
+                 factor: Optional[int] = None):
     """``(full tiles, partial tiles of each program of one sweep, heads per program, sweeps)``
     of a call of pass ``kind``: the forward sweeps its query blocks once per query head, the
     backward its key blocks per :func:`backward_grid`."""
     w = t.work if t.work is not None else uniform_work(t)
     if kind == "fwd":
         return w.fwd_full, w.fwd_partial, 1, heads * t.batch
-    group, sweeps, _ = backward_grid(t, w, heads, kv_heads)
+    group, sweeps, _ = backward_grid(t, w, heads, kv_heads, rule, factor)
     return w.bwd_full, w.bwd_partial, group, sweeps
 
 
@@ -253,6 +291,11 @@ class PassCost:
     a_program: float = 0.0  # "greedy": seconds per program whatever its tiles (prologue/epilogue)
     schedule: str = "fill"  # "fill", "greedy", or "filled" (greedy's programs spread evenly over
     #                         every SM: the attribution's "no SM underfill" case, not a fit)
+    # kernel variants the model can predict (greedy/filled schedules; the fit is on the kernels
+    # as they are: "library" rule, launch order): the backward's GQA K/V expansion rule
+    # (KV_RULES / KV_CHOSEN) and the programs' launch order ("launch" or "longest")
+    kv_rule: str = "library"
+    order: str = "launch"
 
     def gpu_seconds(self, tiles: TileCounts, heads: int, programs: int) -> float:
         """GPU time of one call (host work hidden), ``"fill"`` schedule."""
@@ -262,35 +305,68 @@ class PassCost:
         return self.call + heads * ((self.a_full * tiles.full + self.a_partial * tiles.partial) * fill
                                     + self.a_qblock * tiles.q_blocks + self.a_kblock * tiles.k_blocks)
 
-    def program_costs(self, tiles: TileCounts, kind: str, heads: int, kv_heads: int) -> tuple[np.ndarray, int]:
+    def program_costs(self, tiles: TileCounts, kind: str, heads: int, kv_heads: int,
+                      factor: Optional[int] = None) -> tuple[np.ndarray, int]:
         """``(seconds of each program of one sweep, sweeps)``: the forward sweeps its query
         blocks once per query head, the backward its key blocks once per KV head, each backward
-        program looping over the ``heads / kv_heads`` query heads of its group."""
-        full, part, group, sweeps = program_grid(tiles, kind, heads, kv_heads)
+        program looping over the ``heads / kv_heads`` query heads of its group (over
+        ``heads / kv_heads / factor`` with K/V expanded ``factor``-fold: :meth:`bwd_factor`)."""
+        if kind != "fwd" and factor is None:
+            factor = self.bwd_factor(tiles, heads, kv_heads)
+        full, part, group, sweeps = program_grid(tiles, kind, heads, kv_heads, self.kv_rule, factor)
         return self.a_program + group * (self.a_full * full + self.a_partial * part), sweeps
 
-    def gpu_time(self, tiles: TileCounts, kind: str, heads: int, kv_heads: int) -> float:
-        """GPU time of one call of pass ``kind`` ("fwd"/"bwd") under this cost's schedule."""
+    def span(self, costs: np.ndarray, sweeps: int) -> float:
+        """Makespan of ``sweeps`` sweeps of programs of ``costs`` under this schedule and launch
+        :attr:`order`: ``"launch"`` (program ids in grid order, what the kernels do now),
+        ``"longest"`` (ids permuted by descending cost, every sweep of a block together: the
+        longest-processing-time-first list schedule, as FA3's causal scheduler orders its
+        blocks); ``"filled"``: the total over every SM."""
+        if self.schedule == "filled":
+            return float(costs.sum()) * sweeps / SLOTS
+        if self.order == "longest":
+            return greedy_makespan(np.repeat(np.sort(costs)[::-1], sweeps), 1)
+        if self.order != "launch":
+            raise ValueError(f"order must be 'launch' or 'longest', got {self.order!r}")
+        return greedy_makespan(costs, sweeps)
+
+    def gpu_time(self, tiles: TileCounts, kind: str, heads: int, kv_heads: int,
+                 factor: Optional[int] = None) -> float:
+        """GPU time of one call of pass ``kind`` ("fwd"/"bwd") under this cost's schedule
+        (``factor``: the backward's K/V expansion, default :meth:`bwd_factor`)."""
         if self.schedule not in ("greedy", "filled"):
             return self.gpu_seconds(tiles, heads, _programs(kind, tiles, heads))
         if tiles.live == 0:
             return 0.0
-        costs, sweeps = self.program_costs(tiles, kind, heads, kv_heads)
-        span = greedy_makespan(costs, sweeps) if self.schedule == "greedy" else float(costs.sum()) * sweeps / SLOTS
-        return (self.call + span + heads * (self.a_qblock * tiles.q_blocks + self.a_kblock * tiles.k_blocks)
-                + self._expansion_gpu(tiles, kind, heads, kv_heads))
+        if kind != "fwd" and factor is None:
+            factor = self.bwd_factor(tiles, heads, kv_heads)
+        costs, sweeps = self.program_costs(tiles, kind, heads, kv_heads, factor)
+        return (self.call + self.span(costs, sweeps)
+                + heads * (self.a_qblock * tiles.q_blocks + self.a_kblock * tiles.k_blocks)
+                + self._expansion_gpu(tiles, kind, kv_heads, factor))
 
-    def _expansion_gpu(self, tiles: TileCounts, kind: str, heads: int, kv_heads: int) -> float:
-        """GPU seconds of an expanded backward's copies and sums (:data:`EXPAND_BYTES_PER_KEY_HEAD`)."""
-        if kind == "fwd" or not self._expanded(tiles, heads, kv_heads):
+    def _expansion_gpu(self, tiles: TileCounts, kind: str, kv_heads: int, factor: Optional[int]) -> float:
+        """GPU seconds of an expanded backward's copies and sums (:data:`EXPAND_BYTES_PER_KEY_HEAD`
+        per key and expanded head)."""
+        if kind == "fwd" or not factor or factor <= 1:
             return 0.0
-        return tiles.keys * tiles.batch * heads * EXPAND_BYTES_PER_KEY_HEAD / HBM_BYTES_S
+        return tiles.keys * tiles.batch * kv_heads * factor * EXPAND_BYTES_PER_KEY_HEAD / HBM_BYTES_S
+
+    def bwd_factor(self, tiles: TileCounts, heads: int, kv_heads: int) -> int:
+        """K/V heads per KV head of this call's backward (1: grouped, the group: expanded to
+        the query heads) under :attr:`kv_rule` (:data:`KV_RULES`, or chosen per call from these
+        costs for ``"best"`` / ``"split"``, a measured call's ``kv_expanded`` first)."""
+        group = heads // kv_heads if kv_heads else 1
+        if self.schedule not in ("greedy", "filled") or group <= 1:
+            return 1
+        w = tiles.work if tiles.work is not None else uniform_work(tiles)
+        if tiles.kv_expanded is not None or self.kv_rule not in KV_CHOSEN:
+            return expansion_factor(tiles, w, heads, kv_heads, self.kv_rule)
+        opts = [1, group] if self.kv_rule == "best" else [e for e in range(1, group + 1) if group % e == 0]
+        return min(opts, key=lambda e: (self.time(tiles, "bwd", heads, kv_heads, factor=e), e))
 
     def _expanded(self, tiles: TileCounts, heads: int, kv_heads: int) -> bool:
-        if self.schedule not in ("greedy", "filled") or heads <= kv_heads:
-            return False
-        w = tiles.work if tiles.work is not None else uniform_work(tiles)
-        return backward_grid(tiles, w, heads, kv_heads)[2]
+        return self.bwd_factor(tiles, heads, kv_heads) > 1
 
     def seconds(self, tiles: TileCounts, heads: int, programs: int) -> float:
         """Time of one call in a stream of calls: the slower of its host and its GPU work
@@ -299,14 +375,18 @@ class PassCost:
             return 0.0
         return max(self.floor, self.gpu_seconds(tiles, heads, programs))
 
-    def time(self, tiles: TileCounts, kind: str, heads: int, kv_heads: int) -> float:
-        """Time of one call in a stream of calls: ``max(host, GPU)``."""
+    def time(self, tiles: TileCounts, kind: str, heads: int, kv_heads: int,
+             factor: Optional[int] = None) -> float:
+        """Time of one call in a stream of calls: ``max(host, GPU)`` (an expanded backward's
+        host pays the copies' launches, :data:`EXPAND_HOST_S`)."""
         if tiles.live == 0:
             return 0.0
+        if kind != "fwd" and factor is None:
+            factor = self.bwd_factor(tiles, heads, kv_heads)
         host = self.floor
-        if kind != "fwd" and host and self._expanded(tiles, heads, kv_heads):
+        if kind != "fwd" and host and factor > 1:
             host += EXPAND_HOST_S
-        return max(host, self.gpu_time(tiles, kind, heads, kv_heads))
+        return max(host, self.gpu_time(tiles, kind, heads, kv_heads, factor))
 
     def describe(self) -> str:
         """The coefficients in words (units depend on the schedule)."""
@@ -841,6 +921,22 @@ def filled(cost: AttentionCost) -> AttentionCost:
         return cost
     return replace(cost, fwd=replace(cost.fwd, schedule="filled"), bwd=replace(cost.bwd, schedule="filled"),
                    source=f"{cost.source}; every call filling the SMs")
+
+
+def variant(cost: AttentionCost, kv_rule: Optional[str] = None, order: Optional[str] = None) -> AttentionCost:
+    """``cost`` with another GQA expansion rule (:data:`KV_RULES`, :data:`KV_CHOSEN`) and/or
+    launch order (``"launch"`` / ``"longest"``, both passes): a kernel-side change predicted by
+    the same fitted coefficients (greedy costs only; None keeps the current one)."""
+    if cost.fwd.schedule not in ("greedy", "filled") or (kv_rule is None and order is None):
+        return cost
+    if kv_rule is not None and kv_rule not in KV_RULES and kv_rule not in KV_CHOSEN:
+        raise ValueError(f"unknown kv_rule {kv_rule!r}; choose from {sorted(KV_RULES) + list(KV_CHOSEN)}")
+    if order is not None and order not in ("launch", "longest"):
+        raise ValueError(f"order must be 'launch' or 'longest', got {order!r}")
+    fwd = replace(cost.fwd, order=order or cost.fwd.order)
+    bwd = replace(cost.bwd, order=order or cost.bwd.order, kv_rule=kv_rule or cost.bwd.kv_rule)
+    label = ", ".join(x for x in (kv_rule and f"GQA expansion rule {kv_rule}", order and f"{order} launch order") if x)
+    return replace(cost, fwd=fwd, bwd=bwd, source=f"{cost.source}; {label}")
 
 
 def with_host(cost: AttentionCost, fwd_s: float, bwd_s: float, label: str) -> AttentionCost:

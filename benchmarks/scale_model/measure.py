@@ -174,16 +174,20 @@ def stream_times(fn, device, per_call_ms: float, samples: int = OVERLAP_SAMPLES)
     return statistics.median(ts), calls, statistics.median(hs)
 
 
-def plan_calls(lens: list[int], spread: str, cp: int, balance: str):
+def plan_calls(lens: list[int], spread: str, cp: int, balance: str, ranks=None, nodes=None):
     """Yield ``(meta, local FlashMask, keys)`` for every stage call and the sorted (all-gather)
-    call of ranks 0 and the busiest rank of one real plan (causal documents of ``lens``).
+    call of ranks 0 and the busiest rank of one real plan (causal documents of ``lens``), or of
+    ``ranks``; ``nodes`` default: hierarchical routing over ``cp // 8`` nodes for sparse plans.
     ``calibrate.attach_program_work`` rebuilds the measured calls through this same function."""
     mask = M.causal_document_mask(lens)
-    nodes = cp // 8 if (balance == "sparse" and cp > 8 and cp % 8 == 0) else 1
+    if nodes is None:
+        nodes = cp // 8 if (balance == "sparse" and cp > 8 and cp % 8 == 0) else 1
     p = plan(mask, None, cp, balance=balance, nodes=nodes)
     works = p.works
     base = {"spread": spread, "cp": cp, "balance": balance, "nodes": nodes}
-    for r in sorted({0, max(range(cp), key=lambda r: works[r])}):
+    if ranks is None:
+        ranks = {0, max(range(cp), key=lambda r: works[r])}
+    for r in sorted(ranks):
         local = p.local_mask(r, "arrival").startend_row_indices
         start = 0
         for s, chunks in enumerate(p.stages(r)):

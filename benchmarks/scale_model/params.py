@@ -109,6 +109,11 @@ class Runtime:
     ops_per_stage: int = field(default=14)
     ops_per_message: int = field(default=8)
     ops_per_chunk: int = field(default=1)
+    #: the overlapped backward's attention calls (timeline.BWD_CALLS): ``"stage"`` one
+    #: ``backward_stage`` call per stage as its K/V arrives (the runtime now); ``"one"`` one call
+    #: per layer over every needed key once all K/V arrived, the dK/dV returns after it (exposed);
+    #: ``"local+one"`` the rank's own keys first (no wait), then one call over the remote keys
+    bwd_calls: str = "stage"
 
     def host_ops(self, stages: int, messages: int, chunks: int, attention_calls: int) -> int:
         """Host ops of one layer's attention forward+backward (launches of any kind)."""

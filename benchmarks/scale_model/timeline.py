@@ -41,7 +41,9 @@ import math
 from dataclasses import dataclass, field
 from typing import Callable, Optional
 
-from .calibrate import AttentionCost
+import numpy as np
+
+from .calibrate import AttentionCost, ProgramWork, TileCounts
 from .layout import PlanView
 from .params import Cluster
 
@@ -335,12 +337,64 @@ def _stage_tasks(view: PlanView, r: int, cost: AttentionCost, cluster: Cluster, 
     return tasks
 
 
+#: How the overlapped backward calls the kernel (``Runtime.bwd_calls``).
+BWD_CALLS = ("stage", "one", "local+one")
+
+
+def merge_calls(tiles: list[TileCounts]) -> Optional[TileCounts]:
+    """One call over the keys of several calls of the same query rows (disjoint key sets): the
+    tiles add, the backward's key-block programs follow one another in the calls' order, the
+    forward's query-block programs add up. None when no call has live tiles."""
+    live = [t for t in tiles if t.live]
+    if not live:
+        return None
+    works = [t.work for t in live]
+    work = None
+    if all(w is not None for w in works):
+        work = ProgramWork(sum(w.fwd_full for w in works), sum(w.fwd_partial for w in works),
+                           np.concatenate([w.bwd_full for w in works]),
+                           np.concatenate([w.bwd_partial for w in works]))
+    return TileCounts(sum(t.full for t in live), sum(t.partial for t in live), live[0].q_rows,
+                      sum(t.keys for t in live), live[0].batch, work=work)
+
+
+def _merged_backward_tasks(view: PlanView, r: int, cost: AttentionCost, cluster: Cluster,
+                           shape: AttnShape, gpu_scale: float, local_first: bool) -> list[_Task]:
+    """The backward as one call over the rank's needed keys once every K/V round arrived
+    (``local_first``: the own keys of stage 0 first, as now, then one call over the rest); the
+    later stages' done signals (which post the dK/dV returns) follow the merged call."""
+    stages = view.stages[r]
+    n = len(stages)
+    head = [] if not local_first else [stages[0]]
+    rest = merge_calls(stages[1:] if local_first else stages)
+    deps = tuple(("recv", "kv", j) for j in range(n - 1))
+    tasks, have = [], False
+    for i, tiles in enumerate(head + [rest]):
+        work = 0.0
+        if tiles is not None and tiles.live:
+            work = cost.backward_stage(tiles, shape.heads, shape.kv_heads) * gpu_scale
+            work += _grad_accum_seconds(cluster, shape, tiles.q_rows, tiles.keys)
+            if not have:
+                work += cost.backward_query_blocks(tiles, shape.heads) * gpu_scale
+            have = True
+        tasks.append(_Task(work, () if (local_first and i == 0) else deps, ("stage", i)))
+    tasks += [_Task(0.0, (), ("stage", s)) for s in range(len(tasks), n)]
+    return tasks
+
+
 def simulate_overlap(view: PlanView, cost: AttentionCost, cluster: Cluster, shape: AttnShape,
-                     backward: bool) -> PassResult:
-    """One overlapped pass on every rank (see the module docstring for the rules)."""
+                     backward: bool, bwd_calls: str = "stage") -> PassResult:
+    """One overlapped pass on every rank (see the module docstring for the rules;
+    ``bwd_calls``: :data:`BWD_CALLS`)."""
     gpu_scale = cluster.gpu_scale.value
-    tasks = [_stage_tasks(view, r, cost, cluster, shape, gpu_scale, backward)
-             for r in range(view.cp_size)]
+    if bwd_calls not in BWD_CALLS:
+        raise ValueError(f"bwd_calls must be one of {BWD_CALLS}, got {bwd_calls!r}")
+    if backward and bwd_calls != "stage":
+        tasks = [_merged_backward_tasks(view, r, cost, cluster, shape, gpu_scale, bwd_calls == "local+one")
+                 for r in range(view.cp_size)]
+    else:
+        tasks = [_stage_tasks(view, r, cost, cluster, shape, gpu_scale, backward)
+                 for r in range(view.cp_size)]
     sim = _PassSim(view, cluster, shape, Links(cluster), tasks, grads=backward)
     rounds = view.rounds
     relays_of = {j: [i for i, rnd in enumerate(rounds) if rnd.relay and rnd.source == j]
@@ -384,9 +438,9 @@ def simulate_allgather(view: PlanView, cost: AttentionCost, cluster: Cluster, sh
 
 
 def simulate_pass(view: PlanView, cost: AttentionCost, cluster: Cluster, shape: AttnShape,
-                  comm: str, backward: bool) -> PassResult:
+                  comm: str, backward: bool, bwd_calls: str = "stage") -> PassResult:
     if comm == "overlap":
-        return simulate_overlap(view, cost, cluster, shape, backward)
+        return simulate_overlap(view, cost, cluster, shape, backward, bwd_calls)
     if comm == "allgather":
         return simulate_allgather(view, cost, cluster, shape, backward)
     raise ValueError(f"comm must be one of {COMMS}, got {comm!r}")
@@ -434,7 +488,10 @@ def host_seconds(view: PlanView, r: int, comm: str, cluster: Cluster, runtime) -
     stages = sum(1 for t in view.stages[r] if t.live)
     msgs = _messages_per_rank(view)[r]
     chunks = sum(view.stage_chunks[r][1:])
-    calls = 2 * stages + 2  # forward + backward_stage per stage, backward_prepare/finish once
+    bwd = {"stage": stages, "one": min(1, stages),
+           "local+one": int(view.stages[r][0].live > 0) + int(any(t.live for t in view.stages[r][1:]))}
+    calls = stages + bwd[getattr(runtime, "bwd_calls", "stage")] + 2  # forward + backward_stage calls,
+    #                                                                    backward_prepare/finish once
     ops = runtime.host_ops(2 * len(view.stages[r]), msgs, chunks, calls)
     return ops * cluster.host_op.value
 
@@ -442,10 +499,11 @@ def host_seconds(view: PlanView, r: int, comm: str, cluster: Cluster, runtime) -
 def simulate_layer(view: PlanView, cost: AttentionCost, cluster: Cluster, shape: AttnShape,
                    comm: str, runtime, recompute: bool = False) -> LayerResult:
     fwd = simulate_pass(view, cost, cluster, shape, comm, backward=False)
-    bwd = simulate_pass(view, cost, cluster, shape, comm, backward=True)
+    bwd = simulate_pass(view, cost, cluster, shape, comm, backward=True,
+                        bwd_calls=getattr(runtime, "bwd_calls", "stage"))
     host = [host_seconds(view, r, comm, cluster, runtime) for r in range(view.cp_size)]
     return LayerResult(fwd, bwd, host, recompute)
 
 
-__all__ = ["AttnShape", "Links", "PassResult", "LayerResult", "RankTimes", "ring_collective_time",
+__all__ = ["BWD_CALLS", "merge_calls", "AttnShape", "Links", "PassResult", "LayerResult", "RankTimes", "ring_collective_time",
            "simulate_layer", "simulate_pass", "simulate_overlap", "simulate_allgather"]

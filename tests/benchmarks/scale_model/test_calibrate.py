@@ -7,6 +7,7 @@ import pytest
 
 from benchmarks.scale_model import calibrate as C
 from benchmarks.scale_model.calibrate import TileCounts
+from dataclasses import replace
 
 
 def _points(rng, a_full, a_part, call, kind):
@@ -303,3 +304,80 @@ def test_filled_spreads_the_programs_over_every_sm():
     assert f.gpu_forward(t, 1) == pytest.approx(5e-6 + (100e-6 + 3 * 2e-6) / C.SLOTS)
     fill_model = C.AttentionCost(C.PassCost(1e-9, 1e-9, 0, 0, 0), C.PassCost(1e-9, 1e-9, 0, 0, 0), "x", 128, False)
     assert C.filled(fill_model) is fill_model  # only the per-program model has programs to spread
+
+
+# -- kernel variants the model predicts (issue 23's underfill levers) --------------------------------
+
+
+def test_gqa_expansion_rules_at_their_boundaries():
+    """GQA 8:1 on 132 SMs: the library expands up to 66 grouped programs (16 waves of 8 -> at most
+    4), lt_group up to 115 (fewer than 8 waves), waves also past one wave where the expanded grid
+    needs fewer waves than 8 x the grouped one's (200: 13 < 16; 264: 16, not fewer)."""
+    from flashmask3.kernels.dispatch import kv_expansion
+
+    assert kv_expansion(66, 8, 132) and not kv_expansion(67, 8, 132)
+    lt, wv = C.KV_RULES["lt_group"], C.KV_RULES["waves"]
+    assert lt(115, 8, 132) and not lt(116, 8, 132) and not lt(200, 8, 132)
+    assert all(wv(p, 8, 132) == lt(p, 8, 132) for p in range(1, 133))  # the same within one wave
+    assert wv(200, 8, 132) and not wv(264, 8, 132) and not wv(100, 1, 132)
+
+
+def _bwd_call(key_blocks, tiles_each=10):
+    w = C.ProgramWork(np.array([1]), np.array([0]), np.full(key_blocks, tiles_each), np.zeros(key_blocks, int))
+    return TileCounts(1, 0, 128, 128 * key_blocks, work=w)
+
+
+def test_the_rule_and_the_expansion_factor_reach_the_backward_grid():
+    """28 key blocks x 4 KV heads = 112 grouped programs: the library keeps them grouped (one wave
+    of 8 heads each), lt_group and waves expand (896 one-head programs: 7 waves, fewer than 8);
+    a forced factor of 2 runs 224 programs of 4 heads (2 waves), the copies scale with the factor."""
+    t = _bwd_call(28)
+    cost = C.PassCost(1e-6, 1e-6, 0.0, 0, 0, a_program=0.0, schedule="greedy")
+    assert cost.bwd_factor(t, 32, 4) == 1 and cost.gpu_time(t, "bwd", 32, 4) == pytest.approx(8 * 10e-6)
+    for rule in ("lt_group", "waves"):
+        assert replace(cost, kv_rule=rule).bwd_factor(t, 32, 4) == 8
+    full, _, group, sweeps = C.program_grid(t, "bwd", 32, 4, factor=2)
+    assert (group, sweeps * len(full)) == (4, 224)
+    copies = lambda e: t.keys * 4 * e * C.EXPAND_BYTES_PER_KEY_HEAD / C.HBM_BYTES_S  # noqa: E731
+    assert cost.gpu_time(t, "bwd", 32, 4, factor=2) == pytest.approx(2 * 4 * 10e-6 + copies(2))
+    assert replace(cost, kv_rule="waves").gpu_time(t, "bwd", 32, 4) == pytest.approx(7 * 10e-6 + copies(8))
+    assert copies(8) == pytest.approx(t.keys * 32 * C.EXPAND_BYTES_PER_KEY_HEAD / C.HBM_BYTES_S)
+    with pytest.raises(ValueError, match="divide"):
+        C.program_grid(t, "bwd", 32, 4, factor=3)
+
+
+def test_best_and_split_pick_the_cheapest_grid():
+    """'best' takes grouped or expanded, whichever this cost predicts faster (host launches of the
+    copies included); 'split' any divisor of the group, never slower than 'best'."""
+    cost = C.PassCost(1e-6, 1e-6, 0.0, 0, 0, a_program=5e-6, schedule="greedy", floor=50e-6)
+    for kb in (4, 29, 40, 200):
+        t = _bwd_call(kb)
+        times = {e: cost.time(t, "bwd", 32, 4, factor=e) for e in (1, 2, 4, 8)}
+        best = replace(cost, kv_rule="best").bwd_factor(t, 32, 4)
+        split = replace(cost, kv_rule="split").bwd_factor(t, 32, 4)
+        assert times[best] == min(times[1], times[8]) and times[split] == min(times.values())
+    assert replace(cost, kv_rule="best").bwd_factor(_bwd_call(1), 32, 32) == 1  # MHA: nothing to expand
+
+
+def test_longest_first_order_removes_the_late_long_program():
+    """132 one-tile programs then a ten-tile one: in launch order the long one starts when the
+    first SM frees (1 + 10); longest first it starts at once (10). 'filled': the total / SMs."""
+    w = C.ProgramWork(np.array([1] * 132 + [10]), np.zeros(133, int), np.array([1]), np.array([0]))
+    t = TileCounts(142, 0, 128 * 133, 128, work=w)
+    cost = C.PassCost(1.0, 1.0, 0.0, 0, 0, a_program=0.0, schedule="greedy")
+    assert cost.gpu_time(t, "fwd", 1, 1) == pytest.approx(11.0)
+    assert replace(cost, order="longest").gpu_time(t, "fwd", 1, 1) == pytest.approx(10.0)
+    assert C.filled(C.AttentionCost(cost, cost, "t", 128, False)).fwd.gpu_time(t, "fwd", 1, 1) == \
+        pytest.approx(142 / 132)
+
+
+def test_variant_sets_the_rule_and_order_of_a_greedy_cost():
+    p = C.PassCost(1e-6, 1e-6, 0.0, 0, 0, schedule="greedy")
+    cost = C.AttentionCost(p, p, "fit", 128, True)
+    v = C.variant(cost, kv_rule="waves", order="longest")
+    assert (v.fwd.order, v.bwd.order, v.bwd.kv_rule, v.fwd.kv_rule) == ("longest", "longest", "waves", "library")
+    assert C.variant(cost) is cost
+    with pytest.raises(ValueError, match="kv_rule"):
+        C.variant(cost, kv_rule="sometimes")
+    fill = C.AttentionCost(replace(p, schedule="fill"), replace(p, schedule="fill"), "tables", 128, True)
+    assert C.variant(fill, order="longest") is fill  # no programs to reorder

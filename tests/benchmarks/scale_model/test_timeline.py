@@ -233,3 +233,51 @@ def test_every_stage_call_covers_all_the_ranks_query_rows():
             if t.work is not None:
                 assert len(t.work.fwd_full) == p.local_seqlen // 128  # one forward program per query block
         assert v.stages[r][0].live > 0  # causal documents: a rank's own chunks are always needed
+
+
+# -- the backward's calls (Runtime.bwd_calls) ----------------------------------------------------
+
+
+def _relay_case():
+    c = cluster(ib_bw=Param(CHUNK_BYTES / (2 * MS), "IB: 2 ms a chunk"))
+    rounds = [RoundView(((0, 2, 1),), False, None), RoundView(((2, 3, 1),), True, 0)]
+    stages = [[tiles(1), tiles(0), tiles(0)], [tiles(1), tiles(0), tiles(0)],
+              [tiles(1), tiles(1), tiles(0)], [tiles(1), tiles(0), tiles(1)]]
+    return view(stages, rounds, nodes=2), c
+
+
+def test_one_backward_call_waits_for_every_round_and_returns_after_it():
+    """The routing of the gradient-return test, the backward as one call per rank: rank 3 has its
+    K/V at 3 ms, computes both tiles 3..7, returns 7..8; rank 2 (its call 2..6) forwards to rank 0
+    over IB after that, 8..10. With the own keys first ('local+one') the stage timings come back."""
+    v, c = _relay_case()
+    r = simulate_pass(v, TileCost(), c, SHAPE, "overlap", backward=True, bwd_calls="one")
+    assert r.ranks[3].end == pytest.approx(8 * MS)
+    assert r.ranks[0].end == pytest.approx(10 * MS) and r.ranks[2].end == pytest.approx(10 * MS)
+    assert r.ranks[3].compute == pytest.approx(4 * MS)
+    r = simulate_pass(v, TileCost(), c, SHAPE, "overlap", backward=True, bwd_calls="local+one")
+    assert r.ranks[3].end == pytest.approx(6 * MS) and r.ranks[0].end == pytest.approx(8 * MS)
+    f = simulate_pass(v, TileCost(), c, SHAPE, "overlap", backward=False, bwd_calls="one")
+    assert f.time == simulate_pass(v, TileCost(), c, SHAPE, "overlap", backward=False).time  # forward as is
+    with pytest.raises(ValueError, match="bwd_calls"):
+        simulate_pass(v, TileCost(), c, SHAPE, "overlap", backward=True, bwd_calls="two")
+
+
+def test_merged_calls_add_tiles_and_chain_the_key_blocks():
+    import numpy as np
+
+    from benchmarks.scale_model.calibrate import ProgramWork
+    from benchmarks.scale_model.timeline import host_seconds, merge_calls
+
+    a = TileCounts(2, 1, 256, 128, work=ProgramWork(np.array([1, 1]), np.array([1, 0]), np.array([4]), np.array([1])))
+    b = TileCounts(3, 0, 256, 256, work=ProgramWork(np.array([1, 2]), np.array([0, 0]), np.array([2, 2]),
+                                                    np.array([0, 0])))
+    m = merge_calls([a, TileCounts(0, 0, 256, 128), b])
+    assert (m.full, m.partial, m.q_rows, m.keys) == (5, 1, 256, 384)
+    assert list(m.work.fwd_full) == [2, 3] and list(m.work.bwd_full) == [4, 2, 2]
+    assert merge_calls([TileCounts(0, 0, 256, 128)]) is None
+    v, c = _relay_case()
+    c = cluster(host_op=Param(1.0, "1 s per op"))
+    ops = {k: host_seconds(v, 3, "overlap", c, Runtime("lean", bwd_calls=k)) for k in ("stage", "one", "local+one")}
+    # 2 live stages: 2 forward calls + 2, 1 or 2 backward calls + prepare/finish, 2 ops per call
+    assert ops == {"stage": 64 + 2 * 6, "one": 64 + 2 * 5, "local+one": 64 + 2 * 6}
