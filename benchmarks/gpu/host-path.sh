@@ -69,7 +69,9 @@ step "host time + small problems" 220 $PY benchmarks/host_path.py --out "$DIR"
 if [[ "${HOST_PATH_FLOOR:-1}" == 1 ]]; then  # (0: the floor was measured in an earlier call)
   step "host floor" 60 $PY benchmarks/host_path.py --floor --out "$DIR"
 fi
-step "host breakdown" 120 $PY benchmarks/host_breakdown.py --out "$DIR"
+if [[ "${HOST_PATH_BREAKDOWN:-1}" == 1 ]]; then  # (0: measured in an earlier call)
+  step "host breakdown" 120 $PY benchmarks/host_breakdown.py --out "$DIR"
+fi
 
 { echo "host-path GPU run $(date -u +%FT%TZ)"
   printf '%s\n' "${status[@]}"

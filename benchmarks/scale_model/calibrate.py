@@ -113,7 +113,8 @@ def _waves(programs: int, sms: int) -> int:
 
 #: The GQA K/V expansion rules the model can apply (``PassCost.kv_rule``), each a function of
 #: ``(grouped programs P, group g, SMs)`` like ``dispatch.kv_expansion``: ``"library"`` is that
-#: rule (expanded waves at most half the group: ``2 ceil(Pg/SMs) <= g``); ``"lt_group"``: the
+#: rule ("waves" below, for grouped grids of at most 4 waves); ``"half"`` the library's rule
+#: before session 20 (expanded waves at most half the group: ``2 ceil(Pg/SMs) <= g``); ``"lt_group"``: the
 #: expanded grid needs fewer waves than the grouped programs have heads (``ceil(Pg/SMs) < g``);
 #: ``"waves"``: fewer waves of one head than the grouped grid's waves of ``g`` heads
 #: (``ceil(Pg/SMs) < g ceil(P/SMs)``, which also expands grids of a few waves with a ragged
@@ -123,6 +124,7 @@ def _waves(programs: int, sms: int) -> int:
 #: partial expansion, K/V repeated to ``e`` heads per KV head, ``e`` dividing ``g``).
 KV_RULES = {
     "library": None,  # dispatch.kv_expansion (imported late)
+    "half": lambda p, g, sms: g > 1 and 2 * _waves(p * g, sms) <= g,  # the library's rule until session 20
     "lt_group": lambda p, g, sms: g > 1 and _waves(p * g, sms) < g,
     "waves": lambda p, g, sms: g > 1 and _waves(p * g, sms) < g * _waves(p, sms),
     "never": lambda p, g, sms: False,

@@ -265,24 +265,42 @@ def validate_kv_expansion(path: str = EXPAND_AB) -> list[Point]:
     """Held-out check of the per-program model on a change it was not fitted on: the fwd+bwd GPU
     time of each A/B call with the backward grouped and with K/V expanded (the calibration was
     measured with the grouped backward only), from the GQA calibration."""
-    from .calibrate import program_work, tile_counts
-
     if not os.path.exists(path):
         return []
     with open(path) as f:
-        rows = json.load(f)["rows"]
+        data = json.load(f)
+    rows = data["rows"]
     cost = load_cost("flashmask3", True)
     pts = []
     for r in rows:
-        sq, sk, h, hk = r["Sq"], r["Sk"], r["Hq"], r["Hk"]
-        t = tile_counts(None, False, sq, sk)
-        w = program_work(None, False, sq, sk)
-        for name, expanded in (("grouped", False), ("expanded", True)):
-            tt = replace(t, work=w, kv_expanded=expanded)
-            pred = cost.gpu_forward(tt, h, hk) + cost.gpu_backward(tt, h, hk)
-            pts.append(Point(f"{sq // 1024}K rows x {sk} keys, {h}/{hk} heads, {name}", r[f"{name}_ms"] * 1e-3,
-                             pred, True, "full attention; GPU time (host hidden)"))
+        pts += _expansion_points(cost, r, None, f"{r['Sq'] // 1024}K rows x {r['Sk']} keys, {r['Hq']}/{r['Hk']} heads",
+                                 "full attention; GPU time (host hidden)")
+    stages = data.get("stages")
+    if stages:  # real stage calls, each mask rebuilt from its plan (the shape set file)
+        from benchmarks.gqa_expand_ab import load_cases
+
+        cases = load_cases(os.path.join(os.path.dirname(os.path.dirname(RESULTS)), stages["shapes"]))
+        for r, c in zip(stages["rows"], cases):
+            name = (f"{c['dataset']} cp 16 rank {c['rank']} stage {c['stage']}: {c['Sq'] // 1024}K rows x "
+                    f"{c['Sk']} keys, {c['Hq']}/{c['Hk']} heads")
+            pts += _expansion_points(cost, r, c["mask"], name, "stage call of the paper setting; GPU time")
     return pts
+
+
+def _expansion_points(cost, r: dict, mask, name: str, note: str) -> list[Point]:
+    """The grouped and the expanded arm of one A/B row (``mask``: its FlashMask, None = full)."""
+    from .calibrate import program_work, tile_counts
+
+    sq, sk, h, hk = r["Sq"], r["Sk"], r["Hq"], r["Hk"]
+    cols = None if mask is None else mask.startend_row_indices
+    t = tile_counts(cols, False, sq, sk)
+    w = program_work(cols, False, sq, sk)
+    out = []
+    for arm, expanded in (("grouped", False), ("expanded", True)):
+        tt = replace(t, work=w, kv_expanded=expanded)
+        pred = cost.gpu_forward(tt, h, hk) + cost.gpu_backward(tt, h, hk)
+        out.append(Point(f"{name}, {arm}", r[f"{arm}_ms"] * 1e-3, pred, True, note))
+    return out
 
 
 # -- the multi-GPU file -----------------------------------------------------------------------------

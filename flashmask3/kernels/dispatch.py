@@ -331,13 +331,26 @@ def use_backward(mode_: str):
             os.environ[ENV_VAR] = old
 
 
+#: The most waves of grouped dK/dV programs (one per SM) for which expanding K/V pays: measured on
+#: one H200 at real context-parallel stage calls (benchmarks/results/gqa_expand_ab.json, "stages":
+#: 8K rows, 32/4 heads): grids of 1-4 waves gained 1.04-1.75x, grids of 6-9 waves lost 8-11% (the
+#: copies, and eight times the programs' fixed cost, outweigh the better balance).
+KV_EXPANSION_MAX_WAVES = 4
+
+
 def kv_expansion(programs: int, group: int, sms: int) -> bool:
     """Whether a GQA dK/dV launch of ``programs`` programs (one per key block and KV head, each
     looping over ``group`` query heads) runs with K/V expanded to one head per query head: when
-    the expanded grid (``group`` times the programs, one head each) needs at most half as many
-    waves over ``sms`` SMs (one program per SM) as the grouped one has heads per program
-    (``triton_backend.expands_kv_heads``; the scale model uses the same rule)."""
-    return group > 1 and 2 * (-(-programs * group // sms)) <= group
+    the grouped grid is at most :data:`KV_EXPANSION_MAX_WAVES` waves over ``sms`` SMs (one
+    program per SM) and the expanded grid (``group`` times the programs, one head each) needs
+    fewer waves of one head than the grouped grid's waves of ``group`` heads: few programs
+    leave SMs idle, and a ragged last wave of ``group``-head programs idles the rest of the GPU
+    for a whole group's work (``triton_backend.expands_kv_heads``; the scale model uses the same
+    rule)."""
+    if group <= 1:
+        return False
+    waves = -(-programs // sms)
+    return waves <= KV_EXPANSION_MAX_WAVES and -(-programs * group // sms) < group * waves
 
 
 def describe(choice: Choice) -> str:

@@ -98,7 +98,8 @@ def expands_kv_heads(launch: Launch, b: int, hq: int, hk: int, sk: int, device) 
     GPU idles (measured: 1024 keys, 32/4 heads, 4.2 ms where 16/16 heads take 0.62 ms;
     docs/scale-model.md). Expanded, the same work runs as ``Hq/Hk`` times more programs of one
     head each; the copies of K, V and the sums of dK, dV over each group cost bytes of order
-    Sk x Hq x D. The rule: :func:`dispatch.kv_expansion`."""
+    Sk x Hq x D. The rule: :func:`dispatch.kv_expansion` (grouped grids of at most 4 waves
+    with a ragged or idle last wave; measured in benchmarks/results/gqa_expand_ab.json)."""
     if hk >= hq:
         return False
     sms = sm_count(device)

@@ -164,3 +164,18 @@ def test_gpu_hopper_gets_the_gluon_rows(monkeypatch):
     assert dispatch.backward_mode(like=q) == "fused"
     assert dispatch.backward_mode(like=q.float()) == "split"
     assert dispatch.choose(dev, torch.bfloat16, 256, True, 1).forward.kernel == "gluon_ws_pingpong"
+
+
+def test_kv_expansion_rule_boundaries():
+    """GQA 8:1 on 132 SMs: expand while the expanded grid needs fewer waves of one head than the
+    grouped grid's waves of 8 heads, for grouped grids of at most 4 waves (the measured A/B:
+    gqa_expand_ab.json, key stages); never for MHA."""
+    from flashmask3.kernels.dispatch import kv_expansion
+
+    assert kv_expansion(8, 8, 132) and kv_expansion(115, 8, 132)  # 1 wave: 1-7 waves expanded
+    assert not kv_expansion(116, 8, 132) and not kv_expansion(132, 8, 132)  # 8 waves: no fewer
+    assert kv_expansion(192, 8, 132) and kv_expansion(432, 8, 132)  # 2 and 4 waves, ragged
+    assert not kv_expansion(264, 8, 132)  # exactly 2 full waves: 16 expanded waves, not fewer
+    assert not kv_expansion(600, 8, 132) and not kv_expansion(1104, 8, 132)  # > 4 waves
+    assert kv_expansion(32, 2, 132) and not kv_expansion(200, 2, 132)
+    assert not kv_expansion(8, 1, 132)

@@ -310,16 +310,22 @@ def test_filled_spreads_the_programs_over_every_sm():
 
 
 def test_gqa_expansion_rules_at_their_boundaries():
-    """GQA 8:1 on 132 SMs: the library expands up to 66 grouped programs (16 waves of 8 -> at most
-    4), lt_group up to 115 (fewer than 8 waves), waves also past one wave where the expanded grid
-    needs fewer waves than 8 x the grouped one's (200: 13 < 16; 264: 16, not fewer)."""
-    from flashmask3.kernels.dispatch import kv_expansion
+    """GQA 8:1 on 132 SMs: the library expands up to 115 grouped programs (fewer than 8 waves of
+    one head), then, up to 4 grouped waves, where the expanded grid needs fewer waves than 8 x
+    the grouped one's (200: 13 < 16; 264: 16, not fewer; 500: 31 < 32; 600 programs: 5 waves, never);
+    lt_group only within one wave, waves also past 4 grouped waves."""
+    from flashmask3.kernels.dispatch import KV_EXPANSION_MAX_WAVES, kv_expansion
 
-    assert kv_expansion(66, 8, 132) and not kv_expansion(67, 8, 132)
+    assert KV_EXPANSION_MAX_WAVES == 4
+    assert kv_expansion(115, 8, 132) and not kv_expansion(116, 8, 132)
+    assert kv_expansion(200, 8, 132) and not kv_expansion(264, 8, 132)
+    assert kv_expansion(500, 8, 132) and not kv_expansion(600, 8, 132)
     lt, wv = C.KV_RULES["lt_group"], C.KV_RULES["waves"]
     assert lt(115, 8, 132) and not lt(116, 8, 132) and not lt(200, 8, 132)
-    assert all(wv(p, 8, 132) == lt(p, 8, 132) for p in range(1, 133))  # the same within one wave
-    assert wv(200, 8, 132) and not wv(264, 8, 132) and not wv(100, 1, 132)
+    assert all(wv(p, 8, 132) == lt(p, 8, 132) == kv_expansion(p, 8, 132) for p in range(1, 133))
+    assert all(kv_expansion(p, 8, 132) == wv(p, 8, 132) for p in range(1, 4 * 132 + 1))
+    assert wv(200, 8, 132) and not wv(264, 8, 132) and not wv(100, 1, 132) and not kv_expansion(100, 1, 132)
+    assert wv(600, 8, 132)  # (the uncapped rule: 5 waves, 37 < 40)
 
 
 def _bwd_call(key_blocks, tiles_each=10):
@@ -328,13 +334,15 @@ def _bwd_call(key_blocks, tiles_each=10):
 
 
 def test_the_rule_and_the_expansion_factor_reach_the_backward_grid():
-    """28 key blocks x 4 KV heads = 112 grouped programs: the library keeps them grouped (one wave
-    of 8 heads each), lt_group and waves expand (896 one-head programs: 7 waves, fewer than 8);
-    a forced factor of 2 runs 224 programs of 4 heads (2 waves), the copies scale with the factor."""
+    """28 key blocks x 4 KV heads = 112 grouped programs: 'never' keeps them grouped (one wave of
+    8 heads each), the library, lt_group and waves expand (896 one-head programs: 7 waves, fewer
+    than 8); a forced factor of 2 runs 224 programs of 4 heads (2 waves), the copies scale with
+    the factor."""
     t = _bwd_call(28)
     cost = C.PassCost(1e-6, 1e-6, 0.0, 0, 0, a_program=0.0, schedule="greedy")
-    assert cost.bwd_factor(t, 32, 4) == 1 and cost.gpu_time(t, "bwd", 32, 4) == pytest.approx(8 * 10e-6)
-    for rule in ("lt_group", "waves"):
+    never = replace(cost, kv_rule="never")
+    assert never.bwd_factor(t, 32, 4) == 1 and never.gpu_time(t, "bwd", 32, 4) == pytest.approx(8 * 10e-6)
+    for rule in ("library", "lt_group", "waves"):
         assert replace(cost, kv_rule=rule).bwd_factor(t, 32, 4) == 8
     full, _, group, sweeps = C.program_grid(t, "bwd", 32, 4, factor=2)
     assert (group, sweeps * len(full)) == (4, 224)
