@@ -74,6 +74,15 @@ def _captured_launches(fn):
     return out
 
 
+def _timed_runs(work, reps: int, into: list) -> None:
+    """Run ``work`` ``reps`` times, appending each run's µs to ``into``."""
+    clock = time.perf_counter
+    for _ in range(reps):
+        t0 = clock()
+        work()
+        into.append((clock() - t0) * 1e6)
+
+
 class _Repeat(torch.autograd.Function):
     """An identity whose backward first runs ``work`` ``reps`` times, timing each run from the
     inside (``_Repeat.times``, µs): the same piece of host work on whichever thread the engine
@@ -88,11 +97,7 @@ class _Repeat(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, g):
-        clock = time.perf_counter
-        for _ in range(ctx.reps):
-            t0 = clock()
-            ctx.work()
-            _Repeat.times.append((clock() - t0) * 1e6)
+        _timed_runs(ctx.work, ctx.reps, _Repeat.times)
         return g, None, None
 
 
@@ -107,14 +112,10 @@ def thread_rows(pieces, xg, gg, reps: int = 10) -> list[dict]:
             _Repeat.times = []
             for _ in range(12):
                 if where == "outside":
-                    for _ in range(reps):
-                        t0 = time.perf_counter()
-                        work()
-                        _Repeat.times.append((time.perf_counter() - t0) * 1e6)
-                    torch.cuda.synchronize()
-                    continue
-                with autograd_thread(where):
-                    _Repeat.apply(xg, work, reps).backward(gg)
+                    _timed_runs(work, reps, _Repeat.times)
+                else:
+                    with autograd_thread(where):
+                        _Repeat.apply(xg, work, reps).backward(gg)
                 torch.cuda.synchronize()  # never a full launch queue
             row[where] = statistics.median(_Repeat.times[reps * 2:])  # first two rounds: warm-up
         rows.append(row)
@@ -123,34 +124,24 @@ def thread_rows(pieces, xg, gg, reps: int = 10) -> list[dict]:
     return rows
 
 
-class _Busy(torch.autograd.Function):
-    """An identity whose backward keeps the CPU busy for ``us`` microseconds (a spin, no
-    sleep): how the engine's hand-off to its device thread and back costs as the backward's
-    length grows (:func:`handoff_rows`)."""
-
-    @staticmethod
-    def forward(ctx, x, us):
-        ctx.us = us
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx, g):
-        end = time.perf_counter() + ctx.us * 1e-6
-        while time.perf_counter() < end:
-            pass
-        return g, None
+def _spin(us: float) -> None:
+    """Keep the CPU busy for ``us`` microseconds (no sleep)."""
+    end = time.perf_counter() + us * 1e-6
+    while time.perf_counter() < end:
+        pass
 
 
 def handoff_rows(xg, gg, host_us, lengths=(0, 25, 50, 100, 200, 400)) -> list[dict]:
-    """Host µs of ``_Busy.apply(x).backward()`` minus the backward's own spin, with the engine's
-    device thread and on the calling thread, for backwards of ``lengths`` µs: the engine's
-    cost around one backward, by the backward's length."""
+    """Host µs of an identity's ``apply(x).backward()`` whose backward spins for ``us`` µs
+    (:class:`_Repeat` with one :func:`_spin`), minus the spin, with the engine's device thread
+    and on the calling thread, for backwards of ``lengths`` µs: the engine's cost around one
+    backward, by the backward's length."""
     rows = []
     for us in lengths:
         row = dict(backward_us=us)
         for where in ("device", "calling"):
             with autograd_thread(where):
-                t = host_us(lambda: _Busy.apply(xg, us).backward(gg), [xg], samples=7)
+                t = host_us(lambda: _Repeat.apply(xg, lambda: _spin(us), 1).backward(gg), [xg], samples=7)
             row[where] = t - us
         rows.append(row)
         print(f"{row['device']:9.1f} {row['calling']:9.1f}  engine cost around a {us} us backward "
@@ -232,26 +223,31 @@ def main(argv=None) -> int:
     add("api._call_key", lambda: api._call_key(q, k, v, fm, False, None))
     add("prepared.run (no key)", lambda: prepared.run(q, k, v, fm))
     qd, kd, vd = q.detach(), k.detach(), v.detach()
-    add("call.forward (no autograd Function)", lambda: call.forward(qd, kd, vd, cols))
-    out, lse = call.forward(qd, kd, vd, cols)
-    add("call.backward (the backward body, no engine)",
-        lambda: call.backward(dout, None, qd, kd, vd, out, lse, cols))
-    for name, via_l, via_r in _captured_launches(lambda: (call.forward(qd, kd, vd, cols),
-                                                          call.backward(dout, None, qd, kd, vd, out, lse, cols))):
+
+    def forward_body():
+        return call.forward(qd, kd, vd, cols)
+
+    add("call.forward (no autograd Function)", forward_body)
+    out, lse = forward_body()
+
+    def backward_body():
+        call.backward(dout, None, qd, kd, vd, out, lse, cols)
+
+    add("call.backward (the backward body, no engine)", backward_body)
+    bwd_launches = _captured_launches(backward_body)
+    for name, via_l, via_r in _captured_launches(forward_body) + bwd_launches:
         add(f"launch {name} via launcher.launch", via_l)
         if via_r is not None:
             add(f"launch {name} via compiled.run", via_r)
 
     # the same host work inside a backward on either thread (the device thread's extra cost)
-    launches = _captured_launches(lambda: call.backward(dout, None, qd, kd, vd, out, lse, cols))
-    pieces = [("call.backward (the backward body)",
-               lambda: call.backward(dout, None, qd, kd, vd, out, lse, cols)),
-              ("call.forward", lambda: call.forward(qd, kd, vd, cols)),
+    pieces = [("call.backward (the backward body)", backward_body),
+              ("call.forward", forward_body),
               ("torch.empty_like(q)", lambda: torch.empty_like(q)),
               ("x.add_(1)", lambda: small.add_(1)),
               ("torch.cuda.current_stream()", torch.cuda.current_stream),
               ("python loop of 1000 adds", lambda: sum(range(1000)))]
-    pieces += [(f"launch {name} via launcher.launch", via_l) for name, via_l, _ in launches]
+    pieces += [(f"launch {name} via launcher.launch", via_l) for name, via_l, _ in bwd_launches]
     thread = thread_rows(pieces, xg, gg)
     # once per backward, as a real backward runs it (caches cold on the engine thread's core)
     for r in thread_rows(pieces[:2], xg, gg, reps=1):
@@ -277,7 +273,7 @@ def main(argv=None) -> int:
     with open(os.path.join(args.out, "profile_forward.txt"), "w") as f:
         f.write(host_profile_text(fwd))
     with open(os.path.join(args.out, "profile_backward_body.txt"), "w") as f:
-        f.write(host_profile_text(lambda: call.backward(dout, None, qd, kd, vd, out, lse, cols)))
+        f.write(host_profile_text(backward_body))
     with open(os.path.join(args.out, "profile_fwd_bwd.txt"), "w") as f:
         f.write(host_profile_text(fwd_grad))
     from benchmarks.environment import run_environment

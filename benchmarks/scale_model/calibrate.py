@@ -122,11 +122,20 @@ def _waves(programs: int, sms: int) -> int:
 #: own costs: ``"best"`` (grouped or expanded, whichever the model predicts faster, copies and
 #: their launches included: an oracle no shape rule beats) and ``"split"`` (the same over every
 #: partial expansion, K/V repeated to ``e`` heads per KV head, ``e`` dividing ``g``).
+def _library_rule(**kwargs):
+    """``dispatch.kv_expansion`` with ``kwargs`` (imported when first used)."""
+    def rule(p, g, sms):
+        from flashmask3.kernels.dispatch import kv_expansion
+
+        return kv_expansion(p, g, sms, **kwargs)
+    return rule
+
+
 KV_RULES = {
-    "library": None,  # dispatch.kv_expansion (imported late)
+    "library": _library_rule(),
     "half": lambda p, g, sms: g > 1 and 2 * _waves(p * g, sms) <= g,  # the library's rule until session 20
     "lt_group": lambda p, g, sms: g > 1 and _waves(p * g, sms) < g,
-    "waves": lambda p, g, sms: g > 1 and _waves(p * g, sms) < g * _waves(p, sms),
+    "waves": _library_rule(max_waves=None),
     "never": lambda p, g, sms: False,
     "always": lambda p, g, sms: g > 1,
 }
@@ -142,10 +151,7 @@ def expansion_factor(t: "TileCounts", w: ProgramWork, heads: int, kv_heads: int,
         return 1
     if t.kv_expanded is not None:
         return group if t.kv_expanded else 1
-    fn = KV_RULES[rule]
-    if fn is None:
-        from flashmask3.kernels.dispatch import kv_expansion as fn
-    return group if fn(t.batch * kv_heads * len(w.bwd_full), group, N_SM) else 1
+    return group if KV_RULES[rule](t.batch * kv_heads * len(w.bwd_full), group, N_SM) else 1
 
 
 def backward_grid(t: "TileCounts", w: ProgramWork, heads: int, kv_heads: int, rule: str = "library",

@@ -152,8 +152,8 @@ def stream_times(fn, device, per_call_ms: float, samples: int = OVERLAP_SAMPLES)
     if per_call_ms >= STREAM_MS:  # GPU-bound milliseconds a call: one sample of 2 x calls is plenty
         samples = 1
     ts, hs = [], []
+    cuda = device.type == "cuda"
     for _ in range(samples):
-        cuda = device.type == "cuda"
         if cuda:
             torch.cuda.synchronize()
             e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from .experiment import BASELINE, COMBINED, METHODS, ON_MAIN, PAPER_GAINS, _summ, attribution, gains
 from .calibrate import SLOTS, measured_env
-from .validate import TARGET, summary
+from .validate import TARGET, call_name, summary
 
 
 def _pct(x) -> str:
@@ -201,11 +201,7 @@ def _outlier_lines(measured: dict) -> list[str]:
     miss is the model's or the measurement's."""
     from .calibrate import MEASURED_FILE, measured_rows
 
-    rows = {}
-    for gqa in (True, False):
-        for r in measured_rows(MEASURED_FILE, 128, gqa)[0]:
-            name = f"{r['spread']} cp {r['cp']} {r['balance']} rank {r['rank']} stage {r['stage']} Hq={r['heads']}"
-            rows[name] = r
+    rows = {call_name(r): r for gqa in (True, False) for r in measured_rows(MEASURED_FILE, 128, gqa)[0]}
     out = []
     for cls, d in measured.items():
         for c in ("in_sample", "held_out"):

@@ -315,6 +315,17 @@ def _grad_accum_seconds(cluster: Cluster, shape: AttnShape, rows: int, keys: int
         / cluster.hbm_bw.value
 
 
+def _backward_call_seconds(cost: AttentionCost, cluster: Cluster, shape: AttnShape, tiles: TileCounts,
+                           gpu_scale: float, first: bool) -> float:
+    """One overlapped ``backward_stage`` call over ``tiles`` and its dK/dV accumulation; the
+    ``first`` call of the layer also pays ``backward_prepare``'s per-query-block pre-pass."""
+    work = cost.backward_stage(tiles, shape.heads, shape.kv_heads) * gpu_scale
+    work += _grad_accum_seconds(cluster, shape, tiles.q_rows, tiles.keys)
+    if first:
+        work += cost.backward_query_blocks(tiles, shape.heads) * gpu_scale
+    return work
+
+
 def _stage_tasks(view: PlanView, r: int, cost: AttentionCost, cluster: Cluster, shape: AttnShape,
                  gpu_scale: float, backward: bool) -> list[_Task]:
     tasks = []
@@ -324,10 +335,7 @@ def _stage_tasks(view: PlanView, r: int, cost: AttentionCost, cluster: Cluster, 
         work = 0.0
         if tiles.live:
             if backward:
-                work = cost.backward_stage(tiles, shape.heads, shape.kv_heads) * gpu_scale
-                work += _grad_accum_seconds(cluster, shape, tiles.q_rows, tiles.keys)
-                if not have:  # backward_prepare: the per-query-block pre-pass, once per layer
-                    work += cost.backward_query_blocks(tiles, shape.heads) * gpu_scale
+                work = _backward_call_seconds(cost, cluster, shape, tiles, gpu_scale, first=not have)
             else:
                 work = cost.forward(tiles, shape.heads, shape.kv_heads) * gpu_scale
                 if have:
@@ -372,10 +380,7 @@ def _merged_backward_tasks(view: PlanView, r: int, cost: AttentionCost, cluster:
     for i, tiles in enumerate(head + [rest]):
         work = 0.0
         if tiles is not None and tiles.live:
-            work = cost.backward_stage(tiles, shape.heads, shape.kv_heads) * gpu_scale
-            work += _grad_accum_seconds(cluster, shape, tiles.q_rows, tiles.keys)
-            if not have:
-                work += cost.backward_query_blocks(tiles, shape.heads) * gpu_scale
+            work = _backward_call_seconds(cost, cluster, shape, tiles, gpu_scale, first=not have)
             have = True
         tasks.append(_Task(work, () if (local_first and i == 0) else deps, ("stage", i)))
     tasks += [_Task(0.0, (), ("stage", s)) for s in range(len(tasks), n)]

@@ -205,6 +205,11 @@ MEASURED_COLUMN = {"fwd": "fwd_ms", "fwd+bwd": "fwd_bwd_ms", "fwd GPU": "gpu_fwd
                    "fwd+bwd do_bench": "fwd_bwd_ms"}
 
 
+def call_name(r: dict) -> str:
+    """How the report names one measured call (a row of scale_model_attention.json)."""
+    return f"{r['spread']} cp {r['cp']} {r['balance']} rank {r['rank']} stage {r['stage']} Hq={r['heads']}"
+
+
 def _shape_points(cost: AttentionCost, rows: list[dict], held_out: bool,
                   hidden: Optional[float] = None) -> dict[str, list[Point]]:
     """Predicted vs measured per call, per check (:func:`_predictions`). A ``"greedy"`` cost
@@ -215,7 +220,7 @@ def _shape_points(cost: AttentionCost, rows: list[dict], held_out: bool,
     for r in rows:
         if cost.fwd.schedule == "greedy" and r.get("_work") is None:
             continue
-        name = f"{r['spread']} cp {r['cp']} {r['balance']} rank {r['rank']} stage {r['stage']} Hq={r['heads']}"
+        name = call_name(r)
         for check, pred in _predictions(cost, r, hidden).items():
             col = MEASURED_COLUMN[check.split(",")[0]]
             if col in r:

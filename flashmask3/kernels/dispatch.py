@@ -338,7 +338,8 @@ def use_backward(mode_: str):
 KV_EXPANSION_MAX_WAVES = 4
 
 
-def kv_expansion(programs: int, group: int, sms: int) -> bool:
+def kv_expansion(programs: int, group: int, sms: int,
+                 max_waves: Optional[int] = KV_EXPANSION_MAX_WAVES) -> bool:
     """Whether a GQA dK/dV launch of ``programs`` programs (one per key block and KV head, each
     looping over ``group`` query heads) runs with K/V expanded to one head per query head: when
     the grouped grid is at most :data:`KV_EXPANSION_MAX_WAVES` waves over ``sms`` SMs (one
@@ -346,11 +347,12 @@ def kv_expansion(programs: int, group: int, sms: int) -> bool:
     fewer waves of one head than the grouped grid's waves of ``group`` heads: few programs
     leave SMs idle, and a ragged last wave of ``group``-head programs idles the rest of the GPU
     for a whole group's work (``triton_backend.expands_kv_heads``; the scale model uses the same
-    rule)."""
+    rule; it also predicts with ``max_waves=None``, the same rule without the cap)."""
     if group <= 1:
         return False
     waves = -(-programs // sms)
-    return waves <= KV_EXPANSION_MAX_WAVES and -(-programs * group // sms) < group * waves
+    return ((max_waves is None or waves <= max_waves)
+            and -(-programs * group // sms) < group * waves)
 
 
 def describe(choice: Choice) -> str:
