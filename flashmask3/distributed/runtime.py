@@ -46,20 +46,24 @@ GRAD_TAG = 1 << 10
 #: plan (:func:`auto_backward_calls`).
 BACKWARD_CALLS = ("stage", "one", "local+one")
 
-#: ``"auto"`` merges the remote stages of plans with at least this many rounds (see
-#: :func:`auto_backward_calls` and docs/cp-runtime.md "Backward calls").
-AUTO_MERGE_ROUNDS = 2
+#: ``"auto"`` keeps one call per stage on flat plans of more ranks than this (one node of 8
+#: GPUs in the scale model; see :func:`auto_backward_calls`).
+AUTO_FLAT_MAX_CP = 8
 
 
 def auto_backward_calls(plan) -> str:
     """The backward calls ``"auto"`` picks for ``plan`` (a :class:`~.plan.CPPlan` or anything
-    with its ``rounds``, e.g. the scale model's plan view): the same on every rank, so every
-    rank issues its gradient returns in the same order.
+    with its ``nodes`` and ``cp_size``, e.g. the scale model's plan view); the same on every
+    rank, so every rank issues its gradient returns in the same order.
 
-    Plans with fewer than :data:`AUTO_MERGE_ROUNDS` rounds keep one call per stage;
-    the others run ``"local+one"`` (docs/cp-runtime.md "Backward calls" has the scale-model
-    numbers behind the rule)."""
-    return "local+one" if len(plan.rounds) >= AUTO_MERGE_ROUNDS else "stage"
+    ``"one"`` for hierarchical plans (``nodes > 1``) and for flat plans of at most
+    :data:`AUTO_FLAT_MAX_CP` ranks; ``"stage"`` for flat plans beyond that, whose last rounds
+    cross nodes without relays: waiting for them before computing anything costs more than the
+    calls save. The scale model's numbers behind the rule are in docs/cp-runtime.md
+    ("Backward calls")."""
+    if plan.nodes > 1 or plan.cp_size <= AUTO_FLAT_MAX_CP:
+        return "one"
+    return "stage"
 
 
 def resolve_backward_calls(backward_calls: str, plan) -> str:
