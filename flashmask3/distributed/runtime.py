@@ -145,7 +145,8 @@ class MergedBackward:
     mask columns (the arrival-order local mask from the first merged stage's keys on, since a
     stage's columns are per key and its rows are the rank's queries); ``own``: the own stage's
     rows in the call's dK/dV (``None``: not merged or empty); ``pieces``: ``(round, start, stop)``
-    of every round with a stage, in backward order: its dK/dV rows in the call's output."""
+    of every round in backward order: its stage's dK/dV rows in the call's output (empty for a
+    round without a stage)."""
 
     first_stage: int
     rows: Optional[torch.Tensor]
