@@ -42,7 +42,8 @@ import flashmask3.masks as M  # noqa: E402
 from benchmarks.corpus import document_spreads  # noqa: E402
 from benchmarks.environment import run_environment  # noqa: E402
 from flashmask3 import flashmask_attention  # noqa: E402
-from flashmask3.distributed import cp_flashmask_attention, plan  # noqa: E402
+from flashmask3.distributed import BACKWARD_CALL_MODES, cp_flashmask_attention, plan  # noqa: E402
+from flashmask3.distributed.runtime import resolve_backward_calls  # noqa: E402
 from flashmask3.masks import attention_flops  # noqa: E402
 
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
@@ -138,13 +139,13 @@ def run_ours(method, mask, tokens, rank, world, device, dtype, args, check: bool
     ql, kl, vl = (t.requires_grad_() for t in (ql, kl, vl))
 
     def step():
-        out = cp_flashmask_attention(ql, kl, vl, p, comm=comm)
+        out = cp_flashmask_attention(ql, kl, vl, p, comm=comm, backward_calls=args.backward_calls)
         out.backward(dol)
         ql.grad = kl.grad = vl.grad = None
 
     sec = time_steps(step, device, args.warmup, args.iters)
     res = {"seconds": sec, "plan_seconds": plan_s, "imbalance": p.imbalance,
-           "chunk_size": p.chunk_size,
+           "chunk_size": p.chunk_size, "backward_calls": resolve_backward_calls(args.backward_calls, p),
            "kv_bytes_fwd": (p.kv_tokens_moved(comm) * 2 * args.kv_heads * args.head_dim
                             * torch.finfo(dtype).bits // 8)}
     if check:
@@ -155,7 +156,8 @@ def run_ours(method, mask, tokens, rank, world, device, dtype, args, check: bool
 def check_ours(p, comm, mask, tokens, rank, device, dtype, args) -> float:
     """Max |CP output - single-process output| over the whole sequence (all ranks agree)."""
     q, k, v, _ = random_inputs(tokens, args, device, dtype, args.seed + 1)
-    out = cp_flashmask_attention(p.shard(q, rank), p.shard(k, rank), p.shard(v, rank), p, comm=comm)
+    out = cp_flashmask_attention(p.shard(q, rank), p.shard(k, rank), p.shard(v, rank), p, comm=comm,
+                                 backward_calls=args.backward_calls)
     parts = [torch.empty_like(out) for _ in range(p.cp_size)]
     dist.all_gather(parts, out.contiguous())
     full = p.unshard(parts)
@@ -431,6 +433,8 @@ def main(argv=None) -> int:
     a.add_argument("--tokens", type=int, nargs="+", default=[131072, 524288])
     a.add_argument("--spreads", nargs="+", default=["corpus", "short", "mixed", "long", "causal"])
     a.add_argument("--methods", nargs="+", choices=METHODS, default=list(METHODS))
+    a.add_argument("--backward-calls", choices=list(BACKWARD_CALL_MODES), default="auto",
+                   help="the overlap backward's attention calls (docs/cp-runtime.md 'Backward calls')")
     a.add_argument("--heads", type=int, default=16)
     a.add_argument("--kv-heads", type=int, default=8)
     a.add_argument("--head-dim", type=int, default=128)

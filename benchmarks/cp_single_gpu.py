@@ -12,11 +12,15 @@ Layouts: ``dual_chunk+allgather`` (the baseline), ``sparse+allgather``, ``sparse
 flat and hierarchical (``nodes = cp / 8``, 8 GPUs a node), and ``sparse+overlap bwd per stage``
 (the flat layout with one whole backend backward per stage instead of the staged backward: the
 A/B of kernels/staged.py). Causal document masks from the real corpus lengths of
-benchmarks/corpus.py.
+benchmarks/corpus.py. ``--backward-calls stage one local+one`` measures every overlap layout
+once per mode (entries ``"<layout> bwd=<mode>"``; ``auto``, the default, keeps the layout's
+name): the A/B of the overlapped backward's calls (docs/cp-runtime.md "Backward calls").
 
     python benchmarks/cp_single_gpu.py                      # H200: 128K, cp 8 32 128, bf16
     python benchmarks/cp_single_gpu.py --device cpu --tokens 4096 --cp 4 8 --heads 2 \\
         --kv-heads 1 --head-dim 16 --dtype float32 --iters 1 --warmup 0   # CPU dry run
+    python benchmarks/cp_single_gpu.py --cp 16 32 --configs sparse+overlap "sparse+overlap hier" \
+        --backward-calls stage one local+one --check          # A/B of the backward's calls
 
 Ranks: all at cp <= ``--all-ranks-up-to`` (8), else the ``--heaviest`` (8) heaviest by
 attention work plus ``--random`` (8) others drawn with ``--seed``, and the rank needing the
@@ -40,8 +44,8 @@ import torch  # noqa: E402
 import flashmask3.masks as M  # noqa: E402
 from benchmarks.corpus import document_spreads  # noqa: E402
 from benchmarks.environment import run_environment  # noqa: E402
-from flashmask3.distributed import (EmulatedExchange, LaunchCounter, plan, prepare_rank,  # noqa: E402
-                                    run_layer)
+from flashmask3.distributed import (BACKWARD_CALL_MODES, EmulatedExchange, LaunchCounter,  # noqa: E402
+                                    plan, prepare_rank, run_layer)
 from flashmask3.distributed.runtime import to_wire  # noqa: E402
 from flashmask3.kernels import choose_backend, get_backend  # noqa: E402
 
@@ -117,11 +121,11 @@ def reference(mask, full_q, full_k, full_v, full_do):
 
 
 def measure_rank(p, rank, comm, full_wire, full_q, full_k, full_v, full_do, args, timer, ref=None,
-                 backend=None) -> dict:
+                 backend=None, backward_calls="auto") -> dict:
     """Median layer and host seconds of ``rank``'s forward+backward, its launch count, and (with
     ``ref``) its largest deviation from the single-device output and dQ."""
     device = full_k.device
-    prog = prepare_rank(p, rank, device, comm)
+    prog = prepare_rank(p, rank, device, comm, backward_calls)
     q, k, v = (p.shard(t, rank).detach().requires_grad_() for t in (full_q, full_k, full_v))
     do = p.shard(full_do, rank)
     ex = EmulatedExchange(full_wire, p.cp_size, rank, plan=p)
@@ -148,11 +152,12 @@ def measure_rank(p, rank, comm, full_wire, full_q, full_k, full_v, full_do, args
             "host_seconds": statistics.median(h for _, h in times), "launches": counter.launches,
             "backend_aten_launches": counter.attention_launches,
             "attention_calls": counter.attention_calls, "syncs": counter.syncs,
-            "stages": sum(1 for s in prog.stage_chunks if s), "work": p.work(rank),
+            "stages": sum(1 for s in prog.stage_chunks if s), "own_stage": bool(prog.stage_chunks[0]),
+            "backward_calls": prog.backward_calls, "work": p.work(rank),
             "keys": len(p.needed_chunks(rank)) * p.chunk_size}
 
 
-def measure_config(mask, cp, name, args, device, dtype, deadline) -> dict:
+def measure_config(mask, cp, name, args, device, dtype, deadline, backward_calls="auto") -> dict:
     balance, comm, hier = CONFIGS[name]
     nodes = max(1, cp // GPUS_PER_NODE) if hier else 1
     t0 = time.perf_counter()
@@ -172,8 +177,9 @@ def measure_config(mask, cp, name, args, device, dtype, deadline) -> dict:
         if time.monotonic() > deadline:
             break
         ranks.append(measure_rank(p, r, comm, full_wire, full_q, full_k, full_v, full_do, args, timer, ref,
-                                  backend))
-    entry = {"config": name, "balance": balance, "comm": comm, "nodes": nodes, "chunk_size": p.chunk_size,
+                                  backend, backward_calls))
+    entry = {"config": config_key(name, backward_calls), "layout": name, "balance": balance, "comm": comm,
+             "backward_calls": backward_calls, "nodes": nodes, "chunk_size": p.chunk_size,
              "imbalance": p.imbalance, "plan_seconds": plan_s, "ranks": ranks,
              "ranks_wanted": len(wanted), "sampled": len(wanted) < cp}
     if ranks:
@@ -187,6 +193,20 @@ def measure_config(mask, cp, name, args, device, dtype, deadline) -> dict:
             entry["max_err_out"] = max(x["max_err_out"] for x in ranks)
             entry["max_err_dq"] = max(x["max_err_dq"] for x in ranks)
     return entry
+
+
+def config_key(name: str, backward_calls: str) -> str:
+    """The result entry of layout ``name`` with ``backward_calls`` (the layout's name for auto)."""
+    return name if backward_calls == "auto" else f"{name} bwd={backward_calls}"
+
+
+def config_runs(name: str, modes) -> list[str]:
+    """The ``backward_calls`` a layout is measured with: every mode for the staged overlap
+    layouts, the default for the others (allgather ignores it; the whole-backward A/B is per
+    stage by construction)."""
+    if CONFIGS[name][1] != "overlap" or name in WHOLE_BACKWARD:
+        return ["auto"]
+    return list(modes)
 
 
 def markdown(res: dict) -> str:
@@ -243,6 +263,9 @@ def parse_args(argv):
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--spread", default="corpus", help="a document spread of benchmarks/corpus.py, or 'causal'")
     ap.add_argument("--configs", nargs="+", default=list(CONFIGS), choices=list(CONFIGS))
+    ap.add_argument("--backward-calls", nargs="+", default=["auto"], choices=list(BACKWARD_CALL_MODES),
+                    help="the overlap layouts' backward calls, one run of each layout per value "
+                         "(auto: the plan's rule)")
     ap.add_argument("--all-ranks-up-to", type=int, default=8)
     ap.add_argument("--heaviest", type=int, default=8)
     ap.add_argument("--random", type=int, default=8)
@@ -277,19 +300,26 @@ def main(argv=None) -> int:
         for name in args.configs:
             if CONFIGS[name][2] and cp // GPUS_PER_NODE < 2:
                 continue  # one node: hierarchical is the flat plan
-            e = measure_config(mask, cp, name, args, device, dtype, deadline)
-            res["cp"][str(cp)][name] = e
-            if e["ranks"]:
-                print(f"cp={cp:4d} {name:22s} slowest {e['slowest_seconds'] * 1e3:8.2f} ms (rank "
-                      f"{e['slowest_rank']}), host max {e['host_seconds_max'] * 1e3:6.2f} ms, launches max "
-                      f"{e['launches_max']}, {len(e['ranks'])}/{cp} ranks"
-                      + (f", max err out {e['max_err_out']:.2e} dq {e['max_err_dq']:.2e}" if "max_err_out" in e else ""),
-                      flush=True)
-            else:
-                print(f"cp={cp:4d} {name:22s} skipped: time budget spent", flush=True)
-            write(res, args.out)  # after every layout: a time limit still leaves the finished ones
+            for calls in config_runs(name, args.backward_calls):
+                e = measure_config(mask, cp, name, args, device, dtype, deadline, calls)
+                res["cp"][str(cp)][e["config"]] = e
+                report(cp, e)
+                write(res, args.out)  # after every layout: a time limit still leaves the finished ones
     print(f"wrote {os.path.join(args.out, 'cp_runtime')}.md/.json")
     return 0
+
+
+def report(cp: int, e: dict) -> None:
+    """One line per measured layout."""
+    name = e["config"]
+    if not e["ranks"]:
+        print(f"cp={cp:4d} {name:22s} skipped: time budget spent", flush=True)
+        return
+    print(f"cp={cp:4d} {name:22s} slowest {e['slowest_seconds'] * 1e3:8.2f} ms (rank "
+          f"{e['slowest_rank']}), host max {e['host_seconds_max'] * 1e3:6.2f} ms, launches max "
+          f"{e['launches_max']}, {len(e['ranks'])}/{cp} ranks"
+          + (f", max err out {e['max_err_out']:.2e} dq {e['max_err_dq']:.2e}" if "max_err_out" in e else ""),
+          flush=True)
 
 
 if __name__ == "__main__":

@@ -169,8 +169,9 @@ def main(argv=None) -> int:
                    help="GQA K/V expansion rule of the backward (default: the library's, dispatch.kv_expansion)")
     g.add_argument("--order", choices=["launch", "longest"], default=None,
                    help="program launch order of both kernels (longest: by descending live tiles)")
-    g.add_argument("--bwd-calls", choices=["stage", "one", "local+one"], default="stage",
-                   help="the overlapped backward: one call per stage (now), one per layer, or own keys + one")
+    g.add_argument("--bwd-calls", choices=["stage", "one", "local+one", "auto"], default="auto",
+                   help="the overlapped backward: one call per stage, one per layer, own keys + one, "
+                   "or the runtime's default rule per plan (auto)")
     g = ap.add_argument_group("datasets")
     g.add_argument("--targets", type=float, nargs="+", default=[0.70, 0.78, 0.86], help="mean sparsities")
     g.add_argument("--sequences", type=int, default=4, help="packed sequences per dataset")

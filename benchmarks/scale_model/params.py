@@ -112,8 +112,10 @@ class Runtime:
     #: the overlapped backward's attention calls (timeline.BWD_CALLS): ``"stage"`` one
     #: ``backward_stage`` call per stage as its K/V arrives (the runtime now); ``"one"`` one call
     #: per layer over every needed key once all K/V arrived, the dK/dV returns after it (exposed);
-    #: ``"local+one"`` the rank's own keys first (no wait), then one call over the remote keys
-    bwd_calls: str = "stage"
+    #: ``"local+one"`` the rank's own keys first (no wait), then one call over the remote keys;
+    #: ``"auto"`` (default) the runtime's rule per plan (flashmask3.distributed.runtime
+    #: .auto_backward_calls), so the model predicts what the runtime runs by default
+    bwd_calls: str = "auto"
 
     def host_ops(self, stages: int, messages: int, chunks: int, attention_calls: int) -> int:
         """Host ops of one layer's attention forward+backward (launches of any kind)."""

@@ -34,6 +34,13 @@ def params_table(cluster, costs, runtime) -> list[str]:
     lines.append(f"| attention (flashmask3) | {costs.flashmask3.describe()} | see source |")
     lines.append(f"| attention (FlexAttention, torch_cp) | {costs.flex.describe()} | see source |")
     lines.append(f"| runtime | {runtime.kind} ({'<= 64 launches/layer: the cp-runtime target' if runtime.kind == 'lean' else 'op counts of the runtime on main'}) | assumed |")
+    from flashmask3.distributed.runtime import AUTO_FLAT_MAX_CP
+
+    calls = getattr(runtime, "bwd_calls", "stage")
+    lines.append(f"| overlapped backward calls | {calls}"
+                 + (f" (the runtime's rule per plan: one for hierarchical and <= {AUTO_FLAT_MAX_CP}-rank flat "
+                    "plans, stage beyond)"
+                    if calls == "auto" else "") + " | the runtime's backward_calls |")
     return lines
 
 

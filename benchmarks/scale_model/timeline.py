@@ -43,6 +43,8 @@ from typing import Callable, Optional
 
 import numpy as np
 
+from flashmask3.distributed.runtime import BACKWARD_CALLS, auto_backward_calls
+
 from .calibrate import AttentionCost, ProgramWork, TileCounts
 from .layout import PlanView
 from .params import Cluster
@@ -345,8 +347,17 @@ def _stage_tasks(view: PlanView, r: int, cost: AttentionCost, cluster: Cluster, 
     return tasks
 
 
-#: How the overlapped backward calls the kernel (``Runtime.bwd_calls``).
-BWD_CALLS = ("stage", "one", "local+one")
+#: How the overlapped backward calls the kernel (``Runtime.bwd_calls``): the runtime's
+#: ``backward_calls`` values, ``"auto"`` resolved per plan by the runtime's own rule.
+BWD_CALLS = BACKWARD_CALLS + ("auto",)
+
+
+def resolve_bwd_calls(view: PlanView, bwd_calls: str) -> str:
+    """``bwd_calls`` checked, ``"auto"`` resolved for ``view`` by the runtime's rule
+    (flashmask3.distributed.runtime.auto_backward_calls: one implementation for both)."""
+    if bwd_calls not in BWD_CALLS:
+        raise ValueError(f"bwd_calls must be one of {BWD_CALLS}, got {bwd_calls!r}")
+    return auto_backward_calls(view) if bwd_calls == "auto" else bwd_calls
 
 
 def merge_calls(tiles: list[TileCounts]) -> Optional[TileCounts]:
@@ -392,8 +403,7 @@ def simulate_overlap(view: PlanView, cost: AttentionCost, cluster: Cluster, shap
     """One overlapped pass on every rank (see the module docstring for the rules;
     ``bwd_calls``: :data:`BWD_CALLS`)."""
     gpu_scale = cluster.gpu_scale.value
-    if bwd_calls not in BWD_CALLS:
-        raise ValueError(f"bwd_calls must be one of {BWD_CALLS}, got {bwd_calls!r}")
+    bwd_calls = resolve_bwd_calls(view, bwd_calls)
     if backward and bwd_calls != "stage":
         tasks = [_merged_backward_tasks(view, r, cost, cluster, shape, gpu_scale, bwd_calls == "local+one")
                  for r in range(view.cp_size)]
@@ -495,7 +505,7 @@ def host_seconds(view: PlanView, r: int, comm: str, cluster: Cluster, runtime) -
     chunks = sum(view.stage_chunks[r][1:])
     bwd = {"stage": stages, "one": min(1, stages),
            "local+one": int(view.stages[r][0].live > 0) + int(any(t.live for t in view.stages[r][1:]))}
-    calls = stages + bwd[getattr(runtime, "bwd_calls", "stage")] + 2  # forward + backward_stage calls,
+    calls = stages + bwd[resolve_bwd_calls(view, getattr(runtime, "bwd_calls", "stage"))] + 2  # forward + backward_stage calls,
     #                                                                    backward_prepare/finish once
     ops = runtime.host_ops(2 * len(view.stages[r]), msgs, chunks, calls)
     return ops * cluster.host_op.value
@@ -510,5 +520,5 @@ def simulate_layer(view: PlanView, cost: AttentionCost, cluster: Cluster, shape:
     return LayerResult(fwd, bwd, host, recompute)
 
 
-__all__ = ["BWD_CALLS", "merge_calls", "AttnShape", "Links", "PassResult", "LayerResult", "RankTimes", "ring_collective_time",
+__all__ = ["BWD_CALLS", "resolve_bwd_calls", "merge_calls", "AttnShape", "Links", "PassResult", "LayerResult", "RankTimes", "ring_collective_time",
            "simulate_layer", "simulate_pass", "simulate_overlap", "simulate_allgather"]

@@ -33,7 +33,7 @@ import numpy as np
 from .calibrate import (EXPAND_HOST_S, SLOTS, AttentionCost, PassCost, TileCounts, filled, greedy_makespan,
                         variant)
 from .layout import PlanView
-from .timeline import AttnShape, merge_calls, simulate_layer
+from .timeline import AttnShape, merge_calls, resolve_bwd_calls, simulate_layer
 
 
 @dataclass
@@ -100,6 +100,7 @@ def rank_calls(view: PlanView, r: int, cost: AttentionCost, shape: AttnShape, co
                 call_underfill(cost.bwd, t, "bwd", shape, "all")] if t.live else []
     out = [call_underfill(cost.fwd, t, "fwd", shape, s) for s, t in enumerate(view.stages[r]) if t.live]
     st = view.stages[r]
+    bwd_calls = resolve_bwd_calls(view, bwd_calls)
     bwd = {"stage": list(enumerate(st)), "one": [("all", merge_calls(st))],
            "local+one": [(0, st[0]), ("all", merge_calls(st[1:]))]}[bwd_calls]
     out += [call_underfill(staged, t, "bwd", shape, s) for s, t in bwd if t is not None and t.live]

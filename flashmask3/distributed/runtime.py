@@ -14,6 +14,11 @@ every payload of a round. A stage's keys are gathered from a round's receive buf
 attention call takes. Gradients travel back in the same wire rows and are summed into one
 accumulator per rank with ``index_add_``.
 
+Backward calls. :func:`backward_overlap` calls the staged backward once per stage (``"stage"``),
+once over every stage after all K/V arrived (``"one"``), or on the own stage first and then once
+over every remote stage (``"local+one"``); see :data:`BACKWARD_CALLS` and
+:func:`auto_backward_calls` (the default rule, shared with benchmarks/scale_model).
+
 Communication goes through an *exchange* object (:class:`~flashmask3.distributed.comm.DistExchange`
 for torch.distributed, :class:`EmulatedExchange` for one-process emulation and launch counting)
 with ``start(round, reverse, send, recv)``, ``all_gather(out, inp)`` and
@@ -33,6 +38,42 @@ from .launches import call_attention, not_counted
 
 #: Tag offset of the gradient (reverse) rounds; forward rounds use their index as tag.
 GRAD_TAG = 1 << 10
+
+#: How :func:`backward_overlap` calls the staged backward: one call per stage as its K/V
+#: arrives (``"stage"``); one call over the own and every remote stage once every round arrived
+#: (``"one"``: the dK/dV returns go out after it); the own stage first while the remote K/V
+#: arrive, then one call over every remote stage (``"local+one"``). ``"auto"`` picks one per
+#: plan (:func:`auto_backward_calls`).
+BACKWARD_CALLS = ("stage", "one", "local+one")
+
+#: ``"auto"`` keeps one call per stage on flat plans of more ranks than this (one node of 8
+#: GPUs in the scale model; see :func:`auto_backward_calls`).
+AUTO_FLAT_MAX_CP = 8
+
+
+def auto_backward_calls(plan) -> str:
+    """The backward calls ``"auto"`` picks for ``plan`` (a :class:`~.plan.CPPlan` or anything
+    with its ``nodes`` and ``cp_size``, e.g. the scale model's plan view); the same on every
+    rank, so every rank issues its gradient returns in the same order.
+
+    ``"one"`` for hierarchical plans (``nodes > 1``) and for flat plans of at most
+    :data:`AUTO_FLAT_MAX_CP` ranks; ``"stage"`` for flat plans beyond that, whose last rounds
+    cross nodes without relays: waiting for them before computing anything costs more than the
+    calls save. The scale model's numbers behind the rule are in docs/cp-runtime.md
+    ("Backward calls")."""
+    if plan.nodes > 1 or plan.cp_size <= AUTO_FLAT_MAX_CP:
+        return "one"
+    return "stage"
+
+
+def resolve_backward_calls(backward_calls: str, plan) -> str:
+    """``backward_calls`` checked (ValueError naming it) with ``"auto"`` resolved for ``plan``."""
+    if backward_calls == "auto":
+        return auto_backward_calls(plan)
+    if backward_calls not in BACKWARD_CALLS:
+        raise ValueError(f"backward_calls must be one of {BACKWARD_CALLS + ('auto',)}, "
+                         f"got {backward_calls!r}")
+    return backward_calls
 
 
 def round_source(rounds, t: int) -> Optional[int]:
@@ -77,6 +118,7 @@ class RoundProgram:
     send_chunk_ids: torch.Tensor
     recv_chunk_ids: torch.Tensor
     direct_offset: int = 0  # rows before this round's in the direct gradient-return buffer
+    recv_offset: int = 0  # rows before this round's in the pass's one receive buffer
 
     @property
     def n_send(self) -> int:
@@ -91,6 +133,26 @@ class RoundProgram:
         """Gradients go back straight from the stage's dK/dV: every received chunk is attended
         to and none is relayed on."""
         return not self.children and self.stage_size == self.n_recv
+
+
+@dataclass
+class MergedBackward:
+    """One backward call over several stages (``"one"``: every stage, ``"local+one"``: the
+    remote ones), precomputed once per plan.
+
+    ``rows``: the rows of the backward's K/V store (own wire rows for ``"one"``, then every
+    round's receive buffer) the call's keys are gathered from, stage after stage; ``cols``: their
+    mask columns (the arrival-order local mask from the first merged stage's keys on, since a
+    stage's columns are per key and its rows are the rank's queries); ``own``: the own stage's
+    rows in the call's dK/dV (``None``: not merged or empty); ``pieces``: ``(round, start, stop)``
+    of every round in backward order: its stage's dK/dV rows in the call's output (empty for a
+    round without a stage)."""
+
+    first_stage: int
+    rows: Optional[torch.Tensor]
+    cols: Optional[torch.Tensor]
+    own: Optional[tuple[int, int]]
+    pieces: tuple[tuple[int, int, int], ...]
 
 
 @dataclass
@@ -111,15 +173,24 @@ class RankProgram:
     direct_send_rows: Optional[torch.Tensor]  # own rows of every direct round's payload, in round order
     n_direct_send: int
     gather_rows: Optional[torch.Tensor] = None  # allgather: rows of the gathered wire buffer
+    backward_calls: str = "stage"  # BACKWARD_CALLS, resolved ("auto" never)
+    merged: Optional[MergedBackward] = None  # backward_calls "one" / "local+one"
+    n_recv: int = 0  # rows of one pass's receive buffer (every round's, in round order)
     _host: list = field(default_factory=list, repr=False)  # pinned sources of in-flight copies
     _batched_cols: dict = field(default_factory=dict, repr=False)
 
     def cols(self, stage: int, batch: int) -> Optional[torch.Tensor]:
         """Stage ``stage``'s local mask columns for a batch of ``batch`` rows."""
-        cols = self.stage_cols[stage]
+        return self._batched(stage, self.stage_cols[stage], batch)
+
+    def merged_cols(self, batch: int) -> Optional[torch.Tensor]:
+        """The merged backward call's mask columns for a batch of ``batch`` rows."""
+        return self._batched("merged", self.merged.cols, batch)
+
+    def _batched(self, key, cols: Optional[torch.Tensor], batch: int) -> Optional[torch.Tensor]:
         if cols is None or cols.shape[0] == batch:
             return cols
-        key = (stage, batch)
+        key = (key, batch)
         if key not in self._batched_cols:  # first layer of a new batch size only
             self._batched_cols[key] = cols.expand(batch, -1, -1, -1).contiguous()
         return self._batched_cols[key]
@@ -188,7 +259,7 @@ def _build_rounds(plan, rank, device, keep, own_pos) -> list[RoundProgram]:
     stages = plan.stages(rank)
     out: list[RoundProgram] = []
     recv_rows: list[dict[int, int]] = []
-    direct_offset = 0
+    direct_offset = recv_offset = 0
     for t, rnd in enumerate(rounds):
         src = round_source(rounds, t)
         sends = _messages(rnd.sends(rank), lambda tr: tr.dst)
@@ -212,7 +283,8 @@ def _build_rounds(plan, rank, device, keep, own_pos) -> list[RoundProgram]:
             stage_size=len(stage), grad_rows=grad_rows, children=(),
             send_chunk_ids=_index([c for m in sends for c in m.chunks], device, keep),
             recv_chunk_ids=_index([c for m in recvs for c in m.chunks], device, keep),
-            direct_offset=direct_offset))
+            direct_offset=direct_offset, recv_offset=recv_offset))
+        recv_offset += n_recv
         if src is None:
             direct_offset += len(send_rows)
     for r in out:
@@ -237,9 +309,10 @@ def _normal_device(device) -> torch.device:
     return device
 
 
-def prepare_rank(plan, rank: int, device, comm: str = "overlap") -> RankProgram:
+def prepare_rank(plan, rank: int, device, comm: str = "overlap", backward_calls: str = "auto") -> RankProgram:
     """The :class:`RankProgram` of ``rank`` on ``device`` for ``comm`` ("overlap" or
-    "allgather"), built once and cached on ``plan``.
+    "allgather") and ``backward_calls`` (:data:`BACKWARD_CALLS` or ``"auto"``; the overlapped
+    backward only), built once and cached on ``plan``.
 
     Host-to-device copies come from pinned memory without blocking, so a data-loader thread can
     prepare the next batch's programs while the current one trains."""
@@ -247,15 +320,43 @@ def prepare_rank(plan, rank: int, device, comm: str = "overlap") -> RankProgram:
 
     if comm not in COMMS:
         raise ValueError(f"comm must be one of {COMMS}, got {comm!r}")
+    calls = resolve_backward_calls(backward_calls, plan)
     device = _normal_device(device)
     cache = plan.__dict__.setdefault("_rank_programs", {})
-    key = (int(rank), str(device), comm)
+    key = (int(rank), str(device), comm, calls)
     if key not in cache:
-        cache[key] = _build_program(plan, int(rank), device, comm)
+        cache[key] = _build_program(plan, int(rank), device, comm, calls)
     return cache[key]
 
 
-def _build_program(plan, rank, device, comm) -> RankProgram:
+def _merged_backward(calls, stages, rounds, order, own_rows, n_own, cols, cs, device, keep) -> MergedBackward:
+    """The :class:`MergedBackward` of ``calls`` ("one" / "local+one"); ``own_rows``: the own
+    stage's positions among the own chunks, ``cols``: the arrival-order local mask columns."""
+    first = 0 if calls == "one" else 1
+    lead = n_own if first == 0 else 0  # "one": the own wire rows lead the K/V store
+    rows: list[int] = []
+    own = None
+    if first == 0 and stages[0]:
+        own = (0, len(stages[0]))
+        rows += own_rows
+    starts = {}
+    for r in rounds:  # stage order: stage t + 1 is round t's
+        if r.stage_size:
+            recv_row = _rows_of(r.recvs)
+            starts[r.index] = len(rows)
+            rows += [lead + r.recv_offset + recv_row[c] for c in stages[r.index + 1]]
+    pieces = tuple((t, starts.get(t, 0), starts.get(t, 0) + rounds[t].stage_size) for t in order)
+    key_start = sum(len(x) for x in stages[:first]) * cs
+    merged_cols = None
+    if rows:
+        merged_cols = _to_device(cols[:, :, key_start:].contiguous(), device, keep)
+        if merged_cols.shape[2] != len(rows) * cs:
+            raise ValueError(f"the local mask has {cols.shape[2]} keys but the stages hold "
+                             f"{key_start + len(rows) * cs}")
+    return MergedBackward(first, _index(rows, device, keep) if rows else None, merged_cols, own, pieces)
+
+
+def _build_program(plan, rank, device, comm, calls="stage") -> RankProgram:
     keep: list = []
     own = plan.chunks(rank)
     own_pos = {c: i for i, c in enumerate(own)}
@@ -263,7 +364,8 @@ def _build_program(plan, rank, device, comm) -> RankProgram:
     stages = [tuple(s) for s in plan.stages(rank)]
     own_stage = stages[0]
     own_rows = None if list(own_stage) == list(own) else _index([own_pos[c] for c in own_stage], device, keep)
-    common = dict(rank=rank, device=device, comm=comm, chunk_size=cs, n_own=len(own), own_chunks=own)
+    common = dict(rank=rank, device=device, comm=comm, chunk_size=cs, n_own=len(own), own_chunks=own,
+                  backward_calls=calls)
     if comm == "allgather":
         needed = sorted(c for s in stages for c in s)
         row_of = {}
@@ -281,22 +383,30 @@ def _build_program(plan, rank, device, comm) -> RankProgram:
     direct = [r for r in rounds if r.source is None and r.send_rows is not None]
     direct_rows = torch.cat([r.send_rows for r in direct]) if direct else None
     cols = plan.local_mask(rank, "arrival").startend_row_indices
+    order = backward_order(plan.rounds)
+    merged = None
+    if calls != "stage":
+        merged = _merged_backward(calls, stages, rounds, order, [own_pos[c] for c in own_stage],
+                                  len(own), cols, cs, device, keep)
     return RankProgram(**common, stage_chunks=stages,
                        stage_cols=_stage_columns(cols, stages, cs, device, keep), own_rows=own_rows,
-                       rounds=rounds, backward_order=backward_order(plan.rounds),
+                       rounds=rounds, backward_order=order,
                        direct_send_rows=direct_rows, n_direct_send=sum(r.n_send for r in direct),
-                       _host=keep)
+                       merged=merged, n_recv=sum(r.n_recv for r in rounds), _host=keep)
 
 
 # -- layouts ----------------------------------------------------------------------------------------
 
 
-def to_wire(k: torch.Tensor, v: torch.Tensor, chunk: int) -> torch.Tensor:
-    """``[B, n*chunk, Hk, D]`` K and V -> wire rows ``[n, 2, B, chunk, Hk, D]`` (one copy)."""
+def to_wire(k: torch.Tensor, v: torch.Tensor, chunk: int, out: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """``[B, n*chunk, Hk, D]`` K and V -> wire rows ``[n, 2, B, chunk, Hk, D]`` (one copy, into
+    ``out`` when given)."""
     b, s, h, d = k.shape
     kc = k.view(b, s // chunk, chunk, h, d).transpose(0, 1)
     vc = v.view(b, s // chunk, chunk, h, d).transpose(0, 1)
-    return torch.stack([kc, vc], dim=1)
+    if out is None:
+        return torch.stack([kc, vc], dim=1)
+    return torch.stack([kc, vc], dim=1, out=out)
 
 
 def from_wire(rows: torch.Tensor, index: Optional[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -341,19 +451,30 @@ def merge_stages(outs: list[torch.Tensor], lses: list[torch.Tensor], dtype: torc
 
 
 class _Rounds:
-    """Forward traffic of one pass: issues rounds as their payloads become available."""
+    """Forward traffic of one pass: issues rounds as their payloads become available.
 
-    def __init__(self, prog: RankProgram, exchange, wire_own: Optional[torch.Tensor], k):
+    Every round receives into its rows of one K/V ``store``; with ``own_first`` the rank's own
+    wire rows lead it (the ``"one"`` backward gathers every stage's keys from it at once)."""
+
+    def __init__(self, prog: RankProgram, exchange, k, v, own_first: bool = False):
         self.prog, self.exchange = prog, exchange
         cs = prog.chunk_size
         self.bufs: dict[int, torch.Tensor] = {}
         self.pending: dict[int, object] = {}
         self.arrived: set[int] = set()
+        lead = prog.n_own if own_first else 0
+        self.store = k.new_empty(_wire_shape(lead + prog.n_recv, k, cs))
+        wire_own = None
+        if own_first:
+            wire_own = to_wire(k, v, cs, out=self.store[:lead])
+        elif prog.direct_send_rows is not None:
+            wire_own = to_wire(k, v, cs)
         payload = None
         if prog.direct_send_rows is not None:
             payload = wire_own.index_select(0, prog.direct_send_rows)
         for r in prog.rounds:
-            self.bufs[r.index] = k.new_empty(_wire_shape(r.n_recv, k, cs))
+            start = lead + r.recv_offset
+            self.bufs[r.index] = self.store[start:start + r.n_recv]
         for r in prog.rounds:
             if r.source is None:
                 send = payload[r.direct_offset:r.direct_offset + r.n_send] if r.n_send else None
@@ -395,8 +516,7 @@ def _stage_kv(prog, rounds: _Rounds, s, k, v):
 def forward_overlap(prog: RankProgram, exchange, backend, q, k, v, scale):
     """Staged forward: own chunks while the remote ones arrive, then each round's stage;
     partial results merged once at the end. Returns ``(out, lse)``, out in q's dtype."""
-    wire_own = to_wire(k, v, prog.chunk_size) if prog.direct_send_rows is not None else None
-    rounds = _Rounds(prog, exchange, wire_own, k)
+    rounds = _Rounds(prog, exchange, k, v)
     outs, lses = [], []
     for s, chunks in enumerate(prog.stage_chunks):
         if s > 0:
@@ -433,8 +553,12 @@ class _Returns:
         self.pending: dict[int, object] = {}
 
     def stage_grads(self, r: RoundProgram, dk, dv) -> None:
-        """Record round ``r``'s stage gradients (wire rows of its receive buffer)."""
-        wire = to_wire(dk, dv, self.prog.chunk_size)  # [n_stage, 2, B, cs, Hk, D]
+        """Record round ``r``'s stage gradients (its stage's dK/dV)."""
+        self.stage_wire(r, to_wire(dk, dv, self.prog.chunk_size))
+
+    def stage_wire(self, r: RoundProgram, wire: torch.Tensor) -> None:
+        """Record round ``r``'s stage gradients as wire rows ``[n_stage, 2, B, cs, Hk, D]`` in
+        stage order (kept as they are where they go back unchanged)."""
         if r.fast_grad:
             self.grads[r.index] = wire if r.grad_rows is None else wire.index_select(0, r.grad_rows)
             return
@@ -485,32 +609,59 @@ class _Returns:
 
 
 def backward_overlap(prog: RankProgram, exchange, backend, dout, dlse, q, k, v, out, lse, scale):
-    """Staged backward (see docs/cp-runtime.md): the K/V come again by the forward's rounds;
-    each remote stage's dK/dV go back as soon as they are final while later stages compute.
-    The backend's staged backward (kernels/staged.py) pays the per-layer work once: one
-    prepare (pre-pass), one call per stage (dQ accumulated by the backend), one finish."""
+    """Staged backward (see docs/cp-runtime.md): the K/V come again by the forward's rounds and
+    each remote stage's dK/dV go back to where they came from, in :func:`backward_order`. The
+    backend's staged backward (kernels/staged.py) pays the per-layer work once: one prepare
+    (pre-pass), its stage calls (dQ accumulated by the backend), one finish. The stage calls
+    follow ``prog.backward_calls``: ``"stage"``, one per stage, each stage's returns leaving
+    while later stages compute; ``"one"`` / ``"local+one"``, one call over the merged stages
+    once every round arrived (:func:`_backward_merged`)."""
     prepare, stage, finish = staged_functions(backend)
-    wire_own = to_wire(k, v, prog.chunk_size) if prog.direct_send_rows is not None else None
-    rounds = _Rounds(prog, exchange, wire_own, k)
+    rounds = _Rounds(prog, exchange, k, v, own_first=prog.backward_calls == "one")
     returns = _Returns(prog, exchange, k)
     state = call_attention(prepare, q, out, dout, lse, dlse)
-    own_wire = None
 
     def run(s):
         ks, vs = _stage_kv(prog, rounds, s, k, v)
         return call_attention(stage, state, q, ks, vs, prog.cols(s, q.shape[0]), False, scale)
 
-    if prog.stage_chunks[0]:
-        dk0, dv0 = run(0)
-        own_wire = to_wire(dk0, dv0, prog.chunk_size)
-    for t in prog.backward_order:
-        r = prog.rounds[t]
-        rounds.arrive(t)
-        if r.stage_size:
-            returns.stage_grads(r, *run(t + 1))
-        returns.send(r)
+    own_wire = None
+    if prog.stage_chunks[0] and prog.backward_calls != "one":
+        own_wire = to_wire(*run(0), prog.chunk_size)
+    if prog.merged is None:
+        for t in prog.backward_order:
+            r = prog.rounds[t]
+            rounds.arrive(t)
+            if r.stage_size:
+                returns.stage_grads(r, *run(t + 1))
+            returns.send(r)
+    else:
+        own_wire = _backward_merged(prog, rounds, returns, stage, state, q, scale, own_wire)
     dk, dv = returns.own_grads(own_wire, q)
     return call_attention(finish, state), dk, dv
+
+
+def _backward_merged(prog, rounds: _Rounds, returns: _Returns, stage, state, q, scale, own_wire):
+    """The merged stages of ``prog.merged`` in one call once every round arrived: their K/V
+    gathered from the store with one ``index_select``, their dK/dV split back into rows per
+    round (views of one wire buffer) and returned in backward order. Returns the own stage's
+    dK/dV wire rows (``own_wire`` unless the call covered the own stage)."""
+    m = prog.merged
+    for t in prog.backward_order:
+        rounds.arrive(t)
+    grads = None
+    if m.rows is not None:
+        ks, vs = from_wire(rounds.store, m.rows)
+        dk, dv = call_attention(stage, state, q, ks, vs, prog.merged_cols(q.shape[0]), False, scale)
+        grads = to_wire(dk, dv, prog.chunk_size)
+        if m.own is not None:
+            own_wire = grads[m.own[0]:m.own[1]]
+    for t, start, stop in m.pieces:
+        r = prog.rounds[t]
+        if stop > start:
+            returns.stage_wire(r, grads[start:stop])
+        returns.send(r)
+    return own_wire
 
 
 def forward_allgather(prog: RankProgram, exchange, backend, q, k, v, scale):

@@ -3,7 +3,7 @@
 Every knob of the harness lives in :class:`TrainConfig`, so a run is fully described by one
 JSON object (saved next to the checkpoints and checked on resume). Presets are partial
 overrides of the defaults; command-line flags override the preset. The attention kernel
-(``attention``) and the distributed layer (``cp``, ``balance``, ``comm``) are plain fields,
+(``attention``) and the distributed layer (``cp``, ``balance``, ``comm``, ``backward_calls``) are plain fields,
 so swapping either is a flag change.
 """
 
@@ -20,6 +20,8 @@ ATTENTION_BACKENDS = ("flashmask3", "flex", "sdpa")
 ATTENTION_BACKWARD_CHOICES = ("auto", "split", "fused")
 BALANCE_CHOICES = ("sparse", "dual_chunk", "contiguous")
 COMM_CHOICES = ("overlap", "allgather")
+#: flashmask3.distributed.BACKWARD_CALL_MODES (kept here so the config imports no torch code)
+BACKWARD_CALLS_CHOICES = ("stage", "one", "local+one", "auto")
 DEVICE_CHOICES = ("auto", "cpu", "cuda")
 DTYPE_CHOICES = ("auto", "float32", "bfloat16")
 
@@ -91,6 +93,10 @@ class TrainConfig:
         "help": "CP token ownership (dual_chunk = baseline)", "choices": BALANCE_CHOICES})
     comm: str = field(default="overlap", metadata={
         "help": "CP K/V exchange (allgather = baseline)", "choices": COMM_CHOICES})
+    backward_calls: str = field(default="auto", metadata={
+        "help": "overlapped CP backward: one attention call per stage, one per layer, the own "
+                "keys then one (auto: a rule on the plan's shape, docs/cp-runtime.md)",
+        "choices": BACKWARD_CALLS_CHOICES})
     chunk_size: int = field(default=0, metadata={"help": "CP chunk size (0: the plan's default)"})
     device: str = field(default="auto", metadata={"help": "device", "choices": DEVICE_CHOICES})
     dtype: str = field(default="auto", metadata={

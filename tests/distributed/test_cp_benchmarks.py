@@ -51,8 +51,43 @@ def test_cp_single_gpu_cpu_mode(tmp_path):
             assert len(ranks) == (4 if cp == "4" else entry["ranks_wanted"]) and ranks
             assert entry["slowest_seconds"] == max(r["seconds"] for r in ranks) > 0
             assert entry["launches_max"] <= 64 and entry["syncs_max"] == 0
-            # overlap: a forward and a backward call per stage, one backward prepare and finish
-            extra = 0 if entry["comm"] == "allgather" else 2
-            assert all(r["attention_calls"] == 2 * r["stages"] + extra for r in ranks)
+            assert all(r["attention_calls"] == _attention_calls(entry, r) for r in ranks)
             assert entry["max_err_out"] < 1e-5 and entry["max_err_dq"] < 1e-5
     assert entry["sampled"] and "(sampled)" in (tmp_path / "cp_runtime.md").read_text()
+
+
+def _attention_calls(entry, r) -> int:
+    """A forward call per stage; the backward's by its backward_calls (allgather: one per stage
+    too), one backward prepare and finish on overlap."""
+    if entry["comm"] == "allgather":
+        return 2 * r["stages"]
+    remote = r["stages"] - r["own_stage"]
+    bwd = {"stage": r["stages"], "one": min(1, r["stages"]),
+           "local+one": r["own_stage"] + min(1, remote)}[r["backward_calls"]]
+    return r["stages"] + bwd + 2
+
+
+def test_cp_single_gpu_backward_calls_ab(tmp_path):
+    """``--backward-calls`` measures each overlap layout once per mode (named by it; the
+    allgather layout once), all exact, the merged modes with fewer attention calls."""
+    args = ["--device", "cpu", "--tokens", "1024", "--cp", "4", "16", "--heads", "2", "--kv-heads", "1",
+            "--head-dim", "8", "--dtype", "float32", "--iters", "1", "--warmup", "0",
+            "--all-ranks-up-to", "4", "--heaviest", "1", "--random", "0", "--check",
+            "--configs", "sparse+allgather", "sparse+overlap", "sparse+overlap hier",
+            "--backward-calls", "stage", "one", "local+one", "--out", str(tmp_path)]
+    assert cp_single_gpu.main(args) == 0
+    res = json.loads((tmp_path / "cp_runtime.json").read_text())["cp"]
+    modes = ("stage", "one", "local+one")
+    assert set(res["4"]) == {"sparse+allgather"} | {f"sparse+overlap bwd={m}" for m in modes}
+    assert {f"sparse+overlap hier bwd={m}" for m in modes} <= set(res["16"])
+    for configs in res.values():
+        for entry in configs.values():
+            for r in entry["ranks"]:
+                assert r["attention_calls"] == _attention_calls(entry, r)
+                if entry["comm"] == "overlap":
+                    assert r["backward_calls"] == entry["backward_calls"]
+            assert entry["max_err_out"] < 1e-5 and entry["max_err_dq"] < 1e-5
+        for layout in ("sparse+overlap", "sparse+overlap hier"):
+            if f"{layout} bwd=one" in configs:
+                one, stage = (configs[f"{layout} bwd={m}"]["ranks"] for m in ("one", "stage"))
+                assert sum(r["attention_calls"] for r in one) < sum(r["attention_calls"] for r in stage)
