@@ -35,6 +35,7 @@ from triton.compiler import ASTSource
 from . import dispatch
 from . import gluon_bwd as G
 from . import gluon_fwd as F
+from . import tiles
 from . import tl_kernels as TL
 from .tiles import Config, _num_intervals
 
@@ -131,10 +132,24 @@ def cuobjdump(cubin: bytes) -> tuple[dict, str]:
     return dict(regs=regs, stack=stack, shared=shared, local=local), sass
 
 
+def _order_args(ordered: Optional[bool], ptrs: dict, consts: dict) -> None:
+    """The launch-order arguments as the launchers pass them (``ordered`` None: the plans'
+    default, :data:`tiles.LAUNCH_ORDER`): ``order_ptr`` an int32 pointer when ordered, else
+    None (a constexpr: the grid-order kernel's parameter list), and ``ORDERED``."""
+    if ordered is None:
+        ordered = tiles.LAUNCH_ORDER == "longest"
+    consts["ORDERED"] = ordered
+    if ordered:
+        ptrs["order_ptr"] = "*i32"
+    else:
+        consts["order_ptr"] = None
+
+
 def compile_tl(kind: str, d: int, cfg: Config, causal: bool, c: int, dtype: str = "bf16",
-               tma: bool = True, sass: bool = False) -> dict:
+               tma: bool = True, sass: bool = False, ordered: Optional[bool] = None) -> dict:
     """Compile one tl kernel (``kind``: fwd, dkdv or dq) for sm_90 and return its
-    resource report (``sass``: with the SASS listing under "sass")."""
+    resource report (``sass``: with the SASS listing under "sass"; ``ordered``: the
+    longest-first launch order, None: the default, :func:`_order_args`)."""
     ni = _num_intervals(causal, c)
     common = dict(D=d, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, CAUSAL=causal, C=c, NI=ni,
                   USE_TMA=tma, PREC="tf32", A_SMEM=TL.a_smem(kind, d),
@@ -162,6 +177,7 @@ def compile_tl(kind: str, d: int, cfg: Config, causal: bool, c: int, dtype: str 
     if not tma:
         descs = {n: "constexpr" for n in descs}
         common.update({n: None for n in descs})
+    _order_args(ordered, ptrs, common)
     sig, attrs = _signature(kernel, ptrs, descs, common)
     src = ASTSource(kernel, sig, constexprs={k: v for k, v in common.items()}, attrs=attrs)
     ck = compile_sm90_source(src, cfg.num_warps, cfg.num_stages)
