@@ -46,12 +46,13 @@ def _work(row) -> int:
     return tiles.FULL_TILE_WEIGHT * full + tiles.PARTIAL_TILE_WEIGHT * (visited - full)
 
 
-def _uneven_columns():
-    """[2, 2, 256, C] per-batch, per-head uneven document masks (causal, C=1)."""
-    b0 = M.causal_document_mask([7, 150, 20, 79], device=DEVICE).startend_row_indices
-    b1 = M.causal_document_mask([200, 3, 53], device=DEVICE).startend_row_indices
-    h1 = M.causal_document_mask([31, 31, 194], device=DEVICE).startend_row_indices
-    return torch.cat([torch.cat([b0, h1], 1), torch.cat([b1, b0], 1)], 0).contiguous()
+def _uneven_columns(heads: int = 2):
+    """[2, heads, 128, 1] uneven causal document masks, different per batch row and per head
+    (heads 2 or 4)."""
+    docs = [[5, 70, 13, 40], [100, 3, 25], [21, 21, 86], [64, 2, 60, 2]]
+    c = [M.causal_document_mask(d, device=DEVICE).startend_row_indices for d in docs]
+    rows = [[c[0], c[2], c[3], c[1]][:heads], [c[1], c[0], c[2], c[3]][:heads]]
+    return torch.cat([torch.cat(r, 1) for r in rows], 0).contiguous()
 
 
 @pytest.mark.parametrize("by_key", [False, True])
@@ -59,9 +60,9 @@ def _uneven_columns():
 def test_order_is_a_descending_permutation_per_mask_head(monkeypatch, by_key, kind):
     _set_order(monkeypatch, "longest")
     if kind == "documents":
-        cols, causal, s = _uneven_columns(), True, 256
+        cols, causal, s = _uneven_columns(), True, 128
     else:
-        cols, causal, s = random_columns(2, 3, 200, 200, False, 4, seed=5).to(DEVICE), False, 200
+        cols, causal, s = random_columns(2, 3, 128, 128, False, 4, seed=5).to(DEVICE), False, 128
     plan = tiles.make_plan(cols, causal, s, s, 32, 16, by_key, DEVICE)
     n_blocks = plan.ranges.shape[1]
     assert plan.ordered and plan.order.dtype == torch.int32
@@ -91,12 +92,12 @@ def test_grid_knob_and_plan_fields(monkeypatch):
     monkeypatch.delenv("FLASHMASK3_LAUNCH_ORDER")
     cols = _uneven_columns()
     _set_order(monkeypatch, "grid")
-    plan = tiles.cached_plan(cols, True, 256, 256, 32, 16, False, DEVICE)
+    plan = tiles.cached_plan(cols, True, 128, 128, 32, 16, False, DEVICE)
     assert plan.order is None and tiles.launch_grid(plan, 8, 4) == (8, 4)
     _set_order(monkeypatch, "longest")
-    plan = tiles.cached_plan(cols, True, 256, 256, 32, 16, False, DEVICE)
+    plan = tiles.cached_plan(cols, True, 128, 128, 32, 16, False, DEVICE)
     assert plan.ordered and tiles.launch_grid(plan, 8, 4) == (32,)
-    assert tiles.make_plan(None, True, 256, 256, 32, 16, False, DEVICE).ordered
+    assert tiles.make_plan(None, True, 128, 128, 32, 16, False, DEVICE).ordered
 
 
 def _run(q, k, v, cols, causal):
@@ -126,20 +127,20 @@ def _reference_errors(q, k, v, cols, causal, got) -> dict:
 
 def _case(name):
     """(b, s, hq, hk, d, cols, causal) of one CPU case; fresh random columns per case."""
-    if name == "uneven_documents_gqa_per_batch_and_head":
-        return 2, 256, 4, 2, 16, _uneven_columns(), True
+    if name == "uneven_documents_gqa_per_batch_and_head":  # a KV group's heads: 2 masks
+        return 2, 128, 4, 2, 16, _uneven_columns(4), True
     if name == "documents_bidirectional_one_head":
-        cols = M.document_mask([[9, 100, 60, 31], [150, 50]], batch_size=2,
+        cols = M.document_mask([[9, 60, 40, 19], [90, 38]], batch_size=2,
                                device=DEVICE).startend_row_indices
-        return 2, 200, 2, 1, 16, cols, False
+        return 2, 128, 2, 1, 16, cols, False
     if name == "random_non_causal_per_head":
-        return 1, 150, 3, 3, 16, random_columns(1, 3, 150, 150, False, 4, seed=17).to(DEVICE), False
+        return 1, 96, 3, 3, 16, random_columns(1, 3, 96, 96, False, 4, seed=17).to(DEVICE), False
     if name == "fully_masked_row":
         cols = M.causal_document_mask([40, 88], device=DEVICE).startend_row_indices.clone()
         cols[..., :1, 0] = 0  # key 0 hidden from every row: row 0 sees nothing
         return 1, 128, 2, 2, 16, cols.contiguous(), True
     if name == "causal_no_mask":
-        return 2, 100, 2, 1, 16, None, True
+        return 2, 80, 2, 1, 16, None, True
     raise KeyError(name)
 
 
