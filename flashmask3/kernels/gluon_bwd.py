@@ -1126,7 +1126,8 @@ def launch_dkdv_gluon(q, k, v, dout, lse2, delta, causal, softmax_scale, plan, b
     launch(_dkdv_gluon_kernel, launch_grid(plan, nkb, b * hk),
         q_desc, do_desc, k_desc, v_desc, dk, dv, lse2, delta, plan.mask, plan.summary,
         plan.ranges, softmax_scale, softmax_scale * LOG2E, sq, sk, hq, hk, plan.hm, nqb, nkb,
-        plan.mask_b_stride, dq_desc, plan.order, D=d, BLOCK_M=block_m, BLOCK_N=block_n, CAUSAL=causal,
+        plan.mask_b_stride, dq_desc, plan.order, D=d, BLOCK_M=block_m, BLOCK_N=block_n,
+        CAUSAL=causal,
         C=plan.c, NI=plan.ni, NUM_STAGES=num_stages, NUM_WARPS=num_warps, num_warps=num_warps,
         **kwargs)
     if fuse_dq:

@@ -22,12 +22,11 @@ except ImportError:  # pragma: no cover - older triton
     TensorDescriptor = None
 
 from .launcher import cdiv, descriptor, launch
-from .tiles import launch_grid  # noqa: F401
 from .tiles import (LOG2E, NSTAT, PARTIAL, RANGE_WORDS, SKIP, UNMASKED, _NO_SPEC,  # noqa: F401
                     Config, Plan, _classify_rule, _clipped_tile_class, _column_intervals,
                     _element_masked, _key_block_ranges, _load_stats, _query_block_ranges,
                     _stored_ranges, _tile_class, _unmasked, _unmasked_run, _kv_tile,
-                    _classes_along, _launch_slot, _ordered_block)
+                    _classes_along, _launch_slot, _ordered_block, launch_grid)
 
 # ---------------------------------------------------------------------------------------------
 # Forward
@@ -526,7 +525,8 @@ def launch_fwd(q, k, v, causal, softmax_scale, cfg: Config, plan: Plan):
     launch(_fwd_kernel, launch_grid(plan, nqb, b * hq),
         q, k, v, out, lse, plan.mask, plan.summary, plan.ranges, k_desc, v_desc, q_desc,
         softmax_scale * LOG2E, sq, sk, hq, hk, plan.hm, nqb, nkb, plan.mask_b_stride,
-        plan.order, ORDERED=plan.ordered, D=d, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, CAUSAL=causal, C=plan.c, NI=plan.ni,
+        plan.order, ORDERED=plan.ordered, D=d, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
+        CAUSAL=causal, C=plan.c, NI=plan.ni,
         USE_TMA=tma, PREC=dot_precision(q.dtype), A_SMEM=a_smem("fwd", d),
         SPLIT_UNMASKED=SPLIT_UNMASKED_LOOP["fwd"], num_warps=cfg.num_warps,
         num_stages=cfg.num_stages)
@@ -579,7 +579,8 @@ def launch_dkdv(q, k, v, dout, lse2, delta, causal, softmax_scale, cfg: Config, 
         q, k, v, dout, dk, dv, lse2, delta, plan.mask, plan.summary, plan.ranges, q_desc, do_desc,
         k_desc, v_desc, dk,  # (dk: the unused dq_ptr)
         softmax_scale, softmax_scale * LOG2E, sq, sk, hq, hk, plan.hm, nqb, nkb,
-        plan.mask_b_stride, plan.order, ORDERED=plan.ordered, D=d, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, CAUSAL=causal,
+        plan.mask_b_stride, plan.order, ORDERED=plan.ordered, D=d, BLOCK_M=cfg.block_m,
+        BLOCK_N=cfg.block_n, CAUSAL=causal,
         C=plan.c, NI=plan.ni, USE_TMA=tma, PREC=dot_precision(q.dtype), A_SMEM=a_smem(kind, d),
         SPLIT_UNMASKED=SPLIT_UNMASKED_LOOP[kind],
         num_warps=cfg.num_warps, num_stages=cfg.num_stages)
@@ -601,7 +602,8 @@ def launch_dq(q, k, v, dout, lse2, delta, causal, softmax_scale, cfg: Config, pl
         q, k, v, dout, dq, lse2, delta, plan.mask, plan.summary, plan.ranges, k_desc, v_desc,
         q_desc, do_desc,
         softmax_scale, softmax_scale * LOG2E, sq, sk, hq, hk, plan.hm, nqb, nkb,
-        plan.mask_b_stride, plan.order, ORDERED=plan.ordered, D=d, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, CAUSAL=causal,
+        plan.mask_b_stride, plan.order, ORDERED=plan.ordered, D=d, BLOCK_M=cfg.block_m,
+        BLOCK_N=cfg.block_n, CAUSAL=causal,
         C=plan.c, NI=plan.ni, USE_TMA=tma, PREC=dot_precision(q.dtype), A_SMEM=a_smem("dq", d),
         SPLIT_UNMASKED=SPLIT_UNMASKED_LOOP["dq"], num_warps=cfg.num_warps,
         num_stages=cfg.num_stages)
