@@ -788,9 +788,9 @@ def _dkdv_gluon_kernel(q_desc, do_desc, k_desc, v_desc, dk_ptr, dv_ptr, lse2_ptr
     order. Launch it with ``maxnreg`` (see :func:`ws_maxnreg`): the compute partition gets the
     registers the producer's warpgroup gives back.
 
-    ORDERED: the (batch*KV head, block) grid in the by-key plan's longest-first order
-    (``order_ptr``, by the row of the mask head of the group's first query head); without it
-    ``order_ptr`` is None (a constexpr) and the kernel is the grid-order one."""
+    ORDERED: a 1-D grid in the by-key plan's longest-first order (``order_ptr``, by the row of
+    the mask head of the group's first query head); without it ``order_ptr`` is None (a
+    constexpr) and the kernel is the grid-order one."""
     # wgmma M: 16 key rows per warp; warps beyond BLOCK_N // 16 split the head dim (and the
     # queries of Sᵀ, dPᵀ): D=256, where one warpgroup cannot hold BLOCK_N x 256 dK and dV
     KEY_WARPS: gl.constexpr = BLOCK_N // 16
@@ -809,7 +809,7 @@ def _dkdv_gluon_kernel(q_desc, do_desc, k_desc, v_desc, dk_ptr, dv_ptr, lse2_ptr
     a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_layout, k_width=2)
 
     if ORDERED:  # longest-first (the tl dK/dV kernel's mapping, tiles._ordered_block)
-        slot, bh = _launch_slot(ORDERED)
+        slot, bh = _launch_slot(NKB, ORDERED)
         b = bh // Hk
         hk = bh % Hk
         b64 = b.to(gl.int64)

@@ -159,13 +159,15 @@ def _key_block_ranges(rng_ptr, mbh, n_blk, Sq, Sk, NQB, BLOCK_M: gl.constexpr,
 
 
 @_jit
-def _launch_slot(ORDERED: gl.constexpr):
+def _launch_slot(n_blocks, ORDERED: gl.constexpr):
     """``(slot, bh)`` of this program: the Gluon twin of ``tiles._launch_slot`` (same integer
-    expressions; why two copies: :func:`_query_block_ranges`). ORDERED: the (batch-head,
-    slot) grid, every head of a slot together; else the (slot, batch-head) grid."""
+    expressions; why two copies: :func:`_query_block_ranges`). ORDERED: a 1-D grid, every
+    head of a slot together; else the 2-D (slot, batch-head) grid."""
     if ORDERED:
-        slot = gl.program_id(1)
-        bh = gl.program_id(0)
+        pid = gl.program_id(0)
+        n_bh = gl.num_programs(0) // n_blocks
+        slot = pid // n_bh
+        bh = pid % n_bh
     else:
         slot = gl.program_id(0)
         bh = gl.program_id(1)

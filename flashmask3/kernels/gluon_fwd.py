@@ -176,12 +176,12 @@ def _store_rows(acc, m_i, l_i, o_ptr, lse_ptr, b64, h, row0, Sq, Hq,
 @_jit
 def _ws_item(order_ptr, NQB, Hq, Hk, Hm, mask_b_stride, CAUSAL: gl.constexpr, C: gl.constexpr,
              ORDERED: gl.constexpr):
-    """(m_blk, b, h, hk, b64, mbh) of this program, as the ``tl`` forward maps it: ORDERED, the
-    (batch * query head, block) grid in the plan's longest-first order (``order_ptr``), every
-    head of a block together; else the (query block, batch * query head) grid in the order
-    the hardware launches it (query blocks fastest). Without an order table causal masks run
-    the heavy late query blocks first."""
-    slot, bh = _launch_slot(ORDERED)
+    """(m_blk, b, h, hk, b64, mbh) of this program, as the ``tl`` forward maps it: ORDERED, a
+    1-D grid in the plan's longest-first order (``order_ptr``), every head of a block
+    together; else the (query block, batch * query head) grid in the order the hardware
+    launches it (query blocks fastest). Without an order table causal masks run the heavy late
+    query blocks first."""
+    slot, bh = _launch_slot(NQB, ORDERED)
     b = bh // Hq
     h = bh % Hq
     hk = h // (Hq // Hk)
@@ -556,9 +556,9 @@ def _fwd_ws_kernel(q_desc, k_desc, v_desc, o_ptr, lse_ptr, mask_ptr, sum_ptr, rn
     Hq is unused: kept so that the compiled kernel stays the GPU-verified one).
     Launched with 4 warps (consumer warpgroup 0, the default partition) plus, at BLOCK_M = 128,
     a 4-warp worker (consumer warpgroup 1), and a 1-warp TMA producer; NUM_WARPS counts the
-    consumer warps (8 or 4: NC = NUM_WARPS // 4 warpgroups of 64 rows). ORDERED: the
-    (batch * query head, block) grid in the plan's longest-first order (``order_ptr``; None
-    otherwise: a constexpr, the grid-order kernel's parameter list), as the tl forward."""
+    consumer warps (8 or 4: NC = NUM_WARPS // 4 warpgroups of 64 rows). ORDERED: a 1-D grid
+    in the plan's longest-first order (``order_ptr``; None otherwise: a constexpr, the
+    grid-order kernel's parameter list), as the tl forward."""
     gl.static_assert(BLOCK_M == 16 * NUM_WARPS and (NUM_WARPS == 8 or NUM_WARPS == 4),
                      "one or two consumer warpgroups of 64 rows")
     NC: gl.constexpr = NUM_WARPS // 4

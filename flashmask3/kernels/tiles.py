@@ -43,8 +43,6 @@ LAUNCH_ORDERS = ("longest", "grid")
 #: (PARTIAL, or a SKIP tile inside a second live range) costs 1.5x one of the mask-free loop
 #: (it classifies the tile and applies the element mask): full x 2 + partial x 3.
 FULL_TILE_WEIGHT, PARTIAL_TILE_WEIGHT = 2, 3
-#: CUDA's limit on a grid's y (and z) dimension: the slots of an ordered launch.
-MAX_GRID_Y = 65535
 
 
 def _launch_order_from_env() -> str:
@@ -228,15 +226,16 @@ def _query_block_ranges(rng_ptr, mbh, m_blk, Sq, Sk, NQB, NKB, BLOCK_M: tl.const
 
 
 @triton.jit
-def _launch_slot(ORDERED: tl.constexpr):
-    """``(slot, bh)`` of this program. ORDERED: the (batch-head, slot) grid, batch-heads
-    fastest: every head of a slot together (launch index L -> slot L // n_bh, batch-head
-    L % n_bh; both program ids, no division, and ptxas keeps them in uniform registers); else
-    the (slot, batch-head) grid, slots fastest. The one mapping of every ``tl`` kernel (the
-    Gluon kernels' twin: ``gluon_common._launch_slot``)."""
+def _launch_slot(n_blocks, ORDERED: tl.constexpr):
+    """``(slot, bh)`` of this program. ORDERED: a 1-D grid of ``n_blocks * n_bh`` programs,
+    every head of a slot together (launch index L -> slot L // n_bh, batch-head L % n_bh);
+    else the 2-D grid (slot, batch-head), slots fastest. The one mapping of every ``tl``
+    kernel (the Gluon kernels' twin: ``gluon_common._launch_slot``)."""
     if ORDERED:
-        slot = tl.program_id(1)
-        bh = tl.program_id(0)
+        pid = tl.program_id(0)
+        n_bh = tl.num_programs(0) // n_blocks
+        slot = pid // n_bh
+        bh = pid % n_bh
     else:
         slot = tl.program_id(0)
         bh = tl.program_id(1)
@@ -483,7 +482,7 @@ class Plan:
 
     @property
     def ordered(self) -> bool:
-        """Whether the kernels launch longest-first (a (batch-head, block) grid, heads fastest)."""
+        """Whether the kernels launch longest-first (a 1-D grid, heads fastest)."""
         return self.order is not None
 
 
@@ -541,14 +540,10 @@ def _run_length(lo: torch.Tensor, hi: torch.Tensor, flo: torch.Tensor, fhi: torc
 
 def launch_grid(plan: Plan, n_blocks: int, n_bh: int) -> tuple:
     """The grid of a kernel with ``n_blocks`` blocks per batch-head and ``n_bh`` batch-heads
-    under ``plan``: (batch-head, slot) when the plan is ordered (``_launch_slot``: heads
-    fastest), else (block, batch-head)."""
+    under ``plan``: 1-D in launch order when the plan is ordered (``_launch_slot``), else the
+    2-D (block, batch-head) grid."""
     if plan.ordered:
-        if n_blocks > MAX_GRID_Y:
-            raise ValueError(f"{n_blocks} blocks per head exceed the grid's y limit "
-                             f"{MAX_GRID_Y} in longest-first order (FLASHMASK3_LAUNCH_ORDER"
-                             f"=grid launches them, or use larger tiles)")
-        return (n_bh, n_blocks)
+        return (n_blocks * n_bh,)
     return (n_blocks, n_bh)
 
 

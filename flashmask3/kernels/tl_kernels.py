@@ -106,7 +106,7 @@ def _query_block_program(order_ptr, NQB, Hq, Hk, Hm, mask_b_stride, CAUSAL: tl.c
     forward and dQ kernels: ``(m_blk, b, h, hk, hm, b64)``. ORDERED: longest-first, the blocks
     of the plan's order table with every head of a block together (``tiles._launch_slot``);
     else (and without a mask) causal masks run the heavy (late) query blocks first."""
-    slot, bh = _launch_slot(ORDERED)
+    slot, bh = _launch_slot(NQB, ORDERED)
     b = bh // Hq
     h = bh % Hq
     hm = h // (Hq // Hm)
@@ -132,8 +132,7 @@ def _fwd_kernel(q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr, mask_ptr, sum_ptr, rng_ptr,
                 USE_TMA: tl.constexpr, PREC: tl.constexpr, A_SMEM: tl.constexpr,
                 SPLIT_UNMASKED: tl.constexpr, ORDERED: tl.constexpr):
     """One program per (query block, batch*query head): O and LSE of BLOCK_M query rows.
-    ORDERED: the (batch*head, block) grid in the plan's longest-first order (``order_ptr``,
-    None otherwise)."""
+    ORDERED: a 1-D grid in the plan's longest-first order (``order_ptr``, None otherwise)."""
     m_blk, b, h, hk, hm, b64 = _query_block_program(order_ptr, NQB, Hq, Hk, Hm, mask_b_stride,
                                                     CAUSAL, C, ORDERED)
     offs_m = m_blk * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -312,9 +311,9 @@ def _dkdv_kernel(q_ptr, k_ptr, v_ptr, do_ptr, dk_ptr, dv_ptr, lse2_ptr, delta_pt
     ``dq_ptr`` is unused (the deleted tl fused backward's dQ buffer; kept so that the compiled
     kernel's parameter list, hence its machine code, stays the GPU-verified one).
     SPLIT_UNMASKED: visit each range's run of UNMASKED tiles in a loop without mask code.
-    ORDERED: the (batch*KV head, block) grid in the by-key plan's longest-first order
-    (``order_ptr``), by the row of the mask head of the group's first query head."""
-    slot, bh = _launch_slot(ORDERED)
+    ORDERED: a 1-D grid in the by-key plan's longest-first order (``order_ptr``), by the row
+    of the mask head of the group's first query head."""
+    slot, bh = _launch_slot(NKB, ORDERED)
     b = bh // Hk
     hk = bh % Hk
     b64 = b.to(tl.int64)

@@ -80,9 +80,8 @@ def test_order_is_a_descending_permutation_per_mask_head(monkeypatch, by_key, ki
 
 
 def test_grid_knob_and_plan_fields(monkeypatch):
-    """``grid``: no order table, the (block, batch-head) grid; the default ``longest``: the
-    (batch-head, block) grid, also without a mask (the causal diagonal's order needs no
-    table). Bad values are refused."""
+    """``grid``: no order table, the 2-D grid; the default ``longest``: a 1-D grid, also
+    without a mask (the causal diagonal's order needs no table). Bad values are refused."""
     monkeypatch.delenv("FLASHMASK3_LAUNCH_ORDER", raising=False)
     assert tiles._launch_order_from_env() == "longest"
     monkeypatch.setenv("FLASHMASK3_LAUNCH_ORDER", "grid")
@@ -97,9 +96,7 @@ def test_grid_knob_and_plan_fields(monkeypatch):
     assert plan.order is None and tiles.launch_grid(plan, 8, 4) == (8, 4)
     _set_order(monkeypatch, "longest")
     plan = tiles.cached_plan(cols, True, 128, 128, 32, 16, False, DEVICE)
-    assert plan.ordered and tiles.launch_grid(plan, 8, 4) == (4, 8)
-    with pytest.raises(ValueError, match="y limit"):
-        tiles.launch_grid(plan, tiles.MAX_GRID_Y + 1, 4)
+    assert plan.ordered and tiles.launch_grid(plan, 8, 4) == (32,)
     assert tiles.make_plan(None, True, 128, 128, 32, 16, False, DEVICE).ordered
 
 
