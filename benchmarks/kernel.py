@@ -472,7 +472,7 @@ def flashmask_prep_ms(mask, causal, s, d, dtype) -> float:
 
 
 def mask_bytes(mask, causal, s, d, dtype) -> int:
-    """Bytes of the column mask plus every block summary, live-range and order table."""
+    """Bytes of the column mask plus every block summary and live-range table."""
     from flashmask3.kernels import triton_backend as T
 
     if mask is None:
@@ -482,7 +482,6 @@ def mask_bytes(mask, causal, s, d, dtype) -> int:
     n = mask.startend_row_indices.numel() * 4
     for p in plans:
         n += p.summary.numel() * 4 + p.ranges.numel() * 4
-        n += p.order.numel() * 4 if p.order is not None else 0
     return n
 
 

@@ -35,7 +35,6 @@ from triton.compiler import ASTSource
 from . import dispatch
 from . import gluon_bwd as G
 from . import gluon_fwd as F
-from . import tiles
 from . import tl_kernels as TL
 from .tiles import Config, _num_intervals
 
@@ -132,24 +131,10 @@ def cuobjdump(cubin: bytes) -> tuple[dict, str]:
     return dict(regs=regs, stack=stack, shared=shared, local=local), sass
 
 
-def _order_args(ordered: Optional[bool], ptrs: dict, consts: dict) -> None:
-    """The launch-order arguments as the launchers pass them (``ordered`` None: the plans'
-    default, :data:`tiles.LAUNCH_ORDER`): ``order_ptr`` an int32 pointer when ordered, else
-    None (a constexpr: the grid-order kernel's parameter list), and ``ORDERED``."""
-    if ordered is None:
-        ordered = tiles.LAUNCH_ORDER == "longest"
-    consts["ORDERED"] = ordered
-    if ordered:
-        ptrs["order_ptr"] = "*i32"
-    else:
-        consts["order_ptr"] = None
-
-
 def compile_tl(kind: str, d: int, cfg: Config, causal: bool, c: int, dtype: str = "bf16",
-               tma: bool = True, sass: bool = False, ordered: Optional[bool] = None) -> dict:
+               tma: bool = True, sass: bool = False) -> dict:
     """Compile one tl kernel (``kind``: fwd, dkdv or dq) for sm_90 and return its
-    resource report (``sass``: with the SASS listing under "sass"; ``ordered``: the
-    longest-first launch order, None: the default, :func:`_order_args`)."""
+    resource report (``sass``: with the SASS listing under "sass")."""
     ni = _num_intervals(causal, c)
     common = dict(D=d, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, CAUSAL=causal, C=c, NI=ni,
                   USE_TMA=tma, PREC="tf32", A_SMEM=TL.a_smem(kind, d),
@@ -177,7 +162,6 @@ def compile_tl(kind: str, d: int, cfg: Config, causal: bool, c: int, dtype: str 
     if not tma:
         descs = {n: "constexpr" for n in descs}
         common.update({n: None for n in descs})
-    _order_args(ordered, ptrs, common)
     sig, attrs = _signature(kernel, ptrs, descs, common)
     src = ASTSource(kernel, sig, constexprs={k: v for k, v in common.items()}, attrs=attrs)
     ck = compile_sm90_source(src, cfg.num_warps, cfg.num_stages)
@@ -219,12 +203,10 @@ def offline_constexprs(d: int, block_m: int, block_n: int, num_warps: int, num_s
 def compile_bwd(d: int = 128, block_m: int = 64, block_n: int = 64, num_warps: int = 4,
                 num_stages: int = 2, causal: bool = True, c: int = 1, dtype: str = "bf16",
                 fuse_dq: bool = False, warp_spec: bool = False, maxnreg: Optional[int] = None,
-                stats_smem: bool = False, ds_shared: bool = False,
-                ordered: Optional[bool] = None):
+                stats_smem: bool = False, ds_shared: bool = False):
     """Compile the Gluon dK/dV kernel (``fuse_dq``: the FUSE_DQ variant; ``warp_spec``: the
-    WARP_SPEC one, at ``maxnreg`` registers per thread, default :func:`G.ws_maxnreg`;
-    ``ordered``: the longest-first launch order, None: the default, :func:`_order_args`) for
-    sm_90 without a GPU, with the launcher's arguments; returns the CompiledKernel."""
+    WARP_SPEC one, at ``maxnreg`` registers per thread, default :func:`G.ws_maxnreg`) for sm_90
+    without a GPU, with the launcher's arguments; returns the CompiledKernel."""
     reason = G.unavailable_reason()
     if reason is not None:
         raise RuntimeError(reason)
@@ -247,7 +229,6 @@ def compile_bwd(d: int = 128, block_m: int = 64, block_n: int = 64, num_warps: i
         options["maxnreg"] = maxnreg if maxnreg is not None else G.ws_maxnreg(num_warps)
     if not fuse_dq:
         consts["dq_desc"] = None  # as the launcher passes it: a constexpr, not a parameter
-    _order_args(ordered, ptrs, consts)
     return compile_gluon_sm90(kern, ptrs, descs, consts, num_warps, num_stages, **options)
 
 
@@ -432,10 +413,10 @@ def bwd_main(argv=None):
 def compile_fwd(d: int = 128, block_m: int = 128, block_n: int = 128, num_warps: int = 8,
                 num_stages: int = 2, causal: bool = True, c: int = 1, dtype: str = "bf16",
                 warp_spec: bool = True, pingpong: bool = False,
-                cols_smem: Optional[bool] = None, ordered: Optional[bool] = None):
+                cols_smem: Optional[bool] = None):
     """Compile the warp-specialised Gluon forward (:func:`F._fwd_ws_kernel`) for sm_90 without a
     GPU, with the launcher's arguments; returns the CompiledKernel. ``warp_spec`` must be True
-    (the only Gluon forward left); ``ordered``: the launch order (:func:`_order_args`)."""
+    (the only Gluon forward left)."""
     reason = F.unavailable_reason()
     if reason is not None:
         raise RuntimeError(reason)
@@ -450,7 +431,6 @@ def compile_fwd(d: int = 128, block_m: int = 128, block_n: int = 128, num_warps:
     consts = offline_constexprs(d, block_m, block_n, num_warps, num_stages, causal, c)
     consts.update(PINGPONG=pingpong, CONSUMER_REGS=F.ws_consumer_regs(num_warps),
                   COLS_SMEM=cols_smem)
-    _order_args(ordered, ptrs, consts)
     return compile_gluon_sm90(F._fwd_ws_kernel, ptrs, descs, consts, 4, num_stages,
                               maxnreg=F.ws_maxnreg(num_warps))
 

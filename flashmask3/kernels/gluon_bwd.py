@@ -223,10 +223,8 @@ from .gluon_common import (  # noqa: F401  (the shared Gluon helpers)
     _element_masked,
     _gl_dtype,
     _key_block_ranges,
-    _launch_slot,
     _load_stats,
     _needs_mask,
-    _ordered_block,
     _query_block_ranges,
     _smem_layout,
     unavailable_reason,
@@ -234,7 +232,7 @@ from .gluon_common import (  # noqa: F401  (the shared Gluon helpers)
     ws_maxnreg,
     ws_programs_per_sm)
 from .launcher import cdiv, descriptor, launch
-from .tiles import _NO_SPEC, LOG2E, _num_intervals, launch_grid  # noqa: F401
+from .tiles import _NO_SPEC, LOG2E, _num_intervals  # noqa: F401
 from .tl_kernels import dq_accumulator, scale_dq
 
 if GLUON_IMPORT_ERROR is None:
@@ -769,13 +767,12 @@ def _compute_partition(n_blk, b, hk, b64, group, k_smem, v_smem, q_ring, do_ring
 @_jit(do_not_specialize=_NO_SPEC)
 def _dkdv_gluon_kernel(q_desc, do_desc, k_desc, v_desc, dk_ptr, dv_ptr, lse2_ptr, delta_ptr,
                        mask_ptr, sum_ptr, rng_ptr, sm_scale, scale_log2,
-                       Sq, Sk, Hq, Hk, Hm, NQB, NKB, mask_b_stride, dq_desc, order_ptr,
+                       Sq, Sk, Hq, Hk, Hm, NQB, NKB, mask_b_stride, dq_desc,
                        D: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
                        CAUSAL: gl.constexpr, C: gl.constexpr, NI: gl.constexpr,
                        NUM_STAGES: gl.constexpr, NUM_WARPS: gl.constexpr,
                        FUSE_DQ: gl.constexpr = False, WARP_SPEC: gl.constexpr = False,
-                       STATS_SMEM: gl.constexpr = False, DS_SHARED: gl.constexpr = False,
-                       ORDERED: gl.constexpr = False):
+                       STATS_SMEM: gl.constexpr = False, DS_SHARED: gl.constexpr = False):
     """One program per (key block, batch * KV head); loops over the query heads of its group.
     FUSE_DQ: also reduce-adds dQ (unscaled, fp32) through ``dq_desc``: the [B*Hq*D, Sq] view of
     a dQᵀ buffer [B, Hq, D, Sq_pad] (block [D, BLOCK_M]: a wgmma accumulator tile as it sits
@@ -786,11 +783,7 @@ def _dkdv_gluon_kernel(q_desc, do_desc, k_desc, v_desc, dk_ptr, dv_ptr, lse2_ptr
     :func:`_compute_partition`) and a 1-warp TMA producer (:func:`_producer_partition`, 24
     registers) joined by a ready/empty mbarrier pair per ring slot; same math in the same
     order. Launch it with ``maxnreg`` (see :func:`ws_maxnreg`): the compute partition gets the
-    registers the producer's warpgroup gives back.
-
-    ORDERED: a 1-D grid in the by-key plan's longest-first order (``order_ptr``, by the row of
-    the mask head of the group's first query head); without it ``order_ptr`` is None (a
-    constexpr) and the kernel is the grid-order one."""
+    registers the producer's warpgroup gives back."""
     # wgmma M: 16 key rows per warp; warps beyond BLOCK_N // 16 split the head dim (and the
     # queries of Sᵀ, dPᵀ): D=256, where one warpgroup cannot hold BLOCK_N x 256 dK and dV
     KEY_WARPS: gl.constexpr = BLOCK_N // 16
@@ -808,21 +801,12 @@ def _dkdv_gluon_kernel(q_desc, do_desc, k_desc, v_desc, dk_ptr, dv_ptr, lse2_ptr
                                                          instr_shape=[16, D // D_WARPS, 16])
     a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_layout, k_width=2)
 
-    if ORDERED:  # longest-first (the tl dK/dV kernel's mapping, tiles._ordered_block)
-        slot, bh = _launch_slot(NKB, ORDERED)
-        b = bh // Hk
-        hk = bh % Hk
-        b64 = b.to(gl.int64)
-        group = Hq // Hk
-        n_blk = _ordered_block(order_ptr, b64 * mask_b_stride + (hk * group) // (Hq // Hm),
-                               slot, NKB, False, C, ORDERED)
-    else:  # grid order: the code (hence the SASS) of the kernel before ORDERED existed
-        n_blk = gl.program_id(0)
-        bh = gl.program_id(1)
-        b = bh // Hk
-        hk = bh % Hk
-        b64 = b.to(gl.int64)
-        group = Hq // Hk
+    n_blk = gl.program_id(0)
+    bh = gl.program_id(1)
+    b = bh // Hk
+    hk = bh % Hk
+    b64 = b.to(gl.int64)
+    group = Hq // Hk
     c0 = n_blk * BLOCK_N
 
     if DS_SHARED:  # K, V as one [2, BLOCK_N, D] buffer (see _tile_ds_shared: opaque index)
@@ -1121,13 +1105,10 @@ def launch_dkdv_gluon(q, k, v, dout, lse2, delta, causal, softmax_scale, plan, b
         kwargs.update(STATS_SMEM=True)
     if ds_shared:
         kwargs.update(DS_SHARED=True)
-    if plan.ordered:  # (grid order: ORDERED left out, the kernel as it always was)
-        kwargs.update(ORDERED=True)
-    launch(_dkdv_gluon_kernel, launch_grid(plan, nkb, b * hk),
+    launch(_dkdv_gluon_kernel, (nkb, b * hk),
         q_desc, do_desc, k_desc, v_desc, dk, dv, lse2, delta, plan.mask, plan.summary,
         plan.ranges, softmax_scale, softmax_scale * LOG2E, sq, sk, hq, hk, plan.hm, nqb, nkb,
-        plan.mask_b_stride, dq_desc, plan.order, D=d, BLOCK_M=block_m, BLOCK_N=block_n,
-        CAUSAL=causal,
+        plan.mask_b_stride, dq_desc, D=d, BLOCK_M=block_m, BLOCK_N=block_n, CAUSAL=causal,
         C=plan.c, NI=plan.ni, NUM_STAGES=num_stages, NUM_WARPS=num_warps, num_warps=num_warps,
         **kwargs)
     if fuse_dq:

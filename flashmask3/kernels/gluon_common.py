@@ -1,7 +1,6 @@
 """Gluon helpers shared by the Gluon forward (:mod:`.gluon_fwd`) and backward
-(:mod:`.gluon_bwd`): the Gluon imports (the package imports without Gluon), the mask,
-live-range and launch-order helpers in Gluon, shared-memory layouts and the
-warp-specialisation register budget.
+(:mod:`.gluon_bwd`): the Gluon imports (the package imports without Gluon), the mask and
+live-range helpers in Gluon, shared-memory layouts and the warp-specialisation register budget.
 """
 
 from __future__ import annotations
@@ -156,37 +155,6 @@ def _key_block_ranges(rng_ptr, mbh, n_blk, Sq, Sk, NQB, BLOCK_M: gl.constexpr,
         flo1 = hi0
         fhi1 = hi0
     return lo0, flo0, fhi0, hi0, lo1, flo1, fhi1, hi1
-
-
-@_jit
-def _launch_slot(n_blocks, ORDERED: gl.constexpr):
-    """``(slot, bh)`` of this program: the Gluon twin of ``tiles._launch_slot`` (same integer
-    expressions; why two copies: :func:`_query_block_ranges`). ORDERED: a 1-D grid, every
-    head of a slot together; else the 2-D (slot, batch-head) grid."""
-    if ORDERED:
-        pid = gl.program_id(0)
-        n_bh = gl.num_programs(0) // n_blocks
-        slot = pid // n_bh
-        bh = pid % n_bh
-    else:
-        slot = gl.program_id(0)
-        bh = gl.program_id(1)
-    return slot, bh
-
-
-@_jit
-def _ordered_block(order_ptr, mbh, slot, n_blocks, REVERSE: gl.constexpr, C: gl.constexpr,
-                   ORDERED: gl.constexpr):
-    """The block launch slot ``slot`` of mask batch-head ``mbh`` runs: the Gluon twin of
-    ``tiles._ordered_block`` (the plan's order table when ORDERED with a mask, else ``slot``,
-    from the last block when REVERSE)."""
-    if ORDERED and C > 0:
-        blk = gl.load(order_ptr + mbh * n_blocks + slot)
-    elif REVERSE:
-        blk = n_blocks - 1 - slot
-    else:
-        blk = slot
-    return blk
 
 
 @_jit

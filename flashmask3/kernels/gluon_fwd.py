@@ -34,11 +34,11 @@ import torch
 import triton
 
 from . import gluon_common as _GD
-from .gluon_common import (_gl_dtype, _jit, _launch_slot, _load_stats,  # noqa: F401
-                           _needs_mask, _ordered_block, _query_block_ranges, _smem_layout, gl,
+from .gluon_common import (_gl_dtype, _jit, _load_stats, _needs_mask,  # noqa: F401
+                           _query_block_ranges, _smem_layout, gl,
                            unavailable_reason)
 from .launcher import cdiv, descriptor, launch
-from .tiles import _NO_SPEC, LOG2E, launch_grid
+from .tiles import _NO_SPEC, LOG2E
 
 if _GD.GLUON_IMPORT_ERROR is None:
     from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier,
@@ -174,21 +174,22 @@ def _store_rows(acc, m_i, l_i, o_ptr, lse_ptr, b64, h, row0, Sq, Hq,
 
 
 @_jit
-def _ws_item(order_ptr, NQB, Hq, Hk, Hm, mask_b_stride, CAUSAL: gl.constexpr, C: gl.constexpr,
-             ORDERED: gl.constexpr):
-    """(m_blk, b, h, hk, b64, mbh) of this program, as the ``tl`` forward maps it: ORDERED, a
-    1-D grid in the plan's longest-first order (``order_ptr``), every head of a block
-    together; else the (query block, batch * query head) grid in the order the hardware
-    launches it (query blocks fastest). Without an order table causal masks run the heavy late
-    query blocks first."""
-    slot, bh = _launch_slot(NQB, ORDERED)
+def _ws_item(item, NQB, Hq, Hk, Hm, mask_b_stride, CAUSAL: gl.constexpr):
+    """(m_blk, b, h, hk, b64, mbh) of work item ``item``: the non-persistent grid's program
+    (item % NQB, item // NQB), in the order the hardware launches that grid (query blocks
+    fastest; causal: the heavy late query blocks of a head first)."""
+    i = item % NQB
+    bh = item // NQB
+    if CAUSAL:
+        m_blk = NQB - 1 - i
+    else:
+        m_blk = i
     b = bh // Hq
     h = bh % Hq
     hk = h // (Hq // Hk)
     hm = h // (Hq // Hm)
     b64 = b.to(gl.int64)
     mbh = b64 * mask_b_stride + hm
-    m_blk = _ordered_block(order_ptr, mbh, slot, NQB, CAUSAL, C, ORDERED)
     return m_blk, b, h, hk, b64, mbh
 
 
@@ -471,18 +472,17 @@ def _ws_consume_block(WG: gl.constexpr, t, u, q_smem, k_ring, v_ring, q_bar, q_p
 
 @_jit
 def _ws_consume(WG: gl.constexpr, q_smem, k_ring, v_ring, q_bar, q_empty, k_ready, k_empty,
-                v_ready, v_empty, turn, order_ptr, col_ring, o_ptr, lse_ptr, sum_ptr, mask_ptr,
+                v_ready, v_empty, turn, item_smem, col_ring, o_ptr, lse_ptr, sum_ptr, mask_ptr,
                 rng_ptr, Sq, Sk, Hq, Hk, Hm, NQB, NKB, mask_b_stride, scale_log2, n_items,
                 D: gl.constexpr,
                 BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr,
                 CAUSAL: gl.constexpr, C: gl.constexpr, NI: gl.constexpr,
-                PINGPONG: gl.constexpr, ORDERED: gl.constexpr):
+                PINGPONG: gl.constexpr):
     """Consumer partition ``WG`` (one warpgroup): its 64 rows of the program's block
-    (``n_items`` unused; ``col_ring`` the column ring or 0; ``order_ptr`` the plan's order
-    table, 0 unless ORDERED)."""
+    (``n_items``, ``item_smem`` unused; ``col_ring`` the column ring or 0)."""
     pid = gl.program_id(0)
-    m_blk, b, h, hk, b64, mbh = _ws_item(order_ptr, NQB, Hq, Hk, Hm, mask_b_stride, CAUSAL, C,
-                                         ORDERED)
+    m_blk, b, h, hk, b64, mbh = _ws_item(pid + gl.program_id(1) * NQB, NQB, Hq, Hk, Hm,
+                                         mask_b_stride, CAUSAL)
     lo0, flo0, fhi0, hi0, lo1, flo1, fhi1, hi1, len0, T = _ws_item_tiles(
         rng_ptr, mbh, m_blk, Sq, Sk, NQB, NKB, BLOCK_M, BLOCK_N, CAUSAL, C)
     _ws_consume_block(WG, pid * 0, pid * 0, q_smem, k_ring, v_ring, q_bar, 0, q_empty,
@@ -494,31 +494,31 @@ def _ws_consume(WG: gl.constexpr, q_smem, k_ring, v_ring, q_bar, q_empty, k_read
 
 @_jit
 def _ws_consume_wg0(q_smem, k_ring, v_ring, q_bar, q_empty, k_ready, k_empty, v_ready, v_empty,
-                    turn, order_ptr, col_ring, o_ptr, lse_ptr, sum_ptr, mask_ptr, rng_ptr, Sq, Sk,
+                    turn, item_smem, col_ring, o_ptr, lse_ptr, sum_ptr, mask_ptr, rng_ptr, Sq, Sk,
                     Hq, Hk, Hm, NQB, NKB, mask_b_stride, scale_log2, n_items, D: gl.constexpr,
                     BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr,
                     CAUSAL: gl.constexpr, C: gl.constexpr, NI: gl.constexpr,
-                    PINGPONG: gl.constexpr, ORDERED: gl.constexpr):
+                    PINGPONG: gl.constexpr):
     """Consumer warpgroup 0 (the default partition; the warpgroup index must be a literal:
     warp_specialize passes its arguments as values)."""
     _ws_consume(0, q_smem, k_ring, v_ring, q_bar, q_empty, k_ready, k_empty, v_ready, v_empty,
-                turn, order_ptr, col_ring, o_ptr, lse_ptr, sum_ptr, mask_ptr, rng_ptr, Sq, Sk, Hq,
+                turn, item_smem, col_ring, o_ptr, lse_ptr, sum_ptr, mask_ptr, rng_ptr, Sq, Sk, Hq,
                 Hk, Hm, NQB, NKB, mask_b_stride, scale_log2, n_items, D, BLOCK_M, BLOCK_N,
-                NUM_STAGES, CAUSAL, C, NI, PINGPONG, ORDERED)
+                NUM_STAGES, CAUSAL, C, NI, PINGPONG)
 
 
 @_jit
 def _ws_consume_wg1(q_smem, k_ring, v_ring, q_bar, q_empty, k_ready, k_empty, v_ready, v_empty,
-                    turn, order_ptr, col_ring, o_ptr, lse_ptr, sum_ptr, mask_ptr, rng_ptr, Sq, Sk,
+                    turn, item_smem, col_ring, o_ptr, lse_ptr, sum_ptr, mask_ptr, rng_ptr, Sq, Sk,
                     Hq, Hk, Hm, NQB, NKB, mask_b_stride, scale_log2, n_items, D: gl.constexpr,
                     BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr,
                     CAUSAL: gl.constexpr, C: gl.constexpr, NI: gl.constexpr,
-                    PINGPONG: gl.constexpr, ORDERED: gl.constexpr):
+                    PINGPONG: gl.constexpr):
     """Consumer warpgroup 1 (a 4-warp worker partition)."""
     _ws_consume(1, q_smem, k_ring, v_ring, q_bar, q_empty, k_ready, k_empty, v_ready, v_empty,
-                turn, order_ptr, col_ring, o_ptr, lse_ptr, sum_ptr, mask_ptr, rng_ptr, Sq, Sk, Hq,
+                turn, item_smem, col_ring, o_ptr, lse_ptr, sum_ptr, mask_ptr, rng_ptr, Sq, Sk, Hq,
                 Hk, Hm, NQB, NKB, mask_b_stride, scale_log2, n_items, D, BLOCK_M, BLOCK_N,
-                NUM_STAGES, CAUSAL, C, NI, PINGPONG, ORDERED)
+                NUM_STAGES, CAUSAL, C, NI, PINGPONG)
 
 
 #: WARP_SPEC forward: the producer warp's registers (the dK/dV kernel's).
@@ -545,20 +545,18 @@ def ws_consumer_regs(num_warps: int = 8) -> int:
 
 @_jit(do_not_specialize=_NO_SPEC + ["n_items"])
 def _fwd_ws_kernel(q_desc, k_desc, v_desc, o_ptr, lse_ptr, mask_ptr, sum_ptr, rng_ptr,
-                   scale_log2, Sq, Sk, Hq, Hk, Hm, NQB, NKB, mask_b_stride, n_items, order_ptr,
+                   scale_log2, Sq, Sk, Hq, Hk, Hm, NQB, NKB, mask_b_stride, n_items,
                    D: gl.constexpr, BLOCK_M: gl.constexpr,
                    BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr, C: gl.constexpr,
                    NI: gl.constexpr, NUM_STAGES: gl.constexpr, NUM_WARPS: gl.constexpr,
                    PINGPONG: gl.constexpr, CONSUMER_REGS: gl.constexpr,
-                   COLS_SMEM: gl.constexpr, ORDERED: gl.constexpr = False):
+                   COLS_SMEM: gl.constexpr):
     """The WARP_SPEC forward: one program per (query block of BLOCK_M rows, batch * query
     head), same grid, program order, plan and tiles as the tl forward (``n_items`` = NQB * B *
     Hq is unused: kept so that the compiled kernel stays the GPU-verified one).
     Launched with 4 warps (consumer warpgroup 0, the default partition) plus, at BLOCK_M = 128,
     a 4-warp worker (consumer warpgroup 1), and a 1-warp TMA producer; NUM_WARPS counts the
-    consumer warps (8 or 4: NC = NUM_WARPS // 4 warpgroups of 64 rows). ORDERED: a 1-D grid
-    in the plan's longest-first order (``order_ptr``; None otherwise: a constexpr, the
-    grid-order kernel's parameter list), as the tl forward."""
+    consumer warps (8 or 4: NC = NUM_WARPS // 4 warpgroups of 64 rows)."""
     gl.static_assert(BLOCK_M == 16 * NUM_WARPS and (NUM_WARPS == 8 or NUM_WARPS == 4),
                      "one or two consumer warpgroups of 64 rows")
     NC: gl.constexpr = NUM_WARPS // 4
@@ -594,8 +592,8 @@ def _fwd_ws_kernel(q_desc, k_desc, v_desc, o_ptr, lse_ptr, mask_ptr, sum_ptr, rn
     mbarrier.init(turn.index(1), count=1)
     fence_async_shared()
 
-    m_blk, b, h, hk, b64, mbh = _ws_item(order_ptr, NQB, Hq, Hk, Hm, mask_b_stride, CAUSAL, C,
-                                         ORDERED)
+    m_blk, b, h, hk, b64, mbh = _ws_item(gl.program_id(0) + gl.program_id(1) * NQB, NQB, Hq,
+                                         Hk, Hm, mask_b_stride, CAUSAL)
     # Q's two halves first: their load runs under the live ranges' scalar loads
     _ws_load_q(q_desc, q_smem, q_bar, b * Sq + m_blk * BLOCK_M, h * D)
     lo0, flo0, fhi0, hi0, lo1, flo1, fhi1, hi1, len0, T = _ws_item_tiles(
@@ -605,10 +603,6 @@ def _fwd_ws_kernel(q_desc, k_desc, v_desc, o_ptr, lse_ptr, mask_ptr, sum_ptr, rn
     col_ptr = mask_ptr + mbh * Sk * C
     item_smem = 0  # placeholders (a None cannot travel in the partitions' arguments)
     claim_ptr = 0
-    if ORDERED:
-        order_arg = order_ptr
-    else:
-        order_arg = 0
     # Two spelled-out calls for one idea (the partitions, with or without consumer warpgroup
     # 1), because triton 3.6's frontend cannot build them once: held in a tuple variable, the
     # constexprs among the arguments reach the partitions as tensors; a list built at compile
@@ -619,14 +613,14 @@ def _fwd_ws_kernel(q_desc, k_desc, v_desc, o_ptr, lse_ptr, mask_ptr, sum_ptr, rn
         gl.warp_specialize([
             (_ws_consume_wg0,
              (q_smem, k_ring, v_ring, q_bar, q_empty, k_ready, k_empty, v_ready, v_empty, turn,
-              order_arg, col_ring, o_ptr, lse_ptr, sum_ptr, mask_ptr, rng_ptr, Sq, Sk, Hq, Hk, Hm,
+              item_smem, col_ring, o_ptr, lse_ptr, sum_ptr, mask_ptr, rng_ptr, Sq, Sk, Hq, Hk, Hm,
               NQB, NKB, mask_b_stride, scale_log2, n_items, D, BLOCK_M, BLOCK_N, NUM_STAGES,
-              CAUSAL, C, NI, PINGPONG, ORDERED)),
+              CAUSAL, C, NI, PINGPONG)),
             (_ws_consume_wg1,
              (q_smem, k_ring, v_ring, q_bar, q_empty, k_ready, k_empty, v_ready, v_empty, turn,
-              order_arg, col_ring, o_ptr, lse_ptr, sum_ptr, mask_ptr, rng_ptr, Sq, Sk, Hq, Hk, Hm,
+              item_smem, col_ring, o_ptr, lse_ptr, sum_ptr, mask_ptr, rng_ptr, Sq, Sk, Hq, Hk, Hm,
               NQB, NKB, mask_b_stride, scale_log2, n_items, D, BLOCK_M, BLOCK_N, NUM_STAGES,
-              CAUSAL, C, NI, PINGPONG, ORDERED)),
+              CAUSAL, C, NI, PINGPONG)),
             (_ws_produce,
              (q_desc, k_desc, v_desc, q_smem, k_ring, v_ring, q_bar, q_empty, k_ready, k_empty,
               v_ready, v_empty, item_smem, claim_ptr, col_ring, mask_ptr, rng_ptr, Sq, Sk, Hq,
@@ -638,9 +632,9 @@ def _fwd_ws_kernel(q_desc, k_desc, v_desc, o_ptr, lse_ptr, mask_ptr, sum_ptr, rn
         gl.warp_specialize([
             (_ws_consume_wg0,
              (q_smem, k_ring, v_ring, q_bar, q_empty, k_ready, k_empty, v_ready, v_empty, turn,
-              order_arg, col_ring, o_ptr, lse_ptr, sum_ptr, mask_ptr, rng_ptr, Sq, Sk, Hq, Hk, Hm,
+              item_smem, col_ring, o_ptr, lse_ptr, sum_ptr, mask_ptr, rng_ptr, Sq, Sk, Hq, Hk, Hm,
               NQB, NKB, mask_b_stride, scale_log2, n_items, D, BLOCK_M, BLOCK_N, NUM_STAGES,
-              CAUSAL, C, NI, PINGPONG, ORDERED)),
+              CAUSAL, C, NI, PINGPONG)),
             (_ws_produce,
              (q_desc, k_desc, v_desc, q_smem, k_ring, v_ring, q_bar, q_empty, k_ready, k_empty,
               v_ready, v_empty, item_smem, claim_ptr, col_ring, mask_ptr, rng_ptr, Sq, Sk, Hq,
@@ -792,10 +786,9 @@ def launch_fwd_gluon(q, k, v, mask, causal, softmax_scale, plan, block_m: int, b
                   NUM_STAGES=num_stages, NUM_WARPS=num_warps)
     if not warp_spec:  # the one-partition Gluon forward measured 0.87-0.95x tl and was deleted
         raise ValueError("gluon fwd: only the warp-specialised kernel exists (warp_spec=True)")
-    order = dict(ORDERED=True) if plan.ordered else {}  # grid order: the kernel as it was
-    launch(_fwd_ws_kernel, launch_grid(plan, nqb, b * hq), *args, nqb * b * hq, plan.order,
-           **consts, PINGPONG=pingpong, CONSUMER_REGS=consumer_regs, COLS_SMEM=cols_smem,
-           num_warps=4, maxnreg=maxnreg, **order)
+    launch(_fwd_ws_kernel, (nqb, b * hq), *args, nqb * b * hq, **consts, PINGPONG=pingpong,
+                                  CONSUMER_REGS=consumer_regs, COLS_SMEM=cols_smem,
+                                  num_warps=4, maxnreg=maxnreg)
     return out, lse
 
 

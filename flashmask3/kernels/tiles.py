@@ -5,16 +5,13 @@ Device side: the tile rule (``_classify_rule``, the ``@jit`` twin of
 preprocessing kernels every attention kernel reads: per key block **summaries**
 (:func:`block_summaries`, 8 int32 per block: min/max start and end of each masked interval) and
 per query (or key) block **live ranges** (:func:`live_ranges`: at most two half-open runs of
-non-SKIP blocks, each with its first run of UNMASKED blocks), and the launch-order helpers
-(``_launch_slot``, ``_ordered_block``: longest-first program order, :func:`block_order`).
-Host side: :class:`Config` (a tile shape and launch parameters) and :class:`Plan` (the
-preprocessed mask for one tile shape, :func:`make_plan`). docs/kernels.md explains the
-algorithm; docs/masks.md the mask semantics.
+non-SKIP blocks, each with its first run of UNMASKED blocks). Host side: :class:`Config` (a
+tile shape and launch parameters) and :class:`Plan` (the preprocessed mask for one tile shape,
+:func:`make_plan`). docs/kernels.md explains the algorithm; docs/masks.md the mask semantics.
 """
 
 from __future__ import annotations
 
-import os
 import weakref
 from dataclasses import dataclass
 from typing import Optional
@@ -34,29 +31,6 @@ NSTAT = 8
 RANGE_WORDS = tl.constexpr(8)
 #: Integer arguments not specialised on (divisibility by 16): one compile serves every length.
 _NO_SPEC = ["Sq", "Sk", "Hq", "Hk", "Hm", "NQB", "NKB", "mask_b_stride"]
-
-#: The program orders the attention kernels can launch in: "longest" (the default: programs
-#: in descending order of their block's live work, every head of a block together) and
-#: "grid" (the hardware's grid order, blocks fastest: the order before the order tables).
-LAUNCH_ORDERS = ("longest", "grid")
-#: Tile weights of a block's live work in :func:`block_order`: a tile of a masked loop
-#: (PARTIAL, or a SKIP tile inside a second live range) costs 1.5x one of the mask-free loop
-#: (it classifies the tile and applies the element mask): full x 2 + partial x 3.
-FULL_TILE_WEIGHT, PARTIAL_TILE_WEIGHT = 2, 3
-
-
-def _launch_order_from_env() -> str:
-    """``FLASHMASK3_LAUNCH_ORDER`` (unset: "longest"): a private A/B switch for benchmarks
-    only; "grid" restores the hardware's grid order. Read once, at import."""
-    value = os.environ.get("FLASHMASK3_LAUNCH_ORDER", "") or "longest"
-    if value not in LAUNCH_ORDERS:
-        raise ValueError(f"FLASHMASK3_LAUNCH_ORDER={value!r}: expected one of {LAUNCH_ORDERS}")
-    return value
-
-
-#: The program order of plans built from now on (:func:`make_plan`); tests may set it and
-#: call :func:`clear_plan_cache`.
-LAUNCH_ORDER = _launch_order_from_env()
 
 
 # ---------------------------------------------------------------------------------------------
@@ -223,39 +197,6 @@ def _query_block_ranges(rng_ptr, mbh, m_blk, Sq, Sk, NQB, NKB, BLOCK_M: tl.const
         flo1 = hi0
         fhi1 = hi0
     return lo0, hi0, lo1, hi1, flo0, fhi0, flo1, fhi1
-
-
-@triton.jit
-def _launch_slot(n_blocks, ORDERED: tl.constexpr):
-    """``(slot, bh)`` of this program. ORDERED: a 1-D grid of ``n_blocks * n_bh`` programs,
-    every head of a slot together (launch index L -> slot L // n_bh, batch-head L % n_bh);
-    else the 2-D grid (slot, batch-head), slots fastest. The one mapping of every ``tl``
-    kernel (the Gluon kernels' twin: ``gluon_common._launch_slot``)."""
-    if ORDERED:
-        pid = tl.program_id(0)
-        n_bh = tl.num_programs(0) // n_blocks
-        slot = pid // n_bh
-        bh = pid % n_bh
-    else:
-        slot = tl.program_id(0)
-        bh = tl.program_id(1)
-    return slot, bh
-
-
-@triton.jit
-def _ordered_block(order_ptr, mbh, slot, n_blocks, REVERSE: tl.constexpr, C: tl.constexpr,
-                   ORDERED: tl.constexpr):
-    """The block that launch slot ``slot`` of mask batch-head ``mbh`` runs: entry ``slot`` of
-    row ``mbh`` of the plan's order table (ORDERED with a mask, :func:`block_order`), else
-    ``slot`` counted from the last block when REVERSE (causal forward and dQ: the heavy late
-    query blocks first) or from the first."""
-    if ORDERED and C > 0:
-        blk = tl.load(order_ptr + mbh * n_blocks + slot)
-    elif REVERSE:
-        blk = n_blocks - 1 - slot
-    else:
-        blk = slot
-    return blk
 
 
 @triton.jit
@@ -466,10 +407,7 @@ def _num_intervals(causal: bool, c: int) -> int:
 
 @dataclass
 class Plan:
-    """Preprocessed mask for one (BLOCK_M, BLOCK_N): block summaries, live ranges and the
-    launch order. ``order`` None: the kernels launch in grid order (``FLASHMASK3_LAUNCH_ORDER
-    =grid``); else longest-first (``ordered``), by its table when there is a mask (a dummy
-    without one: the causal diagonal's order is known)."""
+    """Preprocessed mask for one (BLOCK_M, BLOCK_N): block summaries and live ranges."""
 
     mask: torch.Tensor  # [B, Hm, Sk, C] contiguous int32 (a dummy when there is no mask)
     summary: torch.Tensor  # [Bm*Hm, NKB, 8] int32
@@ -478,12 +416,6 @@ class Plan:
     ni: int
     hm: int
     mask_b_stride: int
-    order: Optional[torch.Tensor] = None  # [Bm*Hm, NQB or NKB] int32 block ids, or None
-
-    @property
-    def ordered(self) -> bool:
-        """Whether the kernels launch longest-first (a 1-D grid, heads fastest)."""
-        return self.order is not None
 
 
 def _dummy(device) -> torch.Tensor:
@@ -516,48 +448,12 @@ def live_ranges(summary: torch.Tensor, causal: bool, ni: int, seqlen_q: int, seq
     return ranges
 
 
-def block_order(ranges: torch.Tensor) -> torch.Tensor:
-    """Longest-first launch order of a live-range table ``[Bm*Hm, n_blocks, RANGE_WORDS]``:
-    per mask batch-head, the block ids sorted by descending live work, ``[Bm*Hm, n_blocks]``
-    int32 (a permutation per row; ties keep grid order: a stable sort).
-
-    A block's work is the tiles its kernel visits: both live ranges, the tiles of the
-    mask-free run ``[flo, fhi)`` of each weighted :data:`FULL_TILE_WEIGHT`, the others (masked
-    loops: PARTIAL tiles and the SKIP tiles inside the second range)
-    :data:`PARTIAL_TILE_WEIGHT`. Torch ops on the table's device: no host sync, no Python
-    loop over the blocks (CUDA-graph capturable)."""
-    lo0, hi0, lo1, hi1, flo0, fhi0, flo1, fhi1 = ranges.unbind(-1)
-    visited = (hi0 - lo0).clamp_min(0) + (hi1 - lo1).clamp_min(0)
-    full = (_run_length(lo0, hi0, flo0, fhi0) + _run_length(lo1, hi1, flo1, fhi1))
-    work = FULL_TILE_WEIGHT * full + PARTIAL_TILE_WEIGHT * (visited - full)
-    return torch.argsort(work, dim=1, descending=True, stable=True).to(torch.int32)
-
-
-def _run_length(lo: torch.Tensor, hi: torch.Tensor, flo: torch.Tensor, fhi: torch.Tensor):
-    """Tiles of the mask-free run ``[flo, fhi)`` inside live range ``[lo, hi)``."""
-    return (torch.minimum(fhi, hi) - torch.maximum(flo, lo)).clamp_min(0)
-
-
-def launch_grid(plan: Plan, n_blocks: int, n_bh: int) -> tuple:
-    """The grid of a kernel with ``n_blocks`` blocks per batch-head and ``n_bh`` batch-heads
-    under ``plan``: 1-D in launch order when the plan is ordered (``_launch_slot``), else the
-    2-D (block, batch-head) grid."""
-    if plan.ordered:
-        return (n_blocks * n_bh,)
-    return (n_blocks, n_bh)
-
-
-def _ordered() -> bool:
-    """Whether plans built now launch longest-first (:data:`LAUNCH_ORDER`)."""
-    return LAUNCH_ORDER == "longest"
-
-
 def make_plan(mask: Optional[torch.Tensor], causal: bool, seqlen_q: int, seqlen_k: int,
               block_m: int, block_n: int, by_key: bool, device) -> Plan:
     """Everything the attention kernels need to know about the mask for one tile shape."""
     if mask is None:
         d = _dummy(device)
-        return Plan(d, d, d, 0, 0, 1, 0, d if _ordered() else None)
+        return Plan(d, d, d, 0, 0, 1, 0)
     mask = mask.contiguous()
     summary = block_summaries(mask, causal, seqlen_q, block_n)
     return _plan_from(mask, summary, causal, seqlen_q, seqlen_k, block_m, block_n, by_key)
@@ -568,8 +464,7 @@ def _plan_from(mask, summary, causal, seqlen_q, seqlen_k, block_m, block_n, by_k
     bm, hm, _, c = mask.shape
     ni = _num_intervals(causal, c)
     ranges = live_ranges(summary, causal, ni, seqlen_q, seqlen_k, block_m, block_n, by_key)
-    order = block_order(ranges) if _ordered() else None
-    return Plan(mask, summary, ranges, c, ni, hm, hm if bm > 1 else 0, order)
+    return Plan(mask, summary, ranges, c, ni, hm, hm if bm > 1 else 0)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -583,7 +478,7 @@ _PLAN_CACHE: dict = {}
 
 class _MaskPlans:
     """The plans of one live mask tensor at one ``_version``: summaries by (causal, Sq,
-    block_n) and ranges by (causal, Sq, Sk, block_m, block_n, by_key, launch order)."""
+    block_n) and ranges by (causal, Sq, Sk, block_m, block_n, by_key)."""
 
     __slots__ = ("ref", "version", "summaries", "plans")
 
@@ -628,7 +523,7 @@ def cached_plan(mask: Optional[torch.Tensor], causal: bool, seqlen_q: int, seqle
     if mask is None or not mask.is_contiguous() or _capturing(mask):
         return make_plan(mask, causal, seqlen_q, seqlen_k, block_m, block_n, by_key, device)
     entry = _entry_of(mask)
-    key = (causal, seqlen_q, seqlen_k, block_m, block_n, by_key, LAUNCH_ORDER)
+    key = (causal, seqlen_q, seqlen_k, block_m, block_n, by_key)
     plan = entry.plans.get(key)
     if plan is None:
         skey = (causal, seqlen_q, block_n)
@@ -638,8 +533,7 @@ def cached_plan(mask: Optional[torch.Tensor], causal: bool, seqlen_q: int, seqle
         plan = _plan_from(mask, summary, causal, seqlen_q, seqlen_k, block_m, block_n, by_key)
         plan.mask = None  # the cache must not hold the mask
         entry.plans[key] = plan
-    return Plan(mask, plan.summary, plan.ranges, plan.c, plan.ni, plan.hm, plan.mask_b_stride,
-                plan.order)
+    return Plan(mask, plan.summary, plan.ranges, plan.c, plan.ni, plan.hm, plan.mask_b_stride)
 
 
 def clear_plan_cache() -> None:

@@ -26,7 +26,7 @@ from .tiles import (LOG2E, NSTAT, PARTIAL, RANGE_WORDS, SKIP, UNMASKED, _NO_SPEC
                     Config, Plan, _classify_rule, _clipped_tile_class, _column_intervals,
                     _element_masked, _key_block_ranges, _load_stats, _query_block_ranges,
                     _stored_ranges, _tile_class, _unmasked, _unmasked_run, _kv_tile,
-                    _classes_along, _launch_slot, _ordered_block, launch_grid)
+                    _classes_along)
 
 # ---------------------------------------------------------------------------------------------
 # Forward
@@ -100,19 +100,19 @@ def _fwd_range(acc, l_i, m_i, q, offs_m, lo, flo, fhi, hi, k_ptr, v_ptr, k_desc,
 
 
 @triton.jit
-def _query_block_program(order_ptr, NQB, Hq, Hk, Hm, mask_b_stride, CAUSAL: tl.constexpr,
-                         C: tl.constexpr, ORDERED: tl.constexpr):
+def _query_block_program(NQB, Hq, Hk, Hm, CAUSAL: tl.constexpr):
     """This program's query block and heads on the (query block, batch*query head) grid of the
-    forward and dQ kernels: ``(m_blk, b, h, hk, hm, b64)``. ORDERED: longest-first, the blocks
-    of the plan's order table with every head of a block together (``tiles._launch_slot``);
-    else (and without a mask) causal masks run the heavy (late) query blocks first."""
-    slot, bh = _launch_slot(NQB, ORDERED)
+    forward and dQ kernels: ``(m_blk, b, h, hk, hm, b64)``. Causal masks run the heavy (late)
+    query blocks first."""
+    pid = tl.program_id(0)
+    if CAUSAL:
+        m_blk = NQB - 1 - pid
+    else:
+        m_blk = pid
+    bh = tl.program_id(1)
     b = bh // Hq
     h = bh % Hq
-    hm = h // (Hq // Hm)
-    b64 = b.to(tl.int64)
-    m_blk = _ordered_block(order_ptr, b64 * mask_b_stride + hm, slot, NQB, CAUSAL, C, ORDERED)
-    return m_blk, b, h, h // (Hq // Hk), hm, b64
+    return m_blk, b, h, h // (Hq // Hk), h // (Hq // Hm), b.to(tl.int64)
 
 
 @triton.jit
@@ -126,15 +126,13 @@ def _mask_head(mask_ptr, sum_ptr, b64, hm, mask_b_stride, Sk, NKB, C: tl.constex
 @triton.jit(do_not_specialize=_NO_SPEC)
 def _fwd_kernel(q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr, mask_ptr, sum_ptr, rng_ptr,
                 k_desc, v_desc, q_desc,
-                scale_log2, Sq, Sk, Hq, Hk, Hm, NQB, NKB, mask_b_stride, order_ptr,
+                scale_log2, Sq, Sk, Hq, Hk, Hm, NQB, NKB, mask_b_stride,
                 D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                 CAUSAL: tl.constexpr, C: tl.constexpr, NI: tl.constexpr,
                 USE_TMA: tl.constexpr, PREC: tl.constexpr, A_SMEM: tl.constexpr,
-                SPLIT_UNMASKED: tl.constexpr, ORDERED: tl.constexpr):
-    """One program per (query block, batch*query head): O and LSE of BLOCK_M query rows.
-    ORDERED: a 1-D grid in the plan's longest-first order (``order_ptr``, None otherwise)."""
-    m_blk, b, h, hk, hm, b64 = _query_block_program(order_ptr, NQB, Hq, Hk, Hm, mask_b_stride,
-                                                    CAUSAL, C, ORDERED)
+                SPLIT_UNMASKED: tl.constexpr):
+    """One program per (query block, batch*query head): O and LSE of BLOCK_M query rows."""
+    m_blk, b, h, hk, hm, b64 = _query_block_program(NQB, Hq, Hk, Hm, CAUSAL)
     offs_m = m_blk * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, D)
     q_off = (b64 * Sq + offs_m)[:, None] * (Hq * D) + h * D + offs_d[None, :]
@@ -302,24 +300,21 @@ def _dkdv_range(dk, dv, k, v, lo, flo, fhi, hi, q_ptr, do_ptr, q_desc, do_desc, 
 @triton.jit(do_not_specialize=_NO_SPEC)
 def _dkdv_kernel(q_ptr, k_ptr, v_ptr, do_ptr, dk_ptr, dv_ptr, lse2_ptr, delta_ptr,
                  mask_ptr, sum_ptr, rng_ptr, q_desc, do_desc, k_desc, v_desc, dq_ptr,
-                 sm_scale, scale_log2, Sq, Sk, Hq, Hk, Hm, NQB, NKB, mask_b_stride, order_ptr,
+                 sm_scale, scale_log2, Sq, Sk, Hq, Hk, Hm, NQB, NKB, mask_b_stride,
                  D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                  CAUSAL: tl.constexpr, C: tl.constexpr, NI: tl.constexpr,
                  USE_TMA: tl.constexpr, PREC: tl.constexpr, A_SMEM: tl.constexpr,
-                 SPLIT_UNMASKED: tl.constexpr, ORDERED: tl.constexpr):
+                 SPLIT_UNMASKED: tl.constexpr):
     """One program per (key block, batch*KV head); loops over the query heads of its group.
     ``dq_ptr`` is unused (the deleted tl fused backward's dQ buffer; kept so that the compiled
     kernel's parameter list, hence its machine code, stays the GPU-verified one).
-    SPLIT_UNMASKED: visit each range's run of UNMASKED tiles in a loop without mask code.
-    ORDERED: a 1-D grid in the by-key plan's longest-first order (``order_ptr``), by the row
-    of the mask head of the group's first query head."""
-    slot, bh = _launch_slot(NKB, ORDERED)
+    SPLIT_UNMASKED: visit each range's run of UNMASKED tiles in a loop without mask code."""
+    n_blk = tl.program_id(0)
+    bh = tl.program_id(1)
     b = bh // Hk
     hk = bh % Hk
     b64 = b.to(tl.int64)
     group = Hq // Hk
-    n_blk = _ordered_block(order_ptr, b64 * mask_b_stride + (hk * group) // (Hq // Hm), slot,
-                           NKB, False, C, ORDERED)
     offs_n = n_blk * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, D)
     kv_off = (b64 * Sk + offs_n)[:, None] * (Hk * D) + hk * D + offs_d[None, :]
@@ -408,15 +403,13 @@ def _dq_range(dq, q, do, lse2, delta, offs_m, lo, flo, fhi, hi, k_ptr, v_ptr, k_
 @triton.jit(do_not_specialize=_NO_SPEC)
 def _dq_kernel(q_ptr, k_ptr, v_ptr, do_ptr, dq_ptr, lse2_ptr, delta_ptr,
                mask_ptr, sum_ptr, rng_ptr, k_desc, v_desc, q_desc, do_desc,
-               sm_scale, scale_log2, Sq, Sk, Hq, Hk, Hm, NQB, NKB, mask_b_stride, order_ptr,
+               sm_scale, scale_log2, Sq, Sk, Hq, Hk, Hm, NQB, NKB, mask_b_stride,
                D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                CAUSAL: tl.constexpr, C: tl.constexpr, NI: tl.constexpr,
                USE_TMA: tl.constexpr, PREC: tl.constexpr, A_SMEM: tl.constexpr,
-               SPLIT_UNMASKED: tl.constexpr, ORDERED: tl.constexpr):
-    """One program per (query block, batch*query head): dQ of BLOCK_M rows (ORDERED: as in
-    ``_fwd_kernel``, by the same by-query plan's order)."""
-    m_blk, b, h, hk, hm, b64 = _query_block_program(order_ptr, NQB, Hq, Hk, Hm, mask_b_stride,
-                                                    CAUSAL, C, ORDERED)
+               SPLIT_UNMASKED: tl.constexpr):
+    """One program per (query block, batch*query head): dQ of BLOCK_M rows."""
+    m_blk, b, h, hk, hm, b64 = _query_block_program(NQB, Hq, Hk, Hm, CAUSAL)
     offs_m = m_blk * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, D)
     rmask = offs_m < Sq
@@ -522,11 +515,10 @@ def launch_fwd(q, k, v, causal, softmax_scale, cfg: Config, plan: Plan):
     k_desc = _desc(k.view(b * sk, hk * d), cfg.block_n, d) if tma else None
     v_desc = _desc(v.view(b * sk, hk * d), cfg.block_n, d) if tma else None
     q_desc = _desc(q.view(b * sq, hq * d), cfg.block_m, d) if tma and a_smem("fwd", d) else None
-    launch(_fwd_kernel, launch_grid(plan, nqb, b * hq),
+    launch(_fwd_kernel, (nqb, b * hq),
         q, k, v, out, lse, plan.mask, plan.summary, plan.ranges, k_desc, v_desc, q_desc,
         softmax_scale * LOG2E, sq, sk, hq, hk, plan.hm, nqb, nkb, plan.mask_b_stride,
-        plan.order, ORDERED=plan.ordered, D=d, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
-        CAUSAL=causal, C=plan.c, NI=plan.ni,
+        D=d, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, CAUSAL=causal, C=plan.c, NI=plan.ni,
         USE_TMA=tma, PREC=dot_precision(q.dtype), A_SMEM=a_smem("fwd", d),
         SPLIT_UNMASKED=SPLIT_UNMASKED_LOOP["fwd"], num_warps=cfg.num_warps,
         num_stages=cfg.num_stages)
@@ -575,12 +567,11 @@ def launch_dkdv(q, k, v, dout, lse2, delta, causal, softmax_scale, cfg: Config, 
     do_desc = _desc(dout.view(b * sq, hq * d), cfg.block_m, d) if tma else None
     k_desc = _desc(k.view(b * sk, hk * d), cfg.block_n, d) if tma and a_smem(kind, d) else None
     v_desc = _desc(v.view(b * sk, hk * d), cfg.block_n, d) if tma and a_smem(kind, d) else None
-    launch(_dkdv_kernel, launch_grid(plan, nkb, b * hk),
+    launch(_dkdv_kernel, (nkb, b * hk),
         q, k, v, dout, dk, dv, lse2, delta, plan.mask, plan.summary, plan.ranges, q_desc, do_desc,
         k_desc, v_desc, dk,  # (dk: the unused dq_ptr)
         softmax_scale, softmax_scale * LOG2E, sq, sk, hq, hk, plan.hm, nqb, nkb,
-        plan.mask_b_stride, plan.order, ORDERED=plan.ordered, D=d, BLOCK_M=cfg.block_m,
-        BLOCK_N=cfg.block_n, CAUSAL=causal,
+        plan.mask_b_stride, D=d, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, CAUSAL=causal,
         C=plan.c, NI=plan.ni, USE_TMA=tma, PREC=dot_precision(q.dtype), A_SMEM=a_smem(kind, d),
         SPLIT_UNMASKED=SPLIT_UNMASKED_LOOP[kind],
         num_warps=cfg.num_warps, num_stages=cfg.num_stages)
@@ -598,12 +589,11 @@ def launch_dq(q, k, v, dout, lse2, delta, causal, softmax_scale, cfg: Config, pl
     v_desc = _desc(v.view(b * sk, hk * d), cfg.block_n, d) if tma else None
     q_desc = _desc(q.view(b * sq, hq * d), cfg.block_m, d) if tma and a_smem("dq", d) else None
     do_desc = _desc(dout.view(b * sq, hq * d), cfg.block_m, d) if tma and a_smem("dq", d) else None
-    launch(_dq_kernel, launch_grid(plan, nqb, b * hq),
+    launch(_dq_kernel, (nqb, b * hq),
         q, k, v, dout, dq, lse2, delta, plan.mask, plan.summary, plan.ranges, k_desc, v_desc,
         q_desc, do_desc,
         softmax_scale, softmax_scale * LOG2E, sq, sk, hq, hk, plan.hm, nqb, nkb,
-        plan.mask_b_stride, plan.order, ORDERED=plan.ordered, D=d, BLOCK_M=cfg.block_m,
-        BLOCK_N=cfg.block_n, CAUSAL=causal,
+        plan.mask_b_stride, D=d, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, CAUSAL=causal,
         C=plan.c, NI=plan.ni, USE_TMA=tma, PREC=dot_precision(q.dtype), A_SMEM=a_smem("dq", d),
         SPLIT_UNMASKED=SPLIT_UNMASKED_LOOP["dq"], num_warps=cfg.num_warps,
         num_stages=cfg.num_stages)

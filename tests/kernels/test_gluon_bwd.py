@@ -137,13 +137,6 @@ def test_fused_dq_16x64_does_not_spill_in_tile_loops(causal, c):
     assert r["tma_reduce"] > 0 and r["ldl_stl_in_tile_loops"] == 0, r
 
 
-def _stand_in_plan(cols, stats):
-    """A by-key plan of zero statistics in the default launch order (its order table a
-    placeholder: the launcher only compiles), as :func:`CT.compile_bwd` compiles by default."""
-    order = stats[..., 0].clone() if tiles.LAUNCH_ORDER == "longest" else None
-    return tiles.Plan(cols, stats, stats.clone(), 1, 1, 1, 1, order)
-
-
 @pytest.mark.skipif(_offline_skip_reason() is not None, reason=str(_offline_skip_reason()))
 def test_launcher_compiles_the_offline_checked_kernels(monkeypatch):
     """``launch_dkdv_gluon``'s real arguments (split: dq_desc=None, a constexpr; fused: the
@@ -196,7 +189,7 @@ def test_launcher_compiles_the_offline_checked_kernels(monkeypatch):
         lse2 = torch.zeros(b, hq, sq)
         cols = torch.full((b, 1, sk, 1), sq, dtype=torch.int32)
         stats = torch.zeros(b, nkb, 8, dtype=torch.int32)
-        plan = _stand_in_plan(cols, stats)
+        plan = tiles.Plan(cols, stats, stats.clone(), 1, 1, 1, 1)
         for fuse, ws in ((False, False), (True, False), (False, True)):
             out = G.launch_dkdv_gluon(q, k, k, q, lse2, lse2, True, 0.1, plan, 32, 64, 4, 3,
                                       fuse_dq=fuse, warp_spec=ws)
@@ -208,7 +201,7 @@ def test_launcher_compiles_the_offline_checked_kernels(monkeypatch):
             assert sass(compiled["kernel"].asm["cubin"]) == sass(ref.asm["cubin"]), (fuse, ws)
         # DS_SHARED (64x128 w8, WS + STATS_SMEM): the [D, 32] dQ^T reduce descriptor
         stats = torch.zeros(b, -(-sk // 128), 8, dtype=torch.int32)
-        plan = _stand_in_plan(cols, stats)
+        plan = tiles.Plan(cols, stats, stats.clone(), 1, 1, 1, 1)
         out = G.launch_dkdv_gluon(q, k, k, q, lse2, lse2, True, 0.1, plan, 64, 128, 8, 2,
                                   **ds_opts)
         assert len(out) == 3 and out[2].shape == (b, sq, hq, d)
@@ -216,7 +209,7 @@ def test_launcher_compiles_the_offline_checked_kernels(monkeypatch):
         # DS_SHARED at D=64 (64x64 w4): the [64, 32] reduce descriptor
         q64, k64 = q[..., :64].contiguous(), k[..., :64].contiguous()
         stats = torch.zeros(b, nkb, 8, dtype=torch.int32)  # 64-key blocks again
-        plan = _stand_in_plan(cols, stats)
+        plan = tiles.Plan(cols, stats, stats.clone(), 1, 1, 1, 1)
         out = G.launch_dkdv_gluon(q64, k64, k64, q64, lse2, lse2, True, 0.1, plan, 64, 64, 4, 2,
                                   **ds_opts)
         assert len(out) == 3 and out[2].shape == (b, sq, hq, 64)
@@ -231,11 +224,10 @@ def test_launcher_compiles_the_offline_checked_kernels(monkeypatch):
                     reason="needs triton 3.6.0 (the recorded SASS hashes are its ptxas output)")
 @pytest.mark.parametrize("key", list(PRE_WS_SASS_SHA256))
 def test_warp_spec_off_compiles_to_the_pre_warp_spec_sass(key):
-    """WARP_SPEC=False (the default, the GPU-verified kernel) in grid launch order
-    (``FLASHMASK3_LAUNCH_ORDER=grid``: ORDERED left out) is byte-identical in SASS to the
-    kernel before the WARP_SPEC code (and the launch order) was added."""
+    """WARP_SPEC=False (the default, the GPU-verified kernel) is byte-identical in SASS to the
+    kernel before the WARP_SPEC code was added."""
     bm, bn, w, st, causal, c, fused = key
-    ck = CT.compile_bwd(128, bm, bn, w, st, causal=causal, c=c, fuse_dq=fused, ordered=False)
+    ck = CT.compile_bwd(128, bm, bn, w, st, causal=causal, c=c, fuse_dq=fused)
     sass = cuobjdump(ck.asm["cubin"])[1]
     assert hashlib.sha256(sass.encode()).hexdigest() == PRE_WS_SASS_SHA256[key]
 
