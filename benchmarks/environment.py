@@ -29,14 +29,6 @@ def _command() -> str:
     return " ".join(settings + [sys.executable] + sys.argv)
 
 
-def _launch_order() -> str:
-    """The attention kernels' program launch order in this process ("longest" or "grid",
-    ``FLASHMASK3_LAUNCH_ORDER``): the scale model fits and predicts a result in its order."""
-    from flashmask3.kernels import tiles
-
-    return getattr(tiles, "LAUNCH_ORDER", "grid")
-
-
 def run_environment(device: torch.device) -> dict:
     """Date, host, versions (python, torch, triton, CUDA), GPU name/count and the exact command."""
     env = {
@@ -47,7 +39,6 @@ def run_environment(device: torch.device) -> dict:
         "backend": os.environ.get("FLASHMASK3_BACKEND", "auto"),
         # the device machine gets the working tree without .git: the caller names the commit
         "commit": os.environ.get("FLASHMASK3_COMMIT") or _git_commit(),
-        "launch_order": _launch_order(),
     }
     try:
         import triton

@@ -29,7 +29,7 @@ from typing import Optional
 import numpy as np
 
 from .calibrate import (MEASURED_FILE, RESULTS, AttentionCost, TileCounts, fit_rows, load_cost, measured_order,
-                        measured_rows, row_tiles, variant, work_summary)
+                        measured_rows, row_tiles, work_summary)
 from .layout import PlanView, RoundView, document_plan_view, mask_sparsity
 from .params import Cluster, Runtime
 from .timeline import AttnShape, simulate_layer
@@ -276,8 +276,7 @@ def validate_kv_expansion(path: str = EXPAND_AB) -> list[Point]:
     with open(path) as f:
         data = json.load(f)
     rows = data["rows"]
-    # the calibration's fit, in the launch order this file's kernels ran in
-    cost = variant(load_cost("flashmask3", True), order=measured_order(data.get("meta") or data.get("env", {})))
+    cost = load_cost("flashmask3", True)
     pts = []
     for r in rows:
         pts += _expansion_points(cost, r, None, f"{r['Sq'] // 1024}K rows x {r['Sk']} keys, {r['Hq']}/{r['Hk']} heads",
