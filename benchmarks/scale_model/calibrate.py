@@ -236,13 +236,11 @@ def launch_sequence(features: np.ndarray, costs: np.ndarray, repeats: int, order
     return np.tile(features, (repeats, 1))
 
 
-def critical_features(features: np.ndarray, theta: np.ndarray, repeats: int, slots: int = SLOTS,
-                      order: str = "launch") -> np.ndarray:
+def critical_features(features: np.ndarray, theta: np.ndarray, repeats: int, slots: int = SLOTS) -> np.ndarray:
     """The summed feature rows of the programs on the SM that finishes last under
-    :func:`greedy_makespan` with program costs ``features @ theta`` launched in ``order``
-    (:func:`launch_sequence`; the linear form of the makespan for that schedule: what the fit
-    solves for, then reschedules)."""
-    f = launch_sequence(features, features @ theta, repeats, order)
+    :func:`greedy_makespan` with program costs ``features @ theta`` in grid order (the linear
+    form of the makespan for that schedule: what the fit solves for, then reschedules)."""
+    f = np.tile(features, (repeats, 1))
     costs = f @ theta
     if len(costs) <= slots:
         return f[int(np.argmax(costs))]
@@ -596,22 +594,21 @@ def _lp_weights(rel_err: np.ndarray, previous: Optional[np.ndarray], p: float) -
 
 
 def fit_pass_greedy(points: Iterable[tuple[TileCounts, int, int, float]], kind: str, host: float,
-                    blocks: bool = True, norms: tuple = FIT_NORMS, order: str = "launch") -> PassCost:
+                    blocks: bool = True, norms: tuple = FIT_NORMS) -> PassCost:
     """Fit the ``"greedy"`` schedule on GPU times ``(tiles with work, heads, kv_heads, seconds)``:
     :func:`_fit_greedy_lp` once per norm of ``norms``, keeping the fit with the smallest worst
     relative error on these points (ties: the earlier norm). ``host``: the measured host time
-    per call; ``order``: the launch order the measured kernels ran in (:func:`launch_sequence`)."""
+    per call."""
     pts = [q for q in points if q[3] > 0 and q[0].live > 0]
     if not pts:
         raise ValueError(f"no {kind} points to fit")
     if not norms or min(norms) < 2:
         raise ValueError(f"norms must be a non-empty tuple of numbers >= 2, got {norms!r}")
-    fits = [_fit_greedy_lp(pts, kind, host, blocks, float(p), order) for p in norms]
+    fits = [_fit_greedy_lp(pts, kind, host, blocks, float(p)) for p in norms]
     return min(fits, key=lambda f: f[1])[0]
 
 
-def _fit_greedy_lp(pts, kind: str, host: float, blocks: bool, p: float,
-                   order: str = "launch") -> tuple[PassCost, float]:
+def _fit_greedy_lp(pts, kind: str, host: float, blocks: bool, p: float) -> tuple[PassCost, float]:
     """One ``"greedy"`` fit and its worst relative error. The makespan of a fixed schedule is
     linear in the costs: schedule the programs with the current coefficients, take the summed
     features of the SM that finishes last, solve a weighted least squares on relative error
@@ -626,12 +623,12 @@ def _fit_greedy_lp(pts, kind: str, host: float, blocks: bool, p: float,
     theta, weights = np.array(GREEDY_START), None
     best, best_worst = None, np.inf
     for _ in range(GREEDY_ROUNDS):
-        crit = np.array([critical_features(f, theta, sw, order=order) for f, sw in feats])
+        crit = np.array([critical_features(f, theta, sw) for f, sw in feats])
         cols = [crit[:, 1], crit[:, 2], crit[:, 0]] + ([qcol] if blocks and kind == "bwd" else [])
         coef, call = _fit_columns(cols, y, use, None, weights)
         cost = PassCost(coef[0], coef[1], call, 0.0, len(pts), float(host),
                         a_qblock=coef[3] if len(coef) > 3 else 0.0, host_measured=True, fitted_on="gpu",
-                        a_program=coef[2], schedule="greedy", order=order)
+                        a_program=coef[2], schedule="greedy")
         err = np.array([cost.gpu_time(t, kind, h, hk) for t, h, hk, _ in pts]) / y - 1.0
         worst = float(np.max(np.abs(err)))
         if worst < best_worst:
@@ -826,18 +823,10 @@ def measured_host(rows: list[dict]) -> tuple[float, float]:
     return fwd, max(0.0, fb - fwd)
 
 
-def measured_order(env: dict) -> str:
-    """The model's launch order (:func:`launch_sequence`) of the kernels a measurement file
-    timed: its ``launch_order`` (the library's ``tiles.LAUNCH_ORDER``, recorded from session 22
-    on); files without it ran in grid order."""
-    return "longest" if env.get("launch_order") == "longest" else "launch"
-
-
 def fit_rows(rows: list[dict], source: str, head_dim: int = 128, gqa: bool = True,
              blocks: bool = MEASURED_BLOCKS, use_gpu_times: Optional[bool] = None,
-             schedule: Optional[str] = None, order: str = "launch") -> AttentionCost:
-    """Forward and backward (= fwd+bwd - fwd) fits of measured rows (``order``: the launch
-    order the kernels ran in, :func:`measured_order`).
+             schedule: Optional[str] = None) -> AttentionCost:
+    """Forward and backward (= fwd+bwd - fwd) fits of measured rows.
 
     With GPU and host times in the rows (default when present): the GPU part on the GPU time,
     the host time per call measured (median of every row); where rows carry per-program tiles
@@ -851,8 +840,8 @@ def fit_rows(rows: list[dict], source: str, head_dim: int = 128, gqa: bool = Tru
         fwd = [(row_tiles(r), r["heads"], r["kv_heads"], r[fk] * 1e-3) for r in with_work]
         bwd = [(row_tiles(r), r["heads"], r["kv_heads"], (r[fbk] - r[fk]) * 1e-3) for r in with_work]
         src = f"{source}; greedy schedule fitted on {len(with_work)} of {len(rows)} calls (per-program tiles rebuilt)"
-        return AttentionCost(fit_pass_greedy(fwd, "fwd", hf, blocks, order=order),
-                             fit_pass_greedy(bwd, "bwd", hb, blocks, order=order), src, head_dim, gqa)
+        return AttentionCost(fit_pass_greedy(fwd, "fwd", hf, blocks), fit_pass_greedy(bwd, "bwd", hb, blocks),
+                             src, head_dim, gqa)
     pts = {"fwd": [], "bwd": []}
     for r in rows:
         t = row_tiles(r)
@@ -876,7 +865,7 @@ def fit_from_measured(path: str = MEASURED_FILE, head_dim: int = 128, gqa: bool 
         rows = [r for r in rows if r["balance"] == balance]
     src = (f"measured: per-rank shapes on {env.get('gpu', '?')} ({env.get('date', '?')}), "
            f"{os.path.basename(path)}" + (f", {balance} calls only" if balance else ""))
-    return fit_rows(rows, src, head_dim, gqa, order=measured_order(env))
+    return fit_rows(rows, src, head_dim, gqa)
 
 
 def attention_cost(impl: str = "flashmask3", head_dim: int = 128, gqa: bool = True,

@@ -327,13 +327,6 @@ def measure_matmul(args, device, dtype, deadline: float, log) -> list[dict]:
     return rows
 
 
-def _launch_order() -> str:
-    """The kernels' program launch order this run times (the fit models the same order)."""
-    from flashmask3.kernels import tiles
-
-    return getattr(tiles, "LAUNCH_ORDER", "grid")
-
-
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", required=True)
@@ -370,8 +363,7 @@ def main(argv=None) -> int:
         logf.flush()
 
     t0 = time.perf_counter()
-    env = dict(run_environment(device), dtype=str(dtype), dry_run=args.dry_run,
-               launch_order=_launch_order())
+    env = dict(run_environment(device), dtype=str(dtype), dry_run=args.dry_run)
     att_deadline = t0 + args.budget_s * 0.85
     def save(rows):
         tmp = os.path.join(args.out, "scale_model_attention.json.tmp")

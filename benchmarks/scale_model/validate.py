@@ -28,8 +28,8 @@ from typing import Optional
 
 import numpy as np
 
-from .calibrate import (MEASURED_FILE, RESULTS, AttentionCost, TileCounts, fit_rows, load_cost, measured_order,
-                        measured_rows, row_tiles, work_summary)
+from .calibrate import (MEASURED_FILE, RESULTS, AttentionCost, TileCounts, fit_rows, load_cost, measured_rows,
+                        row_tiles, work_summary)
 from .layout import PlanView, RoundView, document_plan_view, mask_sparsity
 from .params import Cluster, Runtime
 from .timeline import AttnShape, simulate_layer
@@ -235,8 +235,7 @@ def validate_measured(path: str = MEASURED_FILE) -> dict:
     per-program tiles could not be rebuilt, per spread (not predicted by the greedy schedule)."""
     out = {}
     for gqa in (True, False):
-        rows, env = measured_rows(path, 128, gqa)
-        order = measured_order(env)
+        rows, _ = measured_rows(path, 128, gqa)
         if not rows:
             continue
         cls = "GQA" if gqa else "MHA"
@@ -245,8 +244,8 @@ def validate_measured(path: str = MEASURED_FILE) -> dict:
         if os.path.abspath(path) == os.path.abspath(MEASURED_FILE):  # the cached calibration's fits
             every, dual = load_cost("flashmask3", gqa), load_cost("flashmask3_dual_chunk", gqa)
         else:
-            every = fit_rows(rows, "all shapes", 128, gqa, order=order)
-            dual = fit_rows(fit_set, "dual_chunk shapes", 128, gqa, order=order)
+            every = fit_rows(rows, "all shapes", 128, gqa)
+            dual = fit_rows(fit_set, "dual_chunk shapes", 128, gqa)
         n_work, missing = work_summary(rows)
         out[cls] = {"in_sample": _shape_points(every, rows, False),
                     "held_out": _shape_points(dual, held, True), "cost": every,
