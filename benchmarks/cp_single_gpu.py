@@ -44,7 +44,7 @@ import torch  # noqa: E402
 import flashmask3.masks as M  # noqa: E402
 from benchmarks.corpus import document_spreads  # noqa: E402
 from benchmarks.environment import run_environment  # noqa: E402
-from flashmask3.distributed import (BACKWARD_CALL_MODES, FORWARD_CALL_MODES, EmulatedExchange, LaunchCounter,  # noqa: E402
+from flashmask3.distributed import (BACKWARD_CALL_MODES, EmulatedExchange, LaunchCounter,  # noqa: E402
                                     plan, prepare_rank, run_layer)
 from flashmask3.distributed.runtime import to_wire  # noqa: E402
 from flashmask3.kernels import choose_backend, get_backend  # noqa: E402
@@ -121,11 +121,11 @@ def reference(mask, full_q, full_k, full_v, full_do):
 
 
 def measure_rank(p, rank, comm, full_wire, full_q, full_k, full_v, full_do, args, timer, ref=None,
-                 backend=None, backward_calls="auto", forward_calls="auto") -> dict:
+                 backend=None, backward_calls="auto") -> dict:
     """Median layer and host seconds of ``rank``'s forward+backward, its launch count, and (with
     ``ref``) its largest deviation from the single-device output and dQ."""
     device = full_k.device
-    prog = prepare_rank(p, rank, device, comm, backward_calls, forward_calls)
+    prog = prepare_rank(p, rank, device, comm, backward_calls)
     q, k, v = (p.shard(t, rank).detach().requires_grad_() for t in (full_q, full_k, full_v))
     do = p.shard(full_do, rank)
     ex = EmulatedExchange(full_wire, p.cp_size, rank, plan=p)
@@ -153,12 +153,11 @@ def measure_rank(p, rank, comm, full_wire, full_q, full_k, full_v, full_do, args
             "backend_aten_launches": counter.attention_launches,
             "attention_calls": counter.attention_calls, "syncs": counter.syncs,
             "stages": sum(1 for s in prog.stage_chunks if s), "own_stage": bool(prog.stage_chunks[0]),
-            "backward_calls": prog.backward_calls, "forward_calls": prog.forward_calls, "work": p.work(rank),
+            "backward_calls": prog.backward_calls, "work": p.work(rank),
             "keys": len(p.needed_chunks(rank)) * p.chunk_size}
 
 
-def measure_config(mask, cp, name, args, device, dtype, deadline, backward_calls="auto",
-                   forward_calls="auto") -> dict:
+def measure_config(mask, cp, name, args, device, dtype, deadline, backward_calls="auto") -> dict:
     balance, comm, hier = CONFIGS[name]
     nodes = max(1, cp // GPUS_PER_NODE) if hier else 1
     t0 = time.perf_counter()
@@ -178,10 +177,9 @@ def measure_config(mask, cp, name, args, device, dtype, deadline, backward_calls
         if time.monotonic() > deadline:
             break
         ranks.append(measure_rank(p, r, comm, full_wire, full_q, full_k, full_v, full_do, args, timer, ref,
-                                  backend, backward_calls, forward_calls))
-    entry = {"config": config_key(name, backward_calls, forward_calls), "layout": name, "balance": balance,
-             "comm": comm, "backward_calls": backward_calls, "forward_calls": forward_calls, "nodes": nodes,
-             "chunk_size": p.chunk_size,
+                                  backend, backward_calls))
+    entry = {"config": config_key(name, backward_calls), "layout": name, "balance": balance, "comm": comm,
+             "backward_calls": backward_calls, "nodes": nodes, "chunk_size": p.chunk_size,
              "imbalance": p.imbalance, "plan_seconds": plan_s, "ranks": ranks,
              "ranks_wanted": len(wanted), "sampled": len(wanted) < cp}
     if ranks:
@@ -197,20 +195,18 @@ def measure_config(mask, cp, name, args, device, dtype, deadline, backward_calls
     return entry
 
 
-def config_key(name: str, backward_calls: str, forward_calls: str = "auto") -> str:
-    """The result entry of layout ``name`` with ``backward_calls`` and ``forward_calls`` (the
-    layout's name where both are auto)."""
-    return name + ("" if backward_calls == "auto" else f" bwd={backward_calls}") + (
-        "" if forward_calls == "auto" else f" fwd={forward_calls}")
+def config_key(name: str, backward_calls: str) -> str:
+    """The result entry of layout ``name`` with ``backward_calls`` (the layout's name for auto)."""
+    return name if backward_calls == "auto" else f"{name} bwd={backward_calls}"
 
 
-def config_runs(name: str, modes, fwd_modes=("auto",)) -> list[tuple[str, str]]:
-    """The ``(backward_calls, forward_calls)`` a layout is measured with: every pair for the
-    staged overlap layouts, the defaults for the others (allgather ignores them; the
-    whole-backward A/B is per stage by construction)."""
+def config_runs(name: str, modes) -> list[str]:
+    """The ``backward_calls`` a layout is measured with: every mode for the staged overlap
+    layouts, the default for the others (allgather ignores it; the whole-backward A/B is per
+    stage by construction)."""
     if CONFIGS[name][1] != "overlap" or name in WHOLE_BACKWARD:
-        return [("auto", "auto")]
-    return [(b, f) for b in modes for f in fwd_modes]
+        return ["auto"]
+    return list(modes)
 
 
 def markdown(res: dict) -> str:
@@ -270,8 +266,6 @@ def parse_args(argv):
     ap.add_argument("--backward-calls", nargs="+", default=["auto"], choices=list(BACKWARD_CALL_MODES),
                     help="the overlap layouts' backward calls, one run of each layout per value "
                          "(auto: the plan's rule)")
-    ap.add_argument("--forward-calls", nargs="+", default=["auto"], choices=list(FORWARD_CALL_MODES),
-                    help="the overlap layouts' forward calls, one run per value and backward value")
     ap.add_argument("--all-ranks-up-to", type=int, default=8)
     ap.add_argument("--heaviest", type=int, default=8)
     ap.add_argument("--random", type=int, default=8)
@@ -306,8 +300,8 @@ def main(argv=None) -> int:
         for name in args.configs:
             if CONFIGS[name][2] and cp // GPUS_PER_NODE < 2:
                 continue  # one node: hierarchical is the flat plan
-            for calls, fcalls in config_runs(name, args.backward_calls, args.forward_calls):
-                e = measure_config(mask, cp, name, args, device, dtype, deadline, calls, fcalls)
+            for calls in config_runs(name, args.backward_calls):
+                e = measure_config(mask, cp, name, args, device, dtype, deadline, calls)
                 res["cp"][str(cp)][e["config"]] = e
                 report(cp, e)
                 write(res, args.out)  # after every layout: a time limit still leaves the finished ones

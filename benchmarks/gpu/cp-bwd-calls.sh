@@ -1,8 +1,7 @@
 #!/usr/bin/env bash
-# cp-bwd-calls: the A/B of the overlapped passes' calls (docs/cp-runtime.md "Merged calls")
+# cp-bwd-calls: the A/B of the overlapped backward's calls (docs/cp-runtime.md "Backward calls")
 # on one H200, every (sampled) rank's real staged path with communication emulated by device
-# copies (benchmarks/cp_single_gpu.py): backward_calls stage / one / local+one (forward per stage)
-# and forward_calls local+one with the backward's stage / one, for sparse+overlap
+# copies (benchmarks/cp_single_gpu.py): backward_calls stage / one / local+one for sparse+overlap
 # flat and hierarchical (nodes = cp/8) at cp 8, 16, 32, 128K tokens, B=1, Hq=16, Hk=8, D=128,
 # bf16, causal document masks from the corpus lengths; output and dQ checked (--check). The
 # emulation has no link time, so it measures the call-count side of the trade-off only (fewer,
@@ -21,10 +20,9 @@ export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 {
   echo "== environment $(date -u +%FT%TZ)"
   nvidia-smi --query-gpu=name,driver_version,clocks.sm --format=csv || echo "nvidia-smi failed"
-  echo "== cp_single_gpu --backward-calls stage one local+one --forward-calls stage local+one $(date -u +%T)"
+  echo "== cp_single_gpu --backward-calls stage one local+one $(date -u +%T)"
   timeout 170 python benchmarks/cp_single_gpu.py --cp 8 16 32 --check --time-budget 150 --out "$DIR" \
-    --configs sparse+overlap "sparse+overlap hier" --backward-calls stage one local+one \
-    --forward-calls stage local+one ${CP_BWD_ARGS:-} \
+    --configs sparse+overlap "sparse+overlap hier" --backward-calls stage one local+one ${CP_BWD_ARGS:-} \
     || echo "cp_single_gpu FAILED or timed out (rc=$?): the finished layouts are in $DIR"
   echo "== summary $(date -u +%T)"
   cat "$DIR/cp_runtime.md" 2>/dev/null || echo "no cp_runtime.md written"

@@ -172,9 +172,6 @@ def main(argv=None) -> int:
     g.add_argument("--bwd-calls", choices=["stage", "one", "local+one", "auto"], default="auto",
                    help="the overlapped backward: one call per stage, one per layer, own keys + one, "
                    "or the runtime's default rule per plan (auto)")
-    g.add_argument("--fwd-calls", choices=["stage", "local+one", "auto"], default="auto",
-                   help="the overlapped forward: one call per stage, own keys + one over the remote "
-                   "stages, or the runtime's default rule per plan (auto)")
     g = ap.add_argument_group("datasets")
     g.add_argument("--targets", type=float, nargs="+", default=[0.70, 0.78, 0.86], help="mean sparsities")
     g.add_argument("--sequences", type=int, default=4, help="packed sequences per dataset")
@@ -214,7 +211,7 @@ def main(argv=None) -> int:
               f"({time.perf_counter() - t0:.1f} s)")
         return 0
 
-    cluster, runtime = _cluster(args), Runtime(args.runtime, bwd_calls=args.bwd_calls, fwd_calls=args.fwd_calls)
+    cluster, runtime = _cluster(args), Runtime(args.runtime, bwd_calls=args.bwd_calls)
     costs = X.default_costs(gqa=True, per_rank_factor=args.per_rank_factor)
     if args.kv_rule or args.order:
         costs = dataclasses.replace(costs, flashmask3=calibrate.variant(costs.flashmask3, args.kv_rule, args.order))

@@ -116,10 +116,6 @@ class Runtime:
     #: ``"auto"`` (default) the runtime's rule per plan (flashmask3.distributed.runtime
     #: .auto_backward_calls), so the model predicts what the runtime runs by default
     bwd_calls: str = "auto"
-    #: the overlapped forward's attention calls (timeline.FWD_CALLS): ``"stage"`` one call per
-    #: stage; ``"local+one"`` the own keys first, then one call over every remote stage once all
-    #: arrived; ``"auto"`` (default) the runtime's rule (runtime.auto_forward_calls)
-    fwd_calls: str = "auto"
 
     def host_ops(self, stages: int, messages: int, chunks: int, attention_calls: int) -> int:
         """Host ops of one layer's attention forward+backward (launches of any kind)."""

@@ -41,10 +41,6 @@ def params_table(cluster, costs, runtime) -> list[str]:
                  + (f" (the runtime's rule per plan: one for hierarchical and <= {AUTO_FLAT_MAX_CP}-rank flat "
                     "plans, stage beyond)"
                     if calls == "auto" else "") + " | the runtime's backward_calls |")
-    fcalls = getattr(runtime, "fwd_calls", "stage")
-    lines.append(f"| overlapped forward calls | {fcalls}"
-                 + (" (the runtime's rule per plan: local+one where the backward's rule gives one, stage "
-                    "elsewhere)" if fcalls == "auto" else "") + " | the runtime's forward_calls |")
     return lines
 
 

@@ -43,7 +43,7 @@ from typing import Callable, Optional
 
 import numpy as np
 
-from flashmask3.distributed.runtime import BACKWARD_CALLS, FORWARD_CALLS, auto_backward_calls, auto_forward_calls
+from flashmask3.distributed.runtime import BACKWARD_CALLS, auto_backward_calls
 
 from .calibrate import AttentionCost, ProgramWork, TileCounts
 from .layout import PlanView
@@ -360,19 +360,6 @@ def resolve_bwd_calls(view: PlanView, bwd_calls: str) -> str:
     return auto_backward_calls(view) if bwd_calls == "auto" else bwd_calls
 
 
-#: How the overlapped forward calls the kernel (``Runtime.fwd_calls``): the runtime's
-#: ``forward_calls`` values, ``"auto"`` resolved per plan by the runtime's own rule.
-FWD_CALLS = FORWARD_CALLS + ("auto",)
-
-
-def resolve_fwd_calls(view: PlanView, fwd_calls: str) -> str:
-    """``fwd_calls`` checked, ``"auto"`` resolved for ``view`` by the runtime's rule
-    (flashmask3.distributed.runtime.auto_forward_calls)."""
-    if fwd_calls not in FWD_CALLS:
-        raise ValueError(f"fwd_calls must be one of {FWD_CALLS}, got {fwd_calls!r}")
-    return auto_forward_calls(view) if fwd_calls == "auto" else fwd_calls
-
-
 def merge_calls(tiles: list[TileCounts]) -> Optional[TileCounts]:
     """One call over the keys of several calls of the same query rows (disjoint key sets): the
     tiles add, the backward's key-block programs follow one another in the calls' order, the
@@ -411,34 +398,13 @@ def _merged_backward_tasks(view: PlanView, r: int, cost: AttentionCost, cluster:
     return tasks
 
 
-def _merged_forward_tasks(view: PlanView, r: int, cost: AttentionCost, cluster: Cluster,
-                          shape: AttnShape, gpu_scale: float) -> list[_Task]:
-    """The forward's ``"local+one"``: the own stage (no wait), then one call over every remote
-    stage once every K/V round arrived, with one LSE merge into the own stage's result."""
-    stages = view.stages[r]
-    n = len(stages)
-    own, rest = stages[0], merge_calls(stages[1:])
-    w0 = cost.forward(own, shape.heads, shape.kv_heads) * gpu_scale if own.live else 0.0
-    w1 = 0.0
-    if rest is not None:
-        w1 = cost.forward(rest, shape.heads, shape.kv_heads) * gpu_scale
-        if own.live:
-            w1 += _merge_seconds(cluster, shape, rest.q_rows)
-    tasks = [_Task(w0, (), ("stage", 0)),
-             _Task(w1, tuple(("recv", "kv", j) for j in range(n - 1)), ("stage", 1))]
-    return tasks + [_Task(0.0, (), ("stage", s)) for s in range(2, n)]
-
-
 def simulate_overlap(view: PlanView, cost: AttentionCost, cluster: Cluster, shape: AttnShape,
-                     backward: bool, bwd_calls: str = "stage", fwd_calls: str = "stage") -> PassResult:
+                     backward: bool, bwd_calls: str = "stage") -> PassResult:
     """One overlapped pass on every rank (see the module docstring for the rules;
-    ``bwd_calls``: :data:`BWD_CALLS`, ``fwd_calls``: :data:`FWD_CALLS`)."""
+    ``bwd_calls``: :data:`BWD_CALLS`)."""
     gpu_scale = cluster.gpu_scale.value
     bwd_calls = resolve_bwd_calls(view, bwd_calls)
-    fwd_calls = resolve_fwd_calls(view, fwd_calls)
-    if not backward and fwd_calls != "stage":
-        tasks = [_merged_forward_tasks(view, r, cost, cluster, shape, gpu_scale) for r in range(view.cp_size)]
-    elif backward and bwd_calls != "stage":
+    if backward and bwd_calls != "stage":
         tasks = [_merged_backward_tasks(view, r, cost, cluster, shape, gpu_scale, bwd_calls == "local+one")
                  for r in range(view.cp_size)]
     else:
@@ -487,9 +453,9 @@ def simulate_allgather(view: PlanView, cost: AttentionCost, cluster: Cluster, sh
 
 
 def simulate_pass(view: PlanView, cost: AttentionCost, cluster: Cluster, shape: AttnShape,
-                  comm: str, backward: bool, bwd_calls: str = "stage", fwd_calls: str = "stage") -> PassResult:
+                  comm: str, backward: bool, bwd_calls: str = "stage") -> PassResult:
     if comm == "overlap":
-        return simulate_overlap(view, cost, cluster, shape, backward, bwd_calls, fwd_calls)
+        return simulate_overlap(view, cost, cluster, shape, backward, bwd_calls)
     if comm == "allgather":
         return simulate_allgather(view, cost, cluster, shape, backward)
     raise ValueError(f"comm must be one of {COMMS}, got {comm!r}")
@@ -539,23 +505,20 @@ def host_seconds(view: PlanView, r: int, comm: str, cluster: Cluster, runtime) -
     chunks = sum(view.stage_chunks[r][1:])
     bwd = {"stage": stages, "one": min(1, stages),
            "local+one": int(view.stages[r][0].live > 0) + int(any(t.live for t in view.stages[r][1:]))}
-    fwd = {"stage": stages, "local+one": bwd["local+one"]}
-    calls = (fwd[resolve_fwd_calls(view, getattr(runtime, "fwd_calls", "stage"))]
-             + bwd[resolve_bwd_calls(view, getattr(runtime, "bwd_calls", "stage"))]
-             + 2)  # forward + backward_stage calls, backward_prepare/finish once
+    calls = stages + bwd[resolve_bwd_calls(view, getattr(runtime, "bwd_calls", "stage"))] + 2  # forward + backward_stage calls,
+    #                                                                    backward_prepare/finish once
     ops = runtime.host_ops(2 * len(view.stages[r]), msgs, chunks, calls)
     return ops * cluster.host_op.value
 
 
 def simulate_layer(view: PlanView, cost: AttentionCost, cluster: Cluster, shape: AttnShape,
                    comm: str, runtime, recompute: bool = False) -> LayerResult:
-    fwd = simulate_pass(view, cost, cluster, shape, comm, backward=False,
-                        fwd_calls=getattr(runtime, "fwd_calls", "stage"))
+    fwd = simulate_pass(view, cost, cluster, shape, comm, backward=False)
     bwd = simulate_pass(view, cost, cluster, shape, comm, backward=True,
                         bwd_calls=getattr(runtime, "bwd_calls", "stage"))
     host = [host_seconds(view, r, comm, cluster, runtime) for r in range(view.cp_size)]
     return LayerResult(fwd, bwd, host, recompute)
 
 
-__all__ = ["BWD_CALLS", "resolve_bwd_calls", "FWD_CALLS", "resolve_fwd_calls", "merge_calls", "AttnShape", "Links", "PassResult", "LayerResult", "RankTimes", "ring_collective_time",
+__all__ = ["BWD_CALLS", "resolve_bwd_calls", "merge_calls", "AttnShape", "Links", "PassResult", "LayerResult", "RankTimes", "ring_collective_time",
            "simulate_layer", "simulate_pass", "simulate_overlap", "simulate_allgather"]

@@ -33,7 +33,7 @@ import numpy as np
 from .calibrate import (EXPAND_HOST_S, SLOTS, AttentionCost, PassCost, TileCounts, filled, greedy_makespan,
                         variant)
 from .layout import PlanView
-from .timeline import AttnShape, merge_calls, resolve_bwd_calls, resolve_fwd_calls, simulate_layer
+from .timeline import AttnShape, merge_calls, resolve_bwd_calls, simulate_layer
 
 
 @dataclass
@@ -91,18 +91,15 @@ def call_underfill(p: PassCost, tiles: TileCounts, kind: str, shape: AttnShape, 
 
 
 def rank_calls(view: PlanView, r: int, cost: AttentionCost, shape: AttnShape, comm: str,
-               bwd_calls: str = "stage", fwd_calls: str = "stage") -> list[CallUnderfill]:
+               bwd_calls: str = "stage") -> list[CallUnderfill]:
     """Every attention call of rank ``r`` in one layer (forward and backward)."""
     staged = dataclasses.replace(cost.bwd, a_qblock=0.0)
     if comm == "allgather":
         t = view.sorted_tiles[r]
         return [call_underfill(cost.fwd, t, "fwd", shape, "all"),
                 call_underfill(cost.bwd, t, "bwd", shape, "all")] if t.live else []
+    out = [call_underfill(cost.fwd, t, "fwd", shape, s) for s, t in enumerate(view.stages[r]) if t.live]
     st = view.stages[r]
-    fwd = list(enumerate(st))
-    if resolve_fwd_calls(view, fwd_calls) == "local+one":
-        fwd = [(0, st[0]), ("all", merge_calls(st[1:]))]
-    out = [call_underfill(cost.fwd, t, "fwd", shape, s) for s, t in fwd if t is not None and t.live]
     bwd_calls = resolve_bwd_calls(view, bwd_calls)
     bwd = {"stage": list(enumerate(st)), "one": [("all", merge_calls(st))],
            "local+one": [(0, st[0]), ("all", merge_calls(st[1:]))]}[bwd_calls]
@@ -118,8 +115,7 @@ def layer_breakdown(view: PlanView, cost: AttentionCost, cluster, shape: AttnSha
     lf = simulate_layer(view, filled(cost), cluster, shape, comm, runtime)
     r = lr.slowest
     return {"rank": r, "layer_s": lr.time, "layer_filled_s": lf.time,
-            "calls": rank_calls(view, r, cost, shape, comm, getattr(runtime, "bwd_calls", "stage"),
-                                getattr(runtime, "fwd_calls", "stage"))}
+            "calls": rank_calls(view, r, cost, shape, comm, getattr(runtime, "bwd_calls", "stage"))}
 
 
 KIND_ORDER = ("fwd local", "fwd remote", "fwd all keys", "bwd local grouped", "bwd local expanded",
@@ -163,9 +159,7 @@ def summarise(layers: Sequence[dict]) -> list[dict]:
 
 # -- the levers ----------------------------------------------------------------------------------
 
-#: name -> (calibrate.variant kwargs, Runtime.bwd_calls[, Runtime.fwd_calls]): the switches
-#: :func:`switch_gains` runs (the forward per stage unless named). (b) was built and measured on
-#: an H200 in session 22: it lost (benchmarks/NOTES.md), the kernels launch in grid order.
+#: name -> (calibrate.variant kwargs, Runtime.bwd_calls): the switches :func:`switch_gains` runs.
 SWITCHES = {
     "now (library rule, launch order, staged bwd)": ({}, "stage"),
     "(a) kv rule lt_group: ceil(Pg/SMs) < g": ({"kv_rule": "lt_group"}, "stage"),
@@ -178,7 +172,6 @@ SWITCHES = {
     "(a waves)+(b)": ({"kv_rule": "waves", "order": "longest"}, "stage"),
     "(b)+(c split)": ({"kv_rule": "split", "order": "longest"}, "stage"),
     "(b)+(c split)+local+one": ({"kv_rule": "split", "order": "longest"}, "local+one"),
-    "(c) local+one fwd + one bwd (the runtime's auto)": ({}, "auto", "auto"),
 }
 
 
@@ -192,9 +185,9 @@ def switch_gains(datasets: dict, model, layout, cluster, runtime, costs, switche
 
     ms = {k: X.METHODS[k] for k in methods}
     out = {}
-    for name, (kw, bwd_calls, *fwd) in (switches or SWITCHES).items():
+    for name, (kw, bwd_calls) in (switches or SWITCHES).items():
         co = dataclasses.replace(costs, flashmask3=variant(costs.flashmask3, **kw))
-        rt = dataclasses.replace(runtime, bwd_calls=bwd_calls, fwd_calls=fwd[0] if fwd else "stage")
+        rt = dataclasses.replace(runtime, bwd_calls=bwd_calls)
         out[name] = {}
         for d, ds in datasets.items():
             res = X.simulate_dataset(ds["sequences"], model, layout, cluster, rt, co, methods=ms, progress=progress)

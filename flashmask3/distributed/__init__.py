@@ -8,10 +8,9 @@
 * :func:`prepare_rank` -> :class:`RankProgram`: a rank's per-layer device program (index
   tensors, stage masks, message layouts), built once per plan and cached on it; a data loader
   may call it ahead of time for the next batch.
-* ``backward_calls=`` / ``forward_calls=`` of :func:`cp_flashmask_attention` /
-  :func:`prepare_rank`: one attention call per stage, one per layer (backward), or the own
-  stage and one more (``"auto"``: a rule on the plan's shape, :func:`auto_backward_calls`,
-  :func:`auto_forward_calls`).
+* ``backward_calls=`` of :func:`cp_flashmask_attention` / :func:`prepare_rank`: one staged
+  backward call per stage, one per layer, or the own stage and one more (``"auto"``: a rule on
+  the plan's shape, :func:`auto_backward_calls`).
 * :class:`LaunchCounter`: counts the kernel launches of a layer (the runtime's launch budget).
 
 Usage (every rank runs the same code; torch.distributed already initialised, NCCL with
@@ -30,17 +29,15 @@ in the CP group (group rank r sits on node r // (cp_size // N)), as torchrun ass
 ``cp_flashmask_attention`` checks this (``node_layout=``) and raises ValueError otherwise.
 """
 
-from .attention import (BACKWARD_CALL_MODES, COMMS, FORWARD_CALL_MODES, cp_flashmask_attention, merge_partials,
-                        run_layer)
+from .attention import BACKWARD_CALL_MODES, COMMS, cp_flashmask_attention, merge_partials, run_layer
 from .comm import DistExchange, resolve_group
 from .launches import LaunchCounter
 from .local_mask import rank_local_columns
 from .plan import BALANCES, WORK_MODELS, CPPlan, Round, Transfer, chunk_liveness, chunk_pairs, plan
-from .runtime import (BACKWARD_CALLS, FORWARD_CALLS, EmulatedExchange, RankProgram, auto_backward_calls,
-                      auto_forward_calls, prepare_rank)
+from .runtime import BACKWARD_CALLS, EmulatedExchange, RankProgram, auto_backward_calls, prepare_rank
 
-__all__ = ["plan", "CPPlan", "Round", "Transfer", "BALANCES", "COMMS", "BACKWARD_CALLS", "BACKWARD_CALL_MODES",
-           "FORWARD_CALLS", "FORWARD_CALL_MODES", "WORK_MODELS", "chunk_liveness", "chunk_pairs",
+__all__ = ["plan", "CPPlan", "Round", "Transfer", "BALANCES", "COMMS", "BACKWARD_CALLS", "BACKWARD_CALL_MODES", "WORK_MODELS", "chunk_liveness",
+           "chunk_pairs",
            "cp_flashmask_attention", "merge_partials", "rank_local_columns", "resolve_group",
-           "prepare_rank", "auto_backward_calls", "auto_forward_calls", "RankProgram", "run_layer",
-           "DistExchange", "EmulatedExchange", "LaunchCounter"]
+           "prepare_rank", "auto_backward_calls", "RankProgram", "run_layer", "DistExchange", "EmulatedExchange",
+           "LaunchCounter"]

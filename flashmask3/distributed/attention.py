@@ -27,15 +27,12 @@ from ..api import check_qkv, resolve_softmax_scale
 from ..kernels import choose_backend, get_backend
 from .comm import DistExchange, check_node_layout, ensure_ready, resolve_group
 from .plan import CPPlan
-from .runtime import (BACKWARD_CALLS, FORWARD_CALLS, backward_allgather, backward_overlap, forward_allgather,
-                      forward_overlap, merge_stages, prepare_rank, resolve_backward_calls,
-                      resolve_forward_calls)
+from .runtime import (BACKWARD_CALLS, backward_allgather, backward_overlap, forward_allgather,
+                      forward_overlap, merge_stages, prepare_rank, resolve_backward_calls)
 
 COMMS = ("allgather", "overlap")
 #: ``backward_calls`` values: :data:`~.runtime.BACKWARD_CALLS` and ``"auto"`` (the plan's rule).
 BACKWARD_CALL_MODES = BACKWARD_CALLS + ("auto",)
-#: ``forward_calls`` values: :data:`~.runtime.FORWARD_CALLS` and ``"auto"`` (the plan's rule).
-FORWARD_CALL_MODES = FORWARD_CALLS + ("auto",)
 
 
 def merge_partials(out_a, lse_a, out_b, lse_b):
@@ -104,8 +101,7 @@ def _check_same_plan(plan: CPPlan, pg, device) -> None:
 
 def cp_flashmask_attention(q, k, v, plan: CPPlan, *, group=None, comm: str = "overlap",
                            softmax_scale: Optional[float] = None, return_softmax_lse: bool = False,
-                           check_plan: bool = False, node_layout=None, backward_calls: str = "auto",
-                           forward_calls: str = "auto"):
+                           check_plan: bool = False, node_layout=None, backward_calls: str = "auto"):
     """Attention of this rank's query shard over the whole (masked) sequence.
 
     Args:
@@ -130,12 +126,7 @@ def cp_flashmask_attention(q, k, v, plan: CPPlan, *, group=None, comm: str = "ov
             all arrived), ``"local+one"`` (own keys first, then one call over the remote ones)
             or ``"auto"`` (a rule on the plan's shape, the same on every rank:
             :func:`~flashmask3.distributed.runtime.auto_backward_calls`; docs/cp-runtime.md
-            "Merged calls"). Ignored by ``comm="allgather"``.
-        forward_calls: how the overlapped forward calls the attention forward: ``"stage"``
-            (one call per stage) or ``"local+one"`` (own keys while the remote ones arrive,
-            then one call over every remote stage) or ``"auto"``
-            (:func:`~flashmask3.distributed.runtime.auto_forward_calls`). Ignored by
-            ``comm="allgather"``.
+            "Backward calls"). Ignored by ``comm="allgather"``.
 
     Returns the local output ``[B, S/P, Hq, D]`` (or ``(out, lse)``), equal to the matching rows
     of single-process ``flashmask_attention`` on the full sequence.
@@ -145,7 +136,6 @@ def cp_flashmask_attention(q, k, v, plan: CPPlan, *, group=None, comm: str = "ov
     if comm not in COMMS:
         raise ValueError(f"comm must be one of {COMMS}, got {comm!r}")
     resolve_backward_calls(backward_calls, plan)  # ValueError on every rank before any traffic
-    resolve_forward_calls(forward_calls, plan)
     check_qkv(q, k, v)
     if q.shape[1] != plan.local_seqlen or k.shape[1] != plan.local_seqlen:
         raise ValueError(f"q and k must hold this rank's {plan.local_seqlen} tokens along dim 1, "
@@ -160,7 +150,7 @@ def cp_flashmask_attention(q, k, v, plan: CPPlan, *, group=None, comm: str = "ov
     if check_plan:
         _check_same_plan(plan, pg, q.device)
     q, k, v = (t.contiguous() for t in (q, k, v))
-    prog = prepare_rank(plan, dist.get_rank(pg), q.device, comm, backward_calls, forward_calls)
+    prog = prepare_rank(plan, dist.get_rank(pg), q.device, comm, backward_calls)
     _check_batch_and_heads(prog, q)
     out, lse = run_layer(q, k, v, prog, DistExchange(pg), softmax_scale)
     return (out, lse) if return_softmax_lse else out

@@ -14,9 +14,7 @@ every payload of a round. A stage's keys are gathered from a round's receive buf
 attention call takes. Gradients travel back in the same wire rows and are summed into one
 accumulator per rank with ``index_add_``.
 
-Merged calls. :func:`forward_overlap` calls the forward once per stage or, ``"local+one"``, on
-the own stage and then once over every remote stage (:data:`FORWARD_CALLS`).
-:func:`backward_overlap` calls the staged backward once per stage (``"stage"``),
+Backward calls. :func:`backward_overlap` calls the staged backward once per stage (``"stage"``),
 once over every stage after all K/V arrived (``"one"``), or on the own stage first and then once
 over every remote stage (``"local+one"``); see :data:`BACKWARD_CALLS` and
 :func:`auto_backward_calls` (the default rule, shared with benchmarks/scale_model).
@@ -62,35 +60,10 @@ def auto_backward_calls(plan) -> str:
     :data:`AUTO_FLAT_MAX_CP` ranks; ``"stage"`` for flat plans beyond that, whose last rounds
     cross nodes without relays: waiting for them before computing anything costs more than the
     calls save. The scale model's numbers behind the rule are in docs/cp-runtime.md
-    ("Merged calls")."""
+    ("Backward calls")."""
     if plan.nodes > 1 or plan.cp_size <= AUTO_FLAT_MAX_CP:
         return "one"
     return "stage"
-
-
-#: How :func:`forward_overlap` calls the attention forward: one call per stage as its K/V
-#: arrives (``"stage"``), or the own stage while the remote K/V arrive and then one call over
-#: every remote stage (``"local+one"``: fewer, fuller calls; the remote stages no longer overlap
-#: the last rounds). ``"auto"`` picks one per plan (:func:`auto_forward_calls`).
-FORWARD_CALLS = ("stage", "local+one")
-
-
-def auto_forward_calls(plan) -> str:
-    """The forward calls ``"auto"`` picks for ``plan``: ``"local+one"`` where the backward's
-    rule merges its calls (:func:`auto_backward_calls` gives ``"one"``: hierarchical plans, flat
-    plans within one node), ``"stage"`` elsewhere (flat plans across nodes, whose last rounds
-    are the slow cross-node ones). Scale-model numbers: docs/cp-runtime.md ("Merged calls")."""
-    return "local+one" if auto_backward_calls(plan) == "one" else "stage"
-
-
-def resolve_forward_calls(forward_calls: str, plan) -> str:
-    """``forward_calls`` checked (ValueError naming it) with ``"auto"`` resolved for ``plan``."""
-    if forward_calls == "auto":
-        return auto_forward_calls(plan)
-    if forward_calls not in FORWARD_CALLS:
-        raise ValueError(f"forward_calls must be one of {FORWARD_CALLS + ('auto',)}, "
-                         f"got {forward_calls!r}")
-    return forward_calls
 
 
 def resolve_backward_calls(backward_calls: str, plan) -> str:
@@ -202,8 +175,6 @@ class RankProgram:
     gather_rows: Optional[torch.Tensor] = None  # allgather: rows of the gathered wire buffer
     backward_calls: str = "stage"  # BACKWARD_CALLS, resolved ("auto" never)
     merged: Optional[MergedBackward] = None  # backward_calls "one" / "local+one"
-    forward_calls: str = "stage"  # FORWARD_CALLS, resolved
-    fwd_merged: Optional[MergedBackward] = None  # forward_calls "local+one": the remote stages
     n_recv: int = 0  # rows of one pass's receive buffer (every round's, in round order)
     _host: list = field(default_factory=list, repr=False)  # pinned sources of in-flight copies
     _batched_cols: dict = field(default_factory=dict, repr=False)
@@ -215,10 +186,6 @@ class RankProgram:
     def merged_cols(self, batch: int) -> Optional[torch.Tensor]:
         """The merged backward call's mask columns for a batch of ``batch`` rows."""
         return self._batched("merged", self.merged.cols, batch)
-
-    def fwd_merged_cols(self, batch: int) -> Optional[torch.Tensor]:
-        """The merged forward call's mask columns (every remote stage) for ``batch`` rows."""
-        return self._batched("fwd_merged", self.fwd_merged.cols, batch)
 
     def _batched(self, key, cols: Optional[torch.Tensor], batch: int) -> Optional[torch.Tensor]:
         if cols is None or cols.shape[0] == batch:
@@ -342,12 +309,10 @@ def _normal_device(device) -> torch.device:
     return device
 
 
-def prepare_rank(plan, rank: int, device, comm: str = "overlap", backward_calls: str = "auto",
-                 forward_calls: str = "auto") -> RankProgram:
+def prepare_rank(plan, rank: int, device, comm: str = "overlap", backward_calls: str = "auto") -> RankProgram:
     """The :class:`RankProgram` of ``rank`` on ``device`` for ``comm`` ("overlap" or
-    "allgather"), ``backward_calls`` (:data:`BACKWARD_CALLS` or ``"auto"``) and
-    ``forward_calls`` (:data:`FORWARD_CALLS` or ``"auto"``; both the overlapped passes only),
-    built once and cached on ``plan``.
+    "allgather") and ``backward_calls`` (:data:`BACKWARD_CALLS` or ``"auto"``; the overlapped
+    backward only), built once and cached on ``plan``.
 
     Host-to-device copies come from pinned memory without blocking, so a data-loader thread can
     prepare the next batch's programs while the current one trains."""
@@ -356,12 +321,11 @@ def prepare_rank(plan, rank: int, device, comm: str = "overlap", backward_calls:
     if comm not in COMMS:
         raise ValueError(f"comm must be one of {COMMS}, got {comm!r}")
     calls = resolve_backward_calls(backward_calls, plan)
-    fwd_calls = resolve_forward_calls(forward_calls, plan)
     device = _normal_device(device)
     cache = plan.__dict__.setdefault("_rank_programs", {})
-    key = (int(rank), str(device), comm, calls, fwd_calls)
+    key = (int(rank), str(device), comm, calls)
     if key not in cache:
-        cache[key] = _build_program(plan, int(rank), device, comm, calls, fwd_calls)
+        cache[key] = _build_program(plan, int(rank), device, comm, calls)
     return cache[key]
 
 
@@ -392,7 +356,7 @@ def _merged_backward(calls, stages, rounds, order, own_rows, n_own, cols, cs, de
     return MergedBackward(first, _index(rows, device, keep) if rows else None, merged_cols, own, pieces)
 
 
-def _build_program(plan, rank, device, comm, calls="stage", fwd_calls="stage") -> RankProgram:
+def _build_program(plan, rank, device, comm, calls="stage") -> RankProgram:
     keep: list = []
     own = plan.chunks(rank)
     own_pos = {c: i for i, c in enumerate(own)}
@@ -420,15 +384,11 @@ def _build_program(plan, rank, device, comm, calls="stage", fwd_calls="stage") -
     direct_rows = torch.cat([r.send_rows for r in direct]) if direct else None
     cols = plan.local_mask(rank, "arrival").startend_row_indices
     order = backward_order(plan.rounds)
-    merged = fwd_merged = None
-    own_stage_rows = [own_pos[c] for c in own_stage]
+    merged = None
     if calls != "stage":
-        merged = _merged_backward(calls, stages, rounds, order, own_stage_rows, len(own), cols, cs,
-                                  device, keep)
-    if fwd_calls != "stage":  # the remote stages, as the "local+one" backward merges them
-        fwd_merged = _merged_backward("local+one", stages, rounds, order, own_stage_rows, len(own),
-                                      cols, cs, device, keep)
-    return RankProgram(**common, stage_chunks=stages, forward_calls=fwd_calls, fwd_merged=fwd_merged,
+        merged = _merged_backward(calls, stages, rounds, order, [own_pos[c] for c in own_stage],
+                                  len(own), cols, cs, device, keep)
+    return RankProgram(**common, stage_chunks=stages,
                        stage_cols=_stage_columns(cols, stages, cs, device, keep), own_rows=own_rows,
                        rounds=rounds, backward_order=order,
                        direct_send_rows=direct_rows, n_direct_send=sum(r.n_send for r in direct),
@@ -554,13 +514,9 @@ def _stage_kv(prog, rounds: _Rounds, s, k, v):
 
 
 def forward_overlap(prog: RankProgram, exchange, backend, q, k, v, scale):
-    """Staged forward: own chunks while the remote ones arrive, then each round's stage
-    (``prog.forward_calls`` "stage") or one call over every remote stage once all arrived
-    ("local+one"); partial results merged once at the end. Returns ``(out, lse)``, out in q's
-    dtype."""
+    """Staged forward: own chunks while the remote ones arrive, then each round's stage;
+    partial results merged once at the end. Returns ``(out, lse)``, out in q's dtype."""
     rounds = _Rounds(prog, exchange, k, v)
-    if prog.fwd_merged is not None:
-        return _forward_local_one(prog, rounds, backend, q, k, v, scale)
     outs, lses = [], []
     for s, chunks in enumerate(prog.stage_chunks):
         if s > 0:
@@ -569,26 +525,6 @@ def forward_overlap(prog: RankProgram, exchange, backend, q, k, v, scale):
             continue
         ks, vs = _stage_kv(prog, rounds, s, k, v)
         o, l = call_attention(backend.forward, q, ks, vs, prog.cols(s, q.shape[0]), False, scale)
-        outs.append(o)
-        lses.append(l)
-    return _finish_forward(outs, lses, q, v)
-
-
-def _forward_local_one(prog: RankProgram, rounds: "_Rounds", backend, q, k, v, scale):
-    """The own stage, then (every round arrived) one call over the remote stages' keys gathered
-    from the receive store with one ``index_select`` (``prog.fwd_merged``)."""
-    outs, lses = [], []
-    if prog.stage_chunks[0]:
-        ks, vs = _stage_kv(prog, rounds, 0, k, v)
-        o, l = call_attention(backend.forward, q, ks, vs, prog.cols(0, q.shape[0]), False, scale)
-        outs.append(o)
-        lses.append(l)
-    for t in range(len(prog.rounds)):
-        rounds.arrive(t)
-    m = prog.fwd_merged
-    if m.rows is not None:
-        ks, vs = from_wire(rounds.store, m.rows)
-        o, l = call_attention(backend.forward, q, ks, vs, prog.fwd_merged_cols(q.shape[0]), False, scale)
         outs.append(o)
         lses.append(l)
     return _finish_forward(outs, lses, q, v)

@@ -22,8 +22,6 @@ BALANCE_CHOICES = ("sparse", "dual_chunk", "contiguous")
 COMM_CHOICES = ("overlap", "allgather")
 #: flashmask3.distributed.BACKWARD_CALL_MODES (kept here so the config imports no torch code)
 BACKWARD_CALLS_CHOICES = ("stage", "one", "local+one", "auto")
-#: flashmask3.distributed.FORWARD_CALL_MODES (likewise)
-FORWARD_CALLS_CHOICES = ("stage", "local+one", "auto")
 DEVICE_CHOICES = ("auto", "cpu", "cuda")
 DTYPE_CHOICES = ("auto", "float32", "bfloat16")
 
@@ -99,10 +97,6 @@ class TrainConfig:
         "help": "overlapped CP backward: one attention call per stage, one per layer, the own "
                 "keys then one (auto: a rule on the plan's shape, docs/cp-runtime.md)",
         "choices": BACKWARD_CALLS_CHOICES})
-    forward_calls: str = field(default="auto", metadata={
-        "help": "overlapped CP forward: one attention call per stage, or the own keys then one "
-                "(auto: a rule on the plan's shape, docs/cp-runtime.md)",
-        "choices": FORWARD_CALLS_CHOICES})
     chunk_size: int = field(default=0, metadata={"help": "CP chunk size (0: the plan's default)"})
     device: str = field(default="auto", metadata={"help": "device", "choices": DEVICE_CHOICES})
     dtype: str = field(default="auto", metadata={

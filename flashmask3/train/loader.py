@@ -61,14 +61,13 @@ def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
     return t.pin_memory().to(device, non_blocking=True)
 
 
-def prepare_plan_for_rank(plan, rank: int, device: torch.device, comm: str, backward_calls: str = "auto",
-                          forward_calls: str = "auto"):
+def prepare_plan_for_rank(plan, rank: int, device: torch.device, comm: str, backward_calls: str = "auto"):
     """Everything ``cp_flashmask_attention`` needs for ``rank`` of ``plan``, on ``device``: the
     CP runtime's per-rank device program (:func:`flashmask3.distributed.prepare_rank`, cached on
     the plan, so the step's attention calls find it ready and copy nothing per layer)."""
     from flashmask3.distributed import prepare_rank
 
-    return prepare_rank(plan, rank, device, comm, backward_calls, forward_calls)
+    return prepare_rank(plan, rank, device, comm, backward_calls)
 
 
 def make_group_plan(mask: FlashMask, cfg, env):
@@ -91,7 +90,7 @@ def prepare_batch(batch: PackedBatch, cfg, env, data_state: Optional[dict] = Non
         plan = make_group_plan(batch.mask, cfg, env)
         r = env.cp_rank
         tokens, labels, positions = (plan.shard(t, r, 1) for t in (tokens, labels, positions))
-        prepare_plan_for_rank(plan, r, dev, cfg.comm, cfg.backward_calls, cfg.forward_calls)
+        prepare_plan_for_rank(plan, r, dev, cfg.comm, cfg.backward_calls)
     else:
         m = batch.mask
         mask = FlashMask(to_device(m.startend_row_indices, dev), m.causal, m.seqlen_q,

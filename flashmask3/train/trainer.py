@@ -179,7 +179,7 @@ def step_attention(batch: DeviceBatch, cfg: TrainConfig, env: DistEnv):
     selected backend on the batch's (device) mask."""
     if batch.plan is not None:
         from .attention import make_cp_attention
-        return make_cp_attention(batch.plan, env.cp_group, cfg.comm, cfg.backward_calls, cfg.forward_calls)
+        return make_cp_attention(batch.plan, env.cp_group, cfg.comm, cfg.backward_calls)
     return make_attention(cfg.attention, batch.mask)
 
 
@@ -319,10 +319,9 @@ def _print_header(cfg, model, env, packer, start, first_batch=None) -> None:
            f"active)" if cfg.moe_experts else f"SwiGLU {cfg.resolved_ffn_dim()}")
     backend = "nccl" if env.device.type == "cuda" else "gloo"
     lay = env.layout
-    hier = f", hierarchical over {lay.cp_nodes} nodes)" if lay.cp_nodes > 1 else ")"
     cp_text = (f"context parallel over {lay.cp} ranks per group (balance={cfg.balance}, "
-               f"comm={cfg.comm}, forward/backward_calls={cfg.forward_calls}/{cfg.backward_calls}{hier}"
-               if lay.cp > 1 else "no CP")
+               f"comm={cfg.comm}, backward_calls={cfg.backward_calls}" + (f", hierarchical over {lay.cp_nodes} nodes)"
+                                     if lay.cp_nodes > 1 else ")") if lay.cp > 1 else "no CP")
     par = (f"mesh dp {lay.dp} x cp {lay.cp} = {env.world_size} {backend} ranks, FSDP2 over all; "
            f"{cp_text}" if env.world_size > 1 else "single rank (no CP)")
     print(f"[flashmask3] model: {n_params / 1e6:.2f}M params, {cfg.n_layers} layers, dim "
@@ -398,7 +397,7 @@ class RunStats:
             "active_matmul_params": active_matmul_params(cfg),
             "world_size": env.world_size, "device": str(env.device),
             "attention": cfg.attention, "balance": cfg.balance, "comm": cfg.comm,
-            "backward_calls": cfg.backward_calls, "forward_calls": cfg.forward_calls,
+            "backward_calls": cfg.backward_calls,
             "mask": cfg.mask, "seq_len": cfg.seq_len, "batch_size": cfg.batch_size,
             "mask_sparsity": 1 - self.pairs / self.all_pairs if self.all_pairs else 0.0,
             "mask_skipped_vs_causal": (1 - self.pairs / self.causal_pairs

@@ -44,12 +44,12 @@ def _global_inputs(p, hq=4, hk=2, d=8, seed=0):
     return q, k, v, do
 
 
-def _layer(p, rank, calls, q, k, v, do, exchange=None, forward_calls="stage"):
+def _layer(p, rank, calls, q, k, v, do, exchange=None):
     """One emulated layer of ``rank`` (the exchange serves the true global K/V, so out and dQ
     are exact; the returned dK/dV are emulated copies): out, dq, dk, dv and the launch counter."""
     ql, kl, vl = (p.shard(t, rank).requires_grad_() for t in (q, k, v))
     ex = exchange or EmulatedExchange(to_wire(k, v, p.chunk_size), p.cp_size, rank, plan=p)
-    prog = prepare_rank(p, rank, "cpu", backward_calls=calls, forward_calls=forward_calls)
+    prog = prepare_rank(p, rank, "cpu", backward_calls=calls)
     with LaunchCounter() as c:
         out, _ = run_layer(ql, kl, vl, prog, ex, 0.3)
         out.backward(p.shard(do, rank))
@@ -167,57 +167,3 @@ def test_auto_rule_and_bad_values():
             prepare_rank(p, 0, "cpu", backward_calls=bad)
     with pytest.raises(ValueError, match="bwd_calls"):
         resolve_bwd_calls(View(8, 1), "two")
-
-
-@pytest.mark.parametrize("cp,nodes", [(4, 1), (8, 2)])
-def test_forward_local_one_matches_reference_with_fewer_calls(cp, nodes):
-    """``forward_calls="local+one"``: out and dQ of every rank equal the float64 reference and
-    the staged forward's; the heaviest rank's forward makes two attention calls where the staged
-    one makes one per stage, and its own stage computes before the first wait."""
-    mask, p = _plan(256 * cp, cp, nodes)
-    q, k, v, do = _global_inputs(p)
-    qr, kr, vr = (t.clone().requires_grad_() for t in (q, k, v))
-    out_r, _ = reference_attention(qr, kr, vr, mask.startend_row_indices, mask.causal, 0.3)
-    out_r.backward(do)
-    for rank in range(cp):
-        staged, _ = _layer(p, rank, "stage", q, k, v, do)
-        got, _ = _layer(p, rank, "stage", q, k, v, do, forward_calls="local+one")
-        tag = f"cp={cp} nodes={nodes} rank={rank}"
-        assert (got[0] - p.shard(out_r.detach(), rank)).abs().max() < 1e-10, tag
-        assert (got[1] - p.shard(qr.grad, rank)).abs().max() < 1e-10, tag
-        for a, b in zip(got, staged):
-            assert (a - b).abs().max() < 1e-11, tag
-    rank = _full_rank(p)
-    prog = prepare_rank(p, rank, "cpu", backward_calls="stage", forward_calls="local+one")
-    assert prog.forward_calls == "local+one" and prog.fwd_merged.first_stage == 1
-    assert torch.equal(prog.fwd_merged.cols,
-                       torch.cat([c for c in prog.stage_cols[1:] if c is not None], dim=2))
-    log: list = []
-    ql, kl, vl = (p.shard(t, rank) for t in (q, k, v))
-    ex = _Recording(to_wire(k, v, p.chunk_size), p.cp_size, rank, plan=p, log=log)
-    run_layer(ql, kl, vl, prog, ex, 0.3, backend=_RecordingBackend(log))
-    attn = [i for i, e in enumerate(log) if e == ("attn", "fwd")]
-    waits = [i for i, e in enumerate(log) if e[0] == "wait" and not e[2]]
-    assert len(attn) == 2 and len(waits) == len(p.rounds), log
-    assert attn[0] < min(waits) and max(waits) < attn[1], log
-
-
-def test_forward_calls_auto_rule_and_bad_values():
-    """``"auto"`` merges the forward's remote stages exactly where the backward's rule merges
-    its calls; the scale model resolves it with the same function; bad values are ValueErrors."""
-    from benchmarks.scale_model.timeline import FWD_CALLS, resolve_fwd_calls
-    from flashmask3.distributed import FORWARD_CALL_MODES, auto_forward_calls
-    from flashmask3.train.config import FORWARD_CALLS_CHOICES
-
-    class View:
-        def __init__(self, cp_size, nodes):
-            self.cp_size, self.nodes = cp_size, nodes
-
-    for key in ((2, 1), (8, 1), (16, 1), (64, 1), (16, 2), (64, 8)):
-        want = "local+one" if auto_backward_calls(View(*key)) == "one" else "stage"
-        assert auto_forward_calls(View(*key)) == want == resolve_fwd_calls(View(*key), "auto")
-    assert set(FWD_CALLS) == set(FORWARD_CALL_MODES) == set(FORWARD_CALLS_CHOICES)
-    _, p = _plan(1024, 4, 1)
-    for bad in ("one", "ONE", None):
-        with pytest.raises(ValueError, match="forward_calls"):
-            prepare_rank(p, 0, "cpu", forward_calls=bad)

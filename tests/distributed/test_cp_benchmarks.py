@@ -57,13 +57,14 @@ def test_cp_single_gpu_cpu_mode(tmp_path):
 
 
 def _attention_calls(entry, r) -> int:
-    """The forward's calls by its forward_calls, the backward's by its backward_calls
-    (allgather: one per stage each), one backward prepare and finish on overlap."""
+    """A forward call per stage; the backward's by its backward_calls (allgather: one per stage
+    too), one backward prepare and finish on overlap."""
     if entry["comm"] == "allgather":
         return 2 * r["stages"]
     remote = r["stages"] - r["own_stage"]
-    calls = {"stage": r["stages"], "one": min(1, r["stages"]), "local+one": r["own_stage"] + min(1, remote)}
-    return calls[r.get("forward_calls", "stage")] + calls[r["backward_calls"]] + 2
+    bwd = {"stage": r["stages"], "one": min(1, r["stages"]),
+           "local+one": r["own_stage"] + min(1, remote)}[r["backward_calls"]]
+    return r["stages"] + bwd + 2
 
 
 def test_cp_single_gpu_backward_calls_ab(tmp_path):
@@ -73,14 +74,12 @@ def test_cp_single_gpu_backward_calls_ab(tmp_path):
             "--head-dim", "8", "--dtype", "float32", "--iters", "1", "--warmup", "0",
             "--all-ranks-up-to", "4", "--heaviest", "1", "--random", "0", "--check",
             "--configs", "sparse+allgather", "sparse+overlap", "sparse+overlap hier",
-            "--backward-calls", "stage", "one", "local+one", "--forward-calls", "stage", "auto",
-            "--out", str(tmp_path)]
+            "--backward-calls", "stage", "one", "local+one", "--out", str(tmp_path)]
     assert cp_single_gpu.main(args) == 0
     res = json.loads((tmp_path / "cp_runtime.json").read_text())["cp"]
     modes = ("stage", "one", "local+one")
-    runs = {f"bwd={m}{f}" for m in modes for f in (" fwd=stage", "")}
-    assert set(res["4"]) == {"sparse+allgather"} | {f"sparse+overlap {x}" for x in runs}
-    assert {f"sparse+overlap hier {x}" for x in runs} <= set(res["16"])
+    assert set(res["4"]) == {"sparse+allgather"} | {f"sparse+overlap bwd={m}" for m in modes}
+    assert {f"sparse+overlap hier bwd={m}" for m in modes} <= set(res["16"])
     for configs in res.values():
         for entry in configs.values():
             for r in entry["ranks"]:
@@ -90,5 +89,5 @@ def test_cp_single_gpu_backward_calls_ab(tmp_path):
             assert entry["max_err_out"] < 1e-5 and entry["max_err_dq"] < 1e-5
         for layout in ("sparse+overlap", "sparse+overlap hier"):
             if f"{layout} bwd=one" in configs:
-                one, stage = (configs[f"{layout} bwd={m}"]["ranks"] for m in ("one", "stage fwd=stage"))
+                one, stage = (configs[f"{layout} bwd={m}"]["ranks"] for m in ("one", "stage"))
                 assert sum(r["attention_calls"] for r in one) < sum(r["attention_calls"] for r in stage)

@@ -307,22 +307,20 @@ def check_node_layout_errors(rank, world, seqlen):
 # -- the backward's calls (backward_calls) ----------------------------------------------------------
 
 
-def _run_calls(q, k, v, do, p, rank, backward_calls, forward_calls="stage"):
-    """``_run_cp`` (overlap) with ``backward_calls`` and ``forward_calls``: out, dq, dk, dv of
-    ``rank``'s shards."""
+def _run_calls(q, k, v, do, p, rank, backward_calls):
+    """``_run_cp`` (overlap) with ``backward_calls``: out, dq, dk, dv of ``rank``'s shards."""
     ql, kl, vl = (p.shard(t, rank).requires_grad_() for t in (q, k, v))
     out = cp_flashmask_attention(ql, kl, vl, p, comm="overlap", node_layout=p.cp_size // p.nodes,
-                                 backward_calls=backward_calls, forward_calls=forward_calls)
+                                 backward_calls=backward_calls)
     out.backward(p.shard(do, rank))
     return out.detach(), ql.grad, kl.grad, vl.grad
 
 
 def backward_calls_suite(rank, world, seqlen, node_counts, seed):
-    """Every ``backward_calls`` (and ``forward_calls``, paired) on ``world`` gloo ranks, float64
-    end to end: document masks (causal and not), GQA (Hq = 4, Hk = 2), flat plans and
-    hierarchical ones for every node count in ``node_counts``: out/dq/dk/dv match the float64
-    dense reference, and the merged modes match "stage" to rounding; then a bad value of either
-    is a ValueError on every rank."""
+    """Every ``backward_calls`` on ``world`` gloo ranks, float64 end to end: document masks
+    (causal and not), GQA (Hq = 4, Hk = 2), flat plans and hierarchical ones for every node count
+    in ``node_counts``: out/dq/dk/dv match the float64 dense reference, and "one"/"local+one"
+    match "stage" to rounding; then a bad value is a ValueError on every rank."""
     from tests.reference import reference_attention
 
     masks = named_masks(seqlen, batch_size=B, num_heads=HK)
@@ -337,19 +335,14 @@ def backward_calls_suite(rank, world, seqlen, node_counts, seed):
             for nodes in (1, *node_counts):
                 p = plan(mask, None, world, balance=balance, nodes=nodes)
                 p = split_hierarchical(p) if world > nodes else p  # one rank a node: as planned
-                got = {c: _run_calls(q, k, v, do, p, rank, *c) for c in CALL_PAIRS}
+                got = {c: _run_calls(q, k, v, do, p, rank, c) for c in ("stage", "one", "local+one", "auto")}
                 for calls, res in got.items():
-                    tag = f"rank {rank} {name} {balance} nodes={nodes} backward/forward_calls={calls}"
+                    tag = f"rank {rank} {name} {balance} nodes={nodes} backward_calls={calls}"
                     _check_against(ref, p, rank, res, tag, rtol=1e-10, atol=1e-10)
-                    for label, a, b in zip(("out", "dq", "dk", "dv"), res, got[CALL_PAIRS[0]]):
+                    for label, a, b in zip(("out", "dq", "dk", "dv"), res, got["stage"]):
                         err = (a - b).abs().max().item()
                         assert err <= 1e-11, f"{tag}: {label} differs from 'stage' by {err:.3g}"
     check_bad_backward_calls(rank, world, seqlen)
-
-
-#: (backward_calls, forward_calls) pairs the gloo suite runs; the first is the reference mode.
-CALL_PAIRS = (("stage", "stage"), ("one", "stage"), ("local+one", "local+one"), ("stage", "local+one"),
-              ("one", "local+one"), ("auto", "auto"))
 
 
 def check_bad_backward_calls(rank, world, seqlen):
@@ -357,14 +350,13 @@ def check_bad_backward_calls(rank, world, seqlen):
     traffic (the group is usable afterwards)."""
     p = plan(named_masks(seqlen)["causal_document"], None, world)
     x = torch.randn(1, seqlen // world, 2, 8)
-    for arg, bad in [(a, b) for a in ("backward_calls", "forward_calls") for b in ("two", "", None)] + [
-            ("forward_calls", "one")]:
+    for bad in ("two", "", None):
         try:
-            cp_flashmask_attention(x, x, x, p, **{arg: bad})
+            cp_flashmask_attention(x, x, x, p, backward_calls=bad)
         except ValueError as e:
-            assert arg in str(e), str(e)
+            assert "backward_calls" in str(e), str(e)
         else:
-            raise AssertionError(f"rank {rank}: {arg}={bad!r} should be refused")
+            raise AssertionError(f"rank {rank}: backward_calls={bad!r} should be refused")
     dist.barrier()
     out = cp_flashmask_attention(x, x, x, p, backward_calls="one")
     assert out.shape == x.shape
