@@ -172,6 +172,9 @@ def main(argv=None) -> int:
     g.add_argument("--bwd-calls", choices=["stage", "one", "local+one", "auto"], default="auto",
                    help="the overlapped backward: one call per stage, one per layer, own keys + one, "
                    "or the runtime's default rule per plan (auto)")
+    g.add_argument("--refetch-kv", action="store_true",
+                   help="the overlapped backward fetches the K/V again (the runtime's keep_kv=False; "
+                   "default: it reuses the forward's)")
     g = ap.add_argument_group("datasets")
     g.add_argument("--targets", type=float, nargs="+", default=[0.70, 0.78, 0.86], help="mean sparsities")
     g.add_argument("--sequences", type=int, default=4, help="packed sequences per dataset")
@@ -211,7 +214,7 @@ def main(argv=None) -> int:
               f"({time.perf_counter() - t0:.1f} s)")
         return 0
 
-    cluster, runtime = _cluster(args), Runtime(args.runtime, bwd_calls=args.bwd_calls)
+    cluster, runtime = _cluster(args), Runtime(args.runtime, bwd_calls=args.bwd_calls, keep_kv=not args.refetch_kv)
     costs = X.default_costs(gqa=True, per_rank_factor=args.per_rank_factor)
     if args.kv_rule or args.order:
         costs = dataclasses.replace(costs, flashmask3=calibrate.variant(costs.flashmask3, args.kv_rule, args.order))

@@ -116,6 +116,10 @@ class Runtime:
     #: ``"auto"`` (default) the runtime's rule per plan (flashmask3.distributed.runtime
     #: .auto_backward_calls), so the model predicts what the runtime runs by default
     bwd_calls: str = "auto"
+    #: the overlapped backward reuses the K/V the forward received (the runtime's ``keep_kv``,
+    #: default True): no K/V rounds in the backward, only the gradient returns; False: the
+    #: backward fetches them again by the forward's rounds
+    keep_kv: bool = True
 
     def host_ops(self, stages: int, messages: int, chunks: int, attention_calls: int) -> int:
         """Host ops of one layer's attention forward+backward (launches of any kind)."""

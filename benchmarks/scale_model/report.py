@@ -41,6 +41,9 @@ def params_table(cluster, costs, runtime) -> list[str]:
                  + (f" (the runtime's rule per plan: one for hierarchical and <= {AUTO_FLAT_MAX_CP}-rank flat "
                     "plans, stage beyond)"
                     if calls == "auto" else "") + " | the runtime's backward_calls |")
+    keep = getattr(runtime, "keep_kv", False)
+    lines.append(f"| overlapped backward's K/V | {'kept from the forward (no K/V rounds)' if keep else 'fetched again'}"
+                 " | the runtime's keep_kv |")
     return lines
 
 

@@ -399,9 +399,10 @@ def _merged_backward_tasks(view: PlanView, r: int, cost: AttentionCost, cluster:
 
 
 def simulate_overlap(view: PlanView, cost: AttentionCost, cluster: Cluster, shape: AttnShape,
-                     backward: bool, bwd_calls: str = "stage") -> PassResult:
+                     backward: bool, bwd_calls: str = "stage", keep_kv: bool = False) -> PassResult:
     """One overlapped pass on every rank (see the module docstring for the rules;
-    ``bwd_calls``: :data:`BWD_CALLS`)."""
+    ``bwd_calls``: :data:`BWD_CALLS`; ``keep_kv``: the backward's K/V are the forward's, already
+    there: no K/V rounds, every stage ready at once)."""
     gpu_scale = cluster.gpu_scale.value
     bwd_calls = resolve_bwd_calls(view, bwd_calls)
     if backward and bwd_calls != "stage":
@@ -416,7 +417,9 @@ def simulate_overlap(view: PlanView, cost: AttentionCost, cluster: Cluster, shap
                  for j in range(len(rounds))}
     for r in range(view.cp_size):
         for j, rnd in enumerate(rounds):
-            if not rnd.relay:
+            if backward and keep_kv:
+                sim.signal(r, ("recv", "kv", j))
+            elif not rnd.relay:
                 sim.post(r, "kv", j)
             else:
                 sim.when(r, (("recv", "kv", rnd.source),), lambda r=r, j=j: sim.post(r, "kv", j))
@@ -453,9 +456,9 @@ def simulate_allgather(view: PlanView, cost: AttentionCost, cluster: Cluster, sh
 
 
 def simulate_pass(view: PlanView, cost: AttentionCost, cluster: Cluster, shape: AttnShape,
-                  comm: str, backward: bool, bwd_calls: str = "stage") -> PassResult:
+                  comm: str, backward: bool, bwd_calls: str = "stage", keep_kv: bool = False) -> PassResult:
     if comm == "overlap":
-        return simulate_overlap(view, cost, cluster, shape, backward, bwd_calls)
+        return simulate_overlap(view, cost, cluster, shape, backward, bwd_calls, keep_kv)
     if comm == "allgather":
         return simulate_allgather(view, cost, cluster, shape, backward)
     raise ValueError(f"comm must be one of {COMMS}, got {comm!r}")
@@ -515,7 +518,8 @@ def simulate_layer(view: PlanView, cost: AttentionCost, cluster: Cluster, shape:
                    comm: str, runtime, recompute: bool = False) -> LayerResult:
     fwd = simulate_pass(view, cost, cluster, shape, comm, backward=False)
     bwd = simulate_pass(view, cost, cluster, shape, comm, backward=True,
-                        bwd_calls=getattr(runtime, "bwd_calls", "stage"))
+                        bwd_calls=getattr(runtime, "bwd_calls", "stage"),
+                        keep_kv=getattr(runtime, "keep_kv", False))
     host = [host_seconds(view, r, comm, cluster, runtime) for r in range(view.cp_size)]
     return LayerResult(fwd, bwd, host, recompute)
 

@@ -47,35 +47,44 @@ def merge_partials(out_a, lse_a, out_b, lse_b):
 class _Call:
     """What one layer's forward and backward share (not tensors autograd must track)."""
 
-    def __init__(self, prog, exchange, backend, scale):
+    def __init__(self, prog, exchange, backend, scale, keep_kv: bool = True):
         self.prog, self.exchange, self.backend, self.scale = prog, exchange, backend, scale
+        self.keep_kv = keep_kv
 
 
 class _CPAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, call: _Call):
-        fwd = forward_overlap if call.prog.comm == "overlap" else forward_allgather
-        out, lse = fwd(call.prog, call.exchange, call.backend, q, k, v, call.scale)
+        store = None
+        if call.prog.comm == "overlap":
+            keep = call.keep_kv and any(ctx.needs_input_grad[:3])  # no backward: nothing to keep
+            out, lse, store = forward_overlap(call.prog, call.exchange, call.backend, q, k, v, call.scale, keep)
+        else:
+            out, lse = forward_allgather(call.prog, call.exchange, call.backend, q, k, v, call.scale)
         ctx.call = call
-        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.kept = store is not None
+        ctx.save_for_backward(q, k, v, out, lse, *(() if store is None else (store,)))
         return out, lse
 
     @staticmethod
     def backward(ctx, dout, dlse):
-        q, k, v, out, lse = ctx.saved_tensors
+        q, k, v, out, lse, *kept = ctx.saved_tensors
         call = ctx.call
-        bwd = backward_overlap if call.prog.comm == "overlap" else backward_allgather
-        dq, dk, dv = bwd(call.prog, call.exchange, call.backend, dout.contiguous(), dlse, q, k, v,
-                         out, lse, call.scale)
+        args = (call.prog, call.exchange, call.backend, dout.contiguous(), dlse, q, k, v, out, lse, call.scale)
+        if call.prog.comm == "overlap":
+            dq, dk, dv = backward_overlap(*args, store=kept[0] if kept else None)
+        else:
+            dq, dk, dv = backward_allgather(*args)
         return dq, dk, dv, None
 
 
-def run_layer(q, k, v, prog, exchange, softmax_scale: float, backend=None):
+def run_layer(q, k, v, prog, exchange, softmax_scale: float, backend=None, keep_kv: bool = True):
     """One differentiable layer of the staged runtime with any exchange (``DistExchange`` for
     a process group; :class:`~flashmask3.distributed.runtime.EmulatedExchange` in one
-    process). Returns ``(out, lse)``."""
+    process). ``keep_kv``: the overlapped backward reuses the K/V the forward received
+    (kept alive until then) instead of fetching them again. Returns ``(out, lse)``."""
     backend = backend or get_backend(choose_backend(q))
-    return _CPAttention.apply(q, k, v, _Call(prog, exchange, backend, softmax_scale))
+    return _CPAttention.apply(q, k, v, _Call(prog, exchange, backend, softmax_scale, keep_kv))
 
 
 def _check_batch_and_heads(prog, q) -> None:
@@ -101,7 +110,8 @@ def _check_same_plan(plan: CPPlan, pg, device) -> None:
 
 def cp_flashmask_attention(q, k, v, plan: CPPlan, *, group=None, comm: str = "overlap",
                            softmax_scale: Optional[float] = None, return_softmax_lse: bool = False,
-                           check_plan: bool = False, node_layout=None, backward_calls: str = "auto"):
+                           check_plan: bool = False, node_layout=None, backward_calls: str = "auto",
+                           keep_kv: bool = True):
     """Attention of this rank's query shard over the whole (masked) sequence.
 
     Args:
@@ -127,6 +137,11 @@ def cp_flashmask_attention(q, k, v, plan: CPPlan, *, group=None, comm: str = "ov
             or ``"auto"`` (a rule on the plan's shape, the same on every rank:
             :func:`~flashmask3.distributed.runtime.auto_backward_calls`; docs/cp-runtime.md
             "Backward calls"). Ignored by ``comm="allgather"``.
+        keep_kv: the overlapped backward reuses the remote K/V the forward received (kept
+            alive until the backward: the needed remote keys x Hk x D x 2 x the dtype's bytes per
+            layer, plus the own K/V where the backward makes one call) instead of fetching them
+            again; ``False`` frees them after the forward and refetches. Must be the same on
+            every rank. Ignored by ``comm="allgather"``.
 
     Returns the local output ``[B, S/P, Hq, D]`` (or ``(out, lse)``), equal to the matching rows
     of single-process ``flashmask_attention`` on the full sequence.
@@ -136,6 +151,8 @@ def cp_flashmask_attention(q, k, v, plan: CPPlan, *, group=None, comm: str = "ov
     if comm not in COMMS:
         raise ValueError(f"comm must be one of {COMMS}, got {comm!r}")
     resolve_backward_calls(backward_calls, plan)  # ValueError on every rank before any traffic
+    if not isinstance(keep_kv, bool):
+        raise TypeError(f"keep_kv must be a bool, got {type(keep_kv).__name__}")
     check_qkv(q, k, v)
     if q.shape[1] != plan.local_seqlen or k.shape[1] != plan.local_seqlen:
         raise ValueError(f"q and k must hold this rank's {plan.local_seqlen} tokens along dim 1, "
@@ -152,5 +169,5 @@ def cp_flashmask_attention(q, k, v, plan: CPPlan, *, group=None, comm: str = "ov
     q, k, v = (t.contiguous() for t in (q, k, v))
     prog = prepare_rank(plan, dist.get_rank(pg), q.device, comm, backward_calls)
     _check_batch_and_heads(prog, q)
-    out, lse = run_layer(q, k, v, prog, DistExchange(pg), softmax_scale)
+    out, lse = run_layer(q, k, v, prog, DistExchange(pg), softmax_scale, keep_kv=keep_kv)
     return (out, lse) if return_softmax_lse else out

@@ -480,6 +480,17 @@ class _Rounds:
                 send = payload[r.direct_offset:r.direct_offset + r.n_send] if r.n_send else None
                 self.pending[r.index] = exchange.start(r, False, send, self.bufs[r.index])
 
+    @classmethod
+    def kept(cls, prog: RankProgram, store: torch.Tensor, own_first: bool) -> "_Rounds":
+        """Every round already arrived in ``store`` (the forward's K/V store, kept for the
+        backward: no traffic)."""
+        self = cls.__new__(cls)
+        self.prog, self.exchange, self.store, self.pending = prog, None, store, {}
+        lead = prog.n_own if own_first else 0
+        self.bufs = {r.index: store[lead + r.recv_offset:lead + r.recv_offset + r.n_recv] for r in prog.rounds}
+        self.arrived = set(self.bufs)
+        return self
+
     def arrive(self, t: int) -> torch.Tensor:
         """Make the current stream wait for round ``t`` (its source first); returns its buffer.
         Relay rounds that forward round ``t`` are issued right after it arrives."""
@@ -513,10 +524,13 @@ def _stage_kv(prog, rounds: _Rounds, s, k, v):
     return ks, vs
 
 
-def forward_overlap(prog: RankProgram, exchange, backend, q, k, v, scale):
+def forward_overlap(prog: RankProgram, exchange, backend, q, k, v, scale, keep_kv: bool = False):
     """Staged forward: own chunks while the remote ones arrive, then each round's stage;
-    partial results merged once at the end. Returns ``(out, lse)``, out in q's dtype."""
-    rounds = _Rounds(prog, exchange, k, v)
+    partial results merged once at the end. Returns ``(out, lse, store)``, out in q's dtype;
+    ``store`` (``keep_kv``, else None): every round's received K/V wire rows (led by the own
+    ones where the backward makes one call), for :func:`backward_overlap` to reuse instead of
+    fetching them again."""
+    rounds = _Rounds(prog, exchange, k, v, own_first=keep_kv and prog.backward_calls == "one")
     outs, lses = [], []
     for s, chunks in enumerate(prog.stage_chunks):
         if s > 0:
@@ -527,7 +541,7 @@ def forward_overlap(prog: RankProgram, exchange, backend, q, k, v, scale):
         o, l = call_attention(backend.forward, q, ks, vs, prog.cols(s, q.shape[0]), False, scale)
         outs.append(o)
         lses.append(l)
-    return _finish_forward(outs, lses, q, v)
+    return (*_finish_forward(outs, lses, q, v), rounds.store if keep_kv else None)
 
 
 def _finish_forward(outs, lses, q, v):
@@ -608,16 +622,20 @@ class _Returns:
         return dk.to(k.dtype), dv.to(k.dtype)
 
 
-def backward_overlap(prog: RankProgram, exchange, backend, dout, dlse, q, k, v, out, lse, scale):
+def backward_overlap(prog: RankProgram, exchange, backend, dout, dlse, q, k, v, out, lse, scale,
+                     store: Optional[torch.Tensor] = None):
     """Staged backward (see docs/cp-runtime.md): the K/V come again by the forward's rounds and
     each remote stage's dK/dV go back to where they came from, in :func:`backward_order`. The
     backend's staged backward (kernels/staged.py) pays the per-layer work once: one prepare
     (pre-pass), its stage calls (dQ accumulated by the backend), one finish. The stage calls
     follow ``prog.backward_calls``: ``"stage"``, one per stage, each stage's returns leaving
     while later stages compute; ``"one"`` / ``"local+one"``, one call over the merged stages
-    once every round arrived (:func:`_backward_merged`)."""
+    once every round arrived (:func:`_backward_merged`). ``store``: the forward's K/V store
+    (``forward_overlap(..., keep_kv=True)``): no K/V traffic, only the gradient returns."""
     prepare, stage, finish = staged_functions(backend)
-    rounds = _Rounds(prog, exchange, k, v, own_first=prog.backward_calls == "one")
+    own_first = prog.backward_calls == "one"
+    rounds = (_Rounds(prog, exchange, k, v, own_first=own_first) if store is None
+              else _Rounds.kept(prog, store, own_first))
     returns = _Returns(prog, exchange, k)
     state = call_attention(prepare, q, out, dout, lse, dlse)
 

@@ -97,6 +97,9 @@ class TrainConfig:
         "help": "overlapped CP backward: one attention call per stage, one per layer, the own "
                 "keys then one (auto: a rule on the plan's shape, docs/cp-runtime.md)",
         "choices": BACKWARD_CALLS_CHOICES})
+    keep_kv: bool = field(default=True, metadata={
+        "help": "overlapped CP: the backward reuses the K/V the forward received instead of "
+                "fetching them again (--no-keep-kv: refetch, less activation memory)"})
     chunk_size: int = field(default=0, metadata={"help": "CP chunk size (0: the plan's default)"})
     device: str = field(default="auto", metadata={"help": "device", "choices": DEVICE_CHOICES})
     dtype: str = field(default="auto", metadata={

@@ -179,7 +179,7 @@ def step_attention(batch: DeviceBatch, cfg: TrainConfig, env: DistEnv):
     selected backend on the batch's (device) mask."""
     if batch.plan is not None:
         from .attention import make_cp_attention
-        return make_cp_attention(batch.plan, env.cp_group, cfg.comm, cfg.backward_calls)
+        return make_cp_attention(batch.plan, env.cp_group, cfg.comm, cfg.backward_calls, cfg.keep_kv)
     return make_attention(cfg.attention, batch.mask)
 
 
@@ -397,7 +397,7 @@ class RunStats:
             "active_matmul_params": active_matmul_params(cfg),
             "world_size": env.world_size, "device": str(env.device),
             "attention": cfg.attention, "balance": cfg.balance, "comm": cfg.comm,
-            "backward_calls": cfg.backward_calls,
+            "backward_calls": cfg.backward_calls, "keep_kv": cfg.keep_kv,
             "mask": cfg.mask, "seq_len": cfg.seq_len, "batch_size": cfg.batch_size,
             "mask_sparsity": 1 - self.pairs / self.all_pairs if self.all_pairs else 0.0,
             "mask_skipped_vs_causal": (1 - self.pairs / self.causal_pairs

@@ -118,16 +118,18 @@ def test_merged_program_layout():
 
 def test_merged_schedules():
     """ "one": every round is waited for before the one backward call and every return leaves
-    after it; "local+one": the own stage computes before the first wait."""
+    after it; "local+one": the own stage computes before the first wait. With the forward's
+    K/V kept (``keep_kv``) the backward starts no K/V round and waits for none."""
     _, p = _plan(4096, 8, 2)
     rank = _full_rank(p)
     for calls in MERGED:
+        _kept_backward_has_no_kv_traffic(p, rank, calls)
         log: list = []
         q, k, v, do = _global_inputs(p, hq=2, hk=1)
         ql, kl, vl = (p.shard(t, rank).requires_grad_() for t in (q, k, v))
         ex = _Recording(to_wire(k, v, p.chunk_size), p.cp_size, rank, plan=p, log=log)
         prog = prepare_rank(p, rank, "cpu", backward_calls=calls)
-        out, _ = run_layer(ql, kl, vl, prog, ex, 0.3, backend=_RecordingBackend(log))
+        out, _ = run_layer(ql, kl, vl, prog, ex, 0.3, backend=_RecordingBackend(log), keep_kv=False)
         split = len(log)
         out.backward(p.shard(do, rank))
         bwd = log[split:]
@@ -140,6 +142,47 @@ def test_merged_schedules():
         assert max(waits) < attn[-1] < min(returns), (calls, bwd)
         if calls == "local+one":
             assert attn[0] < min(waits)
+
+
+def _kept_backward_has_no_kv_traffic(p, rank, calls):
+    log: list = []
+    q, k, v, do = _global_inputs(p, hq=2, hk=1)
+    ql, kl, vl = (p.shard(t, rank).requires_grad_() for t in (q, k, v))
+    ex = _Recording(to_wire(k, v, p.chunk_size), p.cp_size, rank, plan=p, log=log)
+    prog = prepare_rank(p, rank, "cpu", backward_calls=calls)
+    out, _ = run_layer(ql, kl, vl, prog, ex, 0.3, backend=_RecordingBackend(log))
+    split = len(log)
+    out.backward(p.shard(do, rank))
+    bwd = log[split:]
+    assert not [e for e in bwd if e[0] in ("start", "wait") and not e[2]], (calls, bwd)
+    assert len([e for e in bwd if e[0] == "start" and e[2]]) == len(p.rounds), (calls, bwd)
+    assert len([e for e in bwd if e == ("attn", "bwd")]) == (1 if calls == "one" else 2), (calls, bwd)
+
+
+@pytest.mark.parametrize("cp,nodes", [(4, 1), (8, 2)])
+def test_kept_kv_gradients_equal_refetched(cp, nodes):
+    """``keep_kv`` (default) and refetching give the same out/dq/dk/dv on every rank, in every
+    backward mode, and out/dq equal the float64 reference."""
+    mask, p = _plan(256 * cp, cp, nodes)
+    q, k, v, do = _global_inputs(p)
+    qr = q.clone().requires_grad_()
+    out_r, _ = reference_attention(qr, k, v, mask.startend_row_indices, mask.causal, 0.3)
+    out_r.backward(do)
+    for rank in range(cp):
+        for calls in BACKWARD_CALLS:
+            res = {}
+            for keep in (True, False):
+                ql, kl, vl = (p.shard(t, rank).requires_grad_() for t in (q, k, v))
+                ex = EmulatedExchange(to_wire(k, v, p.chunk_size), p.cp_size, rank, plan=p)
+                prog = prepare_rank(p, rank, "cpu", backward_calls=calls)
+                out, _ = run_layer(ql, kl, vl, prog, ex, 0.3, keep_kv=keep)
+                out.backward(p.shard(do, rank))
+                res[keep] = (out.detach(), ql.grad, kl.grad, vl.grad)
+            tag = f"cp={cp} nodes={nodes} rank={rank} {calls}"
+            assert (res[True][0] - p.shard(out_r.detach(), rank)).abs().max() < 1e-10, tag
+            assert (res[True][1] - p.shard(qr.grad, rank)).abs().max() < 1e-10, tag
+            for a, b in zip(res[True], res[False]):
+                assert (a - b).abs().max() < 1e-11, tag
 
 
 def test_auto_rule_and_bad_values():

@@ -133,7 +133,7 @@ def _schedule(p, rank, backward_calls="stage"):
     q, k, v, ex = _layer_inputs(p, rank)
     ex = _Recording(ex.wire, p.cp_size, rank, plan=p, log=log)
     prog = prepare_rank(p, rank, "cpu", backward_calls=backward_calls)
-    out, _ = run_layer(q, k, v, prog, ex, 0.35, backend=_RecordingBackend(log))
+    out, _ = run_layer(q, k, v, prog, ex, 0.35, backend=_RecordingBackend(log), keep_kv=False)
     split = len(log)
     out.backward(torch.randn_like(out))
     return log[:split], log[split:]

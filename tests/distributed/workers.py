@@ -307,11 +307,12 @@ def check_node_layout_errors(rank, world, seqlen):
 # -- the backward's calls (backward_calls) ----------------------------------------------------------
 
 
-def _run_calls(q, k, v, do, p, rank, backward_calls):
-    """``_run_cp`` (overlap) with ``backward_calls``: out, dq, dk, dv of ``rank``'s shards."""
+def _run_calls(q, k, v, do, p, rank, backward_calls, keep_kv=True):
+    """``_run_cp`` (overlap) with ``backward_calls`` and ``keep_kv``: out, dq, dk, dv of
+    ``rank``'s shards."""
     ql, kl, vl = (p.shard(t, rank).requires_grad_() for t in (q, k, v))
     out = cp_flashmask_attention(ql, kl, vl, p, comm="overlap", node_layout=p.cp_size // p.nodes,
-                                 backward_calls=backward_calls)
+                                 backward_calls=backward_calls, keep_kv=keep_kv)
     out.backward(p.shard(do, rank))
     return out.detach(), ql.grad, kl.grad, vl.grad
 
@@ -336,6 +337,8 @@ def backward_calls_suite(rank, world, seqlen, node_counts, seed):
                 p = plan(mask, None, world, balance=balance, nodes=nodes)
                 p = split_hierarchical(p) if world > nodes else p  # one rank a node: as planned
                 got = {c: _run_calls(q, k, v, do, p, rank, c) for c in ("stage", "one", "local+one", "auto")}
+                got |= {f"{c}, refetched": _run_calls(q, k, v, do, p, rank, c, keep_kv=False)
+                        for c in ("stage", "one")}
                 for calls, res in got.items():
                     tag = f"rank {rank} {name} {balance} nodes={nodes} backward_calls={calls}"
                     _check_against(ref, p, rank, res, tag, rtol=1e-10, atol=1e-10)
@@ -357,6 +360,12 @@ def check_bad_backward_calls(rank, world, seqlen):
             assert "backward_calls" in str(e), str(e)
         else:
             raise AssertionError(f"rank {rank}: backward_calls={bad!r} should be refused")
+    try:
+        cp_flashmask_attention(x, x, x, p, keep_kv="yes")
+    except TypeError as e:
+        assert "keep_kv" in str(e), str(e)
+    else:
+        raise AssertionError(f"rank {rank}: keep_kv='yes' should be refused")
     dist.barrier()
     out = cp_flashmask_attention(x, x, x, p, backward_calls="one")
     assert out.shape == x.shape
