@@ -146,6 +146,7 @@ def run_ours(method, mask, tokens, rank, world, device, dtype, args, check: bool
     sec = time_steps(step, device, args.warmup, args.iters)
     res = {"seconds": sec, "plan_seconds": plan_s, "imbalance": p.imbalance,
            "chunk_size": p.chunk_size, "backward_calls": resolve_backward_calls(args.backward_calls, p),
+           "keep_kv": True,  # cp_flashmask_attention's default
            "kv_bytes_fwd": (p.kv_tokens_moved(comm) * 2 * args.kv_heads * args.head_dim
                             * torch.finfo(dtype).bits // 8)}
     if check:

@@ -386,7 +386,10 @@ def validate_multigpu(path: str = MULTI, cost: Optional[AttentionCost] = None,
             c = cost
         else:
             continue
-        lr = simulate_layer(v, c, cluster, shape, comm, Runtime("current"))
+        # the runtime as the run ran it: files before session 21 record neither field (one
+        # backward call per stage, K/V fetched again in the backward)
+        rt = Runtime("current", bwd_calls=run.get("backward_calls", "stage"), keep_kv=run.get("keep_kv", False))
+        lr = simulate_layer(v, c, cluster, shape, comm, rt)
         points.append(Point(f"{run['tokens']} {run['mask']} {method}", run["seconds"], lr.time, True, note))
     return points
 
