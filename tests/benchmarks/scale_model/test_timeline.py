@@ -281,3 +281,15 @@ def test_merged_calls_add_tiles_and_chain_the_key_blocks():
     ops = {k: host_seconds(v, 3, "overlap", c, Runtime("lean", bwd_calls=k)) for k in ("stage", "one", "local+one")}
     # 2 live stages: 2 forward calls + 2, 1 or 2 backward calls + prepare/finish, 2 ops per call
     assert ops == {"stage": 64 + 2 * 6, "one": 64 + 2 * 5, "local+one": 64 + 2 * 6}
+
+
+def test_kept_kv_backward_sends_only_gradients():
+    """``keep_kv``: the relay case's backward as one call starts at once (its K/V are the
+    forward's), rank 3 computes 0..4 and returns 4..5, and no K/V message is counted; refetching
+    (the default of simulate_pass) still waits for the K/V rounds."""
+    v, c = _relay_case()
+    kept = simulate_pass(v, TileCost(), c, SHAPE, "overlap", backward=True, bwd_calls="one", keep_kv=True)
+    again = simulate_pass(v, TileCost(), c, SHAPE, "overlap", backward=True, bwd_calls="one")
+    assert kept.ranks[3].end == pytest.approx(5 * MS) and again.ranks[3].end == pytest.approx(8 * MS)
+    assert kept.messages == again.messages - 2  # the two K/V rounds' messages are gone
+    assert kept.time < again.time
