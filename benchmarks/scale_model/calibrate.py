@@ -224,22 +224,10 @@ def greedy_makespan(costs: np.ndarray, repeats: int, slots: int = SLOTS) -> floa
     return hit
 
 
-def launch_sequence(features: np.ndarray, costs: np.ndarray, repeats: int, order: str) -> np.ndarray:
-    """Rows of ``features`` (one per program of a sweep) in the order the kernel launches
-    ``repeats`` sweeps of them: ``"launch"`` sweep after sweep in grid order; ``"longest"``
-    blocks by descending cost, every sweep of a block together (the kernels' longest-first
-    order table, tiles.block_order; ties keep grid order)."""
-    if order == "longest":
-        return np.repeat(features[np.argsort(-costs, kind="stable")], repeats, axis=0)
-    if order != "launch":
-        raise ValueError(f"order must be 'launch' or 'longest', got {order!r}")
-    return np.tile(features, (repeats, 1))
-
-
 def critical_features(features: np.ndarray, theta: np.ndarray, repeats: int, slots: int = SLOTS) -> np.ndarray:
     """The summed feature rows of the programs on the SM that finishes last under
-    :func:`greedy_makespan` with program costs ``features @ theta`` in grid order (the linear
-    form of the makespan for that schedule: what the fit solves for, then reschedules)."""
+    :func:`greedy_makespan` with program costs ``features @ theta`` (the linear form of the
+    makespan for that schedule: what the fit solves for, then reschedules)."""
     f = np.tile(features, (repeats, 1))
     costs = f @ theta
     if len(costs) <= slots:
@@ -345,7 +333,7 @@ class PassCost:
         if self.schedule == "filled":
             return float(costs.sum()) * sweeps / SLOTS
         if self.order == "longest":
-            return greedy_makespan(launch_sequence(costs, costs, sweeps, "longest"), 1)
+            return greedy_makespan(np.repeat(np.sort(costs)[::-1], sweeps), 1)
         if self.order != "launch":
             raise ValueError(f"order must be 'launch' or 'longest', got {self.order!r}")
         return greedy_makespan(costs, sweeps)

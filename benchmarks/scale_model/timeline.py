@@ -43,7 +43,7 @@ from typing import Callable, Optional
 
 import numpy as np
 
-from flashmask3.distributed.runtime import BACKWARD_CALLS, auto_backward_calls
+from flashmask3.distributed.runtime import BACKWARD_CALL_MODES, auto_backward_calls
 
 from .calibrate import AttentionCost, ProgramWork, TileCounts
 from .layout import PlanView
@@ -349,7 +349,7 @@ def _stage_tasks(view: PlanView, r: int, cost: AttentionCost, cluster: Cluster, 
 
 #: How the overlapped backward calls the kernel (``Runtime.bwd_calls``): the runtime's
 #: ``backward_calls`` values, ``"auto"`` resolved per plan by the runtime's own rule.
-BWD_CALLS = BACKWARD_CALLS + ("auto",)
+BWD_CALLS = BACKWARD_CALL_MODES
 
 
 def resolve_bwd_calls(view: PlanView, bwd_calls: str) -> str:
@@ -508,8 +508,8 @@ def host_seconds(view: PlanView, r: int, comm: str, cluster: Cluster, runtime) -
     chunks = sum(view.stage_chunks[r][1:])
     bwd = {"stage": stages, "one": min(1, stages),
            "local+one": int(view.stages[r][0].live > 0) + int(any(t.live for t in view.stages[r][1:]))}
-    calls = stages + bwd[resolve_bwd_calls(view, getattr(runtime, "bwd_calls", "stage"))] + 2  # forward + backward_stage calls,
-    #                                                                    backward_prepare/finish once
+    # forward + backward_stage calls, backward_prepare/finish once
+    calls = stages + bwd[resolve_bwd_calls(view, getattr(runtime, "bwd_calls", "stage"))] + 2
     ops = runtime.host_ops(2 * len(view.stages[r]), msgs, chunks, calls)
     return ops * cluster.host_op.value
 
@@ -524,5 +524,6 @@ def simulate_layer(view: PlanView, cost: AttentionCost, cluster: Cluster, shape:
     return LayerResult(fwd, bwd, host, recompute)
 
 
-__all__ = ["BWD_CALLS", "resolve_bwd_calls", "merge_calls", "AttnShape", "Links", "PassResult", "LayerResult", "RankTimes", "ring_collective_time",
+__all__ = ["BWD_CALLS", "resolve_bwd_calls", "merge_calls", "AttnShape", "Links", "PassResult", "LayerResult",
+           "RankTimes", "ring_collective_time",
            "simulate_layer", "simulate_pass", "simulate_overlap", "simulate_allgather"]

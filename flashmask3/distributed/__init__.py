@@ -29,15 +29,16 @@ in the CP group (group rank r sits on node r // (cp_size // N)), as torchrun ass
 ``cp_flashmask_attention`` checks this (``node_layout=``) and raises ValueError otherwise.
 """
 
-from .attention import BACKWARD_CALL_MODES, COMMS, cp_flashmask_attention, merge_partials, run_layer
+from .attention import COMMS, cp_flashmask_attention, merge_partials, run_layer
 from .comm import DistExchange, resolve_group
 from .launches import LaunchCounter
 from .local_mask import rank_local_columns
 from .plan import BALANCES, WORK_MODELS, CPPlan, Round, Transfer, chunk_liveness, chunk_pairs, plan
-from .runtime import BACKWARD_CALLS, EmulatedExchange, RankProgram, auto_backward_calls, prepare_rank
+from .runtime import (BACKWARD_CALL_MODES, BACKWARD_CALLS, EmulatedExchange, RankProgram, auto_backward_calls,
+                      prepare_rank)
 
-__all__ = ["plan", "CPPlan", "Round", "Transfer", "BALANCES", "COMMS", "BACKWARD_CALLS", "BACKWARD_CALL_MODES", "WORK_MODELS", "chunk_liveness",
-           "chunk_pairs",
+__all__ = ["plan", "CPPlan", "Round", "Transfer", "BALANCES", "COMMS", "BACKWARD_CALLS", "BACKWARD_CALL_MODES",
+           "WORK_MODELS", "chunk_liveness", "chunk_pairs",
            "cp_flashmask_attention", "merge_partials", "rank_local_columns", "resolve_group",
            "prepare_rank", "auto_backward_calls", "RankProgram", "run_layer", "DistExchange", "EmulatedExchange",
            "LaunchCounter"]

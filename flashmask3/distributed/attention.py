@@ -27,12 +27,10 @@ from ..api import check_qkv, resolve_softmax_scale
 from ..kernels import choose_backend, get_backend
 from .comm import DistExchange, check_node_layout, ensure_ready, resolve_group
 from .plan import CPPlan
-from .runtime import (BACKWARD_CALLS, backward_allgather, backward_overlap, forward_allgather,
-                      forward_overlap, merge_stages, prepare_rank, resolve_backward_calls)
+from .runtime import (backward_allgather, backward_overlap, forward_allgather, forward_overlap, merge_stages,
+                      prepare_rank, resolve_backward_calls)
 
 COMMS = ("allgather", "overlap")
-#: ``backward_calls`` values: :data:`~.runtime.BACKWARD_CALLS` and ``"auto"`` (the plan's rule).
-BACKWARD_CALL_MODES = BACKWARD_CALLS + ("auto",)
 
 
 def merge_partials(out_a, lse_a, out_b, lse_b):
@@ -62,7 +60,6 @@ class _CPAttention(torch.autograd.Function):
         else:
             out, lse = forward_allgather(call.prog, call.exchange, call.backend, q, k, v, call.scale)
         ctx.call = call
-        ctx.kept = store is not None
         ctx.save_for_backward(q, k, v, out, lse, *(() if store is None else (store,)))
         return out, lse
 
@@ -70,7 +67,8 @@ class _CPAttention(torch.autograd.Function):
     def backward(ctx, dout, dlse):
         q, k, v, out, lse, *kept = ctx.saved_tensors
         call = ctx.call
-        args = (call.prog, call.exchange, call.backend, dout.contiguous(), dlse, q, k, v, out, lse, call.scale)
+        args = (call.prog, call.exchange, call.backend, dout.contiguous(), dlse, q, k, v, out, lse,
+                call.scale)
         if call.prog.comm == "overlap":
             dq, dk, dv = backward_overlap(*args, store=kept[0] if kept else None)
         else:

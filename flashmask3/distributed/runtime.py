@@ -45,6 +45,8 @@ GRAD_TAG = 1 << 10
 #: arrive, then one call over every remote stage (``"local+one"``). ``"auto"`` picks one per
 #: plan (:func:`auto_backward_calls`).
 BACKWARD_CALLS = ("stage", "one", "local+one")
+#: ``backward_calls`` values the API takes: :data:`BACKWARD_CALLS` and ``"auto"`` (the plan's rule).
+BACKWARD_CALL_MODES = BACKWARD_CALLS + ("auto",)
 
 #: ``"auto"`` keeps one call per stage on flat plans of more ranks than this (one node of 8
 #: GPUs in the scale model; see :func:`auto_backward_calls`).
@@ -71,8 +73,7 @@ def resolve_backward_calls(backward_calls: str, plan) -> str:
     if backward_calls == "auto":
         return auto_backward_calls(plan)
     if backward_calls not in BACKWARD_CALLS:
-        raise ValueError(f"backward_calls must be one of {BACKWARD_CALLS + ('auto',)}, "
-                         f"got {backward_calls!r}")
+        raise ValueError(f"backward_calls must be one of {BACKWARD_CALL_MODES}, got {backward_calls!r}")
     return backward_calls
 
 
@@ -450,6 +451,11 @@ def merge_stages(outs: list[torch.Tensor], lses: list[torch.Tensor], dtype: torc
 # -- the per-layer schedule ----------------------------------------------------------------------------
 
 
+def _round_views(prog: RankProgram, store: torch.Tensor, lead: int) -> dict[int, torch.Tensor]:
+    """Each round's receive rows as a view of the pass's K/V ``store`` (``lead`` own rows first)."""
+    return {r.index: store[lead + r.recv_offset:lead + r.recv_offset + r.n_recv] for r in prog.rounds}
+
+
 class _Rounds:
     """Forward traffic of one pass: issues rounds as their payloads become available.
 
@@ -459,11 +465,11 @@ class _Rounds:
     def __init__(self, prog: RankProgram, exchange, k, v, own_first: bool = False):
         self.prog, self.exchange = prog, exchange
         cs = prog.chunk_size
-        self.bufs: dict[int, torch.Tensor] = {}
         self.pending: dict[int, object] = {}
         self.arrived: set[int] = set()
         lead = prog.n_own if own_first else 0
         self.store = k.new_empty(_wire_shape(lead + prog.n_recv, k, cs))
+        self.bufs = _round_views(prog, self.store, lead)
         wire_own = None
         if own_first:
             wire_own = to_wire(k, v, cs, out=self.store[:lead])
@@ -472,9 +478,6 @@ class _Rounds:
         payload = None
         if prog.direct_send_rows is not None:
             payload = wire_own.index_select(0, prog.direct_send_rows)
-        for r in prog.rounds:
-            start = lead + r.recv_offset
-            self.bufs[r.index] = self.store[start:start + r.n_recv]
         for r in prog.rounds:
             if r.source is None:
                 send = payload[r.direct_offset:r.direct_offset + r.n_send] if r.n_send else None
@@ -486,8 +489,7 @@ class _Rounds:
         backward: no traffic)."""
         self = cls.__new__(cls)
         self.prog, self.exchange, self.store, self.pending = prog, None, store, {}
-        lead = prog.n_own if own_first else 0
-        self.bufs = {r.index: store[lead + r.recv_offset:lead + r.recv_offset + r.n_recv] for r in prog.rounds}
+        self.bufs = _round_views(prog, store, prog.n_own if own_first else 0)
         self.arrived = set(self.bufs)
         return self
 

@@ -406,14 +406,3 @@ def test_greedy_fit_norm_trades_mean_for_worst_error():
     assert worst(lp) < worst(lsq) - 0.01
     with pytest.raises(ValueError, match="norms must be"):
         C.fit_pass_greedy(pts, "fwd", 0.0, norms=(1.0,))
-
-
-def test_launch_sequence_orders():
-    """The model's launch orders: grid order sweep after sweep; longest-first puts every sweep
-    of the costliest block first (the refuted kernel variant the model can still evaluate)."""
-    f = np.array([[1.0, 2, 0], [1.0, 9, 1], [1.0, 5, 0]])
-    seq = C.launch_sequence(f, f @ np.array([1.0, 1.0, 2.0]), 2, "longest")
-    assert seq[:, 1].tolist() == [9, 9, 5, 5, 2, 2]
-    assert C.launch_sequence(f, f[:, 1], 2, "launch")[:, 1].tolist() == [2, 9, 5, 2, 9, 5]
-    with pytest.raises(ValueError, match="order"):
-        C.launch_sequence(f, f[:, 1], 2, "random")
