@@ -19,6 +19,7 @@ from torch import Tensor
 from ._env import env_reader
 from .kernels import ENV_VAR as ENV_BACKEND
 from .kernels import choose_backend, get_backend
+from .kernels import loaded as _loaded_backends
 from .kernels.dispatch import ENV_VAR as ENV_KERNELS
 from .kernels.dispatch import TILE_OVERRIDE
 from .masks.mask import FlashMask, row_span_of_bucket, validate_startend_row_indices
@@ -411,8 +412,11 @@ class _Prepared:
 
 
 def clear_prepared() -> None:
-    """Forget every prepared call signature (tests that mock the hardware or the dispatch)."""
+    """Forget every prepared call signature, here and in the backends that keep their own
+    (tests that mock the hardware or the dispatch)."""
     _PREPARED.clear()
+    for mod in _loaded_backends():
+        getattr(mod, "clear_prepared", lambda: None)()
 
 
 def _checked_call(q, k, v, startend_row_indices, causal, softmax_scale, window_size,

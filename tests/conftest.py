@@ -42,6 +42,16 @@ def _diff(before: dict, after: dict) -> dict:
 
 
 @pytest.fixture(autouse=True)
+def _fresh_prepared_calls():
+    """Every test starts without prepared call signatures (the API's and the backends'):
+    a test that mocks the hardware must not see another test's decisions."""
+    from flashmask3 import api
+
+    api.clear_prepared()
+    yield
+
+
+@pytest.fixture(autouse=True)
 def _environment_is_restored():
     before = _steering_env()
     yield

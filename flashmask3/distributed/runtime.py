@@ -543,15 +543,21 @@ def forward_overlap(prog: RankProgram, exchange, backend, q, k, v, scale, keep_k
         o, l = call_attention(backend.forward, q, ks, vs, prog.cols(s, q.shape[0]), False, scale)
         outs.append(o)
         lses.append(l)
-    return (*_finish_forward(outs, lses, q, v), rounds.store if keep_kv else None)
+    return (*_finish_forward(outs, lses, q, v, backend), rounds.store if keep_kv else None)
 
 
-def _finish_forward(outs, lses, q, v):
+def _finish_forward(outs, lses, q, v, backend=None):
+    """The stages' partial attentions merged into ``(out, lse)``, out in q's dtype: in one
+    launch where the backend has a merge kernel (``merge_stages``) for these tensors (CUDA,
+    16/32-bit), else by :func:`merge_stages`."""
     if not outs:
         b, s, h, _ = q.shape
         out = q.new_zeros(b, s, h, v.shape[-1])
         lse = torch.full((b, h, s), float("-inf"), dtype=acc_dtype(q.dtype), device=q.device)
         return out, lse
+    fused = getattr(backend, "merge_stages", None)
+    if fused is not None and len(outs) > 1 and q.is_cuda and q.dtype != torch.float64:
+        return fused(outs, lses, q.dtype)
     out, lse = merge_stages(outs, lses, acc_dtype(q.dtype))
     return out.to(q.dtype), lse
 

@@ -107,3 +107,8 @@ def get_backend(name: str) -> ModuleType:
     if mod is None:
         raise RuntimeError(f"the {name} backend cannot be imported: {_IMPORT_ERROR[name]}")
     return mod
+
+
+def loaded() -> tuple[ModuleType, ...]:
+    """The backend modules imported so far."""
+    return tuple(_LOADED.values())

@@ -1,6 +1,7 @@
 """The Triton backend of :func:`flashmask3.flashmask_attention`: what runs a call.
 
-Backend contract (docs/ARCHITECTURE.md): :func:`forward` and :func:`backward`. Layout is
+Backend contract (docs/ARCHITECTURE.md): :func:`forward` and :func:`backward` (and the
+optional staged backward and ``merge_stages``, which context parallelism uses). Layout is
 q ``[B, Sq, Hq, D]``, k/v ``[B, Sk, Hk, D]`` (GQA without repeating K/V), mask
 ``startend_row_indices`` int32 ``[B, Hm, Sk, C]`` or ``None``, LSE fp32 ``[B, Hq, Sq]``.
 
@@ -13,15 +14,19 @@ The module imports without a GPU; under ``TRITON_INTERPRET=1`` it runs on CPU te
 from __future__ import annotations
 
 import functools
+from dataclasses import dataclass
 from typing import Optional
 
 import torch
 
-from . import dispatch, tl_kernels
+from .._env import env_reader
+from . import dispatch, staged, tl_kernels
 from .dispatch import PLAN_BY_KEY, Launch, backward_mode, use_backward  # noqa: F401
-from .gluon_bwd import FUSED_VARIANT, launch_dkdv_gluon
+from .gluon_bwd import (FUSED_VARIANT, dq_accumulator_view, launch_dkdv_gluon,
+                        new_dq_accumulator)
 from .gluon_fwd import launch_fwd_gluon
 from .launcher import cdiv
+from .merge import merge_stages  # noqa: F401  (the context-parallel forward's merge)
 from .tiles import Config, Plan, cached_plan, make_plan  # noqa: F401
 
 HEAD_DIMS = (16, 32, 64, 128, 256)
@@ -200,11 +205,69 @@ class PreparedCall:
                                   plan)
         return dq, dk, dv
 
+    def backward_stage(self, state, q, k, v, startend_row_indices):
+        """One stage of a staged backward (:func:`backward_stage`: q, k, v contiguous, the
+        stage's scale checked): ``(dk, dv)``, its dQ added into ``state``."""
+        b, sq, hq, d = q.shape
+        sk = k.shape[1]
+        if sq == 0 or sk == 0:
+            return torch.zeros_like(k), torch.zeros_like(v)
+        causal, scale = self.causal, self.scale
+        first = self.bwd_launches[0]
+        plan = _plan(startend_row_indices, causal, sq, sk, first, q.device)
+        args = (q, k, v, state.dout, state.lse2, state.delta, causal, scale)
+        if first.kernel == "gluon_fused":
+            if state.dq_t is None:
+                state.dq_t = new_dq_accumulator(b, sq, hq, d, q.device)
+            dk, dv, _ = run_dkdv_grouped(first, *args, plan, state.dq_t, self.expand_kv)
+            return dk, dv
+        dk, dv, _ = run_dkdv_grouped(first, *args, plan, expand=self.expand_kv)
+        dq_launch = self.bwd_launches[1]
+        plan = _plan(startend_row_indices, causal, sq, sk, dq_launch, q.device)
+        dq = tl_kernels.launch_dq(*args, dq_launch.tile, plan)
+        state.dq_split = staged.add_dq(state.dq_split, dq)
+        return dk, dv
+
+
+#: signature (:func:`_signature`) -> :class:`PreparedCall`: the backend functions below decide
+#: once per signature, as ``api.py`` does for public calls (the context-parallel runtime calls
+#: them directly, 6-10 times a layer with the same few shapes).
+_PREPARED_CALLS: dict = {}
+#: More signatures than this (varying sequence lengths): start over.
+_MAX_PREPARED_CALLS = 1024
+#: The environment the dispatch reads (its kernel mode), for the signature: C-level reads.
+_dispatch_env = env_reader(dispatch.ENV_VAR)
+_deterministic = torch.are_deterministic_algorithms_enabled
+
+
+def _signature(q, k, cols, causal, softmax_scale, row_span) -> Optional[tuple]:
+    """Everything a :class:`PreparedCall` decides from (shapes, dtype, device, the mask's
+    columns, causal, scale, row span, the dispatch's mode and the deterministic flag), or
+    None when the call must not be cached (a tile override is set)."""
+    if dispatch.TILE_OVERRIDE:
+        return None
+    c = None if cols is None else cols.shape[-1]
+    return (q.shape, k.shape, q.dtype, q.device, c, causal, softmax_scale, row_span,
+            tuple(_dispatch_env()), _deterministic())
+
 
 def prepare(q, k, startend_row_indices: Optional[torch.Tensor], causal: bool,
             softmax_scale: float, row_span: Optional[float] = None) -> PreparedCall:
-    """The :class:`PreparedCall` of a signature (``api.py``'s per-signature cache)."""
-    return PreparedCall(q, k, startend_row_indices, causal, softmax_scale, row_span)
+    """The :class:`PreparedCall` of a signature, made on its first call and kept."""
+    key = _signature(q, k, startend_row_indices, causal, softmax_scale, row_span)
+    call = None if key is None else _PREPARED_CALLS.get(key)
+    if call is None:
+        call = PreparedCall(q, k, startend_row_indices, causal, softmax_scale, row_span)
+        if key is not None:
+            if len(_PREPARED_CALLS) >= _MAX_PREPARED_CALLS:
+                _PREPARED_CALLS.clear()
+            _PREPARED_CALLS[key] = call
+    return call
+
+
+def clear_prepared() -> None:
+    """Forget every prepared signature (tests that mock the hardware or the dispatch)."""
+    _PREPARED_CALLS.clear()
 
 
 def forward(q, k, v, startend_row_indices: Optional[torch.Tensor], causal: bool,
@@ -240,12 +303,6 @@ def preprocess(mask: Optional[torch.Tensor], causal: bool, seqlen_q: int, seqlen
 
 
 # -- staged backward (context parallelism: docs/cp-runtime.md, kernels/staged.py) ------------------
-# (imports here, not at the top: this section is appended apart from forward/backward)
-
-from dataclasses import dataclass  # noqa: E402
-
-from . import staged  # noqa: E402
-from .gluon_bwd import dq_accumulator_view, new_dq_accumulator  # noqa: E402
 
 
 def _contig(*xs):
@@ -284,28 +341,9 @@ def backward_stage(state: StagedBackward, q, k, v, startend_row_indices: Optiona
     ``state``: the fused kernel reduce-adds into the layer's one accumulator (no pre-pass, no
     memset, no scaling here); the split one's dQ kernel output is added to the stages' sum."""
     q, k, v = _contig(q, k, v)
-    b, sq, hq, d = q.shape
-    sk = k.shape[1]
-    _check_head_dim(d)
+    call = prepare(q, k, startend_row_indices, causal, softmax_scale)
     staged.check_stage_scale(state, softmax_scale)
-    if sq == 0 or sk == 0:
-        return torch.zeros_like(k), torch.zeros_like(v)
-    c = 0 if startend_row_indices is None else startend_row_indices.shape[-1]
-    launches = dispatch.choose(q.device, q.dtype, d, causal, c).backward
-    first = launches[0]
-    plan = _plan(startend_row_indices, causal, sq, sk, first, q.device)
-    args = (q, k, v, state.dout, state.lse2, state.delta, causal, softmax_scale)
-    if first.kernel == "gluon_fused":
-        if state.dq_t is None:
-            state.dq_t = new_dq_accumulator(b, sq, hq, d, q.device)
-        dk, dv, _ = run_dkdv_grouped(first, *args, plan, state.dq_t)
-        return dk, dv
-    dk, dv, _ = run_dkdv_grouped(first, *args, plan)
-    dq_launch = launches[1]
-    plan = _plan(startend_row_indices, causal, sq, sk, dq_launch, q.device)
-    dq = tl_kernels.launch_dq(*args, dq_launch.tile, plan)
-    state.dq_split = staged.add_dq(state.dq_split, dq)
-    return dk, dv
+    return call.backward_stage(state, q, k, v, startend_row_indices)
 
 
 def backward_finish(state: StagedBackward) -> torch.Tensor:

@@ -1,0 +1,159 @@
+"""Where the host time of one context-parallel layer goes, on a GPU: one rank's forward +
+backward through the staged runtime (``run_layer``, communication emulated by device copies
+as in ``cp_single_gpu.py``), timed per piece.
+
+Per (cp, layout): the layer's host time (CPU time to enqueue it while the GPU is kept busy),
+the forward alone, the backward alone; torch.profiler's CPU self time per aten op (the torch
+side) against the layer's wall time (the rest: Python, Triton launches, autograd); cProfile's
+top functions of the package (cumulative, with its own overhead: compare shares, not times).
+
+    python benchmarks/cp_host_profile.py --cp 16 64 [--out DIR]
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import json
+import os
+import pstats
+import statistics
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import flashmask3.masks as M  # noqa: E402
+from benchmarks.corpus import document_spreads  # noqa: E402
+from flashmask3.distributed import EmulatedExchange, LaunchCounter, plan, prepare_rank, run_layer  # noqa: E402
+from flashmask3.distributed.runtime import to_wire  # noqa: E402
+
+SLEEP = 200_000_000  # cycles of torch.cuda._sleep: ~100 ms, longer than any host loop here
+
+
+def host_ms(fn, reps: int = 5) -> float:
+    """Median CPU ms of ``fn`` while the GPU sleeps (host work only)."""
+    out = []
+    for _ in range(reps):
+        torch.cuda.synchronize()
+        torch.cuda._sleep(SLEEP)
+        t0 = time.perf_counter()
+        fn()
+        out.append((time.perf_counter() - t0) * 1e3)
+        torch.cuda.synchronize()
+    return statistics.median(out)
+
+
+def profile_rank(p, rank, layout_calls, tensors, scale):
+    full_q, full_k, full_v, full_do, full_wire = tensors
+    dev = full_q.device
+    prog = prepare_rank(p, rank, dev, "overlap", layout_calls)
+    q, k, v = (p.shard(t, rank).detach().requires_grad_() for t in (full_q, full_k, full_v))
+    do = p.shard(full_do, rank)
+    ex = EmulatedExchange(full_wire, p.cp_size, rank, plan=p)
+    state = {}
+
+    def fwd():
+        state["out"], _ = run_layer(q, k, v, prog, ex, scale)
+
+    def bwd():
+        state["out"].backward(do)
+
+    def layer():
+        fwd()
+        bwd()
+        q.grad = k.grad = v.grad = None
+
+    for _ in range(3):
+        layer()
+    with LaunchCounter() as counter:
+        layer()
+    res = {"rank": rank, "backward_calls": prog.backward_calls,
+           "stages": sum(1 for s in prog.stage_chunks if s), "launches": counter.launches,
+           "attention_launches": counter.attention_launches,
+           "attention_calls": counter.attention_calls}
+    res["layer_host_ms"] = host_ms(layer)
+    res["fwd_host_ms"] = host_ms(fwd)
+    times = []
+    for _ in range(5):
+        fwd()
+        torch.cuda.synchronize()
+        torch.cuda._sleep(SLEEP)
+        t0 = time.perf_counter()
+        bwd()
+        times.append((time.perf_counter() - t0) * 1e3)
+        torch.cuda.synchronize()
+        q.grad = k.grad = v.grad = None
+    res["bwd_host_ms"] = statistics.median(times)
+    from torch.profiler import ProfilerActivity, profile
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        torch.cuda._sleep(SLEEP)
+        t0 = time.perf_counter()
+        layer()
+        wall = (time.perf_counter() - t0) * 1e3
+    torch.cuda.synchronize()
+    ops = [(e.key, e.count, e.self_cpu_time_total / 1e3) for e in prof.key_averages()
+           if e.key.startswith("aten::") or e.key.startswith("cuda")]
+    ops.sort(key=lambda x: -x[2])
+    res["profiled_wall_ms"] = wall
+    res["aten_self_cpu_ms"] = sum(x[2] for x in ops if x[0].startswith("aten::"))
+    res["top_ops"] = [(n, c, round(ms, 3)) for n, c, ms in ops[:25]]
+    pr = cProfile.Profile()
+    torch.cuda.synchronize()
+    torch.cuda._sleep(SLEEP)
+    pr.enable()
+    layer()
+    pr.disable()
+    torch.cuda.synchronize()
+    st = pstats.Stats(pr).stats
+    rows = sorted(((v[3] * 1e3, v[2] * 1e3, v[1], f"{k[0].split(os.sep)[-1]}:{k[2]}")
+                   for k, v in st.items() if f"{os.sep}flashmask3{os.sep}" in k[0]), reverse=True)
+    res["cprofile_total_ms"] = sum(v[2] for v in st.values()) * 1e3
+    res["cprofile_top"] = [(n, c, round(cum, 3), round(tot, 3)) for cum, tot, c, n in rows[:30]]
+    return res
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--cp", type=int, nargs="+", default=[16, 64])
+    ap.add_argument("--tokens", type=int, default=131072)
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args(argv)
+    dev = torch.device("cuda")
+    mask = M.causal_document_mask(document_spreads(args.tokens, seed=0)["corpus"])
+    g = torch.Generator(device=dev).manual_seed(0)
+    full_q, full_do = (torch.randn(1, args.tokens, 16, 128, generator=g, device=dev,
+                                   dtype=torch.bfloat16) for _ in range(2))
+    full_k, full_v = (torch.randn(1, args.tokens, 8, 128, generator=g, device=dev,
+                                  dtype=torch.bfloat16) for _ in range(2))
+    out = {"env": {"torch": torch.__version__, "gpu": torch.cuda.get_device_name(),
+                   "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+                   "command": " ".join(sys.argv)}, "runs": []}
+    for cp in args.cp:
+        for hier in (False, True):
+            nodes = max(1, cp // 8) if hier else 1
+            if hier and nodes == 1:
+                continue
+            p = plan(mask, None, cp, balance="sparse", nodes=nodes)
+            wire = to_wire(full_k, full_v, p.chunk_size)
+            rank = max(range(cp), key=lambda r: p.work(r))
+            for calls in ("auto",):
+                r = profile_rank(p, rank, calls, (full_q, full_k, full_v, full_do, wire), 128 ** -0.5)
+                r.update(cp=cp, nodes=nodes)
+                out["runs"].append(r)
+                print(json.dumps({k: v for k, v in r.items() if k not in ("top_ops", "cprofile_top")}))
+                for row in r["top_ops"][:15]:
+                    print("   op", row)
+                for row in r["cprofile_top"][:22]:
+                    print("   py", row)
+    if args.out:
+        os.makedirs(args.out, exist_ok=True)
+        with open(os.path.join(args.out, "cp_host_profile.json"), "w") as f:
+            json.dump(out, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
