@@ -7,12 +7,18 @@ the forward alone, the backward alone; torch.profiler's CPU self time per aten o
 side) against the layer's wall time (the rest: Python, Triton launches, autograd); cProfile's
 top functions of the package (cumulative, with its own overhead: compare shares, not times).
 
-    python benchmarks/cp_host_profile.py --cp 16 64 [--out DIR]
+    python benchmarks/cp_host_profile.py --cp 16 64 [--variants current no-memo no-merge-kernel] [--out DIR]
+
+Variants, in the same run on the same inputs: ``current``; ``no-memo`` (a fresh PreparedCall
+per attention call, as before session 24); ``no-merge-kernel`` (the forward's stage partials
+merged by torch ops instead of the one-launch Triton merge); ``before`` (both, i.e. the host
+path of session 23).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import cProfile
 import json
 import os
@@ -29,8 +35,28 @@ import flashmask3.masks as M  # noqa: E402
 from benchmarks.corpus import document_spreads  # noqa: E402
 from flashmask3.distributed import EmulatedExchange, LaunchCounter, plan, prepare_rank, run_layer  # noqa: E402
 from flashmask3.distributed.runtime import to_wire  # noqa: E402
+from flashmask3.kernels import triton_backend as tb  # noqa: E402
 
 SLEEP = 200_000_000  # cycles of torch.cuda._sleep: ~100 ms, longer than any host loop here
+
+
+VARIANTS = ("current", "no-memo", "no-merge-kernel", "before")
+
+
+@contextlib.contextmanager
+def variant(name: str):
+    """The Triton backend with this session's host-path changes taken out (see the module doc)."""
+    saved = {"prepare": tb.prepare, "merge_stages": tb.merge_stages}
+    if name in ("no-memo", "before"):
+        tb.prepare = lambda q, k, cols, causal, scale, row_span=None: tb.PreparedCall(
+            q, k, cols, causal, scale, row_span)
+    if name in ("no-merge-kernel", "before"):
+        del tb.merge_stages
+    try:
+        yield
+    finally:
+        for key, val in saved.items():
+            setattr(tb, key, val)
 
 
 def host_ms(fn, reps: int = 5) -> float:
@@ -119,6 +145,7 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--cp", type=int, nargs="+", default=[16, 64])
     ap.add_argument("--tokens", type=int, default=131072)
+    ap.add_argument("--variants", nargs="+", choices=VARIANTS, default=["current"])
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
     dev = torch.device("cuda")
@@ -139,9 +166,11 @@ def main(argv=None) -> int:
             p = plan(mask, None, cp, balance="sparse", nodes=nodes)
             wire = to_wire(full_k, full_v, p.chunk_size)
             rank = max(range(cp), key=lambda r: p.work(r))
-            for calls in ("auto",):
-                r = profile_rank(p, rank, calls, (full_q, full_k, full_v, full_do, wire), 128 ** -0.5)
-                r.update(cp=cp, nodes=nodes)
+            for name in args.variants:
+                with variant(name):
+                    r = profile_rank(p, rank, "auto", (full_q, full_k, full_v, full_do, wire),
+                                     128 ** -0.5)
+                r.update(cp=cp, nodes=nodes, variant=name)
                 out["runs"].append(r)
                 print(json.dumps({k: v for k, v in r.items() if k not in ("top_ops", "cprofile_top")}))
                 for row in r["top_ops"][:15]:
