@@ -6,6 +6,8 @@ Per (cp, layout): the layer's host time (CPU time to enqueue it while the GPU is
 the forward alone, the backward alone; torch.profiler's CPU self time per aten op (the torch
 side) against the layer's wall time (the rest: Python, Triton launches, autograd); cProfile's
 top functions of the package (cumulative, with its own overhead: compare shares, not times).
+The A/B's numbers are ``round_robin``: every variant's layer in turn within each of ``--reps``
+repetitions (medians), so the VM's drifting host speed hits all variants alike.
 
     python benchmarks/cp_host_profile.py --cp 16 64 [--variants current no-memo no-merge-kernel] [--out DIR]
 
@@ -141,11 +143,45 @@ def profile_rank(p, rank, layout_calls, tensors, scale):
     return res
 
 
+def round_robin_host_ms(p, rank, tensors, scale, variants, reps):
+    """Median host ms of the layer, its forward and its backward per variant, the variants
+    measured in turn within every repetition, so drift of this VM's host speed hits them alike."""
+    full_q, full_k, full_v, full_do, full_wire = tensors
+    dev = full_q.device
+    runs = {}
+    for name in variants:
+        prog = prepare_rank(p, rank, dev, "overlap", "auto")
+        q, k, v = (p.shard(t, rank).detach().requires_grad_() for t in (full_q, full_k, full_v))
+        runs[name] = (prog, q, k, v, p.shard(full_do, rank),
+                      EmulatedExchange(full_wire, p.cp_size, rank, plan=p))
+    times = {name: {"layer": [], "fwd": [], "bwd": []} for name in variants}
+    for rep in range(reps + 2):
+        for name in variants:
+            prog, q, k, v, do, ex = runs[name]
+            with variant(name):
+                torch.cuda.synchronize()
+                torch.cuda._sleep(SLEEP)
+                t0 = time.perf_counter()
+                out, _ = run_layer(q, k, v, prog, ex, scale)
+                t1 = time.perf_counter()
+                out.backward(do)
+                t2 = time.perf_counter()
+                torch.cuda.synchronize()
+                q.grad = k.grad = v.grad = None
+            if rep >= 2:  # two warm-up rounds
+                times[name]["fwd"].append((t1 - t0) * 1e3)
+                times[name]["bwd"].append((t2 - t1) * 1e3)
+                times[name]["layer"].append((t2 - t0) * 1e3)
+    return {name: {part: round(statistics.median(ts), 3) for part, ts in parts.items()}
+            for name, parts in times.items()}
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--cp", type=int, nargs="+", default=[16, 64])
     ap.add_argument("--tokens", type=int, default=131072)
     ap.add_argument("--variants", nargs="+", choices=VARIANTS, default=["current"])
+    ap.add_argument("--reps", type=int, default=25, help="round-robin repetitions per variant")
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
     dev = torch.device("cuda")
@@ -157,7 +193,7 @@ def main(argv=None) -> int:
                                   dtype=torch.bfloat16) for _ in range(2))
     out = {"env": {"torch": torch.__version__, "gpu": torch.cuda.get_device_name(),
                    "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-                   "command": " ".join(sys.argv)}, "runs": []}
+                   "command": " ".join(sys.argv)}, "runs": [], "round_robin": []}
     for cp in args.cp:
         for hier in (False, True):
             nodes = max(1, cp // 8) if hier else 1
@@ -166,6 +202,11 @@ def main(argv=None) -> int:
             p = plan(mask, None, cp, balance="sparse", nodes=nodes)
             wire = to_wire(full_k, full_v, p.chunk_size)
             rank = max(range(cp), key=lambda r: p.work(r))
+            tensors = (full_q, full_k, full_v, full_do, wire)
+            rr = round_robin_host_ms(p, rank, tensors, 128 ** -0.5, args.variants, args.reps)
+            out["round_robin"].append({"cp": cp, "nodes": nodes, "rank": rank, "reps": args.reps,
+                                       "host_ms": rr})
+            print(json.dumps(out["round_robin"][-1]))
             for name in args.variants:
                 with variant(name):
                     r = profile_rank(p, rank, "auto", (full_q, full_k, full_v, full_do, wire),
