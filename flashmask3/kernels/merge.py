@@ -29,10 +29,11 @@ def _part_lse(lse_ptr, row, rmask):
 
 
 @triton.jit
-def _add_part(acc, o_ptr, lse_ptr, row, off, rmask, top):
+def _add_part(acc, den, o_ptr, lse_ptr, row, off, rmask, top):
+    """One part's weighted output added into ``acc`` and its weight into ``den``."""
     w = tl.exp(_part_lse(lse_ptr, row, rmask) - top)  # 0 where the part is masked
     o = tl.load(o_ptr + off, mask=rmask[:, None], other=0.0).to(tl.float32)
-    return acc + o * w[:, None]
+    return acc + o * w[:, None], den + w
 
 
 @triton.jit(do_not_specialize=["S", "H"])
@@ -65,29 +66,22 @@ def _merge_kernel(o0, o1, o2, o3, o4, o5, o6, o7, l0, l1, l2, l3, l4, l5, l6, l7
         top = tl.maximum(top, _part_lse(l7, row, rmask))
     top = tl.where(top == float("-inf"), 0.0, top)  # finite: exp(-inf - top) = 0
     acc = tl.zeros([BLOCK_R, D], dtype=tl.float32)
-    acc = _add_part(acc, o0, l0, row, off, rmask, top)
-    den = tl.exp(_part_lse(l0, row, rmask) - top)
+    den = tl.zeros([BLOCK_R], dtype=tl.float32)
+    acc, den = _add_part(acc, den, o0, l0, row, off, rmask, top)
     if N > 1:
-        acc = _add_part(acc, o1, l1, row, off, rmask, top)
-        den += tl.exp(_part_lse(l1, row, rmask) - top)
+        acc, den = _add_part(acc, den, o1, l1, row, off, rmask, top)
     if N > 2:
-        acc = _add_part(acc, o2, l2, row, off, rmask, top)
-        den += tl.exp(_part_lse(l2, row, rmask) - top)
+        acc, den = _add_part(acc, den, o2, l2, row, off, rmask, top)
     if N > 3:
-        acc = _add_part(acc, o3, l3, row, off, rmask, top)
-        den += tl.exp(_part_lse(l3, row, rmask) - top)
+        acc, den = _add_part(acc, den, o3, l3, row, off, rmask, top)
     if N > 4:
-        acc = _add_part(acc, o4, l4, row, off, rmask, top)
-        den += tl.exp(_part_lse(l4, row, rmask) - top)
+        acc, den = _add_part(acc, den, o4, l4, row, off, rmask, top)
     if N > 5:
-        acc = _add_part(acc, o5, l5, row, off, rmask, top)
-        den += tl.exp(_part_lse(l5, row, rmask) - top)
+        acc, den = _add_part(acc, den, o5, l5, row, off, rmask, top)
     if N > 6:
-        acc = _add_part(acc, o6, l6, row, off, rmask, top)
-        den += tl.exp(_part_lse(l6, row, rmask) - top)
+        acc, den = _add_part(acc, den, o6, l6, row, off, rmask, top)
     if N > 7:
-        acc = _add_part(acc, o7, l7, row, off, rmask, top)
-        den += tl.exp(_part_lse(l7, row, rmask) - top)
+        acc, den = _add_part(acc, den, o7, l7, row, off, rmask, top)
     masked = den == 0.0
     inv = tl.where(masked, 0.0, 1.0 / tl.where(masked, 1.0, den))
     tl.store(out_ptr + off, (acc * inv[:, None]).to(out_ptr.dtype.element_ty),
