@@ -43,7 +43,8 @@ def jobs() -> list[dict]:
     from flashmask3.kernels import compile_tools as CT
 
     out = [dict(family="tl", kernel=name) for name in ("summary", "range_by_query",
-                                                        "range_by_key", "bwd_pre", "scale_dq")]
+                                                        "range_by_key", "bwd_pre", "scale_dq",
+                                                        "merge_3", "merge_8")]
     for pass_, kernel, d, t in CT.table_kernels():
         family = "tl" if kernel == "tl" else "gluon"
         for causal, c in (LAYOUTS[d] if family == "tl" else GLUON_LAYOUTS):
@@ -53,12 +54,26 @@ def jobs() -> list[dict]:
 
 
 def _compile_small(name: str) -> dict:
-    """The preprocessing / pre-pass / scaling kernels (no tile config of their own)."""
+    """The preprocessing / pre-pass / scaling kernels and the context-parallel forward's
+    merge of stage partials (``merge_<parts>``; no tile config of their own)."""
     from triton.compiler import ASTSource
 
     from flashmask3.kernels import compile_tools as CT
+    from flashmask3.kernels import merge as MG
     from flashmask3.kernels import tiles as TI
     from flashmask3.kernels import tl_kernels as TL
+
+    if name.startswith("merge_"):  # as merge.merge_stages launches it: unused parts are None
+        n = int(name.split("_")[1])
+        ptrs = {f"o{i}": "*bf16" for i in range(n)} | {f"l{i}": "*fp32" for i in range(n)}
+        ptrs |= dict(out_ptr="*bf16", lse_ptr="*fp32")
+        unused = {f"{x}{i}": None for x in "ol" for i in range(n, MG.MAX_PARTS)}
+        consts = dict(unused, N=n, D=128, BLOCK_R=64)
+        sig, attrs = CT._signature(MG._merge_kernel, ptrs, {}, consts)
+        ck = CT.compile_sm90_source(ASTSource(MG._merge_kernel, sig, constexprs=consts,
+                                              attrs=attrs), 4, 1)
+        usage, _ = CT.cuobjdump(ck.asm["cubin"])
+        return dict(regs=usage["regs"], local=usage["local"])
 
     kernel, ptrs, consts = {
         "summary": (TI._summary_kernel, dict(mask_ptr="*i32", sum_ptr="*i32"),
