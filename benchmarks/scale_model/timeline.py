@@ -43,7 +43,7 @@ from typing import Callable, Optional
 
 import numpy as np
 
-from flashmask3.distributed.runtime import BACKWARD_CALL_MODES, auto_backward_calls
+from flashmask3.distributed.runtime import BACKWARD_CALL_MODES, resolve_backward_calls
 
 from .calibrate import AttentionCost, ProgramWork, TileCounts
 from .layout import PlanView
@@ -353,11 +353,9 @@ BWD_CALLS = BACKWARD_CALL_MODES
 
 
 def resolve_bwd_calls(view: PlanView, bwd_calls: str) -> str:
-    """``bwd_calls`` checked, ``"auto"`` resolved for ``view`` by the runtime's rule
-    (flashmask3.distributed.runtime.auto_backward_calls: one implementation for both)."""
-    if bwd_calls not in BWD_CALLS:
-        raise ValueError(f"bwd_calls must be one of {BWD_CALLS}, got {bwd_calls!r}")
-    return auto_backward_calls(view) if bwd_calls == "auto" else bwd_calls
+    """``bwd_calls`` checked, ``"auto"`` resolved for ``view``: the runtime's own function
+    (flashmask3.distributed.runtime.resolve_backward_calls: one implementation for both)."""
+    return resolve_backward_calls(bwd_calls, view, name="bwd_calls")
 
 
 def merge_calls(tiles: list[TileCounts]) -> Optional[TileCounts]:

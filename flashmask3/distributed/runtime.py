@@ -68,12 +68,13 @@ def auto_backward_calls(plan) -> str:
     return "stage"
 
 
-def resolve_backward_calls(backward_calls: str, plan) -> str:
-    """``backward_calls`` checked (ValueError naming it) with ``"auto"`` resolved for ``plan``."""
+def resolve_backward_calls(backward_calls: str, plan, name: str = "backward_calls") -> str:
+    """``backward_calls`` checked (ValueError naming it as ``name``: the caller's argument)
+    with ``"auto"`` resolved for ``plan``."""
     if backward_calls == "auto":
         return auto_backward_calls(plan)
     if backward_calls not in BACKWARD_CALLS:
-        raise ValueError(f"backward_calls must be one of {BACKWARD_CALL_MODES}, got {backward_calls!r}")
+        raise ValueError(f"{name} must be one of {BACKWARD_CALL_MODES}, got {backward_calls!r}")
     return backward_calls
 
 
