@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import importlib
 import os
+import sys
 from types import ModuleType
 from typing import Optional
 
@@ -110,5 +111,8 @@ def get_backend(name: str) -> ModuleType:
 
 
 def loaded() -> tuple[ModuleType, ...]:
-    """The backend modules imported so far."""
-    return tuple(_LOADED.values())
+    """The backend modules imported so far, through :func:`get_backend` or directly (a test or
+    the context-parallel runtime importing ``triton_backend``): what ``api.clear_prepared``
+    must reach."""
+    mods = (sys.modules.get(path) for path in _MODULES.values())
+    return tuple(m for m in mods if m is not None)
