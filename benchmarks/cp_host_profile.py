@@ -2,19 +2,23 @@
 backward through the staged runtime (``run_layer``, communication emulated by device copies
 as in ``cp_single_gpu.py``), timed per piece.
 
-Per (cp, layout): the layer's host time (CPU time to enqueue it while the GPU is kept busy),
-the forward alone, the backward alone; torch.profiler's CPU self time per aten op (the torch
-side) against the layer's wall time (the rest: Python, Triton launches, autograd); cProfile's
-top functions of the package (cumulative, with its own overhead: compare shares, not times).
-The A/B's numbers are ``round_robin``: every variant's layer in turn within each of ``--reps``
-repetitions (medians), so the VM's drifting host speed hits all variants alike.
+Per (cp, layout): the round-robin host times (below) and, for the ``--variants``, one profiled
+layer each: the launches outside and inside attention (``LaunchCounter``), torch.profiler's
+CPU self time per aten op (the torch side) against the layer's wall time (the rest: Python,
+Triton launches, autograd), cProfile's top functions of the package (cumulative, with its
+own overhead: compare shares, not times). The host times are ``round_robin``: every
+variant's layer in turn within each of ``--reps`` repetitions (medians and 90th
+percentiles), so the VM's drifting host speed hits all variants alike (independent medians of
+a few samples per variant gave contradictory orderings on this VM).
 
-    python benchmarks/cp_host_profile.py --cp 16 64 [--variants current no-memo no-merge-kernel] [--out DIR]
+    python benchmarks/cp_host_profile.py --cp 16 64 [--variants current gc-off gc-freeze] [--out DIR]
 
 Variants, in the same run on the same inputs: ``current``; ``no-memo`` (a fresh PreparedCall
 per attention call, as before session 24); ``no-merge-kernel`` (the forward's stage partials
 merged by torch ops instead of the one-launch Triton merge); ``before`` (both, i.e. the host
-path of session 23).
+path of session 23); ``gc-off`` (Python's cyclic garbage collector disabled while the layer
+runs); ``gc-freeze`` (``gc.freeze()`` after a collection: every object alive before the
+layer is left out of later collections, as a training loop can do after building its model).
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import cProfile
+import gc
 import json
 import os
 import pstats
@@ -42,7 +47,7 @@ from flashmask3.kernels import triton_backend as tb  # noqa: E402
 SLEEP = 200_000_000  # cycles of torch.cuda._sleep: ~100 ms, longer than any host loop here
 
 
-VARIANTS = ("current", "no-memo", "no-merge-kernel", "before")
+VARIANTS = ("current", "no-memo", "no-merge-kernel", "before", "gc-off", "gc-freeze")
 
 
 @contextlib.contextmanager
@@ -54,24 +59,18 @@ def variant(name: str):
             q, k, cols, causal, scale, row_span)
     if name in ("no-merge-kernel", "before"):
         del tb.merge_stages
+    if name == "gc-off":
+        gc.disable()
+    if name == "gc-freeze":
+        gc.collect()
+        gc.freeze()
     try:
         yield
     finally:
         for key, val in saved.items():
             setattr(tb, key, val)
-
-
-def host_ms(fn, reps: int = 5) -> float:
-    """Median CPU ms of ``fn`` while the GPU sleeps (host work only)."""
-    out = []
-    for _ in range(reps):
-        torch.cuda.synchronize()
-        torch.cuda._sleep(SLEEP)
-        t0 = time.perf_counter()
-        fn()
-        out.append((time.perf_counter() - t0) * 1e3)
-        torch.cuda.synchronize()
-    return statistics.median(out)
+        gc.enable()
+        gc.unfreeze()
 
 
 def profile_rank(p, rank, layout_calls, tensors, scale):
@@ -102,19 +101,6 @@ def profile_rank(p, rank, layout_calls, tensors, scale):
            "stages": sum(1 for s in prog.stage_chunks if s), "launches": counter.launches,
            "attention_launches": counter.attention_launches,
            "attention_calls": counter.attention_calls}
-    res["layer_host_ms"] = host_ms(layer)
-    res["fwd_host_ms"] = host_ms(fwd)
-    times = []
-    for _ in range(5):
-        fwd()
-        torch.cuda.synchronize()
-        torch.cuda._sleep(SLEEP)
-        t0 = time.perf_counter()
-        bwd()
-        times.append((time.perf_counter() - t0) * 1e3)
-        torch.cuda.synchronize()
-        q.grad = k.grad = v.grad = None
-    res["bwd_host_ms"] = statistics.median(times)
     from torch.profiler import ProfilerActivity, profile
     with profile(activities=[ProfilerActivity.CPU]) as prof:
         torch.cuda._sleep(SLEEP)
@@ -128,6 +114,7 @@ def profile_rank(p, rank, layout_calls, tensors, scale):
     res["profiled_wall_ms"] = wall
     res["aten_self_cpu_ms"] = sum(x[2] for x in ops if x[0].startswith("aten::"))
     res["top_ops"] = [(n, c, round(ms, 3)) for n, c, ms in ops[:25]]
+    res["top_ops_by_caller"] = _ops_by_caller(layer)
     pr = cProfile.Profile()
     torch.cuda.synchronize()
     torch.cuda._sleep(SLEEP)
@@ -143,9 +130,29 @@ def profile_rank(p, rank, layout_calls, tensors, scale):
     return res
 
 
+def _ops_by_caller(layer, n: int = 20) -> list:
+    """The aten ops of one layer with the most CPU self time, each with the package frames
+    that called it (torch.profiler with stacks): where an op's cost comes from."""
+    from torch.profiler import ProfilerActivity, profile
+    with profile(activities=[ProfilerActivity.CPU], with_stack=True) as prof:
+        torch.cuda._sleep(SLEEP)
+        layer()
+    torch.cuda.synchronize()
+    rows = []
+    for e in prof.key_averages(group_by_stack_n=6):
+        if not e.key.startswith("aten::"):
+            continue
+        frames = [f for f in (e.stack or []) if "flashmask3" in f]
+        rows.append((e.self_cpu_time_total / 1e3, e.key, e.count,
+                     [f.split("flashmask3/")[-1] for f in frames[:3]]))
+    rows.sort(key=lambda r: -r[0])
+    return [(key, count, round(ms, 3), frames) for ms, key, count, frames in rows[:n]]
+
+
 def round_robin_host_ms(p, rank, tensors, scale, variants, reps):
-    """Median host ms of the layer, its forward and its backward per variant, the variants
-    measured in turn within every repetition, so drift of this VM's host speed hits them alike."""
+    """Host ms (median, 90th percentile) of the layer, its forward and its backward per
+    variant, the variants measured in turn within every repetition, so drift of this VM's host
+    speed hits them alike. Host ms = CPU time to enqueue while the GPU sleeps."""
     full_q, full_k, full_v, full_do, full_wire = tensors
     dev = full_q.device
     runs = {}
@@ -156,7 +163,9 @@ def round_robin_host_ms(p, rank, tensors, scale, variants, reps):
                       EmulatedExchange(full_wire, p.cp_size, rank, plan=p))
     times = {name: {"layer": [], "fwd": [], "bwd": []} for name in variants}
     for rep in range(reps + 2):
-        for name in variants:
+        # rotated each repetition: each variant follows each other equally often (gc-off
+        # leaves its garbage to whatever runs next)
+        for name in variants[rep % len(variants):] + variants[:rep % len(variants)]:
             prog, q, k, v, do, ex = runs[name]
             with variant(name):
                 torch.cuda.synchronize()
@@ -173,7 +182,12 @@ def round_robin_host_ms(p, rank, tensors, scale, variants, reps):
                 times[name]["bwd"].append((t2 - t1) * 1e3)
                 times[name]["layer"].append((t2 - t0) * 1e3)
     return {name: {part: round(statistics.median(ts), 3) for part, ts in parts.items()}
+            | {f"{part}_p90": round(_p90(ts), 3) for part, ts in parts.items()}
             for name, parts in times.items()}
+
+
+def _p90(xs) -> float:
+    return sorted(xs)[min(len(xs) - 1, int(0.9 * len(xs)))]
 
 
 def main(argv=None) -> int:
@@ -213,7 +227,10 @@ def main(argv=None) -> int:
                                      128 ** -0.5)
                 r.update(cp=cp, nodes=nodes, variant=name)
                 out["runs"].append(r)
-                print(json.dumps({k: v for k, v in r.items() if k not in ("top_ops", "cprofile_top")}))
+                print(json.dumps({k: v for k, v in r.items()
+                                  if k not in ("top_ops", "cprofile_top", "top_ops_by_caller")}))
+                for row in r["top_ops_by_caller"][:12]:
+                    print("   caller", row)
                 for row in r["top_ops"][:15]:
                     print("   op", row)
                 for row in r["cprofile_top"][:22]:

@@ -1058,7 +1058,8 @@ def launch_dkdv_gluon(q, k, v, dout, lse2, delta, causal, softmax_scale, plan, b
     runs (atomics). ``dq_t`` (with ``fuse_dq``): an existing dQᵀ buffer to add into, already
     zeroed (``tl_kernels.dq_accumulator`` zeroed by ``backward_prepass``: one launch less; or
     :func:`new_dq_accumulator`, shared by every stage of a context-parallel layer's staged
-    backward), else a new zeroed one is allocated here."""
+    backward), else a new zeroed one is allocated here. With ``dq_t`` given, dq_acc is None:
+    the caller holds the buffer (:func:`dq_accumulator_view` of it is the same dQ)."""
     reason = unavailable_reason()
     if reason is not None:
         raise RuntimeError(reason)
@@ -1090,14 +1091,16 @@ def launch_dkdv_gluon(q, k, v, dout, lse2, delta, causal, softmax_scale, plan, b
         # dQᵀ per (batch, head): [B, Hq, D, Sq_pad], Sq_pad a multiple of 4 (TMA: 16-byte row
         # stride); the descriptor's [B*Hq*D, Sq] view clips each tile's query columns at Sq
         sq_pad = cdiv(sq, 4) * 4
-        if dq_t is None:
+        allocated = dq_t is None
+        if allocated:
             dq_t = new_dq_accumulator(b, sq, hq, d, q.device)
         elif dq_t.shape != (b, hq, d, sq_pad) or dq_t.dtype != torch.float32:
             raise ValueError(f"gluon fused dQ: dq_t must be fp32 [{b}, {hq}, {d}, {sq_pad}], "
                              f"got {dq_t.dtype} {tuple(dq_t.shape)}")
         dq_desc = descriptor(GluonDescriptor, dq_t.view(b * hq * d, sq_pad)[:, :sq],
                              dq_reduce_block(block_m, d), _dq_smem_layout(block_m, d))
-        dq_acc = dq_accumulator_view(dq_t, sq)
+        # a given dq_t is the caller's to view (a context-parallel stage only adds into it)
+        dq_acc = dq_accumulator_view(dq_t, sq) if allocated else None
     kwargs = dict(FUSE_DQ=True) if fuse_dq else {}
     if warp_spec:
         kwargs.update(WARP_SPEC=True, maxnreg=ws_maxnreg(num_warps))

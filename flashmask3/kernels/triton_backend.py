@@ -70,8 +70,9 @@ def run_forward(launch: Launch, q, k, v, mask, causal, softmax_scale, plan: Plan
 def run_dkdv(launch: Launch, q, k, v, dout, lse2, delta, causal, softmax_scale, plan: Plan,
              dq_t: Optional[torch.Tensor] = None):
     """(dk, dv, dq_acc) of a dK/dV or fused ``launch``; dq_acc (unscaled fp32 dQ) only when
-    fused, else None. ``dq_t``: the fused kernel's zeroed dQᵀ accumulator
-    (``tl_kernels.dq_accumulator`` zeroed by the pre-pass), else it allocates one."""
+    fused without ``dq_t``, else None. ``dq_t``: the fused kernel's zeroed dQᵀ accumulator
+    (``tl_kernels.dq_accumulator`` zeroed by the pre-pass), which the caller then views
+    (``dq_accumulator_view``); without it the kernel's launcher allocates one."""
     args = (q, k, v, dout, lse2, delta, causal, softmax_scale)
     if launch.kernel == "tl":
         return tl_kernels.launch_dkdv(*args, launch.tile, plan) + (None,)
@@ -195,10 +196,10 @@ class PreparedCall:
                 if first.kernel == "gluon_fused" else None)
         delta, lse2 = tl_kernels.backward_prepass(out, dout, lse, dlse, dq_t)
         plan = _plan(startend_row_indices, causal, sq, sk, first, q.device)
-        dk, dv, dq_acc = run_dkdv_grouped(first, q, k, v, dout, lse2, delta, causal, scale, plan,
-                                          dq_t, self.expand_kv)
-        if dq_acc is not None:
-            return tl_kernels.scale_dq(dq_acc, scale, q.dtype), dk, dv
+        dk, dv, _ = run_dkdv_grouped(first, q, k, v, dout, lse2, delta, causal, scale, plan,
+                                     dq_t, self.expand_kv)
+        if dq_t is not None:
+            return tl_kernels.scale_dq(dq_accumulator_view(dq_t, sq), scale, q.dtype), dk, dv
         dq_launch = launches[1]
         plan = _plan(startend_row_indices, causal, sq, sk, dq_launch, q.device)
         dq = tl_kernels.launch_dq(q, k, v, dout, lse2, delta, causal, scale, dq_launch.tile,
