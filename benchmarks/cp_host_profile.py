@@ -114,7 +114,6 @@ def profile_rank(p, rank, layout_calls, tensors, scale):
     res["profiled_wall_ms"] = wall
     res["aten_self_cpu_ms"] = sum(x[2] for x in ops if x[0].startswith("aten::"))
     res["top_ops"] = [(n, c, round(ms, 3)) for n, c, ms in ops[:25]]
-    res["top_ops_by_caller"] = _ops_by_caller(layer)
     pr = cProfile.Profile()
     torch.cuda.synchronize()
     torch.cuda._sleep(SLEEP)
@@ -128,25 +127,6 @@ def profile_rank(p, rank, layout_calls, tensors, scale):
     res["cprofile_total_ms"] = sum(v[2] for v in st.values()) * 1e3
     res["cprofile_top"] = [(n, c, round(cum, 3), round(tot, 3)) for cum, tot, c, n in rows[:30]]
     return res
-
-
-def _ops_by_caller(layer, n: int = 20) -> list:
-    """The aten ops of one layer with the most CPU self time, each with the package frames
-    that called it (torch.profiler with stacks): where an op's cost comes from."""
-    from torch.profiler import ProfilerActivity, profile
-    with profile(activities=[ProfilerActivity.CPU], with_stack=True) as prof:
-        torch.cuda._sleep(SLEEP)
-        layer()
-    torch.cuda.synchronize()
-    rows = []
-    for e in prof.key_averages(group_by_stack_n=6):
-        if not e.key.startswith("aten::"):
-            continue
-        frames = [f for f in (e.stack or []) if "flashmask3" in f]
-        rows.append((e.self_cpu_time_total / 1e3, e.key, e.count,
-                     [f.split("flashmask3/")[-1] for f in frames[:3]]))
-    rows.sort(key=lambda r: -r[0])
-    return [(key, count, round(ms, 3), frames) for ms, key, count, frames in rows[:n]]
 
 
 def round_robin_host_ms(p, rank, tensors, scale, variants, reps):
@@ -227,10 +207,7 @@ def main(argv=None) -> int:
                                      128 ** -0.5)
                 r.update(cp=cp, nodes=nodes, variant=name)
                 out["runs"].append(r)
-                print(json.dumps({k: v for k, v in r.items()
-                                  if k not in ("top_ops", "cprofile_top", "top_ops_by_caller")}))
-                for row in r["top_ops_by_caller"][:12]:
-                    print("   caller", row)
+                print(json.dumps({k: v for k, v in r.items() if k not in ("top_ops", "cprofile_top")}))
                 for row in r["top_ops"][:15]:
                     print("   op", row)
                 for row in r["cprofile_top"][:22]:
