@@ -63,18 +63,6 @@ def _compile_small(name: str) -> dict:
     from flashmask3.kernels import tiles as TI
     from flashmask3.kernels import tl_kernels as TL
 
-    if name.startswith("merge_"):  # as merge.merge_stages launches it: unused parts are None
-        n = int(name.split("_")[1])
-        ptrs = {f"o{i}": "*bf16" for i in range(n)} | {f"l{i}": "*fp32" for i in range(n)}
-        ptrs |= dict(out_ptr="*bf16", lse_ptr="*fp32")
-        unused = {f"{x}{i}": None for x in "ol" for i in range(n, MG.MAX_PARTS)}
-        consts = dict(unused, N=n, D=128, BLOCK_R=64)
-        sig, attrs = CT._signature(MG._merge_kernel, ptrs, {}, consts)
-        ck = CT.compile_sm90_source(ASTSource(MG._merge_kernel, sig, constexprs=consts,
-                                              attrs=attrs), 4, 1)
-        usage, _ = CT.cuobjdump(ck.asm["cubin"])
-        return dict(regs=usage["regs"], local=usage["local"])
-
     kernel, ptrs, consts = {
         "summary": (TI._summary_kernel, dict(mask_ptr="*i32", sum_ptr="*i32"),
                     dict(BLOCK_N=128, CAUSAL=False, C=4)),
@@ -90,11 +78,20 @@ def _compile_small(name: str) -> dict:
                     dict(D=128, BLOCK_M=64, HAS_DLSE=True, ZERO_DQ=True)),
         "scale_dq": (TL._scale_dq_kernel, dict(src_ptr="*fp32", dst_ptr="*bf16"),
                      dict(D=128, BLOCK_Q=64)),
-    }[name]
+    }[name] if not name.startswith("merge_") else _merge_job(MG, int(name.split("_")[1]))
     sig, attrs = CT._signature(kernel, ptrs, {}, consts)
     ck = CT.compile_sm90_source(ASTSource(kernel, sig, constexprs=consts, attrs=attrs), 4, 1)
     usage, _ = CT.cuobjdump(ck.asm["cubin"])
     return dict(regs=usage["regs"], local=usage["local"])
+
+
+def _merge_job(MG, n: int) -> tuple:
+    """The merge kernel of ``n`` parts as ``merge.merge_stages`` launches it (the unused part
+    pointers None): (kernel, pointer types, constexprs)."""
+    ptrs = {f"o{i}": "*bf16" for i in range(n)} | {f"l{i}": "*fp32" for i in range(n)}
+    ptrs |= dict(out_ptr="*bf16", lse_ptr="*fp32")
+    unused = {f"{x}{i}": None for x in "ol" for i in range(n, MG.MAX_PARTS)}
+    return MG._merge_kernel, ptrs, dict(unused, N=n, D=128, BLOCK_R=64)
 
 
 def _compile_table_kernel(job: dict) -> dict:
