@@ -7,9 +7,10 @@ CPU machine. Used by ``.ci/newest-triton.sh`` with the newest Triton (docs/host-
 What is compiled: every (pass, kernel, head dim, tile) of the dispatch table
 (``compile_tools.table_kernels``), as its launcher launches it: the tl rows (forward, split
 dK/dV, dQ) on the mask layouts of :data:`LAYOUTS`, the Gluon rows (WS forward, WS dK/dV, fused
-DS_SHARED backward) on one; and the tl kernels without a tile of their own (block summaries,
-live ranges by query and by key, the backward's delta pre-pass, the fused backward's dQ
-scaling).
+DS_SHARED backward) on one; the D=128 dK/dV and fused rows also with a GQA group split over
+8 programs (KV_SPLIT); and the tl kernels without a tile of their own (block summaries, live
+ranges by query and by key, the backward's delta pre-pass, the fused backward's dQ scaling,
+the split groups' partial sums).
 
 Exit status: 1 when a tl kernel fails (the portable path must compile everywhere), or when a
 Gluon kernel fails on a Triton version the dispatch runs Gluon on (``GLUON_CHECKED_TRITON``).
@@ -44,13 +45,22 @@ def jobs() -> list[dict]:
 
     out = [dict(family="tl", kernel=name) for name in ("summary", "range_by_query",
                                                         "range_by_key", "bwd_pre", "scale_dq",
-                                                        "merge_3", "merge_8")]
+                                                        "merge_3", "merge_8", "sum_kv_split")]
     for pass_, kernel, d, t in CT.table_kernels():
         family = "tl" if kernel == "tl" else "gluon"
+        cfg = t._asdict() if hasattr(t, "_asdict") else dict(t.__dict__)
         for causal, c in (LAYOUTS[d] if family == "tl" else GLUON_LAYOUTS):
-            out.append(dict(family=family, pass_=pass_, kernel=kernel, d=d, cfg=t._asdict()
-                            if hasattr(t, "_asdict") else dict(t.__dict__), causal=causal, c=c))
+            out.append(dict(family=family, pass_=pass_, kernel=kernel, d=d, cfg=cfg,
+                            causal=causal, c=c))
+        if pass_ in ("dkdv", "fused") and d == 128:  # a GQA group split over 8 programs
+            causal, c = GLUON_LAYOUTS[0]
+            out.append(dict(family=family, pass_=pass_, kernel=kernel, d=d, cfg=cfg,
+                            causal=causal, c=c, kv_split=KV_SPLIT))
     return out
+
+
+#: The KV_SPLIT the split-group dK/dV jobs compile (8: GQA 8:1, one program per query head).
+KV_SPLIT = 8
 
 
 def _compile_small(name: str) -> dict:
@@ -78,6 +88,9 @@ def _compile_small(name: str) -> dict:
                     dict(D=128, BLOCK_M=64, HAS_DLSE=True, ZERO_DQ=True)),
         "scale_dq": (TL._scale_dq_kernel, dict(src_ptr="*fp32", dst_ptr="*bf16"),
                      dict(D=128, BLOCK_Q=64)),
+        "sum_kv_split": (TL._sum_kv_split_kernel, dict(part_ptr="*fp32", dk_ptr="*bf16",
+                                                      dv_ptr="*bf16"),
+                         dict(SPLIT=8, D=128, BLOCK_R=32)),
     }[name] if not name.startswith("merge_") else _merge_job(MG, int(name.split("_")[1]))
     sig, attrs = CT._signature(kernel, ptrs, {}, consts)
     ck = CT.compile_sm90_source(ASTSource(kernel, sig, constexprs=consts, attrs=attrs), 4, 1)
@@ -100,7 +113,7 @@ def _compile_table_kernel(job: dict) -> dict:
     from flashmask3.kernels.tiles import Config
 
     listing = CT.compile_launch(job["pass_"], job["kernel"], job["d"], Config(**job["cfg"]),
-                                job["causal"], job["c"])
+                                job["causal"], job["c"], kv_split=job.get("kv_split", 1))
     report = dict(hgmma=listing.count("HGMMA"),
                   ldl_stl=listing.count("LDL") + listing.count("STL"))
     if report["hgmma"] == 0:
@@ -148,7 +161,8 @@ def main(argv=None) -> int:
     with futures.ProcessPoolExecutor(args.jobs, mp_context=ctx) as pool:
         for row in pool.map(run_one, todo):
             rows.append(row)
-            what = {k: row.get(k) for k in ("family", "pass_", "kernel", "d", "cfg", "causal", "c")
+            what = {k: row.get(k) for k in ("family", "pass_", "kernel", "d", "cfg", "causal", "c",
+                                            "kv_split")
                     if k in row}
             print(("ok  " if row["ok"] else "FAIL") + f" {what} {row['seconds']}s "
                   + (row.get("error", "") if not row["ok"] else ""), flush=True)

@@ -50,9 +50,10 @@ status=0
 # the interpreter tests of the tl kernels: the preprocessing (tile classes, live ranges) and
 # forward/backward on every mask layout and the dQ scaling of the fused path, the TMA
 # descriptor path, fully masked rows; the public function's Triton-backend tests (out-of-range
-# columns, compile, the version guard); the context-parallel merge kernel's tests. The Gluon
-# test files compile Gluon offline: they belong to the checked versions (the dispatch never
-# runs Gluon here). INTERPRETER_TESTS overrides the selection.
+# columns, compile, the version guard); the context-parallel merge kernel's tests; the GQA
+# backward's split groups. The Gluon test files compile Gluon offline: they belong to the
+# checked versions (the dispatch never runs Gluon here). INTERPRETER_TESTS overrides the
+# selection.
 TL_TESTS="classification_twin_matches or live_ranges or forward_backward_random_columns or fully_masked_everything or short_and_unequal or tma_descriptor_path or scale_dq"
 API_TESTS="triton or clamped or gluon_kernels or announced or eager_calls"
 if [[ -n "${INTERPRETER_TESTS:-}" ]]; then
@@ -66,5 +67,8 @@ else
   # the context-parallel forward's merge kernel (runs on every CUDA Triton, Gluon or not)
   TRITON_INTERPRET=1 "$PY" -m pytest -q -p no:cacheprovider -W ignore::DeprecationWarning \
     tests/kernels/test_merge.py || status=1
+  # the GQA backward's split groups (the tl dK/dV kernel's KV_SPLIT, the partials' sum)
+  TRITON_INTERPRET=1 "$PY" -m pytest -q -p no:cacheprovider -W ignore::DeprecationWarning \
+    tests/kernels/test_staged.py -k "kv_split or kv_groups" || status=1
 fi
 exit $status

@@ -1,14 +1,19 @@
-"""A/B on the GPU: the GQA backward with K/V expanded to the query heads (``expands_kv_heads``)
-against the grouped launch, at the shapes where the grouped grid leaves SMs idle: a context-
-parallel stage (16K query rows of a rank against 1-4K keys), 32 query / 4 KV heads, D=128, bf16.
-Times are GPU time of ``torch.autograd.grad`` of one call (median of CUDA-event timed calls,
-interleaved A/B), with the forward included; gradients of both are compared.
+"""A/B on the GPU: the GQA backward with each group split over one program per query head
+(``expands_kv_heads``: the dK/dV kernels' KV_SPLIT, fp32 partials summed by one launch) against
+the grouped launch and against the way the library did it until session 26 (K/V copied to the
+query heads by torch, an MHA call, dK/dV summed per group by torch: autograd of the copies), at
+the shapes where the grouped grid leaves SMs idle: a context-parallel stage (16K query rows of a
+rank against 1-4K keys), 32 query / 4 KV heads, D=128, bf16. Per arm: GPU time of
+``torch.autograd.grad`` of one call with the forward (median of CUDA-event timed calls behind a
+GPU sleep, host hidden, interleaved rounds), its host time per call (CPU time to enqueue while
+the GPU is busy) and triton's ``do_bench`` median (host launch work included, as peers report);
+gradients of the arms are compared.
 
 ``--shapes FILE`` times a shape set instead (``benchmarks/results/gqa_expand_shapes.json``,
 written by ``python -m benchmarks.scale_model underfill``: real per-rank backward stage calls
 of the paper setting where another expansion rule and the library's differ, each with what
 rebuilds its mask -- document lengths, cp, balance, nodes, rank, stage -- and the scale
-model's predicted times). The expanded arm forces the expansion whatever the library rule says.
+model's predicted times). The split arm forces the split whatever the library rule says.
 ``--dry-run`` (CPU): rebuild every case's mask, check it against the shape set's tile counts,
 and print what would be timed with the rules' decisions and the predictions.
 
@@ -91,10 +96,15 @@ def _rules(sq: int, sk: int, hq: int, hk: int, sms: int) -> dict:
     return {"library_expands": kv_expansion(p, g, sms), "waves_expands": KV_RULES["waves"](p, g, sms)}
 
 
-def _use(counts) -> None:
-    """Run the next calls with ``counts`` as the SM count (None: the grouped backward); the
-    prepared calls decided with the old one are forgotten (they decide once per signature)."""
+_REAL_SPLIT_OF = T.kv_split_of
+
+
+def _use(counts, split=None) -> None:
+    """Run the next calls with ``counts`` as the SM count (None: the grouped backward) or, with
+    ``split``, every GQA backward at that many programs per group; the prepared calls decided
+    before are forgotten (they decide once per signature)."""
     T.sm_count = counts
+    T.kv_split_of = _REAL_SPLIT_OF if split is None else (lambda *a: split)
     flashmask3.api.clear_prepared()
 
 
@@ -103,8 +113,71 @@ def _grads(q, k, v, cols, dout):
     return torch.autograd.grad(out, (q, k, v), dout)
 
 
-def _expanded(device):  # any count the rule expands at: the expanded arm, whatever the rule says
+def _copied_heads(x: torch.Tensor, hq: int) -> torch.Tensor:
+    """``[B, S, Hk, D]`` -> ``[B, S, Hq, D]``, each KV head copied for its group (the library's
+    expansion until session 26; autograd's backward of it sums each group's gradients)."""
+    b, s, hk, d = x.shape
+    return x[:, :, :, None].expand(b, s, hk, hq // hk, d).reshape(b, s, hq, d).contiguous()
+
+
+def _grads_copies(q, k, v, cols, dout):
+    hq = q.shape[2]
+    out = flashmask3.flashmask_attention(q, _copied_heads(k, hq), _copied_heads(v, hq), cols)
+    return torch.autograd.grad(out, (q, k, v), dout)
+
+
+def _expanded(device):  # any count the rule expands at: the split arm, whatever the rule says
     return 1 << 30
+
+
+#: (name, SM count the dispatch sees or "real", programs per group or None, the gradient
+#: function) of each arm: split whole groups (the library's split), grouped, K/V copied by torch
+#: (the library until session 26), and partial splits (2 or 4 programs per group: not a rule
+#: the library has; the scale model's ``--kv-rule split`` what-if).
+ARMS = (("expanded", _expanded, None, _grads), ("grouped", lambda device: None, None, _grads),
+        ("copies", "real", None, _grads_copies), ("split2", "real", 2, _grads),
+        ("split4", "real", 4, _grads))
+
+
+def _arms(hq: int, hk: int) -> list:
+    """The arms that apply to a group of ``hq // hk`` heads (a partial split must divide it and
+    be smaller)."""
+    g = hq // hk
+    return [a for a in ARMS if a[2] is None or (a[2] < g and g % a[2] == 0)]
+
+
+def _time_arms(q, k, v, cols, dout, real) -> dict:
+    """GPU ms (3 interleaved rounds, median), host µs per call and do_bench ms of every arm,
+    and the largest relative difference of an arm's gradients from the grouped arm's."""
+    import triton
+
+    from benchmarks.kernel import host_us
+
+    def use(counts, split):
+        _use(real if counts == "real" else counts, split)
+
+    arms = _arms(q.shape[2], k.shape[2])
+    res, times = {}, {name: [] for name, _, _, _ in arms}
+    for name, counts, split, fn in arms:
+        use(counts, split)
+        res[name] = fn(q, k, v, cols, dout)
+    for _ in range(3):  # interleaved rounds
+        for name, counts, split, fn in arms:
+            use(counts, split)
+            times[name].append(gpu_ms(lambda: fn(q, k, v, cols, dout), [], reps=9))
+    row = {}
+    for name, counts, split, fn in arms:
+        use(counts, split)
+        row[f"{name}_ms"] = statistics.median(times[name])
+        row[f"{name}_host_us"] = host_us(lambda: fn(q, k, v, cols, dout))
+        row[f"{name}_std_ms"] = triton.testing.do_bench(lambda: fn(q, k, v, cols, dout),
+                                                        return_mode="median")
+        if name != "grouped":
+            row[f"{name}_max_rel_diff"] = max(
+                float((a.float() - b.float()).norm() / b.float().norm().clamp_min(1e-30))
+                for a, b in zip(res[name], res["grouped"]))
+    _use(real)
+    return row
 
 
 def main(argv=None) -> int:
@@ -130,7 +203,6 @@ def main(argv=None) -> int:
             json.dump(dict(meta=dict(dry_run=True, command=" ".join(sys.argv)), rows=rows), f, indent=1)
         return 0
     real = T.sm_count
-    arms = (("expanded", _expanded), ("grouped", lambda device: None))
     for c in cases:
         sq, sk, hq, hk = c["Sq"], c["Sk"], c["Hq"], c["Hk"]
         fm = None if c["mask"] is None else c["mask"].to("cuda")
@@ -138,27 +210,15 @@ def main(argv=None) -> int:
         c_cols = 0 if fm is None else fm.startend_row_indices.shape[-1]
         launch = T.dispatch.choose(q.device, q.dtype, 128, False, c_cols).backward[0]
         on = T.expands_kv_heads(launch, 1, hq, hk, sk, q.device)
-        res = {}
-        for name, counts in arms:
-            _use(counts)
-            res[name] = _grads(q, k, v, cols, dout)
-        _use(real)
-        err = max(float((a.float() - b.float()).norm() / b.float().norm().clamp_min(1e-30))
-                  for a, b in zip(res["expanded"], res["grouped"]))
-        times = {"expanded": [], "grouped": []}
-        for _ in range(3):  # interleaved rounds
-            for name, counts in arms:
-                _use(counts)
-                times[name].append(gpu_ms(lambda: _grads(q, k, v, cols, dout), [], reps=9))
-        _use(real)
-        row = dict(Sq=sq, Sk=sk, Hq=hq, Hk=hk, rule_expands=on,
-                   expanded_ms=statistics.median(times["expanded"]),
-                   grouped_ms=statistics.median(times["grouped"]), max_rel_diff=err)
+        row = dict(Sq=sq, Sk=sk, Hq=hq, Hk=hk, rule_expands=on)
+        row.update(_time_arms(q, k, v, cols, dout, real))
+        row["max_rel_diff"] = row["expanded_max_rel_diff"]
         row.update({k: c[k] for k in ("dataset", "rank", "stage") if k in c})
         row.update(_rules(sq, sk, hq, hk, T.sm_count(q.device)))
         if c.get("predicted"):
             row["predicted"] = c["predicted"]
         row["speedup"] = row["grouped_ms"] / row["expanded_ms"]
+        row["speedup_vs_copies"] = row["copies_ms"] / row["expanded_ms"]
         rows.append(row)
         print(json.dumps(row), flush=True)
     from benchmarks.environment import run_environment

@@ -180,12 +180,14 @@ def program_grid(t: "TileCounts", kind: str, heads: int, kv_heads: int, rule: st
     return w.bwd_full, w.bwd_partial, group, sweeps
 
 
-#: The expanded backward's extra work per call: two copies of K/V to the query heads and two sums
-#: of dK/dV over each group (bytes ~ 4 x keys x query heads x D x 2 at the measured HBM
-#: bandwidth, D=128) and their four launches on the host (the H200 host's bare torch launch,
-#: 19-25 us: benchmarks/results/host_breakdown.md).
-EXPAND_HOST_S = 4 * 22e-6
-EXPAND_BYTES_PER_KEY_HEAD = 4 * 128 * 2
+#: The split backward's extra work per call (each GQA group over one program per query head,
+#: the kernels' KV_SPLIT): the fp32 partial dK and dV written by the kernel and read by the
+#: one launch that sums them (bytes ~ 2 x 2 x keys x query heads x D x 4 at the measured HBM
+#: bandwidth, D=128) and that launch on the host (the H200 host's bare launch, 19-25 us:
+#: benchmarks/results/host_breakdown.md). Until session 26 the library copied K/V to the query
+#: heads and summed dK, dV with torch: four launches, 4 x keys x heads x D x 2 bytes.
+EXPAND_HOST_S = 1 * 22e-6
+EXPAND_BYTES_PER_KEY_HEAD = 4 * 128 * 4
 HBM_BYTES_S = 4.3e12
 
 
@@ -354,7 +356,7 @@ class PassCost:
                 + self._expansion_gpu(tiles, kind, kv_heads, factor))
 
     def _expansion_gpu(self, tiles: TileCounts, kind: str, kv_heads: int, factor: Optional[int]) -> float:
-        """GPU seconds of an expanded backward's copies and sums (:data:`EXPAND_BYTES_PER_KEY_HEAD`
+        """GPU seconds of a split backward's partial dK/dV traffic (:data:`EXPAND_BYTES_PER_KEY_HEAD`
         per key and expanded head)."""
         if kind == "fwd" or not factor or factor <= 1:
             return 0.0
@@ -386,7 +388,7 @@ class PassCost:
     def time(self, tiles: TileCounts, kind: str, heads: int, kv_heads: int,
              factor: Optional[int] = None) -> float:
         """Time of one call in a stream of calls: ``max(host, GPU)`` (an expanded backward's
-        host pays the copies' launches, :data:`EXPAND_HOST_S`)."""
+        host pays the partials' sum launch, :data:`EXPAND_HOST_S`)."""
         if tiles.live == 0:
             return 0.0
         if kind != "fwd" and factor is None:

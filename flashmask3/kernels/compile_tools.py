@@ -132,9 +132,10 @@ def cuobjdump(cubin: bytes) -> tuple[dict, str]:
 
 
 def compile_tl(kind: str, d: int, cfg: Config, causal: bool, c: int, dtype: str = "bf16",
-               tma: bool = True, sass: bool = False) -> dict:
+               tma: bool = True, sass: bool = False, kv_split: int = 1) -> dict:
     """Compile one tl kernel (``kind``: fwd, dkdv or dq) for sm_90 and return its
-    resource report (``sass``: with the SASS listing under "sass")."""
+    resource report (``sass``: with the SASS listing under "sass"; ``kv_split``: the dK/dV
+    kernel's KV_SPLIT, fp32 partial outputs when > 1)."""
     ni = _num_intervals(causal, c)
     common = dict(D=d, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, CAUSAL=causal, C=c, NI=ni,
                   USE_TMA=tma, PREC="tf32", A_SMEM=TL.a_smem(kind, d),
@@ -152,6 +153,10 @@ def compile_tl(kind: str, d: int, cfg: Config, causal: bool, c: int, dtype: str 
                     rng_ptr="*i32", dq_ptr="*fp32")
         descs = {n: f"tensordesc<{dtype}[{cfg.block_m}, {d}]>" for n in ("q_desc", "do_desc")}
         descs.update({n: f"tensordesc<{dtype}[{cfg.block_n}, {d}]>" for n in ("k_desc", "v_desc")})
+        # a constexpr (left out, the compile would make it an argument); > 1: fp32 partials
+        common["KV_SPLIT"] = kv_split
+        if kv_split > 1:
+            ptrs.update(dk_ptr="*fp32", dv_ptr="*fp32", dq_ptr="*fp32")
     else:
         kernel = TL._dq_kernel
         ptrs = {n: f"*{dtype}" for n in ("q_ptr", "k_ptr", "v_ptr", "do_ptr", "dq_ptr")}
@@ -203,10 +208,11 @@ def offline_constexprs(d: int, block_m: int, block_n: int, num_warps: int, num_s
 def compile_bwd(d: int = 128, block_m: int = 64, block_n: int = 64, num_warps: int = 4,
                 num_stages: int = 2, causal: bool = True, c: int = 1, dtype: str = "bf16",
                 fuse_dq: bool = False, warp_spec: bool = False, maxnreg: Optional[int] = None,
-                stats_smem: bool = False, ds_shared: bool = False):
+                stats_smem: bool = False, ds_shared: bool = False, kv_split: int = 1):
     """Compile the Gluon dK/dV kernel (``fuse_dq``: the FUSE_DQ variant; ``warp_spec``: the
-    WARP_SPEC one, at ``maxnreg`` registers per thread, default :func:`G.ws_maxnreg`) for sm_90
-    without a GPU, with the launcher's arguments; returns the CompiledKernel."""
+    WARP_SPEC one, at ``maxnreg`` registers per thread, default :func:`G.ws_maxnreg`;
+    ``kv_split``: KV_SPLIT, fp32 partial dK/dV when > 1) for sm_90 without a GPU, with the
+    launcher's arguments; returns the CompiledKernel."""
     reason = G.unavailable_reason()
     if reason is not None:
         raise RuntimeError(reason)
@@ -224,6 +230,9 @@ def compile_bwd(d: int = 128, block_m: int = 64, block_n: int = 64, num_warps: i
                                 FUSE_DQ=fuse_dq, WARP_SPEC=warp_spec)
     consts["STATS_SMEM"] = stats_smem  # a constexpr (left out, the compile makes it an argument)
     consts["DS_SHARED"] = ds_shared
+    consts["KV_SPLIT"] = kv_split
+    if kv_split > 1:
+        ptrs.update(dk_ptr="*fp32", dv_ptr="*fp32")
     options = {}
     if warp_spec:  # as the launcher passes it (WARP_SPEC=False: the unchanged options)
         options["maxnreg"] = maxnreg if maxnreg is not None else G.ws_maxnreg(num_warps)
@@ -513,19 +522,23 @@ def table_kernels() -> list:
     return rows
 
 
-def compile_launch(pass_: str, kernel: str, d: int, t: Config, causal: bool, c: int):
-    """The SASS listing of one table kernel compiled offline as its launcher launches it."""
+def compile_launch(pass_: str, kernel: str, d: int, t: Config, causal: bool, c: int,
+                   kv_split: int = 1):
+    """The SASS listing of one table kernel compiled offline as its launcher launches it
+    (``kv_split``: a dK/dV or fused kernel with its GQA groups split over that many
+    programs)."""
     tile = (t.block_m, t.block_n, t.num_warps, t.num_stages)
+    split = dict(kv_split=kv_split) if pass_ in ("dkdv", "fused") else {}
     if kernel == "tl":
-        return compile_tl(pass_, d, t, causal, c, sass=True)["sass"]
+        return compile_tl(pass_, d, t, causal, c, sass=True, **split)["sass"]
     if kernel.startswith("gluon_ws") and pass_ == "fwd":
         ck = compile_fwd(d, *tile, causal=causal, c=c, warp_spec=True,
                          pingpong=kernel == "gluon_ws_pingpong")
     elif kernel == "gluon_fused":
-        ck = compile_bwd(d, *tile, causal=causal, c=c, **G.FUSED_VARIANT)
+        ck = compile_bwd(d, *tile, causal=causal, c=c, **G.FUSED_VARIANT, **split)
     else:
         ck = compile_bwd(d, *tile, causal=causal, c=c, warp_spec=True,
-                         stats_smem=kernel == "gluon_ws_dkdv_stats")
+                         stats_smem=kernel == "gluon_ws_dkdv_stats", **split)
     return cuobjdump(ck.asm["cubin"])[1]
 
 

@@ -233,7 +233,8 @@ from .gluon_common import (  # noqa: F401  (the shared Gluon helpers)
     ws_programs_per_sm)
 from .launcher import cdiv, descriptor, launch
 from .tiles import _NO_SPEC, LOG2E, _num_intervals  # noqa: F401
-from .tl_kernels import dq_accumulator, scale_dq
+from .tl_kernels import (check_kv_split, dq_accumulator, kv_split_partials, scale_dq,
+                         sum_kv_split)
 
 if GLUON_IMPORT_ERROR is None:
     from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier,  # noqa: F401
@@ -772,8 +773,12 @@ def _dkdv_gluon_kernel(q_desc, do_desc, k_desc, v_desc, dk_ptr, dv_ptr, lse2_ptr
                        CAUSAL: gl.constexpr, C: gl.constexpr, NI: gl.constexpr,
                        NUM_STAGES: gl.constexpr, NUM_WARPS: gl.constexpr,
                        FUSE_DQ: gl.constexpr = False, WARP_SPEC: gl.constexpr = False,
-                       STATS_SMEM: gl.constexpr = False, DS_SHARED: gl.constexpr = False):
+                       STATS_SMEM: gl.constexpr = False, DS_SHARED: gl.constexpr = False,
+                       KV_SPLIT: gl.constexpr = 1):
     """One program per (key block, batch * KV head); loops over the query heads of its group.
+    KV_SPLIT > 1: the group is split over KV_SPLIT programs (one per (key block, batch * KV head
+    * KV_SPLIT)); each writes its partial dK, dV as an output head of its own (dK/dV ``[B, Sk,
+    Hk * KV_SPLIT, D]``, summed by ``tl_kernels.sum_kv_split``); dQ is unchanged.
     FUSE_DQ: also reduce-adds dQ (unscaled, fp32) through ``dq_desc``: the [B*Hq*D, Sq] view of
     a dQᵀ buffer [B, Hq, D, Sq_pad] (block [D, BLOCK_M]: a wgmma accumulator tile as it sits
     in registers; TMA clips the query columns at Sq). Without it ``dq_desc`` is None (a
@@ -803,10 +808,11 @@ def _dkdv_gluon_kernel(q_desc, do_desc, k_desc, v_desc, dk_ptr, dv_ptr, lse2_ptr
 
     n_blk = gl.program_id(0)
     bh = gl.program_id(1)
-    b = bh // Hk
-    hk = bh % Hk
+    b = bh // (Hk * KV_SPLIT)
+    hk = bh % (Hk * KV_SPLIT)  # the program's head: KV head hk // KV_SPLIT, its part
+    kv_head = hk // KV_SPLIT
     b64 = b.to(gl.int64)
-    group = Hq // Hk
+    group = Hq // (Hk * KV_SPLIT)
     c0 = n_blk * BLOCK_N
 
     if DS_SHARED:  # K, V as one [2, BLOCK_N, D] buffer (see _tile_ds_shared: opaque index)
@@ -852,8 +858,8 @@ def _dkdv_gluon_kernel(q_desc, do_desc, k_desc, v_desc, dk_ptr, dv_ptr, lse2_ptr
     fence_async_shared()
 
     mbarrier.expect(kv_bar, k_desc.block_type.nbytes + v_desc.block_type.nbytes)
-    tma.async_copy_global_to_shared(k_desc, [b * Sk + c0, hk * D], kv_bar, k_smem)
-    tma.async_copy_global_to_shared(v_desc, [b * Sk + c0, hk * D], kv_bar, v_smem)
+    tma.async_copy_global_to_shared(k_desc, [b * Sk + c0, kv_head * D], kv_bar, k_smem)
+    tma.async_copy_global_to_shared(v_desc, [b * Sk + c0, kv_head * D], kv_bar, v_smem)
 
     if WARP_SPEC:
         if not FUSE_DQ:  # placeholders: a None cannot travel in warp_specialize's arguments
@@ -918,11 +924,11 @@ def _dkdv_gluon_kernel(q_desc, do_desc, k_desc, v_desc, dk_ptr, dv_ptr, lse2_ptr
     # GPU-verified non-WS kernel (C=4 layout; its SASS is pinned by the tests)
     offs_n = c0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, acc_layout))
     offs_d = gl.arange(0, D, layout=gl.SliceLayout(0, acc_layout))
-    row_off = (b64 * Sk + offs_n) * (Hk * D) + hk * D
+    row_off = (b64 * Sk + offs_n) * (Hk * KV_SPLIT * D) + hk * D
     kv_off = row_off[:, None] + offs_d[None, :]
     nmask = (offs_n[:, None] < Sk) & (offs_d[None, :] < D)
-    gl.store(dk_ptr + kv_off, (dk * sm_scale).to(dtype), mask=nmask)
-    gl.store(dv_ptr + kv_off, dv.to(dtype), mask=nmask)
+    gl.store(dk_ptr + kv_off, (dk * sm_scale).to(dk_ptr.dtype.element_ty), mask=nmask)
+    gl.store(dv_ptr + kv_off, dv.to(dv_ptr.dtype.element_ty), mask=nmask)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -1034,7 +1040,8 @@ _checked_config = functools.lru_cache(maxsize=None)(check_config)
 def launch_dkdv_gluon(q, k, v, dout, lse2, delta, causal, softmax_scale, plan, block_m: int,
                       block_n: int, num_warps: int, num_stages: int, fuse_dq: bool = False,
                       warp_spec: bool = False, stats_smem: bool = False,
-                      ds_shared: bool = False, dq_t: Optional[torch.Tensor] = None):
+                      ds_shared: bool = False, dq_t: Optional[torch.Tensor] = None,
+                      kv_split: int = 1):
     """(dk, dv) like ``_launch_dkdv(..., fuse_dq=False)[:2]``; ``plan`` must come from
     ``make_plan(mask, causal, Sq, Sk, block_m, block_n, by_key=True, device)``.
 
@@ -1059,7 +1066,11 @@ def launch_dkdv_gluon(q, k, v, dout, lse2, delta, causal, softmax_scale, plan, b
     zeroed (``tl_kernels.dq_accumulator`` zeroed by ``backward_prepass``: one launch less; or
     :func:`new_dq_accumulator`, shared by every stage of a context-parallel layer's staged
     backward), else a new zeroed one is allocated here. With ``dq_t`` given, dq_acc is None:
-    the caller holds the buffer (:func:`dq_accumulator_view` of it is the same dQ)."""
+    the caller holds the buffer (:func:`dq_accumulator_view` of it is the same dQ).
+
+    ``kv_split`` > 1 (GQA; a divisor of the query heads per KV head): each KV head's group is
+    split over that many programs (a call with few key blocks gets more programs for the SMs),
+    whose fp32 partial dK, dV ``tl_kernels.sum_kv_split`` sums (one launch, no copies of K/V)."""
     reason = unavailable_reason()
     if reason is not None:
         raise RuntimeError(reason)
@@ -1078,8 +1089,13 @@ def launch_dkdv_gluon(q, k, v, dout, lse2, delta, causal, softmax_scale, plan, b
     nqb, nkb = cdiv(sq, block_m), cdiv(sk, block_n)
     if plan.c > 0 and (plan.ranges.shape[1] != nkb or plan.summary.shape[1] != nkb):
         raise ValueError("gluon dK/dV: the plan was built for another block_n (or by query)")
-    dk = torch.empty_like(k)
-    dv = torch.empty_like(v)
+    if kv_split == 1:
+        dk = torch.empty_like(k)
+        dv = torch.empty_like(v)
+    else:
+        check_kv_split(kv_split, hq, hk)
+        part = kv_split_partials(k, kv_split)
+        dk, dv = part.unbind(0)
     ql = _smem_layout(block_m, d, q.dtype)
     kl = _smem_layout(block_n, d, q.dtype)
     q_desc = descriptor(GluonDescriptor, q.view(b * sq, hq * d), [block_m, d], ql)
@@ -1108,12 +1124,16 @@ def launch_dkdv_gluon(q, k, v, dout, lse2, delta, causal, softmax_scale, plan, b
         kwargs.update(STATS_SMEM=True)
     if ds_shared:
         kwargs.update(DS_SHARED=True)
-    launch(_dkdv_gluon_kernel, (nkb, b * hk),
+    if kv_split > 1:
+        kwargs.update(KV_SPLIT=kv_split)
+    launch(_dkdv_gluon_kernel, (nkb, b * hk * kv_split),
         q_desc, do_desc, k_desc, v_desc, dk, dv, lse2, delta, plan.mask, plan.summary,
         plan.ranges, softmax_scale, softmax_scale * LOG2E, sq, sk, hq, hk, plan.hm, nqb, nkb,
         plan.mask_b_stride, dq_desc, D=d, BLOCK_M=block_m, BLOCK_N=block_n, CAUSAL=causal,
         C=plan.c, NI=plan.ni, NUM_STAGES=num_stages, NUM_WARPS=num_warps, num_warps=num_warps,
         **kwargs)
+    if kv_split > 1:
+        dk, dv = sum_kv_split(part, k)
     if fuse_dq:
         return dk, dv, dq_acc
     return dk, dv

@@ -226,6 +226,28 @@ def _scale_dq_kernel(src_ptr, dst_ptr, scale, Sq, Hq, s_b, s_q, s_h, s_d,
 
 
 @triton.jit
+def _sum_kv_split_kernel(part_ptr, dk_ptr, dv_ptr, rows, SPLIT: tl.constexpr, D: tl.constexpr,
+                         BLOCK_R: tl.constexpr):
+    """dK and dV of a KV_SPLIT dK/dV launch: ``part`` fp32 ``[2, rows, SPLIT, D]`` (dK's and
+    dV's partials, ``rows`` = B * Sk * Hk) summed over SPLIT in fp32 and rounded once into the
+    contiguous ``[rows, D]`` outputs (program axis 1: 0 for dK, 1 for dV)."""
+    r_blk = tl.program_id(0)
+    which = tl.program_id(1)
+    offs_r = (r_blk * BLOCK_R + tl.arange(0, BLOCK_R)).to(tl.int64)
+    offs_d = tl.arange(0, D)
+    rmask = (offs_r < rows)[:, None]
+    src = part_ptr + ((which * rows + offs_r[:, None]) * SPLIT) * D + offs_d[None, :]
+    acc = tl.zeros([BLOCK_R, D], dtype=tl.float32)
+    for s in tl.static_range(SPLIT):
+        acc += tl.load(src + s * D, mask=rmask, other=0.0)
+    dst = offs_r[:, None] * D + offs_d[None, :]
+    if which == 0:
+        tl.store(dk_ptr + dst, acc.to(dk_ptr.dtype.element_ty), mask=rmask)
+    else:
+        tl.store(dv_ptr + dst, acc.to(dv_ptr.dtype.element_ty), mask=rmask)
+
+
+@triton.jit
 def _dkdv_inner(dk, dv, k, v, lo, hi, q_ptr, do_ptr, q_desc, do_desc, lse2_ptr, delta_ptr,
                 q_row0, q_col, q_stride, stat_row0, sptr, col_ptr, n_blk, Sq, Sk, scale_log2,
                 D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -304,24 +326,28 @@ def _dkdv_kernel(q_ptr, k_ptr, v_ptr, do_ptr, dk_ptr, dv_ptr, lse2_ptr, delta_pt
                  D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                  CAUSAL: tl.constexpr, C: tl.constexpr, NI: tl.constexpr,
                  USE_TMA: tl.constexpr, PREC: tl.constexpr, A_SMEM: tl.constexpr,
-                 SPLIT_UNMASKED: tl.constexpr):
+                 SPLIT_UNMASKED: tl.constexpr, KV_SPLIT: tl.constexpr = 1):
     """One program per (key block, batch*KV head); loops over the query heads of its group.
     ``dq_ptr`` is unused (the deleted tl fused backward's dQ buffer; kept so that the compiled
     kernel's parameter list, hence its machine code, stays the GPU-verified one).
-    SPLIT_UNMASKED: visit each range's run of UNMASKED tiles in a loop without mask code."""
+    SPLIT_UNMASKED: visit each range's run of UNMASKED tiles in a loop without mask code.
+    KV_SPLIT > 1: each KV head's group of query heads is split over KV_SPLIT programs (one per
+    (key block, batch * KV head * KV_SPLIT)), each writing its partial dK, dV as an output head
+    of its own: dK/dV ``[B, Sk, Hk * KV_SPLIT, D]``, summed by :func:`sum_kv_split`."""
     n_blk = tl.program_id(0)
     bh = tl.program_id(1)
-    b = bh // Hk
-    hk = bh % Hk
+    b = bh // (Hk * KV_SPLIT)
+    hk = bh % (Hk * KV_SPLIT)  # the program's head: KV head hk // KV_SPLIT, its part
+    kv_head = hk // KV_SPLIT
     b64 = b.to(tl.int64)
-    group = Hq // Hk
+    group = Hq // (Hk * KV_SPLIT)
     offs_n = n_blk * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, D)
-    kv_off = (b64 * Sk + offs_n)[:, None] * (Hk * D) + hk * D + offs_d[None, :]
+    kv_off = (b64 * Sk + offs_n)[:, None] * (Hk * D) + kv_head * D + offs_d[None, :]
     nmask = (offs_n < Sk)[:, None]
     if USE_TMA and A_SMEM:  # K, V stay in shared memory as wgmma A operands (saves registers)
-        k = k_desc.load([b * Sk + n_blk * BLOCK_N, hk * D])
-        v = v_desc.load([b * Sk + n_blk * BLOCK_N, hk * D])
+        k = k_desc.load([b * Sk + n_blk * BLOCK_N, kv_head * D])
+        v = v_desc.load([b * Sk + n_blk * BLOCK_N, kv_head * D])
     else:
         k = tl.load(k_ptr + kv_off, mask=nmask, other=0.0)
         v = tl.load(v_ptr + kv_off, mask=nmask, other=0.0)
@@ -344,8 +370,9 @@ def _dkdv_kernel(q_ptr, k_ptr, v_ptr, do_ptr, dk_ptr, dv_ptr, lse2_ptr, delta_pt
                              lse2_ptr, delta_ptr, q_row0, q_col, Hq * D,
                              stat_row0, sptr, col_ptr, n_blk, Sq, Sk, scale_log2, D, BLOCK_M,
                              BLOCK_N, CAUSAL, C, NI, USE_TMA, PREC, SPLIT_UNMASKED)
-    tl.store(dk_ptr + kv_off, (dk * sm_scale).to(dk_ptr.dtype.element_ty), mask=nmask)
-    tl.store(dv_ptr + kv_off, dv.to(dv_ptr.dtype.element_ty), mask=nmask)
+    out_off = (b64 * Sk + offs_n)[:, None] * (Hk * KV_SPLIT * D) + hk * D + offs_d[None, :]
+    tl.store(dk_ptr + out_off, (dk * sm_scale).to(dk_ptr.dtype.element_ty), mask=nmask)
+    tl.store(dv_ptr + out_off, dv.to(dv_ptr.dtype.element_ty), mask=nmask)
 
 
 @triton.jit
@@ -554,28 +581,67 @@ def dq_accumulator(b: int, sq: int, hq: int, d: int, device) -> torch.Tensor:
     return torch.empty((b, hq, d, cdiv(sq, 4) * 4), dtype=torch.float32, device=device)
 
 
-def launch_dkdv(q, k, v, dout, lse2, delta, causal, softmax_scale, cfg: Config, plan: Plan):
-    """(dk, dv) of the tl dK/dV kernel at tile ``cfg`` (``plan`` by key block)."""
+def kv_split_partials(k: torch.Tensor, kv_split: int) -> torch.Tensor:
+    """The fp32 buffer of a KV_SPLIT dK/dV launch's partial sums: ``[2, B, Sk, Hk * kv_split,
+    D]`` (dK's, then dV's; one allocation), for :func:`sum_kv_split`."""
+    b, sk, hk, d = k.shape
+    return torch.empty((2, b, sk, hk * kv_split, d), dtype=torch.float32, device=k.device)
+
+
+def sum_kv_split(part: torch.Tensor, k: torch.Tensor):
+    """(dk, dv) like ``k`` from a :func:`kv_split_partials` buffer: each KV head's partials
+    summed in fp32 and rounded once (one launch for both)."""
+    b, sk, hk, d = k.shape
+    split = part.shape[3] // hk
+    dk, dv = torch.empty_like(k), torch.empty_like(k)
+    rows = b * sk * hk
+    block_r = max(1, 4096 // d)
+    launch(_sum_kv_split_kernel, (cdiv(rows, block_r), 2), part, dk, dv, rows, SPLIT=split,
+           D=d, BLOCK_R=block_r, num_warps=4)
+    return dk, dv
+
+
+def check_kv_split(kv_split: int, hq: int, hk: int) -> None:
+    """Raise ValueError unless ``kv_split`` divides the ``hq // hk`` query heads of a group."""
+    if not isinstance(kv_split, int) or kv_split < 1 or (hq // hk) % kv_split:
+        raise ValueError(f"kv_split must be a positive divisor of the {hq // hk} query heads per "
+                         f"KV head, got {kv_split!r}")
+
+
+def launch_dkdv(q, k, v, dout, lse2, delta, causal, softmax_scale, cfg: Config, plan: Plan,
+                kv_split: int = 1):
+    """(dk, dv) of the tl dK/dV kernel at tile ``cfg`` (``plan`` by key block). ``kv_split``
+    > 1: each KV head's query heads split over that many programs (a GQA call with few key
+    blocks: more programs for the SMs), their partials summed by :func:`sum_kv_split`."""
     b, sq, hq, d = q.shape
     _, sk, hk, _ = k.shape
     kind = "dkdv"
-    dk = torch.empty_like(k)
-    dv = torch.empty_like(v)
+    if kv_split == 1:
+        dk = torch.empty_like(k)
+        dv = torch.empty_like(v)
+        split = {}
+    else:
+        check_kv_split(kv_split, hq, hk)
+        part = kv_split_partials(k, kv_split)
+        dk, dv = part.unbind(0)
+        split = dict(KV_SPLIT=kv_split)
     nqb, nkb = cdiv(sq, cfg.block_m), cdiv(sk, cfg.block_n)
     tma = use_tma(q)
     q_desc = _desc(q.view(b * sq, hq * d), cfg.block_m, d) if tma else None
     do_desc = _desc(dout.view(b * sq, hq * d), cfg.block_m, d) if tma else None
     k_desc = _desc(k.view(b * sk, hk * d), cfg.block_n, d) if tma and a_smem(kind, d) else None
     v_desc = _desc(v.view(b * sk, hk * d), cfg.block_n, d) if tma and a_smem(kind, d) else None
-    launch(_dkdv_kernel, (nkb, b * hk),
+    launch(_dkdv_kernel, (nkb, b * hk * kv_split),
         q, k, v, dout, dk, dv, lse2, delta, plan.mask, plan.summary, plan.ranges, q_desc, do_desc,
         k_desc, v_desc, dk,  # (dk: the unused dq_ptr)
         softmax_scale, softmax_scale * LOG2E, sq, sk, hq, hk, plan.hm, nqb, nkb,
         plan.mask_b_stride, D=d, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, CAUSAL=causal,
         C=plan.c, NI=plan.ni, USE_TMA=tma, PREC=dot_precision(q.dtype), A_SMEM=a_smem(kind, d),
         SPLIT_UNMASKED=SPLIT_UNMASKED_LOOP[kind],
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages)
-    return dk, dv
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **split)
+    if kv_split == 1:
+        return dk, dv
+    return sum_kv_split(part, k)
 
 
 def launch_dq(q, k, v, dout, lse2, delta, causal, softmax_scale, cfg: Config, plan: Plan):

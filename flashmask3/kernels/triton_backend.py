@@ -68,19 +68,21 @@ def run_forward(launch: Launch, q, k, v, mask, causal, softmax_scale, plan: Plan
 
 
 def run_dkdv(launch: Launch, q, k, v, dout, lse2, delta, causal, softmax_scale, plan: Plan,
-             dq_t: Optional[torch.Tensor] = None):
+             dq_t: Optional[torch.Tensor] = None, kv_split: int = 1):
     """(dk, dv, dq_acc) of a dK/dV or fused ``launch``; dq_acc (unscaled fp32 dQ) only when
     fused without ``dq_t``, else None. ``dq_t``: the fused kernel's zeroed dQᵀ accumulator
     (``tl_kernels.dq_accumulator`` zeroed by the pre-pass), which the caller then views
-    (``dq_accumulator_view``); without it the kernel's launcher allocates one."""
+    (``dq_accumulator_view``); without it the kernel's launcher allocates one. ``kv_split``:
+    programs per KV head's group of query heads (:func:`kv_split_of`)."""
     args = (q, k, v, dout, lse2, delta, causal, softmax_scale)
     if launch.kernel == "tl":
-        return tl_kernels.launch_dkdv(*args, launch.tile, plan) + (None,)
+        return tl_kernels.launch_dkdv(*args, launch.tile, plan, kv_split) + (None,)
     if launch.kernel == "gluon_fused":
         return launch_dkdv_gluon(*args, plan, *_tile_args(launch.tile), **FUSED_VARIANT,
-                                 dq_t=dq_t)
+                                 dq_t=dq_t, kv_split=kv_split)
     dk, dv = launch_dkdv_gluon(*args, plan, *_tile_args(launch.tile), warp_spec=True,
-                               stats_smem=launch.kernel == "gluon_ws_dkdv_stats")
+                               stats_smem=launch.kernel == "gluon_ws_dkdv_stats",
+                               kv_split=kv_split)
     return dk, dv, None
 
 
@@ -97,15 +99,15 @@ def sm_count(device: torch.device) -> Optional[int]:
 
 
 def expands_kv_heads(launch: Launch, b: int, hq: int, hk: int, sk: int, device) -> bool:
-    """Whether a GQA backward runs its dK/dV launch with K and V expanded to one head per query
-    head. The dK/dV kernels run one program per (key block, KV head), each looping over its
-    group's query heads: a call over few key blocks (a context-parallel stage, a short
+    """Whether a GQA backward runs its dK/dV launch with one program per query head instead of
+    per KV head. The dK/dV kernels run one program per (key block, KV head), each looping over
+    its group's query heads: a call over few key blocks (a context-parallel stage, a short
     sequence) has fewer programs than SMs, and each does ``Hq/Hk`` heads of work, so most of the
     GPU idles (measured: 1024 keys, 32/4 heads, 4.2 ms where 16/16 heads take 0.62 ms;
-    docs/scale-model.md). Expanded, the same work runs as ``Hq/Hk`` times more programs of one
-    head each; the copies of K, V and the sums of dK, dV over each group cost bytes of order
-    Sk x Hq x D. The rule: :func:`dispatch.kv_expansion` (grouped grids of at most 4 waves
-    with a ragged or idle last wave; measured in benchmarks/results/gqa_expand_ab.json)."""
+    docs/scale-model.md). Split, the same work runs as ``Hq/Hk`` times more programs of one
+    head each (the kernels' KV_SPLIT), whose fp32 partial dK/dV one more launch sums (bytes of
+    order Sk x Hq x D). The rule: :func:`dispatch.kv_expansion` (grouped grids of at most 4
+    waves with a ragged or idle last wave; measured in benchmarks/results/gqa_expand_ab.json)."""
     if hk >= hq:
         return False
     sms = sm_count(device)
@@ -114,35 +116,10 @@ def expands_kv_heads(launch: Launch, b: int, hq: int, hk: int, sk: int, device) 
     return dispatch.kv_expansion(b * hk * cdiv(sk, launch.tile.block_n), hq // hk, sms)
 
 
-def expand_heads(x: torch.Tensor, hq: int) -> torch.Tensor:
-    """``[B, S, Hk, D]`` -> ``[B, S, Hq, D]``, each KV head repeated for its group's query heads
-    (contiguous: the kernels' layout)."""
-    b, s, hk, d = x.shape
-    # (contiguous: with one KV head, reshape returns a stride-0 view instead of a copy)
-    return x[:, :, :, None].expand(b, s, hk, hq // hk, d).reshape(b, s, hq, d).contiguous()
-
-
-def sum_groups(dx: torch.Tensor, hk: int) -> torch.Tensor:
-    """``[B, S, Hq, D]`` per-query-head gradients -> ``[B, S, Hk, D]`` (each group summed in
-    fp32, torch's accumulation for 16-bit reductions, rounded once)."""
-    b, s, hq, d = dx.shape
-    return dx.view(b, s, hk, hq // hk, d).sum(3)
-
-
-def run_dkdv_grouped(launch: Launch, q, k, v, dout, lse2, delta, causal, softmax_scale,
-                     plan: Plan, dq_t: Optional[torch.Tensor] = None,
-                     expand: Optional[bool] = None):
-    """:func:`run_dkdv`, with K/V expanded to the query heads and dK/dV summed back per group
-    where ``expand`` says so (None: :func:`expands_kv_heads` decides here; a prepared call
-    decided it once for its shapes). The plan does not depend on the KV heads."""
-    hq, hk = q.shape[2], k.shape[2]
-    if expand is None:
-        expand = expands_kv_heads(launch, q.shape[0], hq, hk, k.shape[1], q.device)
-    if not expand:
-        return run_dkdv(launch, q, k, v, dout, lse2, delta, causal, softmax_scale, plan, dq_t)
-    dk, dv, dq_acc = run_dkdv(launch, q, expand_heads(k, hq), expand_heads(v, hq), dout, lse2,
-                              delta, causal, softmax_scale, plan, dq_t)
-    return sum_groups(dk, hk), sum_groups(dv, hk), dq_acc
+def kv_split_of(launch: Launch, b: int, hq: int, hk: int, sk: int, device) -> int:
+    """Programs per KV head's group in this call's dK/dV launch: the group size where
+    :func:`expands_kv_heads` says so, else 1 (grouped)."""
+    return hq // hk if expands_kv_heads(launch, b, hq, hk, sk, device) else 1
 
 
 class PreparedCall:
@@ -151,9 +128,10 @@ class PreparedCall:
     signature, docs/host-path.md). :meth:`forward` / :meth:`backward` do only the per-call
     work: the plans (cached per mask tensor), the outputs and the launches. The backward
     runs the launches chosen when the call was prepared (with the environment of then), with
-    K/V expanded to the query heads where :func:`expands_kv_heads` said so for these shapes."""
+    each GQA group split over programs where :func:`expands_kv_heads` said so for these
+    shapes (:attr:`kv_split`)."""
 
-    __slots__ = ("causal", "scale", "fwd_launch", "bwd_launches", "expand_kv")
+    __slots__ = ("causal", "scale", "fwd_launch", "bwd_launches", "kv_split")
 
     def __init__(self, q, k, startend_row_indices: Optional[torch.Tensor], causal: bool,
                  softmax_scale: float, row_span: Optional[float] = None):
@@ -165,7 +143,7 @@ class PreparedCall:
         self.bwd_launches = dispatch.choose(q.device, q.dtype, d, causal, c).backward
         b, _, hq, _ = q.shape
         _, sk, hk, _ = k.shape
-        self.expand_kv = expands_kv_heads(self.bwd_launches[0], b, hq, hk, sk, q.device)
+        self.kv_split = kv_split_of(self.bwd_launches[0], b, hq, hk, sk, q.device)
 
     def forward(self, q, k, v, startend_row_indices):
         """``(out, lse)`` of these inputs (the signature's shapes)."""
@@ -196,8 +174,8 @@ class PreparedCall:
                 if first.kernel == "gluon_fused" else None)
         delta, lse2 = tl_kernels.backward_prepass(out, dout, lse, dlse, dq_t)
         plan = _plan(startend_row_indices, causal, sq, sk, first, q.device)
-        dk, dv, _ = run_dkdv_grouped(first, q, k, v, dout, lse2, delta, causal, scale, plan,
-                                     dq_t, self.expand_kv)
+        dk, dv, _ = run_dkdv(first, q, k, v, dout, lse2, delta, causal, scale, plan, dq_t,
+                             kv_split=self.kv_split)
         if dq_t is not None:
             return tl_kernels.scale_dq(dq_accumulator_view(dq_t, sq), scale, q.dtype), dk, dv
         dq_launch = launches[1]
@@ -220,9 +198,9 @@ class PreparedCall:
         if first.kernel == "gluon_fused":
             if state.dq_t is None:
                 state.dq_t = new_dq_accumulator(b, sq, hq, d, q.device)
-            dk, dv, _ = run_dkdv_grouped(first, *args, plan, state.dq_t, self.expand_kv)
+            dk, dv, _ = run_dkdv(first, *args, plan, state.dq_t, kv_split=self.kv_split)
             return dk, dv
-        dk, dv, _ = run_dkdv_grouped(first, *args, plan, expand=self.expand_kv)
+        dk, dv, _ = run_dkdv(first, *args, plan, kv_split=self.kv_split)
         dq_launch = self.bwd_launches[1]
         plan = _plan(startend_row_indices, causal, sq, sk, dq_launch, q.device)
         dq = tl_kernels.launch_dq(*args, dq_launch.tile, plan)

@@ -696,6 +696,81 @@ def test_gpu_fused_ds_shared_dkdv_bitwise_equal_to_tl_and_split(name, d, st, mon
     assert torch.isfinite(dq).all() and rel < 2e-2, rel
 
 
+def _gqa_case(name, s, d, hq, hk, seed):
+    """bf16 inputs of mask ``name`` with ``hq``/``hk`` heads (B=1), the forward, delta, lse2
+    and the float64 reference's (dq, dk, dv)."""
+    from tests.reference import reference_attention
+
+    mask, causal = gpu_masks(s)[name]
+    cols = None if mask is None else mask.startend_row_indices.cuda()
+    causal = causal if mask is None else mask.causal
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    q = torch.randn(1, s, hq, d, device="cuda", dtype=torch.bfloat16, generator=g)
+    k, v = (torch.randn(1, s, hk, d, device="cuda", dtype=torch.bfloat16, generator=g)
+            for _ in range(2))
+    dout = torch.randn_like(q)
+    scale = 1 / math.sqrt(d)
+    out, lse = T.forward(q, k, v, cols, causal, scale)
+    delta, lse2 = TL.backward_prepass(out, dout, lse, None)
+    x64 = [x.detach().double().requires_grad_() for x in (q, k, v)]
+    ref_out, _ = reference_attention(*x64, cols, causal, scale)
+    ref = torch.autograd.grad(ref_out, x64, dout.double())
+    return (q, k, v, dout, cols, causal, scale), delta, lse2, ref
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", ["causal_document", "document", "full"])
+@pytest.mark.parametrize("kernel", ["gluon_fused", "gluon_ws_dkdv_stats"])
+@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("hq,hk", [(8, 1), (8, 2)])
+def test_gpu_kv_split_matches_the_reference_and_the_grouped_launch(name, kernel, d, hq, hk):
+    """A GQA group split over KV_SPLIT programs (every divisor of the group) in the Gluon
+    dK/dV kernels the table launches (fused DS_SHARED and WS dK/dV; D=64: the WS dK/dV kernel
+    without staged statistics): dK, dV (and the fused dQ) against the float64 reference, and
+    dK, dV within bf16 rounding of the grouped launch's (fp32 partials, one rounding)."""
+    _require_hopper_gluon()
+    s = 1000
+    (q, k, v, dout, cols, causal, scale), delta, lse2, ref = _gqa_case(name, s, d, hq, hk, 29)
+    if kernel == "gluon_fused":
+        bm, bn, w, st = G.DS_SHARED_TILES[d]
+        variant = dict(G.FUSED_VARIANT)
+        st = 2
+    else:
+        bm, bn, w, st = (64, 128, 8, 2) if d == 128 else (64, 64, 4, 2)
+        variant = dict(warp_spec=True, stats_smem=d == 128)
+    plan = tiles.make_plan(cols, causal, s, s, bm, bn, True, q.device)
+    grouped = None
+    for split in [e for e in range(1, hq // hk + 1) if (hq // hk) % e == 0]:
+        got = G.launch_dkdv_gluon(q, k, v, dout, lse2, delta, causal, scale, plan, bm, bn, w, st,
+                                  kv_split=split, **variant)
+        assert got[0].shape == k.shape and got[0].dtype == k.dtype
+        errs = [rel_err(got[0], ref[1]), rel_err(got[1], ref[2])]
+        if kernel == "gluon_fused":
+            errs.append(rel_err(got[2] * scale, ref[0]))
+        assert all(torch.isfinite(x).all() for x in got)
+        assert max(errs) < 2e-2, (split, errs)
+        if grouped is None:
+            grouped = got
+        else:
+            drift = max(rel_err(got[0], grouped[0]), rel_err(got[1], grouped[1]))
+            assert drift < 5e-3, (split, drift)
+    with pytest.raises(ValueError, match="kv_split"):
+        G.launch_dkdv_gluon(q, k, v, dout, lse2, delta, causal, scale, plan, bm, bn, w, st,
+                            kv_split=3, **variant)
+
+
+@pytest.mark.gpu
+def test_gpu_sum_kv_split_equals_torch_sum():
+    """The partials' sum on the GPU: torch's fp32 sum over each head's parts, rounded once to
+    bf16 (multiples of 1/8: exact sums, so round-to-nearest gives torch's bits)."""
+    k = torch.empty(2, 333, 3, 128, device="cuda", dtype=torch.bfloat16)
+    part = TL.kv_split_partials(k, 8)
+    part.copy_(torch.randint(-512, 512, part.shape, device="cuda") / 8)
+    dk, dv = TL.sum_kv_split(part, k)
+    ref = part.view(2, 2, 333, 3, 8, 128).sum(4).to(torch.bfloat16)
+    assert torch.equal(dk, ref[0]) and torch.equal(dv, ref[1])
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("d", [64, 128, 256])
 def test_gpu_scale_dq_equals_torch_mul(d):

@@ -154,35 +154,45 @@ def _check_triton_staged(T, q, k, v, cols, scale, tol=2e-4):
     return got
 
 
-def _force_kv_expansion(monkeypatch, T, expand: bool) -> list:
-    """With ``expand``, every GQA dK/dV launch runs with K/V expanded to the query heads (an SM
-    count no grid fills); returns the calls of ``expand_heads`` (2 per expanded launch)."""
-    if expand:
+def _force_kv_split(monkeypatch, T, split: bool) -> list:
+    """With ``split``, every GQA dK/dV launch runs one program per query head (an SM count no
+    grid fills: ``kv_split`` = the group); returns the ``kv_split`` of every dK/dV launch."""
+    if split:
         monkeypatch.setattr(T, "sm_count", lambda device: 10_000)
-    return _count_calls(monkeypatch, T, "expand_heads")
+    splits = []
+    real = T.run_dkdv
+
+    def run_dkdv(*a, kv_split=1, **kw):
+        splits.append(kv_split)
+        return real(*a, kv_split=kv_split, **kw)
+
+    monkeypatch.setattr(T, "run_dkdv", run_dkdv)
+    return splits
 
 
-@pytest.mark.parametrize("expand", [False, True])
-def test_triton_staged_split_accumulation(expand, monkeypatch):
+@pytest.mark.parametrize("split", [False, True])
+def test_triton_staged_split_accumulation(split, monkeypatch):
     """The split backward (tl dK/dV and dQ kernels, the interpreter's dispatch): one pre-pass
-    per layer, each stage's dQ summed, no scaling pass; with K/V expanded to the query heads
-    (the few-programs GQA case) the same gradients."""
+    per layer, each stage's dQ summed, no scaling pass; with each GQA group split over one
+    program per query head (the few-programs case: the kernel's KV_SPLIT, partials summed by
+    one more launch) the same gradients."""
     T = _triton()
     from flashmask3.kernels import tl_kernels as TL
 
-    expanded = _force_kv_expansion(monkeypatch, T, expand)
-
+    splits = _force_kv_split(monkeypatch, T, split)
     prepass = _count_calls(monkeypatch, TL, "backward_prepass")
     scaling = _count_calls(monkeypatch, TL, "scale_dq")
+    sums = _count_calls(monkeypatch, TL, "sum_kv_split")
     q, k, v, cols = _inputs(torch.float32, seed=7)
     assert T.dispatch.choose(q.device, q.dtype, 16, False, 2).backward_mode == "split"
     _check_triton_staged(T, q, k, v, cols, 1 / math.sqrt(16))
     assert len(prepass) == 1 and not scaling
-    assert len(expanded) == (2 * _nonempty_stages() if expand else 0)
+    assert splits == [2 if split else 1] * _nonempty_stages()
+    assert len(sums) == (_nonempty_stages() if split else 0)
 
 
-@pytest.mark.parametrize("expand", [False, True])
-def test_triton_staged_fused_accumulation(expand, monkeypatch):
+@pytest.mark.parametrize("split", [False, True])
+def test_triton_staged_fused_accumulation(split, monkeypatch):
     """The fused backward's accumulation: one zeroed fp32 dQᵀ buffer for the layer, every stage's
     kernel adds its unscaled dQ into it, one scaling pass at the end (the real ``scale_dq``)."""
     T = _triton()
@@ -201,10 +211,10 @@ def test_triton_staged_fused_accumulation(expand, monkeypatch):
     kernel_calls, buffers = [], []
 
     def fake_fused_kernel(q, k, v, dout, lse2, delta, causal, softmax_scale, plan, *tile_args,
-                          dq_t=None, fuse_dq=False, **variant):
+                          dq_t=None, fuse_dq=False, kv_split=1, **variant):
         """The FUSE_DQ kernel's contract in float64: dK, dV; unscaled dQ added into dq_t."""
         assert fuse_dq and dq_t is not None and tile_args == (64, 64, 4, 2)
-        kernel_calls.append(1)
+        kernel_calls.append(kv_split)
         buffers.append(dq_t)
         q64, k64, v64, do64 = (x.double() for x in (q, k, v, dout))
         g = q.shape[2] // k.shape[2]
@@ -237,20 +247,22 @@ def test_triton_staged_fused_accumulation(expand, monkeypatch):
     prepass = _count_calls(monkeypatch, TL, "backward_prepass")
     scaling = _count_calls(monkeypatch, TL, "scale_dq")
     memsets = _count_calls(monkeypatch, T, "new_dq_accumulator")
-    expanded = _force_kv_expansion(monkeypatch, T, expand)
+    splits = _force_kv_split(monkeypatch, T, split)
     q, k, v, cols = _inputs(torch.float32, seed=9)
     _check_triton_staged(T, q, k, v, cols, 1 / math.sqrt(16))
-    assert len(expanded) == (2 * _nonempty_stages() if expand else 0)
-    assert len(kernel_calls) == _nonempty_stages()
+    assert splits == kernel_calls == [2 if split else 1] * _nonempty_stages()
     assert len(prepass) == 1 and len(scaling) == 1 and len(memsets) == 1
     assert all(b is buffers[0] for b in buffers)
 
 
-def test_triton_backward_with_kv_heads_expanded_matches_the_reference(monkeypatch):
-    """The whole backward (interpreter), GQA 4:1 with dK/dV computed per query head and summed
-    per group, against the float64 reference."""
+def test_triton_backward_with_kv_groups_split_matches_the_reference(monkeypatch):
+    """The whole backward (interpreter), GQA 4:1 with each group split over one program per
+    query head and the fp32 partials summed, against the float64 reference."""
     T = _triton()
-    expanded = _force_kv_expansion(monkeypatch, T, True)
+    from flashmask3.kernels import tl_kernels as TL
+
+    splits = _force_kv_split(monkeypatch, T, True)
+    sums = _count_calls(monkeypatch, TL, "sum_kv_split")
     q, k, v, cols = _inputs(torch.float32, hq=4, hk=1, seed=13)
     scale = 1 / math.sqrt(16)
     out, lse = T.forward(q, k, v, cols, False, scale)
@@ -258,13 +270,60 @@ def test_triton_backward_with_kv_heads_expanded_matches_the_reference(monkeypatc
     got = T.backward(dout, dlse, q, k, v, out, lse, cols, False, scale)
     _, _, ref = _reference_grads(q, k, v, cols, scale, dout, dlse)
     errs = {n: rel_err(g, r) for n, g, r in zip(("dq", "dk", "dv"), got, ref)}
-    assert len(expanded) == 2 and all(e <= 2e-4 for e in errs.values()), errs
+    assert splits == [4] and len(sums) == 1 and all(e <= 2e-4 for e in errs.values()), errs
     assert got[1].shape == k.shape and got[2].shape == v.shape
 
 
-def test_kv_heads_expand_only_when_the_grouped_grid_leaves_the_sms_idle(monkeypatch):
-    """The rule: GQA, a CUDA device, and the expanded grid at most half the grouped one's
-    waves (one program per SM, 132 SMs here)."""
+@pytest.mark.parametrize("kv_split", [1, 2, 3, 6])
+def test_tl_dkdv_kv_split_matches_the_reference(kv_split):
+    """The tl dK/dV kernel (interpreter) at every divisor of a 12:2 group, float32, causal
+    document-like columns: dK, dV against the float64 reference; a non-divisor is refused."""
+    T = _triton()
+    from flashmask3.kernels import tiles
+    from flashmask3.kernels import tl_kernels as TL
+    from flashmask3.kernels.tiles import Config
+
+    q, k, v, cols = _inputs(torch.float32, sq=70, sk=90, hq=12, hk=2, seed=21)
+    cols = random_columns(1, 1, 70, 90, True, 1, seed=21)
+    scale = 0.25
+    out, lse = T.forward(q, k, v, cols, True, scale)
+    dout, _ = _dout_dlse(out, lse, seed=22)
+    delta, lse2 = TL.backward_prepass(out, dout, lse, None)
+    cfg = Config(32, 32, 4, 1)
+    plan = tiles.make_plan(cols, True, 70, 90, cfg.block_m, cfg.block_n, True, q.device)
+    dk, dv = TL.launch_dkdv(q, k, v, dout, lse2, delta, True, scale, cfg, plan, kv_split)
+    q64, k64, v64 = (x.detach().double().requires_grad_() for x in (q, k, v))
+    ref_out, _ = reference_attention(q64, k64, v64, cols, True, scale)
+    _, rdk, rdv = torch.autograd.grad(ref_out, (q64, k64, v64), dout.double())
+    assert dk.shape == k.shape and dv.shape == v.shape and dk.dtype == k.dtype
+    assert rel_err(dk, rdk) <= 2e-5 and rel_err(dv, rdv) <= 2e-5, (rel_err(dk, rdk), rel_err(dv, rdv))
+    with pytest.raises(ValueError, match="kv_split"):
+        TL.launch_dkdv(q, k, v, dout, lse2, delta, True, scale, cfg, plan, 4)  # 4 of 6
+
+
+def test_sum_kv_split_sums_each_heads_parts_in_fp32():
+    """The partials' sum (interpreter): per KV head, its parts summed in fp32, rounded once to
+    k's dtype; dK from the first half of the buffer, dV from the second."""
+    T = _triton()
+    from flashmask3.kernels import tl_kernels as TL
+
+    k = torch.randn(2, 5, 3, 16).to(torch.bfloat16)
+    part = TL.kv_split_partials(k, 4)
+    assert part.shape == (2, 2, 5, 12, 16) and part.dtype == torch.float32
+    # multiples of 1/8 below 64: every sum exact in fp32, then one rounding to bf16 (within
+    # one bf16 ulp, 2^-7 relative: the interpreter truncates where the GPU rounds to nearest)
+    part.copy_(torch.randint(-512, 512, part.shape) / 8)
+    dk, dv = TL.sum_kv_split(part, k)
+    exact = part.double().view(2, 2, 5, 3, 4, 16).sum(4)
+    assert dk.dtype == dv.dtype == torch.bfloat16 and dk.is_contiguous() and dv.is_contiguous()
+    for got, ref in ((dk, exact[0]), (dv, exact[1])):
+        torch.testing.assert_close(got.double(), ref, rtol=2 ** -7, atol=0)
+    assert dk.untyped_storage().data_ptr() != dv.untyped_storage().data_ptr()  # custom-op outputs
+
+
+def test_kv_groups_split_only_when_the_grouped_grid_leaves_the_sms_idle(monkeypatch):
+    """The rule: GQA, a CUDA device, and the split grid needing fewer waves (one program per SM,
+    132 SMs here); the split is the whole group."""
     from flashmask3.kernels import dispatch, triton_backend as T
     from flashmask3.kernels.tiles import Config
 
@@ -272,31 +331,33 @@ def test_kv_heads_expand_only_when_the_grouped_grid_leaves_the_sms_idle(monkeypa
     launch = dispatch.Launch("fused", "gluon_fused", Config(64, 128, 8, 2), "test")
     cuda = torch.device("cuda", 0)
     # (grouped: programs = key blocks x KV heads, one wave of 8 heads each while <= 132;
-    # expanded: 8x the programs of one head each)
+    # split: 8x the programs of one head each)
     assert T.expands_kv_heads(launch, 1, 32, 4, 1024, cuda)  # 32 programs: 8 -> 2 waves
     assert T.expands_kv_heads(launch, 1, 32, 4, 2048, cuda)  # 64 programs: 8 -> 4 waves
     assert not T.expands_kv_heads(launch, 1, 32, 4, 4096, cuda)  # 128 programs: 8 -> 8 waves
     assert not T.expands_kv_heads(launch, 2, 32, 4, 2048, cuda)  # 128 programs (batch 2)
     assert not T.expands_kv_heads(launch, 1, 32, 32, 1024, cuda)  # MHA
     assert not T.expands_kv_heads(launch, 1, 32, 4, 1024, torch.device("cpu"))
-    k = torch.randn(2, 5, 3, 4)
-    e = T.expand_heads(k, 6)
-    assert e.shape == (2, 5, 6, 4) and e.is_contiguous()
-    assert torch.equal(e[:, :, 2], k[:, :, 1]) and torch.equal(e[:, :, 3], k[:, :, 1])
-    torch.testing.assert_close(T.sum_groups(e, 3), 2 * k)
-    one = T.expand_heads(k[:, :, :1], 4)  # one KV head: a copy too, not a stride-0 view
-    assert one.is_contiguous() and torch.equal(one[:, :, 3], k[:, :, 0])
+    assert T.kv_split_of(launch, 1, 32, 4, 1024, cuda) == 8
+    assert T.kv_split_of(launch, 1, 32, 4, 4096, cuda) == 1
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("grouped", [False, True], ids=["rule", "grouped"])
 @pytest.mark.parametrize("mode", ["fused", "split"])
 @pytest.mark.parametrize("d", [64, 128])
-def test_gpu_staged_backward_is_one_backward(mode, d):
+def test_gpu_staged_backward_is_one_backward(mode, d, grouped, monkeypatch):
     """On the GPU, the library's dispatch (fused Gluon backward at D=64/128 on Hopper, or split):
     four stages of a non-block-multiple key set (an empty one among them) against the float64
-    reference and against one ``backward`` over all keys, bf16, GQA 4:2, a gradient of the LSE."""
+    reference and against one ``backward`` over all keys, bf16, GQA 4:2, a gradient of the LSE.
+    ``rule``: the calls split each group over 2 programs, as the H200's SM count makes the
+    rule do at these few key blocks; ``grouped``: no SM count, never split."""
     T = _triton()
     from flashmask3.kernels import dispatch
+
+    splits = _force_kv_split(monkeypatch, T, False)
+    if grouped:
+        monkeypatch.setattr(T, "sm_count", lambda device: None)
 
     b, sq, sk, hq, hk = 1, 1000, 1100, 4, 2
     g = torch.Generator(device="cuda").manual_seed(d)
@@ -316,6 +377,7 @@ def test_gpu_staged_backward_is_one_backward(mode, d):
         got = (T.backward_finish(state), torch.cat([p[0] for p in parts], 1),
                torch.cat([p[1] for p in parts], 1))
     _, _, ref = _reference_grads(q.cpu(), k.cpu(), v.cpu(), cols.cpu(), scale, dout.cpu(), dlse.cpu())
+    assert splits == [1 if grouped else 2] * 4, splits  # whole + three stages with keys
     for name, x, w, r in zip(("dq", "dk", "dv"), got, whole, ref):
         assert x.dtype == torch.bfloat16 and torch.isfinite(x).all(), name
         assert rel_err(x.cpu(), r) < 2e-2, (name, rel_err(x.cpu(), r))
