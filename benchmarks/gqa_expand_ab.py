@@ -1,7 +1,8 @@
 """A/B on the GPU: the GQA backward with each group split over one program per query head
 (``expands_kv_heads``: the dK/dV kernels' KV_SPLIT, fp32 partials summed by one launch) against
-the grouped launch and against the way the library did it until session 26 (K/V copied to the
-query heads by torch, an MHA call, dK/dV summed per group by torch: autograd of the copies), at
+the grouped launch and against the way the library did it until session 26 (in the backward,
+K/V copied to the query heads by torch, an MHA-shaped backward, dK/dV summed per group by
+torch: ``_CopiesBackward``), at
 the shapes where the grouped grid leaves SMs idle: a context-parallel stage (16K query rows of a
 rank against 1-4K keys), 32 query / 4 KV heads, D=128, bf16. Per arm: GPU time of
 ``torch.autograd.grad`` of one call with the forward (median of CUDA-event timed calls behind a
@@ -26,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import statistics
 import sys
@@ -115,14 +117,41 @@ def _grads(q, k, v, cols, dout):
 
 def _copied_heads(x: torch.Tensor, hq: int) -> torch.Tensor:
     """``[B, S, Hk, D]`` -> ``[B, S, Hq, D]``, each KV head copied for its group (the library's
-    expansion until session 26; autograd's backward of it sums each group's gradients)."""
+    expansion until session 26, ``triton_backend.expand_heads``)."""
     b, s, hk, d = x.shape
     return x[:, :, :, None].expand(b, s, hk, hq // hk, d).reshape(b, s, hq, d).contiguous()
 
 
-def _grads_copies(q, k, v, cols, dout):
-    hq = q.shape[2]
-    out = flashmask3.flashmask_attention(q, _copied_heads(k, hq), _copied_heads(v, hq), cols)
+class _CopiesBackward(torch.autograd.Function):
+    """The library's GQA path until session 26, rebuilt from the backend's functions: the
+    grouped forward, then a backward with K/V copied to the query heads by torch, an MHA-shaped
+    backend backward (never split: one KV head per query head) and dK/dV summed over each group
+    in fp32 by torch (``sum_groups``): its launches, bytes and rounding."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, cols, causal, scale, span):
+        out, lse = T.forward(q, k, v, cols, causal, scale, row_span=span)
+        ctx.save_for_backward(q, k, v, out, lse, cols)
+        ctx.causal, ctx.scale = causal, scale
+        return out
+
+    @staticmethod
+    def backward(ctx, dout):
+        q, k, v, out, lse, cols = ctx.saved_tensors
+        hq, hk = q.shape[2], k.shape[2]
+        dq, dk, dv = T.backward(dout.contiguous(), None, q, _copied_heads(k, hq),
+                                _copied_heads(v, hq), out, lse, cols, ctx.causal, ctx.scale)
+        b, s, _, d = dk.shape
+        return (dq, dk.view(b, s, hk, hq // hk, d).sum(3), dv.view(b, s, hk, hq // hk, d).sum(3),
+                None, None, None, None)
+
+
+def _grads_copies(q, k, v, mask, dout):
+    cols, causal, span = None, False, None
+    if mask is not None:
+        cols, causal = mask.startend_row_indices, mask.causal
+        span = flashmask3.api.kernel_row_span(mask)
+    out = _CopiesBackward.apply(q, k, v, cols, causal, 1.0 / math.sqrt(q.shape[-1]), span)
     return torch.autograd.grad(out, (q, k, v), dout)
 
 
