@@ -181,13 +181,16 @@ def program_grid(t: "TileCounts", kind: str, heads: int, kv_heads: int, rule: st
 
 
 #: The split backward's extra work per call (each GQA group over one program per query head,
-#: the kernels' KV_SPLIT): the fp32 partial dK and dV written by the kernel and read by the
-#: one launch that sums them (bytes ~ 2 x 2 x keys x query heads x D x 4 at the measured HBM
-#: bandwidth, D=128) and that launch on the host (the H200 host's bare launch, 19-25 us:
-#: benchmarks/results/host_breakdown.md). Until session 26 the library copied K/V to the query
+#: the kernels' KV_SPLIT): the one launch that sums the fp32 partial dK and dV, reading them
+#: (bytes ~ 2 x keys x query heads x D x 4 at the measured HBM bandwidth, D=128; the kernel's
+#: own partial stores happen at each program's end, overlapped with other programs' compute,
+#: and are not counted), and that launch on the host (the H200 host's bare launch, 19-25 us:
+#: benchmarks/results/host_breakdown.md). On the session-26 A/B (gqa_expand_ab.json) the
+#: expanded arms' mean error is +5.4% with this count, +2.9% counting nothing, +7.9% counting
+#: the stores too (grouped arms: +2.2%). Until session 26 the library copied K/V to the query
 #: heads and summed dK, dV with torch: four launches, 4 x keys x heads x D x 2 bytes.
 EXPAND_HOST_S = 1 * 22e-6
-EXPAND_BYTES_PER_KEY_HEAD = 4 * 128 * 4
+EXPAND_BYTES_PER_KEY_HEAD = 2 * 128 * 4
 HBM_BYTES_S = 4.3e12
 
 

@@ -93,11 +93,13 @@ def kv_expansion_section(points) -> list[str]:
     """The held-out A/B of the expanded GQA backward (validate.validate_kv_expansion)."""
     worst = max(abs(p.error) for p in points)
     lines = ["### A change the model was not fitted on: the expanded GQA backward (gqa_expand_ab.json)", "",
-             "The library now runs a GQA backward whose grouped dK/dV grid (one program per key block and KV "
-             "head) would leave most SMs idle with K/V expanded to one head per query head "
-             "(`dispatch.kv_expansion`, docs/kernels.md). The calibration above was measured with the grouped "
-             "backward only; `benchmarks/gqa_expand_ab.py` timed both on one H200 afterwards (fwd+bwd GPU time, "
-             "host hidden). The per-program model's predictions, from the GQA calibration:", "",
+             "The library runs a GQA backward whose grouped dK/dV grid (one program per key block and KV "
+             "head) would leave most SMs idle with each group split over one program per query head "
+             "(`dispatch.kv_expansion`; since session 26 inside the kernels, KV_SPLIT, fp32 partials summed by one "
+             "launch; docs/kernels.md). The calibration above was measured with the grouped backward only; "
+             "`benchmarks/gqa_expand_ab.py` timed both on one H200 afterwards (fwd+bwd GPU time, host hidden; "
+             "the 'expanded' rows are the split arm). The per-program model's predictions, from the GQA "
+             "calibration:", "",
              "| call | measured ms | predicted ms | error |", "|---|---|---|---|"]
     lines += [f"| {p.name} | {_ms(p.measured)} | {_ms(p.predicted)} | {_pct(p.error)} |" for p in points]
     lines += ["", f"Worst error {worst:.1%} ({'within' if worst <= TARGET else 'outside'} {TARGET:.0%}).", ""]
