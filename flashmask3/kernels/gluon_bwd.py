@@ -233,8 +233,7 @@ from .gluon_common import (  # noqa: F401  (the shared Gluon helpers)
     ws_programs_per_sm)
 from .launcher import cdiv, descriptor, launch
 from .tiles import _NO_SPEC, LOG2E, _num_intervals  # noqa: F401
-from .tl_kernels import (check_kv_split, dq_accumulator, kv_split_partials, scale_dq,
-                         sum_kv_split)
+from .tl_kernels import dkdv_outputs, dq_accumulator, finish_dkdv, scale_dq
 
 if GLUON_IMPORT_ERROR is None:
     from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier,  # noqa: F401
@@ -1089,13 +1088,7 @@ def launch_dkdv_gluon(q, k, v, dout, lse2, delta, causal, softmax_scale, plan, b
     nqb, nkb = cdiv(sq, block_m), cdiv(sk, block_n)
     if plan.c > 0 and (plan.ranges.shape[1] != nkb or plan.summary.shape[1] != nkb):
         raise ValueError("gluon dK/dV: the plan was built for another block_n (or by query)")
-    if kv_split == 1:
-        dk = torch.empty_like(k)
-        dv = torch.empty_like(v)
-    else:
-        check_kv_split(kv_split, hq, hk)
-        part = kv_split_partials(k, kv_split)
-        dk, dv = part.unbind(0)
+    dk, dv, part = dkdv_outputs(k, v, hq, kv_split)
     ql = _smem_layout(block_m, d, q.dtype)
     kl = _smem_layout(block_n, d, q.dtype)
     q_desc = descriptor(GluonDescriptor, q.view(b * sq, hq * d), [block_m, d], ql)
@@ -1124,7 +1117,7 @@ def launch_dkdv_gluon(q, k, v, dout, lse2, delta, causal, softmax_scale, plan, b
         kwargs.update(STATS_SMEM=True)
     if ds_shared:
         kwargs.update(DS_SHARED=True)
-    if kv_split > 1:
+    if part is not None:
         kwargs.update(KV_SPLIT=kv_split)
     launch(_dkdv_gluon_kernel, (nkb, b * hk * kv_split),
         q_desc, do_desc, k_desc, v_desc, dk, dv, lse2, delta, plan.mask, plan.summary,
@@ -1132,8 +1125,7 @@ def launch_dkdv_gluon(q, k, v, dout, lse2, delta, causal, softmax_scale, plan, b
         plan.mask_b_stride, dq_desc, D=d, BLOCK_M=block_m, BLOCK_N=block_n, CAUSAL=causal,
         C=plan.c, NI=plan.ni, NUM_STAGES=num_stages, NUM_WARPS=num_warps, num_warps=num_warps,
         **kwargs)
-    if kv_split > 1:
-        dk, dv = sum_kv_split(part, k)
+    dk, dv = finish_dkdv(dk, dv, part, k)
     if fuse_dq:
         return dk, dv, dq_acc
     return dk, dv

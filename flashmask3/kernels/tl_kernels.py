@@ -608,6 +608,23 @@ def check_kv_split(kv_split: int, hq: int, hk: int) -> None:
                          f"KV head, got {kv_split!r}")
 
 
+def dkdv_outputs(k: torch.Tensor, v: torch.Tensor, hq: int, kv_split: int):
+    """``(dk, dv, part)``: what a dK/dV launch writes into. Grouped (``kv_split`` 1): dK, dV
+    like k, v, ``part`` None. Split: the two halves of a :func:`kv_split_partials` buffer
+    (``part``), which :func:`finish_dkdv` sums."""
+    if kv_split == 1:
+        return torch.empty_like(k), torch.empty_like(v), None
+    check_kv_split(kv_split, hq, k.shape[2])
+    part = kv_split_partials(k, kv_split)
+    dk, dv = part.unbind(0)
+    return dk, dv, part
+
+
+def finish_dkdv(dk: torch.Tensor, dv: torch.Tensor, part, k: torch.Tensor):
+    """(dk, dv) of a launch into :func:`dkdv_outputs`: as written, or the split's parts summed."""
+    return (dk, dv) if part is None else sum_kv_split(part, k)
+
+
 def launch_dkdv(q, k, v, dout, lse2, delta, causal, softmax_scale, cfg: Config, plan: Plan,
                 kv_split: int = 1):
     """(dk, dv) of the tl dK/dV kernel at tile ``cfg`` (``plan`` by key block). ``kv_split``
@@ -616,15 +633,8 @@ def launch_dkdv(q, k, v, dout, lse2, delta, causal, softmax_scale, cfg: Config, 
     b, sq, hq, d = q.shape
     _, sk, hk, _ = k.shape
     kind = "dkdv"
-    if kv_split == 1:
-        dk = torch.empty_like(k)
-        dv = torch.empty_like(v)
-        split = {}
-    else:
-        check_kv_split(kv_split, hq, hk)
-        part = kv_split_partials(k, kv_split)
-        dk, dv = part.unbind(0)
-        split = dict(KV_SPLIT=kv_split)
+    dk, dv, part = dkdv_outputs(k, v, hq, kv_split)
+    split = {} if part is None else dict(KV_SPLIT=kv_split)
     nqb, nkb = cdiv(sq, cfg.block_m), cdiv(sk, cfg.block_n)
     tma = use_tma(q)
     q_desc = _desc(q.view(b * sq, hq * d), cfg.block_m, d) if tma else None
@@ -639,9 +649,7 @@ def launch_dkdv(q, k, v, dout, lse2, delta, causal, softmax_scale, cfg: Config, 
         C=plan.c, NI=plan.ni, USE_TMA=tma, PREC=dot_precision(q.dtype), A_SMEM=a_smem(kind, d),
         SPLIT_UNMASKED=SPLIT_UNMASKED_LOOP[kind],
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **split)
-    if kv_split == 1:
-        return dk, dv
-    return sum_kv_split(part, k)
+    return finish_dkdv(dk, dv, part, k)
 
 
 def launch_dq(q, k, v, dout, lse2, delta, causal, softmax_scale, cfg: Config, plan: Plan):
