@@ -126,7 +126,7 @@ class _CopiesBackward(torch.autograd.Function):
     """The library's GQA path until session 26, rebuilt from the backend's functions: the
     grouped forward, then a backward with K/V copied to the query heads by torch, an MHA-shaped
     backend backward (never split: one KV head per query head) and dK/dV summed over each group
-    in fp32 by torch (``sum_groups``): its launches, bytes and rounding."""
+    in fp32 by torch (the old ``triton_backend.sum_groups``): its launches, bytes and rounding."""
 
     @staticmethod
     def forward(ctx, q, k, v, cols, causal, scale, span):

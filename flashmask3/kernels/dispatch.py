@@ -341,7 +341,8 @@ KV_EXPANSION_MAX_WAVES = 4
 def kv_expansion(programs: int, group: int, sms: int,
                  max_waves: Optional[int] = KV_EXPANSION_MAX_WAVES) -> bool:
     """Whether a GQA dK/dV launch of ``programs`` programs (one per key block and KV head, each
-    looping over ``group`` query heads) runs with K/V expanded to one head per query head: when
+    looping over ``group`` query heads) runs with each group split over one program per query
+    head (the kernels' KV_SPLIT; "expanded": the grid of an MHA call with ``Hq`` KV heads): when
     the grouped grid is at most :data:`KV_EXPANSION_MAX_WAVES` waves over ``sms`` SMs (one
     program per SM) and the expanded grid (``group`` times the programs, one head each) needs
     fewer waves of one head than the grouped grid's waves of ``group`` heads: few programs
