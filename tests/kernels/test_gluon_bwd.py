@@ -506,15 +506,15 @@ def _require_hopper_gluon():
         pytest.skip("needs a Hopper GPU (sm_90: the Gluon kernels use wgmma)")
 
 
-def _gpu_inputs(name, s, d, seed):
-    """bf16 q, k, v, dO (B=2, GQA 4:2), the mask columns on the GPU, causal, the scale, and
-    the forward's O and LSE for mask ``name`` at length ``s``."""
+def _gpu_inputs(name, s, d, seed, b=2, hq=4, hk=2):
+    """bf16 q, k, v, dO (default B=2, GQA 4:2), the mask columns on the GPU, causal, the scale,
+    and the forward's O and LSE for mask ``name`` at length ``s``."""
     mask, causal = gpu_masks(s)[name]
     cols = None if mask is None else mask.startend_row_indices.cuda()
     causal = causal if mask is None else mask.causal
     g = torch.Generator(device="cuda").manual_seed(seed)
-    q = torch.randn(2, s, 4, d, device="cuda", dtype=torch.bfloat16, generator=g)
-    k, v = (torch.randn(2, s, 2, d, device="cuda", dtype=torch.bfloat16, generator=g)
+    q = torch.randn(b, s, hq, d, device="cuda", dtype=torch.bfloat16, generator=g)
+    k, v = (torch.randn(b, s, hk, d, device="cuda", dtype=torch.bfloat16, generator=g)
             for _ in range(2))
     dout = torch.randn_like(q)
     scale = 1 / math.sqrt(d)
@@ -702,16 +702,7 @@ def _gqa_case(name, s, d, hq, hk, seed):
     and the float64 reference's (dq, dk, dv)."""
     from tests.reference import reference_attention
 
-    mask, causal = gpu_masks(s)[name]
-    cols = None if mask is None else mask.startend_row_indices.cuda()
-    causal = causal if mask is None else mask.causal
-    g = torch.Generator(device="cuda").manual_seed(seed)
-    q = torch.randn(1, s, hq, d, device="cuda", dtype=torch.bfloat16, generator=g)
-    k, v = (torch.randn(1, s, hk, d, device="cuda", dtype=torch.bfloat16, generator=g)
-            for _ in range(2))
-    dout = torch.randn_like(q)
-    scale = 1 / math.sqrt(d)
-    out, lse = T.forward(q, k, v, cols, causal, scale)
+    q, k, v, dout, cols, causal, scale, out, lse = _gpu_inputs(name, s, d, seed, 1, hq, hk)
     delta, lse2 = TL.backward_prepass(out, dout, lse, None)
     x64 = [x.detach().double().requires_grad_() for x in (q, k, v)]
     ref_out, _ = reference_attention(*x64, cols, causal, scale)

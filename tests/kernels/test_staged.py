@@ -283,8 +283,8 @@ def test_tl_dkdv_kv_split_matches_the_reference(kv_split):
     from flashmask3.kernels import tl_kernels as TL
     from flashmask3.kernels.tiles import Config
 
-    q, k, v, cols = _inputs(torch.float32, sq=70, sk=90, hq=12, hk=2, seed=21)
-    cols = random_columns(1, 1, 70, 90, True, 1, seed=21)
+    q, k, v, _ = _inputs(torch.float32, sq=70, sk=90, hq=12, hk=2, seed=21)
+    cols = random_columns(1, 1, 70, 90, True, 1, seed=21)  # causal, one column
     scale = 0.25
     out, lse = T.forward(q, k, v, cols, True, scale)
     dout, _ = _dout_dlse(out, lse, seed=22)
