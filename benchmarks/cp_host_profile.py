@@ -18,7 +18,9 @@ per attention call, as before session 24); ``no-merge-kernel`` (the forward's st
 merged by torch ops instead of the one-launch Triton merge); ``before`` (both, i.e. the host
 path of session 23); ``gc-off`` (Python's cyclic garbage collector disabled while the layer
 runs); ``gc-freeze`` (``gc.freeze()`` after a collection: every object alive before the
-layer is left out of later collections, as a training loop can do after building its model).
+layer is left out of later collections, as a training loop can do after building its model);
+``no-bound`` (the prepared Gluon forward and dK/dV launches, ``launcher.Bound``, through
+``launcher.launch`` with their descriptors rebuilt on every call, as before session 27).
 """
 
 from __future__ import annotations
@@ -42,12 +44,21 @@ import flashmask3.masks as M  # noqa: E402
 from benchmarks.corpus import document_spreads  # noqa: E402
 from flashmask3.distributed import EmulatedExchange, LaunchCounter, plan, prepare_rank, run_layer  # noqa: E402
 from flashmask3.distributed.runtime import to_wire  # noqa: E402
-from flashmask3.kernels import triton_backend as tb  # noqa: E402
+from flashmask3.kernels import launcher, triton_backend as tb  # noqa: E402
 
 SLEEP = 200_000_000  # cycles of torch.cuda._sleep: ~100 ms, longer than any host loop here
 
 
-VARIANTS = ("current", "no-memo", "no-merge-kernel", "before", "gc-off", "gc-freeze")
+VARIANTS = ("current", "no-memo", "no-merge-kernel", "before", "gc-off", "gc-freeze",
+            "no-bound")
+
+
+_bound_call = launcher.Bound.__call__
+
+
+def _unbound_call(self, *tensors):
+    """A :class:`launcher.Bound` launch as before session 27: through ``launcher.launch``."""
+    return self._launch(tensors)
 
 
 @contextlib.contextmanager
@@ -59,6 +70,8 @@ def variant(name: str):
             q, k, cols, causal, scale, row_span)
     if name in ("no-merge-kernel", "before"):
         del tb.merge_stages
+    if name == "no-bound":  # every Bound launch through launcher.launch (its key, descriptors)
+        launcher.Bound.__call__ = _unbound_call
     if name == "gc-off":
         gc.disable()
     if name == "gc-freeze":
@@ -69,6 +82,7 @@ def variant(name: str):
     finally:
         for key, val in saved.items():
             setattr(tb, key, val)
+        launcher.Bound.__call__ = _bound_call
         gc.enable()
         gc.unfreeze()
 

@@ -149,6 +149,36 @@ def handoff_rows(xg, gg, host_us, lengths=(0, 25, 50, 100, 200, 400)) -> list[di
     return rows
 
 
+def _unbound_call(self, *tensors):
+    """A :class:`launcher.Bound` launch as before session 27: through ``launcher.launch``."""
+    return self._launch(tensors)
+
+
+def bound_ab_rows(fns: dict, host_us, reps: int = 15) -> list[dict]:
+    """Host µs of each ``name -> (fn, leaves)`` with the prepared launches' fast path
+    (``launcher.Bound``, current) and without it (every Bound launch through
+    ``launcher.launch``: its key, descriptors rebuilt), the two alternating within every
+    repetition (order flipped each time), medians of ``reps`` (this VM's host speed drifts)."""
+    bound_call = launcher.Bound.__call__
+    rows = []
+    for name, (fn, leaves) in fns.items():
+        times = {"bound": [], "launch": []}
+        for rep in range(reps):
+            for arm in (("bound", "launch") if rep % 2 == 0 else ("launch", "bound")):
+                launcher.Bound.__call__ = bound_call if arm == "bound" else _unbound_call
+                try:
+                    fn()
+                    times[arm].append(host_us(fn, leaves, samples=1))
+                finally:
+                    launcher.Bound.__call__ = bound_call
+        row = dict(piece=name, bound_us=statistics.median(times["bound"]),
+                   launch_us=statistics.median(times["launch"]), reps=reps)
+        rows.append(row)
+        print(f"{row['bound_us']:9.1f} {row['launch_us']:9.1f}  {name} (bound, launch)",
+              flush=True)
+    return rows
+
+
 def main(argv=None) -> int:
     from benchmarks.kernel import host_us
 
@@ -240,6 +270,11 @@ def main(argv=None) -> int:
         if via_r is not None:
             add(f"launch {name} via compiled.run", via_r)
 
+    # the prepared Gluon launches (launcher.Bound) against launcher.launch, round robin
+    ab = bound_ab_rows({"fwd (public)": (fwd, None), "fwd+bwd .backward": (fwd_bwd, [q, k, v]),
+                        "call.forward": (forward_body, None),
+                        "call.backward": (backward_body, None)}, host_us)
+
     # the same host work inside a backward on either thread (the device thread's extra cost)
     pieces = [("call.backward (the backward body)", backward_body),
               ("call.forward", forward_body),
@@ -279,13 +314,15 @@ def main(argv=None) -> int:
     from benchmarks.environment import run_environment
     meta = dict(run_environment(torch.device(dev)), command=" ".join(sys.argv))
     with open(os.path.join(args.out, "host_breakdown.json"), "w") as f:
-        json.dump(dict(meta=meta, rows=rows, threads=thread, handoff=handoff), f, indent=1)
+        json.dump(dict(meta=meta, rows=rows, threads=thread, handoff=handoff, bound_ab=ab), f,
+                  indent=1)
     with open(os.path.join(args.out, "host_breakdown.md"), "w") as f:
-        f.write(markdown(meta, rows, thread, handoff))
+        f.write(markdown(meta, rows, thread, handoff, ab))
     return 0
 
 
-def markdown(meta: dict, rows: list[dict], thread: list[dict] = (), handoff: list[dict] = ()) -> str:
+def markdown(meta: dict, rows: list[dict], thread: list[dict] = (), handoff: list[dict] = (),
+             bound_ab: list[dict] = ()) -> str:
     lines = ["# Host time of one attention call, piece by piece", ""]
     lines += [f"- **{k}**: `{v}`" for k, v in meta.items()]
     lines += ["", "Host µs per call = CPU time to enqueue while the GPU is kept busy "
@@ -307,6 +344,14 @@ def markdown(meta: dict, rows: list[dict], thread: list[dict] = (), handoff: lis
                   "for the given time; host µs of apply + `.backward()` minus the spin):", "",
                   "| backward length µs | device thread µs | calling thread µs |", "|---|---|---|"]
         lines += [f"| {r['backward_us']} | {r['device']:.1f} | {r['calling']:.1f} |" for r in handoff]
+    if bound_ab:
+        lines += ["", "The prepared Gluon forward and dK/dV launches (`launcher.Bound`: the C "
+                  "launcher's argument list built once, descriptors cached per pointer) against "
+                  "the same launches through `launcher.launch` (key, descriptors rebuilt every "
+                  "call), alternating within each repetition (medians of host µs):", "",
+                  "| call | bound µs | launch µs | saved µs |", "|---|---|---|---|"]
+        lines += [f"| {r['piece']} | {r['bound_us']:.1f} | {r['launch_us']:.1f} | "
+                  f"{r['launch_us'] - r['bound_us']:.1f} |" for r in bound_ab]
     return "\n".join(lines) + "\n"
 
 

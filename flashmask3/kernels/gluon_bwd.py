@@ -231,7 +231,7 @@ from .gluon_common import (  # noqa: F401  (the shared Gluon helpers)
     ws_compute_regs,
     ws_maxnreg,
     ws_programs_per_sm)
-from .launcher import cdiv, descriptor, launch
+from .launcher import TENSOR, Bound, Desc, cdiv, descriptor, launch
 from .tiles import _NO_SPEC, LOG2E, _num_intervals  # noqa: F401
 from .tl_kernels import dkdv_outputs, dq_accumulator, finish_dkdv, scale_dq
 
@@ -1036,17 +1036,99 @@ def dq_accumulator_view(dq_t: torch.Tensor, sq: int) -> torch.Tensor:
 _checked_config = functools.lru_cache(maxsize=None)(check_config)
 
 
+class GluonDkdv:
+    """The Gluon dK/dV launch (:func:`_dkdv_gluon_kernel`) of one call signature, decided
+    once: its checks, constexprs, scalars, grid and TMA descriptor templates (a
+    :class:`~.launcher.Bound` launch). Calling it with tensors of that signature and a plan
+    of the same mask layout (its ``c``, ``ni``, ``hm``, ``mask_b_stride``) allocates dK, dV
+    (or the split's partials) and launches; a prepared call (``triton_backend.PreparedCall``)
+    keeps one per mask layout. The variants and ``kv_split``: :func:`launch_dkdv_gluon`.
+    With ``fuse_dq`` the call takes the zeroed dQᵀ accumulator ``dq_t`` and adds into it."""
+
+    __slots__ = ("bound", "hq", "kv_split", "fuse_dq")
+
+    def __init__(self, q, k, plan, causal: bool, softmax_scale: float, block_m: int,
+                 block_n: int, num_warps: int, num_stages: int, fuse_dq: bool = False,
+                 warp_spec: bool = False, stats_smem: bool = False, ds_shared: bool = False,
+                 kv_split: int = 1):
+        b, sq, hq, d = q.shape
+        _, sk, hk, _ = k.shape
+        _checked_config(d, block_m, block_n, num_warps, num_stages, fuse_dq, warp_spec,
+                        stats_smem, ds_shared)
+        if q.dtype not in (torch.bfloat16, torch.float16):
+            raise ValueError(f"gluon dK/dV: dtype {q.dtype} (bf16 or fp16)")
+        if kv_split != 1:
+            check_kv_split(kv_split, hq, hk)
+        nqb, nkb = cdiv(sq, block_m), cdiv(sk, block_n)
+        if plan.c > 0 and (plan.ranges.shape[1] != nkb or plan.summary.shape[1] != nkb):
+            raise ValueError("gluon dK/dV: the plan was built for another block_n (or by query)")
+        ql = _smem_layout(block_m, d, q.dtype)
+        kl = _smem_layout(block_n, d, q.dtype)
+        q_view = lambda t: t.view(b * sq, hq * d)  # noqa: E731
+        kv_view = lambda t: t.view(b * sk, hk * d)  # noqa: E731
+        dq_desc = None  # None: a constexpr, the split kernel's parameter list
+        if fuse_dq:
+            # dQᵀ per (batch, head): [B, Hq, D, Sq_pad], Sq_pad a multiple of 4 (TMA: 16-byte
+            # row stride); the descriptor's [B*Hq*D, Sq] view clips each tile's query columns
+            sq_pad = cdiv(sq, 4) * 4
+            dq_desc = Desc(GluonDescriptor, lambda t: t.view(b * hq * d, sq_pad)[:, :sq],
+                           dq_reduce_block(block_m, d), _dq_smem_layout(block_m, d))
+        args = (Desc(GluonDescriptor, q_view, [block_m, d], ql),
+                Desc(GluonDescriptor, q_view, [block_m, d], ql),
+                Desc(GluonDescriptor, kv_view, [block_n, d], kl),
+                Desc(GluonDescriptor, kv_view, [block_n, d], kl),
+                TENSOR, TENSOR, TENSOR, TENSOR, TENSOR, TENSOR, TENSOR,
+                softmax_scale, softmax_scale * LOG2E, sq, sk, hq, hk, plan.hm, nqb, nkb,
+                plan.mask_b_stride, dq_desc)
+        kwargs = dict(D=d, BLOCK_M=block_m, BLOCK_N=block_n, CAUSAL=causal, C=plan.c,
+                      NI=plan.ni, NUM_STAGES=num_stages, NUM_WARPS=num_warps,
+                      num_warps=num_warps)
+        if fuse_dq:
+            kwargs.update(FUSE_DQ=True)
+        if warp_spec:
+            kwargs.update(WARP_SPEC=True, maxnreg=ws_maxnreg(num_warps))
+        if stats_smem:
+            kwargs.update(STATS_SMEM=True)
+        if ds_shared:
+            kwargs.update(DS_SHARED=True)
+        if kv_split != 1:
+            kwargs.update(KV_SPLIT=kv_split)
+        self.bound = Bound(_dkdv_gluon_kernel, (nkb, b * hk * kv_split), args, kwargs)
+        self.hq, self.kv_split, self.fuse_dq = hq, kv_split, fuse_dq
+
+    def _tensors(self, q, k, v, dout, lse2, delta, plan, dq_t, dk, dv) -> tuple:
+        if self.fuse_dq != (dq_t is not None):
+            raise ValueError("gluon dK/dV: dq_t is required with fuse_dq and only with it")
+        head = (q, dout, k, v, dk, dv, lse2, delta, plan.mask, plan.summary, plan.ranges)
+        return head if dq_t is None else head + (dq_t,)
+
+    def __call__(self, q, k, v, dout, lse2, delta, plan, dq_t: Optional[torch.Tensor] = None):
+        """``(dk, dv)`` of these inputs (non-empty, the signature's, contiguous); with
+        ``fuse_dq``, dQ added into ``dq_t``."""
+        dk, dv, part = dkdv_outputs(k, v, self.hq, self.kv_split)
+        self.bound(*self._tensors(q, k, v, dout, lse2, delta, plan, dq_t, dk, dv))
+        return finish_dkdv(dk, dv, part, k)
+
+    def once(self, q, k, v, dout, lse2, delta, plan, dq_t: Optional[torch.Tensor] = None):
+        """:meth:`__call__` for a launch not repeated (no fast-path parts built)."""
+        dk, dv, part = dkdv_outputs(k, v, self.hq, self.kv_split)
+        self.bound.once(*self._tensors(q, k, v, dout, lse2, delta, plan, dq_t, dk, dv))
+        return finish_dkdv(dk, dv, part, k)
+
+
 def launch_dkdv_gluon(q, k, v, dout, lse2, delta, causal, softmax_scale, plan, block_m: int,
                       block_n: int, num_warps: int, num_stages: int, fuse_dq: bool = False,
                       warp_spec: bool = False, stats_smem: bool = False,
                       ds_shared: bool = False, dq_t: Optional[torch.Tensor] = None,
                       kv_split: int = 1):
-    """(dk, dv) like ``_launch_dkdv(..., fuse_dq=False)[:2]``; ``plan`` must come from
-    ``make_plan(mask, causal, Sq, Sk, block_m, block_n, by_key=True, device)``.
+    """(dk, dv) like ``_launch_dkdv(..., fuse_dq=False)[:2]``, one call (:class:`GluonDkdv` is
+    the prepared form); ``plan`` must come from ``make_plan(mask, causal, Sq, Sk, block_m,
+    block_n, by_key=True, device)``.
 
-    ``warp_spec=True`` (the WARP_SPEC kernel, the library default): the same results from a kernel whose Q/dO ring is filled by a 1-warp TMA producer
-    partition, launched with ``maxnreg=ws_maxnreg(num_warps)``; the default (False) launches
-    exactly the kernel it always did.
+    ``warp_spec=True`` (the WARP_SPEC kernel, the library default): the same results from a
+    kernel whose Q/dO ring is filled by a 1-warp TMA producer partition, launched with
+    ``maxnreg=ws_maxnreg(num_warps)``; the default (False) launches exactly the kernel it
+    always did.
 
     ``stats_smem=True`` (with ``warp_spec`` only; the STATS_SMEM kernel, the D=128 default):
     the producer also stages each tile's lse2/delta in shared memory
@@ -1074,31 +1156,19 @@ def launch_dkdv_gluon(q, k, v, dout, lse2, delta, causal, softmax_scale, plan, b
     if reason is not None:
         raise RuntimeError(reason)
     b, sq, hq, d = q.shape
-    _, sk, hk, _ = k.shape
+    sk = k.shape[1]
     _checked_config(d, block_m, block_n, num_warps, num_stages, fuse_dq, warp_spec, stats_smem,
                     ds_shared)
-    if q.dtype not in (torch.bfloat16, torch.float16):
-        raise ValueError(f"gluon dK/dV: dtype {q.dtype} (bf16 or fp16)")
     q, k, v, dout = q.contiguous(), k.contiguous(), v.contiguous(), dout.contiguous()
     if sq == 0 or sk == 0:
         zeros = (torch.zeros_like(k), torch.zeros_like(v))
         if fuse_dq:
             zeros += (torch.zeros((b, sq, hq, d), dtype=torch.float32, device=q.device), )
         return zeros
-    nqb, nkb = cdiv(sq, block_m), cdiv(sk, block_n)
-    if plan.c > 0 and (plan.ranges.shape[1] != nkb or plan.summary.shape[1] != nkb):
-        raise ValueError("gluon dK/dV: the plan was built for another block_n (or by query)")
-    dk, dv, part = dkdv_outputs(k, v, hq, kv_split)
-    ql = _smem_layout(block_m, d, q.dtype)
-    kl = _smem_layout(block_n, d, q.dtype)
-    q_desc = descriptor(GluonDescriptor, q.view(b * sq, hq * d), [block_m, d], ql)
-    do_desc = descriptor(GluonDescriptor, dout.view(b * sq, hq * d), [block_m, d], ql)
-    k_desc = descriptor(GluonDescriptor, k.view(b * sk, hk * d), [block_n, d], kl)
-    v_desc = descriptor(GluonDescriptor, v.view(b * sk, hk * d), [block_n, d], kl)
-    dq_desc = dq_acc = None  # None: a constexpr, the split kernel's parameter list
+    run = GluonDkdv(q, k, plan, causal, softmax_scale, block_m, block_n, num_warps,
+                    num_stages, fuse_dq, warp_spec, stats_smem, ds_shared, kv_split)
+    dq_acc = None
     if fuse_dq:
-        # dQᵀ per (batch, head): [B, Hq, D, Sq_pad], Sq_pad a multiple of 4 (TMA: 16-byte row
-        # stride); the descriptor's [B*Hq*D, Sq] view clips each tile's query columns at Sq
         sq_pad = cdiv(sq, 4) * 4
         allocated = dq_t is None
         if allocated:
@@ -1106,26 +1176,9 @@ def launch_dkdv_gluon(q, k, v, dout, lse2, delta, causal, softmax_scale, plan, b
         elif dq_t.shape != (b, hq, d, sq_pad) or dq_t.dtype != torch.float32:
             raise ValueError(f"gluon fused dQ: dq_t must be fp32 [{b}, {hq}, {d}, {sq_pad}], "
                              f"got {dq_t.dtype} {tuple(dq_t.shape)}")
-        dq_desc = descriptor(GluonDescriptor, dq_t.view(b * hq * d, sq_pad)[:, :sq],
-                             dq_reduce_block(block_m, d), _dq_smem_layout(block_m, d))
         # a given dq_t is the caller's to view (a context-parallel stage only adds into it)
         dq_acc = dq_accumulator_view(dq_t, sq) if allocated else None
-    kwargs = dict(FUSE_DQ=True) if fuse_dq else {}
-    if warp_spec:
-        kwargs.update(WARP_SPEC=True, maxnreg=ws_maxnreg(num_warps))
-    if stats_smem:
-        kwargs.update(STATS_SMEM=True)
-    if ds_shared:
-        kwargs.update(DS_SHARED=True)
-    if part is not None:
-        kwargs.update(KV_SPLIT=kv_split)
-    launch(_dkdv_gluon_kernel, (nkb, b * hk * kv_split),
-        q_desc, do_desc, k_desc, v_desc, dk, dv, lse2, delta, plan.mask, plan.summary,
-        plan.ranges, softmax_scale, softmax_scale * LOG2E, sq, sk, hq, hk, plan.hm, nqb, nkb,
-        plan.mask_b_stride, dq_desc, D=d, BLOCK_M=block_m, BLOCK_N=block_n, CAUSAL=causal,
-        C=plan.c, NI=plan.ni, NUM_STAGES=num_stages, NUM_WARPS=num_warps, num_warps=num_warps,
-        **kwargs)
-    dk, dv = finish_dkdv(dk, dv, part, k)
+    dk, dv = run.once(q, k, v, dout, lse2, delta, plan, dq_t if fuse_dq else None)
     if fuse_dq:
         return dk, dv, dq_acc
     return dk, dv

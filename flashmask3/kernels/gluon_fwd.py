@@ -37,7 +37,7 @@ from . import gluon_common as _GD
 from .gluon_common import (_gl_dtype, _jit, _load_stats, _needs_mask,  # noqa: F401
                            _query_block_ranges, _smem_layout, gl,
                            unavailable_reason)
-from .launcher import cdiv, descriptor, launch
+from .launcher import TENSOR, Bound, Desc, cdiv
 from .tiles import _NO_SPEC, LOG2E
 
 if _GD.GLUON_IMPORT_ERROR is None:
@@ -737,58 +737,79 @@ def _launch_params(d: int, block_m: int, block_n: int, num_warps: int, num_stage
     return ws_consumer_regs(num_warps), ws_maxnreg(num_warps)
 
 
-def _descriptors(q, k, v, q_rows: int, block_n: int):
-    """TMA descriptors of Q ``[B*Sq, Hq*D]`` (block [q_rows, D]) and K, V ``[B*Sk, Hk*D]``
-    (block [block_n, D]), NVMMA-swizzled for the wgmma."""
-    b, sq, hq, d = q.shape
-    _, sk, hk, _ = k.shape
-    ql, kl = _smem_layout(q_rows, d, q.dtype), _smem_layout(block_n, d, q.dtype)
-    q_desc = descriptor(GluonDescriptor, q.view(b * sq, hq * d), [q_rows, d], ql)
-    k_desc = descriptor(GluonDescriptor, k.view(b * sk, hk * d), [block_n, d], kl)
-    v_desc = descriptor(GluonDescriptor, v.view(b * sk, hk * d), [block_n, d], kl)
-    return q_desc, k_desc, v_desc
+class GluonForward:
+    """The warp-specialised forward (:func:`_fwd_ws_kernel`) of one call signature, decided
+    once: its checks, constexprs, scalars, grid and TMA descriptor templates (a
+    :class:`~.launcher.Bound` launch). Calling it with tensors of that signature (q ``[B, Sq,
+    Hq, D]``, k/v ``[B, Sk, Hk, D]`` contiguous, a plan of the same mask layout: its ``c``,
+    ``ni``, ``hm`` and ``mask_b_stride``) allocates ``(out, lse)`` and launches; a prepared
+    call (``triton_backend.PreparedCall``) keeps one per mask layout. ``pingpong``: two
+    consumer warpgroups take turns issuing their matmuls; ``cols_smem``: the producer stages
+    the masked tiles' columns in shared memory (None: :data:`WS_COLS_SMEM`)."""
+
+    __slots__ = ("bound", "lse_shape")
+
+    def __init__(self, q, k, plan, causal: bool, softmax_scale: float, block_m: int,
+                 block_n: int, num_warps: int, num_stages: int, pingpong: bool = False,
+                 cols_smem: Optional[bool] = None):
+        b, sq, hq, d = q.shape
+        _, sk, hk, _ = k.shape
+        cols_smem = _uses_cols_smem(True, plan.c, cols_smem)
+        consumer_regs, maxnreg = _launch_params(d, block_m, block_n, num_warps, num_stages,
+                                                True, pingpong, plan.c if cols_smem else 0)
+        if q.dtype not in (torch.bfloat16, torch.float16):
+            raise ValueError(f"gluon fwd: dtype {q.dtype} (bf16 or fp16)")
+        nqb, nkb = cdiv(sq, block_m), cdiv(sk, block_n)
+        if plan.c > 0 and (plan.ranges.shape[1] != nqb or plan.summary.shape[1] != nkb):
+            raise ValueError("gluon fwd: the plan was built for another tile shape (or by key)")
+        # the WS kernel loads Q per consumer warpgroup of 64 rows; K, V per key block
+        ql, kl = _smem_layout(64, d, q.dtype), _smem_layout(block_n, d, q.dtype)
+        q_desc = Desc(GluonDescriptor, lambda t: t.view(b * sq, hq * d), [64, d], ql)
+        kv_view = lambda t: t.view(b * sk, hk * d)  # noqa: E731
+        k_desc = Desc(GluonDescriptor, kv_view, [block_n, d], kl)
+        v_desc = Desc(GluonDescriptor, kv_view, [block_n, d], kl)
+        args = (q_desc, k_desc, v_desc, TENSOR, TENSOR, TENSOR, TENSOR, TENSOR,
+                softmax_scale * LOG2E, sq, sk, hq, hk, plan.hm, nqb, nkb, plan.mask_b_stride,
+                nqb * b * hq)
+        consts = dict(D=d, BLOCK_M=block_m, BLOCK_N=block_n, CAUSAL=causal, C=plan.c,
+                      NI=plan.ni, NUM_STAGES=num_stages, NUM_WARPS=num_warps,
+                      PINGPONG=pingpong, CONSUMER_REGS=consumer_regs, COLS_SMEM=cols_smem,
+                      num_warps=4, maxnreg=maxnreg)
+        self.bound = Bound(_fwd_ws_kernel, (nqb, b * hq), args, consts)
+        self.lse_shape = (b, hq, sq)
+
+    def __call__(self, q, k, v, plan):
+        """``(out, lse)`` of these inputs (non-empty, the signature's)."""
+        out = torch.empty_like(q)
+        lse = torch.empty(self.lse_shape, dtype=torch.float32, device=q.device)
+        self.bound(q, k, v, out, lse, plan.mask, plan.summary, plan.ranges)
+        return out, lse
 
 
 def launch_fwd_gluon(q, k, v, mask, causal, softmax_scale, plan, block_m: int, block_n: int,
                      num_warps: int, num_stages: int, warp_spec: bool = False,
                      pingpong: bool = False, cols_smem: Optional[bool] = None):
-    """(out, lse) like ``tl_kernels.launch_fwd``; ``plan`` must come from
-    ``make_plan(mask, causal, Sq, Sk, block_m, block_n, by_key=False, device)``. ``mask`` is
-    unused (the plan holds it), as in ``_launch_fwd``. ``warp_spec``: the warp-specialised
-    kernel (:func:`_fwd_ws_kernel`: a TMA producer warp, separate K and V rings, one consumer
-    warpgroup of 64 rows per 4 of ``num_warps``; ``pingpong`` makes two take turns issuing
-    their matmuls;
-    ``cols_smem``: the producer
-    stages the masked tiles' columns in shared memory, None: :data:`WS_COLS_SMEM`)."""
+    """(out, lse) like ``tl_kernels.launch_fwd``, one call (:class:`GluonForward` is the
+    prepared form); ``plan`` must come from ``make_plan(mask, causal, Sq, Sk, block_m,
+    block_n, by_key=False, device)``. ``mask`` is unused (the plan holds it), as in
+    ``_launch_fwd``. ``warp_spec`` must be True: the warp-specialised kernel
+    (:func:`_fwd_ws_kernel`: a TMA producer warp, separate K and V rings, one consumer
+    warpgroup of 64 rows per 4 of ``num_warps``)."""
     reason = unavailable_reason()
     if reason is not None:
         raise RuntimeError(reason)
-    b, sq, hq, d = q.shape
-    _, sk, hk, _ = k.shape
-    cols_smem = _uses_cols_smem(warp_spec, plan.c, cols_smem)
-    consumer_regs, maxnreg = _launch_params(d, block_m, block_n, num_warps, num_stages,
-                                            warp_spec, pingpong, plan.c if cols_smem else 0)
-    if q.dtype not in (torch.bfloat16, torch.float16):
-        raise ValueError(f"gluon fwd: dtype {q.dtype} (bf16 or fp16)")
-    q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
-    out = torch.empty_like(q)
-    lse = torch.empty((b, hq, sq), dtype=torch.float32, device=q.device)
-    if sq == 0 or sk == 0:
-        return out.zero_(), lse.fill_(float("-inf"))
-    nqb, nkb = cdiv(sq, block_m), cdiv(sk, block_n)
-    if plan.c > 0 and (plan.ranges.shape[1] != nqb or plan.summary.shape[1] != nkb):
-        raise ValueError("gluon fwd: the plan was built for another tile shape (or by key)")
-    q_rows = 64 if warp_spec else block_m  # the WS kernel loads Q per consumer warpgroup
-    q_desc, k_desc, v_desc = _descriptors(q, k, v, q_rows, block_n)
-    args = (q_desc, k_desc, v_desc, out, lse, plan.mask, plan.summary, plan.ranges,
-            softmax_scale * LOG2E, sq, sk, hq, hk, plan.hm, nqb, nkb, plan.mask_b_stride)
-    consts = dict(D=d, BLOCK_M=block_m, BLOCK_N=block_n, CAUSAL=causal, C=plan.c, NI=plan.ni,
-                  NUM_STAGES=num_stages, NUM_WARPS=num_warps)
     if not warp_spec:  # the one-partition Gluon forward measured 0.87-0.95x tl and was deleted
         raise ValueError("gluon fwd: only the warp-specialised kernel exists (warp_spec=True)")
-    launch(_fwd_ws_kernel, (nqb, b * hq), *args, nqb * b * hq, **consts, PINGPONG=pingpong,
-                                  CONSUMER_REGS=consumer_regs, COLS_SMEM=cols_smem,
-                                  num_warps=4, maxnreg=maxnreg)
+    q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
+    b, sq, hq, _ = q.shape
+    if sq == 0 or k.shape[1] == 0:
+        return (torch.zeros_like(q),
+                torch.full((b, hq, sq), float("-inf"), dtype=torch.float32, device=q.device))
+    run = GluonForward(q, k, plan, causal, softmax_scale, block_m, block_n, num_warps,
+                       num_stages, pingpong, cols_smem)
+    out = torch.empty_like(q)
+    lse = torch.empty(run.lse_shape, dtype=torch.float32, device=q.device)
+    run.bound.once(q, k, v, out, lse, plan.mask, plan.summary, plan.ranges)
     return out, lse
 
 

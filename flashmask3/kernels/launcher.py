@@ -204,6 +204,14 @@ def _args_key(args: tuple) -> tuple:
     return tuple(key)
 
 
+def _launch_key(kernel, device, args: tuple, kwargs: dict) -> tuple:
+    """The :data:`_COMPILED` key of a launch (raises TypeError for an argument this module
+    does not key, or an unhashable keyword value)."""
+    key = (id(kernel), device, len(args), _args_key(args), tuple(kwargs.items()))
+    hash(key)
+    return key
+
+
 def launch(kernel, grid: tuple, *args, **kwargs):
     """``kernel[grid](*args, **kwargs)`` (same arguments, same result), through the cached
     compiled kernel when the call's key was seen before (module docstring)."""
@@ -211,7 +219,7 @@ def launch(kernel, grid: tuple, *args, **kwargs):
         return kernel[grid](*args, **kwargs)
     device = _driver.active.get_current_device()
     try:
-        key = (id(kernel), device, len(args), _args_key(args), tuple(kwargs.items()))
+        key = _launch_key(kernel, device, args, kwargs)
         entry = _COMPILED.get(key)
     except TypeError:  # an unknown argument type, or an unhashable keyword value
         return kernel[grid](*args, **kwargs)
@@ -245,6 +253,147 @@ def launch(kernel, grid: tuple, *args, **kwargs):
     final += full[prev:]
     raw[0](*final)
     return c
+
+
+#: A :class:`Bound` launch's per-call plain tensor argument (see :class:`Desc` for a
+#: per-call TMA descriptor).
+TENSOR = object()
+#: Per-call descriptor expansions a :class:`Desc` slot keeps (one per base pointer seen).
+_MAX_SLOT_EXPANSIONS = 64
+
+
+class Desc:
+    """A :class:`Bound` launch's per-call TMA descriptor argument: the call passes a tensor
+    ``t`` and the kernel gets ``descriptor(cls, view(t), block_shape, layout)``. ``view``
+    gives the 2-D tensor the kernel addresses (e.g. ``[B*S, H*D]`` of a contiguous
+    ``[B, S, H, D]``); the bound call takes contiguous tensors of one shape (checked), so its
+    descriptor depends only on the base pointer."""
+
+    __slots__ = ("cls", "view", "block_shape", "layout")
+
+    def __init__(self, cls, view, block_shape: list, layout=None):
+        self.cls, self.view, self.block_shape, self.layout = cls, view, block_shape, layout
+
+    def build(self, t: torch.Tensor):
+        """The descriptor of ``t`` (:func:`descriptor`)."""
+        return descriptor(self.cls, self.view(t), self.block_shape, self.layout)
+
+
+class Bound:
+    """``launch(kernel, grid, *args, **kwargs)`` with everything but the tensors fixed: a
+    prepared call's launch (its shapes, dtypes, constexprs and scalars decided once), called
+    with the per-call tensors in the order of the ``args`` marked :data:`TENSOR` or
+    :class:`Desc`. The first call launches through :func:`launch` (which compiles); after it
+    a call writes the tensors' pointers (and the cached expansion of each descriptor, per base
+    pointer) into the C launcher's argument list built then and calls Triton 3.6's C
+    launcher (module docstring): no key, no argument walk, no descriptor object.
+
+    Safety: the fast path runs only where :func:`launch` would take its warm raw path (fast
+    launch enabled, no pre-run hooks, the device of the first call current) and only with
+    every tensor of the first call's dtype and 16-byte aligned, and each descriptor tensor
+    contiguous and of the first call's shape: then Triton would pick the same compiled kernel
+    (the key of the first call, :func:`_arg_key`) and build the same descriptors. Any other
+    call takes :func:`launch`, unchanged."""
+
+    __slots__ = ("kernel", "grid", "args", "kwargs", "slots", "fast")
+
+    def __init__(self, kernel, grid: tuple, args: tuple, kwargs: dict):
+        self.kernel, self.grid, self.kwargs = kernel, tuple(grid), kwargs
+        self.args = tuple(args)
+        self.slots = tuple(i for i, a in enumerate(self.args) if a is TENSOR or type(a) is Desc)
+        self.fast = None  # (device, entry, C argument list, per-slot parts) after a launch
+
+    def __call__(self, *tensors):
+        fast = self.fast
+        if fast is None or not fast_launch_enabled() or self.kernel.pre_run_hooks:
+            return self._launch(tensors)
+        device, entry, final, parts = fast
+        if _driver.active.get_current_device() != device:
+            return self._launch(tensors)
+        final = final.copy()
+        for (pos, dtype, shape, cache, meta, slot), t in zip(parts, tensors):
+            ptr = t.data_ptr()
+            if ptr & 15 or t.dtype is not dtype:
+                return self._launch(tensors)
+            if cache is None:
+                final[pos] = ptr
+                continue
+            if t.shape != shape or not t.is_contiguous():
+                return self._launch(tensors)
+            exp = cache.get(ptr)
+            if exp is None:
+                if len(cache) >= _MAX_SLOT_EXPANSIONS:
+                    cache.clear()
+                exp = cache[ptr] = _make_tensordesc_arg(slot.build(t), meta)
+            final[pos:pos + len(exp)] = exp
+        final[3] = _driver.active.get_current_stream(device)
+        entry.raw[0](*final)
+        return entry.compiled
+
+    def once(self, *tensors):
+        """One launch with these tensors through :func:`launch` (a launch not called again:
+        no fast-path parts are built)."""
+        return launch(self.kernel, self.grid, *self._arguments(tensors), **self.kwargs)
+
+    def _arguments(self, tensors) -> list:
+        args = list(self.args)
+        if len(tensors) != len(self.slots):
+            raise TypeError(f"this bound launch of {getattr(self.kernel, '__name__', 'a kernel')}"
+                            f" takes {len(self.slots)} tensors, got {len(tensors)}")
+        for pos, t in zip(self.slots, tensors):
+            slot = args[pos]
+            args[pos] = t if slot is TENSOR else slot.build(t)
+        return args
+
+    def _launch(self, tensors):
+        """The launch through :func:`launch`; after the first one, the fast path's parts."""
+        args = self._arguments(tensors)
+        compiled = launch(self.kernel, self.grid, *args, **self.kwargs)
+        if self.fast is None and fast_launch_enabled() and not self.kernel.pre_run_hooks:
+            self.fast = self._fast_parts(args, tensors)
+        return compiled
+
+    def _fast_parts(self, args: list, tensors: tuple):
+        """``(device, entry, C argument list, slot parts)`` for the fast path, from a call
+        that just launched with ``args``; None where it cannot be built (no raw launcher in
+        this Triton, an argument :func:`launch` does not key, a misaligned tensor)."""
+        device = _driver.active.get_current_device()
+        try:
+            entry = _COMPILED.get(_launch_key(self.kernel, device, tuple(args), self.kwargs))
+        except TypeError:
+            return None
+        if entry is None or entry.raw is None or len(args) != entry.n_pos:
+            return None
+        raw, c = entry.raw, entry.compiled
+        full = args + [self.kwargs.get(name, default) for name, default in entry.tail]
+        metas = dict(entry.descs)
+        final = [self.grid[0], self.grid[1] if len(self.grid) > 1 else 1,
+                 self.grid[2] if len(self.grid) > 2 else 1, None, c.function, raw[1], raw[2],
+                 None, None, raw[3], None, None, None]
+        parts = []
+        slots = dict(zip(self.slots, tensors))  # position -> the call's tensor
+        for i, x in enumerate(full):
+            slot = self.args[i] if i < len(self.args) else None
+            if i in metas:
+                if type(slot) is not Desc:
+                    return None  # a fixed descriptor: not a bound launch's argument
+                t = slots[i]
+                if t.data_ptr() & 15 or x.base.data_ptr() & 15 or not t.is_contiguous():
+                    return None
+                exp = _make_tensordesc_arg(x, metas[i])
+                parts.append((len(final), t.dtype, t.shape, {t.data_ptr(): exp}, metas[i],
+                              slot))
+                final += exp
+            elif i in slots:
+                if type(x) is not torch.Tensor or x.data_ptr() & 15:
+                    return None
+                parts.append((len(final), x.dtype, None, None, None, None))
+                final.append(None)
+            elif type(x) is torch.Tensor:
+                return None  # a fixed tensor: not a bound launch's argument
+            else:
+                final.append(x)
+        return device, entry, final, tuple(parts)
 
 
 #: (descriptor class, dtype, shape, strides, block shape, layout) -> a validated descriptor

@@ -22,9 +22,9 @@ import torch
 from .._env import env_reader
 from . import dispatch, staged, tl_kernels
 from .dispatch import PLAN_BY_KEY, Launch, backward_mode, use_backward  # noqa: F401
-from .gluon_bwd import (FUSED_VARIANT, dq_accumulator_view, launch_dkdv_gluon,
+from .gluon_bwd import (FUSED_VARIANT, GluonDkdv, dq_accumulator_view, launch_dkdv_gluon,
                         new_dq_accumulator)
-from .gluon_fwd import launch_fwd_gluon
+from .gluon_fwd import GluonForward, launch_fwd_gluon
 from .launcher import cdiv
 from .merge import merge_stages  # noqa: F401  (the context-parallel forward's merge)
 from .tiles import Config, Plan, cached_plan, make_plan  # noqa: F401
@@ -77,13 +77,25 @@ def run_dkdv(launch: Launch, q, k, v, dout, lse2, delta, causal, softmax_scale, 
     args = (q, k, v, dout, lse2, delta, causal, softmax_scale)
     if launch.kernel == "tl":
         return tl_kernels.launch_dkdv(*args, launch.tile, plan, kv_split) + (None,)
+    out = launch_dkdv_gluon(*args, plan, *_tile_args(launch.tile), **_dkdv_variant(launch),
+                            dq_t=dq_t, kv_split=kv_split)
+    return out if len(out) == 3 else out + (None,)
+
+
+def _dkdv_variant(launch: Launch) -> dict:
+    """The Gluon dK/dV kernel's variant flags (:func:`~.gluon_bwd.launch_dkdv_gluon`) of a
+    ``gluon_fused`` or ``gluon_ws_dkdv*`` launch."""
     if launch.kernel == "gluon_fused":
-        return launch_dkdv_gluon(*args, plan, *_tile_args(launch.tile), **FUSED_VARIANT,
-                                 dq_t=dq_t, kv_split=kv_split)
-    dk, dv = launch_dkdv_gluon(*args, plan, *_tile_args(launch.tile), warp_spec=True,
-                               stats_smem=launch.kernel == "gluon_ws_dkdv_stats",
-                               kv_split=kv_split)
-    return dk, dv, None
+        return FUSED_VARIANT
+    return dict(warp_spec=True, stats_smem=launch.kernel == "gluon_ws_dkdv_stats")
+
+
+def gluon_dkdv(launch: Launch, q, k, plan: Plan, causal: bool, softmax_scale: float,
+               kv_split: int = 1) -> GluonDkdv:
+    """The prepared Gluon dK/dV launch (:class:`~.gluon_bwd.GluonDkdv`) of a Gluon ``launch``
+    for these shapes and this plan's mask layout."""
+    return GluonDkdv(q, k, plan, causal, softmax_scale, *_tile_args(launch.tile),
+                     **_dkdv_variant(launch), kv_split=kv_split)
 
 
 @functools.lru_cache(maxsize=None)
@@ -131,7 +143,7 @@ class PreparedCall:
     each GQA group split over programs where :func:`expands_kv_heads` said so for these
     shapes (:attr:`kv_split`)."""
 
-    __slots__ = ("causal", "scale", "fwd_launch", "bwd_launches", "kv_split")
+    __slots__ = ("causal", "scale", "fwd_launch", "bwd_launches", "kv_split", "_runs")
 
     def __init__(self, q, k, startend_row_indices: Optional[torch.Tensor], causal: bool,
                  softmax_scale: float, row_span: Optional[float] = None):
@@ -144,6 +156,26 @@ class PreparedCall:
         b, _, hq, _ = q.shape
         _, sk, hk, _ = k.shape
         self.kv_split = kv_split_of(self.bwd_launches[0], b, hq, hk, sk, q.device)
+        #: (pass, the plan's mask layout) -> the pass's prepared Gluon launch
+        #: (:class:`~.gluon_fwd.GluonForward` / :class:`~.gluon_bwd.GluonDkdv`)
+        self._runs = {}
+
+    def _gluon_run(self, pass_: str, q, k, plan):
+        """The prepared Gluon launch of ``pass_`` ("fwd" or "dkdv") for this plan's mask
+        layout (``c``, ``ni``, ``hm``, ``mask_b_stride``: the kernel's scalars from the
+        plan; the signature fixes everything else), made on its first use."""
+        key = (pass_, plan.c, plan.ni, plan.hm, plan.mask_b_stride)
+        run = self._runs.get(key)
+        if run is None:
+            if pass_ == "fwd":
+                launch = self.fwd_launch
+                run = GluonForward(q, k, plan, self.causal, self.scale, *_tile_args(launch.tile),
+                                   pingpong=launch.kernel == "gluon_ws_pingpong")
+            else:
+                run = gluon_dkdv(self.bwd_launches[0], q, k, plan, self.causal, self.scale,
+                                 self.kv_split)
+            self._runs[key] = run
+        return run
 
     def forward(self, q, k, v, startend_row_indices):
         """``(out, lse)`` of these inputs (the signature's shapes)."""
@@ -154,7 +186,10 @@ class PreparedCall:
             return torch.zeros_like(q), torch.full((b, hq, sq), float("-inf"), device=q.device)
         launch = self.fwd_launch
         plan = _plan(startend_row_indices, self.causal, sq, sk, launch, q.device)
-        return run_forward(launch, q, k, v, startend_row_indices, self.causal, self.scale, plan)
+        if launch.kernel == "tl":
+            return run_forward(launch, q, k, v, startend_row_indices, self.causal, self.scale,
+                               plan)
+        return self._gluon_run("fwd", q, k, plan)(q, k, v, plan)
 
     def backward(self, dout, dlse, q, k, v, out, lse, startend_row_indices):
         """``(dq, dk, dv)``; ``dlse`` (or None) is folded into delta."""
@@ -174,8 +209,11 @@ class PreparedCall:
                 if first.kernel == "gluon_fused" else None)
         delta, lse2 = tl_kernels.backward_prepass(out, dout, lse, dlse, dq_t)
         plan = _plan(startend_row_indices, causal, sq, sk, first, q.device)
-        dk, dv, _ = run_dkdv(first, q, k, v, dout, lse2, delta, causal, scale, plan, dq_t,
-                             kv_split=self.kv_split)
+        if first.kernel == "tl":
+            dk, dv, _ = run_dkdv(first, q, k, v, dout, lse2, delta, causal, scale, plan,
+                                 kv_split=self.kv_split)
+        else:
+            dk, dv = self._gluon_run("dkdv", q, k, plan)(q, k, v, dout, lse2, delta, plan, dq_t)
         if dq_t is not None:
             return tl_kernels.scale_dq(dq_accumulator_view(dq_t, sq), scale, q.dtype), dk, dv
         dq_launch = launches[1]
@@ -198,9 +236,11 @@ class PreparedCall:
         if first.kernel == "gluon_fused":
             if state.dq_t is None:
                 state.dq_t = new_dq_accumulator(b, sq, hq, d, q.device)
-            dk, dv, _ = run_dkdv(first, *args, plan, state.dq_t, kv_split=self.kv_split)
-            return dk, dv
-        dk, dv, _ = run_dkdv(first, *args, plan, kv_split=self.kv_split)
+            return self._gluon_run("dkdv", q, k, plan)(*args[:6], plan, state.dq_t)
+        if first.kernel == "tl":
+            dk, dv, _ = run_dkdv(first, *args, plan, kv_split=self.kv_split)
+        else:
+            dk, dv = self._gluon_run("dkdv", q, k, plan)(*args[:6], plan)
         dq_launch = self.bwd_launches[1]
         plan = _plan(startend_row_indices, causal, sq, sk, dq_launch, q.device)
         dq = tl_kernels.launch_dq(*args, dq_launch.tile, plan)

@@ -309,6 +309,108 @@ def test_raw_launch_passes_the_c_launcher_what_tritons_wrappers_pass(fast, monke
     assert got == tritons_own(a2, b) and got != expected and len(fills) == 3 + 2
 
 
+def _bound_case(monkeypatch):
+    """A :class:`launcher.Bound` launch of the raw-path kernel above (two descriptor slots, a
+    tensor slot) and what ``launch`` passes the C launcher for the same tensors."""
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    recorded, fills = [], []
+    kernel, compiled = _fake_cuda_launcher(monkeypatch, recorded, fills)
+    ident = lambda t: t  # noqa: E731
+    bound = launcher.Bound(kernel, (5, 3), (launcher.Desc(TensorDescriptor, ident, [64, 128]),
+                                            launcher.TENSOR, 7,
+                                            launcher.Desc(TensorDescriptor, ident, [32, 128]),
+                                            0.25), dict(BLOCK=16))
+
+    def via_launch(a, x, b):
+        launcher.launch(kernel, (5, 3), launcher.descriptor(TensorDescriptor, a, [64, 128]), x,
+                        7, launcher.descriptor(TensorDescriptor, b, [32, 128]), 0.25, BLOCK=16)
+        return recorded.pop()
+
+    return bound, kernel, recorded, fills, via_launch
+
+
+def test_bound_launch_passes_the_c_launcher_what_launch_passes(fast, monkeypatch):
+    """After its first (normal-path) launch, a Bound launch calls the C launcher with the same
+    arguments as ``launch``'s raw path for the same tensors (itself checked against Triton's
+    wrappers above), for new tensors too, on the current stream; a descriptor's encoding is
+    reused per base pointer."""
+    bound, kernel, recorded, fills, via_launch = _bound_case(monkeypatch)
+    a, b = torch.randn(256, 128).bfloat16(), torch.randn(96, 128).bfloat16()
+    x = torch.randn(64)
+    bound(a, x, b)  # the normal path (compiles on a GPU); builds the fast path's parts
+    assert [c[0] for c in kernel.calls] == ["slow"] and not recorded
+    assert bound.fast is not None
+    _Driver.active.stream = 77
+    want = via_launch(a, x, b)
+    for stream in (77, 78):
+        _Driver.active.stream = stream
+        bound(a, x, b)
+        got = recorded.pop()
+        assert got[3] == stream and got[:3] + got[4:] == want[:3] + want[4:]
+    _Driver.active.stream = 77
+    a2, x2 = torch.randn(256, 128).bfloat16(), torch.randn(64)
+    n_fills = len(fills)
+    bound(a2, x2, b)
+    assert recorded.pop() == via_launch(a2, x2, b)
+    assert [c[0] for c in kernel.calls] == ["slow"]  # every later launch was raw
+    bound(a2, x2, b)
+    assert recorded.pop() == via_launch(a2, x2, b)
+    assert len(fills) == n_fills + 1 + 1  # a2 encoded once by the Bound, once by launch()
+
+
+@pytest.mark.parametrize("change", ["misaligned", "dtype", "shape", "strided", "device",
+                                    "hook", "off"])
+def test_bound_launch_takes_the_normal_path_whenever_the_first_calls_kernel_may_not_fit(
+        fast, monkeypatch, change):
+    """A call the fast path's compiled kernel or cached descriptors may not fit (a misaligned
+    or other-dtype tensor, a descriptor tensor of another shape or not contiguous, another
+    current device, a pre-run hook, fast launch off) goes through ``launch`` (its own key,
+    Triton's path where that key is new), never the Bound's C argument list."""
+    bound, kernel, recorded, fills, via_launch = _bound_case(monkeypatch)
+    a, b = torch.randn(256, 128).bfloat16(), torch.randn(96, 128).bfloat16()
+    x = torch.randn(65)
+    bound(a, x[:64], b)
+    assert bound.fast is not None
+    args = (a, x[:64], b)
+    if change == "misaligned":
+        args = (a, x[1:], b)
+    elif change == "dtype":
+        args = (a, x[:64].double(), b)
+    elif change == "shape":
+        args = (torch.randn(128, 128).bfloat16(), x[:64], b)
+    elif change == "strided":
+        args = (torch.randn(512, 128).bfloat16()[::2], x[:64], b)
+    elif change == "device":
+        monkeypatch.setattr(_Driver.active, "get_current_device", staticmethod(lambda: 1))
+    elif change == "hook":
+        kernel.pre_run_hooks.append(lambda *a, **k: None)
+    else:
+        monkeypatch.setattr(launcher, "fast_launch_enabled", lambda: False)
+    through_launch = []
+    real_launch = launcher.launch
+    monkeypatch.setattr(launcher, "launch",
+                        lambda *a, **k: through_launch.append(a) or real_launch(*a, **k))
+    bound(*args)
+    assert len(through_launch) == 1
+    passed = through_launch[0][2:]
+    assert passed[1] is args[1] and passed[0].base is args[0] and passed[3].base is b
+    monkeypatch.undo()  # the same call as the first again: the fast path
+    monkeypatch.setattr(launcher, "_driver", _Driver)
+    monkeypatch.setattr(launcher, "fast_launch_enabled", lambda: True)
+    kernel.pre_run_hooks.clear()
+    monkeypatch.setattr(launcher, "launch", lambda *a, **k: pytest.fail("not the fast path"))
+    recorded.clear()
+    bound(a, x[:64], b)
+    assert len(recorded) == 1
+
+
+def test_bound_launch_checks_its_tensor_count(fast, monkeypatch):
+    bound, *_ = _bound_case(monkeypatch)
+    with pytest.raises(TypeError, match="takes 3 tensors, got 2"):
+        bound(torch.randn(256, 128).bfloat16(), torch.randn(64))
+
+
 def _case(seqlen=2048, heads=4, d=128, seed=0):
     from tests.kernels.attention_checks import make_qkv
     import flashmask3.masks as M

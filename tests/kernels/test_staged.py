@@ -242,15 +242,24 @@ def test_triton_staged_fused_accumulation(split, monkeypatch):
         return real_stage(state, q, k, v, cols, causal, scale)
 
     monkeypatch.setattr(dispatch, "choose", choose)
-    monkeypatch.setattr(T, "launch_dkdv_gluon", fake_fused_kernel)
+    def fake_gluon_dkdv(launch, q, k, plan, causal, scale, kv_split=1):
+        """The prepared Gluon dK/dV launch (``T.gluon_dkdv``) around the stand-in kernel."""
+        def run(q, k, v, dout, lse2, delta, plan, dq_t=None):
+            return fake_fused_kernel(q, k, v, dout, lse2, delta, causal, scale, plan,
+                                     *T._tile_args(launch.tile), dq_t=dq_t,
+                                     fuse_dq=launch.kernel == "gluon_fused",
+                                     kv_split=kv_split)[:2]
+        return run
+
+    monkeypatch.setattr(T, "gluon_dkdv", fake_gluon_dkdv)
     monkeypatch.setattr(T, "backward_stage", stage)
     prepass = _count_calls(monkeypatch, TL, "backward_prepass")
     scaling = _count_calls(monkeypatch, TL, "scale_dq")
     memsets = _count_calls(monkeypatch, T, "new_dq_accumulator")
-    splits = _force_kv_split(monkeypatch, T, split)
+    _force_kv_split(monkeypatch, T, split)
     q, k, v, cols = _inputs(torch.float32, seed=9)
     _check_triton_staged(T, q, k, v, cols, 1 / math.sqrt(16))
-    assert splits == kernel_calls == [2 if split else 1] * _nonempty_stages()
+    assert kernel_calls == [2 if split else 1] * _nonempty_stages()
     assert len(prepass) == 1 and len(scaling) == 1 and len(memsets) == 1
     assert all(b is buffers[0] for b in buffers)
 
