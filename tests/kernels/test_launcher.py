@@ -454,6 +454,28 @@ def test_gpu_fast_launch_equals_the_triton_launch_path(monkeypatch):
 
 
 @pytest.mark.gpu
+def test_gpu_bound_launches_with_new_tensors_equal_the_triton_launch_path(monkeypatch):
+    """The prepared Gluon forward and dK/dV launches (``launcher.Bound``) on their fast path,
+    with new tensors (new pointers: new descriptor expansions) every call, give Triton's own
+    path's forward and dK/dV bit for bit."""
+    from flashmask3 import api
+    from flashmask3.kernels import triton_backend as tb
+
+    cases = [_case(seed=10 + i) for i in range(3)]
+    monkeypatch.setenv(launcher.FAST_LAUNCH_ENV, "0")
+    slow = [_run(*c) for c in cases]
+    monkeypatch.setenv(launcher.FAST_LAUNCH_ENV, "1")
+    _run(*_case(seed=20))  # the first fast-enabled call of the signature builds the fast path
+    calls = list(tb._PREPARED_CALLS.values()) + [p.call for p in api._PREPARED.values()]
+    bounds = [r.bound for c in calls if isinstance(c, tb.PreparedCall) for r in c._runs.values()]
+    assert bounds and all(b.fast is not None for b in bounds)
+    for c, want in zip(cases, slow):
+        got = _run(*c)
+        for i in (0, 2, 3):
+            torch.testing.assert_close(got[i], want[i], rtol=0, atol=0)
+
+
+@pytest.mark.gpu
 def test_gpu_fast_launch_uses_the_current_stream():
     """Warm launches from a side stream run on that stream: with the default stream held busy
     by a GPU sleep, the side stream's result is complete when the side stream is (had the
