@@ -233,7 +233,7 @@ from .gluon_common import (  # noqa: F401  (the shared Gluon helpers)
     ws_programs_per_sm)
 from .launcher import TENSOR, Bound, Desc, cdiv, descriptor, launch
 from .tiles import _NO_SPEC, LOG2E, _num_intervals  # noqa: F401
-from .tl_kernels import dkdv_outputs, dq_accumulator, finish_dkdv, scale_dq
+from .tl_kernels import check_kv_split, dkdv_outputs, dq_accumulator, finish_dkdv, scale_dq
 
 if GLUON_IMPORT_ERROR is None:
     from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier,  # noqa: F401

@@ -173,7 +173,7 @@ class PreparedCall:
                                    pingpong=launch.kernel == "gluon_ws_pingpong")
             else:
                 run = gluon_dkdv(self.bwd_launches[0], q, k, plan, self.causal, self.scale,
-                                 self.kv_split)
+                                 kv_split=self.kv_split)
             self._runs[key] = run
         return run
 

@@ -166,7 +166,18 @@ def _force_kv_split(monkeypatch, T, split: bool) -> list:
         splits.append(kv_split)
         return real(*a, kv_split=kv_split, **kw)
 
+    real_gluon = T.gluon_dkdv
+
+    def gluon_dkdv(*a, kv_split=1, **kw):  # the prepared Gluon launch: record per call
+        run = real_gluon(*a, kv_split=kv_split, **kw)
+
+        def call(*args, **kwargs):
+            splits.append(kv_split)
+            return run(*args, **kwargs)
+        return call
+
     monkeypatch.setattr(T, "run_dkdv", run_dkdv)
+    monkeypatch.setattr(T, "gluon_dkdv", gluon_dkdv)
     return splits
 
 
