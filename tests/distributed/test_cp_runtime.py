@@ -237,19 +237,36 @@ class _WholeBackward:
 
 
 def _record_triton_launches(monkeypatch) -> list:
-    """Every Triton launch of the kernel modules, by kernel name (the real launch still runs)."""
-    from flashmask3.kernels import gluon_bwd, gluon_fwd, tiles, tl_kernels
+    """Every Triton launch of the kernel modules, by kernel name (the real launch still runs):
+    the modules' ``launch`` calls and the prepared launches (``launcher.Bound``), whose first
+    call goes through ``launcher.launch`` itself, not a module's name for it."""
+    from flashmask3.kernels import gluon_bwd, gluon_fwd, launcher, tiles, tl_kernels
 
     names: list = []
+
+    def name_of(kernel) -> str:
+        return kernel.fn.__name__ if hasattr(kernel, "fn") else str(kernel)
+
     for mod in (tl_kernels, tiles, gluon_bwd, gluon_fwd):
+        if not hasattr(mod, "launch"):
+            continue
         real = mod.launch
 
         def launch(kernel, grid, *args, _real=real, **kwargs):
-            names.append(kernel.fn.__name__ if hasattr(kernel, "fn") else str(kernel))
+            names.append(name_of(kernel))
             with not_counted():  # the interpreter's own tensor copies are not launches
                 return _real(kernel, grid, *args, **kwargs)
 
         monkeypatch.setattr(mod, "launch", launch)
+    for method in ("__call__", "once"):
+        real = getattr(launcher.Bound, method)
+
+        def bound(self, *tensors, _real=real):
+            names.append(name_of(self.kernel))
+            with not_counted():
+                return _real(self, *tensors)
+
+        monkeypatch.setattr(launcher.Bound, method, bound)
     return names
 
 
