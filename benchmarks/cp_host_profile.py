@@ -11,15 +11,12 @@ variant's layer in turn within each of ``--reps`` repetitions (medians and 90th
 percentiles), so the VM's drifting host speed hits all variants alike (independent medians of
 a few samples per variant gave contradictory orderings on this VM).
 
-    python benchmarks/cp_host_profile.py --cp 16 64 [--variants current gc-off gc-freeze] [--out DIR]
+    python benchmarks/cp_host_profile.py --cp 16 64 [--variants current no-bound] [--out DIR]
 
 Variants, in the same run on the same inputs: ``current``; ``no-memo`` (a fresh PreparedCall
 per attention call, as before session 24); ``no-merge-kernel`` (the forward's stage partials
 merged by torch ops instead of the one-launch Triton merge); ``before`` (both, i.e. the host
-path of session 23); ``gc-off`` (Python's cyclic garbage collector disabled while the layer
-runs); ``gc-freeze`` (``gc.freeze()`` after a collection: every object alive before the
-layer is left out of later collections, as a training loop can do after building its model);
-``no-bound`` (the prepared Gluon forward and dK/dV launches, ``launcher.Bound``, through
+path of session 23); ``no-bound`` (the prepared Gluon forward and dK/dV launches, ``launcher.Bound``, through
 ``launcher.launch`` with their descriptors rebuilt on every call, as before session 27).
 """
 
@@ -28,7 +25,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import cProfile
-import gc
 import json
 import os
 import pstats
@@ -49,8 +45,7 @@ from flashmask3.kernels import launcher, triton_backend as tb  # noqa: E402
 SLEEP = 200_000_000  # cycles of torch.cuda._sleep: ~100 ms, longer than any host loop here
 
 
-VARIANTS = ("current", "no-memo", "no-merge-kernel", "before", "gc-off", "gc-freeze",
-            "no-bound")
+VARIANTS = ("current", "no-memo", "no-merge-kernel", "before", "no-bound")
 
 
 _bound_call = launcher.Bound.__call__
@@ -72,19 +67,12 @@ def variant(name: str):
         del tb.merge_stages
     if name == "no-bound":  # every Bound launch through launcher.launch (its key, descriptors)
         launcher.Bound.__call__ = _unbound_call
-    if name == "gc-off":
-        gc.disable()
-    if name == "gc-freeze":
-        gc.collect()
-        gc.freeze()
     try:
         yield
     finally:
         for key, val in saved.items():
             setattr(tb, key, val)
         launcher.Bound.__call__ = _bound_call
-        gc.enable()
-        gc.unfreeze()
 
 
 def profile_rank(p, rank, layout_calls, tensors, scale):
@@ -157,8 +145,7 @@ def round_robin_host_ms(p, rank, tensors, scale, variants, reps):
                       EmulatedExchange(full_wire, p.cp_size, rank, plan=p))
     times = {name: {"layer": [], "fwd": [], "bwd": []} for name in variants}
     for rep in range(reps + 2):
-        # rotated each repetition: each variant follows each other equally often (gc-off
-        # leaves its garbage to whatever runs next)
+        # rotated each repetition: each variant follows each other equally often
         for name in variants[rep % len(variants):] + variants[:rep % len(variants)]:
             prog, q, k, v, do, ex = runs[name]
             with variant(name):
