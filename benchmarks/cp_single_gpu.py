@@ -33,6 +33,7 @@ import argparse
 import json
 import os
 import random
+import re
 import statistics
 import sys
 import time
@@ -109,6 +110,47 @@ class Timer:
         return host, host
 
 
+#: flashmask3's own kernels (Triton / Gluon functions are named ``_<what>_kernel``); every other
+#: kernel of a layer is a torch op of the runtime (copies, casts, index_add, ...).
+OWN_KERNEL = re.compile(r"^_\w+_kernel$")
+
+
+def kernel_breakdown(step, timer) -> dict:
+    """Where one layer's GPU time goes: one ``step`` under torch.profiler (CUDA activity), its
+    kernels in launch order. ``layer_ms``: the step's CUDA-event time (as :class:`Timer`, the
+    profiler's own host cost included); ``busy_ms``: the union of its kernels' intervals;
+    ``idle_ms``: the span from the first kernel's start to the last one's end minus the busy
+    time (the GPU waiting for the host inside the layer; the wait before the first kernel is
+    ``layer_ms`` minus the span); ``own``: flashmask3's kernels (:data:`OWN_KERNEL`: the
+    attention calls, their pre-pass, merges, sums and plans) in launch order as ``[name, ms]``;
+    ``torch_ms``: the other kernels' total, ``torch_top``: the largest of them by name."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        layer, host = timer(step)
+    kernels = sorted(((e.time_range.start, e.time_range.end, e.name) for e in prof.events()
+                      if e.device_type == torch.autograd.DeviceType.CUDA), key=lambda x: x[0])
+    busy, reach = 0.0, None
+    for start, end, _ in kernels:  # union of the intervals
+        if reach is None or start > reach:
+            busy += end - start
+            reach = end
+        elif end > reach:
+            busy += end - reach
+            reach = end
+    span = (kernels[-1][1] - kernels[0][0]) if kernels else 0.0
+    own = [[name, (end - start) * 1e-3] for start, end, name in kernels if OWN_KERNEL.match(name)]
+    torch_by = {}
+    for start, end, name in kernels:
+        if not OWN_KERNEL.match(name):
+            torch_by[name] = torch_by.get(name, 0.0) + (end - start) * 1e-3
+    top = sorted(torch_by.items(), key=lambda kv: -kv[1])[:8]
+    return {"layer_ms": layer * 1e3, "host_ms": host * 1e3, "kernels": len(kernels),
+            "busy_ms": busy * 1e-3, "span_ms": span * 1e-3, "idle_ms": (span - busy) * 1e-3,
+            "own": own, "own_ms": sum(ms for _, ms in own),
+            "torch_ms": sum(torch_by.values()), "torch_top": [[n[:120], ms] for n, ms in top]}
+
+
 def reference(mask, full_q, full_k, full_v, full_do):
     """Single-device output and dQ of the whole sequence (the emulation's forward and dQ are
     exact, its returned dK/dV are not: see EmulatedExchange)."""
@@ -121,9 +163,10 @@ def reference(mask, full_q, full_k, full_v, full_do):
 
 
 def measure_rank(p, rank, comm, full_wire, full_q, full_k, full_v, full_do, args, timer, ref=None,
-                 backend=None, backward_calls="auto") -> dict:
-    """Median layer and host seconds of ``rank``'s forward+backward, its launch count, and (with
-    ``ref``) its largest deviation from the single-device output and dQ."""
+                 backend=None, backward_calls="auto", breakdown: bool = False) -> dict:
+    """Median layer and host seconds of ``rank``'s forward+backward, its launch count, (with
+    ``ref``) its largest deviation from the single-device output and dQ, and (``breakdown``, on
+    a GPU) one more step's kernels (:func:`kernel_breakdown`)."""
     device = full_k.device
     prog = prepare_rank(p, rank, device, comm, backward_calls)
     q, k, v = (p.shard(t, rank).detach().requires_grad_() for t in (full_q, full_k, full_v))
@@ -148,6 +191,8 @@ def measure_rank(p, rank, comm, full_wire, full_q, full_k, full_v, full_do, args
     with LaunchCounter() as counter:
         step()
     times = [timer(step) for _ in range(args.iters)]
+    if breakdown and device.type == "cuda":
+        errors["breakdown"] = kernel_breakdown(step, timer)
     return {**errors, "rank": rank, "seconds": statistics.median(t for t, _ in times),
             "host_seconds": statistics.median(h for _, h in times), "launches": counter.launches,
             "backend_aten_launches": counter.attention_launches,
@@ -177,7 +222,7 @@ def measure_config(mask, cp, name, args, device, dtype, deadline, backward_calls
         if time.monotonic() > deadline:
             break
         ranks.append(measure_rank(p, r, comm, full_wire, full_q, full_k, full_v, full_do, args, timer, ref,
-                                  backend, backward_calls))
+                                  backend, backward_calls, args.breakdown))
     entry = {"config": config_key(name, backward_calls), "layout": name, "balance": balance, "comm": comm,
              "backward_calls": backward_calls, "nodes": nodes, "chunk_size": p.chunk_size,
              "imbalance": p.imbalance, "plan_seconds": plan_s, "ranks": ranks,
@@ -276,6 +321,9 @@ def parse_args(argv):
                          "size's share are skipped (and reported as such)")
     ap.add_argument("--check", action="store_true",
                     help="also compare every timed rank's output and dQ with the single-device layer")
+    ap.add_argument("--breakdown", action="store_true",
+                    help="also profile one more step of every timed rank: its kernels in order, "
+                         "the GPU's busy and idle time (the key 'breakdown' of each rank)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", default=RESULTS)
     return ap.parse_args(argv)
@@ -292,7 +340,10 @@ def main(argv=None) -> int:
         if args.spread not in spreads:
             raise SystemExit(f"unknown spread {args.spread!r}; choose from {sorted(spreads)} or 'causal'")
         mask = M.causal_document_mask(spreads[args.spread])
-    res = {"args": vars(args), "env": run_environment(device), "cp": {}}
+    res = {"args": vars(args), "env": run_environment(device), "cp": {},
+           # the document lengths (the corpus spread depends on the machine's files): what
+           # the scale model rebuilds each rank's plan from (benchmarks/scale_model/validate.py)
+           "lengths": None if args.spread == "causal" else spreads[args.spread]}
     for i, cp in enumerate(args.cp):
         # each cp size gets an equal share of what is left, so a slow one cannot starve the rest
         deadline = time.monotonic() + (end - time.monotonic()) / (len(args.cp) - i)

@@ -91,3 +91,59 @@ def test_cp_single_gpu_backward_calls_ab(tmp_path):
             if f"{layout} bwd=one" in configs:
                 one, stage = (configs[f"{layout} bwd={m}"]["ranks"] for m in ("one", "stage"))
                 assert sum(r["attention_calls"] for r in one) < sum(r["attention_calls"] for r in stage)
+
+
+def test_kernel_breakdown_busy_idle_and_own_kernels(monkeypatch):
+    """The breakdown's arithmetic on a stand-in profile: overlapping kernels count once in the
+    busy time, the gaps between kernels are idle, flashmask3's kernels (``_..._kernel``) are
+    listed in launch order and every other kernel is a torch op."""
+    import types
+
+    import torch
+
+    cuda = torch.autograd.DeviceType.CUDA
+    spans = [(0.0, 100.0, "_fwd_ws_kernel"), (50.0, 120.0, "void at::native::index_select"),
+             (200.0, 260.0, "_dkdv_gluon_kernel"), (300.0, 310.0, "Memcpy DtoD"),
+             (305.0, 400.0, "_scale_dq_kernel")]
+    events = [types.SimpleNamespace(device_type=cuda, name=n,
+                                    time_range=types.SimpleNamespace(start=a, end=b))
+              for a, b, n in reversed(spans)]  # out of order: sorted by start
+    events.append(types.SimpleNamespace(device_type=torch.autograd.DeviceType.CPU, name="aten::x",
+                                        time_range=types.SimpleNamespace(start=0.0, end=999.0)))
+
+    class Profile:
+        def __init__(self, activities):
+            pass
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            return False
+
+        def events(self):
+            return events
+
+    monkeypatch.setattr(torch.profiler, "profile", Profile)
+    calls = []
+    out = cp_single_gpu.kernel_breakdown(lambda: calls.append(1), lambda step: (step(), (0.5e-3, 0.2e-3))[1])
+    assert calls == [1]
+    assert out["kernels"] == 5 and out["layer_ms"] == 0.5 and out["host_ms"] == 0.2
+    # busy: [0,120] + [200,260] + [300,400] = 120 + 60 + 100 us; span 400 us
+    assert abs(out["busy_ms"] - 0.28) < 1e-12 and abs(out["span_ms"] - 0.4) < 1e-12
+    assert abs(out["idle_ms"] - 0.12) < 1e-12
+    assert [n for n, _ in out["own"]] == ["_fwd_ws_kernel", "_dkdv_gluon_kernel", "_scale_dq_kernel"]
+    assert abs(out["own_ms"] - 0.255) < 1e-12 and abs(out["torch_ms"] - 0.08) < 1e-12
+    assert out["torch_top"][0][0] == "void at::native::index_select"
+
+
+def test_cp_single_gpu_records_the_document_lengths(tmp_path):
+    """The result file keeps the document lengths it planned (the corpus spread depends on the
+    machine's files), so the scale model can rebuild every rank's plan from the file alone."""
+    args = ["--device", "cpu", "--tokens", "1024", "--cp", "4", "--heads", "2", "--kv-heads", "1",
+            "--head-dim", "8", "--dtype", "float32", "--iters", "1", "--warmup", "0",
+            "--configs", "sparse+overlap", "--breakdown", "--out", str(tmp_path)]
+    assert cp_single_gpu.main(args) == 0
+    res = json.loads((tmp_path / "cp_runtime.json").read_text())
+    assert res["lengths"] == document_spreads(1024, seed=0)["corpus"]
+    assert all("breakdown" not in r for r in res["cp"]["4"]["sparse+overlap"]["ranks"])  # CPU: none
