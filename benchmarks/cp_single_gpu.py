@@ -281,7 +281,31 @@ def markdown(res: dict) -> str:
     lines += ["", "Sampled rows: all ranks at cp <= "
               f"{a['all_ranks_up_to']}, else the {a['heaviest']} heaviest by work, {a['random']} random "
               "others and the rank needing the most K/V; the slowest of those is reported."]
+    lines += breakdown_markdown(res)
     return "\n".join(lines) + "\n"
+
+
+def breakdown_markdown(res: dict) -> list[str]:
+    """The ``--breakdown`` table (none without it): per layout, the slowest timed rank's
+    profiled step split into flashmask3's kernels, the runtime's torch ops (with the
+    emulation's copies), the GPU idle inside the layer and the time before its first kernel."""
+    rows = [(cp, e, max(e["ranks"], key=lambda x: x["seconds"]))
+            for cp, configs in res["cp"].items() for e in configs.values()
+            if e["ranks"] and all("breakdown" in r for r in e["ranks"])]
+    if not rows:
+        return []
+    lines = ["", "Where the slowest rank's GPU time goes (`--breakdown`: one more step under "
+             "torch.profiler, so its layer time includes the profiler's host cost):", "",
+             "| cp | layout | rank | layer ms (profiled) | flashmask3 kernels ms | torch ops ms "
+             "| idle inside ms | before first kernel ms | largest torch op |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    for cp, e, r in rows:
+        b = r["breakdown"]
+        top = b["torch_top"][0] if b["torch_top"] else ["-", 0.0]
+        lines.append(f"| {cp} | {e['config']} | {r['rank']} | {b['layer_ms']:.2f} | {b['own_ms']:.2f} "
+                     f"| {b['torch_ms']:.2f} | {b['idle_ms']:.2f} | {b['layer_ms'] - b['span_ms']:.2f} "
+                     f"| {top[0][:60]} ({top[1]:.2f}) |")
+    return lines
 
 
 def _errors(e) -> str:

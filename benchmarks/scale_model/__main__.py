@@ -116,6 +116,7 @@ def run_validate(args):
         if os.path.exists(calibrate.MEASURED_FILE):
             single["measured"] = validate.validate_measured(calibrate.MEASURED_FILE)
         single["kv_expansion"] = validate.validate_kv_expansion()
+        single["cp_runtime"] = validate.validate_cp_runtime()
         bar.update(1)
         multi = validate.validate_multigpu(args.multigpu)
         multi += validate.validate_training(args.multigpu, multi)
@@ -136,6 +137,10 @@ def _print_validation(single, multi):
         print(f"  {p.name}: measured {p.measured * 1e3:.2f} ms, PREDICTED {p.predicted * 1e3:.2f} ms "
               f"({100 * p.error:+.1f}%)")
     print(f"multi-GPU file: {validate.summary(multi)}")
+    rt = single.get("cp_runtime") or {}
+    for kind in ("kernels", "layer"):
+        if rt.get(kind):
+            print(f"CP runtime on one GPU, per rank [{kind}]: {validate.summary(rt[kind])}")
 
 
 def main(argv=None) -> int:

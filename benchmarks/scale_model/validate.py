@@ -31,8 +31,8 @@ import numpy as np
 from .calibrate import (MEASURED_FILE, RESULTS, AttentionCost, TileCounts, fit_rows, load_cost, measured_rows,
                         row_tiles, work_summary)
 from .layout import PlanView, RoundView, document_plan_view, mask_sparsity
-from .params import Cluster, Runtime
-from .timeline import AttnShape, simulate_layer
+from .params import Cluster, Param, Runtime
+from .timeline import AttnShape, merge_calls, simulate_layer
 
 SINGLE = os.path.join(RESULTS, "cp_single_gpu.json")
 MULTI = os.path.join(RESULTS, "cp_multigpu.json")
@@ -427,3 +427,110 @@ def validate_training(path: str = MULTI, attention_points: Optional[list[Point]]
     note = (f"baseline step and attention share ({share:.1%}) taken as measured; imbalance "
             f"{base['cp_imbalance']:.3f} -> {ours['cp_imbalance']:.3f}, overlap/allgather x{ratio:.3f} (model)")
     return [Point(f"training step, {ours.get('balance')}+{ours.get('comm')}", ours["step_time_s"], pred, True, note)]
+
+
+# -- the CP runtime on one GPU, per rank (cp_single_gpu.py --breakdown) ------------------------------
+
+#: The runtime's layer on one H200 with every rank's kernels profiled (session 28).
+CP_RUNTIME_BREAKDOWN = os.path.join(RESULTS, "cp_runtime_breakdown.json")
+
+#: The one-GPU emulation's "cluster": no links (a message is a device copy on the rank's own
+#: stream, :func:`emulated_copy_seconds`), the H200's host and memory as in :class:`Cluster`.
+_FREE = Param(1e18, "emulated: a device copy, counted by emulated_copy_seconds")
+EMULATED = Cluster(name="one H200, communication emulated by device copies", gpus_per_node=1 << 20,
+                   nvlink_bw=_FREE, ib_bw=_FREE, link_efficiency=Param(1.0, "emulated"),
+                   nvlink_latency=Param(0.0, "emulated"), ib_latency=Param(0.0, "emulated"),
+                   msg_overhead=Param(0.0, "emulated"), comm_sm_share=Param(0.0, "emulated"))
+
+
+def _breakdown_lengths(res: dict) -> Optional[list[int]]:
+    """The document lengths a result file planned: recorded (files from session 28 on), else
+    none (the corpus spread depends on the machine's files)."""
+    return res.get("lengths")
+
+
+def rank_kernel_seconds(view: PlanView, r: int, cost: AttentionCost, shape: AttnShape, comm: str,
+                        bwd_calls: str) -> float:
+    """GPU seconds of rank ``r``'s attention kernels in one layer (forward and backward, host
+    hidden), as the runtime calls them: one call per live stage forward; backward ``"stage"``: one
+    staged call per live stage plus the layer's one query-block pass (pre-pass, dQ scaling),
+    ``"one"``: one call over every stage's keys; all-gather: one call per pass."""
+    h, hk = shape.heads, shape.kv_heads
+    if comm == "allgather":
+        t = view.sorted_tiles[r]
+        return cost.gpu_forward(t, h, hk) + cost.gpu_backward(t, h, hk) if t.live else 0.0
+    live = [t for t in view.stages[r] if t.live]
+    if not live:
+        return 0.0
+    fwd = sum(cost.gpu_forward(t, h, hk) for t in live)
+    if bwd_calls == "one":
+        return fwd + cost.gpu_backward(merge_calls(view.stages[r]), h, hk)
+    staged = sum(cost.bwd.gpu_time(t, "bwd", h, hk) - cost.bwd.a_qblock * t.q_blocks * h for t in live)
+    return fwd + staged + cost.backward_query_blocks(live[0], h)
+
+
+def emulated_copy_seconds(view: PlanView, r: int, shape: AttnShape, comm: str) -> float:
+    """The emulated exchange's device copies of rank ``r`` in one layer (read + write at the
+    measured HBM bandwidth): overlap, the K/V it receives and the gradients of the K/V it sent;
+    all-gather, the whole sequence's K/V twice (forward and backward) and its own shard of the
+    reduce-scatter."""
+    bw = EMULATED.hbm_bw.value
+    if comm == "allgather":
+        s = view.local_seqlen * view.cp_size
+        return 2 * (2 * shape.kv_bytes(s) + shape.kv_bytes(view.local_seqlen)) / bw
+    recv = sum(n for rnd in view.rounds for (_, d, n) in rnd.transfers if d == r)
+    sent = sum(n for rnd in view.rounds for (s, _, n) in rnd.transfers if s == r)
+    return 2 * shape.kv_bytes((recv + sent) * view.chunk_size) / bw
+
+
+def validate_cp_runtime(path: str = CP_RUNTIME_BREAKDOWN, cost: Optional[AttentionCost] = None) -> dict:
+    """The model against the context-parallel runtime on one GPU, per timed rank of a
+    ``cp_single_gpu.py --breakdown`` file (every rank's plan rebuilt from the recorded document
+    lengths, checked against the recorded work). Two checks, both held out (the calibration
+    never saw this head layout nor the runtime):
+
+    ``kernels``  the model's GPU time of the rank's attention calls (:func:`rank_kernel_seconds`)
+                 vs the profiled time of flashmask3's attention kernels in the layer (the merge
+                 kernel left out: the model counts merges apart);
+    ``layer``    the model's layer on the emulation (the timeline on a cluster without links, plus
+                 :func:`emulated_copy_seconds`) vs the measured layer time.
+
+    Each point keeps the measured composition of its layer (torch ops, GPU idle) in its note."""
+    if not os.path.exists(path):
+        return {}
+    with open(path) as f:
+        res = json.load(f)
+    lens = _breakdown_lengths(res)
+    if lens is None:
+        return {}
+    a = res["args"]
+    shape = AttnShape(a["heads"], a["kv_heads"], a["head_dim"])
+    cost = cost or load_cost("flashmask3", a["heads"] != a["kv_heads"])
+    out: dict = {"kernels": [], "layer": [], "by_config": {}, "env": res["env"], "args": a}
+    for cp, configs in res["cp"].items():
+        for e in configs.values():
+            view = document_plan_view(lens, int(cp), e["balance"], e["nodes"])
+            comm, name = e["comm"], f"cp {cp} {e['config']}"
+            entry = out["by_config"].setdefault(name, {"kernels": [], "layer": [], "torch": [], "idle": []})
+            for r in e["ranks"]:
+                b, rank = r.get("breakdown"), r["rank"]
+                if b is None or view.works[rank] != r["work"]:
+                    continue  # not profiled, or the plan does not reproduce the recorded work
+                calls = r.get("backward_calls", "stage")
+                attn = sum(ms for n, ms in b["own"] if n != "_merge_kernel") * 1e-3
+                k = Point(f"{name} rank {rank}", attn,
+                          rank_kernel_seconds(view, rank, cost, shape, comm, calls))
+                rt = Runtime("lean", bwd_calls=calls if comm == "overlap" else "stage", keep_kv=True)
+                lr = simulate_layer(view, cost, EMULATED, shape, comm, rt)
+                pred = max(lr.fwd.ranks[rank].end + lr.bwd.ranks[rank].end
+                           + emulated_copy_seconds(view, rank, shape, comm), lr.host[rank])
+                note = (f"measured layer {r['seconds'] * 1e3:.2f} ms: attention kernels {attn * 1e3:.2f}, "
+                        f"torch ops {b['torch_ms']:.2f}, GPU idle inside {b['idle_ms']:.2f} (profiled step)")
+                lp = Point(f"{name} rank {rank}", r["seconds"], pred, True, note)
+                out["kernels"].append(k)
+                out["layer"].append(lp)
+                entry["kernels"].append(k)
+                entry["layer"].append(lp)
+                entry["torch"].append(b["torch_ms"] * 1e-3)
+                entry["idle"].append(b["idle_ms"] * 1e-3)
+    return out

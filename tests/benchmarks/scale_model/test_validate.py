@@ -182,3 +182,50 @@ def test_do_bench_hides_its_memset_behind_the_host():
     assert pred["fwd stream"] == pytest.approx(300e-6) and pred["fwd stream, row's host"] == pytest.approx(250e-6)
     assert pred["fwd+bwd stream"] == pytest.approx(1000e-6)
     assert V.do_bench_hidden() == pytest.approx(256 * 2 ** 20 / 4.3e12)
+
+
+def _breakdown_file(tmp_path, lens, cp, comm, cost, shift=0.0, bad_work=False):
+    """A ``cp_single_gpu.py --breakdown`` file for a small plan whose profiled attention kernels
+    take exactly the model's time (plus ``shift`` seconds), one rank with a wrong work record."""
+    from benchmarks.scale_model.layout import document_plan_view
+    from benchmarks.scale_model.timeline import AttnShape
+
+    shape = AttnShape(4, 2, 64)
+    view = document_plan_view(lens, cp, "sparse")
+    ranks = []
+    for r in range(cp):
+        kern = V.rank_kernel_seconds(view, r, cost, shape, comm, "stage") + shift
+        ranks.append({"rank": r, "work": view.works[r] + (1 if bad_work and r == 0 else 0),
+                      "keys": 0, "seconds": 2 * kern + 1e-3, "backward_calls": "stage",
+                      "breakdown": {"own": [["_fwd_ws_kernel", kern * 1e3], ["_merge_kernel", 5.0]],
+                                    "torch_ms": 0.5, "idle_ms": 0.1}})
+    res = {"args": {"tokens": sum(lens), "heads": 4, "kv_heads": 2, "head_dim": 64},
+           "env": {"date": "today", "device": "cuda"}, "lengths": lens,
+           "cp": {str(cp): {comm: {"config": f"sparse+{comm}", "balance": "sparse", "comm": comm,
+                                   "nodes": 1, "ranks": ranks}}}}
+    path = tmp_path / "cp_runtime_breakdown.json"
+    path.write_text(json.dumps(res))
+    return str(path)
+
+
+@pytest.mark.parametrize("comm", ["overlap", "allgather"])
+def test_cp_runtime_check_compares_kernels_and_layers_per_rank(tmp_path, comm):
+    """Each profiled rank gives a kernels point (the model's GPU time of its attention calls vs
+    the profiled attention kernels, the merge kernel left out) and a layer point; a rank whose
+    recorded work the rebuilt plan does not reproduce is skipped; a file without the document
+    lengths gives nothing."""
+    from benchmarks.scale_model.calibrate import load_cost
+
+    cost = load_cost("flashmask3", True)
+    lens = [1500, 700, 1200, 300, 396]
+    path = _breakdown_file(tmp_path, lens, 4, comm, cost, bad_work=True)
+    out = V.validate_cp_runtime(path, cost)
+    assert [p.name.split()[-1] for p in out["kernels"]] == ["1", "2", "3"]  # rank 0 skipped
+    assert all(abs(p.error) < 1e-9 for p in out["kernels"])
+    assert all(p.predicted > 0 and p.held_out for p in out["layer"])
+    shifted = V.validate_cp_runtime(_breakdown_file(tmp_path, lens, 4, comm, cost, shift=1e-3), cost)
+    assert all(p.error < -0.01 for p in shifted["kernels"])  # slower kernels: an under-prediction
+    res = json.loads(open(path).read())
+    del res["lengths"]
+    (tmp_path / "old.json").write_text(json.dumps(res))
+    assert V.validate_cp_runtime(str(tmp_path / "old.json"), cost) == {}
