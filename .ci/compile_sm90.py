@@ -45,7 +45,8 @@ def jobs() -> list[dict]:
 
     out = [dict(family="tl", kernel=name) for name in ("summary", "range_by_query",
                                                         "range_by_key", "bwd_pre", "scale_dq",
-                                                        "merge_3", "merge_8", "sum_kv_split")]
+                                                        "merge_3", "merge_8", "sum_kv_split",
+                                                        "add_returns")]
     for pass_, kernel, d, t in CT.table_kernels():
         family = "tl" if kernel == "tl" else "gluon"
         cfg = t._asdict() if hasattr(t, "_asdict") else dict(t.__dict__)
@@ -64,12 +65,14 @@ KV_SPLIT = 8
 
 
 def _compile_small(name: str) -> dict:
-    """The preprocessing / pre-pass / scaling kernels and the context-parallel forward's
-    merge of stage partials (``merge_<parts>``; no tile config of their own)."""
+    """The preprocessing / pre-pass / scaling kernels, the context-parallel forward's merge of
+    stage partials (``merge_<parts>``) and its backward's sum of returned gradients
+    (``add_returns``; no tile config of their own)."""
     from triton.compiler import ASTSource
 
     from flashmask3.kernels import compile_tools as CT
     from flashmask3.kernels import merge as MG
+    from flashmask3.kernels import returns as RT
     from flashmask3.kernels import tiles as TI
     from flashmask3.kernels import tl_kernels as TL
 
@@ -91,6 +94,10 @@ def _compile_small(name: str) -> dict:
         "sum_kv_split": (TL._sum_kv_split_kernel, dict(part_ptr="*fp32", dk_ptr="*bf16",
                                                       dv_ptr="*bf16"),
                          dict(SPLIT=8, D=128, BLOCK_R=32)),
+        "add_returns": (RT._add_returns_kernel,
+                        dict(own_ptr="*bf16", own_starts="*i32", own_rows="*i32", ret_ptr="*bf16",
+                             ret_starts="*i32", ret_rows="*i32", dk_ptr="*bf16", dv_ptr="*bf16"),
+                        dict(HAS_OWN=True, HAS_RET=True, BLOCK=RT.BLOCK)),
     }[name] if not name.startswith("merge_") else _merge_job(MG, int(name.split("_")[1]))
     sig, attrs = CT._signature(kernel, ptrs, {}, consts)
     ck = CT.compile_sm90_source(ASTSource(kernel, sig, constexprs=consts, attrs=attrs), 4, 1)

@@ -9,9 +9,10 @@ issue it, and its kernel launches outside the attention calls (``LaunchCounter``
 counted). The slowest rank sets the step time of a real run.
 
 Layouts: ``dual_chunk+allgather`` (the baseline), ``sparse+allgather``, ``sparse+overlap``
-flat and hierarchical (``nodes = cp / 8``, 8 GPUs a node), and ``sparse+overlap bwd per stage``
+flat and hierarchical (``nodes = cp / 8``, 8 GPUs a node), ``sparse+overlap bwd per stage``
 (the flat layout with one whole backend backward per stage instead of the staged backward: the
-A/B of kernels/staged.py). Causal document masks from the real corpus lengths of
+A/B of kernels/staged.py) and ``sparse+overlap torch returns`` (the returned gradients summed by
+torch ops instead of kernels/returns.py: its A/B). Causal document masks from the real corpus lengths of
 benchmarks/corpus.py. ``--backward-calls stage one local+one`` measures every overlap layout
 once per mode (entries ``"<layout> bwd=<mode>"``; ``auto``, the default, keeps the layout's
 name): the A/B of the overlapped backward's calls (docs/cp-runtime.md "Backward calls").
@@ -59,10 +60,14 @@ CONFIGS = {
     "sparse+overlap": ("sparse", "overlap", False),
     "sparse+overlap hier": ("sparse", "overlap", True),
     "sparse+overlap bwd per stage": ("sparse", "overlap", False),
+    "sparse+overlap torch returns": ("sparse", "overlap", False),
 }
 #: Layouts whose backward calls the backend's whole ``backward`` once per stage (the runtime
 #: before the staged backward: pre-pass, dQ memset and scaling repeated per stage), for A/B.
 WHOLE_BACKWARD = {"sparse+overlap bwd per stage"}
+#: Layouts whose returned gradients are summed by the runtime's torch ops instead of the
+#: backend's one-launch kernel (kernels/returns.py), for A/B.
+TORCH_RETURNS = {"sparse+overlap torch returns"}
 GPUS_PER_NODE = 8
 
 
@@ -72,6 +77,17 @@ class WholeBackward:
 
     def __init__(self, backend):
         self.forward, self.backward = backend.forward, backend.backward
+
+
+class TorchReturns:
+    """``backend`` without the gradient-returns kernel: the runtime sums the returned
+    gradients with torch ops (an fp32 accumulator and ``index_add_``)."""
+
+    def __init__(self, backend):
+        for name in ("forward", "backward", "backward_prepare", "backward_stage",
+                     "backward_finish", "merge_stages"):
+            if hasattr(backend, name):
+                setattr(self, name, getattr(backend, name))
 
 
 def sample_ranks(p, args) -> list[int]:
@@ -214,7 +230,11 @@ def measure_config(mask, cp, name, args, device, dtype, deadline, backward_calls
     full_k, full_v = (torch.randn(1, args.tokens, args.kv_heads, args.head_dim, generator=g, device=device,
                                   dtype=dtype) for _ in range(2))
     full_wire = to_wire(full_k, full_v, p.chunk_size)
-    backend = WholeBackward(get_backend(choose_backend(full_q))) if name in WHOLE_BACKWARD else None
+    backend = None
+    if name in WHOLE_BACKWARD:
+        backend = WholeBackward(get_backend(choose_backend(full_q)))
+    elif name in TORCH_RETURNS:
+        backend = TorchReturns(get_backend(choose_backend(full_q)))
     timer = Timer(device)
     ref = reference(mask, full_q, full_k, full_v, full_do) if args.check else None
     ranks, wanted = [], sample_ranks(p, args)
@@ -249,7 +269,7 @@ def config_runs(name: str, modes) -> list[str]:
     """The ``backward_calls`` a layout is measured with: every mode for the staged overlap
     layouts, the default for the others (allgather ignores it; the whole-backward A/B is per
     stage by construction)."""
-    if CONFIGS[name][1] != "overlap" or name in WHOLE_BACKWARD:
+    if CONFIGS[name][1] != "overlap" or name in WHOLE_BACKWARD | TORCH_RETURNS:
         return ["auto"]
     return list(modes)
 

@@ -178,6 +178,8 @@ class RankProgram:
     backward_calls: str = "stage"  # BACKWARD_CALLS, resolved ("auto" never)
     merged: Optional[MergedBackward] = None  # backward_calls "one" / "local+one"
     n_recv: int = 0  # rows of one pass's receive buffer (every round's, in round order)
+    #: (own stage rows, direct returns) -> own chunk, as kernels/returns.py's indexes (overlap)
+    returns_index: Optional[tuple] = None
     _host: list = field(default_factory=list, repr=False)  # pinned sources of in-flight copies
     _batched_cols: dict = field(default_factory=dict, repr=False)
 
@@ -394,7 +396,31 @@ def _build_program(plan, rank, device, comm, calls="stage") -> RankProgram:
                        stage_cols=_stage_columns(cols, stages, cs, device, keep), own_rows=own_rows,
                        rounds=rounds, backward_order=order,
                        direct_send_rows=direct_rows, n_direct_send=sum(r.n_send for r in direct),
-                       merged=merged, n_recv=sum(r.n_recv for r in rounds), _host=keep)
+                       merged=merged, n_recv=sum(r.n_recv for r in rounds),
+                       returns_index=_returns_index(own_rows, direct_rows, len(own), device, keep),
+                       _host=keep)
+
+
+def returns_index(targets: torch.Tensor, n_own: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(starts, rows)`` of a source whose row ``j`` adds into own chunk ``targets[j]``: the
+    rows adding into chunk ``c`` are ``rows[starts[c]:starts[c + 1]]``, in increasing order
+    (int32, on the device of ``targets``; device ops only, no host sync)."""
+    t = targets.to(torch.int64)
+    rows = torch.argsort(t, stable=True)
+    counts = torch.bincount(t, minlength=n_own)
+    starts = torch.zeros(n_own + 1, dtype=torch.int64, device=t.device)
+    torch.cumsum(counts, 0, out=starts[1:])
+    return starts.to(torch.int32), rows.to(torch.int32)
+
+
+def _returns_index(own_rows, direct_rows, n_own: int, device, keep) -> Optional[tuple]:
+    """Which own chunk each own-stage row and each directly returned row adds into, as the
+    indexes of kernels/returns.py (built once here, on the device, no host sync)."""
+    if n_own == 0:
+        return None
+    own = own_rows if own_rows is not None else _index(range(n_own), device, keep)
+    return (returns_index(own, n_own) if len(own) else None,
+            returns_index(direct_rows, n_own) if direct_rows is not None else None)
 
 
 # -- layouts ----------------------------------------------------------------------------------------
@@ -613,9 +639,19 @@ class _Returns:
             self.relay_bufs[r.index] = recv
         self.pending[r.index] = self.exchange.start(r, True, send, recv)
 
-    def own_grads(self, wire_own: Optional[torch.Tensor], q_like) -> tuple[torch.Tensor, torch.Tensor]:
-        """Wait for the direct returns and add them into the rank's own dK/dV."""
+    def own_grads(self, wire_own: Optional[torch.Tensor], backend=None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Wait for the direct returns and add them into the rank's own dK/dV: in one launch
+        where the backend has the kernel (``add_returns``, kernels/returns.py) for these
+        tensors, else by torch ops (an fp32 accumulator, ``index_add_``; the reference, the
+        CPU and float64 path)."""
         prog, k = self.prog, self.k
+        fused = getattr(backend, "add_returns", None)
+        if fused is not None and prog.returns_index is not None and backend.returns_usable(k):
+            for t in list(self.pending):
+                self.pending.pop(t).wait()
+            own_index, direct_index = prog.returns_index
+            returned = self.direct_buf if prog.n_direct_send else None
+            return fused(wire_own, own_index, returned, direct_index, prog.n_own, prog.chunk_size, k)
         if wire_own is None:
             acc = k.new_zeros(_wire_shape(prog.n_own, k, prog.chunk_size), dtype=self.acc)
         elif prog.own_rows is None:
@@ -664,7 +700,7 @@ def backward_overlap(prog: RankProgram, exchange, backend, dout, dlse, q, k, v, 
             returns.send(r)
     else:
         own_wire = _backward_merged(prog, rounds, returns, stage, state, q, scale, own_wire)
-    dk, dv = returns.own_grads(own_wire, q)
+    dk, dv = returns.own_grads(own_wire, backend)
     return call_attention(finish, state), dk, dv
 
 

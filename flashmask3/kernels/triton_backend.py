@@ -1,7 +1,8 @@
 """The Triton backend of :func:`flashmask3.flashmask_attention`: what runs a call.
 
 Backend contract (docs/ARCHITECTURE.md): :func:`forward` and :func:`backward` (and the
-optional staged backward and ``merge_stages``, which context parallelism uses). Layout is
+optional staged backward, ``merge_stages`` and ``add_returns`` / ``returns_usable``, which
+context parallelism uses). Layout is
 q ``[B, Sq, Hq, D]``, k/v ``[B, Sk, Hk, D]`` (GQA without repeating K/V), mask
 ``startend_row_indices`` int32 ``[B, Hm, Sk, C]`` or ``None``, LSE fp32 ``[B, Hq, Sq]``.
 
@@ -27,6 +28,8 @@ from .gluon_bwd import (FUSED_VARIANT, GluonDkdv, dq_accumulator_view, launch_dk
 from .gluon_fwd import GluonForward, launch_fwd_gluon
 from .launcher import cdiv
 from .merge import merge_stages  # noqa: F401  (the context-parallel forward's merge)
+from .returns import add_returns  # noqa: F401  (the context-parallel backward's gradient returns)
+from .returns import usable as returns_usable  # noqa: F401
 from .tiles import Config, Plan, cached_plan, make_plan  # noqa: F401
 
 HEAD_DIMS = (16, 32, 64, 128, 256)
