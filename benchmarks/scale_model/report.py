@@ -128,7 +128,9 @@ def cp_runtime_section(v: dict) -> list[str]:
               "kernels at cp 128, where the model counts a few fp32 passes; and at cp 128 the GPU idles "
               "0.2-2.5 ms inside the layer waiting for the host. Neither is a linear function of the "
               "bytes moved (a fit on two cp sizes misses the third by 12-59%), so the model does not "
-              "add them; the runtime's device work is the next thing to cut or to model "
+              "add them. This file measured the runtime before its returned gradients were summed by "
+              "one kernel (kernels/returns.py), which took 0.6-1.7 ms off each cp-128 rank's layer "
+              "(cp_returns_ab.md); what is left is the next thing to cut or to model "
               "(benchmarks/NOTES.md, session 28).", ""]
     return lines
 
