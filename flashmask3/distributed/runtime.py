@@ -407,7 +407,8 @@ def returns_index(targets: torch.Tensor, n_own: int) -> tuple[torch.Tensor, torc
     (int32, on the device of ``targets``; device ops only, no host sync)."""
     t = targets.to(torch.int64)
     rows = torch.argsort(t, stable=True)
-    counts = torch.bincount(t, minlength=n_own)
+    counts = torch.zeros(n_own, dtype=torch.int64, device=t.device)
+    counts.index_add_(0, t, torch.ones_like(t))  # (bincount would read its max on the host)
     starts = torch.zeros(n_own + 1, dtype=torch.int64, device=t.device)
     torch.cumsum(counts, 0, out=starts[1:])
     return starts.to(torch.int32), rows.to(torch.int32)
@@ -646,7 +647,8 @@ class _Returns:
         CPU and float64 path)."""
         prog, k = self.prog, self.k
         fused = getattr(backend, "add_returns", None)
-        if fused is not None and prog.returns_index is not None and backend.returns_usable(k):
+        usable = getattr(backend, "returns_usable", None)
+        if fused is not None and usable is not None and prog.returns_index is not None and usable(k):
             for t in list(self.pending):
                 self.pending.pop(t).wait()
             own_index, direct_index = prog.returns_index

@@ -43,7 +43,8 @@ def usable(k: torch.Tensor) -> bool:
 
 @triton.jit
 def _add_rows(acc, src_ptr, starts_ptr, rows_ptr, c, offs, emask, ROW):
-    """``acc`` plus every row of one source that adds into own chunk ``c`` (fp32)."""
+    """``acc`` plus every row (``ROW`` elements) of one source that adds into own chunk ``c``
+    (fp32; the row offset is 64-bit, ``ROW`` itself fits 32 bits for any real chunk)."""
     lo = tl.load(starts_ptr + c)
     hi = tl.load(starts_ptr + c + 1)
     for j in range(lo, hi):
