@@ -71,23 +71,24 @@ TORCH_RETURNS = {"sparse+overlap torch returns"}
 GPUS_PER_NODE = 8
 
 
-class WholeBackward:
-    """``backend`` without staged functions: the runtime then runs one whole backward per stage
-    (kernels/staged.py's WholeCallStages)."""
-
-    def __init__(self, backend):
-        self.forward, self.backward = backend.forward, backend.backward
+#: The backend functions each A/B layout hides (the runtime then does without them).
+STAGED_BACKWARD = ("backward_prepare", "backward_stage", "backward_finish")
+RETURNS_KERNEL = ("add_returns", "returns_usable")
 
 
-class TorchReturns:
-    """``backend`` without the gradient-returns kernel: the runtime sums the returned
-    gradients with torch ops (an fp32 accumulator and ``index_add_``)."""
+class Without:
+    """``backend`` with the optional functions ``names`` hidden, everything else as it is: the
+    runtime falls back to what it does without them (``STAGED_BACKWARD``: one whole backward
+    per stage, kernels/staged.py's WholeCallStages; ``RETURNS_KERNEL``: the returned gradients
+    summed by torch ops). One optional function per A/B, the rest of the backend unchanged."""
 
-    def __init__(self, backend):
-        for name in ("forward", "backward", "backward_prepare", "backward_stage",
-                     "backward_finish", "merge_stages"):
-            if hasattr(backend, name):
-                setattr(self, name, getattr(backend, name))
+    def __init__(self, backend, names):
+        self._backend, self._hidden = backend, frozenset(names)
+
+    def __getattr__(self, name):
+        if name in self._hidden:
+            raise AttributeError(name)
+        return getattr(self._backend, name)
 
 
 def sample_ranks(p, args) -> list[int]:
@@ -230,11 +231,9 @@ def measure_config(mask, cp, name, args, device, dtype, deadline, backward_calls
     full_k, full_v = (torch.randn(1, args.tokens, args.kv_heads, args.head_dim, generator=g, device=device,
                                   dtype=dtype) for _ in range(2))
     full_wire = to_wire(full_k, full_v, p.chunk_size)
-    backend = None
-    if name in WHOLE_BACKWARD:
-        backend = WholeBackward(get_backend(choose_backend(full_q)))
-    elif name in TORCH_RETURNS:
-        backend = TorchReturns(get_backend(choose_backend(full_q)))
+    hidden = (STAGED_BACKWARD if name in WHOLE_BACKWARD else
+              RETURNS_KERNEL if name in TORCH_RETURNS else ())
+    backend = Without(get_backend(choose_backend(full_q)), hidden) if hidden else None
     timer = Timer(device)
     ref = reference(mask, full_q, full_k, full_v, full_do) if args.check else None
     ranks, wanted = [], sample_ranks(p, args)

@@ -435,8 +435,15 @@ class AttentionCost:
         """One staged ``backward_stage`` call (overlap mode): tiles, key blocks and the per-call
         cost, without the per-query-block term, which the runtime pays once per layer in
         ``backward_prepare`` / ``backward_finish`` (:meth:`backward_query_blocks`)."""
-        staged = replace(self.bwd, a_qblock=0.0)
-        return staged.time(tiles, "bwd", heads, kv_heads or heads)
+        return self._staged_bwd().time(tiles, "bwd", heads, kv_heads or heads)
+
+    def gpu_backward_stage(self, tiles: TileCounts, heads: int, kv_heads: Optional[int] = None) -> float:
+        """:meth:`backward_stage`'s GPU part alone (host hidden)."""
+        return self._staged_bwd().gpu_time(tiles, "bwd", heads, kv_heads or heads)
+
+    def _staged_bwd(self) -> PassCost:
+        """The backward's cost without its per-query-block term (charged once per layer)."""
+        return replace(self.bwd, a_qblock=0.0)
 
     def backward_query_blocks(self, tiles: TileCounts, heads: int) -> float:
         """The backward's per-query-block GPU time (delta/lse pre-pass, dQ zeroing and scaling),

@@ -443,12 +443,6 @@ EMULATED = Cluster(name="one H200, communication emulated by device copies", gpu
                    msg_overhead=Param(0.0, "emulated"), comm_sm_share=Param(0.0, "emulated"))
 
 
-def _breakdown_lengths(res: dict) -> Optional[list[int]]:
-    """The document lengths a result file planned: recorded (files from session 28 on), else
-    none (the corpus spread depends on the machine's files)."""
-    return res.get("lengths")
-
-
 def rank_kernel_seconds(view: PlanView, r: int, cost: AttentionCost, shape: AttnShape, comm: str,
                         bwd_calls: str) -> float:
     """GPU seconds of rank ``r``'s attention kernels in one layer (forward and backward, host
@@ -465,7 +459,7 @@ def rank_kernel_seconds(view: PlanView, r: int, cost: AttentionCost, shape: Attn
     fwd = sum(cost.gpu_forward(t, h, hk) for t in live)
     if bwd_calls == "one":
         return fwd + cost.gpu_backward(merge_calls(view.stages[r]), h, hk)
-    staged = sum(cost.bwd.gpu_time(t, "bwd", h, hk) - cost.bwd.a_qblock * t.q_blocks * h for t in live)
+    staged = sum(cost.gpu_backward_stage(t, h, hk) for t in live)
     return fwd + staged + cost.backward_query_blocks(live[0], h)
 
 
@@ -500,18 +494,18 @@ def validate_cp_runtime(path: str = CP_RUNTIME_BREAKDOWN, cost: Optional[Attenti
         return {}
     with open(path) as f:
         res = json.load(f)
-    lens = _breakdown_lengths(res)
+    lens = res.get("lengths")  # recorded from session 28 on (the corpus is machine-dependent)
     if lens is None:
         return {}
     a = res["args"]
     shape = AttnShape(a["heads"], a["kv_heads"], a["head_dim"])
     cost = cost or load_cost("flashmask3", a["heads"] != a["kv_heads"])
-    out: dict = {"kernels": [], "layer": [], "by_config": {}, "env": res["env"], "args": a}
+    by_config: dict = {}
     for cp, configs in res["cp"].items():
         for e in configs.values():
             view = document_plan_view(lens, int(cp), e["balance"], e["nodes"])
             comm, name = e["comm"], f"cp {cp} {e['config']}"
-            entry = out["by_config"].setdefault(name, {"kernels": [], "layer": [], "torch": [], "idle": []})
+            entry = by_config.setdefault(name, {"kernels": [], "layer": [], "torch": [], "idle": []})
             for r in e["ranks"]:
                 b, rank = r.get("breakdown"), r["rank"]
                 if b is None or view.works[rank] != r["work"]:
@@ -526,11 +520,10 @@ def validate_cp_runtime(path: str = CP_RUNTIME_BREAKDOWN, cost: Optional[Attenti
                            + emulated_copy_seconds(view, rank, shape, comm), lr.host[rank])
                 note = (f"measured layer {r['seconds'] * 1e3:.2f} ms: attention kernels {attn * 1e3:.2f}, "
                         f"torch ops {b['torch_ms']:.2f}, GPU idle inside {b['idle_ms']:.2f} (profiled step)")
-                lp = Point(f"{name} rank {rank}", r["seconds"], pred, True, note)
-                out["kernels"].append(k)
-                out["layer"].append(lp)
                 entry["kernels"].append(k)
-                entry["layer"].append(lp)
+                entry["layer"].append(Point(f"{name} rank {rank}", r["seconds"], pred, True, note))
                 entry["torch"].append(b["torch_ms"] * 1e-3)
                 entry["idle"].append(b["idle_ms"] * 1e-3)
-    return out
+    return {"kernels": [p for e in by_config.values() for p in e["kernels"]],
+            "layer": [p for e in by_config.values() for p in e["layer"]],
+            "by_config": by_config, "env": res["env"], "args": a}

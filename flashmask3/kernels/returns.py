@@ -107,9 +107,9 @@ def add_returns(own: Optional[torch.Tensor], own_index: Optional[tuple],
     if present and present[0].shape[2:] != (b, chunk, hk, d):
         raise ValueError(f"the wire rows {tuple(present[0].shape)} do not hold chunks of "
                          f"{chunk} keys of k {tuple(k.shape)}")
-    dummy = dk  # a pointer for the absent source (never read)
-    o_starts, o_rows = own_index if own is not None else (dk, dk)
-    r_starts, r_rows = returned_index if returned is not None else (dk, dk)
+    dummy = dk  # a pointer for an absent source and its index (never read)
+    o_starts, o_rows = own_index if own is not None else (dummy, dummy)
+    r_starts, r_rows = returned_index if returned is not None else (dummy, dummy)
     launch(_add_returns_kernel, (n_own, cdiv(half, BLOCK), 2),
            own.contiguous() if own is not None else dummy, o_starts, o_rows,
            returned.contiguous() if returned is not None else dummy, r_starts, r_rows,

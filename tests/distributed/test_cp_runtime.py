@@ -15,6 +15,7 @@ import torch
 
 import flashmask3.masks as M
 from benchmarks.corpus import document_spreads
+from benchmarks.cp_single_gpu import RETURNS_KERNEL, STAGED_BACKWARD, Without
 from flashmask3.distributed import EmulatedExchange, LaunchCounter, plan, prepare_rank, run_layer
 from flashmask3.distributed.comm import node_ids, node_layout_error
 from flashmask3.distributed.launches import not_counted
@@ -228,17 +229,6 @@ def test_node_layout_rules():
         node_ids([0, 1], True)
 
 
-class _WholeBackward:
-    """A backend without staged functions: the runtime runs one whole backward per stage (what
-    it did before the staged backward)."""
-
-    def __init__(self, backend):
-        self.forward, self.backward = backend.forward, backend.backward
-        for name in ("add_returns", "returns_usable"):  # the runtime's own kernels stay
-            if hasattr(backend, name):
-                setattr(self, name, getattr(backend, name))
-
-
 def _record_triton_launches(monkeypatch) -> list:
     """Every Triton launch of the kernel modules, by kernel name (the real launch still runs):
     the modules' ``launch`` calls and the prepared launches (``launcher.Bound``), whose first
@@ -303,7 +293,7 @@ def test_staged_backward_launches_per_layer(monkeypatch):
     p = _corpus_plan(1024, 4, 1)
     rank = _full_rank(p)
     stages = sum(1 for s in prepare_rank(p, rank, "cpu").stage_chunks if s)
-    before = _backward_launches(p, rank, _WholeBackward(T), names)
+    before = _backward_launches(p, rank, Without(T, STAGED_BACKWARD), names)
     after = _backward_launches(p, rank, T, names)
     print(f"backward launches per layer, {stages} stages: per-stage backward {before['total']} "
           f"({before['runtime']} runtime + {before['backend_aten']} backend aten + "
@@ -314,15 +304,6 @@ def test_staged_backward_launches_per_layer(monkeypatch):
     assert after["total"] == before["total"] - (stages - 1)
     for g_after, g_before in zip(after["grads"], before["grads"]):
         assert (g_after - g_before).abs().max() <= 1e-5 * g_before.abs().max()
-
-
-class _TorchReturns:
-    """The Triton backend with the gradient returns summed by the runtime's torch ops (no
-    ``add_returns``): the reference for the one-launch sum."""
-
-    def __init__(self, backend):
-        for name in ("forward", "backward", "backward_prepare", "backward_stage", "backward_finish"):
-            setattr(self, name, getattr(backend, name))
 
 
 @pytest.mark.parametrize("nodes,calls", [(1, "stage"), (1, "one"), (2, "stage"), (2, "one")])
@@ -341,7 +322,7 @@ def test_one_launch_gradient_returns_equal_the_torch_sum(nodes, calls):
         if not prog.n_direct_send:
             continue
         grads = []
-        for backend in (T, _TorchReturns(T)):
+        for backend in (T, Without(T, RETURNS_KERNEL)):
             q, k, v, ex = _layer_inputs(p, rank, hq=2, hk=1, d=16, seed=rank)
             out, _ = run_layer(q, k, v, prog, ex, 0.25, backend=backend)
             out.backward(torch.ones_like(out))

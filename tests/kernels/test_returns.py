@@ -31,12 +31,8 @@ def _case(n_own, n_own_rows, n_ret, b=2, cs=8, hk=3, d=16, dtype=torch.bfloat16,
 def _run(own, own_t, ret, ret_t, n_own, k_like):
     own_index = returns_index(own_t, n_own) if own is not None else None
     ret_index = returns_index(ret_t, n_own) if ret is not None else None
-    return returns.add_returns(own, own_index, ret, ret_index, n_own, own_or(ret, own).shape[3],
-                               k_like)
-
-
-def own_or(a, b):
-    return a if a is not None else b
+    chunk = (ret if ret is not None else own).shape[3]
+    return returns.add_returns(own, own_index, ret, ret_index, n_own, chunk, k_like)
 
 
 def _k_like(b, n_own, cs, hk, d, dtype, device="cpu"):
