@@ -46,7 +46,7 @@ def jobs() -> list[dict]:
     out = [dict(family="tl", kernel=name) for name in ("summary", "range_by_query",
                                                         "range_by_key", "bwd_pre", "scale_dq",
                                                         "merge_3", "merge_8", "sum_kv_split",
-                                                        "add_returns")]
+                                                        "add_returns", "gather_keys")]
     for pass_, kernel, d, t in CT.table_kernels():
         family = "tl" if kernel == "tl" else "gluon"
         cfg = t._asdict() if hasattr(t, "_asdict") else dict(t.__dict__)
@@ -67,10 +67,12 @@ KV_SPLIT = 8
 def _compile_small(name: str) -> dict:
     """The preprocessing / pre-pass / scaling kernels, the context-parallel forward's merge of
     stage partials (``merge_<parts>``) and its backward's sum of returned gradients
-    (``add_returns``; no tile config of their own)."""
+    (``add_returns``) and the gather of its stages' keys (``gather_keys``); no tile config of
+    their own)."""
     from triton.compiler import ASTSource
 
     from flashmask3.kernels import compile_tools as CT
+    from flashmask3.kernels import gather as GA
     from flashmask3.kernels import merge as MG
     from flashmask3.kernels import returns as RT
     from flashmask3.kernels import tiles as TI
@@ -98,11 +100,23 @@ def _compile_small(name: str) -> dict:
                         dict(own_ptr="*bf16", own_starts="*i32", own_rows="*i32", ret_ptr="*bf16",
                              ret_starts="*i32", ret_rows="*i32", dk_ptr="*bf16", dv_ptr="*bf16"),
                         dict(HAS_OWN=True, HAS_RET=True, BLOCK=RT.BLOCK)),
+        "gather_keys": (GA._gather_keys_kernel, dict(src_ptr="*bf16", rows_ptr="*i64", dst_ptr="*bf16"),
+                        dict(BLOCK=GA.BLOCK)),
     }[name] if not name.startswith("merge_") else _merge_job(MG, int(name.split("_")[1]))
     sig, attrs = CT._signature(kernel, ptrs, {}, consts)
+    for i, arg in enumerate(kernel.arg_names):  # sizes Triton specialises as divisible by 16
+        if arg in DIVISIBLE_INTS.get(name, ()):
+            attrs[(i,)] = [["tt.divisibility", 16]]
     ck = CT.compile_sm90_source(ASTSource(kernel, sig, constexprs=consts, attrs=attrs), 4, 1)
-    usage, _ = CT.cuobjdump(ck.asm["cubin"])
+    usage, sass = CT.cuobjdump(ck.asm["cubin"])
+    if name in DIVISIBLE_INTS and "LDG.E.128" not in sass:
+        raise RuntimeError(f"{name}: no 128-bit loads in the SASS (the copy is not vectorised)")
     return dict(regs=usage["regs"], local=usage["local"])
+
+
+#: Integer arguments of the small kernels that every real launch passes divisible by 16 (Triton
+#: specialises on it; the copies vectorise only with it).
+DIVISIBLE_INTS = {"gather_keys": ("HALF", "CS_HD", "B_STRIDE", "KV_STRIDE")}
 
 
 def _merge_job(MG, n: int) -> tuple:

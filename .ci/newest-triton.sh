@@ -64,9 +64,10 @@ else
     tests/kernels/test_tl_kernels.py -k "$TL_TESTS" || status=1
   TRITON_INTERPRET=1 "$PY" -m pytest -q -p no:cacheprovider -W ignore::DeprecationWarning \
     tests/test_api.py -k "$API_TESTS" || status=1
-  # the context-parallel merge and gradient-returns kernels (run on every CUDA Triton, Gluon or not)
+  # the context-parallel merge, key-gather and gradient-returns kernels (run on every CUDA
+  # Triton, Gluon or not)
   TRITON_INTERPRET=1 "$PY" -m pytest -q -p no:cacheprovider -W ignore::DeprecationWarning \
-    tests/kernels/test_merge.py tests/kernels/test_returns.py || status=1
+    tests/kernels/test_merge.py tests/kernels/test_gather.py tests/kernels/test_returns.py || status=1
   # the GQA backward's split groups (the tl dK/dV kernel's KV_SPLIT, the partials' sum)
   TRITON_INTERPRET=1 "$PY" -m pytest -q -p no:cacheprovider -W ignore::DeprecationWarning \
     tests/kernels/test_staged.py -k "kv_split or kv_groups" || status=1

@@ -53,14 +53,14 @@ class _Call:
 class _CPAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, call: _Call):
-        store = None
+        kept = None  # the overlapped forward's key buffer, for the backward (keep_kv)
         if call.prog.comm == "overlap":
             keep = call.keep_kv and any(ctx.needs_input_grad[:3])  # no backward: nothing to keep
-            out, lse, store = forward_overlap(call.prog, call.exchange, call.backend, q, k, v, call.scale, keep)
+            out, lse, kept = forward_overlap(call.prog, call.exchange, call.backend, q, k, v, call.scale, keep)
         else:
             out, lse = forward_allgather(call.prog, call.exchange, call.backend, q, k, v, call.scale)
         ctx.call = call
-        ctx.save_for_backward(q, k, v, out, lse, *(() if store is None else (store,)))
+        ctx.save_for_backward(q, k, v, out, lse, *(() if kept is None else (kept,)))
         return out, lse
 
     @staticmethod
@@ -70,7 +70,7 @@ class _CPAttention(torch.autograd.Function):
         args = (call.prog, call.exchange, call.backend, dout.contiguous(), dlse, q, k, v, out, lse,
                 call.scale)
         if call.prog.comm == "overlap":
-            dq, dk, dv = backward_overlap(*args, store=kept[0] if kept else None)
+            dq, dk, dv = backward_overlap(*args, kept=kept[0] if kept else None)
         else:
             dq, dk, dv = backward_allgather(*args)
         return dq, dk, dv, None

@@ -85,9 +85,10 @@ class DistExchange:
     """The runtime's exchange over a torch.distributed group (see
     :mod:`flashmask3.distributed.runtime`): one ``batch_isend_irecv`` per round and direction.
 
-    A forward round sends each message's wire rows ``send[m.start:m.stop]`` to ``m.peer`` and
-    receives straight into slices of ``recv``; the reverse round swaps the roles of the two
-    message lists. Tags: the round index, plus :data:`GRAD_TAG` in reverse."""
+    A forward round sends each message's wire rows to ``m.peer`` (``send``: one tensor per
+    message, or one buffer of which each message is ``send[m.start:m.stop]``) and receives
+    straight into slices of ``recv``; the reverse round swaps the roles of the two message
+    lists. Tags: the round index, plus :data:`GRAD_TAG` in reverse."""
 
     def __init__(self, pg: dist.ProcessGroup):
         self.pg = pg
@@ -96,8 +97,9 @@ class DistExchange:
     def start(self, rnd, reverse: bool, send, recv) -> _Batch:
         out_msgs, in_msgs = (rnd.recvs, rnd.sends) if reverse else (rnd.sends, rnd.recvs)
         tag = rnd.index + (GRAD_TAG if reverse else 0)
-        ops = [dist.P2POp(dist.isend, send[m.start:m.stop], group=self.pg, group_peer=m.peer, tag=tag)
-               for m in out_msgs]
+        parts = send if isinstance(send, (list, tuple)) else [send[m.start:m.stop] for m in out_msgs]
+        ops = [dist.P2POp(dist.isend, part, group=self.pg, group_peer=m.peer, tag=tag)
+               for m, part in zip(out_msgs, parts)]
         ops += [dist.P2POp(dist.irecv, recv[m.start:m.stop], group=self.pg, group_peer=m.peer, tag=tag)
                 for m in in_msgs]
         return _Batch(dist.batch_isend_irecv(ops) if ops else [], send)

@@ -8,11 +8,14 @@ operations that does not grow with the cp size or the number of chunks; see docs
 for the schedule, the buffers and the launch budget.
 
 Layouts. K and V travel together in *wire rows*: ``[rows, 2, B, chunk, Hk, D]``, one row per
-chunk, so that one message is one contiguous slice of a buffer and one ``index_select`` builds
-every payload of a round. A stage's keys are gathered from a round's receive buffer with one
-``index_select`` into ``[2, B, n, chunk, Hk, D]``, whose halves are the contiguous K and V the
-attention call takes. Gradients travel back in the same wire rows and are summed into one
-accumulator per rank with ``index_add_``.
+chunk, so that one message is one contiguous slice of a buffer. A direct message whose chunks
+are consecutive own chunks is a view of the rank's own wire rows; the others are packed by one
+``index_select`` per pass. Each pass keeps one *key buffer* ``[2, B, keys, Hk, D]`` whose halves
+hold the K and V of every stage it computes, in stage order: a stage's keys are gathered into
+its slice once, as its round arrives (one launch, :func:`gather_stage_keys`), the stage calls
+read slices of it and the merged backward call reads all of it; with ``keep_kv`` the backward
+reuses the forward's buffer and gathers nothing. Gradients travel back in the same wire rows
+and are summed into the rank's own dK/dV by one launch (kernels/returns.py) or ``index_add_``.
 
 Backward calls. :func:`backward_overlap` calls the staged backward once per stage (``"stage"``),
 once over every stage after all K/V arrived (``"one"``), or on the own stage first and then once
@@ -121,6 +124,10 @@ class RoundProgram:
     recv_chunk_ids: torch.Tensor
     direct_offset: int = 0  # rows before this round's in the direct gradient-return buffer
     recv_offset: int = 0  # rows before this round's in the pass's one receive buffer
+    #: a direct round's messages as ``(packed, start, stop)``: rows of the own wire rows
+    #: (``packed`` False: the message's chunks are consecutive own chunks, sent as a view) or of
+    #: the pass's packed payload (``RankProgram.pack_rows``)
+    send_parts: tuple[tuple[bool, int, int], ...] = ()
 
     @property
     def n_send(self) -> int:
@@ -140,18 +147,16 @@ class RoundProgram:
 @dataclass
 class MergedBackward:
     """One backward call over several stages (``"one"``: every stage, ``"local+one"``: the
-    remote ones), precomputed once per plan.
+    remote ones), precomputed once per plan. Its keys are the pass's whole key buffer (which
+    holds exactly the merged stages, ``RankProgram.key_first`` on).
 
-    ``rows``: the rows of the backward's K/V store (own wire rows for ``"one"``, then every
-    round's receive buffer) the call's keys are gathered from, stage after stage; ``cols``: their
-    mask columns (the arrival-order local mask from the first merged stage's keys on, since a
-    stage's columns are per key and its rows are the rank's queries); ``own``: the own stage's
-    rows in the call's dK/dV (``None``: not merged or empty); ``pieces``: ``(round, start, stop)``
-    of every round in backward order: its stage's dK/dV rows in the call's output (empty for a
-    round without a stage)."""
+    ``cols``: their mask columns (the arrival-order local mask from the first merged stage's
+    keys on, since a stage's columns are per key and its rows are the rank's queries); ``own``:
+    the own stage's rows in the call's dK/dV (``None``: not merged or empty); ``pieces``:
+    ``(round, start, stop)`` of every round in backward order: its stage's dK/dV rows in the
+    call's output (empty for a round without a stage)."""
 
     first_stage: int
-    rows: Optional[torch.Tensor]
     cols: Optional[torch.Tensor]
     own: Optional[tuple[int, int]]
     pieces: tuple[tuple[int, int, int], ...]
@@ -172,9 +177,17 @@ class RankProgram:
     own_rows: Optional[torch.Tensor]  # None: the own stage is every own chunk, in order
     rounds: list[RoundProgram]
     backward_order: list[int]
-    direct_send_rows: Optional[torch.Tensor]  # own rows of every direct round's payload, in round order
+    direct_send_rows: Optional[torch.Tensor]  # own rows of every direct round's messages, in round order
     n_direct_send: int
-    gather_rows: Optional[torch.Tensor] = None  # allgather: rows of the gathered wire buffer
+    #: the stages held in the pass's key buffer: ``key_first`` on (0: the own stage too, for
+    #: ``"one"`` and allgather; 1: the remote ones), their chunks' rows in the pass's K/V store
+    #: (the own wire rows first when ``key_first`` is 0, then every round's receive rows; for
+    #: allgather the gathered wire rows) in stage order, and each held stage's first chunk
+    key_first: int = 1
+    key_rows: Optional[torch.Tensor] = None
+    key_starts: tuple[int, ...] = (0,)
+    #: own wire rows packed for the direct messages that are not one run of own chunks
+    pack_rows: Optional[torch.Tensor] = None
     backward_calls: str = "stage"  # BACKWARD_CALLS, resolved ("auto" never)
     merged: Optional[MergedBackward] = None  # backward_calls "one" / "local+one"
     n_recv: int = 0  # rows of one pass's receive buffer (every round's, in round order)
@@ -182,6 +195,16 @@ class RankProgram:
     returns_index: Optional[tuple] = None
     _host: list = field(default_factory=list, repr=False)  # pinned sources of in-flight copies
     _batched_cols: dict = field(default_factory=dict, repr=False)
+
+    @property
+    def n_keys(self) -> int:
+        """Chunks in the pass's key buffer."""
+        return self.key_starts[-1]
+
+    def key_slice(self, stage: int) -> tuple[int, int]:
+        """Chunks ``[start, stop)`` of held stage ``stage`` in the key buffer."""
+        i = stage - self.key_first
+        return self.key_starts[i], self.key_starts[i + 1]
 
     def cols(self, stage: int, batch: int) -> Optional[torch.Tensor]:
         """Stage ``stage``'s local mask columns for a batch of ``batch`` rows."""
@@ -258,7 +281,23 @@ def backward_order(rounds) -> list[int]:
     return order + [t for t in direct if not children[t]]
 
 
-def _build_rounds(plan, rank, device, keep, own_pos) -> list[RoundProgram]:
+def _send_parts(sends, own_pos, pack: list[int]) -> tuple[tuple[bool, int, int], ...]:
+    """A direct round's messages as :attr:`RoundProgram.send_parts`: a view of the own wire
+    rows where a message's chunks are consecutive own chunks, else rows appended to ``pack``."""
+    parts = []
+    for m in sends:
+        rows = [own_pos[c] for c in m.chunks]
+        if rows == list(range(rows[0], rows[0] + len(rows))):
+            parts.append((False, rows[0], rows[0] + len(rows)))
+        else:
+            parts.append((True, len(pack), len(pack) + len(rows)))
+            pack += rows
+    return tuple(parts)
+
+
+def _build_rounds(plan, rank, device, keep, own_pos, pack: list[int]) -> list[RoundProgram]:
+    """Every round of ``plan`` as ``rank`` sees it; the own rows that direct messages must pack
+    are appended to ``pack`` (:func:`_send_parts`)."""
     rounds = plan.rounds
     stages = plan.stages(rank)
     out: list[RoundProgram] = []
@@ -287,7 +326,8 @@ def _build_rounds(plan, rank, device, keep, own_pos) -> list[RoundProgram]:
             stage_size=len(stage), grad_rows=grad_rows, children=(),
             send_chunk_ids=_index([c for m in sends for c in m.chunks], device, keep),
             recv_chunk_ids=_index([c for m in recvs for c in m.chunks], device, keep),
-            direct_offset=direct_offset, recv_offset=recv_offset))
+            direct_offset=direct_offset, recv_offset=recv_offset,
+            send_parts=_send_parts(sends, own_pos, pack) if src is None else ()))
         recv_offset += n_recv
         if src is None:
             direct_offset += len(send_rows)
@@ -333,31 +373,40 @@ def prepare_rank(plan, rank: int, device, comm: str = "overlap", backward_calls:
     return cache[key]
 
 
-def _merged_backward(calls, stages, rounds, order, own_rows, n_own, cols, cs, device, keep) -> MergedBackward:
-    """The :class:`MergedBackward` of ``calls`` ("one" / "local+one"); ``own_rows``: the own
-    stage's positions among the own chunks, ``cols``: the arrival-order local mask columns."""
-    first = 0 if calls == "one" else 1
-    lead = n_own if first == 0 else 0  # "one": the own wire rows lead the K/V store
+def _key_rows(stages, rounds, own_pos, first: int) -> tuple[list[int], tuple[int, ...]]:
+    """The key buffer of a pass that holds stages ``first`` on: their chunks' rows in the K/V
+    store (the own wire rows first when ``first`` is 0, then every round's receive rows, in
+    round order) in stage order, and each held stage's first chunk (``RankProgram.key_rows`` /
+    ``key_starts``)."""
+    lead = len(own_pos) if first == 0 else 0
     rows: list[int] = []
-    own = None
-    if first == 0 and stages[0]:
-        own = (0, len(stages[0]))
-        rows += own_rows
-    starts = {}
-    for r in rounds:  # stage order: stage t + 1 is round t's
-        if r.stage_size:
+    starts = [0]
+    for s in range(first, len(stages)):
+        if s == 0:
+            rows += [own_pos[c] for c in stages[0]]
+        else:
+            r = rounds[s - 1]  # stage s is round s - 1's
             recv_row = _rows_of(r.recvs)
-            starts[r.index] = len(rows)
-            rows += [lead + r.recv_offset + recv_row[c] for c in stages[r.index + 1]]
-    pieces = tuple((t, starts.get(t, 0), starts.get(t, 0) + rounds[t].stage_size) for t in order)
+            rows += [lead + r.recv_offset + recv_row[c] for c in stages[s]]
+        starts.append(len(rows))
+    return rows, tuple(starts)
+
+
+def _merged_backward(calls, stages, rounds, order, key_starts, cols, cs, device, keep) -> MergedBackward:
+    """The :class:`MergedBackward` of ``calls`` ("one" / "local+one") over the held stages
+    (``key_starts``, :func:`_key_rows`); ``cols``: the arrival-order local mask columns."""
+    first = 0 if calls == "one" else 1
+    own = (0, len(stages[0])) if first == 0 and stages[0] else None
+    start = {r.index: key_starts[r.index + 1 - first] for r in rounds}  # stage r + 1's chunks
+    pieces = tuple((t, start[t], start[t] + rounds[t].stage_size) for t in order)
     key_start = sum(len(x) for x in stages[:first]) * cs
     merged_cols = None
-    if rows:
+    if key_starts[-1]:
         merged_cols = _to_device(cols[:, :, key_start:].contiguous(), device, keep)
-        if merged_cols.shape[2] != len(rows) * cs:
+        if merged_cols.shape[2] != key_starts[-1] * cs:
             raise ValueError(f"the local mask has {cols.shape[2]} keys but the stages hold "
-                             f"{key_start + len(rows) * cs}")
-    return MergedBackward(first, _index(rows, device, keep) if rows else None, merged_cols, own, pieces)
+                             f"{key_start + key_starts[-1] * cs}")
+    return MergedBackward(first, merged_cols, own, pieces)
 
 
 def _build_program(plan, rank, device, comm, calls="stage") -> RankProgram:
@@ -380,22 +429,26 @@ def _build_program(plan, rank, device, comm, calls="stage") -> RankProgram:
         return RankProgram(**common, stage_chunks=[tuple(needed)],
                            stage_cols=_stage_columns(cols, [needed], cs, device, keep),
                            own_rows=None, rounds=[], backward_order=[], direct_send_rows=None,
-                           n_direct_send=0,
-                           gather_rows=_index([row_of[c] for c in needed], device, keep) if needed else None,
-                           _host=keep)
-    rounds = _build_rounds(plan, rank, device, keep, own_pos)
+                           n_direct_send=0, key_first=0,
+                           key_rows=_index([row_of[c] for c in needed], device, keep) if needed else None,
+                           key_starts=(0, len(needed)), _host=keep)
+    pack: list[int] = []
+    rounds = _build_rounds(plan, rank, device, keep, own_pos, pack)
     direct = [r for r in rounds if r.source is None and r.send_rows is not None]
     direct_rows = torch.cat([r.send_rows for r in direct]) if direct else None
     cols = plan.local_mask(rank, "arrival").startend_row_indices
     order = backward_order(plan.rounds)
+    first = 0 if calls == "one" else 1
+    key_rows, key_starts = _key_rows(stages, rounds, own_pos, first)
     merged = None
     if calls != "stage":
-        merged = _merged_backward(calls, stages, rounds, order, [own_pos[c] for c in own_stage],
-                                  len(own), cols, cs, device, keep)
+        merged = _merged_backward(calls, stages, rounds, order, key_starts, cols, cs, device, keep)
     return RankProgram(**common, stage_chunks=stages,
                        stage_cols=_stage_columns(cols, stages, cs, device, keep), own_rows=own_rows,
                        rounds=rounds, backward_order=order,
                        direct_send_rows=direct_rows, n_direct_send=sum(r.n_send for r in direct),
+                       key_first=first, key_rows=_index(key_rows, device, keep) if key_rows else None,
+                       key_starts=key_starts, pack_rows=_index(pack, device, keep) if pack else None,
                        merged=merged, n_recv=sum(r.n_recv for r in rounds),
                        returns_index=_returns_index(own_rows, direct_rows, len(own), device, keep),
                        _host=keep)
@@ -451,6 +504,28 @@ def _wire_shape(rows: int, k: torch.Tensor, chunk: int) -> tuple[int, ...]:
     return (rows, 2, k.shape[0], chunk, k.shape[2], k.shape[3])
 
 
+def gather_stage_keys(src: torch.Tensor, rows: torch.Tensor, dst: torch.Tensor, pos: int,
+                      backend=None) -> None:
+    """Wire rows ``src[rows]`` (``[N, 2, B, chunk, Hk, D]``) into key chunks ``pos, pos + 1,
+    ...`` of the key buffer ``dst`` (``[2, B, keys, Hk, D]``: K halves into ``dst[0]``, V halves
+    into ``dst[1]``): in one launch where the backend has the kernel (``gather_keys``,
+    kernels/gather.py) for these tensors, else by torch ops (the reference, the CPU path)."""
+    fused = getattr(backend, "gather_keys", None)
+    usable = getattr(backend, "gather_usable", None)
+    if fused is not None and usable is not None and usable(src):
+        fused(src, rows, dst, pos)
+        return
+    n, cs = rows.numel(), src.shape[3]
+    _, b, _, h, d = dst.shape
+    dst[:, :, pos * cs:(pos + n) * cs].view(2, b, n, cs, h, d).copy_(
+        src.index_select(0, rows).permute(1, 2, 0, 3, 4, 5))
+
+
+def _key_buffer(k: torch.Tensor, chunks: int, chunk: int) -> torch.Tensor:
+    """An empty key buffer ``[2, B, chunks * chunk, Hk, D]`` like ``k``."""
+    return k.new_empty((2, k.shape[0], chunks * chunk, k.shape[2], k.shape[3]))
+
+
 def acc_dtype(dtype: torch.dtype) -> torch.dtype:
     """Accumulation dtype: float64 stays float64, everything else sums in float32."""
     return torch.float64 if dtype == torch.float64 else torch.float32
@@ -487,39 +562,29 @@ def _round_views(prog: RankProgram, store: torch.Tensor, lead: int) -> dict[int,
 class _Rounds:
     """Forward traffic of one pass: issues rounds as their payloads become available.
 
-    Every round receives into its rows of one K/V ``store``; with ``own_first`` the rank's own
-    wire rows lead it (the ``"one"`` backward gathers every stage's keys from it at once)."""
+    Every round receives into its rows of one K/V ``store``; where the key buffer holds the own
+    stage (``prog.key_first == 0``) the rank's own wire rows lead it, so that every held stage
+    is gathered from the store alike. A direct message goes out as a view of the own wire rows
+    where its chunks are consecutive own chunks, else from one packed payload."""
 
-    def __init__(self, prog: RankProgram, exchange, k, v, own_first: bool = False):
+    def __init__(self, prog: RankProgram, exchange, k, v):
         self.prog, self.exchange = prog, exchange
         cs = prog.chunk_size
         self.pending: dict[int, object] = {}
         self.arrived: set[int] = set()
-        lead = prog.n_own if own_first else 0
+        lead = prog.n_own if prog.key_first == 0 else 0
         self.store = k.new_empty(_wire_shape(lead + prog.n_recv, k, cs))
         self.bufs = _round_views(prog, self.store, lead)
         wire_own = None
-        if own_first:
+        if lead:
             wire_own = to_wire(k, v, cs, out=self.store[:lead])
-        elif prog.direct_send_rows is not None:
+        elif prog.n_direct_send:
             wire_own = to_wire(k, v, cs)
-        payload = None
-        if prog.direct_send_rows is not None:
-            payload = wire_own.index_select(0, prog.direct_send_rows)
+        packed = wire_own.index_select(0, prog.pack_rows) if prog.pack_rows is not None else None
         for r in prog.rounds:
             if r.source is None:
-                send = payload[r.direct_offset:r.direct_offset + r.n_send] if r.n_send else None
+                send = [(packed if p else wire_own)[a:b] for p, a, b in r.send_parts] or None
                 self.pending[r.index] = exchange.start(r, False, send, self.bufs[r.index])
-
-    @classmethod
-    def kept(cls, prog: RankProgram, store: torch.Tensor, own_first: bool) -> "_Rounds":
-        """Every round already arrived in ``store`` (the forward's K/V store, kept for the
-        backward: no traffic)."""
-        self = cls.__new__(cls)
-        self.prog, self.exchange, self.store, self.pending = prog, None, store, {}
-        self.bufs = _round_views(prog, store, prog.n_own if own_first else 0)
-        self.arrived = set(self.bufs)
-        return self
 
     def arrive(self, t: int) -> torch.Tensor:
         """Make the current stream wait for round ``t`` (its source first); returns its buffer.
@@ -538,40 +603,89 @@ class _Rounds:
         return self.bufs[t]
 
 
-def _stage_kv(prog, rounds: _Rounds, s, k, v):
-    """Contiguous K and V of stage ``s`` (0: the own chunks; s > 0: round s-1's arrivals)."""
-    if s == 0:
-        if prog.own_rows is None:
-            ks, vs = k, v
-        else:
-            b, _, h, d = k.shape
-            shape = (b, prog.n_own, prog.chunk_size, h, d)
-            ks = k.view(shape).index_select(1, prog.own_rows).flatten(1, 2)
-            vs = v.view(shape).index_select(1, prog.own_rows).flatten(1, 2)
-    else:
-        r = prog.rounds[s - 1]
-        ks, vs = from_wire(rounds.arrive(r.index), r.stage_rows)
-    return ks, vs
+class _Keys:
+    """The key buffer of one pass (``RankProgram.key_rows``): each held stage's K and V,
+    gathered from the rounds' store once, when the stage is first needed."""
+
+    def __init__(self, prog: RankProgram, k, rounds: Optional[_Rounds], backend):
+        self.prog, self.rounds, self.backend = prog, rounds, backend
+        self.buf = _key_buffer(k, prog.n_keys, prog.chunk_size)
+        self.filled: set[int] = set()
+
+    def arrive(self, t: int) -> None:
+        """Round ``t`` arrived (a no-op once the store is released: every round has)."""
+        if self.rounds is not None:
+            self.rounds.arrive(t)
+
+    def _fill(self, s: int) -> None:
+        if s in self.filled:
+            return
+        a, b = self.prog.key_slice(s)
+        if b > a:
+            if s > 0:
+                self.arrive(s - 1)
+            gather_stage_keys(self.rounds.store, self.prog.key_rows[a:b], self.buf, a, self.backend)
+        self.filled.add(s)
+
+    def stage(self, s: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """K and V ``[B, keys, Hk, D]`` of held stage ``s`` (slices of the buffer)."""
+        self._fill(s)
+        a, b = self.prog.key_slice(s)
+        cs = self.prog.chunk_size
+        return self.buf[0, :, a * cs:b * cs], self.buf[1, :, a * cs:b * cs]
+
+    def all(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """K and V of every held stage (the whole buffer: the merged backward call's keys)."""
+        for s in range(self.prog.key_first, len(self.prog.stage_chunks)):
+            self._fill(s)
+        return self.buf[0], self.buf[1]
+
+    def kept(self) -> torch.Tensor:
+        """The buffer with every stage gathered, for the backward (:meth:`of`)."""
+        self.all()
+        self.rounds = None
+        return self.buf
+
+    @classmethod
+    def of(cls, prog: RankProgram, buf: torch.Tensor) -> "_Keys":
+        """A pass's keys from a kept buffer (:meth:`kept`): every stage there, no traffic."""
+        self = cls.__new__(cls)
+        self.prog, self.rounds, self.backend, self.buf = prog, None, None, buf
+        self.filled = set(range(prog.key_first, len(prog.stage_chunks)))
+        return self
+
+
+def _stage_kv(prog, keys: _Keys, s, k, v):
+    """Contiguous K and V of stage ``s`` (0: the own chunks; s > 0: round s-1's arrivals):
+    slices of the key buffer, or the own K/V where the buffer does not hold the own stage."""
+    if s >= prog.key_first:
+        return keys.stage(s)
+    if prog.own_rows is None:
+        return k, v
+    b, _, h, d = k.shape
+    shape = (b, prog.n_own, prog.chunk_size, h, d)
+    return (k.view(shape).index_select(1, prog.own_rows).flatten(1, 2),
+            v.view(shape).index_select(1, prog.own_rows).flatten(1, 2))
 
 
 def forward_overlap(prog: RankProgram, exchange, backend, q, k, v, scale, keep_kv: bool = False):
     """Staged forward: own chunks while the remote ones arrive, then each round's stage;
-    partial results merged once at the end. Returns ``(out, lse, store)``, out in q's dtype;
-    ``store`` (``keep_kv``, else None): every round's received K/V wire rows (led by the own
-    ones where the backward makes one call), for :func:`backward_overlap` to reuse instead of
-    fetching them again."""
-    rounds = _Rounds(prog, exchange, k, v, own_first=keep_kv and prog.backward_calls == "one")
+    partial results merged once at the end. Returns ``(out, lse, kept)``, out in q's dtype;
+    ``kept`` (``keep_kv``, else None): the pass's key buffer (every stage's K/V, gathered
+    once), for :func:`backward_overlap` to reuse instead of fetching the K/V again."""
+    rounds = _Rounds(prog, exchange, k, v)
+    keys = _Keys(prog, k, rounds, backend)
     outs, lses = [], []
     for s, chunks in enumerate(prog.stage_chunks):
         if s > 0:
             rounds.arrive(s - 1)
         if not chunks:
             continue
-        ks, vs = _stage_kv(prog, rounds, s, k, v)
+        ks, vs = _stage_kv(prog, keys, s, k, v)
         o, l = call_attention(backend.forward, q, ks, vs, prog.cols(s, q.shape[0]), False, scale)
         outs.append(o)
         lses.append(l)
-    return (*_finish_forward(outs, lses, q, v, backend), rounds.store if keep_kv else None)
+    return (*_finish_forward(outs, lses, q, v, backend), keys.kept() if keep_kv else None)
 
 
 def _finish_forward(outs, lses, q, v, backend=None):
@@ -670,24 +784,24 @@ class _Returns:
 
 
 def backward_overlap(prog: RankProgram, exchange, backend, dout, dlse, q, k, v, out, lse, scale,
-                     store: Optional[torch.Tensor] = None):
+                     kept: Optional[torch.Tensor] = None):
     """Staged backward (see docs/cp-runtime.md): the K/V come again by the forward's rounds and
     each remote stage's dK/dV go back to where they came from, in :func:`backward_order`. The
     backend's staged backward (kernels/staged.py) pays the per-layer work once: one prepare
     (pre-pass), its stage calls (dQ accumulated by the backend), one finish. The stage calls
     follow ``prog.backward_calls``: ``"stage"``, one per stage, each stage's returns leaving
     while later stages compute; ``"one"`` / ``"local+one"``, one call over the merged stages
-    once every round arrived (:func:`_backward_merged`). ``store``: the forward's K/V store
-    (``forward_overlap(..., keep_kv=True)``): no K/V traffic, only the gradient returns."""
+    once every round arrived (:func:`_backward_merged`). ``kept``: the forward's key buffer
+    (``forward_overlap(..., keep_kv=True)``): no K/V traffic and no gathers, only the gradient
+    returns."""
     prepare, stage, finish = staged_functions(backend)
-    own_first = prog.backward_calls == "one"
-    rounds = (_Rounds(prog, exchange, k, v, own_first=own_first) if store is None
-              else _Rounds.kept(prog, store, own_first))
+    keys = (_Keys.of(prog, kept) if kept is not None
+            else _Keys(prog, k, _Rounds(prog, exchange, k, v), backend))
     returns = _Returns(prog, exchange, k)
     state = call_attention(prepare, q, out, dout, lse, dlse)
 
     def run(s):
-        ks, vs = _stage_kv(prog, rounds, s, k, v)
+        ks, vs = _stage_kv(prog, keys, s, k, v)
         return call_attention(stage, state, q, ks, vs, prog.cols(s, q.shape[0]), False, scale)
 
     own_wire = None
@@ -696,27 +810,27 @@ def backward_overlap(prog: RankProgram, exchange, backend, dout, dlse, q, k, v, 
     if prog.merged is None:
         for t in prog.backward_order:
             r = prog.rounds[t]
-            rounds.arrive(t)
+            keys.arrive(t)
             if r.stage_size:
                 returns.stage_grads(r, *run(t + 1))
             returns.send(r)
     else:
-        own_wire = _backward_merged(prog, rounds, returns, stage, state, q, scale, own_wire)
+        own_wire = _backward_merged(prog, keys, returns, stage, state, q, scale, own_wire)
     dk, dv = returns.own_grads(own_wire, backend)
     return call_attention(finish, state), dk, dv
 
 
-def _backward_merged(prog, rounds: _Rounds, returns: _Returns, stage, state, q, scale, own_wire):
+def _backward_merged(prog, keys: _Keys, returns: _Returns, stage, state, q, scale, own_wire):
     """The merged stages of ``prog.merged`` in one call once every round arrived: their K/V
-    gathered from the store with one ``index_select``, their dK/dV split back into rows per
-    round (views of one wire buffer) and returned in backward order. Returns the own stage's
-    dK/dV wire rows (``own_wire`` unless the call covered the own stage)."""
+    are the whole key buffer, their dK/dV split back into rows per round (views of one wire
+    buffer) and returned in backward order. Returns the own stage's dK/dV wire rows
+    (``own_wire`` unless the call covered the own stage)."""
     m = prog.merged
     for t in prog.backward_order:
-        rounds.arrive(t)
+        keys.arrive(t)
     grads = None
-    if m.rows is not None:
-        ks, vs = from_wire(rounds.store, m.rows)
+    if prog.n_keys:
+        ks, vs = keys.all()
         dk, dv = call_attention(stage, state, q, ks, vs, prog.merged_cols(q.shape[0]), False, scale)
         grads = to_wire(dk, dv, prog.chunk_size)
         if m.own is not None:
@@ -731,11 +845,10 @@ def _backward_merged(prog, rounds: _Rounds, returns: _Returns, stage, state, q, 
 
 def forward_allgather(prog: RankProgram, exchange, backend, q, k, v, scale):
     """Baseline forward: all-gather the wire rows, one attention call over the needed keys."""
-    gathered = _gather(prog, exchange, k, v)
-    if prog.gather_rows is None:
+    keys = _gathered_keys(prog, exchange, backend, k, v)
+    if keys is None:
         return _finish_forward([], [], q, v)
-    ks, vs = from_wire(gathered, prog.gather_rows)
-    o, l = call_attention(backend.forward, q, ks, vs, prog.cols(0, q.shape[0]), False, scale)
+    o, l = call_attention(backend.forward, q, keys[0], keys[1], prog.cols(0, q.shape[0]), False, scale)
     return o.to(q.dtype), l
 
 
@@ -746,16 +859,26 @@ def _gather(prog, exchange, k, v):
     return out
 
 
+def _gathered_keys(prog, exchange, backend, k, v, gathered=None) -> Optional[torch.Tensor]:
+    """The all-gather baseline's key buffer: the needed chunks of the gathered wire rows."""
+    gathered = _gather(prog, exchange, k, v) if gathered is None else gathered
+    if prog.key_rows is None:
+        return None
+    keys = _key_buffer(k, prog.n_keys, prog.chunk_size)
+    gather_stage_keys(gathered, prog.key_rows, keys, 0, backend)
+    return keys
+
+
 def backward_allgather(prog: RankProgram, exchange, backend, dout, dlse, q, k, v, out, lse, scale):
     """Baseline backward: all-gather again, one backward call, reduce-scatter dK/dV."""
     gathered = _gather(prog, exchange, k, v)
+    keys = _gathered_keys(prog, exchange, backend, k, v, gathered)
     full = torch.zeros_like(gathered)
     dq = None
-    if prog.gather_rows is not None:
-        ks, vs = from_wire(gathered, prog.gather_rows)
-        dq, dk, dv = call_attention(backend.backward, dout, dlse, q, ks, vs, out, lse,
+    if keys is not None:
+        dq, dk, dv = call_attention(backend.backward, dout, dlse, q, keys[0], keys[1], out, lse,
                                     prog.cols(0, q.shape[0]), False, scale)
-        full.index_copy_(0, prog.gather_rows, to_wire(dk, dv, prog.chunk_size))
+        full.index_copy_(0, prog.key_rows, to_wire(dk, dv, prog.chunk_size))
     mine = k.new_empty(_wire_shape(prog.n_own, k, prog.chunk_size))
     exchange.reduce_scatter(mine, full)
     dk, dv = from_wire(mine, None)

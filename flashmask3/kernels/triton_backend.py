@@ -1,8 +1,8 @@
 """The Triton backend of :func:`flashmask3.flashmask_attention`: what runs a call.
 
 Backend contract (docs/ARCHITECTURE.md): :func:`forward` and :func:`backward` (and the
-optional staged backward, ``merge_stages`` and ``add_returns`` / ``returns_usable``, which
-context parallelism uses). Layout is
+optional staged backward, ``merge_stages``, ``gather_keys`` / ``gather_usable`` and
+``add_returns`` / ``returns_usable``, which context parallelism uses). Layout is
 q ``[B, Sq, Hq, D]``, k/v ``[B, Sk, Hk, D]`` (GQA without repeating K/V), mask
 ``startend_row_indices`` int32 ``[B, Hm, Sk, C]`` or ``None``, LSE fp32 ``[B, Hq, Sq]``.
 
@@ -27,6 +27,8 @@ from .gluon_bwd import (FUSED_VARIANT, GluonDkdv, dq_accumulator_view, launch_dk
                         new_dq_accumulator)
 from .gluon_fwd import GluonForward, launch_fwd_gluon
 from .launcher import cdiv
+from .gather import gather_keys  # noqa: F401  (the context-parallel stages' keys from wire rows)
+from .gather import usable as gather_usable  # noqa: F401
 from .merge import merge_stages  # noqa: F401  (the context-parallel forward's merge)
 from .returns import add_returns  # noqa: F401  (the context-parallel backward's gradient returns)
 from .returns import usable as returns_usable  # noqa: F401

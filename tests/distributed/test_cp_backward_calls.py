@@ -107,7 +107,8 @@ def test_merged_program_layout():
         assert m.first_stage == first and prog.backward_calls == calls
         want = torch.cat([c for c in stage.stage_cols[first:] if c is not None], dim=2)
         assert torch.equal(m.cols, want)
-        assert m.rows.numel() * p.chunk_size == want.shape[2]
+        assert prog.key_first == first and prog.n_keys * p.chunk_size == want.shape[2]
+        assert prog.key_rows.numel() == prog.n_keys
         assert [t for t, _, _ in m.pieces] == prog.backward_order
         sizes = {t: z - a for t, a, z in m.pieces}
         assert sizes == {r.index: r.stage_size for r in prog.rounds}

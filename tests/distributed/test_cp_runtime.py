@@ -15,7 +15,7 @@ import torch
 
 import flashmask3.masks as M
 from benchmarks.corpus import document_spreads
-from benchmarks.cp_single_gpu import RETURNS_KERNEL, STAGED_BACKWARD, Without
+from benchmarks.cp_single_gpu import GATHER_KERNEL, RETURNS_KERNEL, STAGED_BACKWARD, Without
 from flashmask3.distributed import EmulatedExchange, LaunchCounter, plan, prepare_rank, run_layer
 from flashmask3.distributed.comm import node_ids, node_layout_error
 from flashmask3.distributed.launches import not_counted
@@ -70,6 +70,39 @@ def test_prepare_rank_is_cached_and_matches_the_plan():
             assert [got[i] for i in r.stage_rows.tolist()] == list(stages[r.index + 1])
     with pytest.raises(ValueError, match="comm"):
         prepare_rank(p, 1, "cpu", "ring")
+
+
+@pytest.mark.parametrize("nodes", [1, 2])
+def test_key_buffer_rows_and_send_views(nodes):
+    """The key buffer holds the stages from ``key_first`` on, in stage order, gathered from the
+    right rows of the pass's K/V store (own wire rows first where it holds the own stage); every
+    direct message is its chunks, as a view of consecutive own rows or from the packed payload,
+    and most of a corpus plan's messages need no packing (the hierarchical one here none)."""
+    p = _corpus_plan(4096, 8, nodes)
+    views = packed = 0
+    for rank in range(p.cp_size):
+        for calls in ("stage", "one", "local+one"):
+            prog = prepare_rank(p, rank, "cpu", backward_calls=calls)
+            assert prog.key_first == (0 if calls == "one" else 1)
+            store = list(prog.own_chunks) if prog.key_first == 0 else []
+            for r in prog.rounds:
+                store += [c for m in r.recvs for c in m.chunks]
+            held = [list(s) for s in prog.stage_chunks[prog.key_first:]]
+            rows = [] if prog.key_rows is None else prog.key_rows.tolist()
+            assert [store[i] for i in rows] == [c for s in held for c in s]
+            assert list(prog.key_starts) == [sum(len(s) for s in held[:i]) for i in range(len(held) + 1)]
+            own = list(prog.own_chunks)
+            pack = [] if prog.pack_rows is None else [own[i] for i in prog.pack_rows.tolist()]
+            for r in prog.rounds:
+                if r.source is not None:
+                    assert r.send_parts == ()
+                    continue
+                assert len(r.send_parts) == len(r.sends)
+                for m, (is_packed, a, b) in zip(r.sends, r.send_parts):
+                    assert (pack if is_packed else own)[a:b] == list(m.chunks)
+                    views += not is_packed
+                    packed += is_packed
+    assert views > packed and (packed > 0 or nodes > 1), (views, packed)  # (flat: both kinds)
 
 
 @pytest.mark.parametrize("cp", [8, 32, 128])
@@ -333,3 +366,27 @@ def test_one_launch_gradient_returns_equal_the_torch_sum(nodes, calls):
         if checked == 3:  # (the interpreter is slow: three sending ranks a case)
             break
     assert checked >= 2
+
+
+@pytest.mark.parametrize("nodes,comm,calls,keep", [(1, "overlap", "stage", True), (1, "overlap", "one", False),
+                                                   (2, "overlap", "local+one", True),
+                                                   (2, "overlap", "one", True), (1, "allgather", "stage", True)])
+def test_gather_kernel_in_the_runtime_equals_the_torch_gather(nodes, comm, calls, keep):
+    """The stages' keys gathered by kernels/gather.py (the Triton backend, interpreter) give
+    bitwise the same output and gradients as the torch gather, overlapped (each backward_calls
+    mode, the K/V kept or fetched again) and all-gathered, for a rank of a cp-8 corpus plan
+    with every stage non-empty."""
+    T = pytest.importorskip("flashmask3.kernels.triton_backend")
+    if T.unsupported_reason(torch.empty(1, 1, 1, 16)) is not None:
+        pytest.skip("Triton backend needs CUDA or TRITON_INTERPRET=1")
+    p = _corpus_plan(1024, 8, nodes)
+    rank = _full_rank(p)
+    prog = prepare_rank(p, rank, "cpu", comm, backward_calls=calls)
+    grads = []
+    for backend in (T, Without(T, GATHER_KERNEL)):
+        q, k, v, ex = _layer_inputs(p, rank, hq=2, hk=1, d=16, seed=rank)
+        out, _ = run_layer(q, k, v, prog, ex, 0.25, backend=backend, keep_kv=keep)
+        out.backward(torch.ones_like(out))
+        grads.append((out.detach(), q.grad, k.grad, v.grad))
+    for fused, ref in zip(*grads):
+        assert torch.equal(fused, ref)

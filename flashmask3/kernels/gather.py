@@ -1,0 +1,89 @@
+"""One launch that gathers a context-parallel stage's keys out of wire rows into the key layout.
+
+K and V travel between ranks in wire rows ``[rows, 2, B, chunk, Hk, D]`` (one contiguous
+message per peer, docs/cp-runtime.md), but an attention call takes contiguous K and V
+``[B, keys, Hk, D]``. The runtime keeps one key buffer ``[2, B, keys, Hk, D]`` per pass whose
+halves hold every stage's K and V in stage order: a stage's keys are a slice of it and the
+merged backward call's keys are all of it. :func:`gather_keys` fills one stage's slice from
+the rows of the receive buffer in one launch: each program copies one contiguous block of a
+K or V half of one row, so the copy runs at memory bandwidth. In torch the same move is an
+``index_select`` on a permuted view (an element-wise gather at about a third of the
+bandwidth), done once in the forward and once more in the backward before this kernel
+(``benchmarks/NOTES.md``, session 29). ``distributed.runtime.gather_stage_keys`` keeps the
+torch path for CPU tensors and float64.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from .launcher import cdiv, launch
+from .tl_kernels import interpreting
+
+#: Elements of one K (or V) half of a wire row per program.
+BLOCK = 4096
+
+
+def usable(src: torch.Tensor) -> bool:
+    """Whether :func:`gather_keys` runs for wire rows like ``src``: on a GPU or under Triton's
+    CPU interpreter (any dtype: it only copies)."""
+    return src.is_cuda or interpreting()
+
+
+@triton.jit(do_not_specialize=["NB", "POS"])
+def _gather_keys_kernel(src_ptr, rows_ptr, dst_ptr, HALF, CS_HD, NB, B_STRIDE, KV_STRIDE, POS,
+                        BLOCK: tl.constexpr):
+    """Program ``(i, blk, kv)``: block ``blk % NB`` (``BLOCK`` elements) of batch row
+    ``blk // NB`` of the K (``kv = 0``) or V half of wire row ``rows[i]`` of ``src``
+    (``[N, 2, B, cs, Hk, D]`` contiguous: ``HALF = B * cs * Hk * D`` elements a half,
+    ``CS_HD = cs * Hk * D`` a batch row's chunk) into key chunk ``POS + i`` of ``dst``
+    (``[2, B, keys, Hk, D]`` contiguous: ``B_STRIDE = keys * Hk * D``, ``KV_STRIDE = B *
+    B_STRIDE``). Both sides of a block are contiguous; the bases are 64-bit. The sizes are
+    specialised (Triton's divisible-by-16 flag: every real shape's are, so the copies are
+    128-bit vectors); the block count and position are not (no compile per stage)."""
+    i = tl.program_id(0)
+    blk = tl.program_id(1)
+    kv = tl.program_id(2).to(tl.int64)
+    b = (blk // NB).to(tl.int64)
+    offs = (blk % NB) * BLOCK + tl.arange(0, BLOCK)
+    emask = offs < CS_HD
+    row = tl.load(rows_ptr + i).to(tl.int64)
+    x = tl.load(src_ptr + ((row * 2 + kv) * HALF + b * CS_HD) + offs, mask=emask)
+    dst = kv * KV_STRIDE + b * B_STRIDE + (POS + i).to(tl.int64) * CS_HD
+    tl.store(dst_ptr + dst + offs, x, mask=emask)
+
+
+def check_gather(src: torch.Tensor, rows: torch.Tensor, dst: torch.Tensor, pos: int) -> None:
+    """ValueError unless ``src`` are wire rows ``[N, 2, B, chunk, Hk, D]`` and ``dst`` a key
+    buffer ``[2, B, keys, Hk, D]`` of the same B, Hk, D and dtype with room for
+    ``len(rows)`` chunks from chunk ``pos`` on (both contiguous), ``rows`` a 1-D integer
+    index on their device."""
+    if src.dim() != 6 or src.shape[1] != 2 or not src.is_contiguous():
+        raise ValueError(f"src must be contiguous wire rows [n, 2, B, chunk, Hk, D], got {tuple(src.shape)}")
+    b, cs, hk, d = src.shape[2:]
+    if dst.dim() != 5 or tuple(dst.shape[:2]) != (2, b) or tuple(dst.shape[3:]) != (hk, d) \
+            or not dst.is_contiguous() or dst.dtype != src.dtype:
+        raise ValueError(f"dst must be a contiguous key buffer [2, {b}, keys, {hk}, {d}] of "
+                         f"{src.dtype}, got {tuple(dst.shape)} {dst.dtype}")
+    if rows.dim() != 1 or rows.dtype not in (torch.int32, torch.int64) or rows.device != src.device:
+        raise ValueError(f"rows must be a 1-D int32/int64 index on {src.device}, got "
+                         f"{tuple(rows.shape)} {rows.dtype} on {rows.device}")
+    if pos < 0 or (pos + rows.numel()) * cs > dst.shape[2]:
+        raise ValueError(f"{rows.numel()} chunks of {cs} keys from chunk {pos} do not fit the "
+                         f"buffer's {dst.shape[2]} keys")
+
+
+def gather_keys(src: torch.Tensor, rows: torch.Tensor, dst: torch.Tensor, pos: int) -> None:
+    """Copy wire rows ``src[rows]`` into ``dst``'s key chunks ``pos, pos + 1, ...``: K halves
+    into ``dst[0]``, V halves into ``dst[1]`` (layouts: :func:`check_gather`); one launch."""
+    check_gather(src, rows, dst, pos)
+    n = rows.numel()
+    if n == 0:
+        return
+    b, cs, hk, d = src.shape[2:]
+    row = cs * hk * d
+    nb = cdiv(row, BLOCK)
+    launch(_gather_keys_kernel, (n, b * nb, 2), src, rows, dst, b * row, row, nb,
+           dst.shape[2] * hk * d, b * dst.shape[2] * hk * d, pos, BLOCK=BLOCK, num_warps=4)

@@ -1,0 +1,73 @@
+"""The one-launch gather of a context-parallel stage's keys (kernels/gather.py), under the
+interpreter without a GPU and compiled on one: random wire rows, a random (repeating) row index,
+written into a slice of a key buffer whose other keys must stay as they were; against the
+torch path of ``distributed.runtime.gather_stage_keys``."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from flashmask3.distributed.runtime import gather_stage_keys
+from flashmask3.kernels import gather
+
+
+def _case(n_src=7, n_rows=5, keys=9, b=2, cs=8, hk=3, d=16, dtype=torch.bfloat16, seed=0, device="cpu"):
+    g = torch.Generator().manual_seed(seed)
+    src = torch.randn(n_src, 2, b, cs, hk, d, generator=g).to(dtype).to(device)
+    rows = torch.randint(0, n_src, (n_rows,), generator=g).to(device)
+    dst = torch.randn(2, b, keys * cs, hk, d, generator=g).to(dtype).to(device)
+    return src, rows, dst
+
+
+def _interpreted():
+    if not gather.usable(torch.empty(1)):
+        pytest.skip("the gather kernel needs CUDA or TRITON_INTERPRET=1")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.float64])
+@pytest.mark.parametrize("pos", [0, 3])
+def test_gather_keys_matches_the_torch_path(dtype, pos):
+    _interpreted()
+    src, rows, dst = _case(dtype=dtype, seed=pos)
+    want = dst.clone()
+    gather_stage_keys(src, rows, want, pos)  # no backend: the torch ops
+    got = dst.clone()
+    gather.gather_keys(src, rows.to(torch.int32), got, pos)
+    assert torch.equal(got, want)
+    cs = src.shape[3]
+    for i, r in enumerate(rows.tolist()):  # and what the layout means, chunk by chunk
+        keys = slice((pos + i) * cs, (pos + i + 1) * cs)
+        assert torch.equal(got[0, :, keys], src[r, 0]) and torch.equal(got[1, :, keys], src[r, 1])
+    untouched = torch.ones(dst.shape[2], dtype=torch.bool)
+    untouched[pos * cs:(pos + len(rows)) * cs] = False
+    assert torch.equal(got[:, :, untouched], dst[:, :, untouched])
+
+
+def test_gather_keys_rejects_other_layouts():
+    src, rows, dst = _case()
+    with pytest.raises(ValueError, match="src"):
+        gather.gather_keys(src[:, :1], rows, dst, 0)
+    with pytest.raises(ValueError, match="dst"):
+        gather.gather_keys(src, rows, dst[:, :1], 0)
+    with pytest.raises(ValueError, match="dst"):
+        gather.gather_keys(src, rows, dst.float(), 0)
+    with pytest.raises(ValueError, match="rows"):
+        gather.gather_keys(src, rows.float(), dst, 0)
+    with pytest.raises(ValueError, match="do not fit"):
+        gather.gather_keys(src, rows, dst, 5)
+
+
+@pytest.mark.gpu
+def test_gather_keys_on_the_gpu_at_a_cp_128_shape():
+    """The compiled kernel at a cp-128 stage's shape (100 chunks of 128 keys, 8 KV heads,
+    D=128, bf16) and a batch of two, into the middle of a key buffer."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    for b, n in ((1, 100), (2, 17)):
+        src, rows, dst = _case(n_src=300, n_rows=n, keys=130, b=b, cs=128, hk=8, d=128, device="cuda", seed=b)
+        want = dst.clone()
+        gather_stage_keys(src, rows, want, 20)
+        got = dst.clone()
+        gather.gather_keys(src, rows, got, 20)
+        assert torch.equal(got, want)
