@@ -23,7 +23,7 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from .runtime import GRAD_TAG
+from .runtime import GRAD_TAG, SendParts
 
 _READY_GROUPS: set[str] = set()
 
@@ -85,8 +85,9 @@ class DistExchange:
     """The runtime's exchange over a torch.distributed group (see
     :mod:`flashmask3.distributed.runtime`): one ``batch_isend_irecv`` per round and direction.
 
-    A forward round sends each message's wire rows to ``m.peer`` (``send``: one tensor per
-    message, or one buffer of which each message is ``send[m.start:m.stop]``) and receives
+    A forward round sends each message's wire rows to ``m.peer`` (``send``: a direct round's
+    :class:`~.runtime.SendParts`, or one buffer of which each message is
+    ``send[m.start:m.stop]``) and receives
     straight into slices of ``recv``; the reverse round swaps the roles of the two message
     lists. Tags: the round index, plus :data:`GRAD_TAG` in reverse."""
 
@@ -97,7 +98,7 @@ class DistExchange:
     def start(self, rnd, reverse: bool, send, recv) -> _Batch:
         out_msgs, in_msgs = (rnd.recvs, rnd.sends) if reverse else (rnd.sends, rnd.recvs)
         tag = rnd.index + (GRAD_TAG if reverse else 0)
-        parts = send if isinstance(send, (list, tuple)) else [send[m.start:m.stop] for m in out_msgs]
+        parts = send.tensors() if isinstance(send, SendParts) else [send[m.start:m.stop] for m in out_msgs]
         ops = [dist.P2POp(dist.isend, part, group=self.pg, group_peer=m.peer, tag=tag)
                for m, part in zip(out_msgs, parts)]
         ops += [dist.P2POp(dist.irecv, recv[m.start:m.stop], group=self.pg, group_peer=m.peer, tag=tag)

@@ -559,6 +559,19 @@ def _round_views(prog: RankProgram, store: torch.Tensor, lead: int) -> dict[int,
     return {r.index: store[lead + r.recv_offset:lead + r.recv_offset + r.n_recv] for r in prog.rounds}
 
 
+class SendParts:
+    """A direct round's outgoing messages: views of the own wire rows ``own`` or of the packed
+    payload ``packed`` (:attr:`RoundProgram.send_parts`), sliced only when an exchange sends
+    them (:meth:`tensors`; the emulation never does: a slice is host time per message)."""
+
+    def __init__(self, own: torch.Tensor, packed: Optional[torch.Tensor], parts):
+        self.own, self.packed, self.parts = own, packed, parts
+
+    def tensors(self) -> list[torch.Tensor]:
+        """One tensor per message, in message order."""
+        return [(self.packed if p else self.own)[a:b] for p, a, b in self.parts]
+
+
 class _Rounds:
     """Forward traffic of one pass: issues rounds as their payloads become available.
 
@@ -583,7 +596,7 @@ class _Rounds:
         packed = wire_own.index_select(0, prog.pack_rows) if prog.pack_rows is not None else None
         for r in prog.rounds:
             if r.source is None:
-                send = [(packed if p else wire_own)[a:b] for p, a, b in r.send_parts] or None
+                send = SendParts(wire_own, packed, r.send_parts) if r.send_parts else None
                 self.pending[r.index] = exchange.start(r, False, send, self.bufs[r.index])
 
     def arrive(self, t: int) -> torch.Tensor:
