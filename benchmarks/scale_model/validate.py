@@ -32,6 +32,7 @@ from .calibrate import (MEASURED_FILE, RESULTS, AttentionCost, TileCounts, fit_r
                         row_tiles, work_summary)
 from .layout import PlanView, RoundView, document_plan_view, mask_sparsity
 from .params import Cluster, Param, Runtime
+from .runtime_ops import ops_seconds
 from .timeline import AttnShape, merge_calls, simulate_layer
 
 SINGLE = os.path.join(RESULTS, "cp_single_gpu.json")
@@ -477,53 +478,166 @@ def emulated_copy_seconds(view: PlanView, r: int, shape: AttnShape, comm: str) -
     return 2 * shape.kv_bytes((recv + sent) * view.chunk_size) / bw
 
 
+#: flashmask3 kernels of a CP layer that are the runtime's own work, not attention (the merge,
+#: the key gather, the gradient sum: kernels/merge.py, gather.py, returns.py).
+RUNTIME_KERNELS = ("_merge_kernel", "_gather_keys_kernel", "_add_returns_kernel")
+
+#: Host µs per op of a CP layer on the H200 machine's VM, from benchmarks/results/
+#: host_breakdown.json (session 27, another day than any breakdown file): a prepared forward call
+#: 45 (``bound_ab`` call.forward); the backward body 168 (``bound_ab`` call.backward) = the
+#: pre-pass launch (24) and the dQ scaling launch (20) each with its Python, and the stage call;
+#: a Triton launch through the launcher 21; a torch op 23 (``x.add_(1)``); the autograd engine's
+#: hand-off to its device thread 219 (``handoff``, 0 µs backward), once per backward.
+HOST_US = {"forward": 45.0, "backward_prepare": 35.0, "backward_stage": 105.0, "backward_finish": 28.0,
+           "backward": 168.0, "kernel": 21.0, "torch": 23.0, "emulated": 23.0, "engine": 219.0}
+
+#: GPU floor of one small launch (a kernel's fixed cost on the H200, the order of the emptiest
+#: kernels in the profiles: 2-5 µs).
+LAUNCH_FLOOR = 3e-6
+
+#: cp sizes whose ranks fit the runtime ops' copy bandwidth; the others are held out.
+COPY_FIT_CP = (8, 32)
+
+
+def _attention_op_seconds(op, view: PlanView, r: int, cost: AttentionCost, shape: AttnShape, comm: str,
+                          calls: str) -> float:
+    """GPU seconds of one recorded attention call (runtime_ops.Op) by the attention cost model:
+    a stage's forward or staged backward on its tiles, the merged call on the merged stages'
+    tiles, the all-gather calls on the sorted keys; the backward's query-row passes (pre-pass,
+    dQ scaling) split between its prepare and finish."""
+    h, hk = shape.heads, shape.kv_heads
+    stages = view.stages[r]
+    live = [t for t in stages if t.live]
+    if op.name in ("backward_prepare", "backward_finish"):
+        return cost.backward_query_blocks(live[0], h) / 2 if live else 0.0
+    if comm == "allgather":
+        t = view.sorted_tiles[r]
+        return (cost.gpu_forward if op.name == "forward" else cost.gpu_backward)(t, h, hk) if t.live else 0.0
+    if op.stage == "merged":
+        t = merge_calls(stages if calls == "one" else stages[1:])
+        return cost.gpu_backward_stage(t, h, hk) if t is not None and t.live else 0.0
+    t = stages[op.stage]
+    if not t.live:
+        return 0.0
+    return (cost.gpu_forward if op.name == "forward" else cost.gpu_backward_stage)(t, h, hk)
+
+
+def emulated_layer_seconds(ops, attn_seconds: list, copy_bw: float, host_scale: float = 1.0) -> tuple:
+    """``(layer, host)`` seconds of one rank's layer on the emulation, from its recorded op
+    sequence: the host issues the ops in order (:data:`HOST_US` each, x ``host_scale``; the
+    autograd engine's hand-off before the backward's first op), the GPU runs each as soon as it
+    is issued and the previous one finished (attention ops: ``attn_seconds`` in order; the others:
+    bytes at ``copy_bw`` plus :data:`LAUNCH_FLOOR`). The layer ends when both are done (the
+    timer's stop event is recorded after the host returns)."""
+    host = gpu = 0.0
+    attn = iter(attn_seconds)
+    backward = False
+    for op in ops:
+        if op.pass_ == "bwd" and not backward:
+            backward = True
+            host += HOST_US["engine"] * 1e-6 * host_scale
+        host += HOST_US[op.name if op.kind == "attention" else op.kind] * 1e-6 * host_scale
+        g = next(attn) if op.kind == "attention" else op.nbytes / copy_bw + LAUNCH_FLOOR
+        if g > 0:
+            gpu = max(gpu, host) + g
+    return max(gpu, host), host
+
+
+def _measured_runtime_seconds(b: dict) -> float:
+    """A profiled layer's non-attention device time: torch ops plus the runtime's own kernels."""
+    return (b["torch_ms"] + sum(ms for n, ms in b["own"] if n in RUNTIME_KERNELS)) * 1e-3
+
+
+def fit_copy_bandwidth(samples) -> float:
+    """The bandwidth that makes ``bytes / bw + launches x floor`` closest to the measured times in
+    relative terms (least squares): ``samples`` = ``(bytes, launches, measured seconds)``."""
+    num = sum(b / m * (1 - n * LAUNCH_FLOOR / m) for b, n, m in samples)
+    den = sum((b / m) ** 2 for b, _, m in samples)
+    return den / num
+
+
+def _recorded_ranks(res: dict, cost: AttentionCost, shape: AttnShape) -> list[tuple]:
+    """Every profiled rank of a breakdown file whose rebuilt plan reproduces its recorded work:
+    ``(config name, cp, rank entry, view, recorded ops, attention seconds per attention op,
+    backward calls, comm)``."""
+    import flashmask3.masks as M
+    from flashmask3.distributed import plan as make_plan
+
+    from .runtime_ops import record_layer
+
+    a, lens = res["args"], res["lengths"]
+    mask = M.causal_document_mask(lens)
+    rows = []
+    for cp, configs in res["cp"].items():
+        for e in configs.values():
+            view = document_plan_view(lens, int(cp), e["balance"], e["nodes"])
+            p = make_plan(mask, None, int(cp), balance=e["balance"], nodes=e["nodes"])
+            comm, name = e["comm"], f"cp {cp} {e['config']}"
+            for r in e["ranks"]:
+                if r.get("breakdown") is None or view.works[r["rank"]] != r["work"]:
+                    continue  # not profiled, or the plan does not reproduce the recorded work
+                calls = r.get("backward_calls", "stage") if comm == "overlap" else "stage"
+                ops = record_layer(p, r["rank"], comm, calls, a["heads"], a["kv_heads"], a["head_dim"])
+                attn = [_attention_op_seconds(o, view, r["rank"], cost, shape, comm, calls)
+                        for o in ops if o.kind == "attention"]
+                rows.append((name, int(cp), r, view, ops, attn, calls, comm))
+    return rows
+
+
 def validate_cp_runtime(path: str = CP_RUNTIME_BREAKDOWN, cost: Optional[AttentionCost] = None) -> dict:
     """The model against the context-parallel runtime on one GPU, per timed rank of a
-    ``cp_single_gpu.py --breakdown`` file (every rank's plan rebuilt from the recorded document
-    lengths, checked against the recorded work). Two checks, both held out (the calibration
-    never saw this head layout nor the runtime):
+    ``cp_single_gpu.py --breakdown`` file: every rank's plan rebuilt from the recorded document
+    lengths (checked against the recorded work) and its layer's op sequence recorded from the
+    real runtime (runtime_ops.record_layer). Checks (the attention calibration never saw this
+    head layout nor the runtime):
 
     ``kernels``  the model's GPU time of the rank's attention calls (:func:`rank_kernel_seconds`)
-                 vs the profiled time of flashmask3's attention kernels in the layer (the merge
-                 kernel left out: the model counts merges apart);
-    ``layer``    the model's layer on the emulation (the timeline on a cluster without links, plus
-                 :func:`emulated_copy_seconds`) vs the measured layer time.
+                 vs the profiled time of flashmask3's attention kernels in the layer;
+    ``runtime``  the runtime's own device work (its torch ops, the emulated exchange's copies, the
+                 merge / gather / gradient-sum kernels): the recorded ops' bytes at one copy
+                 bandwidth plus a launch floor each, the bandwidth fitted on the ranks of cp
+                 :data:`COPY_FIT_CP` (their points ``held_out`` False), vs the profiled time;
+    ``busy``     the two together vs the GPU's profiled busy time;
+    ``layer``    the emulated layer (:func:`emulated_layer_seconds`: host and GPU take the
+                 recorded ops in order), the host per op scaled to the rank's measured host time,
+                 vs the measured layer time;
+    ``layer_host_model``  the same with the host per op as :data:`HOST_US` says (another day's
+                 measurement: this VM's host speed drifts by tens of percent between runs).
 
-    Each point keeps the measured composition of its layer (torch ops, GPU idle) in its note."""
+    Each layer point keeps the measured composition (torch ops, GPU idle, host) in its note."""
     if not os.path.exists(path):
         return {}
     with open(path) as f:
         res = json.load(f)
-    lens = res.get("lengths")  # recorded from session 28 on (the corpus is machine-dependent)
-    if lens is None:
+    if res.get("lengths") is None:  # recorded from session 28 on (the corpus is machine-dependent)
         return {}
     a = res["args"]
     shape = AttnShape(a["heads"], a["kv_heads"], a["head_dim"])
     cost = cost or load_cost("flashmask3", a["heads"] != a["kv_heads"])
+    rows = _recorded_ranks(res, cost, shape)
+    fit = [(sum(o.nbytes for o in ops if o.kind != "attention"), sum(o.kind != "attention" for o in ops),
+            _measured_runtime_seconds(r["breakdown"])) for _, cp, r, _, ops, _, _, _ in rows if cp in COPY_FIT_CP]
+    bw = fit_copy_bandwidth(fit) if fit else EMULATED.hbm_bw.value
+    checks = ("kernels", "runtime", "busy", "layer", "layer_host_model")
     by_config: dict = {}
-    for cp, configs in res["cp"].items():
-        for e in configs.values():
-            view = document_plan_view(lens, int(cp), e["balance"], e["nodes"])
-            comm, name = e["comm"], f"cp {cp} {e['config']}"
-            entry = by_config.setdefault(name, {"kernels": [], "layer": [], "torch": [], "idle": []})
-            for r in e["ranks"]:
-                b, rank = r.get("breakdown"), r["rank"]
-                if b is None or view.works[rank] != r["work"]:
-                    continue  # not profiled, or the plan does not reproduce the recorded work
-                calls = r.get("backward_calls", "stage")
-                attn = sum(ms for n, ms in b["own"] if n != "_merge_kernel") * 1e-3
-                k = Point(f"{name} rank {rank}", attn,
-                          rank_kernel_seconds(view, rank, cost, shape, comm, calls))
-                rt = Runtime("lean", bwd_calls=calls if comm == "overlap" else "stage", keep_kv=True)
-                lr = simulate_layer(view, cost, EMULATED, shape, comm, rt)
-                pred = max(lr.fwd.ranks[rank].end + lr.bwd.ranks[rank].end
-                           + emulated_copy_seconds(view, rank, shape, comm), lr.host[rank])
-                note = (f"measured layer {r['seconds'] * 1e3:.2f} ms: attention kernels {attn * 1e3:.2f}, "
-                        f"torch ops {b['torch_ms']:.2f}, GPU idle inside {b['idle_ms']:.2f} (profiled step)")
-                entry["kernels"].append(k)
-                entry["layer"].append(Point(f"{name} rank {rank}", r["seconds"], pred, True, note))
-                entry["torch"].append(b["torch_ms"] * 1e-3)
-                entry["idle"].append(b["idle_ms"] * 1e-3)
-    return {"kernels": [p for e in by_config.values() for p in e["kernels"]],
-            "layer": [p for e in by_config.values() for p in e["layer"]],
-            "by_config": by_config, "env": res["env"], "args": a}
+    for name, cp, r, view, ops, attn, calls, comm in rows:
+        b, rank, held = r["breakdown"], r["rank"], cp not in COPY_FIT_CP
+        entry = by_config.setdefault(name, {k: [] for k in checks + ("torch", "idle")})
+        label = f"{name} rank {rank}"
+        measured_attn = sum(ms for n, ms in b["own"] if n not in RUNTIME_KERNELS) * 1e-3
+        runtime = ops_seconds(ops, bw, LAUNCH_FLOOR)
+        _, host_model = emulated_layer_seconds(ops, attn, bw)
+        note = (f"measured layer {r['seconds'] * 1e3:.2f} ms, host {r['host_seconds'] * 1e3:.2f} ms: attention "
+                f"kernels {measured_attn * 1e3:.2f}, runtime ops {_measured_runtime_seconds(b) * 1e3:.2f}, GPU "
+                f"idle inside {b['idle_ms']:.2f} (profiled step)")
+        entry["kernels"].append(Point(label, measured_attn, rank_kernel_seconds(view, rank, cost, shape, comm, calls)))
+        entry["runtime"].append(Point(label, _measured_runtime_seconds(b), runtime, held))
+        entry["busy"].append(Point(label, b["busy_ms"] * 1e-3, sum(attn) + runtime, held))
+        layer, _ = emulated_layer_seconds(ops, attn, bw, r["host_seconds"] / host_model)
+        entry["layer"].append(Point(label, r["seconds"], layer, held, note))
+        entry["layer_host_model"].append(Point(label, r["seconds"], emulated_layer_seconds(ops, attn, bw)[0],
+                                               held, note))
+        entry["torch"].append(b["torch_ms"] * 1e-3)
+        entry["idle"].append(b["idle_ms"] * 1e-3)
+    return {**{k: [p for e in by_config.values() for p in e[k]] for k in checks},
+            "by_config": by_config, "env": res["env"], "args": a, "copy_bw": bw, "copy_fit_cp": COPY_FIT_CP}

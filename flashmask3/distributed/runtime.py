@@ -703,15 +703,16 @@ def forward_overlap(prog: RankProgram, exchange, backend, q, k, v, scale, keep_k
 
 def _finish_forward(outs, lses, q, v, backend=None):
     """The stages' partial attentions merged into ``(out, lse)``, out in q's dtype: in one
-    launch where the backend has a merge kernel (``merge_stages``) for these tensors (CUDA,
-    16/32-bit), else by :func:`merge_stages`."""
+    launch where the backend has a merge kernel (``merge_stages``) for these tensors
+    (``merge_usable``: CUDA or the interpreter, 16/32-bit), else by :func:`merge_stages`."""
     if not outs:
         b, s, h, _ = q.shape
         out = q.new_zeros(b, s, h, v.shape[-1])
         lse = torch.full((b, h, s), float("-inf"), dtype=acc_dtype(q.dtype), device=q.device)
         return out, lse
     fused = getattr(backend, "merge_stages", None)
-    if fused is not None and len(outs) > 1 and q.is_cuda and q.dtype != torch.float64:
+    usable = getattr(backend, "merge_usable", None)
+    if fused is not None and usable is not None and len(outs) > 1 and usable(q):
         return fused(outs, lses, q.dtype)
     out, lse = merge_stages(outs, lses, acc_dtype(q.dtype))
     return out.to(q.dtype), lse
@@ -913,12 +914,21 @@ class EmulatedExchange:
     are then K/V, not gradients: only the data movement is emulated). The copies are not counted
     by a :class:`~flashmask3.distributed.launches.LaunchCounter`; ``copy=False`` skips them."""
 
+    #: The all-gather copies wire rows in pieces of at most this many bytes: torch's
+    #: ``index_select`` of a few huge rows (dual_chunk's 8K-token chunks at cp 8: 16 rows of 32 MB)
+    #: takes a slow path at about a third of the bandwidth, an artefact of the emulation.
+    PIECE_BYTES = 1 << 20
+
     def __init__(self, wire: torch.Tensor, world: int, rank: int = 0, plan=None, copy: bool = True):
         self.wire, self.world, self.rank, self.copy = wire, world, rank, copy
         self._rank_major = None
+        numel = wire[0].numel() if wire.shape[0] else 0
+        pieces = max(1, numel * wire.element_size() // self.PIECE_BYTES)
+        self._pieces = pieces if numel % pieces == 0 else 1
         if plan is not None:
-            ids = [c for r in range(world) for c in plan.chunks(r)]
-            self._rank_major = torch.as_tensor(ids, dtype=torch.int64, device=wire.device)
+            ids = torch.as_tensor([c for r in range(world) for c in plan.chunks(r)], dtype=torch.int64)
+            n = self._pieces
+            self._rank_major = (ids[:, None] * n + torch.arange(n)).flatten().to(wire.device)
 
     def start(self, rnd: RoundProgram, reverse: bool, send, recv):
         ids = rnd.send_chunk_ids if reverse else rnd.recv_chunk_ids
@@ -930,7 +940,9 @@ class EmulatedExchange:
     def all_gather(self, out, inp):
         if self.copy:
             with not_counted():
-                torch.index_select(self.wire, 0, self._rank_major, out=out)
+                n = self._pieces
+                torch.index_select(self.wire.view(self.wire.shape[0] * n, -1), 0, self._rank_major,
+                                   out=out.view(out.shape[0] * n, -1))
 
     def reduce_scatter(self, out, inp):
         if self.copy:

@@ -18,6 +18,7 @@ import triton
 import triton.language as tl
 
 from .launcher import cdiv, launch
+from .tl_kernels import interpreting
 
 #: Stage outputs one launch reads; more are merged in groups (fp32 partial results).
 MAX_PARTS = 8
@@ -102,6 +103,12 @@ def _check_parts(outs, lses) -> None:
                              f"{tuple(l.shape)}")
     if d & (d - 1) or not 16 <= d <= 256:
         raise ValueError(f"the merge kernel supports head dims 16..256 powers of two, got {d}")
+
+
+def usable(q: torch.Tensor) -> bool:
+    """Whether :func:`merge_stages` runs for queries like ``q``: on a GPU (or Triton's CPU
+    interpreter) in a 16- or 32-bit float dtype (float64 takes the torch path)."""
+    return (q.is_cuda or interpreting()) and q.dtype in (torch.float16, torch.bfloat16, torch.float32)
 
 
 def merge_stages(outs: list[torch.Tensor], lses: list[torch.Tensor], out_dtype: torch.dtype):

@@ -1,7 +1,7 @@
 """The Triton backend of :func:`flashmask3.flashmask_attention`: what runs a call.
 
 Backend contract (docs/ARCHITECTURE.md): :func:`forward` and :func:`backward` (and the
-optional staged backward, ``merge_stages``, ``gather_keys`` / ``gather_usable`` and
+optional staged backward, ``merge_stages`` / ``merge_usable``, ``gather_keys`` / ``gather_usable`` and
 ``add_returns`` / ``returns_usable``, which context parallelism uses). Layout is
 q ``[B, Sq, Hq, D]``, k/v ``[B, Sk, Hk, D]`` (GQA without repeating K/V), mask
 ``startend_row_indices`` int32 ``[B, Hm, Sk, C]`` or ``None``, LSE fp32 ``[B, Hq, Sq]``.
@@ -30,6 +30,7 @@ from .launcher import cdiv
 from .gather import gather_keys  # noqa: F401  (the context-parallel stages' keys from wire rows)
 from .gather import usable as gather_usable  # noqa: F401
 from .merge import merge_stages  # noqa: F401  (the context-parallel forward's merge)
+from .merge import usable as merge_usable  # noqa: F401
 from .returns import add_returns  # noqa: F401  (the context-parallel backward's gradient returns)
 from .returns import usable as returns_usable  # noqa: F401
 from .tiles import Config, Plan, cached_plan, make_plan  # noqa: F401

@@ -1,0 +1,226 @@
+"""The context-parallel runtime's own device work, read off the real runtime.
+
+:func:`record_layer` runs one rank's layer (forward + backward) through
+``flashmask3.distributed.run_layer`` on the ``meta`` device: the real program of the real plan,
+the real schedule, no data and no GPU. A recording backend stands in for the attention kernels
+and the runtime's small kernels (the one-launch merge, key gather and gradient sum, as a CUDA
+run takes them), and a ``TorchDispatchMode`` records every aten operator that launches a
+kernel, with the bytes it moves. The result is the op sequence of that rank's layer, in issue
+order, each op with its kind and bytes: what :func:`ops_seconds` turns into GPU time
+(bytes at the measured copy bandwidth plus a launch floor), so the model's runtime term follows
+every change to the runtime without a second implementation of it here.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+#: Kinds of :class:`Op`: a backend attention function (its GPU time is the attention cost
+#: model's), one of the runtime's small kernels (merge, key gather, gradient sum), an aten
+#: operator of the runtime, a copy of the emulated exchange (what NCCL does in a real run).
+KINDS = ("attention", "kernel", "torch", "emulated")
+
+_aten = torch.ops.aten
+#: Operators that only allocate or change metadata (no kernel): flashmask3.distributed.launches.
+_FREE = {"empty", "empty_strided", "empty_like", "new_empty", "new_empty_strided", "detach", "lift_fresh",
+         "set_", "resize_", "is_same_size", "sym_size", "sym_stride", "sym_numel", "sym_storage_offset",
+         "is_nonzero", "_to_copy_meta"}
+#: Operators that write their output without reading a source of its size.
+_WRITE_ONLY = {"fill_", "zero_", "zeros", "zeros_like", "new_zeros", "full", "full_like", "ones_like",
+               "new_full", "new_ones"}
+
+
+@dataclass(frozen=True)
+class Op:
+    """One device operation of a rank's layer: ``kind`` (:data:`KINDS`), ``name``, the bytes it
+    reads and writes, and for attention calls which stage (``"merged"``: the merged backward
+    call) and function (``forward``, ``backward_prepare``, ``backward_stage``, ``backward_finish``,
+    ``backward``)."""
+
+    kind: str
+    name: str
+    nbytes: int = 0
+    stage: object = None
+    pass_: str = ""
+
+
+def _nbytes(x) -> int:
+    return x.numel() * x.element_size() if isinstance(x, torch.Tensor) else 0
+
+
+def _moved_bytes(name: str, args, out) -> int:
+    """Bytes an aten operator reads and writes: its output written (and read once for a copy
+    of the same size), in-place index adds read their source and the touched rows twice."""
+    if name in ("index_add_", "index_add"):
+        return 3 * _nbytes(args[3])
+    if name in ("index_copy_", "index_copy"):
+        return 2 * _nbytes(args[3])
+    outs = out if isinstance(out, (tuple, list)) else (out,)
+    written = sum(_nbytes(o) for o in outs)
+    return written if name in _WRITE_ONLY else 2 * written
+
+
+class _Recorder(TorchDispatchMode):
+    def __init__(self):
+        super().__init__()
+        self.ops: list[Op] = []
+        self.pass_ = "fwd"
+        self._pause = 0
+        self._kind = "torch"
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        name = func.overloadpacket.__name__
+        if not self._pause and not func.is_view and name not in _FREE:
+            self.ops.append(Op(self._kind, name, _moved_bytes(name, args, out), pass_=self.pass_))
+        return out
+
+    @contextlib.contextmanager
+    def paused(self):
+        self._pause += 1
+        try:
+            yield
+        finally:
+            self._pause -= 1
+
+    @contextlib.contextmanager
+    def kind(self, kind: str):
+        saved, self._kind = self._kind, kind
+        try:
+            yield
+        finally:
+            self._kind = saved
+
+
+class _Backend:
+    """Attention functions and small kernels of a CUDA backend, as meta tensors of the right
+    shapes, each recorded as one :class:`Op`."""
+
+    def __init__(self, rec: _Recorder, prog):
+        self.rec, self.prog = rec, prog
+
+    def _stage(self, cols) -> object:
+        prog = self.prog
+        for s, c in enumerate(prog.stage_cols):
+            if c is cols:
+                return s
+        if prog.merged is not None and prog.merged.cols is cols:
+            return "merged"
+        return None
+
+    def _attention(self, name, cols=None):
+        self.rec.ops.append(Op("attention", name, stage=self._stage(cols) if cols is not None else None,
+                               pass_=self.rec.pass_))
+
+    def forward(self, q, k, v, cols, causal, scale):
+        self._attention("forward", cols)
+        with self.rec.paused():
+            b, s, h, _ = q.shape
+            return q.new_empty(b, s, h, v.shape[-1]), q.new_empty(b, h, s, dtype=torch.float32)
+
+    def backward_prepare(self, q, out, dout, lse, dlse):
+        self._attention("backward_prepare")
+        return q
+
+    def backward_stage(self, state, q, k, v, cols, causal, scale):
+        self._attention("backward_stage", cols)
+        with self.rec.paused():
+            return torch.empty_like(k), torch.empty_like(v)
+
+    def backward_finish(self, state):
+        self._attention("backward_finish")
+        with self.rec.paused():
+            return torch.empty_like(state)
+
+    def backward(self, dout, dlse, q, k, v, out, lse, cols, causal, scale):
+        self._attention("backward", cols)
+        with self.rec.paused():
+            return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+
+    def merge_usable(self, q):
+        return True
+
+    def merge_stages(self, outs, lses, dtype):
+        moved = sum(_nbytes(o) + _nbytes(l) for o, l in zip(outs, lses)) + _nbytes(outs[0]) + _nbytes(lses[0])
+        self.rec.ops.append(Op("kernel", "merge", moved, pass_=self.rec.pass_))
+        with self.rec.paused():
+            return torch.empty_like(outs[0], dtype=dtype), torch.empty_like(lses[0])
+
+    def gather_usable(self, src):
+        return True
+
+    def gather_keys(self, src, rows, dst, pos):
+        row = _nbytes(src[0]) if src.shape[0] else 0
+        self.rec.ops.append(Op("kernel", "gather_keys", 2 * rows.numel() * row, pass_=self.rec.pass_))
+
+    def returns_usable(self, k):
+        return True
+
+    def add_returns(self, own, own_index, returned, returned_index, n_own, chunk, k):
+        moved = _nbytes(own) + _nbytes(returned) + 2 * n_own * chunk * k.shape[2] * k.shape[3] * k.element_size() * k.shape[0]
+        self.rec.ops.append(Op("kernel", "add_returns", moved, pass_=self.rec.pass_))
+        with self.rec.paused():
+            b, _, h, d = k.shape
+            dk = k.new_empty(b, n_own * chunk, h, d)
+            return dk, torch.empty_like(dk)
+
+
+def _exchange(rec: _Recorder, wire, p, rank):
+    from flashmask3.distributed import EmulatedExchange
+
+    class Exchange(EmulatedExchange):
+        """The emulated exchange, its copies recorded as ``emulated`` ops."""
+
+        def start(self, *a):
+            with rec.kind("emulated"):
+                return super().start(*a)
+
+        def all_gather(self, *a):
+            with rec.kind("emulated"):
+                return super().all_gather(*a)
+
+        def reduce_scatter(self, *a):
+            with rec.kind("emulated"):
+                return super().reduce_scatter(*a)
+
+    return Exchange(wire, p.cp_size, rank, plan=p)
+
+
+def record_layer(p, rank: int, comm: str, backward_calls: str, heads: int, kv_heads: int, head_dim: int,
+                 dtype: torch.dtype = torch.bfloat16, keep_kv: bool = True) -> list[Op]:
+    """The device ops of rank ``rank``'s layer (forward then backward, issue order) under plan
+    ``p`` (a :class:`flashmask3.distributed.CPPlan`), ``comm`` and ``backward_calls``, B=1."""
+    from flashmask3.distributed import prepare_rank, run_layer
+    from flashmask3.distributed.runtime import to_wire
+
+    meta = torch.device("meta")
+    prog = prepare_rank(p, rank, meta, comm, backward_calls)
+    n, s = p.local_seqlen, p.seqlen
+    rec = _Recorder()
+    backend = _Backend(rec, prog)
+    q = torch.empty(1, n, heads, head_dim, dtype=dtype, device=meta, requires_grad=True)
+    k, v = (torch.empty(1, n, kv_heads, head_dim, dtype=dtype, device=meta, requires_grad=True)
+            for _ in range(2))
+    wire = to_wire(*(torch.empty(1, s, kv_heads, head_dim, dtype=dtype, device=meta) for _ in range(2)),
+                   p.chunk_size)
+    ex = _exchange(rec, wire, p, rank)
+    with rec:
+        out, _ = run_layer(q, k, v, prog, ex, head_dim ** -0.5, backend=backend, keep_kv=keep_kv)
+        rec.pass_ = "bwd"
+        with rec.paused():
+            do = torch.empty_like(out)
+        out.backward(do)
+    return rec.ops
+
+
+def ops_seconds(ops: list[Op], copy_bw: float, launch_floor: float, kinds=("kernel", "torch", "emulated")) -> float:
+    """GPU seconds of the ops of ``kinds``: bytes at ``copy_bw`` plus ``launch_floor`` each."""
+    return sum(o.nbytes / copy_bw + launch_floor for o in ops if o.kind in kinds)
+
+
+__all__ = ["KINDS", "Op", "record_layer", "ops_seconds"]
