@@ -138,7 +138,7 @@ def _print_validation(single, multi):
               f"({100 * p.error:+.1f}%)")
     print(f"multi-GPU file: {validate.summary(multi)}")
     rt = single.get("cp_runtime") or {}
-    for kind in ("kernels", "layer"):
+    for kind in ("kernels", "runtime", "busy", "layer", "layer_host_model"):
         if rt.get(kind):
             print(f"CP runtime on one GPU, per rank [{kind}]: {validate.summary(rt[kind])}")
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from .experiment import BASELINE, COMBINED, METHODS, ON_MAIN, PAPER_GAINS, _summ, attribution, gains
 from .calibrate import SLOTS, measured_env
-from .validate import TARGET, call_name, summary
+from .validate import LAUNCH_FLOOR, TARGET, call_name, summary
 
 
 def _pct(x) -> str:
@@ -92,46 +92,55 @@ def validation_section(single: dict, multi: list, multi_path: str) -> list[str]:
 
 
 def cp_runtime_section(v: dict) -> list[str]:
-    """The CP runtime on one GPU per rank (validate.validate_cp_runtime): the attention kernels'
-    model against their profiled time inside the runtime, and the layer against its measured time,
-    with what the layer measured beyond the kernels."""
+    """The CP runtime on one GPU per rank (validate.validate_cp_runtime): the attention kernels,
+    the runtime's own device work (recorded from the real runtime), the GPU's busy time and the
+    layer, each against the profiled or measured time."""
     env, a = v["env"], v["args"]
-    k, lay = summary(v["kernels"]), summary(v["layer"])
+    fit = ", ".join(str(c) for c in v["copy_fit_cp"])
+    checks = [("kernels", "kernels"), ("runtime", "runtime ops"), ("busy", "busy"), ("layer", "layer"),
+              ("layer_host_model", "layer, host per op from host_breakdown")]
     lines = ["### The CP runtime on one GPU, per rank (cp_runtime_breakdown.json)", "",
              f"`benchmarks/cp_single_gpu.py --breakdown` on one {env.get('gpu', env['device'])} "
              f"({env['date']}): every timed rank's layer (fwd+bwd, {a['tokens'] // 1024}K tokens, "
              f"Hq={a['heads']}, Hk={a['kv_heads']}, D={a['head_dim']}, causal documents) through the real "
              "runtime, communication emulated by device copies, one more step profiled. Each rank's plan "
-             "is rebuilt from the recorded document lengths (its work checked against the file's). Held "
-             f"out: the calibration never saw this head layout ({a['heads']}/{a['kv_heads']}) nor the "
-             "runtime. **kernels** = the model's GPU time of the rank's attention calls (its stage calls "
-             "as the runtime makes them) vs flashmask3's attention kernels in the profile; **layer** = the "
-             "model's layer on this emulation (the timeline without links, plus the emulated copies at "
-             "HBM bandwidth) vs the measured layer time.", "",
-             "| layout | ranks | kernels: max / mean abs error | layer: max / mean abs error "
-             "| measured beyond the kernels: torch ops / GPU idle, ms (mean) |",
-             "|---|---|---|---|---|"]
+             "is rebuilt from the recorded document lengths (its work checked against the file's) and its "
+             "layer's op sequence is recorded from the real runtime on the meta device "
+             "(`scale_model/runtime_ops.py`: every attention call, torch op, small kernel and emulated "
+             "copy, in issue order, with the bytes it moves). The attention calibration never saw this "
+             f"head layout ({a['heads']}/{a['kv_heads']}) nor the runtime.", "",
+             "- **kernels**: the model's GPU time of the rank's attention calls vs flashmask3's attention "
+             "kernels in the profile (all ranks held out).",
+             f"- **runtime ops**: the recorded non-attention ops (torch ops, the merge / key-gather / "
+             f"gradient-sum kernels, the emulated exchange's copies) at one copy bandwidth, "
+             f"{v['copy_bw'] / 1e12:.2f} TB/s fitted on the cp {fit} ranks, plus {LAUNCH_FLOOR * 1e6:.0f} µs "
+             "a launch, vs their profiled time; held out: the other cp sizes.",
+             "- **busy**: the two together vs the GPU's busy time in the profiled layer.",
+             "- **layer**: host and GPU take the recorded ops in order (the host's µs per op from "
+             "`host_breakdown.json`, scaled to the rank's measured host time; a GPU op starts when it is "
+             "issued and the GPU is free) vs the measured layer (CUDA events).",
+             "- **layer, host per op from host_breakdown**: the same without the scaling, a prediction of "
+             "the host too (another day's host measurement; this VM's host speed drifts by tens of percent).",
+             "", "| layout | ranks | " + " | ".join(f"{t}: max / mean abs error" for _, t in checks)
+             + " | measured: runtime ops / GPU idle, ms (mean) |",
+             "|---|---|" + "---|" * len(checks) + "---|"]
     for name, e in v["by_config"].items():
         if not e["kernels"]:
             continue
-        ks, ls = summary(e["kernels"]), summary(e["layer"])
-        t, i = (sum(x) / len(x) * 1e3 for x in (e["torch"], e["idle"]))
-        lines.append(f"| {name} | {ks['points']} | {ks['max_abs_error']:.1%} / {ks['mean_abs_error']:.1%} "
-                     f"| {ls['max_abs_error']:.1%} / {ls['mean_abs_error']:.1%} | {t:.2f} / {i:.2f} |")
-    lines += ["", f"Kernels: {k['within_target']} of {k['points']} ranks within {TARGET:.0%} (worst "
-              f"{k['max_abs_error']:.1%}): the per-call model holds inside the runtime. Layer: "
-              f"{lay['within_target']} of {lay['points']} within (worst {lay['max_abs_error']:.1%}, mean "
-              f"{lay['mean_abs_error']:.1%}), every miss an under-prediction: the runtime's own torch ops "
-              "(K/V packing into the wire layout, each stage's K/V gathered from the store, send buffers "
-              "replicating a chunk once per destination, dK/dV cast to fp32 and index-added, "
-              "casts back) take 1-4 ms of device time per layer at 128K tokens, as much as the attention "
-              "kernels at cp 128, where the model counts a few fp32 passes; and at cp 128 the GPU idles "
-              "0.2-2.5 ms inside the layer waiting for the host. Neither is a linear function of the "
-              "bytes moved (a fit on two cp sizes misses the third by 12-59%), so the model does not "
-              "add them. This file measured the runtime before its returned gradients were summed by "
-              "one kernel (kernels/returns.py), which took 0.6-1.7 ms off each cp-128 rank's layer "
-              "(cp_returns_ab.md); what is left is the next thing to cut or to model "
-              "(benchmarks/NOTES.md, session 28).", ""]
+        cells = []
+        for key, _ in checks:
+            sm = summary(e[key], held_only=False)
+            cells.append(f"{sm['max_abs_error']:.1%} / {sm['mean_abs_error']:.1%}")
+        t = sum(p.measured for p in e["runtime"]) / len(e["runtime"]) * 1e3
+        i = sum(e["idle"]) / len(e["idle"]) * 1e3
+        lines.append(f"| {name} | {len(e['kernels'])} | " + " | ".join(cells) + f" | {t:.2f} / {i:.2f} |")
+    lines.append("")
+    for key, title in checks:
+        allp, held = summary(v[key], held_only=False), summary(v[key])
+        lines.append(f"- {title}: {allp['within_target']} of {allp['points']} ranks within {TARGET:.0%} "
+                     f"(worst {allp['max_abs_error']:.1%}); held out {held['within_target']} of "
+                     f"{held['points']} (worst {held['max_abs_error']:.1%}).")
+    lines.append("")
     return lines
 
 

@@ -584,7 +584,8 @@ def _recorded_ranks(res: dict, cost: AttentionCost, shape: AttnShape) -> list[tu
     return rows
 
 
-def validate_cp_runtime(path: str = CP_RUNTIME_BREAKDOWN, cost: Optional[AttentionCost] = None) -> dict:
+def validate_cp_runtime(path: str = CP_RUNTIME_BREAKDOWN, cost: Optional[AttentionCost] = None,
+                        fit_cp: tuple = COPY_FIT_CP) -> dict:
     """The model against the context-parallel runtime on one GPU, per timed rank of a
     ``cp_single_gpu.py --breakdown`` file: every rank's plan rebuilt from the recorded document
     lengths (checked against the recorded work) and its layer's op sequence recorded from the
@@ -596,7 +597,7 @@ def validate_cp_runtime(path: str = CP_RUNTIME_BREAKDOWN, cost: Optional[Attenti
     ``runtime``  the runtime's own device work (its torch ops, the emulated exchange's copies, the
                  merge / gather / gradient-sum kernels): the recorded ops' bytes at one copy
                  bandwidth plus a launch floor each, the bandwidth fitted on the ranks of cp
-                 :data:`COPY_FIT_CP` (their points ``held_out`` False), vs the profiled time;
+                 ``fit_cp`` (their points ``held_out`` False), vs the profiled time;
     ``busy``     the two together vs the GPU's profiled busy time;
     ``layer``    the emulated layer (:func:`emulated_layer_seconds`: host and GPU take the
                  recorded ops in order), the host per op scaled to the rank's measured host time,
@@ -616,12 +617,12 @@ def validate_cp_runtime(path: str = CP_RUNTIME_BREAKDOWN, cost: Optional[Attenti
     cost = cost or load_cost("flashmask3", a["heads"] != a["kv_heads"])
     rows = _recorded_ranks(res, cost, shape)
     fit = [(sum(o.nbytes for o in ops if o.kind != "attention"), sum(o.kind != "attention" for o in ops),
-            _measured_runtime_seconds(r["breakdown"])) for _, cp, r, _, ops, _, _, _ in rows if cp in COPY_FIT_CP]
+            _measured_runtime_seconds(r["breakdown"])) for _, cp, r, _, ops, _, _, _ in rows if cp in fit_cp]
     bw = fit_copy_bandwidth(fit) if fit else EMULATED.hbm_bw.value
     checks = ("kernels", "runtime", "busy", "layer", "layer_host_model")
     by_config: dict = {}
     for name, cp, r, view, ops, attn, calls, comm in rows:
-        b, rank, held = r["breakdown"], r["rank"], cp not in COPY_FIT_CP
+        b, rank, held = r["breakdown"], r["rank"], cp not in fit_cp
         entry = by_config.setdefault(name, {k: [] for k in checks + ("torch", "idle")})
         label = f"{name} rank {rank}"
         measured_attn = sum(ms for n, ms in b["own"] if n not in RUNTIME_KERNELS) * 1e-3
@@ -640,4 +641,4 @@ def validate_cp_runtime(path: str = CP_RUNTIME_BREAKDOWN, cost: Optional[Attenti
         entry["torch"].append(b["torch_ms"] * 1e-3)
         entry["idle"].append(b["idle_ms"] * 1e-3)
     return {**{k: [p for e in by_config.values() for p in e[k]] for k in checks},
-            "by_config": by_config, "env": res["env"], "args": a, "copy_bw": bw, "copy_fit_cp": COPY_FIT_CP}
+            "by_config": by_config, "env": res["env"], "args": a, "copy_bw": bw, "copy_fit_cp": fit_cp}

@@ -186,6 +186,8 @@ class RankProgram:
     key_first: int = 1
     key_rows: Optional[torch.Tensor] = None
     key_starts: tuple[int, ...] = (0,)
+    #: each held stage's slice of ``key_rows`` (views made once, not per layer)
+    stage_key_rows: tuple = ()
     #: own wire rows packed for the direct messages that are not one run of own chunks
     pack_rows: Optional[torch.Tensor] = None
     backward_calls: str = "stage"  # BACKWARD_CALLS, resolved ("auto" never)
@@ -392,6 +394,14 @@ def _key_rows(stages, rounds, own_pos, first: int) -> tuple[list[int], tuple[int
     return rows, tuple(starts)
 
 
+def _key_index(rows: list[int], starts: tuple[int, ...], device, keep) -> dict:
+    """``key_rows`` on the device, ``key_starts`` and each held stage's slice of the rows (empty
+    stages: ``None``), as :class:`RankProgram` fields."""
+    index = _index(rows, device, keep) if rows else None
+    per_stage = tuple(index[a:b] if b > a else None for a, b in zip(starts, starts[1:]))
+    return dict(key_rows=index, key_starts=starts, stage_key_rows=per_stage)
+
+
 def _merged_backward(calls, stages, rounds, order, key_starts, cols, cs, device, keep) -> MergedBackward:
     """The :class:`MergedBackward` of ``calls`` ("one" / "local+one") over the held stages
     (``key_starts``, :func:`_key_rows`); ``cols``: the arrival-order local mask columns."""
@@ -430,8 +440,8 @@ def _build_program(plan, rank, device, comm, calls="stage") -> RankProgram:
                            stage_cols=_stage_columns(cols, [needed], cs, device, keep),
                            own_rows=None, rounds=[], backward_order=[], direct_send_rows=None,
                            n_direct_send=0, key_first=0,
-                           key_rows=_index([row_of[c] for c in needed], device, keep) if needed else None,
-                           key_starts=(0, len(needed)), _host=keep)
+                           **_key_index([row_of[c] for c in needed], (0, len(needed)), device, keep),
+                           _host=keep)
     pack: list[int] = []
     rounds = _build_rounds(plan, rank, device, keep, own_pos, pack)
     direct = [r for r in rounds if r.source is None and r.send_rows is not None]
@@ -447,8 +457,7 @@ def _build_program(plan, rank, device, comm, calls="stage") -> RankProgram:
                        stage_cols=_stage_columns(cols, stages, cs, device, keep), own_rows=own_rows,
                        rounds=rounds, backward_order=order,
                        direct_send_rows=direct_rows, n_direct_send=sum(r.n_send for r in direct),
-                       key_first=first, key_rows=_index(key_rows, device, keep) if key_rows else None,
-                       key_starts=key_starts, pack_rows=_index(pack, device, keep) if pack else None,
+                       key_first=first, **_key_index(key_rows, key_starts, device, keep), pack_rows=_index(pack, device, keep) if pack else None,
                        merged=merged, n_recv=sum(r.n_recv for r in rounds),
                        returns_index=_returns_index(own_rows, direct_rows, len(own), device, keep),
                        _host=keep)
@@ -637,7 +646,8 @@ class _Keys:
         if b > a:
             if s > 0:
                 self.arrive(s - 1)
-            gather_stage_keys(self.rounds.store, self.prog.key_rows[a:b], self.buf, a, self.backend)
+            rows = self.prog.stage_key_rows[s - self.prog.key_first]
+            gather_stage_keys(self.rounds.store, rows, self.buf, a, self.backend)
         self.filled.add(s)
 
     def stage(self, s: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -645,13 +655,13 @@ class _Keys:
         self._fill(s)
         a, b = self.prog.key_slice(s)
         cs = self.prog.chunk_size
-        return self.buf[0, :, a * cs:b * cs], self.buf[1, :, a * cs:b * cs]
+        return self.buf.narrow(2, a * cs, (b - a) * cs).unbind(0)
 
     def all(self) -> tuple[torch.Tensor, torch.Tensor]:
         """K and V of every held stage (the whole buffer: the merged backward call's keys)."""
         for s in range(self.prog.key_first, len(self.prog.stage_chunks)):
             self._fill(s)
-        return self.buf[0], self.buf[1]
+        return self.buf.unbind(0)
 
     def kept(self) -> torch.Tensor:
         """The buffer with every stage gathered, for the backward (:meth:`of`)."""

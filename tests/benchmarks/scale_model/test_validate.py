@@ -184,21 +184,28 @@ def test_do_bench_hides_its_memset_behind_the_host():
     assert V.do_bench_hidden() == pytest.approx(256 * 2 ** 20 / 4.3e12)
 
 
-def _breakdown_file(tmp_path, lens, cp, comm, cost, shift=0.0, bad_work=False):
+def _breakdown_file(tmp_path, lens, cp, comm, cost, shift=0.0, bad_work=False, copy_bw=3e12):
     """A ``cp_single_gpu.py --breakdown`` file for a small plan whose profiled attention kernels
-    take exactly the model's time (plus ``shift`` seconds), one rank with a wrong work record."""
+    take exactly the model's time (plus ``shift`` seconds) and whose runtime ops take their
+    recorded bytes at ``copy_bw`` (plus the launch floor), one rank with a wrong work record."""
+    import flashmask3.masks as M
     from benchmarks.scale_model.layout import document_plan_view
+    from benchmarks.scale_model.runtime_ops import ops_seconds, record_layer
     from benchmarks.scale_model.timeline import AttnShape
+    from flashmask3.distributed import plan
 
     shape = AttnShape(4, 2, 64)
     view = document_plan_view(lens, cp, "sparse")
+    p = plan(M.causal_document_mask(lens), None, cp, balance="sparse")
     ranks = []
     for r in range(cp):
         kern = V.rank_kernel_seconds(view, r, cost, shape, comm, "stage") + shift
+        runtime = ops_seconds(record_layer(p, r, comm, "stage", 4, 2, 64), copy_bw, V.LAUNCH_FLOOR)
         ranks.append({"rank": r, "work": view.works[r] + (1 if bad_work and r == 0 else 0),
-                      "keys": 0, "seconds": 2 * kern + 1e-3, "backward_calls": "stage",
-                      "breakdown": {"own": [["_fwd_ws_kernel", kern * 1e3], ["_merge_kernel", 5.0]],
-                                    "torch_ms": 0.5, "idle_ms": 0.1}})
+                      "keys": 0, "seconds": 2 * kern + 1e-3, "host_seconds": 1e-3, "backward_calls": "stage",
+                      "breakdown": {"own": [["_fwd_ws_kernel", kern * 1e3], ["_merge_kernel", 0.0]],
+                                    "torch_ms": runtime * 1e3, "idle_ms": 0.1,
+                                    "busy_ms": (kern + runtime) * 1e3}})
     res = {"args": {"tokens": sum(lens), "heads": 4, "kv_heads": 2, "head_dim": 64},
            "env": {"date": "today", "device": "cuda"}, "lengths": lens,
            "cp": {str(cp): {comm: {"config": f"sparse+{comm}", "balance": "sparse", "comm": comm,
@@ -209,23 +216,46 @@ def _breakdown_file(tmp_path, lens, cp, comm, cost, shift=0.0, bad_work=False):
 
 
 @pytest.mark.parametrize("comm", ["overlap", "allgather"])
-def test_cp_runtime_check_compares_kernels_and_layers_per_rank(tmp_path, comm):
+def test_cp_runtime_check_compares_kernels_runtime_and_layers_per_rank(tmp_path, comm):
     """Each profiled rank gives a kernels point (the model's GPU time of its attention calls vs
-    the profiled attention kernels, the merge kernel left out) and a layer point; a rank whose
-    recorded work the rebuilt plan does not reproduce is skipped; a file without the document
-    lengths gives nothing."""
+    the profiled attention kernels, the runtime's kernels left out), a runtime point (its
+    recorded ops at the fitted copy bandwidth: the file's bandwidth comes back), a busy point and
+    layer points; a rank whose recorded work the rebuilt plan does not reproduce is skipped; a
+    file without the document lengths gives nothing."""
     from benchmarks.scale_model.calibrate import load_cost
 
     cost = load_cost("flashmask3", True)
     lens = [1500, 700, 1200, 300, 396]
     path = _breakdown_file(tmp_path, lens, 4, comm, cost, bad_work=True)
-    out = V.validate_cp_runtime(path, cost)
+    out = V.validate_cp_runtime(path, cost, fit_cp=(4,))
     assert [p.name.split()[-1] for p in out["kernels"]] == ["1", "2", "3"]  # rank 0 skipped
     assert all(abs(p.error) < 1e-9 for p in out["kernels"])
-    assert all(p.predicted > 0 and p.held_out for p in out["layer"])
-    shifted = V.validate_cp_runtime(_breakdown_file(tmp_path, lens, 4, comm, cost, shift=1e-3), cost)
+    assert out["copy_bw"] == pytest.approx(3e12)
+    assert all(abs(p.error) < 1e-9 and not p.held_out for p in out["runtime"] + out["busy"])
+    for p in out["layer"] + out["layer_host_model"]:
+        assert p.predicted > 0 and not p.held_out
+    held = V.validate_cp_runtime(path, cost, fit_cp=())  # nothing to fit: the HBM bandwidth, all held out
+    assert held["copy_bw"] == V.EMULATED.hbm_bw.value and all(p.held_out for p in held["runtime"])
+    assert all(p.error < 0 for p in held["runtime"])  # 4.3 TB/s is faster than the file's 3 TB/s
+    shifted = V.validate_cp_runtime(_breakdown_file(tmp_path, lens, 4, comm, cost, shift=1e-3), cost, fit_cp=(4,))
     assert all(p.error < -0.01 for p in shifted["kernels"])  # slower kernels: an under-prediction
     res = json.loads(open(path).read())
     del res["lengths"]
     (tmp_path / "old.json").write_text(json.dumps(res))
     assert V.validate_cp_runtime(str(tmp_path / "old.json"), cost) == {}
+
+
+def test_emulated_layer_is_host_or_gpu_bound():
+    """The two-resource timeline: a GPU-bound op list ends at the host's first issue plus the GPU
+    work; a host-bound one at the host's total plus its last op's GPU time."""
+    from benchmarks.scale_model.runtime_ops import Op
+
+    ops = [Op("attention", "forward", stage=0, pass_="fwd"), Op("torch", "stack", 0, pass_="fwd"),
+           Op("attention", "backward_stage", stage=0, pass_="bwd")]
+    us = V.HOST_US
+    host = (us["forward"] + us["torch"] + us["engine"] + us["backward_stage"]) * 1e-6
+    layer, h = V.emulated_layer_seconds(ops, [1e-2, 2e-2], 1e12)
+    assert h == pytest.approx(host)
+    assert layer == pytest.approx(us["forward"] * 1e-6 + 1e-2 + V.LAUNCH_FLOOR + 2e-2)
+    layer, h = V.emulated_layer_seconds(ops, [1e-6, 1e-6], 1e12, host_scale=10)
+    assert h == pytest.approx(10 * host) and layer == pytest.approx(10 * host + 1e-6)

@@ -1,0 +1,62 @@
+"""The CP runtime's op sequence read off the real runtime on the meta device
+(benchmarks/scale_model/runtime_ops.py): its attention calls are the runtime's, its key gathers
+move exactly the held stages' rows, and the emulated exchange's copies are told apart."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import flashmask3.masks as M
+from benchmarks.corpus import document_spreads
+from benchmarks.scale_model.runtime_ops import ops_seconds, record_layer
+from flashmask3.distributed import EmulatedExchange, LaunchCounter, plan, prepare_rank, run_layer
+from flashmask3.distributed.runtime import to_wire
+
+
+def _plan(cp, nodes=1):
+    lens = document_spreads(4096, seed=0)["corpus"]
+    return plan(M.causal_document_mask(lens), None, cp, balance="sparse", nodes=nodes)
+
+
+def _attention_calls_on_cpu(p, rank, comm, calls):
+    """Attention calls of the same rank's layer run for real (CPU, torch backend)."""
+    prog = prepare_rank(p, rank, "cpu", comm, calls)
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(1, p.local_seqlen, 2, 8, generator=g, requires_grad=True)
+    k, v = (torch.randn(1, p.local_seqlen, 1, 8, generator=g, requires_grad=True) for _ in range(2))
+    wire = to_wire(torch.randn(1, p.seqlen, 1, 8), torch.randn(1, p.seqlen, 1, 8), p.chunk_size)
+    with LaunchCounter() as c:
+        out, _ = run_layer(q, k, v, prog, EmulatedExchange(wire, p.cp_size, rank, plan=p), 0.3)
+        out.backward(torch.ones_like(out))
+    return c.attention_calls
+
+
+@pytest.mark.parametrize("nodes,comm,calls", [(1, "overlap", "stage"), (1, "overlap", "one"),
+                                              (2, "overlap", "local+one"), (1, "allgather", "stage")])
+def test_recorded_layer_matches_the_runtime(nodes, comm, calls):
+    p = _plan(8, nodes)
+    for rank in (0, 5):
+        ops = record_layer(p, rank, comm, calls, heads=4, kv_heads=2, head_dim=16)
+        attn = [o for o in ops if o.kind == "attention"]
+        assert len(attn) == _attention_calls_on_cpu(p, rank, comm, calls)
+        assert {o.pass_ for o in ops} == {"fwd", "bwd"}
+        assert all(o.nbytes > 0 for o in ops if o.kind != "attention")
+        prog = prepare_rank(p, rank, "meta", comm, calls)
+        row = 2 * p.chunk_size * 2 * 16 * 2  # a wire row: K and V, chunk keys, 2 heads, D=16, bf16
+        gathered = sum(o.nbytes for o in ops if o.name == "gather_keys")
+        passes = 1 if comm == "overlap" else 2  # the overlapped backward keeps the forward's keys
+        assert gathered == passes * 2 * prog.n_keys * row  # read + write
+        assert any(o.kind == "emulated" for o in ops)
+        if comm == "overlap":
+            assert any(o.name == "merge" for o in ops) == (sum(bool(s) for s in prog.stage_chunks) > 1)
+            assert any(o.name == "add_returns" for o in ops)
+            stages = [o.stage for o in attn if o.name in ("forward", "backward_stage")]
+            assert ("merged" in stages) == (calls != "stage")
+
+
+def test_ops_seconds_counts_bytes_and_launches():
+    ops = record_layer(_plan(8), 3, "overlap", "stage", heads=4, kv_heads=2, head_dim=16)
+    small = [o for o in ops if o.kind != "attention"]
+    assert ops_seconds(ops, 1e12, 0.0) == pytest.approx(sum(o.nbytes for o in small) / 1e12)
+    assert ops_seconds(ops, float("inf"), 1e-6) == pytest.approx(len(small) * 1e-6)
