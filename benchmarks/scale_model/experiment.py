@@ -24,8 +24,9 @@ from .calibrate import RESULTS, AttentionCost, filled, load_cost, with_host
 from .layout import document_plan_view, mask_sparsity
 from .model import Layout, ModelConfig, StepBreakdown, step_time
 from .params import SWEPT, Cluster, Runtime
-from .timeline import LayerResult, simulate_layer
-from .validate import per_rank_calibration, scaled_cost
+from .runtime_ops import rank_device_work
+from .timeline import LayerResult, resolve_bwd_calls, simulate_layer
+from .validate import LAUNCH_FLOOR, per_rank_calibration, scaled_cost
 
 BASELINE = "dual_chunk+allgather"
 
@@ -135,12 +136,29 @@ def default_costs(gqa: bool = True, per_rank_factor: float = 1.0) -> Costs:
     return Costs(cur, load_cost("flex", gqa), per_rank_factor)
 
 
+def runtime_device_seconds(lens: Sequence[int], cp: int, method: Method, nodes: int, view, model: ModelConfig,
+                           cluster: Cluster, runtime: Runtime) -> Optional[list[tuple[float, float]]]:
+    """Per rank, the runtime's own device work of the forward and the backward (seconds): the
+    ops recorded from the real runtime (runtime_ops.rank_device_work) at the cluster's
+    ``runtime_copy_bw`` plus the launch floor; None for the runtime on main before the rewrite
+    (its ops were never recorded: the timeline's fp32-pass terms stand in)."""
+    if runtime.kind != "lean":
+        return None
+    shape = model.shape()
+    calls = resolve_bwd_calls(view, runtime.bwd_calls) if method.comm == "overlap" else "stage"
+    work = rank_device_work(lens, cp, method.balance, nodes, method.comm, calls, shape.heads,
+                            shape.kv_heads, shape.head_dim)
+    bw = cluster.runtime_copy_bw.value
+    return [(fb / bw + fn * LAUNCH_FLOOR, bb / bw + bn * LAUNCH_FLOOR) for fb, fn, bb, bn in work]
+
+
 def layer_for(lens: Sequence[int], cp: int, method: Method, model: ModelConfig, cluster: Cluster,
               runtime: Runtime, costs: Costs, recompute: bool) -> LayerResult:
     nodes = max(1, cp // cluster.gpus_per_node) if method.hierarchical else 1
     v = document_plan_view(lens, cp, method.balance, nodes)
+    device = runtime_device_seconds(lens, cp, method, nodes, v, model, cluster, runtime)
     lr = simulate_layer(v, costs.of(method.kernel), cluster, model.shape(), method.comm, runtime,
-                        recompute)
+                        recompute, device)
     lr.plan_seconds = v.plan_seconds  # planning time when the view was built (cached after)
     return lr
 

@@ -223,4 +223,65 @@ def ops_seconds(ops: list[Op], copy_bw: float, launch_floor: float, kinds=("kern
     return sum(o.nbytes / copy_bw + launch_floor for o in ops if o.kind in kinds)
 
 
-__all__ = ["KINDS", "Op", "record_layer", "ops_seconds"]
+
+
+#: Bump when :func:`rank_device_work`'s cached content changes meaning.
+DEVICE_CACHE_VERSION = 1
+
+
+def _runtime_code_digest() -> str:
+    """Digest of the runtime's source, so cached op bytes never outlive a runtime change."""
+    import hashlib
+    import os
+
+    import flashmask3.distributed as d
+
+    h = hashlib.sha256()
+    base = os.path.dirname(d.__file__)
+    for name in ("runtime.py", "attention.py"):
+        with open(os.path.join(base, name), "rb") as f:
+            h.update(f.read())
+    return h.hexdigest()[:16]
+
+
+def rank_device_work(doc_lens, cp: int, balance: str, nodes: int, comm: str, backward_calls: str,
+                     heads: int, kv_heads: int, head_dim: int, cache: bool = True) -> list[tuple[int, int, int, int]]:
+    """Per rank of the plan of a causal document mask of ``doc_lens``: ``(forward bytes, forward
+    launches, backward bytes, backward launches)`` of the runtime's own device work (its torch ops
+    and small kernels; not the attention calls, not the emulated exchange's copies, which a real
+    run leaves to NCCL), recorded by :func:`record_layer`. Cached on disk next to the plan views,
+    keyed on the inputs and the runtime's source."""
+    import hashlib
+    import os
+    import pickle
+
+    import flashmask3.masks as M
+    from flashmask3.distributed import plan
+
+    from .layout import CACHE_DIR, _key
+
+    key = hashlib.sha256(repr((DEVICE_CACHE_VERSION, _key(doc_lens, True, int(sum(doc_lens)), cp, balance, nodes),
+                               comm, backward_calls, heads, kv_heads, head_dim,
+                               _runtime_code_digest())).encode()).hexdigest()[:24]
+    path = os.path.join(CACHE_DIR, "ops-" + key + ".pkl")
+    if cache and os.path.exists(path):
+        with open(path, "rb") as f:
+            return pickle.load(f)
+    p = plan(M.causal_document_mask(list(doc_lens)), None, cp, balance=balance, nodes=nodes)
+    out = []
+    for r in range(cp):
+        ops = [o for o in record_layer(p, r, comm, backward_calls, heads, kv_heads, head_dim)
+               if o.kind in ("kernel", "torch")]
+        f = [o for o in ops if o.pass_ == "fwd"]
+        b = [o for o in ops if o.pass_ == "bwd"]
+        out.append((sum(o.nbytes for o in f), len(f), sum(o.nbytes for o in b), len(b)))
+    if cache:
+        os.makedirs(CACHE_DIR, exist_ok=True)
+        tmp = path + f".{os.getpid()}"
+        with open(tmp, "wb") as fh:
+            pickle.dump(out, fh)
+        os.replace(tmp, path)
+    return out
+
+
+__all__ = ["KINDS", "Op", "record_layer", "ops_seconds", "rank_device_work"]

@@ -318,18 +318,20 @@ def _grad_accum_seconds(cluster: Cluster, shape: AttnShape, rows: int, keys: int
 
 
 def _backward_call_seconds(cost: AttentionCost, cluster: Cluster, shape: AttnShape, tiles: TileCounts,
-                           gpu_scale: float, first: bool) -> float:
-    """One overlapped ``backward_stage`` call over ``tiles`` and its dK/dV accumulation; the
-    ``first`` call of the layer also pays ``backward_prepare``'s per-query-block pre-pass."""
+                           gpu_scale: float, first: bool, device_terms: bool = True) -> float:
+    """One overlapped ``backward_stage`` call over ``tiles`` and (``device_terms``) its dK/dV
+    accumulation; the ``first`` call of the layer also pays ``backward_prepare``'s
+    per-query-block pre-pass."""
     work = cost.backward_stage(tiles, shape.heads, shape.kv_heads) * gpu_scale
-    work += _grad_accum_seconds(cluster, shape, tiles.q_rows, tiles.keys)
+    if device_terms:
+        work += _grad_accum_seconds(cluster, shape, tiles.q_rows, tiles.keys)
     if first:
         work += cost.backward_query_blocks(tiles, shape.heads) * gpu_scale
     return work
 
 
 def _stage_tasks(view: PlanView, r: int, cost: AttentionCost, cluster: Cluster, shape: AttnShape,
-                 gpu_scale: float, backward: bool) -> list[_Task]:
+                 gpu_scale: float, backward: bool, device_terms: bool = True) -> list[_Task]:
     tasks = []
     have = False
     for s, tiles in enumerate(view.stages[r]):
@@ -337,10 +339,10 @@ def _stage_tasks(view: PlanView, r: int, cost: AttentionCost, cluster: Cluster, 
         work = 0.0
         if tiles.live:
             if backward:
-                work = _backward_call_seconds(cost, cluster, shape, tiles, gpu_scale, first=not have)
+                work = _backward_call_seconds(cost, cluster, shape, tiles, gpu_scale, not have, device_terms)
             else:
                 work = cost.forward(tiles, shape.heads, shape.kv_heads) * gpu_scale
-                if have:
+                if have and device_terms:
                     work += _merge_seconds(cluster, shape, tiles.q_rows)
             have = True
         tasks.append(_Task(work, deps, ("stage", s)))
@@ -376,7 +378,8 @@ def merge_calls(tiles: list[TileCounts]) -> Optional[TileCounts]:
 
 
 def _merged_backward_tasks(view: PlanView, r: int, cost: AttentionCost, cluster: Cluster,
-                           shape: AttnShape, gpu_scale: float, local_first: bool) -> list[_Task]:
+                           shape: AttnShape, gpu_scale: float, local_first: bool,
+                           device_terms: bool = True) -> list[_Task]:
     """The backward as one call over the rank's needed keys once every K/V round arrived
     (``local_first``: the own keys of stage 0 first, as now, then one call over the rest); the
     later stages' done signals (which post the dK/dV returns) follow the merged call."""
@@ -389,7 +392,7 @@ def _merged_backward_tasks(view: PlanView, r: int, cost: AttentionCost, cluster:
     for i, tiles in enumerate(head + [rest]):
         work = 0.0
         if tiles is not None and tiles.live:
-            work = _backward_call_seconds(cost, cluster, shape, tiles, gpu_scale, first=not have)
+            work = _backward_call_seconds(cost, cluster, shape, tiles, gpu_scale, not have, device_terms)
             have = True
         tasks.append(_Task(work, () if (local_first and i == 0) else deps, ("stage", i)))
     tasks += [_Task(0.0, (), ("stage", s)) for s in range(len(tasks), n)]
@@ -397,17 +400,20 @@ def _merged_backward_tasks(view: PlanView, r: int, cost: AttentionCost, cluster:
 
 
 def simulate_overlap(view: PlanView, cost: AttentionCost, cluster: Cluster, shape: AttnShape,
-                     backward: bool, bwd_calls: str = "stage", keep_kv: bool = False) -> PassResult:
+                     backward: bool, bwd_calls: str = "stage", keep_kv: bool = False,
+                     device_terms: bool = True) -> PassResult:
     """One overlapped pass on every rank (see the module docstring for the rules;
     ``bwd_calls``: :data:`BWD_CALLS`; ``keep_kv``: the backward's K/V are the forward's, already
-    there: no K/V rounds, every stage ready at once)."""
+    there: no K/V rounds, every stage ready at once; ``device_terms``: the runtime's merges and
+    gradient accumulation as a few fp32 passes each, for callers without the recorded runtime
+    ops of :func:`simulate_layer`'s ``device``)."""
     gpu_scale = cluster.gpu_scale.value
     bwd_calls = resolve_bwd_calls(view, bwd_calls)
     if backward and bwd_calls != "stage":
-        tasks = [_merged_backward_tasks(view, r, cost, cluster, shape, gpu_scale, bwd_calls == "local+one")
-                 for r in range(view.cp_size)]
+        tasks = [_merged_backward_tasks(view, r, cost, cluster, shape, gpu_scale, bwd_calls == "local+one",
+                                        device_terms) for r in range(view.cp_size)]
     else:
-        tasks = [_stage_tasks(view, r, cost, cluster, shape, gpu_scale, backward)
+        tasks = [_stage_tasks(view, r, cost, cluster, shape, gpu_scale, backward, device_terms)
                  for r in range(view.cp_size)]
     sim = _PassSim(view, cluster, shape, Links(cluster), tasks, grads=backward)
     rounds = view.rounds
@@ -430,7 +436,7 @@ def simulate_overlap(view: PlanView, cost: AttentionCost, cluster: Cluster, shap
 
 
 def simulate_allgather(view: PlanView, cost: AttentionCost, cluster: Cluster, shape: AttnShape,
-                       backward: bool) -> PassResult:
+                       backward: bool, device_terms: bool = True) -> PassResult:
     """All-gather (exposed), one call, and in the backward a reduce-scatter (exposed)."""
     p = view.cp_size
     shard = shape.kv_bytes(view.local_seqlen)
@@ -441,7 +447,8 @@ def simulate_allgather(view: PlanView, cost: AttentionCost, cluster: Cluster, sh
         tiles = view.sorted_tiles[r]
         if backward:
             work = cost.backward(tiles, shape.heads, shape.kv_heads) * gpu_scale if tiles.live else 0.0
-            work += 2 * shape.kv_bytes(tiles.keys) / cluster.hbm_bw.value  # dK/dV into gathered slots
+            if device_terms:  # dK/dV into gathered slots
+                work += 2 * shape.kv_bytes(tiles.keys) / cluster.hbm_bw.value
             comm = 2 * ag
         else:
             work = cost.forward(tiles, shape.heads, shape.kv_heads) * gpu_scale if tiles.live else 0.0
@@ -454,11 +461,12 @@ def simulate_allgather(view: PlanView, cost: AttentionCost, cluster: Cluster, sh
 
 
 def simulate_pass(view: PlanView, cost: AttentionCost, cluster: Cluster, shape: AttnShape,
-                  comm: str, backward: bool, bwd_calls: str = "stage", keep_kv: bool = False) -> PassResult:
+                  comm: str, backward: bool, bwd_calls: str = "stage", keep_kv: bool = False,
+                  device_terms: bool = True) -> PassResult:
     if comm == "overlap":
-        return simulate_overlap(view, cost, cluster, shape, backward, bwd_calls, keep_kv)
+        return simulate_overlap(view, cost, cluster, shape, backward, bwd_calls, keep_kv, device_terms)
     if comm == "allgather":
-        return simulate_allgather(view, cost, cluster, shape, backward)
+        return simulate_allgather(view, cost, cluster, shape, backward, device_terms)
     raise ValueError(f"comm must be one of {COMMS}, got {comm!r}")
 
 
@@ -470,9 +478,13 @@ class LayerResult:
     bwd: PassResult
     host: list[float]          # host time per rank (fwd+bwd), the floor of its GPU time
     recompute: bool = False
+    #: per rank, the runtime's own device work of the forward and of the backward (seconds;
+    #: the recorded ops of scale_model/runtime_ops.py), on the attention's stream after its pass
+    device: Optional[list[tuple[float, float]]] = None
 
     def rank_time(self, r: int) -> float:
-        gpu = self.fwd.ranks[r].end * (2 if self.recompute else 1) + self.bwd.ranks[r].end
+        f, b = self.device[r] if self.device is not None else (0.0, 0.0)
+        gpu = (self.fwd.ranks[r].end + f) * (2 if self.recompute else 1) + self.bwd.ranks[r].end + b
         return max(gpu, self.host[r] * (1.5 if self.recompute else 1.0))
 
     @property
@@ -513,13 +525,19 @@ def host_seconds(view: PlanView, r: int, comm: str, cluster: Cluster, runtime) -
 
 
 def simulate_layer(view: PlanView, cost: AttentionCost, cluster: Cluster, shape: AttnShape,
-                   comm: str, runtime, recompute: bool = False) -> LayerResult:
-    fwd = simulate_pass(view, cost, cluster, shape, comm, backward=False)
+                   comm: str, runtime, recompute: bool = False,
+                   device: Optional[list[tuple[float, float]]] = None) -> LayerResult:
+    """One layer's attention on every rank. ``device``: per rank, the runtime's own device work
+    of each pass (seconds, from the recorded runtime ops); without it the passes count the
+    runtime's merges and gradient accumulation as a few fp32 passes (the runtimes before the
+    recording, whose ops are not known)."""
+    terms = device is None
+    fwd = simulate_pass(view, cost, cluster, shape, comm, backward=False, device_terms=terms)
     bwd = simulate_pass(view, cost, cluster, shape, comm, backward=True,
                         bwd_calls=getattr(runtime, "bwd_calls", "stage"),
-                        keep_kv=getattr(runtime, "keep_kv", False))
+                        keep_kv=getattr(runtime, "keep_kv", False), device_terms=terms)
     host = [host_seconds(view, r, comm, cluster, runtime) for r in range(view.cp_size)]
-    return LayerResult(fwd, bwd, host, recompute)
+    return LayerResult(fwd, bwd, host, recompute, device)
 
 
 __all__ = ["BWD_CALLS", "resolve_bwd_calls", "merge_calls", "AttnShape", "Links", "PassResult", "LayerResult",

@@ -60,3 +60,47 @@ def test_ops_seconds_counts_bytes_and_launches():
     small = [o for o in ops if o.kind != "attention"]
     assert ops_seconds(ops, 1e12, 0.0) == pytest.approx(sum(o.nbytes for o in small) / 1e12)
     assert ops_seconds(ops, float("inf"), 1e-6) == pytest.approx(len(small) * 1e-6)
+
+
+def test_rank_device_work_is_the_recorded_runtime_ops_and_cached(tmp_path, monkeypatch):
+    """Per rank and pass, the bytes and launches of the runtime's torch ops and small kernels
+    (not the attention calls, not the emulated copies); the second call reads the disk cache."""
+    from benchmarks.scale_model import layout, runtime_ops
+
+    monkeypatch.setattr(layout, "CACHE_DIR", str(tmp_path))
+    lens = document_spreads(4096, seed=0)["corpus"]
+    work = runtime_ops.rank_device_work(lens, 8, "sparse", 1, "overlap", "stage", 4, 2, 16)
+    assert len(work) == 8
+    ops = record_layer(_plan(8), 3, "overlap", "stage", heads=4, kv_heads=2, head_dim=16)
+    own = [o for o in ops if o.kind in ("kernel", "torch")]
+    fwd = [o for o in own if o.pass_ == "fwd"]
+    bwd = [o for o in own if o.pass_ == "bwd"]
+    assert work[3] == (sum(o.nbytes for o in fwd), len(fwd), sum(o.nbytes for o in bwd), len(bwd))
+
+    def fail(*a, **k):
+        raise AssertionError("recorded again instead of read from the cache")
+
+    monkeypatch.setattr(runtime_ops, "record_layer", fail)
+    assert runtime_ops.rank_device_work(lens, 8, "sparse", 1, "overlap", "stage", 4, 2, 16) == work
+
+
+def test_layer_time_adds_the_runtime_device_work():
+    """simulate_layer with the recorded device work: each rank's time grows by exactly its
+    forward + backward device seconds (GPU-bound), and the timeline's own fp32-pass stand-ins
+    for merges and accumulation are dropped."""
+    from benchmarks.scale_model.calibrate import load_cost
+    from benchmarks.scale_model.layout import document_plan_view
+    from benchmarks.scale_model.params import Cluster, Runtime
+    from benchmarks.scale_model.timeline import AttnShape, simulate_layer
+
+    lens = document_spreads(4096, seed=0)["corpus"]
+    view = document_plan_view(lens, 8, "sparse")
+    cost, shape, rt = load_cost("flashmask3", True), AttnShape(4, 2, 16), Runtime("lean")
+    cluster = Cluster().with_(host_op=Cluster().host_op.scaled(0.0))
+    zero = simulate_layer(view, cost, cluster, shape, "overlap", rt, device=[(0.0, 0.0)] * 8)
+    some = simulate_layer(view, cost, cluster, shape, "overlap", rt, device=[(1e-3, 2e-3)] * 8)
+    terms = simulate_layer(view, cost, cluster, shape, "overlap", rt)
+    for r in range(8):
+        assert some.rank_time(r) == pytest.approx(zero.rank_time(r) + 3e-3)
+    for p in ("fwd", "bwd"):  # the stand-ins add compute to the stage tasks
+        assert sum(x.compute for x in getattr(terms, p).ranks) > sum(x.compute for x in getattr(zero, p).ranks)
