@@ -1,5 +1,5 @@
 """A/B on the GPU: the GQA backward with each group split over one program per query head
-(``expands_kv_heads``: the dK/dV kernels' KV_SPLIT, fp32 partials summed by one launch) against
+(``splits_kv_groups``: the dK/dV kernels' KV_SPLIT, fp32 partials summed by one launch) against
 the grouped launch and against the way the library did it until session 26 (in the backward,
 K/V copied to the query heads by torch, an MHA-shaped backward, dK/dV summed per group by
 torch: ``_CopiesBackward``), at
@@ -238,7 +238,7 @@ def main(argv=None) -> int:
         (q, k, v), cols, dout = _case(sq, sk, hq, hk, seed=sk + hk, cols=fm)
         c_cols = 0 if fm is None else fm.startend_row_indices.shape[-1]
         launch = T.dispatch.choose(q.device, q.dtype, 128, False, c_cols).backward[0]
-        on = T.expands_kv_heads(launch, 1, hq, hk, sk, q.device)
+        on = T.splits_kv_groups(launch, 1, hq, hk, sk, q.device)
         row = dict(Sq=sq, Sk=sk, Hq=hq, Hk=hk, rule_expands=on)
         row.update(_time_arms(q, k, v, cols, dout, real))
         row["max_rel_diff"] = row["expanded_max_rel_diff"]

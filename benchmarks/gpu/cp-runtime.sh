@@ -11,7 +11,8 @@
 # the float64 reference and one whole backward; <= 45 s with compiles).
 # Total GPU run time <= 170 s: pytest <= 45 s, the benchmark stops starting ranks after 95 s
 # (hard timeout 120 s). Results: $OUT/cp-runtime/cp_runtime.{json,md}, pytest.log + the log.
-# CP_RUNTIME_TESTS=0 skips the pytest step; CP_RUNTIME_TIMEOUT (120) is the benchmark's hard limit.
+# CP_RUNTIME_TESTS=0 skips the pytest step; CP_RUNTIME_TIMEOUT (120) is the benchmark's hard limit;
+# CP_RUNTIME_NAME names the results folder (default cp-runtime).
 # Session 28's breakdown call (where each rank's GPU time goes, for the scale model):
 #   CP_RUNTIME_TESTS=0 CP_RUNTIME_TIMEOUT=200 CP_RUNTIME_ARGS="--breakdown --time-budget 150 \
 #   --configs sparse+overlap sparse+allgather 'sparse+overlap hier' --heaviest 4 --random 2"
@@ -20,9 +21,10 @@
 # OUT=/tmp/x benchmarks/gpu/cp-runtime.sh (the extra arguments come last and win).
 set -euo pipefail
 OUT="${OUT:-benchmarks/results}"
-DIR="$OUT/cp-runtime"
+NAME="${CP_RUNTIME_NAME:-cp-runtime}"  # the results folder and log name (cp-bwd-calls.sh sets its own)
+DIR="$OUT/$NAME"
 mkdir -p "$DIR"
-LOG="$DIR/cp-runtime.log"
+LOG="$DIR/$NAME.log"
 eval "EXTRA=(${CP_RUNTIME_ARGS:-})"  # shell words: a quoted layout name stays one argument
 export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 {

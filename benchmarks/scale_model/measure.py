@@ -219,14 +219,14 @@ def stage_problems(lens_by_spread: dict, cps, spreads):
 
 def _kv_expanded(q, k, fm, device) -> bool:
     """Whether the library runs this call's backward with K/V expanded to the query heads
-    (``triton_backend.expands_kv_heads``: recorded so that the fit models the grid that ran)."""
+    (``triton_backend.splits_kv_groups``: recorded so that the fit models the grid that ran)."""
     if device.type != "cuda":
         return False
     from flashmask3.kernels import dispatch, triton_backend
 
     c = fm.startend_row_indices.shape[-1]
     launch = dispatch.choose(device, q.dtype, q.shape[-1], fm.causal, c).backward[0]
-    return triton_backend.expands_kv_heads(launch, q.shape[0], q.shape[2], k.shape[2], k.shape[1], device)
+    return triton_backend.splits_kv_groups(launch, q.shape[0], q.shape[2], k.shape[2], k.shape[1], device)
 
 
 def measure_attention(args, device, dtype, deadline: float, log, save=None) -> list[dict]:

@@ -108,11 +108,12 @@ def rank_calls(view: PlanView, r: int, cost: AttentionCost, shape: AttnShape, co
 
 
 def layer_breakdown(view: PlanView, cost: AttentionCost, cluster, shape: AttnShape, comm: str,
-                    runtime) -> dict:
+                    runtime, device=None) -> dict:
     """The calls of the slowest rank of one simulated layer, and the layer's time with every
-    call filling the SMs (``calibrate.filled``: the attribution's 'no SM underfill')."""
-    lr = simulate_layer(view, cost, cluster, shape, comm, runtime)
-    lf = simulate_layer(view, filled(cost), cluster, shape, comm, runtime)
+    call filling the SMs (``calibrate.filled``: the attribution's 'no SM underfill');
+    ``device``: the runtime's recorded device work per rank (``experiment.runtime_device_seconds``)."""
+    lr = simulate_layer(view, cost, cluster, shape, comm, runtime, device=device)
+    lf = simulate_layer(view, filled(cost), cluster, shape, comm, runtime, device=device)
     r = lr.slowest
     return {"rank": r, "layer_s": lr.time, "layer_filled_s": lf.time,
             "calls": rank_calls(view, r, cost, shape, comm, getattr(runtime, "bwd_calls", "stage"))}
@@ -309,8 +310,11 @@ def run(out_dir: str, cps=((16, 4, 2, 16), (64, 2, 1, 32)), sequences: int = 4, 
         layout = Layout(cp=cp, pp=pp, dp=dp, ep=8, micro_batches=mb)
         nodes = max(1, cp // cluster.gpus_per_node)
         for d, ds in datasets.items():
-            lays = [layer_breakdown(document_plan_view(lens, cp, "sparse", nodes), costs.flashmask3, cluster,
-                                    shape, "overlap", runtime) for lens in ds["sequences"]]
+            lays = []
+            for lens in ds["sequences"]:
+                v = document_plan_view(lens, cp, "sparse", nodes)
+                device = X.runtime_device_seconds(lens, cp, X.METHODS[X.COMBINED], nodes, v, model, cluster, runtime)
+                lays.append(layer_breakdown(v, costs.flashmask3, cluster, shape, "overlap", runtime, device))
             rows = summarise(lays)
             res["breakdown"][f"cp{cp}:{d}"] = rows
             md += [f"## cp {cp}, {d}", ""] + breakdown_table(rows) + [""]

@@ -347,7 +347,7 @@ def kv_expansion(programs: int, group: int, sms: int,
     program per SM) and the expanded grid (``group`` times the programs, one head each) needs
     fewer waves of one head than the grouped grid's waves of ``group`` heads: few programs
     leave SMs idle, and a ragged last wave of ``group``-head programs idles the rest of the GPU
-    for a whole group's work (``triton_backend.expands_kv_heads``; the scale model uses the same
+    for a whole group's work (``triton_backend.splits_kv_groups``; the scale model uses the same
     rule; it also predicts with ``max_waves=None``, the same rule without the cap)."""
     if group <= 1:
         return False

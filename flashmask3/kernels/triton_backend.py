@@ -116,10 +116,11 @@ def sm_count(device: torch.device) -> Optional[int]:
     return _cuda_sm_count(device.index if device.index is not None else torch.cuda.current_device())
 
 
-def expands_kv_heads(launch: Launch, b: int, hq: int, hk: int, sk: int, device) -> bool:
-    """Whether a GQA backward runs its dK/dV launch with one program per query head instead of
-    per KV head. The dK/dV kernels run one program per (key block, KV head), each looping over
-    its group's query heads: a call over few key blocks (a context-parallel stage, a short
+def splits_kv_groups(launch: Launch, b: int, hq: int, hk: int, sk: int, device) -> bool:
+    """Whether a GQA backward splits each KV head's group over programs: its dK/dV launch runs
+    one program per query head instead of per KV head. The dK/dV kernels run one program per
+    (key block, KV head), each looping over its group's query heads: a call over few key blocks
+    (a context-parallel stage, a short
     sequence) has fewer programs than SMs, and each does ``Hq/Hk`` heads of work, so most of the
     GPU idles (measured: 1024 keys, 32/4 heads, 4.2 ms where 16/16 heads take 0.62 ms;
     docs/scale-model.md). Split, the same work runs as ``Hq/Hk`` times more programs of one
@@ -136,8 +137,8 @@ def expands_kv_heads(launch: Launch, b: int, hq: int, hk: int, sk: int, device) 
 
 def kv_split_of(launch: Launch, b: int, hq: int, hk: int, sk: int, device) -> int:
     """Programs per KV head's group in this call's dK/dV launch: the group size where
-    :func:`expands_kv_heads` says so, else 1 (grouped)."""
-    return hq // hk if expands_kv_heads(launch, b, hq, hk, sk, device) else 1
+    :func:`splits_kv_groups` says so, else 1 (grouped)."""
+    return hq // hk if splits_kv_groups(launch, b, hq, hk, sk, device) else 1
 
 
 class PreparedCall:
@@ -146,7 +147,7 @@ class PreparedCall:
     signature, docs/host-path.md). :meth:`forward` / :meth:`backward` do only the per-call
     work: the plans (cached per mask tensor), the outputs and the launches. The backward
     runs the launches chosen when the call was prepared (with the environment of then), with
-    each GQA group split over programs where :func:`expands_kv_heads` said so for these
+    each GQA group split over programs where :func:`splits_kv_groups` said so for these
     shapes (:attr:`kv_split`)."""
 
     __slots__ = ("causal", "scale", "fwd_launch", "bwd_launches", "kv_split", "_runs")

@@ -676,7 +676,7 @@ def test_gpu_fused_ds_shared_dkdv_bitwise_equal_to_tl_and_split(name, d, st, mon
     values in the same k-steps, so dK, dV bit for bit equal to the tl kernel's and to the split
     backward's; dQ (TMA reduce-adds: run-to-run rounding) within 2e-2 of the split backward's.
     The split backward runs grouped here: this small GQA call would otherwise split each group
-    over programs (``triton_backend.expands_kv_heads``), whose fp32 partials are summed in
+    over programs (``triton_backend.splits_kv_groups``), whose fp32 partials are summed in
     another order (other bits; checked against the reference in
     test_gpu_kv_split_matches_the_reference_and_the_grouped_launch and gqa_expand_ab.py)."""
     _require_hopper_gluon()

@@ -352,12 +352,12 @@ def test_kv_groups_split_only_when_the_grouped_grid_leaves_the_sms_idle(monkeypa
     cuda = torch.device("cuda", 0)
     # (grouped: programs = key blocks x KV heads, one wave of 8 heads each while <= 132;
     # split: 8x the programs of one head each)
-    assert T.expands_kv_heads(launch, 1, 32, 4, 1024, cuda)  # 32 programs: 8 -> 2 waves
-    assert T.expands_kv_heads(launch, 1, 32, 4, 2048, cuda)  # 64 programs: 8 -> 4 waves
-    assert not T.expands_kv_heads(launch, 1, 32, 4, 4096, cuda)  # 128 programs: 8 -> 8 waves
-    assert not T.expands_kv_heads(launch, 2, 32, 4, 2048, cuda)  # 128 programs (batch 2)
-    assert not T.expands_kv_heads(launch, 1, 32, 32, 1024, cuda)  # MHA
-    assert not T.expands_kv_heads(launch, 1, 32, 4, 1024, torch.device("cpu"))
+    assert T.splits_kv_groups(launch, 1, 32, 4, 1024, cuda)  # 32 programs: 8 -> 2 waves
+    assert T.splits_kv_groups(launch, 1, 32, 4, 2048, cuda)  # 64 programs: 8 -> 4 waves
+    assert not T.splits_kv_groups(launch, 1, 32, 4, 4096, cuda)  # 128 programs: 8 -> 8 waves
+    assert not T.splits_kv_groups(launch, 2, 32, 4, 2048, cuda)  # 128 programs (batch 2)
+    assert not T.splits_kv_groups(launch, 1, 32, 32, 1024, cuda)  # MHA
+    assert not T.splits_kv_groups(launch, 1, 32, 4, 1024, torch.device("cpu"))
     assert T.kv_split_of(launch, 1, 32, 4, 1024, cuda) == 8
     assert T.kv_split_of(launch, 1, 32, 4, 4096, cuda) == 1
 
