@@ -215,7 +215,7 @@ def main(argv=None) -> int:
 
         with tqdm(desc="underfill", unit="step") as bar:
             underfill.run(args.out, sequences=args.sequences, progress=bar)
-        print(f"wrote {os.path.join(args.out, 'scale_model_underfill.md')}/.json, gqa_expand_shapes.json "
+        print(f"wrote {os.path.join(args.out, 'scale_model_underfill.md')}/.json, {underfill.CANDIDATES} "
               f"({time.perf_counter() - t0:.1f} s)")
         return 0
 

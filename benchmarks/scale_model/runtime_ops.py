@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass
-from typing import Optional
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -25,7 +24,6 @@ from torch.utils._python_dispatch import TorchDispatchMode
 #: operator of the runtime, a copy of the emulated exchange (what NCCL does in a real run).
 KINDS = ("attention", "kernel", "torch", "emulated")
 
-_aten = torch.ops.aten
 #: Operators that only allocate or change metadata (no kernel): flashmask3.distributed.launches.
 _FREE = {"empty", "empty_strided", "empty_like", "new_empty", "new_empty_strided", "detach", "lift_fresh",
          "set_", "resize_", "is_same_size", "sym_size", "sym_stride", "sym_numel", "sym_storage_offset",

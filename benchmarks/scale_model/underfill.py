@@ -285,10 +285,16 @@ def compact_table(breakdown: dict) -> list[str]:
     return lines
 
 
+#: The A/B shape set this model proposes now (``gqa_expand_ab.py --shapes``); the set the
+#: committed A/B measured stays ``gqa_expand_shapes.json`` (validate.validate_kv_expansion reads
+#: its rows in that file's order), so a rerun never rewrites a measurement's input.
+CANDIDATES = "gqa_expand_candidates.json"
+
+
 def run(out_dir: str, cps=((16, 4, 2, 16), (64, 2, 1, 32)), sequences: int = 4, progress=None) -> dict:
     """Breakdown (combined method, slowest rank) at each ``(cp, pp, dp, micro-batches)``, the
     switches' gains, and the A/B shape set; writes ``scale_model_underfill.{md,json}`` and
-    ``gqa_expand_shapes.json`` to ``out_dir``."""
+    :data:`CANDIDATES` to ``out_dir``."""
     from . import experiment as X
     from .layout import document_plan_view
     from .model import MOE_118B, Layout
@@ -351,7 +357,7 @@ def run(out_dir: str, cps=((16, 4, 2, 16), (64, 2, 1, 32)), sequences: int = 4, 
 
     with open(os.path.join(out_dir, "scale_model_underfill.json"), "w") as f:
         json.dump(to_jsonable(res), f, indent=1)
-    with open(os.path.join(out_dir, "gqa_expand_shapes.json"), "w") as f:
+    with open(os.path.join(out_dir, CANDIDATES), "w") as f:
         json.dump({"label": "real per-rank backward stage calls of the paper setting (118B MoE, cp 16, "
                             "sparse+overlap+hier) where the 'waves' GQA expansion rule and the library rule "
                             "differ; *_ms are the scale model's PREDICTIONS", "shapes": shapes}, f, indent=1)

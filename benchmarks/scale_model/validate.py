@@ -432,17 +432,8 @@ def validate_training(path: str = MULTI, attention_points: Optional[list[Point]]
 
 # -- the CP runtime on one GPU, per rank (cp_single_gpu.py --breakdown) ------------------------------
 
-#: The runtime's layer on one H200 with every rank's kernels profiled (session 28).
+#: The runtime's layer on one H200 with every rank's kernels profiled (sessions 28-29).
 CP_RUNTIME_BREAKDOWN = os.path.join(RESULTS, "cp_runtime_breakdown.json")
-
-#: The one-GPU emulation's "cluster": no links (a message is a device copy on the rank's own
-#: stream, :func:`emulated_copy_seconds`), the H200's host and memory as in :class:`Cluster`.
-_FREE = Param(1e18, "emulated: a device copy, counted by emulated_copy_seconds")
-EMULATED = Cluster(name="one H200, communication emulated by device copies", gpus_per_node=1 << 20,
-                   nvlink_bw=_FREE, ib_bw=_FREE, link_efficiency=Param(1.0, "emulated"),
-                   nvlink_latency=Param(0.0, "emulated"), ib_latency=Param(0.0, "emulated"),
-                   msg_overhead=Param(0.0, "emulated"), comm_sm_share=Param(0.0, "emulated"))
-
 
 def rank_kernel_seconds(view: PlanView, r: int, cost: AttentionCost, shape: AttnShape, comm: str,
                         bwd_calls: str) -> float:
@@ -462,20 +453,6 @@ def rank_kernel_seconds(view: PlanView, r: int, cost: AttentionCost, shape: Attn
         return fwd + cost.gpu_backward(merge_calls(view.stages[r]), h, hk)
     staged = sum(cost.gpu_backward_stage(t, h, hk) for t in live)
     return fwd + staged + cost.backward_query_blocks(live[0], h)
-
-
-def emulated_copy_seconds(view: PlanView, r: int, shape: AttnShape, comm: str) -> float:
-    """The emulated exchange's device copies of rank ``r`` in one layer (read + write at the
-    measured HBM bandwidth): overlap, the K/V it receives and the gradients of the K/V it sent;
-    all-gather, the whole sequence's K/V twice (forward and backward) and its own shard of the
-    reduce-scatter."""
-    bw = EMULATED.hbm_bw.value
-    if comm == "allgather":
-        s = view.local_seqlen * view.cp_size
-        return 2 * (2 * shape.kv_bytes(s) + shape.kv_bytes(view.local_seqlen)) / bw
-    recv = sum(n for rnd in view.rounds for (_, d, n) in rnd.transfers if d == r)
-    sent = sum(n for rnd in view.rounds for (s, _, n) in rnd.transfers if s == r)
-    return 2 * shape.kv_bytes((recv + sent) * view.chunk_size) / bw
 
 
 #: flashmask3 kernels of a CP layer that are the runtime's own work, not attention (the merge,
@@ -618,7 +595,7 @@ def validate_cp_runtime(path: str = CP_RUNTIME_BREAKDOWN, cost: Optional[Attenti
     rows = _recorded_ranks(res, cost, shape)
     fit = [(sum(o.nbytes for o in ops if o.kind != "attention"), sum(o.kind != "attention" for o in ops),
             _measured_runtime_seconds(r["breakdown"])) for _, cp, r, _, ops, _, _, _ in rows if cp in fit_cp]
-    bw = fit_copy_bandwidth(fit) if fit else EMULATED.hbm_bw.value
+    bw = fit_copy_bandwidth(fit) if fit else Cluster().hbm_bw.value  # nothing to fit: the HBM copy rate
     checks = ("kernels", "runtime", "busy", "layer", "layer_host_model")
     by_config: dict = {}
     for name, cp, r, view, ops, attn, calls, comm in rows:

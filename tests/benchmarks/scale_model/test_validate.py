@@ -235,7 +235,7 @@ def test_cp_runtime_check_compares_kernels_runtime_and_layers_per_rank(tmp_path,
     for p in out["layer"] + out["layer_host_model"]:
         assert p.predicted > 0 and not p.held_out
     held = V.validate_cp_runtime(path, cost, fit_cp=())  # nothing to fit: the HBM bandwidth, all held out
-    assert held["copy_bw"] == V.EMULATED.hbm_bw.value and all(p.held_out for p in held["runtime"])
+    assert held["copy_bw"] == V.Cluster().hbm_bw.value and all(p.held_out for p in held["runtime"])
     assert all(p.error < 0 for p in held["runtime"])  # 4.3 TB/s is faster than the file's 3 TB/s
     shifted = V.validate_cp_runtime(_breakdown_file(tmp_path, lens, 4, comm, cost, shift=1e-3), cost, fit_cp=(4,))
     assert all(p.error < -0.01 for p in shifted["kernels"])  # slower kernels: an under-prediction
@@ -259,3 +259,12 @@ def test_emulated_layer_is_host_or_gpu_bound():
     assert layer == pytest.approx(us["forward"] * 1e-6 + 1e-2 + V.LAUNCH_FLOOR + 2e-2)
     layer, h = V.emulated_layer_seconds(ops, [1e-6, 1e-6], 1e12, host_scale=10)
     assert h == pytest.approx(10 * host) and layer == pytest.approx(10 * host + 1e-6)
+
+
+def test_committed_gqa_ab_rebuilds_from_its_shape_set():
+    """The committed GQA-split A/B pairs its stage rows with the calls of the committed shape set
+    (rebuilt from their document lengths): every measured row gets its grouped and split points.
+    (A rerun of ``underfill`` writes its new proposals elsewhere, never over this input.)"""
+    points = V.validate_kv_expansion()
+    assert points and len(points) % 2 == 0
+    assert all(p.measured > 0 and p.predicted > 0 for p in points)
