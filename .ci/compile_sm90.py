@@ -46,7 +46,7 @@ def jobs() -> list[dict]:
     out = [dict(family="tl", kernel=name) for name in ("summary", "range_by_query",
                                                         "range_by_key", "bwd_pre", "scale_dq",
                                                         "merge_3", "merge_8", "sum_kv_split",
-                                                        "add_returns", "gather_keys")]
+                                                        "add_returns", "gather_keys", "pack_wire")]
     for pass_, kernel, d, t in CT.table_kernels():
         family = "tl" if kernel == "tl" else "gluon"
         cfg = t._asdict() if hasattr(t, "_asdict") else dict(t.__dict__)
@@ -67,8 +67,8 @@ KV_SPLIT = 8
 def _compile_small(name: str) -> dict:
     """The preprocessing / pre-pass / scaling kernels, the context-parallel forward's merge of
     stage partials (``merge_<parts>``) and its backward's sum of returned gradients
-    (``add_returns``) and the gather of its stages' keys (``gather_keys``); no tile config of
-    their own)."""
+    (``add_returns``) and the moves between wire rows and the key layout (``gather_keys``,
+    ``pack_wire``); no tile config of their own)."""
     from triton.compiler import ASTSource
 
     from flashmask3.kernels import compile_tools as CT
@@ -102,6 +102,8 @@ def _compile_small(name: str) -> dict:
                         dict(HAS_OWN=True, HAS_RET=True, BLOCK=RT.BLOCK)),
         "gather_keys": (GA._gather_keys_kernel, dict(src_ptr="*bf16", rows_ptr="*i64", dst_ptr="*bf16"),
                         dict(BLOCK=GA.BLOCK)),
+        "pack_wire": (GA._pack_wire_kernel, dict(k_ptr="*bf16", v_ptr="*bf16", rows_ptr="*i64", dst_ptr="*bf16"),
+                      dict(HAS_ROWS=True, BLOCK=GA.BLOCK)),
     }[name] if not name.startswith("merge_") else _merge_job(MG, int(name.split("_")[1]))
     sig, attrs = CT._signature(kernel, ptrs, {}, consts)
     for i, arg in enumerate(kernel.arg_names):  # sizes Triton specialises as divisible by 16
@@ -116,7 +118,7 @@ def _compile_small(name: str) -> dict:
 
 #: Integer arguments of the small kernels that every real launch passes divisible by 16 (Triton
 #: specialises on it; the copies vectorise only with it).
-DIVISIBLE_INTS = {"gather_keys": ("HALF", "CS_HD", "B_STRIDE", "KV_STRIDE")}
+DIVISIBLE_INTS = {"gather_keys": ("HALF", "CS_HD", "B_STRIDE", "KV_STRIDE"), "pack_wire": ("HALF", "CS_HD")}
 
 
 def _merge_job(MG, n: int) -> tuple:

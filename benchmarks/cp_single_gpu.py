@@ -74,14 +74,14 @@ GPUS_PER_NODE = 8
 #: The backend functions each A/B layout hides (the runtime then does without them).
 STAGED_BACKWARD = ("backward_prepare", "backward_stage", "backward_finish")
 RETURNS_KERNEL = ("add_returns", "returns_usable")
-GATHER_KERNEL = ("gather_keys", "gather_usable")
+GATHER_KERNEL = ("gather_keys", "pack_wire", "wire_usable")
 
 
 class Without:
     """``backend`` with the optional functions ``names`` hidden, everything else as it is: the
     runtime falls back to what it does without them (``STAGED_BACKWARD``: one whole backward
     per stage, kernels/staged.py's WholeCallStages; ``RETURNS_KERNEL``: the returned gradients
-    summed by torch ops; ``GATHER_KERNEL``: the stages' keys gathered by torch ops). One optional function per A/B, the rest of the backend unchanged."""
+    summed by torch ops; ``GATHER_KERNEL``: the moves between wire rows and the key layout by torch ops). One optional function per A/B, the rest of the backend unchanged."""
 
     def __init__(self, backend, names):
         self._backend, self._hidden = backend, frozenset(names)

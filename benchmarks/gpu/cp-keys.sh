@@ -9,14 +9,16 @@
 #   3. The old runtime (AB_OLD: a tree holding the previous commit's flashmask3/ and this tree's
 #      benchmarks/, e.g. `git archive 9ef0f89 flashmask3 | tar -x -C ab_old; cp -r benchmarks
 #      ab_old/`), sparse+overlap and sparse+allgather at cp 8/32/128 with --breakdown.
-# Results: $OUT/cp-keys/{new,old}/cp_runtime.{json,md}, pytest.log.
+# Results: $OUT/cp-keys/{new,old}/cp_runtime.{json,md}, pytest.log. CP_KEYS_CPS: the cp sizes
+# ("8 32 128"); the time budgets below fit five.
 set -euo pipefail
 OUT="${OUT:-benchmarks/results}"
 DIR="$OUT/cp-keys"
 AB_OLD="${AB_OLD:-ab_old}"
 mkdir -p "$DIR/new" "$DIR/old"
 export PYTHONUNBUFFERED=1 FLASHMASK3_BACKEND=triton
-ARGS=(--cp 8 32 128 --check --breakdown --heaviest 4 --random 2)
+read -r -a CPS <<< "${CP_KEYS_CPS:-8 32 128}"  # the cp sizes of both sides
+ARGS=(--cp "${CPS[@]}" --check --breakdown --heaviest 4 --random 2)
 if [[ "${CP_KEYS_TESTS:-1}" == 1 ]]; then  # (0: gpu-tests.sh ran them in this call)
   echo "== GPU tests of the CP kernels $(date -u +%T)"
   timeout 60 python -m pytest -q -m gpu tests/kernels/test_gather.py tests/kernels/test_returns.py \
@@ -24,7 +26,7 @@ if [[ "${CP_KEYS_TESTS:-1}" == 1 ]]; then  # (0: gpu-tests.sh ran them in this c
   tail -3 "$DIR/pytest.log" || true
 fi
 echo "== new runtime $(date -u +%T)"
-timeout 170 python benchmarks/cp_single_gpu.py "${ARGS[@]}" --time-budget 140 --out "$DIR/new" \
+timeout 200 python benchmarks/cp_single_gpu.py "${ARGS[@]}" --time-budget 170 --out "$DIR/new" \
   --configs sparse+overlap sparse+allgather dual_chunk+allgather "sparse+overlap hier" \
   || echo "new runtime FAILED or timed out (rc=$?)"
 if [[ -d "$AB_OLD/flashmask3" ]]; then

@@ -149,12 +149,15 @@ class _Backend:
         with self.rec.paused():
             return torch.empty_like(outs[0], dtype=dtype), torch.empty_like(lses[0])
 
-    def gather_usable(self, src):
+    def wire_usable(self, t):
         return True
 
     def gather_keys(self, src, rows, dst, pos):
         row = _nbytes(src[0]) if src.shape[0] else 0
         self.rec.ops.append(Op("kernel", "gather_keys", 2 * rows.numel() * row, pass_=self.rec.pass_))
+
+    def pack_wire(self, k, v, rows, out):
+        self.rec.ops.append(Op("kernel", "pack_wire", 2 * _nbytes(out), pass_=self.rec.pass_))
 
     def returns_usable(self, k):
         return True

@@ -520,7 +520,7 @@ def gather_stage_keys(src: torch.Tensor, rows: torch.Tensor, dst: torch.Tensor, 
     into ``dst[1]``): in one launch where the backend has the kernel (``gather_keys``,
     kernels/gather.py) for these tensors, else by torch ops (the reference, the CPU path)."""
     fused = getattr(backend, "gather_keys", None)
-    usable = getattr(backend, "gather_usable", None)
+    usable = getattr(backend, "wire_usable", None)
     if fused is not None and usable is not None and usable(src):
         fused(src, rows, dst, pos)
         return
@@ -528,6 +528,26 @@ def gather_stage_keys(src: torch.Tensor, rows: torch.Tensor, dst: torch.Tensor, 
     _, b, _, h, d = dst.shape
     dst[:, :, pos * cs:(pos + n) * cs].view(2, b, n, cs, h, d).copy_(
         src.index_select(0, rows).permute(1, 2, 0, 3, 4, 5))
+
+
+def pack_wire_rows(k: torch.Tensor, v: torch.Tensor, rows: Optional[torch.Tensor], chunk: int,
+                   backend=None, out: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """Wire rows ``[n, 2, B, chunk, Hk, D]`` whose row ``j`` is key chunk ``rows[j]`` (``j``
+    when ``rows`` is None: every chunk in order) of ``k`` and ``v`` (``[B, S, Hk, D]``), into
+    ``out`` when given: in one launch where the backend has the kernel (``pack_wire``,
+    kernels/gather.py), else by :func:`to_wire` and ``index_select`` (the reference, the CPU
+    path)."""
+    n = k.shape[1] // chunk if rows is None else rows.numel()
+    if out is None:
+        out = k.new_empty(_wire_shape(n, k, chunk))
+    fused = getattr(backend, "pack_wire", None)
+    usable = getattr(backend, "wire_usable", None)
+    if fused is not None and usable is not None and usable(k) and k.is_contiguous() and v.is_contiguous():
+        fused(k, v, rows, out)
+        return out
+    if rows is None:
+        return to_wire(k, v, chunk, out=out)
+    return torch.index_select(to_wire(k, v, chunk), 0, rows, out=out)
 
 
 def _key_buffer(k: torch.Tensor, chunks: int, chunk: int) -> torch.Tensor:
@@ -589,7 +609,7 @@ class _Rounds:
     is gathered from the store alike. A direct message goes out as a view of the own wire rows
     where its chunks are consecutive own chunks, else from one packed payload."""
 
-    def __init__(self, prog: RankProgram, exchange, k, v):
+    def __init__(self, prog: RankProgram, exchange, k, v, backend=None):
         self.prog, self.exchange = prog, exchange
         cs = prog.chunk_size
         self.pending: dict[int, object] = {}
@@ -599,9 +619,9 @@ class _Rounds:
         self.bufs = _round_views(prog, self.store, lead)
         wire_own = None
         if lead:
-            wire_own = to_wire(k, v, cs, out=self.store[:lead])
+            wire_own = pack_wire_rows(k, v, None, cs, backend, out=self.store[:lead])
         elif prog.n_direct_send:
-            wire_own = to_wire(k, v, cs)
+            wire_own = pack_wire_rows(k, v, None, cs, backend)
         packed = wire_own.index_select(0, prog.pack_rows) if prog.pack_rows is not None else None
         for r in prog.rounds:
             if r.source is None:
@@ -696,7 +716,7 @@ def forward_overlap(prog: RankProgram, exchange, backend, q, k, v, scale, keep_k
     partial results merged once at the end. Returns ``(out, lse, kept)``, out in q's dtype;
     ``kept`` (``keep_kv``, else None): the pass's key buffer (every stage's K/V, gathered
     once), for :func:`backward_overlap` to reuse instead of fetching the K/V again."""
-    rounds = _Rounds(prog, exchange, k, v)
+    rounds = _Rounds(prog, exchange, k, v, backend)
     keys = _Keys(prog, k, rounds, backend)
     outs, lses = [], []
     for s, chunks in enumerate(prog.stage_chunks):
@@ -731,8 +751,8 @@ def _finish_forward(outs, lses, q, v, backend=None):
 class _Returns:
     """Backward traffic in reverse: each received chunk's gradient back to where it came from."""
 
-    def __init__(self, prog: RankProgram, exchange, k):
-        self.prog, self.exchange, self.k = prog, exchange, k
+    def __init__(self, prog: RankProgram, exchange, k, backend=None):
+        self.prog, self.exchange, self.k, self.backend = prog, exchange, k, backend
         self.acc = acc_dtype(k.dtype)
         cs = prog.chunk_size
         self.direct_buf = k.new_empty(_wire_shape(prog.n_direct_send, k, cs))
@@ -741,8 +761,12 @@ class _Returns:
         self.pending: dict[int, object] = {}
 
     def stage_grads(self, r: RoundProgram, dk, dv) -> None:
-        """Record round ``r``'s stage gradients (its stage's dK/dV)."""
-        self.stage_wire(r, to_wire(dk, dv, self.prog.chunk_size))
+        """Record round ``r``'s stage gradients (its stage's dK/dV): where they go back unchanged,
+        packed straight into wire rows in receive order (one move, :func:`pack_wire_rows`)."""
+        if r.fast_grad:
+            self.grads[r.index] = pack_wire_rows(dk, dv, r.grad_rows, self.prog.chunk_size, self.backend)
+            return
+        self.stage_wire(r, pack_wire_rows(dk, dv, None, self.prog.chunk_size, self.backend))
 
     def stage_wire(self, r: RoundProgram, wire: torch.Tensor) -> None:
         """Record round ``r``'s stage gradients as wire rows ``[n_stage, 2, B, cs, Hk, D]`` in
@@ -820,8 +844,8 @@ def backward_overlap(prog: RankProgram, exchange, backend, dout, dlse, q, k, v, 
     returns."""
     prepare, stage, finish = staged_functions(backend)
     keys = (_Keys.of(prog, kept) if kept is not None
-            else _Keys(prog, k, _Rounds(prog, exchange, k, v), backend))
-    returns = _Returns(prog, exchange, k)
+            else _Keys(prog, k, _Rounds(prog, exchange, k, v, backend), backend))
+    returns = _Returns(prog, exchange, k, backend)
     state = call_attention(prepare, q, out, dout, lse, dlse)
 
     def run(s):
@@ -830,7 +854,7 @@ def backward_overlap(prog: RankProgram, exchange, backend, dout, dlse, q, k, v, 
 
     own_wire = None
     if prog.stage_chunks[0] and prog.backward_calls != "one":
-        own_wire = to_wire(*run(0), prog.chunk_size)
+        own_wire = pack_wire_rows(*run(0), None, prog.chunk_size, backend)
     if prog.merged is None:
         for t in prog.backward_order:
             r = prog.rounds[t]
@@ -856,7 +880,7 @@ def _backward_merged(prog, keys: _Keys, returns: _Returns, stage, state, q, scal
     if prog.n_keys:
         ks, vs = keys.all()
         dk, dv = call_attention(stage, state, q, ks, vs, prog.merged_cols(q.shape[0]), False, scale)
-        grads = to_wire(dk, dv, prog.chunk_size)
+        grads = pack_wire_rows(dk, dv, None, prog.chunk_size, returns.backend)
         if m.own is not None:
             own_wire = grads[m.own[0]:m.own[1]]
     for t, start, stop in m.pieces:
@@ -876,8 +900,8 @@ def forward_allgather(prog: RankProgram, exchange, backend, q, k, v, scale):
     return o.to(q.dtype), l
 
 
-def _gather(prog, exchange, k, v):
-    wire = to_wire(k, v, prog.chunk_size)
+def _gather(prog, exchange, k, v, backend=None):
+    wire = pack_wire_rows(k, v, None, prog.chunk_size, backend)
     out = k.new_empty(_wire_shape(prog.n_own * exchange.world, k, prog.chunk_size))
     exchange.all_gather(out, wire)
     return out
@@ -885,7 +909,7 @@ def _gather(prog, exchange, k, v):
 
 def _gathered_keys(prog, exchange, backend, k, v, gathered=None) -> Optional[torch.Tensor]:
     """The all-gather baseline's key buffer: the needed chunks of the gathered wire rows."""
-    gathered = _gather(prog, exchange, k, v) if gathered is None else gathered
+    gathered = _gather(prog, exchange, k, v, backend) if gathered is None else gathered
     if prog.key_rows is None:
         return None
     keys = _key_buffer(k, prog.n_keys, prog.chunk_size)
@@ -895,7 +919,7 @@ def _gathered_keys(prog, exchange, backend, k, v, gathered=None) -> Optional[tor
 
 def backward_allgather(prog: RankProgram, exchange, backend, dout, dlse, q, k, v, out, lse, scale):
     """Baseline backward: all-gather again, one backward call, reduce-scatter dK/dV."""
-    gathered = _gather(prog, exchange, k, v)
+    gathered = _gather(prog, exchange, k, v, backend)
     keys = _gathered_keys(prog, exchange, backend, k, v, gathered)
     full = torch.zeros_like(gathered)
     dq = None

@@ -1,4 +1,4 @@
-"""One launch that gathers a context-parallel stage's keys out of wire rows into the key layout.
+"""One launch each way between the context-parallel wire rows and the key layout.
 
 K and V travel between ranks in wire rows ``[rows, 2, B, chunk, Hk, D]`` (one contiguous
 message per peer, docs/cp-runtime.md), but an attention call takes contiguous K and V
@@ -9,8 +9,10 @@ the rows of the receive buffer in one launch: each program copies one contiguous
 K or V half of one row, so the copy runs at memory bandwidth. In torch the same move is an
 ``index_select`` on a permuted view (an element-wise gather at about a third of the
 bandwidth), done once in the forward and once more in the backward before this kernel
-(``benchmarks/NOTES.md``, session 29). ``distributed.runtime.gather_stage_keys`` keeps the
-torch path for CPU tensors and float64.
+(``benchmarks/NOTES.md``, session 29). :func:`pack_wire` moves the other way: K/V (or dK/dV)
+in the key layout into wire rows, optionally in another chunk order, in one launch, where torch
+stacks the two halves (one copy) and then reorders the rows (a second). The runtime's
+``gather_stage_keys`` / ``pack_wire_rows`` keep the torch paths for CPU tensors and float64.
 """
 
 from __future__ import annotations
@@ -87,3 +89,69 @@ def gather_keys(src: torch.Tensor, rows: torch.Tensor, dst: torch.Tensor, pos: i
     nb = cdiv(row, BLOCK)
     launch(_gather_keys_kernel, (n, b * nb, 2), src, rows, dst, b * row, row, nb,
            dst.shape[2] * hk * d, b * dst.shape[2] * hk * d, pos, BLOCK=BLOCK, num_warps=4)
+
+
+@triton.jit(do_not_specialize=["NB", "N_SRC"])
+def _pack_wire_kernel(k_ptr, v_ptr, rows_ptr, dst_ptr, HALF, CS_HD, NB, N_SRC, HAS_ROWS: tl.constexpr,
+                      BLOCK: tl.constexpr):
+    """Program ``(j, blk, kv)``: block ``blk % NB`` of batch row ``blk // NB`` of key chunk
+    ``rows[j]`` (``j`` without ``HAS_ROWS``) of K (``kv = 0``) or V (``[B, N_SRC * cs, Hk, D]``
+    contiguous, ``CS_HD = cs * Hk * D``) into the K or V half of wire row ``j`` of ``dst``
+    (``[n, 2, B, cs, Hk, D]`` contiguous, ``HALF = B * CS_HD``). 64-bit bases, contiguous blocks."""
+    j = tl.program_id(0)
+    blk = tl.program_id(1)
+    kv = tl.program_id(2)
+    b = (blk // NB).to(tl.int64)
+    offs = (blk % NB) * BLOCK + tl.arange(0, BLOCK)
+    emask = offs < CS_HD
+    if HAS_ROWS:
+        chunk = tl.load(rows_ptr + j).to(tl.int64)
+    else:
+        chunk = j.to(tl.int64)
+    src = (b * N_SRC + chunk) * CS_HD
+    if kv == 0:
+        x = tl.load(k_ptr + src + offs, mask=emask)
+    else:
+        x = tl.load(v_ptr + src + offs, mask=emask)
+    dst = (j.to(tl.int64) * 2 + kv) * HALF + b * CS_HD
+    tl.store(dst_ptr + dst + offs, x, mask=emask)
+
+
+def check_pack(k: torch.Tensor, v: torch.Tensor, rows, out: torch.Tensor) -> int:
+    """ValueError unless ``k`` and ``v`` are contiguous ``[B, S, Hk, D]`` of one shape and dtype
+    and ``out`` contiguous wire rows ``[n, 2, B, chunk, Hk, D]`` of that dtype with ``chunk``
+    dividing ``S``, ``rows`` (or None: ``n`` = S / chunk) a 1-D integer index on their device;
+    returns ``chunk``."""
+    if k.dim() != 4 or k.shape != v.shape or k.dtype != v.dtype or not (k.is_contiguous() and v.is_contiguous()):
+        raise ValueError(f"k and v must be contiguous [B, S, Hk, D] of one shape and dtype, got "
+                         f"{tuple(k.shape)} {k.dtype} and {tuple(v.shape)} {v.dtype}")
+    b, s, hk, d = k.shape
+    if out.dim() != 6 or tuple(out.shape[1:3]) != (2, b) or tuple(out.shape[4:]) != (hk, d) \
+            or out.dtype != k.dtype or not out.is_contiguous() or s % max(out.shape[3], 1):
+        raise ValueError(f"out must be contiguous wire rows [n, 2, {b}, chunk, {hk}, {d}] of {k.dtype} whose "
+                         f"chunk divides {s}, got {tuple(out.shape)} {out.dtype}")
+    n = out.shape[0]
+    if rows is None:
+        if n * out.shape[3] != s:
+            raise ValueError(f"without rows, out must hold all {s} keys, got {n} rows of {out.shape[3]}")
+    elif rows.dim() != 1 or rows.numel() != n or rows.dtype not in (torch.int32, torch.int64) \
+            or rows.device != k.device:
+        raise ValueError(f"rows must be a 1-D int32/int64 index of {n} chunks on {k.device}, got "
+                         f"{tuple(rows.shape)} {rows.dtype} on {rows.device}")
+    return out.shape[3]
+
+
+def pack_wire(k: torch.Tensor, v: torch.Tensor, rows, out: torch.Tensor) -> None:
+    """Wire row ``j`` of ``out`` = key chunk ``rows[j]`` (``j`` when ``rows`` is None) of ``k``
+    and of ``v`` (layouts: :func:`check_pack`); one launch. The inverse move of
+    :func:`gather_keys`: the CP backward's dK/dV into the wire rows they travel back in, in the
+    order of the receive rows, and the own K/V into the rows they are sent in."""
+    chunk = check_pack(k, v, rows, out)
+    n = out.shape[0]
+    if n == 0:
+        return
+    b, s, hk, d = k.shape
+    row = chunk * hk * d
+    nb = cdiv(row, BLOCK)
+    launch(_pack_wire_kernel, (n, b * nb, 2), k, v, rows if rows is not None else out, out, b * row, row, nb,
+           s // chunk, HAS_ROWS=rows is not None, BLOCK=BLOCK, num_warps=4)

@@ -1,7 +1,8 @@
 """The Triton backend of :func:`flashmask3.flashmask_attention`: what runs a call.
 
 Backend contract (docs/ARCHITECTURE.md): :func:`forward` and :func:`backward` (and the
-optional staged backward, ``merge_stages`` / ``merge_usable``, ``gather_keys`` / ``gather_usable`` and
+optional staged backward, ``merge_stages`` / ``merge_usable``, ``gather_keys`` and ``pack_wire``
+/ ``wire_usable`` and
 ``add_returns`` / ``returns_usable``, which context parallelism uses). Layout is
 q ``[B, Sq, Hq, D]``, k/v ``[B, Sk, Hk, D]`` (GQA without repeating K/V), mask
 ``startend_row_indices`` int32 ``[B, Hm, Sk, C]`` or ``None``, LSE fp32 ``[B, Hq, Sq]``.
@@ -28,7 +29,8 @@ from .gluon_bwd import (FUSED_VARIANT, GluonDkdv, dq_accumulator_view, launch_dk
 from .gluon_fwd import GluonForward, launch_fwd_gluon
 from .launcher import cdiv
 from .gather import gather_keys  # noqa: F401  (the context-parallel stages' keys from wire rows)
-from .gather import usable as gather_usable  # noqa: F401
+from .gather import pack_wire  # noqa: F401  (K/V or dK/dV from the key layout into wire rows)
+from .gather import usable as wire_usable  # noqa: F401
 from .merge import merge_stages  # noqa: F401  (the context-parallel forward's merge)
 from .merge import usable as merge_usable  # noqa: F401
 from .returns import add_returns  # noqa: F401  (the context-parallel backward's gradient returns)

@@ -1,7 +1,8 @@
-"""The one-launch gather of a context-parallel stage's keys (kernels/gather.py), under the
-interpreter without a GPU and compiled on one: random wire rows, a random (repeating) row index,
-written into a slice of a key buffer whose other keys must stay as they were; against the
-torch path of ``distributed.runtime.gather_stage_keys``."""
+"""The one-launch moves between wire rows and the key layout (kernels/gather.py), under the
+interpreter without a GPU and compiled on one: the gather of a stage's keys (random wire rows, a
+random, repeating row index, written into a slice of a key buffer whose other keys must stay as
+they were) and the pack of K/V into wire rows (in order and reordered), against the torch paths
+of ``distributed.runtime.gather_stage_keys`` / ``pack_wire_rows``."""
 
 from __future__ import annotations
 
@@ -59,6 +60,23 @@ def test_gather_keys_rejects_other_layouts():
 
 
 @pytest.mark.gpu
+def test_pack_wire_on_the_gpu_at_a_cp_128_shape():
+    """The compiled pack at a cp-128 stage's dK/dV shape (100 chunks of 128 keys, 8 KV heads,
+    D=128, bf16), reordered, and a batch of two in order."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    from flashmask3.distributed.runtime import pack_wire_rows
+
+    g = torch.Generator(device="cuda").manual_seed(3)
+    for b, n, rows in ((1, 100, torch.randperm(100, device="cuda")), (2, 17, None)):
+        k, v = (torch.randn(b, n * 128, 8, 128, generator=g, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+        want = pack_wire_rows(k, v, rows, 128)
+        got = torch.empty_like(want)
+        gather.pack_wire(k, v, rows, got)
+        assert torch.equal(got, want)
+
+
+@pytest.mark.gpu
 def test_gather_keys_on_the_gpu_at_a_cp_128_shape():
     """The compiled kernel at a cp-128 stage's shape (100 chunks of 128 keys, 8 KV heads,
     D=128, bf16) and a batch of two, into the middle of a key buffer."""
@@ -71,3 +89,36 @@ def test_gather_keys_on_the_gpu_at_a_cp_128_shape():
         got = dst.clone()
         gather.gather_keys(src, rows, got, 20)
         assert torch.equal(got, want)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
+@pytest.mark.parametrize("with_rows", [True, False])
+def test_pack_wire_matches_the_torch_path(dtype, with_rows):
+    """Wire row j = key chunk rows[j] of K and V (every chunk in order without rows), against
+    ``to_wire`` + ``index_select``; a batch of two."""
+    _interpreted()
+    from flashmask3.distributed.runtime import pack_wire_rows, to_wire
+
+    g = torch.Generator().manual_seed(int(with_rows))
+    b, n, cs, hk, d = 2, 6, 8, 3, 16
+    k, v = (torch.randn(b, n * cs, hk, d, generator=g).to(dtype) for _ in range(2))
+    rows = torch.tensor([4, 0, 5, 5, 2]) if with_rows else None
+    want = pack_wire_rows(k, v, rows, cs)  # no backend: the torch ops
+    ref = to_wire(k, v, cs) if rows is None else to_wire(k, v, cs)[rows]
+    assert torch.equal(want, ref)
+    got = torch.full_like(want, float("nan"))
+    gather.pack_wire(k, v, rows, got)
+    assert torch.equal(got, want)
+
+
+def test_pack_wire_rejects_other_layouts():
+    k = torch.zeros(1, 16, 2, 16)
+    out = torch.zeros(2, 2, 1, 8, 2, 16)
+    with pytest.raises(ValueError, match="k and v"):
+        gather.pack_wire(k, torch.zeros(1, 8, 2, 16), None, out)
+    with pytest.raises(ValueError, match="out"):
+        gather.pack_wire(k, k, None, out[:, :1])
+    with pytest.raises(ValueError, match="all 16 keys"):
+        gather.pack_wire(k, k, None, out[:1])
+    with pytest.raises(ValueError, match="rows"):
+        gather.pack_wire(k, k, torch.tensor([0, 1, 1]), out)
