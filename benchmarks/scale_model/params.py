@@ -43,12 +43,12 @@ class Cluster:
                                 "bytes / bandwidth")
     comm_sm_share: Param = Param(0.08, "assumed: fraction of the GPU's SMs NCCL kernels occupy "
                                  "while a transfer is active (~8-16 of 132 SMs)")
-    runtime_copy_bw: Param = Param(2.9e12, "fitted: the CP runtime's own ops (copies, gathers, "
-                                   "the merge and gradient-sum kernels; recorded from the real runtime) "
-                                   "at 2.87 TB/s + 3 us a launch on the H200 (validate_cp_runtime: cp "
-                                   "8/32 ranks of cp_runtime_breakdown.json; held out, cp 16/64/128: the "
-                                   "layer within 15% on 81 of 81 ranks, the busy time on 79 of 81); assumed "
-                                   "the same on the H100 (HBM 3.35 vs 4.8 TB/s: up to 1.4x slower there)")
+    runtime_copy_bw: Param = Param(3.5e12, "fitted: the CP runtime's own ops (copies, gathers, "
+                                   "packs, the merge and gradient-sum kernels; recorded from the real "
+                                   "runtime) at 3.54 TB/s + 3 us a launch on the H200 (validate_cp_runtime: "
+                                   "cp 8/32 ranks of cp_runtime_breakdown.json; held out, cp 16/64/128: the "
+                                   "layer and the busy time within 15% on 81 of 81 ranks); assumed the same "
+                                   "on the H100 (HBM 3.35 vs 4.8 TB/s: up to 1.4x slower there)")
     hbm_bw: Param = Param(4.3e12, "measured: device copy ~4.3 TB/s on the H200 "
                           "(benchmarks/NOTES.md 'Ceilings'); elementwise merges and casts")
     matmul_tflops: Param = Param(790.0, "measured: dense bf16 matmul ~790 TFLOP/s on the H200 "
