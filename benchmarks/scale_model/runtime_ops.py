@@ -163,7 +163,8 @@ class _Backend:
         return True
 
     def add_returns(self, own, own_index, returned, returned_index, n_own, chunk, k):
-        moved = _nbytes(own) + _nbytes(returned) + 2 * n_own * chunk * k.shape[2] * k.shape[3] * k.element_size() * k.shape[0]
+        written = 2 * k.shape[0] * n_own * chunk * k.shape[2] * k.shape[3] * k.element_size()  # dK and dV
+        moved = _nbytes(own) + _nbytes(returned) + written
         self.rec.ops.append(Op("kernel", "add_returns", moved, pass_=self.rec.pass_))
         with self.rec.paused():
             b, _, h, d = k.shape

@@ -457,7 +457,8 @@ def _build_program(plan, rank, device, comm, calls="stage") -> RankProgram:
                        stage_cols=_stage_columns(cols, stages, cs, device, keep), own_rows=own_rows,
                        rounds=rounds, backward_order=order,
                        direct_send_rows=direct_rows, n_direct_send=sum(r.n_send for r in direct),
-                       key_first=first, **_key_index(key_rows, key_starts, device, keep), pack_rows=_index(pack, device, keep) if pack else None,
+                       key_first=first, **_key_index(key_rows, key_starts, device, keep),
+                       pack_rows=_index(pack, device, keep) if pack else None,
                        merged=merged, n_recv=sum(r.n_recv for r in rounds),
                        returns_index=_returns_index(own_rows, direct_rows, len(own), device, keep),
                        _host=keep)
