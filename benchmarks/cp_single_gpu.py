@@ -180,11 +180,37 @@ def reference(mask, full_q, full_k, full_v, full_do):
     return out.detach(), q.grad
 
 
+def graph_layer(step, timer, iters: int) -> dict:
+    """The layer ``step`` (returns the output and the gradients of q, k, v) captured once in a
+    CUDA graph and replayed: the median layer and host seconds of one replay (the host issues
+    one graph launch, so the layer runs at the GPU's pace), and the largest deviation of the
+    replayed output and dQ from an eager step on the same inputs (the fused dQ's fp32 atomics
+    are not bitwise reproducible). Warm-up on a side stream first, as torch.cuda.graph needs."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(2):
+            step()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = step()
+    graph.replay()
+    eager = step()
+    err = [(a.float() - b.float()).abs().max().item() for a, b in zip(captured[:2], eager[:2])]
+    times = [timer(graph.replay) for _ in range(iters)]
+    del graph, captured
+    return {"graph_seconds": statistics.median(t for t, _ in times),
+            "graph_host_seconds": statistics.median(h for _, h in times),
+            "graph_err_out": err[0], "graph_err_dq": err[1]}
+
+
 def measure_rank(p, rank, comm, full_wire, full_q, full_k, full_v, full_do, args, timer, ref=None,
-                 backend=None, backward_calls="auto", breakdown: bool = False) -> dict:
+                 backend=None, backward_calls="auto", breakdown: bool = False, graph: bool = False) -> dict:
     """Median layer and host seconds of ``rank``'s forward+backward, its launch count, (with
-    ``ref``) its largest deviation from the single-device output and dQ, and (``breakdown``, on
-    a GPU) one more step's kernels (:func:`kernel_breakdown`)."""
+    ``ref``) its largest deviation from the single-device output and dQ, (``breakdown``, on
+    a GPU) one more step's kernels (:func:`kernel_breakdown`) and (``graph``, on a GPU) the
+    same layer replayed from a CUDA graph (:func:`graph_layer`)."""
     device = full_k.device
     prog = prepare_rank(p, rank, device, comm, backward_calls)
     q, k, v = (p.shard(t, rank).detach().requires_grad_() for t in (full_q, full_k, full_v))
@@ -211,6 +237,9 @@ def measure_rank(p, rank, comm, full_wire, full_q, full_k, full_v, full_do, args
     times = [timer(step) for _ in range(args.iters)]
     if breakdown and device.type == "cuda":
         errors["breakdown"] = kernel_breakdown(step, timer)
+    if graph and device.type == "cuda":
+        errors.update(graph_layer(lambda: _grads_step(q, k, v, prog, ex, scale, do, backend), timer,
+                                  args.iters))
     return {**errors, "rank": rank, "seconds": statistics.median(t for t, _ in times),
             "host_seconds": statistics.median(h for _, h in times), "launches": counter.launches,
             "backend_aten_launches": counter.attention_launches,
@@ -218,6 +247,13 @@ def measure_rank(p, rank, comm, full_wire, full_q, full_k, full_v, full_do, args
             "stages": sum(1 for s in prog.stage_chunks if s), "own_stage": bool(prog.stage_chunks[0]),
             "backward_calls": prog.backward_calls, "work": p.work(rank),
             "keys": len(p.needed_chunks(rank)) * p.chunk_size}
+
+
+def _grads_step(q, k, v, prog, ex, scale, do, backend):
+    """One layer's output and the gradients of q, k, v (``autograd.grad``: no ``.grad``
+    accumulation, so a captured step writes into its own buffers)."""
+    out, _ = run_layer(q, k, v, prog, ex, scale, backend=backend)
+    return (out, *torch.autograd.grad(out, (q, k, v), do))
 
 
 def measure_config(mask, cp, name, args, device, dtype, deadline, backward_calls="auto") -> dict:
@@ -242,7 +278,7 @@ def measure_config(mask, cp, name, args, device, dtype, deadline, backward_calls
         if time.monotonic() > deadline:
             break
         ranks.append(measure_rank(p, r, comm, full_wire, full_q, full_k, full_v, full_do, args, timer, ref,
-                                  backend, backward_calls, args.breakdown))
+                                  backend, backward_calls, args.breakdown, args.graph))
     entry = {"config": config_key(name, backward_calls), "layout": name, "balance": balance, "comm": comm,
              "backward_calls": backward_calls, "nodes": nodes, "chunk_size": p.chunk_size,
              "imbalance": p.imbalance, "plan_seconds": plan_s, "ranks": ranks,
@@ -254,6 +290,12 @@ def measure_config(mask, cp, name, args, device, dtype, deadline, backward_calls
                      host_seconds_max=max(x["host_seconds"] for x in ranks),
                      launches_max=max(x["launches"] for x in ranks),
                      syncs_max=max(x["syncs"] for x in ranks))
+        if all("graph_seconds" in x for x in ranks):
+            slow_g = max(ranks, key=lambda x: x["graph_seconds"])
+            entry.update(graph_slowest_rank=slow_g["rank"], graph_slowest_seconds=slow_g["graph_seconds"],
+                         graph_median_seconds=statistics.median(x["graph_seconds"] for x in ranks),
+                         graph_host_seconds_max=max(x["graph_host_seconds"] for x in ranks),
+                         graph_err_max=max(max(x["graph_err_out"], x["graph_err_dq"]) for x in ranks))
         if ref is not None:
             entry["max_err_out"] = max(x["max_err_out"] for x in ranks)
             entry["max_err_dq"] = max(x["max_err_dq"] for x in ranks)
@@ -301,8 +343,31 @@ def markdown(res: dict) -> str:
     lines += ["", "Sampled rows: all ranks at cp <= "
               f"{a['all_ranks_up_to']}, else the {a['heaviest']} heaviest by work, {a['random']} random "
               "others and the rank needing the most K/V; the slowest of those is reported."]
+    lines += graph_markdown(res)
     lines += breakdown_markdown(res)
     return "\n".join(lines) + "\n"
+
+
+def graph_markdown(res: dict) -> list[str]:
+    """The ``--graph`` table (none without it): per layout, eager vs CUDA-graph replay of the
+    timed ranks' layers."""
+    rows = [(cp, e) for cp, configs in res["cp"].items() for e in configs.values()
+            if e["ranks"] and "graph_slowest_seconds" in e]
+    if not rows:
+        return []
+    lines = ["", "The same layers captured in one CUDA graph per rank (`--graph`: forward + the q/k/v "
+             "gradients, replayed; the host issues one graph launch): ", "",
+             "| cp | layout | eager slowest ms | graph slowest ms | eager / graph (slowest) "
+             "| eager median ms | graph median ms | host ms (max): eager / graph | replay vs eager max err |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    for cp, e in rows:
+        lines.append(f"| {cp} | {e['config']} | {e['slowest_seconds'] * 1e3:.2f} "
+                     f"| {e['graph_slowest_seconds'] * 1e3:.2f} "
+                     f"| {e['slowest_seconds'] / e['graph_slowest_seconds']:.2f}x "
+                     f"| {e['median_seconds'] * 1e3:.2f} | {e['graph_median_seconds'] * 1e3:.2f} "
+                     f"| {e['host_seconds_max'] * 1e3:.2f} / {e['graph_host_seconds_max'] * 1e3:.3f} "
+                     f"| {e['graph_err_max']:.1e} |")
+    return lines
 
 
 def breakdown_markdown(res: dict) -> list[str]:
@@ -368,6 +433,9 @@ def parse_args(argv):
     ap.add_argument("--breakdown", action="store_true",
                     help="also profile one more step of every timed rank: its kernels in order, "
                          "the GPU's busy and idle time (the key 'breakdown' of each rank)")
+    ap.add_argument("--graph", action="store_true",
+                    help="also capture every timed rank's layer (forward + the q/k/v gradients) in a "
+                         "CUDA graph and time its replay (GPU only: the keys 'graph_*' of each rank)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", default=RESULTS)
     return ap.parse_args(argv)
