@@ -180,12 +180,16 @@ def reference(mask, full_q, full_k, full_v, full_do):
     return out.detach(), q.grad
 
 
-def graph_layer(step, timer, iters: int) -> dict:
+def graph_layer(step, eager_step, timer, iters: int) -> dict:
     """The layer ``step`` (returns the output and the gradients of q, k, v) captured once in a
     CUDA graph and replayed: the median layer and host seconds of one replay (the host issues
     one graph launch, so the layer runs at the GPU's pace), and the largest deviation of the
-    replayed output and dQ from an eager step on the same inputs (the fused dQ's fp32 atomics
-    are not bitwise reproducible). Warm-up on a side stream first, as torch.cuda.graph needs."""
+    replayed output and dQ from ``eager_step`` (the same layer on leaves of their own, sharing
+    the inputs' memory; the fused dQ's fp32 atomics are not bitwise reproducible).
+
+    ``step``'s q/k/v leaves must be new to autograd: their gradient-accumulation nodes are
+    created by the warm-up, on the side stream the capture then runs on (torch 2.11 keeps each
+    node's stream; one made on the default stream by an earlier eager step breaks capture)."""
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
@@ -193,10 +197,10 @@ def graph_layer(step, timer, iters: int) -> dict:
             step()
     torch.cuda.current_stream().wait_stream(side)
     graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
+    with torch.cuda.graph(graph, stream=side):
         captured = step()
     graph.replay()
-    eager = step()
+    eager = eager_step()
     err = [(a.float() - b.float()).abs().max().item() for a, b in zip(captured[:2], eager[:2])]
     times = [timer(graph.replay) for _ in range(iters)]
     del graph, captured
@@ -238,8 +242,9 @@ def measure_rank(p, rank, comm, full_wire, full_q, full_k, full_v, full_do, args
     if breakdown and device.type == "cuda":
         errors["breakdown"] = kernel_breakdown(step, timer)
     if graph and device.type == "cuda":
-        errors.update(graph_layer(lambda: _grads_step(q, k, v, prog, ex, scale, do, backend), timer,
-                                  args.iters))
+        gq, gk, gv = (t.detach().requires_grad_() for t in (q, k, v))  # leaves new to autograd
+        errors.update(graph_layer(lambda: _grads_step(gq, gk, gv, prog, ex, scale, do, backend),
+                                  lambda: _grads_step(q, k, v, prog, ex, scale, do, backend), timer, args.iters))
     return {**errors, "rank": rank, "seconds": statistics.median(t for t, _ in times),
             "host_seconds": statistics.median(h for _, h in times), "launches": counter.launches,
             "backend_aten_launches": counter.attention_launches,

@@ -117,6 +117,8 @@ def run_validate(args):
             single["measured"] = validate.validate_measured(calibrate.MEASURED_FILE)
         single["kv_expansion"] = validate.validate_kv_expansion()
         single["cp_runtime"] = validate.validate_cp_runtime()
+        single["cp_graph"] = validate.validate_cp_graph(
+            copy_bw=(single["cp_runtime"] or {}).get("copy_bw"))
         bar.update(1)
         multi = validate.validate_multigpu(args.multigpu)
         multi += validate.validate_training(args.multigpu, multi)
@@ -141,6 +143,9 @@ def _print_validation(single, multi):
     for kind in ("kernels", "runtime", "busy", "layer", "layer_host_model"):
         if rt.get(kind):
             print(f"CP runtime on one GPU, per rank [{kind}]: {validate.summary(rt[kind])}")
+    graph = (single.get("cp_graph") or {}).get("graph")
+    if graph:
+        print(f"CP layer replayed from a CUDA graph, per rank: {validate.summary(graph)}")
 
 
 def main(argv=None) -> int:

@@ -93,6 +93,8 @@ def validation_section(single: dict, multi: list, multi_path: str) -> list[str]:
         lines += kv_expansion_section(single["kv_expansion"])
     if single.get("cp_runtime"):
         lines += cp_runtime_section(single["cp_runtime"])
+    if single.get("cp_graph"):
+        lines += cp_graph_section(single["cp_graph"])
     return lines
 
 
@@ -168,6 +170,31 @@ def cp_runtime_section(v: dict) -> list[str]:
                      f"(worst {allp['max_abs_error']:.1%}); held out {held['within_target']} of "
                      f"{held['points']} (worst {held['max_abs_error']:.1%}).")
     lines.append("")
+    return lines
+
+
+def cp_graph_section(v: dict) -> list[str]:
+    """Each rank's layer replayed from a CUDA graph (validate.validate_cp_graph): the model's
+    GPU-only layer against a measurement without host gaps."""
+    env, a = v["env"], v["args"]
+    lines = ["### The CP layer without the host: replayed from a CUDA graph (cp_graph.json)", "",
+             f"`benchmarks/cp_single_gpu.py --graph` on one {env.get('gpu', env['device'])} ({env['date']}): "
+             f"each timed rank's layer (fwd+bwd, {a['tokens'] // 1024}K tokens, Hq={a['heads']}, "
+             f"Hk={a['kv_heads']}, D={a['head_dim']}) captured once in a CUDA graph and replayed, so the "
+             "host issues one launch and the layer is the GPU's work back to back. Predicted: the rank's "
+             "attention calls by the cost model plus its recorded runtime ops at "
+             f"{v['copy_bw'] / 1e12:.2f} TB/s (fitted on another run's profiles above), no host term. "
+             "Every point is held out (no parameter was fitted on this file).", "",
+             "| layout | ranks | measured replay ms (mean) | predicted ms (mean) | max / mean abs error "
+             "| eager layer ms (mean) |", "|---|---|---|---|---|---|"]
+    for name, e in v["by_config"].items():
+        pts, sm, n = e["graph"], summary(e["graph"]), len(e["graph"])
+        lines.append(f"| {name} | {n} | {sum(p.measured for p in pts) / n * 1e3:.2f} "
+                     f"| {sum(p.predicted for p in pts) / n * 1e3:.2f} "
+                     f"| {sm['max_abs_error']:.1%} / {sm['mean_abs_error']:.1%} | {sum(e['eager']) / n * 1e3:.2f} |")
+    sm = summary(v["graph"])
+    lines += ["", f"{sm['within_target']} of {sm['points']} ranks within {TARGET:.0%} (worst "
+              f"{sm['max_abs_error']:.1%}, mean {sm['mean_abs_error']:.1%}).", ""]
     return lines
 
 

@@ -434,6 +434,8 @@ def validate_training(path: str = MULTI, attention_points: Optional[list[Point]]
 
 #: The runtime's layer on one H200 with every rank's kernels profiled (sessions 28-29).
 CP_RUNTIME_BREAKDOWN = os.path.join(RESULTS, "cp_runtime_breakdown.json")
+#: ``cp_single_gpu.py --graph``: each rank's layer also replayed from a CUDA graph (no host gaps).
+CP_GRAPH = os.path.join(RESULTS, "cp_graph.json")
 
 def rank_kernel_seconds(view: PlanView, r: int, cost: AttentionCost, shape: AttnShape, comm: str,
                         bwd_calls: str) -> float:
@@ -533,10 +535,11 @@ def fit_copy_bandwidth(samples) -> float:
     return den / num
 
 
-def _recorded_ranks(res: dict, cost: AttentionCost, shape: AttnShape) -> list[tuple]:
-    """Every profiled rank of a breakdown file whose rebuilt plan reproduces its recorded work:
-    ``(config name, cp, rank entry, view, recorded ops, attention seconds per attention op,
-    backward calls, comm)``."""
+def _recorded_ranks(res: dict, cost: AttentionCost, shape: AttnShape, need: str = "breakdown") -> list[tuple]:
+    """Every rank of a ``cp_single_gpu.py`` file with the key ``need`` (``breakdown``: profiled;
+    ``graph_seconds``: replayed from a CUDA graph) whose rebuilt plan reproduces its recorded
+    work: ``(config name, cp, rank entry, view, recorded ops, attention seconds per attention
+    op, backward calls, comm)``."""
     import flashmask3.masks as M
     from flashmask3.distributed import plan as make_plan
 
@@ -551,8 +554,8 @@ def _recorded_ranks(res: dict, cost: AttentionCost, shape: AttnShape) -> list[tu
             p = make_plan(mask, None, int(cp), balance=e["balance"], nodes=e["nodes"])
             comm, name = e["comm"], f"cp {cp} {e['config']}"
             for r in e["ranks"]:
-                if r.get("breakdown") is None or view.works[r["rank"]] != r["work"]:
-                    continue  # not profiled, or the plan does not reproduce the recorded work
+                if r.get(need) is None or view.works[r["rank"]] != r["work"]:
+                    continue  # not measured so, or the plan does not reproduce the recorded work
                 calls = r.get("backward_calls", "stage") if comm == "overlap" else "stage"
                 ops = record_layer(p, r["rank"], comm, calls, a["heads"], a["kv_heads"], a["head_dim"])
                 attn = [_attention_op_seconds(o, view, r["rank"], cost, shape, comm, calls)
@@ -619,3 +622,34 @@ def validate_cp_runtime(path: str = CP_RUNTIME_BREAKDOWN, cost: Optional[Attenti
         entry["idle"].append(b["idle_ms"] * 1e-3)
     return {**{k: [p for e in by_config.values() for p in e[k]] for k in checks},
             "by_config": by_config, "env": res["env"], "args": a, "copy_bw": bw, "copy_fit_cp": fit_cp}
+
+
+def validate_cp_graph(path: str = CP_GRAPH, copy_bw: Optional[float] = None,
+                      cost: Optional[AttentionCost] = None) -> dict:
+    """The model's GPU-only layer against each rank's layer replayed from a CUDA graph
+    (``cp_single_gpu.py --graph``: the host issues one graph launch, so the layer is the GPU's
+    work back to back): the rank's attention calls by the cost model plus its recorded runtime
+    ops at ``copy_bw`` (the bandwidth :func:`validate_cp_runtime` fitted on cp 8/32 profiles of
+    another run; every point here is held out) vs the replay time. No host term and no profiler:
+    a check of the GPU side that this VM's host noise cannot touch."""
+    if not os.path.exists(path):
+        return {}
+    with open(path) as f:
+        res = json.load(f)
+    if res.get("lengths") is None:
+        return {}
+    a = res["args"]
+    shape = AttnShape(a["heads"], a["kv_heads"], a["head_dim"])
+    cost = cost or load_cost("flashmask3", a["heads"] != a["kv_heads"])
+    bw = copy_bw or Cluster().runtime_copy_bw.value
+    points, by_config = [], {}
+    for name, cp, r, _, ops, attn, _, _ in _recorded_ranks(res, cost, shape, need="graph_seconds"):
+        note = f"eager layer {r['seconds'] * 1e3:.2f} ms (host {r['host_seconds'] * 1e3:.2f} ms)"
+        pt = Point(f"{name} rank {r['rank']}", r["graph_seconds"], sum(attn) + ops_seconds(ops, bw, LAUNCH_FLOOR),
+                   True, note)
+        points.append(pt)
+        entry = by_config.setdefault(name, {"graph": [], "eager": []})
+        entry["graph"].append(pt)
+        entry["eager"].append(r["seconds"])
+    return {"graph": points, "by_config": by_config, "env": res["env"], "args": a, "copy_bw": bw}
+

@@ -37,6 +37,7 @@ import numpy as np
 import torch
 
 from ..kernels.staged import staged_functions
+from ..kernels.static_masks import mark_static
 from .launches import call_attention, not_counted
 
 #: Tag offset of the gradient (reverse) rounds; forward rounds use their index as tag.
@@ -221,7 +222,7 @@ class RankProgram:
             return cols
         key = (key, batch)
         if key not in self._batched_cols:  # first layer of a new batch size only
-            self._batched_cols[key] = cols.expand(batch, -1, -1, -1).contiguous()
+            self._batched_cols[key] = mark_static(cols.expand(batch, -1, -1, -1).contiguous())
         return self._batched_cols[key]
 
 
@@ -338,12 +339,18 @@ def _build_rounds(plan, rank, device, keep, own_pos, pack: list[int]) -> list[Ro
     return out
 
 
+def _static_columns(cols: torch.Tensor, device, keep) -> torch.Tensor:
+    """A contiguous copy of ``cols`` on ``device``, marked static (the program never writes
+    its columns: their plans are kept with them and reused inside a CUDA graph capture)."""
+    return mark_static(_to_device(cols.clone(memory_format=torch.contiguous_format), device, keep))
+
+
 def _stage_columns(cols: torch.Tensor, stage_chunks, chunk_size, device, keep):
     """Each stage's slice of the local key axis, contiguous, on ``device``."""
     out, start = [], 0
     for chunks in stage_chunks:
         stop = start + len(chunks) * chunk_size
-        out.append(_to_device(cols[:, :, start:stop].contiguous(), device, keep) if chunks else None)
+        out.append(_static_columns(cols[:, :, start:stop], device, keep) if chunks else None)
         start = stop
     return out
 
@@ -412,7 +419,7 @@ def _merged_backward(calls, stages, rounds, order, key_starts, cols, cs, device,
     key_start = sum(len(x) for x in stages[:first]) * cs
     merged_cols = None
     if key_starts[-1]:
-        merged_cols = _to_device(cols[:, :, key_start:].contiguous(), device, keep)
+        merged_cols = _static_columns(cols[:, :, key_start:], device, keep)
         if merged_cols.shape[2] != key_starts[-1] * cs:
             raise ValueError(f"the local mask has {cols.shape[2]} keys but the stages hold "
                              f"{key_start + key_starts[-1] * cs}")

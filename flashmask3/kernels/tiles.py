@@ -21,6 +21,7 @@ import triton
 import triton.language as tl
 
 from .launcher import cdiv, launch
+from .static_masks import STATIC_PLANS
 
 LOG2E = 1.4426950408889634
 SKIP, PARTIAL, UNMASKED = 0, 1, 2
@@ -512,20 +513,54 @@ def _entry_of(mask: torch.Tensor) -> _MaskPlans:
     return entry
 
 
+class _StaticPlans:
+    """A static mask's plans (:func:`~.static_masks.mark_static`), held by the mask tensor
+    itself: they live exactly as long as the mask, so a CUDA graph that reads the mask can read
+    them too, and :func:`clear_plan_cache` leaves them."""
+
+    __slots__ = ("version", "summaries", "plans")
+
+    def __init__(self, version: int):
+        self.version = version
+        self.summaries: dict = {}
+        self.plans: dict = {}
+
+
+def _plans_of(mask: torch.Tensor, capturing: bool):
+    """The plans holder of ``mask`` for :func:`cached_plan`: a static mask's own (new if it
+    has none yet or was written in place since; None then while capturing: a holder made
+    during a capture would keep plans only replays fill), the shared cache's entry, or None
+    while capturing."""
+    if not hasattr(mask, STATIC_PLANS):
+        return None if capturing else _entry_of(mask)
+    static = getattr(mask, STATIC_PLANS)
+    if static is None or static.version != mask._version:
+        if capturing:
+            return None
+        static = _StaticPlans(mask._version)
+        setattr(mask, STATIC_PLANS, static)
+    return static
+
+
 def cached_plan(mask: Optional[torch.Tensor], causal: bool, seqlen_q: int, seqlen_k: int,
                 block_m: int, block_n: int, by_key: bool, device) -> Plan:
     """:func:`make_plan`, reused while the same mask tensor is unchanged: keyed on the tensor's
     identity (a weak reference) and its ``_version`` (in-place writes through torch bump it),
     plus causal, Sq, Sk and the tile; the block summaries are shared by every plan with the same
-    ``block_n`` (the forward's and the backward's). Never used while a CUDA graph is being
-    captured. Caveat (docs/host-path.md): writes that bypass torch's version counter (a custom
-    kernel writing through a raw pointer) are not seen."""
-    if mask is None or not mask.is_contiguous() or _capturing(mask):
+    ``block_n`` (the forward's and the backward's). While a CUDA graph is being captured the
+    plan is built in the graph (replays may copy new columns in), except for a static mask's
+    plans made before the capture (:mod:`.static_masks`: they live on the mask). Caveat (docs/host-path.md): writes
+    that bypass torch's version counter (a custom kernel writing through a raw pointer) are not
+    seen."""
+    if mask is None or not mask.is_contiguous():
         return make_plan(mask, causal, seqlen_q, seqlen_k, block_m, block_n, by_key, device)
-    entry = _entry_of(mask)
+    capturing = _capturing(mask)
+    entry = _plans_of(mask, capturing)
     key = (causal, seqlen_q, seqlen_k, block_m, block_n, by_key)
-    plan = entry.plans.get(key)
+    plan = None if entry is None else entry.plans.get(key)
     if plan is None:
+        if capturing:  # built in the graph, kept nowhere
+            return make_plan(mask, causal, seqlen_q, seqlen_k, block_m, block_n, by_key, device)
         skey = (causal, seqlen_q, block_n)
         summary = entry.summaries.get(skey)
         if summary is None:

@@ -53,8 +53,14 @@ def _layer_inputs(p, rank, hq=2, hk=1, d=8, seed=0):
 
 
 def test_prepare_rank_is_cached_and_matches_the_plan():
+    from flashmask3.kernels.static_masks import is_static
+
     p = _corpus_plan(2048, 4, 2)
     prog = prepare_rank(p, 1, "cpu")
+    # the program's columns are its own copies, static (their plans reused under graph capture)
+    local = p.local_mask(1, "arrival").startend_row_indices
+    assert all(is_static(c) and c.data_ptr() != local.data_ptr() for c in prog.stage_cols if c is not None)
+    assert is_static(prog.cols(0, 3)) and not is_static(local)
     assert prepare_rank(p, 1, torch.device("cpu")) is prog
     assert prepare_rank(p, 1, "cpu", "allgather") is not prog
     assert prepare_rank(p, 2, "cpu") is not prog
@@ -418,20 +424,22 @@ def test_gpu_cp_layer_cuda_graph_replays_with_new_inputs(nodes, comm, calls):
     q, k, v = (p.shard(t, rank).clone().requires_grad_() for t in (fq, fk, fv))
     do = p.shard(fdo, rank).clone()
     ex = EmulatedExchange(to_wire(fk, fv, p.chunk_size), p.cp_size, rank, plan=p)
+    eq, ek, ev = (t.detach().requires_grad_() for t in (q, k, v))  # the eager layer's own leaves
 
-    def step():
+    def step(q, k, v):
         out, _ = run_layer(q, k, v, prog, ex, d ** -0.5)
         return (out, *torch.autograd.grad(out, (q, k, v), do))
 
+    # warm-up and capture on one side stream (the leaves' gradient nodes are made there)
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
         for _ in range(2):
-            step()
+            step(q, k, v)
     torch.cuda.current_stream().wait_stream(side)
     graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        captured = step()
+    with torch.cuda.graph(graph, stream=side):
+        captured = step(q, k, v)
     for seed in (2, 3):
         fq, fk, fv, fdo = full_inputs(seed)
         with torch.no_grad():
@@ -439,7 +447,7 @@ def test_gpu_cp_layer_cuda_graph_replays_with_new_inputs(nodes, comm, calls):
                 dst.copy_(p.shard(src, rank))
             to_wire(fk, fv, p.chunk_size, out=ex.wire)
         graph.replay()
-        eager = step()
+        eager = step(eq, ek, ev)
         torch.cuda.synchronize()
         for got, want in zip(captured, eager):  # (the fused dQ's fp32 atomics: not bitwise)
             assert rel_err(got, want) < 1e-2

@@ -99,6 +99,40 @@ def test_no_cache_while_a_cuda_graph_is_captured():
     assert summ.call_count == 3 and not tiles._PLAN_CACHE
 
 
+@needs_triton
+def test_static_masks_keep_their_plans_and_reuse_them_under_capture():
+    """A static mask (the CP runtime's columns) keeps its plans on the tensor, out of the shared
+    cache (clear_plan_cache leaves them); while a graph is captured they are reused, and a plan
+    first needed there is built in the graph and kept nowhere; an in-place write drops them."""
+    from flashmask3.kernels.static_masks import is_static, mark_static
+
+    cols = mark_static(_columns([40, 24, 64]))
+    assert is_static(cols) and not is_static(_columns([40, 24, 64]))
+    first = tiles.cached_plan(cols, True, 128, 128, 32, 16, False, cols.device)
+    assert not tiles._PLAN_CACHE
+    assert _same_plan(first, tiles.make_plan(cols, True, 128, 128, 32, 16, False, cols.device))
+    tiles.clear_plan_cache()
+    with mock.patch.object(tiles, "_capturing", lambda mask: True), \
+            mock.patch.object(tiles, "block_summaries", wraps=tiles.block_summaries) as summ:
+        again = tiles.cached_plan(cols, True, 128, 128, 32, 16, False, cols.device)
+        assert again.summary is first.summary and summ.call_count == 0
+        other = tiles.cached_plan(cols, True, 128, 128, 64, 16, True, cols.device)  # not planned yet
+        assert summ.call_count == 1
+        assert other.summary is not first.summary
+        tiles.cached_plan(cols, True, 128, 128, 64, 16, True, cols.device)
+        assert summ.call_count == 2  # (kept nowhere)
+    assert not tiles._PLAN_CACHE
+    cols.copy_(_columns([16, 80, 32]))
+    with mock.patch.object(tiles, "_capturing", lambda mask: True), \
+            mock.patch.object(tiles, "block_summaries", wraps=tiles.block_summaries) as summ:
+        tiles.cached_plan(cols, True, 128, 128, 32, 16, False, cols.device)
+        assert summ.call_count == 1  # written since: planned in the graph
+    new = tiles.cached_plan(cols, True, 128, 128, 32, 16, False, cols.device)
+    assert _same_plan(new, tiles.make_plan(_columns([16, 80, 32]), True, 128, 128, 32, 16, False,
+                                           cols.device))
+    assert not _same_plan(new, first)
+
+
 # -- GPU (benchmarks/gpu/host-path.sh) --------------------------------------------------------
 
 

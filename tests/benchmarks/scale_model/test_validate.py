@@ -245,6 +245,35 @@ def test_cp_runtime_check_compares_kernels_runtime_and_layers_per_rank(tmp_path,
     assert V.validate_cp_runtime(str(tmp_path / "old.json"), cost) == {}
 
 
+@pytest.mark.parametrize("comm", ["overlap", "allgather"])
+def test_cp_graph_check_compares_the_gpu_only_layer_per_rank(tmp_path, comm):
+    """A ``--graph`` file: each replayed rank's point is the model's attention time plus its
+    recorded runtime ops at the given copy bandwidth (no host term) against the replay time, all
+    held out; a slower replay is an under-prediction; a rank without a replay or whose work the
+    plan does not reproduce is skipped."""
+    from benchmarks.scale_model.calibrate import load_cost
+
+    cost = load_cost("flashmask3", True)
+    lens = [1500, 700, 1200, 300, 396]
+    res = json.loads(open(_breakdown_file(tmp_path, lens, 4, comm, cost, bad_work=True)).read())
+    ranks = res["cp"]["4"][comm]["ranks"]
+    for r in ranks:
+        r["graph_seconds"] = r.pop("breakdown")["busy_ms"] * 1e-3
+    del ranks[1]["graph_seconds"]
+    path = tmp_path / "cp_graph.json"
+    path.write_text(json.dumps(res))
+    out = V.validate_cp_graph(str(path), copy_bw=3e12, cost=cost)
+    assert [p.name.split()[-1] for p in out["graph"]] == ["2", "3"]
+    assert all(abs(p.error) < 1e-9 and p.held_out for p in out["graph"])
+    assert list(out["by_config"]) == [f"cp 4 sparse+{comm}"]
+    for r in ranks:
+        if "graph_seconds" in r:
+            r["graph_seconds"] = r["graph_seconds"] * 1.5 + 1e-4
+    path.write_text(json.dumps(res))
+    assert all(p.error < -0.3 for p in V.validate_cp_graph(str(path), copy_bw=3e12, cost=cost)["graph"])
+    assert V.validate_cp_graph(str(tmp_path / "missing.json"), copy_bw=3e12, cost=cost) == {}
+
+
 def test_emulated_layer_is_host_or_gpu_bound():
     """The two-resource timeline: a GPU-bound op list ends at the host's first issue plus the GPU
     work; a host-bound one at the host's total plus its last op's GPU time."""
