@@ -49,6 +49,7 @@ from benchmarks.environment import run_environment  # noqa: E402
 from flashmask3.distributed import (BACKWARD_CALL_MODES, EmulatedExchange, LaunchCounter,  # noqa: E402
                                     plan, prepare_rank, run_layer)
 from flashmask3.distributed.runtime import to_wire  # noqa: E402
+from flashmask3.graphs import capture  # noqa: E402
 from flashmask3.kernels import choose_backend, get_backend  # noqa: E402
 
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
@@ -181,24 +182,13 @@ def reference(mask, full_q, full_k, full_v, full_do):
 
 
 def graph_layer(step, eager_step, timer, iters: int) -> dict:
-    """The layer ``step`` (returns the output and the gradients of q, k, v) captured once in a
-    CUDA graph and replayed: the median layer and host seconds of one replay (the host issues
-    one graph launch, so the layer runs at the GPU's pace), and the largest deviation of the
-    replayed output and dQ from ``eager_step`` (the same layer on leaves of their own, sharing
-    the inputs' memory; the fused dQ's fp32 atomics are not bitwise reproducible).
-
-    ``step``'s q/k/v leaves must be new to autograd: their gradient-accumulation nodes are
-    created by the warm-up, on the side stream the capture then runs on (torch 2.11 keeps each
-    node's stream; one made on the default stream by an earlier eager step breaks capture)."""
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for _ in range(2):
-            step()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph, stream=side):
-        captured = step()
+    """The layer ``step`` (returns the output and the gradients of q, k, v, whose leaves are new
+    to autograd: ``flashmask3.graphs.capture``) captured once in a CUDA graph and replayed: the
+    median layer and host seconds of one replay (the host issues one graph launch, so the layer
+    runs at the GPU's pace), and the largest deviation of the replayed output and dQ from
+    ``eager_step`` (the same layer on leaves of their own, sharing the inputs' memory; the fused
+    dQ's fp32 atomics are not bitwise reproducible)."""
+    graph, captured = capture(step)
     graph.replay()
     eager = eager_step()
     err = [(a.float() - b.float()).abs().max().item() for a, b in zip(captured[:2], eager[:2])]

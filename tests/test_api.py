@@ -7,6 +7,7 @@ import flashmask3
 import flashmask3.masks as M
 from flashmask3.kernels import resolve_backend, triton_available
 from flashmask3.api import kernel_row_span
+from flashmask3.graphs import capture
 from tests.kernels.attention_checks import make_qkv
 from tests.reference import reference_attention, rel_err
 
@@ -343,15 +344,7 @@ def test_gpu_cuda_graph_replays_forward_and_backward_with_a_new_mask(raw):
         dq, dk, dv = torch.autograd.grad(out, (qs, ks, vs), dout)
         return out, dq, dk, dv
 
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for _ in range(2):
-            step()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        captured = step()
+    graph, captured = capture(step)
     for seed, lens in ((1, [512, 1536]), (2, [256] * 8)):
         new = M.causal_document_mask(lens, device="cuda")
         nq, nk, nv = (t.detach() for t in _gpu_case(seqlen, heads, d, seed=seed))

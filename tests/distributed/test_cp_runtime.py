@@ -407,6 +407,7 @@ def test_gpu_cp_layer_cuda_graph_replays_with_new_inputs(nodes, comm, calls):
     and new remote K/V gives the eager layer's result on those inputs, and its output is the
     single-device attention's rows of that rank."""
     import flashmask3
+    from flashmask3.graphs import capture
     from tests.reference import rel_err
 
     tokens, hq, hk, d = 16384, 4, 2, 128
@@ -430,16 +431,7 @@ def test_gpu_cp_layer_cuda_graph_replays_with_new_inputs(nodes, comm, calls):
         out, _ = run_layer(q, k, v, prog, ex, d ** -0.5)
         return (out, *torch.autograd.grad(out, (q, k, v), do))
 
-    # warm-up and capture on one side stream (the leaves' gradient nodes are made there)
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for _ in range(2):
-            step(q, k, v)
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph, stream=side):
-        captured = step(q, k, v)
+    graph, captured = capture(step, q, k, v)
     for seed in (2, 3):
         fq, fk, fv, fdo = full_inputs(seed)
         with torch.no_grad():
