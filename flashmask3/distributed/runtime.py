@@ -221,9 +221,13 @@ class RankProgram:
         if cols is None or cols.shape[0] == batch:
             return cols
         key = (key, batch)
-        if key not in self._batched_cols:  # first layer of a new batch size only
-            self._batched_cols[key] = mark_static(cols.expand(batch, -1, -1, -1).contiguous())
-        return self._batched_cols[key]
+        got = self._batched_cols.get(key)
+        if got is None:  # first layer of a new batch size only
+            got = cols.expand(batch, -1, -1, -1).contiguous()
+            if got.is_cuda and torch.cuda.is_current_stream_capturing():
+                return got  # made inside a CUDA graph capture: only replays fill it, keep nothing
+            self._batched_cols[key] = mark_static(got)
+        return got
 
 
 # -- building a program -----------------------------------------------------------------------------

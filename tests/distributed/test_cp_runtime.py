@@ -61,6 +61,13 @@ def test_prepare_rank_is_cached_and_matches_the_plan():
     local = p.local_mask(1, "arrival").startend_row_indices
     assert all(is_static(c) and c.data_ptr() != local.data_ptr() for c in prog.stage_cols if c is not None)
     assert is_static(prog.cols(0, 3)) and not is_static(local)
+    # a batch size first seen inside a CUDA graph capture is expanded there and kept nowhere
+    from unittest import mock
+
+    with mock.patch.object(torch.Tensor, "is_cuda", property(lambda self: True)), \
+            mock.patch.object(torch.cuda, "is_current_stream_capturing", lambda: True):
+        first = prog.cols(0, 5)
+    assert first is not prog.cols(0, 5) and prog.cols(0, 5) is prog.cols(0, 5)
     assert prepare_rank(p, 1, torch.device("cpu")) is prog
     assert prepare_rank(p, 1, "cpu", "allgather") is not prog
     assert prepare_rank(p, 2, "cpu") is not prog
