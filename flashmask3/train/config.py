@@ -86,6 +86,11 @@ class TrainConfig:
     prefetch: bool = field(default=True, metadata={
         "help": "pack, mask, plan and copy the next batch to the device in a background "
                 "thread while the current step runs (--no-prefetch: inside the step)"})
+    planner: str = field(default="auto", metadata={
+        "help": "where the loader plans the next batch's CP placement: thread (the loader's "
+                "thread, sharing the GIL with the step), process (a worker process), auto "
+                "(process on a GPU with CP, thread on the CPU)",
+        "choices": ("auto", "thread", "process")})
     dist_timeout: float = field(default=600.0, metadata={
         "help": "seconds a collective may wait before it raises (a failed rank cannot hang "
                 "the others longer than this)"})

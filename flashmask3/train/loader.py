@@ -70,24 +70,75 @@ def prepare_plan_for_rank(plan, rank: int, device: torch.device, comm: str, back
     return prepare_rank(plan, rank, device, comm, backward_calls)
 
 
-def make_group_plan(mask: FlashMask, cfg, env):
-    """The CP plan of a DP group's mask: same on every rank of the group; hierarchical routing
-    (``nodes``) when the CP group spans several nodes."""
-    from flashmask3.distributed import plan as make_plan
+def _plan_args(mask: FlashMask, cfg, env) -> tuple:
+    """``(columns, causal, cp, keyword arguments)`` of a DP group's ``plan()`` call."""
     kwargs = {"balance": cfg.balance, "nodes": env.layout.cp_nodes}
     if cfg.chunk_size:
         kwargs["chunk_size"] = cfg.chunk_size
-    return make_plan(mask.startend_row_indices, mask.causal, env.cp, **kwargs)
+    return mask.startend_row_indices, mask.causal, env.cp, kwargs
 
 
-def prepare_batch(batch: PackedBatch, cfg, env, data_state: Optional[dict] = None
-                  ) -> DeviceBatch:
-    """This rank's device inputs for ``batch`` (see the module doc)."""
+def _plan(cols, causal, cp: int, kwargs: dict):
+    """``plan(cols, causal, cp, **kwargs)``: a top-level function, so a worker process can run it."""
+    from flashmask3.distributed import plan as make_plan
+    return make_plan(cols, causal, cp, **kwargs)
+
+
+def make_group_plan(mask: FlashMask, cfg, env):
+    """The CP plan of a DP group's mask: same on every rank of the group; hierarchical routing
+    (``nodes``) when the CP group spans several nodes."""
+    return _plan(*_plan_args(mask, cfg, env))
+
+
+class ProcessPlanner:
+    """:func:`make_group_plan` in one worker process (started with ``spawn``: no CUDA state is
+    inherited; the worker only plans, on the CPU), so planning the next batch never holds the
+    training process's GIL: in a thread it does, and the step's eager host path (host-bound at
+    high cp) waits for it. Measured on the H200 machine (``benchmarks/cp_planner_contention.py``):
+    24 eager CP layers of a cp-128 rank took 51 ms alone and 116 ms while a thread planned the next
+    128K-token batch (one plan: 89 ms alone). The plan comes back pickled (about 2 MB at cp 128;
+    unpickling it is the part that still holds the GIL). An error in the worker is raised by the
+    call, as the thread's would be."""
+
+    def __init__(self):
+        import concurrent.futures
+        import multiprocessing
+
+        self._pool = concurrent.futures.ProcessPoolExecutor(
+            max_workers=1, mp_context=multiprocessing.get_context("spawn"))
+
+    def plan(self, cols, causal, cp: int, **kwargs):
+        """``flashmask3.distributed.plan(cols, causal, cp, **kwargs)``, run in the worker."""
+        return self._pool.submit(_plan, cols, causal, cp, kwargs).result()
+
+    def __call__(self, mask: FlashMask, cfg, env):
+        cols, causal, cp, kwargs = _plan_args(mask, cfg, env)
+        return self.plan(cols, causal, cp, **kwargs)
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)
+
+
+def uses_plan_process(cfg, env) -> bool:
+    """Whether :class:`BatchLoader` plans in a worker process (``cfg.planner``; ``auto``: on a
+    GPU with context parallelism and the loader's thread, where the step's host path is what
+    planning would slow; on the CPU a worker process only costs its start)."""
+    if env.cp <= 1 or not cfg.prefetch:
+        return False
+    if cfg.planner == "auto":
+        return env.device.type == "cuda"
+    return cfg.planner == "process"
+
+
+def prepare_batch(batch: PackedBatch, cfg, env, data_state: Optional[dict] = None,
+                  planner=None) -> DeviceBatch:
+    """This rank's device inputs for ``batch`` (see the module doc); ``planner``: what makes
+    the CP plan (default :func:`make_group_plan` in this thread; a :class:`ProcessPlanner`)."""
     dev = env.device
     tokens, labels, positions = batch.tokens, batch.labels, batch.position_ids
     plan, mask = None, None
     if env.cp > 1:
-        plan = make_group_plan(batch.mask, cfg, env)
+        plan = (planner or make_group_plan)(batch.mask, cfg, env)
         r = env.cp_rank
         tokens, labels, positions = (plan.shard(t, r, 1) for t in (tokens, labels, positions))
         prepare_plan_for_rank(plan, r, dev, cfg.comm, cfg.backward_calls)
@@ -106,7 +157,8 @@ class BatchLoader:
     (``prefetch=True``) or built on demand (``prefetch=False``).
 
     An exception in the thread is raised by the next :meth:`next` call. :meth:`close` stops the
-    thread (it is a daemon, so a crashing run never waits for it).
+    thread (it is a daemon, so a crashing run never waits for it) and the planning process, if
+    any (:func:`uses_plan_process`).
     """
 
     def __init__(self, packer, cfg, env, prefetch: bool = True):
@@ -114,6 +166,7 @@ class BatchLoader:
         self._queue: queue.Queue = queue.Queue(maxsize=1)
         self._stop = threading.Event()
         self._thread = None
+        self._planner = ProcessPlanner() if uses_plan_process(cfg.replace(prefetch=prefetch), env) else None
         if prefetch:
             self._thread = threading.Thread(target=self._run, name="flashmask3-loader",
                                             daemon=True)
@@ -121,7 +174,7 @@ class BatchLoader:
 
     def _build(self) -> DeviceBatch:
         batch = self.packer.next_batch()
-        return prepare_batch(batch, self.cfg, self.env, self.packer.state_dict())
+        return prepare_batch(batch, self.cfg, self.env, self.packer.state_dict(), self._planner)
 
     def _run(self) -> None:
         cuda = self.env.device.type == "cuda"
@@ -164,3 +217,5 @@ class BatchLoader:
         self._stop.set()
         if self._thread is not None:
             self._thread.join(timeout=5.0)
+        if self._planner is not None:
+            self._planner.close()

@@ -147,3 +147,18 @@ def test_cp_single_gpu_records_the_document_lengths(tmp_path):
     res = json.loads((tmp_path / "cp_runtime.json").read_text())
     assert res["lengths"] == document_spreads(1024, seed=0)["corpus"]
     assert all("breakdown" not in r for r in res["cp"]["4"]["sparse+overlap"]["ranks"])  # CPU: none
+
+
+def test_planner_contention_cpu_mode(tmp_path):
+    """The planning-contention benchmark times a rank's step alone, with a planning thread and
+    with the loader's planning process, and records every plan it made."""
+    from benchmarks import cp_planner_contention
+
+    assert cp_planner_contention.main(
+        ["--device", "cpu", "--tokens", "2048", "--cp", "4", "--heads", "2", "--kv-heads", "1",
+         "--head-dim", "8", "--dtype", "float32", "--layers", "1", "--reps", "2", "--out", str(tmp_path)]) == 0
+    res = json.loads((tmp_path / "cp_planner_contention.json").read_text())
+    assert set(res["modes"]) == {"alone", "planning thread", "planning process"}
+    assert all(len(m["samples"]) == 2 and m["step_seconds"] > 0 for m in res["modes"].values())
+    assert all(len(s) == 2 for s in res["plan_during_step_seconds"].values())
+    assert len(res["plan_alone_seconds"]) == 3

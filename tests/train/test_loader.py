@@ -8,7 +8,7 @@ import torch
 
 from flashmask3.train.config import from_preset
 from flashmask3.train.data import DocumentPacker, open_corpus
-from flashmask3.train.loader import BatchLoader, prepare_batch, prepare_plan_for_rank
+from flashmask3.train.loader import BatchLoader, prepare_batch, prepare_plan_for_rank, uses_plan_process
 from flashmask3.train.model import Transformer, count_parameters, parameter_counts
 from flashmask3.train.parallel import DistEnv, Layout, resolve_layout
 
@@ -82,6 +82,45 @@ def test_the_loader_thread_hands_over_the_inline_batches(jsonl_corpus):
     with pytest.raises(ValueError, match="bad document"):
         broken.next()
     broken.close()
+
+
+def test_the_planning_process_gives_the_threads_plans_and_raises_its_errors(jsonl_corpus):
+    """planner="process": the CP plans come from a worker process (spawn), equal to the thread's
+    (fingerprint, shards, the rank's program); a plan() error in the worker is raised by next()."""
+    cfg = from_preset("tiny", data=jsonl_corpus, seq_len=128, batch_size=4, balance="sparse")
+    env = DistEnv(1, 2, CPU, layout=Layout(1, 2))  # cp rank 1 of 2 (no process group)
+    thread = BatchLoader(_packer(jsonl_corpus), cfg.replace(planner="thread"), env)
+    process = BatchLoader(_packer(jsonl_corpus), cfg.replace(planner="process"), env)
+    assert thread._planner is None and process._planner is not None
+    try:
+        for _ in range(3):
+            a, b = thread.next(), process.next()
+            assert a.plan.fingerprint == b.plan.fingerprint
+            assert torch.equal(a.tokens, b.tokens) and torch.equal(a.position_ids, b.position_ids)
+            pa, pb = (prepare_plan_for_rank(x.plan, 1, CPU, "overlap") for x in (a, b))
+            assert all(torch.equal(x, y) for x, y in zip(pa.stage_cols, pb.stage_cols) if x is not None)
+    finally:
+        thread.close()
+        process.close()
+    bad = BatchLoader(_packer(jsonl_corpus), cfg.replace(planner="process", chunk_size=48), env)
+    try:
+        with pytest.raises(ValueError, match="chunk"):
+            bad.next()
+    finally:
+        bad.close()
+
+
+def test_where_the_loader_plans():
+    cfg = from_preset("tiny", data="unused", seq_len=128, batch_size=4)
+    gpu = DistEnv(0, 2, torch.device("cuda", 0), layout=Layout(1, 2))
+    cpu = DistEnv(0, 2, CPU, layout=Layout(1, 2))
+    assert uses_plan_process(cfg, gpu) and not uses_plan_process(cfg, cpu)  # auto
+    assert uses_plan_process(cfg.replace(planner="process"), cpu)
+    assert not uses_plan_process(cfg.replace(planner="thread"), gpu)
+    assert not uses_plan_process(cfg.replace(prefetch=False), gpu)  # planned in the step
+    assert not uses_plan_process(cfg, DistEnv(0, 1, torch.device("cuda", 0)))  # no CP
+    with pytest.raises(ValueError, match="planner must be one of"):
+        cfg.replace(planner="pool").validate()
 
 
 @pytest.mark.parametrize("cp, dp, nodes, want", [
