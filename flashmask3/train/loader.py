@@ -8,8 +8,10 @@ without, it moves the mask. Host tensors are pinned and copied with ``non_blocki
 
 :class:`BatchLoader` runs ``packer.next_batch()`` + :func:`prepare_batch` for the *next* batch
 in a background thread (on GPU on its own CUDA stream; the step's stream waits on an event, so
-the host never blocks) while the current step runs; ``prefetch=False`` does the same work
-inside the step, the comparison ``benchmarks/train.py --loader-ab`` measures.
+the host never blocks) while the current step runs, the CP plan itself in a worker process on a
+GPU (:class:`ProcessPlanner`: a planning thread would hold the GIL the step's host path needs);
+``prefetch=False`` does the same work inside the step, the comparison
+``benchmarks/train.py --loader-ab`` measures.
 """
 
 from __future__ import annotations
@@ -94,11 +96,11 @@ class ProcessPlanner:
     """:func:`make_group_plan` in one worker process (started with ``spawn``: no CUDA state is
     inherited; the worker only plans, on the CPU), so planning the next batch never holds the
     training process's GIL: in a thread it does, and the step's eager host path (host-bound at
-    high cp) waits for it. Measured on the H200 machine (``benchmarks/cp_planner_contention.py``):
-    24 eager CP layers of a cp-128 rank took 51 ms alone and 116 ms while a thread planned the next
-    128K-token batch (one plan: 89 ms alone). The plan comes back pickled (about 2 MB at cp 128;
-    unpickling it is the part that still holds the GIL). An error in the worker is raised by the
-    call, as the thread's would be."""
+    high cp) waits for it. Measured on the H200 machine (``benchmarks/results/
+    cp_planner_contention.md``): 24 eager CP layers of a cp-128 rank took 55.5 ms alone, 117.8 ms
+    while a thread planned the next 128K-token batch and 64.9 ms while this worker did. The plan
+    comes back pickled (about 2 MB at cp 128; unpickling it is the part that still holds the GIL).
+    An error in the worker is raised by the call, as the thread's would be."""
 
     def __init__(self):
         import concurrent.futures
