@@ -16,7 +16,9 @@ GPU (:class:`ProcessPlanner`: a planning thread would hold the GIL the step's ho
 
 from __future__ import annotations
 
+import pickle
 import queue
+import sys
 import threading
 from dataclasses import dataclass
 from typing import Optional
@@ -80,46 +82,66 @@ def _plan_args(mask: FlashMask, cfg, env) -> tuple:
     return mask.startend_row_indices, mask.causal, env.cp, kwargs
 
 
-def _plan(cols, causal, cp: int, kwargs: dict):
-    """``plan(cols, causal, cp, **kwargs)``: a top-level function, so a worker process can run it."""
-    from flashmask3.distributed import plan as make_plan
-    return make_plan(cols, causal, cp, **kwargs)
-
-
 def make_group_plan(mask: FlashMask, cfg, env):
     """The CP plan of a DP group's mask: same on every rank of the group; hierarchical routing
     (``nodes``) when the CP group spans several nodes."""
-    return _plan(*_plan_args(mask, cfg, env))
+    from flashmask3.distributed import plan as make_plan
+    cols, causal, cp, kwargs = _plan_args(mask, cfg, env)
+    return make_plan(cols, causal, cp, **kwargs)
 
 
 class ProcessPlanner:
-    """:func:`make_group_plan` in one worker process (started with ``spawn``: no CUDA state is
-    inherited; the worker only plans, on the CPU), so planning the next batch never holds the
-    training process's GIL: in a thread it does, and the step's eager host path (host-bound at
-    high cp) waits for it. Measured on the H200 machine (``benchmarks/results/
+    """:func:`make_group_plan` in a worker process (:mod:`.plan_worker`, a Python interpreter of
+    its own: no CUDA, nothing of the training script imported), so planning the next batch never
+    holds the training process's GIL: in a thread it does, and the step's eager host path
+    (host-bound at high cp) waits for it. Measured on the H200 machine (``benchmarks/results/
     cp_planner_contention.md``): 24 eager CP layers of a cp-128 rank took 55.5 ms alone, 117.8 ms
-    while a thread planned the next 128K-token batch and 64.9 ms while this worker did. The plan
-    comes back pickled (about 2 MB at cp 128, ~3 ms to unpickle; what still slows the step, ~9 ms
-    at cp 128, is this process's side of the exchange, not broken down further).
-    An error in the worker is raised by the call, as the thread's would be."""
+    while a thread planned the next 128K-token batch and 64.9 ms while a worker process did. The
+    plan comes back pickled (about 2 MB at cp 128). An error ``plan()`` raises in the worker is
+    raised by the call, as the thread's would be; a worker that died is a RuntimeError with what
+    it printed. One caller at a time (the loader's thread)."""
 
     def __init__(self):
-        import concurrent.futures
-        import multiprocessing
+        import subprocess
+        import tempfile
 
-        self._pool = concurrent.futures.ProcessPoolExecutor(
-            max_workers=1, mp_context=multiprocessing.get_context("spawn"))
+        self._stderr = tempfile.TemporaryFile()
+        self._proc = subprocess.Popen([sys.executable, "-m", "flashmask3.train.plan_worker"],
+                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                      stderr=self._stderr)
 
     def plan(self, cols, causal, cp: int, **kwargs):
         """``flashmask3.distributed.plan(cols, causal, cp, **kwargs)``, run in the worker."""
-        return self._pool.submit(_plan, cols, causal, cp, kwargs).result()
+        try:
+            pickle.dump((cols, causal, cp, kwargs), self._proc.stdin, protocol=pickle.HIGHEST_PROTOCOL)
+            self._proc.stdin.flush()
+            ok, value = pickle.load(self._proc.stdout)
+        except (OSError, EOFError, pickle.UnpicklingError) as exc:
+            raise RuntimeError(f"the planning worker process died (exit code {self._proc.poll()}): "
+                               f"{self._worker_output()}") from exc
+        if not ok:
+            raise value
+        return value
 
     def __call__(self, mask: FlashMask, cfg, env):
         cols, causal, cp, kwargs = _plan_args(mask, cfg, env)
         return self.plan(cols, causal, cp, **kwargs)
 
+    def _worker_output(self) -> str:
+        self._stderr.seek(0)
+        text = self._stderr.read().decode(errors="replace").strip()
+        return text[-2000:] or "(it printed nothing)"
+
     def close(self) -> None:
-        self._pool.shutdown(wait=False, cancel_futures=True)
+        """End the worker (its input closes; killed if it does not exit within 5 s)."""
+        if self._proc.poll() is None:
+            try:
+                self._proc.stdin.close()
+                self._proc.wait(timeout=5)
+            except Exception:  # noqa: BLE001 - a worker that does not exit is killed
+                self._proc.kill()
+                self._proc.wait()
+        self._stderr.close()
 
 
 def uses_plan_process(cfg, env) -> bool:

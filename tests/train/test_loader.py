@@ -110,6 +110,36 @@ def test_the_planning_process_gives_the_threads_plans_and_raises_its_errors(json
         bad.close()
 
 
+def test_the_planning_worker_never_imports_the_main_script(tmp_path):
+    """An unguarded script (no ``if __name__ == "__main__":``) that plans through the worker runs
+    once (multiprocessing's spawn would re-import it in the worker); a dead worker is a
+    RuntimeError, not a hang."""
+    import os
+    import subprocess
+    import sys
+
+    script = tmp_path / "unguarded.py"
+    script.write_text(
+        "from flashmask3.masks import causal_document_mask\n"
+        "from flashmask3.train.loader import ProcessPlanner\n"
+        "m = causal_document_mask([300, 212, 512])\n"
+        "p = ProcessPlanner()\n"
+        "print('PLANNED', p.plan(m.startend_row_indices, True, 4).cp_size)\n"
+        "p._proc.kill()\n"
+        "p._proc.wait()\n"
+        "try:\n"
+        "    p.plan(m.startend_row_indices, True, 4)\n"
+        "except RuntimeError as e:\n"
+        "    print('DEAD', 'planning worker process died' in str(e))\n"
+        "p.close()\n")
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    env = dict(os.environ, PYTHONPATH=root + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=300,
+                         env=env)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.split() == ["PLANNED", "4", "DEAD", "True"]
+
+
 def test_where_the_loader_plans():
     cfg = from_preset("tiny", data="unused", seq_len=128, batch_size=4)
     gpu = DistEnv(0, 2, torch.device("cuda", 0), layout=Layout(1, 2))
