@@ -95,8 +95,8 @@ class ProcessPlanner:
     its own: no CUDA, nothing of the training script imported), so planning the next batch never
     holds the training process's GIL: in a thread it does, and the step's eager host path
     (host-bound at high cp) waits for it. Measured on the H200 machine (``benchmarks/results/
-    cp_planner_contention.md``): 24 eager CP layers of a cp-128 rank took 55.5 ms alone, 117.8 ms
-    while a thread planned the next 128K-token batch and 64.9 ms while a worker process did. The
+    cp_planner_contention.md``): 24 eager CP layers of a cp-128 rank took 62.1 ms alone, 134.1 ms
+    while a thread planned the next 128K-token batch and 64.8 ms while this worker did. The
     plan comes back pickled (about 2 MB at cp 128). An error ``plan()`` raises in the worker is
     raised by the call, as the thread's would be; a worker that died is a RuntimeError with what
     it printed. One caller at a time (the loader's thread)."""
