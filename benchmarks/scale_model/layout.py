@@ -194,24 +194,31 @@ def document_plan_view(doc_lens: Sequence[int], cp: int, balance: str, nodes: in
     import flashmask3.masks as M
     from flashmask3.distributed import plan
 
-    seqlen = int(sum(doc_lens))
-    key = _key(doc_lens, True, seqlen, cp, balance, nodes)
-    path = os.path.join(CACHE_DIR, key + ".pkl")
+    def build() -> PlanView:
+        mask = M.causal_document_mask(list(doc_lens))
+        t0 = time.perf_counter()
+        p = plan(mask, None, cp, balance=balance, nodes=nodes)
+        return view_plan(p, mask.startend_row_indices, True, time.perf_counter() - t0)
+
+    key = _key(doc_lens, True, int(sum(doc_lens)), cp, balance, nodes)
+    return cached_pickle(key + ".pkl", build, cache)
+
+
+def cached_pickle(name: str, build, cache: bool = True):
+    """``build()``, kept as ``name`` in :data:`CACHE_DIR` (written atomically) and read back
+    from there by later calls; ``cache=False`` builds and keeps nothing."""
+    path = os.path.join(CACHE_DIR, name)
     if cache and os.path.exists(path):
         with open(path, "rb") as f:
             return pickle.load(f)
-    mask = M.causal_document_mask(list(doc_lens))
-    t0 = time.perf_counter()
-    p = plan(mask, None, cp, balance=balance, nodes=nodes)
-    secs = time.perf_counter() - t0
-    v = view_plan(p, mask.startend_row_indices, True, secs)
+    value = build()
     if cache:
         os.makedirs(CACHE_DIR, exist_ok=True)
         tmp = path + f".{os.getpid()}"
         with open(tmp, "wb") as f:
-            pickle.dump(v, f)
+            pickle.dump(value, f)
         os.replace(tmp, path)
-    return v
+    return value
 
 
 def mask_sparsity(doc_lens: Sequence[int]) -> float:

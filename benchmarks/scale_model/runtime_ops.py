@@ -254,36 +254,28 @@ def rank_device_work(doc_lens, cp: int, balance: str, nodes: int, comm: str, bac
     run leaves to NCCL), recorded by :func:`record_layer`. Cached on disk next to the plan views,
     keyed on the inputs and the runtime's source."""
     import hashlib
-    import os
-    import pickle
 
     import flashmask3.masks as M
     from flashmask3.distributed import plan
 
-    from .layout import CACHE_DIR, _key
+    from .layout import _key, cached_pickle
 
     key = hashlib.sha256(repr((DEVICE_CACHE_VERSION, _key(doc_lens, True, int(sum(doc_lens)), cp, balance, nodes),
                                comm, backward_calls, heads, kv_heads, head_dim,
                                _runtime_code_digest())).encode()).hexdigest()[:24]
-    path = os.path.join(CACHE_DIR, "ops-" + key + ".pkl")
-    if cache and os.path.exists(path):
-        with open(path, "rb") as f:
-            return pickle.load(f)
-    p = plan(M.causal_document_mask(list(doc_lens)), None, cp, balance=balance, nodes=nodes)
-    out = []
-    for r in range(cp):
-        ops = [o for o in record_layer(p, r, comm, backward_calls, heads, kv_heads, head_dim)
-               if o.kind in ("kernel", "torch")]
-        f = [o for o in ops if o.pass_ == "fwd"]
-        b = [o for o in ops if o.pass_ == "bwd"]
-        out.append((sum(o.nbytes for o in f), len(f), sum(o.nbytes for o in b), len(b)))
-    if cache:
-        os.makedirs(CACHE_DIR, exist_ok=True)
-        tmp = path + f".{os.getpid()}"
-        with open(tmp, "wb") as fh:
-            pickle.dump(out, fh)
-        os.replace(tmp, path)
-    return out
+
+    def build() -> list:
+        p = plan(M.causal_document_mask(list(doc_lens)), None, cp, balance=balance, nodes=nodes)
+        out = []
+        for r in range(cp):
+            ops = [o for o in record_layer(p, r, comm, backward_calls, heads, kv_heads, head_dim)
+                   if o.kind in ("kernel", "torch")]
+            f = [o for o in ops if o.pass_ == "fwd"]
+            b = [o for o in ops if o.pass_ == "bwd"]
+            out.append((sum(o.nbytes for o in f), len(f), sum(o.nbytes for o in b), len(b)))
+        return out
+
+    return cached_pickle("ops-" + key + ".pkl", build, cache)
 
 
 __all__ = ["KINDS", "Op", "record_layer", "ops_seconds", "rank_device_work"]

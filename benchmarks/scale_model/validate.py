@@ -564,6 +564,22 @@ def _recorded_ranks(res: dict, cost: AttentionCost, shape: AttnShape, need: str 
     return rows
 
 
+def _runtime_file(path: str, cost: Optional[AttentionCost], need: str = "breakdown"):
+    """``(file, its args, its attention shape, the attention cost, :func:`_recorded_ranks` of its
+    ranks with the key ``need``)`` of a ``cp_single_gpu.py`` results file, or None for a missing file or one without
+    the document lengths (recorded from session 28 on: the corpus is machine-dependent)."""
+    if not os.path.exists(path):
+        return None
+    with open(path) as f:
+        res = json.load(f)
+    if res.get("lengths") is None:
+        return None
+    a = res["args"]
+    shape = AttnShape(a["heads"], a["kv_heads"], a["head_dim"])
+    cost = cost or load_cost("flashmask3", a["heads"] != a["kv_heads"])
+    return res, a, shape, cost, _recorded_ranks(res, cost, shape, need)
+
+
 def validate_cp_runtime(path: str = CP_RUNTIME_BREAKDOWN, cost: Optional[AttentionCost] = None,
                         fit_cp: tuple = COPY_FIT_CP) -> dict:
     """The model against the context-parallel runtime on one GPU, per timed rank of a
@@ -586,16 +602,10 @@ def validate_cp_runtime(path: str = CP_RUNTIME_BREAKDOWN, cost: Optional[Attenti
                  measurement: this VM's host speed drifts by tens of percent between runs).
 
     Each layer point keeps the measured composition (torch ops, GPU idle, host) in its note."""
-    if not os.path.exists(path):
+    loaded = _runtime_file(path, cost)
+    if loaded is None:
         return {}
-    with open(path) as f:
-        res = json.load(f)
-    if res.get("lengths") is None:  # recorded from session 28 on (the corpus is machine-dependent)
-        return {}
-    a = res["args"]
-    shape = AttnShape(a["heads"], a["kv_heads"], a["head_dim"])
-    cost = cost or load_cost("flashmask3", a["heads"] != a["kv_heads"])
-    rows = _recorded_ranks(res, cost, shape)
+    res, a, shape, cost, rows = loaded
     fit = [(sum(o.nbytes for o in ops if o.kind != "attention"), sum(o.kind != "attention" for o in ops),
             _measured_runtime_seconds(r["breakdown"])) for _, cp, r, _, ops, _, _, _ in rows if cp in fit_cp]
     bw = fit_copy_bandwidth(fit) if fit else Cluster().hbm_bw.value  # nothing to fit: the HBM copy rate
@@ -632,18 +642,13 @@ def validate_cp_graph(path: str = CP_GRAPH, copy_bw: Optional[float] = None,
     ops at ``copy_bw`` (the bandwidth :func:`validate_cp_runtime` fitted on cp 8/32 profiles of
     another run; every point here is held out) vs the replay time. No host term and no profiler:
     a check of the GPU side that this VM's host noise cannot touch."""
-    if not os.path.exists(path):
+    loaded = _runtime_file(path, cost, need="graph_seconds")
+    if loaded is None:
         return {}
-    with open(path) as f:
-        res = json.load(f)
-    if res.get("lengths") is None:
-        return {}
-    a = res["args"]
-    shape = AttnShape(a["heads"], a["kv_heads"], a["head_dim"])
-    cost = cost or load_cost("flashmask3", a["heads"] != a["kv_heads"])
+    res, a, _, cost, rows = loaded
     bw = copy_bw or Cluster().runtime_copy_bw.value
     points, by_config = [], {}
-    for name, cp, r, _, ops, attn, _, _ in _recorded_ranks(res, cost, shape, need="graph_seconds"):
+    for name, cp, r, _, ops, attn, _, _ in rows:
         note = f"eager layer {r['seconds'] * 1e3:.2f} ms (host {r['host_seconds'] * 1e3:.2f} ms)"
         pt = Point(f"{name} rank {r['rank']}", r["graph_seconds"], sum(attn) + ops_seconds(ops, bw, LAUNCH_FLOOR),
                    True, note)

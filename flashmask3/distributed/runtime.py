@@ -37,7 +37,7 @@ import numpy as np
 import torch
 
 from ..kernels.staged import staged_functions
-from ..kernels.static_masks import mark_static
+from ..kernels.static_masks import capturing, mark_static
 from .launches import call_attention, not_counted
 
 #: Tag offset of the gradient (reverse) rounds; forward rounds use their index as tag.
@@ -224,7 +224,7 @@ class RankProgram:
         got = self._batched_cols.get(key)
         if got is None:  # first layer of a new batch size only
             got = cols.expand(batch, -1, -1, -1).contiguous()
-            if got.is_cuda and torch.cuda.is_current_stream_capturing():
+            if capturing(got):
                 return got  # made inside a CUDA graph capture: only replays fill it, keep nothing
             self._batched_cols[key] = mark_static(got)
         return got

@@ -21,3 +21,10 @@ def mark_static(mask: torch.Tensor) -> torch.Tensor:
 def is_static(mask: torch.Tensor) -> bool:
     """Whether ``mask`` was marked by :func:`mark_static`."""
     return hasattr(mask, STATIC_PLANS)
+
+
+def capturing(t: torch.Tensor) -> bool:
+    """Whether a CUDA graph is being captured on the current stream while ``t`` (a CUDA tensor)
+    is used: a tensor made then holds values only after a replay, and a mask read then may get
+    new values copied in before a replay, so neither may be cached."""
+    return t.is_cuda and torch.cuda.is_current_stream_capturing()

@@ -22,6 +22,7 @@ import triton.language as tl
 
 from .launcher import cdiv, launch
 from .static_masks import STATIC_PLANS
+from .static_masks import capturing as _capturing  # (a module name: tests replace it)
 
 LOG2E = 1.4426950408889634
 SKIP, PARTIAL, UNMASKED = 0, 1, 2
@@ -479,13 +480,17 @@ _PLAN_CACHE: dict = {}
 
 class _MaskPlans:
     """The plans of one live mask tensor at one ``_version``: summaries by (causal, Sq,
-    block_n) and ranges by (causal, Sq, Sk, block_m, block_n, by_key)."""
+    block_n) and ranges by (causal, Sq, Sk, block_m, block_n, by_key). ``shared``: an entry of
+    :data:`_PLAN_CACHE` (a weak reference to the mask, which drops the entry when the mask is
+    freed); otherwise a static mask's own holder, kept on the mask itself
+    (:mod:`.static_masks`: it lives exactly as long as the mask, so a CUDA graph that reads the
+    mask can read its plans too, and :func:`clear_plan_cache` leaves it)."""
 
     __slots__ = ("ref", "version", "summaries", "plans")
 
-    def __init__(self, mask: torch.Tensor):
+    def __init__(self, mask: torch.Tensor, shared: bool = True):
         key = id(mask)
-        self.ref = weakref.ref(mask, lambda _ref, key=key: _forget(key, _ref))
+        self.ref = weakref.ref(mask, lambda _ref, key=key: _forget(key, _ref)) if shared else None
         self.version = mask._version
         self.summaries: dict = {}
         self.plans: dict = {}
@@ -498,12 +503,6 @@ def _forget(key: int, ref) -> None:
         del _PLAN_CACHE[key]
 
 
-def _capturing(mask: torch.Tensor) -> bool:
-    """Whether a CUDA graph is being captured on the current stream (then plans are built
-    from the mask's memory, so that replays with new columns copied in are right)."""
-    return mask.is_cuda and torch.cuda.is_current_stream_capturing()
-
-
 def _entry_of(mask: torch.Tensor) -> _MaskPlans:
     """This mask's cache entry, new when the mask is new (a recycled id holding another
     tensor included) or was written in place since (its ``_version`` moved)."""
@@ -511,19 +510,6 @@ def _entry_of(mask: torch.Tensor) -> _MaskPlans:
     if entry is None or entry.ref() is not mask or entry.version != mask._version:
         entry = _PLAN_CACHE[id(mask)] = _MaskPlans(mask)
     return entry
-
-
-class _StaticPlans:
-    """A static mask's plans (:func:`~.static_masks.mark_static`), held by the mask tensor
-    itself: they live exactly as long as the mask, so a CUDA graph that reads the mask can read
-    them too, and :func:`clear_plan_cache` leaves them."""
-
-    __slots__ = ("version", "summaries", "plans")
-
-    def __init__(self, version: int):
-        self.version = version
-        self.summaries: dict = {}
-        self.plans: dict = {}
 
 
 def _plans_of(mask: torch.Tensor, capturing: bool):
@@ -537,7 +523,7 @@ def _plans_of(mask: torch.Tensor, capturing: bool):
     if static is None or static.version != mask._version:
         if capturing:
             return None
-        static = _StaticPlans(mask._version)
+        static = _MaskPlans(mask, shared=False)
         setattr(mask, STATIC_PLANS, static)
     return static
 
