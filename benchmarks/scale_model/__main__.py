@@ -118,7 +118,7 @@ def run_validate(args):
         single["kv_expansion"] = validate.validate_kv_expansion()
         single["cp_runtime"] = validate.validate_cp_runtime()
         single["cp_graph"] = validate.validate_cp_graph(
-            copy_bw=(single["cp_runtime"] or {}).get("copy_bw"))
+            bandwidths=(single["cp_runtime"] or {}).get("bandwidths"))
         bar.update(1)
         multi = validate.validate_multigpu(args.multigpu)
         multi += validate.validate_training(args.multigpu, multi)

@@ -139,8 +139,8 @@ def default_costs(gqa: bool = True, per_rank_factor: float = 1.0) -> Costs:
 def runtime_device_seconds(lens: Sequence[int], cp: int, method: Method, nodes: int, view, model: ModelConfig,
                            cluster: Cluster, runtime: Runtime) -> Optional[list[tuple[float, float]]]:
     """Per rank, the runtime's own device work of the forward and the backward (seconds): the
-    ops recorded from the real runtime (runtime_ops.rank_device_work) at the cluster's
-    ``runtime_copy_bw`` plus the launch floor; None for the runtime on main before the rewrite
+    ops recorded from the real runtime (runtime_ops.rank_device_work), each rate class at the
+    cluster's bandwidth for it (``runtime_copy_bw`` and the three after it) plus the launch floor; None for the runtime on main before the rewrite
     (its ops were never recorded: the timeline's fp32-pass terms stand in)."""
     if runtime.kind != "lean":
         return None
@@ -148,8 +148,12 @@ def runtime_device_seconds(lens: Sequence[int], cp: int, method: Method, nodes: 
     calls = resolve_bwd_calls(view, runtime.bwd_calls) if method.comm == "overlap" else "stage"
     work = rank_device_work(lens, cp, method.balance, nodes, method.comm, calls, shape.heads,
                             shape.kv_heads, shape.head_dim)
-    bw = cluster.runtime_copy_bw.value
-    return [(fb / bw + fn * LAUNCH_FLOOR, bb / bw + bn * LAUNCH_FLOOR) for fb, fn, bb, bn in work]
+    bw = cluster.runtime_bandwidths()
+
+    def seconds(by_rate: dict, launches: int) -> float:
+        return sum(n / bw[c] for c, n in by_rate.items()) + launches * LAUNCH_FLOOR
+
+    return [(seconds(fb, fn), seconds(bb, bn)) for fb, fn, bb, bn in work]
 
 
 def layer_for(lens: Sequence[int], cp: int, method: Method, model: ModelConfig, cluster: Cluster,

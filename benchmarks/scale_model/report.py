@@ -140,10 +140,13 @@ def cp_runtime_section(v: dict) -> list[str]:
              f"head layout ({a['heads']}/{a['kv_heads']}) nor the runtime.", "",
              "- **kernels**: the model's GPU time of the rank's attention calls vs flashmask3's attention "
              "kernels in the profile (all ranks held out).",
-             f"- **runtime ops**: the recorded non-attention ops (torch ops, the merge / key-gather / "
-             f"gradient-sum kernels, the emulated exchange's copies) at one copy bandwidth, "
-             f"{v['copy_bw'] / 1e12:.2f} TB/s fitted on the cp {fit} ranks, plus {LAUNCH_FLOOR * 1e6:.0f} µs "
-             "a launch, vs their profiled time; held out: the other cp sizes.",
+             f"- **runtime ops**: the recorded non-attention ops (torch ops, the merge / key-gather / pack / "
+             f"gradient-sum kernels, the emulated exchange's copies), each at the bandwidth of its rate class "
+             f"({bandwidths_text(v['bandwidths'])}; one least-squares fit on the cp {fit} ranks' profiled "
+             f"totals), plus {LAUNCH_FLOOR * 1e6:.0f} µs a launch, vs their profiled time; held out: the other "
+             "cp sizes. The classes are the kernels torch and the runtime run: contiguous copies and gathers; "
+             "`index_select` of at most 16 rows (torch's small-index kernel); indexed writes and strided "
+             "copies (`index_copy_`, `index_add_`, `stack`); fills.",
              "- **busy**: the two together vs the GPU's busy time in the profiled layer.",
              "- **layer**: host and GPU take the recorded ops in order (the host's µs per op from "
              "`host_breakdown.json`, scaled to the rank's measured host time; a GPU op starts when it is "
@@ -173,6 +176,11 @@ def cp_runtime_section(v: dict) -> list[str]:
     return lines
 
 
+def bandwidths_text(bw: dict) -> str:
+    """The runtime ops' bandwidths by rate class, for a sentence."""
+    return ", ".join(f"{c.replace('_', '-')} {x / 1e12:.2f}" for c, x in bw.items()) + " TB/s"
+
+
 def cp_graph_section(v: dict) -> list[str]:
     """Each rank's layer replayed from a CUDA graph (validate.validate_cp_graph): the model's
     GPU-only layer against a measurement without host gaps."""
@@ -183,7 +191,7 @@ def cp_graph_section(v: dict) -> list[str]:
              f"Hk={a['kv_heads']}, D={a['head_dim']}) captured once in a CUDA graph and replayed, so the "
              "host issues one launch and the layer is the GPU's work back to back. Predicted: the rank's "
              "attention calls by the cost model plus its recorded runtime ops at "
-             f"{v['copy_bw'] / 1e12:.2f} TB/s (fitted on another run's profiles above), no host term. "
+             f"{bandwidths_text(v['bandwidths'])} (fitted on another run's profiles above), no host term. "
              "Every point is held out (no parameter was fitted on this file).", "",
              "| layout | ranks | measured replay ms (mean) | predicted ms (mean) | max / mean abs error "
              "| eager layer ms (mean) |", "|---|---|---|---|---|---|"]

@@ -7,8 +7,8 @@ and the runtime's small kernels (the one-launch merge, key gather and gradient s
 run takes them), and a ``TorchDispatchMode`` records every aten operator that launches a
 kernel, with the bytes it moves. The result is the op sequence of that rank's layer, in issue
 order, each op with its kind and bytes: what :func:`ops_seconds` turns into GPU time
-(bytes at the measured copy bandwidth plus a launch floor), so the model's runtime term follows
-every change to the runtime without a second implementation of it here.
+(bytes at the measured bandwidth of the op's rate class plus a launch floor), so the model's
+runtime term follows every change to the runtime without a second implementation of it here.
 """
 
 from __future__ import annotations
@@ -45,6 +45,35 @@ class Op:
     nbytes: int = 0
     stage: object = None
     pass_: str = ""
+    rate: str = "copy"
+
+
+#: Rate classes of the non-attention ops: the kernels that implement them reach different
+#: bandwidths, so the model gives each class its own (fitted on profiles, validate.py):
+#: ``copy``  contiguous copies and gathers (torch's vectorized gather, clone, the runtime's Triton
+#:           merge / key-gather / pack / gradient-sum kernels);
+#: ``small_index``  torch's ``index_select`` of at most :data:`SMALL_INDEX_ROWS` rows;
+#: ``scatter``  indexed writes and strided copies (``index_copy_``, ``index_add_``, ``stack``);
+#: ``fill``  write-only ops (zeros, fills).
+RATE_CLASSES = ("copy", "small_index", "scatter", "fill")
+
+#: torch's CUDA ``index_select`` copies with ``indexSelectSmallIndex`` when it selects at most this
+#: many rows (``aten/src/ATen/native/cuda/Indexing.cu``, ``index_select_out_cuda_impl``), else with
+#: the vectorized gather: with the CP runtime's rows (0.5-4 MB of wire per chunk) about a quarter of
+#: the gather's bandwidth.
+SMALL_INDEX_ROWS = 16
+
+_SCATTER = {"index_copy_", "index_copy", "index_add_", "index_add", "stack"}
+
+
+def rate_class(name: str, index_rows: int = 0) -> str:
+    """The :data:`RATE_CLASSES` entry of an aten operator (``index_rows``: the rows an
+    ``index_select`` picks)."""
+    if name == "index_select" and index_rows <= SMALL_INDEX_ROWS:
+        return "small_index"
+    if name in _SCATTER:
+        return "scatter"
+    return "fill" if name in _WRITE_ONLY else "copy"
 
 
 def _nbytes(x) -> int:
@@ -75,7 +104,9 @@ class _Recorder(TorchDispatchMode):
         out = func(*args, **(kwargs or {}))
         name = func.overloadpacket.__name__
         if not self._pause and not func.is_view and name not in _FREE:
-            self.ops.append(Op(self._kind, name, _moved_bytes(name, args, out), pass_=self.pass_))
+            rows = args[2].numel() if name == "index_select" else 0
+            self.ops.append(Op(self._kind, name, _moved_bytes(name, args, out), pass_=self.pass_,
+                               rate=rate_class(name, rows)))
         return out
 
     @contextlib.contextmanager
@@ -220,15 +251,28 @@ def record_layer(p, rank: int, comm: str, backward_calls: str, heads: int, kv_he
     return rec.ops
 
 
-def ops_seconds(ops: list[Op], copy_bw: float, launch_floor: float, kinds=("kernel", "torch", "emulated")) -> float:
-    """GPU seconds of the ops of ``kinds``: bytes at ``copy_bw`` plus ``launch_floor`` each."""
-    return sum(o.nbytes / copy_bw + launch_floor for o in ops if o.kind in kinds)
+def op_seconds(op: Op, bandwidths: dict, launch_floor: float) -> float:
+    """GPU seconds of one non-attention op: its bytes at the bandwidth of its rate class
+    (``bandwidths``: :data:`RATE_CLASSES` -> bytes/s) plus ``launch_floor``."""
+    return op.nbytes / bandwidths[op.rate] + launch_floor
 
 
+def ops_seconds(ops: list[Op], bandwidths: dict, launch_floor: float,
+                kinds=("kernel", "torch", "emulated")) -> float:
+    """GPU seconds of the ops of ``kinds`` (:func:`op_seconds` each)."""
+    return sum(op_seconds(o, bandwidths, launch_floor) for o in ops if o.kind in kinds)
+
+
+def bytes_by_rate(ops: list[Op]) -> dict:
+    """Bytes the ops move per :data:`RATE_CLASSES` entry."""
+    out = dict.fromkeys(RATE_CLASSES, 0)
+    for o in ops:
+        out[o.rate] += o.nbytes
+    return out
 
 
 #: Bump when :func:`rank_device_work`'s cached content changes meaning.
-DEVICE_CACHE_VERSION = 1
+DEVICE_CACHE_VERSION = 2
 
 
 def _runtime_code_digest() -> str:
@@ -247,12 +291,13 @@ def _runtime_code_digest() -> str:
 
 
 def rank_device_work(doc_lens, cp: int, balance: str, nodes: int, comm: str, backward_calls: str,
-                     heads: int, kv_heads: int, head_dim: int, cache: bool = True) -> list[tuple[int, int, int, int]]:
-    """Per rank of the plan of a causal document mask of ``doc_lens``: ``(forward bytes, forward
-    launches, backward bytes, backward launches)`` of the runtime's own device work (its torch ops
-    and small kernels; not the attention calls, not the emulated exchange's copies, which a real
-    run leaves to NCCL), recorded by :func:`record_layer`. Cached on disk next to the plan views,
-    keyed on the inputs and the runtime's source."""
+                     heads: int, kv_heads: int, head_dim: int, cache: bool = True) -> list[tuple]:
+    """Per rank of the plan of a causal document mask of ``doc_lens``: ``(forward bytes by rate
+    class, forward launches, backward bytes by rate class, backward launches)`` of the runtime's
+    own device work (its torch ops and small kernels; not the attention calls, not the emulated
+    exchange's copies, which a real run leaves to NCCL), recorded by :func:`record_layer`
+    (:func:`bytes_by_rate`). Cached on disk next to the plan views, keyed on the inputs and the
+    runtime's source."""
     import hashlib
 
     import flashmask3.masks as M
@@ -272,10 +317,11 @@ def rank_device_work(doc_lens, cp: int, balance: str, nodes: int, comm: str, bac
                    if o.kind in ("kernel", "torch")]
             f = [o for o in ops if o.pass_ == "fwd"]
             b = [o for o in ops if o.pass_ == "bwd"]
-            out.append((sum(o.nbytes for o in f), len(f), sum(o.nbytes for o in b), len(b)))
+            out.append((bytes_by_rate(f), len(f), bytes_by_rate(b), len(b)))
         return out
 
     return cached_pickle("ops-" + key + ".pkl", build, cache)
 
 
-__all__ = ["KINDS", "Op", "record_layer", "ops_seconds", "rank_device_work"]
+__all__ = ["KINDS", "Op", "RATE_CLASSES", "SMALL_INDEX_ROWS", "rate_class", "record_layer", "op_seconds", "ops_seconds",
+           "bytes_by_rate", "rank_device_work"]

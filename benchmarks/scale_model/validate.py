@@ -32,7 +32,7 @@ from .calibrate import (MEASURED_FILE, RESULTS, AttentionCost, TileCounts, fit_r
                         row_tiles, work_summary)
 from .layout import PlanView, RoundView, document_plan_view, mask_sparsity
 from .params import Cluster, Param, Runtime
-from .runtime_ops import ops_seconds
+from .runtime_ops import bytes_by_rate, op_seconds, ops_seconds
 from .timeline import AttnShape, merge_calls, simulate_layer
 
 SINGLE = os.path.join(RESULTS, "cp_single_gpu.json")
@@ -458,8 +458,10 @@ def rank_kernel_seconds(view: PlanView, r: int, cost: AttentionCost, shape: Attn
 
 
 #: flashmask3 kernels of a CP layer that are the runtime's own work, not attention (the merge,
-#: the key gather, the gradient sum: kernels/merge.py, gather.py, returns.py).
-RUNTIME_KERNELS = ("_merge_kernel", "_gather_keys_kernel", "_add_returns_kernel")
+#: the key gather, the wire packing, the gradient sum: kernels/merge.py, gather.py, returns.py).
+RUNTIME_KERNELS = ("_merge_kernel", "_gather_keys_kernel", "_pack_wire_kernel", "_add_returns_kernel")
+
+
 
 #: Host µs per op of a CP layer on the H200 machine's VM, from benchmarks/results/
 #: host_breakdown.json (session 27, another day than any breakdown file): a prepared forward call
@@ -501,12 +503,12 @@ def _attention_op_seconds(op, view: PlanView, r: int, cost: AttentionCost, shape
     return (cost.gpu_forward if op.name == "forward" else cost.gpu_backward_stage)(t, h, hk)
 
 
-def emulated_layer_seconds(ops, attn_seconds: list, copy_bw: float, host_scale: float = 1.0) -> tuple:
+def emulated_layer_seconds(ops, attn_seconds: list, bandwidths: dict, host_scale: float = 1.0) -> tuple:
     """``(layer, host)`` seconds of one rank's layer on the emulation, from its recorded op
     sequence: the host issues the ops in order (:data:`HOST_US` each, x ``host_scale``; the
     autograd engine's hand-off before the backward's first op), the GPU runs each as soon as it
     is issued and the previous one finished (attention ops: ``attn_seconds`` in order; the others:
-    bytes at ``copy_bw`` plus :data:`LAUNCH_FLOOR`). The layer ends when both are done (the
+    runtime_ops.op_seconds at ``bandwidths`` plus :data:`LAUNCH_FLOOR`). The layer ends when both are done (the
     timer's stop event is recorded after the host returns)."""
     host = gpu = 0.0
     attn = iter(attn_seconds)
@@ -516,7 +518,7 @@ def emulated_layer_seconds(ops, attn_seconds: list, copy_bw: float, host_scale: 
             backward = True
             host += HOST_US["engine"] * 1e-6 * host_scale
         host += HOST_US[op.name if op.kind == "attention" else op.kind] * 1e-6 * host_scale
-        g = next(attn) if op.kind == "attention" else op.nbytes / copy_bw + LAUNCH_FLOOR
+        g = next(attn) if op.kind == "attention" else op_seconds(op, bandwidths, LAUNCH_FLOOR)
         if g > 0:
             gpu = max(gpu, host) + g
     return max(gpu, host), host
@@ -527,12 +529,32 @@ def _measured_runtime_seconds(b: dict) -> float:
     return (b["torch_ms"] + sum(ms for n, ms in b["own"] if n in RUNTIME_KERNELS)) * 1e-3
 
 
-def fit_copy_bandwidth(samples) -> float:
-    """The bandwidth that makes ``bytes / bw + launches x floor`` closest to the measured times in
-    relative terms (least squares): ``samples`` = ``(bytes, launches, measured seconds)``."""
-    num = sum(b / m * (1 - n * LAUNCH_FLOOR / m) for b, n, m in samples)
-    den = sum((b / m) ** 2 for b, _, m in samples)
-    return den / num
+def fit_runtime_bandwidths(samples) -> dict:
+    """Bandwidths by rate class (runtime_ops.RATE_CLASSES) that make ``sum(bytes / bw) + launches
+    x floor`` closest to the measured times in relative terms (least squares, one fit over all
+    classes): ``samples`` = ``(bytes by rate class, launches, measured seconds)``. Where the
+    samples cannot tell classes apart (their bytes move together), the fit is the one closest to
+    the cluster's defaults (the minimum-norm change of their times per byte); a class no sample
+    moves bytes of keeps its default."""
+    import numpy as np
+
+    from .runtime_ops import RATE_CLASSES
+
+    samples = [s for s in samples if s[2] > 0]
+    seen = [c for c in RATE_CLASSES if any(b[c] for b, _, _ in samples)]
+    out = Cluster().runtime_bandwidths()
+    if not seen:
+        return out
+    prior = np.array([1.0 / out[c] for c in seen])  # seconds per byte
+    a = np.array([[b[c] / m for c in seen] for b, _, m in samples])
+    y = np.array([1 - n * LAUNCH_FLOOR / m for _, n, m in samples])
+    change, *_ = np.linalg.lstsq(a * prior, y - a @ prior, rcond=None)
+    per_byte = prior * (1 + change)
+    if (per_byte <= 0).any():
+        raise ValueError(f"runtime op fit gave a non-positive time per byte for "
+                         f"{[c for c, x in zip(seen, per_byte) if x <= 0]}: the samples do not separate the classes")
+    out.update({c: float(1.0 / x) for c, x in zip(seen, per_byte)})
+    return out
 
 
 def _recorded_ranks(res: dict, cost: AttentionCost, shape: AttnShape, need: str = "breakdown") -> list[tuple]:
@@ -591,9 +613,10 @@ def validate_cp_runtime(path: str = CP_RUNTIME_BREAKDOWN, cost: Optional[Attenti
     ``kernels``  the model's GPU time of the rank's attention calls (:func:`rank_kernel_seconds`)
                  vs the profiled time of flashmask3's attention kernels in the layer;
     ``runtime``  the runtime's own device work (its torch ops, the emulated exchange's copies, the
-                 merge / gather / gradient-sum kernels): the recorded ops' bytes at one copy
-                 bandwidth plus a launch floor each, the bandwidth fitted on the ranks of cp
-                 ``fit_cp`` (their points ``held_out`` False), vs the profiled time;
+                 merge / gather / pack / gradient-sum kernels): the recorded ops' bytes at the
+                 bandwidth of their rate class (runtime_ops.RATE_CLASSES) plus a launch floor
+                 each, the bandwidths fitted on the ranks of cp ``fit_cp`` (their points
+                 ``held_out`` False, :func:`fit_runtime_bandwidths`), vs the profiled time;
     ``busy``     the two together vs the GPU's profiled busy time;
     ``layer``    the emulated layer (:func:`emulated_layer_seconds`: host and GPU take the
                  recorded ops in order), the host per op scaled to the rank's measured host time,
@@ -606,9 +629,9 @@ def validate_cp_runtime(path: str = CP_RUNTIME_BREAKDOWN, cost: Optional[Attenti
     if loaded is None:
         return {}
     res, a, shape, cost, rows = loaded
-    fit = [(sum(o.nbytes for o in ops if o.kind != "attention"), sum(o.kind != "attention" for o in ops),
-            _measured_runtime_seconds(r["breakdown"])) for _, cp, r, _, ops, _, _, _ in rows if cp in fit_cp]
-    bw = fit_copy_bandwidth(fit) if fit else Cluster().hbm_bw.value  # nothing to fit: the HBM copy rate
+    bw = fit_runtime_bandwidths([(bytes_by_rate(o for o in ops if o.kind != "attention"),
+                                  sum(o.kind != "attention" for o in ops), _measured_runtime_seconds(r["breakdown"]))
+                                 for _, cp, r, _, ops, _, _, _ in rows if cp in fit_cp])
     checks = ("kernels", "runtime", "busy", "layer", "layer_host_model")
     by_config: dict = {}
     for name, cp, r, view, ops, attn, calls, comm in rows:
@@ -631,22 +654,22 @@ def validate_cp_runtime(path: str = CP_RUNTIME_BREAKDOWN, cost: Optional[Attenti
         entry["torch"].append(b["torch_ms"] * 1e-3)
         entry["idle"].append(b["idle_ms"] * 1e-3)
     return {**{k: [p for e in by_config.values() for p in e[k]] for k in checks},
-            "by_config": by_config, "env": res["env"], "args": a, "copy_bw": bw, "copy_fit_cp": fit_cp}
+            "by_config": by_config, "env": res["env"], "args": a, "bandwidths": bw, "copy_fit_cp": fit_cp}
 
 
-def validate_cp_graph(path: str = CP_GRAPH, copy_bw: Optional[float] = None,
+def validate_cp_graph(path: str = CP_GRAPH, bandwidths: Optional[dict] = None,
                       cost: Optional[AttentionCost] = None) -> dict:
     """The model's GPU-only layer against each rank's layer replayed from a CUDA graph
     (``cp_single_gpu.py --graph``: the host issues one graph launch, so the layer is the GPU's
     work back to back): the rank's attention calls by the cost model plus its recorded runtime
-    ops at ``copy_bw`` (the bandwidth :func:`validate_cp_runtime` fitted on cp 8/32 profiles of
-    another run; every point here is held out) vs the replay time. No host term and no profiler:
+    ops at ``bandwidths`` (by rate class: those :func:`validate_cp_runtime` fitted on cp 8/32
+    profiles of another run; every point here is held out) vs the replay time. No host term and no profiler:
     a check of the GPU side that this VM's host noise cannot touch."""
     loaded = _runtime_file(path, cost, need="graph_seconds")
     if loaded is None:
         return {}
     res, a, _, cost, rows = loaded
-    bw = copy_bw or Cluster().runtime_copy_bw.value
+    bw = bandwidths or Cluster().runtime_bandwidths()
     points, by_config = [], {}
     for name, cp, r, _, ops, attn, _, _ in rows:
         note = f"eager layer {r['seconds'] * 1e3:.2f} ms (host {r['host_seconds'] * 1e3:.2f} ms)"
@@ -656,5 +679,5 @@ def validate_cp_graph(path: str = CP_GRAPH, copy_bw: Optional[float] = None,
         entry = by_config.setdefault(name, {"graph": [], "eager": []})
         entry["graph"].append(pt)
         entry["eager"].append(r["seconds"])
-    return {"graph": points, "by_config": by_config, "env": res["env"], "args": a, "copy_bw": bw}
+    return {"graph": points, "by_config": by_config, "env": res["env"], "args": a, "bandwidths": bw}
 

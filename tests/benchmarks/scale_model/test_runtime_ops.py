@@ -9,7 +9,7 @@ import torch
 
 import flashmask3.masks as M
 from benchmarks.corpus import document_spreads
-from benchmarks.scale_model.runtime_ops import ops_seconds, record_layer
+from benchmarks.scale_model.runtime_ops import RATE_CLASSES, bytes_by_rate, ops_seconds, rate_class, record_layer
 from flashmask3.distributed import EmulatedExchange, LaunchCounter, plan, prepare_rank, run_layer
 from flashmask3.distributed.runtime import to_wire
 
@@ -55,11 +55,37 @@ def test_recorded_layer_matches_the_runtime(nodes, comm, calls):
             assert ("merged" in stages) == (calls != "stage")
 
 
-def test_ops_seconds_counts_bytes_and_launches():
+def test_ops_seconds_counts_bytes_by_rate_class_and_launches():
     ops = record_layer(_plan(8), 3, "overlap", "stage", heads=4, kv_heads=2, head_dim=16)
     small = [o for o in ops if o.kind != "attention"]
-    assert ops_seconds(ops, 1e12, 0.0) == pytest.approx(sum(o.nbytes for o in small) / 1e12)
-    assert ops_seconds(ops, float("inf"), 1e-6) == pytest.approx(len(small) * 1e-6)
+    one = dict.fromkeys(RATE_CLASSES, 1e12)
+    assert ops_seconds(ops, one, 0.0) == pytest.approx(sum(o.nbytes for o in small) / 1e12)
+    assert ops_seconds(ops, dict.fromkeys(RATE_CLASSES, float("inf")), 1e-6) == pytest.approx(len(small) * 1e-6)
+    by_rate = bytes_by_rate(small)
+    assert sum(by_rate.values()) == sum(o.nbytes for o in small)
+    for c in RATE_CLASSES:  # each class at its own bandwidth
+        slow = {**one, c: 0.5e12}
+        assert ops_seconds(ops, slow, 0.0) == pytest.approx((sum(by_rate.values()) + by_rate[c]) / 1e12)
+
+
+def test_rate_classes_follow_the_kernels_torch_runs():
+    """``index_select`` of at most 16 rows is torch's small-index kernel, more rows its gather;
+    indexed writes and stack are scatters, zeros and fills write only, everything else copies."""
+    assert rate_class("index_select", 16) == "small_index" and rate_class("index_select", 17) == "copy"
+    assert {rate_class(n) for n in ("index_copy_", "index_add_", "stack")} == {"scatter"}
+    assert {rate_class(n) for n in ("zeros", "fill_", "zeros_like")} == {"fill"}
+    assert {rate_class(n) for n in ("clone", "copy_", "cat", "_to_copy")} == {"copy"}
+
+
+def test_recorded_index_selects_carry_their_row_count_class():
+    """The recorder classes each index_select by the rows it picks: the emulated exchange's
+    rounds of a few chunks are small-index copies, the all-gather's many pieces are not."""
+    over = record_layer(_plan(8), 3, "overlap", "stage", heads=4, kv_heads=2, head_dim=16)
+    gather = record_layer(_plan(8), 3, "allgather", "stage", heads=4, kv_heads=2, head_dim=16)
+    sel = [o for o in over + gather if o.name == "index_select"]
+    assert {o.rate for o in sel} <= {"small_index", "copy"}
+    assert any(o.rate == "small_index" for o in over if o.kind == "emulated")
+    assert all(o.rate == "copy" for o in gather if o.kind == "emulated" and o.name == "index_select")
 
 
 def test_rank_device_work_is_the_recorded_runtime_ops_and_cached(tmp_path, monkeypatch):
@@ -75,7 +101,7 @@ def test_rank_device_work_is_the_recorded_runtime_ops_and_cached(tmp_path, monke
     own = [o for o in ops if o.kind in ("kernel", "torch")]
     fwd = [o for o in own if o.pass_ == "fwd"]
     bwd = [o for o in own if o.pass_ == "bwd"]
-    assert work[3] == (sum(o.nbytes for o in fwd), len(fwd), sum(o.nbytes for o in bwd), len(bwd))
+    assert work[3] == (bytes_by_rate(fwd), len(fwd), bytes_by_rate(bwd), len(bwd))
 
     def fail(*a, **k):
         raise AssertionError("recorded again instead of read from the cache")

@@ -184,10 +184,15 @@ def test_do_bench_hides_its_memset_behind_the_host():
     assert V.do_bench_hidden() == pytest.approx(256 * 2 ** 20 / 4.3e12)
 
 
-def _breakdown_file(tmp_path, lens, cp, comm, cost, shift=0.0, bad_work=False, copy_bw=3e12):
+#: Every runtime op class at 3 TB/s.
+ALL_3TB = dict.fromkeys(("copy", "small_index", "scatter", "fill"), 3e12)
+
+
+def _breakdown_file(tmp_path, lens, cp, comm, cost, shift=0.0, bad_work=False, bandwidths=None):
     """A ``cp_single_gpu.py --breakdown`` file for a small plan whose profiled attention kernels
     take exactly the model's time (plus ``shift`` seconds) and whose runtime ops take their
-    recorded bytes at ``copy_bw`` (plus the launch floor), one rank with a wrong work record."""
+    recorded bytes at ``bandwidths`` (by rate class; default 3 TB/s for all, plus the launch
+    floor), one rank with a wrong work record."""
     import flashmask3.masks as M
     from benchmarks.scale_model.layout import document_plan_view
     from benchmarks.scale_model.runtime_ops import ops_seconds, record_layer
@@ -200,7 +205,7 @@ def _breakdown_file(tmp_path, lens, cp, comm, cost, shift=0.0, bad_work=False, c
     ranks = []
     for r in range(cp):
         kern = V.rank_kernel_seconds(view, r, cost, shape, comm, "stage") + shift
-        runtime = ops_seconds(record_layer(p, r, comm, "stage", 4, 2, 64), copy_bw, V.LAUNCH_FLOOR)
+        runtime = ops_seconds(record_layer(p, r, comm, "stage", 4, 2, 64), bandwidths or ALL_3TB, V.LAUNCH_FLOOR)
         ranks.append({"rank": r, "work": view.works[r] + (1 if bad_work and r == 0 else 0),
                       "keys": 0, "seconds": 2 * kern + 1e-3, "host_seconds": 1e-3, "backward_calls": "stage",
                       "breakdown": {"own": [["_fwd_ws_kernel", kern * 1e3], ["_merge_kernel", 0.0]],
@@ -219,7 +224,7 @@ def _breakdown_file(tmp_path, lens, cp, comm, cost, shift=0.0, bad_work=False, c
 def test_cp_runtime_check_compares_kernels_runtime_and_layers_per_rank(tmp_path, comm):
     """Each profiled rank gives a kernels point (the model's GPU time of its attention calls vs
     the profiled attention kernels, the runtime's kernels left out), a runtime point (its
-    recorded ops at the fitted copy bandwidth: the file's bandwidth comes back), a busy point and
+    recorded ops at the bandwidths fitted by rate class: the file's times come back), a busy point and
     layer points; a rank whose recorded work the rebuilt plan does not reproduce is skipped; a
     file without the document lengths gives nothing."""
     from benchmarks.scale_model.calibrate import load_cost
@@ -230,13 +235,14 @@ def test_cp_runtime_check_compares_kernels_runtime_and_layers_per_rank(tmp_path,
     out = V.validate_cp_runtime(path, cost, fit_cp=(4,))
     assert [p.name.split()[-1] for p in out["kernels"]] == ["1", "2", "3"]  # rank 0 skipped
     assert all(abs(p.error) < 1e-9 for p in out["kernels"])
-    assert out["copy_bw"] == pytest.approx(3e12)
-    assert all(abs(p.error) < 1e-9 and not p.held_out for p in out["runtime"] + out["busy"])
+    assert all(abs(p.error) < 1e-6 and not p.held_out for p in out["runtime"] + out["busy"])
     for p in out["layer"] + out["layer_host_model"]:
         assert p.predicted > 0 and not p.held_out
-    held = V.validate_cp_runtime(path, cost, fit_cp=())  # nothing to fit: the HBM bandwidth, all held out
-    assert held["copy_bw"] == V.Cluster().hbm_bw.value and all(p.held_out for p in held["runtime"])
-    assert all(p.error < 0 for p in held["runtime"])  # 4.3 TB/s is faster than the file's 3 TB/s
+    # nothing to fit: the cluster's bandwidths, all held out; a file at twice those: over-predicted
+    fast = {c: 2 * x for c, x in V.Cluster().runtime_bandwidths().items()}
+    held = V.validate_cp_runtime(_breakdown_file(tmp_path, lens, 4, comm, cost, bandwidths=fast), cost, fit_cp=())
+    assert held["bandwidths"] == V.Cluster().runtime_bandwidths() and all(p.held_out for p in held["runtime"])
+    assert all(p.error > 0.01 for p in held["runtime"])
     shifted = V.validate_cp_runtime(_breakdown_file(tmp_path, lens, 4, comm, cost, shift=1e-3), cost, fit_cp=(4,))
     assert all(p.error < -0.01 for p in shifted["kernels"])  # slower kernels: an under-prediction
     res = json.loads(open(path).read())
@@ -248,7 +254,7 @@ def test_cp_runtime_check_compares_kernels_runtime_and_layers_per_rank(tmp_path,
 @pytest.mark.parametrize("comm", ["overlap", "allgather"])
 def test_cp_graph_check_compares_the_gpu_only_layer_per_rank(tmp_path, comm):
     """A ``--graph`` file: each replayed rank's point is the model's attention time plus its
-    recorded runtime ops at the given copy bandwidth (no host term) against the replay time, all
+    recorded runtime ops at the given bandwidths (no host term) against the replay time, all
     held out; a slower replay is an under-prediction; a rank without a replay or whose work the
     plan does not reproduce is skipped."""
     from benchmarks.scale_model.calibrate import load_cost
@@ -262,7 +268,7 @@ def test_cp_graph_check_compares_the_gpu_only_layer_per_rank(tmp_path, comm):
     del ranks[1]["graph_seconds"]
     path = tmp_path / "cp_graph.json"
     path.write_text(json.dumps(res))
-    out = V.validate_cp_graph(str(path), copy_bw=3e12, cost=cost)
+    out = V.validate_cp_graph(str(path), ALL_3TB, cost=cost)
     assert [p.name.split()[-1] for p in out["graph"]] == ["2", "3"]
     assert all(abs(p.error) < 1e-9 and p.held_out for p in out["graph"])
     assert list(out["by_config"]) == [f"cp 4 sparse+{comm}"]
@@ -270,8 +276,8 @@ def test_cp_graph_check_compares_the_gpu_only_layer_per_rank(tmp_path, comm):
         if "graph_seconds" in r:
             r["graph_seconds"] = r["graph_seconds"] * 1.5 + 1e-4
     path.write_text(json.dumps(res))
-    assert all(p.error < -0.3 for p in V.validate_cp_graph(str(path), copy_bw=3e12, cost=cost)["graph"])
-    assert V.validate_cp_graph(str(tmp_path / "missing.json"), copy_bw=3e12, cost=cost) == {}
+    assert all(p.error < -0.3 for p in V.validate_cp_graph(str(path), ALL_3TB, cost=cost)["graph"])
+    assert V.validate_cp_graph(str(tmp_path / "missing.json"), ALL_3TB, cost=cost) == {}
 
 
 def test_emulated_layer_is_host_or_gpu_bound():
@@ -283,10 +289,10 @@ def test_emulated_layer_is_host_or_gpu_bound():
            Op("attention", "backward_stage", stage=0, pass_="bwd")]
     us = V.HOST_US
     host = (us["forward"] + us["torch"] + us["engine"] + us["backward_stage"]) * 1e-6
-    layer, h = V.emulated_layer_seconds(ops, [1e-2, 2e-2], 1e12)
+    layer, h = V.emulated_layer_seconds(ops, [1e-2, 2e-2], ALL_3TB)
     assert h == pytest.approx(host)
     assert layer == pytest.approx(us["forward"] * 1e-6 + 1e-2 + V.LAUNCH_FLOOR + 2e-2)
-    layer, h = V.emulated_layer_seconds(ops, [1e-6, 1e-6], 1e12, host_scale=10)
+    layer, h = V.emulated_layer_seconds(ops, [1e-6, 1e-6], ALL_3TB, host_scale=10)
     assert h == pytest.approx(10 * host) and layer == pytest.approx(10 * host + 1e-6)
 
 
