@@ -46,7 +46,8 @@ def jobs() -> list[dict]:
     out = [dict(family="tl", kernel=name) for name in ("summary", "range_by_query",
                                                         "range_by_key", "bwd_pre", "scale_dq",
                                                         "merge_3", "merge_8", "sum_kv_split",
-                                                        "add_returns", "gather_keys", "pack_wire")]
+                                                        "add_returns", "sum_wire_rows", "gather_keys",
+                                                        "pack_wire")]
     for pass_, kernel, d, t in CT.table_kernels():
         family = "tl" if kernel == "tl" else "gluon"
         cfg = t._asdict() if hasattr(t, "_asdict") else dict(t.__dict__)
@@ -66,8 +67,8 @@ KV_SPLIT = 8
 
 def _compile_small(name: str) -> dict:
     """The preprocessing / pre-pass / scaling kernels, the context-parallel forward's merge of
-    stage partials (``merge_<parts>``) and its backward's sum of returned gradients
-    (``add_returns``) and the moves between wire rows and the key layout (``gather_keys``,
+    stage partials (``merge_<parts>``) and its backward's sums of returned gradients
+    (``add_returns``; ``sum_wire_rows``: the relays' form) and the moves between wire rows and the key layout (``gather_keys``,
     ``pack_wire``); no tile config of their own)."""
     from triton.compiler import ASTSource
 
@@ -99,7 +100,11 @@ def _compile_small(name: str) -> dict:
         "add_returns": (RT._add_returns_kernel,
                         dict(own_ptr="*bf16", own_starts="*i32", own_rows="*i32", ret_ptr="*bf16",
                              ret_starts="*i32", ret_rows="*i32", dk_ptr="*bf16", dv_ptr="*bf16"),
-                        dict(HAS_OWN=True, HAS_RET=True, BLOCK=RT.BLOCK)),
+                        dict(HAS_OWN=True, HAS_RET=True, WIRE_OUT=False, BLOCK=RT.BLOCK)),
+        "sum_wire_rows": (RT._add_returns_kernel,
+                          dict(own_ptr="*bf16", own_starts="*i32", own_rows="*i32", ret_ptr="*bf16",
+                               ret_starts="*i32", ret_rows="*i32", dk_ptr="*bf16", dv_ptr="*bf16"),
+                          dict(HAS_OWN=True, HAS_RET=True, WIRE_OUT=True, BLOCK=RT.BLOCK)),
         "gather_keys": (GA._gather_keys_kernel, dict(src_ptr="*bf16", rows_ptr="*i64", dst_ptr="*bf16"),
                         dict(BLOCK=GA.BLOCK)),
         "pack_wire": (GA._pack_wire_kernel, dict(k_ptr="*bf16", v_ptr="*bf16", rows_ptr="*i64", dst_ptr="*bf16"),

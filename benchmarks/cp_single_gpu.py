@@ -62,19 +62,20 @@ CONFIGS = {
     "sparse+overlap hier": ("sparse", "overlap", True),
     "sparse+overlap bwd per stage": ("sparse", "overlap", False),
     "sparse+overlap torch returns": ("sparse", "overlap", False),
+    "sparse+overlap hier torch returns": ("sparse", "overlap", True),
 }
 #: Layouts whose backward calls the backend's whole ``backward`` once per stage (the runtime
 #: before the staged backward: pre-pass, dQ memset and scaling repeated per stage), for A/B.
 WHOLE_BACKWARD = {"sparse+overlap bwd per stage"}
-#: Layouts whose returned gradients are summed by the runtime's torch ops instead of the
-#: backend's one-launch kernel (kernels/returns.py), for A/B.
-TORCH_RETURNS = {"sparse+overlap torch returns"}
+#: Layouts whose returned gradients (and a relay's sums, hierarchical) are summed by the
+#: runtime's torch ops instead of the backend's one-launch kernels (kernels/returns.py), for A/B.
+TORCH_RETURNS = {"sparse+overlap torch returns", "sparse+overlap hier torch returns"}
 GPUS_PER_NODE = 8
 
 
 #: The backend functions each A/B layout hides (the runtime then does without them).
 STAGED_BACKWARD = ("backward_prepare", "backward_stage", "backward_finish")
-RETURNS_KERNEL = ("add_returns", "returns_usable")
+RETURNS_KERNEL = ("add_returns", "sum_wire_rows", "returns_usable")
 GATHER_KERNEL = ("gather_keys", "pack_wire", "wire_usable")
 
 

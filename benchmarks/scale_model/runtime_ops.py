@@ -193,6 +193,12 @@ class _Backend:
     def returns_usable(self, k):
         return True
 
+    def sum_wire_rows(self, own, own_index, returned, returned_index, n_out, chunk, k):
+        out = k.new_empty(n_out, 2, k.shape[0], chunk, k.shape[2], k.shape[3])
+        moved = _nbytes(own) + _nbytes(returned) + _nbytes(out)
+        self.rec.ops.append(Op("kernel", "sum_wire_rows", moved, pass_=self.rec.pass_))
+        return out
+
     def add_returns(self, own, own_index, returned, returned_index, n_own, chunk, k):
         written = 2 * k.shape[0] * n_own * chunk * k.shape[2] * k.shape[3] * k.element_size()  # dK and dV
         moved = _nbytes(own) + _nbytes(returned) + written

@@ -129,6 +129,13 @@ class RoundProgram:
     #: (``packed`` False: the message's chunks are consecutive own chunks, sent as a view) or of
     #: the pass's packed payload (``RankProgram.pack_rows``)
     send_parts: tuple[tuple[bool, int, int], ...] = ()
+    #: a relay round's rows in its source round's buffer of returned gradients (the source's
+    #: children, in ``children`` order, back to back)
+    child_offset: int = 0
+    #: where the gradient return is summed (not :attr:`fast_grad`): ``(stage index, children
+    #: index)``, which stage rows and which rows of the children's returned gradients add into
+    #: each receive row, as kernels/returns.py's indexes (``None`` for an absent source)
+    sum_index: Optional[tuple] = None
 
     @property
     def n_send(self) -> int:
@@ -340,6 +347,14 @@ def _build_rounds(plan, rank, device, keep, own_pos, pack: list[int]) -> list[Ro
             direct_offset += len(send_rows)
     for r in out:
         r.children = tuple(u.index for u in out if u.source == r.index)
+        offset = 0
+        for c in r.children:
+            out[c].child_offset = offset
+            offset += out[c].n_send
+        if not r.fast_grad and r.n_recv:
+            sent_back = [out[c].send_rows for c in r.children if out[c].n_send]
+            r.sum_index = (returns_index(r.stage_rows, r.n_recv) if r.stage_size else None,
+                           returns_index(torch.cat(sent_back), r.n_recv) if sent_back else None)
     return out
 
 
@@ -761,15 +776,26 @@ def _finish_forward(outs, lses, q, v, backend=None):
 
 
 class _Returns:
-    """Backward traffic in reverse: each received chunk's gradient back to where it came from."""
+    """Backward traffic in reverse: each received chunk's gradient back to where it came from.
+
+    Where a round's return is a sum (its own stage's dK/dV of the round's chunks plus what the
+    ranks it relayed them to sent back), one launch makes it (``sum_wire_rows``,
+    kernels/returns.py) when the backend has the kernel for these tensors, else torch ops do
+    (an fp32 accumulator and ``index_add_``: the reference, the CPU and float64 path). The
+    gradients relays send back to this rank land in one buffer per source round
+    (:attr:`RoundProgram.child_offset`)."""
 
     def __init__(self, prog: RankProgram, exchange, k, backend=None):
         self.prog, self.exchange, self.k, self.backend = prog, exchange, k, backend
         self.acc = acc_dtype(k.dtype)
         cs = prog.chunk_size
         self.direct_buf = k.new_empty(_wire_shape(prog.n_direct_send, k, cs))
-        self.relay_bufs: dict[int, torch.Tensor] = {}
+        usable = getattr(backend, "returns_usable", None)
+        self.sum_rows = (getattr(backend, "sum_wire_rows", None)
+                         if usable is not None and usable(k) else None)
+        self.child_bufs: dict[int, torch.Tensor] = {}  # source round -> its children's returns
         self.grads: dict[int, torch.Tensor] = {}  # accumulators of rounds that relay on
+        self.stage_wires: dict[int, torch.Tensor] = {}  # stage dK/dV wire rows awaiting the sum kernel
         self.pending: dict[int, object] = {}
 
     def stage_grads(self, r: RoundProgram, dk, dv) -> None:
@@ -782,36 +808,59 @@ class _Returns:
 
     def stage_wire(self, r: RoundProgram, wire: torch.Tensor) -> None:
         """Record round ``r``'s stage gradients as wire rows ``[n_stage, 2, B, cs, Hk, D]`` in
-        stage order (kept as they are where they go back unchanged)."""
+        stage order (kept as they are where they go back unchanged or the sum kernel runs)."""
         if r.fast_grad:
             self.grads[r.index] = wire if r.grad_rows is None else wire.index_select(0, r.grad_rows)
+            return
+        if self.sum_rows is not None:
+            self.stage_wires[r.index] = wire
             return
         g = self.k.new_zeros(_wire_shape(r.n_recv, self.k, self.prog.chunk_size), dtype=self.acc)
         if r.stage_size:
             g.index_add_(0, r.stage_rows, wire.to(self.acc))
         self.grads[r.index] = g
 
-    def send(self, r: RoundProgram) -> None:
-        """Issue round ``r``'s gradient return once its gradients are final: children's
-        returns summed in first (relays forward what their node's ranks sent back)."""
+    def _children_buffer(self, source: int) -> torch.Tensor:
+        """The buffer the returns of round ``source``'s children land in (made on first use)."""
+        buf = self.child_bufs.get(source)
+        if buf is None:
+            rows = sum(self.prog.rounds[c].n_send for c in self.prog.rounds[source].children)
+            buf = self.child_bufs[source] = self.k.new_empty(_wire_shape(rows, self.k, self.prog.chunk_size))
+        return buf
+
+    def _summed(self, r: RoundProgram) -> Optional[torch.Tensor]:
+        """Round ``r``'s gradient return, summed from its stage rows and its children's returns
+        (their returns waited for), in ``k``'s dtype; None if it sends nothing back."""
+        for c in r.children:
+            self.pending.pop(c).wait()
+        children = self.child_bufs.get(r.index) if any(self.prog.rounds[c].n_send for c in r.children) else None
+        if self.sum_rows is not None and not r.fast_grad:
+            if not r.n_recv:
+                return None
+            stage_index, children_index = r.sum_index
+            stage = self.stage_wires.pop(r.index, None) if stage_index is not None else None
+            return self.sum_rows(stage, stage_index, children, children_index, r.n_recv,
+                                 self.prog.chunk_size, self.k)
         if r.index not in self.grads and r.n_recv:  # no stage here: only relayed on
             self.grads[r.index] = self.k.new_zeros(_wire_shape(r.n_recv, self.k, self.prog.chunk_size),
                                                    dtype=self.acc)
-        if r.children:
-            g = self.grads.get(r.index)  # None: nothing received, so nothing relayed on
+        g = self.grads.pop(r.index, None)
+        if g is not None and children is not None:
             for c in r.children:
                 child = self.prog.rounds[c]
-                self.pending.pop(c).wait()
                 if child.n_send:
-                    g.index_add_(0, child.send_rows, self.relay_bufs.pop(c).to(self.acc))
-        send = self.grads.pop(r.index, None)
-        if send is not None:
-            send = send.to(self.k.dtype)
+                    part = children[child.child_offset:child.child_offset + child.n_send]
+                    g.index_add_(0, child.send_rows, part.to(self.acc))
+        return None if g is None else g.to(self.k.dtype)
+
+    def send(self, r: RoundProgram) -> None:
+        """Issue round ``r``'s gradient return once its gradients are final: children's
+        returns summed in first (relays forward what their node's ranks sent back)."""
+        send = self._summed(r)
         if r.source is None:
             recv = self.direct_buf[r.direct_offset:r.direct_offset + r.n_send]
         else:
-            recv = self.k.new_empty(_wire_shape(r.n_send, self.k, self.prog.chunk_size))
-            self.relay_bufs[r.index] = recv
+            recv = self._children_buffer(r.source)[r.child_offset:r.child_offset + r.n_send]
         self.pending[r.index] = self.exchange.start(r, True, send, recv)
 
     def own_grads(self, wire_own: Optional[torch.Tensor], backend=None) -> tuple[torch.Tensor, torch.Tensor]:

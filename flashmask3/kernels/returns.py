@@ -13,6 +13,11 @@ buffer order) and writes dK and dV in the key layout ``[B, n_own * chunk, Hk, D]
 launch, bitwise reproducible. ``distributed.runtime._Returns.own_grads`` keeps the torch path
 as the reference and for CPU tensors and float64.
 
+A relaying rank (hierarchical plans) sums gradients on the way too: what it sends back for a
+round is its own stage's dK/dV of that round's chunks plus what the ranks it relayed those
+chunks to sent back to it. :func:`sum_wire_rows` is the same kernel writing wire rows instead
+of dK/dV (``_Returns.send``).
+
 The rows a chunk sums are given as an index built once per rank program
 (``distributed.runtime.returns_index``): for each own chunk, the rows of a source that add
 into it.
@@ -56,11 +61,12 @@ def _add_rows(acc, src_ptr, starts_ptr, rows_ptr, c, offs, emask, ROW):
 @triton.jit(do_not_specialize=["HALF", "CS_HD", "S_HD"])
 def _add_returns_kernel(own_ptr, own_starts, own_rows, ret_ptr, ret_starts, ret_rows,
                         dk_ptr, dv_ptr, HALF, CS_HD, S_HD, HAS_OWN: tl.constexpr,
-                        HAS_RET: tl.constexpr, BLOCK: tl.constexpr):
+                        HAS_RET: tl.constexpr, WIRE_OUT: tl.constexpr, BLOCK: tl.constexpr):
     """Program ``(c, blk, kv)``: elements ``[blk * BLOCK, (blk + 1) * BLOCK)`` of the K
-    (``kv = 0``) or V half of own chunk ``c``. A wire row is ``[2, B, cs, Hk, D]``
-    contiguous (``HALF = B * cs * Hk * D`` elements a half, ``CS_HD = cs * Hk * D``); dK and
-    dV are ``[B, n_own * cs, Hk, D]`` contiguous (``S_HD = n_own * cs * Hk * D``)."""
+    (``kv = 0``) or V half of output chunk ``c``. A wire row is ``[2, B, cs, Hk, D]``
+    contiguous (``HALF = B * cs * Hk * D`` elements a half, ``CS_HD = cs * Hk * D``). The
+    output is dK and dV ``[B, n_own * cs, Hk, D]`` contiguous (``S_HD = n_own * cs * Hk * D``)
+    or, with ``WIRE_OUT``, wire rows ``[n, 2, B, cs, Hk, D]`` at ``dk_ptr``."""
     c = tl.program_id(0)
     blk = tl.program_id(1)
     kv = tl.program_id(2)
@@ -72,6 +78,9 @@ def _add_returns_kernel(own_ptr, own_starts, own_rows, ret_ptr, ret_starts, ret_
         acc = _add_rows(acc, own_ptr, own_starts, own_rows, c, src, emask, 2 * HALF)
     if HAS_RET:
         acc = _add_rows(acc, ret_ptr, ret_starts, ret_rows, c, src, emask, 2 * HALF)
+    if WIRE_OUT:
+        tl.store(dk_ptr + c.to(tl.int64) * (2 * HALF) + src, acc.to(dk_ptr.dtype.element_ty), mask=emask)
+        return
     b = (offs // CS_HD).to(tl.int64)
     dst = b * S_HD + c.to(tl.int64) * CS_HD + offs % CS_HD
     if kv == 0:
@@ -97,12 +106,34 @@ def add_returns(own: Optional[torch.Tensor], own_index: Optional[tuple],
     b, _, hk, d = k.shape
     dk = torch.empty((b, n_own * chunk, hk, d), dtype=k.dtype, device=k.device)
     dv = torch.empty_like(dk)
+    _sum_rows(own, own_index, returned, returned_index, n_own, chunk, k, dk, dv, wire_out=False)
+    return dk, dv
+
+
+def sum_wire_rows(own: Optional[torch.Tensor], own_index: Optional[tuple],
+                  returned: Optional[torch.Tensor], returned_index: Optional[tuple], n_out: int,
+                  chunk: int, k: torch.Tensor) -> torch.Tensor:
+    """Wire rows ``[n_out, 2, B, chunk, Hk, D]`` in ``k``'s dtype, row ``i`` the sum (fp32, in a
+    fixed order) of the rows of ``own`` and ``returned`` that add into it (indexes as for
+    :func:`add_returns`; zeros where none does): a relaying rank's gradient return, its own
+    stage's dK/dV plus what the ranks it relayed to sent back, in one launch instead of an fp32
+    accumulator, ``index_add_`` per source and the casts."""
+    b, _, hk, d = k.shape
+    out = torch.empty((n_out, 2, b, chunk, hk, d), dtype=k.dtype, device=k.device)
+    _sum_rows(own, own_index, returned, returned_index, n_out, chunk, k, out, out, wire_out=True)
+    return out
+
+
+def _sum_rows(own, own_index, returned, returned_index, n_out: int, chunk: int, k: torch.Tensor,
+              dk: torch.Tensor, dv: torch.Tensor, wire_out: bool) -> None:
+    """Launch :func:`_add_returns_kernel` over ``n_out`` output chunks (the sources checked)."""
+    b, _, hk, d = k.shape
     present = [x for x in (own, returned) if x is not None]
     for name, x in (("own", own), ("returned", returned)):
         if x is not None:
             _check_rows(name, x, present[0])
-    if n_own == 0:
-        return dk, dv
+    if n_out == 0:
+        return
     half = b * chunk * hk * d
     if present and present[0].shape[2:] != (b, chunk, hk, d):
         raise ValueError(f"the wire rows {tuple(present[0].shape)} do not hold chunks of "
@@ -110,9 +141,9 @@ def add_returns(own: Optional[torch.Tensor], own_index: Optional[tuple],
     dummy = dk  # a pointer for an absent source and its index (never read)
     o_starts, o_rows = own_index if own is not None else (dummy, dummy)
     r_starts, r_rows = returned_index if returned is not None else (dummy, dummy)
-    launch(_add_returns_kernel, (n_own, cdiv(half, BLOCK), 2),
+    launch(_add_returns_kernel, (n_out, cdiv(half, BLOCK), 2),
            own.contiguous() if own is not None else dummy, o_starts, o_rows,
            returned.contiguous() if returned is not None else dummy, r_starts, r_rows,
-           dk, dv, half, chunk * hk * d, n_own * chunk * hk * d,
-           HAS_OWN=own is not None, HAS_RET=returned is not None, BLOCK=BLOCK, num_warps=4)
-    return dk, dv
+           dk, dv, half, chunk * hk * d, n_out * chunk * hk * d,
+           HAS_OWN=own is not None, HAS_RET=returned is not None, WIRE_OUT=wire_out, BLOCK=BLOCK,
+           num_warps=4)

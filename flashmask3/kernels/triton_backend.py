@@ -2,8 +2,8 @@
 
 Backend contract (docs/ARCHITECTURE.md): :func:`forward` and :func:`backward` (and the
 optional staged backward, ``merge_stages`` / ``merge_usable``, ``gather_keys`` and ``pack_wire``
-/ ``wire_usable`` and
-``add_returns`` / ``returns_usable``, which context parallelism uses). Layout is
+/ ``wire_usable`` and ``add_returns`` / ``sum_wire_rows`` / ``returns_usable``, which context
+parallelism uses). Layout is
 q ``[B, Sq, Hq, D]``, k/v ``[B, Sk, Hk, D]`` (GQA without repeating K/V), mask
 ``startend_row_indices`` int32 ``[B, Hm, Sk, C]`` or ``None``, LSE fp32 ``[B, Hq, Sq]``.
 
@@ -33,7 +33,7 @@ from .gather import pack_wire  # noqa: F401  (K/V or dK/dV from the key layout i
 from .gather import usable as wire_usable  # noqa: F401
 from .merge import merge_stages  # noqa: F401  (the context-parallel forward's merge)
 from .merge import usable as merge_usable  # noqa: F401
-from .returns import add_returns  # noqa: F401  (the context-parallel backward's gradient returns)
+from .returns import add_returns, sum_wire_rows  # noqa: F401  (the context-parallel backward's gradient returns)
 from .returns import usable as returns_usable  # noqa: F401
 from .tiles import Config, Plan, cached_plan, make_plan  # noqa: F401
 

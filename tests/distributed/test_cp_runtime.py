@@ -381,6 +381,56 @@ def test_one_launch_gradient_returns_equal_the_torch_sum(nodes, calls):
     assert checked >= 2
 
 
+class _SentReturns(EmulatedExchange):
+    """The emulated exchange, keeping a copy of every gradient return a rank sends."""
+
+    def __init__(self, *a, **k):
+        super().__init__(*a, **k)
+        self.sent: dict[int, torch.Tensor] = {}
+
+    def start(self, rnd, reverse, send, recv):
+        if reverse and send is not None:
+            self.sent[rnd.index] = send.detach().clone()
+        return super().start(rnd, reverse, send, recv)
+
+
+@pytest.mark.parametrize("calls", ["stage", "one"])
+def test_relay_returns_summed_by_one_launch_equal_the_torch_sum(calls):
+    """On a hierarchical plan, what a relaying rank sends back for a round (its stage's dK/dV
+    plus what its node's ranks returned for the chunks it relayed) summed by
+    ``sum_wire_rows`` (kernels/returns.py, the Triton backend under the interpreter) equals
+    the torch ops' fp32 sum, for every round it returns, and so do its own gradients."""
+    T = pytest.importorskip("flashmask3.kernels.triton_backend")
+    if T.unsupported_reason(torch.empty(1, 1, 1, 16)) is not None:
+        pytest.skip("Triton backend needs CUDA or TRITON_INTERPRET=1")
+    p = _corpus_plan(2048, 8, 2)
+    checked = 0
+    for rank in range(p.cp_size):
+        prog = prepare_rank(p, rank, "cpu", backward_calls=calls)
+        summed = [r.index for r in prog.rounds if r.sum_index is not None and r.stage_size
+                  and any(prog.rounds[c].n_send for c in r.children)]
+        if not summed:  # (a rank whose return sums its stage and its node's returns)
+            continue
+        runs = []
+        for backend in (T, Without(T, RETURNS_KERNEL)):
+            q, k, v, ex = _layer_inputs(p, rank, hq=2, hk=1, d=16, seed=rank)
+            ex = _SentReturns(ex.wire, p.cp_size, rank, plan=p)
+            out, _ = run_layer(q, k, v, prog, ex, 0.25, backend=backend)
+            out.backward(torch.ones_like(out))
+            runs.append((ex.sent, (q.grad, k.grad, v.grad)))
+        (fused, fused_grads), (ref, ref_grads) = runs
+        assert set(fused) == set(ref) and set(summed) <= set(ref)
+        for t in ref:
+            assert fused[t].dtype == ref[t].dtype
+            assert (fused[t] - ref[t]).abs().max() <= 1e-5 * max(ref[t].abs().max(), 1.0), t
+        for a, b in zip(fused_grads, ref_grads):
+            assert (a - b).abs().max() <= 1e-5 * max(b.abs().max(), 1.0)
+        checked += 1
+        if checked == 2:  # (the interpreter is slow)
+            break
+    assert checked == 2
+
+
 @pytest.mark.parametrize("nodes,comm,calls,keep", [(1, "overlap", "stage", True), (1, "overlap", "one", False),
                                                    (2, "overlap", "local+one", True),
                                                    (2, "overlap", "one", True), (1, "allgather", "stage", True)])

@@ -73,6 +73,33 @@ def test_add_returns_without_returned_rows_is_the_own_rows():
     assert torch.equal(dk, wk) and torch.equal(dv, wv)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("sources", ["both", "own", "returned"])
+def test_sum_wire_rows_matches_the_float64_sum(dtype, sources):
+    """The relay form of the kernel: wire rows out (a relaying rank's gradient return), each the
+    float64 sum of the rows that add into it within rounding, zeros where none does."""
+    n_out, b, cs, hk, d = 7, 2, 8, 3, 16
+    (own, own_t, ret, ret_t), _ = _case(n_out, 5, 19, b, cs, hk, d, dtype, seed=11)
+    want = torch.zeros(n_out, 2, b, cs, hk, d, dtype=torch.float64)
+    if sources == "returned":
+        own = None
+    else:
+        want.index_add_(0, own_t, own.double())
+    if sources == "own":
+        ret = None
+    else:
+        want.index_add_(0, ret_t, ret.double())
+    k = _k_like(b, 1, cs, hk, d, dtype)
+    out = returns.sum_wire_rows(own, returns_index(own_t, n_out) if own is not None else None,
+                                ret, returns_index(ret_t, n_out) if ret is not None else None, n_out, cs, k)
+    assert out.dtype == dtype and out.shape == want.shape
+    tol = 1e-5 if dtype == torch.float32 else 1e-2
+    assert (out.double() - want).abs().max() / want.abs().max() < tol
+    touched = (set(own_t.tolist()) if own is not None else set()) | (set(ret_t.tolist()) if ret is not None else set())
+    for c in set(range(n_out)) - touched:
+        assert out[c].abs().max() == 0
+
+
 def test_add_returns_rejects_rows_of_another_layout():
     k = _k_like(1, 4, 8, 2, 16, torch.float32)
     bad = torch.zeros(3, 2, 1, 8, 2, 32)
@@ -106,3 +133,25 @@ def test_add_returns_on_the_gpu_at_a_cp_128_shape(n_ret):
         assert err < 1e-2, err
     dk2, dv2 = _run(own, own_t, ret, ret_t, 8, k)
     assert torch.equal(dk, dk2) and torch.equal(dv, dv2)
+
+
+@pytest.mark.gpu
+def test_sum_wire_rows_on_the_gpu_at_a_relay_shape():
+    """The compiled relay form at a hierarchical cp-128 relay's shape (12 rows out of 128 keys,
+    8 KV heads, D=128, bf16; 10 stage rows and 40 returned rows): the float64 sum, and bitwise
+    the same on a second run."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    (own, own_t, ret, ret_t), _ = _case(12, 10, 40, b=1, cs=128, hk=8, d=128, seed=7, device="cuda")
+    want = torch.zeros(12, *own.shape[1:], dtype=torch.float64)
+    want.index_add_(0, own_t.cpu(), own.double().cpu())
+    want.index_add_(0, ret_t.cpu(), ret.double().cpu())
+    k = _k_like(1, 1, 128, 8, 128, torch.bfloat16, "cuda")
+    idx = (returns_index(own_t, 12), returns_index(ret_t, 12))
+
+    def run():
+        return returns.sum_wire_rows(own, idx[0], ret, idx[1], 12, 128, k)
+
+    out = run()
+    assert (out.double().cpu() - want).abs().max() / want.abs().max() < 1e-2
+    assert torch.equal(out, run())
