@@ -79,6 +79,11 @@ RETURNS_KERNEL = ("add_returns", "sum_wire_rows", "returns_usable")
 GATHER_KERNEL = ("gather_keys", "pack_wire", "wire_usable")
 
 
+def hidden_functions(name: str) -> tuple:
+    """The backend functions layout ``name`` runs without (its A/B arm), or ()."""
+    return STAGED_BACKWARD if name in WHOLE_BACKWARD else RETURNS_KERNEL if name in TORCH_RETURNS else ()
+
+
 class Without:
     """``backend`` with the optional functions ``names`` hidden, everything else as it is: the
     runtime falls back to what it does without them (``STAGED_BACKWARD``: one whole backward
@@ -264,8 +269,7 @@ def measure_config(mask, cp, name, args, device, dtype, deadline, backward_calls
     full_k, full_v = (torch.randn(1, args.tokens, args.kv_heads, args.head_dim, generator=g, device=device,
                                   dtype=dtype) for _ in range(2))
     full_wire = to_wire(full_k, full_v, p.chunk_size)
-    hidden = (STAGED_BACKWARD if name in WHOLE_BACKWARD else
-              RETURNS_KERNEL if name in TORCH_RETURNS else ())
+    hidden = hidden_functions(name)
     backend = Without(get_backend(choose_backend(full_q)), hidden) if hidden else None
     timer = Timer(device)
     ref = reference(mask, full_q, full_k, full_v, full_do) if args.check else None

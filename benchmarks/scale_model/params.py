@@ -43,17 +43,17 @@ class Cluster:
                                 "bytes / bandwidth")
     comm_sm_share: Param = Param(0.08, "assumed: fraction of the GPU's SMs NCCL kernels occupy "
                                  "while a transfer is active (~8-16 of 132 SMs)")
-    runtime_copy_bw: Param = Param(4.26e12, "fitted: the CP runtime's own contiguous copies and gathers (torch's "
+    runtime_copy_bw: Param = Param(4.09e12, "fitted: the CP runtime's own contiguous copies and gathers (torch's "
                                    "vectorized gather, clone; the runtime's merge, key-gather, pack and "
                                    "gradient-sum kernels), recorded from the real runtime, on the H200 "
                                    "(validate_cp_runtime: cp 8/32 ranks of cp_runtime_breakdown.json, one fit "
                                    "with the three classes below and 3 us a launch; held out, cp 16/64/128); "
                                    "assumed the same on the H100 (HBM 3.35 vs 4.8 TB/s: up to 1.4x slower there)")
-    runtime_small_index_bw: Param = Param(0.87e12, "fitted (same fit): torch's index_select of <= 16 rows "
+    runtime_small_index_bw: Param = Param(0.90e12, "fitted (same fit): torch's index_select of <= 16 rows "
                                           "(its small-index kernel, runtime_ops.SMALL_INDEX_ROWS)")
-    runtime_scatter_bw: Param = Param(1.64e12, "fitted (same fit): indexed writes and strided copies "
+    runtime_scatter_bw: Param = Param(1.39e12, "fitted (same fit): indexed writes and strided copies "
                                       "(index_copy_, index_add_, stack)")
-    runtime_fill_bw: Param = Param(2.09e12, "fitted (same fit): write-only ops (zeros, fills), bytes written")
+    runtime_fill_bw: Param = Param(3.47e12, "fitted (same fit): write-only ops (zeros, fills), bytes written")
     hbm_bw: Param = Param(4.3e12, "measured: device copy ~4.3 TB/s on the H200 "
                           "(benchmarks/NOTES.md 'Ceilings'); elementwise merges and casts")
     matmul_tflops: Param = Param(790.0, "measured: dense bf16 matmul ~790 TFLOP/s on the H200 "

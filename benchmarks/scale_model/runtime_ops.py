@@ -231,9 +231,10 @@ def _exchange(rec: _Recorder, wire, p, rank):
 
 
 def record_layer(p, rank: int, comm: str, backward_calls: str, heads: int, kv_heads: int, head_dim: int,
-                 dtype: torch.dtype = torch.bfloat16, keep_kv: bool = True) -> list[Op]:
+                 dtype: torch.dtype = torch.bfloat16, keep_kv: bool = True, hide: tuple = ()) -> list[Op]:
     """The device ops of rank ``rank``'s layer (forward then backward, issue order) under plan
-    ``p`` (a :class:`flashmask3.distributed.CPPlan`), ``comm`` and ``backward_calls``, B=1."""
+    ``p`` (a :class:`flashmask3.distributed.CPPlan`), ``comm`` and ``backward_calls``, B=1;
+    ``hide``: backend functions the runtime does without (an A/B layout of cp_single_gpu.py)."""
     from flashmask3.distributed import prepare_rank, run_layer
     from flashmask3.distributed.runtime import to_wire
 
@@ -242,6 +243,10 @@ def record_layer(p, rank: int, comm: str, backward_calls: str, heads: int, kv_he
     n, s = p.local_seqlen, p.seqlen
     rec = _Recorder()
     backend = _Backend(rec, prog)
+    if hide:
+        from benchmarks.cp_single_gpu import Without
+
+        backend = Without(backend, hide)
     q = torch.empty(1, n, heads, head_dim, dtype=dtype, device=meta, requires_grad=True)
     k, v = (torch.empty(1, n, kv_heads, head_dim, dtype=dtype, device=meta, requires_grad=True)
             for _ in range(2))

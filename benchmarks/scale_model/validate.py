@@ -563,6 +563,7 @@ def _recorded_ranks(res: dict, cost: AttentionCost, shape: AttnShape, need: str 
     work: ``(config name, cp, rank entry, view, recorded ops, attention seconds per attention
     op, backward calls, comm)``."""
     import flashmask3.masks as M
+    from benchmarks.cp_single_gpu import hidden_functions
     from flashmask3.distributed import plan as make_plan
 
     from .runtime_ops import record_layer
@@ -579,7 +580,8 @@ def _recorded_ranks(res: dict, cost: AttentionCost, shape: AttnShape, need: str 
                 if r.get(need) is None or view.works[r["rank"]] != r["work"]:
                     continue  # not measured so, or the plan does not reproduce the recorded work
                 calls = r.get("backward_calls", "stage") if comm == "overlap" else "stage"
-                ops = record_layer(p, r["rank"], comm, calls, a["heads"], a["kv_heads"], a["head_dim"])
+                ops = record_layer(p, r["rank"], comm, calls, a["heads"], a["kv_heads"], a["head_dim"],
+                                   hide=hidden_functions(e["config"]))  # an A/B layout's own path
                 attn = [_attention_op_seconds(o, view, r["rank"], cost, shape, comm, calls)
                         for o in ops if o.kind == "attention"]
                 rows.append((name, int(cp), r, view, ops, attn, calls, comm))
