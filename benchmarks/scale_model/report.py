@@ -94,7 +94,7 @@ def validation_section(single: dict, multi: list, multi_path: str) -> list[str]:
     if single.get("cp_runtime"):
         lines += cp_runtime_section(single["cp_runtime"])
     if single.get("cp_graph"):
-        lines += cp_graph_section(single["cp_graph"])
+        lines += cp_graph_section(single["cp_graph"], (single.get("cp_runtime") or {}).get("host_ratio"))
     return lines
 
 
@@ -181,7 +181,7 @@ def bandwidths_text(bw: dict) -> str:
     return ", ".join(f"{c.replace('_', '-')} {x / 1e12:.2f}" for c, x in bw.items()) + " TB/s"
 
 
-def cp_graph_section(v: dict) -> list[str]:
+def cp_graph_section(v: dict, breakdown_host_ratio=None) -> list[str]:
     """Each rank's layer replayed from a CUDA graph (validate.validate_cp_graph): the model's
     GPU-only layer against a measurement without host gaps."""
     env, a = v["env"], v["args"]
@@ -203,6 +203,15 @@ def cp_graph_section(v: dict) -> list[str]:
     sm = summary(v["graph"])
     lines += ["", f"{sm['within_target']} of {sm['points']} ranks within {TARGET:.0%} (worst "
               f"{sm['max_abs_error']:.1%}, mean {sm['mean_abs_error']:.1%}).", ""]
+    if v.get("eager_host_model"):
+        e = summary(v["eager_host_model"])
+        lines += [f"The same ranks' eager layers (same run) with the host per op from `host_breakdown.json` "
+                  f"unscaled (the breakdown's last check, on a second file): {e['within_target']} of "
+                  f"{e['points']} within {TARGET:.0%} (worst {e['max_abs_error']:.1%}, mean "
+                  f"{e['mean_abs_error']:.1%}). Median measured / modelled host per rank: "
+                  f"{v['host_ratio']:.2f} in this run"
+                  + (f", {breakdown_host_ratio:.2f} in the breakdown's" if breakdown_host_ratio else "")
+                  + " (the VM's host speed between runs).", ""]
     return lines
 
 

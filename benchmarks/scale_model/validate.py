@@ -23,6 +23,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import statistics
 from dataclasses import dataclass, replace
 from typing import Optional
 
@@ -636,6 +637,7 @@ def validate_cp_runtime(path: str = CP_RUNTIME_BREAKDOWN, cost: Optional[Attenti
                                  for _, cp, r, _, ops, _, _, _ in rows if cp in fit_cp])
     checks = ("kernels", "runtime", "busy", "layer", "layer_host_model")
     by_config: dict = {}
+    host_ratios: list = []  # measured host / HOST_US's, per rank
     for name, cp, r, view, ops, attn, calls, comm in rows:
         b, rank, held = r["breakdown"], r["rank"], cp not in fit_cp
         entry = by_config.setdefault(name, {k: [] for k in checks + ("torch", "idle")})
@@ -643,6 +645,7 @@ def validate_cp_runtime(path: str = CP_RUNTIME_BREAKDOWN, cost: Optional[Attenti
         measured_attn = sum(ms for n, ms in b["own"] if n not in RUNTIME_KERNELS) * 1e-3
         runtime = ops_seconds(ops, bw, LAUNCH_FLOOR)
         _, host_model = emulated_layer_seconds(ops, attn, bw)
+        host_ratios.append(r["host_seconds"] / host_model)
         note = (f"measured layer {r['seconds'] * 1e3:.2f} ms, host {r['host_seconds'] * 1e3:.2f} ms: attention "
                 f"kernels {measured_attn * 1e3:.2f}, runtime ops {_measured_runtime_seconds(b) * 1e3:.2f}, GPU "
                 f"idle inside {b['idle_ms']:.2f} (profiled step)")
@@ -656,7 +659,8 @@ def validate_cp_runtime(path: str = CP_RUNTIME_BREAKDOWN, cost: Optional[Attenti
         entry["torch"].append(b["torch_ms"] * 1e-3)
         entry["idle"].append(b["idle_ms"] * 1e-3)
     return {**{k: [p for e in by_config.values() for p in e[k]] for k in checks},
-            "by_config": by_config, "env": res["env"], "args": a, "bandwidths": bw, "copy_fit_cp": fit_cp}
+            "by_config": by_config, "env": res["env"], "args": a, "bandwidths": bw, "copy_fit_cp": fit_cp,
+            "host_ratio": statistics.median(host_ratios) if host_ratios else None}
 
 
 def validate_cp_graph(path: str = CP_GRAPH, bandwidths: Optional[dict] = None,
@@ -666,20 +670,27 @@ def validate_cp_graph(path: str = CP_GRAPH, bandwidths: Optional[dict] = None,
     work back to back): the rank's attention calls by the cost model plus its recorded runtime
     ops at ``bandwidths`` (by rate class: those :func:`validate_cp_runtime` fitted on cp 8/32
     profiles of another run; every point here is held out) vs the replay time. No host term and no profiler:
-    a check of the GPU side that this VM's host noise cannot touch."""
+    a check of the GPU side that this VM's host noise cannot touch. ``eager``: the same ranks'
+    eager layers (timed in the same run) against :func:`emulated_layer_seconds` with the host
+    per op of :data:`HOST_US` unscaled (another day's host measurement), a second file for the
+    breakdown's ``layer_host_model`` check."""
     loaded = _runtime_file(path, cost, need="graph_seconds")
     if loaded is None:
         return {}
     res, a, _, cost, rows = loaded
     bw = bandwidths or Cluster().runtime_bandwidths()
-    points, by_config = [], {}
+    points, eager, host_ratios, by_config = [], [], [], {}
     for name, cp, r, _, ops, attn, _, _ in rows:
         note = f"eager layer {r['seconds'] * 1e3:.2f} ms (host {r['host_seconds'] * 1e3:.2f} ms)"
         pt = Point(f"{name} rank {r['rank']}", r["graph_seconds"], sum(attn) + ops_seconds(ops, bw, LAUNCH_FLOOR),
                    True, note)
         points.append(pt)
+        layer, host_model = emulated_layer_seconds(ops, attn, bw)
+        eager.append(Point(pt.name, r["seconds"], layer, True, note))
+        host_ratios.append(r["host_seconds"] / host_model)
         entry = by_config.setdefault(name, {"graph": [], "eager": []})
         entry["graph"].append(pt)
         entry["eager"].append(r["seconds"])
-    return {"graph": points, "by_config": by_config, "env": res["env"], "args": a, "bandwidths": bw}
+    return {"graph": points, "eager_host_model": eager, "by_config": by_config, "env": res["env"], "args": a,
+            "bandwidths": bw, "host_ratio": statistics.median(host_ratios) if host_ratios else None}
 

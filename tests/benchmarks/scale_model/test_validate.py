@@ -271,6 +271,17 @@ def test_cp_graph_check_compares_the_gpu_only_layer_per_rank(tmp_path, comm):
     out = V.validate_cp_graph(str(path), ALL_3TB, cost=cost)
     assert [p.name.split()[-1] for p in out["graph"]] == ["2", "3"]
     assert all(abs(p.error) < 1e-9 and p.held_out for p in out["graph"])
+    # the same ranks' eager layers, host per op unscaled: the prediction ignores the file's host
+    # time, which only moves the reported ratio of measured to modelled host
+    eager = out["eager_host_model"]
+    assert [p.name for p in eager] == [p.name for p in out["graph"]]
+    assert all(p.measured == r["seconds"] for p, r in zip(eager, ranks[2:])) and out["host_ratio"] > 0
+    for r in ranks:
+        r["host_seconds"] *= 3
+    path.write_text(json.dumps(res))
+    slow_host = V.validate_cp_graph(str(path), ALL_3TB, cost=cost)
+    assert [p.predicted for p in slow_host["eager_host_model"]] == [p.predicted for p in eager]
+    assert slow_host["host_ratio"] == pytest.approx(3 * out["host_ratio"])
     assert list(out["by_config"]) == [f"cp 4 sparse+{comm}"]
     for r in ranks:
         if "graph_seconds" in r:
