@@ -130,3 +130,25 @@ def test_layer_time_adds_the_runtime_device_work():
         assert some.rank_time(r) == pytest.approx(zero.rank_time(r) + 3e-3)
     for p in ("fwd", "bwd"):  # the stand-ins add compute to the stage tasks
         assert sum(x.compute for x in getattr(terms, p).ranks) > sum(x.compute for x in getattr(zero, p).ranks)
+
+
+def test_an_ab_layout_is_recorded_with_its_hidden_functions():
+    """A hierarchical rank that relays: with the backend's returns kernels its gradient sums are
+    one ``sum_wire_rows`` launch each and its own sum one ``add_returns``; recorded as the A/B
+    layout ``sparse+overlap hier torch returns`` (those functions hidden) they are the torch
+    path's fp32 ``index_add_`` ops instead, as cp_single_gpu.py runs that layout."""
+    from benchmarks.cp_single_gpu import RETURNS_KERNEL, hidden_functions
+
+    assert hidden_functions("sparse+overlap hier torch returns") == RETURNS_KERNEL
+    assert hidden_functions("sparse+overlap hier") == ()
+    p = _plan(8, nodes=2)
+    rank = next(r for r in range(8) if any(
+        x.sum_index is not None and x.stage_size and any(prepare_rank(p, r, "meta").rounds[c].n_send
+                                                         for c in x.children)
+        for x in prepare_rank(p, r, "meta").rounds))
+    kernel = record_layer(p, rank, "overlap", "stage", heads=4, kv_heads=2, head_dim=16)
+    torch_ops = record_layer(p, rank, "overlap", "stage", heads=4, kv_heads=2, head_dim=16,
+                             hide=hidden_functions("sparse+overlap hier torch returns"))
+    names = lambda ops: {o.name for o in ops if o.kind != "emulated"}  # noqa: E731
+    assert {"sum_wire_rows", "add_returns"} <= names(kernel) and "index_add_" not in names(kernel)
+    assert not {"sum_wire_rows", "add_returns"} & names(torch_ops) and "index_add_" in names(torch_ops)
