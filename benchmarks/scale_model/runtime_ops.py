@@ -274,8 +274,8 @@ def ops_seconds(ops: list[Op], bandwidths: dict, launch_floor: float,
     return sum(op_seconds(o, bandwidths, launch_floor) for o in ops if o.kind in kinds)
 
 
-def bytes_by_rate(ops: list[Op]) -> dict:
-    """Bytes the ops move per :data:`RATE_CLASSES` entry."""
+def bytes_by_rate(ops) -> dict:
+    """Bytes the ops (any iterable of :class:`Op`) move per :data:`RATE_CLASSES` entry."""
     out = dict.fromkeys(RATE_CLASSES, 0)
     for o in ops:
         out[o.rate] += o.nbytes

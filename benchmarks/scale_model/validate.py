@@ -33,7 +33,7 @@ from .calibrate import (MEASURED_FILE, RESULTS, AttentionCost, TileCounts, fit_r
                         row_tiles, work_summary)
 from .layout import PlanView, RoundView, document_plan_view, mask_sparsity
 from .params import Cluster, Param, Runtime
-from .runtime_ops import bytes_by_rate, op_seconds, ops_seconds
+from .runtime_ops import RATE_CLASSES, bytes_by_rate, op_seconds, ops_seconds
 from .timeline import AttnShape, merge_calls, simulate_layer
 
 SINGLE = os.path.join(RESULTS, "cp_single_gpu.json")
@@ -462,8 +462,6 @@ def rank_kernel_seconds(view: PlanView, r: int, cost: AttentionCost, shape: Attn
 #: the key gather, the wire packing, the gradient sum: kernels/merge.py, gather.py, returns.py).
 RUNTIME_KERNELS = ("_merge_kernel", "_gather_keys_kernel", "_pack_wire_kernel", "_add_returns_kernel")
 
-
-
 #: Host µs per op of a CP layer on the H200 machine's VM, from benchmarks/results/
 #: host_breakdown.json (session 27, another day than any breakdown file): a prepared forward call
 #: 45 (``bound_ab`` call.forward); the backward body 168 (``bound_ab`` call.backward) = the
@@ -509,8 +507,8 @@ def emulated_layer_seconds(ops, attn_seconds: list, bandwidths: dict, host_scale
     sequence: the host issues the ops in order (:data:`HOST_US` each, x ``host_scale``; the
     autograd engine's hand-off before the backward's first op), the GPU runs each as soon as it
     is issued and the previous one finished (attention ops: ``attn_seconds`` in order; the others:
-    runtime_ops.op_seconds at ``bandwidths`` plus :data:`LAUNCH_FLOOR`). The layer ends when both are done (the
-    timer's stop event is recorded after the host returns)."""
+    runtime_ops.op_seconds at ``bandwidths`` plus :data:`LAUNCH_FLOOR`). The layer ends when both
+    are done (the timer's stop event is recorded after the host returns)."""
     host = gpu = 0.0
     attn = iter(attn_seconds)
     backward = False
@@ -537,10 +535,6 @@ def fit_runtime_bandwidths(samples) -> dict:
     samples cannot tell classes apart (their bytes move together), the fit is the one closest to
     the cluster's defaults (the minimum-norm change of their times per byte); a class no sample
     moves bytes of keeps its default."""
-    import numpy as np
-
-    from .runtime_ops import RATE_CLASSES
-
     samples = [s for s in samples if s[2] > 0]
     seen = [c for c in RATE_CLASSES if any(b[c] for b, _, _ in samples)]
     out = Cluster().runtime_bandwidths()
