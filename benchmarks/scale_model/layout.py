@@ -58,20 +58,22 @@ class PlanView:
 
 
 def _class_counts(cls, per: int, n: int, over_rows: bool):
-    """(full, partial) int64 counts of a ``[B, Hm, rows, cols]`` class tensor, summed over
-    batch and mask heads and over groups of ``per`` blocks along the other axis (its chunks)."""
-    import torch
-
+    """(full, partial) int32 counts of a ``[B, Hm, rows, cols]`` class tensor, summed over
+    batch and mask heads and over groups of ``per`` blocks along the other axis (its chunks).
+    In numpy on the bool maps, int32 sums and no sum at all for one block a chunk: the cold
+    sweep spent ~10 s here converting 16M-tile maps to int64."""
     from flashmask3.masks import PARTIAL, UNMASKED
 
+    classes = cls.to("cpu").flatten(0, 1).numpy()
     out = []
     for c in (UNMASKED, PARTIAL):
-        x = (cls == c).to("cpu").flatten(0, 1).sum(0, dtype=torch.int64)  # [rows, cols]
+        x = classes == c
+        x = x.sum(0, dtype=np.int32) if x.shape[0] > 1 else x[0]  # [rows, cols]
         if over_rows:  # sum query blocks per query chunk: [n, per, cols] -> [cols, n]
-            x = x.view(n, per, -1).sum(1).T
+            x = (x.reshape(n, per, -1).sum(1, dtype=np.int32) if per > 1 else x).T
         else:  # sum key blocks per key chunk: [rows, n, per] -> [rows, n]
-            x = x.view(-1, n, per).sum(2)
-        out.append(x.contiguous().numpy().astype(np.int64))
+            x = x.reshape(-1, n, per).sum(2, dtype=np.int32) if per > 1 else x
+        out.append(np.ascontiguousarray(x, dtype=np.int32))
     return out
 
 
