@@ -24,7 +24,7 @@ from .calibrate import RESULTS, AttentionCost, filled, load_cost, with_host
 from .layout import document_plan_view, mask_sparsity
 from .model import Layout, ModelConfig, StepBreakdown, step_time
 from .params import SWEPT, Cluster, Runtime
-from .runtime_ops import rank_device_work
+from .runtime_ops import rank_device_work, rate_seconds
 from .timeline import LayerResult, resolve_bwd_calls, simulate_layer
 from .validate import LAUNCH_FLOOR, per_rank_calibration, scaled_cost
 
@@ -140,8 +140,9 @@ def runtime_device_seconds(lens: Sequence[int], cp: int, method: Method, nodes: 
                            cluster: Cluster, runtime: Runtime) -> Optional[list[tuple[float, float]]]:
     """Per rank, the runtime's own device work of the forward and the backward (seconds): the
     ops recorded from the real runtime (runtime_ops.rank_device_work), each rate class at the
-    cluster's bandwidth for it (``runtime_copy_bw`` and the three after it) plus the launch floor; None for the runtime on main before the rewrite
-    (its ops were never recorded: the timeline's fp32-pass terms stand in)."""
+    cluster's bandwidth for it (``runtime_copy_bw`` and the three after it) plus the launch
+    floor (runtime_ops.rate_seconds); None for the runtime on main before the rewrite (its ops
+    were never recorded: the timeline's fp32-pass terms stand in)."""
     if runtime.kind != "lean":
         return None
     shape = model.shape()
@@ -149,11 +150,8 @@ def runtime_device_seconds(lens: Sequence[int], cp: int, method: Method, nodes: 
     work = rank_device_work(lens, cp, method.balance, nodes, method.comm, calls, shape.heads,
                             shape.kv_heads, shape.head_dim)
     bw = cluster.runtime_bandwidths()
-
-    def seconds(by_rate: dict, launches: int) -> float:
-        return sum(n / bw[c] for c, n in by_rate.items()) + launches * LAUNCH_FLOOR
-
-    return [(seconds(fb, fn), seconds(bb, bn)) for fb, fn, bb, bn in work]
+    return [(rate_seconds(fb, fn, bw, LAUNCH_FLOOR), rate_seconds(bb, bn, bw, LAUNCH_FLOOR))
+            for fb, fn, bb, bn in work]
 
 
 def layer_for(lens: Sequence[int], cp: int, method: Method, model: ModelConfig, cluster: Cluster,

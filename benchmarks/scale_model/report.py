@@ -5,6 +5,7 @@ from __future__ import annotations
 from .experiment import BASELINE, COMBINED, METHODS, ON_MAIN, PAPER_GAINS, _summ, attribution, gains
 from .calibrate import SLOTS, measured_env
 from .validate import LAUNCH_FLOOR, TARGET, call_name, summary
+from .runtime_ops import SMALL_INDEX_ROWS
 
 
 def _pct(x) -> str:
@@ -145,7 +146,7 @@ def cp_runtime_section(v: dict) -> list[str]:
              f"({bandwidths_text(v['bandwidths'])}; one least-squares fit on the cp {fit} ranks' profiled "
              f"totals), plus {LAUNCH_FLOOR * 1e6:.0f} µs a launch, vs their profiled time; held out: the other "
              "cp sizes. The classes are the kernels torch and the runtime run: contiguous copies and gathers; "
-             "`index_select` of at most 16 rows (torch's small-index kernel); indexed writes and strided "
+             f"`index_select` of at most {SMALL_INDEX_ROWS} rows (torch's small-index kernel); indexed writes and strided "
              "copies (`index_copy_`, `index_add_`, `stack`); fills.",
              "- **busy**: the two together vs the GPU's busy time in the profiled layer.",
              "- **layer**: host and GPU take the recorded ops in order (the host's µs per op from "

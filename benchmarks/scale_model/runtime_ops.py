@@ -268,6 +268,12 @@ def op_seconds(op: Op, bandwidths: dict, launch_floor: float) -> float:
     return op.nbytes / bandwidths[op.rate] + launch_floor
 
 
+def rate_seconds(by_rate: dict, launches: int, bandwidths: dict, launch_floor: float) -> float:
+    """GPU seconds of ops already summed per rate class (:func:`bytes_by_rate`) and counted:
+    each class's bytes at its bandwidth plus ``launch_floor`` a launch."""
+    return sum(n / bandwidths[c] for c, n in by_rate.items()) + launches * launch_floor
+
+
 def ops_seconds(ops: list[Op], bandwidths: dict, launch_floor: float,
                 kinds=("kernel", "torch", "emulated")) -> float:
     """GPU seconds of the ops of ``kinds`` (:func:`op_seconds` each)."""
@@ -335,4 +341,4 @@ def rank_device_work(doc_lens, cp: int, balance: str, nodes: int, comm: str, bac
 
 
 __all__ = ["KINDS", "Op", "RATE_CLASSES", "SMALL_INDEX_ROWS", "rate_class", "record_layer", "op_seconds", "ops_seconds",
-           "bytes_by_rate", "rank_device_work"]
+           "rate_seconds", "bytes_by_rate", "rank_device_work"]
