@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import os
 import sys
 import time
@@ -29,123 +28,8 @@ from tqdm import tqdm  # noqa: E402
 from benchmarks.scale_model import calibrate  # noqa: E402
 from benchmarks.scale_model import experiment as X  # noqa: E402
 from benchmarks.scale_model import report, validate  # noqa: E402
-from benchmarks.scale_model.model import DENSE_7B, MOE_118B, Layout, ModelConfig  # noqa: E402
-from benchmarks.scale_model.params import GB, Cluster, Param, Runtime  # noqa: E402
-
-MODELS = {"moe118b": MOE_118B, "dense7b": DENSE_7B}
-
-
-def _model(args, default: str = "moe118b") -> ModelConfig:
-    """The model of a command: ``--model`` (default: ``default``) with any dims overridden."""
-    m = MODELS[args.model or default]
-    changes = {k: getattr(args, k) for k in ("layers", "hidden", "heads", "kv_heads", "ffn", "experts",
-                                             "top_k", "expert_ffn") if getattr(args, k, None) is not None}
-    return dataclasses.replace(m, **changes) if changes else m
-
-
-def _cluster(args) -> Cluster:
-    c = Cluster()
-    if args.gpus_per_node:
-        c = c.with_(gpus_per_node=args.gpus_per_node)
-    if args.nvlink_gbs:
-        c = c.with_(nvlink_bw=Param(args.nvlink_gbs * GB, "given on the command line"))
-    if args.ib_gbs:
-        c = c.with_(ib_bw=Param(args.ib_gbs * GB, "given on the command line"))
-    return c
-
-
-def _datasets(args, seqlen: int, sequences: int):
-    lengths = None
-    if args.lengths:
-        with open(args.lengths) as f:
-            lengths = [int(x) for x in json.load(f)]
-    return X.make_datasets(seqlen, targets=args.targets, sequences=sequences, lengths=lengths)
-
-
-def run_paper(args, costs, cluster, runtime, bar_total=None):
-    model = _model(args)
-    layout = Layout(cp=args.cp, pp=args.pp, dp=args.dp, ep=args.ep, micro_batches=args.micro_batches,
-                    recompute=args.recompute)
-    datasets = _datasets(args, args.seqlen, args.sequences)
-    n_methods = len(X.METHODS) - (1 if layout.cp <= cluster.gpus_per_node else 0)
-    steps = len(datasets) * args.sequences * (n_methods + (2 if layout.cp > cluster.gpus_per_node else 0))
-    if args.sensitivity:
-        steps += (2 * len(X.SWEPT) + 8) * args.sequences * n_methods  # x0.5/x2 each, per-tile 2, per-call 3, bytes 2, runtime 1
-    if args.host_sweep:
-        steps += len(datasets) * X.host_sweep_layers(layout, cluster, args.sequences)
-    results = {}
-    with tqdm(total=steps, desc="paper experiment", unit="layer") as bar:
-        for name, ds in datasets.items():
-            results[name] = X.simulate_dataset(ds["sequences"], model, layout, cluster, runtime, costs, progress=bar)
-            free = X.per_call_free(ds["sequences"], model, layout, cluster, runtime, costs, progress=bar)
-            if free is not None:
-                results[name][X.NO_CALL] = free
-            fill = X.sm_filled(ds["sequences"], model, layout, cluster, runtime, costs, progress=bar)
-            if fill is not None:
-                results[name][X.NO_UNDERFILL] = fill
-        sens = []
-        if args.sensitivity:
-            mid = list(datasets)[len(datasets) // 2]
-            sens = X.sensitivity(datasets[mid]["sequences"], model, layout, cluster, runtime, costs, progress=bar)
-            for r in sens:
-                r["dataset"] = mid
-        if args.host_sweep:
-            for name, ds in datasets.items():
-                for r in X.host_sweep(ds["sequences"], model, layout, cluster, runtime, costs, progress=bar):
-                    sens.append(dict(r, param="host_per_call", dataset=name))
-    return model, layout, datasets, results, sens
-
-
-def run_sweep(args, costs, cluster, runtime):
-    model = MODELS[args.sweep_model] if args.cmd == "all" else _model(args, args.sweep_model)
-    mid = [args.targets[len(args.targets) // 2]]
-    seqs = {}
-    for s in args.seqlens:
-        ds = X.make_datasets(s, targets=mid, sequences=1 if s > 131072 else args.sweep_sequences)
-        seqs[s] = next(iter(ds.values()))["sequences"]
-    total = sum(len(v) for v in seqs.values()) * sum(len(X.METHODS) - (1 if cp <= cluster.gpus_per_node else 0)
-                                                      for cp in args.cps)
-    with tqdm(total=total, desc="cp sweep", unit="layer") as bar:
-        sweep = X.cp_sweep(seqs, model, args.cps, cluster, runtime, costs, progress=bar)
-    return model, sweep, seqs
-
-
-def run_validate(args):
-    with tqdm(total=2, desc="validation", unit="file") as bar:
-        single = validate.validate_single(args.single)
-        if os.path.exists(calibrate.MEASURED_FILE):
-            single["measured"] = validate.validate_measured(calibrate.MEASURED_FILE)
-        single["kv_expansion"] = validate.validate_kv_expansion()
-        single["cp_runtime"] = validate.validate_cp_runtime()
-        single["cp_graph"] = validate.validate_cp_graph(
-            bandwidths=(single["cp_runtime"] or {}).get("bandwidths"))
-        bar.update(1)
-        multi = validate.validate_multigpu(args.multigpu)
-        multi += validate.validate_training(args.multigpu, multi)
-        bar.update(1)
-    return single, multi
-
-
-def _print_validation(single, multi):
-    for kind in ("tables", "per_rank"):
-        print(f"cp_single_gpu [{kind}]: {validate.summary(single[kind])}")
-    print(f"per-rank calibration: k={single['k']:.3f}, per-call {single['c'] * 1e3:.2f} ms")
-    for cls, d in single.get("measured", {}).items():
-        for kind in [k for k in d["in_sample"] if k in d["held_out"]]:
-            print(f"current kernels, measured shapes, {cls} {kind}: in-sample "
-                  f"{validate.summary(d['in_sample'][kind], held_only=False)}; held out "
-                  f"{validate.summary(d['held_out'][kind])}")
-    for p in multi:
-        print(f"  {p.name}: measured {p.measured * 1e3:.2f} ms, PREDICTED {p.predicted * 1e3:.2f} ms "
-              f"({100 * p.error:+.1f}%)")
-    print(f"multi-GPU file: {validate.summary(multi)}")
-    rt = single.get("cp_runtime") or {}
-    for kind in ("kernels", "runtime", "busy", "layer", "layer_host_model"):
-        if rt.get(kind):
-            print(f"CP runtime on one GPU, per rank [{kind}]: {validate.summary(rt[kind])}")
-    graph = (single.get("cp_graph") or {}).get("graph")
-    if graph:
-        print(f"CP layer replayed from a CUDA graph, per rank: {validate.summary(graph)}")
+from benchmarks.scale_model.commands import (MODELS, _print_validation, _setup, _start_sweep,  # noqa: E402
+                                             run_paper, run_sweep, run_validate)
 
 
 def main(argv=None) -> int:
@@ -224,10 +108,8 @@ def main(argv=None) -> int:
               f"({time.perf_counter() - t0:.1f} s)")
         return 0
 
-    cluster, runtime = _cluster(args), Runtime(args.runtime, bwd_calls=args.bwd_calls, keep_kv=not args.refetch_kv)
-    costs = X.default_costs(gqa=True, per_rank_factor=args.per_rank_factor)
-    if args.kv_rule or args.order:
-        costs = dataclasses.replace(costs, flashmask3=calibrate.variant(costs.flashmask3, args.kv_rule, args.order))
+    cluster, runtime, costs = _setup(args)
+    sweep_job = _start_sweep(args) if args.cmd == "all" else None
     out = {"label": "PREDICTIONS of the scale model (benchmarks/scale_model), not measurements",
            "command": "python -m benchmarks.scale_model " + " ".join(sys.argv[1:] if argv is None else argv),
            "calibration": {"flashmask3": costs.flashmask3.source, "flex": costs.flex.source},
@@ -276,7 +158,7 @@ def main(argv=None) -> int:
                                 "gains": {d: X.gains(r) for d, r in aresults.items()},
                                 "results": {d: {m: X._summ(e) for m, e in r.items()} for d, r in aresults.items()}}
     if args.cmd in ("all", "sweep"):
-        model, sweep, seqs = run_sweep(args, costs, cluster, runtime)
+        model, sweep, seqs = sweep_job.result() if sweep_job is not None else run_sweep(args, costs, cluster, runtime)
         md += report.sweep_section(model, sweep, cluster)
         out["sweep"] = {"model": dataclasses.asdict(model), "results": sweep,
                         "sequences": {str(k): v for k, v in seqs.items()}}

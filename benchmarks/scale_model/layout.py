@@ -16,6 +16,7 @@ from __future__ import annotations
 import hashlib
 import os
 import pickle
+from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Optional, Sequence
 
@@ -188,19 +189,37 @@ def _plan_code_digest() -> str:
     return _DIGEST
 
 
-def document_plan_view(doc_lens: Sequence[int], cp: int, balance: str, nodes: int = 1,
-                       cache: bool = True) -> PlanView:
-    """Plan a causal document mask of ``doc_lens`` and view it (cached on disk)."""
+_PLANS: "OrderedDict[tuple, tuple]" = OrderedDict()
+_PLANS_KEPT = 1  # a layer's view and its recorded runtime ops plan the same mask back to back
+
+
+def document_plan(doc_lens: Sequence[int], cp: int, balance: str, nodes: int = 1):
+    """``(plan, planning seconds)`` of a causal document mask of ``doc_lens``; the last few are
+    kept in memory, so that the plan view and the runtime-op recording of one layer
+    (runtime_ops.rank_device_work) plan it once."""
     import time
 
     import flashmask3.masks as M
     from flashmask3.distributed import plan
 
-    def build() -> PlanView:
+    key = (tuple(int(n) for n in doc_lens), int(cp), balance, int(nodes))
+    got = _PLANS.get(key)
+    if got is None:
         mask = M.causal_document_mask(list(doc_lens))
         t0 = time.perf_counter()
-        p = plan(mask, None, cp, balance=balance, nodes=nodes)
-        return view_plan(p, mask.startend_row_indices, True, time.perf_counter() - t0)
+        got = _PLANS[key] = (plan(mask, None, cp, balance=balance, nodes=nodes), time.perf_counter() - t0)
+        while len(_PLANS) > _PLANS_KEPT:
+            _PLANS.popitem(last=False)
+    return got
+
+
+def document_plan_view(doc_lens: Sequence[int], cp: int, balance: str, nodes: int = 1,
+                       cache: bool = True) -> PlanView:
+    """Plan a causal document mask of ``doc_lens`` and view it (cached on disk)."""
+
+    def build() -> PlanView:
+        p, seconds = document_plan(doc_lens, cp, balance, nodes)
+        return view_plan(p, p.startend_row_indices, True, seconds)
 
     key = _key(doc_lens, True, int(sum(doc_lens)), cp, balance, nodes)
     return cached_pickle(key + ".pkl", build, cache)

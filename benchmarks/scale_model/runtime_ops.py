@@ -317,17 +317,14 @@ def rank_device_work(doc_lens, cp: int, balance: str, nodes: int, comm: str, bac
     runtime's source."""
     import hashlib
 
-    import flashmask3.masks as M
-    from flashmask3.distributed import plan
-
-    from .layout import _key, cached_pickle
+    from .layout import _key, cached_pickle, document_plan
 
     key = hashlib.sha256(repr((DEVICE_CACHE_VERSION, _key(doc_lens, True, int(sum(doc_lens)), cp, balance, nodes),
                                comm, backward_calls, heads, kv_heads, head_dim,
                                _runtime_code_digest())).encode()).hexdigest()[:24]
 
     def build() -> list:
-        p = plan(M.causal_document_mask(list(doc_lens)), None, cp, balance=balance, nodes=nodes)
+        p = document_plan(doc_lens, cp, balance, nodes)[0]
         out = []
         for r in range(cp):
             ops = [o for o in record_layer(p, r, comm, backward_calls, heads, kv_heads, head_dim)

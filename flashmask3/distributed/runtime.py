@@ -251,8 +251,8 @@ def _to_device(x: torch.Tensor, device: torch.device, keep: list) -> torch.Tenso
     return x.to(device)
 
 
-def _index(values, device, keep) -> torch.Tensor:
-    return _to_device(torch.as_tensor(np.asarray(values, dtype=np.int64)), device, keep)
+def _index(values, device, keep, dtype=np.int64) -> torch.Tensor:
+    return _to_device(torch.as_tensor(np.asarray(values, dtype=dtype)), device, keep)
 
 
 def _messages(transfers, peer_of) -> tuple[Message, ...]:
@@ -309,9 +309,11 @@ def _send_parts(sends, own_pos, pack: list[int]) -> tuple[tuple[bool, int, int],
     return tuple(parts)
 
 
-def _build_rounds(plan, rank, device, keep, own_pos, pack: list[int]) -> list[RoundProgram]:
+def _build_rounds(plan, rank, device, keep, own_pos, pack: list[int],
+                  host_sends: dict[int, list[int]]) -> list[RoundProgram]:
     """Every round of ``plan`` as ``rank`` sees it; the own rows that direct messages must pack
-    are appended to ``pack`` (:func:`_send_parts`)."""
+    are appended to ``pack`` (:func:`_send_parts`), each round's ``send_rows`` as a host list
+    put in ``host_sends`` (the indexes built from them are computed on the host)."""
     rounds = plan.rounds
     stages = plan.stages(rank)
     out: list[RoundProgram] = []
@@ -324,7 +326,7 @@ def _build_rounds(plan, rank, device, keep, own_pos, pack: list[int]) -> list[Ro
         rows = _rows_of(recvs)
         recv_rows.append(rows)
         base = own_pos if src is None else recv_rows[src]
-        send_rows = [base[c] for m in sends for c in m.chunks]
+        send_rows = host_sends[t] = [base[c] for m in sends for c in m.chunks]
         stage = stages[t + 1]
         stage_rows = [rows[c] for c in stage]
         n_recv = recvs[-1].stop if recvs else 0
@@ -352,9 +354,11 @@ def _build_rounds(plan, rank, device, keep, own_pos, pack: list[int]) -> list[Ro
             out[c].child_offset = offset
             offset += out[c].n_send
         if not r.fast_grad and r.n_recv:
-            sent_back = [out[c].send_rows for c in r.children if out[c].n_send]
-            r.sum_index = (returns_index(r.stage_rows, r.n_recv) if r.stage_size else None,
-                           returns_index(torch.cat(sent_back), r.n_recv) if sent_back else None)
+            rows = recv_rows[r.index]
+            sent_back = [row for c in r.children for row in host_sends[c]]
+            r.sum_index = (_returns_index_on(device, keep, [rows[c] for c in stages[r.index + 1]], r.n_recv)
+                           if r.stage_size else None,
+                           _returns_index_on(device, keep, sent_back, r.n_recv) if sent_back else None)
     return out
 
 
@@ -469,9 +473,11 @@ def _build_program(plan, rank, device, comm, calls="stage") -> RankProgram:
                            **_key_index([row_of[c] for c in needed], (0, len(needed)), device, keep),
                            _host=keep)
     pack: list[int] = []
-    rounds = _build_rounds(plan, rank, device, keep, own_pos, pack)
+    host_sends: dict[int, list[int]] = {}
+    rounds = _build_rounds(plan, rank, device, keep, own_pos, pack, host_sends)
     direct = [r for r in rounds if r.source is None and r.send_rows is not None]
-    direct_rows = torch.cat([r.send_rows for r in direct]) if direct else None
+    direct_host = [row for r in direct for row in host_sends[r.index]]
+    direct_rows = _index(direct_host, device, keep) if direct else None
     cols = plan.local_mask(rank, "arrival").startend_row_indices
     order = backward_order(plan.rounds)
     first = 0 if calls == "one" else 1
@@ -486,31 +492,41 @@ def _build_program(plan, rank, device, comm, calls="stage") -> RankProgram:
                        key_first=first, **_key_index(key_rows, key_starts, device, keep),
                        pack_rows=_index(pack, device, keep) if pack else None,
                        merged=merged, n_recv=sum(r.n_recv for r in rounds),
-                       returns_index=_returns_index(own_rows, direct_rows, len(own), device, keep),
+                       returns_index=_own_returns_index([own_pos[c] for c in own_stage], direct_host,
+                                                        len(own), device, keep),
                        _host=keep)
 
 
-def returns_index(targets: torch.Tensor, n_own: int) -> tuple[torch.Tensor, torch.Tensor]:
+def returns_index(targets, n_own: int) -> tuple[torch.Tensor, torch.Tensor]:
     """``(starts, rows)`` of a source whose row ``j`` adds into own chunk ``targets[j]``: the
-    rows adding into chunk ``c`` are ``rows[starts[c]:starts[c + 1]]``, in increasing order
-    (int32, on the device of ``targets``; device ops only, no host sync)."""
-    t = targets.to(torch.int64)
-    rows = torch.argsort(t, stable=True)
-    counts = torch.zeros(n_own, dtype=torch.int64, device=t.device)
-    counts.index_add_(0, t, torch.ones_like(t))  # (bincount would read its max on the host)
-    starts = torch.zeros(n_own + 1, dtype=torch.int64, device=t.device)
-    torch.cumsum(counts, 0, out=starts[1:])
-    return starts.to(torch.int32), rows.to(torch.int32)
+    rows adding into chunk ``c`` are ``rows[starts[c]:starts[c + 1]]``, in increasing order.
+
+    Computed on the host (numpy) when a program is built, as int32 CPU tensors; ``targets``: a
+    sequence of ints, an array or a tensor (read to the host: build time only, never per
+    layer)."""
+    if isinstance(targets, torch.Tensor):
+        targets = targets.detach().cpu().numpy()
+    t = np.asarray(targets, dtype=np.int64).reshape(-1)
+    if t.size and (t.min() < 0 or t.max() >= n_own):
+        raise ValueError(f"targets must lie in [0, {n_own}), got values from {t.min()} to {t.max()}")
+    rows = np.argsort(t, kind="stable")
+    starts = np.zeros(n_own + 1, dtype=np.int64)
+    np.cumsum(np.bincount(t, minlength=n_own), out=starts[1:])
+    return torch.from_numpy(starts.astype(np.int32)), torch.from_numpy(rows.astype(np.int32))
 
 
-def _returns_index(own_rows, direct_rows, n_own: int, device, keep) -> Optional[tuple]:
+def _returns_index_on(device, keep, targets, n_own: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`returns_index` of host ``targets``, moved to ``device`` (from pinned memory)."""
+    return tuple(_to_device(x, device, keep) for x in returns_index(targets, n_own))
+
+
+def _own_returns_index(own_rows: list[int], direct_rows: list[int], n_own: int, device, keep) -> Optional[tuple]:
     """Which own chunk each own-stage row and each directly returned row adds into, as the
-    indexes of kernels/returns.py (built once here, on the device, no host sync)."""
+    indexes of kernels/returns.py (host lists in, built once per program)."""
     if n_own == 0:
         return None
-    own = own_rows if own_rows is not None else _index(range(n_own), device, keep)
-    return (returns_index(own, n_own) if len(own) else None,
-            returns_index(direct_rows, n_own) if direct_rows is not None else None)
+    return (_returns_index_on(device, keep, own_rows, n_own) if own_rows else None,
+            _returns_index_on(device, keep, direct_rows, n_own) if direct_rows else None)
 
 
 # -- layouts ----------------------------------------------------------------------------------------

@@ -43,6 +43,12 @@ def test_returns_index_lists_each_chunks_rows_in_order():
     starts, rows = returns_index(torch.tensor([2, 0, 2, 3, 0, 2]), 5)
     assert starts.tolist() == [0, 2, 2, 5, 6, 6] and rows.tolist() == [1, 4, 0, 2, 5, 3]
     assert starts.dtype == rows.dtype == torch.int32
+    assert [x.tolist() for x in returns_index([2, 0, 2, 3, 0, 2], 5)] == [starts.tolist(), rows.tolist()]
+
+
+def test_returns_index_rejects_a_target_outside_the_own_chunks():
+    with pytest.raises(ValueError, match=r"targets must lie in \[0, 3\)"):
+        returns_index([0, 3], 3)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
