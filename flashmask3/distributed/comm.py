@@ -3,16 +3,17 @@
 Everything goes through ``torch.distributed`` (NCCL on GPUs, gloo on CPU):
 
 * the baseline uses the single-tensor all-gather / reduce-scatter collectives;
-* the mask-aware path runs the plan's rounds as batched point-to-point operations
-  (``batch_isend_irecv``, :class:`DistExchange`). They are asynchronous: NCCL runs them on its
-  own internal stream while the caller computes on the current stream, and ``Work.wait()`` only
-  makes the current stream wait for the transfer (no host sync);
+* the mask-aware path runs each of the plan's rounds as one ``all_to_all_single`` with
+  per-peer row counts (:class:`DistExchange`; NCCL runs it as grouped point-to-point sends and
+  receives). They are asynchronous: NCCL runs them on its own internal stream while the caller
+  computes on the current stream, and ``Work.wait()`` only makes the current stream wait for
+  the transfer (no host sync);
 * the node-layout check of hierarchical plans (:func:`check_node_layout`).
 
-Every rank issues the batches of a layer in the same order (the runtime's schedule depends on
-the round list only, docs/cp-runtime.md), each batch holding at most one message per
-(src, dst) pair, so the two ends of every message always match and no two ranks wait on each
-other's later batches.
+Every rank issues the rounds of a layer in the same order (the runtime's schedule depends on
+the round list only, docs/cp-runtime.md), each round holding at most one message per
+(src, dst) pair, so every rank's k-th exchange call is the same round and no two ranks wait on
+each other's later rounds.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from .runtime import GRAD_TAG, SendParts
+from .runtime import SendParts
 
 _READY_GROUPS: set[str] = set()
 
@@ -55,17 +56,65 @@ def resolve_group(group) -> dist.ProcessGroup:
 
 
 def ensure_ready(pg: dist.ProcessGroup, device: torch.device) -> None:
-    """Run one collective on ``pg`` before its first point-to-point batch.
-
-    NCCL requires every rank of the group to take part in the first collective call of a
-    communicator; a batch of P2P ops may involve only some ranks, so we open with a tiny
-    all-reduce (once per group).
-    """
+    """Run one small all-reduce on ``pg`` before its first exchange (once per group): it
+    creates the group's communicator on every rank at a point where all of them are known to
+    take part, before the layer's asynchronous rounds."""
     name = _group_key(pg)
     if name in _READY_GROUPS:
         return
     dist.all_reduce(torch.zeros(1, device=device), group=pg)
     _READY_GROUPS.add(name)
+
+
+def message_splits(rnd, reverse: bool, world: int) -> tuple[list[int], list[int]]:
+    """``(rows to each peer, rows from each peer)`` of round ``rnd`` in direction ``reverse``
+    for a group of ``world`` ranks (``all_to_all_single``'s split sizes; computed once per round
+    and direction, kept on the round)."""
+    key = ("splits", reverse, world)
+    cache = rnd.exchange_cache
+    got = cache.get(key)
+    if got is None:
+        out_msgs, in_msgs = (rnd.recvs, rnd.sends) if reverse else (rnd.sends, rnd.recvs)
+        got = cache[key] = (_rows_per_peer(out_msgs, world), _rows_per_peer(in_msgs, world))
+    return got
+
+
+def _rows_per_peer(msgs, world: int) -> list[int]:
+    rows = [0] * world
+    last = -1
+    for m in msgs:
+        if m.peer <= last:
+            raise ValueError(f"a round's messages must be in increasing peer order, one per peer; got peer "
+                             f"{m.peer} after {last}")
+        rows[m.peer] = m.stop - m.start
+        last = m.peer
+    return rows
+
+
+def outgoing_rows(send, out_msgs) -> Optional[torch.Tensor]:
+    """The rows of ``out_msgs`` as one contiguous tensor, in message order (None: nothing to
+    send): ``send`` itself or a view of it where the messages are already back to back, else
+    one ``torch.cat`` of a :class:`~.runtime.SendParts`' pieces."""
+    if send is None or not out_msgs:
+        return None
+    if isinstance(send, SendParts):
+        parts = _merged_parts(send.parts)
+        if len(parts) == 1:
+            packed, a, b = parts[0]
+            return (send.packed if packed else send.own)[a:b]
+        return torch.cat([(send.packed if p else send.own)[a:b] for p, a, b in parts])
+    return send[:out_msgs[-1].stop]
+
+
+def _merged_parts(parts) -> list:
+    """SendParts' ``(packed, start, stop)`` pieces with neighbours in the same buffer joined."""
+    out: list = []
+    for p, a, b in parts:
+        if out and out[-1][0] == p and out[-1][2] == a:
+            out[-1] = (p, out[-1][1], b)
+        else:
+            out.append((p, a, b))
+    return out
 
 
 class _Batch:
@@ -83,13 +132,23 @@ class _Batch:
 
 class DistExchange:
     """The runtime's exchange over a torch.distributed group (see
-    :mod:`flashmask3.distributed.runtime`): one ``batch_isend_irecv`` per round and direction.
+    :mod:`flashmask3.distributed.runtime`): one ``all_to_all_single`` per round and direction.
 
     A forward round sends each message's wire rows to ``m.peer`` (``send``: a direct round's
     :class:`~.runtime.SendParts`, or one buffer of which each message is
-    ``send[m.start:m.stop]``) and receives
-    straight into slices of ``recv``; the reverse round swaps the roles of the two message
-    lists. Tags: the round index, plus :data:`GRAD_TAG` in reverse."""
+    ``send[m.start:m.stop]``) and receives straight into ``recv`` (each message its rows
+    ``recv[m.start:m.stop]``); the reverse round swaps the roles of the two message lists.
+
+    Why a collective and not one ``P2POp`` per message: issuing a message of a
+    ``batch_isend_irecv`` costs ~10 µs of host time in torch's Python layer (session 32), and a
+    rank of a flat cp-128 plan has ~250 messages a pass, milliseconds a layer. One
+    ``all_to_all_single`` with per-peer row counts is one call whatever the count (NCCL runs it
+    as the same grouped sends and receives, in C++). Every rank takes part in every round, with
+    zero rows for peers it does not talk to; the runtime issues the rounds in the same order on
+    every rank (docs/cp-runtime.md), which a collective needs. Messages are in peer order (a
+    :class:`~.plan.Round` keeps them so), so the outgoing rows are one buffer (a view where
+    they already are, else one concatenation) and the incoming ones land in ``recv`` as they
+    are."""
 
     def __init__(self, pg: dist.ProcessGroup):
         self.pg = pg
@@ -97,13 +156,19 @@ class DistExchange:
 
     def start(self, rnd, reverse: bool, send, recv) -> _Batch:
         out_msgs, in_msgs = (rnd.recvs, rnd.sends) if reverse else (rnd.sends, rnd.recvs)
-        tag = rnd.index + (GRAD_TAG if reverse else 0)
-        parts = send.tensors() if isinstance(send, SendParts) else [send[m.start:m.stop] for m in out_msgs]
-        ops = [dist.P2POp(dist.isend, part, group=self.pg, group_peer=m.peer, tag=tag)
-               for m, part in zip(out_msgs, parts)]
-        ops += [dist.P2POp(dist.irecv, recv[m.start:m.stop], group=self.pg, group_peer=m.peer, tag=tag)
-                for m in in_msgs]
-        return _Batch(dist.batch_isend_irecv(ops) if ops else [], send)
+        out_rows, in_rows = message_splits(rnd, reverse, self.world)
+        payload = outgoing_rows(send, out_msgs)
+        if recv is None:  # nothing arrives: any empty tensor of the payload's kind
+            if payload is None:
+                raise ValueError("DistExchange.start needs a receive buffer or a payload (every rank "
+                                 "takes part in every round)")
+            recv = payload[:0]
+        if payload is None:
+            payload = recv[:0]
+        work = dist.all_to_all_single(recv[:in_msgs[-1].stop] if in_msgs else recv[:0], payload,
+                                      output_split_sizes=in_rows, input_split_sizes=out_rows,
+                                      group=self.pg, async_op=True)
+        return _Batch([work], payload)
 
     def all_gather(self, out: torch.Tensor, inp: torch.Tensor) -> None:
         _ALL_GATHER(out, inp, group=self.pg)

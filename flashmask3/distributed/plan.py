@@ -77,18 +77,24 @@ class Round:
                              f"(relay={self.relay}, source={self.source})")
         by_src: dict[int, list[Transfer]] = {}
         by_dst: dict[int, list[Transfer]] = {}
+        pairs = set()
         for t in self.transfers:
+            if (t.src, t.dst) in pairs:
+                raise ValueError(f"a round holds at most one transfer per (src, dst) pair; ({t.src}, {t.dst}) "
+                                 "appears twice")
+            pairs.add((t.src, t.dst))
             by_src.setdefault(t.src, []).append(t)
             by_dst.setdefault(t.dst, []).append(t)
-        object.__setattr__(self, "_by_src", {r: tuple(v) for r, v in by_src.items()})
-        object.__setattr__(self, "_by_dst", {r: tuple(v) for r, v in by_dst.items()})
+        # each rank's messages in peer order: the exchange lays them out as one all-to-all
+        object.__setattr__(self, "_by_src", {r: tuple(sorted(v, key=lambda t: t.dst)) for r, v in by_src.items()})
+        object.__setattr__(self, "_by_dst", {r: tuple(sorted(v, key=lambda t: t.src)) for r, v in by_dst.items()})
 
     def sends(self, rank: int) -> list[Transfer]:
-        """Transfers ``rank`` sends in this round (by destination rank)."""
+        """Transfers ``rank`` sends in this round, in increasing destination rank."""
         return list(self._by_src.get(rank, ()))
 
     def recvs(self, rank: int) -> list[Transfer]:
-        """Transfers ``rank`` receives in this round (by source rank)."""
+        """Transfers ``rank`` receives in this round, in increasing source rank."""
         return list(self._by_dst.get(rank, ()))
 
 

@@ -40,9 +40,6 @@ from ..kernels.staged import staged_functions
 from ..kernels.static_masks import capturing, mark_static
 from .launches import call_attention, not_counted
 
-#: Tag offset of the gradient (reverse) rounds; forward rounds use their index as tag.
-GRAD_TAG = 1 << 10
-
 #: How :func:`backward_overlap` calls the staged backward: one call per stage as its K/V
 #: arrives (``"stage"``); one call over the own and every remote stage once every round arrived
 #: (``"one"``: the dK/dV returns go out after it); the own stage first while the remote K/V
@@ -136,6 +133,9 @@ class RoundProgram:
     #: index)``, which stage rows and which rows of the children's returned gradients add into
     #: each receive row, as kernels/returns.py's indexes (``None`` for an absent source)
     sum_index: Optional[tuple] = None
+    #: what an exchange derives from the round once and keeps (e.g. comm.DistExchange's
+    #: per-peer row counts)
+    exchange_cache: dict = field(default_factory=dict, repr=False, compare=False)
 
     @property
     def n_send(self) -> int:

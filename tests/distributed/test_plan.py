@@ -381,6 +381,14 @@ def test_round_source_must_match_relay():
         Round((), relay=False, source=0)
 
 
+def test_round_lists_each_ranks_messages_in_peer_order_and_refuses_a_repeated_pair():
+    r = Round((Transfer(2, 0, (5,)), Transfer(0, 3, (1,)), Transfer(0, 1, (2,)), Transfer(1, 0, (4,))))
+    assert [t.dst for t in r.sends(0)] == [1, 3]
+    assert [t.src for t in r.recvs(0)] == [1, 2]
+    with pytest.raises(ValueError, match=r"\(0, 1\) appears twice"):
+        Round((Transfer(0, 1, (2,)), Transfer(0, 1, (3,))))
+
+
 def test_plans_are_deterministic_and_queries_are_cached():
     lens = document_spreads(16384, seed=2)["corpus"]
     a = plan(M.causal_document_mask(lens), None, 8, nodes=2)

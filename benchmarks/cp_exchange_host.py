@@ -1,0 +1,157 @@
+"""Host time to issue one exchange round: one ``P2POp`` per message (``batch_isend_irecv``, the
+exchange before session 32) against ``DistExchange``'s one ``all_to_all_single`` per round.
+
+Two gloo processes on this machine's CPU (no GPU needed): both issue a round of ``n`` messages
+(half sends, half receives, equal bytes either way) to each other; rank 0 times the issue call
+(``time.perf_counter`` around it, before ``wait``), median over ``--reps``. The per-layer
+columns are ESTIMATES: the measured cost per message (or per call) times what a rank of a real
+plan issues per layer (128K-token corpus document mask, forward rounds and gradient returns),
+flat and hierarchical. torch's Python layer per ``isend``/``irecv`` is the same for NCCL up to
+the backend call; NCCL's enqueue behind it is not measured here (no two GPUs).
+
+    python benchmarks/cp_exchange_host.py --out benchmarks/results/cp_exchange_host
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+from types import SimpleNamespace
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from benchmarks.environment import run_environment  # noqa: E402
+
+ROW = (2, 1, 128, 8, 16)  # one wire row's trailing shape (K/V, batch, chunk, kv heads, head dim): 64 KB fp32
+
+
+def _p2p_round(peer: int, n: int, send: torch.Tensor, recv: torch.Tensor):
+    """The exchange before session 32: one P2POp per message, one batch."""
+    half = n // 2
+    ops = [dist.P2POp(dist.isend, send[i:i + 1], peer, tag=0) for i in range(half)]
+    ops += [dist.P2POp(dist.irecv, recv[i:i + 1], peer, tag=0) for i in range(half)]
+    return dist.batch_isend_irecv(ops)
+
+
+def _worker(rank: int, world: int, port: int, counts: list, reps: int, queue) -> None:
+    from flashmask3.distributed.comm import DistExchange
+    from flashmask3.distributed.runtime import Message
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    torch.set_num_threads(1)
+    peer = 1 - rank
+    ex = DistExchange(dist.group.WORLD)
+    out = {}
+    for n in counts:
+        half = n // 2
+        send, recv = torch.full((half, *ROW), float(rank + 1)), torch.empty(half, *ROW)
+        msg = (Message(peer, 0, half, tuple(range(half))),)
+        rnd = SimpleNamespace(sends=msg, recvs=msg, exchange_cache={})
+
+        def p2p():
+            return _p2p_round(peer, n, send, recv)
+
+        def collective():
+            return [ex.start(rnd, False, send, recv)]
+
+        for name, issue in (("p2p", p2p), ("all_to_all", collective)):
+            times = []
+            for i in range(reps + 3):
+                dist.barrier()
+                t0 = time.perf_counter()
+                works = issue()
+                dt = time.perf_counter() - t0
+                for w in works:
+                    w.wait()
+                if i >= 3:
+                    times.append(dt)
+            out[(name, n)] = statistics.median(times)
+            if not bool((recv == peer + 1).all()):
+                raise RuntimeError(f"{name}: the peer's rows did not arrive")
+            recv.zero_()
+    if rank == 0:
+        queue.put(out)
+    dist.destroy_process_group()
+
+
+def per_layer_counts(cps, seqlen: int = 131072) -> list[dict]:
+    """Messages (sends + receives) and rounds a rank issues per layer (forward rounds plus the
+    gradient returns), median and max over ranks, for flat and hierarchical plans."""
+    import flashmask3.masks as M
+    from benchmarks.scale_model import experiment as X
+    from flashmask3.distributed import plan
+
+    lens = next(iter(X.make_datasets(seqlen, targets=[0.78], sequences=1).values()))["sequences"][0]
+    rows = []
+    for cp in cps:
+        for nodes in sorted({1, max(1, cp // 8)}):
+            p = plan(M.causal_document_mask(list(lens)), None, cp, balance="sparse", nodes=nodes)
+            per = [0] * cp
+            for rnd in p.rounds:
+                for t in rnd.transfers:
+                    per[t.src] += 1
+                    per[t.dst] += 1
+            rows.append({"cp": cp, "nodes": nodes, "rounds": len(p.rounds),
+                         "messages_median": 2 * int(statistics.median(per)), "messages_max": 2 * max(per)})
+    return rows
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--counts", type=int, nargs="+", default=[16, 64, 256], help="messages per round")
+    ap.add_argument("--reps", type=int, default=30)
+    ap.add_argument("--cps", type=int, nargs="+", default=[16, 64, 128])
+    ap.add_argument("--port", type=int, default=29541)
+    ap.add_argument("--out", default=None, help="write <out>.json and <out>.md")
+    args = ap.parse_args(argv)
+    queue = mp.get_context("spawn").SimpleQueue()
+    mp.spawn(_worker, args=(2, args.port, args.counts, args.reps, queue), nprocs=2)
+    got = queue.get()
+    measured = [{"messages": n, "p2p_us": got[("p2p", n)] * 1e6, "p2p_us_per_message": got[("p2p", n)] * 1e6 / n,
+                 "all_to_all_us": got[("all_to_all", n)] * 1e6} for n in args.counts]
+    per_msg = statistics.median(m["p2p_us_per_message"] for m in measured)
+    per_call = statistics.median(m["all_to_all_us"] for m in measured)
+    layers = per_layer_counts(args.cps)
+    for row in layers:
+        row["p2p_ms_estimate"] = row["messages_max"] * per_msg / 1e3
+        row["all_to_all_ms_estimate"] = 2 * row["rounds"] * per_call / 1e3
+    env = run_environment(torch.device("cpu"))
+    md = ["# Host time to issue the CP exchange: one P2POp per message vs one all-to-all per round", "",
+          f"- **date**: `{env['date']}`; **torch** `{env['torch']}`; **platform** `{env['platform']}`; "
+          f"{os.cpu_count()} CPUs; gloo, two processes", f"- **command**: `{env['command']}`", "",
+          "Measured: the host time of the issue call (before `wait`), median of "
+          f"{args.reps}, for one round of n messages (half sends, half receives, 64 KB each).", "",
+          "| messages per round | P2POps + batch_isend_irecv µs | per message µs | all_to_all_single µs |",
+          "|---|---|---|---|"]
+    md += [f"| {m['messages']} | {m['p2p_us']:.0f} | {m['p2p_us_per_message']:.1f} | {m['all_to_all_us']:.0f} |"
+           for m in measured]
+    md += ["", f"ESTIMATES per layer (forward rounds + gradient returns) for a rank of a real plan (128K-token "
+           f"corpus document mask, sparse balance): messages x {per_msg:.1f} µs against 2 x rounds x "
+           f"{per_call:.0f} µs (the medians above).", "",
+           "| cp | nodes | rounds | messages per layer (median / max rank) | P2P issue ms (max rank, est.) | "
+           "all-to-all issue ms (est.) |", "|---|---|---|---|---|---|"]
+    md += [f"| {r['cp']} | {r['nodes']} | {r['rounds']} | {r['messages_median']} / {r['messages_max']} | "
+           f"{r['p2p_ms_estimate']:.2f} | {r['all_to_all_ms_estimate']:.2f} |" for r in layers]
+    text = "\n".join(md) + "\n"
+    print(text)
+    if args.out:
+        os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+        with open(args.out + ".json", "w") as f:
+            json.dump({"env": env, "measured": measured, "per_layer_estimates": layers,
+                       "per_message_us": per_msg, "per_call_us": per_call}, f, indent=1)
+        with open(args.out + ".md", "w") as f:
+            f.write(text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,51 @@
+"""The exchange's helpers (flashmask3/distributed/comm.py): per-peer row counts of a round and its
+outgoing rows as one buffer. The exchange itself runs in the multi-process gloo tests
+(test_cp_attention.py, test_cp_runtime.py, test_cp_backward_calls.py)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from flashmask3.distributed.comm import message_splits, outgoing_rows
+from flashmask3.distributed.runtime import Message, SendParts
+
+
+class _Round:
+    def __init__(self, sends, recvs):
+        self.sends, self.recvs, self.exchange_cache = sends, recvs, {}
+
+
+def _msgs(*spec):
+    """Messages ``(peer, rows)`` laid out back to back."""
+    out, row = [], 0
+    for peer, rows in spec:
+        out.append(Message(peer, row, row + rows, tuple(range(rows))))
+        row += rows
+    return tuple(out)
+
+
+def test_message_splits_give_rows_per_peer_in_both_directions_and_are_kept():
+    rnd = _Round(_msgs((1, 2), (3, 1)), _msgs((0, 4), (2, 3)))
+    assert message_splits(rnd, False, 4) == ([0, 2, 0, 1], [4, 0, 3, 0])
+    assert message_splits(rnd, True, 4) == ([4, 0, 3, 0], [0, 2, 0, 1])
+    rnd.sends = ()  # kept: the round is not read again
+    assert message_splits(rnd, False, 4) == ([0, 2, 0, 1], [4, 0, 3, 0])
+
+
+def test_message_splits_refuse_messages_out_of_peer_order():
+    with pytest.raises(ValueError, match="increasing peer order"):
+        message_splits(_Round(_msgs((2, 1), (1, 1)), ()), False, 4)
+
+
+def test_outgoing_rows_are_a_view_where_the_messages_are_back_to_back():
+    own = torch.randn(6, 3)
+    packed = torch.randn(4, 3)
+    msgs = _msgs((1, 2), (2, 1))
+    view = outgoing_rows(SendParts(own, packed, ((False, 1, 3), (False, 3, 4))), msgs)
+    assert view.data_ptr() == own[1].data_ptr() and torch.equal(view, own[1:4])
+    mixed = outgoing_rows(SendParts(own, packed, ((False, 4, 6), (True, 0, 1))), msgs)
+    assert torch.equal(mixed, torch.cat([own[4:6], packed[0:1]]))
+    buf = torch.randn(5, 3)
+    assert torch.equal(outgoing_rows(buf, msgs), buf[:3])
+    assert outgoing_rows(None, msgs) is None and outgoing_rows(buf, ()) is None
