@@ -501,10 +501,12 @@ def returns_index(targets, n_own: int) -> tuple[torch.Tensor, torch.Tensor]:
     """``(starts, rows)`` of a source whose row ``j`` adds into own chunk ``targets[j]``: the
     rows adding into chunk ``c`` are ``rows[starts[c]:starts[c + 1]]``, in increasing order.
 
-    Computed on the host (numpy) when a program is built, as int32 CPU tensors; ``targets``: a
-    sequence of ints, an array or a tensor (read to the host: build time only, never per
-    layer)."""
+    Computed on the host (numpy) when a program is built: int32 tensors on ``targets``' device
+    for a tensor (read to the host: build time only, never per layer), on the CPU for a
+    sequence of ints or an array."""
+    device = torch.device("cpu")
     if isinstance(targets, torch.Tensor):
+        device = targets.device
         targets = targets.detach().cpu().numpy()
     t = np.asarray(targets, dtype=np.int64).reshape(-1)
     if t.size and (t.min() < 0 or t.max() >= n_own):
@@ -512,7 +514,8 @@ def returns_index(targets, n_own: int) -> tuple[torch.Tensor, torch.Tensor]:
     rows = np.argsort(t, kind="stable")
     starts = np.zeros(n_own + 1, dtype=np.int64)
     np.cumsum(np.bincount(t, minlength=n_own), out=starts[1:])
-    return torch.from_numpy(starts.astype(np.int32)), torch.from_numpy(rows.astype(np.int32))
+    return (torch.from_numpy(starts.astype(np.int32)).to(device),
+            torch.from_numpy(rows.astype(np.int32)).to(device))
 
 
 def _returns_index_on(device, keep, targets, n_own: int) -> tuple[torch.Tensor, torch.Tensor]:

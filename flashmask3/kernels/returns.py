@@ -138,6 +138,11 @@ def _sum_rows(own, own_index, returned, returned_index, n_out: int, chunk: int, 
     if present and present[0].shape[2:] != (b, chunk, hk, d):
         raise ValueError(f"the wire rows {tuple(present[0].shape)} do not hold chunks of "
                          f"{chunk} keys of k {tuple(k.shape)}")
+    for name, index in (("own_index", own_index if own is not None else None),
+                        ("returned_index", returned_index if returned is not None else None)):
+        if index is not None and any(x.device != k.device for x in index):
+            raise ValueError(f"{name} must be on k's device {k.device}, got "
+                             f"{[str(x.device) for x in index]}")
     dummy = dk  # a pointer for an absent source and its index (never read)
     o_starts, o_rows = own_index if own is not None else (dummy, dummy)
     r_starts, r_rows = returned_index if returned is not None else (dummy, dummy)

@@ -46,6 +46,14 @@ def test_returns_index_lists_each_chunks_rows_in_order():
     assert [x.tolist() for x in returns_index([2, 0, 2, 3, 0, 2], 5)] == [starts.tolist(), rows.tolist()]
 
 
+def test_add_returns_refuses_an_index_on_another_device():
+    k = _k_like(1, 4, 8, 2, 16, torch.float32)
+    rows = torch.zeros(3, 2, 1, 8, 2, 16)
+    idx = tuple(x.to("meta") for x in returns_index([0, 1, 1], 4))
+    with pytest.raises(ValueError, match="returned_index must be on k's device"):
+        returns.add_returns(None, None, rows, idx, 4, 8, k)
+
+
 def test_returns_index_rejects_a_target_outside_the_own_chunks():
     with pytest.raises(ValueError, match=r"targets must lie in \[0, 3\)"):
         returns_index([0, 3], 3)
