@@ -93,28 +93,13 @@ def _rows_per_peer(msgs, world: int) -> list[int]:
 
 def outgoing_rows(send, out_msgs) -> Optional[torch.Tensor]:
     """The rows of ``out_msgs`` as one contiguous tensor, in message order (None: nothing to
-    send): ``send`` itself or a view of it where the messages are already back to back, else
-    one ``torch.cat`` of a :class:`~.runtime.SendParts`' pieces."""
+    send): a :class:`~.runtime.SendParts`' :meth:`~.runtime.SendParts.rows`, or the messages'
+    rows of a buffer laid out by them."""
     if send is None or not out_msgs:
         return None
     if isinstance(send, SendParts):
-        parts = _merged_parts(send.parts)
-        if len(parts) == 1:
-            packed, a, b = parts[0]
-            return (send.packed if packed else send.own)[a:b]
-        return torch.cat([(send.packed if p else send.own)[a:b] for p, a, b in parts])
+        return send.rows()
     return send[:out_msgs[-1].stop]
-
-
-def _merged_parts(parts) -> list:
-    """SendParts' ``(packed, start, stop)`` pieces with neighbours in the same buffer joined."""
-    out: list = []
-    for p, a, b in parts:
-        if out and out[-1][0] == p and out[-1][2] == a:
-            out[-1] = (p, out[-1][1], b)
-        else:
-            out.append((p, a, b))
-    return out
 
 
 class _Batch:

@@ -636,15 +636,23 @@ def _round_views(prog: RankProgram, store: torch.Tensor, lead: int) -> dict[int,
 
 class SendParts:
     """A direct round's outgoing messages: views of the own wire rows ``own`` or of the packed
-    payload ``packed`` (:attr:`RoundProgram.send_parts`), sliced only when an exchange sends
-    them (:meth:`tensors`; the emulation never does: a slice is host time per message)."""
+    payload ``packed`` (:attr:`RoundProgram.send_parts`), joined only when an exchange sends
+    them (:meth:`rows`; the emulation never does: it would be host time and a copy per round)."""
 
     def __init__(self, own: torch.Tensor, packed: Optional[torch.Tensor], parts):
         self.own, self.packed, self.parts = own, packed, parts
 
-    def tensors(self) -> list[torch.Tensor]:
-        """One tensor per message, in message order."""
-        return [(self.packed if p else self.own)[a:b] for p, a, b in self.parts]
+    def rows(self) -> torch.Tensor:
+        """Every message's rows as one contiguous tensor, in message order: a view where the
+        messages lie back to back in one buffer, else one ``torch.cat`` of the pieces."""
+        pieces: list = []
+        for p, a, b in self.parts:
+            if pieces and pieces[-1][0] == p and pieces[-1][2] == a:
+                pieces[-1] = (p, pieces[-1][1], b)
+            else:
+                pieces.append((p, a, b))
+        views = [(self.packed if p else self.own)[a:b] for p, a, b in pieces]
+        return views[0] if len(views) == 1 else torch.cat(views)
 
 
 class _Rounds:

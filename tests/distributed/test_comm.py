@@ -49,3 +49,50 @@ def test_outgoing_rows_are_a_view_where_the_messages_are_back_to_back():
     buf = torch.randn(5, 3)
     assert torch.equal(outgoing_rows(buf, msgs), buf[:3])
     assert outgoing_rows(None, msgs) is None and outgoing_rows(buf, ()) is None
+
+
+def _self_exchange(backend: str, device: str, store: str, queue) -> None:
+    """On a one-rank group: a forward round from a SendParts and a reverse round from a buffer,
+    each one message to itself; puts the max error (or the exception text) on ``queue``."""
+    import torch.distributed as dist
+
+    from flashmask3.distributed.comm import DistExchange
+
+    try:
+        dist.init_process_group(backend, init_method=f"file://{store}", rank=0, world_size=1)
+        ex = DistExchange(dist.group.WORLD)
+        g = torch.Generator().manual_seed(0)
+        own = torch.randn(5, 2, 1, 8, 2, 16, generator=g).to(device=device, dtype=torch.bfloat16)
+        packed = torch.randn(3, 2, 1, 8, 2, 16, generator=g).to(device=device, dtype=torch.bfloat16)
+        msg = _msgs((0, 2))
+        rnd = _Round(msg, msg)
+        recv = torch.empty_like(own[:2])
+        ex.start(rnd, False, SendParts(own, packed, ((True, 1, 3),)), recv).wait()
+        err = (recv.float() - packed[1:3].float()).abs().max().item()
+        back = torch.empty_like(recv)
+        ex.start(rnd, True, own[2:4], back).wait()
+        err = max(err, (back.float() - own[2:4].float()).abs().max().item())
+        dist.destroy_process_group()
+        queue.put(err)
+    except Exception as e:  # reported to the parent, which fails the test with it
+        queue.put(f"{type(e).__name__}: {e}")
+
+
+@pytest.mark.parametrize("backend,device", [("gloo", "cpu"), pytest.param("nccl", "cuda", marks=pytest.mark.gpu)])
+def test_dist_exchange_delivers_a_round_on_a_one_rank_group(backend, device, tmp_path):
+    """The exchange's collective with real process groups (the multi-rank gloo suites cover
+    peers; this one runs NCCL on the one GPU there is): rows sent to itself arrive exactly."""
+    import torch.multiprocessing as mp
+
+    if device == "cuda" and not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    ctx = mp.get_context("spawn")
+    queue = ctx.SimpleQueue()
+    proc = ctx.Process(target=_self_exchange, args=(backend, device, str(tmp_path / "store"), queue))
+    proc.start()
+    proc.join(120)
+    if proc.is_alive():
+        proc.terminate()
+        pytest.fail("the one-rank exchange did not finish in 120 s")
+    got = queue.get()
+    assert got == 0.0, got
