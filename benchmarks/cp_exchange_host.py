@@ -83,6 +83,37 @@ def _worker(rank: int, world: int, port: int, counts: list, reps: int, queue) ->
     dist.destroy_process_group()
 
 
+def nccl_one_rank(reps: int, port: int) -> float:
+    """Median host µs to issue ``DistExchange.start`` (one ``all_to_all_single``) on a one-rank
+    NCCL group, a round of one 16-row message to itself (the only NCCL group one GPU allows)."""
+    from flashmask3.distributed.comm import DistExchange
+    from flashmask3.distributed.runtime import Message
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("nccl", rank=0, world_size=1, device_id=torch.device("cuda", 0))
+    try:
+        ex = DistExchange(dist.group.WORLD)
+        send = torch.randn(16, *ROW, device="cuda")
+        recv = torch.empty_like(send)
+        msg = (Message(0, 0, 16, tuple(range(16))),)
+        rnd = SimpleNamespace(sends=msg, recvs=msg, exchange_cache={})
+        times = []
+        for i in range(reps + 5):
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            batch = ex.start(rnd, False, send, recv)
+            dt = time.perf_counter() - t0
+            batch.wait()
+            if i >= 5:
+                times.append(dt)
+        torch.cuda.synchronize()
+        if not torch.equal(recv, send):
+            raise RuntimeError("NCCL: the round's rows did not arrive")
+        return statistics.median(times) * 1e6
+    finally:
+        dist.destroy_process_group()
+
+
 def per_layer_counts(cps, seqlen: int = 131072) -> list[dict]:
     """Messages (sends + receives) and rounds a rank issues per layer (forward rounds plus the
     gradient returns), median and max over ranks, for flat and hierarchical plans."""
@@ -112,6 +143,7 @@ def main(argv=None) -> int:
     ap.add_argument("--cps", type=int, nargs="+", default=[16, 64, 128])
     ap.add_argument("--port", type=int, default=29541)
     ap.add_argument("--out", default=None, help="write <out>.json and <out>.md")
+    ap.add_argument("--nccl", action="store_true", help="also time the issue on a one-rank NCCL group (a GPU)")
     args = ap.parse_args(argv)
     queue = mp.get_context("spawn").SimpleQueue()
     mp.spawn(_worker, args=(2, args.port, args.counts, args.reps, queue), nprocs=2)
@@ -124,7 +156,8 @@ def main(argv=None) -> int:
     for row in layers:
         row["p2p_ms_estimate"] = row["messages_max"] * per_msg / 1e3
         row["all_to_all_ms_estimate"] = 2 * row["rounds"] * per_call / 1e3
-    env = run_environment(torch.device("cpu"))
+    nccl_us = nccl_one_rank(args.reps, args.port + 1) if args.nccl else None
+    env = run_environment(torch.device("cuda" if args.nccl else "cpu"))
     md = ["# Host time to issue the CP exchange: one P2POp per message vs one all-to-all per round", "",
           f"- **date**: `{env['date']}`; **torch** `{env['torch']}`; **platform** `{env['platform']}`; "
           f"{os.cpu_count()} CPUs; gloo, two processes", f"- **command**: `{env['command']}`", "",
@@ -134,6 +167,10 @@ def main(argv=None) -> int:
           "|---|---|---|---|"]
     md += [f"| {m['messages']} | {m['p2p_us']:.0f} | {m['p2p_us_per_message']:.1f} | {m['all_to_all_us']:.0f} |"
            for m in measured]
+    if nccl_us is not None:
+        md += ["", f"NCCL ({env.get('gpu')}, a one-rank group: the only one a single GPU allows; torch "
+               f"refuses a P2POp to itself): `DistExchange.start` of a round of one message issues in "
+               f"{nccl_us:.0f} µs (median of {args.reps})."]
     md += ["", f"ESTIMATES per layer (forward rounds + gradient returns) for a rank of a real plan (128K-token "
            f"corpus document mask, sparse balance): messages x {per_msg:.1f} µs against 2 x rounds x "
            f"{per_call:.0f} µs (the medians above).", "",
@@ -147,7 +184,8 @@ def main(argv=None) -> int:
         os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
         with open(args.out + ".json", "w") as f:
             json.dump({"env": env, "measured": measured, "per_layer_estimates": layers,
-                       "per_message_us": per_msg, "per_call_us": per_call}, f, indent=1)
+                       "per_message_us": per_msg, "per_call_us": per_call,
+                       "nccl_one_rank_all_to_all_us": nccl_us}, f, indent=1)
         with open(args.out + ".md", "w") as f:
             f.write(text)
     return 0

@@ -125,8 +125,9 @@ class DistExchange:
     ``recv[m.start:m.stop]``); the reverse round swaps the roles of the two message lists.
 
     Why a collective and not one ``P2POp`` per message: issuing a message of a
-    ``batch_isend_irecv`` costs ~10 µs of host time in torch's Python layer (session 32), and a
-    rank of a flat cp-128 plan has ~250 messages a pass, milliseconds a layer. One
+    ``batch_isend_irecv`` costs 12-31 µs of host time (session 32,
+    benchmarks/cp_exchange_host.py), and a rank of a flat cp-128 plan has ~250 messages a pass,
+    milliseconds a layer. One
     ``all_to_all_single`` with per-peer row counts is one call whatever the count (NCCL runs it
     as the same grouped sends and receives, in C++). Every rank takes part in every round, with
     zero rows for peers it does not talk to; the runtime issues the rounds in the same order on
