@@ -251,8 +251,8 @@ def _to_device(x: torch.Tensor, device: torch.device, keep: list) -> torch.Tenso
     return x.to(device)
 
 
-def _index(values, device, keep, dtype=np.int64) -> torch.Tensor:
-    return _to_device(torch.as_tensor(np.asarray(values, dtype=dtype)), device, keep)
+def _index(values, device, keep) -> torch.Tensor:
+    return _to_device(torch.as_tensor(np.asarray(values, dtype=np.int64)), device, keep)
 
 
 def _messages(transfers, peer_of) -> tuple[Message, ...]:
@@ -318,6 +318,7 @@ def _build_rounds(plan, rank, device, keep, own_pos, pack: list[int],
     stages = plan.stages(rank)
     out: list[RoundProgram] = []
     recv_rows: list[dict[int, int]] = []
+    stage_lists: list[list[int]] = []  # each round's stage rows, on the host
     direct_offset = recv_offset = 0
     for t, rnd in enumerate(rounds):
         src = round_source(rounds, t)
@@ -329,6 +330,7 @@ def _build_rounds(plan, rank, device, keep, own_pos, pack: list[int],
         send_rows = host_sends[t] = [base[c] for m in sends for c in m.chunks]
         stage = stages[t + 1]
         stage_rows = [rows[c] for c in stage]
+        stage_lists.append(stage_rows)
         n_recv = recvs[-1].stop if recvs else 0
         grad_rows = None
         identity = stage_rows == list(range(n_recv))
@@ -354,10 +356,8 @@ def _build_rounds(plan, rank, device, keep, own_pos, pack: list[int],
             out[c].child_offset = offset
             offset += out[c].n_send
         if not r.fast_grad and r.n_recv:
-            rows = recv_rows[r.index]
             sent_back = [row for c in r.children for row in host_sends[c]]
-            r.sum_index = (_returns_index_on(device, keep, [rows[c] for c in stages[r.index + 1]], r.n_recv)
-                           if r.stage_size else None,
+            r.sum_index = (_returns_index_on(device, keep, stage_lists[r.index], r.n_recv) if r.stage_size else None,
                            _returns_index_on(device, keep, sent_back, r.n_recv) if sent_back else None)
     return out
 
