@@ -8,7 +8,7 @@ Subcommands:
 
   - ``dual_chunk+allgather``  (the standard baseline),
   - ``sparse+allgather``      (our balancing, baseline communication),
-  - ``sparse+overlap``        (ours: balancing + mask-aware overlapped P2P),
+  - ``sparse+overlap``        (ours: balancing + mask-aware overlapped exchange rounds),
   - ``flex_cp``               (PyTorch ``context_parallel`` with FlexAttention, the outside
     reference; guarded: if it cannot run, the reason is recorded),
 
@@ -79,21 +79,26 @@ def _sync(device):
         torch.cuda.synchronize(device)
 
 
-def time_steps(step, device, warmup: int, iters: int) -> float:
-    """Median over iterations of the slowest rank's seconds for ``step()``."""
+def time_steps(step, device, warmup: int, iters: int) -> tuple[float, float]:
+    """``(seconds, host seconds)``: medians over iterations of the slowest rank's time for
+    ``step()`` (synchronised) and of the time its host took to return from ``step()`` before
+    synchronising (the host's issue work: the exchange's calls, the launches; a step whose
+    host is the bottleneck shows it as both)."""
     for _ in range(warmup):
         step()
-    times = []
+    times, hosts = [], []
     for _ in range(iters):
         _sync(device)
         dist.barrier()
         t0 = time.perf_counter()
         step()
+        t_host = time.perf_counter() - t0
         _sync(device)
-        t = torch.tensor([time.perf_counter() - t0], dtype=torch.float64, device=device)
+        t = torch.tensor([time.perf_counter() - t0, t_host], dtype=torch.float64, device=device)
         dist.all_reduce(t, op=dist.ReduceOp.MAX)
-        times.append(float(t))
-    return statistics.median(times)
+        times.append(float(t[0]))
+        hosts.append(float(t[1]))
+    return statistics.median(times), statistics.median(hosts)
 
 
 # -- masks and inputs --------------------------------------------------------------------------
@@ -143,8 +148,8 @@ def run_ours(method, mask, tokens, rank, world, device, dtype, args, check: bool
         out.backward(dol)
         ql.grad = kl.grad = vl.grad = None
 
-    sec = time_steps(step, device, args.warmup, args.iters)
-    res = {"seconds": sec, "plan_seconds": plan_s, "imbalance": p.imbalance,
+    sec, host = time_steps(step, device, args.warmup, args.iters)
+    res = {"seconds": sec, "host_seconds": host, "plan_seconds": plan_s, "imbalance": p.imbalance,
            "chunk_size": p.chunk_size, "backward_calls": resolve_backward_calls(args.backward_calls, p),
            "keep_kv": True,  # cp_flashmask_attention's default
            "kv_bytes_fwd": (p.kv_tokens_moved(comm) * 2 * args.kv_heads * args.head_dim
@@ -221,7 +226,7 @@ def run_flex_cp(mask, docs, tokens, rank, world, device, dtype, args, check: boo
         ql.grad = kl.grad = vl.grad = None
 
     try:
-        res["seconds"] = time_steps(step, device, max(args.warmup, 1), args.iters)
+        res["seconds"], res["host_seconds"] = time_steps(step, device, max(args.warmup, 1), args.iters)
     except Exception as exc:
         res["error"] = f"{type(exc).__name__}: {exc}"
     return res
@@ -347,8 +352,10 @@ def markdown(rep: dict) -> str:
              f"NCCL {env.get('nccl', '—')}, CUDA {env.get('cuda', '—')}. World size {env.get('world_size')}.",
              "", f"Command: `{rep.get('command', '')}`", "",
              "## Attention forward+backward (bf16 unless stated; time = slowest rank, median)", "",
-             "| tokens | mask | docs | method | ms / iter | TFLOP/s per GPU | max err vs 1-GPU |",
-             "|---|---|---|---|---|---|---|"]
+             "Host ms = the slowest rank's time to return from the step before synchronising (its "
+             "issue work); '—' in files written before session 32.", "",
+             "| tokens | mask | docs | method | ms / iter | host ms | TFLOP/s per GPU | max err vs 1-GPU |",
+             "|---|---|---|---|---|---|---|---|"]
     runs = rep["attention"].get("runs", [])
     mask_order = {m: i for i, m in enumerate(dict.fromkeys(r["mask"] for r in runs))}
     method_order = {m: i for i, m in enumerate(METHODS)}
@@ -356,11 +363,12 @@ def markdown(rep: dict) -> str:
     for r in runs:
         if "seconds" in r:
             err = f"{r['max_abs_err']:.1e}" if "max_abs_err" in r else "—"
+            host = f"{r['host_seconds'] * 1e3:.2f}" if "host_seconds" in r else "—"
             lines.append(f"| {r['tokens']} | {r['mask']} | {r['docs'] or '—'} | {r['method']} | "
-                         f"{r['seconds'] * 1e3:.2f} | {r['tflops_per_gpu']:.1f} | {err} |")
+                         f"{r['seconds'] * 1e3:.2f} | {host} | {r['tflops_per_gpu']:.1f} | {err} |")
         else:
             err = f"forward err {r['max_abs_err']:.1e}; " if "max_abs_err" in r else ""
-            lines.append(f"| {r['tokens']} | {r['mask']} | {r['docs'] or '—'} | {r['method']} | — | — | "
+            lines.append(f"| {r['tokens']} | {r['mask']} | {r['docs'] or '—'} | {r['method']} | — | — | — | "
                          f"{err}{(r.get('error') or r.get('skipped') or '')[:120]} |")
     lines += ["", "## End-to-end training (flashmask3.train CLI)", "",
               "| run | tokens/s | step time s | attention share | note |", "|---|---|---|---|---|"]

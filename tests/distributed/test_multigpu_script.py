@@ -26,6 +26,7 @@ def test_multigpu_script_cpu_mode(tmp_path):
     assert {r["mask"] for r in ours} >= {"corpus", "causal"}
     for r in ours:
         assert r["seconds"] > 0 and r["max_abs_err"] < 1e-4, r
+        assert 0 < r["host_seconds"] <= r["seconds"], r  # the issue time, inside the step
     flex = [r for r in runs if r["method"] == "flex_cp"]
     assert flex and all(("seconds" in r) or r.get("error") for r in flex)  # ran, or says why not
     for label in ("baseline", "ours"):
@@ -33,4 +34,5 @@ def test_multigpu_script_cpu_mode(tmp_path):
     assert rep["train"]["baseline"]["balance"] == "dual_chunk" and rep["train"]["ours"]["comm"] == "overlap"
     assert rep["attention"]["env"]["nccl_env"]["NCCL_NVLS_ENABLE"] == "0"
     md = (out / "cp_multigpu.md").read_text()
+    assert "| host ms |" in md
     assert "multigpu.sh --device cpu" in md and (out / "cp_multigpu.png").stat().st_size > 0
