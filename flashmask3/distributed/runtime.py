@@ -636,23 +636,23 @@ def _round_views(prog: RankProgram, store: torch.Tensor, lead: int) -> dict[int,
 
 class SendParts:
     """A direct round's outgoing messages: views of the own wire rows ``own`` or of the packed
-    payload ``packed`` (:attr:`RoundProgram.send_parts`), joined only when an exchange sends
-    them (:meth:`rows`; the emulation never does: it would be host time and a copy per round)."""
+    payload ``packed`` (:attr:`RoundProgram.send_parts`); ``rows``: the own wire rows of every
+    message in message order (:attr:`RoundProgram.send_rows`). Joined only when an exchange
+    sends them (:meth:`rows`; the emulation never does)."""
 
-    def __init__(self, own: torch.Tensor, packed: Optional[torch.Tensor], parts):
-        self.own, self.packed, self.parts = own, packed, parts
+    def __init__(self, own: torch.Tensor, packed: Optional[torch.Tensor], parts, rows: torch.Tensor):
+        self.own, self.packed, self.parts, self.index = own, packed, parts, rows
 
     def rows(self) -> torch.Tensor:
         """Every message's rows as one contiguous tensor, in message order: a view where the
-        messages lie back to back in one buffer, else one ``torch.cat`` of the pieces."""
-        pieces: list = []
-        for p, a, b in self.parts:
-            if pieces and pieces[-1][0] == p and pieces[-1][2] == a:
-                pieces[-1] = (p, pieces[-1][1], b)
-            else:
-                pieces.append((p, a, b))
-        views = [(self.packed if p else self.own)[a:b] for p, a, b in pieces]
-        return views[0] if len(views) == 1 else torch.cat(views)
+        messages lie back to back in one buffer, else one gather of the own wire rows (one op
+        whatever the number of messages)."""
+        (p, a, b), *rest = self.parts
+        for q, c, d in rest:
+            if q != p or c != b:
+                return self.own.index_select(0, self.index)
+            b = d
+        return (self.packed if p else self.own)[a:b]
 
 
 class _Rounds:
@@ -679,7 +679,7 @@ class _Rounds:
         packed = wire_own.index_select(0, prog.pack_rows) if prog.pack_rows is not None else None
         for r in prog.rounds:
             if r.source is None:
-                send = SendParts(wire_own, packed, r.send_parts) if r.send_parts else None
+                send = SendParts(wire_own, packed, r.send_parts, r.send_rows) if r.send_parts else None
                 self.pending[r.index] = exchange.start(r, False, send, self.bufs[r.index])
 
     def arrive(self, t: int) -> torch.Tensor:

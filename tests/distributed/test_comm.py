@@ -40,11 +40,13 @@ def test_message_splits_refuse_messages_out_of_peer_order():
 
 def test_outgoing_rows_are_a_view_where_the_messages_are_back_to_back():
     own = torch.randn(6, 3)
-    packed = torch.randn(4, 3)
+    packed = own[[2, 0, 5, 1]]
     msgs = _msgs((1, 2), (2, 1))
-    view = outgoing_rows(SendParts(own, packed, ((False, 1, 3), (False, 3, 4))), msgs)
+    view = outgoing_rows(SendParts(own, packed, ((False, 1, 3), (False, 3, 4)), torch.tensor([1, 2, 3])), msgs)
     assert view.data_ptr() == own[1].data_ptr() and torch.equal(view, own[1:4])
-    mixed = outgoing_rows(SendParts(own, packed, ((False, 4, 6), (True, 0, 1))), msgs)
+    packed_view = outgoing_rows(SendParts(own, packed, ((True, 1, 2), (True, 2, 4)), torch.tensor([0, 5, 1])), msgs)
+    assert packed_view.data_ptr() == packed[1].data_ptr() and torch.equal(packed_view, own[[0, 5, 1]])
+    mixed = outgoing_rows(SendParts(own, packed, ((False, 4, 6), (True, 0, 1)), torch.tensor([4, 5, 2])), msgs)
     assert torch.equal(mixed, torch.cat([own[4:6], packed[0:1]]))
     buf = torch.randn(5, 3)
     assert torch.equal(outgoing_rows(buf, msgs), buf[:3])
@@ -67,7 +69,8 @@ def _self_exchange(backend: str, device: str, store: str, queue) -> None:
         msg = _msgs((0, 2))
         rnd = _Round(msg, msg)
         recv = torch.empty_like(own[:2])
-        ex.start(rnd, False, SendParts(own, packed, ((True, 1, 3),)), recv).wait()
+        ex.start(rnd, False, SendParts(own, packed, ((True, 1, 3),), torch.tensor([1, 2], device=device)),
+                 recv).wait()
         err = (recv.float() - packed[1:3].float()).abs().max().item()
         back = torch.empty_like(recv)
         ex.start(rnd, True, own[2:4], back).wait()
