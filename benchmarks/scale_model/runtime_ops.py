@@ -209,15 +209,20 @@ class _Backend:
             return dk, torch.empty_like(dk)
 
 
-def _exchange(rec: _Recorder, wire, p, rank):
+def _exchange(rec: _Recorder, wire, p, rank, sends: bool = False):
     from flashmask3.distributed import EmulatedExchange
+    from flashmask3.distributed.comm import outgoing_rows
 
     class Exchange(EmulatedExchange):
-        """The emulated exchange, its copies recorded as ``emulated`` ops."""
+        """The emulated exchange, its copies recorded as ``emulated`` ops; ``sends``: also the
+        send side of a real exchange (``comm.DistExchange``: a round's outgoing rows in one
+        buffer, on the compute stream), recorded as the runtime's own work."""
 
-        def start(self, *a):
+        def start(self, rnd, reverse, send, recv):
+            if sends:
+                outgoing_rows(send, rnd.recvs if reverse else rnd.sends)
             with rec.kind("emulated"):
-                return super().start(*a)
+                return super().start(rnd, reverse, send, recv)
 
         def all_gather(self, *a):
             with rec.kind("emulated"):
@@ -231,10 +236,13 @@ def _exchange(rec: _Recorder, wire, p, rank):
 
 
 def record_layer(p, rank: int, comm: str, backward_calls: str, heads: int, kv_heads: int, head_dim: int,
-                 dtype: torch.dtype = torch.bfloat16, keep_kv: bool = True, hide: tuple = ()) -> list[Op]:
+                 dtype: torch.dtype = torch.bfloat16, keep_kv: bool = True, hide: tuple = (),
+                 real_exchange: bool = False) -> list[Op]:
     """The device ops of rank ``rank``'s layer (forward then backward, issue order) under plan
     ``p`` (a :class:`flashmask3.distributed.CPPlan`), ``comm`` and ``backward_calls``, B=1;
-    ``hide``: backend functions the runtime does without (an A/B layout of cp_single_gpu.py)."""
+    ``hide``: backend functions the runtime does without (an A/B layout of cp_single_gpu.py);
+    ``real_exchange``: with the send side of a real exchange (its gathers of outgoing rows: what a
+    multi-GPU run does on the compute stream and the one-GPU emulation does not)."""
     from flashmask3.distributed import prepare_rank, run_layer
     from flashmask3.distributed.runtime import to_wire
 
@@ -252,7 +260,7 @@ def record_layer(p, rank: int, comm: str, backward_calls: str, heads: int, kv_he
             for _ in range(2))
     wire = to_wire(*(torch.empty(1, s, kv_heads, head_dim, dtype=dtype, device=meta) for _ in range(2)),
                    p.chunk_size)
-    ex = _exchange(rec, wire, p, rank)
+    ex = _exchange(rec, wire, p, rank, sends=real_exchange)
     with rec:
         out, _ = run_layer(q, k, v, prog, ex, head_dim ** -0.5, backend=backend, keep_kv=keep_kv)
         rec.pass_ = "bwd"
@@ -289,7 +297,7 @@ def bytes_by_rate(ops) -> dict:
 
 
 #: Bump when :func:`rank_device_work`'s cached content changes meaning.
-DEVICE_CACHE_VERSION = 2
+DEVICE_CACHE_VERSION = 3  # 3: the real exchange's send-side gathers (session 32)
 
 
 def _runtime_code_digest() -> str:
@@ -301,7 +309,7 @@ def _runtime_code_digest() -> str:
 
     h = hashlib.sha256()
     base = os.path.dirname(d.__file__)
-    for name in ("runtime.py", "attention.py"):
+    for name in ("runtime.py", "attention.py", "comm.py"):
         with open(os.path.join(base, name), "rb") as f:
             h.update(f.read())
     return h.hexdigest()[:16]
@@ -311,10 +319,10 @@ def rank_device_work(doc_lens, cp: int, balance: str, nodes: int, comm: str, bac
                      heads: int, kv_heads: int, head_dim: int, cache: bool = True) -> list[tuple]:
     """Per rank of the plan of a causal document mask of ``doc_lens``: ``(forward bytes by rate
     class, forward launches, backward bytes by rate class, backward launches)`` of the runtime's
-    own device work (its torch ops and small kernels; not the attention calls, not the emulated
-    exchange's copies, which a real run leaves to NCCL), recorded by :func:`record_layer`
-    (:func:`bytes_by_rate`). Cached on disk next to the plan views, keyed on the inputs and the
-    runtime's source."""
+    own device work (its torch ops and small kernels, and the real exchange's gathers of outgoing
+    rows; not the attention calls, not the emulated exchange's copies, which a real run leaves to
+    NCCL), recorded by :func:`record_layer` (:func:`bytes_by_rate`). Cached on disk next to the
+    plan views, keyed on the inputs and the runtime's and exchange's source."""
     import hashlib
 
     from .layout import _key, cached_pickle, document_plan
@@ -327,7 +335,8 @@ def rank_device_work(doc_lens, cp: int, balance: str, nodes: int, comm: str, bac
         p = document_plan(doc_lens, cp, balance, nodes)[0]
         out = []
         for r in range(cp):
-            ops = [o for o in record_layer(p, r, comm, backward_calls, heads, kv_heads, head_dim)
+            ops = [o for o in record_layer(p, r, comm, backward_calls, heads, kv_heads, head_dim,
+                                           real_exchange=True)
                    if o.kind in ("kernel", "torch")]
             f = [o for o in ops if o.pass_ == "fwd"]
             b = [o for o in ops if o.pass_ == "bwd"]
