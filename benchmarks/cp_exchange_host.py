@@ -114,6 +114,46 @@ def nccl_one_rank(reps: int, port: int) -> float:
         dist.destroy_process_group()
 
 
+def send_gathers(cps, seqlen: int = 131072, kv_heads: int = 8, head_dim: int = 128) -> list[dict]:
+    """GPU ms (``triton.testing.do_bench``, median) of the send side of a real exchange's forward
+    for the rank that sends the most rows: ``SendParts.rows`` of every direct round (a view, or
+    one gather of the round's own wire rows), bf16, flat and hierarchical plans."""
+    import triton
+
+    import flashmask3.masks as M
+    from benchmarks.scale_model import experiment as X
+    from flashmask3.distributed import plan, prepare_rank
+    from flashmask3.distributed.runtime import SendParts
+
+    lens = next(iter(X.make_datasets(seqlen, targets=[0.78], sequences=1).values()))["sequences"][0]
+    out = []
+    for cp in cps:
+        for nodes in sorted({1, max(1, cp // 8)}):
+            p = plan(M.causal_document_mask(list(lens)), None, cp, balance="sparse", nodes=nodes)
+            sent = [0] * cp
+            for rnd in p.rounds:
+                if not rnd.relay:
+                    for t in rnd.transfers:
+                        sent[t.src] += len(t.chunks)
+            rank = max(range(cp), key=sent.__getitem__)
+            prog = prepare_rank(p, rank, "cuda", "overlap")
+            own = torch.randn(prog.n_own, 2, 1, p.chunk_size, kv_heads, head_dim, device="cuda",
+                              dtype=torch.bfloat16)
+            packed = own.index_select(0, prog.pack_rows) if prog.pack_rows is not None else None
+            parts = [SendParts(own, packed, r.send_parts, r.send_rows) for r in prog.rounds
+                     if r.source is None and r.send_parts]
+
+            def send_side():
+                for sp in parts:
+                    sp.rows()
+
+            ms = triton.testing.do_bench(send_side, warmup=25, rep=100)
+            rows = sum(r.n_send for r in prog.rounds if r.source is None)
+            out.append({"cp": cp, "nodes": nodes, "rank": rank, "rows": rows,
+                        "mbytes": rows * own[0].numel() * own.element_size() / 1e6, "gpu_ms": ms})
+    return out
+
+
 def per_layer_counts(cps, seqlen: int = 131072) -> list[dict]:
     """Messages (sends + receives) and rounds a rank issues per layer (forward rounds plus the
     gradient returns), median and max over ranks, for flat and hierarchical plans."""
@@ -144,6 +184,8 @@ def main(argv=None) -> int:
     ap.add_argument("--port", type=int, default=29541)
     ap.add_argument("--out", default=None, help="write <out>.json and <out>.md")
     ap.add_argument("--nccl", action="store_true", help="also time the issue on a one-rank NCCL group (a GPU)")
+    ap.add_argument("--gather", action="store_true",
+                    help="also time the send side's gathers of a real exchange on the GPU (bf16, 8 KV heads, D=128)")
     args = ap.parse_args(argv)
     queue = mp.get_context("spawn").SimpleQueue()
     mp.spawn(_worker, args=(2, args.port, args.counts, args.reps, queue), nprocs=2)
@@ -157,7 +199,8 @@ def main(argv=None) -> int:
         row["p2p_ms_estimate"] = row["messages_max"] * per_msg / 1e3
         row["all_to_all_ms_estimate"] = 2 * row["rounds"] * per_call / 1e3
     nccl_us = nccl_one_rank(args.reps, args.port + 1) if args.nccl else None
-    env = run_environment(torch.device("cuda" if args.nccl else "cpu"))
+    gathers = send_gathers(args.cps) if args.gather else None
+    env = run_environment(torch.device("cuda" if args.nccl or args.gather else "cpu"))
     md = ["# Host time to issue the CP exchange: one P2POp per message vs one all-to-all per round", "",
           f"- **date**: `{env['date']}`; **torch** `{env['torch']}`; **platform** `{env['platform']}`; "
           f"{os.cpu_count()} CPUs; gloo, two processes", f"- **command**: `{env['command']}`", "",
@@ -171,6 +214,14 @@ def main(argv=None) -> int:
         md += ["", f"NCCL ({env.get('gpu')}, a one-rank group: the only one a single GPU allows; torch "
                f"refuses a P2POp to itself): `DistExchange.start` of a round of one message issues in "
                f"{nccl_us:.0f} µs (median of {args.reps})."]
+    if gathers:
+        md += ["", "Send side on the GPU (measured, `triton.testing.do_bench` median): a collective needs a round's "
+               "outgoing rows in one buffer in peer order, so the forward gathers every direct round whose messages "
+               "are not one run of own rows (a chunk sent to k peers is copied k times). The rank that sends the most "
+               "rows, 128K tokens, bf16, 8 KV heads, D=128:", "",
+               "| cp | nodes | rank | rows sent (direct rounds) | MB | gather ms per forward |", "|---|---|---|---|---|---|"]
+        md += [f"| {g['cp']} | {g['nodes']} | {g['rank']} | {g['rows']} | {g['mbytes']:.0f} | {g['gpu_ms']:.3f} |"
+               for g in gathers]
     md += ["", f"ESTIMATES per layer (forward rounds + gradient returns) for a rank of a real plan (128K-token "
            f"corpus document mask, sparse balance): messages x {per_msg:.1f} µs against 2 x rounds x "
            f"{per_call:.0f} µs (the medians above).", "",
@@ -185,7 +236,7 @@ def main(argv=None) -> int:
         with open(args.out + ".json", "w") as f:
             json.dump({"env": env, "measured": measured, "per_layer_estimates": layers,
                        "per_message_us": per_msg, "per_call_us": per_call,
-                       "nccl_one_rank_all_to_all_us": nccl_us}, f, indent=1)
+                       "nccl_one_rank_all_to_all_us": nccl_us, "send_gathers": gathers}, f, indent=1)
         with open(args.out + ".md", "w") as f:
             f.write(text)
     return 0

@@ -125,7 +125,7 @@ class DistExchange:
     ``recv[m.start:m.stop]``); the reverse round swaps the roles of the two message lists.
 
     Why a collective and not one ``P2POp`` per message: issuing a message of a
-    ``batch_isend_irecv`` costs 12-31 µs of host time (session 32,
+    ``batch_isend_irecv`` costs 12-56 µs of host time (session 32,
     benchmarks/cp_exchange_host.py), and a rank of a flat cp-128 plan has ~250 messages a pass,
     milliseconds a layer. One
     ``all_to_all_single`` with per-peer row counts is one call whatever the count (NCCL runs it
