@@ -114,65 +114,66 @@ def nccl_one_rank(reps: int, port: int) -> float:
         dist.destroy_process_group()
 
 
-def send_gathers(cps, seqlen: int = 131072, kv_heads: int = 8, head_dim: int = 128) -> list[dict]:
-    """GPU ms (``triton.testing.do_bench``, median) of the send side of a real exchange's forward
-    for the rank that sends the most rows: ``SendParts.rows`` of every direct round (a view, or
-    one gather of the round's own wire rows), bf16, flat and hierarchical plans."""
-    import triton
-
-    import flashmask3.masks as M
-    from benchmarks.scale_model import experiment as X
-    from flashmask3.distributed import plan, prepare_rank
-    from flashmask3.distributed.runtime import SendParts
-
-    lens = next(iter(X.make_datasets(seqlen, targets=[0.78], sequences=1).values()))["sequences"][0]
-    out = []
-    for cp in cps:
-        for nodes in sorted({1, max(1, cp // 8)}):
-            p = plan(M.causal_document_mask(list(lens)), None, cp, balance="sparse", nodes=nodes)
-            sent = [0] * cp
-            for rnd in p.rounds:
-                if not rnd.relay:
-                    for t in rnd.transfers:
-                        sent[t.src] += len(t.chunks)
-            rank = max(range(cp), key=sent.__getitem__)
-            prog = prepare_rank(p, rank, "cuda", "overlap")
-            own = torch.randn(prog.n_own, 2, 1, p.chunk_size, kv_heads, head_dim, device="cuda",
-                              dtype=torch.bfloat16)
-            packed = own.index_select(0, prog.pack_rows) if prog.pack_rows is not None else None
-            parts = [SendParts(own, packed, r.send_parts, r.send_rows) for r in prog.rounds
-                     if r.source is None and r.send_parts]
-
-            def send_side():
-                for sp in parts:
-                    sp.rows()
-
-            ms = triton.testing.do_bench(send_side, warmup=25, rep=100)
-            rows = sum(r.n_send for r in prog.rounds if r.source is None)
-            out.append({"cp": cp, "nodes": nodes, "rank": rank, "rows": rows,
-                        "mbytes": rows * own[0].numel() * own.element_size() / 1e6, "gpu_ms": ms})
-    return out
-
-
-def per_layer_counts(cps, seqlen: int = 131072) -> list[dict]:
-    """Messages (sends + receives) and rounds a rank issues per layer (forward rounds plus the
-    gradient returns), median and max over ranks, for flat and hierarchical plans."""
+def corpus_plans(cps, seqlen: int = 131072) -> list[tuple]:
+    """``(cp, nodes, plan)`` of a 128K-token corpus document mask (sparse balance) for each cp,
+    flat and hierarchical (8 GPUs a node): the plans both tables of this benchmark read."""
     import flashmask3.masks as M
     from benchmarks.scale_model import experiment as X
     from flashmask3.distributed import plan
 
     lens = next(iter(X.make_datasets(seqlen, targets=[0.78], sequences=1).values()))["sequences"][0]
-    rows = []
-    for cp in cps:
-        for nodes in sorted({1, max(1, cp // 8)}):
-            p = plan(M.causal_document_mask(list(lens)), None, cp, balance="sparse", nodes=nodes)
-            per = [0] * cp
-            for rnd in p.rounds:
+    mask = M.causal_document_mask(list(lens))
+    return [(cp, nodes, plan(mask, None, cp, balance="sparse", nodes=nodes))
+            for cp in cps for nodes in sorted({1, max(1, cp // 8)})]
+
+
+def send_gathers(plans, kv_heads: int = 8, head_dim: int = 128) -> list[dict]:
+    """GPU ms (``triton.testing.do_bench``, median) of the send side of a real exchange's forward
+    for the rank that sends the most rows: ``SendParts.rows`` of every direct round (a view, or
+    one gather of the round's own wire rows), bf16, each of ``plans`` (:func:`corpus_plans`)."""
+    import triton
+
+    from flashmask3.distributed import prepare_rank
+    from flashmask3.distributed.runtime import SendParts
+
+    out = []
+    for cp, nodes, p in plans:
+        sent = [0] * cp
+        for rnd in p.rounds:
+            if not rnd.relay:
                 for t in rnd.transfers:
-                    per[t.src] += 1
-                    per[t.dst] += 1
-            rows.append({"cp": cp, "nodes": nodes, "rounds": len(p.rounds),
-                         "messages_median": 2 * int(statistics.median(per)), "messages_max": 2 * max(per)})
+                    sent[t.src] += len(t.chunks)
+        rank = max(range(cp), key=sent.__getitem__)
+        prog = prepare_rank(p, rank, "cuda", "overlap")
+        own = torch.randn(prog.n_own, 2, 1, p.chunk_size, kv_heads, head_dim, device="cuda",
+                          dtype=torch.bfloat16)
+        packed = own.index_select(0, prog.pack_rows) if prog.pack_rows is not None else None
+        parts = [SendParts(own, packed, r.send_parts, r.send_rows) for r in prog.rounds
+                 if r.source is None and r.send_parts]
+
+        def send_side():
+            for sp in parts:
+                sp.rows()
+
+        ms = triton.testing.do_bench(send_side, warmup=25, rep=100)
+        rows = sum(r.n_send for r in prog.rounds if r.source is None)
+        out.append({"cp": cp, "nodes": nodes, "rank": rank, "rows": rows,
+                    "mbytes": rows * own[0].numel() * own.element_size() / 1e6, "gpu_ms": ms})
+    return out
+
+
+def per_layer_counts(plans) -> list[dict]:
+    """Messages (sends + receives) and rounds a rank issues per layer (forward rounds plus the
+    gradient returns), median and max over ranks, for each of ``plans`` (:func:`corpus_plans`)."""
+    rows = []
+    for cp, nodes, p in plans:
+        per = [0] * cp
+        for rnd in p.rounds:
+            for t in rnd.transfers:
+                per[t.src] += 1
+                per[t.dst] += 1
+        rows.append({"cp": cp, "nodes": nodes, "rounds": len(p.rounds),
+                     "messages_median": 2 * int(statistics.median(per)), "messages_max": 2 * max(per)})
     return rows
 
 
@@ -194,12 +195,13 @@ def main(argv=None) -> int:
                  "all_to_all_us": got[("all_to_all", n)] * 1e6} for n in args.counts]
     per_msg = statistics.median(m["p2p_us_per_message"] for m in measured)
     per_call = statistics.median(m["all_to_all_us"] for m in measured)
-    layers = per_layer_counts(args.cps)
+    plans = corpus_plans(args.cps)
+    layers = per_layer_counts(plans)
     for row in layers:
         row["p2p_ms_estimate"] = row["messages_max"] * per_msg / 1e3
         row["all_to_all_ms_estimate"] = 2 * row["rounds"] * per_call / 1e3
     nccl_us = nccl_one_rank(args.reps, args.port + 1) if args.nccl else None
-    gathers = send_gathers(args.cps) if args.gather else None
+    gathers = send_gathers(plans) if args.gather else None
     env = run_environment(torch.device("cuda" if args.nccl or args.gather else "cpu"))
     md = ["# Host time to issue the CP exchange: one P2POp per message vs one all-to-all per round", "",
           f"- **date**: `{env['date']}`; **torch** `{env['torch']}`; **platform** `{env['platform']}`; "

@@ -194,9 +194,9 @@ _PLANS_KEPT = 1  # a layer's view and its recorded runtime ops plan the same mas
 
 
 def document_plan(doc_lens: Sequence[int], cp: int, balance: str, nodes: int = 1):
-    """``(plan, planning seconds)`` of a causal document mask of ``doc_lens``; the last few are
-    kept in memory, so that the plan view and the runtime-op recording of one layer
-    (runtime_ops.rank_device_work) plan it once."""
+    """``(plan, planning seconds)`` of a causal document mask of ``doc_lens``; the last
+    :data:`_PLANS_KEPT` are kept in memory, so that the plan view and the runtime-op recording of
+    one layer (runtime_ops.rank_device_work) plan it once."""
     import time
 
     import flashmask3.masks as M

@@ -133,8 +133,8 @@ class DistExchange:
     zero rows for peers it does not talk to; the runtime issues the rounds in the same order on
     every rank (docs/cp-runtime.md), which a collective needs. Messages are in peer order (a
     :class:`~.plan.Round` keeps them so), so the outgoing rows are one buffer (a view where
-    they already are, else one concatenation) and the incoming ones land in ``recv`` as they
-    are."""
+    they already are, else one gather: :meth:`~.runtime.SendParts.rows`) and the incoming ones
+    land in ``recv`` as they are."""
 
     def __init__(self, pg: dist.ProcessGroup):
         self.pg = pg
