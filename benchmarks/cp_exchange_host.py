@@ -127,15 +127,63 @@ def corpus_plans(cps, seqlen: int = 131072) -> list[tuple]:
             for cp in cps for nodes in sorted({1, max(1, cp // 8)})]
 
 
-def send_gathers(plans, kv_heads: int = 8, head_dim: int = 128) -> list[dict]:
+def _one_view(parts) -> bool:
+    """Session 32's test for a round sent as a view: its parts ``(packed, start, stop)`` lie
+    back to back in one of the two buffers."""
+    (p, _, b), *rest = parts
+    for q, c, d in rest:
+        if q != p or c != b:
+            return False
+        b = d
+    return True
+
+
+def _session32_send_side(prog, k, v, backend):
+    """The forward's send side as session 32 built it, rebuilt from ``prog`` for the A/B: all
+    own wire rows, a pack of the messages that were not one run of own chunks, then one gather
+    per direct round whose messages were not back to back in one of the two (the collective's
+    buffer). Returns a function that does it once."""
+    from flashmask3.distributed.runtime import pack_wire_rows
+
+    pos = {c: i for i, c in enumerate(prog.own_chunks)}
+    pack, gathers = [], []
+    for r in prog.rounds:
+        if r.relay or not r.n_send:
+            continue
+        parts = []
+        for m in r.sends:
+            rows = [pos[c] for c in m.chunks]
+            if rows == list(range(rows[0], rows[0] + len(rows))):
+                parts.append((False, rows[0], rows[-1] + 1))
+            else:
+                parts.append((True, len(pack), len(pack) + len(rows)))
+                pack += rows
+        if not _one_view(parts):
+            gathers.append(torch.tensor([pos[c] for m in r.sends for c in m.chunks], device=k.device))
+    pack = torch.tensor(pack, device=k.device) if pack else None
+
+    def run():
+        own = pack_wire_rows(k, v, None, prog.chunk_size, backend)
+        if pack is not None:
+            own.index_select(0, pack)
+        for rows in gathers:
+            own.index_select(0, rows)
+    return run
+
+
+def send_side(plans, kv_heads: int = 8, head_dim: int = 128) -> list[dict]:
     """GPU ms (``triton.testing.do_bench``, median) of the send side of a real exchange's forward
-    for the rank that sends the most rows: ``SendParts.rows`` of every direct round (a view, or
-    one gather of the round's own wire rows), bf16, each of ``plans`` (:func:`corpus_plans`)."""
+    for the rank that sends the most rows, bf16, each of ``plans`` (:func:`corpus_plans`): now
+    (one pack of every packed round's rows from K/V, the rounds sent as views of it) against
+    session 32's (:func:`_session32_send_side`), alternating in one process on the same
+    inputs."""
     import triton
 
     from flashmask3.distributed import prepare_rank
-    from flashmask3.distributed.runtime import SendParts
+    from flashmask3.distributed.runtime import pack_wire_rows
+    from flashmask3.kernels import get_backend
 
+    backend = get_backend("triton")
     out = []
     for cp, nodes, p in plans:
         sent = [0] * cp
@@ -145,20 +193,24 @@ def send_gathers(plans, kv_heads: int = 8, head_dim: int = 128) -> list[dict]:
                     sent[t.src] += len(t.chunks)
         rank = max(range(cp), key=sent.__getitem__)
         prog = prepare_rank(p, rank, "cuda", "overlap")
-        own = torch.randn(prog.n_own, 2, 1, p.chunk_size, kv_heads, head_dim, device="cuda",
-                          dtype=torch.bfloat16)
-        packed = own.index_select(0, prog.pack_rows) if prog.pack_rows is not None else None
-        parts = [SendParts(own, packed, r.send_parts, r.send_rows) for r in prog.rounds
-                 if r.source is None and r.send_parts]
+        k, v = (torch.randn(1, p.local_seqlen, kv_heads, head_dim, device="cuda", dtype=torch.bfloat16)
+                for _ in range(2))
 
-        def send_side():
-            for sp in parts:
-                sp.rows()
+        def now():
+            if prog.sends_own_rows:
+                pack_wire_rows(k, v, None, prog.chunk_size, backend)
+            if prog.pack_rows is not None:
+                pack_wire_rows(k, v, prog.pack_rows, prog.chunk_size, backend)
 
-        ms = triton.testing.do_bench(send_side, warmup=25, rep=100)
+        before = _session32_send_side(prog, k, v, backend)
+        times = {"now_ms": [], "session32_ms": []}
+        for _ in range(3):
+            times["now_ms"].append(triton.testing.do_bench(now, warmup=25, rep=100))
+            times["session32_ms"].append(triton.testing.do_bench(before, warmup=25, rep=100))
         rows = sum(r.n_send for r in prog.rounds if r.source is None)
-        out.append({"cp": cp, "nodes": nodes, "rank": rank, "rows": rows,
-                    "mbytes": rows * own[0].numel() * own.element_size() / 1e6, "gpu_ms": ms})
+        row_bytes = 2 * p.chunk_size * kv_heads * head_dim * 2
+        out.append({"cp": cp, "nodes": nodes, "rank": rank, "rows": rows, "mbytes": rows * row_bytes / 1e6,
+                    **{key: statistics.median(t) for key, t in times.items()}})
     return out
 
 
@@ -186,7 +238,8 @@ def main(argv=None) -> int:
     ap.add_argument("--out", default=None, help="write <out>.json and <out>.md")
     ap.add_argument("--nccl", action="store_true", help="also time the issue on a one-rank NCCL group (a GPU)")
     ap.add_argument("--gather", action="store_true",
-                    help="also time the send side's gathers of a real exchange on the GPU (bf16, 8 KV heads, D=128)")
+                    help="also time the send side of a real exchange's forward on the GPU, now vs session 32 "
+                         "(bf16, 8 KV heads, D=128)")
     args = ap.parse_args(argv)
     queue = mp.get_context("spawn").SimpleQueue()
     mp.spawn(_worker, args=(2, args.port, args.counts, args.reps, queue), nprocs=2)
@@ -201,7 +254,7 @@ def main(argv=None) -> int:
         row["p2p_ms_estimate"] = row["messages_max"] * per_msg / 1e3
         row["all_to_all_ms_estimate"] = 2 * row["rounds"] * per_call / 1e3
     nccl_us = nccl_one_rank(args.reps, args.port + 1) if args.nccl else None
-    gathers = send_gathers(plans) if args.gather else None
+    sides = send_side(plans) if args.gather else None
     env = run_environment(torch.device("cuda" if args.nccl or args.gather else "cpu"))
     md = ["# Host time to issue the CP exchange: one P2POp per message vs one all-to-all per round", "",
           f"- **date**: `{env['date']}`; **torch** `{env['torch']}`; **platform** `{env['platform']}`; "
@@ -216,14 +269,17 @@ def main(argv=None) -> int:
         md += ["", f"NCCL ({env.get('gpu')}, a one-rank group: the only one a single GPU allows; torch "
                f"refuses a P2POp to itself): `DistExchange.start` of a round of one message issues in "
                f"{nccl_us:.0f} µs (median of {args.reps})."]
-    if gathers:
-        md += ["", "Send side on the GPU (measured, `triton.testing.do_bench` median): a collective needs a round's "
-               "outgoing rows in one buffer in peer order, so the forward gathers every direct round whose messages "
-               "are not one run of own rows (a chunk sent to k peers is copied k times). The rank that sends the most "
+    if sides:
+        md += ["", "Send side on the GPU (measured, `triton.testing.do_bench` median of 3 alternating runs): a "
+               "collective needs a round's outgoing rows in one buffer in peer order (a chunk sent to k peers is "
+               "there k times). Now: one pack of every such round's rows straight from K/V, each round sent as a "
+               "view of it. Session 32: all own wire rows, a pack of the messages that were not one run of own "
+               "chunks, then one gather per round (rebuilt from the same program). The rank that sends the most "
                "rows, 128K tokens, bf16, 8 KV heads, D=128:", "",
-               "| cp | nodes | rank | rows sent (direct rounds) | MB | gather ms per forward |", "|---|---|---|---|---|---|"]
-        md += [f"| {g['cp']} | {g['nodes']} | {g['rank']} | {g['rows']} | {g['mbytes']:.0f} | {g['gpu_ms']:.3f} |"
-               for g in gathers]
+               "| cp | nodes | rank | rows sent (direct rounds) | MB | now ms per forward | session 32 ms |",
+               "|---|---|---|---|---|---|---|"]
+        md += [f"| {g['cp']} | {g['nodes']} | {g['rank']} | {g['rows']} | {g['mbytes']:.0f} | {g['now_ms']:.3f} | "
+               f"{g['session32_ms']:.3f} |" for g in sides]
     md += ["", f"ESTIMATES per layer (forward rounds + gradient returns) for a rank of a real plan (128K-token "
            f"corpus document mask, sparse balance): messages x {per_msg:.1f} µs against 2 x rounds x "
            f"{per_call:.0f} µs (the medians above).", "",
@@ -238,7 +294,7 @@ def main(argv=None) -> int:
         with open(args.out + ".json", "w") as f:
             json.dump({"env": env, "measured": measured, "per_layer_estimates": layers,
                        "per_message_us": per_msg, "per_call_us": per_call,
-                       "nccl_one_rank_all_to_all_us": nccl_us, "send_gathers": gathers}, f, indent=1)
+                       "nccl_one_rank_all_to_all_us": nccl_us, "send_side": sides}, f, indent=1)
         with open(args.out + ".md", "w") as f:
             f.write(text)
     return 0

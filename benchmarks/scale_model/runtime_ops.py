@@ -209,18 +209,15 @@ class _Backend:
             return dk, torch.empty_like(dk)
 
 
-def _exchange(rec: _Recorder, wire, p, rank, sends: bool = False):
+def _exchange(rec: _Recorder, wire, p, rank):
     from flashmask3.distributed import EmulatedExchange
-    from flashmask3.distributed.comm import outgoing_rows
 
     class Exchange(EmulatedExchange):
-        """The emulated exchange, its copies recorded as ``emulated`` ops; ``sends``: also the
-        send side of a real exchange (``comm.DistExchange``: a round's outgoing rows in one
-        buffer, on the compute stream), recorded as the runtime's own work."""
+        """The emulated exchange, its copies recorded as ``emulated`` ops. A real exchange
+        (``comm.DistExchange``) sends views of what the runtime packed: the runtime's own device
+        work is the same under both."""
 
         def start(self, rnd, reverse, send, recv):
-            if sends:
-                outgoing_rows(send, rnd.recvs if reverse else rnd.sends)
             with rec.kind("emulated"):
                 return super().start(rnd, reverse, send, recv)
 
@@ -236,13 +233,10 @@ def _exchange(rec: _Recorder, wire, p, rank, sends: bool = False):
 
 
 def record_layer(p, rank: int, comm: str, backward_calls: str, heads: int, kv_heads: int, head_dim: int,
-                 dtype: torch.dtype = torch.bfloat16, keep_kv: bool = True, hide: tuple = (),
-                 real_exchange: bool = False) -> list[Op]:
+                 dtype: torch.dtype = torch.bfloat16, keep_kv: bool = True, hide: tuple = ()) -> list[Op]:
     """The device ops of rank ``rank``'s layer (forward then backward, issue order) under plan
     ``p`` (a :class:`flashmask3.distributed.CPPlan`), ``comm`` and ``backward_calls``, B=1;
-    ``hide``: backend functions the runtime does without (an A/B layout of cp_single_gpu.py);
-    ``real_exchange``: with the send side of a real exchange (its gathers of outgoing rows: what a
-    multi-GPU run does on the compute stream and the one-GPU emulation does not)."""
+    ``hide``: backend functions the runtime does without (an A/B layout of cp_single_gpu.py)."""
     from flashmask3.distributed import prepare_rank, run_layer
     from flashmask3.distributed.runtime import to_wire
 
@@ -260,7 +254,7 @@ def record_layer(p, rank: int, comm: str, backward_calls: str, heads: int, kv_he
             for _ in range(2))
     wire = to_wire(*(torch.empty(1, s, kv_heads, head_dim, dtype=dtype, device=meta) for _ in range(2)),
                    p.chunk_size)
-    ex = _exchange(rec, wire, p, rank, sends=real_exchange)
+    ex = _exchange(rec, wire, p, rank)
     with rec:
         out, _ = run_layer(q, k, v, prog, ex, head_dim ** -0.5, backend=backend, keep_kv=keep_kv)
         rec.pass_ = "bwd"
@@ -297,7 +291,7 @@ def bytes_by_rate(ops) -> dict:
 
 
 #: Bump when :func:`rank_device_work`'s cached content changes meaning.
-DEVICE_CACHE_VERSION = 3  # 3: the real exchange's send-side gathers (session 32)
+DEVICE_CACHE_VERSION = 4  # 4: one pack per pass, the exchange sends views (session 33)
 
 
 def _runtime_code_digest() -> str:
@@ -319,8 +313,8 @@ def rank_device_work(doc_lens, cp: int, balance: str, nodes: int, comm: str, bac
                      heads: int, kv_heads: int, head_dim: int, cache: bool = True) -> list[tuple]:
     """Per rank of the plan of a causal document mask of ``doc_lens``: ``(forward bytes by rate
     class, forward launches, backward bytes by rate class, backward launches)`` of the runtime's
-    own device work (its torch ops and small kernels, and the real exchange's gathers of outgoing
-    rows; not the attention calls, not the emulated exchange's copies, which a real run leaves to
+    own device work (its torch ops and small kernels, the packing of outgoing rows included; not
+    the attention calls, not the emulated exchange's copies, which a real run leaves to
     NCCL), recorded by :func:`record_layer` (:func:`bytes_by_rate`). Cached on disk next to the
     plan views, keyed on the inputs and the runtime's and exchange's source."""
     import hashlib
@@ -335,8 +329,7 @@ def rank_device_work(doc_lens, cp: int, balance: str, nodes: int, comm: str, bac
         p = document_plan(doc_lens, cp, balance, nodes)[0]
         out = []
         for r in range(cp):
-            ops = [o for o in record_layer(p, r, comm, backward_calls, heads, kv_heads, head_dim,
-                                           real_exchange=True)
+            ops = [o for o in record_layer(p, r, comm, backward_calls, heads, kv_heads, head_dim)
                    if o.kind in ("kernel", "torch")]
             f = [o for o in ops if o.pass_ == "fwd"]
             b = [o for o in ops if o.pass_ == "bwd"]

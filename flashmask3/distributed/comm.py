@@ -24,7 +24,6 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from .runtime import SendParts
 
 _READY_GROUPS: set[str] = set()
 
@@ -91,14 +90,11 @@ def _rows_per_peer(msgs, world: int) -> list[int]:
     return rows
 
 
-def outgoing_rows(send, out_msgs) -> Optional[torch.Tensor]:
-    """The rows of ``out_msgs`` as one contiguous tensor, in message order (None: nothing to
-    send): a :class:`~.runtime.SendParts`' :meth:`~.runtime.SendParts.rows`, or the messages'
-    rows of a buffer laid out by them."""
+def outgoing_rows(send: Optional[torch.Tensor], out_msgs) -> Optional[torch.Tensor]:
+    """The rows of ``out_msgs`` (one buffer laid out by them, message order) as one contiguous
+    tensor, a view of ``send``; None: nothing to send."""
     if send is None or not out_msgs:
         return None
-    if isinstance(send, SendParts):
-        return send.rows()
     return send[:out_msgs[-1].stop]
 
 
@@ -119,10 +115,11 @@ class DistExchange:
     """The runtime's exchange over a torch.distributed group (see
     :mod:`flashmask3.distributed.runtime`): one ``all_to_all_single`` per round and direction.
 
-    A forward round sends each message's wire rows to ``m.peer`` (``send``: a direct round's
-    :class:`~.runtime.SendParts`, or one buffer of which each message is
-    ``send[m.start:m.stop]``) and receives straight into ``recv`` (each message its rows
-    ``recv[m.start:m.stop]``); the reverse round swaps the roles of the two message lists.
+    A forward round sends each message's wire rows to ``m.peer`` (``send``: one buffer of which
+    each message is ``send[m.start:m.stop]``; a direct round's is a view,
+    :attr:`~.runtime.RoundProgram.send_slice`) and receives straight into ``recv`` (each
+    message its rows ``recv[m.start:m.stop]``); the reverse round swaps the roles of the two
+    message lists.
 
     Why a collective and not one ``P2POp`` per message: issuing a message of a
     ``batch_isend_irecv`` costs 12-56 µs of host time (session 32,
@@ -132,9 +129,9 @@ class DistExchange:
     as the same grouped sends and receives, in C++). Every rank takes part in every round, with
     zero rows for peers it does not talk to; the runtime issues the rounds in the same order on
     every rank (docs/cp-runtime.md), which a collective needs. Messages are in peer order (a
-    :class:`~.plan.Round` keeps them so), so the outgoing rows are one buffer (a view where
-    they already are, else one gather: :meth:`~.runtime.SendParts.rows`) and the incoming ones
-    land in ``recv`` as they are."""
+    :class:`~.plan.Round` keeps them so), so the outgoing rows are one buffer (the program packs
+    each direct round's rows back to back, once per pass) and the incoming ones land in ``recv``
+    as they are."""
 
     def __init__(self, pg: dist.ProcessGroup):
         self.pg = pg

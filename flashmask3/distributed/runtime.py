@@ -122,10 +122,10 @@ class RoundProgram:
     recv_chunk_ids: torch.Tensor
     direct_offset: int = 0  # rows before this round's in the direct gradient-return buffer
     recv_offset: int = 0  # rows before this round's in the pass's one receive buffer
-    #: a direct round's messages as ``(packed, start, stop)``: rows of the own wire rows
-    #: (``packed`` False: the message's chunks are consecutive own chunks, sent as a view) or of
-    #: the pass's packed payload (``RankProgram.pack_rows``)
-    send_parts: tuple[tuple[bool, int, int], ...] = ()
+    #: a direct round's outgoing rows (every message, in message order) as ``(packed, start,
+    #: stop)``: a slice of the own wire rows (``packed`` False: the rows are one run of own
+    #: chunks) or of the pass's packed payload (``RankProgram.pack_rows``); None: nothing sent
+    send_slice: Optional[tuple[bool, int, int]] = None
     #: a relay round's rows in its source round's buffer of returned gradients (the source's
     #: children, in ``children`` order, back to back)
     child_offset: int = 0
@@ -196,8 +196,11 @@ class RankProgram:
     key_starts: tuple[int, ...] = (0,)
     #: each held stage's slice of ``key_rows`` (views made once, not per layer)
     stage_key_rows: tuple = ()
-    #: own wire rows packed for the direct messages that are not one run of own chunks
+    #: own chunks packed for the direct rounds whose rows are not one run of own chunks, each
+    #: round's rows back to back (:attr:`RoundProgram.send_slice`)
     pack_rows: Optional[torch.Tensor] = None
+    #: some direct round sends a slice of the own wire rows (else only the packed rows are built)
+    sends_own_rows: bool = False
     backward_calls: str = "stage"  # BACKWARD_CALLS, resolved ("auto" never)
     merged: Optional[MergedBackward] = None  # backward_calls "one" / "local+one"
     n_recv: int = 0  # rows of one pass's receive buffer (every round's, in round order)
@@ -295,24 +298,22 @@ def backward_order(rounds) -> list[int]:
     return order + [t for t in direct if not children[t]]
 
 
-def _send_parts(sends, own_pos, pack: list[int]) -> tuple[tuple[bool, int, int], ...]:
-    """A direct round's messages as :attr:`RoundProgram.send_parts`: a view of the own wire
-    rows where a message's chunks are consecutive own chunks, else rows appended to ``pack``."""
-    parts = []
-    for m in sends:
-        rows = [own_pos[c] for c in m.chunks]
-        if rows == list(range(rows[0], rows[0] + len(rows))):
-            parts.append((False, rows[0], rows[0] + len(rows)))
-        else:
-            parts.append((True, len(pack), len(pack) + len(rows)))
-            pack += rows
-    return tuple(parts)
+def _send_slice(send_rows: list[int], pack: list[int]) -> tuple[bool, int, int]:
+    """A direct round's :attr:`RoundProgram.send_slice`: its own rows ``send_rows`` (message
+    order) as a slice of the own wire rows where they are one run, else appended to ``pack`` as
+    one slice of the packed payload. Either way an exchange sends a view: a collective needs the
+    round's rows in one buffer, and packing them here copies each row once per pass."""
+    a, n = send_rows[0], len(send_rows)
+    if send_rows == list(range(a, a + n)):
+        return (False, a, a + n)
+    pack += send_rows
+    return (True, len(pack) - n, len(pack))
 
 
 def _build_rounds(plan, rank, device, keep, own_pos, pack: list[int],
                   host_sends: dict[int, list[int]]) -> list[RoundProgram]:
-    """Every round of ``plan`` as ``rank`` sees it; the own rows that direct messages must pack
-    are appended to ``pack`` (:func:`_send_parts`), each round's ``send_rows`` as a host list
+    """Every round of ``plan`` as ``rank`` sees it; the own rows that direct rounds must pack
+    are appended to ``pack`` (:func:`_send_slice`), each round's ``send_rows`` as a host list
     put in ``host_sends`` (the indexes built from them are computed on the host)."""
     rounds = plan.rounds
     stages = plan.stages(rank)
@@ -345,7 +346,7 @@ def _build_rounds(plan, rank, device, keep, own_pos, pack: list[int],
             send_chunk_ids=_index([c for m in sends for c in m.chunks], device, keep),
             recv_chunk_ids=_index([c for m in recvs for c in m.chunks], device, keep),
             direct_offset=direct_offset, recv_offset=recv_offset,
-            send_parts=_send_parts(sends, own_pos, pack) if src is None else ()))
+            send_slice=_send_slice(send_rows, pack) if src is None and send_rows else None))
         recv_offset += n_recv
         if src is None:
             direct_offset += len(send_rows)
@@ -491,6 +492,7 @@ def _build_program(plan, rank, device, comm, calls="stage") -> RankProgram:
                        direct_send_rows=direct_rows, n_direct_send=sum(r.n_send for r in direct),
                        key_first=first, **_key_index(key_rows, key_starts, device, keep),
                        pack_rows=_index(pack, device, keep) if pack else None,
+                       sends_own_rows=any(r.send_slice and not r.send_slice[0] for r in rounds),
                        merged=merged, n_recv=sum(r.n_recv for r in rounds),
                        returns_index=_own_returns_index([own_pos[c] for c in own_stage], direct_host,
                                                         len(own), device, keep),
@@ -634,34 +636,14 @@ def _round_views(prog: RankProgram, store: torch.Tensor, lead: int) -> dict[int,
     return {r.index: store[lead + r.recv_offset:lead + r.recv_offset + r.n_recv] for r in prog.rounds}
 
 
-class SendParts:
-    """A direct round's outgoing messages: views of the own wire rows ``own`` or of the packed
-    payload ``packed`` (:attr:`RoundProgram.send_parts`); ``rows``: the own wire rows of every
-    message in message order (:attr:`RoundProgram.send_rows`). Joined only when an exchange
-    sends them (:meth:`rows`; the emulation never does)."""
-
-    def __init__(self, own: torch.Tensor, packed: Optional[torch.Tensor], parts, rows: torch.Tensor):
-        self.own, self.packed, self.parts, self.index = own, packed, parts, rows
-
-    def rows(self) -> torch.Tensor:
-        """Every message's rows as one contiguous tensor, in message order: a view where the
-        messages lie back to back in one buffer, else one gather of the own wire rows (one op
-        whatever the number of messages)."""
-        (p, a, b), *rest = self.parts
-        for q, c, d in rest:
-            if q != p or c != b:
-                return self.own.index_select(0, self.index)
-            b = d
-        return (self.packed if p else self.own)[a:b]
-
-
 class _Rounds:
     """Forward traffic of one pass: issues rounds as their payloads become available.
 
     Every round receives into its rows of one K/V ``store``; where the key buffer holds the own
     stage (``prog.key_first == 0``) the rank's own wire rows lead it, so that every held stage
-    is gathered from the store alike. A direct message goes out as a view of the own wire rows
-    where its chunks are consecutive own chunks, else from one packed payload."""
+    is gathered from the store alike. A direct round goes out as one view
+    (:attr:`RoundProgram.send_slice`): of the own wire rows where its rows are one run of own
+    chunks, else of the packed payload, which one launch builds from K/V for every round."""
 
     def __init__(self, prog: RankProgram, exchange, k, v, backend=None):
         self.prog, self.exchange = prog, exchange
@@ -674,12 +656,15 @@ class _Rounds:
         wire_own = None
         if lead:
             wire_own = pack_wire_rows(k, v, None, cs, backend, out=self.store[:lead])
-        elif prog.n_direct_send:
+        elif prog.sends_own_rows:
             wire_own = pack_wire_rows(k, v, None, cs, backend)
-        packed = wire_own.index_select(0, prog.pack_rows) if prog.pack_rows is not None else None
+        packed = pack_wire_rows(k, v, prog.pack_rows, cs, backend) if prog.pack_rows is not None else None
         for r in prog.rounds:
             if r.source is None:
-                send = SendParts(wire_own, packed, r.send_parts, r.send_rows) if r.send_parts else None
+                send = None
+                if r.send_slice is not None:
+                    from_pack, a, b = r.send_slice
+                    send = (packed if from_pack else wire_own)[a:b]
                 self.pending[r.index] = exchange.start(r, False, send, self.bufs[r.index])
 
     def arrive(self, t: int) -> torch.Tensor:

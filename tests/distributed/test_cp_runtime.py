@@ -89,10 +89,10 @@ def test_prepare_rank_is_cached_and_matches_the_plan():
 def test_key_buffer_rows_and_send_views(nodes):
     """The key buffer holds the stages from ``key_first`` on, in stage order, gathered from the
     right rows of the pass's K/V store (own wire rows first where it holds the own stage); every
-    direct message is its chunks, as a view of consecutive own rows or from the packed payload,
-    and most of a corpus plan's messages need no packing (the hierarchical one here none)."""
+    direct round's outgoing rows are its messages' chunks in message order, one slice of the own
+    wire rows or of the packed payload, which holds each packed round's rows once."""
     p = _corpus_plan(4096, 8, nodes)
-    views = packed = 0
+    kinds = set()
     for rank in range(p.cp_size):
         for calls in ("stage", "one", "local+one"):
             prog = prepare_rank(p, rank, "cpu", backward_calls=calls)
@@ -106,16 +106,19 @@ def test_key_buffer_rows_and_send_views(nodes):
             assert list(prog.key_starts) == [sum(len(s) for s in held[:i]) for i in range(len(held) + 1)]
             own = list(prog.own_chunks)
             pack = [] if prog.pack_rows is None else [own[i] for i in prog.pack_rows.tolist()]
+            slices = []
             for r in prog.rounds:
-                if r.source is not None:
-                    assert r.send_parts == ()
+                if r.source is not None or not r.n_send:
+                    assert r.send_slice is None
                     continue
-                assert len(r.send_parts) == len(r.sends)
-                for m, (is_packed, a, b) in zip(r.sends, r.send_parts):
-                    assert (pack if is_packed else own)[a:b] == list(m.chunks)
-                    views += not is_packed
-                    packed += is_packed
-    assert views > packed and (packed > 0 or nodes > 1), (views, packed)  # (flat: both kinds)
+                is_packed, a, b = r.send_slice
+                assert (pack if is_packed else own)[a:b] == [c for m in r.sends for c in m.chunks]
+                kinds.add(is_packed)
+                if is_packed:
+                    slices.append((a, b))
+            assert sum(b - a for a, b in slices) == len(pack)  # every packed row serves one round
+            assert prog.sends_own_rows == any(r.send_slice and not r.send_slice[0] for r in prog.rounds)
+    assert True in kinds, kinds  # the corpus plans pack some rounds
 
 
 @pytest.mark.parametrize("cp", [8, 32, 128])
@@ -392,6 +395,44 @@ class _SentReturns(EmulatedExchange):
         if reverse and send is not None:
             self.sent[rnd.index] = send.detach().clone()
         return super().start(rnd, reverse, send, recv)
+
+
+class _Sent(EmulatedExchange):
+    """The emulated exchange, keeping every forward direct round's outgoing rows as given."""
+
+    def __init__(self, *a, **k):
+        super().__init__(*a, **k)
+        self.sent: dict[int, torch.Tensor] = {}
+
+    def start(self, rnd, reverse, send, recv):
+        if not reverse and not rnd.relay:
+            self.sent[rnd.index] = send
+        return super().start(rnd, reverse, send, recv)
+
+
+@pytest.mark.parametrize("nodes", [1, 2])
+def test_direct_rounds_send_views_of_their_chunks_kv(nodes):
+    """What an exchange gets to send for a direct round is a view (no copy of its own: one
+    pack per pass built every packed row) holding the rank's K/V of the round's chunks, in
+    message order; a round without outgoing rows gets None."""
+    p = _corpus_plan(4096, 8, nodes)
+    for rank in range(p.cp_size):
+        prog = prepare_rank(p, rank, "cpu")
+        q, k, v, ex = _layer_inputs(p, rank, seed=rank)
+        ex = _Sent(ex.wire, p.cp_size, rank, plan=p)
+        run_layer(q, k, v, prog, ex, 0.35)
+        own = to_wire(k.detach(), v.detach(), p.chunk_size)
+        pos = {c: i for i, c in enumerate(prog.own_chunks)}
+        for r in prog.rounds:
+            if r.relay:
+                continue
+            send = ex.sent[r.index]
+            if not r.n_send:
+                assert send is None
+                continue
+            assert send._base is not None and send.shape[0] == r.n_send
+            want = own[[pos[c] for m in r.sends for c in m.chunks]]
+            assert torch.equal(send, want), (rank, r.index)
 
 
 @pytest.mark.parametrize("calls", ["stage", "one"])

@@ -90,15 +90,14 @@ def test_recorded_index_selects_carry_their_row_count_class():
 
 def test_rank_device_work_is_the_recorded_runtime_ops_and_cached(tmp_path, monkeypatch):
     """Per rank and pass, the bytes and launches of the runtime's torch ops and small kernels
-    and the real exchange's gathers of outgoing rows (not the attention calls, not the emulated
-    copies); the second call reads the disk cache."""
+    (not the attention calls, not the emulated copies); the second call reads the disk cache."""
     from benchmarks.scale_model import layout, runtime_ops
 
     monkeypatch.setattr(layout, "CACHE_DIR", str(tmp_path))
     lens = document_spreads(4096, seed=0)["corpus"]
     work = runtime_ops.rank_device_work(lens, 8, "sparse", 1, "overlap", "stage", 4, 2, 16)
     assert len(work) == 8
-    ops = record_layer(_plan(8), 3, "overlap", "stage", heads=4, kv_heads=2, head_dim=16, real_exchange=True)
+    ops = record_layer(_plan(8), 3, "overlap", "stage", heads=4, kv_heads=2, head_dim=16)
     own = [o for o in ops if o.kind in ("kernel", "torch")]
     fwd = [o for o in own if o.pass_ == "fwd"]
     bwd = [o for o in own if o.pass_ == "bwd"]
@@ -153,26 +152,3 @@ def test_an_ab_layout_is_recorded_with_its_hidden_functions():
     names = lambda ops: {o.name for o in ops if o.kind != "emulated"}  # noqa: E731
     assert {"sum_wire_rows", "add_returns"} <= names(kernel) and "index_add_" not in names(kernel)
     assert not {"sum_wire_rows", "add_returns"} & names(torch_ops) and "index_add_" in names(torch_ops)
-
-
-@pytest.mark.parametrize("nodes", [1, 2])
-def test_real_exchange_adds_exactly_the_gathers_of_outgoing_rows(nodes):
-    """``real_exchange=True`` records, on top of the emulated layer, one gather per direct round
-    whose messages are not one run of rows (comm.DistExchange's outgoing rows): read + write of
-    its rows, nothing else."""
-    from flashmask3.distributed.runtime import SendParts
-
-    p = _plan(8, nodes)
-    row = 2 * p.chunk_size * 2 * 16 * 2
-    for rank in range(8):
-        plain = record_layer(p, rank, "overlap", "stage", heads=4, kv_heads=2, head_dim=16)
-        real = record_layer(p, rank, "overlap", "stage", heads=4, kv_heads=2, head_dim=16, real_exchange=True)
-        extra = [o for o in real if o.kind == "torch"]
-        for o in (o for o in plain if o.kind == "torch"):
-            extra.remove(next(x for x in extra if x.name == o.name and x.nbytes == o.nbytes))
-        prog = prepare_rank(p, rank, "meta", "overlap", "stage")
-        own = torch.empty(prog.n_own, 1, device="meta")
-        want = [2 * r.n_send * row for r in prog.rounds if r.source is None and r.send_parts
-                and SendParts(own, own, r.send_parts, r.send_rows).rows()._base is None]
-        assert sorted(o.nbytes for o in extra) == sorted(want)
-        assert {o.name for o in extra} <= {"index_select"} and {o.pass_ for o in extra} <= {"fwd"}
