@@ -340,8 +340,9 @@ def _contig(*xs):
 @dataclass
 class StagedBackward:
     """What every stage of one layer's backward shares: ``dout`` in q's dtype, the pre-pass
-    results (``delta``, ``lse2``), the fused kernel's fp32 dQᵀ accumulator (created zeroed by
-    the first fused stage: one memset per layer) and the split stages' summed dQ."""
+    results (``delta``, ``lse2``), the fused kernel's fp32 dQᵀ accumulator (zeroed by the
+    pre-pass where the dispatch runs the fused backward, else made zeroed by the first fused
+    stage) and the split stages' summed dQ."""
 
     q: torch.Tensor
     dout: torch.Tensor
@@ -354,13 +355,18 @@ class StagedBackward:
 
 def backward_prepare(q, out, dout, lse, dlse) -> StagedBackward:
     """Staged backward, once per layer: the pre-pass over all local query rows (``delta``
-    with ``dlse`` folded in, ``lse2``), shared by every :func:`backward_stage` call."""
+    with ``dlse`` folded in, ``lse2``), shared by every :func:`backward_stage` call. Where the
+    dispatch runs the fused backward for q (the same for every stage: its row depends on the
+    device, dtype and head dim only), the pre-pass also zeroes the stages' dQ accumulator, as
+    the whole backward does (one launch less than a memset of its own)."""
     out, dout = _contig(out, dout.to(q.dtype))
-    _check_head_dim(q.shape[-1])
-    if q.shape[1] == 0:
+    b, sq, hq, d = q.shape
+    _check_head_dim(d)
+    if sq == 0:
         return StagedBackward(q, dout, None, None)
-    delta, lse2 = tl_kernels.backward_prepass(out, dout, lse, dlse)
-    return StagedBackward(q, dout, delta, lse2)
+    dq_t = tl_kernels.dq_accumulator(b, sq, hq, d, q.device) if backward_mode(q) == "fused" else None
+    delta, lse2 = tl_kernels.backward_prepass(out, dout, lse, dlse, dq_t)
+    return StagedBackward(q, dout, delta, lse2, dq_t=dq_t)
 
 
 def backward_stage(state: StagedBackward, q, k, v, startend_row_indices: Optional[torch.Tensor],

@@ -204,8 +204,10 @@ def test_triton_staged_split_accumulation(split, monkeypatch):
 
 @pytest.mark.parametrize("split", [False, True])
 def test_triton_staged_fused_accumulation(split, monkeypatch):
-    """The fused backward's accumulation: one zeroed fp32 dQᵀ buffer for the layer, every stage's
-    kernel adds its unscaled dQ into it, one scaling pass at the end (the real ``scale_dq``)."""
+    """The fused backward's accumulation: one fp32 dQᵀ buffer for the layer, zeroed by the
+    pre-pass (no memset of its own; the buffer starts as NaNs here, so a missed zeroing fails),
+    every stage's kernel adds its unscaled dQ into it, one scaling pass at the end (the real
+    ``scale_dq``)."""
     T = _triton()
     from flashmask3.kernels import dispatch
     from flashmask3.kernels import tl_kernels as TL
@@ -267,11 +269,13 @@ def test_triton_staged_fused_accumulation(split, monkeypatch):
     prepass = _count_calls(monkeypatch, TL, "backward_prepass")
     scaling = _count_calls(monkeypatch, TL, "scale_dq")
     memsets = _count_calls(monkeypatch, T, "new_dq_accumulator")
+    real_accumulator = TL.dq_accumulator
+    monkeypatch.setattr(TL, "dq_accumulator", lambda *a: real_accumulator(*a).fill_(float("nan")))
     _force_kv_split(monkeypatch, T, split)
     q, k, v, cols = _inputs(torch.float32, seed=9)
     _check_triton_staged(T, q, k, v, cols, 1 / math.sqrt(16))
     assert kernel_calls == [2 if split else 1] * _nonempty_stages()
-    assert len(prepass) == 1 and len(scaling) == 1 and len(memsets) == 1
+    assert len(prepass) == 1 and len(scaling) == 1 and not memsets
     assert all(b is buffers[0] for b in buffers)
 
 
