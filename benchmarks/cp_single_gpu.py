@@ -436,6 +436,9 @@ def parse_args(argv):
     ap.add_argument("--graph", action="store_true",
                     help="also capture every timed rank's layer (forward + the q/k/v gradients) in a "
                          "CUDA graph and time its replay (GPU only: the keys 'graph_*' of each rank)")
+    ap.add_argument("--autograd-thread", choices=("device", "calling"), default="device",
+                    help="where the autograd engine runs the backward: torch's default device thread, or "
+                         "the calling thread (torch.autograd.set_multithreading_enabled(False))")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", default=RESULTS)
     return ap.parse_args(argv)
@@ -443,6 +446,11 @@ def parse_args(argv):
 
 def main(argv=None) -> int:
     args = parse_args(argv)
+    with torch.autograd.set_multithreading_enabled(args.autograd_thread == "device"):
+        return _run(args)
+
+
+def _run(args) -> int:
     device, dtype = torch.device(args.device), DTYPES[args.dtype]
     end = time.monotonic() + args.time_budget
     if args.spread == "causal":

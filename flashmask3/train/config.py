@@ -23,6 +23,7 @@ COMM_CHOICES = ("overlap", "allgather")
 #: flashmask3.distributed.BACKWARD_CALL_MODES (kept here so the config imports no torch code)
 BACKWARD_CALLS_CHOICES = ("stage", "one", "local+one", "auto")
 DEVICE_CHOICES = ("auto", "cpu", "cuda")
+AUTOGRAD_THREAD_CHOICES = ("calling", "device")
 DTYPE_CHOICES = ("auto", "float32", "bfloat16")
 
 # Fields that define the model's parameters: a checkpoint can only be resumed with equal values.
@@ -106,6 +107,11 @@ class TrainConfig:
         "help": "overlapped CP: the backward reuses the K/V the forward received instead of "
                 "fetching them again (--no-keep-kv: refetch, less activation memory)"})
     chunk_size: int = field(default=0, metadata={"help": "CP chunk size (0: the plan's default)"})
+    autograd_thread: str = field(default="calling", metadata={
+        "help": "where autograd runs the backward: the thread that calls it (calling; torchtitan's "
+                "setting too) or torch's default per-device thread (device), whose hand-offs cost "
+                "host time a host-bound step pays (docs/host-path.md)",
+        "choices": AUTOGRAD_THREAD_CHOICES})
     device: str = field(default="auto", metadata={"help": "device", "choices": DEVICE_CHOICES})
     dtype: str = field(default="auto", metadata={
         "help": "autocast dtype (auto: bf16 on GPU, fp32 on CPU)", "choices": DTYPE_CHOICES})

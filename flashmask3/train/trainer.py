@@ -159,7 +159,8 @@ def train_step(model, optimizer, batch: DeviceBatch, cfg: TrainConfig, env: Dist
         total, ce = loss_terms(model, batch.tokens, batch.labels, batch.position_ids, ctx,
                                targets, cfg.moe_aux_coef if cfg.moe_experts else 0.0)
     optimizer.zero_grad(set_to_none=True)
-    total.backward()
+    with torch.autograd.set_multithreading_enabled(cfg.autograd_thread == "device"):
+        total.backward()
     params = [p for p in model.parameters() if p.grad is not None]
     max_norm = cfg.grad_clip if cfg.grad_clip > 0 else float("inf")
     grad_norm = torch.nn.utils.clip_grad_norm_(params, max_norm)

@@ -51,6 +51,40 @@ def test_attention_backward_flag_selects_the_triton_backward(tmp_path, jsonl_cor
     assert seen[-1] == "default" and "FLASHMASK3_KERNELS" not in os.environ
 
 
+def test_autograd_thread_flag_says_where_the_backward_runs(tmp_path, jsonl_corpus, monkeypatch):
+    """--autograd-thread reaches the step's backward: the calling thread by default, torch's
+    per-device threads with ``device``; torch's own setting is restored after the step."""
+    import torch
+
+    from flashmask3.train import trainer
+
+    seen = []
+
+    class Probe(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x):
+            return x.clone()
+
+        @staticmethod
+        def backward(ctx, grad):
+            seen.append(torch._C._is_multithreading_enabled())
+            return grad
+
+    real = trainer.loss_terms
+
+    def probed(*args, **kwargs):
+        total, ce = real(*args, **kwargs)
+        return Probe.apply(total), ce
+
+    monkeypatch.setattr(trainer, "loss_terms", probed)
+    base = ["train", "--preset", "tiny", "--data", jsonl_corpus, "--steps", "1", "--no-plot",
+            "--checkpoint-every", "0"]
+    assert main(base + ["--out-dir", str(tmp_path / "a")]) == 0
+    assert main(base + ["--out-dir", str(tmp_path / "b"), "--autograd-thread", "device"]) == 0
+    assert seen == [False, True]
+    assert torch._C._is_multithreading_enabled()
+
+
 def test_data_command_reports_sparsity(jsonl_corpus, capsys):
     assert main(["data", "--data", jsonl_corpus, "--seq-len", "128", "--batches", "3"]) == 0
     assert "mask sparsity" in capsys.readouterr().out
