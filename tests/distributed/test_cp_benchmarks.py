@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 
+import torch
+
 from benchmarks import balance, cp_single_gpu
 from benchmarks.corpus import corpus_document_lengths, document_spreads, pack_corpus_documents
 
@@ -74,9 +76,13 @@ def test_cp_single_gpu_backward_calls_ab(tmp_path):
             "--head-dim", "8", "--dtype", "float32", "--iters", "1", "--warmup", "0",
             "--all-ranks-up-to", "4", "--heaviest", "1", "--random", "0", "--check",
             "--configs", "sparse+allgather", "sparse+overlap", "sparse+overlap hier",
-            "--backward-calls", "stage", "one", "local+one", "--out", str(tmp_path)]
+            "--backward-calls", "stage", "one", "local+one", "--autograd-thread", "calling",
+            "--out", str(tmp_path)]
     assert cp_single_gpu.main(args) == 0
-    res = json.loads((tmp_path / "cp_runtime.json").read_text())["cp"]
+    assert torch._C._is_multithreading_enabled()  # the engine's setting is restored afterwards
+    full = json.loads((tmp_path / "cp_runtime.json").read_text())
+    assert full["args"]["autograd_thread"] == "calling"
+    res = full["cp"]
     modes = ("stage", "one", "local+one")
     assert set(res["4"]) == {"sparse+allgather"} | {f"sparse+overlap bwd={m}" for m in modes}
     assert {f"sparse+overlap hier bwd={m}" for m in modes} <= set(res["16"])
