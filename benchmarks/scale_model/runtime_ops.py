@@ -217,9 +217,9 @@ def _exchange(rec: _Recorder, wire, p, rank):
         (``comm.DistExchange``) sends views of what the runtime packed: the runtime's own device
         work is the same under both."""
 
-        def start(self, rnd, reverse, send, recv):
+        def start(self, *a):
             with rec.kind("emulated"):
-                return super().start(rnd, reverse, send, recv)
+                return super().start(*a)
 
         def all_gather(self, *a):
             with rec.kind("emulated"):
