@@ -171,18 +171,40 @@ def _variant(fn, mask_mode: str, launch: str, thread: str = "device"):
     return call
 
 
+#: Rounds of the host table: every row's host sample is taken once per round, rows in turn, so
+#: the VM's drifting host speed (tens of percent over a run) hits every row alike; a row's host
+#: time is the median of its rounds, its spread the 10th and 90th percentile.
+HOST_ROUNDS = 9
+
+
+def round_robin_host(rows: list, sample, rounds: int = HOST_ROUNDS) -> list[list[float]]:
+    """Host samples of every row, the rows taken in turn within each of ``rounds`` rounds:
+    ``rows`` = ``(fn, leaves)`` pairs, ``sample(fn, leaves)`` = one host µs sample (after one
+    untimed call, so a row never pays the previous row's cache clearing)."""
+    samples: list[list[float]] = [[] for _ in rows]
+    for _ in range(rounds):
+        for got, (fn, leaves) in zip(samples, rows):
+            fn()
+            got.append(sample(fn, leaves))
+    return samples
+
+
+def _percentile(xs: list[float], q: float) -> float:
+    ys = sorted(xs)
+    return ys[min(len(ys) - 1, int(q * len(ys)))]
+
+
 def host_table(seqlen: int, heads: int, d: int, dtype, ndocs: int, out_dir=None) -> list[dict]:
     from benchmarks.kernel import host_us, standard_ms
 
     q, k, v = _inputs(seqlen, heads, d, "cuda", dtype)
     fm = M.causal_document_mask(_docs(seqlen, ndocs), device="cuda")
-    rows = []
+    specs = []  # (row fields, fn, leaves, whether do_bench and GPU time are measured)
     for form, mask, causal in (("FlashMask", fm, False),
                                ("raw columns", fm.startend_row_indices, True)):
         fwd0, fwd_bwd0 = _calls(q, k, v, mask, causal)
         for _ in range(3):
             fwd_bwd0()
-        torch.cuda.synchronize()
         for variant in HOST_VARIANTS:
             mask_mode, launch, thread = variant
             if launch == "triton" and form != "FlashMask":
@@ -193,21 +215,26 @@ def host_table(seqlen: int, heads: int, d: int, dtype, ndocs: int, out_dir=None)
                                      ("fwd+bwd", fwd_bwd, HOST_FWD_BWD_US)):
                 if mode == "fwd" and thread != "device":
                     continue  # (the thread matters to the backward only)
-                leaves = [q, k, v] if mode != "fwd" else []
-                host = host_us(fn, leaves)
-                rows.append(dict(form=form, mask=mask_mode, launch=launch, autograd=thread,
-                                 mode=mode, S=seqlen,
-                                 H=heads, D=d, docs=ndocs, host_us=host,
-                                 std_ms=standard_ms(fn, leaves or None) if full else None,
-                                 gpu_ms=gpu_ms(fn, leaves) if full else None,
-                                 kernels=kernels_per_call(fn), target_us=target,
-                                 met=host <= target))
-                print(json.dumps(rows[-1]), flush=True)
-                if out_dir:
-                    name = (f"profile_{form.split()[0].lower()}_{mask_mode}_{launch}_"
-                            f"{mode.replace('+', '_')}.txt")
-                    with open(os.path.join(out_dir, name), "w") as f:
-                        f.write(host_profile_text(fn))
+                fields = dict(form=form, mask=mask_mode, launch=launch, autograd=thread, mode=mode,
+                              S=seqlen, H=heads, D=d, docs=ndocs, target_us=target)
+                specs.append((fields, fn, [q, k, v] if mode != "fwd" else [], full))
+    torch.cuda.synchronize()
+    samples = round_robin_host([(fn, leaves) for _, fn, leaves, _ in specs],
+                               lambda fn, leaves: host_us(fn, leaves, samples=1))
+    rows = []
+    for (fields, fn, leaves, full), got in zip(specs, samples):
+        host = statistics.median(got)
+        rows.append(dict(fields, host_us=host, host_p10_us=_percentile(got, 0.1),
+                         host_p90_us=_percentile(got, 0.9), rounds=len(got),
+                         std_ms=standard_ms(fn, leaves or None) if full else None,
+                         gpu_ms=gpu_ms(fn, leaves) if full else None,
+                         kernels=kernels_per_call(fn), met=host <= fields["target_us"]))
+        print(json.dumps(rows[-1]), flush=True)
+        if out_dir:
+            name = (f"profile_{fields['form'].split()[0].lower()}_{fields['mask']}_{fields['launch']}_"
+                    f"{fields['mode'].replace('+', '_')}.txt")
+            with open(os.path.join(out_dir, name), "w") as f:
+                f.write(host_profile_text(fn))
     return rows
 
 
@@ -355,15 +382,19 @@ def markdown(meta: dict, host: list[dict], small: list[dict], floor=()) -> str:
               "autograd: the thread the engine runs the backward on, device = torch's default "
               "(its CUDA device thread), calling = `torch.autograd.set_multithreading_enabled("
               "False)`.", "",
-              "| form | mask | launch | autograd | mode | S | docs | host µs | target | std ms "
+              f"host µs: the median of {HOST_ROUNDS} rounds in which every row takes one sample in "
+              "turn (so the host's drift hits all rows alike); p10-p90: their spread.", "",
+              "| form | mask | launch | autograd | mode | S | docs | host µs | p10-p90 | target | std ms "
               "| GPU ms | kernels |",
-              "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+              "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    spread = lambda r: (f"{r['host_p10_us']:.0f}-{r['host_p90_us']:.0f}"  # noqa: E731
+                        if r.get("host_p10_us") is not None else "-")
     ms = lambda x: "-" if x is None else f"{x:.3f}"  # noqa: E731
     for r in host:
         lines.append(f"| {r['form']} | {r.get('mask', 'reused')} | {r.get('launch', 'fast')} | "
                      f"{r.get('autograd', 'device')} | {r['mode']} | {r['S'] // 1024}K | {r['docs']} | "
-                     f"{r['host_us']:.0f} | <= {r['target_us']:.0f} {'met' if r['met'] else 'MISSED'} | "
-                     f"{ms(r['std_ms'])} | {ms(r['gpu_ms'])} | {r['kernels']} |")
+                     f"{r['host_us']:.0f} | {spread(r)} | <= {r['target_us']:.0f} "
+                     f"{'met' if r['met'] else 'MISSED'} | {ms(r['std_ms'])} | {ms(r['gpu_ms'])} | {r['kernels']} |")
     lines += ["", "| S | docs | autograd | fm std f+b | fm GPU f+b | flex std f+b | flex GPU f+b "
               "| fm/flex (std) | fm std/GPU |", "|---|---|---|---|---|---|---|---|---|"]
     for r in small:
@@ -381,13 +412,17 @@ def dry_run() -> int:
     os.environ.setdefault("FLASHMASK3_BACKEND", "torch")
     q, k, v = _inputs(256, 2, 16, "cpu", torch.float32)
     fm = M.causal_document_mask(_docs(256, 5))
+
+    def cpu_us(fn, leaves):
+        t0 = time.perf_counter()
+        fn()
+        return 1e6 * (time.perf_counter() - t0)
+
     for mask, causal in ((fm, False), (fm.startend_row_indices, True)):
         fwd, fwd_bwd = _calls(q, k, v, mask, causal)
-        for variant in HOST_VARIANTS:
-            _variant(fwd_bwd, *variant)()
-        t0 = time.perf_counter()
-        fwd()
-        print(f"dry run: {type(mask).__name__} fwd {1e6 * (time.perf_counter() - t0):.0f} µs (CPU, torch path)")
+        rows = [(_variant(fwd_bwd, *variant), [q, k, v]) for variant in HOST_VARIANTS] + [(fwd, [])]
+        fwd_us = statistics.median(round_robin_host(rows, cpu_us, rounds=3)[-1])
+        print(f"dry run: {type(mask).__name__} fwd {fwd_us:.0f} µs (CPU, torch path)")
     print(markdown({"dry_run": True}, [dict(form="FlashMask", mode="fwd", S=256, docs=5, host_us=1.0,
                                             target_us=100, met=True, std_ms=0.0, gpu_ms=None,
                                             kernels=0, mask="fresh", launch="triton")],

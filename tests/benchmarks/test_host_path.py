@@ -28,3 +28,18 @@ def test_autograd_thread_switch_runs_a_backward_either_way():
             assert torch._C._is_multithreading_enabled() == (which == "device")
             (x * x).sum().backward()
     torch.testing.assert_close(x.grad, 4 * x.detach())
+
+
+def test_host_rows_are_sampled_in_turn_each_after_an_untimed_call():
+    from benchmarks.host_path import round_robin_host
+
+    events = []
+    rows = [(lambda n=n: events.append(("call", n)), [n]) for n in "ab"]
+
+    def sample(fn, leaves):
+        events.append(("sample", leaves[0]))
+        return float(len(events))
+
+    got = round_robin_host(rows, sample, rounds=2)
+    assert events == [("call", "a"), ("sample", "a"), ("call", "b"), ("sample", "b")] * 2
+    assert got == [[2.0, 6.0], [4.0, 8.0]]
