@@ -238,7 +238,7 @@ def kernel_row_span(mask: FlashMask) -> Optional[float]:
 CHECK_VALUES_ENV = "FLASHMASK3_CHECK_MASK_VALUES"
 
 
-def _check_column_values(columns: Tensor) -> bool:
+def reads_column_values(columns: Tensor) -> bool:
     """Whether the call reads the column values: on CPU tensors (free), or everywhere with
     ``FLASHMASK3_CHECK_MASK_VALUES=1``; never while tracing. Unchecked out-of-range values act
     as if clamped to ``[0, Sq]`` (the kernels only compare them with row indices)."""
@@ -449,7 +449,7 @@ def _checked_call(q, k, v, startend_row_indices, causal, softmax_scale, window_s
     if startend_row_indices is not None:
         checks = dict(causal=causal, batch_size=b, seqlen_q=sq, seqlen_k=sk, num_heads=hq,
                       device=q.device,
-                      check_values=check_values and _check_column_values(startend_row_indices))
+                      check_values=check_values and reads_column_values(startend_row_indices))
         validate_startend_row_indices(startend_row_indices, **checks)
         if checks["check_values"]:
             value_check = checks

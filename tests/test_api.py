@@ -170,14 +170,14 @@ def test_a_mask_on_another_device_is_a_value_error():
 def test_cuda_columns_are_read_only_on_request(monkeypatch):
     """The values of non-CPU column tensors are not read (that would sync the device) unless
     FLASHMASK3_CHECK_MASK_VALUES=1; CPU tensors always are; tracing never reads them."""
-    from flashmask3.api import _check_column_values
+    from flashmask3.api import reads_column_values
 
     cpu = torch.zeros(1, 1, 4, 1, dtype=torch.int32)
     meta = cpu.to("meta")
     monkeypatch.delenv("FLASHMASK3_CHECK_MASK_VALUES", raising=False)
-    assert _check_column_values(cpu) and not _check_column_values(meta)
+    assert reads_column_values(cpu) and not reads_column_values(meta)
     monkeypatch.setenv("FLASHMASK3_CHECK_MASK_VALUES", "1")
-    assert _check_column_values(meta)
+    assert reads_column_values(meta)
 
 
 def _out_of_range(cols: torch.Tensor, seqlen_q: int, seed: int) -> torch.Tensor:

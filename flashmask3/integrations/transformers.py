@@ -35,7 +35,7 @@ from transformers.modeling_utils import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
 
-from ..api import flashmask_attention
+from ..api import reads_column_values, flashmask_attention
 from ..masks.mask import FlashMask
 from .packing import packed_columns, with_key_padding
 
@@ -117,7 +117,9 @@ def _custom_mask(kwargs, batch_size: int, seqlen: int) -> Optional[FlashMask]:
         causal = kwargs.get(CAUSAL_KWARG, True)
         if not isinstance(causal, bool):
             raise TypeError(f"{CAUSAL_KWARG}= must be a bool, got {type(causal).__name__}")
-        mask = FlashMask(cols, causal)
+        # the public function's rule for raw columns: values read where that is free (CPU) or
+        # with the debug switch, never with a device sync per forward
+        mask = FlashMask(cols, causal, _validated=not reads_column_values(cols))
     if mask is not None and (mask.seqlen_q != seqlen or mask.seqlen_k != seqlen):
         raise ValueError(f"the custom mask is for {mask.seqlen_q} x {mask.seqlen_k} tokens, but the "
                          f"batch has {seqlen} (one mask per forward, the same for every layer)")
@@ -144,7 +146,9 @@ def _layer_mask(module, query: torch.Tensor, padding: Optional[torch.Tensor], kw
             cols = cols.expand(b, *cols.shape[1:])
             if padding is not None:
                 cols = with_key_padding(cols, custom.causal, padding, s)
-            return FlashMask(cols.contiguous(), custom.causal, s, custom.mean_row_span)
+            # valid by construction (a checked mask, expanded, padding keys masked): no value
+            # check, which would read the columns to the host once per forward
+            return FlashMask(cols.contiguous(), custom.causal, s, custom.mean_row_span, _validated=True)
         return _CACHE.get(sources, key, build)
 
     causal = bool(kwargs.get("is_causal", getattr(module, "is_causal", True)))
@@ -156,7 +160,9 @@ def _layer_mask(module, query: torch.Tensor, padding: Optional[torch.Tensor], kw
     def build():
         cols = packed_columns(b, s, device, causal=causal, cu_seqlens=cu, position_ids=positions,
                               key_padding=padding, sliding_window=sliding_window)
-        return FlashMask(cols, causal, s)
+        # valid by construction (tests/integrations/test_packing.py): no value check, which
+        # would read the columns to the host once per forward
+        return FlashMask(cols, causal, s, _validated=True)
     return _CACHE.get(sources, key, build)
 
 

@@ -317,7 +317,10 @@ class FlashMask:
     #: The bucket's lower edge as a float64 0-d CPU tensor (the op's tile hint), or None.
     row_span_hint: Optional[torch.Tensor] = field(default=None, init=False, repr=False,
                                                   compare=False)
-    #: Set by :meth:`to` / :meth:`expand_heads`: the columns come from a validated mask.
+    #: The columns are known valid, their values are not read again: set by :meth:`to` /
+    #: :meth:`expand_heads` (from a validated mask) and by package code whose columns are valid
+    #: by construction (the transformers integration, the training loader), where a check on a
+    #: GPU would be a device sync per batch.
     _validated: bool = field(default=False, repr=False, compare=False)
 
     def __post_init__(self):

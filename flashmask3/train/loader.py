@@ -169,8 +169,9 @@ def prepare_batch(batch: PackedBatch, cfg, env, data_state: Optional[dict] = Non
         prepare_plan_for_rank(plan, r, dev, cfg.comm, cfg.backward_calls)
     else:
         m = batch.mask
+        # checked when the batch's mask was built: no second value check on the device (a sync)
         mask = FlashMask(to_device(m.startend_row_indices, dev), m.causal, m.seqlen_q,
-                         m.mean_row_span)
+                         m.mean_row_span, _validated=True)
     count = torch.tensor(float((labels != IGNORE_INDEX).sum()), dtype=torch.float32)
     return DeviceBatch(to_device(tokens, dev), to_device(labels, dev), to_device(positions, dev),
                        to_device(count, dev), cfg.batch_size * cfg.seq_len, mask, plan, batch,

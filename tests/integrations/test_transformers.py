@@ -178,3 +178,30 @@ def test_unsupported_settings_raise_clear_errors():
         model(ids, flashmask=torch.zeros(1))
     with pytest.raises(ValueError, match="8"):
         model(ids, flashmask=M.causal_mask(12))
+
+
+def test_masks_built_per_forward_never_read_their_columns(monkeypatch):
+    """The masks the integration builds each forward (packed documents, padding, a custom mask
+    widened to the batch) are valid by construction: no value check, which on a GPU would read
+    the columns to the host (a device sync) once per forward."""
+    import flashmask3.masks.mask as mask_module
+
+    real = mask_module.validate_startend_row_indices
+    checks = []
+
+    def recording(t, **kw):
+        checks.append(kw.get("check_values", True))
+        return real(t, **kw)
+
+    model = tiny_model()
+    model.set_attn_implementation(ATTN_IMPLEMENTATION)
+    ids = torch.randint(0, VOCAB, (2, 24), generator=torch.Generator().manual_seed(4))
+    pos = torch.cat([torch.arange(10), torch.arange(14)]).expand(2, -1)
+    padding = torch.ones(2, 24, dtype=torch.long)
+    padding[1, :3] = 0
+    custom = M.prefix_lm_mask(24, 8)
+    monkeypatch.setattr(mask_module, "validate_startend_row_indices", recording)
+    model(ids, position_ids=pos)
+    model(ids, attention_mask=padding)
+    model(ids, attention_mask=padding, flashmask=custom)
+    assert len(checks) >= 3 and not any(checks)

@@ -209,3 +209,23 @@ def test_memory_estimate_adds_up_and_shards_with_the_mesh():
     assert many[total] < one[total]
     with pytest.raises(ValueError, match="divisible by dp"):
         estimate_memory(cfg.replace(batch_size=1), 8, 1)
+
+
+def test_the_batch_mask_on_the_device_is_not_checked_again(jsonl_corpus, monkeypatch):
+    """Without CP, the batch's mask (checked when it was packed) goes to the device without a
+    second value check, which on a GPU would be a device sync per batch."""
+    import flashmask3.masks.mask as mask_module
+
+    real = mask_module.validate_startend_row_indices
+    checks = []
+
+    def recording(t, **kw):
+        checks.append(kw.get("check_values", True))
+        return real(t, **kw)
+
+    cfg = from_preset("tiny", data=jsonl_corpus, seq_len=128, batch_size=4)
+    batch = _packer(jsonl_corpus).next_batch()
+    monkeypatch.setattr(mask_module, "validate_startend_row_indices", recording)
+    got = prepare_batch(batch, cfg, DistEnv(0, 1, CPU, layout=Layout(1, 1)))
+    assert torch.equal(got.mask.startend_row_indices, batch.mask.startend_row_indices)
+    assert checks == [False]
