@@ -436,7 +436,8 @@ def _checked_call(q, k, v, startend_row_indices, causal, softmax_scale, window_s
         if causal and not mask.causal:
             raise ValueError("causal=True conflicts with the given FlashMask, which has causal=False")
         if mask.seqlen_q != sq:
-            raise ValueError(f"the FlashMask was built for seqlen_q={mask.seqlen_q}, but q has {sq} rows")
+            raise ValueError(f"the FlashMask was built for seqlen_q={mask.seqlen_q}, but q has {sq} rows "
+                             f"(q is [batch, seqlen, heads, head_dim]; got shape {tuple(q.shape)})")
         causal, startend_row_indices = mask.causal, mask.startend_row_indices
         check_values = False  # validated when the mask was built
         row_span = mask.row_span_hint

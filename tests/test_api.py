@@ -70,6 +70,9 @@ def test_bad_mask_arguments():
         flashmask3.flashmask_attention(q, k, v, M.document_mask([6, 10]), causal=True)
     with pytest.raises(ValueError, match="seqlen_q=12"):
         flashmask3.flashmask_attention(q, k, v, M.causal_document_mask([6, 6]))
+    with pytest.raises(ValueError, match=r"q is \[batch, seqlen, heads, head_dim\]"):  # [B, H, S, D] given
+        flashmask3.flashmask_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+                                       M.causal_document_mask([6, 10]))
     with pytest.raises(TypeError, match="int32"):
         M.FlashMask(good.float(), True)
 
