@@ -9,6 +9,13 @@ and no ``[S, S]`` mask. The model starts from random weights (no download).
 
     python examples/hf_packed_finetune.py                     # tiny model, CPU, < 2 minutes
     python examples/hf_packed_finetune.py --preset 0.5b --tokens 32768 --steps 200   # a GPU
+    torchrun --standalone --nproc_per_node 2 examples/hf_packed_finetune.py   # context parallel
+
+Under torchrun (``WORLD_SIZE`` > 1) every process trains the same model on its share of each
+packed batch: the batch's causal document mask is planned over the processes
+(``flashmask3.distributed.plan``, ``balance="sparse"``), each runs the model on its tokens with
+``flashmask_cp=ContextParallel(plan)`` (every layer's attention covers the whole sequence), and
+the gradients are summed over the processes, so every step equals the one-process step.
 
 Writes a loss plot (``--plot``) and the losses as JSON next to it.
 """
@@ -21,10 +28,12 @@ import os
 import time
 
 import torch
+import torch.distributed as dist
 from tqdm import tqdm
 from transformers import DataCollatorWithFlattening, LlamaConfig, LlamaForCausalLM
 
-from flashmask3.integrations.transformers import ATTN_IMPLEMENTATION
+from flashmask3.distributed import plan
+from flashmask3.integrations.transformers import ATTN_IMPLEMENTATION, ContextParallel
 from flashmask3.train.data import DocumentPacker, open_corpus
 
 #: Byte-level tokens: the corpus is read as bytes, so the vocabulary is 256.
@@ -48,12 +57,17 @@ def llama_config(preset: str, max_positions: int, attn_implementation: str) -> L
                        **PRESETS[preset])
 
 
+def packed_batches(tokens: int, max_doc_len: int, seed: int = 0, data: str = "default"):
+    """Endless one-row batches of real documents (pieces of at most ``max_doc_len`` bytes)
+    adding up to ``tokens`` tokens (``flashmask3.train.data.PackedBatch``: tokens, per-document
+    positions, document lengths, the causal document mask)."""
+    return iter(DocumentPacker(open_corpus(data), tokens, 1, seed=seed, max_doc_len=max_doc_len))
+
+
 def document_batches(tokens: int, max_doc_len: int, seed: int = 0, data: str = "default"):
-    """Endless lists of ``{"input_ids": [...]}`` features: real documents (pieces of at most
-    ``max_doc_len`` bytes) adding up to ``tokens`` tokens per batch, as a dataset would give
-    them to ``DataCollatorWithFlattening``."""
-    packer = DocumentPacker(open_corpus(data), tokens, 1, seed=seed, max_doc_len=max_doc_len)
-    for batch in packer:
+    """Endless lists of ``{"input_ids": [...]}`` features: the documents of
+    :func:`packed_batches`, as a dataset would give them to ``DataCollatorWithFlattening``."""
+    for batch in packed_batches(tokens, max_doc_len, seed, data):
         row, start, features = batch.tokens[0].tolist(), 0, []
         for n in batch.doc_lens[0]:
             features.append({"input_ids": row[start:start + n]})
@@ -61,9 +75,21 @@ def document_batches(tokens: int, max_doc_len: int, seed: int = 0, data: str = "
         yield features
 
 
+def cp_step_inputs(batch, device) -> tuple[dict, ContextParallel]:
+    """This process's forward arguments for one packed batch under context parallelism: the
+    batch's mask planned over the group, the tokens, positions and next-token labels (each
+    document's first token has none, as the collator does) sharded."""
+    cp = ContextParallel(plan(batch.mask, cp_size=dist.get_world_size(), balance="sparse"))
+    labels = batch.tokens.clone()
+    labels[batch.position_ids == 0] = -100
+    inputs = cp.model_inputs(batch.tokens, position_ids=batch.position_ids, labels=labels)
+    return {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in inputs.items()}, cp
+
+
 def train(args) -> dict:
     device = torch.device(args.device)
     torch.manual_seed(args.seed)
+    distributed = dist.is_initialized()
     model = LlamaForCausalLM(llama_config(args.preset, args.tokens, ATTN_IMPLEMENTATION)).to(device)
     model.train()
     optim = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.0)
@@ -71,26 +97,37 @@ def train(args) -> dict:
     autocast = torch.autocast("cuda", dtype=torch.bfloat16) if device.type == "cuda" \
         else torch.autocast("cpu", enabled=False)
     losses, docs_seen, t0 = [], 0, time.perf_counter()
-    data = document_batches(args.tokens, args.max_doc_len, args.seed, args.data)
-    bar = tqdm(range(args.steps), desc=f"{args.preset} on {device}", unit="step")
+    data = packed_batches(args.tokens, args.max_doc_len, args.seed, args.data)
+    where = f"{dist.get_world_size()} processes (context parallel)" if distributed else device
+    bar = tqdm(range(args.steps), desc=f"{args.preset} on {where}", unit="step",
+               disable=distributed and dist.get_rank() > 0)
     for _ in bar:
-        features = next(data)
-        batch = {k: v.to(device) if isinstance(v, torch.Tensor) else v
-                 for k, v in collator(features, return_tensors="pt").items()}
+        packed = next(data)
+        if distributed:
+            batch, cp = cp_step_inputs(packed, device)
+        else:
+            features = [{"input_ids": row.tolist()} for row in torch.split(packed.tokens[0], packed.doc_lens[0])]
+            batch = {k: v.to(device) if isinstance(v, torch.Tensor) else v
+                     for k, v in collator(features, return_tensors="pt").items()}
         with autocast:
             loss = model(**batch).loss
         loss.backward()
+        if distributed:  # each process holds its tokens' share of the loss and gradients
+            cp.reduce_gradients(model)
+            loss = loss.detach().clone()
+            dist.all_reduce(loss)
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         optim.step()
         optim.zero_grad(set_to_none=True)
         losses.append(float(loss.detach()))
-        docs_seen += len(features)
+        docs_seen += len(packed.doc_lens[0])
         bar.set_postfix(loss=f"{losses[-1]:.3f}", docs=docs_seen)
     seconds = time.perf_counter() - t0
     return {"preset": args.preset, "device": str(device), "tokens_per_step": args.tokens,
             "steps": args.steps, "losses": losses, "documents": docs_seen, "seconds": seconds,
             "tokens_per_second": args.steps * args.tokens / seconds,
             "attn_implementation": ATTN_IMPLEMENTATION,
+            "context_parallel": dist.get_world_size() if distributed else 1,
             "parameters": sum(p.numel() for p in model.parameters())}
 
 
@@ -126,12 +163,25 @@ def main(argv=None) -> dict:
     args = ap.parse_args(argv)
     if args.threads or args.device == "cpu":
         torch.set_num_threads(args.threads or 1)
-    result = train(args)
-    plot_losses(result, args.plot)
-    with open(os.path.splitext(args.plot)[0] + ".json", "w") as f:
-        json.dump(result, f, indent=1)
-    print(f"loss {result['losses'][0]:.3f} -> {result['losses'][-1]:.3f} over {args.steps} steps, "
-          f"{result['tokens_per_second']:.0f} tokens/s; plot: {args.plot}")
+    launched = int(os.environ.get("WORLD_SIZE", "1")) > 1  # under torchrun: context parallel
+    if launched:
+        cuda = args.device.startswith("cuda")
+        if cuda:
+            args.device = f"cuda:{int(os.environ.get('LOCAL_RANK', 0))}"
+            torch.cuda.set_device(args.device)
+        dist.init_process_group("nccl" if cuda else "gloo")
+    try:
+        result = train(args)
+        if not launched or dist.get_rank() == 0:
+            plot_losses(result, args.plot)
+            with open(os.path.splitext(args.plot)[0] + ".json", "w") as f:
+                json.dump(result, f, indent=1)
+            print(f"loss {result['losses'][0]:.3f} -> {result['losses'][-1]:.3f} over {args.steps} "
+                  f"steps, {result['tokens_per_second']:.0f} tokens/s, context parallel "
+                  f"{result['context_parallel']}; plot: {args.plot}")
+    finally:
+        if launched:
+            dist.destroy_process_group()
     return result
 
 

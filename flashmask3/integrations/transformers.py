@@ -19,7 +19,10 @@ What each layer's attention then computes (docs/transformers.md):
   forwards to attention functions, and replaces the document mask (padding still applies);
 * **sliding-window layers** (``sliding_window`` keyword, e.g. Mistral, Qwen2) are honoured;
 * **decoding with a KV cache** (query length != key length) and dense 4-D masks fall back to
-  transformers' ``sdpa`` implementation with the dense mask transformers builds for it.
+  transformers' ``sdpa`` implementation with the dense mask transformers builds for it;
+* **context parallelism**: ``model(..., flashmask_cp=ContextParallel(plan))`` on every rank of
+  the group, each with its shard of the per-token inputs, runs every layer's attention through
+  :func:`~flashmask3.distributed.cp_flashmask_attention` (:class:`ContextParallel`).
 
 The mask of a forward is built once and reused by every layer (it is cached on the identity of
 the tensors it came from).
@@ -28,14 +31,18 @@ the tensors it came from).
 from __future__ import annotations
 
 import weakref
-from typing import Optional
+from dataclasses import dataclass
+from typing import Any, Optional
 
 import torch
+import torch.distributed as dist
 from transformers.modeling_utils import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
 
-from ..api import reads_column_values, flashmask_attention
+from ..api import flashmask_attention, reads_column_values
+from ..distributed import CPPlan, cp_flashmask_attention
+from ..distributed.comm import resolve_group
 from ..masks.mask import FlashMask
 from .packing import packed_columns, with_key_padding
 
@@ -47,6 +54,8 @@ ATTN_IMPLEMENTATION = "fm3_columnmask"
 MASK_KWARG = "flashmask"
 COLUMNS_KWARG = "startend_row_indices"
 CAUSAL_KWARG = "flashmask_causal"
+#: Keyword argument of the model's forward that runs every layer context-parallel.
+CP_KWARG = "flashmask_cp"
 
 
 # -- the mask transformers prepares for us ----------------------------------------------------
@@ -166,6 +175,108 @@ def _layer_mask(module, query: torch.Tensor, padding: Optional[torch.Tensor], kw
     return _CACHE.get(sources, key, build)
 
 
+# -- context parallelism ------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class ContextParallel:
+    """Run a transformers decoder with its sequence spread over a process group: every rank of
+    the group calls the model with its shard of the inputs, ``model(**cp.model_inputs(...))``
+    (:meth:`model_inputs`), or passes ``flashmask_cp=cp`` itself.
+
+    Each rank's per-token inputs are its tokens in plan order (:meth:`shard`): ``input_ids`` (or
+    ``inputs_embeds``) and **``position_ids``, the global positions of its tokens**, which the
+    rotary embeddings read. They are required: without them the model numbers a shard's tokens
+    from 0, which no check inside attention can see. Every layer's attention then covers the
+    whole sequence under the plan's mask (:func:`~flashmask3.distributed.cp_flashmask_attention`
+    with these arguments); the rest of a decoder works token by token and needs nothing. The
+    loss: the next-token targets are shifted on the whole sequence, then sharded, and
+    ``num_items_in_batch`` counts the whole batch's targets, so the ranks' losses sum to the
+    single-device loss and their gradients to its gradients (:meth:`reduce_gradients`, or a
+    data-parallel wrapper over a group containing the CP ranks, its averaging undone).
+
+    Not supported here (each a ValueError): a 2-D padding ``attention_mask`` and a custom
+    ``flashmask=`` (fold them into the plan's mask), sliding-window layers, KV-cache decoding.
+    """
+
+    plan: Any
+    group: Any = None
+    comm: str = "overlap"
+    node_layout: Any = None
+    backward_calls: str = "auto"
+    keep_kv: bool = True
+
+    def __post_init__(self):
+        if not isinstance(self.plan, CPPlan):
+            raise TypeError(f"plan must be a CPPlan (flashmask3.distributed.plan), got "
+                            f"{type(self.plan).__name__}")
+
+    @property
+    def rank(self) -> int:
+        """This process's rank in the CP group."""
+        return dist.get_rank(resolve_group(self.group))
+
+    def shard(self, t: torch.Tensor, dim: int = 1) -> torch.Tensor:
+        """This rank's tokens of a whole-sequence tensor (``[B, S, ...]`` by default)."""
+        return self.plan.shard(t, self.rank, dim)
+
+    def model_inputs(self, input_ids: Optional[torch.Tensor] = None, *, position_ids: torch.Tensor,
+                     labels: Optional[torch.Tensor] = None, inputs_embeds: Optional[torch.Tensor] = None,
+                     ignore_index: int = -100) -> dict:
+        """The keyword arguments of this rank's forward, from whole-sequence ``[B, S]`` tensors
+        (``inputs_embeds`` ``[B, S, hidden]``): the inputs and positions sharded, the next-token
+        loss's sharded targets and global count when ``labels`` are given, ``use_cache=False``
+        and ``flashmask_cp``."""
+        if position_ids is None:
+            raise ValueError("position_ids are required: the global positions of the whole "
+                             "sequence's tokens (the rotary embeddings of a shard need them)")
+        if (input_ids is None) == (inputs_embeds is None):
+            raise ValueError("pass exactly one of input_ids and inputs_embeds")
+        kwargs = {"position_ids": self.shard(position_ids), "use_cache": False, CP_KWARG: self}
+        if input_ids is not None:
+            kwargs["input_ids"] = self.shard(input_ids)
+        else:
+            kwargs["inputs_embeds"] = self.shard(inputs_embeds)
+        if labels is not None:
+            shift, count = self.next_token_labels(labels, ignore_index)
+            kwargs.update(labels=shift, shift_labels=shift, num_items_in_batch=count)
+        return kwargs
+
+    def next_token_labels(self, labels: torch.Tensor, ignore_index: int = -100) -> tuple[torch.Tensor, int]:
+        """``(this rank's shard of the next-token targets [B, S/P], the whole batch's target
+        count)`` of the whole sequence's ``labels [B, S]`` (the shift transformers' causal-LM
+        loss makes, done before sharding). Pass them as ``labels=`` and ``shift_labels=`` (the
+        same tensor) and ``num_items_in_batch=``."""
+        shifted = torch.nn.functional.pad(labels, (0, 1), value=ignore_index)[..., 1:]
+        return self.shard(shifted), int((shifted != ignore_index).sum())
+
+    def reduce_gradients(self, model: torch.nn.Module) -> None:
+        """Sum every parameter's gradient over the CP group (each rank holds the part of its
+        tokens), giving every rank the single-device gradient."""
+        pg = resolve_group(self.group)
+        for p in model.parameters():
+            if p.grad is not None:
+                dist.all_reduce(p.grad, group=pg)
+
+
+def _cp_attention(cp, query, key, value, padding, scaling, sliding_window, kwargs):
+    """One layer's attention under context parallelism (:class:`ContextParallel`)."""
+    if not isinstance(cp, ContextParallel):
+        raise TypeError(f"{CP_KWARG}= must be a flashmask3 ContextParallel, got {type(cp).__name__}")
+    if query.shape[2] != key.shape[2]:
+        raise ValueError(f"{CP_KWARG}= runs training and prefill only: no KV-cache decoding "
+                         "(pass use_cache=False)")
+    if padding is not None or kwargs.get(MASK_KWARG) is not None or kwargs.get(COLUMNS_KWARG) is not None:
+        raise ValueError(f"under {CP_KWARG}= the mask is the plan's: fold padding or a custom mask "
+                         "into the global mask the plan was made from")
+    if sliding_window is not None:
+        raise ValueError(f"{CP_KWARG}= on a sliding-window layer: fold the window into the plan's mask")
+    return cp_flashmask_attention(query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2),
+                                  cp.plan, group=cp.group, comm=cp.comm, softmax_scale=scaling,
+                                  node_layout=cp.node_layout, backward_calls=cp.backward_calls,
+                                  keep_kv=cp.keep_kv)
+
+
 # -- the attention function -------------------------------------------------------------------
 
 
@@ -185,6 +296,10 @@ def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.T
     if dropout:
         raise ValueError(f"{ATTN_IMPLEMENTATION} does not support attention dropout (got "
                          f"{dropout}); set config.attention_dropout = 0")
+    cp = kwargs.get(CP_KWARG)
+    if cp is not None:
+        padding = attention_mask if isinstance(attention_mask, torch.Tensor) else None
+        return _cp_attention(cp, query, key, value, padding, scaling, sliding_window, kwargs), None
     dense = isinstance(attention_mask, torch.Tensor) and attention_mask.dim() == 4
     if query.shape[2] != key.shape[2] or dense:
         if kwargs.get(MASK_KWARG) is not None or kwargs.get(COLUMNS_KWARG) is not None:

@@ -43,3 +43,27 @@ def test_document_batches_are_real_text_adding_up_to_the_batch():
     assert all(1 <= len(f["input_ids"]) <= 64 for f in features)
     text = bytes(t for f in features for t in f["input_ids"])
     assert sum(32 <= c < 127 or c in (9, 10) for c in text) > 0.8 * len(text)
+
+
+def test_example_under_torchrun_trains_context_parallel_as_one_process(tmp_path):
+    """Two gloo processes (each its tokens of every batch, ``flashmask_cp=``) give the losses of
+    the same steps in one process."""
+    import subprocess
+    import sys
+
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    args = ["--steps", "3", "--tokens", "512", "--max-doc-len", "128", "--device", "cpu"]
+    env = {k: v for k, v in os.environ.items() if not k.startswith("TRITON_INTERPRET")}
+    env.update(PYTHONPATH=root, CUDA_VISIBLE_DEVICES="", FLASHMASK3_BACKEND="torch", OMP_NUM_THREADS="1")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--standalone",
+           EXAMPLE, *args, "--plot", str(tmp_path / "cp.png")]
+    run = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300, cwd=root)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    cp = json.loads((tmp_path / "cp.json").read_text())
+    assert cp["context_parallel"] == 2
+    threads = torch.get_num_threads()
+    try:
+        one = load_example().main(args + ["--plot", str(tmp_path / "one.png")])
+    finally:
+        torch.set_num_threads(threads)
+    torch.testing.assert_close(torch.tensor(cp["losses"]), torch.tensor(one["losses"]), rtol=1e-4, atol=1e-5)

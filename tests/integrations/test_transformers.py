@@ -205,3 +205,13 @@ def test_masks_built_per_forward_never_read_their_columns(monkeypatch):
     model(ids, attention_mask=padding)
     model(ids, attention_mask=padding, flashmask=custom)
     assert len(checks) >= 3 and not any(checks)
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_context_parallel_model_equals_one_process(world):
+    """``flashmask_cp=ContextParallel(plan)`` on gloo ranks: logits, loss and gradients of the
+    whole model equal one process's (tests/integrations/hf_cp_workers.py)."""
+    from tests.distributed.harness import run_distributed
+    from tests.integrations.hf_cp_workers import hf_cp_suite
+
+    run_distributed(hf_cp_suite, world, 7)

@@ -1,0 +1,73 @@
+"""Ranks of the transformers context-parallel test (importable by the spawned processes)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import flashmask3.masks as M
+from flashmask3.distributed import plan
+from flashmask3.integrations.transformers import ATTN_IMPLEMENTATION, ContextParallel
+from tests.integrations.test_transformers import VOCAB, tiny_model
+
+DOCS = [[37, 5, 60, 26], [9, 70, 49]]  # two rows of 128 tokens, packed documents
+
+
+def _batch(seed: int):
+    """Whole-sequence ids, per-document positions and labels (each document's first token
+    ignored, as transformers' DataCollatorWithFlattening sets them), and the mask."""
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, VOCAB, (len(DOCS), sum(DOCS[0])), generator=g)
+    pos = torch.stack([torch.cat([torch.arange(n) for n in row]) for row in DOCS])
+    labels = ids.clone()
+    labels[pos == 0] = -100
+    return ids, pos, labels, M.causal_document_mask(DOCS)
+
+
+def hf_cp_suite(rank: int, world: int, seed: int) -> None:
+    """Every rank's logits, the summed loss and the summed gradients of a tiny GQA Llama under
+    ``flashmask_cp=`` equal the single-process model's, for each balance x comm (and two
+    nodes where the world splits); then the documented errors."""
+    model = tiny_model(seed=seed)
+    model.set_attn_implementation(ATTN_IMPLEMENTATION)
+    ids, pos, labels, mask = _batch(seed)
+    model.zero_grad()
+    ref = model(ids, position_ids=pos, labels=labels, use_cache=False)
+    ref.loss.backward()
+    ref_grads = [p.grad.clone() for p in model.parameters()]
+    layouts = [(b, c, 1) for b in ("dual_chunk", "sparse") for c in ("overlap", "allgather")]
+    if world % 2 == 0 and world > 2:
+        layouts.append(("sparse", "overlap", 2))
+    for balance, comm, nodes in layouts:
+        tag = f"rank {rank} {balance} {comm} nodes={nodes}"
+        cp = ContextParallel(plan(mask, None, world, balance=balance, nodes=nodes), comm=comm,
+                             node_layout=world // nodes)
+        assert cp.rank == rank
+        model.zero_grad()
+        if comm == "overlap":  # the helper, and the same by hand
+            out = model(**cp.model_inputs(ids, position_ids=pos, labels=labels))
+        else:
+            shift, count = cp.next_token_labels(labels)
+            out = model(cp.shard(ids), position_ids=cp.shard(pos), labels=shift, shift_labels=shift,
+                        num_items_in_batch=count, use_cache=False, flashmask_cp=cp)
+        torch.testing.assert_close(out.logits, cp.shard(ref.logits.detach()), rtol=1e-4, atol=1e-5,
+                                   msg=lambda m: f"{tag}: logits: {m}")
+        total = out.loss.detach().clone()
+        dist.all_reduce(total)
+        torch.testing.assert_close(total, ref.loss.detach(), rtol=1e-5, atol=1e-6, msg=lambda m: f"{tag}: loss: {m}")
+        out.loss.backward()
+        cp.reduce_gradients(model)
+        for (name, p), want in zip(model.named_parameters(), ref_grads):
+            torch.testing.assert_close(p.grad, want, rtol=1e-4, atol=1e-6, msg=lambda m: f"{tag}: {name}: {m}")
+    cp = ContextParallel(plan(mask, None, world))
+    local = cp.shard(ids)
+    with pytest.raises(ValueError, match="position_ids are required"):
+        cp.model_inputs(ids, position_ids=None)
+    with pytest.raises(ValueError, match="exactly one of"):
+        cp.model_inputs(position_ids=pos)
+    with pytest.raises(ValueError, match="fold padding"):
+        model(local, position_ids=cp.shard(pos), attention_mask=torch.ones_like(local), use_cache=False,
+              flashmask_cp=cp)
+    with pytest.raises(TypeError, match="CPPlan"):
+        ContextParallel(mask)
