@@ -43,7 +43,7 @@ def _p2p_round(peer: int, n: int, send: torch.Tensor, recv: torch.Tensor):
 
 def _worker(rank: int, world: int, port: int, counts: list, reps: int, queue) -> None:
     from flashmask3.distributed.comm import DistExchange
-    from flashmask3.distributed.runtime import Message
+    from flashmask3.distributed.program import Message
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=world)
@@ -87,7 +87,7 @@ def nccl_one_rank(reps: int, port: int) -> float:
     """Median host µs to issue ``DistExchange.start`` (one ``all_to_all_single``) on a one-rank
     NCCL group, a round of one 16-row message to itself (the only NCCL group one GPU allows)."""
     from flashmask3.distributed.comm import DistExchange
-    from flashmask3.distributed.runtime import Message
+    from flashmask3.distributed.program import Message
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("nccl", rank=0, world_size=1, device_id=torch.device("cuda", 0))

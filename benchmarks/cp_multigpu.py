@@ -43,7 +43,7 @@ from benchmarks.corpus import document_spreads  # noqa: E402
 from benchmarks.environment import run_environment  # noqa: E402
 from flashmask3 import flashmask_attention  # noqa: E402
 from flashmask3.distributed import BACKWARD_CALL_MODES, cp_flashmask_attention, plan  # noqa: E402
-from flashmask3.distributed.runtime import resolve_backward_calls  # noqa: E402
+from flashmask3.distributed.program import resolve_backward_calls  # noqa: E402
 from flashmask3.masks import attention_flops  # noqa: E402
 
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")

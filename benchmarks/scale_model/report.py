@@ -40,7 +40,7 @@ def params_table(cluster, costs, runtime) -> list[str]:
                      "runtime_copy_bw | host: assumed; device: recorded ops, fitted bandwidth |")
     else:
         lines.append(f"| runtime | {runtime.kind} (op counts of the runtime on main) | assumed |")
-    from flashmask3.distributed.runtime import AUTO_FLAT_MAX_CP
+    from flashmask3.distributed.program import AUTO_FLAT_MAX_CP
 
     calls = getattr(runtime, "bwd_calls", "stage")
     lines.append(f"| overlapped backward calls | {calls}"

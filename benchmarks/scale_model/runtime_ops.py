@@ -303,7 +303,7 @@ def _runtime_code_digest() -> str:
 
     h = hashlib.sha256()
     base = os.path.dirname(d.__file__)
-    for name in ("runtime.py", "attention.py", "comm.py"):
+    for name in ("program.py", "runtime.py", "attention.py", "comm.py"):
         with open(os.path.join(base, name), "rb") as f:
             h.update(f.read())
     return h.hexdigest()[:16]

@@ -43,7 +43,7 @@ from typing import Callable, Optional
 
 import numpy as np
 
-from flashmask3.distributed.runtime import BACKWARD_CALL_MODES, resolve_backward_calls
+from flashmask3.distributed.program import BACKWARD_CALL_MODES, resolve_backward_calls
 
 from .calibrate import AttentionCost, ProgramWork, TileCounts
 from .layout import PlanView
@@ -356,7 +356,7 @@ BWD_CALLS = BACKWARD_CALL_MODES
 
 def resolve_bwd_calls(view: PlanView, bwd_calls: str) -> str:
     """``bwd_calls`` checked, ``"auto"`` resolved for ``view``: the runtime's own function
-    (flashmask3.distributed.runtime.resolve_backward_calls: one implementation for both)."""
+    (flashmask3.distributed.program.resolve_backward_calls: one implementation for both)."""
     return resolve_backward_calls(bwd_calls, view, name="bwd_calls")
 
 

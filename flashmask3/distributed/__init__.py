@@ -34,8 +34,8 @@ from .comm import DistExchange, resolve_group
 from .launches import LaunchCounter
 from .local_mask import rank_local_columns
 from .plan import BALANCES, WORK_MODELS, CPPlan, Round, Transfer, chunk_liveness, chunk_pairs, plan
-from .runtime import (BACKWARD_CALL_MODES, BACKWARD_CALLS, EmulatedExchange, RankProgram, auto_backward_calls,
-                      prepare_rank)
+from .program import BACKWARD_CALL_MODES, BACKWARD_CALLS, RankProgram, auto_backward_calls, prepare_rank
+from .runtime import EmulatedExchange
 
 __all__ = ["plan", "CPPlan", "Round", "Transfer", "BALANCES", "COMMS", "BACKWARD_CALLS", "BACKWARD_CALL_MODES",
            "WORK_MODELS", "chunk_liveness", "chunk_pairs",

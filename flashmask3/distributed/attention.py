@@ -27,8 +27,8 @@ from ..api import check_qkv, resolve_softmax_scale
 from ..kernels import choose_backend, get_backend
 from .comm import DistExchange, check_node_layout, ensure_ready, resolve_group
 from .plan import CPPlan
-from .runtime import (backward_allgather, backward_overlap, forward_allgather, forward_overlap, merge_stages,
-                      prepare_rank, resolve_backward_calls)
+from .program import prepare_rank, resolve_backward_calls
+from .runtime import backward_allgather, backward_overlap, forward_allgather, forward_overlap, merge_stages
 
 COMMS = ("allgather", "overlap")
 
@@ -133,7 +133,7 @@ def cp_flashmask_attention(q, k, v, plan: CPPlan, *, group=None, comm: str = "ov
             (one call per stage as its K/V arrive), ``"one"`` (one call over every stage once
             all arrived), ``"local+one"`` (own keys first, then one call over the remote ones)
             or ``"auto"`` (a rule on the plan's shape, the same on every rank:
-            :func:`~flashmask3.distributed.runtime.auto_backward_calls`; docs/cp-runtime.md
+            :func:`~flashmask3.distributed.program.auto_backward_calls`; docs/cp-runtime.md
             "Backward calls"). Ignored by ``comm="allgather"``.
         keep_kv: the overlapped backward reuses the remote K/V the forward received (kept
             alive until the backward: the needed remote keys x Hk x D x 2 x the dtype's bytes per

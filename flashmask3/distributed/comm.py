@@ -117,7 +117,7 @@ class DistExchange:
 
     A forward round sends each message's wire rows to ``m.peer`` (``send``: one buffer of which
     each message is ``send[m.start:m.stop]``; a direct round's is a view,
-    :attr:`~.runtime.RoundProgram.send_slice`) and receives straight into ``recv`` (each
+    :attr:`~.program.RoundProgram.send_slice`) and receives straight into ``recv`` (each
     message its rows ``recv[m.start:m.stop]``); the reverse round swaps the roles of the two
     message lists.
 

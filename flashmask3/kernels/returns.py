@@ -19,7 +19,7 @@ chunks to sent back to it. :func:`sum_wire_rows` is the same kernel writing wire
 of dK/dV (``_Returns.send``).
 
 The rows a chunk sums are given as an index built once per rank program
-(``distributed.runtime.returns_index``): for each own chunk, the rows of a source that add
+(``distributed.program.returns_index``): for each own chunk, the rows of a source that add
 into it.
 """
 
@@ -101,7 +101,7 @@ def add_returns(own: Optional[torch.Tensor], own_index: Optional[tuple],
     """dK and dV ``[B, n_own * chunk, Hk, D]`` in ``k``'s dtype: for every own chunk, the sum
     (fp32) of the rows of ``own`` (the own stage's dK/dV wire rows, or None) and of
     ``returned`` (the returned gradients' wire rows, or None) that add into it, as their
-    indexes (``distributed.runtime.returns_index``) say; a chunk no row adds into gets
+    indexes (``distributed.program.returns_index``) say; a chunk no row adds into gets
     zeros."""
     b, _, hk, d = k.shape
     dk = torch.empty((b, n_own * chunk, hk, d), dtype=k.dtype, device=k.device)

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from flashmask3.distributed.comm import message_splits, outgoing_rows
-from flashmask3.distributed.runtime import Message
+from flashmask3.distributed.program import Message
 
 
 class _Round:

@@ -7,7 +7,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from flashmask3.distributed.runtime import from_wire, returns_index
+from flashmask3.distributed.program import returns_index
+from flashmask3.distributed.runtime import from_wire
 from flashmask3.kernels import returns
 
 
