@@ -71,3 +71,26 @@ def hf_cp_suite(rank: int, world: int, seed: int) -> None:
               flashmask_cp=cp)
     with pytest.raises(TypeError, match="CPPlan"):
         ContextParallel(mask)
+
+
+def one_rank_model(backend: str, device: str, store: str, queue) -> None:
+    """On a one-rank group (NCCL where there is one GPU): the model under ``flashmask_cp=`` gives
+    the one-process model's logits and loss; puts the largest relative difference (or the
+    exception text) on ``queue``. The glue on a real device and backend, not the exchange's peers
+    (the gloo suites above cover those)."""
+    try:
+        dist.init_process_group(backend, init_method=f"file://{store}", rank=0, world_size=1)
+        dtype = torch.bfloat16 if device == "cuda" else torch.float32
+        model = tiny_model(seed=2).to(device=device, dtype=dtype)
+        model.set_attn_implementation(ATTN_IMPLEMENTATION)
+        ids, pos, labels, mask = (t.to(device) for t in _batch(2))
+        ref = model(ids, position_ids=pos, labels=labels, use_cache=False)
+        cp = ContextParallel(plan(mask, None, 1))
+        out = model(**cp.model_inputs(ids, position_ids=pos, labels=labels))
+        scale = ref.logits.float().abs().max()
+        err = max(((out.logits.float() - ref.logits.float()).abs().max() / scale).item(),
+                  abs(out.loss.item() - ref.loss.item()) / ref.loss.item())
+        dist.destroy_process_group()
+        queue.put(err)
+    except Exception as e:  # reported to the parent, which fails the test with it
+        queue.put(f"{type(e).__name__}: {e}")

@@ -215,3 +215,25 @@ def test_context_parallel_model_equals_one_process(world):
     from tests.integrations.hf_cp_workers import hf_cp_suite
 
     run_distributed(hf_cp_suite, world, 7)
+
+
+@pytest.mark.parametrize("backend,device", [("gloo", "cpu"), pytest.param("nccl", "cuda", marks=pytest.mark.gpu)])
+def test_context_parallel_on_a_one_rank_group(backend, device, tmp_path):
+    """``flashmask_cp=`` on a one-rank group (NCCL and the Triton kernels on a GPU) gives the
+    one-process logits and loss."""
+    import torch.multiprocessing as mp
+
+    from tests.integrations.hf_cp_workers import one_rank_model
+
+    if device == "cuda" and not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    ctx = mp.get_context("spawn")
+    queue = ctx.SimpleQueue()
+    proc = ctx.Process(target=one_rank_model, args=(backend, device, str(tmp_path / "store"), queue))
+    proc.start()
+    proc.join(180)
+    if proc.is_alive():
+        proc.terminate()
+        pytest.fail("the one-rank model did not finish in 180 s")
+    got = queue.get()
+    assert isinstance(got, float) and got < (2e-2 if device == "cuda" else 1e-5), got
