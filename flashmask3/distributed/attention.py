@@ -106,6 +106,10 @@ def _check_same_plan(plan: CPPlan, pg, device) -> None:
                          "masks or arguments); every rank must plan from the same global mask")
 
 
+# torch.compile: runs eagerly, one graph break around it. Traced, dynamo walked the runtime's
+# Python (placement-dependent loops, collectives) into ~50 graphs and ~40 breaks, 16 s to compile
+# a 2-rank layer and 11 s again for every new plan (each batch has one): the recompile limit.
+@torch.compiler.disable
 def cp_flashmask_attention(q, k, v, plan: CPPlan, *, group=None, comm: str = "overlap",
                            softmax_scale: Optional[float] = None, return_softmax_lse: bool = False,
                            check_plan: bool = False, node_layout=None, backward_calls: str = "auto",

@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 
 from tests.distributed.harness import RankError, run_distributed
-from tests.distributed.workers import (check_configs, check_mesh_and_lse, cp4_suite,
+from tests.distributed.workers import (check_configs, check_mesh_and_lse, compiled_model_suite, cp4_suite,
                                        fail_on_rank_one, mismatched_plans, stuck_rank,
                                        wrong_group_size)
 from tests.helpers import named_masks
@@ -68,3 +68,7 @@ def test_bad_softmax_scale_is_refused_before_any_process_group_is_touched():
     for bad, err in ((float("nan"), ValueError), (-0.5, ValueError), ("0.1", TypeError)):
         with pytest.raises(err, match="softmax_scale"):
             cp_flashmask_attention(x, x, x, p, softmax_scale=bad)
+
+
+def test_torch_compile_of_a_model_with_cp_attention():
+    run_distributed(compiled_model_suite, 2, 128, 5)

@@ -369,3 +369,40 @@ def check_bad_backward_calls(rank, world, seqlen):
     dist.barrier()
     out = cp_flashmask_attention(x, x, x, p, backward_calls="one")
     assert out.shape == x.shape
+
+
+def compiled_model_suite(rank, world, seqlen, seed):
+    """``torch.compile`` of a module calling ``cp_flashmask_attention`` gives the eager loss and
+    gradients, and a batch with a new plan reuses the compiled graphs (the CP call is one graph
+    break, not traced: docs/context-parallel.md)."""
+    import torch._dynamo.utils as dynamo_utils
+
+    from flashmask3 import masks as M
+
+    class Layer(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.proj = torch.nn.Linear(D, D)
+
+        def forward(self, q, k, v, p):
+            out = cp_flashmask_attention(self.proj(q), k, v, p)
+            return (out * out).sum()
+
+    torch._dynamo.reset()
+    torch.manual_seed(seed)
+    layer = Layer()
+    compiled = torch.compile(layer)
+    graphs = []
+    for i, docs in enumerate(([seqlen // 4, seqlen - seqlen // 4], [seqlen // 3, seqlen // 3, seqlen - 2 * (seqlen // 3)])):
+        p = plan(M.causal_document_mask(docs), None, world, balance="sparse")
+        q, k, v, _ = _inputs(seqlen, seed + i)
+        ql, kl, vl = (p.shard(t, rank).requires_grad_() for t in (q, k, v))
+        want = layer(ql, kl, vl, p)
+        want_grads = torch.autograd.grad(want, (ql, kl, vl))
+        got = compiled(ql, kl, vl, p)
+        got_grads = torch.autograd.grad(got, (ql, kl, vl))
+        _close("loss", got.detach(), want.detach(), f"rank {rank} batch {i}")
+        for name, a, b in zip("qkv", got_grads, want_grads):
+            _close(f"d{name}", a, b, f"rank {rank} batch {i}")
+        graphs.append(dynamo_utils.counters["stats"]["unique_graphs"])
+    assert graphs[1] == graphs[0] <= 2, f"rank {rank}: compiled graphs after each batch {graphs}"
