@@ -199,7 +199,7 @@ class ContextParallel:
     ``flashmask=`` (fold them into the plan's mask), sliding-window layers, KV-cache decoding.
     """
 
-    plan: Any
+    plan: CPPlan
     group: Any = None
     comm: str = "overlap"
     node_layout: Any = None
