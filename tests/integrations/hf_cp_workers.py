@@ -60,6 +60,7 @@ def hf_cp_suite(rank: int, world: int, seed: int) -> None:
         cp.reduce_gradients(model)
         for (name, p), want in zip(model.named_parameters(), ref_grads):
             torch.testing.assert_close(p.grad, want, rtol=1e-4, atol=1e-6, msg=lambda m: f"{tag}: {name}: {m}")
+    collator_batch(rank, world, seed)
     cp = ContextParallel(plan(mask, None, world))
     local = cp.shard(ids)
     with pytest.raises(ValueError, match="position_ids are required"):
@@ -71,6 +72,28 @@ def hf_cp_suite(rank: int, world: int, seed: int) -> None:
               flashmask_cp=cp)
     with pytest.raises(TypeError, match="CPPlan"):
         ContextParallel(mask)
+
+
+def collator_batch(rank: int, world: int, seed: int) -> None:
+    """A ``DataCollatorWithFlattening(return_flash_attn_kwargs=True)`` batch, planned from its
+    ``cu_seq_lens_q`` (``masks.from_cu_seqlens``): the summed loss equals the one-process loss
+    of the same batch, and each rank's logits its tokens' logits."""
+    import transformers
+
+    model = tiny_model(seed=seed + 1)
+    model.set_attn_implementation(ATTN_IMPLEMENTATION)
+    g = torch.Generator().manual_seed(seed)
+    docs = [torch.randint(0, VOCAB, (n,), generator=g).tolist() for n in DOCS[0]]
+    batch = transformers.DataCollatorWithFlattening(return_flash_attn_kwargs=True)(
+        [{"input_ids": d} for d in docs], return_tensors="pt")
+    ref = model(**batch, use_cache=False)
+    cp = ContextParallel(plan(M.from_cu_seqlens(batch["cu_seq_lens_q"]), None, world))
+    out = model(**cp.model_inputs(batch["input_ids"], position_ids=batch["position_ids"],
+                                  labels=batch["labels"]))
+    torch.testing.assert_close(out.logits, cp.shard(ref.logits.detach()), rtol=1e-4, atol=1e-5)
+    total = out.loss.detach().clone()
+    dist.all_reduce(total)
+    torch.testing.assert_close(total, ref.loss.detach(), rtol=1e-5, atol=1e-6)
 
 
 def one_rank_model(backend: str, device: str, store: str, queue) -> None:
