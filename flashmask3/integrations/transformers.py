@@ -196,7 +196,8 @@ class ContextParallel:
     data-parallel wrapper over a group containing the CP ranks, its averaging undone).
 
     Not supported here (each a ValueError): a 2-D padding ``attention_mask`` and a custom
-    ``flashmask=`` (fold them into the plan's mask), sliding-window layers, KV-cache decoding.
+    ``flashmask=`` (fold them into the plan's mask), a sliding window shorter than the sequence,
+    KV-cache decoding.
     """
 
     plan: CPPlan
@@ -269,8 +270,10 @@ def _cp_attention(cp, query, key, value, padding, scaling, sliding_window, kwarg
     if padding is not None or kwargs.get(MASK_KWARG) is not None or kwargs.get(COLUMNS_KWARG) is not None:
         raise ValueError(f"under {CP_KWARG}= the mask is the plan's: fold padding or a custom mask "
                          "into the global mask the plan was made from")
-    if sliding_window is not None:
-        raise ValueError(f"{CP_KWARG}= on a sliding-window layer: fold the window into the plan's mask")
+    if sliding_window is not None and sliding_window < cp.plan.seqlen:  # (a longer one masks nothing)
+        raise ValueError(f"{CP_KWARG}= on a layer with a sliding window of {sliding_window} tokens, "
+                         f"shorter than the sequence ({cp.plan.seqlen}): fold the window into the "
+                         "plan's mask")
     return cp_flashmask_attention(query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2),
                                   cp.plan, group=cp.group, comm=cp.comm, softmax_scale=scaling,
                                   node_layout=cp.node_layout, backward_calls=cp.backward_calls,

@@ -72,6 +72,24 @@ def hf_cp_suite(rank: int, world: int, seed: int) -> None:
               flashmask_cp=cp)
     with pytest.raises(TypeError, match="CPPlan"):
         ContextParallel(mask)
+    sliding_window_layers(rank, world, seed)
+
+
+def sliding_window_layers(rank: int, world: int, seed: int) -> None:
+    """A Mistral whose sliding window is longer than the sequence (it masks nothing) runs under
+    ``flashmask_cp=`` with the one-process logits; a shorter window is a ValueError."""
+    ids, pos, labels, mask = _batch(seed)
+    cp = ContextParallel(plan(mask, None, world))
+    for window in (4096, 16):
+        model = tiny_model(seed=seed, cls="mistral", sliding_window=window)
+        model.set_attn_implementation(ATTN_IMPLEMENTATION)
+        if window < ids.shape[1]:
+            with pytest.raises(ValueError, match="sliding window of 16 tokens"):
+                model(**cp.model_inputs(ids, position_ids=pos))
+            continue
+        ref = model(ids, position_ids=pos, use_cache=False).logits
+        out = model(**cp.model_inputs(ids, position_ids=pos)).logits
+        torch.testing.assert_close(out, cp.shard(ref.detach()), rtol=1e-4, atol=1e-5)
 
 
 def collator_batch(rank: int, world: int, seed: int) -> None:
