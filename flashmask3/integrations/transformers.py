@@ -243,13 +243,14 @@ class ContextParallel:
             kwargs.update(labels=shift, shift_labels=shift, num_items_in_batch=count)
         return kwargs
 
-    def next_token_labels(self, labels: torch.Tensor, ignore_index: int = -100) -> tuple[torch.Tensor, int]:
+    def next_token_labels(self, labels: torch.Tensor, ignore_index: int = -100) -> tuple[torch.Tensor, torch.Tensor]:
         """``(this rank's shard of the next-token targets [B, S/P], the whole batch's target
         count)`` of the whole sequence's ``labels [B, S]`` (the shift transformers' causal-LM
         loss makes, done before sharding). Pass them as ``labels=`` and ``shift_labels=`` (the
-        same tensor) and ``num_items_in_batch=``."""
+        same tensor) and ``num_items_in_batch=``. The count is a 0-d tensor on the labels'
+        device (not read to the host: no sync)."""
         shifted = torch.nn.functional.pad(labels, (0, 1), value=ignore_index)[..., 1:]
-        return self.shard(shifted), int((shifted != ignore_index).sum())
+        return self.shard(shifted), (shifted != ignore_index).sum()
 
     def reduce_gradients(self, model: torch.nn.Module) -> None:
         """Sum every parameter's gradient over the CP group (each rank holds the part of its
