@@ -8,7 +8,8 @@ back is added, by chunk id, to the owning rank's dK/dV, so the sum covers every 
 exactly once, relayed ones included (a relay receives zeros from its children and forwards only
 its own stage's part; the children's parts are recorded when they are sent). The gloo suites
 (test_cp_attention.py, test_cp_runtime.py) check real process groups at cp 2-6; this one reaches
-further: cp up to 16, 2-8 nodes, chunk sizes, batch and per-head masks, every mask type.
+further: cp up to 16, 2-8 nodes, chunk sizes, batch and per-head masks, every mask type, the backward's
+K/V kept from the forward or fetched again.
 """
 
 from __future__ import annotations
@@ -67,9 +68,9 @@ def _mask(name, seqlen, batch, heads, doc_seed):
        chunks_per_rank=st.sampled_from([2, 4]), balance=st.sampled_from(["contiguous", "dual_chunk", "sparse"]),
        comm=st.sampled_from(["overlap", "allgather"]), calls=st.sampled_from(BACKWARD_CALL_MODES),
        batch=st.integers(1, 2), hk_ratio=st.sampled_from([(1, 1), (2, 1), (4, 2)]),
-       per_head=st.booleans(), seed=st.integers(0, 10_000))
+       per_head=st.booleans(), keep_kv=st.booleans(), seed=st.integers(0, 10_000))
 def test_every_rank_equals_the_dense_reference(name, cp_nodes, chunks_per_rank, balance, comm, calls,
-                                               batch, hk_ratio, per_head, seed):
+                                               batch, hk_ratio, per_head, keep_kv, seed):
     cp, nodes = cp_nodes
     chunk = 8
     seqlen = cp * chunks_per_rank * chunk
@@ -86,12 +87,13 @@ def test_every_rank_equals_the_dense_reference(name, cp_nodes, chunks_per_rank, 
     wire = to_wire(k, v, chunk)
     returned = torch.zeros_like(wire)
     own = torch.zeros_like(wire)
-    tag = f"{name} cp={cp} nodes={nodes} {balance} {comm} {calls} B={batch} Hq/Hk={hq}/{hk} seed={seed}"
+    tag = (f"{name} cp={cp} nodes={nodes} {balance} {comm} {calls} keep_kv={keep_kv} B={batch} "
+           f"Hq/Hk={hq}/{hk} seed={seed}")
     for rank in range(cp):
         ql, kl, vl = (p.shard(t, rank).requires_grad_() for t in (q, k, v))
         ex = _ReturnsToOwners(wire, cp, rank, p, returned)
         prog = prepare_rank(p, rank, "cpu", comm=comm, backward_calls=calls)
-        out, lse = run_layer(ql, kl, vl, prog, ex, 0.3)
+        out, lse = run_layer(ql, kl, vl, prog, ex, 0.3, keep_kv=keep_kv)
         (out * p.shard(do, rank)).sum().backward()
         want_lse = p.shard(lse_r.transpose(1, 2), rank).transpose(1, 2)
         assert torch.allclose(out, p.shard(out_r.detach(), rank), **TOL), f"out, rank {rank}: {tag}"
