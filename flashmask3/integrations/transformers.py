@@ -206,6 +206,9 @@ class ContextParallel:
     node_layout: Any = None
     backward_calls: str = "auto"
     keep_kv: bool = True
+    #: every layer first checks that all ranks hold the same plan (one small all-reduce): a
+    #: rank that planned another batch raises on all ranks instead of exchanging garbage
+    check_plan: bool = False
 
     def __post_init__(self):
         if not isinstance(self.plan, CPPlan):
@@ -278,7 +281,7 @@ def _cp_attention(cp, query, key, value, padding, scaling, sliding_window, kwarg
     return cp_flashmask_attention(query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2),
                                   cp.plan, group=cp.group, comm=cp.comm, softmax_scale=scaling,
                                   node_layout=cp.node_layout, backward_calls=cp.backward_calls,
-                                  keep_kv=cp.keep_kv)
+                                  keep_kv=cp.keep_kv, check_plan=cp.check_plan)
 
 
 # -- the attention function -------------------------------------------------------------------

@@ -61,6 +61,9 @@ def hf_cp_suite(rank: int, world: int, seed: int) -> None:
         for (name, p), want in zip(model.named_parameters(), ref_grads):
             torch.testing.assert_close(p.grad, want, rtol=1e-4, atol=1e-6, msg=lambda m: f"{tag}: {name}: {m}")
     collator_batch(rank, world, seed)
+    other = M.causal_document_mask([DOCS[0], DOCS[1][::-1]] if rank == 0 else DOCS)
+    with pytest.raises(ValueError, match="different CP plans"):  # (check_plan: on every rank)
+        model(**ContextParallel(plan(other, None, world), check_plan=True).model_inputs(ids, position_ids=pos))
     cp = ContextParallel(plan(mask, None, world))
     local = cp.shard(ids)
     with pytest.raises(ValueError, match="position_ids are required"):
