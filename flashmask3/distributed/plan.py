@@ -485,7 +485,24 @@ class CPPlan:
         dim = dim % x.dim() if x.dim() else 0
         if x.dim() == 0 or x.shape[dim] != self.seqlen:
             raise ValueError(f"x must have {self.seqlen} tokens along dim={dim}, got shape {tuple(x.shape)}")
-        return x.index_select(dim, self.rows(rank).to(x.device))
+        return x.index_select(dim, self._rows_on(rank, x.device))
+
+    def _rows_on(self, rank: int, device: torch.device) -> torch.Tensor:
+        """:meth:`rows` on ``device``, cached per device: a GPU gets them once per plan, from
+        pinned memory without blocking (a copy from pageable memory would wait for the GPU on
+        every shard of every batch)."""
+        cache = self.__dict__.setdefault("_device_rows", {})
+        key = (int(rank), str(device))
+        got = cache.get(key)
+        if got is None:
+            rows = self.rows(rank)
+            if device.type == "cuda":
+                pinned = rows.pin_memory()
+                got = (pinned.to(device, non_blocking=True), pinned)  # the source lives with it
+            else:
+                got = (rows.to(device), None)
+            cache[key] = got
+        return got[0]
 
     def unshard(self, shards: Sequence[torch.Tensor], dim: int = 1) -> torch.Tensor:
         """Inverse of :meth:`shard`: the full tensor from every rank's shard (rank order)."""
@@ -500,7 +517,7 @@ class CPPlan:
             if x.shape[dim] != self.local_seqlen:
                 raise ValueError(f"shard {r} has {x.shape[dim]} tokens along dim={dim}, "
                                  f"expected {self.local_seqlen}")
-            out.index_copy_(dim, self.rows(r).to(x.device), x)
+            out.index_copy_(dim, self._rows_on(r, x.device), x)
         return out
 
     @property

@@ -423,3 +423,24 @@ def test_planning_a_million_tokens_with_per_head_masks_works():
     p = plan(cols, True, 128)
     assert p.chunk_size == 512 and p.imbalance <= 1.05
     assert sum(p.works) == int(p.chunk_work.sum()) > 0
+
+
+@pytest.mark.gpu
+def test_shard_and_unshard_of_cuda_tensors_do_not_synchronise():
+    """A plan's rows go to a GPU once, from pinned memory without blocking: sharding a batch's
+    CUDA tensors (the transformers integration's ``model_inputs``) never waits for the device."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    p = plan(M.causal_document_mask([100, 156]), None, 2)
+    x = torch.arange(256, device="cuda").view(1, -1)
+    p.shard(x, 0)  # the first use per device copies the rows (still without a sync)
+    torch.cuda.synchronize()
+    prev = torch.cuda.get_sync_debug_mode()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        shards = [p.shard(x, r) for r in range(2)]
+        back = p.unshard(shards)
+    finally:
+        torch.cuda.set_sync_debug_mode(prev)
+    assert torch.equal(back, x)
+    assert torch.equal(shards[1].cpu(), p.rows(1).view(1, -1))
