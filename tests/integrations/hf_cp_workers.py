@@ -76,6 +76,31 @@ def hf_cp_suite(rank: int, world: int, seed: int) -> None:
     with pytest.raises(TypeError, match="CPPlan"):
         ContextParallel(mask)
     sliding_window_layers(rank, world, seed)
+    if world == 4:
+        data_and_context_parallel(rank, seed)
+
+
+def data_and_context_parallel(rank: int, seed: int) -> None:
+    """A (dp 2, cp 2) DeviceMesh: each data-parallel group trains its own batch with
+    ``ContextParallel(plan, group=(mesh, "cp"))``; within the group the summed gradients equal
+    the one-process gradients of that group's batch."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "cp"))
+    dp_rank = mesh.get_local_rank("dp")
+    ids, pos, labels, mask = _batch(seed + 10 * dp_rank)  # each DP group its own batch
+    model = tiny_model(seed=seed)
+    model.set_attn_implementation(ATTN_IMPLEMENTATION)
+    model.zero_grad()
+    model(ids, position_ids=pos, labels=labels, use_cache=False).loss.backward()
+    want = [p.grad.clone() for p in model.parameters()]
+    cp = ContextParallel(plan(mask, None, 2), group=(mesh, "cp"))
+    assert cp.rank == mesh.get_local_rank("cp")
+    model.zero_grad()
+    model(**cp.model_inputs(ids, position_ids=pos, labels=labels)).loss.backward()
+    cp.reduce_gradients(model)
+    for (name, p), w in zip(model.named_parameters(), want):
+        torch.testing.assert_close(p.grad, w, rtol=1e-4, atol=1e-6, msg=lambda m: f"rank {rank} {name}: {m}")
 
 
 def sliding_window_layers(rank: int, world: int, seed: int) -> None:
