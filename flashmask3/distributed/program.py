@@ -20,7 +20,7 @@ import torch
 
 from ..kernels.static_masks import capturing, mark_static
 
-#: How :func:`backward_overlap` calls the staged backward: one call per stage as its K/V
+#: How :func:`~.runtime.backward_overlap` calls the staged backward: one call per stage as its K/V
 #: arrives (``"stage"``); one call over the own and every remote stage once every round arrived
 #: (``"one"``: the dK/dV returns go out after it); the own stage first while the remote K/V
 #: arrive, then one call over every remote stage (``"local+one"``). ``"auto"`` picks one per
