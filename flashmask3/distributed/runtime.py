@@ -19,8 +19,8 @@ and are summed into the rank's own dK/dV by one launch (kernels/returns.py) or `
 
 Backward calls. :func:`backward_overlap` calls the staged backward once per stage (``"stage"``),
 once over every stage after all K/V arrived (``"one"``), or on the own stage first and then once
-over every remote stage (``"local+one"``); see :data:`BACKWARD_CALLS` and
-:func:`auto_backward_calls` (the default rule, shared with benchmarks/scale_model).
+over every remote stage (``"local+one"``); see :data:`~.program.BACKWARD_CALLS` and
+:func:`~.program.auto_backward_calls` (the default rule, shared with benchmarks/scale_model).
 
 Communication goes through an *exchange* object (:class:`~flashmask3.distributed.comm.DistExchange`
 for torch.distributed, :class:`EmulatedExchange` for one-process emulation and launch counting)
