@@ -36,6 +36,19 @@ from .local_mask import rank_local_columns
 from .placement import PlacementCost, sparse_placement
 from .summaries import chunk_pair_counts, chunk_summaries
 
+
+def to_device_pinned(x: torch.Tensor, device: torch.device, keep: list) -> torch.Tensor:
+    """``x`` on ``device``: from pinned host memory without blocking when it goes to a GPU (the
+    pinned source appended to ``keep``, to outlive the copy); as it is when already there."""
+    if x.device == device:
+        return x
+    if device.type == "cuda" and x.device.type == "cpu":
+        pinned = x.pin_memory()
+        keep.append(pinned)
+        return pinned.to(device, non_blocking=True)
+    return x.to(device)
+
+
 BALANCES = ("contiguous", "dual_chunk", "sparse")
 WORK_MODELS = ("tiles", "pairs")
 
@@ -495,13 +508,8 @@ class CPPlan:
         key = (int(rank), str(device))
         got = cache.get(key)
         if got is None:
-            rows = self.rows(rank)
-            if device.type == "cuda":
-                pinned = rows.pin_memory()
-                got = (pinned.to(device, non_blocking=True), pinned)  # the source lives with it
-            else:
-                got = (rows.to(device), None)
-            cache[key] = got
+            keep: list = []  # the pinned source lives with its copy
+            got = cache[key] = (to_device_pinned(self.rows(rank), device, keep), keep)
         return got[0]
 
     def unshard(self, shards: Sequence[torch.Tensor], dim: int = 1) -> torch.Tensor:

@@ -19,6 +19,7 @@ import numpy as np
 import torch
 
 from ..kernels.static_masks import capturing, mark_static
+from .plan import to_device_pinned
 
 #: How :func:`~.runtime.backward_overlap` calls the staged backward: one call per stage as its K/V
 #: arrives (``"stage"``); one call over the own and every remote stage once every round arrived
@@ -223,19 +224,8 @@ class RankProgram:
 # -- building a program -----------------------------------------------------------------------------
 
 
-def _to_device(x: torch.Tensor, device: torch.device, keep: list) -> torch.Tensor:
-    """``x`` on ``device``: from pinned host memory without blocking when it goes to a GPU."""
-    if x.device == device:
-        return x
-    if device.type == "cuda" and x.device.type == "cpu":
-        pinned = x.pin_memory()
-        keep.append(pinned)
-        return pinned.to(device, non_blocking=True)
-    return x.to(device)
-
-
 def _index(values, device, keep) -> torch.Tensor:
-    return _to_device(torch.as_tensor(np.asarray(values, dtype=np.int64)), device, keep)
+    return to_device_pinned(torch.as_tensor(np.asarray(values, dtype=np.int64)), device, keep)
 
 
 def _messages(transfers, peer_of) -> tuple[Message, ...]:
@@ -346,7 +336,7 @@ def _build_rounds(plan, rank, device, keep, own_pos, pack: list[int],
 def _static_columns(cols: torch.Tensor, device, keep) -> torch.Tensor:
     """A contiguous copy of ``cols`` on ``device``, marked static (the program never writes
     its columns: their plans are kept with them and reused inside a CUDA graph capture)."""
-    return mark_static(_to_device(cols.clone(memory_format=torch.contiguous_format), device, keep))
+    return mark_static(to_device_pinned(cols.clone(memory_format=torch.contiguous_format), device, keep))
 
 
 def _stage_columns(cols: torch.Tensor, stage_chunks, chunk_size, device, keep):
@@ -502,7 +492,7 @@ def returns_index(targets, n_own: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 def _returns_index_on(device, keep, targets, n_own: int) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`returns_index` of host ``targets``, moved to ``device`` (from pinned memory)."""
-    return tuple(_to_device(x, device, keep) for x in returns_index(targets, n_own))
+    return tuple(to_device_pinned(x, device, keep) for x in returns_index(targets, n_own))
 
 
 def _own_returns_index(own_rows: list[int], direct_rows: list[int], n_own: int, device, keep) -> Optional[tuple]:
