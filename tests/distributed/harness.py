@@ -171,3 +171,22 @@ def _all_finished(ctx, store_path, world: int, wait_s: float = 30.0) -> bool:
             break
         time.sleep(0.2)
     return len(_finished_ranks(store_path)) == world
+
+
+def run_one_rank(fn, backend: str, device: str, store: str, timeout_s: float, what: str):
+    """``fn(backend, device, store, queue)`` in a spawned process that makes a one-rank group
+    itself (NCCL where there is one GPU); returns what it put on ``queue`` (its result, or the
+    text of its exception) and fails the test if it does not finish within ``timeout_s``."""
+    import pytest
+
+    if device == "cuda" and not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    ctx = mp.get_context("spawn")
+    queue = ctx.SimpleQueue()
+    proc = ctx.Process(target=fn, args=(backend, device, store, queue))
+    proc.start()
+    proc.join(timeout_s)
+    if proc.is_alive():
+        proc.terminate()
+        pytest.fail(f"{what} did not finish in {timeout_s:.0f} s")
+    return queue.get()

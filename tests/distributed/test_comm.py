@@ -78,17 +78,7 @@ def _self_exchange(backend: str, device: str, store: str, queue) -> None:
 def test_dist_exchange_delivers_a_round_on_a_one_rank_group(backend, device, tmp_path):
     """The exchange's collective with real process groups (the multi-rank gloo suites cover
     peers; this one runs NCCL on the one GPU there is): rows sent to itself arrive exactly."""
-    import torch.multiprocessing as mp
+    from tests.distributed.harness import run_one_rank
 
-    if device == "cuda" and not torch.cuda.is_available():
-        pytest.skip("needs a CUDA GPU")
-    ctx = mp.get_context("spawn")
-    queue = ctx.SimpleQueue()
-    proc = ctx.Process(target=_self_exchange, args=(backend, device, str(tmp_path / "store"), queue))
-    proc.start()
-    proc.join(120)
-    if proc.is_alive():
-        proc.terminate()
-        pytest.fail("the one-rank exchange did not finish in 120 s")
-    got = queue.get()
+    got = run_one_rank(_self_exchange, backend, device, str(tmp_path / "store"), 120, "the one-rank exchange")
     assert got == 0.0, got

@@ -221,19 +221,8 @@ def test_context_parallel_model_equals_one_process(world):
 def test_context_parallel_on_a_one_rank_group(backend, device, tmp_path):
     """``flashmask_cp=`` on a one-rank group (NCCL and the Triton kernels on a GPU) gives the
     one-process logits and loss."""
-    import torch.multiprocessing as mp
-
+    from tests.distributed.harness import run_one_rank
     from tests.integrations.hf_cp_workers import one_rank_model
 
-    if device == "cuda" and not torch.cuda.is_available():
-        pytest.skip("needs a CUDA GPU")
-    ctx = mp.get_context("spawn")
-    queue = ctx.SimpleQueue()
-    proc = ctx.Process(target=one_rank_model, args=(backend, device, str(tmp_path / "store"), queue))
-    proc.start()
-    proc.join(180)
-    if proc.is_alive():
-        proc.terminate()
-        pytest.fail("the one-rank model did not finish in 180 s")
-    got = queue.get()
+    got = run_one_rank(one_rank_model, backend, device, str(tmp_path / "store"), 180, "the one-rank model")
     assert isinstance(got, float) and got < (2e-2 if device == "cuda" else 1e-5), got
