@@ -25,6 +25,7 @@ from typing import Optional
 
 import torch
 
+from flashmask3.distributed.plan import to_device_pinned
 from flashmask3.masks import FlashMask
 
 from .data import IGNORE_INDEX, PackedBatch
@@ -59,10 +60,9 @@ class DeviceBatch:
 
 
 def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """``t`` on ``device``: pinned and copied asynchronously for a GPU, as is on the CPU."""
-    if device.type != "cuda":
-        return t
-    return t.pin_memory().to(device, non_blocking=True)
+    """``t`` on ``device``: pinned and copied asynchronously for a GPU, as is on the CPU
+    (:func:`flashmask3.distributed.plan.to_device_pinned`)."""
+    return to_device_pinned(t, device, [])
 
 
 def prepare_plan_for_rank(plan, rank: int, device: torch.device, comm: str, backward_calls: str = "auto"):
