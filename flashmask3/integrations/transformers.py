@@ -303,18 +303,16 @@ def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.T
     if dropout:
         raise ValueError(f"{ATTN_IMPLEMENTATION} does not support attention dropout (got "
                          f"{dropout}); set config.attention_dropout = 0")
+    padding = attention_mask if isinstance(attention_mask, torch.Tensor) else None
     cp = kwargs.get(CP_KWARG)
     if cp is not None:
-        padding = attention_mask if isinstance(attention_mask, torch.Tensor) else None
         return _cp_attention(cp, query, key, value, padding, scaling, sliding_window, kwargs), None
-    dense = isinstance(attention_mask, torch.Tensor) and attention_mask.dim() == 4
-    if query.shape[2] != key.shape[2] or dense:
+    if query.shape[2] != key.shape[2] or (padding is not None and padding.dim() == 4):
         if kwargs.get(MASK_KWARG) is not None or kwargs.get(COLUMNS_KWARG) is not None:
             raise ValueError(f"a custom {MASK_KWARG}= needs as many keys as queries (no KV cache "
                              "decoding, no dense 4-D attention_mask)")
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout,
                                       scaling=scaling, sliding_window=sliding_window, **kwargs)
-    padding = attention_mask if isinstance(attention_mask, torch.Tensor) else None
     if padding is not None and padding.dim() != 2:
         raise ValueError(f"{ATTN_IMPLEMENTATION} expects a 2-D padding attention_mask, got shape "
                          f"{tuple(padding.shape)}")
