@@ -22,13 +22,15 @@ from typing import Optional
 
 import torch
 import torch.distributed as dist
+from torch import Tensor
 
-from ..api import check_qkv, resolve_softmax_scale
+from ..api import _traced, check_qkv, resolve_softmax_scale
 from ..kernels import choose_backend, get_backend
-from .comm import DistExchange, check_node_layout, ensure_ready, resolve_group
-from .plan import CPPlan
+from .comm import DistExchange, check_node_layout, ensure_ready, group_of_name, resolve_group
+from .plan import CPPlan, plan_of_token
 from .program import prepare_rank, resolve_backward_calls
-from .runtime import backward_allgather, backward_overlap, forward_allgather, forward_overlap, merge_stages
+from .runtime import (acc_dtype, backward_allgather, backward_overlap, forward_allgather, forward_overlap,
+                      merge_stages)
 
 COMMS = ("allgather", "overlap")
 
@@ -50,15 +52,29 @@ class _Call:
         self.keep_kv = keep_kv
 
 
+def _forward(call: _Call, q, k, v, keep: bool):
+    """The layer's forward: ``(out, lse, kept)``; ``kept`` is the overlapped forward's key
+    buffer when ``keep`` (for the backward), else None."""
+    if call.prog.comm == "overlap":
+        return forward_overlap(call.prog, call.exchange, call.backend, q, k, v, call.scale, keep)
+    return (*forward_allgather(call.prog, call.exchange, call.backend, q, k, v, call.scale), None)
+
+
+def _backward(call: _Call, dout, dlse, q, k, v, out, lse, kept):
+    """The layer's backward: ``(dq, dk, dv)``."""
+    args = (call.prog, call.exchange, call.backend, dout.contiguous(), dlse, q, k, v, out, lse, call.scale)
+    if call.prog.comm == "overlap":
+        return backward_overlap(*args, kept=kept)
+    return backward_allgather(*args)
+
+
 class _CPAttention(torch.autograd.Function):
+    """The layer's autograd for eager calls (the traced ones take the custom op below)."""
+
     @staticmethod
     def forward(ctx, q, k, v, call: _Call):
-        kept = None  # the overlapped forward's key buffer, for the backward (keep_kv)
-        if call.prog.comm == "overlap":
-            keep = call.keep_kv and any(ctx.needs_input_grad[:3])  # no backward: nothing to keep
-            out, lse, kept = forward_overlap(call.prog, call.exchange, call.backend, q, k, v, call.scale, keep)
-        else:
-            out, lse = forward_allgather(call.prog, call.exchange, call.backend, q, k, v, call.scale)
+        keep = call.keep_kv and any(ctx.needs_input_grad[:3])  # no backward: nothing to keep
+        out, lse, kept = _forward(call, q, k, v, keep)
         ctx.call = call
         ctx.save_for_backward(q, k, v, out, lse, *(() if kept is None else (kept,)))
         return out, lse
@@ -66,13 +82,7 @@ class _CPAttention(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dout, dlse):
         q, k, v, out, lse, *kept = ctx.saved_tensors
-        call = ctx.call
-        args = (call.prog, call.exchange, call.backend, dout.contiguous(), dlse, q, k, v, out, lse,
-                call.scale)
-        if call.prog.comm == "overlap":
-            dq, dk, dv = backward_overlap(*args, kept=kept[0] if kept else None)
-        else:
-            dq, dk, dv = backward_allgather(*args)
+        dq, dk, dv = _backward(ctx.call, dout, dlse, q, k, v, out, lse, kept[0] if kept else None)
         return dq, dk, dv, None
 
 
@@ -83,6 +93,119 @@ def run_layer(q, k, v, prog, exchange, softmax_scale: float, backend=None, keep_
     (kept alive until then) instead of fetching them again. Returns ``(out, lse)``."""
     backend = backend or get_backend(choose_backend(q))
     return _CPAttention.apply(q, k, v, _Call(prog, exchange, backend, softmax_scale, keep_kv))
+
+
+# -- the traced layer: a torch.library custom op ---------------------------------------------------
+#
+# Under torch.compile (and export, fake modes, functorch transforms) the layer is one opaque op:
+# dynamo does not walk the runtime's Python (placement-dependent loops, collectives). Its
+# non-tensor inputs name what the eager call passes as objects: the plan by its token
+# (CPPlan.op_token, a tensor, so a new plan reuses the graph), the group by its name.
+
+
+def _layout_args(node_layout, nodes: int) -> tuple[Optional[int], Optional[list[int]]]:
+    """``node_layout`` as the op's two arguments (GPUs per node, node id per global rank)."""
+    if nodes == 1 or node_layout is None:
+        return None, None
+    if isinstance(node_layout, int) and not isinstance(node_layout, bool):
+        return node_layout, None
+    if callable(node_layout) or isinstance(node_layout, (str, bytes, bool)):
+        raise TypeError("node_layout: under torch.compile pass GPUs per node (int) or a node id per "
+                        f"global rank (sequence of ints), got {type(node_layout).__name__}")
+    return None, [int(n) for n in node_layout]
+
+
+def _op_call(plan_token, group_name: str, q, comm: str, backward_calls: str, scale: float,
+             keep: bool) -> _Call:
+    pg = group_of_name(group_name)
+    prog = prepare_rank(plan_of_token(plan_token), dist.get_rank(pg), q.device, comm, backward_calls)
+    return _Call(prog, DistExchange(pg), get_backend(choose_backend(q)), scale, keep)
+
+
+@torch.library.custom_op("flashmask3::cp_attention_forward", mutates_args=())
+def _cp_forward_op(
+    q: Tensor, k: Tensor, v: Tensor, plan_token: Tensor, group_name: str, comm: str,
+    backward_calls: str, softmax_scale: float, keep: bool, check_plan: bool,
+    gpus_per_node: Optional[int], rank_nodes: Optional[list[int]],
+) -> tuple[Tensor, Tensor, Tensor]:
+    # returns (out, lse, kept): kept is the key buffer for the backward ([2, B, keys, Hk, D],
+    # its length decided by the plan) when keep, else an empty tensor
+    plan, pg = plan_of_token(plan_token), group_of_name(group_name)
+    layout = gpus_per_node if gpus_per_node is not None else rank_nodes
+    q, k, v = (t.contiguous() for t in (q, k, v))
+    call = _layer_call(q, plan, pg, comm, backward_calls, layout, check_plan, softmax_scale, keep)
+    out, lse, kept = _forward(call, q, k, v, keep)
+    return out, lse, k.new_empty(0) if kept is None else kept
+
+
+@_cp_forward_op.register_fake
+def _cp_forward_fake(q, k, v, plan_token, group_name, comm, backward_calls, softmax_scale, keep,
+                     check_plan, gpus_per_node, rank_nodes):
+    b, s, h, _ = q.shape
+    out = q.new_empty(b, s, h, v.shape[-1])
+    lse = q.new_empty(b, h, s, dtype=acc_dtype(q.dtype))
+    if not keep:
+        return out, lse, k.new_empty(0)
+    keys = torch.library.get_ctx().new_dynamic_size()  # the plan's needed keys: data, not shape
+    return out, lse, k.new_empty(2, b, keys, k.shape[2], k.shape[3])
+
+
+@torch.library.custom_op("flashmask3::cp_attention_backward", mutates_args=())
+def _cp_backward_op(
+    dout: Tensor, dlse: Optional[Tensor], q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
+    kept: Tensor, plan_token: Tensor, group_name: str, comm: str, backward_calls: str,
+    softmax_scale: float, keep: bool,
+) -> tuple[Tensor, Tensor, Tensor]:
+    q, k, v = (t.contiguous() for t in (q, k, v))
+    call = _op_call(plan_token, group_name, q, comm, backward_calls, softmax_scale, keep)
+    grads = _backward(call, dout, dlse, q, k, v, out, lse, kept if keep else None)
+    return _unaliased(grads)
+
+
+@_cp_backward_op.register_fake
+def _cp_backward_fake(dout, dlse, q, k, v, out, lse, kept, plan_token, group_name, comm,
+                      backward_calls, softmax_scale, keep):
+    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+
+
+def _unaliased(tensors) -> tuple[Tensor, ...]:
+    """``tensors``, each sharing no memory with an earlier one (a custom op's outputs must not
+    alias each other: the runtime's dK and dV can be views of one buffer)."""
+    seen, out = set(), []
+    for t in tensors:
+        ptr = t.untyped_storage().data_ptr()
+        out.append(t.clone() if ptr in seen else t)
+        seen.add(ptr)
+    return tuple(out)
+
+
+def _cp_setup_context(ctx, inputs, output):
+    q, k, v, plan_token, group_name, comm, backward_calls, scale, keep, *_ = inputs
+    out, lse, kept = output
+    ctx.save_for_backward(q, k, v, out, lse, kept, plan_token)
+    ctx.args = (group_name, comm, backward_calls, scale, keep)
+
+
+def _cp_backward_formula(ctx, dout, dlse, _dkept):
+    q, k, v, out, lse, kept, plan_token = ctx.saved_tensors
+    if dout is None:  # only the LSE was used
+        dout = torch.zeros_like(out)
+    dq, dk, dv = _cp_backward_op(dout, dlse, q, k, v, out, lse, kept, plan_token, *ctx.args)
+    return (dq, dk, dv) + (None,) * 9
+
+
+_cp_forward_op.register_autograd(_cp_backward_formula, setup_context=_cp_setup_context)
+
+
+def _traced_layer(q, k, v, plan: CPPlan, pg, comm, backward_calls, softmax_scale, keep_kv,
+                  check_plan, node_layout):
+    """The layer through the custom op: ``(out, lse)``."""
+    keep = (keep_kv and comm == "overlap" and torch.is_grad_enabled()
+            and (q.requires_grad or k.requires_grad or v.requires_grad))
+    gpus_per_node, rank_nodes = _layout_args(node_layout, plan.nodes)
+    out, lse, _ = _cp_forward_op(q, k, v, plan.op_token, pg.group_name, comm, backward_calls,
+                                 softmax_scale, keep, check_plan, gpus_per_node, rank_nodes)
+    return out, lse
 
 
 def _check_batch_and_heads(prog, q) -> None:
@@ -106,10 +229,20 @@ def _check_same_plan(plan: CPPlan, pg, device) -> None:
                          "masks or arguments); every rank must plan from the same global mask")
 
 
-# torch.compile: runs eagerly, one graph break around it. Traced, dynamo walked the runtime's
-# Python (placement-dependent loops, collectives) into ~50 graphs and ~40 breaks, 16 s to compile
-# a 2-rank layer and 11 s again for every new plan (each batch has one): the recompile limit.
-@torch.compiler.disable
+def _layer_call(q, plan: CPPlan, pg, comm: str, backward_calls: str, node_layout, check_plan: bool,
+                scale: float, keep_kv: bool) -> _Call:
+    """The plan's checks on this group (each a ValueError on every rank, before the layer's
+    traffic) and the rank's call: program, exchange, backend."""
+    resolve_backward_calls(backward_calls, plan)
+    ensure_ready(pg, q.device)
+    check_node_layout(pg, plan.nodes, node_layout, q.device)
+    if check_plan:
+        _check_same_plan(plan, pg, q.device)
+    prog = prepare_rank(plan, dist.get_rank(pg), q.device, comm, backward_calls)
+    _check_batch_and_heads(prog, q)
+    return _Call(prog, DistExchange(pg), get_backend(choose_backend(q)), scale, keep_kv)
+
+
 def cp_flashmask_attention(q, k, v, plan: CPPlan, *, group=None, comm: str = "overlap",
                            softmax_scale: Optional[float] = None, return_softmax_lse: bool = False,
                            check_plan: bool = False, node_layout=None, backward_calls: str = "auto",
@@ -152,7 +285,6 @@ def cp_flashmask_attention(q, k, v, plan: CPPlan, *, group=None, comm: str = "ov
         raise TypeError(f"plan must be a CPPlan (from flashmask3.distributed.plan), got {type(plan).__name__}")
     if comm not in COMMS:
         raise ValueError(f"comm must be one of {COMMS}, got {comm!r}")
-    resolve_backward_calls(backward_calls, plan)  # ValueError on every rank before any traffic
     if not isinstance(keep_kv, bool):
         raise TypeError(f"keep_kv must be a bool, got {type(keep_kv).__name__}")
     check_qkv(q, k, v)
@@ -164,12 +296,12 @@ def cp_flashmask_attention(q, k, v, plan: CPPlan, *, group=None, comm: str = "ov
     world = dist.get_world_size(pg)
     if world != plan.cp_size:
         raise ValueError(f"group has {world} ranks but the plan was made for cp_size={plan.cp_size}")
-    ensure_ready(pg, q.device)
-    check_node_layout(pg, plan.nodes, node_layout, q.device)
-    if check_plan:
-        _check_same_plan(plan, pg, q.device)
-    q, k, v = (t.contiguous() for t in (q, k, v))
-    prog = prepare_rank(plan, dist.get_rank(pg), q.device, comm, backward_calls)
-    _check_batch_and_heads(prog, q)
-    out, lse = run_layer(q, k, v, prog, DistExchange(pg), softmax_scale, keep_kv=keep_kv)
+    if _traced(q):
+        out, lse = _traced_layer(q, k, v, plan, pg, comm, backward_calls, softmax_scale, keep_kv,
+                                 check_plan, node_layout)
+    else:
+        q, k, v = (t.contiguous() for t in (q, k, v))
+        call = _layer_call(q, plan, pg, comm, backward_calls, node_layout, check_plan, softmax_scale,
+                           keep_kv)
+        out, lse = _CPAttention.apply(q, k, v, call)
     return (out, lse) if return_softmax_lse else out

@@ -54,6 +54,14 @@ def resolve_group(group) -> dist.ProcessGroup:
                     f"got {type(group).__name__}")
 
 
+def group_of_name(name: str) -> dist.ProcessGroup:
+    """The process group whose ``group_name`` is ``name`` (how the context-parallel custom op
+    receives its group: ops take strings, not ProcessGroup objects)."""
+    from torch.distributed.distributed_c10d import _resolve_process_group
+
+    return _resolve_process_group(name)
+
+
 def ensure_ready(pg: dist.ProcessGroup, device: torch.device) -> None:
     """Run one small all-reduce on ``pg`` before its first exchange (once per group): it
     creates the group's communicator on every rank at a point where all of them are known to

@@ -25,6 +25,8 @@ per-rank query is precomputed or cached.
 from __future__ import annotations
 
 import hashlib
+import itertools
+import weakref
 from dataclasses import dataclass, field
 from typing import Optional, Sequence, Union
 
@@ -35,6 +37,34 @@ from ..masks import FlashMask, validate_startend_row_indices
 from .local_mask import rank_local_columns
 from .placement import PlacementCost, sparse_placement
 from .summaries import chunk_pair_counts, chunk_summaries
+
+
+# -- naming a plan to the traced layer's custom op -------------------------------------------------
+
+_OP_PLANS: "weakref.WeakValueDictionary[int, CPPlan]" = weakref.WeakValueDictionary()
+_OP_NAMES = itertools.count(1)
+
+
+def _op_token(plan: "CPPlan") -> torch.Tensor:
+    """``plan.op_token``: a 0-d int64 CPU tensor naming ``plan`` in this process, the argument
+    by which the context-parallel custom op (``flashmask3::cp_attention_forward``) finds it
+    (:func:`plan_of_token`). A tensor, so that torch.compile neither guards on nor recompiles for
+    its value: every batch's new plan reuses the compiled graph. The token holds the plan, so a
+    backward that kept the token (autograd saves it) still finds its plan."""
+    name = next(_OP_NAMES)
+    token = torch.tensor(name, dtype=torch.int64, device="cpu")
+    token._flashmask3_plan = plan
+    _OP_PLANS[name] = plan
+    return token
+
+
+def plan_of_token(token: torch.Tensor) -> "CPPlan":
+    """The plan named by ``token`` (:attr:`CPPlan.op_token`; read on the host, no device sync)."""
+    got = _OP_PLANS.get(int(token))
+    if got is None:
+        raise RuntimeError("the CPPlan of this context-parallel call no longer exists (freed before "
+                           "its backward?): keep the plan alive until the backward has run")
+    return got
 
 
 def to_device_pinned(x: torch.Tensor, device: torch.device, keep: list) -> torch.Tensor:
@@ -353,6 +383,16 @@ class CPPlan:
             self._needed[(r, "sorted")] = tuple(sorted(arrival))
         self._index_cache: dict = {}
         self._local_masks: dict[tuple[int, str], FlashMask] = {}
+        self.op_token: torch.Tensor = _op_token(self)
+
+    def __getstate__(self) -> dict:
+        state = dict(self.__dict__)
+        state.pop("op_token", None)  # a per-process name (_op_token): the copy gets its own
+        return state
+
+    def __setstate__(self, state: dict) -> None:
+        self.__dict__.update(state)
+        self.op_token = _op_token(self)
 
     def _build_stages(self, rank: int) -> list[tuple[int, ...]]:
         need = self.need[rank]

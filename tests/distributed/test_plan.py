@@ -444,3 +444,25 @@ def test_shard_and_unshard_of_cuda_tensors_do_not_synchronise():
         torch.cuda.set_sync_debug_mode(prev)
     assert torch.equal(back, x)
     assert torch.equal(shards[1].cpu(), p.rows(1).view(1, -1))
+
+
+def test_op_token_names_its_plan_in_this_process_only():
+    """``CPPlan.op_token`` (how the traced CP layer's custom op finds its plan): it names this
+    plan; a pickled copy (a planning process's result) gets its own; a freed plan's name is a
+    clear error, not another plan."""
+    import gc
+    import pickle
+
+    from flashmask3.distributed.plan import plan_of_token
+
+    p = plan(M.causal_document_mask([40, 24]), None, 2)
+    assert p.op_token.device.type == "cpu" and p.op_token.dim() == 0
+    assert plan_of_token(p.op_token) is p
+    copy = pickle.loads(pickle.dumps(p))
+    assert int(copy.op_token) != int(p.op_token) and plan_of_token(copy.op_token) is copy
+    assert copy.fingerprint == p.fingerprint
+    name = int(p.op_token)
+    del p
+    gc.collect()
+    with pytest.raises(RuntimeError, match="keep the plan alive"):
+        plan_of_token(torch.tensor(name))

@@ -76,6 +76,8 @@ def hf_cp_suite(rank: int, world: int, seed: int) -> None:
     with pytest.raises(TypeError, match="CPPlan"):
         ContextParallel(mask)
     sliding_window_layers(rank, world, seed)
+    if world == 2:
+        compiled_model(rank, world, seed)
     if world == 4:
         data_and_context_parallel(rank, seed)
 
@@ -142,10 +144,38 @@ def collator_batch(rank: int, world: int, seed: int) -> None:
     torch.testing.assert_close(total, ref.loss.detach(), rtol=1e-5, atol=1e-6)
 
 
+def compiled_model(rank: int, world: int, seed: int) -> None:
+    """``torch.compile(model, fullgraph=True)`` under ``flashmask_cp=``: one graph (the CP
+    layers are custom ops), the eager logits and gradients, and batches with new plans reuse it."""
+    import torch._dynamo.utils as dynamo_utils
+
+    torch._dynamo.reset()
+    model = tiny_model(seed=seed + 2)
+    model.set_attn_implementation(ATTN_IMPLEMENTATION)
+    compiled = torch.compile(model, fullgraph=True)
+    ids, pos, labels, mask = _batch(seed)
+    for i, docs in enumerate((DOCS, [[64, 64], [100, 28]])):
+        cp = ContextParallel(plan(M.causal_document_mask(docs), None, world))
+        inputs = cp.model_inputs(ids, position_ids=pos, labels=labels)
+        model.zero_grad()
+        ref = model(**inputs)
+        ref.loss.backward()
+        want = [p.grad.clone() for p in model.parameters()]
+        model.zero_grad()
+        out = compiled(**inputs)
+        out.loss.backward()
+        tag = f"rank {rank} batch {i}"
+        torch.testing.assert_close(out.logits, ref.logits, rtol=1e-4, atol=1e-5, msg=lambda m: f"{tag}: logits: {m}")
+        for (name, p), g in zip(model.named_parameters(), want):
+            torch.testing.assert_close(p.grad, g, rtol=1e-4, atol=1e-6, msg=lambda m: f"{tag}: {name}: {m}")
+        graphs = dynamo_utils.counters["stats"]["unique_graphs"]
+        assert graphs == 1, f"{tag}: {graphs} compiled graphs (a break, or a recompile for the new plan)"
+
+
 def one_rank_model(backend: str, device: str, store: str, queue) -> None:
-    """On a one-rank group (NCCL where there is one GPU): the model under ``flashmask_cp=`` gives
-    the one-process model's logits and loss; puts the largest relative difference (or the
-    exception text) on ``queue``. The glue on a real device and backend, not the exchange's peers
+    """On a one-rank group (NCCL where there is one GPU): the model under ``flashmask_cp=``, eager
+    and compiled whole (``fullgraph=True``: the CP custom op), gives the one-process model's
+    logits and loss; puts the largest relative difference (or the exception text) on ``queue``. The glue on a real device and backend, not the exchange's peers
     (the gloo suites above cover those)."""
     try:
         dist.init_process_group(backend, init_method=f"file://{store}", rank=0, world_size=1)
@@ -155,10 +185,13 @@ def one_rank_model(backend: str, device: str, store: str, queue) -> None:
         ids, pos, labels, mask = (t.to(device) for t in _batch(2))
         ref = model(ids, position_ids=pos, labels=labels, use_cache=False)
         cp = ContextParallel(plan(mask, None, 1))
-        out = model(**cp.model_inputs(ids, position_ids=pos, labels=labels))
+        inputs = cp.model_inputs(ids, position_ids=pos, labels=labels)
         scale = ref.logits.float().abs().max()
-        err = max(((out.logits.float() - ref.logits.float()).abs().max() / scale).item(),
-                  abs(out.loss.item() - ref.loss.item()) / ref.loss.item())
+        err = 0.0
+        for run in (model, torch.compile(model, fullgraph=True)):
+            out = run(**inputs)
+            err = max(err, ((out.logits.float() - ref.logits.float()).abs().max() / scale).item(),
+                      abs(out.loss.item() - ref.loss.item()) / ref.loss.item())
         dist.destroy_process_group()
         queue.put(err)
     except Exception as e:  # reported to the parent, which fails the test with it
