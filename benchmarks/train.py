@@ -79,6 +79,9 @@ def parse_args(argv=None):
     p.add_argument("--out", default="benchmarks/results",
                    help="directory for train_<tag>.json / .md")
     p.add_argument("--tag", default=None, help="file tag (default h200, or cpu_toy)")
+    p.add_argument("--compile", action="store_true",
+                   help="torch.compile each decoder block for every backend (the harness's "
+                        "--compile); attention is then not timed")
     p.add_argument("--loader-ab", action="store_true",
                    help="the harness's step time, batch prepared in the loader vs in the step")
     args = p.parse_args(argv)
@@ -107,14 +110,20 @@ def _is_oom(exc: BaseException) -> bool:
     return isinstance(exc, torch.cuda.OutOfMemoryError) or "out of memory" in str(exc).lower()
 
 
-def run_backend(cfg, backend: str, batches, warmup: int, device: torch.device) -> dict:
-    """Train ``len(batches)`` steps with one backend; time the steps after ``warmup``."""
+def run_backend(cfg, backend: str, batches, warmup: int, device: torch.device,
+                compiled: bool = False) -> dict:
+    """Train ``len(batches)`` steps with one backend; time the steps after ``warmup``.
+    ``compiled``: each block under torch.compile (``Transformer.compile_blocks``), no attention
+    timer (its marks cannot sit inside a compiled graph)."""
     env = DistEnv(0, 1, device)
     torch.manual_seed(cfg.seed)
     with torch.device(device):  # initialise in place (0.6B params: no CPU round trip)
         model = Transformer(cfg)
+    if compiled:
+        torch._dynamo.reset()  # every backend compiles from scratch (its warm-up steps)
+        model.compile_blocks()
     optimizer = build_optimizer(model, cfg)
-    timer = AttentionTimer(device, True)
+    timer = AttentionTimer(device, not compiled)
     attention, backward = _ATTENTION[backend]
     from flashmask3.kernels.dispatch import use_backward
 
@@ -144,7 +153,8 @@ def _timed_steps(cfg, model, optimizer, batches, warmup: int, env, timer, device
     total = sum(times)
     tokens = sum(b.tokens.numel() for b in batches[warmup:])
     out = {"status": "ok", "tokens_per_s": tokens / total, "step_time_s": total / len(times),
-           "model_tflops": flops / total / 1e12, "attention_share": sum(attn) / total,
+           "model_tflops": flops / total / 1e12,
+           "attention_share": sum(attn) / total if timer.enabled else None,
            "losses": losses}
     if device.type == "cuda":
         out["peak_mem_gib"] = torch.cuda.max_memory_allocated() / 2**30
@@ -177,7 +187,7 @@ def main(argv=None) -> int:
     report = {"date": env["date"], "device": env.get("gpu", "cpu"), "torch": env["torch"],
               "triton": env["triton"] or "not installed", "command": env["command"],
               "commit": env["commit"],
-              "steps": args.steps, "warmup": args.warmup, "runs": []}
+              "steps": args.steps, "warmup": args.warmup, "compiled_blocks": args.compile, "runs": []}
     t_start = time.perf_counter()
     for seq_len in seq_lens:
         cfg = bench_config(seq_len, args.toy)
@@ -210,7 +220,7 @@ def main(argv=None) -> int:
                 row.update(status="skipped", reason=reason)
             else:
                 try:
-                    row.update(run_backend(cfg, backend, batches, args.warmup, device))
+                    row.update(run_backend(cfg, backend, batches, args.warmup, device, args.compile))
                 except Exception as exc:  # one failing backend must not lose the others
                     if _is_oom(exc):
                         row.update(status="OOM", reason=str(exc).splitlines()[0][:200])
@@ -232,9 +242,14 @@ def _row_line(r: dict) -> str:
     if r["status"] != "ok":
         return f"S={r['seq_len']:>6} {r['backend']:>10}: {r['status']} ({r.get('reason', '')})"
     return (f"S={r['seq_len']:>6} {r['backend']:>10}: {r['tokens_per_s']:>10,.0f} tok/s  "
-            f"{r['model_tflops']:7.1f} TFLOP/s  attention {100 * r['attention_share']:4.1f}%  "
+            f"{r['model_tflops']:7.1f} TFLOP/s  attention {_share(r)}  "
             f"step {r['step_time_s']:.3f}s" + (f"  peak {r['peak_mem_gib']:.1f} GiB"
                                                if "peak_mem_gib" in r else ""))
+
+
+def _share(r: dict) -> str:
+    share = r.get("attention_share")
+    return "n/a" if share is None else f"{100 * share:.1f}%"
 
 
 def _add_speedups(report: dict) -> None:
@@ -258,13 +273,14 @@ def markdown(report: dict) -> str:
                  [f"Note: {report['note']}", ""] if report.get("note") else []) + [
              f"{report.get('model', '')}, bf16 autocast on GPU, "
              "activation checkpointing, AdamW; default corpus, causal document mask; "
+             + ("each block under torch.compile (attention not timed); " if report.get("compiled_blocks") else "") +
              f"{report['warmup']} warm-up + {report['steps']} timed steps.", "",
              "| S | backend | tokens/s | model TFLOP/s | attention share | peak GiB | "
              "mask sparsity | status |", "|---|---|---|---|---|---|---|---|"]
     for r in report["runs"]:
         if r["status"] == "ok":
             lines.append(f"| {r['seq_len']} | {r['backend']} | {r['tokens_per_s']:,.0f} | "
-                         f"{r['model_tflops']:.1f} | {100 * r['attention_share']:.1f}% | "
+                         f"{r['model_tflops']:.1f} | {_share(r)} | "
                          f"{r.get('peak_mem_gib', float('nan')):.1f} | "
                          f"{100 * r['mask_sparsity']:.1f}% | ok |")
         else:

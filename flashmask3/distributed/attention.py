@@ -18,6 +18,8 @@ backend's ``forward``/``backward`` (docs/ARCHITECTURE.md backend contract).
 
 from __future__ import annotations
 
+import itertools
+import weakref
 from typing import Optional
 
 import torch
@@ -115,11 +117,11 @@ def _layout_args(node_layout, nodes: int) -> tuple[Optional[int], Optional[list[
     return None, [int(n) for n in node_layout]
 
 
-def _op_call(plan_token, group_name: str, q, comm: str, backward_calls: str, scale: float,
-             keep: bool) -> _Call:
+def _op_call(plan_token, group_name: str, q, comm: str, backward_calls: str, scale: float) -> _Call:
+    """The backward op's call (the forward op's checks were made; the program is cached)."""
     pg = group_of_name(group_name)
     prog = prepare_rank(plan_of_token(plan_token), dist.get_rank(pg), q.device, comm, backward_calls)
-    return _Call(prog, DistExchange(pg), get_backend(choose_backend(q)), scale, keep)
+    return _Call(prog, DistExchange(pg), get_backend(choose_backend(q)), scale)
 
 
 @torch.library.custom_op("flashmask3::cp_attention_forward", mutates_args=())
@@ -128,14 +130,13 @@ def _cp_forward_op(
     backward_calls: str, softmax_scale: float, keep: bool, check_plan: bool,
     gpus_per_node: Optional[int], rank_nodes: Optional[list[int]],
 ) -> tuple[Tensor, Tensor, Tensor]:
-    # returns (out, lse, kept): kept is the key buffer for the backward ([2, B, keys, Hk, D],
-    # its length decided by the plan) when keep, else an empty tensor
+    # returns (out, lse, kept): kept names the key buffer kept for the backward (_kept_handle)
     plan, pg = plan_of_token(plan_token), group_of_name(group_name)
     layout = gpus_per_node if gpus_per_node is not None else rank_nodes
     q, k, v = (t.contiguous() for t in (q, k, v))
     call = _layer_call(q, plan, pg, comm, backward_calls, layout, check_plan, softmax_scale, keep)
     out, lse, kept = _forward(call, q, k, v, keep)
-    return out, lse, k.new_empty(0) if kept is None else kept
+    return out, lse, _kept_handle(kept)
 
 
 @_cp_forward_op.register_fake
@@ -144,27 +145,50 @@ def _cp_forward_fake(q, k, v, plan_token, group_name, comm, backward_calls, soft
     b, s, h, _ = q.shape
     out = q.new_empty(b, s, h, v.shape[-1])
     lse = q.new_empty(b, h, s, dtype=acc_dtype(q.dtype))
-    if not keep:
-        return out, lse, k.new_empty(0)
-    keys = torch.library.get_ctx().new_dynamic_size()  # the plan's needed keys: data, not shape
-    return out, lse, k.new_empty(2, b, keys, k.shape[2], k.shape[3])
+    return out, lse, torch.empty((), dtype=torch.int64, device="cpu")
+
+
+# The kept K/V reach the backward op by name, not as an output: their length depends on the plan
+# (data, not shape), and an output of data-dependent size is a graph break under torch.compile
+# without fullgraph. The name is a 0-d CPU tensor output that holds the buffer, so the buffer
+# lives as long as autograd keeps the name for the backward.
+_KEPT: "weakref.WeakValueDictionary[int, Tensor]" = weakref.WeakValueDictionary()
+_KEPT_NAMES = itertools.count(1)
+
+
+def _kept_handle(kept: Optional[Tensor]) -> Tensor:
+    """A 0-d int64 CPU tensor naming ``kept`` for :func:`_kept_of` (0: nothing kept)."""
+    if kept is None:
+        return torch.zeros((), dtype=torch.int64, device="cpu")
+    name = next(_KEPT_NAMES)
+    handle = torch.tensor(name, dtype=torch.int64, device="cpu")
+    handle._flashmask3_kept = kept
+    _KEPT[name] = kept
+    return handle
+
+
+def _kept_of(handle: Tensor) -> Optional[Tensor]:
+    """The buffer ``handle`` names, or None (nothing kept, or no longer held: the backward then
+    fetches the K/V again, which gives the same result)."""
+    name = int(handle)
+    return _KEPT.get(name) if name else None
 
 
 @torch.library.custom_op("flashmask3::cp_attention_backward", mutates_args=())
 def _cp_backward_op(
     dout: Tensor, dlse: Optional[Tensor], q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
     kept: Tensor, plan_token: Tensor, group_name: str, comm: str, backward_calls: str,
-    softmax_scale: float, keep: bool,
+    softmax_scale: float,
 ) -> tuple[Tensor, Tensor, Tensor]:
     q, k, v = (t.contiguous() for t in (q, k, v))
-    call = _op_call(plan_token, group_name, q, comm, backward_calls, softmax_scale, keep)
-    grads = _backward(call, dout, dlse, q, k, v, out, lse, kept if keep else None)
+    call = _op_call(plan_token, group_name, q, comm, backward_calls, softmax_scale)
+    grads = _backward(call, dout, dlse, q, k, v, out, lse, _kept_of(kept))
     return _unaliased(grads)
 
 
 @_cp_backward_op.register_fake
 def _cp_backward_fake(dout, dlse, q, k, v, out, lse, kept, plan_token, group_name, comm,
-                      backward_calls, softmax_scale, keep):
+                      backward_calls, softmax_scale):
     return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
 
 
@@ -180,10 +204,10 @@ def _unaliased(tensors) -> tuple[Tensor, ...]:
 
 
 def _cp_setup_context(ctx, inputs, output):
-    q, k, v, plan_token, group_name, comm, backward_calls, scale, keep, *_ = inputs
+    q, k, v, plan_token, group_name, comm, backward_calls, scale, *_ = inputs
     out, lse, kept = output
     ctx.save_for_backward(q, k, v, out, lse, kept, plan_token)
-    ctx.args = (group_name, comm, backward_calls, scale, keep)
+    ctx.args = (group_name, comm, backward_calls, scale)
 
 
 def _cp_backward_formula(ctx, dout, dlse, _dkept):

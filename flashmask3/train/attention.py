@@ -27,8 +27,9 @@ from flashmask3.masks import FlashMask
 from .model import AttentionFn
 
 
-def make_attention(backend: str, mask: FlashMask) -> AttentionFn:
-    """The attention callable of ``backend`` for one batch's mask."""
+def make_attention(backend: str, mask: FlashMask, dtype: Optional[torch.dtype] = None) -> AttentionFn:
+    """The attention callable of ``backend`` for one batch's mask. ``dtype``: the dtype q/k/v
+    will have (the autocast dtype), for backends that prepare a mask in it (sdpa)."""
     if not isinstance(mask, FlashMask):
         raise TypeError(f"mask must be a FlashMask, got {type(mask).__name__}")
     if backend == "flashmask3":
@@ -36,7 +37,7 @@ def make_attention(backend: str, mask: FlashMask) -> AttentionFn:
     if backend == "flex":
         return _flex_attention(mask)
     if backend == "sdpa":
-        return _sdpa_attention(mask)
+        return _sdpa_attention(mask, dtype)
     raise ValueError(f"attention backend must be one of ['flashmask3', 'flex', 'sdpa'], "
                      f"got {backend!r}")
 
@@ -49,19 +50,22 @@ def _flashmask3_attention(mask: FlashMask) -> AttentionFn:
     return attention
 
 
-def _sdpa_attention(mask: FlashMask) -> AttentionFn:
-    dense = mask.to_dense()  # [B, Hm, S, S] bool, True = attend
-    additive: dict = {}      # the -inf/0 mask in the compute dtype, built once per batch
+def _additive_mask(dense: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """The ``0 / -inf`` float mask of a boolean one (True = attend) in ``dtype``."""
+    return torch.zeros(dense.shape, dtype=dtype, device=dense.device).masked_fill_(~dense, float("-inf"))
 
-    def float_mask(dtype):
-        if dtype not in additive:
-            m = torch.zeros(dense.shape, dtype=dtype, device=dense.device)
-            additive[dtype] = m.masked_fill_(~dense, float("-inf"))
-        return additive[dtype]
+
+def _sdpa_attention(mask: FlashMask, dtype: Optional[torch.dtype] = None) -> AttentionFn:
+    """SDPA with the dense mask. Its float form in ``dtype`` is built here, once per batch; a
+    call in another dtype builds its own. Built eagerly, not memoised on first use: the callable
+    mutates nothing, so it traces under torch.compile and recomputes alike under activation
+    checkpointing (a memo filled inside the compiled forward made the recomputation differ)."""
+    dense = mask.to_dense()  # [B, Hm, S, S] bool, True = attend
+    prepared = None if dtype is None else _additive_mask(dense, dtype)
 
     def attention(q, k, v):
         hq, hk = q.shape[2], k.shape[2]
-        m = float_mask(q.dtype)
+        m = prepared if prepared is not None and prepared.dtype == q.dtype else _additive_mask(dense, q.dtype)
         if m.shape[1] not in (1, hq):
             m = m.repeat_interleave(hq // m.shape[1], 1)
         if hq != hk:  # repeat K/V so the fused masked kernels (not the math path) are eligible

@@ -67,6 +67,10 @@ class TrainConfig:
     rope_theta: float = field(default=10000.0, metadata={"help": "RoPE base"})
     activation_checkpointing: bool = field(default=False, metadata={
         "help": "recompute each block in backward (long context)"})
+    compile: bool = field(default=False, metadata={
+        "help": "torch.compile each decoder block (one graph per dense block, CP attention "
+                "included; MoE blocks break at their data-dependent routing); the attention "
+                "timer is off with it (its marks cannot sit inside a compiled graph)"})
 
     # -- attention / parallelism --------------------------------------------------------------
     attention: str = field(default="flashmask3", metadata={

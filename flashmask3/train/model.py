@@ -177,6 +177,14 @@ class Transformer(nn.Module):
             else:
                 nn.init.normal_(p, std=0.02)
 
+    def compile_blocks(self) -> None:
+        """``torch.compile`` each block's ``forward`` (the repeated region: the blocks share one
+        compiled graph). The module's ``__call__`` and its hooks (FSDP2's gather and free) stay
+        eager around it; dense blocks compile with ``fullgraph=True``, so a graph break is an
+        error rather than a silent slowdown."""
+        for block in self.layers:
+            block.forward = torch.compile(block.forward, fullgraph=not self.cfg.moe_experts)
+
     def forward(self, tokens: torch.Tensor, position_ids: torch.Tensor, ctx: StepContext):
         x = self.embed(tokens)
         cos, sin = rope_cos_sin(position_ids, self.cfg.head_dim, self.cfg.rope_theta)

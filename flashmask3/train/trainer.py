@@ -143,6 +143,11 @@ def autocast_dtype(cfg: TrainConfig, device: torch.device) -> Optional[torch.dty
     return None
 
 
+def timed_attention(cfg: TrainConfig) -> bool:
+    """Whether the run times its attention: ``time_attention``, except under ``compile``."""
+    return cfg.time_attention and not cfg.compile
+
+
 # -- one step ----------------------------------------------------------------------------------
 
 def train_step(model, optimizer, batch: DeviceBatch, cfg: TrainConfig, env: DistEnv,
@@ -181,7 +186,7 @@ def step_attention(batch: DeviceBatch, cfg: TrainConfig, env: DistEnv):
     if batch.plan is not None:
         from .attention import make_cp_attention
         return make_cp_attention(batch.plan, env.cp_group, cfg.comm, cfg.backward_calls, cfg.keep_kv)
-    return make_attention(cfg.attention, batch.mask)
+    return make_attention(cfg.attention, batch.mask, autocast_dtype(cfg, env.device) or torch.float32)
 
 
 # -- the run on one rank ------------------------------------------------------------------------
@@ -197,6 +202,8 @@ def run_rank(env: DistEnv, cfg: TrainConfig) -> dict:
     torch.manual_seed(cfg.seed)
     with torch.device(env.device):  # initialised in place (same seed: same weights per rank)
         model = Transformer(cfg)
+    if cfg.compile:
+        model.compile_blocks()
     model = shard_model(model, env)
     optimizer = build_optimizer(model, cfg)
     packer = make_packer(cfg, data_rows(cfg, env))
@@ -208,7 +215,7 @@ def run_rank(env: DistEnv, cfg: TrainConfig) -> dict:
         out_dir.mkdir(parents=True, exist_ok=True)
         (out_dir / "config.json").write_text(cfg.to_json())
         _print_header(cfg, model, env, packer, start, _peek(packer))
-    timer = AttentionTimer(env.device, cfg.time_attention)
+    timer = AttentionTimer(env.device, timed_attention(cfg))
     bar = _progress(cfg, env, start)
     stats = RunStats(cfg, env)
     end = min(cfg.steps, cfg.stop_at) if cfg.stop_at else cfg.steps
@@ -330,7 +337,8 @@ def _print_header(cfg, model, env, packer, start, first_batch=None) -> None:
     print(f"[flashmask3] data: {cfg.data} ({len(packer.corpus)} documents), {cfg.batch_size} x "
           f"{cfg.seq_len} byte tokens/step, mask {cfg.mask}", flush=True)
     print(f"[flashmask3] {par}; attention={cfg.attention}; device={env.device}; "
-          f"steps {start + 1}..{cfg.steps}", flush=True)
+          f"steps {start + 1}..{cfg.steps}" + ("; blocks compiled (attention not timed)" if cfg.compile else ""),
+          flush=True)
     if first_batch is not None:
         lens = first_batch.doc_lens[0]
         stats = mask_sparsity(first_batch.mask)
@@ -413,7 +421,7 @@ class RunStats:
                 "tokens_per_s": self.tokens / self.time,
                 "model_tflops": self.flops / self.time / 1e12,
                 "model_tflops_per_device": self.flops / self.time / 1e12 / env.world_size,
-                "attention_share": self.attn_time / self.time if cfg.time_attention else None,
+                "attention_share": self.attn_time / self.time if timed_attention(cfg) else None,
                 "step_time_s": self.time / self.steps,
             })
         return out

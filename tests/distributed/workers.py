@@ -372,9 +372,10 @@ def check_bad_backward_calls(rank, world, seqlen):
 
 
 def compiled_model_suite(rank, world, seqlen, seed):
-    """``torch.compile(fullgraph=True)`` of a module calling ``cp_flashmask_attention`` gives
-    the eager loss and gradients, and a batch with a new plan reuses the compiled graph (the CP
-    layer is one custom op; the plan travels as a tensor token: docs/cp-runtime.md)."""
+    """``torch.compile`` of a module calling ``cp_flashmask_attention``, with and without
+    ``fullgraph=True``, gives the eager loss and gradients in one graph without a break, and a
+    batch with a new plan reuses it (the CP layer is one custom op with outputs of static shape;
+    the plan travels as a tensor token: docs/cp-runtime.md)."""
     import torch._dynamo.utils as dynamo_utils
 
     from flashmask3 import masks as M
@@ -388,24 +389,29 @@ def compiled_model_suite(rank, world, seqlen, seed):
             out = cp_flashmask_attention(self.proj(q), k, v, p)
             return (out * out).sum()
 
-    torch._dynamo.reset()
-    torch.manual_seed(seed)
-    layer = Layer()
-    compiled = torch.compile(layer, fullgraph=True)
-    graphs = []
-    for i, docs in enumerate(([seqlen // 4, seqlen - seqlen // 4], [seqlen // 3, seqlen // 3, seqlen - 2 * (seqlen // 3)])):
-        p = plan(M.causal_document_mask(docs), None, world, balance="sparse")
-        q, k, v, _ = _inputs(seqlen, seed + i)
-        ql, kl, vl = (p.shard(t, rank).requires_grad_() for t in (q, k, v))
-        want = layer(ql, kl, vl, p)
-        want_grads = torch.autograd.grad(want, (ql, kl, vl))
-        got = compiled(ql, kl, vl, p)
-        got_grads = torch.autograd.grad(got, (ql, kl, vl))
-        _close("loss", got.detach(), want.detach(), f"rank {rank} batch {i}")
-        for name, a, b in zip("qkv", got_grads, want_grads):
-            _close(f"d{name}", a, b, f"rank {rank} batch {i}")
-        graphs.append(dynamo_utils.counters["stats"]["unique_graphs"])
-    assert graphs == [1, 1], f"rank {rank}: compiled graphs after each batch {graphs}"
+    for fullgraph in (True, False):
+        torch._dynamo.reset()
+        dynamo_utils.counters.clear()
+        torch.manual_seed(seed)
+        layer = Layer()
+        compiled = torch.compile(layer, fullgraph=fullgraph)
+        graphs = []
+        for i, docs in enumerate(([seqlen // 4, seqlen - seqlen // 4],
+                                  [seqlen // 3, seqlen // 3, seqlen - 2 * (seqlen // 3)])):
+            p = plan(M.causal_document_mask(docs), None, world, balance="sparse")
+            q, k, v, _ = _inputs(seqlen, seed + i)
+            ql, kl, vl = (p.shard(t, rank).requires_grad_() for t in (q, k, v))
+            want = layer(ql, kl, vl, p)
+            want_grads = torch.autograd.grad(want, (ql, kl, vl))
+            got = compiled(ql, kl, vl, p)
+            got_grads = torch.autograd.grad(got, (ql, kl, vl))
+            tag = f"rank {rank} fullgraph={fullgraph} batch {i}"
+            _close("loss", got.detach(), want.detach(), tag)
+            for name, a, b in zip("qkv", got_grads, want_grads):
+                _close(f"d{name}", a, b, tag)
+            graphs.append(dynamo_utils.counters["stats"]["unique_graphs"])
+        breaks = dict(dynamo_utils.counters["graph_break"])
+        assert graphs == [1, 1] and not breaks, f"rank {rank} fullgraph={fullgraph}: graphs {graphs}, breaks {breaks}"
 
 
 class _CountedRounds:
