@@ -46,8 +46,8 @@ def test_document_batches_are_real_text_adding_up_to_the_batch():
 
 
 def test_example_under_torchrun_trains_context_parallel_as_one_process(tmp_path):
-    """Two gloo processes (each its tokens of every batch, ``flashmask_cp=``) give the losses of
-    the same steps in one process."""
+    """Two gloo processes (each its tokens of every batch, ``flashmask_cp=``), the model under
+    ``torch.compile``, give the losses of the same steps in one eager process."""
     import subprocess
     import sys
 
@@ -56,7 +56,7 @@ def test_example_under_torchrun_trains_context_parallel_as_one_process(tmp_path)
     env = {k: v for k, v in os.environ.items() if not k.startswith("TRITON_INTERPRET")}
     env.update(PYTHONPATH=root, CUDA_VISIBLE_DEVICES="", FLASHMASK3_BACKEND="torch", OMP_NUM_THREADS="1")
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--standalone",
-           EXAMPLE, *args, "--plot", str(tmp_path / "cp.png")]
+           EXAMPLE, *args, "--compile", "--plot", str(tmp_path / "cp.png")]
     run = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300, cwd=root)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     cp = json.loads((tmp_path / "cp.json").read_text())
