@@ -117,21 +117,28 @@ def _layout_args(node_layout, nodes: int) -> tuple[Optional[int], Optional[list[
     return None, [int(n) for n in node_layout]
 
 
-def _op_call(plan_token, group_name: str, q, comm: str, backward_calls: str, scale: float) -> _Call:
+def _op_plan(plan_token, window: int) -> CPPlan:
+    """The plan an op runs: the token's, windowed where ``window`` >= 0."""
+    plan = plan_of_token(plan_token)
+    return plan if window < 0 else plan.windowed(window)
+
+
+def _op_call(plan_token, window: int, group_name: str, q, comm: str, backward_calls: str,
+             scale: float) -> _Call:
     """The backward op's call (the forward op's checks were made; the program is cached)."""
     pg = group_of_name(group_name)
-    prog = prepare_rank(plan_of_token(plan_token), dist.get_rank(pg), q.device, comm, backward_calls)
+    prog = prepare_rank(_op_plan(plan_token, window), dist.get_rank(pg), q.device, comm, backward_calls)
     return _Call(prog, DistExchange(pg), get_backend(choose_backend(q)), scale)
 
 
 @torch.library.custom_op("flashmask3::cp_attention_forward", mutates_args=())
 def _cp_forward_op(
-    q: Tensor, k: Tensor, v: Tensor, plan_token: Tensor, group_name: str, comm: str,
+    q: Tensor, k: Tensor, v: Tensor, plan_token: Tensor, window: int, group_name: str, comm: str,
     backward_calls: str, softmax_scale: float, keep: bool, check_plan: bool,
     gpus_per_node: Optional[int], rank_nodes: Optional[list[int]],
 ) -> tuple[Tensor, Tensor, Tensor]:
     # returns (out, lse, kept): kept names the key buffer kept for the backward (_kept_handle)
-    plan, pg = plan_of_token(plan_token), group_of_name(group_name)
+    plan, pg = _op_plan(plan_token, window), group_of_name(group_name)
     layout = gpus_per_node if gpus_per_node is not None else rank_nodes
     q, k, v = (t.contiguous() for t in (q, k, v))
     call = _layer_call(q, plan, pg, comm, backward_calls, layout, check_plan, softmax_scale, keep)
@@ -140,7 +147,7 @@ def _cp_forward_op(
 
 
 @_cp_forward_op.register_fake
-def _cp_forward_fake(q, k, v, plan_token, group_name, comm, backward_calls, softmax_scale, keep,
+def _cp_forward_fake(q, k, v, plan_token, window, group_name, comm, backward_calls, softmax_scale, keep,
                      check_plan, gpus_per_node, rank_nodes):
     b, s, h, _ = q.shape
     out = q.new_empty(b, s, h, v.shape[-1])
@@ -177,17 +184,17 @@ def _kept_of(handle: Tensor) -> Optional[Tensor]:
 @torch.library.custom_op("flashmask3::cp_attention_backward", mutates_args=())
 def _cp_backward_op(
     dout: Tensor, dlse: Optional[Tensor], q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
-    kept: Tensor, plan_token: Tensor, group_name: str, comm: str, backward_calls: str,
+    kept: Tensor, plan_token: Tensor, window: int, group_name: str, comm: str, backward_calls: str,
     softmax_scale: float,
 ) -> tuple[Tensor, Tensor, Tensor]:
     q, k, v = (t.contiguous() for t in (q, k, v))
-    call = _op_call(plan_token, group_name, q, comm, backward_calls, softmax_scale)
+    call = _op_call(plan_token, window, group_name, q, comm, backward_calls, softmax_scale)
     grads = _backward(call, dout, dlse, q, k, v, out, lse, _kept_of(kept))
     return _unaliased(grads)
 
 
 @_cp_backward_op.register_fake
-def _cp_backward_fake(dout, dlse, q, k, v, out, lse, kept, plan_token, group_name, comm,
+def _cp_backward_fake(dout, dlse, q, k, v, out, lse, kept, plan_token, window, group_name, comm,
                       backward_calls, softmax_scale):
     return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
 
@@ -204,10 +211,10 @@ def _unaliased(tensors) -> tuple[Tensor, ...]:
 
 
 def _cp_setup_context(ctx, inputs, output):
-    q, k, v, plan_token, group_name, comm, backward_calls, scale, *_ = inputs
+    q, k, v, plan_token, window, group_name, comm, backward_calls, scale, *_ = inputs
     out, lse, kept = output
     ctx.save_for_backward(q, k, v, out, lse, kept, plan_token)
-    ctx.args = (group_name, comm, backward_calls, scale)
+    ctx.args = (window, group_name, comm, backward_calls, scale)
 
 
 def _cp_backward_formula(ctx, dout, dlse, _dkept):
@@ -215,19 +222,20 @@ def _cp_backward_formula(ctx, dout, dlse, _dkept):
     if dout is None:  # only the LSE was used
         dout = torch.zeros_like(out)
     dq, dk, dv = _cp_backward_op(dout, dlse, q, k, v, out, lse, kept, plan_token, *ctx.args)
-    return (dq, dk, dv) + (None,) * 9
+    return (dq, dk, dv) + (None,) * 10
 
 
 _cp_forward_op.register_autograd(_cp_backward_formula, setup_context=_cp_setup_context)
 
 
 def _traced_layer(q, k, v, plan: CPPlan, pg, comm, backward_calls, softmax_scale, keep_kv,
-                  check_plan, node_layout):
+                  check_plan, node_layout, window_size):
     """The layer through the custom op: ``(out, lse)``."""
     keep = (keep_kv and comm == "overlap" and torch.is_grad_enabled()
             and (q.requires_grad or k.requires_grad or v.requires_grad))
     gpus_per_node, rank_nodes = _layout_args(node_layout, plan.nodes)
-    out, lse, _ = _cp_forward_op(q, k, v, plan.op_token, pg.group_name, comm, backward_calls,
+    window = -1 if window_size is None else window_size
+    out, lse, _ = _cp_forward_op(q, k, v, plan.op_token, window, pg.group_name, comm, backward_calls,
                                  softmax_scale, keep, check_plan, gpus_per_node, rank_nodes)
     return out, lse
 
@@ -270,7 +278,7 @@ def _layer_call(q, plan: CPPlan, pg, comm: str, backward_calls: str, node_layout
 def cp_flashmask_attention(q, k, v, plan: CPPlan, *, group=None, comm: str = "overlap",
                            softmax_scale: Optional[float] = None, return_softmax_lse: bool = False,
                            check_plan: bool = False, node_layout=None, backward_calls: str = "auto",
-                           keep_kv: bool = True):
+                           keep_kv: bool = True, window_size: Optional[int] = None):
     """Attention of this rank's query shard over the whole (masked) sequence.
 
     Args:
@@ -301,6 +309,11 @@ def cp_flashmask_attention(q, k, v, plan: CPPlan, *, group=None, comm: str = "ov
             layer, plus the own K/V where the backward makes one call) instead of fetching them
             again; ``False`` frees them after the forward and refetches. Must be the same on
             every rank. Ignored by ``comm="allgather"``.
+        window_size: limit a causal plan's mask to a sliding window: query ``i`` keeps only the
+            keys ``[i - window_size, i]`` the mask allowed (``flashmask_attention``'s convention).
+            The layer runs :meth:`CPPlan.windowed` (the same placement and shards; only the
+            chunks inside the windows travel), built on first use. For models that mix
+            sliding-window and full layers over one plan.
 
     Returns the local output ``[B, S/P, Hq, D]`` (or ``(out, lse)``), equal to the matching rows
     of single-process ``flashmask_attention`` on the full sequence.
@@ -311,6 +324,10 @@ def cp_flashmask_attention(q, k, v, plan: CPPlan, *, group=None, comm: str = "ov
         raise ValueError(f"comm must be one of {COMMS}, got {comm!r}")
     if not isinstance(keep_kv, bool):
         raise TypeError(f"keep_kv must be a bool, got {type(keep_kv).__name__}")
+    if window_size is not None and (isinstance(window_size, bool) or not isinstance(window_size, int)):
+        raise TypeError(f"window_size must be an int or None, got {type(window_size).__name__}")
+    if window_size is not None and window_size < 0:
+        raise ValueError(f"window_size must be >= 0, got {window_size}")
     check_qkv(q, k, v)
     if q.shape[1] != plan.local_seqlen or k.shape[1] != plan.local_seqlen:
         raise ValueError(f"q and k must hold this rank's {plan.local_seqlen} tokens along dim 1, "
@@ -322,8 +339,10 @@ def cp_flashmask_attention(q, k, v, plan: CPPlan, *, group=None, comm: str = "ov
         raise ValueError(f"group has {world} ranks but the plan was made for cp_size={plan.cp_size}")
     if _traced(q):
         out, lse = _traced_layer(q, k, v, plan, pg, comm, backward_calls, softmax_scale, keep_kv,
-                                 check_plan, node_layout)
+                                 check_plan, node_layout, window_size)
     else:
+        if window_size is not None:
+            plan = plan.windowed(window_size)
         q, k, v = (t.contiguous() for t in (q, k, v))
         call = _layer_call(q, plan, pg, comm, backward_calls, node_layout, check_plan, softmax_scale,
                            keep_kv)

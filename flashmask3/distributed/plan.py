@@ -33,7 +33,7 @@ from typing import Optional, Sequence, Union
 import numpy as np
 import torch
 
-from ..masks import FlashMask, validate_startend_row_indices
+from ..masks import FlashMask, causal_window_columns, validate_startend_row_indices
 from .local_mask import rank_local_columns
 from .placement import PlacementCost, sparse_placement
 from .summaries import chunk_pair_counts, chunk_summaries
@@ -339,7 +339,8 @@ class CPPlan:
     """
 
     def __init__(self, startend_row_indices, causal, seqlen, cp_size, balance, chunk_size, nodes,
-                 tile, comm_rounds, work_model="tiles", cost: Optional[PlacementCost] = None):
+                 tile, comm_rounds, work_model="tiles", cost: Optional[PlacementCost] = None,
+                 owner: Optional[np.ndarray] = None):
         self.startend_row_indices: Optional[torch.Tensor] = startend_row_indices
         self.causal: bool = causal
         self.seqlen: int = seqlen
@@ -355,7 +356,11 @@ class CPPlan:
         if work_model == "pairs":
             self.chunk_work = chunk_pairs(startend_row_indices, causal, seqlen, chunk_size)
         n = self.num_chunks
-        if balance == "contiguous":
+        self.comm_rounds: int = comm_rounds
+        self.cost: Optional[PlacementCost] = cost
+        if owner is not None:  # another plan's placement (with_mask)
+            pass
+        elif balance == "contiguous":
             owner = _contiguous(n, cp_size)
         elif balance == "dual_chunk":
             owner = _dual_chunk(n, cp_size)
@@ -393,6 +398,40 @@ class CPPlan:
     def __setstate__(self, state: dict) -> None:
         self.__dict__.update(state)
         self.op_token = _op_token(self)
+
+    def with_mask(self, startend_row_indices: Union[torch.Tensor, FlashMask, None],
+                  causal: Optional[bool] = None) -> "CPPlan":
+        """A plan for another mask over the same sequence with this plan's placement: the same
+        owner of every chunk (so the same shards: ``shard``/``unshard`` agree), and the other
+        mask's liveness, needed chunks, rounds and local masks. For models whose layers mask
+        differently (sliding-window and full layers): plan the placement once, on the mask that
+        matters most, then derive a plan per other mask. Its work balance is this placement's,
+        not one optimised for the new mask."""
+        if causal is None and not isinstance(startend_row_indices, FlashMask):
+            raise TypeError("causal is required unless startend_row_indices is a FlashMask")
+        cols, causal, s = _mask_args(startend_row_indices, causal, self.seqlen if startend_row_indices is None else None)
+        if s != self.seqlen:
+            raise ValueError(f"the mask has {s} tokens, the plan {self.seqlen}")
+        return CPPlan(cols, causal, s, self.cp_size, self.balance, self.chunk_size, self.nodes, self.tile,
+                      self.comm_rounds, self.work_model, self.cost, owner=self.owner)
+
+    def windowed(self, window: int) -> "CPPlan":
+        """The plan of this plan's mask limited to a causal sliding window (query ``i`` keeps
+        the keys ``[i - window, i]`` it was allowed; :func:`flashmask3.masks.with_window`), with
+        this placement (:meth:`with_mask`); built once per window and kept."""
+        if isinstance(window, bool) or not isinstance(window, int) or window < 0:
+            raise ValueError(f"window_size must be an int >= 0, got {window!r}")
+        if not self.causal:
+            raise ValueError("a sliding window needs a causal plan (window_size limits the keys "
+                             "before each query)")
+        cache = self.__dict__.setdefault("_windowed", {})
+        if window not in cache:
+            cols = self.startend_row_indices
+            if cols is None:  # plain causal: every key visible from its own row on
+                cols = torch.full((1, 1, self.seqlen, 1), self.seqlen, dtype=torch.int32)
+            windowed = causal_window_columns(cols, window).contiguous()  # valid by construction
+            cache[window] = self.with_mask(FlashMask(windowed, True, self.seqlen, _validated=True))
+        return cache[window]
 
     def _build_stages(self, rank: int) -> list[tuple[int, ...]]:
         need = self.need[rank]

@@ -19,6 +19,8 @@ from typing import Optional
 
 import torch
 
+from ..masks import causal_window_columns
+
 
 def document_bounds_from_position_ids(position_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """``(start, end)`` of each token's document, ``[B, S]`` int64, from ``position_ids``.
@@ -77,15 +79,11 @@ def document_columns(start: torch.Tensor, end: torch.Tensor, causal: bool) -> to
 
 def with_sliding_window(columns: torch.Tensor, window: int) -> torch.Tensor:
     """Causal ``C=1`` columns restricted to a sliding window: query ``i`` sees key ``j`` only if
-    ``i - j < window`` (transformers' ``sliding_window`` convention)."""
-    if columns.shape[-1] != 1:
-        raise ValueError("a sliding window combines with causal single-column masks only, got "
-                         f"{columns.shape[-1]} columns")
+    ``i - j < window`` (transformers' ``sliding_window`` convention: ``window`` keys, the query's
+    own included; :func:`~flashmask3.masks.causal_window_columns` counts the keys before it)."""
     if window < 1:
         raise ValueError(f"sliding_window must be >= 1, got {window}")
-    sk = columns.shape[2]
-    j = torch.arange(sk, device=columns.device, dtype=torch.int64).view(1, 1, sk, 1)
-    return torch.minimum(columns.to(torch.int64), j + window).to(torch.int32)
+    return causal_window_columns(columns, window - 1)
 
 
 def with_key_padding(columns: torch.Tensor, causal: bool, keep: torch.Tensor,

@@ -195,9 +195,10 @@ class ContextParallel:
     single-device loss and their gradients to its gradients (:meth:`reduce_gradients`, or a
     data-parallel wrapper over a group containing the CP ranks, its averaging undone).
 
-    Not supported here (each a ValueError): a 2-D padding ``attention_mask`` and a custom
-    ``flashmask=`` (fold them into the plan's mask), a sliding window shorter than the sequence,
-    KV-cache decoding.
+    Sliding-window layers run the plan's mask limited to their window, on the plan's placement
+    (:meth:`~flashmask3.distributed.plan.CPPlan.windowed`; the plan must be causal). Not supported
+    here (each a ValueError): a 2-D padding ``attention_mask`` and a custom ``flashmask=`` (fold
+    them into the plan's mask), KV-cache decoding.
     """
 
     plan: CPPlan
@@ -274,14 +275,17 @@ def _cp_attention(cp, query, key, value, padding, scaling, sliding_window, kwarg
     if padding is not None or kwargs.get(MASK_KWARG) is not None or kwargs.get(COLUMNS_KWARG) is not None:
         raise ValueError(f"under {CP_KWARG}= the mask is the plan's: fold padding or a custom mask "
                          "into the global mask the plan was made from")
-    if sliding_window is not None and sliding_window < cp.plan.seqlen:  # (a longer one masks nothing)
-        raise ValueError(f"{CP_KWARG}= on a layer with a sliding window of {sliding_window} tokens, "
-                         f"shorter than the sequence ({cp.plan.seqlen}): fold the window into the "
-                         "plan's mask")
+    # a sliding window of w keys (the query's own included) keeps keys [i - (w - 1), i]: the
+    # plan's mask windowed, on the plan's placement (CPPlan.windowed); a longer one masks nothing
+    window = None
+    if sliding_window is not None and sliding_window < cp.plan.seqlen:
+        if sliding_window < 1:
+            raise ValueError(f"sliding_window must be >= 1, got {sliding_window}")
+        window = sliding_window - 1
     return cp_flashmask_attention(query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2),
                                   cp.plan, group=cp.group, comm=cp.comm, softmax_scale=scaling,
                                   node_layout=cp.node_layout, backward_calls=cp.backward_calls,
-                                  keep_kv=cp.keep_kv, check_plan=cp.check_plan)
+                                  keep_kv=cp.keep_kv, check_plan=cp.check_plan, window_size=window)
 
 
 # -- the attention function -------------------------------------------------------------------

@@ -14,6 +14,7 @@ from .constructors import (
     causal_blockwise_mask,
     causal_document_mask,
     causal_mask,
+    causal_window_columns,
     document_mask,
     from_cu_seqlens,
     full_mask,
@@ -25,6 +26,7 @@ from .constructors import (
     random_eviction_mask,
     shared_question_mask,
     sliding_window_mask,
+    with_window,
 )
 from .mask import (
     FlashMask,

@@ -130,6 +130,31 @@ def sliding_window_mask(
     return _finish(_repeat(torch.stack([lts, ute], -1), batch_size), False, num_heads, device)
 
 
+def causal_window_columns(columns: torch.Tensor, window: int) -> torch.Tensor:
+    """Causal single-column (``LTS``) columns ``[..., S, 1]`` limited to a sliding window of
+    ``window`` keys before the query: key ``j`` is also masked for rows ``j + window + 1`` on,
+    so query ``i`` keeps only the keys ``[i - window, i]`` the columns allowed
+    (:func:`sliding_window_mask`'s convention). Any device, no host read."""
+    if columns.shape[-1] != 1:
+        raise ValueError("a sliding window combines with causal single-column masks only, got "
+                         f"{columns.shape[-1]} columns")
+    window = _check_positive_int("window", window, allow_zero=True)
+    sk = columns.shape[-2]
+    j = torch.arange(sk, device=columns.device, dtype=torch.int64).view(sk, 1)
+    return torch.minimum(columns.to(torch.int64), j + window + 1).to(torch.int32)
+
+
+def with_window(mask: FlashMask, window: int) -> FlashMask:
+    """``mask`` (causal, one column per key: causal, causal documents, ...) restricted to a
+    sliding window: query ``i`` keeps only the keys ``[i - window, i]`` it was allowed."""
+    if not isinstance(mask, FlashMask):
+        raise TypeError(f"mask must be a FlashMask, got {type(mask).__name__}")
+    if not mask.causal:
+        raise ValueError("with_window needs a causal mask (a bidirectional one has no 'before the query')")
+    cols = causal_window_columns(mask.startend_row_indices, window)
+    return FlashMask(cols.contiguous(), True, mask.seqlen_q, _validated=True)
+
+
 # -- document masks ------------------------------------------------------------------------
 
 

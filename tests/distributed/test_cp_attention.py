@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 
 from tests.distributed.harness import RankError, run_distributed
-from tests.distributed.workers import (check_configs, check_mesh_and_lse, compiled_model_suite, compiled_options_suite, cp4_suite,
+from tests.distributed.workers import (check_configs, check_mesh_and_lse, compiled_model_suite, compiled_options_suite, cp4_suite, windowed_suite,
                                        fail_on_rank_one, mismatched_plans, stuck_rank,
                                        wrong_group_size)
 from tests.helpers import named_masks
@@ -72,6 +72,10 @@ def test_bad_softmax_scale_is_refused_before_any_process_group_is_touched():
 
 def test_torch_compile_of_a_model_with_cp_attention():
     run_distributed(compiled_model_suite, 2, 128, 5)
+
+
+def test_sliding_window_layers_over_one_plan():
+    run_distributed(windowed_suite, 4, 128, 8, timeout_s=480)
 
 
 def test_torch_compile_fullgraph_of_every_cp_option():

@@ -466,3 +466,33 @@ def test_op_token_names_its_plan_in_this_process_only():
     gc.collect()
     with pytest.raises(RuntimeError, match="keep the plan alive"):
         plan_of_token(torch.tensor(name))
+
+
+@pytest.mark.parametrize("balance", ["sparse", "dual_chunk"])
+def test_with_mask_keeps_the_placement_and_routes_the_new_mask(balance):
+    """``CPPlan.with_mask`` / ``windowed``: the same owner (so the same shards), the new mask's
+    needed chunks (a subset when the new mask only removes pairs), fewer or equal transfers, and
+    one windowed plan per window; mismatched masks are errors."""
+    seqlen, cp = 1024, 4
+    full = M.causal_document_mask([300, 212, 500, 12])
+    p = plan(full, None, cp, balance=balance)
+    w = p.windowed(40)
+    assert w is p.windowed(40) and w is not p.windowed(41)
+    assert np.array_equal(w.owner, p.owner) and w.chunk_size == p.chunk_size
+    x = torch.arange(seqlen).view(1, seqlen)
+    for r in range(cp):
+        assert torch.equal(w.shard(x, r), p.shard(x, r))
+    assert (w.need <= p.need).all() and w.need.sum() < p.need.sum()
+    # the same liveness as the windowed mask's own tile grid
+    windowed = M.with_window(full, 40)
+    want = chunk_liveness(windowed.startend_row_indices, True, seqlen, p.chunk_size, p.tile)[1]
+    assert np.array_equal(w.chunk_live, want)
+    moved = lambda q: sum(len(t.chunks) for rnd in q.rounds for t in rnd.transfers)  # noqa: E731
+    assert moved(w) <= moved(p)
+    assert p.with_mask(full).fingerprint == p.fingerprint
+    with pytest.raises(ValueError, match="tokens"):
+        p.with_mask(M.causal_mask(512))
+    with pytest.raises(ValueError, match="causal plan"):
+        plan(M.document_mask([512, 512]), None, cp).windowed(8)
+    with pytest.raises(ValueError, match="window_size"):
+        p.windowed(-1)

@@ -492,3 +492,45 @@ def compiled_options_suite(rank, world, seqlen, seed):
         assert "node_layout" in str(exc) and "TypeError" in repr(exc) + str(type(exc)) + str(exc.__cause__), exc
     else:
         raise AssertionError("a callable node_layout under torch.compile was accepted")
+
+
+def windowed_suite(rank, world, seqlen, seed):
+    """``window_size=`` on a causal plan equals single-process attention on the windowed mask
+    (``masks.with_window``): outputs and gradients, for document and plain causal plans, both
+    comms, a flat and a 2-node plan, eager and traced (``fullgraph=True``, where the op derives the
+    windowed plan at run time); bad windows are clear errors."""
+    import pytest
+
+    from flashmask3 import masks as M
+
+    docs = M.causal_document_mask([seqlen // 4, seqlen // 2, seqlen - seqlen // 4 - seqlen // 2], batch_size=B)
+    cases = [(docs, 0), (docs, 5), (docs, seqlen // 3), (None, 7)]
+    torch._dynamo.reset()
+    torch._dynamo.config.recompile_limit = 64
+
+    def attend(ql, kl, vl, p, comm, window):
+        return cp_flashmask_attention(ql, kl, vl, p, comm=comm, window_size=window, node_layout=world // p.nodes)
+
+    traced = torch.compile(attend, fullgraph=True, backend="aot_eager")
+    for i, (mask, window) in enumerate(cases):
+        full = M.causal_mask(seqlen, batch_size=B) if mask is None else mask
+        q, k, v, do = _inputs(seqlen, seed + i)
+        want = _reference(q, k, v, do, M.with_window(full, window))
+        for nodes in (1, 2):
+            p = plan(mask, True, world, seqlen=seqlen, nodes=nodes)
+            for comm, fn in (("overlap", attend), ("allgather", attend), ("overlap", traced)):
+                tag = f"rank {rank} case {i} window {window} nodes {nodes} {comm} {'traced' if fn is traced else 'eager'}"
+                ql, kl, vl = (p.shard(t, rank).requires_grad_() for t in (q, k, v))
+                out = fn(ql, kl, vl, p, comm, window)
+                out.backward(p.shard(do, rank))
+                for name, got, ref in zip(("out", "dq", "dk", "dv"), (out.detach(), ql.grad, kl.grad, vl.grad),
+                                          (want[0], want[2], want[3], want[4])):
+                    _close(name, got, p.shard(ref, rank), tag)
+    p = plan(M.document_mask([seqlen // 2, seqlen // 2]), None, world)
+    ql = p.shard(_inputs(seqlen, seed)[0], rank)
+    with pytest.raises(ValueError, match="causal plan"):
+        cp_flashmask_attention(ql, ql[:, :, :HK], ql[:, :, :HK], p, window_size=4)
+    with pytest.raises(ValueError, match="window_size must be >= 0"):
+        cp_flashmask_attention(ql, ql[:, :, :HK], ql[:, :, :HK], p, window_size=-1)
+    with pytest.raises(TypeError, match="window_size"):
+        cp_flashmask_attention(ql, ql[:, :, :HK], ql[:, :, :HK], p, window_size=True)

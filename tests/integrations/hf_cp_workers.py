@@ -106,20 +106,27 @@ def data_and_context_parallel(rank: int, seed: int) -> None:
 
 
 def sliding_window_layers(rank: int, world: int, seed: int) -> None:
-    """A Mistral whose sliding window is longer than the sequence (it masks nothing) runs under
-    ``flashmask_cp=`` with the one-process logits; a shorter window is a ValueError."""
+    """A Mistral under ``flashmask_cp=`` gives the one-process logits and gradients with a
+    sliding window shorter than the sequence (each layer runs the plan's mask limited to the
+    window, on the plan's placement) and with one longer than it (it masks nothing)."""
     ids, pos, labels, mask = _batch(seed)
     cp = ContextParallel(plan(mask, None, world))
-    for window in (4096, 16):
+    for window in (4096, 16, 1):
         model = tiny_model(seed=seed, cls="mistral", sliding_window=window)
         model.set_attn_implementation(ATTN_IMPLEMENTATION)
-        if window < ids.shape[1]:
-            with pytest.raises(ValueError, match="sliding window of 16 tokens"):
-                model(**cp.model_inputs(ids, position_ids=pos))
-            continue
-        ref = model(ids, position_ids=pos, use_cache=False).logits
-        out = model(**cp.model_inputs(ids, position_ids=pos)).logits
-        torch.testing.assert_close(out, cp.shard(ref.detach()), rtol=1e-4, atol=1e-5)
+        model.zero_grad()
+        ref = model(ids, position_ids=pos, labels=labels, use_cache=False)
+        ref.loss.backward()
+        want = [p.grad.clone() for p in model.parameters()]
+        model.zero_grad()
+        out = model(**cp.model_inputs(ids, position_ids=pos, labels=labels))
+        tag = f"rank {rank} sliding_window {window}"
+        torch.testing.assert_close(out.logits, cp.shard(ref.logits.detach()), rtol=1e-4, atol=1e-5,
+                                   msg=lambda m: f"{tag}: logits: {m}")
+        out.loss.backward()
+        cp.reduce_gradients(model)
+        for (name, p), g in zip(model.named_parameters(), want):
+            torch.testing.assert_close(p.grad, g, rtol=1e-4, atol=1e-6, msg=lambda m: f"{tag}: {name}: {m}")
 
 
 def collator_batch(rank: int, world: int, seed: int) -> None:

@@ -284,3 +284,23 @@ def test_to_dense_takes_a_flashmask_or_columns():
         M.to_dense(mask, True, 16)
     with pytest.raises(TypeError, match="causal and seqlen_q"):
         M.to_dense(mask.startend_row_indices)
+
+
+@pytest.mark.parametrize("window", [0, 1, 7, 200])
+def test_with_window_is_the_mask_and_a_causal_band(window):
+    """``with_window``: a causal single-column mask AND the band ``j >= i - window`` (dense
+    check), the same as ``sliding_window_mask`` on a plain causal mask."""
+    s = 160
+    i = torch.arange(s)
+    band = (i.view(-1, 1) - i.view(1, -1)) <= window
+    for mask in (M.causal_mask(s), M.causal_document_mask([[50, 90, 20], [160]], num_heads=2)):
+        got = M.to_dense(M.with_window(mask, window))
+        assert torch.equal(got, M.to_dense(mask) & band)
+    assert torch.equal(M.to_dense(M.with_window(M.causal_mask(s), window)),
+                       M.to_dense(M.sliding_window_mask(s, window)))
+    with pytest.raises(ValueError, match="causal mask"):
+        M.with_window(M.document_mask([80, 80]), window)
+    with pytest.raises(ValueError, match="single-column"):
+        M.with_window(M.causal_blockwise_mask([60, 60, 40]), window)
+    with pytest.raises(ValueError, match="window"):
+        M.with_window(M.causal_mask(s), -1)
