@@ -12,8 +12,11 @@ the current ``sparse``):
 * K/V bytes moved per forward pass by the mask-aware exchange (and by an all-gather);
 * bytes crossing node boundaries (``--gpus-per-node`` GPUs a node), flat and hierarchical.
 
-Then planning time of ``plan()`` (one thread) at ``--plan-tokens``. Writes
-benchmarks/results/balance.md, balance.json and balance.png.
+Then sliding-window layers on the same placement (``--windows``; ``CPPlan.windowed``): their work
+imbalance, remote K/V and traffic with the dual_chunk and the sparse placement of the full mask,
+beside the imbalance of a sparse placement planned for the windowed mask itself. Then planning
+time of ``plan()`` (one thread) at ``--plan-tokens``. Writes benchmarks/results/balance.md,
+balance.json and balance.png.
 
     python benchmarks/balance.py                              # 128K tokens, cp 8 32 128 (~2 min)
     python benchmarks/balance.py --tokens 16384 --cp 2 4 8 --plan-tokens 16384    # quick
@@ -143,6 +146,53 @@ def measure(doc_lens, cp: int, gpus_per_node: int, bpt: int) -> dict:
     return row
 
 
+def measure_windows(doc_lens, cp: int, windows, gpus_per_node: int, bpt: int) -> list[dict]:
+    """Rows of sliding-window layers (each window) on the dual_chunk and the sparse placement
+    of the full mask (``CPPlan.windowed``), with the windowed mask's own sparse placement's
+    imbalance for comparison."""
+    mask = M.causal_document_mask(doc_lens)
+    rows = []
+    for balance in ("dual_chunk", "sparse"):
+        p = plan(mask, None, cp, balance=balance)
+        full_kv = p.kv_tokens_moved("overlap") * bpt / GIB
+        for w in windows:
+            pw = p.windowed(w)
+            m = layout_metrics(pw.owner, pw.chunk_work, pw.chunk_live, cp, pw.chunk_size, gpus_per_node)
+            assert m["kv_tokens"] == pw.kv_tokens_moved("overlap")  # the plan's own accounting agrees
+            own = plan(M.with_window(mask, w), None, cp, balance=balance, chunk_size=p.chunk_size)
+            rows.append({"cp": cp, "docs": len(doc_lens), "balance": balance, "window": w,
+                         "imbalance": m["imbalance"], "imbalance_own_placement": own.imbalance,
+                         "max_remote_tokens": m["max_remote_tokens"],
+                         "kv_gib_overlap": m["kv_tokens"] * bpt / GIB, "kv_gib_overlap_full_mask": full_kv,
+                         "xnode_gib_flat": m["xnode_tokens_flat"] * bpt / GIB})
+    return rows
+
+
+def windows_markdown(windows: dict, args) -> list[str]:
+    """The sliding-window section of balance.md."""
+    lines = [
+        "",
+        "## Sliding-window layers on the same placement (`CPPlan.windowed`)",
+        "",
+        "A model mixing sliding-window and full layers keeps one token placement; each window layer runs "
+        "the full mask limited to its window (query i keeps keys [i − w, i]) on it. Imbalance = max/mean "
+        "live tiles of the window layer per rank on the full mask's placement; 'own' = the same "
+        "strategy planned for the windowed mask itself (what sharing the placement costs). K/V GiB per "
+        "forward pass as above, beside the full-mask layer's.",
+        "",
+        "| spread | docs | cp | placement | window | imbalance | own | max remote K/V | K/V GiB "
+        "| full-mask K/V GiB | x-node GiB flat |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for spread, rows in windows.items():
+        for r in rows:
+            lines.append(f"| {spread} | {r['docs']} | {r['cp']} | {r['balance']} | {r['window']} "
+                         f"| {r['imbalance']:.3f} | {r['imbalance_own_placement']:.3f} "
+                         f"| {_k(r['max_remote_tokens'])} | {r['kv_gib_overlap']:.2f} "
+                         f"| {r['kv_gib_overlap_full_mask']:.2f} | {r['xnode_gib_flat']:.2f} |")
+    return lines
+
+
 def planning_times(tokens_list, cps, spreads, heads, seed: int) -> list[dict]:
     """Wall and CPU seconds of ``plan(..., balance="sparse")`` (one torch thread)."""
     out = []
@@ -167,7 +217,7 @@ def _k(x: int) -> str:
     return f"{x / 1024:.1f}K"
 
 
-def markdown(results: dict, timing: list, meta: dict, args) -> str:
+def markdown(results: dict, timing: list, meta: dict, args, windows: dict = None) -> str:
     lines = [
         f"# Context-parallel placement — causal document masks, {args.tokens} tokens",
         "",
@@ -208,6 +258,7 @@ def markdown(results: dict, timing: list, meta: dict, args) -> str:
         "",
         f"Targets (sparse): imbalance ≤ 1.05 — worst {imb:.3f} ({'met' if imb <= 1.05 else 'NOT met'}); "
         f"max remote K/V ≤ 1.1× dual_chunk's — worst {ratio:.2f}× ({'met' if ratio <= 1.1 else 'NOT met'}).",
+    ] + (windows_markdown(windows, args) if windows else []) + [
         "",
         "## Planning time (`plan(mask, None, cp)`, balance=\"sparse\", one torch thread; wall and process CPU)",
         "",
@@ -268,6 +319,8 @@ def main(argv=None) -> int:
     ap.add_argument("--kv-heads", type=int, default=8)
     ap.add_argument("--head-dim", type=int, default=128)
     ap.add_argument("--elem-bytes", type=int, default=2)
+    ap.add_argument("--windows", type=int, nargs="*", default=[1024, 4096],
+                    help="sliding windows (keys before the query) of the window-layer table")
     ap.add_argument("--plan-tokens", type=int, nargs="*", default=[131072, 524288, 1048576])
     ap.add_argument("--plan-cp", type=int, nargs="*", default=[8, 128])
     ap.add_argument("--plan-spreads", nargs="*", default=["mixed", "corpus"])
@@ -283,21 +336,24 @@ def main(argv=None) -> int:
             "command": "python benchmarks/balance.py" + ("" if argv is None and len(sys.argv) == 1 else
                                                           " " + " ".join(sys.argv[1:] if argv is None else argv))}
     bpt = kv_bytes_per_token(args.kv_heads, args.head_dim, args.elem_bytes)
-    results = {}
+    results, windows = {}, {}
     for spread, lens in document_spreads(args.tokens, seed=args.seed).items():
-        results[spread] = []
+        results[spread], windows[spread] = [], []
         for cp in args.cp:
             row = measure(lens, cp, args.gpus_per_node, bpt)
             results[spread].append(row)
             print(f"{spread:7s} cp={cp:4d} imbalance " + " ".join(f"{s}={row[f'imbalance_{s}']:.3f}" for s in STRATEGIES)
                   + "  max remote K " + " ".join(f"{s}={row[f'max_remote_tokens_{s}'] / 1024:.1f}" for s in STRATEGIES)
                   + f"  LB={row['lower_bound_tokens'] / 1024:.1f}", flush=True)
+            if args.windows:
+                windows[spread] += measure_windows(lens, cp, args.windows, args.gpus_per_node, bpt)
     timing = planning_times(args.plan_tokens, args.plan_cp, args.plan_spreads, args.plan_heads, args.seed)
     os.makedirs(args.out, exist_ok=True)
     with open(os.path.join(args.out, "balance.json"), "w") as f:
-        json.dump({"meta": meta, "args": vars(args), "results": results, "planning": timing}, f, indent=1)
+        json.dump({"meta": meta, "args": vars(args), "results": results, "windows": windows,
+                   "planning": timing}, f, indent=1)
     with open(os.path.join(args.out, "balance.md"), "w") as f:
-        f.write(markdown(results, timing, meta, args))
+        f.write(markdown(results, timing, meta, args, windows))
     plot(results, args, os.path.join(args.out, "balance.png"))
     print(f"wrote {args.out}/balance.md, balance.json, balance.png")
     return 0

@@ -31,9 +31,15 @@ def test_balance_benchmark_small(tmp_path):
             assert r["kv_gib_overlap_sparse"] <= r["kv_gib_allgather"]
             for s in balance.STRATEGIES:  # hierarchical routing never crosses nodes more than flat
                 assert r[f"xnode_gib_hier_{s}"] <= r[f"xnode_gib_flat_{s}"]
+    for rows in out["windows"].values():  # a window layer moves no more than the full-mask layer
+        assert {r["window"] for r in rows} == {1024, 4096}
+        for r in rows:
+            assert r["kv_gib_overlap"] <= r["kv_gib_overlap_full_mask"] + 1e-12
+            assert r["imbalance"] >= 1.0 and r["imbalance_own_placement"] >= 1.0
     assert out["planning"] and out["meta"]["torch"]
     assert (tmp_path / "balance.png").stat().st_size > 0
-    assert "imbalance" in (tmp_path / "balance.md").read_text()
+    text = (tmp_path / "balance.md").read_text()
+    assert "imbalance" in text and "Sliding-window layers" in text
 
 
 def test_cp_single_gpu_cpu_mode(tmp_path):
