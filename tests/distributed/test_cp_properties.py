@@ -9,7 +9,8 @@ exactly once, relayed ones included (a relay receives zeros from its children an
 its own stage's part; the children's parts are recorded when they are sent). The gloo suites
 (test_cp_attention.py, test_cp_runtime.py) check real process groups at cp 2-6; this one reaches
 further: cp up to 16, 2-8 nodes, chunk sizes, batch and per-head masks, every mask type, the backward's
-K/V kept from the forward or fetched again.
+K/V kept from the forward or fetched again, and sliding-window plans on the full mask's placement
+(``CPPlan.windowed``, for the causal single-column masks).
 """
 
 from __future__ import annotations
@@ -68,15 +69,21 @@ def _mask(name, seqlen, batch, heads, doc_seed):
        chunks_per_rank=st.sampled_from([2, 4]), balance=st.sampled_from(["contiguous", "dual_chunk", "sparse"]),
        comm=st.sampled_from(["overlap", "allgather"]), calls=st.sampled_from(BACKWARD_CALL_MODES),
        batch=st.integers(1, 2), hk_ratio=st.sampled_from([(1, 1), (2, 1), (4, 2)]),
-       per_head=st.booleans(), keep_kv=st.booleans(), seed=st.integers(0, 10_000))
+       per_head=st.booleans(), keep_kv=st.booleans(), window=st.sampled_from([None, None, 0, 3, 11]),
+       seed=st.integers(0, 10_000))
 def test_every_rank_equals_the_dense_reference(name, cp_nodes, chunks_per_rank, balance, comm, calls,
-                                               batch, hk_ratio, per_head, keep_kv, seed):
+                                               batch, hk_ratio, per_head, keep_kv, window, seed):
     cp, nodes = cp_nodes
     chunk = 8
     seqlen = cp * chunks_per_rank * chunk
     hq, hk = hk_ratio
     mask = _mask(name, seqlen, batch, hk if per_head else 1, seed)
-    p = split_hierarchical(plan(mask, None, cp, balance=balance, chunk_size=chunk, nodes=nodes))
+    p = plan(mask, None, cp, balance=balance, chunk_size=chunk, nodes=nodes)
+    if window is not None and mask.causal and mask.startend_row_indices.shape[-1] == 1:
+        p, mask = p.windowed(window), M.with_window(mask, window)  # the full mask's placement
+    else:
+        window = None
+    p = split_hierarchical(p)
     g = torch.Generator().manual_seed(seed)
     q, do = (torch.randn(batch, seqlen, hq, 8, generator=g, dtype=torch.float64) for _ in range(2))
     k, v = (torch.randn(batch, seqlen, hk, 8, generator=g, dtype=torch.float64) for _ in range(2))
@@ -87,7 +94,7 @@ def test_every_rank_equals_the_dense_reference(name, cp_nodes, chunks_per_rank, 
     wire = to_wire(k, v, chunk)
     returned = torch.zeros_like(wire)
     own = torch.zeros_like(wire)
-    tag = (f"{name} cp={cp} nodes={nodes} {balance} {comm} {calls} keep_kv={keep_kv} B={batch} "
+    tag = (f"{name} cp={cp} nodes={nodes} {balance} {comm} {calls} keep_kv={keep_kv} window={window} B={batch} "
            f"Hq/Hk={hq}/{hk} seed={seed}")
     for rank in range(cp):
         ql, kl, vl = (p.shard(t, rank).requires_grad_() for t in (q, k, v))
