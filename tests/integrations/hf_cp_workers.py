@@ -106,13 +106,16 @@ def data_and_context_parallel(rank: int, seed: int) -> None:
 
 
 def sliding_window_layers(rank: int, world: int, seed: int) -> None:
-    """A Mistral under ``flashmask_cp=`` gives the one-process logits and gradients with a
-    sliding window shorter than the sequence (each layer runs the plan's mask limited to the
-    window, on the plan's placement) and with one longer than it (it masks nothing)."""
+    """Under ``flashmask_cp=``, the one-process logits and gradients: a Mistral with a sliding
+    window shorter than the sequence (each layer runs the plan's mask limited to the window, on
+    the plan's placement) and with one longer than it (it masks nothing); a Qwen2 whose layers
+    alternate a sliding window and full attention (``layer_types``): two plans on one placement."""
     ids, pos, labels, mask = _batch(seed)
     cp = ContextParallel(plan(mask, None, world))
-    for window in (4096, 16, 1):
-        model = tiny_model(seed=seed, cls="mistral", sliding_window=window)
+    alternating = dict(use_sliding_window=True, sliding_window=16, layer_types=["sliding_attention", "full_attention"])
+    for cls, window, extra in (("mistral", 4096, {}), ("mistral", 16, {}), ("mistral", 1, {}),
+                               ("qwen2", 16, alternating)):
+        model = tiny_model(seed=seed, cls=cls, **({"sliding_window": window} | extra))
         model.set_attn_implementation(ATTN_IMPLEMENTATION)
         model.zero_grad()
         ref = model(ids, position_ids=pos, labels=labels, use_cache=False)
@@ -120,7 +123,7 @@ def sliding_window_layers(rank: int, world: int, seed: int) -> None:
         want = [p.grad.clone() for p in model.parameters()]
         model.zero_grad()
         out = model(**cp.model_inputs(ids, position_ids=pos, labels=labels))
-        tag = f"rank {rank} sliding_window {window}"
+        tag = f"rank {rank} {cls} sliding_window {window}"
         torch.testing.assert_close(out.logits, cp.shard(ref.logits.detach()), rtol=1e-4, atol=1e-5,
                                    msg=lambda m: f"{tag}: logits: {m}")
         out.loss.backward()

@@ -19,6 +19,11 @@ def tiny_model(seed=0, cls="llama", **overrides):
             vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
             num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256, **overrides)
         model = transformers.LlamaForCausalLM(config)
+    elif cls == "qwen2":  # sliding-window and full layers per layer_types
+        config = transformers.Qwen2Config(
+            vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+            num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256, **overrides)
+        model = transformers.Qwen2ForCausalLM(config)
     else:
         config = transformers.MistralConfig(
             vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
