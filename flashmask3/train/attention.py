@@ -180,13 +180,16 @@ def _flex_attention(mask: FlashMask, compiled: Optional[bool] = None) -> Attenti
 
 # -- context parallelism ------------------------------------------------------------------------
 
-def make_cp_attention(plan, group, comm: str, backward_calls: str = "auto", keep_kv: bool = True) -> AttentionFn:
-    """Attention over a context-parallel group: local q/k/v shards in, local output out."""
+def make_cp_attention(plan, group, comm: str, backward_calls: str = "auto", keep_kv: bool = True,
+                      window_size: Optional[int] = None) -> AttentionFn:
+    """Attention over a context-parallel group: local q/k/v shards in, local output out;
+    ``window_size``: the plan's mask limited to a sliding window (``CPPlan.windowed``)."""
     from flashmask3.distributed import cp_flashmask_attention
 
     def attention(q, k, v):
         return cp_flashmask_attention(q, k, v, plan, group=group, comm=comm,
-                                      backward_calls=backward_calls, keep_kv=keep_kv)
+                                      backward_calls=backward_calls, keep_kv=keep_kv,
+                                      window_size=window_size)
     return attention
 
 

@@ -65,6 +65,12 @@ class TrainConfig:
     moe_ffn_dim: int = field(default=0, metadata={"help": "expert hidden width (0: ffn_dim)"})
     moe_aux_coef: float = field(default=0.01, metadata={"help": "load-balancing loss weight"})
     rope_theta: float = field(default=10000.0, metadata={"help": "RoPE base"})
+    sliding_window: int = field(default=0, metadata={
+        "help": "sliding-window layers: each query keeps only the keys [i - w, i] of the packed "
+                "mask (0: every layer attends over the whole mask; causal_document masks)"})
+    full_every: int = field(default=0, metadata={
+        "help": "with --sliding-window: every k-th layer (k, 2k, ...) keeps full attention, the "
+                "others slide (0: every layer slides; 6: Gemma 3's 5 local to 1 global)"})
     activation_checkpointing: bool = field(default=False, metadata={
         "help": "recompute each block in backward (long context)"})
     compile: bool = field(default=False, metadata={
@@ -169,7 +175,7 @@ class TrainConfig:
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
         non_negative = ("max_doc_len", "ffn_dim", "moe_experts", "moe_ffn_dim", "cp", "dp", "nodes",
-                        "chunk_size",
+                        "chunk_size", "sliding_window", "full_every",
                         "warmup_steps", "checkpoint_every", "stop_at", "warmup_exclude",
                         "grad_clip", "weight_decay", "moe_aux_coef", "min_lr_ratio")
         for name in non_negative:
@@ -194,9 +200,20 @@ class TrainConfig:
             raise ValueError(f"lr must be > 0, got {self.lr}")
         if not (0 <= self.beta1 < 1 and 0 <= self.beta2 < 1):
             raise ValueError(f"beta1/beta2 must be in [0, 1), got {self.beta1}, {self.beta2}")
+        if self.sliding_window and self.mask != "causal_document":
+            raise ValueError(f"sliding_window needs mask='causal_document' (a causal mask of one "
+                             f"column per key), got mask={self.mask!r}")
+        if self.full_every and not self.sliding_window:
+            raise ValueError("full_every chooses the full layers among sliding-window ones: it needs "
+                             "sliding_window > 0")
         if self.vocab_size < 256:
             raise ValueError(f"vocab_size must be >= 256 for byte tokens, got {self.vocab_size}")
         return self
+
+    def windowed_layers(self) -> list[bool]:
+        """Per layer, whether it is a sliding-window layer (``sliding_window``, ``full_every``)."""
+        return [bool(self.sliding_window) and not (self.full_every and (i + 1) % self.full_every == 0)
+                for i in range(self.n_layers)]
 
     @property
     def head_dim(self) -> int:

@@ -65,12 +65,16 @@ def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
     return to_device_pinned(t, device, [])
 
 
-def prepare_plan_for_rank(plan, rank: int, device: torch.device, comm: str, backward_calls: str = "auto"):
+def prepare_plan_for_rank(plan, rank: int, device: torch.device, comm: str, backward_calls: str = "auto",
+                          window: int = 0):
     """Everything ``cp_flashmask_attention`` needs for ``rank`` of ``plan``, on ``device``: the
     CP runtime's per-rank device program (:func:`flashmask3.distributed.prepare_rank`, cached on
-    the plan, so the step's attention calls find it ready and copy nothing per layer)."""
+    the plan, so the step's attention calls find it ready and copy nothing per layer); with a
+    sliding ``window`` (> 0) also the windowed plan's (``CPPlan.windowed``, cached on the plan)."""
     from flashmask3.distributed import prepare_rank
 
+    if window:
+        prepare_rank(plan.windowed(window), rank, device, comm, backward_calls)
     return prepare_rank(plan, rank, device, comm, backward_calls)
 
 
@@ -166,7 +170,7 @@ def prepare_batch(batch: PackedBatch, cfg, env, data_state: Optional[dict] = Non
         plan = (planner or make_group_plan)(batch.mask, cfg, env)
         r = env.cp_rank
         tokens, labels, positions = (plan.shard(t, r, 1) for t in (tokens, labels, positions))
-        prepare_plan_for_rank(plan, r, dev, cfg.comm, cfg.backward_calls)
+        prepare_plan_for_rank(plan, r, dev, cfg.comm, cfg.backward_calls, cfg.sliding_window)
     else:
         m = batch.mask
         # checked when the batch's mask was built: no second value check on the device (a sync)

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Callable, Optional
 
 import torch
 import torch.nn.functional as F
@@ -33,7 +33,8 @@ def _identity_reduce(t: torch.Tensor) -> torch.Tensor:
 class StepContext:
     """What one forward needs besides the tokens.
 
-    ``attention``: the attention callable for this batch. ``all_reduce``: sums a tensor over the
+    ``attention``: the attention callable for this batch (``window_attention``: the one of the
+    sliding-window layers). ``all_reduce``: sums a tensor over the
     context-parallel group (identity without CP). ``num_tokens``: tokens in the *global* batch
     (all ranks), the denominator of token-mean quantities.
     """
@@ -41,6 +42,8 @@ class StepContext:
     attention: AttentionFn
     num_tokens: int
     all_reduce: Callable[[torch.Tensor], torch.Tensor] = field(default=_identity_reduce)
+    #: the sliding-window layers' attention (the batch's mask limited to the window), if any
+    window_attention: Optional[AttentionFn] = None
 
 
 # -- rotary embeddings -------------------------------------------------------------------------
@@ -66,9 +69,10 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 class Attention(nn.Module):
     """GQA self-attention; the kernel comes from the step context."""
 
-    def __init__(self, dim: int, n_heads: int, n_kv_heads: int):
+    def __init__(self, dim: int, n_heads: int, n_kv_heads: int, windowed: bool = False):
         super().__init__()
         self.n_heads, self.n_kv_heads, self.head_dim = n_heads, n_kv_heads, dim // n_heads
+        self.windowed = windowed  # a sliding-window layer: ctx.window_attention
         self.wq = nn.Linear(dim, n_heads * self.head_dim, bias=False)
         self.wk = nn.Linear(dim, n_kv_heads * self.head_dim, bias=False)
         self.wv = nn.Linear(dim, n_kv_heads * self.head_dim, bias=False)
@@ -80,7 +84,10 @@ class Attention(nn.Module):
         k = self.wk(x).view(b, s, self.n_kv_heads, self.head_dim)
         v = self.wv(x).view(b, s, self.n_kv_heads, self.head_dim)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        out = ctx.attention(q, k, v)
+        attention = ctx.window_attention if self.windowed else ctx.attention
+        if attention is None:
+            raise ValueError("a sliding-window layer needs StepContext.window_attention")
+        out = attention(q, k, v)
         return self.wo(out.reshape(b, s, -1))
 
 
@@ -132,10 +139,10 @@ class MoE(nn.Module):
 
 
 class Block(nn.Module):
-    def __init__(self, cfg):
+    def __init__(self, cfg, windowed: bool = False):
         super().__init__()
         self.attn_norm = nn.RMSNorm(cfg.dim, eps=1e-5)
-        self.attn = Attention(cfg.dim, cfg.n_heads, cfg.n_kv_heads)
+        self.attn = Attention(cfg.dim, cfg.n_heads, cfg.n_kv_heads, windowed)
         self.ffn_norm = nn.RMSNorm(cfg.dim, eps=1e-5)
         if cfg.moe_experts:
             self.ffn = MoE(cfg.dim, cfg.moe_ffn_dim or cfg.resolved_ffn_dim(), cfg.moe_experts,
@@ -160,7 +167,7 @@ class Transformer(nn.Module):
         super().__init__()
         self.cfg = cfg
         self.embed = nn.Embedding(cfg.vocab_size, cfg.dim)
-        self.layers = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layers))
+        self.layers = nn.ModuleList(Block(cfg, w) for w in cfg.windowed_layers())
         self.norm = nn.RMSNorm(cfg.dim, eps=1e-5)
         self.head = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
         self.activation_checkpointing = cfg.activation_checkpointing
@@ -252,13 +259,18 @@ def active_matmul_params(cfg) -> int:
     return cfg.n_layers * (attn + ffn) + d * cfg.vocab_size
 
 
-def model_flops_per_step(cfg, num_tokens: int, attention_flops_per_layer: float) -> float:
+def model_flops_per_step(cfg, num_tokens: int, attention_flops_per_layer: float,
+                         window_flops_per_layer: Optional[float] = None) -> float:
     """Forward+backward model FLOPs: 6·N_active·tokens + attention (all layers).
 
-    ``attention_flops_per_layer`` is one layer's forward+backward attention count, from
-    :func:`flashmask3.masks.attention_flops` (``mode="fwd_bwd"``), the one FLOP convention.
+    ``attention_flops_per_layer`` is one full layer's forward+backward attention count, from
+    :func:`flashmask3.masks.attention_flops` (``mode="fwd_bwd"``), the one FLOP convention;
+    ``window_flops_per_layer`` a sliding-window layer's (``cfg.windowed_layers()``).
 
     Activation recomputation is not counted (model FLOPs, not hardware FLOPs).
     """
+    windowed = sum(cfg.windowed_layers())
+    if windowed and window_flops_per_layer is None:
+        raise ValueError("the config has sliding-window layers: pass window_flops_per_layer")
     return 6.0 * active_matmul_params(cfg) * num_tokens + \
-        attention_flops_per_layer * cfg.n_layers
+        attention_flops_per_layer * (cfg.n_layers - windowed) + (window_flops_per_layer or 0.0) * windowed

@@ -31,6 +31,8 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
+from flashmask3.masks import with_window
+
 from .attention import AttentionTimer, attention_available, make_attention
 from .checkpoint import (checkpoint_dir, latest_checkpoint, load_checkpoint, restore_state,
                          save_checkpoint)
@@ -154,9 +156,10 @@ def train_step(model, optimizer, batch: DeviceBatch, cfg: TrainConfig, env: Dist
                timer: AttentionTimer, lr: float) -> dict:
     """Forward, backward (FSDP2 sums the gradients over all ranks), clipping, optimiser step.
     Returns metrics (their ``float()`` is the step's one host synchronisation)."""
-    attention = step_attention(batch, cfg, env)
+    attention, window_attention = step_attention(batch, cfg, env)
     ctx = StepContext(timer.wrap(attention), num_tokens=batch.num_tokens,
-                      all_reduce=env.all_reduce_sum)
+                      all_reduce=env.all_reduce_sum,
+                      window_attention=None if window_attention is None else timer.wrap(window_attention))
     targets = env.all_reduce_sum(batch.label_count)  # targets in the global batch (on device)
     amp = autocast_dtype(cfg, env.device)
     autocast = torch.autocast(env.device.type, dtype=amp) if amp else contextlib.nullcontext()
@@ -181,12 +184,19 @@ def train_step(model, optimizer, batch: DeviceBatch, cfg: TrainConfig, env: Dist
 
 
 def step_attention(batch: DeviceBatch, cfg: TrainConfig, env: DistEnv):
-    """The attention callable of this step: over the CP group from the batch's plan, or the
-    selected backend on the batch's (device) mask."""
+    """The attention callables of this step, ``(full layers, sliding-window layers or None)``:
+    over the CP group from the batch's plan (the window layers: its windowed plan, on the same
+    placement), or the selected backend on the batch's (device) mask (the window layers: the
+    mask limited to the window, ``masks.with_window``)."""
+    windowed = any(cfg.windowed_layers())
     if batch.plan is not None:
         from .attention import make_cp_attention
-        return make_cp_attention(batch.plan, env.cp_group, cfg.comm, cfg.backward_calls, cfg.keep_kv)
-    return make_attention(cfg.attention, batch.mask, autocast_dtype(cfg, env.device) or torch.float32)
+        args = (batch.plan, env.cp_group, cfg.comm, cfg.backward_calls, cfg.keep_kv)
+        return make_cp_attention(*args), make_cp_attention(*args, cfg.sliding_window) if windowed else None
+    dtype = autocast_dtype(cfg, env.device) or torch.float32
+    full = make_attention(cfg.attention, batch.mask, dtype) if not all(cfg.windowed_layers()) else None
+    window = make_attention(cfg.attention, with_window(batch.mask, cfg.sliding_window), dtype) if windowed else None
+    return full, window
 
 
 # -- the run on one rank ------------------------------------------------------------------------
@@ -332,8 +342,10 @@ def _print_header(cfg, model, env, packer, start, first_batch=None) -> None:
                                      if lay.cp_nodes > 1 else ")") if lay.cp > 1 else "no CP")
     par = (f"mesh dp {lay.dp} x cp {lay.cp} = {env.world_size} {backend} ranks, FSDP2 over all; "
            f"{cp_text}" if env.world_size > 1 else "single rank (no CP)")
+    windows = (f"; sliding window {cfg.sliding_window} on {sum(cfg.windowed_layers())} of {cfg.n_layers} layers"
+               if cfg.sliding_window else "")
     print(f"[flashmask3] model: {n_params / 1e6:.2f}M params, {cfg.n_layers} layers, dim "
-          f"{cfg.dim}, heads {cfg.n_heads}/{cfg.n_kv_heads} (GQA), {ffn}", flush=True)
+          f"{cfg.dim}, heads {cfg.n_heads}/{cfg.n_kv_heads} (GQA), {ffn}{windows}", flush=True)
     print(f"[flashmask3] data: {cfg.data} ({len(packer.corpus)} documents), {cfg.batch_size} x "
           f"{cfg.seq_len} byte tokens/step, mask {cfg.mask}", flush=True)
     print(f"[flashmask3] {par}; attention={cfg.attention}; device={env.device}; "
@@ -373,7 +385,9 @@ class RunStats:
         if run_step <= self.cfg.warmup_exclude:
             return
         attn = mask.flops(self.cfg.n_heads, self.cfg.head_dim, "fwd_bwd")
-        self.flops += model_flops_per_step(self.cfg, batch.tokens.numel(), attn)
+        window = (with_window(mask, self.cfg.sliding_window).flops(self.cfg.n_heads, self.cfg.head_dim, "fwd_bwd")
+                  if self.cfg.sliding_window else None)
+        self.flops += model_flops_per_step(self.cfg, batch.tokens.numel(), attn, window)
         self.time += step_time
         self.attn_time += attn_time
         self.tokens += batch.tokens.numel()
