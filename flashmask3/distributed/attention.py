@@ -157,8 +157,9 @@ def _cp_forward_fake(q, k, v, plan_token, window, group_name, comm, backward_cal
 
 # The kept K/V reach the backward op by name, not as an output: their length depends on the plan
 # (data, not shape), and an output of data-dependent size is a graph break under torch.compile
-# without fullgraph. The name is a 0-d CPU tensor output that holds the buffer, so the buffer
-# lives as long as autograd keeps the name for the backward.
+# without fullgraph. The name is a 0-d CPU tensor output that holds the buffer (a Python
+# attribute, kept with the tensor while autograd holds it), so the buffer lives as long as
+# autograd keeps the name for the backward.
 _KEPT: "weakref.WeakValueDictionary[int, Tensor]" = weakref.WeakValueDictionary()
 _KEPT_NAMES = itertools.count(1)
 
@@ -175,10 +176,18 @@ def _kept_handle(kept: Optional[Tensor]) -> Tensor:
 
 
 def _kept_of(handle: Tensor) -> Optional[Tensor]:
-    """The buffer ``handle`` names, or None (nothing kept, or no longer held: the backward then
-    fetches the K/V again, which gives the same result)."""
+    """The buffer ``handle`` names, or None where the forward kept nothing. A kept buffer that
+    is gone is an error, not a refetch: the other ranks' backwards do not fetch, and the
+    exchange rounds of all ranks must match."""
     name = int(handle)
-    return _KEPT.get(name) if name else None
+    if not name:
+        return None
+    kept = _KEPT.get(name)
+    if kept is None:
+        raise RuntimeError("the K/V that this context-parallel layer's forward kept for its backward "
+                           "are gone (their handle was copied or freed by a transform); pass "
+                           "keep_kv=False to fetch them again in the backward")
+    return kept
 
 
 @torch.library.custom_op("flashmask3::cp_attention_backward", mutates_args=())

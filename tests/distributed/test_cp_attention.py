@@ -80,3 +80,23 @@ def test_sliding_window_layers_over_one_plan():
 
 def test_torch_compile_fullgraph_of_every_cp_option():
     run_distributed(compiled_options_suite, 2, 128, 6, timeout_s=480)
+
+
+def test_a_kept_kv_handle_without_its_buffer_is_an_error():
+    """The traced layer's kept K/V travel by handle; a handle whose buffer is gone raises rather
+    than refetching on this rank only (the ranks' exchange rounds must match)."""
+    import gc
+
+    import torch
+
+    from flashmask3.distributed import attention as A
+
+    assert A._kept_of(torch.tensor(0)) is None
+    buf = torch.randn(2, 1, 8, 1, 4)
+    handle = A._kept_handle(buf)
+    assert A._kept_of(handle) is buf
+    name = int(handle)
+    del handle, buf
+    gc.collect()
+    with pytest.raises(RuntimeError, match="keep_kv=False"):
+        A._kept_of(torch.tensor(name))
