@@ -33,11 +33,11 @@ from .attention import COMMS, cp_flashmask_attention, merge_partials, run_layer
 from .comm import DistExchange, resolve_group
 from .launches import LaunchCounter
 from .local_mask import rank_local_columns
-from .plan import BALANCES, WORK_MODELS, CPPlan, Round, Transfer, chunk_liveness, chunk_pairs, plan
+from .plan import BALANCES, WORK_MODELS, CPPlan, Round, Transfer, chunk_liveness, chunk_pairs, padded_seqlen, plan
 from .program import BACKWARD_CALL_MODES, BACKWARD_CALLS, RankProgram, auto_backward_calls, prepare_rank
 from .runtime import EmulatedExchange
 
-__all__ = ["plan", "CPPlan", "Round", "Transfer", "BALANCES", "COMMS", "BACKWARD_CALLS", "BACKWARD_CALL_MODES",
+__all__ = ["plan", "padded_seqlen", "CPPlan", "Round", "Transfer", "BALANCES", "COMMS", "BACKWARD_CALLS", "BACKWARD_CALL_MODES",
            "WORK_MODELS", "chunk_liveness", "chunk_pairs",
            "cp_flashmask_attention", "merge_partials", "rank_local_columns", "resolve_group",
            "prepare_rank", "auto_backward_calls", "RankProgram", "run_layer", "DistExchange", "EmulatedExchange",

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import hashlib
 import itertools
+import math
 import weakref
 from dataclasses import dataclass, field
 from typing import Optional, Sequence, Union
@@ -207,6 +208,20 @@ def _lengths_that_work(seqlen: int, cp_size: int, balance: str, tile: int) -> st
             f"({'2 * ' if balance == 'dual_chunk' else ''}cp_size), best a multiple of {best} so that chunks "
             f"align with the {tile}-token tiles: pad the sequence to {up} tokens (masked padding "
             f"documents) or pass a chunk_size that divides it into a multiple of {step} chunks")
+
+
+def padded_seqlen(seqlen: int, cp_size: int, *, balance: str = "sparse", multiple: int = 1) -> int:
+    """The shortest length >= ``seqlen`` that :func:`plan` splits evenly over ``cp_size`` ranks
+    with ``balance`` and its default chunks, and a multiple of ``multiple`` (``cp_size * 128``
+    or ``2 * cp_size * 128`` aligns the chunks with the kernels' tiles; the default pads least).
+    Pad the mask with :func:`flashmask3.masks.pad_to` and the inputs to it (the transformers
+    integration's ``model_inputs`` pads them to its plan's length)."""
+    seqlen, cp_size, multiple = (_check_int(n, v) for n, v in
+                                 (("seqlen", seqlen), ("cp_size", cp_size), ("multiple", multiple)))
+    if balance not in BALANCES:
+        raise ValueError(f"balance must be one of {BALANCES}, got {balance!r}")
+    step = math.lcm(2 * cp_size if balance == "dual_chunk" else cp_size, multiple)
+    return -(-seqlen // step) * step
 
 
 def _check_chunking(seqlen: int, cp_size: int, balance: str, chunk_size: int) -> int:

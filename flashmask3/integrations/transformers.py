@@ -231,17 +231,19 @@ class ContextParallel:
         """The keyword arguments of this rank's forward, from whole-sequence ``[B, S]`` tensors
         (``inputs_embeds`` ``[B, S, hidden]``): the inputs and positions sharded, the next-token
         loss's sharded targets and global count when ``labels`` are given, ``use_cache=False``
-        and ``flashmask_cp``."""
+        and ``flashmask_cp``. A batch shorter than the plan (planned on
+        ``masks.pad_to(mask, padded_seqlen(...))``) is padded to it first (:meth:`padded`):
+        the padding's targets are ignored, so the loss is the unpadded batch's."""
         if position_ids is None:
             raise ValueError("position_ids are required: the global positions of the whole "
                              "sequence's tokens (the rotary embeddings of a shard need them)")
         if (input_ids is None) == (inputs_embeds is None):
             raise ValueError("pass exactly one of input_ids and inputs_embeds")
-        kwargs = {"position_ids": self.shard(position_ids), "use_cache": False, CP_KWARG: self}
+        kwargs = {"position_ids": self.shard(self.padded(position_ids)), "use_cache": False, CP_KWARG: self}
         if input_ids is not None:
-            kwargs["input_ids"] = self.shard(input_ids)
+            kwargs["input_ids"] = self.shard(self.padded(input_ids))
         else:
-            kwargs["inputs_embeds"] = self.shard(inputs_embeds)
+            kwargs["inputs_embeds"] = self.shard(self.padded(inputs_embeds))
         if labels is not None:
             shift, count = self.next_token_labels(labels, ignore_index)
             kwargs.update(labels=shift, shift_labels=shift, num_items_in_batch=count)
@@ -254,7 +256,20 @@ class ContextParallel:
         same tensor) and ``num_items_in_batch=``. The count is a 0-d tensor on the labels'
         device (not read to the host: no sync)."""
         shifted = torch.nn.functional.pad(labels, (0, 1), value=ignore_index)[..., 1:]
+        shifted = self.padded(shifted, ignore_index)
         return self.shard(shifted), (shifted != ignore_index).sum()
+
+    def padded(self, t: torch.Tensor, value=0) -> torch.Tensor:
+        """A whole-sequence tensor (``[B, S, ...]``) padded with ``value`` at the end of the
+        sequence to the plan's length (a plan made on ``masks.pad_to(mask, L)``: the padding
+        keys are masked, so the real tokens attend as before); as it is when already as long."""
+        s, want = t.shape[1], self.plan.seqlen
+        if s > want:
+            raise ValueError(f"the batch has {s} tokens, more than the plan's {want}")
+        if s == want:
+            return t
+        pad = t.new_full((t.shape[0], want - s, *t.shape[2:]), value)
+        return torch.cat([t, pad], dim=1)
 
     def reduce_gradients(self, model: torch.nn.Module) -> None:
         """Sum every parameter's gradient over the CP group (each rank holds the part of its

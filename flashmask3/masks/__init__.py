@@ -18,6 +18,7 @@ from .constructors import (
     document_mask,
     from_cu_seqlens,
     full_mask,
+    pad_to,
     global_sliding_window_mask,
     prefix_document_mask,
     prefix_lm_mask,

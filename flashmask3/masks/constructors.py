@@ -155,6 +155,35 @@ def with_window(mask: FlashMask, window: int) -> FlashMask:
     return FlashMask(cols.contiguous(), True, mask.seqlen_q, _validated=True)
 
 
+def pad_to(mask: FlashMask, seqlen: int) -> FlashMask:
+    """``mask`` (self-attention) extended to ``seqlen`` tokens by padding at the end: every added
+    key is masked for every row, so the real rows attend exactly as before. What the added rows
+    attend is left unspecified (fully masked for causal documents; their outputs are finite):
+    exclude them from the loss (``labels = -100``). For splitting a sequence evenly over
+    context-parallel ranks (:func:`flashmask3.distributed.padded_seqlen`). On the mask's
+    device, no host read."""
+    if not isinstance(mask, FlashMask):
+        raise TypeError(f"mask must be a FlashMask, got {type(mask).__name__}")
+    if mask.seqlen_q != mask.seqlen_k:
+        raise ValueError(f"pad_to needs a self-attention mask, got {mask.seqlen_q} x {mask.seqlen_k}")
+    old = mask.seqlen_k
+    seqlen = _check_positive_int("seqlen", seqlen)
+    if seqlen < old:
+        raise ValueError(f"seqlen={seqlen} is shorter than the mask's {old} tokens")
+    if seqlen == old:
+        return mask
+    cols = mask.startend_row_indices
+    b, h, _, c = cols.shape
+    j = torch.arange(old, seqlen, device=cols.device, dtype=torch.int32)
+    zero, end = torch.zeros_like(j), torch.full_like(j, seqlen)
+    # a fully masked key in each layout: causal [LTS] / [LTS, LTE] from the key's own row on,
+    # bidirectional [LTS, UTE] / [LTS, LTE, UTS, UTE] from row 0
+    parts = {(True, 1): (j,), (True, 2): (j, end), (False, 2): (zero, zero), (False, 4): (zero, end, zero, zero)}
+    extra = torch.stack(parts[(mask.causal, c)], -1).view(1, 1, seqlen - old, c).expand(b, h, -1, -1)
+    padded = torch.cat([cols, extra.to(cols.dtype)], dim=2).contiguous()
+    return FlashMask(padded, mask.causal, seqlen, mask.mean_row_span, _validated=True)
+
+
 # -- document masks ------------------------------------------------------------------------
 
 

@@ -496,3 +496,16 @@ def test_with_mask_keeps_the_placement_and_routes_the_new_mask(balance):
         plan(M.document_mask([512, 512]), None, cp).windowed(8)
     with pytest.raises(ValueError, match="window_size"):
         p.windowed(-1)
+
+
+def test_padded_seqlen_is_the_shortest_length_a_plan_splits():
+    from flashmask3.distributed import padded_seqlen
+
+    assert padded_seqlen(1001, 8) == 1008 and padded_seqlen(1024, 8) == 1024
+    assert padded_seqlen(1001, 8, balance="dual_chunk") == 1008
+    assert padded_seqlen(1001, 8, multiple=128) == 1024
+    for s, cp, balance in ((1001, 8, "sparse"), (777, 6, "dual_chunk"), (130, 4, "contiguous")):
+        length = padded_seqlen(s, cp, balance=balance)
+        assert length >= s and plan(M.pad_to(M.causal_document_mask([s]), length), None, cp, balance=balance)
+    with pytest.raises(ValueError, match="balance"):
+        padded_seqlen(100, 2, balance="ring")

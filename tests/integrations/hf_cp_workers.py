@@ -61,6 +61,7 @@ def hf_cp_suite(rank: int, world: int, seed: int) -> None:
         for (name, p), want in zip(model.named_parameters(), ref_grads):
             torch.testing.assert_close(p.grad, want, rtol=1e-4, atol=1e-6, msg=lambda m: f"{tag}: {name}: {m}")
     collator_batch(rank, world, seed)
+    padded_batch(rank, world, seed)
     other = M.causal_document_mask([DOCS[0], DOCS[1][::-1]] if rank == 0 else DOCS)
     with pytest.raises(ValueError, match="different CP plans"):  # (check_plan: on every rank)
         model(**ContextParallel(plan(other, None, world), check_plan=True).model_inputs(ids, position_ids=pos))
@@ -180,6 +181,45 @@ def compiled_model(rank: int, world: int, seed: int) -> None:
             torch.testing.assert_close(p.grad, g, rtol=1e-4, atol=1e-6, msg=lambda m: f"{tag}: {name}: {m}")
         graphs = dynamo_utils.counters["stats"]["unique_graphs"]
         assert graphs == 1, f"{tag}: {graphs} compiled graphs (a break, or a recompile for the new plan)"
+
+
+def padded_batch(rank: int, world: int, seed: int) -> None:
+    """A collator batch whose length no plan splits (125 tokens): planned on the mask padded to
+    ``padded_seqlen`` (``masks.pad_to``), its inputs padded by ``model_inputs``; the summed loss
+    and gradients equal the one-process ones of the unpadded batch, and the real tokens' logits
+    are theirs."""
+    import transformers
+
+    from flashmask3.distributed import padded_seqlen
+
+    model = tiny_model(seed=seed + 3)
+    model.set_attn_implementation(ATTN_IMPLEMENTATION)
+    g = torch.Generator().manual_seed(seed)
+    docs = [torch.randint(0, VOCAB, (n,), generator=g).tolist() for n in (37, 5, 60, 23)]
+    batch = transformers.DataCollatorWithFlattening(return_flash_attn_kwargs=True)(
+        [{"input_ids": d} for d in docs], return_tensors="pt")
+    model.zero_grad()
+    ref = model(**batch, use_cache=False)
+    ref.loss.backward()
+    want = [p.grad.clone() for p in model.parameters()]
+    mask = M.from_cu_seqlens(batch["cu_seq_lens_q"])
+    length = padded_seqlen(mask.seqlen_q, world, multiple=16)
+    assert length > mask.seqlen_q == 125
+    cp = ContextParallel(plan(M.pad_to(mask, length), None, world))
+    model.zero_grad()
+    out = model(**cp.model_inputs(batch["input_ids"], position_ids=batch["position_ids"], labels=batch["labels"]))
+    total = out.loss.detach().clone()
+    dist.all_reduce(total)
+    torch.testing.assert_close(total, ref.loss.detach(), rtol=1e-5, atol=1e-6)
+    real = cp.shard(cp.padded(torch.ones(1, 125, dtype=torch.bool), False))[0]
+    torch.testing.assert_close(out.logits[:, real], cp.shard(cp.padded(ref.logits.detach()))[:, real],
+                               rtol=1e-4, atol=1e-5)
+    out.loss.backward()
+    cp.reduce_gradients(model)
+    for (name, p), g in zip(model.named_parameters(), want):
+        torch.testing.assert_close(p.grad, g, rtol=1e-4, atol=1e-6, msg=lambda m: f"rank {rank} {name}: {m}")
+    with pytest.raises(ValueError, match="more than the plan"):
+        ContextParallel(plan(mask, None, 1) if world == 1 else cp.plan).padded(torch.zeros(1, length + 1))
 
 
 def one_rank_model(backend: str, device: str, store: str, queue) -> None:

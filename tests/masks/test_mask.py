@@ -304,3 +304,19 @@ def test_with_window_is_the_mask_and_a_causal_band(window):
         M.with_window(M.causal_blockwise_mask([60, 60, 40]), window)
     with pytest.raises(ValueError, match="window"):
         M.with_window(M.causal_mask(s), -1)
+
+
+def test_pad_to_masks_the_padding_keys_and_keeps_the_real_rows():
+    """``pad_to``: for every mask layout, the real rows attend exactly as before and no row
+    attends a padding key; a shorter length or a cross-attention mask is an error."""
+    for name, mask in named_masks(64, batch_size=2, num_heads=2).items():
+        padded = M.pad_to(mask, 80)
+        assert padded.seqlen_q == padded.seqlen_k == 80 and padded.causal == mask.causal, name
+        dense, before = M.to_dense(padded), M.to_dense(mask)
+        assert torch.equal(dense[..., :64, :64], before), name
+        assert not dense[..., 64:].any(), name
+    assert M.pad_to(mask, 64) is mask
+    with pytest.raises(ValueError, match="shorter"):
+        M.pad_to(mask, 63)
+    with pytest.raises(TypeError, match="FlashMask"):
+        M.pad_to(mask.startend_row_indices, 80)
