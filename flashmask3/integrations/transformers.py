@@ -41,8 +41,9 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
 
 from ..api import flashmask_attention, reads_column_values
-from ..distributed import CPPlan, cp_flashmask_attention
+from ..distributed import CPPlan, cp_flashmask_attention, padded_seqlen, plan
 from ..distributed.comm import resolve_group
+from ..masks import pad_to
 from ..masks.mask import FlashMask
 from .packing import packed_columns, with_key_padding
 
@@ -215,6 +216,21 @@ class ContextParallel:
         if not isinstance(self.plan, CPPlan):
             raise TypeError(f"plan must be a CPPlan (flashmask3.distributed.plan), got "
                             f"{type(self.plan).__name__}")
+
+    @classmethod
+    def from_mask(cls, mask: FlashMask, group=None, *, balance: str = "sparse", nodes: int = 1,
+                  plan_kwargs: Optional[dict] = None, **options) -> "ContextParallel":
+        """A ``ContextParallel`` for one batch's whole-sequence ``mask`` over ``group``'s ranks:
+        the mask padded at the end to the shortest length the ranks split
+        (:func:`~flashmask3.distributed.padded_seqlen`, :func:`~flashmask3.masks.pad_to`),
+        planned with ``balance``/``nodes`` (and ``plan_kwargs``); ``options`` are the other
+        fields (``comm``, ``node_layout``, ...). :meth:`model_inputs` pads the inputs to match."""
+        if not isinstance(mask, FlashMask):
+            raise TypeError(f"mask must be a FlashMask, got {type(mask).__name__}")
+        world = dist.get_world_size(resolve_group(group))
+        length = padded_seqlen(mask.seqlen_q, world, balance=balance)
+        p = plan(pad_to(mask, length), None, world, balance=balance, nodes=nodes, **(plan_kwargs or {}))
+        return cls(p, group, **options)
 
     @property
     def rank(self) -> int:

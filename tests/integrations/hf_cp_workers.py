@@ -219,7 +219,16 @@ def padded_batch(rank: int, world: int, seed: int) -> None:
     for (name, p), g in zip(model.named_parameters(), want):
         torch.testing.assert_close(p.grad, g, rtol=1e-4, atol=1e-6, msg=lambda m: f"rank {rank} {name}: {m}")
     with pytest.raises(ValueError, match="more than the plan"):
-        ContextParallel(plan(mask, None, 1) if world == 1 else cp.plan).padded(torch.zeros(1, length + 1))
+        cp.padded(torch.zeros(1, length + 1))
+    # the same in one call: ContextParallel.from_mask pads and plans
+    quick = ContextParallel.from_mask(mask, comm="allgather")
+    assert quick.plan.seqlen == padded_seqlen(125, world) and quick.comm == "allgather"
+    out = model(**quick.model_inputs(batch["input_ids"], position_ids=batch["position_ids"], labels=batch["labels"]))
+    total = out.loss.detach().clone()
+    dist.all_reduce(total)
+    torch.testing.assert_close(total, ref.loss.detach(), rtol=1e-5, atol=1e-6)
+    with pytest.raises(TypeError, match="FlashMask"):
+        ContextParallel.from_mask(mask.startend_row_indices)
 
 
 def one_rank_model(backend: str, device: str, store: str, queue) -> None:
