@@ -234,23 +234,29 @@ def padded_batch(rank: int, world: int, seed: int) -> None:
 def one_rank_model(backend: str, device: str, store: str, queue) -> None:
     """On a one-rank group (NCCL where there is one GPU): the model under ``flashmask_cp=``, eager
     and compiled whole (``fullgraph=True``: the CP custom op), gives the one-process model's
-    logits and loss; puts the largest relative difference (or the exception text) on ``queue``. The glue on a real device and backend, not the exchange's peers
-    (the gloo suites above cover those)."""
+    logits and loss, for a Llama and for a Qwen2 alternating sliding-window and full layers (a
+    windowed plan); puts the largest relative difference (or the exception text) on ``queue``.
+    The glue on a real device and backend, not the exchange's peers (the gloo suites above cover
+    those)."""
     try:
         dist.init_process_group(backend, init_method=f"file://{store}", rank=0, world_size=1)
         dtype = torch.bfloat16 if device == "cuda" else torch.float32
-        model = tiny_model(seed=2).to(device=device, dtype=dtype)
-        model.set_attn_implementation(ATTN_IMPLEMENTATION)
         ids, pos, labels, mask = (t.to(device) for t in _batch(2))
-        ref = model(ids, position_ids=pos, labels=labels, use_cache=False)
         cp = ContextParallel(plan(mask, None, 1))
         inputs = cp.model_inputs(ids, position_ids=pos, labels=labels)
-        scale = ref.logits.float().abs().max()
         err = 0.0
-        for run in (model, torch.compile(model, fullgraph=True)):
-            out = run(**inputs)
-            err = max(err, ((out.logits.float() - ref.logits.float()).abs().max() / scale).item(),
-                      abs(out.loss.item() - ref.loss.item()) / ref.loss.item())
+        alternating = dict(use_sliding_window=True, sliding_window=16,
+                           layer_types=["sliding_attention", "full_attention"])
+        for cls, extra in (("llama", {}), ("qwen2", alternating)):
+            torch._dynamo.reset()
+            model = tiny_model(seed=2, cls=cls, **extra).to(device=device, dtype=dtype)
+            model.set_attn_implementation(ATTN_IMPLEMENTATION)
+            ref = model(ids, position_ids=pos, labels=labels, use_cache=False)
+            scale = ref.logits.float().abs().max()
+            for run in (model, torch.compile(model, fullgraph=True)):
+                out = run(**inputs)
+                err = max(err, ((out.logits.float() - ref.logits.float()).abs().max() / scale).item(),
+                          abs(out.loss.item() - ref.loss.item()) / ref.loss.item())
         dist.destroy_process_group()
         queue.put(err)
     except Exception as e:  # reported to the parent, which fails the test with it
