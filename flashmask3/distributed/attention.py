@@ -18,17 +18,16 @@ backend's ``forward``/``backward`` (docs/ARCHITECTURE.md backend contract).
 
 from __future__ import annotations
 
-import itertools
-import weakref
 from typing import Optional
 
 import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from ..api import _traced, check_qkv, resolve_softmax_scale
+from ..api import _needs_autograd, _traced, check_qkv, resolve_softmax_scale
 from ..kernels import choose_backend, get_backend
 from .comm import DistExchange, check_node_layout, ensure_ready, group_of_name, resolve_group
+from .handles import name_object, named_object
 from .plan import CPPlan, plan_of_token
 from .program import prepare_rank, resolve_backward_calls
 from .runtime import (acc_dtype, backward_allgather, backward_overlap, forward_allgather, forward_overlap,
@@ -126,9 +125,7 @@ def _op_plan(plan_token, window: int) -> CPPlan:
 def _op_call(plan_token, window: int, group_name: str, q, comm: str, backward_calls: str,
              scale: float) -> _Call:
     """The backward op's call (the forward op's checks were made; the program is cached)."""
-    pg = group_of_name(group_name)
-    prog = prepare_rank(_op_plan(plan_token, window), dist.get_rank(pg), q.device, comm, backward_calls)
-    return _Call(prog, DistExchange(pg), get_backend(choose_backend(q)), scale)
+    return _rank_call(q, _op_plan(plan_token, window), group_of_name(group_name), comm, backward_calls, scale)
 
 
 @torch.library.custom_op("flashmask3::cp_attention_forward", mutates_args=())
@@ -155,34 +152,24 @@ def _cp_forward_fake(q, k, v, plan_token, window, group_name, comm, backward_cal
     return out, lse, torch.empty((), dtype=torch.int64, device="cpu")
 
 
-# The kept K/V reach the backward op by name, not as an output: their length depends on the plan
-# (data, not shape), and an output of data-dependent size is a graph break under torch.compile
-# without fullgraph. The name is a 0-d CPU tensor output that holds the buffer (a Python
-# attribute, kept with the tensor while autograd holds it), so the buffer lives as long as
-# autograd keeps the name for the backward.
-_KEPT: "weakref.WeakValueDictionary[int, Tensor]" = weakref.WeakValueDictionary()
-_KEPT_NAMES = itertools.count(1)
+# The kept K/V reach the backward op by name (handles.py), not as an output: their length
+# depends on the plan (data, not shape), and an output of data-dependent size is a graph break
+# under torch.compile without fullgraph. The name holds the buffer, so the buffer lives as long
+# as autograd keeps the name for the backward.
 
 
 def _kept_handle(kept: Optional[Tensor]) -> Tensor:
     """A 0-d int64 CPU tensor naming ``kept`` for :func:`_kept_of` (0: nothing kept)."""
-    if kept is None:
-        return torch.zeros((), dtype=torch.int64, device="cpu")
-    name = next(_KEPT_NAMES)
-    handle = torch.tensor(name, dtype=torch.int64, device="cpu")
-    handle._flashmask3_kept = kept
-    _KEPT[name] = kept
-    return handle
+    return torch.zeros((), dtype=torch.int64, device="cpu") if kept is None else name_object(kept)
 
 
 def _kept_of(handle: Tensor) -> Optional[Tensor]:
     """The buffer ``handle`` names, or None where the forward kept nothing. A kept buffer that
     is gone is an error, not a refetch: the other ranks' backwards do not fetch, and the
     exchange rounds of all ranks must match."""
-    name = int(handle)
-    if not name:
+    if not int(handle):
         return None
-    kept = _KEPT.get(name)
+    kept = named_object(handle)
     if kept is None:
         raise RuntimeError("the K/V that this context-parallel layer's forward kept for its backward "
                            "are gone (their handle was copied or freed by a transform); pass "
@@ -240,8 +227,7 @@ _cp_forward_op.register_autograd(_cp_backward_formula, setup_context=_cp_setup_c
 def _traced_layer(q, k, v, plan: CPPlan, pg, comm, backward_calls, softmax_scale, keep_kv,
                   check_plan, node_layout, window_size):
     """The layer through the custom op: ``(out, lse)``."""
-    keep = (keep_kv and comm == "overlap" and torch.is_grad_enabled()
-            and (q.requires_grad or k.requires_grad or v.requires_grad))
+    keep = keep_kv and comm == "overlap" and _needs_autograd(q, k, v)
     gpus_per_node, rank_nodes = _layout_args(node_layout, plan.nodes)
     window = -1 if window_size is None else window_size
     out, lse, _ = _cp_forward_op(q, k, v, plan.op_token, window, pg.group_name, comm, backward_calls,
@@ -279,8 +265,16 @@ def _layer_call(q, plan: CPPlan, pg, comm: str, backward_calls: str, node_layout
     check_node_layout(pg, plan.nodes, node_layout, q.device)
     if check_plan:
         _check_same_plan(plan, pg, q.device)
+    call = _rank_call(q, plan, pg, comm, backward_calls, scale, keep_kv)
+    _check_batch_and_heads(call.prog, q)
+    return call
+
+
+def _rank_call(q, plan: CPPlan, pg, comm: str, backward_calls: str, scale: float,
+               keep_kv: bool = True) -> _Call:
+    """This rank's call of ``plan`` on ``pg``: its program (built once per plan and cached), the
+    group's exchange, the backend of ``q``."""
     prog = prepare_rank(plan, dist.get_rank(pg), q.device, comm, backward_calls)
-    _check_batch_and_heads(prog, q)
     return _Call(prog, DistExchange(pg), get_backend(choose_backend(q)), scale, keep_kv)
 
 

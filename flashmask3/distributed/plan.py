@@ -25,44 +25,24 @@ per-rank query is precomputed or cached.
 from __future__ import annotations
 
 import hashlib
-import itertools
 import math
-import weakref
 from dataclasses import dataclass, field
 from typing import Optional, Sequence, Union
 
 import numpy as np
 import torch
 
-from ..masks import FlashMask, causal_window_columns, validate_startend_row_indices
+from ..masks import FlashMask, causal_mask, validate_startend_row_indices, with_window
+from .handles import name_object, named_object
 from .local_mask import rank_local_columns
 from .placement import PlacementCost, sparse_placement
 from .summaries import chunk_pair_counts, chunk_summaries
 
 
-# -- naming a plan to the traced layer's custom op -------------------------------------------------
-
-_OP_PLANS: "weakref.WeakValueDictionary[int, CPPlan]" = weakref.WeakValueDictionary()
-_OP_NAMES = itertools.count(1)
-
-
-def _op_token(plan: "CPPlan") -> torch.Tensor:
-    """``plan.op_token``: a 0-d int64 CPU tensor naming ``plan`` in this process, the argument
-    by which the context-parallel custom op (``flashmask3::cp_attention_forward``) finds it
-    (:func:`plan_of_token`). A tensor, so that torch.compile neither guards on nor recompiles for
-    its value: every batch's new plan reuses the compiled graph. The token holds the plan, so a
-    backward that kept the token (autograd saves it) still finds its plan."""
-    name = next(_OP_NAMES)
-    token = torch.tensor(name, dtype=torch.int64, device="cpu")
-    token._flashmask3_plan = plan
-    _OP_PLANS[name] = plan
-    return token
-
-
 def plan_of_token(token: torch.Tensor) -> "CPPlan":
     """The plan named by ``token`` (:attr:`CPPlan.op_token`; read on the host, no device sync)."""
-    got = _OP_PLANS.get(int(token))
-    if got is None:
+    got = named_object(token)
+    if not isinstance(got, CPPlan):
         raise RuntimeError("the CPPlan of this context-parallel call no longer exists (freed before "
                            "its backward?): keep the plan alive until the backward has run")
     return got
@@ -199,11 +179,17 @@ def _default_chunk_size(seqlen: int, cp_size: int, balance: str, tile: int) -> i
     return seqlen // (k * cp_size) if k else 0
 
 
+def _chunks_multiple(cp_size: int, balance: str) -> int:
+    """The number of chunks must be a multiple of this: ``2 * cp_size`` for dual_chunk (each rank
+    owns a head and a tail chunk), else ``cp_size``."""
+    return 2 * cp_size if balance == "dual_chunk" else cp_size
+
+
 def _lengths_that_work(seqlen: int, cp_size: int, balance: str, tile: int) -> str:
     """The sentence that says which sequence lengths a plan can split evenly."""
-    step = 2 * cp_size if balance == "dual_chunk" else cp_size
+    step = _chunks_multiple(cp_size, balance)
     best = step * tile
-    up = -(-seqlen // best) * best
+    up = padded_seqlen(seqlen, cp_size, balance=balance, multiple=best)
     return (f"with balance={balance!r} the length must be a multiple of {step} "
             f"({'2 * ' if balance == 'dual_chunk' else ''}cp_size), best a multiple of {best} so that chunks "
             f"align with the {tile}-token tiles: pad the sequence to {up} tokens (masked padding "
@@ -220,13 +206,13 @@ def padded_seqlen(seqlen: int, cp_size: int, *, balance: str = "sparse", multipl
                                  (("seqlen", seqlen), ("cp_size", cp_size), ("multiple", multiple)))
     if balance not in BALANCES:
         raise ValueError(f"balance must be one of {BALANCES}, got {balance!r}")
-    step = math.lcm(2 * cp_size if balance == "dual_chunk" else cp_size, multiple)
+    step = math.lcm(_chunks_multiple(cp_size, balance), multiple)
     return -(-seqlen // step) * step
 
 
 def _check_chunking(seqlen: int, cp_size: int, balance: str, chunk_size: int) -> int:
     """Validate that ``chunk_size`` splits the sequence evenly over the ranks; return #chunks."""
-    per = 2 * cp_size if balance == "dual_chunk" else cp_size
+    per = _chunks_multiple(cp_size, balance)
     if seqlen % chunk_size != 0:
         raise ValueError(f"chunk_size={chunk_size} must divide the sequence length {seqlen} into a "
                          f"multiple of {per} chunks ({balance} over cp_size={cp_size} ranks)")
@@ -373,17 +359,16 @@ class CPPlan:
         n = self.num_chunks
         self.comm_rounds: int = comm_rounds
         self.cost: Optional[PlacementCost] = cost
-        if owner is not None:  # another plan's placement (with_mask)
-            pass
-        elif balance == "contiguous":
-            owner = _contiguous(n, cp_size)
-        elif balance == "dual_chunk":
-            owner = _dual_chunk(n, cp_size)
-        else:
-            block = int(np.gcd(chunk_size, tile))
-            scale = 1.0 / DEFAULT_TILE ** 2 if work_model == "pairs" else (block / DEFAULT_TILE) ** 2
-            owner = sparse_placement(self.chunk_work, self.chunk_live, cp_size, chunk_tokens=chunk_size,
-                                     tile_scale=scale, nodes=nodes, cost=cost or PlacementCost())
+        if owner is None:  # else another plan's placement (with_mask)
+            if balance == "contiguous":
+                owner = _contiguous(n, cp_size)
+            elif balance == "dual_chunk":
+                owner = _dual_chunk(n, cp_size)
+            else:
+                block = int(np.gcd(chunk_size, tile))
+                scale = 1.0 / DEFAULT_TILE ** 2 if work_model == "pairs" else (block / DEFAULT_TILE) ** 2
+                owner = sparse_placement(self.chunk_work, self.chunk_live, cp_size, chunk_tokens=chunk_size,
+                                         tile_scale=scale, nodes=nodes, cost=cost or PlacementCost())
         self.owner: np.ndarray = np.ascontiguousarray(owner, dtype=np.int64)
         self._owned = [np.flatnonzero(self.owner == r) for r in range(cp_size)]
         members = np.stack(self._owned)  # [P, k]
@@ -403,16 +388,18 @@ class CPPlan:
             self._needed[(r, "sorted")] = tuple(sorted(arrival))
         self._index_cache: dict = {}
         self._local_masks: dict[tuple[int, str], FlashMask] = {}
-        self.op_token: torch.Tensor = _op_token(self)
+        # names the plan to the traced layer's custom op (flashmask3::cp_attention_forward): a
+        # tensor, so every batch's new plan reuses the compiled graph (handles.py)
+        self.op_token: torch.Tensor = name_object(self)
 
     def __getstate__(self) -> dict:
         state = dict(self.__dict__)
-        state.pop("op_token", None)  # a per-process name (_op_token): the copy gets its own
+        state.pop("op_token", None)  # a per-process name (handles.py): the copy gets its own
         return state
 
     def __setstate__(self, state: dict) -> None:
         self.__dict__.update(state)
-        self.op_token = _op_token(self)
+        self.op_token = name_object(self)
 
     def with_mask(self, startend_row_indices: Union[torch.Tensor, FlashMask, None],
                   causal: Optional[bool] = None) -> "CPPlan":
@@ -442,10 +429,9 @@ class CPPlan:
         cache = self.__dict__.setdefault("_windowed", {})
         if window not in cache:
             cols = self.startend_row_indices
-            if cols is None:  # plain causal: every key visible from its own row on
-                cols = torch.full((1, 1, self.seqlen, 1), self.seqlen, dtype=torch.int32)
-            windowed = causal_window_columns(cols, window).contiguous()  # valid by construction
-            cache[window] = self.with_mask(FlashMask(windowed, True, self.seqlen, _validated=True))
+            full = (causal_mask(self.seqlen) if cols is None  # a plan of plain causal attention
+                    else FlashMask(cols, True, self.seqlen, _validated=True))  # checked when planned
+            cache[window] = self.with_mask(with_window(full, window))
         return cache[window]
 
     def _build_stages(self, rank: int) -> list[tuple[int, ...]]:
