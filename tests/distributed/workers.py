@@ -218,19 +218,22 @@ def abort_on_first_attempt(rank, world, marker):
 def split_hierarchical(p):
     """Give a hierarchical plan the round structure [intra direct, cross direct, relay] of
     docs/context-parallel.md if its planner still mixes intra- and cross-node transfers in one
-    direct round (an older plan.py); plans that already separate them are returned as they are."""
+    direct round (an older plan.py); plans that already separate them (or have only one kind,
+    as a narrow window's plan may) are returned as they are."""
     from flashmask3.distributed import Round
 
     if p.nodes == 1:
         return p
     g = p.cp_size // p.nodes
     direct = [r for r in p.rounds if not r.relay]
-    if len(direct) != 1 or all(t.src // g == t.dst // g for t in direct[0].transfers):
+    if len(direct) != 1:
         return p
-    relays = [r for r in p.rounds if r.relay]
     intra = tuple(t for t in direct[0].transfers if t.src // g == t.dst // g)
     cross = tuple(t for t in direct[0].transfers if t.src // g != t.dst // g)
-    p.rounds = [Round(intra, False), Round(cross, False)] + [Round(r.transfers, True) for r in relays]
+    if not intra or not cross:
+        return p
+    relays = [r for r in p.rounds if r.relay]
+    p.rounds = [Round(intra, False), Round(cross, False)] + [Round(r.transfers, True, 1) for r in relays]
     return p
 
 
