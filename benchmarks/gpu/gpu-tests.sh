@@ -23,10 +23,10 @@ WORKERS=${GPU_TEST_WORKERS:-12}
 CAP=${GPU_TEST_CAP:-300}
 MARK=${GPU_TEST_MARK:-gpu}
 FILES=${GPU_TEST_FILES:-tests}
-if ! $PY -c "import xdist" 2>/dev/null; then
-  { $PY -m pip install --no-index --find-links .gpu_wheels pytest-xdist \
+if ! $PY -c "import xdist, hypothesis" 2>/dev/null; then  # wheels: `pip download` them into .gpu_wheels
+  { $PY -m pip install --no-index --find-links .gpu_wheels pytest-xdist hypothesis \
       || $PY -m pip install --no-index --no-deps .gpu_wheels/*.whl; } > "$DIR/pip.log" 2>&1 \
-    || echo "pytest-xdist did not install (see $DIR/pip.log): the tests run in one process"
+    || echo "pytest-xdist/hypothesis did not install (see $DIR/pip.log)"
 fi
 PAR=""
 $PY -c "import xdist" 2>/dev/null && PAR="-n $WORKERS --dist load"
