@@ -175,6 +175,10 @@ def _variant(fn, mask_mode: str, launch: str, thread: str = "device"):
 #: the VM's drifting host speed (tens of percent over a run) hits every row alike; a row's host
 #: time is the median of its rounds, its spread the 10th and 90th percentile.
 HOST_ROUNDS = 9
+#: Rounds of the small table: each cell's do_bench median is taken this many times, FlashMask
+#: and Flex and both autograd threads in turn; a cell is the median of its rounds (one do_bench
+#: at 4K, ~0.3 ms a call, moved by up to 1.8x between cells that run the same work).
+SMALL_ROUNDS = 5
 
 
 def round_robin_host(rows: list, sample, rounds: int = HOST_ROUNDS) -> list[list[float]]:
@@ -353,17 +357,27 @@ def small_table(seqlens, heads: int, d: int, dtype, docs) -> list[dict]:
                     fn()
             torch.cuda.synchronize()
             fm_gpu, fx_gpu = gpu_ms(fm_fb, [q, k, v]), gpu_ms(flex_fb, fleaves)
+            std = {(who, thread): [] for who in ("fm", "flex") for thread in AUTOGRAD_THREADS}
+            for _ in range(SMALL_ROUNDS):  # both libraries and threads in turn, as the host table
+                for thread in AUTOGRAD_THREADS:
+                    with autograd_thread(thread):
+                        std["fm", thread].append(standard_ms(fm_fb, [q, k, v]))
+                        std["flex", thread].append(standard_ms(flex_fb, fleaves))
             for thread in AUTOGRAD_THREADS:
-                with autograd_thread(thread):
-                    fm_std = standard_ms(fm_fb, [q, k, v])
-                    fx_std = standard_ms(flex_fb, fleaves)
+                fm_std, fx_std = (statistics.median(std[who, thread]) for who in ("fm", "flex"))
                 rows.append(dict(S=s, docs=n, H=heads, D=d, autograd=thread, fm_std_ms=fm_std,
                                  fm_gpu_ms=fm_gpu, flex_std_ms=fx_std, flex_gpu_ms=fx_gpu,
+                                 fm_std_rounds_ms=std["fm", thread], flex_std_rounds_ms=std["flex", thread],
                                  fm_std_over_flex_std=fm_std / fx_std,
                                  fm_std_over_gpu=fm_std / fm_gpu, met_vs_flex=fm_std <= fx_std,
                                  met_vs_gpu=fm_std <= SMALL_VS_GPU * fm_gpu))
                 print(json.dumps(rows[-1]), flush=True)
     return rows
+
+
+def _range(xs) -> str:
+    """``min-max`` of a cell's rounds (ms), ``-`` for files from before the rounds."""
+    return f"{min(xs):.3f}-{max(xs):.3f}" if xs else "-"
 
 
 def markdown(meta: dict, host: list[dict], small: list[dict], floor=()) -> str:
@@ -395,15 +409,17 @@ def markdown(meta: dict, host: list[dict], small: list[dict], floor=()) -> str:
                      f"{r.get('autograd', 'device')} | {r['mode']} | {r['S'] // 1024}K | {r['docs']} | "
                      f"{r['host_us']:.0f} | {spread(r)} | <= {r['target_us']:.0f} "
                      f"{'met' if r['met'] else 'MISSED'} | {ms(r['std_ms'])} | {ms(r['gpu_ms'])} | {r['kernels']} |")
+    lines += ["", f"Small problems (fwd+bwd): each std cell is the median of {SMALL_ROUNDS} do_bench medians "
+              "taken in turn with the other library and thread; fm std range: FlashMask's rounds."]
     lines += ["", "| S | docs | autograd | fm std f+b | fm GPU f+b | flex std f+b | flex GPU f+b "
-              "| fm/flex (std) | fm std/GPU |", "|---|---|---|---|---|---|---|---|---|"]
+              "| fm/flex (std) | fm std/GPU | fm std range |", "|---|---|---|---|---|---|---|---|---|---|"]
     for r in small:
         lines.append(f"| {r['S'] // 1024}K | {r['docs']} | {r.get('autograd', 'device')} | "
                      f"{r['fm_std_ms']:.3f} | {r['fm_gpu_ms']:.3f} | "
                      f"{r['flex_std_ms']:.3f} | {r['flex_gpu_ms']:.3f} | "
                      f"{r['fm_std_over_flex_std']:.2f} <= 1 {'met' if r['met_vs_flex'] else 'MISSED'} | "
                      f"{r['fm_std_over_gpu']:.2f} <= {SMALL_VS_GPU} "
-                     f"{'met' if r['met_vs_gpu'] else 'MISSED'} |")
+                     f"{'met' if r['met_vs_gpu'] else 'MISSED'} | {_range(r.get('fm_std_rounds_ms'))} |")
     return "\n".join(lines) + "\n"
 
 
