@@ -104,6 +104,13 @@ def run_layer(q, k, v, prog, exchange, softmax_scale: float, backend=None, keep_
 # (CPPlan.op_token, a tensor, so a new plan reuses the graph), the group by its name.
 
 
+#: Inductor's CUDA graphs (``mode="reduce-overhead"``) must not record the layer: a graph would
+#: replay the plan it recorded (its messages and buffer sizes) for every later batch's plan. A
+#: graph holding a tagged op is not captured (with inductor's graph partitioning, the op runs
+#: between captured parts); the runtime's own capture (docs/cp-runtime.md) serves one plan.
+_NOT_IN_CUDA_GRAPHS = tuple(t for t in (getattr(torch.Tag, "cudagraph_unsafe", None),) if t is not None)
+
+
 def _layout_args(node_layout, nodes: int) -> tuple[Optional[int], Optional[list[int]]]:
     """``node_layout`` as the op's two arguments (GPUs per node, node id per global rank)."""
     if nodes == 1 or node_layout is None:
@@ -128,7 +135,7 @@ def _op_call(plan_token, window: int, group_name: str, q, comm: str, backward_ca
     return _rank_call(q, _op_plan(plan_token, window), group_of_name(group_name), comm, backward_calls, scale)
 
 
-@torch.library.custom_op("flashmask3::cp_attention_forward", mutates_args=())
+@torch.library.custom_op("flashmask3::cp_attention_forward", mutates_args=(), tags=_NOT_IN_CUDA_GRAPHS)
 def _cp_forward_op(
     q: Tensor, k: Tensor, v: Tensor, plan_token: Tensor, window: int, group_name: str, comm: str,
     backward_calls: str, softmax_scale: float, keep: bool, check_plan: bool,
@@ -177,7 +184,7 @@ def _kept_of(handle: Tensor) -> Optional[Tensor]:
     return kept
 
 
-@torch.library.custom_op("flashmask3::cp_attention_backward", mutates_args=())
+@torch.library.custom_op("flashmask3::cp_attention_backward", mutates_args=(), tags=_NOT_IN_CUDA_GRAPHS)
 def _cp_backward_op(
     dout: Tensor, dlse: Optional[Tensor], q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
     kept: Tensor, plan_token: Tensor, window: int, group_name: str, comm: str, backward_calls: str,

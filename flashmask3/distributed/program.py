@@ -18,7 +18,7 @@ from typing import Optional
 import numpy as np
 import torch
 
-from ..kernels.static_masks import capturing, mark_static
+from ..kernels.static_masks import keeps_nothing, mark_static
 from .plan import to_device_pinned
 
 #: How :func:`~.runtime.backward_overlap` calls the staged backward: one call per stage as its K/V
@@ -215,8 +215,8 @@ class RankProgram:
         got = self._batched_cols.get(key)
         if got is None:  # first layer of a new batch size only
             got = cols.expand(batch, -1, -1, -1).contiguous()
-            if capturing(got):
-                return got  # made inside a CUDA graph capture: only replays fill it, keep nothing
+            if keeps_nothing(got):
+                return got  # made in a CUDA graph capture (only replays fill it) or a graph tree's warm-up
             self._batched_cols[key] = mark_static(got)
         return got
 

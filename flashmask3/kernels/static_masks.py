@@ -6,6 +6,8 @@ it. This module has no Triton dependency: the runtime marks its columns on every
 
 from __future__ import annotations
 
+import sys
+
 import torch
 
 #: The attribute that marks a static mask (and, once planned, holds its plans).
@@ -28,3 +30,31 @@ def capturing(t: torch.Tensor) -> bool:
     is used: a tensor made then holds values only after a replay, and a mask read then may get
     new values copied in before a replay, so neither may be cached."""
     return t.is_cuda and torch.cuda.is_current_stream_capturing()
+
+
+def keeps_nothing(t: torch.Tensor) -> bool:
+    """Whether nothing made now may be kept for later calls while ``t`` (a CUDA tensor) is
+    used: :func:`capturing`, or inductor's CUDA graph trees (``torch.compile(mode=
+    "reduce-overhead")``) are warming a graph up on this thread: its allocations go to the
+    trees' private pool, which must hold only the graphs' outputs when the next graph is
+    recorded (a kept tensor there fails the recording). For the paths that would store a new
+    tensor (cache misses); the warm-up check costs a microsecond or two."""
+    return t.is_cuda and (torch.cuda.is_current_stream_capturing() or _graph_trees_warming_up(t.device.index))
+
+
+def _graph_trees_warming_up(device_index) -> bool:
+    """Whether inductor's CUDA graph trees run a warm-up on this thread and device. It reads
+    torch's private module state (``torch._inductor.cudagraph_trees``, not imported here: if
+    nothing imported it, no tree runs); a layout this code does not know counts as a warm-up,
+    since keeping nothing is always correct (it only costs re-planning)."""
+    trees = sys.modules.get("torch._inductor.cudagraph_trees")
+    if trees is None:
+        return False
+    try:
+        if not torch._C._is_key_in_tls("tree_manager_containers"):
+            return False  # (no tree was used on this thread)
+        container = trees.get_obj(trees.local, "tree_manager_containers").get(device_index)
+        manager = None if container is None else container.tree_manager
+        return manager is not None and bool(manager.in_warmup)
+    except Exception:  # noqa: BLE001 - another torch's private layout
+        return True

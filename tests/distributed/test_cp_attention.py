@@ -9,6 +9,7 @@ several chunk sizes, a DeviceMesh as the group, the returned LSE's gradient, and
 from __future__ import annotations
 
 import pytest
+import torch
 
 from tests.distributed.harness import RankError, run_distributed
 from tests.distributed.workers import (check_configs, check_mesh_and_lse, compiled_model_suite, compiled_options_suite, cp4_suite, windowed_suite,
@@ -100,3 +101,24 @@ def test_a_kept_kv_handle_without_its_buffer_is_an_error():
     gc.collect()
     with pytest.raises(RuntimeError, match="keep_kv=False"):
         A._kept_of(torch.tensor(name))
+
+
+def test_inductor_cuda_graphs_never_record_the_cp_layer():
+    """The CP ops carry ``cudagraph_unsafe`` (where this torch has the tag): inductor's CUDA graphs
+    (``mode="reduce-overhead"``) then skip a graph holding them, or run them between the
+    captured parts, instead of replaying the recorded plan for a later batch's plan; inductor
+    finds the op as the graph's first cudagraph-incompatible node."""
+    import flashmask3.distributed.attention  # noqa: F401  (registers the ops)
+    from torch._inductor.utils import get_first_incompatible_cudagraph_node
+
+    tag = getattr(torch.Tag, "cudagraph_unsafe", None)
+    if tag is None:
+        pytest.skip("this torch has no cudagraph_unsafe tag")
+    ops = (torch.ops.flashmask3.cp_attention_forward.default, torch.ops.flashmask3.cp_attention_backward.default)
+    for op in ops:
+        assert tag in op.tags, op
+    g = torch.fx.Graph()
+    x = g.placeholder("x")
+    g.output(g.call_function(ops[0], (x,)))
+    node = get_first_incompatible_cudagraph_node(torch.fx.GraphModule(torch.nn.Module(), g))
+    assert node is not None and node.target is ops[0]

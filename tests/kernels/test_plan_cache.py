@@ -151,3 +151,54 @@ def test_gpu_in_place_edit_and_fresh_masks_follow_the_values():
         want = reference_attention(q, k, v, cols, True)[0]
         assert rel_err(got, want) < 2e-2, lens
         torch.testing.assert_close(got, fresh, rtol=0, atol=0)
+
+
+@needs_triton
+def test_graph_tree_warm_up_reads_cached_plans_and_keeps_no_new_one():
+    """While inductor's CUDA graph trees warm a graph up (``keeps_nothing``), a cached plan is
+    read, and a plan first needed then is built but not kept (it would sit in the trees' pool)."""
+    cols = _columns([40, 24, 64])
+    first = tiles.cached_plan(cols, True, 128, 128, 32, 16, False, cols.device)
+    with mock.patch.object(tiles, "_keeps_nothing", lambda mask: True), \
+            mock.patch.object(tiles, "block_summaries", wraps=tiles.block_summaries) as summ:
+        again = tiles.cached_plan(cols, True, 128, 128, 32, 16, False, cols.device)
+        assert again.summary is first.summary and summ.call_count == 0
+        for _ in range(2):
+            tiles.cached_plan(cols, True, 128, 128, 64, 16, True, cols.device)
+        fresh = _columns([64, 64])
+        for _ in range(2):
+            got = tiles.cached_plan(fresh, True, 128, 128, 32, 16, False, fresh.device)
+        assert summ.call_count == 4
+    assert _same_plan(got, tiles.make_plan(fresh, True, 128, 128, 32, 16, False, fresh.device))
+    assert all(len(e.plans) == (1 if e.ref() is cols else 0) for e in tiles._PLAN_CACHE.values())
+
+
+def test_graph_tree_warm_up_is_read_from_torch_and_an_unknown_layout_keeps_nothing(monkeypatch):
+    """``static_masks._graph_trees_warming_up`` reads inductor's tree manager of the device: its
+    warm-up state; no tree module imported, or none used on the thread: no warm-up; a layout it
+    cannot read counts as a warm-up. And on this torch, with the real module and no tree run, it
+    reads no warm-up (a changed private layout fails here, not silently)."""
+    import sys
+    from types import SimpleNamespace
+
+    import torch._inductor.cudagraph_trees  # noqa: F401  (the real module, imported)
+
+    from flashmask3.kernels.static_masks import _graph_trees_warming_up
+
+    assert _graph_trees_warming_up(0) is False
+    name = "torch._inductor.cudagraph_trees"
+
+    def trees(state):
+        managers = {0: SimpleNamespace(tree_manager=None if state is None else SimpleNamespace(in_warmup=state))}
+        return SimpleNamespace(local=object(), get_obj=lambda local, attr: managers)
+
+    monkeypatch.setattr(torch._C, "_is_key_in_tls", lambda key: True)
+    for state, want in ((True, True), (False, False), (None, False)):
+        monkeypatch.setitem(sys.modules, name, trees(state))
+        assert _graph_trees_warming_up(0) is want, state
+    monkeypatch.setitem(sys.modules, name, SimpleNamespace())  # another layout
+    assert _graph_trees_warming_up(0) is True
+    monkeypatch.setattr(torch._C, "_is_key_in_tls", lambda key: False)
+    assert _graph_trees_warming_up(0) is False
+    monkeypatch.delitem(sys.modules, name)
+    assert _graph_trees_warming_up(0) is False
