@@ -337,10 +337,63 @@ def _cpu_us(fn, calls: int = 50) -> float:
     return (time.perf_counter() - t0) / calls * 1e6
 
 
-def small_table(seqlens, heads: int, d: int, dtype, docs) -> list[dict]:
+#: The small table's third mode: each library's forward + backward (``autograd.grad`` inside)
+#: under ``torch.compile(mode="reduce-overhead")``, inductor's CUDA graphs: one replay a call.
+GRAPHS = "graphs"
+
+
+def _graph_steps(s: int, heads: int, d: int, dtype, cache: dict):
+    """``(flashmask3 step, flex step)`` of length ``s`` under ``torch.compile(mode=
+    "reduce-overhead")``, made once per length (masks, block masks and tensors are arguments,
+    so a new mask of the length replays the same graph)."""
+    if s not in cache:
+        from torch.nn.attention.flex_attention import flex_attention
+
+        def fm_step(q, k, v, mask, dout):
+            out = flashmask3.flashmask_attention(q, k, v, mask)
+            return torch.autograd.grad(out, (q, k, v), dout)
+
+        def flex_step(q, k, v, block_mask, dout):
+            out = flex_attention(q, k, v, block_mask=block_mask, scale=1 / math.sqrt(d))
+            return torch.autograd.grad(out, (q, k, v), dout)
+
+        cache[s] = tuple(torch.compile(fn, mode="reduce-overhead") for fn in (fm_step, flex_step))
+    return cache[s]
+
+
+def _graph_calls(s, heads, d, dtype, mask, q, k, v, fleaves, cache):
+    """Zero-argument calls of the two graph steps on this cell's inputs (None where building
+    or warming one up failed, with the error printed)."""
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    from benchmarks.kernel import _flex_intervals, _generic_mask_mod
+
+    fm_step, flex_step = _graph_steps(s, heads, d, dtype, cache)
+    dout = torch.randn_like(q)
+    s0, e0, s1, e1 = _flex_intervals(mask, True, s, 1, q.device)
+    bm = create_block_mask(_generic_mask_mod(s0, e0, s1, e1, torch.tensor(1, device=q.device)),
+                           1, None, s, s, device=q.device, _compile=True)
+    fdout = dout.transpose(1, 2).contiguous()
+    calls = []
+    for name, call in (("flashmask3", lambda: fm_step(q, k, v, mask, dout)),
+                       ("flex", lambda: flex_step(*fleaves, bm, fdout))):
+        try:
+            for _ in range(3):  # inductor's warm-up, recording, a replay
+                call()
+            torch.cuda.synchronize()
+            calls.append(call)
+        except Exception as e:  # noqa: BLE001 - reported in the row, the table goes on
+            print(f"graphs: {name} at S={s}: {type(e).__name__}: {e}", flush=True)
+            calls.append(None)
+    return calls
+
+
+def small_table(seqlens, heads: int, d: int, dtype, docs, graphs: bool = True) -> list[dict]:
     from benchmarks.kernel import flex_impl, standard_ms
 
     rows = []
+    graph_cache: dict = {}
+    modes = AUTOGRAD_THREADS + ((GRAPHS,) if graphs else ())
     for s in seqlens:
         for n in docs:
             q, k, v = _inputs(s, heads, d, "cuda", dtype, seed=s + n)
@@ -357,17 +410,26 @@ def small_table(seqlens, heads: int, d: int, dtype, docs) -> list[dict]:
                     fn()
             torch.cuda.synchronize()
             fm_gpu, fx_gpu = gpu_ms(fm_fb, [q, k, v]), gpu_ms(flex_fb, fleaves)
-            std = {(who, thread): [] for who in ("fm", "flex") for thread in AUTOGRAD_THREADS}
-            for _ in range(SMALL_ROUNDS):  # both libraries and threads in turn, as the host table
-                for thread in AUTOGRAD_THREADS:
-                    with autograd_thread(thread):
-                        std["fm", thread].append(standard_ms(fm_fb, [q, k, v]))
-                        std["flex", thread].append(standard_ms(flex_fb, fleaves))
-            for thread in AUTOGRAD_THREADS:
-                fm_std, fx_std = (statistics.median(std[who, thread]) for who in ("fm", "flex"))
-                rows.append(dict(S=s, docs=n, H=heads, D=d, autograd=thread, fm_std_ms=fm_std,
+            calls = {(who, t): (fn, leaves) for t in AUTOGRAD_THREADS
+                     for who, fn, leaves in (("fm", fm_fb, [q, k, v]), ("flex", flex_fb, fleaves))}
+            if graphs:
+                fm_g, flex_g = _graph_calls(s, heads, d, dtype, mask, q, k, v, fleaves, graph_cache)
+                calls["fm", GRAPHS], calls["flex", GRAPHS] = (fm_g, None), (flex_g, None)
+            std = {key: [] for key in calls}
+            for _ in range(SMALL_ROUNDS):  # both libraries and every mode in turn, as the host table
+                for mode in modes:
+                    with autograd_thread("device" if mode == GRAPHS else mode):
+                        for who in ("fm", "flex"):
+                            fn, leaves = calls[who, mode]
+                            if fn is not None:
+                                std[who, mode].append(standard_ms(fn, leaves))
+            for mode in modes:
+                if not std["fm", mode] or not std["flex", mode]:
+                    continue  # (a graph step that did not build: printed above)
+                fm_std, fx_std = (statistics.median(std[who, mode]) for who in ("fm", "flex"))
+                rows.append(dict(S=s, docs=n, H=heads, D=d, autograd=mode, fm_std_ms=fm_std,
                                  fm_gpu_ms=fm_gpu, flex_std_ms=fx_std, flex_gpu_ms=fx_gpu,
-                                 fm_std_rounds_ms=std["fm", thread], flex_std_rounds_ms=std["flex", thread],
+                                 fm_std_rounds_ms=std["fm", mode], flex_std_rounds_ms=std["flex", mode],
                                  fm_std_over_flex_std=fm_std / fx_std,
                                  fm_std_over_gpu=fm_std / fm_gpu, met_vs_flex=fm_std <= fx_std,
                                  met_vs_gpu=fm_std <= SMALL_VS_GPU * fm_gpu))
@@ -410,7 +472,9 @@ def markdown(meta: dict, host: list[dict], small: list[dict], floor=()) -> str:
                      f"{r['host_us']:.0f} | {spread(r)} | <= {r['target_us']:.0f} "
                      f"{'met' if r['met'] else 'MISSED'} | {ms(r['std_ms'])} | {ms(r['gpu_ms'])} | {r['kernels']} |")
     lines += ["", f"Small problems (fwd+bwd): each std cell is the median of {SMALL_ROUNDS} do_bench medians "
-              "taken in turn with the other library and thread; fm std range: FlashMask's rounds."]
+              "taken in turn with the other library and mode; fm std range: FlashMask's rounds. "
+              f"autograd `{GRAPHS}`: each library's forward + backward under `torch.compile(mode="
+              "\"reduce-overhead\")` (inductor's CUDA graphs; GPU columns: the eager calls')."]
     lines += ["", "| S | docs | autograd | fm std f+b | fm GPU f+b | flex std f+b | flex GPU f+b "
               "| fm/flex (std) | fm std/GPU | fm std range |", "|---|---|---|---|---|---|---|---|---|---|"]
     for r in small:
@@ -457,6 +521,7 @@ def main(argv=None) -> int:
     ap.add_argument("--small-seqlens", default="4096,8192")
     ap.add_argument("--small-docs", default="1,5")
     ap.add_argument("--skip-small", action="store_true")
+    ap.add_argument("--no-graphs", action="store_true", help="the small table without its compiled CUDA-graph rows")
     ap.add_argument("--skip-host", action="store_true", help="only the small-problem table")
     ap.add_argument("--floor", action="store_true", help="only the host floor (floor.json/.md)")
     args = ap.parse_args(argv)
@@ -487,7 +552,7 @@ def main(argv=None) -> int:
     md = write(args.out, meta, host, [])  # (kept if the small table runs out of time)
     if not args.skip_small:
         small = small_table([int(x) for x in args.small_seqlens.split(",")], heads, d, dtype,
-                            [int(x) for x in args.small_docs.split(",")])
+                            [int(x) for x in args.small_docs.split(",")], graphs=not args.no_graphs)
         md = write(args.out, meta, host, small)
     print(md)
     return 0
