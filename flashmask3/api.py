@@ -22,7 +22,7 @@ from .kernels import choose_backend, get_backend
 from .kernels import loaded as _loaded_backends
 from .kernels.dispatch import ENV_VAR as ENV_KERNELS
 from .kernels.dispatch import TILE_OVERRIDE
-from .masks.mask import FlashMask, row_span_of_bucket, validate_startend_row_indices
+from .masks.mask import FlashMask, row_span_of_bucket, row_span_of_columns, validate_startend_row_indices
 
 _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
@@ -33,28 +33,25 @@ _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 @torch.library.custom_op("flashmask3::attention_forward", mutates_args=())
 def _attention_forward(
     q: Tensor, k: Tensor, v: Tensor, startend_row_indices: Optional[Tensor], causal: bool,
-    softmax_scale: float, backend: str, row_span: Optional[Tensor],
+    softmax_scale: float, backend: str,
 ) -> tuple[Tensor, Tensor]:
-    # row_span: FlashMask.row_span_hint, the mask's mean row span rounded down to its half
-    # octave as a 0-d CPU tensor (read here without a device sync; a tensor, so that
-    # torch.compile does not specialise on its value), or None when unknown
+    # the tile hint of a FlashMask's columns comes from the mask's registry, not an argument:
+    # a 0-d CPU tensor input fails inductor's CUDA graphs, a float would be specialised on
     return _attention_forward_impl(q, k, v, startend_row_indices, causal, softmax_scale, backend,
-                                   row_span)
+                                   row_span_of_columns(startend_row_indices))
 
 
 def _attention_forward_impl(q, k, v, startend_row_indices, causal, softmax_scale, backend,
-                            row_span):
+                            row_span: Optional[float]):
     """The backend's forward (the body of both the custom op and the eager Function)."""
-    span = None if row_span is None else float(row_span)
     out, lse = get_backend(backend).forward(q, k, v, startend_row_indices, causal, softmax_scale,
-                                            row_span=span)
+                                            row_span=row_span)
     # the public contract is an fp32 LSE (a backend may return float64 for float64 inputs)
     return out.contiguous(), lse.to(torch.float32).contiguous()
 
 
 @_attention_forward.register_fake
-def _attention_forward_fake(q, k, v, startend_row_indices, causal, softmax_scale, backend,
-                            row_span):
+def _attention_forward_fake(q, k, v, startend_row_indices, causal, softmax_scale, backend):
     b, sq, hq, _ = q.shape
     out = q.new_empty(b, sq, hq, v.shape[-1])
     lse = q.new_empty(b, hq, sq, dtype=torch.float32)
@@ -79,7 +76,7 @@ def _attention_backward_fake(dout, dlse, q, k, v, out, lse, startend_row_indices
 
 
 def _setup_context(ctx, inputs, output):
-    q, k, v, startend_row_indices, causal, softmax_scale, backend, _row_span = inputs
+    q, k, v, startend_row_indices, causal, softmax_scale, backend = inputs
     out, lse = output
     ctx.save_for_backward(q, k, v, out, lse, startend_row_indices)
     ctx.causal, ctx.softmax_scale, ctx.backend = causal, softmax_scale, backend
@@ -91,7 +88,7 @@ def _backward(ctx, dout, dlse):
         dout.contiguous(), dlse, q, k, v, out, lse, startend_row_indices, ctx.causal,
         ctx.softmax_scale, ctx.backend,
     )
-    return dq, dk, dv, None, None, None, None, None
+    return dq, dk, dv, None, None, None, None
 
 
 _attention_forward.register_autograd(_backward, setup_context=_setup_context)
@@ -228,7 +225,7 @@ def check_qkv(q, k, v) -> None:
 def kernel_row_span(mask: FlashMask) -> Optional[float]:
     """The row span the kernels get for ``mask`` (as a number, for benchmarks and tests): the
     lower edge of its half-octave bucket (:attr:`FlashMask.row_span_bucket`), or None without
-    one. :func:`flashmask_attention` passes the same value as :attr:`FlashMask.row_span_hint`."""
+    one: the forward's tile hint."""
     bucket = mask.row_span_bucket
     return None if bucket is None else row_span_of_bucket(bucket)
 
@@ -429,7 +426,7 @@ def _checked_call(q, k, v, startend_row_indices, causal, softmax_scale, window_s
     if not isinstance(causal, bool):
         raise TypeError(f"causal must be a bool, got {type(causal).__name__}")
     check_values = True
-    row_span = None
+    row_span = None  # (eager calls only: under tracing, reading it would guard on its value)
     is_flashmask = isinstance(startend_row_indices, FlashMask)
     if is_flashmask:
         mask = startend_row_indices
@@ -440,7 +437,8 @@ def _checked_call(q, k, v, startend_row_indices, causal, softmax_scale, window_s
                              f"(q is [batch, seqlen, heads, head_dim]; got shape {tuple(q.shape)})")
         causal, startend_row_indices = mask.causal, mask.startend_row_indices
         check_values = False  # validated when the mask was built
-        row_span = mask.row_span_hint
+        if not _traced(q):
+            row_span = kernel_row_span(mask)
     if window_size is not None:
         if startend_row_indices is not None:
             raise ValueError("pass either window_size or startend_row_indices, not both")
@@ -460,11 +458,10 @@ def _checked_call(q, k, v, startend_row_indices, causal, softmax_scale, window_s
     q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))
     if _traced(q):
         out, lse = _attention_forward(q, k, v, startend_row_indices, causal, softmax_scale,
-                                      backend, row_span)
+                                      backend)
     else:
-        span = None if row_span is None else float(row_span)
         call = _prepare_backend(backend, q, k, startend_row_indices, causal, softmax_scale,
-                                span)
+                                row_span)
         out, lse = _run_eager(q, k, v, startend_row_indices, call)
         if key is not None:
             _remember(key, call, is_flashmask, value_check)

@@ -106,8 +106,7 @@ def test_custom_op_passes_opcheck(monkeypatch):
     cols = M.causal_document_mask([7, 13]).startend_row_indices
     op = torch.ops.flashmask3.attention_forward.default
     for mask in (cols, None):
-        for span in (None, torch.tensor(12.5, dtype=torch.float64)):
-            torch.library.opcheck(op, (q, k, v, mask, True, 0.35, "torch", span))
+        torch.library.opcheck(op, (q, k, v, mask, True, 0.35, "torch"))
 
 
 def test_the_mask_row_span_reaches_the_backend(monkeypatch):
@@ -215,7 +214,7 @@ def test_out_of_range_values_act_as_clamped(backend, causal, c, monkeypatch):
     q, k, v = make_qkv(2, sq, sq, 2, 1, 16, torch.float32, seed=c)
     op = torch.ops.flashmask3.attention_forward
     scale = 0.25
-    out, lse = op(q, k, v, wild, causal, scale, backend, None)
+    out, lse = op(q, k, v, wild, causal, scale, backend)
     ref_out, ref_lse = reference_attention(q, k, v, cols, causal, scale)
     assert rel_err(out, ref_out) < 2e-4
     assert torch.equal(torch.isinf(lse), torch.isinf(ref_lse))
@@ -242,6 +241,45 @@ def _masks_of_one_shape(seqlen: int):
              ([seqlen], [seqlen // 2] * 2, [seqlen // 4] * 4, [seqlen // 8] * 8)]
     assert len({m.row_span_bucket for m in masks}) == len(masks)
     return masks
+
+
+def test_the_tile_hint_reaches_the_backend_under_inductor_without_a_cpu_tensor_input(monkeypatch):
+    """Under torch.compile (inductor), the backend's forward gets each FlashMask's row-span hint
+    (one graph for masks of four half octaves), raw columns none; the op takes no CPU tensor
+    (inductor's CUDA graphs fail on one: the hint comes from the mask's registry of its columns,
+    an entry that goes with the columns)."""
+    import gc
+
+    from torch._dynamo.utils import counters
+
+    from flashmask3.kernels import torch_path
+    from flashmask3.masks.mask import _COLUMN_ROW_SPANS, row_span_of_columns
+
+    monkeypatch.setenv("FLASHMASK3_BACKEND", "torch")
+    schema = torch.ops.flashmask3.attention_forward.default._schema
+    assert [a.name for a in schema.arguments if "Tensor" in str(a.type)] == ["q", "k", "v", "startend_row_indices"]
+    seen = []
+    forward = torch_path.forward
+    monkeypatch.setattr(torch_path, "forward", lambda *a, row_span=None, **kw: (seen.append(row_span), forward(*a, row_span=row_span, **kw))[1])
+    torch._dynamo.reset()
+    counters.clear()
+    compiled = torch.compile(lambda q, k, v, m, causal=False: flashmask3.flashmask_attention(q, k, v, m, causal=causal),
+                             fullgraph=True)
+    seqlen = 64
+    q, k, v = make_qkv(1, seqlen, seqlen, 2, 1, 16, torch.float32, seed=4)
+    masks = _masks_of_one_shape(seqlen)
+    for mask in masks:
+        torch.testing.assert_close(compiled(q, k, v, mask), reference_attention(q, k, v, mask.startend_row_indices, True)[0].float(),
+                                   rtol=1e-4, atol=1e-4)
+    compiled(q, k, v, masks[0].startend_row_indices.clone(), True)
+    assert seen == [kernel_row_span(m) for m in masks] + [None] and len(set(seen)) == 5
+    assert _graph_count() == 2
+    cols = masks[0].startend_row_indices
+    assert row_span_of_columns(cols) == kernel_row_span(masks[0]) and row_span_of_columns(cols.clone()) is None
+    n = len(_COLUMN_ROW_SPANS)
+    del masks, mask, cols
+    gc.collect()
+    assert len(_COLUMN_ROW_SPANS) == n - 4
 
 
 @pytest.mark.parametrize("backend", ["torch", pytest.param("triton", marks=needs_triton)])
@@ -501,7 +539,7 @@ def test_eager_calls_and_the_custom_op_agree(monkeypatch):
     out = flashmask3.flashmask_attention(q, k, v, mask)
     assert out.grad_fn is not None and "EagerAttention" in type(out.grad_fn).__name__
     op_out, _ = torch.ops.flashmask3.attention_forward(q, k, v, mask.startend_row_indices, True,
-                                                       0.25, "torch", mask.row_span_hint)
+                                                       0.25, "torch")
     dout = torch.randn_like(out)
     grads = torch.autograd.grad(out, (q, k, v), dout)
     op_grads = torch.autograd.grad(op_out, (q, k, v), dout)

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import weakref
 from dataclasses import dataclass, field
 from typing import Optional
 
@@ -286,6 +287,36 @@ def row_span_of_bucket(bucket: int) -> float:
     return 2.0 ** (bucket / ROW_SPAN_BUCKETS_PER_OCTAVE)
 
 
+#: id(columns) -> (weak reference to the columns, row-span hint): the tile hint of a FlashMask's
+#: columns for the traced attention op, which takes no CPU tensor (inductor's CUDA graphs fail on
+#: a CPU tensor input of a recorded graph) and no Python float (tracing would specialise on it,
+#: a recompile per bucket). An entry goes when its columns are freed.
+_COLUMN_ROW_SPANS: dict = {}
+
+
+def _remember_row_span(cols: torch.Tensor, span: float) -> None:
+    key = id(cols)
+    _COLUMN_ROW_SPANS[key] = (weakref.ref(cols, lambda ref, key=key: _forget_row_span(key, ref)), span)
+
+
+def _forget_row_span(key: int, ref) -> None:
+    entry = _COLUMN_ROW_SPANS.get(key)
+    if entry is not None and entry[0] is ref:
+        del _COLUMN_ROW_SPANS[key]
+
+
+def row_span_of_columns(cols: Optional[torch.Tensor]) -> Optional[float]:
+    """The row-span hint (the lower edge of :attr:`FlashMask.row_span_bucket`) of the FlashMask built on
+    this very columns tensor outside tracing, or None: how the traced attention op finds a
+    FlashMask's tile hint (under ``torch.compile`` the op receives the same tensor object; where
+    it receives a copy, as in a CUDA graph's replay buffer, it gets None and the default tiles,
+    which are as correct)."""
+    if cols is None:
+        return None
+    entry = _COLUMN_ROW_SPANS.get(id(cols))
+    return entry[1] if entry is not None and entry[0]() is cols else None
+
+
 @dataclass(frozen=True)
 class FlashMask:
     """A column-wise sparse attention mask: ``startend_row_indices`` + ``causal``.
@@ -299,10 +330,9 @@ class FlashMask:
     Triton forward uses it to pick a smaller query tile for masks whose rows see few keys
     (short documents: NOTES.md session 16). ``None`` (a mask built from a tensor) keeps the
     default tiles; :meth:`with_row_span` measures it (one device-to-host copy). What the kernels
-    see is :attr:`row_span_bucket`, the span rounded down to a half octave, carried as
-    :attr:`row_span_hint`, a 0-d CPU tensor: ``torch.compile`` guards on a tensor's shape, not
-    its value, so every new mask of the same shape reuses the compiled graph (a Python number
-    would be specialised on), and reading it inside the op costs no device sync.
+    see is :attr:`row_span_bucket`, the span rounded down to a half octave; under
+    ``torch.compile`` the attention op finds it through :func:`row_span_of_columns` (registered
+    for the columns tensor here), so a new mask of the same shape reuses the compiled graph.
 
     The constructor validates the columns, values included (one device sync for a GPU tensor,
     once per mask, not per attention call); :meth:`to` and :meth:`expand_heads` keep that check.
@@ -314,9 +344,6 @@ class FlashMask:
     mean_row_span: Optional[float] = None
     #: floor(2 * log2(max(mean_row_span, 1))), or None: derived, not an argument.
     row_span_bucket: Optional[int] = field(default=None, init=False)
-    #: The bucket's lower edge as a float64 0-d CPU tensor (the op's tile hint), or None.
-    row_span_hint: Optional[torch.Tensor] = field(default=None, init=False, repr=False,
-                                                  compare=False)
     #: The columns are known valid, their values are not read again: set by :meth:`to` /
     #: :meth:`expand_heads` (from a validated mask) and by package code whose columns are valid
     #: by construction (the transformers integration, the training loader), where a check on a
@@ -333,11 +360,11 @@ class FlashMask:
             bucket = row_span_bucket(span)
             object.__setattr__(self, "mean_row_span", float(span))
             object.__setattr__(self, "row_span_bucket", bucket)
-            object.__setattr__(self, "row_span_hint",
-                               torch.tensor(row_span_of_bucket(bucket), dtype=torch.float64))
         t = self.startend_row_indices
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"startend_row_indices must be a torch.Tensor, got {type(t).__name__}")
+        if span is not None and not torch.compiler.is_compiling():
+            _remember_row_span(t, row_span_of_bucket(self.row_span_bucket))
         if self.seqlen_q is None:
             if t.dim() != 4:
                 raise ValueError(f"startend_row_indices must be 4-D, got shape {tuple(t.shape)}")
