@@ -35,7 +35,7 @@ def _attention_forward(
     q: Tensor, k: Tensor, v: Tensor, startend_row_indices: Optional[Tensor], causal: bool,
     softmax_scale: float, backend: str,
 ) -> tuple[Tensor, Tensor]:
-    # the tile hint of a FlashMask's columns comes from the mask's registry, not an argument:
+    # the tile hint of a FlashMask's columns is an attribute of that tensor, not an argument:
     # a 0-d CPU tensor input fails inductor's CUDA graphs, a float would be specialised on
     return _attention_forward_impl(q, k, v, startend_row_indices, causal, softmax_scale, backend,
                                    row_span_of_columns(startend_row_indices))
@@ -426,6 +426,7 @@ def _checked_call(q, k, v, startend_row_indices, causal, softmax_scale, window_s
     if not isinstance(causal, bool):
         raise TypeError(f"causal must be a bool, got {type(causal).__name__}")
     check_values = True
+    traced = _traced(q)
     row_span = None  # (eager calls only: under tracing, reading it would guard on its value)
     is_flashmask = isinstance(startend_row_indices, FlashMask)
     if is_flashmask:
@@ -437,7 +438,7 @@ def _checked_call(q, k, v, startend_row_indices, causal, softmax_scale, window_s
                              f"(q is [batch, seqlen, heads, head_dim]; got shape {tuple(q.shape)})")
         causal, startend_row_indices = mask.causal, mask.startend_row_indices
         check_values = False  # validated when the mask was built
-        if not _traced(q):
+        if not traced:
             row_span = kernel_row_span(mask)
     if window_size is not None:
         if startend_row_indices is not None:
@@ -456,7 +457,7 @@ def _checked_call(q, k, v, startend_row_indices, causal, softmax_scale, window_s
     softmax_scale = resolve_softmax_scale(softmax_scale, d)
     backend = choose_backend(q)
     q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))
-    if _traced(q):
+    if traced:
         out, lse = _attention_forward(q, k, v, startend_row_indices, causal, softmax_scale,
                                       backend)
     else:

@@ -32,14 +32,19 @@ def capturing(t: torch.Tensor) -> bool:
     return t.is_cuda and torch.cuda.is_current_stream_capturing()
 
 
+def warming_up(t: torch.Tensor) -> bool:
+    """Whether inductor's CUDA graph trees (``torch.compile(mode="reduce-overhead")``) are
+    warming a graph up on this thread while ``t`` (a CUDA tensor) is used: the warm-up's
+    allocations go to the trees' private pool, which must hold only the graphs' outputs when the
+    next graph is recorded (a tensor kept from then fails the recording). For the paths that
+    would store a new tensor (cache misses): it costs a microsecond or two."""
+    return t.is_cuda and _graph_trees_warming_up(t.device.index)
+
+
 def keeps_nothing(t: torch.Tensor) -> bool:
-    """Whether nothing made now may be kept for later calls while ``t`` (a CUDA tensor) is
-    used: :func:`capturing`, or inductor's CUDA graph trees (``torch.compile(mode=
-    "reduce-overhead")``) are warming a graph up on this thread: its allocations go to the
-    trees' private pool, which must hold only the graphs' outputs when the next graph is
-    recorded (a kept tensor there fails the recording). For the paths that would store a new
-    tensor (cache misses); the warm-up check costs a microsecond or two."""
-    return t.is_cuda and (torch.cuda.is_current_stream_capturing() or _graph_trees_warming_up(t.device.index))
+    """Whether nothing made now may be kept for later calls: :func:`capturing` or
+    :func:`warming_up`."""
+    return capturing(t) or warming_up(t)
 
 
 def _graph_trees_warming_up(device_index) -> bool:

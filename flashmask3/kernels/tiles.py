@@ -23,7 +23,7 @@ import triton.language as tl
 from .launcher import cdiv, launch
 from .static_masks import STATIC_PLANS
 from .static_masks import capturing as _capturing  # (module names: tests replace them)
-from .static_masks import keeps_nothing as _keeps_nothing
+from .static_masks import warming_up as _warming_up
 
 LOG2E = 1.4426950408889634
 SKIP, PARTIAL, UNMASKED = 0, 1, 2
@@ -538,7 +538,7 @@ def cached_plan(mask: Optional[torch.Tensor], causal: bool, seqlen_q: int, seqle
     plan is built in the graph (replays may copy new columns in), except for a static mask's
     plans made before the capture (:mod:`.static_masks`: they live on the mask). While
     inductor's CUDA graph trees warm a graph up, cached plans are read but new ones are not kept
-    (:func:`.static_masks.keeps_nothing`). Caveat (docs/host-path.md): writes that bypass
+    (:func:`.static_masks.warming_up`). Caveat (docs/host-path.md): writes that bypass
     torch's version counter (a custom kernel writing through a raw pointer) are not seen."""
     if mask is None or not mask.is_contiguous():
         return make_plan(mask, causal, seqlen_q, seqlen_k, block_m, block_n, by_key, device)
@@ -547,7 +547,7 @@ def cached_plan(mask: Optional[torch.Tensor], causal: bool, seqlen_q: int, seqle
     key = (causal, seqlen_q, seqlen_k, block_m, block_n, by_key)
     plan = None if entry is None else entry.plans.get(key)
     if plan is None:
-        if capturing or _keeps_nothing(mask):  # built in the graph or the warm-up, kept nowhere
+        if capturing or _warming_up(mask):  # built in the graph or the warm-up, kept nowhere
             return make_plan(mask, causal, seqlen_q, seqlen_k, block_m, block_n, by_key, device)
         skey = (causal, seqlen_q, block_n)
         summary = entry.summaries.get(skey)

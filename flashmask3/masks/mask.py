@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import weakref
 from dataclasses import dataclass, field
 from typing import Optional
 
@@ -287,22 +286,11 @@ def row_span_of_bucket(bucket: int) -> float:
     return 2.0 ** (bucket / ROW_SPAN_BUCKETS_PER_OCTAVE)
 
 
-#: id(columns) -> (weak reference to the columns, row-span hint): the tile hint of a FlashMask's
-#: columns for the traced attention op, which takes no CPU tensor (inductor's CUDA graphs fail on
-#: a CPU tensor input of a recorded graph) and no Python float (tracing would specialise on it,
-#: a recompile per bucket). An entry goes when its columns are freed.
-_COLUMN_ROW_SPANS: dict = {}
-
-
-def _remember_row_span(cols: torch.Tensor, span: float) -> None:
-    key = id(cols)
-    _COLUMN_ROW_SPANS[key] = (weakref.ref(cols, lambda ref, key=key: _forget_row_span(key, ref)), span)
-
-
-def _forget_row_span(key: int, ref) -> None:
-    entry = _COLUMN_ROW_SPANS.get(key)
-    if entry is not None and entry[0] is ref:
-        del _COLUMN_ROW_SPANS[key]
+#: The attribute of a FlashMask's columns tensor that holds its row-span hint, for the traced
+#: attention op, which takes no CPU tensor (inductor's CUDA graphs fail on a CPU tensor input of
+#: a recorded graph) and no Python float (tracing would specialise on it, a recompile per
+#: bucket). On the tensor, it lives exactly as long as the columns (as static masks' plans do).
+ROW_SPAN_ATTR = "_flashmask3_row_span"
 
 
 def row_span_of_columns(cols: Optional[torch.Tensor]) -> Optional[float]:
@@ -311,10 +299,7 @@ def row_span_of_columns(cols: Optional[torch.Tensor]) -> Optional[float]:
     FlashMask's tile hint (under ``torch.compile`` the op receives the same tensor object; where
     it receives a copy, as in a CUDA graph's replay buffer, it gets None and the default tiles,
     which are as correct)."""
-    if cols is None:
-        return None
-    entry = _COLUMN_ROW_SPANS.get(id(cols))
-    return entry[1] if entry is not None and entry[0]() is cols else None
+    return None if cols is None else getattr(cols, ROW_SPAN_ATTR, None)
 
 
 @dataclass(frozen=True)
@@ -364,7 +349,7 @@ class FlashMask:
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"startend_row_indices must be a torch.Tensor, got {type(t).__name__}")
         if span is not None and not torch.compiler.is_compiling():
-            _remember_row_span(t, row_span_of_bucket(self.row_span_bucket))
+            setattr(t, ROW_SPAN_ATTR, row_span_of_bucket(self.row_span_bucket))
         if self.seqlen_q is None:
             if t.dim() != 4:
                 raise ValueError(f"startend_row_indices must be 4-D, got shape {tuple(t.shape)}")

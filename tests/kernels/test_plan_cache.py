@@ -155,11 +155,11 @@ def test_gpu_in_place_edit_and_fresh_masks_follow_the_values():
 
 @needs_triton
 def test_graph_tree_warm_up_reads_cached_plans_and_keeps_no_new_one():
-    """While inductor's CUDA graph trees warm a graph up (``keeps_nothing``), a cached plan is
+    """While inductor's CUDA graph trees warm a graph up (``warming_up``), a cached plan is
     read, and a plan first needed then is built but not kept (it would sit in the trees' pool)."""
     cols = _columns([40, 24, 64])
     first = tiles.cached_plan(cols, True, 128, 128, 32, 16, False, cols.device)
-    with mock.patch.object(tiles, "_keeps_nothing", lambda mask: True), \
+    with mock.patch.object(tiles, "_warming_up", lambda mask: True), \
             mock.patch.object(tiles, "block_summaries", wraps=tiles.block_summaries) as summ:
         again = tiles.cached_plan(cols, True, 128, 128, 32, 16, False, cols.device)
         assert again.summary is first.summary and summ.call_count == 0
