@@ -342,7 +342,7 @@ def _cpu_us(fn, calls: int = 50) -> float:
 GRAPHS = "graphs"
 
 
-def _graph_steps(s: int, heads: int, d: int, dtype, cache: dict):
+def _graph_steps(s: int, d: int, cache: dict):
     """``(flashmask3 step, flex step)`` of length ``s`` under ``torch.compile(mode=
     "reduce-overhead")``, made once per length (masks, block masks and tensors are arguments,
     so a new mask of the length replays the same graph)."""
@@ -361,18 +361,14 @@ def _graph_steps(s: int, heads: int, d: int, dtype, cache: dict):
     return cache[s]
 
 
-def _graph_calls(s, heads, d, dtype, mask, q, k, v, fleaves, cache):
+def _graph_calls(s, d, mask, q, k, v, fleaves, cache):
     """Zero-argument calls of the two graph steps on this cell's inputs (None where building
     or warming one up failed, with the error printed)."""
-    from torch.nn.attention.flex_attention import create_block_mask
+    from benchmarks.kernel import flex_block_mask
 
-    from benchmarks.kernel import _flex_intervals, _generic_mask_mod
-
-    fm_step, flex_step = _graph_steps(s, heads, d, dtype, cache)
+    fm_step, flex_step = _graph_steps(s, d, cache)
     dout = torch.randn_like(q)
-    s0, e0, s1, e1 = _flex_intervals(mask, True, s, 1, q.device)
-    bm = create_block_mask(_generic_mask_mod(s0, e0, s1, e1, torch.tensor(1, device=q.device)),
-                           1, None, s, s, device=q.device, _compile=True)
+    bm = flex_block_mask(mask, True, 1, s, q.device)
     fdout = dout.transpose(1, 2).contiguous()
     calls = []
     for name, call in (("flashmask3", lambda: fm_step(q, k, v, mask, dout)),
@@ -413,7 +409,7 @@ def small_table(seqlens, heads: int, d: int, dtype, docs, graphs: bool = True) -
             calls = {(who, t): (fn, leaves) for t in AUTOGRAD_THREADS
                      for who, fn, leaves in (("fm", fm_fb, [q, k, v]), ("flex", flex_fb, fleaves))}
             if graphs:
-                fm_g, flex_g = _graph_calls(s, heads, d, dtype, mask, q, k, v, fleaves, graph_cache)
+                fm_g, flex_g = _graph_calls(s, d, mask, q, k, v, fleaves, graph_cache)
                 calls["fm", GRAPHS], calls["flex", GRAPHS] = (fm_g, None), (flex_g, None)
             std = {key: [] for key in calls}
             for _ in range(SMALL_ROUNDS):  # both libraries and every mode in turn, as the host table

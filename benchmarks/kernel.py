@@ -369,21 +369,27 @@ def _generic_mask_mod(s0, e0, s1, e1, causal_t):
 _FLEX = {}
 
 
+def flex_block_mask(mask, causal: bool, batch: int, s: int, device):
+    """FlexAttention's block mask of a FlashMask (or None: full) for ``batch`` x ``s`` tokens."""
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    s0, e0, s1, e1 = _flex_intervals(mask, causal, s, batch, device)
+    mm = _generic_mask_mod(s0, e0, s1, e1, torch.tensor(int(causal), device=device))
+    return create_block_mask(mm, batch, None, s, s, device=device, _compile=True)
+
+
 def flex_impl(mask, causal, q, k, v, scale):
     """(fwd callable, leaves, block-mask build ms) for FlexAttention on [B, H, S, D] copies."""
-    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+    from torch.nn.attention.flex_attention import flex_attention
 
     if "fn" not in _FLEX:
         _FLEX["fn"] = torch.compile(flex_attention, dynamic=False)
     b, s, hq, d = q.shape
     hk = k.shape[2]
-    s0, e0, s1, e1 = _flex_intervals(mask, causal, s, b, q.device)
-    causal_t = torch.tensor(int(causal), device=q.device)
-    mm = _generic_mask_mod(s0, e0, s1, e1, causal_t)
-    bm = create_block_mask(mm, b, None, s, s, device=q.device, _compile=True)  # compile warm-up
+    flex_block_mask(mask, causal, b, s, q.device)  # compile warm-up
     _sync()
     t0 = time.perf_counter()
-    bm = create_block_mask(mm, b, None, s, s, device=q.device, _compile=True)
+    bm = flex_block_mask(mask, causal, b, s, q.device)
     _sync()
     build_ms = (time.perf_counter() - t0) * 1e3
     qt, kt, vt = (x.detach().transpose(1, 2).contiguous().requires_grad_() for x in (q, k, v))
