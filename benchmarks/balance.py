@@ -2,9 +2,10 @@
 
 For causal document masks of ``--tokens`` tokens (the kernel benchmark's document spreads and
 real-corpus lengths, see benchmarks/corpus.py) and every cp size in ``--cp``, per ownership
-strategy (``contiguous``, ``dual_chunk``, ``old_sparse`` = plain LPT + pairwise improvement,
-the placement ``balance="sparse"`` had before session 17, kept here only as a helper, and
-the current ``sparse``):
+strategy (``contiguous``, ``dual_chunk``, ``ptrr`` = PyTorch's processing-time round-robin,
+``old_sparse`` = plain LPT + pairwise improvement, the placement ``balance="sparse"`` had before
+session 17, kept here only as a helper, the current ``sparse`` and ``sparse@0.01``, the same
+with ``plan(tolerance=0.01)``):
 
 * work imbalance (max / mean live 128-tiles per rank);
 * the largest per-rank remote K/V (needed chunks the rank does not own, in tokens), beside the
@@ -45,7 +46,9 @@ from flashmask3.distributed.plan import _default_chunk_size, chunk_liveness  # n
 
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
 GIB = float(1 << 30)
-STRATEGIES = ("contiguous", "dual_chunk", "old_sparse", "sparse")
+STRATEGIES = ("contiguous", "dual_chunk", "ptrr", "old_sparse", "sparse", "sparse@0.01")
+#: ``plan(tolerance=...)`` of the strategies named ``sparse@<tolerance>``.
+TIGHT = 0.01
 
 
 def kv_bytes_per_token(kv_heads: int, head_dim: int, elem_bytes: int) -> int:
@@ -117,14 +120,15 @@ def measure(doc_lens, cp: int, gpus_per_node: int, bpt: int) -> dict:
            "xnode_gib_allgather": (s * (cp - min(gpus_per_node, cp))) * bpt / GIB}
     hier = cp > gpus_per_node and cp % gpus_per_node == 0
     for strategy in STRATEGIES:
-        balance = "sparse" if strategy == "old_sparse" else strategy
+        balance = "sparse" if strategy.startswith(("old_sparse", "sparse")) else strategy
+        kw = {"tolerance": TIGHT} if strategy == f"sparse@{TIGHT}" else {}
         chunk = _default_chunk_size(s, cp, balance, 128)
         t0 = time.perf_counter()
         if strategy == "old_sparse":
             work, live = chunk_liveness(mask.startend_row_indices, True, s, chunk)
             owner = old_sparse_owner(work, cp)
         else:
-            p = plan(mask, None, cp, balance=balance)
+            p = plan(mask, None, cp, balance=balance, **kw)
             work, live, owner = p.chunk_work, p.chunk_live, p.owner
         seconds = time.perf_counter() - t0
         m = layout_metrics(owner, work, live, cp, chunk, gpus_per_node)
@@ -133,7 +137,7 @@ def measure(doc_lens, cp: int, gpus_per_node: int, bpt: int) -> dict:
             assert m["max_remote_tokens"] == p.max_remote_kv_tokens
             assert m["xnode_tokens_flat"] == p.cross_node_transfers("overlap", min(gpus_per_node, cp)) * chunk
             if hier:
-                ph = plan(mask, None, cp, balance=balance, nodes=cp // gpus_per_node)
+                ph = plan(mask, None, cp, balance=balance, nodes=cp // gpus_per_node, **kw)
                 assert np.array_equal(ph.owner, p.owner)
                 assert m["xnode_tokens_hier"] == ph.cross_node_transfers("overlap") * chunk
         row[f"chunk_{strategy}"] = chunk
@@ -152,7 +156,7 @@ def measure_windows(doc_lens, cp: int, windows, gpus_per_node: int, bpt: int) ->
     imbalance for comparison."""
     mask = M.causal_document_mask(doc_lens)
     rows = []
-    for balance in ("dual_chunk", "sparse"):
+    for balance in ("dual_chunk", "ptrr", "sparse"):
         p = plan(mask, None, cp, balance=balance)
         full_kv = p.kv_tokens_moved("overlap") * bpt / GIB
         for w in windows:
@@ -229,7 +233,9 @@ def markdown(results: dict, timing: list, meta: dict, args, windows: dict = None
         "per rank), which no placement can beat. K/V GiB per forward pass for batch 1, "
         f"{args.kv_heads} KV heads × D={args.head_dim}, {args.elem_bytes}-byte elements (fwd+bwd moves 3× this). "
         f"Cross-node: {args.gpus_per_node} GPUs a node, flat routing vs hierarchical (one copy per node). "
-        "Chunks: contiguous S/P, dual_chunk S/2P, sparse up to 16 per rank (128-aligned); `old_sparse` = "
+        "Chunks: contiguous S/P, dual_chunk S/2P, ptrr one 128-token tile (PyTorch's processing-time round-robin, "
+        "`_PTRRLoadBalancer`, which torch pairs with all-gather), sparse up to 16 per rank (128-aligned; "
+        f"`sparse` stops at 4% above the mean work, the default, `sparse@{TIGHT}` at 1%); `old_sparse` = "
         "plain LPT + pairwise improvement on the sparse chunks (the placement before session 17).",
         "",
         "| spread | docs | cp | strategy | chunk | imbalance | max remote K/V | × dual | LB | K/V GiB "
@@ -254,10 +260,19 @@ def markdown(results: dict, timing: list, meta: dict, args, windows: dict = None
     rows = [r for rs in results.values() for r in rs]
     imb = max(r["imbalance_sparse"] for r in rows)
     ratio = max(r["max_remote_tokens_sparse"] / max(1, r["max_remote_tokens_dual_chunk"]) for r in rows)
+    t = f"sparse@{TIGHT}"
     lines += [
         "",
         f"Targets (sparse): imbalance ≤ 1.05 — worst {imb:.3f} ({'met' if imb <= 1.05 else 'NOT met'}); "
-        f"max remote K/V ≤ 1.1× dual_chunk's — worst {ratio:.2f}× ({'met' if ratio <= 1.1 else 'NOT met'}).",
+        f"max remote K/V ≤ 1.1× dual_chunk's — worst {ratio:.2f}× ({'met' if ratio <= 1.1 else 'NOT met'}). "
+        f"{t}: imbalance worst {max(r[f'imbalance_{t}'] for r in rows):.3f}, max remote K/V "
+        f"{min(r[f'max_remote_tokens_{t}'] / max(1, r['max_remote_tokens_sparse']) for r in rows):.2f}-"
+        f"{max(r[f'max_remote_tokens_{t}'] / max(1, r['max_remote_tokens_sparse']) for r in rows):.2f}× "
+        f"sparse's, total K/V {min(r[f'kv_gib_overlap_{t}'] / r['kv_gib_overlap_sparse'] for r in rows):.2f}-"
+        f"{max(r[f'kv_gib_overlap_{t}'] / r['kv_gib_overlap_sparse'] for r in rows):.2f}× sparse's. "
+        f"ptrr: imbalance {min(r['imbalance_ptrr'] for r in rows):.3f}-{max(r['imbalance_ptrr'] for r in rows):.3f}, "
+        f"max remote K/V {min(r['max_remote_tokens_ptrr'] / max(1, r['max_remote_tokens_sparse']) for r in rows):.1f}-"
+        f"{max(r['max_remote_tokens_ptrr'] / max(1, r['max_remote_tokens_sparse']) for r in rows):.1f}× sparse's.",
     ] + (windows_markdown(windows, args) if windows else []) + [
         "",
         "## Planning time (`plan(mask, None, cp)`, balance=\"sparse\", one torch thread; wall and process CPU)",
@@ -284,15 +299,15 @@ def plot(results: dict, args, path: str) -> None:
         rows = results[spread]
         cps = [r["cp"] for r in rows]
         for i, s in enumerate(STRATEGIES):
-            style = dict(color=f"C{i}", marker="os^D"[i], label=s)
+            style = dict(color=f"C{i}", marker="os^Dvx"[i], label=s)
             axes[0, j].plot(cps, [r[f"imbalance_{s}"] for r in rows], **style)
             axes[1, j].plot(cps, [r[f"max_remote_tokens_{s}"] / 1024 for r in rows], **style)
             xr = [r for r in rows if r["cp"] > args.gpus_per_node]
             if xr and s in ("dual_chunk", "sparse"):
                 axes[2, j].plot([r["cp"] for r in xr], [r[f"xnode_gib_flat_{s}"] for r in xr], ls="--",
-                                color=f"C{i}", marker="os^D"[i], label=f"{s} flat")
+                                color=f"C{i}", marker="os^Dvx"[i], label=f"{s} flat")
                 axes[2, j].plot([r["cp"] for r in xr], [r[f"xnode_gib_hier_{s}"] for r in xr], ls="-",
-                                color=f"C{i}", marker="os^D"[i], label=f"{s} hier")
+                                color=f"C{i}", marker="os^Dvx"[i], label=f"{s} hier")
         axes[1, j].plot(cps, [r["lower_bound_tokens"] / 1024 for r in rows], "k:", label="lower bound")
         axes[0, j].axhline(1.05, color="k", lw=0.8, ls=":")
         axes[0, j].set(title=f"{spread}: work imbalance", yscale="log")

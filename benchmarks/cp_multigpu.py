@@ -43,6 +43,7 @@ from benchmarks.corpus import document_spreads  # noqa: E402
 from benchmarks.environment import run_environment  # noqa: E402
 from flashmask3 import flashmask_attention  # noqa: E402
 from flashmask3.distributed import BACKWARD_CALL_MODES, cp_flashmask_attention, plan  # noqa: E402
+from flashmask3.distributed.placement import DEFAULT_TOLERANCE  # noqa: E402
 from flashmask3.distributed.program import resolve_backward_calls  # noqa: E402
 from flashmask3.masks import attention_flops  # noqa: E402
 
@@ -137,7 +138,7 @@ def run_ours(method, mask, tokens, rank, world, device, dtype, args, check: bool
     dev_mask = None if mask is None else mask.to(device)
     t0 = time.perf_counter()
     p = plan(dev_mask, None if mask is not None else True, world, balance=balance,
-             seqlen=tokens if mask is None else None)
+             seqlen=tokens if mask is None else None, tolerance=args.tolerance)
     plan_s = time.perf_counter() - t0
     # Timing needs only this rank's shard (random, seeded per rank): no global tensors.
     ql, kl, vl, dol = random_inputs(p.local_seqlen, args, device, dtype, args.seed + 1000 * rank)
@@ -444,6 +445,9 @@ def main(argv=None) -> int:
     a.add_argument("--methods", nargs="+", choices=METHODS, default=list(METHODS))
     a.add_argument("--backward-calls", choices=list(BACKWARD_CALL_MODES), default="auto",
                    help="the overlap backward's attention calls (docs/cp-runtime.md 'Backward calls')")
+    a.add_argument("--tolerance", type=float, default=DEFAULT_TOLERANCE,
+                   help="sparse placement tolerance (plan(tolerance=); recorded: the scale model "
+                        "rebuilds these plans with it)")
     a.add_argument("--heads", type=int, default=16)
     a.add_argument("--kv-heads", type=int, default=8)
     a.add_argument("--head-dim", type=int, default=128)

@@ -48,6 +48,7 @@ from benchmarks.corpus import document_spreads  # noqa: E402
 from benchmarks.environment import run_environment  # noqa: E402
 from flashmask3.distributed import (BACKWARD_CALL_MODES, EmulatedExchange, LaunchCounter,  # noqa: E402
                                     plan, prepare_rank, run_layer)
+from flashmask3.distributed.placement import DEFAULT_TOLERANCE  # noqa: E402
 from flashmask3.distributed.runtime import to_wire  # noqa: E402
 from flashmask3.graphs import capture  # noqa: E402
 from flashmask3.kernels import choose_backend, get_backend  # noqa: E402
@@ -261,7 +262,7 @@ def measure_config(mask, cp, name, args, device, dtype, deadline, backward_calls
     balance, comm, hier = CONFIGS[name]
     nodes = max(1, cp // GPUS_PER_NODE) if hier else 1
     t0 = time.perf_counter()
-    p = plan(mask, None, cp, balance=balance, nodes=nodes)
+    p = plan(mask, None, cp, balance=balance, nodes=nodes, tolerance=args.tolerance)
     plan_s = time.perf_counter() - t0
     g = torch.Generator(device=device).manual_seed(args.seed)
     full_q, full_do = (torch.randn(1, args.tokens, args.heads, args.head_dim, generator=g, device=device,
@@ -410,6 +411,9 @@ def parse_args(argv):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--tokens", type=int, default=131072)
     ap.add_argument("--cp", type=int, nargs="+", default=[8, 32, 128])
+    ap.add_argument("--tolerance", type=float, default=DEFAULT_TOLERANCE,
+                    help="sparse placement tolerance (plan(tolerance=); recorded: the scale model "
+                         "rebuilds these plans with it)")
     ap.add_argument("--heads", type=int, default=16)
     ap.add_argument("--kv-heads", type=int, default=8)
     ap.add_argument("--head-dim", type=int, default=128)

@@ -62,6 +62,7 @@ def load_cases(shapes: str) -> list[dict]:
     if shapes == "stage":
         return [dict(Sq=sq, Sk=sk, Hq=hq, Hk=hk, mask=None) for sq, sk, hq, hk in STAGE_SHAPES]
     from benchmarks.scale_model.calibrate import tile_counts
+    from benchmarks.scale_model.layout import LEGACY_TOLERANCE
     from benchmarks.scale_model.measure import plan_calls
 
     with open(shapes) as f:
@@ -74,7 +75,8 @@ def load_cases(shapes: str) -> list[dict]:
         if key not in plans:
             plans[key] = {meta["stage"]: (fm, keys) for meta, fm, keys in
                           plan_calls(list(m["doc_lens"]), e.get("dataset", "?"), m["cp"], m["balance"],
-                                     ranks=[m["rank"]], nodes=m["nodes"])}
+                                     ranks=[m["rank"]], nodes=m["nodes"],
+                                     tolerance=m.get("tolerance", LEGACY_TOLERANCE))}
         fm, keys = plans[key][m["stage"]]
         if (fm.seqlen_q, keys) != (e["q_rows"], e["keys"]):
             raise ValueError(f"{e['dataset']} rank {m['rank']} stage {m['stage']}: the plan gives "

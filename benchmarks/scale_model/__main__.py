@@ -25,6 +25,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspa
 
 from tqdm import tqdm  # noqa: E402
 
+from flashmask3.distributed.placement import DEFAULT_TOLERANCE  # noqa: E402
+
 from benchmarks.scale_model import calibrate  # noqa: E402
 from benchmarks.scale_model import experiment as X  # noqa: E402
 from benchmarks.scale_model import report, validate  # noqa: E402
@@ -55,6 +57,8 @@ def main(argv=None) -> int:
     g.add_argument("--nvlink-gbs", type=float, default=None, help="NVLink GB/s per direction per GPU (peak)")
     g.add_argument("--ib-gbs", type=float, default=None, help="InfiniBand GB/s per GPU (peak)")
     g.add_argument("--runtime", choices=["lean", "current"], default="lean")
+    g.add_argument("--tolerance", type=float, default=None,
+                   help="plan(tolerance=) of the predicted sparse plans (default: the library's)")
     g.add_argument("--per-rank-factor", type=float, default=1.0,
                    help="scale the current kernels' per-tile cost (1 = tables; see docs/scale-model.md)")
     g = ap.add_argument_group("kernel and runtime variants (PREDICTIONS with the same calibration)")
@@ -123,6 +127,10 @@ def main(argv=None) -> int:
           + ("" if costs.flashmask3.source.startswith("measured") else
              " -- benchmarks/gpu/scale-model.sh has not run yet, so the current kernels' per-rank cost is "
              "the full-sequence tables' (see Validation for what that costs on the old kernel)") + ".", "",
+          "Placement of the predicted sparse plans: `plan(tolerance="
+          + (f"{args.tolerance})` (--tolerance)" if args.tolerance is not None else
+             f"{DEFAULT_TOLERANCE})`, the library default") + "; measured files are replanned with "
+          "the tolerance they record (0.04 where they record none).", "",
           "## Parameters", ""]
     md += report.params_table(cluster, costs, runtime) + [""]
     if args.cmd == "all":

@@ -748,6 +748,7 @@ def attach_program_work(rows: list[dict], data: dict) -> None:
     the ``corpus`` spread of a file without ``spreads``: that one is packed from the measuring
     machine's files)."""
     from benchmarks.corpus import document_spreads
+    from benchmarks.scale_model.layout import file_tolerance
     from benchmarks.scale_model.measure import plan_calls
 
     tokens = data.get("args", {}).get("tokens", 131072)
@@ -766,7 +767,8 @@ def attach_program_work(rows: list[dict], data: dict) -> None:
         calls = {}
         if lens is not None and sum(lens) == tokens:
             try:
-                for meta, fm, keys in plan_calls(lens, spread, cp, balance):
+                for meta, fm, keys in plan_calls(lens, spread, cp, balance,
+                                                 tolerance=file_tolerance(data.get("args"))):
                     calls[(meta["rank"], str(meta["stage"]))] = (fm, keys)
             except ValueError:  # a cp the planner rejects for these lengths
                 calls = {}

@@ -96,7 +96,14 @@ def run_sweep(args, costs, cluster, runtime, position: int = 0):
 
 
 def _setup(args):
-    """``(cluster, runtime, costs)`` of a command's arguments."""
+    """``(cluster, runtime, costs)`` of a command's arguments (and the predicted plans'
+    ``--tolerance``, :data:`layout.PLAN_TOLERANCE`, in this process)."""
+    from . import layout
+
+    tol = getattr(args, "tolerance", None)
+    if tol is not None and not 0 <= tol < 1:
+        raise SystemExit(f"--tolerance must be in [0, 1), got {tol}")
+    layout.PLAN_TOLERANCE = tol
     cluster, runtime = _cluster(args), Runtime(args.runtime, bwd_calls=args.bwd_calls, keep_kv=not args.refetch_kv)
     costs = X.default_costs(gqa=True, per_rank_factor=args.per_rank_factor)
     if args.kv_rule or args.order:

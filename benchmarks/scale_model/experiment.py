@@ -44,7 +44,10 @@ METHODS = {
     "sparse+allgather": Method("sparse", "allgather"),
     "sparse+overlap": Method("sparse", "overlap"),
     "sparse+overlap+hier": Method("sparse", "overlap", hierarchical=True),
+    "ptrr+allgather": Method("ptrr", "allgather"),
+    "ptrr+overlap+hier": Method("ptrr", "overlap", hierarchical=True),
     "torch_cp (head-tail+allgather, Flex)": Method("dual_chunk", "allgather", kernel="flex"),
+    "torch_cp (PTRR+allgather, Flex)": Method("ptrr", "allgather", kernel="flex"),
 }
 COMBINED = "sparse+overlap+hier"
 #: The combined method again with the attention calls' per-call cost (floor + call term) at zero.

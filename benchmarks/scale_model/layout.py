@@ -164,9 +164,11 @@ def _source(rounds, i: int) -> Optional[int]:
     return i - 1 if src is None else int(src)
 
 
-def _key(doc_lens, causal, seqlen, cp, balance, nodes) -> str:
+def _key(doc_lens, causal, seqlen, cp, balance, nodes, tolerance=None) -> str:
+    # (tolerance None = the library default, which the code digest covers)
     h = hashlib.sha256(repr((CACHE_VERSION, list(doc_lens) if doc_lens is not None else None,
-                             causal, seqlen, cp, balance, nodes, _plan_code_digest())).encode())
+                             causal, seqlen, cp, balance, nodes, _plan_code_digest())
+                            + (() if tolerance is None else (float(tolerance),))).encode())
     return h.hexdigest()[:24]
 
 
@@ -193,35 +195,57 @@ _PLANS: "OrderedDict[tuple, tuple]" = OrderedDict()
 _PLANS_KEPT = 1  # a layer's view and its recorded runtime ops plan the same mask back to back
 
 
-def document_plan(doc_lens: Sequence[int], cp: int, balance: str, nodes: int = 1):
+#: The ``sparse`` placement tolerance of a measurement file that records none: every file
+#: measured before session 37 was planned with 0.04 (the library's default then and now).
+LEGACY_TOLERANCE = 0.04
+
+#: The ``plan(tolerance=...)`` of the predictions' plans (None: the library default); the CLI's
+#: ``--tolerance`` sets it.
+PLAN_TOLERANCE: Optional[float] = None
+
+
+def file_tolerance(args: Optional[dict]) -> float:
+    """The ``plan(tolerance=...)`` a measurement file's plans were built with (its ``args``)."""
+    return float((args or {}).get("tolerance", LEGACY_TOLERANCE))
+
+
+def document_plan(doc_lens: Sequence[int], cp: int, balance: str, nodes: int = 1,
+                  tolerance: Optional[float] = None):
     """``(plan, planning seconds)`` of a causal document mask of ``doc_lens``; the last
     :data:`_PLANS_KEPT` are kept in memory, so that the plan view and the runtime-op recording of
-    one layer (runtime_ops.rank_device_work) plan it once."""
+    one layer (runtime_ops.rank_device_work) plan it once. ``tolerance``: ``plan()``'s (None:
+    the library default; a measured file's plans are rebuilt with :func:`file_tolerance`)."""
     import time
 
     import flashmask3.masks as M
     from flashmask3.distributed import plan
 
-    key = (tuple(int(n) for n in doc_lens), int(cp), balance, int(nodes))
+    from flashmask3.distributed.placement import DEFAULT_TOLERANCE
+
+    tolerance = PLAN_TOLERANCE if tolerance is None else tolerance
+    tol = DEFAULT_TOLERANCE if tolerance is None else float(tolerance)
+    key = (tuple(int(n) for n in doc_lens), int(cp), balance, int(nodes), tol)
     got = _PLANS.get(key)
     if got is None:
         mask = M.causal_document_mask(list(doc_lens))
         t0 = time.perf_counter()
-        got = _PLANS[key] = (plan(mask, None, cp, balance=balance, nodes=nodes), time.perf_counter() - t0)
+        got = _PLANS[key] = (plan(mask, None, cp, balance=balance, nodes=nodes, tolerance=tol),
+                             time.perf_counter() - t0)
         while len(_PLANS) > _PLANS_KEPT:
             _PLANS.popitem(last=False)
     return got
 
 
 def document_plan_view(doc_lens: Sequence[int], cp: int, balance: str, nodes: int = 1,
-                       cache: bool = True) -> PlanView:
+                       cache: bool = True, tolerance: Optional[float] = None) -> PlanView:
     """Plan a causal document mask of ``doc_lens`` and view it (cached on disk)."""
 
     def build() -> PlanView:
-        p, seconds = document_plan(doc_lens, cp, balance, nodes)
+        p, seconds = document_plan(doc_lens, cp, balance, nodes, tolerance)
         return view_plan(p, p.startend_row_indices, True, seconds)
 
-    key = _key(doc_lens, True, int(sum(doc_lens)), cp, balance, nodes)
+    key = _key(doc_lens, True, int(sum(doc_lens)), cp, balance, nodes,
+               PLAN_TOLERANCE if tolerance is None else tolerance)
     return cached_pickle(key + ".pkl", build, cache)
 
 
@@ -249,5 +273,5 @@ def mask_sparsity(doc_lens: Sequence[int]) -> float:
     return 1.0 - pairs / (s * s)
 
 
-__all__ = ["PlanView", "RoundView", "view_plan", "document_plan_view", "chunk_tile_matrix",
+__all__ = ["PlanView", "RoundView", "view_plan", "document_plan_view", "file_tolerance", "LEGACY_TOLERANCE", "chunk_tile_matrix",
            "program_chunk_matrices", "call_work", "mask_sparsity"]

@@ -206,6 +206,8 @@ def ab_shapes(datasets: dict, cp: int, cost: AttentionCost, shape: AttnShape, ru
     and the model's PREDICTIONS: ``ab_*_gpu_ms`` the fwd+bwd GPU time of one standalone call (what
     ``gqa_expand_ab.py`` times), ``stage_*_ms`` the staged backward call in the timeline
     (``max(host, GPU)``, the per-layer query-block pass excluded)."""
+    from flashmask3.distributed.placement import DEFAULT_TOLERANCE
+
     from .layout import document_plan_view
 
     staged = dataclasses.replace(cost.bwd, a_qblock=0.0)
@@ -230,7 +232,7 @@ def ab_shapes(datasets: dict, cp: int, cost: AttentionCost, shape: AttnShape, ru
                 cand.append({"dataset": d, "q_rows": t.q_rows, "keys": t.keys, "heads": h, "kv_heads": hk,
                              "programs": hk * len(t.work.bwd_full) if t.work is not None else None,
                              "mask": {"doc_lens": list(map(int, lens)), "cp": cp, "balance": balance,
-                                      "nodes": nodes, "rank": r, "stage": s},
+                                      "nodes": nodes, "rank": r, "stage": s, "tolerance": DEFAULT_TOLERANCE},
                              "tiles": [t.full, t.partial], "library_expands": now, f"{rule}_expands": new,
                              "ab_grouped_gpu_ms": ab[1], "ab_expanded_gpu_ms": ab[g],
                              "stage_grouped_ms": st[1], "stage_expanded_ms": st[g]})

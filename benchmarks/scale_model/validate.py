@@ -31,7 +31,7 @@ import numpy as np
 
 from .calibrate import (MEASURED_FILE, RESULTS, AttentionCost, TileCounts, fit_rows, load_cost, measured_rows,
                         row_tiles, work_summary)
-from .layout import PlanView, RoundView, document_plan_view, mask_sparsity
+from .layout import PlanView, RoundView, document_plan_view, file_tolerance, mask_sparsity
 from .params import Cluster, Param, Runtime
 from .runtime_ops import RATE_CLASSES, bytes_by_rate, op_seconds, ops_seconds
 from .timeline import AttnShape, merge_calls, simulate_layer
@@ -72,13 +72,14 @@ def _spread_lengths(name: str, tokens: int, seed: int = 0) -> Optional[list[int]
     return document_spreads(tokens, seed=seed).get(name)
 
 
-def _rank_tiles(spread: str, balance: str, tokens: int, cp: int, ranks: list[dict]) -> tuple[list[TileCounts], str]:
+def _rank_tiles(spread: str, balance: str, tokens: int, cp: int, ranks: list[dict],
+                tolerance: Optional[float] = None) -> tuple[list[TileCounts], str]:
     """Per-rank tiles: exact from today's plan when it reproduces the recorded per-rank work,
     else estimated from the recorded work (partial = diagonal tiles of the rank's rows)."""
     lens = _spread_lengths(spread, tokens)
     rows = tokens // cp
     if lens is not None and sum(lens) == tokens:
-        v = document_plan_view(lens, cp, balance)
+        v = document_plan_view(lens, cp, balance, tolerance=tolerance)
         if [r.get("work") for r in ranks] == v.works:
             return v.sorted_tiles, "exact (plan reproduces the recorded work)"
     out = []
@@ -99,7 +100,7 @@ def per_rank_points(cost: AttentionCost, path: str = SINGLE) -> tuple[list[dict]
     for spread, entry in res["spreads"].items():
         for balance in ("dual_chunk", "sparse"):
             ranks = entry[balance]["ranks"]
-            tiles, note = _rank_tiles(spread, balance, a["tokens"], a["cp"], ranks)
+            tiles, note = _rank_tiles(spread, balance, a["tokens"], a["cp"], ranks, file_tolerance(a))
             notes[(spread, balance)] = note
             for r, t in zip(ranks, tiles):
                 if r["seconds"] <= 0:
@@ -349,11 +350,12 @@ def _synthetic_view(run: dict, world: int, kv_bytes_per_token: int, overlap: boo
                     sorted_tiles, rnd, 0.0)
 
 
-def _run_view(run: dict, world: int, balance: str, shape: AttnShape, overlap: bool) -> tuple[PlanView, str]:
+def _run_view(run: dict, world: int, balance: str, shape: AttnShape, overlap: bool,
+              tolerance: Optional[float] = None) -> tuple[PlanView, str]:
     lens = _spread_lengths(run["mask"], run["tokens"]) if run["mask"] != "causal" else [run["tokens"]]
     if lens is not None and len(lens) == run.get("docs", len(lens)) \
             and abs(mask_sparsity(lens) - run["sparsity"]) < 1e-6:
-        v = document_plan_view(lens, world, balance)
+        v = document_plan_view(lens, world, balance, tolerance=tolerance)
         return v, f"exact mask; today's plan (imbalance {v.imbalance:.3f} vs recorded {run['imbalance']:.3f})"
     return (_synthetic_view(run, world, shape.kv_bytes(1), overlap),
             "mask not reproducible here (corpus = this machine's files): view from the recorded totals")
@@ -376,15 +378,19 @@ def validate_multigpu(path: str = MULTI, cost: Optional[AttentionCost] = None,
             continue
         run = dict(run, heads=a["heads"], head_dim=a["head_dim"])
         method = run["method"]
-        if method == "flex_cp":
+        if method == "flex_cp":  # torch's placement: PTRR (= balance="ptrr") or head-tail
+            ptrr = run.get("balancer") == "PTRR"
             v, note = _run_view(dict(run, imbalance=1.0, chunk_size=run["tokens"] // world // 2,
-                                     kv_bytes_fwd=0), world, "dual_chunk", shape, False)
-            v.imbalance = 1.0
-            note += "; FlexAttention tables, PTRR balance taken as perfect"
+                                     kv_bytes_fwd=0), world, "ptrr" if ptrr else "dual_chunk", shape, False)
+            if ptrr and note.startswith("exact"):
+                note += "; FlexAttention tables, torch's PTRR placement rebuilt (balance='ptrr')"
+            else:
+                v.imbalance = 1.0
+                note += "; FlexAttention tables, PTRR balance taken as perfect"
             c, comm = flex, "allgather"
         elif method in METHODS:
             balance, comm = METHODS[method]
-            v, note = _run_view(run, world, balance, shape, comm == "overlap")
+            v, note = _run_view(run, world, balance, shape, comm == "overlap", file_tolerance(a))
             c = cost
         else:
             continue
@@ -568,8 +574,9 @@ def _recorded_ranks(res: dict, cost: AttentionCost, shape: AttnShape, need: str 
     rows = []
     for cp, configs in res["cp"].items():
         for e in configs.values():
-            view = document_plan_view(lens, int(cp), e["balance"], e["nodes"])
-            p = make_plan(mask, None, int(cp), balance=e["balance"], nodes=e["nodes"])
+            tol = file_tolerance(a)
+            view = document_plan_view(lens, int(cp), e["balance"], e["nodes"], tolerance=tol)
+            p = make_plan(mask, None, int(cp), balance=e["balance"], nodes=e["nodes"], tolerance=tol)
             comm, name = e["comm"], f"cp {cp} {e['config']}"
             for r in e["ranks"]:
                 if r.get(need) is None or view.works[r["rank"]] != r["work"]:

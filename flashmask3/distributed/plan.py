@@ -35,7 +35,7 @@ import torch
 from ..masks import FlashMask, causal_mask, validate_startend_row_indices, with_window
 from .handles import name_object, named_object
 from .local_mask import rank_local_columns
-from .placement import PlacementCost, sparse_placement
+from .placement import DEFAULT_TOLERANCE, PlacementCost, sparse_placement
 from .summaries import chunk_pair_counts, chunk_summaries
 
 
@@ -60,7 +60,7 @@ def to_device_pinned(x: torch.Tensor, device: torch.device, keep: list) -> torch
     return x.to(device)
 
 
-BALANCES = ("contiguous", "dual_chunk", "sparse")
+BALANCES = ("contiguous", "dual_chunk", "ptrr", "sparse")
 WORK_MODELS = ("tiles", "pairs")
 
 #: Tile edge of the work model (the kernels' query/key block size on Hopper).
@@ -170,6 +170,10 @@ def _default_chunk_size(seqlen: int, cp_size: int, balance: str, tile: int) -> i
         return seqlen // cp_size if seqlen % cp_size == 0 else 0
     if balance == "dual_chunk":
         return seqlen // (2 * cp_size) if seqlen % (2 * cp_size) == 0 else 0
+    if balance == "ptrr":  # one tile a chunk (torch's blocks); else the largest chunks that split
+        if seqlen % (tile * cp_size) == 0:
+            return tile
+        return next((c for c in range(tile - 1, 0, -1) if seqlen % (c * cp_size) == 0), 0)
     fits = [k for k in _SPARSE_CHUNKS_PER_RANK if seqlen % (k * cp_size) == 0]
     aligned = [k for k in fits if (seqlen // (k * cp_size)) % tile == 0]
     if aligned:
@@ -258,6 +262,20 @@ def _dual_chunk(n: int, cp_size: int) -> np.ndarray:
     return np.minimum(seg, 2 * cp_size - 1 - seg)
 
 
+def _ptrr(chunk_work: np.ndarray, cp_size: int) -> np.ndarray:
+    """PyTorch's processing-time round-robin (``_PTRRLoadBalancer``): chunks sorted by work,
+    heaviest first (ties in sequence order), dealt to the ranks in snake order (0..P-1, then
+    P-1..0, ...). Equal chunk counts and near-equal work, but every rank holds pieces of every
+    document, so each needs almost all K/V (the all-gather torch pairs it with)."""
+    n = len(chunk_work)
+    order = np.argsort(-np.asarray(chunk_work, dtype=np.int64), kind="stable")
+    pos = np.arange(n) % cp_size
+    turn = (np.arange(n) // cp_size) % 2 == 1
+    owner = np.empty(n, dtype=np.int64)
+    owner[order] = np.where(turn, cp_size - 1 - pos, pos)
+    return owner
+
+
 # -- routing ----------------------------------------------------------------------------------------
 
 
@@ -341,7 +359,7 @@ class CPPlan:
 
     def __init__(self, startend_row_indices, causal, seqlen, cp_size, balance, chunk_size, nodes,
                  tile, comm_rounds, work_model="tiles", cost: Optional[PlacementCost] = None,
-                 owner: Optional[np.ndarray] = None):
+                 owner: Optional[np.ndarray] = None, tolerance: float = DEFAULT_TOLERANCE):
         self.startend_row_indices: Optional[torch.Tensor] = startend_row_indices
         self.causal: bool = causal
         self.seqlen: int = seqlen
@@ -359,16 +377,20 @@ class CPPlan:
         n = self.num_chunks
         self.comm_rounds: int = comm_rounds
         self.cost: Optional[PlacementCost] = cost
+        self.tolerance: float = tolerance
         if owner is None:  # else another plan's placement (with_mask)
             if balance == "contiguous":
                 owner = _contiguous(n, cp_size)
             elif balance == "dual_chunk":
                 owner = _dual_chunk(n, cp_size)
+            elif balance == "ptrr":
+                owner = _ptrr(self.chunk_work, cp_size)
             else:
                 block = int(np.gcd(chunk_size, tile))
                 scale = 1.0 / DEFAULT_TILE ** 2 if work_model == "pairs" else (block / DEFAULT_TILE) ** 2
                 owner = sparse_placement(self.chunk_work, self.chunk_live, cp_size, chunk_tokens=chunk_size,
-                                         tile_scale=scale, nodes=nodes, cost=cost or PlacementCost())
+                                         tile_scale=scale, nodes=nodes, cost=cost or PlacementCost(),
+                                         tolerance=tolerance)
         self.owner: np.ndarray = np.ascontiguousarray(owner, dtype=np.int64)
         self._owned = [np.flatnonzero(self.owner == r) for r in range(cp_size)]
         members = np.stack(self._owned)  # [P, k]
@@ -415,7 +437,8 @@ class CPPlan:
         if s != self.seqlen:
             raise ValueError(f"the mask has {s} tokens, the plan {self.seqlen}")
         return CPPlan(cols, causal, s, self.cp_size, self.balance, self.chunk_size, self.nodes, self.tile,
-                      self.comm_rounds, self.work_model, self.cost, owner=self.owner)
+                      self.comm_rounds, self.work_model, self.cost, owner=self.owner,
+                      tolerance=self.tolerance)
 
     def windowed(self, window: int) -> "CPPlan":
         """The plan of this plan's mask limited to a causal sliding window (query ``i`` keeps
@@ -630,7 +653,7 @@ def plan(startend_row_indices: Union[torch.Tensor, FlashMask, None], causal: Opt
          cp_size: int = 1, *, balance: str = "sparse", chunk_size: Optional[int] = None,
          nodes: int = 1, seqlen: Optional[int] = None, tile_size: int = DEFAULT_TILE,
          comm_rounds: Optional[int] = None, work: str = "tiles",
-         cost: Optional[PlacementCost] = None) -> CPPlan:
+         cost: Optional[PlacementCost] = None, tolerance: float = DEFAULT_TOLERANCE) -> CPPlan:
     """Plan context parallelism over ``cp_size`` ranks for one global mask.
 
     Args:
@@ -638,11 +661,13 @@ def plan(startend_row_indices: Union[torch.Tensor, FlashMask, None], causal: Opt
             (full / plain causal; then ``seqlen`` is required).
         causal: the mask's causal flag (taken from a FlashMask when omitted).
         cp_size: number of ranks.
-        balance: ``"contiguous"``, ``"dual_chunk"`` or ``"sparse"`` (equal tokens, balanced work
-            and small per-rank remote K/V: :mod:`flashmask3.distributed.placement`).
+        balance: ``"contiguous"``, ``"dual_chunk"``, ``"ptrr"`` (PyTorch's processing-time
+            round-robin of tile-sized chunks: balanced work, but every rank needs nearly all K/V)
+            or ``"sparse"`` (equal tokens, balanced work and small per-rank remote K/V:
+            :mod:`flashmask3.distributed.placement`).
         chunk_size: tokens per chunk; must divide the sequence into a multiple of ``cp_size``
             chunks (``2 * cp_size`` for dual_chunk). Default: S/P, S/2P, or up to 16 chunks per
-            rank for sparse (128-token aligned when the length allows). A length that cannot be
+            rank for sparse (128-token aligned when the length allows), one tile for ptrr. A length that cannot be
             split evenly is refused with the lengths that work.
         nodes: number of nodes; > 1 selects hierarchical routing (must divide ``cp_size``;
             group rank r is assumed to live on node ``r // (cp_size // nodes)``).
@@ -653,6 +678,10 @@ def plan(startend_row_indices: Union[torch.Tensor, FlashMask, None], causal: Opt
             ``min(cp_size - 1, 3)``); more rounds overlap finer but launch more kernels.
         cost: the time model ``sparse`` places by (:class:`PlacementCost`; default: H200-class
             compute, NVLink inside nodes of 8 GPUs, InfiniBand across).
+        tolerance: ``sparse`` stops rebalancing once the heaviest rank's work is within this
+            fraction of the mean (default 0.04). 0.01 balances tighter for a little more K/V
+            (``benchmarks/results/balance.md``); the scale model predicts it faster with >= 4K
+            tokens a rank and slower with 1-2K (docs/context-parallel.md, "Placement").
     """
     if causal is None and not isinstance(startend_row_indices, FlashMask):
         raise TypeError("causal is required unless startend_row_indices is a FlashMask")
@@ -668,6 +697,8 @@ def plan(startend_row_indices: Union[torch.Tensor, FlashMask, None], causal: Opt
         raise ValueError(f"work must be one of {WORK_MODELS}, got {work!r}")
     if cost is not None and not isinstance(cost, PlacementCost):
         raise TypeError(f"cost must be a PlacementCost, got {type(cost).__name__}")
+    if isinstance(tolerance, bool) or not isinstance(tolerance, (int, float)) or not 0 <= tolerance < 1:
+        raise ValueError(f"tolerance must be a number in [0, 1), got {tolerance!r}")
     if chunk_size is None:
         chunk_size = _default_chunk_size(s, cp_size, balance, tile)
         if chunk_size == 0:
@@ -678,4 +709,5 @@ def plan(startend_row_indices: Union[torch.Tensor, FlashMask, None], causal: Opt
     if comm_rounds is None:
         comm_rounds = max(1, min(cp_size - 1, 3))
     comm_rounds = min(_check_int("comm_rounds", comm_rounds), max(cp_size - 1, 1))
-    return CPPlan(cols, causal, s, cp_size, balance, chunk_size, nodes, tile, comm_rounds, work, cost)
+    return CPPlan(cols, causal, s, cp_size, balance, chunk_size, nodes, tile, comm_rounds, work, cost,
+                  tolerance=float(tolerance))

@@ -18,7 +18,7 @@ from typing import Any, Optional
 MASK_KINDS = ("causal_document", "document", "shared_question", "prefix_document")
 ATTENTION_BACKENDS = ("flashmask3", "flex", "sdpa")
 ATTENTION_BACKWARD_CHOICES = ("auto", "split", "fused")
-BALANCE_CHOICES = ("sparse", "dual_chunk", "contiguous")
+BALANCE_CHOICES = ("sparse", "dual_chunk", "ptrr", "contiguous")
 COMM_CHOICES = ("overlap", "allgather")
 #: flashmask3.distributed.BACKWARD_CALL_MODES (kept here so the config imports no torch code)
 BACKWARD_CALLS_CHOICES = ("stage", "one", "local+one", "auto")
@@ -106,7 +106,7 @@ class TrainConfig:
         "help": "seconds a collective may wait before it raises (a failed rank cannot hang "
                 "the others longer than this)"})
     balance: str = field(default="sparse", metadata={
-        "help": "CP token ownership (dual_chunk = baseline)", "choices": BALANCE_CHOICES})
+        "help": "CP token ownership (dual_chunk = baseline, ptrr = torch's round-robin)", "choices": BALANCE_CHOICES})
     comm: str = field(default="overlap", metadata={
         "help": "CP K/V exchange (allgather = baseline)", "choices": COMM_CHOICES})
     backward_calls: str = field(default="auto", metadata={

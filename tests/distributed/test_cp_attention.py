@@ -32,6 +32,12 @@ def test_cp4_chunk_sizes_and_cp3_non_power_of_two():
     run_distributed(check_configs, 3, 96, ALL_MASKS, BALANCES, COMMS, [1, 3], [None, 4], 3)
 
 
+def test_cp4_ptrr_placement_every_mask():
+    """PyTorch's round-robin placement (tile-sized chunks scattered over the ranks) through the
+    runtime, flat and hierarchical, both comm modes."""
+    run_distributed(check_configs, 4, 128, ALL_MASKS, ["ptrr"], COMMS, [1, 2], [None, 16], 7)
+
+
 def test_triton_kernel_under_the_interpreter():
     """The rank-local masks (non-causal C=2/C=4) through the Triton kernel, as on GPUs. (The
     fused backward needs Hopper, so under the interpreter every backward is the split one.)"""

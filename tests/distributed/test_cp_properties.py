@@ -66,7 +66,7 @@ def _mask(name, seqlen, batch, heads, doc_seed):
 @given(name=st.sampled_from(MASK_NAMES + ["random_documents"]),
        cp_nodes=st.sampled_from([(2, 1), (3, 1), (4, 1), (4, 2), (6, 2), (6, 3), (8, 1), (8, 2),
                                  (8, 4), (12, 3), (16, 2), (16, 4), (16, 8)]),
-       chunks_per_rank=st.sampled_from([2, 4]), balance=st.sampled_from(["contiguous", "dual_chunk", "sparse"]),
+       chunks_per_rank=st.sampled_from([2, 4]), balance=st.sampled_from(["contiguous", "dual_chunk", "ptrr", "sparse"]),
        comm=st.sampled_from(["overlap", "allgather"]), calls=st.sampled_from(BACKWARD_CALL_MODES),
        batch=st.integers(1, 2), hk_ratio=st.sampled_from([(1, 1), (2, 1), (4, 2)]),
        per_head=st.booleans(), keep_kv=st.booleans(), window=st.sampled_from([None, None, 0, 3, 11]),

@@ -15,6 +15,7 @@ from flashmask3.distributed.plan import Round, Transfer, chunk_liveness
 from flashmask3.masks import SKIP, classify_tiles
 from flashmask3.masks.mask import to_dense
 from tests.helpers import LAYOUTS, named_masks, random_columns
+from flashmask3.distributed import BALANCES
 
 MASKS = named_masks(96, batch_size=2, num_heads=2)
 
@@ -22,7 +23,7 @@ MASKS = named_masks(96, batch_size=2, num_heads=2)
 @pytest.mark.parametrize("cp,nodes", [(4, 1), (4, 2), (3, 1)])
 def test_local_masks_every_mask_and_balance(cp, nodes):
     for name in sorted(MASKS):
-        for balance in ("contiguous", "dual_chunk", "sparse"):
+        for balance in BALANCES:
             _check_local_masks(MASKS[name], balance, cp, nodes)
 
 
@@ -76,6 +77,57 @@ def test_sparse_balances_document_masks():
         assert sum(sparse.works) == sum(dual.works) == int(sparse.chunk_work.sum())
 
 
+def test_ptrr_deals_sorted_chunks_in_snake_order_as_torch_does():
+    """balance="ptrr" is PyTorch's processing-time round-robin: the same groups as torch's own
+    ``_PTRRLoadBalancer.ptrr_scheduling`` on the plan's chunk works (ties kept in order)."""
+    docs = M.random_document_lengths(32768, 1500, seed=5)
+    mask = M.causal_document_mask(docs)
+    for cp in (4, 8, 16):
+        p = plan(mask, None, cp, balance="ptrr")
+        assert p.chunk_size == 128 and all(len(p.chunks(r)) == 256 // cp for r in range(cp))
+        order = np.argsort(-p.chunk_work, kind="stable")  # heaviest first
+        first, second = order[:cp], order[cp:2 * cp]
+        assert list(p.owner[first]) == list(range(cp))  # the first pass deals 0..P-1
+        assert list(p.owner[second]) == list(range(cp - 1, -1, -1))  # the next P-1..0
+        assert p.imbalance <= plan(mask, None, cp, balance="dual_chunk").imbalance
+        try:
+            from torch.distributed.tensor.experimental._context_parallel._load_balancer import \
+                _PTRRLoadBalancer
+        except ImportError:  # a torch without it: the snake checks above stand
+            continue
+        groups = _PTRRLoadBalancer.ptrr_scheduling(torch.as_tensor(p.chunk_work), cp)
+        for r in range(cp):
+            assert p.chunks(r) == tuple(groups[r].tolist())
+
+
+def test_ptrr_scatters_documents_so_ranks_need_nearly_all_keys():
+    """Why torch pairs PTRR with all-gather: each rank holds pieces of most documents."""
+    docs = M.random_document_lengths(65536, 4096, seed=6)
+    mask = M.causal_document_mask(docs)
+    ptrr, sparse = (plan(mask, None, 16, balance=b) for b in ("ptrr", "sparse"))
+    assert ptrr.imbalance < 1.02
+    assert ptrr.max_remote_kv_tokens > 2 * sparse.max_remote_kv_tokens
+    odd = plan(M.causal_document_mask([1000, 1000]), None, 2, balance="ptrr")
+    assert odd.chunk_size == 125 and odd.num_chunks == 16  # no 128-token split: largest below
+
+
+def test_sparse_tolerance_bounds_the_heaviest_rank():
+    """``tolerance`` is where the swaps stop: the heaviest rank within that fraction of the mean
+    (reachable on these masks), tighter never worse; bad values are refused."""
+    docs = M.random_document_lengths(65536, 3000, seed=7)
+    mask = M.causal_document_mask(docs)
+    for cp in (8, 32):
+        got = {tol: plan(mask, None, cp, balance="sparse", tolerance=tol) for tol in (0.08, 0.01, 0.0)}
+        for tol, p in got.items():
+            assert p.tolerance == tol
+            assert tol == 0.0 or p.imbalance <= 1 + tol  # (0: until no swap helps, ~1.002 here)
+        assert got[0.0].imbalance <= got[0.01].imbalance <= got[0.08].imbalance
+    assert plan(mask, None, 8).tolerance == 0.04
+    for bad in (-0.1, 1.0, "0.01", True):
+        with pytest.raises(ValueError, match="tolerance"):
+            plan(mask, None, 8, tolerance=bad)
+
+
 def test_pairs_work_model_counts_every_unmasked_pair():
     for name in ("causal_document", "qk_sparse", "global_sliding_window", "prefix_document"):
         mask = MASKS[name]
@@ -114,7 +166,7 @@ def test_overlap_moves_fewer_bytes_iff_a_remote_chunk_is_dead(causal, c):
     rank can skip some other rank's chunk, the same otherwise (random masks of every layout)."""
     for seed in range(6):
         cols = random_columns(1, 2, 64, 64, causal, c, seed=seed)
-        for balance in ("contiguous", "dual_chunk", "sparse"):
+        for balance in BALANCES:
             p = plan(cols, causal, 4, balance=balance, chunk_size=8)
             remote = p.owner[None, :] != np.arange(4)[:, None]
             dead = bool((remote & ~p.need).any())
@@ -284,7 +336,7 @@ def test_rank_needs_are_exact_or_conservative_on_random_masks():
         for seed in range(4):
             cols = random_columns(1, 2, 128, 128, causal, c, seed=seed)
             dense = to_dense(cols, causal, 128, 128).any(0).any(0)
-            for balance in ("contiguous", "dual_chunk", "sparse"):
+            for balance in BALANCES:
                 p = plan(cols, causal, 4, balance=balance, chunk_size=8)
                 for r in range(4):
                     dropped = torch.ones(128, dtype=torch.bool)
