@@ -64,6 +64,10 @@ CONFIGS = {
     "sparse+overlap bwd per stage": ("sparse", "overlap", False),
     "sparse+overlap torch returns": ("sparse", "overlap", False),
     "sparse+overlap hier torch returns": ("sparse", "overlap", True),
+    # PyTorch's document-aware placement in our runtime (session 37: the scale model predicts it
+    # ahead of sparse at cp 16, behind at cp 32-128)
+    "ptrr+allgather": ("ptrr", "allgather", False),
+    "ptrr+overlap hier": ("ptrr", "overlap", True),
 }
 #: Layouts whose backward calls the backend's whole ``backward`` once per stage (the runtime
 #: before the staged backward: pre-pass, dQ memset and scaling repeated per stage), for A/B.
