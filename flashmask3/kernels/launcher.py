@@ -301,11 +301,12 @@ class Bound:
         self.kernel, self.grid, self.kwargs = kernel, tuple(grid), kwargs
         self.args = tuple(args)
         self.slots = tuple(i for i, a in enumerate(self.args) if a is TENSOR or type(a) is Desc)
-        self.fast = None  # (device, entry, C argument list, per-slot parts) after a launch
+        # (device, entry, C argument list, per-slot parts) after a launch; False: never (_fast_parts)
+        self.fast = None
 
     def __call__(self, *tensors):
         fast = self.fast
-        if fast is None or not fast_launch_enabled() or self.kernel.pre_run_hooks:
+        if not fast or not fast_launch_enabled() or self.kernel.pre_run_hooks:
             return self._launch(tensors)
         device, entry, final, parts = fast
         if _driver.active.get_current_device() != device:
@@ -355,15 +356,19 @@ class Bound:
 
     def _fast_parts(self, args: list, tensors: tuple):
         """``(device, entry, C argument list, slot parts)`` for the fast path, from a call
-        that just launched with ``args``; None where it cannot be built (no raw launcher in
-        this Triton, an argument :func:`launch` does not key, a misaligned tensor)."""
+        that just launched with ``args``; False where it can never be built (no raw launcher
+        in this Triton, an argument :func:`launch` does not key: not tried again, so such a
+        Bound costs one :func:`launch` a call), None where this call's tensors prevent it (a
+        misaligned or non-contiguous tensor: the next call tries again)."""
         device = _driver.active.get_current_device()
         try:
             entry = _COMPILED.get(_launch_key(self.kernel, device, tuple(args), self.kwargs))
         except TypeError:
+            return False
+        if entry is None:
             return None
-        if entry is None or entry.raw is None or len(args) != entry.n_pos:
-            return None
+        if entry.raw is None or len(args) != entry.n_pos:
+            return False
         raw, c = entry.raw, entry.compiled
         full = args + [self.kwargs.get(name, default) for name, default in entry.tail]
         metas = dict(entry.descs)
@@ -376,7 +381,7 @@ class Bound:
             slot = self.args[i] if i < len(self.args) else None
             if i in metas:
                 if type(slot) is not Desc:
-                    return None  # a fixed descriptor: not a bound launch's argument
+                    return False  # a fixed descriptor: not a bound launch's argument
                 t = slots[i]
                 if t.data_ptr() & 15 or x.base.data_ptr() & 15 or not t.is_contiguous():
                     return None
@@ -390,10 +395,29 @@ class Bound:
                 parts.append((len(final), x.dtype, None, None, None, None))
                 final.append(None)
             elif type(x) is torch.Tensor:
-                return None  # a fixed tensor: not a bound launch's argument
+                return False  # a fixed tensor: not a bound launch's argument
             else:
                 final.append(x)
         return device, entry, final, tuple(parts)
+
+
+#: :func:`cached_bound`'s launches, by the caller's key.
+_BOUND: dict = {}
+_MAX_BOUND = 256
+
+
+def cached_bound(key: tuple, build) -> Bound:
+    """The :class:`Bound` launch kept under ``key`` (hashable: the kernel and everything that
+    fixes its launch but the tensors), made from ``build()`` = ``(kernel, grid, args, kwargs)``
+    on first use. For small kernels launched with the same configuration call after call (the
+    backward's pre-pass and dQ scaling): the key is a few values instead of :func:`launch`'s
+    walk over every argument."""
+    bound = _BOUND.get(key)
+    if bound is None:
+        if len(_BOUND) >= _MAX_BOUND:
+            _BOUND.clear()
+        bound = _BOUND[key] = Bound(*build())
+    return bound
 
 
 #: (descriptor class, dtype, shape, strides, block shape, layout) -> a validated descriptor
@@ -433,7 +457,8 @@ def descriptor(cls, tensor: torch.Tensor, block_shape: list, layout=None):
 
 
 def clear_cache() -> None:
-    """Forget every compiled kernel and descriptor template kept here (tests)."""
+    """Forget every compiled kernel, bound launch and descriptor template kept here (tests)."""
     _COMPILED.clear()
+    _BOUND.clear()
     _DESCRIPTORS.clear()
     _TMA_ARGS.clear()

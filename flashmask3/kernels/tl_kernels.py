@@ -21,7 +21,7 @@ try:  # host-side TMA descriptors (triton >= 3.3)
 except ImportError:  # pragma: no cover - older triton
     TensorDescriptor = None
 
-from .launcher import cdiv, descriptor, launch
+from .launcher import TENSOR, cached_bound, cdiv, descriptor, launch
 from .tiles import (LOG2E, NSTAT, PARTIAL, RANGE_WORDS, SKIP, UNMASKED, _NO_SPEC,  # noqa: F401
                     Config, Plan, _classify_rule, _clipped_tile_class, _column_intervals,
                     _element_masked, _key_block_ranges, _load_stats, _query_block_ranges,
@@ -568,10 +568,16 @@ def backward_prepass(out, dout, lse, dlse, dq_t: Optional[torch.Tensor] = None):
                     or dq_t.dtype != torch.float32 or not dq_t.is_contiguous()):
         raise ValueError(f"dq_t must be a contiguous fp32 [B, Hq, D, >= Sq] = [{b}, {hq}, {d}, "
                          f">= {sq}] tensor, got {dq_t.dtype} {tuple(dq_t.shape)}")
-    launch(_bwd_pre_kernel, (cdiv(sq, bm), b * hq), out, dout, lse.contiguous(), dl,
-           delta, lse2, dq_t if zero_dq else delta, sq, hq, dq_t.shape[3] if zero_dq else 0,
-           D=d, BLOCK_M=bm, HAS_DLSE=has_dlse, ZERO_DQ=zero_dq, num_warps=4)
+    pad = dq_t.shape[3] if zero_dq else 0
+    # bound once per configuration (launcher.cached_bound): a key of a few ints, not launch()'s
+    # walk over every argument
+    key = (_bwd_pre_kernel, b, sq, hq, d, has_dlse, zero_dq, pad, out.dtype, out.device)
+    bound = cached_bound(key, lambda: (
+        _bwd_pre_kernel, (cdiv(sq, bm), b * hq), (TENSOR,) * 7 + (sq, hq, pad),
+        dict(D=d, BLOCK_M=bm, HAS_DLSE=has_dlse, ZERO_DQ=zero_dq, num_warps=4)))
+    bound(out, dout, lse.contiguous(), dl, delta, lse2, dq_t if zero_dq else delta)
     return delta, lse2
+
 
 
 def dq_accumulator(b: int, sq: int, hq: int, d: int, device) -> torch.Tensor:
@@ -685,7 +691,10 @@ def scale_dq(dq_acc: torch.Tensor, softmax_scale: float, dtype: torch.dtype) -> 
     if dq.numel() == 0:
         return dq
     block_q = 64 if d <= 128 else 32
-    launch(_scale_dq_kernel, (cdiv(sq, block_q), b * hq),
-        dq_acc, dq, softmax_scale, sq, hq, dq_acc.stride(0), dq_acc.stride(1), dq_acc.stride(2),
-        dq_acc.stride(3), D=d, BLOCK_Q=block_q, num_warps=4)
+    strides = dq_acc.stride()
+    key = (_scale_dq_kernel, b, sq, hq, d, strides, softmax_scale, dtype, dq.device)
+    bound = cached_bound(key, lambda: (
+        _scale_dq_kernel, (cdiv(sq, block_q), b * hq), (TENSOR, TENSOR, softmax_scale, sq, hq, *strides),
+        dict(D=d, BLOCK_Q=block_q, num_warps=4)))
+    bound(dq_acc, dq)
     return dq

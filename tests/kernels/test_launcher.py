@@ -340,7 +340,7 @@ def test_bound_launch_passes_the_c_launcher_what_launch_passes(fast, monkeypatch
     x = torch.randn(64)
     bound(a, x, b)  # the normal path (compiles on a GPU); builds the fast path's parts
     assert [c[0] for c in kernel.calls] == ["slow"] and not recorded
-    assert bound.fast is not None
+    assert bound.fast
     _Driver.active.stream = 77
     want = via_launch(a, x, b)
     for stream in (77, 78):
@@ -371,7 +371,7 @@ def test_bound_launch_takes_the_normal_path_whenever_the_first_calls_kernel_may_
     a, b = torch.randn(256, 128).bfloat16(), torch.randn(96, 128).bfloat16()
     x = torch.randn(65)
     bound(a, x[:64], b)
-    assert bound.fast is not None
+    assert bound.fast
     args = (a, x[:64], b)
     if change == "misaligned":
         args = (a, x[1:], b)
@@ -405,10 +405,60 @@ def test_bound_launch_takes_the_normal_path_whenever_the_first_calls_kernel_may_
     assert len(recorded) == 1
 
 
+def test_bound_launch_without_a_raw_launcher_stops_trying_a_misaligned_first_call_retries(
+        fast, monkeypatch):
+    """Where the fast path can never be built (this Triton has no raw C launcher) a Bound goes
+    through ``launch`` once a call, without re-keying the call to try again; where only the
+    first call's tensors prevented it (misaligned), a later aligned call builds it."""
+    kernel = _Kernel()  # its compiled kernel has no raw launcher (compiled.run is used)
+    bound = launcher.Bound(kernel, (4,), (launcher.TENSOR, 8, 0.5), dict(BLOCK=16))
+    x = torch.randn(64)
+    keys = []
+    real_key = launcher._launch_key
+    with pytest.MonkeyPatch.context() as m:
+        m.setattr(launcher, "_launch_key", lambda *a: keys.append(a) or real_key(*a))
+        bound(x)
+        assert bound.fast is False
+        n = len(keys)
+        bound(x)
+        bound(x)
+        assert len(keys) == n + 2  # one key a call: launch()'s own
+    assert [c[0] for c in kernel.calls] == ["slow", "fast", "fast"]
+    retry, *_ = _bound_case(monkeypatch)  # a raw C launcher this time
+    a, b, y = torch.randn(256, 128).bfloat16(), torch.randn(96, 128).bfloat16(), torch.randn(65)
+    retry(a, y[1:], b)  # misaligned: not built, tried again next call
+    assert retry.fast is None
+    retry(a, y[:64], b)
+    assert retry.fast
+
+
 def test_bound_launch_checks_its_tensor_count(fast, monkeypatch):
     bound, *_ = _bound_case(monkeypatch)
     with pytest.raises(TypeError, match="takes 3 tensors, got 2"):
         bound(torch.randn(256, 128).bfloat16(), torch.randn(64))
+
+
+def test_cached_bound_builds_each_configuration_once_and_clears_with_the_cache():
+    """``cached_bound``: one Bound per key, built on first use; ``clear_cache`` drops them."""
+    launcher.clear_cache()
+    built = []
+
+    def build(tag):
+        built.append(tag)
+        return (_bound_kernel_stub, (4, 1), (launcher.TENSOR, 7), {"BLOCK": 16})
+
+    a = launcher.cached_bound(("k", 1), lambda: build("a"))
+    assert launcher.cached_bound(("k", 1), lambda: build("again")) is a and built == ["a"]
+    b = launcher.cached_bound(("k", 2), lambda: build("b"))
+    assert b is not a and built == ["a", "b"] and isinstance(b, launcher.Bound)
+    assert a.slots == (0,) and a.grid == (4, 1) and a.kwargs == {"BLOCK": 16}
+    launcher.clear_cache()
+    assert launcher.cached_bound(("k", 1), lambda: build("c")) is not a and built[-1] == "c"
+    launcher.clear_cache()
+
+
+class _bound_kernel_stub:  # (a Bound is built without launching; its kernel is not called here)
+    pre_run_hooks = ()
 
 
 def _case(seqlen=2048, heads=4, d=128, seed=0):
@@ -465,14 +515,20 @@ def test_gpu_bound_launches_with_new_tensors_equal_the_triton_launch_path(monkey
     monkeypatch.setenv(launcher.FAST_LAUNCH_ENV, "0")
     slow = [_run(*c) for c in cases]
     monkeypatch.setenv(launcher.FAST_LAUNCH_ENV, "1")
+    launcher.clear_cache()  # (only this signature's small bound launches from here on)
     _run(*_case(seed=20))  # the first fast-enabled call of the signature builds the fast path
     calls = list(tb._PREPARED_CALLS.values()) + [p.call for p in api._PREPARED.values()]
     bounds = [r.bound for c in calls if isinstance(c, tb.PreparedCall) for r in c._runs.values()]
-    assert bounds and all(b.fast is not None for b in bounds)
+    assert bounds and all(b.fast for b in bounds)
+    small = list(launcher._BOUND.values())  # the pre-pass and dQ scaling (launcher.cached_bound)
+    assert len(small) >= 2 and all(b.fast for b in small)
+    from tests.reference import rel_err
+
     for c, want in zip(cases, slow):
         got = _run(*c)
         for i in (0, 2, 3):
             torch.testing.assert_close(got[i], want[i], rtol=0, atol=0)
+        assert rel_err(got[1], want[1]) < 4e-3  # dQ: fp32 atomics add in a varying order
 
 
 @pytest.mark.gpu
