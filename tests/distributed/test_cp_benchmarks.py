@@ -51,8 +51,9 @@ def test_cp_single_gpu_cpu_mode(tmp_path):
     assert cp_single_gpu.main(args) == 0
     res = json.loads((tmp_path / "cp_runtime.json").read_text())["cp"]
     assert set(res["4"]) == {"dual_chunk+allgather", "sparse+allgather", "sparse+overlap",
-                             "sparse+overlap bwd per stage", "sparse+overlap torch returns"}
-    assert {"sparse+overlap hier", "sparse+overlap hier torch returns"} <= set(res["16"])
+                             "sparse+overlap bwd per stage", "sparse+overlap torch returns",
+                             "ptrr+allgather"}
+    assert {"sparse+overlap hier", "sparse+overlap hier torch returns", "ptrr+overlap hier"} <= set(res["16"])
     for cp, configs in res.items():
         for entry in configs.values():
             ranks = entry["ranks"]
