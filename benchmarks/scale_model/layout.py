@@ -273,5 +273,5 @@ def mask_sparsity(doc_lens: Sequence[int]) -> float:
     return 1.0 - pairs / (s * s)
 
 
-__all__ = ["PlanView", "RoundView", "view_plan", "document_plan_view", "file_tolerance", "LEGACY_TOLERANCE", "chunk_tile_matrix",
-           "program_chunk_matrices", "call_work", "mask_sparsity"]
+__all__ = ["PlanView", "RoundView", "view_plan", "document_plan_view", "file_tolerance", "LEGACY_TOLERANCE",
+           "chunk_tile_matrix", "program_chunk_matrices", "call_work", "mask_sparsity"]
