@@ -217,6 +217,11 @@ def planning_times(tokens_list, cps, spreads, heads, seed: int) -> list[dict]:
     return out
 
 
+def _span(values: list, fmt: str) -> str:
+    """``min-max`` of ``values``, each formatted with ``fmt``."""
+    return f"{min(values):{fmt}}-{max(values):{fmt}}"
+
+
 def _k(x: int) -> str:
     return f"{x / 1024:.1f}K"
 
@@ -266,13 +271,11 @@ def markdown(results: dict, timing: list, meta: dict, args, windows: dict = None
         f"Targets (sparse): imbalance ≤ 1.05 — worst {imb:.3f} ({'met' if imb <= 1.05 else 'NOT met'}); "
         f"max remote K/V ≤ 1.1× dual_chunk's — worst {ratio:.2f}× ({'met' if ratio <= 1.1 else 'NOT met'}). "
         f"{t}: imbalance worst {max(r[f'imbalance_{t}'] for r in rows):.3f}, max remote K/V "
-        f"{min(r[f'max_remote_tokens_{t}'] / max(1, r['max_remote_tokens_sparse']) for r in rows):.2f}-"
-        f"{max(r[f'max_remote_tokens_{t}'] / max(1, r['max_remote_tokens_sparse']) for r in rows):.2f}× "
-        f"sparse's, total K/V {min(r[f'kv_gib_overlap_{t}'] / r['kv_gib_overlap_sparse'] for r in rows):.2f}-"
-        f"{max(r[f'kv_gib_overlap_{t}'] / r['kv_gib_overlap_sparse'] for r in rows):.2f}× sparse's. "
-        f"ptrr: imbalance {min(r['imbalance_ptrr'] for r in rows):.3f}-{max(r['imbalance_ptrr'] for r in rows):.3f}, "
-        f"max remote K/V {min(r['max_remote_tokens_ptrr'] / max(1, r['max_remote_tokens_sparse']) for r in rows):.1f}-"
-        f"{max(r['max_remote_tokens_ptrr'] / max(1, r['max_remote_tokens_sparse']) for r in rows):.1f}× sparse's.",
+        f"{_span([r[f'max_remote_tokens_{t}'] / max(1, r['max_remote_tokens_sparse']) for r in rows], '.2f')}× "
+        f"sparse's, total K/V {_span([r[f'kv_gib_overlap_{t}'] / r['kv_gib_overlap_sparse'] for r in rows], '.2f')}× "
+        f"sparse's. ptrr: imbalance {_span([r['imbalance_ptrr'] for r in rows], '.3f')}, max remote K/V "
+        f"{_span([r['max_remote_tokens_ptrr'] / max(1, r['max_remote_tokens_sparse']) for r in rows], '.1f')}× "
+        "sparse's.",
     ] + (windows_markdown(windows, args) if windows else []) + [
         "",
         "## Planning time (`plan(mask, None, cp)`, balance=\"sparse\", one torch thread; wall and process CPU)",

@@ -30,6 +30,7 @@ from flashmask3.distributed.placement import DEFAULT_TOLERANCE  # noqa: E402
 from benchmarks.scale_model import calibrate  # noqa: E402
 from benchmarks.scale_model import experiment as X  # noqa: E402
 from benchmarks.scale_model import report, validate  # noqa: E402
+from benchmarks.scale_model.layout import LEGACY_TOLERANCE  # noqa: E402
 from benchmarks.scale_model.commands import (MODELS, _print_validation, _setup, _start_sweep,  # noqa: E402
                                              run_paper, run_sweep, run_validate)
 
@@ -130,7 +131,7 @@ def main(argv=None) -> int:
           "Placement of the predicted sparse plans: `plan(tolerance="
           + (f"{args.tolerance})` (--tolerance)" if args.tolerance is not None else
              f"{DEFAULT_TOLERANCE})`, the library default") + "; measured files are replanned with "
-          "the tolerance they record (0.04 where they record none).", "",
+          f"the tolerance they record ({LEGACY_TOLERANCE} where they record none).", "",
           "## Parameters", ""]
     md += report.params_table(cluster, costs, runtime) + [""]
     if args.cmd == "all":

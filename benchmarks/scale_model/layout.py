@@ -165,10 +165,9 @@ def _source(rounds, i: int) -> Optional[int]:
 
 
 def _key(doc_lens, causal, seqlen, cp, balance, nodes, tolerance=None) -> str:
-    # (tolerance None = the library default, which the code digest covers)
     h = hashlib.sha256(repr((CACHE_VERSION, list(doc_lens) if doc_lens is not None else None,
-                             causal, seqlen, cp, balance, nodes, _plan_code_digest())
-                            + (() if tolerance is None else (float(tolerance),))).encode())
+                             causal, seqlen, cp, balance, nodes, plan_tolerance(tolerance),
+                             _plan_code_digest())).encode())
     return h.hexdigest()[:24]
 
 
@@ -204,6 +203,16 @@ LEGACY_TOLERANCE = 0.04
 PLAN_TOLERANCE: Optional[float] = None
 
 
+def plan_tolerance(tolerance: Optional[float] = None) -> float:
+    """The ``plan(tolerance=...)`` a plan of this module is built with: ``tolerance``, else
+    :data:`PLAN_TOLERANCE`, else the library default."""
+    from flashmask3.distributed.placement import DEFAULT_TOLERANCE
+
+    if tolerance is None:
+        tolerance = DEFAULT_TOLERANCE if PLAN_TOLERANCE is None else PLAN_TOLERANCE
+    return float(tolerance)
+
+
 def file_tolerance(args: Optional[dict]) -> float:
     """The ``plan(tolerance=...)`` a measurement file's plans were built with (its ``args``)."""
     return float((args or {}).get("tolerance", LEGACY_TOLERANCE))
@@ -220,10 +229,7 @@ def document_plan(doc_lens: Sequence[int], cp: int, balance: str, nodes: int = 1
     import flashmask3.masks as M
     from flashmask3.distributed import plan
 
-    from flashmask3.distributed.placement import DEFAULT_TOLERANCE
-
-    tolerance = PLAN_TOLERANCE if tolerance is None else tolerance
-    tol = DEFAULT_TOLERANCE if tolerance is None else float(tolerance)
+    tol = plan_tolerance(tolerance)
     key = (tuple(int(n) for n in doc_lens), int(cp), balance, int(nodes), tol)
     got = _PLANS.get(key)
     if got is None:
@@ -244,8 +250,7 @@ def document_plan_view(doc_lens: Sequence[int], cp: int, balance: str, nodes: in
         p, seconds = document_plan(doc_lens, cp, balance, nodes, tolerance)
         return view_plan(p, p.startend_row_indices, True, seconds)
 
-    key = _key(doc_lens, True, int(sum(doc_lens)), cp, balance, nodes,
-               PLAN_TOLERANCE if tolerance is None else tolerance)
+    key = _key(doc_lens, True, int(sum(doc_lens)), cp, balance, nodes, tolerance)
     return cached_pickle(key + ".pkl", build, cache)
 
 
@@ -273,5 +278,6 @@ def mask_sparsity(doc_lens: Sequence[int]) -> float:
     return 1.0 - pairs / (s * s)
 
 
-__all__ = ["PlanView", "RoundView", "view_plan", "document_plan_view", "file_tolerance", "LEGACY_TOLERANCE",
+__all__ = ["PlanView", "RoundView", "view_plan", "document_plan_view", "file_tolerance", "plan_tolerance",
+           "LEGACY_TOLERANCE",
            "chunk_tile_matrix", "program_chunk_matrices", "call_work", "mask_sparsity"]

@@ -51,6 +51,7 @@ from benchmarks.scale_model.calibrate import tile_counts  # noqa: E402
 from benchmarks.scale_model.model import DENSE_7B, MOE_118B, _shape_key  # noqa: E402
 from flashmask3 import flashmask_attention  # noqa: E402
 from flashmask3.distributed import plan  # noqa: E402
+from flashmask3.distributed.placement import DEFAULT_TOLERANCE  # noqa: E402
 from flashmask3.masks import FlashMask  # noqa: E402
 
 
@@ -175,17 +176,16 @@ def stream_times(fn, device, per_call_ms: float, samples: int = OVERLAP_SAMPLES)
 
 
 def plan_calls(lens: list[int], spread: str, cp: int, balance: str, ranks=None, nodes=None,
-               tolerance=None):
+               tolerance: float = DEFAULT_TOLERANCE):
     """Yield ``(meta, local FlashMask, keys)`` for every stage call and the sorted (all-gather)
     call of ranks 0 and the busiest rank of one real plan (causal documents of ``lens``), or of
     ``ranks``; ``nodes`` default: hierarchical routing over ``cp // 8`` nodes for sparse plans;
-    ``tolerance``: ``plan()``'s (None: the library default; a file's: ``layout.file_tolerance``).
+    ``tolerance``: ``plan()``'s (a measured file's: ``layout.file_tolerance``).
     ``calibrate.attach_program_work`` rebuilds the measured calls through this same function."""
     mask = M.causal_document_mask(lens)
     if nodes is None:
         nodes = cp // 8 if (balance == "sparse" and cp > 8 and cp % 8 == 0) else 1
-    p = plan(mask, None, cp, balance=balance, nodes=nodes,
-             **({} if tolerance is None else {"tolerance": tolerance}))
+    p = plan(mask, None, cp, balance=balance, nodes=nodes, tolerance=tolerance)
     works = p.works
     base = {"spread": spread, "cp": cp, "balance": balance, "nodes": nodes}
     if ranks is None:
@@ -393,8 +393,6 @@ def main(argv=None) -> int:
 
 def _args_dict(args) -> dict:
     """The command-line arguments as written to the files (the document lengths apart)."""
-    from flashmask3.distributed.placement import DEFAULT_TOLERANCE
-
     # the plans' tolerance (plan_calls: the library default), so the calibration rebuilds them
     return dict({k: v for k, v in vars(args).items() if k != "doc_lens"}, tolerance=DEFAULT_TOLERANCE)
 

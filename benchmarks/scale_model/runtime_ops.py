@@ -319,11 +319,9 @@ def rank_device_work(doc_lens, cp: int, balance: str, nodes: int, comm: str, bac
     plan views, keyed on the inputs and the runtime's and exchange's source."""
     import hashlib
 
-    from . import layout
     from .layout import _key, cached_pickle, document_plan
 
-    plan_key = _key(doc_lens, True, int(sum(doc_lens)), cp, balance, nodes, layout.PLAN_TOLERANCE)
-    key = hashlib.sha256(repr((DEVICE_CACHE_VERSION, plan_key,
+    key = hashlib.sha256(repr((DEVICE_CACHE_VERSION, _key(doc_lens, True, int(sum(doc_lens)), cp, balance, nodes),
                                comm, backward_calls, heads, kv_heads, head_dim,
                                _runtime_code_digest())).encode()).hexdigest()[:24]
 

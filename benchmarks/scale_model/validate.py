@@ -572,9 +572,9 @@ def _recorded_ranks(res: dict, cost: AttentionCost, shape: AttnShape, need: str 
     a, lens = res["args"], res["lengths"]
     mask = M.causal_document_mask(lens)
     rows = []
+    tol = file_tolerance(a)
     for cp, configs in res["cp"].items():
         for e in configs.values():
-            tol = file_tolerance(a)
             view = document_plan_view(lens, int(cp), e["balance"], e["nodes"], tolerance=tol)
             p = make_plan(mask, None, int(cp), balance=e["balance"], nodes=e["nodes"], tolerance=tol)
             comm, name = e["comm"], f"cp {cp} {e['config']}"

@@ -579,7 +579,6 @@ def backward_prepass(out, dout, lse, dlse, dq_t: Optional[torch.Tensor] = None):
     return delta, lse2
 
 
-
 def dq_accumulator(b: int, sq: int, hq: int, d: int, device) -> torch.Tensor:
     """An uninitialised fp32 dQᵀ accumulator ``[B, Hq, D, Sq_pad]`` of the fused backward
     (Sq_pad: Sq rounded up to 4, a 16-byte row stride for TMA), to be zeroed by
