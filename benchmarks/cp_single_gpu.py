@@ -13,7 +13,7 @@ flat and hierarchical (``nodes = cp / 8``, 8 GPUs a node), ``sparse+overlap bwd 
 (the flat layout with one whole backend backward per stage instead of the staged backward: the
 A/B of kernels/staged.py) and ``sparse+overlap torch returns`` (the returned gradients summed by
 torch ops instead of kernels/returns.py: its A/B). Causal document masks from the real corpus lengths of
-benchmarks/corpus.py. ``--backward-calls stage one local+one`` measures every overlap layout
+benchmarks/corpus.py. ``--backward-calls stage one local+one one+local`` measures every overlap layout
 once per mode (entries ``"<layout> bwd=<mode>"``; ``auto``, the default, keeps the layout's
 name): the A/B of the overlapped backward's calls (docs/cp-runtime.md "Backward calls").
 
@@ -21,7 +21,7 @@ name): the A/B of the overlapped backward's calls (docs/cp-runtime.md "Backward 
     python benchmarks/cp_single_gpu.py --device cpu --tokens 4096 --cp 4 8 --heads 2 \\
         --kv-heads 1 --head-dim 16 --dtype float32 --iters 1 --warmup 0   # CPU dry run
     python benchmarks/cp_single_gpu.py --cp 16 32 --configs sparse+overlap "sparse+overlap hier" \
-        --backward-calls stage one local+one --check          # A/B of the backward's calls
+        --backward-calls stage one one+local --check          # A/B of the backward's calls
 
 Ranks: all at cp <= ``--all-ranks-up-to`` (8), else the ``--heaviest`` (8) heaviest by
 attention work plus ``--random`` (8) others drawn with ``--seed``, and the rank needing the

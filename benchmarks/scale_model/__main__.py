@@ -26,6 +26,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspa
 from tqdm import tqdm  # noqa: E402
 
 from flashmask3.distributed.placement import DEFAULT_TOLERANCE  # noqa: E402
+from flashmask3.distributed.program import BACKWARD_CALL_MODES  # noqa: E402
 
 from benchmarks.scale_model import calibrate  # noqa: E402
 from benchmarks.scale_model import experiment as X  # noqa: E402
@@ -68,9 +69,9 @@ def main(argv=None) -> int:
                    help="GQA K/V expansion rule of the backward (default: the library's, dispatch.kv_expansion)")
     g.add_argument("--order", choices=["launch", "longest"], default=None,
                    help="program launch order of both kernels (longest: by descending live tiles)")
-    g.add_argument("--bwd-calls", choices=["stage", "one", "local+one", "auto"], default="auto",
+    g.add_argument("--bwd-calls", choices=list(BACKWARD_CALL_MODES), default="auto",
                    help="the overlapped backward: one call per stage, one per layer, own keys + one, "
-                   "or the runtime's default rule per plan (auto)")
+                   "one + own keys (remote first), or the runtime's default rule per plan (auto)")
     g.add_argument("--refetch-kv", action="store_true",
                    help="the overlapped backward fetches the K/V again (the runtime's keep_kv=False; "
                    "default: it reuses the forward's)")

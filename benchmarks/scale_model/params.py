@@ -129,6 +129,7 @@ class Runtime:
     #: ``backward_stage`` call per stage as its K/V arrives (the runtime now); ``"one"`` one call
     #: per layer over every needed key once all K/V arrived, the dK/dV returns after it (exposed);
     #: ``"local+one"`` the rank's own keys first (no wait), then one call over the remote keys;
+    #: ``"one+local"`` the remote keys' call first, its returns in flight during the own keys' call;
     #: ``"auto"`` (default) the runtime's rule per plan (flashmask3.distributed.program
     #: .auto_backward_calls), so the model predicts what the runtime runs by default
     bwd_calls: str = "auto"

@@ -44,8 +44,8 @@ def params_table(cluster, costs, runtime) -> list[str]:
 
     calls = getattr(runtime, "bwd_calls", "stage")
     lines.append(f"| overlapped backward calls | {calls}"
-                 + (f" (the runtime's rule per plan: one for hierarchical and <= {AUTO_FLAT_MAX_CP}-rank flat "
-                    "plans, stage beyond)"
+                 + (f" (the runtime's rule per plan: one for hierarchical plans, one+local for flat plans "
+                    f"of <= {AUTO_FLAT_MAX_CP} ranks, stage beyond)"
                     if calls == "auto" else "") + " | the runtime's backward_calls |")
     keep = getattr(runtime, "keep_kv", False)
     lines.append(f"| overlapped backward's K/V | {'kept from the forward (no K/V rounds)' if keep else 'fetched again'}"

@@ -16,6 +16,10 @@ overlap rules of the runtime (docs/cp-runtime.md):
     sent in ``j``); a round that relays have forwarded from (the cross-node round) is returned
     only after the relay's own gradient receives of the relay round arrived (relays sum, then
     forward). The rank is done when its stages are done and every gradient it waits for arrived.
+    Merged backward calls (``bwd_calls``): ``"one"`` one call once every round arrived, every
+    return after it; ``"local+one"`` the own stage first; ``"one+local"`` the remote stages'
+    call first, every return posted after it, then the own stage (after the relay rounds'
+    gradients arrived: the runtime's relay sums wait on the compute stream).
 ``comm="allgather"``
     forward: all-gather of K/V (exposed), then one call over the needed keys; backward:
     all-gather (exposed), one backward call, reduce-scatter of dK/dV (exposed).
@@ -399,6 +403,29 @@ def _merged_backward_tasks(view: PlanView, r: int, cost: AttentionCost, cluster:
     return tasks
 
 
+def _remote_first_tasks(view: PlanView, r: int, cost: AttentionCost, cluster: Cluster, shape: AttnShape,
+                        gpu_scale: float, device_terms: bool = True) -> list[_Task]:
+    """``"one+local"``: one call over the remote stages once every K/V round arrived (its
+    done signals post every round's dK/dV return), then the own stage's call. The runtime issues
+    the returns that sum relays' returns last and their sums wait on the compute stream, so
+    the own call waits until the relay rounds' gradients reached this rank."""
+    stages = view.stages[r]
+    n = len(stages)
+    rest = merge_calls(stages[1:])
+    work, have = 0.0, False
+    if rest is not None and rest.live:
+        work = _backward_call_seconds(cost, cluster, shape, rest, gpu_scale, True, device_terms)
+        have = True
+    tasks = [_Task(work, tuple(("recv", "kv", j) for j in range(n - 1)), ("stage", 1))]
+    tasks += [_Task(0.0, (), ("stage", s)) for s in range(2, n)]
+    own = 0.0
+    if stages[0].live:
+        own = _backward_call_seconds(cost, cluster, shape, stages[0], gpu_scale, not have, device_terms)
+    relays = tuple(("recv", "grad", j) for j, rnd in enumerate(view.rounds) if rnd.relay)
+    tasks.append(_Task(own, relays, ("stage", 0)))
+    return tasks
+
+
 def simulate_overlap(view: PlanView, cost: AttentionCost, cluster: Cluster, shape: AttnShape,
                      backward: bool, bwd_calls: str = "stage", keep_kv: bool = False,
                      device_terms: bool = True) -> PassResult:
@@ -410,7 +437,9 @@ def simulate_overlap(view: PlanView, cost: AttentionCost, cluster: Cluster, shap
     gpu_scale = cluster.gpu_scale.value
     bwd_calls = resolve_bwd_calls(view, bwd_calls)
     if backward and bwd_calls != "stage":
-        tasks = [_merged_backward_tasks(view, r, cost, cluster, shape, gpu_scale, bwd_calls == "local+one",
+        tasks = [_remote_first_tasks(view, r, cost, cluster, shape, gpu_scale, device_terms)
+                 if bwd_calls == "one+local" else
+                 _merged_backward_tasks(view, r, cost, cluster, shape, gpu_scale, bwd_calls == "local+one",
                                         device_terms) for r in range(view.cp_size)]
     else:
         tasks = [_stage_tasks(view, r, cost, cluster, shape, gpu_scale, backward, device_terms)
@@ -516,8 +545,8 @@ def host_seconds(view: PlanView, r: int, comm: str, cluster: Cluster, runtime) -
     stages = sum(1 for t in view.stages[r] if t.live)
     msgs = _messages_per_rank(view)[r]
     chunks = sum(view.stage_chunks[r][1:])
-    bwd = {"stage": stages, "one": min(1, stages),
-           "local+one": int(view.stages[r][0].live > 0) + int(any(t.live for t in view.stages[r][1:]))}
+    two = int(view.stages[r][0].live > 0) + int(any(t.live for t in view.stages[r][1:]))
+    bwd = {"stage": stages, "one": min(1, stages), "local+one": two, "one+local": two}
     # forward + backward_stage calls, backward_prepare/finish once
     calls = stages + bwd[resolve_bwd_calls(view, getattr(runtime, "bwd_calls", "stage"))] + 2
     ops = runtime.host_ops(2 * len(view.stages[r]), msgs, chunks, calls)

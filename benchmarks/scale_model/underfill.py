@@ -102,7 +102,8 @@ def rank_calls(view: PlanView, r: int, cost: AttentionCost, shape: AttnShape, co
     st = view.stages[r]
     bwd_calls = resolve_bwd_calls(view, bwd_calls)
     bwd = {"stage": list(enumerate(st)), "one": [("all", merge_calls(st))],
-           "local+one": [(0, st[0]), ("all", merge_calls(st[1:]))]}[bwd_calls]
+           "local+one": [(0, st[0]), ("all", merge_calls(st[1:]))],
+           "one+local": [("all", merge_calls(st[1:])), (0, st[0])]}[bwd_calls]
     out += [call_underfill(staged, t, "bwd", shape, s) for s, t in bwd if t is not None and t.live]
     return out
 

@@ -24,15 +24,16 @@ from .plan import to_device_pinned
 #: How :func:`~.runtime.backward_overlap` calls the staged backward: one call per stage as its K/V
 #: arrives (``"stage"``); one call over the own and every remote stage once every round arrived
 #: (``"one"``: the dK/dV returns go out after it); the own stage first while the remote K/V
-#: arrive, then one call over every remote stage (``"local+one"``). ``"auto"`` picks one per
-#: plan (:func:`auto_backward_calls`).
-BACKWARD_CALLS = ("stage", "one", "local+one")
+#: arrive, then one call over every remote stage (``"local+one"``); one call over every remote
+#: stage first, then the own stage while their dK/dV returns travel (``"one+local"``).
+#: ``"auto"`` picks one per plan (:func:`auto_backward_calls`).
+BACKWARD_CALLS = ("stage", "one", "local+one", "one+local")
 #: ``backward_calls`` values the API takes: :data:`BACKWARD_CALLS` and ``"auto"`` (the plan's rule).
 BACKWARD_CALL_MODES = BACKWARD_CALLS + ("auto",)
 
-#: ``"auto"`` keeps one call per stage on flat plans of more ranks than this (one node of 8
-#: GPUs in the scale model; see :func:`auto_backward_calls`).
-AUTO_FLAT_MAX_CP = 8
+#: ``"auto"`` calls the remote keys first (``"one+local"``) on flat plans of at most this many
+#: ranks and one call per stage beyond (see :func:`auto_backward_calls`).
+AUTO_FLAT_MAX_CP = 16
 
 
 def auto_backward_calls(plan) -> str:
@@ -40,14 +41,14 @@ def auto_backward_calls(plan) -> str:
     with its ``nodes`` and ``cp_size``, e.g. the scale model's plan view); the same on every
     rank, so every rank issues its gradient returns in the same order.
 
-    ``"one"`` for hierarchical plans (``nodes > 1``) and for flat plans of at most
-    :data:`AUTO_FLAT_MAX_CP` ranks; ``"stage"`` for flat plans beyond that, whose last rounds
-    cross nodes without relays: waiting for them before computing anything costs more than the
-    calls save. The scale model's numbers behind the rule are in docs/cp-runtime.md
-    ("Backward calls")."""
-    if plan.nodes > 1 or plan.cp_size <= AUTO_FLAT_MAX_CP:
+    ``"one"`` for hierarchical plans (``nodes > 1``); ``"one+local"`` for flat plans of at most
+    :data:`AUTO_FLAT_MAX_CP` ranks (the remote keys' dK/dV travel while the own keys compute);
+    ``"stage"`` for larger flat plans, whose many cross-node returns take longer than the own
+    keys' call hides: leaving stage by stage spreads them over the whole backward. The scale
+    model's numbers behind the rule are in docs/cp-runtime.md ("Backward calls")."""
+    if plan.nodes > 1:
         return "one"
-    return "stage"
+    return "one+local" if plan.cp_size <= AUTO_FLAT_MAX_CP else "stage"
 
 
 def resolve_backward_calls(backward_calls: str, plan, name: str = "backward_calls") -> str:
@@ -135,15 +136,16 @@ class RoundProgram:
 
 @dataclass
 class MergedBackward:
-    """One backward call over several stages (``"one"``: every stage, ``"local+one"``: the
-    remote ones), precomputed once per plan. Its keys are the pass's whole key buffer (which
-    holds exactly the merged stages, ``RankProgram.key_first`` on).
+    """One backward call over several stages (``"one"``: every stage, ``"local+one"`` and
+    ``"one+local"``: the remote ones), precomputed once per plan. Its keys are the pass's whole
+    key buffer (which holds exactly the merged stages, ``RankProgram.key_first`` on).
 
     ``cols``: their mask columns (the arrival-order local mask from the first merged stage's
     keys on, since a stage's columns are per key and its rows are the rank's queries); ``own``:
     the own stage's rows in the call's dK/dV (``None``: not merged or empty); ``pieces``:
-    ``(round, start, stop)`` of every round in backward order: its stage's dK/dV rows in the
-    call's output (empty for a round without a stage)."""
+    ``(round, start, stop)`` of every round in the order its return is issued
+    (:func:`merged_send_order`): its stage's dK/dV rows in the call's output (empty for a round
+    without a stage)."""
 
     first_stage: int
     cols: Optional[torch.Tensor]
@@ -183,7 +185,7 @@ class RankProgram:
     #: some direct round sends a slice of the own wire rows (else only the packed rows are built)
     sends_own_rows: bool = False
     backward_calls: str = "stage"  # BACKWARD_CALLS, resolved ("auto" never)
-    merged: Optional[MergedBackward] = None  # backward_calls "one" / "local+one"
+    merged: Optional[MergedBackward] = None  # backward_calls other than "stage"
     n_recv: int = 0  # rows of one pass's receive buffer (every round's, in round order)
     #: (own stage rows, direct returns) -> own chunk, as kernels/returns.py's indexes (overlap)
     returns_index: Optional[tuple] = None
@@ -266,6 +268,15 @@ def backward_order(rounds) -> list[int]:
         if children[t]:
             order += family(t)
     return order + [t for t in direct if not children[t]]
+
+
+def merged_send_order(rounds, order: list[int]) -> list[int]:
+    """The order a merged backward call's gradient returns are issued in: ``order`` (the
+    backward order) with every round that sums relays' returns (``children``) moved behind the
+    others. Summing waits for the children's returns on the compute stream, so a return issued
+    after it would wait too; the rounds with children keep their relative order, in which every
+    child comes before its source. A property of the plan's rounds, the same on every rank."""
+    return [t for t in order if not rounds[t].children] + [t for t in order if rounds[t].children]
 
 
 def _send_slice(send_rows: list[int], pack: list[int]) -> tuple[bool, int, int]:
@@ -404,12 +415,12 @@ def _key_index(rows: list[int], starts: tuple[int, ...], device, keep) -> dict:
 
 
 def _merged_backward(calls, stages, rounds, order, key_starts, cols, cs, device, keep) -> MergedBackward:
-    """The :class:`MergedBackward` of ``calls`` ("one" / "local+one") over the held stages
+    """The :class:`MergedBackward` of ``calls`` (not "stage") over the held stages
     (``key_starts``, :func:`_key_rows`); ``cols``: the arrival-order local mask columns."""
     first = 0 if calls == "one" else 1
     own = (0, len(stages[0])) if first == 0 and stages[0] else None
     start = {r.index: key_starts[r.index + 1 - first] for r in rounds}  # stage r + 1's chunks
-    pieces = tuple((t, start[t], start[t] + rounds[t].stage_size) for t in order)
+    pieces = tuple((t, start[t], start[t] + rounds[t].stage_size) for t in merged_send_order(rounds, order))
     key_start = sum(len(x) for x in stages[:first]) * cs
     merged_cols = None
     if key_starts[-1]:

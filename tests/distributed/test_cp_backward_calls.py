@@ -21,7 +21,7 @@ from tests.distributed.test_cp_runtime import _Recording, _RecordingBackend, _fu
 from tests.distributed.workers import backward_calls_suite, split_hierarchical
 from tests.reference import reference_attention
 
-MERGED = ("one", "local+one")
+MERGED = ("one", "local+one", "one+local")
 
 
 @pytest.mark.parametrize("world,seqlen,nodes", [(2, 64, [2]), (4, 128, [2])])
@@ -79,7 +79,8 @@ def test_emulated_gradients_match_reference_and_stage(cp, nodes):
 @pytest.mark.parametrize("cp,nodes", [(8, 1), (16, 2), (32, 4)])
 def test_fewer_kernel_calls_with_one(cp, nodes):
     """The heaviest rank's layer: "one" makes one backward stage call (plus prepare and finish)
-    where "stage" makes one per stage, "local+one" two; the runtime's own launches do not grow."""
+    where "stage" makes one per stage, "local+one" and "one+local" two; the runtime's own launches
+    do not grow."""
     _, p = _plan(max(4096, 128 * cp), cp, nodes)
     rank = _full_rank(p)
     q, k, v, do = _global_inputs(p, hq=2, hk=1)
@@ -87,7 +88,8 @@ def test_fewer_kernel_calls_with_one(cp, nodes):
     stages = sum(1 for s in p.stages(rank) if s)
     assert stages >= 3
     calls = {c: n.attention_calls for c, n in counts.items()}
-    assert calls == {"stage": stages + stages + 2, "one": stages + 1 + 2, "local+one": stages + 2 + 2}
+    assert calls == {"stage": stages + stages + 2, "one": stages + 1 + 2, "local+one": stages + 2 + 2,
+                     "one+local": stages + 2 + 2}
     for c in MERGED:
         assert counts[c].launches <= counts["stage"].launches, (c, counts[c].by_op, counts["stage"].by_op)
         assert counts[c].syncs == 0
@@ -101,7 +103,7 @@ def test_merged_program_layout():
     rank = _full_rank(p)
     stage = prepare_rank(p, rank, "cpu", backward_calls="stage")
     assert stage.merged is None and stage.backward_calls == "stage"
-    for calls, first in (("one", 0), ("local+one", 1)):
+    for calls, first in (("one", 0), ("local+one", 1), ("one+local", 1)):
         prog = prepare_rank(p, rank, "cpu", backward_calls=calls)
         m = prog.merged
         assert m.first_stage == first and prog.backward_calls == calls
@@ -109,7 +111,11 @@ def test_merged_program_layout():
         assert torch.equal(m.cols, want)
         assert prog.key_first == first and prog.n_keys * p.chunk_size == want.shape[2]
         assert prog.key_rows.numel() == prog.n_keys
-        assert [t for t, _, _ in m.pieces] == prog.backward_order
+        sent = [t for t, _, _ in m.pieces]  # the backward order, rounds summing relays' returns last
+        assert sorted(sent) == sorted(prog.backward_order)
+        summing = [t for t in prog.backward_order if prog.rounds[t].children]
+        assert summing and sent[-len(summing):] == summing
+        assert sent[:-len(summing)] == [t for t in prog.backward_order if t not in summing]
         sizes = {t: z - a for t, a, z in m.pieces}
         assert sizes == {r.index: r.stage_size for r in prog.rounds}
         assert (m.own is not None) == (first == 0)
@@ -119,7 +125,8 @@ def test_merged_program_layout():
 
 def test_merged_schedules():
     """ "one": every round is waited for before the one backward call and every return leaves
-    after it; "local+one": the own stage computes before the first wait. With the forward's
+    after it; "local+one": the own stage computes before the first wait; "one+local": every
+    return is issued between the remote stages' call and the own stage's. With the forward's
     K/V kept (``keep_kv``) the backward starts no K/V round and waits for none."""
     _, p = _plan(4096, 8, 2)
     rank = _full_rank(p)
@@ -140,7 +147,10 @@ def test_merged_schedules():
         returns = [i for i, e in enumerate(bwd) if e[0] == "start" and e[2]]
         assert len(attn) == (1 if calls == "one" else 2), (calls, bwd)
         assert len(waits) == n and len(returns) == n
-        assert max(waits) < attn[-1] < min(returns), (calls, bwd)
+        if calls == "one+local":
+            assert max(waits) < attn[0] < min(returns) and max(returns) < attn[1], (calls, bwd)
+        else:
+            assert max(waits) < attn[-1] < min(returns), (calls, bwd)
         if calls == "local+one":
             assert attn[0] < min(waits)
 
@@ -187,7 +197,8 @@ def test_kept_kv_gradients_equal_refetched(cp, nodes):
 
 
 def test_auto_rule_and_bad_values():
-    """``"auto"``: "one" for hierarchical plans and flat plans of <= 8 ranks, "stage" beyond;
+    """``"auto"``: "one" for hierarchical plans, "one+local" for flat plans of <= 16 ranks, "stage"
+    beyond;
     the scale model resolves "auto" with the same function; bad values are ValueErrors."""
     from benchmarks.scale_model.params import Runtime
     from benchmarks.scale_model.timeline import BWD_CALLS, resolve_bwd_calls
@@ -199,7 +210,7 @@ def test_auto_rule_and_bad_values():
 
     rule = {(cp, n): auto_backward_calls(View(cp, n)) for cp, n in ((2, 1), (8, 1), (16, 1), (64, 1),
                                                                     (16, 2), (64, 8))}
-    assert rule == {(2, 1): "one", (8, 1): "one", (16, 1): "stage", (64, 1): "stage",
+    assert rule == {(2, 1): "one+local", (8, 1): "one+local", (16, 1): "one+local", (64, 1): "stage",
                     (16, 2): "one", (64, 8): "one"}
     assert Runtime().bwd_calls == "auto"
     for key, want in rule.items():

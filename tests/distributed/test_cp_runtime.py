@@ -16,7 +16,7 @@ import torch
 import flashmask3.masks as M
 from benchmarks.corpus import document_spreads
 from benchmarks.cp_single_gpu import GATHER_KERNEL, RETURNS_KERNEL, STAGED_BACKWARD, Without
-from flashmask3.distributed import EmulatedExchange, LaunchCounter, plan, prepare_rank, run_layer
+from flashmask3.distributed import BACKWARD_CALLS, EmulatedExchange, LaunchCounter, plan, prepare_rank, run_layer
 from flashmask3.distributed.comm import node_ids, node_layout_error
 from flashmask3.distributed.launches import not_counted
 from flashmask3.distributed.runtime import merge_stages, to_wire
@@ -94,7 +94,7 @@ def test_key_buffer_rows_and_send_views(nodes):
     p = _corpus_plan(4096, 8, nodes)
     kinds = set()
     for rank in range(p.cp_size):
-        for calls in ("stage", "one", "local+one"):
+        for calls in BACKWARD_CALLS:
             prog = prepare_rank(p, rank, "cpu", backward_calls=calls)
             assert prog.key_first == (0 if calls == "one" else 1)
             store = list(prog.own_chunks) if prog.key_first == 0 else []
@@ -140,8 +140,8 @@ def test_launch_budget_per_layer(cp):
         assert c.syncs == 0, tag
         # overlap: a forward call per stage, backward calls by backward_calls (tests/distributed/
         # test_cp_backward_calls.py), one backward prepare and finish
-        bwd = {"stage": stages, "one": 1, "local+one": stages and (bool(prog.stage_chunks[0])
-                                                                    + (stages > bool(prog.stage_chunks[0])))}
+        two = stages and (bool(prog.stage_chunks[0]) + (stages > bool(prog.stage_chunks[0])))
+        bwd = {"stage": stages, "one": 1, "local+one": two, "one+local": two}
         want = 2 * stages if comm == "allgather" else stages + bwd[prog.backward_calls] + 2
         assert c.attention_calls == want, tag
         assert torch.isfinite(q.grad).all() and torch.isfinite(k.grad).all()
@@ -474,6 +474,7 @@ def test_relay_returns_summed_by_one_launch_equal_the_torch_sum(calls):
 
 @pytest.mark.parametrize("nodes,comm,calls,keep", [(1, "overlap", "stage", True), (1, "overlap", "one", False),
                                                    (2, "overlap", "local+one", True),
+                                                   (2, "overlap", "one+local", True),
                                                    (2, "overlap", "one", True), (1, "allgather", "stage", True)])
 def test_gather_kernel_in_the_runtime_equals_the_torch_gather(nodes, comm, calls, keep):
     """The stages' keys gathered by kernels/gather.py (the Triton backend, interpreter) give
@@ -498,7 +499,8 @@ def test_gather_kernel_in_the_runtime_equals_the_torch_gather(nodes, comm, calls
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("nodes,comm,calls", [(1, "overlap", "stage"), (1, "overlap", "one"),
-                                              (2, "overlap", "local+one"), (1, "allgather", "auto")])
+                                              (2, "overlap", "local+one"), (2, "overlap", "one+local"),
+                                              (1, "allgather", "auto")])
 def test_gpu_cp_layer_cuda_graph_replays_with_new_inputs(nodes, comm, calls):
     """One rank's layer (forward + the q/k/v gradients through the staged runtime, the exchange
     emulated by device copies) captured once in a CUDA graph and replayed with new q/k/v/dout

@@ -6,7 +6,7 @@ import torch
 import torch.distributed as dist
 
 from flashmask3 import flashmask_attention
-from flashmask3.distributed import cp_flashmask_attention, plan
+from flashmask3.distributed import BACKWARD_CALL_MODES, cp_flashmask_attention, plan
 from tests.helpers import named_masks
 
 B, HQ, HK, D = 2, 4, 2, 16
@@ -323,8 +323,8 @@ def _run_calls(q, k, v, do, p, rank, backward_calls, keep_kv=True):
 def backward_calls_suite(rank, world, seqlen, node_counts, seed):
     """Every ``backward_calls`` on ``world`` gloo ranks, float64 end to end: document masks
     (causal and not), GQA (Hq = 4, Hk = 2), flat plans and hierarchical ones for every node count
-    in ``node_counts``: out/dq/dk/dv match the float64 dense reference, and "one"/"local+one"
-    match "stage" to rounding; then a bad value is a ValueError on every rank."""
+    in ``node_counts``: out/dq/dk/dv match the float64 dense reference, and every merged mode
+    matches "stage" to rounding; then a bad value is a ValueError on every rank."""
     from tests.reference import reference_attention
 
     masks = named_masks(seqlen, batch_size=B, num_heads=HK)
@@ -339,9 +339,9 @@ def backward_calls_suite(rank, world, seqlen, node_counts, seed):
             for nodes in (1, *node_counts):
                 p = plan(mask, None, world, balance=balance, nodes=nodes)
                 p = split_hierarchical(p) if world > nodes else p  # one rank a node: as planned
-                got = {c: _run_calls(q, k, v, do, p, rank, c) for c in ("stage", "one", "local+one", "auto")}
+                got = {c: _run_calls(q, k, v, do, p, rank, c) for c in BACKWARD_CALL_MODES}
                 got |= {f"{c}, refetched": _run_calls(q, k, v, do, p, rank, c, keep_kv=False)
-                        for c in ("stage", "one")}
+                        for c in ("stage", "one", "one+local")}
                 for calls, res in got.items():
                     tag = f"rank {rank} {name} {balance} nodes={nodes} backward_calls={calls}"
                     _check_against(ref, p, rank, res, tag, rtol=1e-10, atol=1e-10)

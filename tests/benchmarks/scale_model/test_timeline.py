@@ -278,9 +278,10 @@ def test_merged_calls_add_tiles_and_chain_the_key_blocks():
     assert merge_calls([TileCounts(0, 0, 256, 128)]) is None
     v, c = _relay_case()
     c = cluster(host_op=Param(1.0, "1 s per op"))
-    ops = {k: host_seconds(v, 3, "overlap", c, Runtime("lean", bwd_calls=k)) for k in ("stage", "one", "local+one")}
+    ops = {k: host_seconds(v, 3, "overlap", c, Runtime("lean", bwd_calls=k))
+           for k in ("stage", "one", "local+one", "one+local")}
     # 2 live stages: 2 forward calls + 2, 1 or 2 backward calls + prepare/finish, 2 ops per call
-    assert ops == {"stage": 64 + 2 * 6, "one": 64 + 2 * 5, "local+one": 64 + 2 * 6}
+    assert ops == {"stage": 64 + 2 * 6, "one": 64 + 2 * 5, "local+one": 64 + 2 * 6, "one+local": 64 + 2 * 6}
 
 
 def test_kept_kv_backward_sends_only_gradients():
@@ -293,3 +294,21 @@ def test_kept_kv_backward_sends_only_gradients():
     assert kept.ranks[3].end == pytest.approx(5 * MS) and again.ranks[3].end == pytest.approx(8 * MS)
     assert kept.messages == again.messages - 2  # the two K/V rounds' messages are gone
     assert kept.time < again.time
+
+
+def test_remote_keys_first_returns_travel_during_the_own_call():
+    """``"one+local"`` on the relay case: rank 3's remote call (its K/V at 3 ms) runs 3..5, its
+    return reaches relay rank 2 at 6 while rank 3's own call runs 5..7; rank 2's remote call
+    runs 2..4, but its own call waits for that return (the runtime sums relays' returns on the
+    compute stream) and runs 6..8 while the summed return crosses IB, 6..8: the layer ends at 8
+    instead of "one"'s 10. With the K/V kept every call starts at once: rank 0 has its gradient
+    at 5 ms ("one": 7)."""
+    v, c = _relay_case()
+    r = simulate_pass(v, TileCost(), c, SHAPE, "overlap", backward=True, bwd_calls="one+local")
+    assert r.ranks[3].end == pytest.approx(7 * MS) and r.ranks[3].compute == pytest.approx(4 * MS)
+    assert r.ranks[2].end == pytest.approx(8 * MS) and r.ranks[0].end == pytest.approx(8 * MS)
+    assert r.ranks[2].exposed_comm == pytest.approx(4 * MS)  # waits: K/V 0..2, the return 4..6
+    kept = simulate_pass(v, TileCost(), c, SHAPE, "overlap", backward=True, bwd_calls="one+local", keep_kv=True)
+    one = simulate_pass(v, TileCost(), c, SHAPE, "overlap", backward=True, bwd_calls="one", keep_kv=True)
+    assert kept.ranks[0].end == pytest.approx(5 * MS) and one.ranks[0].end == pytest.approx(7 * MS)
+    assert kept.ranks[3].end == pytest.approx(4 * MS)
