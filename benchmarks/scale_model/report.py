@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import json
+import os
+
 from .experiment import BASELINE, COMBINED, METHODS, ON_MAIN, PAPER_GAINS, _summ, attribution, gains
-from .calibrate import SLOTS, measured_env
+from .calibrate import RESULTS, SLOTS, measured_env
 from .validate import LAUNCH_FLOOR, TARGET, call_name, summary
 from .runtime_ops import SMALL_INDEX_ROWS
 
@@ -672,15 +675,61 @@ def _ptrr_item(g: dict, layout, sweep: dict) -> str:
                "(the imbalance column of the breakdown) and at this cp the exchange is hidden, so the sparse "
                "placement's smaller K/V buys nothing; the gain over the baseline is the balance and the "
                "runtime, not the placement's K/V."))
+    text += _measured_ptrr_sentence()
     s128 = (sweep or {}).get(131072)
     if s128:
         cps = sorted(c for c in s128 if COMBINED in s128[c] and ph in s128[c])
         diff = [(cp, s128[cp][COMBINED]["tokens_per_s"] / s128[cp][ph]["tokens_per_s"] - 1) for cp in cps]
         text += (" In the 7B cp sweep at 128K the sparse placement is ahead of PTRR in the same runtime by "
                  + ", ".join(f"{_pct(x)} (cp {cp})" for cp, x in diff)
-                 + ": beyond one node every PTRR rank needs nearly every document's keys (balance.md: 1.3-5x "
-                 "dual_chunk's remote K/V), and with fewer blocks per rank its round-robin balances worse.")
+                 + ": beyond one node every PTRR rank needs nearly every document's keys"
+                 + _ptrr_remote_kv_clause()
+                 + ", and with fewer blocks per rank its round-robin balances worse.")
     return text
+
+
+def _ptrr_remote_kv_clause(path: str = os.path.join(RESULTS, "balance.json"), node: int = 8) -> str:
+    """``" (balance.md: A-Bx dual_chunk's remote K/V)"``: the range of PTRR's largest remote K/V
+    over dual_chunk's beyond one node of ``node`` GPUs, read from balance.json ("" without it)."""
+    if not os.path.exists(path):
+        return ""
+    with open(path) as f:
+        rows = [r for spread in json.load(f)["results"].values() for r in spread if r["cp"] > node]
+    ratios = [r["max_remote_tokens_ptrr"] / r["max_remote_tokens_dual_chunk"] for r in rows
+              if r.get("max_remote_tokens_ptrr") and r.get("max_remote_tokens_dual_chunk")]
+    if not ratios:
+        return ""
+    return f" (balance.md: {min(ratios):.2f}-{max(ratios):.2f}x dual_chunk's remote K/V)"
+
+
+#: sparse vs PTRR per rank through the runtime on one GPU (benchmarks/gpu/cp-ptrr.sh)
+CP_PTRR_FILE = os.path.join(RESULTS, "cp_ptrr.json")
+
+
+def _measured_ptrr_sentence(path: str = CP_PTRR_FILE) -> str:
+    """What one GPU measured of the two placements (the exchange emulated: the compute side),
+    from ``cp_ptrr.json``; empty without the file."""
+    if not os.path.exists(path):
+        return ""
+    with open(path) as f:
+        res = json.load(f)
+    def slowest(entry) -> str:
+        r = next(r for r in entry["ranks"] if r["rank"] == entry["slowest_rank"])
+        return f"{r['seconds'] * 1e3:.2f}" + (" (host-bound)" if r["host_seconds"] >= 0.9 * r["seconds"] else "")
+
+    pairs = []
+    for cp, layouts in sorted(res["cp"].items(), key=lambda kv: int(kv[0])):
+        a, b = layouts.get("sparse+overlap hier"), layouts.get("ptrr+overlap hier")
+        if a and b:
+            pairs.append(f"cp {cp} {slowest(a)} vs {slowest(b)} ms")
+    if not pairs:
+        return ""
+    return (f" Measured on one {res['env'].get('gpu', 'GPU')} with the exchange emulated (cp_ptrr.md: the "
+            "compute side only, 16 / 8 heads, the corpus sequence), the slowest sampled rank's layer, sparse "
+            "vs PTRR, hierarchical: " + ", ".join(pairs) + ": PTRR's blocks cut documents into more partial "
+            "tiles and larger key gathers, and the model predicts those ranks as well as the sparse ones "
+            "(benchmarks/NOTES.md, session 38); its lead above is a prediction for the paper's heads and "
+            "datasets, with the exchange modeled.")
 
 
 def _host_sentence(by_cp: dict, cps) -> str:

@@ -1,0 +1,38 @@
+"""The report's sentences that read measured files (scale_model.md item 6)."""
+
+import json
+
+from benchmarks.scale_model import report
+
+
+def _rank(rank, seconds, host):
+    return {"rank": rank, "seconds": seconds, "host_seconds": host}
+
+
+def test_measured_ptrr_sentence_reads_the_slowest_ranks_and_flags_host_bound_ones(tmp_path):
+    """Each cp's slowest sampled rank of both hierarchical layouts, in cp order, a rank whose
+    host time is >= 90% of its layer marked host-bound; nothing without the file or the pair."""
+    res = {"env": {"gpu": "TestGPU"}, "cp": {
+        "32": {"sparse+overlap hier": {"slowest_rank": 3, "ranks": [_rank(3, 5e-3, 1e-3), _rank(1, 4e-3, 1e-3)]},
+               "ptrr+overlap hier": {"slowest_rank": 0, "ranks": [_rank(0, 7e-3, 6.5e-3)]}},
+        "16": {"sparse+overlap hier": {"slowest_rank": 2, "ranks": [_rank(2, 8.7e-3, 2e-3)]},
+               "ptrr+overlap hier": {"slowest_rank": 5, "ranks": [_rank(5, 9.9e-3, 3e-3)]}},
+        "64": {"sparse+overlap hier": {"slowest_rank": 0, "ranks": [_rank(0, 1e-3, 0.0)]}}}}
+    path = tmp_path / "cp_ptrr.json"
+    path.write_text(json.dumps(res))
+    text = report._measured_ptrr_sentence(str(path))
+    assert "one TestGPU" in text
+    assert "cp 16 8.70 vs 9.90 ms, cp 32 5.00 vs 7.00 (host-bound) ms:" in text
+    assert "cp 64" not in text
+    assert report._measured_ptrr_sentence(str(tmp_path / "missing.json")) == ""
+
+
+def test_ptrr_remote_kv_clause_ranges_over_multi_node_rows(tmp_path):
+    """PTRR's largest remote K/V over dual_chunk's, min-max over the rows beyond one node."""
+    rows = [{"cp": 8, "max_remote_tokens_ptrr": 90, "max_remote_tokens_dual_chunk": 10},
+            {"cp": 16, "max_remote_tokens_ptrr": 30, "max_remote_tokens_dual_chunk": 20},
+            {"cp": 64, "max_remote_tokens_ptrr": 50, "max_remote_tokens_dual_chunk": 10}]
+    path = tmp_path / "balance.json"
+    path.write_text(json.dumps({"results": {"a": rows[:2], "b": rows[2:]}}))
+    assert report._ptrr_remote_kv_clause(str(path)) == " (balance.md: 1.50-5.00x dual_chunk's remote K/V)"
+    assert report._ptrr_remote_kv_clause(str(tmp_path / "none.json")) == ""
