@@ -153,6 +153,8 @@ def run_validate(args):
             single["measured"] = validate.validate_measured(calibrate.MEASURED_FILE)
         single["kv_expansion"] = validate.validate_kv_expansion()
         single["cp_runtime"] = validate.validate_cp_runtime()
+        single["cp_ptrr"] = validate.validate_cp_runtime(
+            validate.CP_PTRR, bandwidths=(single["cp_runtime"] or {}).get("bandwidths"))
         single["cp_graph"] = validate.validate_cp_graph(
             bandwidths=(single["cp_runtime"] or {}).get("bandwidths"))
         bar.update(1)
@@ -175,10 +177,11 @@ def _print_validation(single, multi):
         print(f"  {p.name}: measured {p.measured * 1e3:.2f} ms, PREDICTED {p.predicted * 1e3:.2f} ms "
               f"({100 * p.error:+.1f}%)")
     print(f"multi-GPU file: {validate.summary(multi)}")
-    rt = single.get("cp_runtime") or {}
-    for kind in ("kernels", "runtime", "busy", "layer", "layer_host_model"):
-        if rt.get(kind):
-            print(f"CP runtime on one GPU, per rank [{kind}]: {validate.summary(rt[kind])}")
+    for key, title in (("cp_runtime", "CP runtime on one GPU"), ("cp_ptrr", "sparse vs PTRR on one GPU")):
+        rt = single.get(key) or {}
+        for kind in ("kernels", "runtime", "busy", "layer", "layer_host_model"):
+            if rt.get(kind):
+                print(f"{title}, per rank [{kind}]: {validate.summary(rt[kind])}")
     graph = (single.get("cp_graph") or {}).get("graph")
     if graph:
         print(f"CP layer replayed from a CUDA graph, per rank: {validate.summary(graph)}")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+from typing import Optional
 
 from .experiment import BASELINE, COMBINED, METHODS, ON_MAIN, PAPER_GAINS, _summ, attribution, gains
 from .calibrate import RESULTS, SLOTS, measured_env
@@ -97,6 +98,9 @@ def validation_section(single: dict, multi: list, multi_path: str) -> list[str]:
         lines += kv_expansion_section(single["kv_expansion"])
     if single.get("cp_runtime"):
         lines += cp_runtime_section(single["cp_runtime"])
+    if single.get("cp_ptrr"):
+        lines += cp_runtime_section(single["cp_ptrr"], "cp_ptrr.json", "sparse vs PTRR placements",
+                                    (single.get("cp_runtime") or {}).get("env", {}).get("gpu"))
     if single.get("cp_graph"):
         lines += cp_graph_section(single["cp_graph"], (single.get("cp_runtime") or {}).get("host_ratio"))
     return lines
@@ -124,15 +128,20 @@ def _balance_item(sag, comb) -> str:
             "more to win.")
 
 
-def cp_runtime_section(v: dict) -> list[str]:
-    """The CP runtime on one GPU per rank (validate.validate_cp_runtime): the attention kernels,
-    the runtime's own device work (recorded from the real runtime), the GPU's busy time and the
-    layer, each against the profiled or measured time."""
+def cp_runtime_section(v: dict, file: str = "cp_runtime_breakdown.json", what: str = "",
+                       fit_gpu: Optional[str] = None) -> list[str]:
+    """The CP runtime on one GPU per rank (validate.validate_cp_runtime) of ``file``: the
+    attention kernels, the runtime's own device work (recorded from the real runtime), the GPU's
+    busy time and the layer, each against the profiled or measured time. A file checked with
+    another file's runtime bandwidths (no cp sizes fitted on it) says so, and where that file
+    came from another GPU (``fit_gpu``), that its memory-bound runtime ops need not match."""
     env, a = v["env"], v["args"]
     fit = ", ".join(str(c) for c in v["copy_fit_cp"])
+    fitted = (f"one least-squares fit on the cp {fit} ranks' profiled totals" if fit else
+              "the fit of cp_runtime_breakdown.json above, none on this file")
     checks = [("kernels", "kernels"), ("runtime", "runtime ops"), ("busy", "busy"), ("layer", "layer"),
               ("layer_host_model", "layer, host per op from host_breakdown")]
-    lines = ["### The CP runtime on one GPU, per rank (cp_runtime_breakdown.json)", "",
+    lines = [f"### The CP runtime on one GPU, per rank{', ' + what if what else ''} ({file})", "",
              f"`benchmarks/cp_single_gpu.py --breakdown` on one {env.get('gpu', env['device'])} "
              f"({env['date']}): every timed rank's layer (fwd+bwd, {a['tokens'] // 1024}K tokens, "
              f"Hq={a['heads']}, Hk={a['kv_heads']}, D={a['head_dim']}, causal documents) through the real "
@@ -146,11 +155,14 @@ def cp_runtime_section(v: dict) -> list[str]:
              "kernels in the profile (all ranks held out).",
              f"- **runtime ops**: the recorded non-attention ops (torch ops, the merge / key-gather / pack / "
              f"gradient-sum kernels, the emulated exchange's copies), each at the bandwidth of its rate class "
-             f"({bandwidths_text(v['bandwidths'])}; one least-squares fit on the cp {fit} ranks' profiled "
-             f"totals), plus {LAUNCH_FLOOR * 1e6:.0f} µs a launch, vs their profiled time; held out: the other "
-             "cp sizes. The classes are the kernels torch and the runtime run: contiguous copies and gathers; "
+             f"({bandwidths_text(v['bandwidths'])}; {fitted}), plus {LAUNCH_FLOOR * 1e6:.0f} µs a launch, "
+             "vs their profiled time; held out: the other cp sizes. The classes are the kernels torch and the runtime run: contiguous copies and gathers; "
              f"`index_select` of at most {SMALL_INDEX_ROWS} rows (torch's small-index kernel); indexed writes and strided "
-             "copies (`index_copy_`, `index_add_`, `stack`); fills.",
+             "copies (`index_copy_`, `index_add_`, `stack`); fills."
+             + (f" The bandwidths were fitted on an {fit_gpu}; this file is from an {env.get('gpu')}, whose "
+                "memory bandwidth differs (H100 3.35, H200 4.8 TB/s), so its runtime ops are a transfer "
+                "check, expected off by up to that ratio."
+                if fit_gpu and env.get("gpu") and fit_gpu != env.get("gpu") else ""),
              "- **busy**: the two together vs the GPU's busy time in the profiled layer.",
              "- **layer**: host and GPU take the recorded ops in order (the host's µs per op from "
              "`host_breakdown.json`, scaled to the rank's measured host time; a GPU op starts when it is "

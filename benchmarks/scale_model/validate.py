@@ -441,6 +441,9 @@ def validate_training(path: str = MULTI, attention_points: Optional[list[Point]]
 
 #: The runtime's layer on one H200 with every rank's kernels profiled (sessions 28-29).
 CP_RUNTIME_BREAKDOWN = os.path.join(RESULTS, "cp_runtime_breakdown.json")
+#: another --breakdown file: sparse vs PTRR ranks (benchmarks/gpu/cp-ptrr.sh), checked with the
+#: bandwidths fitted on CP_RUNTIME_BREAKDOWN (every point held out)
+CP_PTRR = os.path.join(RESULTS, "cp_ptrr.json")
 #: ``cp_single_gpu.py --graph``: each rank's layer also replayed from a CUDA graph (no host gaps).
 CP_GRAPH = os.path.join(RESULTS, "cp_graph.json")
 
@@ -607,7 +610,7 @@ def _runtime_file(path: str, cost: Optional[AttentionCost], need: str = "breakdo
 
 
 def validate_cp_runtime(path: str = CP_RUNTIME_BREAKDOWN, cost: Optional[AttentionCost] = None,
-                        fit_cp: tuple = COPY_FIT_CP) -> dict:
+                        fit_cp: tuple = COPY_FIT_CP, bandwidths: Optional[dict] = None) -> dict:
     """The model against the context-parallel runtime on one GPU, per timed rank of a
     ``cp_single_gpu.py --breakdown`` file: every rank's plan rebuilt from the recorded document
     lengths (checked against the recorded work) and its layer's op sequence recorded from the
@@ -628,14 +631,19 @@ def validate_cp_runtime(path: str = CP_RUNTIME_BREAKDOWN, cost: Optional[Attenti
     ``layer_host_model``  the same with the host per op as :data:`HOST_US` says (another day's
                  measurement: this VM's host speed drifts by tens of percent between runs).
 
-    Each layer point keeps the measured composition (torch ops, GPU idle, host) in its note."""
+    Each layer point keeps the measured composition (torch ops, GPU idle, host) in its note.
+    ``bandwidths``: use these (another file's fit) instead of fitting: every point held out."""
     loaded = _runtime_file(path, cost)
     if loaded is None:
         return {}
     res, a, shape, cost, rows = loaded
-    bw = fit_runtime_bandwidths([(bytes_by_rate(o for o in ops if o.kind != "attention"),
-                                  sum(o.kind != "attention" for o in ops), _measured_runtime_seconds(r["breakdown"]))
-                                 for _, cp, r, _, ops, _, _, _ in rows if cp in fit_cp])
+    if bandwidths is not None:
+        bw, fit_cp = bandwidths, ()
+    else:
+        bw = fit_runtime_bandwidths([(bytes_by_rate(o for o in ops if o.kind != "attention"),
+                                      sum(o.kind != "attention" for o in ops),
+                                      _measured_runtime_seconds(r["breakdown"]))
+                                     for _, cp, r, _, ops, _, _, _ in rows if cp in fit_cp])
     checks = ("kernels", "runtime", "busy", "layer", "layer_host_model")
     by_config: dict = {}
     host_ratios: list = []  # measured host / HOST_US's, per rank

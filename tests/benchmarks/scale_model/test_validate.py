@@ -243,6 +243,11 @@ def test_cp_runtime_check_compares_kernels_runtime_and_layers_per_rank(tmp_path,
     held = V.validate_cp_runtime(_breakdown_file(tmp_path, lens, 4, comm, cost, bandwidths=fast), cost, fit_cp=())
     assert held["bandwidths"] == V.Cluster().runtime_bandwidths() and all(p.held_out for p in held["runtime"])
     assert all(p.error > 0.01 for p in held["runtime"])
+    # another file's fit passed in (cp_ptrr.json's check): used as given, nothing fitted, all held out
+    given = V.validate_cp_runtime(_breakdown_file(tmp_path, lens, 4, comm, cost, bandwidths=fast), cost,
+                                  bandwidths=fast)
+    assert given["bandwidths"] == fast and given["copy_fit_cp"] == ()
+    assert all(p.held_out and abs(p.error) < 1e-6 for p in given["runtime"])
     shifted = V.validate_cp_runtime(_breakdown_file(tmp_path, lens, 4, comm, cost, shift=1e-3), cost, fit_cp=(4,))
     assert all(p.error < -0.01 for p in shifted["kernels"])  # slower kernels: an under-prediction
     res = json.loads(open(path).read())
