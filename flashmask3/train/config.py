@@ -111,7 +111,8 @@ class TrainConfig:
         "help": "CP K/V exchange (allgather = baseline)", "choices": COMM_CHOICES})
     backward_calls: str = field(default="auto", metadata={
         "help": "overlapped CP backward: one attention call per stage, one per layer, the own "
-                "keys then one (auto: a rule on the plan's shape, docs/cp-runtime.md)",
+                "keys then one, or one then the own keys (auto: a rule on the plan's shape, "
+                "docs/cp-runtime.md)",
         "choices": BACKWARD_CALLS_CHOICES})
     keep_kv: bool = field(default=True, metadata={
         "help": "overlapped CP: the backward reuses the K/V the forward received instead of "
