@@ -153,10 +153,9 @@ def run_validate(args):
             single["measured"] = validate.validate_measured(calibrate.MEASURED_FILE)
         single["kv_expansion"] = validate.validate_kv_expansion()
         single["cp_runtime"] = validate.validate_cp_runtime()
-        single["cp_ptrr"] = validate.validate_cp_runtime(
-            validate.CP_PTRR, bandwidths=(single["cp_runtime"] or {}).get("bandwidths"))
-        single["cp_graph"] = validate.validate_cp_graph(
-            bandwidths=(single["cp_runtime"] or {}).get("bandwidths"))
+        fitted = (single["cp_runtime"] or {}).get("bandwidths")  # checked on the other runtime files
+        single["cp_ptrr"] = validate.validate_cp_runtime(validate.CP_PTRR, bandwidths=fitted)
+        single["cp_graph"] = validate.validate_cp_graph(bandwidths=fitted)
         bar.update(1)
         multi = validate.validate_multigpu(args.multigpu)
         multi += validate.validate_training(args.multigpu, multi)

@@ -139,6 +139,7 @@ def cp_runtime_section(v: dict, file: str = "cp_runtime_breakdown.json", what: s
     fit = ", ".join(str(c) for c in v["copy_fit_cp"])
     fitted = (f"one least-squares fit on the cp {fit} ranks' profiled totals" if fit else
               "the fit of cp_runtime_breakdown.json above, none on this file")
+    held = "held out: the other cp sizes" if fit else "every rank held out"
     checks = [("kernels", "kernels"), ("runtime", "runtime ops"), ("busy", "busy"), ("layer", "layer"),
               ("layer_host_model", "layer, host per op from host_breakdown")]
     lines = [f"### The CP runtime on one GPU, per rank{', ' + what if what else ''} ({file})", "",
@@ -156,8 +157,8 @@ def cp_runtime_section(v: dict, file: str = "cp_runtime_breakdown.json", what: s
              f"- **runtime ops**: the recorded non-attention ops (torch ops, the merge / key-gather / pack / "
              f"gradient-sum kernels, the emulated exchange's copies), each at the bandwidth of its rate class "
              f"({bandwidths_text(v['bandwidths'])}; {fitted}), plus {LAUNCH_FLOOR * 1e6:.0f} µs a launch, "
-             "vs their profiled time; held out: the other cp sizes. The classes are the kernels torch and the runtime run: contiguous copies and gathers; "
-             f"`index_select` of at most {SMALL_INDEX_ROWS} rows (torch's small-index kernel); indexed writes and strided "
+             f"vs their profiled time; {held}. The classes are the kernels torch and the runtime run: "
+             f"contiguous copies and gathers; `index_select` of at most {SMALL_INDEX_ROWS} rows (torch's small-index kernel); indexed writes and strided "
              "copies (`index_copy_`, `index_add_`, `stack`); fills."
              + (f" The bandwidths were fitted on an {fit_gpu}; this file is from an {env.get('gpu')}, whose "
                 "memory bandwidth differs (H100 3.35, H200 4.8 TB/s), so its runtime ops are a transfer "
@@ -725,6 +726,7 @@ def _measured_ptrr_sentence(path: str = CP_PTRR_FILE) -> str:
         return ""
     with open(path) as f:
         res = json.load(f)
+
     def slowest(entry) -> str:
         r = next(r for r in entry["ranks"] if r["rank"] == entry["slowest_rank"])
         return f"{r['seconds'] * 1e3:.2f}" + (" (host-bound)" if r["host_seconds"] >= 0.9 * r["seconds"] else "")
@@ -736,8 +738,9 @@ def _measured_ptrr_sentence(path: str = CP_PTRR_FILE) -> str:
             pairs.append(f"cp {cp} {slowest(a)} vs {slowest(b)} ms")
     if not pairs:
         return ""
+    a = res["args"]
     return (f" Measured on one {res['env'].get('gpu', 'GPU')} with the exchange emulated (cp_ptrr.md: the "
-            "compute side only, 16 / 8 heads, the corpus sequence), the slowest sampled rank's layer, sparse "
+            f"compute side only, {a['heads']} / {a['kv_heads']} heads, the corpus sequence), the slowest sampled rank's layer, sparse "
             "vs PTRR, hierarchical: " + ", ".join(pairs) + ": PTRR's blocks cut documents into more partial "
             "tiles and larger key gathers, and the model predicts those ranks as well as the sparse ones "
             "(benchmarks/NOTES.md, session 38); its lead above is a prediction for the paper's heads and "

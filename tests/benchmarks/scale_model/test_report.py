@@ -12,7 +12,7 @@ def _rank(rank, seconds, host):
 def test_measured_ptrr_sentence_reads_the_slowest_ranks_and_flags_host_bound_ones(tmp_path):
     """Each cp's slowest sampled rank of both hierarchical layouts, in cp order, a rank whose
     host time is >= 90% of its layer marked host-bound; nothing without the file or the pair."""
-    res = {"env": {"gpu": "TestGPU"}, "cp": {
+    res = {"env": {"gpu": "TestGPU"}, "args": {"heads": 16, "kv_heads": 8}, "cp": {
         "32": {"sparse+overlap hier": {"slowest_rank": 3, "ranks": [_rank(3, 5e-3, 1e-3), _rank(1, 4e-3, 1e-3)]},
                "ptrr+overlap hier": {"slowest_rank": 0, "ranks": [_rank(0, 7e-3, 6.5e-3)]}},
         "16": {"sparse+overlap hier": {"slowest_rank": 2, "ranks": [_rank(2, 8.7e-3, 2e-3)]},
@@ -21,7 +21,7 @@ def test_measured_ptrr_sentence_reads_the_slowest_ranks_and_flags_host_bound_one
     path = tmp_path / "cp_ptrr.json"
     path.write_text(json.dumps(res))
     text = report._measured_ptrr_sentence(str(path))
-    assert "one TestGPU" in text
+    assert "one TestGPU" in text and "16 / 8 heads" in text
     assert "cp 16 8.70 vs 9.90 ms, cp 32 5.00 vs 7.00 (host-bound) ms:" in text
     assert "cp 64" not in text
     assert report._measured_ptrr_sentence(str(tmp_path / "missing.json")) == ""
