@@ -340,6 +340,10 @@ def _cpu_us(fn, calls: int = 50) -> float:
 #: The small table's third mode: each library's forward + backward (``autograd.grad`` inside)
 #: under ``torch.compile(mode="reduce-overhead")``, inductor's CUDA graphs: one replay a call.
 GRAPHS = "graphs"
+#: The fourth: the same forward + backward captured by hand (:func:`flashmask3.graphs.capture`)
+#: and timed as ``graph.replay()``: one CUDA graph launch a call, nothing else on the host (a
+#: training step captured whole replays so; copying new inputs in is not timed).
+CAPTURED = "captured"
 
 
 def _graph_steps(s: int, d: int, cache: dict):
@@ -384,12 +388,39 @@ def _graph_calls(s, d, mask, q, k, v, fleaves, cache):
     return calls
 
 
+def _captured_calls(q, k, v, mask, d):
+    """``graph.replay`` of each library's forward + backward captured by hand (on leaves no eager
+    step used: :mod:`flashmask3.graphs` says why), None where the capture failed (the error
+    printed)."""
+    from benchmarks.kernel import flex_impl
+    from flashmask3.graphs import capture
+
+    calls = []
+    leaves = [t.detach().clone().requires_grad_() for t in (q, k, v)]
+    fm_dout = torch.randn_like(q)
+    ffwd, fleaves, _ = flex_impl(mask, True, q, k, v, 1 / math.sqrt(d))
+    fdout = fm_dout.transpose(1, 2).contiguous()
+    steps = (("flashmask3", lambda: torch.autograd.grad(
+                  flashmask3.flashmask_attention(*leaves, mask), leaves, fm_dout)),
+             ("flex", lambda: torch.autograd.grad(ffwd(), fleaves, fdout)))
+    for name, step in steps:
+        try:
+            graph, _ = capture(step)
+            graph.replay()
+            torch.cuda.synchronize()
+            calls.append(graph.replay)
+        except Exception as e:  # noqa: BLE001 - reported in the row, the table goes on
+            print(f"captured: {name}: {type(e).__name__}: {e}", flush=True)
+            calls.append(None)
+    return calls
+
+
 def small_table(seqlens, heads: int, d: int, dtype, docs, graphs: bool = True) -> list[dict]:
     from benchmarks.kernel import flex_impl, standard_ms
 
     rows = []
     graph_cache: dict = {}
-    modes = AUTOGRAD_THREADS + ((GRAPHS,) if graphs else ())
+    modes = AUTOGRAD_THREADS + ((GRAPHS, CAPTURED) if graphs else ())
     for s in seqlens:
         for n in docs:
             q, k, v = _inputs(s, heads, d, "cuda", dtype, seed=s + n)
@@ -411,10 +442,12 @@ def small_table(seqlens, heads: int, d: int, dtype, docs, graphs: bool = True) -
             if graphs:
                 fm_g, flex_g = _graph_calls(s, d, mask, q, k, v, fleaves, graph_cache)
                 calls["fm", GRAPHS], calls["flex", GRAPHS] = (fm_g, None), (flex_g, None)
+                fm_c, flex_c = _captured_calls(q, k, v, mask, d)
+                calls["fm", CAPTURED], calls["flex", CAPTURED] = (fm_c, None), (flex_c, None)
             std = {key: [] for key in calls}
             for _ in range(SMALL_ROUNDS):  # both libraries and every mode in turn, as the host table
                 for mode in modes:
-                    with autograd_thread("device" if mode == GRAPHS else mode):
+                    with autograd_thread("device" if mode in (GRAPHS, CAPTURED) else mode):
                         for who in ("fm", "flex"):
                             fn, leaves = calls[who, mode]
                             if fn is not None:
@@ -470,7 +503,10 @@ def markdown(meta: dict, host: list[dict], small: list[dict], floor=()) -> str:
     lines += ["", f"Small problems (fwd+bwd): each std cell is the median of {SMALL_ROUNDS} do_bench medians "
               "taken in turn with the other library and mode; fm std range: FlashMask's rounds. "
               f"autograd `{GRAPHS}`: each library's forward + backward under `torch.compile(mode="
-              "\"reduce-overhead\")` (inductor's CUDA graphs; GPU columns: the eager calls')."]
+              "\"reduce-overhead\")` (inductor's CUDA graphs; GPU columns: the eager calls'); "
+              f"`{CAPTURED}`: each library's forward + backward captured by hand in one CUDA graph "
+              "(`flashmask3.graphs.capture`), timed as `graph.replay()` (new inputs would be copied in "
+              "first: not timed)."]
     lines += ["", "| S | docs | autograd | fm std f+b | fm GPU f+b | flex std f+b | flex GPU f+b "
               "| fm/flex (std) | fm std/GPU | fm std range |", "|---|---|---|---|---|---|---|---|---|---|"]
     for r in small:
@@ -517,7 +553,8 @@ def main(argv=None) -> int:
     ap.add_argument("--small-seqlens", default="4096,8192")
     ap.add_argument("--small-docs", default="1,5")
     ap.add_argument("--skip-small", action="store_true")
-    ap.add_argument("--no-graphs", action="store_true", help="the small table without its compiled CUDA-graph rows")
+    ap.add_argument("--no-graphs", action="store_true",
+                    help="the small table without its CUDA-graph rows (compiled and captured)")
     ap.add_argument("--skip-host", action="store_true", help="only the small-problem table")
     ap.add_argument("--floor", action="store_true", help="only the host floor (floor.json/.md)")
     args = ap.parse_args(argv)
