@@ -403,16 +403,28 @@ def _captured_calls(q, k, v, mask, d):
     steps = (("flashmask3", lambda: torch.autograd.grad(
                   flashmask3.flashmask_attention(*leaves, mask), leaves, fm_dout)),
              ("flex", lambda: torch.autograd.grad(ffwd(), fleaves, fdout)))
+    inputs = (leaves, fm_dout, ffwd, fleaves, fdout, mask)  # a graph holds no reference to what it reads
     for name, step in steps:
         try:
-            graph, _ = capture(step)
+            graph, outputs = capture(step)
             graph.replay()
             torch.cuda.synchronize()
-            calls.append(graph.replay)
+            calls.append(_Replay(graph, (inputs, outputs)))
         except Exception as e:  # noqa: BLE001 - reported in the row, the table goes on
             print(f"captured: {name}: {type(e).__name__}: {e}", flush=True)
             calls.append(None)
     return calls
+
+
+class _Replay:
+    """``graph.replay`` that keeps the captured step's inputs and outputs alive: the graph reads
+    and writes their memory but does not own it (freed, it would be reused by other tensors)."""
+
+    def __init__(self, graph, tensors):
+        self.graph, self.tensors = graph, tensors
+
+    def __call__(self):
+        self.graph.replay()
 
 
 def small_table(seqlens, heads: int, d: int, dtype, docs, graphs: bool = True) -> list[dict]:
