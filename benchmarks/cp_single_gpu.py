@@ -13,7 +13,7 @@ flat and hierarchical (``nodes = cp / 8``, 8 GPUs a node), ``sparse+overlap bwd 
 (the flat layout with one whole backend backward per stage instead of the staged backward: the
 A/B of kernels/staged.py) and ``sparse+overlap torch returns`` (the returned gradients summed by
 torch ops instead of kernels/returns.py: its A/B). Causal document masks from the real corpus lengths of
-benchmarks/corpus.py. ``--backward-calls stage one local+one one+local`` measures every overlap layout
+benchmarks/corpus.py. ``--backward-calls stage one one+local`` measures every overlap layout
 once per mode (entries ``"<layout> bwd=<mode>"``; ``auto``, the default, keeps the layout's
 name): the A/B of the overlapped backward's calls (docs/cp-runtime.md "Backward calls").
 

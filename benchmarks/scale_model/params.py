@@ -128,7 +128,6 @@ class Runtime:
     #: the overlapped backward's attention calls (timeline.BWD_CALLS): ``"stage"`` one
     #: ``backward_stage`` call per stage as its K/V arrives (the runtime now); ``"one"`` one call
     #: per layer over every needed key once all K/V arrived, the dK/dV returns after it (exposed);
-    #: ``"local+one"`` the rank's own keys first (no wait), then one call over the remote keys;
     #: ``"one+local"`` the remote keys' call first, its returns in flight during the own keys' call;
     #: ``"auto"`` (default) the runtime's rule per plan (flashmask3.distributed.program
     #: .auto_backward_calls), so the model predicts what the runtime runs by default

@@ -17,9 +17,9 @@ overlap rules of the runtime (docs/cp-runtime.md):
     only after the relay's own gradient receives of the relay round arrived (relays sum, then
     forward). The rank is done when its stages are done and every gradient it waits for arrived.
     Merged backward calls (``bwd_calls``): ``"one"`` one call once every round arrived, every
-    return after it; ``"local+one"`` the own stage first; ``"one+local"`` the remote stages'
-    call first, every return posted after it, then the own stage (after the relay rounds'
-    gradients arrived: the runtime's relay sums wait on the compute stream).
+    return after it; ``"one+local"`` the remote stages' call first, every return posted after
+    it, then the own stage (after the relay rounds' gradients arrived: the runtime's relay sums
+    wait on the compute stream).
 ``comm="allgather"``
     forward: all-gather of K/V (exposed), then one call over the needed keys; backward:
     all-gather (exposed), one backward call, reduce-scatter of dK/dV (exposed).
@@ -47,7 +47,7 @@ from typing import Callable, Optional
 
 import numpy as np
 
-from flashmask3.distributed.program import BACKWARD_CALL_MODES, resolve_backward_calls
+from flashmask3.distributed.program import BACKWARD_CALL_MODES, BACKWARD_CALLS, resolve_backward_calls
 
 from .calibrate import AttentionCost, ProgramWork, TileCounts
 from .layout import PlanView
@@ -364,6 +364,24 @@ def resolve_bwd_calls(view: PlanView, bwd_calls: str) -> str:
     return resolve_backward_calls(bwd_calls, view, name="bwd_calls")
 
 
+#: The label of a merged backward call in :func:`backward_calls_of` (the runtime's ``"merged"`` op).
+MERGED = "merged"
+
+
+def backward_calls_of(stages: list, bwd_calls: str) -> list[tuple[object, list]]:
+    """The overlapped backward's attention calls of one rank in call order, ``(label, stages)``:
+    the stages' tiles each call covers, labelled with the stage's index for a call on one stage
+    and :data:`MERGED` for a call over several (``bwd_calls`` resolved: not ``"auto"``). The one
+    place the modes' calls are spelled out for the host count, the underfill and validation."""
+    if bwd_calls == "stage":
+        return [(i, [t]) for i, t in enumerate(stages)]
+    if bwd_calls == "one":
+        return [(MERGED, list(stages))]
+    if bwd_calls == "one+local":
+        return [(MERGED, list(stages[1:])), (0, [stages[0]])]
+    raise ValueError(f"bwd_calls must be one of {BACKWARD_CALLS}, got {bwd_calls!r}")
+
+
 def merge_calls(tiles: list[TileCounts]) -> Optional[TileCounts]:
     """One call over the keys of several calls of the same query rows (disjoint key sets): the
     tiles add, the backward's key-block programs follow one another in the calls' order, the
@@ -381,26 +399,18 @@ def merge_calls(tiles: list[TileCounts]) -> Optional[TileCounts]:
                       sum(t.keys for t in live), live[0].batch, work=work)
 
 
-def _merged_backward_tasks(view: PlanView, r: int, cost: AttentionCost, cluster: Cluster,
-                           shape: AttnShape, gpu_scale: float, local_first: bool,
-                           device_terms: bool = True) -> list[_Task]:
-    """The backward as one call over the rank's needed keys once every K/V round arrived
-    (``local_first``: the own keys of stage 0 first, as now, then one call over the rest); the
-    later stages' done signals (which post the dK/dV returns) follow the merged call."""
+def _one_call_tasks(view: PlanView, r: int, cost: AttentionCost, cluster: Cluster,
+                    shape: AttnShape, gpu_scale: float, device_terms: bool = True) -> list[_Task]:
+    """``"one"``: the backward as one call over the rank's needed keys once every K/V round
+    arrived; the later stages' done signals (which post the dK/dV returns) follow it."""
     stages = view.stages[r]
     n = len(stages)
-    head = [] if not local_first else [stages[0]]
-    rest = merge_calls(stages[1:] if local_first else stages)
-    deps = tuple(("recv", "kv", j) for j in range(n - 1))
-    tasks, have = [], False
-    for i, tiles in enumerate(head + [rest]):
-        work = 0.0
-        if tiles is not None and tiles.live:
-            work = _backward_call_seconds(cost, cluster, shape, tiles, gpu_scale, not have, device_terms)
-            have = True
-        tasks.append(_Task(work, () if (local_first and i == 0) else deps, ("stage", i)))
-    tasks += [_Task(0.0, (), ("stage", s)) for s in range(len(tasks), n)]
-    return tasks
+    call = merge_calls(stages)
+    work = 0.0
+    if call is not None and call.live:
+        work = _backward_call_seconds(cost, cluster, shape, call, gpu_scale, True, device_terms)
+    tasks = [_Task(work, tuple(("recv", "kv", j) for j in range(n - 1)), ("stage", 0))]
+    return tasks + [_Task(0.0, (), ("stage", s)) for s in range(1, n)]
 
 
 def _remote_first_tasks(view: PlanView, r: int, cost: AttentionCost, cluster: Cluster, shape: AttnShape,
@@ -437,10 +447,8 @@ def simulate_overlap(view: PlanView, cost: AttentionCost, cluster: Cluster, shap
     gpu_scale = cluster.gpu_scale.value
     bwd_calls = resolve_bwd_calls(view, bwd_calls)
     if backward and bwd_calls != "stage":
-        tasks = [_remote_first_tasks(view, r, cost, cluster, shape, gpu_scale, device_terms)
-                 if bwd_calls == "one+local" else
-                 _merged_backward_tasks(view, r, cost, cluster, shape, gpu_scale, bwd_calls == "local+one",
-                                        device_terms) for r in range(view.cp_size)]
+        merged = _remote_first_tasks if bwd_calls == "one+local" else _one_call_tasks
+        tasks = [merged(view, r, cost, cluster, shape, gpu_scale, device_terms) for r in range(view.cp_size)]
     else:
         tasks = [_stage_tasks(view, r, cost, cluster, shape, gpu_scale, backward, device_terms)
                  for r in range(view.cp_size)]
@@ -545,10 +553,10 @@ def host_seconds(view: PlanView, r: int, comm: str, cluster: Cluster, runtime) -
     stages = sum(1 for t in view.stages[r] if t.live)
     msgs = _messages_per_rank(view)[r]
     chunks = sum(view.stage_chunks[r][1:])
-    two = int(view.stages[r][0].live > 0) + int(any(t.live for t in view.stages[r][1:]))
-    bwd = {"stage": stages, "one": min(1, stages), "local+one": two, "one+local": two}
+    mode = resolve_bwd_calls(view, getattr(runtime, "bwd_calls", "stage"))
+    bwd = sum(any(t.live for t in ts) for _, ts in backward_calls_of(view.stages[r], mode))
     # forward + backward_stage calls, backward_prepare/finish once
-    calls = stages + bwd[resolve_bwd_calls(view, getattr(runtime, "bwd_calls", "stage"))] + 2
+    calls = stages + bwd + 2
     ops = runtime.host_ops(2 * len(view.stages[r]), msgs, chunks, calls)
     return ops * cluster.host_op.value
 
@@ -569,6 +577,6 @@ def simulate_layer(view: PlanView, cost: AttentionCost, cluster: Cluster, shape:
     return LayerResult(fwd, bwd, host, recompute, device)
 
 
-__all__ = ["BWD_CALLS", "resolve_bwd_calls", "merge_calls", "AttnShape", "Links", "PassResult", "LayerResult",
-           "RankTimes", "ring_collective_time",
+__all__ = ["BWD_CALLS", "MERGED", "resolve_bwd_calls", "backward_calls_of", "merge_calls", "AttnShape", "Links",
+           "PassResult", "LayerResult", "RankTimes", "ring_collective_time",
            "simulate_layer", "simulate_pass", "simulate_overlap", "simulate_allgather"]

@@ -33,7 +33,7 @@ import numpy as np
 from .calibrate import (EXPAND_HOST_S, SLOTS, AttentionCost, PassCost, TileCounts, filled, greedy_makespan,
                         variant)
 from .layout import PlanView
-from .timeline import AttnShape, merge_calls, resolve_bwd_calls, simulate_layer
+from .timeline import MERGED, AttnShape, backward_calls_of, merge_calls, resolve_bwd_calls, simulate_layer
 
 
 @dataclass
@@ -101,9 +101,7 @@ def rank_calls(view: PlanView, r: int, cost: AttentionCost, shape: AttnShape, co
     out = [call_underfill(cost.fwd, t, "fwd", shape, s) for s, t in enumerate(view.stages[r]) if t.live]
     st = view.stages[r]
     bwd_calls = resolve_bwd_calls(view, bwd_calls)
-    bwd = {"stage": list(enumerate(st)), "one": [("all", merge_calls(st))],
-           "local+one": [(0, st[0]), ("all", merge_calls(st[1:]))],
-           "one+local": [("all", merge_calls(st[1:])), (0, st[0])]}[bwd_calls]
+    bwd = [("all", merge_calls(ts)) if s == MERGED else (s, ts[0]) for s, ts in backward_calls_of(st, bwd_calls)]
     out += [call_underfill(staged, t, "bwd", shape, s) for s, t in bwd if t is not None and t.live]
     return out
 
@@ -170,10 +168,10 @@ SWITCHES = {
     "(b) longest-first order": ({"order": "longest"}, "stage"),
     "(c) partial expansion (best e dividing g)": ({"kv_rule": "split"}, "stage"),
     "(c) one bwd call per layer": ({}, "one"),
-    "(c) local + one remote bwd call": ({}, "local+one"),
+    "(c) one remote bwd call, then the own keys": ({}, "one+local"),
     "(a waves)+(b)": ({"kv_rule": "waves", "order": "longest"}, "stage"),
     "(b)+(c split)": ({"kv_rule": "split", "order": "longest"}, "stage"),
-    "(b)+(c split)+local+one": ({"kv_rule": "split", "order": "longest"}, "local+one"),
+    "(b)+(c split)+one+local": ({"kv_rule": "split", "order": "longest"}, "one+local"),
 }
 
 

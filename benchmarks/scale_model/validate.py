@@ -34,7 +34,7 @@ from .calibrate import (MEASURED_FILE, RESULTS, AttentionCost, TileCounts, fit_r
 from .layout import PlanView, RoundView, document_plan_view, file_tolerance, mask_sparsity
 from .params import Cluster, Param, Runtime
 from .runtime_ops import RATE_CLASSES, bytes_by_rate, op_seconds, ops_seconds
-from .timeline import AttnShape, merge_calls, simulate_layer
+from .timeline import MERGED, AttnShape, backward_calls_of, merge_calls, simulate_layer
 
 SINGLE = os.path.join(RESULTS, "cp_single_gpu.json")
 MULTI = os.path.join(RESULTS, "cp_multigpu.json")
@@ -502,8 +502,8 @@ def _attention_op_seconds(op, view: PlanView, r: int, cost: AttentionCost, shape
     if comm == "allgather":
         t = view.sorted_tiles[r]
         return (cost.gpu_forward if op.name == "forward" else cost.gpu_backward)(t, h, hk) if t.live else 0.0
-    if op.stage == "merged":
-        t = merge_calls(stages if calls == "one" else stages[1:])
+    if op.stage == MERGED:
+        t = merge_calls(next(ts for s, ts in backward_calls_of(stages, calls) if s == MERGED))
         return cost.gpu_backward_stage(t, h, hk) if t is not None and t.live else 0.0
     t = stages[op.stage]
     if not t.live:

@@ -310,8 +310,7 @@ def cp_flashmask_attention(q, k, v, plan: CPPlan, *, group=None, comm: str = "ov
             ValueError (checked once per group and layout).
         backward_calls: how the overlapped backward calls the attention backward: ``"stage"``
             (one call per stage as its K/V arrive), ``"one"`` (one call over every stage once
-            all arrived), ``"local+one"`` (own keys first, then one call over the remote ones),
-            ``"one+local"`` (the remote keys' call first, then the own keys while their gradients
+            all arrived), ``"one+local"`` (the remote keys' call first, then the own keys while their gradients
             travel) or ``"auto"`` (a rule on the plan's shape, the same on every rank:
             :func:`~flashmask3.distributed.program.auto_backward_calls`; docs/cp-runtime.md
             "Backward calls"). Ignored by ``comm="allgather"``.

@@ -23,11 +23,11 @@ from .plan import to_device_pinned
 
 #: How :func:`~.runtime.backward_overlap` calls the staged backward: one call per stage as its K/V
 #: arrives (``"stage"``); one call over the own and every remote stage once every round arrived
-#: (``"one"``: the dK/dV returns go out after it); the own stage first while the remote K/V
-#: arrive, then one call over every remote stage (``"local+one"``); one call over every remote
-#: stage first, then the own stage while their dK/dV returns travel (``"one+local"``).
-#: ``"auto"`` picks one per plan (:func:`auto_backward_calls`).
-BACKWARD_CALLS = ("stage", "one", "local+one", "one+local")
+#: (``"one"``: the dK/dV returns go out after it); one call over every remote stage first, then
+#: the own stage while their dK/dV returns travel (``"one+local"``). ``"auto"`` picks one per
+#: plan (:func:`auto_backward_calls`). (The own stage first, then one call over the remote ones,
+#: ``"local+one"``, never beat ``"one+local"``: removed in session 39, benchmarks/NOTES.md.)
+BACKWARD_CALLS = ("stage", "one", "one+local")
 #: ``backward_calls`` values the API takes: :data:`BACKWARD_CALLS` and ``"auto"`` (the plan's rule).
 BACKWARD_CALL_MODES = BACKWARD_CALLS + ("auto",)
 
@@ -136,8 +136,8 @@ class RoundProgram:
 
 @dataclass
 class MergedBackward:
-    """One backward call over several stages (``"one"``: every stage, ``"local+one"`` and
-    ``"one+local"``: the remote ones), precomputed once per plan. Its keys are the pass's whole
+    """One backward call over several stages (``"one"``: every stage, ``"one+local"``: the
+    remote ones), precomputed once per plan. Its keys are the pass's whole
     key buffer (which holds exactly the merged stages, ``RankProgram.key_first`` on).
 
     ``cols``: their mask columns (the arrival-order local mask from the first merged stage's

@@ -18,10 +18,10 @@ reuses the forward's buffer and gathers nothing. Gradients travel back in the sa
 and are summed into the rank's own dK/dV by one launch (kernels/returns.py) or ``index_add_``.
 
 Backward calls. :func:`backward_overlap` calls the staged backward once per stage (``"stage"``),
-once over every stage after all K/V arrived (``"one"``), on the own stage first and then once
-over every remote stage (``"local+one"``), or once over the remote stages first and then on the
-own stage while their gradients travel (``"one+local"``); see :data:`~.program.BACKWARD_CALLS` and
-:func:`~.program.auto_backward_calls` (the default rule, shared with benchmarks/scale_model).
+once over every stage after all K/V arrived (``"one"``), or once over the remote stages first and
+then on the own stage while their gradients travel (``"one+local"``); see
+:data:`~.program.BACKWARD_CALLS` and :func:`~.program.auto_backward_calls` (the default rule,
+shared with benchmarks/scale_model).
 
 Communication goes through an *exchange* object (:class:`~flashmask3.distributed.comm.DistExchange`
 for torch.distributed, :class:`EmulatedExchange` for one-process emulation and launch counting)
@@ -418,9 +418,8 @@ def backward_overlap(prog: RankProgram, exchange, backend, dout, dlse, q, k, v, 
     (pre-pass), its stage calls (dQ accumulated by the backend), one finish. The stage calls
     follow ``prog.backward_calls``: ``"stage"``, one per stage, each stage's returns leaving
     while later stages compute; ``"one"``, one call over every stage once every round arrived;
-    ``"local+one"``, the own stage, then one call over the remote stages; ``"one+local"``, the
-    remote stages' call first, its returns issued, then the own stage while they travel
-    (:func:`_backward_merged`). ``kept``: the forward's key buffer
+    ``"one+local"``, the remote stages' call first, its returns issued, then the own stage while
+    they travel (:func:`_backward_merged`). ``kept``: the forward's key buffer
     (``forward_overlap(..., keep_kv=True)``): no K/V traffic and no gathers, only the gradient
     returns."""
     prepare, stage, finish = staged_functions(backend)
@@ -436,9 +435,8 @@ def backward_overlap(prog: RankProgram, exchange, backend, dout, dlse, q, k, v, 
     def own_stage() -> Optional[torch.Tensor]:
         return pack_wire_rows(*run(0), None, prog.chunk_size, backend) if prog.stage_chunks[0] else None
 
-    calls = prog.backward_calls
-    own_wire = own_stage() if calls in ("stage", "local+one") else None
     if prog.merged is None:
+        own_wire = own_stage()
         for t in prog.backward_order:
             r = prog.rounds[t]
             keys.arrive(t)
@@ -446,23 +444,23 @@ def backward_overlap(prog: RankProgram, exchange, backend, dout, dlse, q, k, v, 
                 returns.stage_grads(r, *run(t + 1))
             returns.send(r)
     else:
-        own_wire = _backward_merged(prog, keys, returns, stage, state, q, scale, own_wire)
-        if calls == "one+local":
+        own_wire = _backward_merged(prog, keys, returns, stage, state, q, scale)
+        if prog.backward_calls == "one+local":
             own_wire = own_stage()
     dk, dv = returns.own_grads(own_wire, backend)
     return call_attention(finish, state), dk, dv
 
 
-def _backward_merged(prog, keys: _Keys, returns: _Returns, stage, state, q, scale, own_wire):
+def _backward_merged(prog, keys: _Keys, returns: _Returns, stage, state, q, scale):
     """The merged stages of ``prog.merged`` in one call once every round arrived: their K/V
     are the whole key buffer, their dK/dV split back into rows per round (views of one wire
     buffer) and returned in the merged send order (:func:`~.program.merged_send_order`).
-    Returns the own stage's dK/dV wire rows (``own_wire`` unless the call covered the own
-    stage)."""
+    Returns the own stage's dK/dV wire rows where the call covered the own stage (``"one"``),
+    else None."""
     m = prog.merged
     for t in prog.backward_order:
         keys.arrive(t)
-    grads = None
+    grads = own_wire = None
     if prog.n_keys:
         ks, vs = keys.all()
         dk, dv = call_attention(stage, state, q, ks, vs, prog.merged_cols(q.shape[0]), False, scale)

@@ -21,7 +21,7 @@ ATTENTION_BACKWARD_CHOICES = ("auto", "split", "fused")
 BALANCE_CHOICES = ("sparse", "dual_chunk", "ptrr", "contiguous")
 COMM_CHOICES = ("overlap", "allgather")
 #: flashmask3.distributed.BACKWARD_CALL_MODES (kept here so the config imports no torch code)
-BACKWARD_CALLS_CHOICES = ("stage", "one", "local+one", "one+local", "auto")
+BACKWARD_CALLS_CHOICES = ("stage", "one", "one+local", "auto")
 DEVICE_CHOICES = ("auto", "cpu", "cuda")
 AUTOGRAD_THREAD_CHOICES = ("calling", "device")
 DTYPE_CHOICES = ("auto", "float32", "bfloat16")
@@ -110,8 +110,8 @@ class TrainConfig:
     comm: str = field(default="overlap", metadata={
         "help": "CP K/V exchange (allgather = baseline)", "choices": COMM_CHOICES})
     backward_calls: str = field(default="auto", metadata={
-        "help": "overlapped CP backward: one attention call per stage, one per layer, the own "
-                "keys then one, or one then the own keys (auto: a rule on the plan's shape, "
+        "help": "overlapped CP backward: one attention call per stage, one per layer, or one "
+                "over the remote keys then the own keys (auto: a rule on the plan's shape, "
                 "docs/cp-runtime.md)",
         "choices": BACKWARD_CALLS_CHOICES})
     keep_kv: bool = field(default=True, metadata={

@@ -21,7 +21,7 @@ from tests.distributed.test_cp_runtime import _Recording, _RecordingBackend, _fu
 from tests.distributed.workers import backward_calls_suite, split_hierarchical
 from tests.reference import reference_attention
 
-MERGED = ("one", "local+one", "one+local")
+MERGED = ("one", "one+local")
 
 
 @pytest.mark.parametrize("world,seqlen,nodes", [(2, 64, [2]), (4, 128, [2])])
@@ -79,7 +79,7 @@ def test_emulated_gradients_match_reference_and_stage(cp, nodes):
 @pytest.mark.parametrize("cp,nodes", [(8, 1), (16, 2), (32, 4)])
 def test_fewer_kernel_calls_with_one(cp, nodes):
     """The heaviest rank's layer: "one" makes one backward stage call (plus prepare and finish)
-    where "stage" makes one per stage, "local+one" and "one+local" two; the runtime's own launches
+    where "stage" makes one per stage, "one+local" two; the runtime's own launches
     do not grow."""
     _, p = _plan(max(4096, 128 * cp), cp, nodes)
     rank = _full_rank(p)
@@ -88,8 +88,7 @@ def test_fewer_kernel_calls_with_one(cp, nodes):
     stages = sum(1 for s in p.stages(rank) if s)
     assert stages >= 3
     calls = {c: n.attention_calls for c, n in counts.items()}
-    assert calls == {"stage": stages + stages + 2, "one": stages + 1 + 2, "local+one": stages + 2 + 2,
-                     "one+local": stages + 2 + 2}
+    assert calls == {"stage": stages + stages + 2, "one": stages + 1 + 2, "one+local": stages + 2 + 2}
     for c in MERGED:
         assert counts[c].launches <= counts["stage"].launches, (c, counts[c].by_op, counts["stage"].by_op)
         assert counts[c].syncs == 0
@@ -103,7 +102,7 @@ def test_merged_program_layout():
     rank = _full_rank(p)
     stage = prepare_rank(p, rank, "cpu", backward_calls="stage")
     assert stage.merged is None and stage.backward_calls == "stage"
-    for calls, first in (("one", 0), ("local+one", 1), ("one+local", 1)):
+    for calls, first in (("one", 0), ("one+local", 1)):
         prog = prepare_rank(p, rank, "cpu", backward_calls=calls)
         m = prog.merged
         assert m.first_stage == first and prog.backward_calls == calls
@@ -125,7 +124,7 @@ def test_merged_program_layout():
 
 def test_merged_schedules():
     """ "one": every round is waited for before the one backward call and every return leaves
-    after it; "local+one": the own stage computes before the first wait; "one+local": every
+    after it; "one+local": every
     return is issued between the remote stages' call and the own stage's. With the forward's
     K/V kept (``keep_kv``) the backward starts no K/V round and waits for none."""
     _, p = _plan(4096, 8, 2)
@@ -151,8 +150,6 @@ def test_merged_schedules():
             assert max(waits) < attn[0] < min(returns) and max(returns) < attn[1], (calls, bwd)
         else:
             assert max(waits) < attn[-1] < min(returns), (calls, bwd)
-        if calls == "local+one":
-            assert attn[0] < min(waits)
 
 
 def _kept_backward_has_no_kv_traffic(p, rank, calls):

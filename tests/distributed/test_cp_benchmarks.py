@@ -72,7 +72,7 @@ def _attention_calls(entry, r) -> int:
         return 2 * r["stages"]
     remote = r["stages"] - r["own_stage"]
     two = r["own_stage"] + min(1, remote)
-    bwd = {"stage": r["stages"], "one": min(1, r["stages"]), "local+one": two, "one+local": two}[r["backward_calls"]]
+    bwd = {"stage": r["stages"], "one": min(1, r["stages"]), "one+local": two}[r["backward_calls"]]
     return r["stages"] + bwd + 2
 
 
@@ -83,14 +83,14 @@ def test_cp_single_gpu_backward_calls_ab(tmp_path):
             "--head-dim", "8", "--dtype", "float32", "--iters", "1", "--warmup", "0",
             "--all-ranks-up-to", "4", "--heaviest", "1", "--random", "0", "--check",
             "--configs", "sparse+allgather", "sparse+overlap", "sparse+overlap hier",
-            "--backward-calls", "stage", "one", "local+one", "one+local", "--autograd-thread", "calling",
+            "--backward-calls", "stage", "one", "one+local", "--autograd-thread", "calling",
             "--out", str(tmp_path)]
     assert cp_single_gpu.main(args) == 0
     assert torch._C._is_multithreading_enabled()  # the engine's setting is restored afterwards
     full = json.loads((tmp_path / "cp_runtime.json").read_text())
     assert full["args"]["autograd_thread"] == "calling"
     res = full["cp"]
-    modes = ("stage", "one", "local+one", "one+local")
+    modes = ("stage", "one", "one+local")
     assert set(res["4"]) == {"sparse+allgather"} | {f"sparse+overlap bwd={m}" for m in modes}
     assert {f"sparse+overlap hier bwd={m}" for m in modes} <= set(res["16"])
     for configs in res.values():

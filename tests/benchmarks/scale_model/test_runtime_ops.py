@@ -33,7 +33,7 @@ def _attention_calls_on_cpu(p, rank, comm, calls):
 
 
 @pytest.mark.parametrize("nodes,comm,calls", [(1, "overlap", "stage"), (1, "overlap", "one"),
-                                              (2, "overlap", "local+one"), (1, "allgather", "stage")])
+                                              (2, "overlap", "one+local"), (1, "allgather", "stage")])
 def test_recorded_layer_matches_the_runtime(nodes, comm, calls):
     p = _plan(8, nodes)
     for rank in (0, 5):
