@@ -21,7 +21,8 @@ def capture(step: Callable[..., Any], *args, warmup: int = 2):
     """``(graph, outputs)``: ``step(*args)`` run ``warmup`` times eagerly on a side stream, then
     captured once on it. ``outputs`` are the captured call's results: every ``graph.replay()``
     rewrites them from whatever was copied into the captured inputs (``args`` and any tensor the
-    step reads)."""
+    step reads). The graph does not own that memory: keep the inputs and ``outputs`` alive while
+    you replay it (a freed input's memory goes to other tensors, and a replay would read them)."""
     if not torch.cuda.is_available():
         raise RuntimeError("capture needs CUDA (CUDA graphs)")
     if not isinstance(warmup, int) or warmup < 1:
