@@ -17,7 +17,12 @@ Variants, in the same run on the same inputs: ``current``; ``no-memo`` (a fresh 
 per attention call, as before session 24); ``no-merge-kernel`` (the forward's stage partials
 merged by torch ops instead of the one-launch Triton merge); ``before`` (both, i.e. the host
 path of session 23); ``no-bound`` (the prepared Gluon forward and dK/dV launches, ``launcher.Bound``, through
-``launcher.launch`` with their descriptors rebuilt on every call, as before session 27).
+``launcher.launch`` with their descriptors rebuilt on every call, as before session 27);
+``no-cached-bound`` (the small kernels bound once per configuration by ``launcher.cached_bound``
+-- the backward's pre-pass and dQ scaling since session 37, the runtime's merge, key gather,
+wire pack and gradient sum since session 39 -- launched through ``launcher.launch`` on every
+call, as before: the same arguments, plus the cost of building them as a bound launch's
+template, a few µs a launch against this variant).
 """
 
 from __future__ import annotations
@@ -25,6 +30,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import cProfile
+import importlib
 import json
 import os
 import pstats
@@ -45,7 +51,9 @@ from flashmask3.kernels import launcher, triton_backend as tb  # noqa: E402
 SLEEP = 200_000_000  # cycles of torch.cuda._sleep: ~100 ms, longer than any host loop here
 
 
-VARIANTS = ("current", "no-memo", "no-merge-kernel", "before", "no-bound")
+VARIANTS = ("current", "no-memo", "no-merge-kernel", "before", "no-bound", "no-cached-bound")
+#: the modules whose small launches go through ``launcher.cached_bound``
+CACHED_BOUND_USERS = ("tl_kernels", "gather", "merge", "returns")
 
 
 _bound_call = launcher.Bound.__call__
@@ -54,6 +62,22 @@ _bound_call = launcher.Bound.__call__
 def _unbound_call(self, *tensors):
     """A :class:`launcher.Bound` launch as before session 27: through ``launcher.launch``."""
     return self._launch(tensors)
+
+
+class _Relaunch:
+    """A :func:`launcher.cached_bound` launch through ``launcher.launch`` on every call."""
+
+    def __init__(self, kernel, grid, args, kwargs):
+        self.kernel, self.grid, self.args, self.kwargs = kernel, grid, args, kwargs
+
+    def __call__(self, *tensors):
+        it = iter(tensors)
+        args = [next(it) if a is launcher.TENSOR else a for a in self.args]
+        return launcher.launch(self.kernel, self.grid, *args, **self.kwargs)
+
+
+def _relaunched(key, build):
+    return _Relaunch(*build())
 
 
 @contextlib.contextmanager
@@ -67,12 +91,18 @@ def variant(name: str):
         del tb.merge_stages
     if name == "no-bound":  # every Bound launch through launcher.launch (its key, descriptors)
         launcher.Bound.__call__ = _unbound_call
+    modules = [importlib.import_module(f"flashmask3.kernels.{m}") for m in CACHED_BOUND_USERS]
+    if name == "no-cached-bound":
+        for m in modules:
+            m.cached_bound = _relaunched
     try:
         yield
     finally:
         for key, val in saved.items():
             setattr(tb, key, val)
         launcher.Bound.__call__ = _bound_call
+        for m in modules:
+            m.cached_bound = launcher.cached_bound
 
 
 def profile_rank(p, rank, layout_calls, tensors, scale):
@@ -186,7 +216,9 @@ def main(argv=None) -> int:
                                    dtype=torch.bfloat16) for _ in range(2))
     full_k, full_v = (torch.randn(1, args.tokens, 8, 128, generator=g, device=dev,
                                   dtype=torch.bfloat16) for _ in range(2))
-    out = {"env": {"torch": torch.__version__, "gpu": torch.cuda.get_device_name(),
+    import triton
+
+    out = {"env": {"torch": torch.__version__, "triton": triton.__version__, "gpu": torch.cuda.get_device_name(),
                    "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
                    "command": " ".join(sys.argv)}, "runs": [], "round_robin": []}
     for cp in args.cp:

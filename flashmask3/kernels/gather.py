@@ -21,7 +21,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .launcher import cdiv, launch
+from .launcher import TENSOR, cached_bound, cdiv
 from .tl_kernels import interpreting
 
 #: Elements of one K (or V) half of a wire row per program.
@@ -87,8 +87,13 @@ def gather_keys(src: torch.Tensor, rows: torch.Tensor, dst: torch.Tensor, pos: i
     b, cs, hk, d = src.shape[2:]
     row = cs * hk * d
     nb = cdiv(row, BLOCK)
-    launch(_gather_keys_kernel, (n, b * nb, 2), src, rows, dst, b * row, row, nb,
-           dst.shape[2] * hk * d, b * dst.shape[2] * hk * d, pos, BLOCK=BLOCK, num_warps=4)
+    keys = dst.shape[2]
+    # bound once per configuration (launcher.cached_bound): the key holds every value the launch
+    # fixes besides the three tensors (their dtypes too, so a call never misses the fast path)
+    key = (_gather_keys_kernel, n, b, row, keys * hk * d, pos, src.dtype, rows.dtype, src.device)
+    cached_bound(key, lambda: (_gather_keys_kernel, (n, b * nb, 2),
+                               (TENSOR,) * 3 + (b * row, row, nb, keys * hk * d, b * keys * hk * d, pos),
+                               dict(BLOCK=BLOCK, num_warps=4)))(src, rows, dst)
 
 
 @triton.jit(do_not_specialize=["NB", "N_SRC"])
@@ -153,5 +158,8 @@ def pack_wire(k: torch.Tensor, v: torch.Tensor, rows, out: torch.Tensor) -> None
     b, s, hk, d = k.shape
     row = chunk * hk * d
     nb = cdiv(row, BLOCK)
-    launch(_pack_wire_kernel, (n, b * nb, 2), k, v, rows if rows is not None else out, out, b * row, row, nb,
-           s // chunk, HAS_ROWS=rows is not None, BLOCK=BLOCK, num_warps=4)
+    has_rows = rows is not None
+    index = rows if has_rows else out  # (a pointer the kernel never reads without rows)
+    key = (_pack_wire_kernel, n, b, row, s // chunk, has_rows, k.dtype, index.dtype, k.device)
+    cached_bound(key, lambda: (_pack_wire_kernel, (n, b * nb, 2), (TENSOR,) * 4 + (b * row, row, nb, s // chunk),
+                               dict(HAS_ROWS=has_rows, BLOCK=BLOCK, num_warps=4)))(k, v, index, out)

@@ -17,7 +17,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .launcher import cdiv, launch
+from .launcher import TENSOR, cached_bound, cdiv
 from .tl_kernels import interpreting
 
 #: Stage outputs one launch reads; more are merged in groups (fp32 partial results).
@@ -126,10 +126,11 @@ def merge_stages(outs: list[torch.Tensor], lses: list[torch.Tensor], out_dtype: 
         lse.fill_(float("-inf"))
         return out, lse
     n = len(outs)
-    pad = [None] * (MAX_PARTS - n)
-    o_args = [o.contiguous() for o in outs] + pad
-    l_args = [x.contiguous() for x in lses] + pad
     block_r = 64 if d <= 128 else 32
-    launch(_merge_kernel, (cdiv(s, block_r), h, b), *o_args, *l_args, out, lse, s, h,
-           N=n, D=d, BLOCK_R=block_r, num_warps=4)
+    parts = [o.contiguous() for o in outs] + [x.contiguous() for x in lses]
+    # bound once per configuration (launcher.cached_bound); the absent parts are None
+    key = (_merge_kernel, b, s, h, d, tuple(o.dtype for o in parts), out_dtype, out.device)
+    slots = (TENSOR,) * n + (None,) * (MAX_PARTS - n)
+    cached_bound(key, lambda: (_merge_kernel, (cdiv(s, block_r), h, b), slots + slots + (TENSOR, TENSOR, s, h),
+                               dict(N=n, D=d, BLOCK_R=block_r, num_warps=4)))(*parts, out, lse)
     return out, lse

@@ -31,7 +31,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .launcher import cdiv, launch
+from .launcher import TENSOR, cached_bound, cdiv
 from .tl_kernels import interpreting
 
 #: Elements of one K (or V) half of a wire row per program.
@@ -146,9 +146,14 @@ def _sum_rows(own, own_index, returned, returned_index, n_out: int, chunk: int, 
     dummy = dk  # a pointer for an absent source and its index (never read)
     o_starts, o_rows = own_index if own is not None else (dummy, dummy)
     r_starts, r_rows = returned_index if returned is not None else (dummy, dummy)
-    launch(_add_returns_kernel, (n_out, cdiv(half, BLOCK), 2),
-           own.contiguous() if own is not None else dummy, o_starts, o_rows,
-           returned.contiguous() if returned is not None else dummy, r_starts, r_rows,
-           dk, dv, half, chunk * hk * d, n_out * chunk * hk * d,
-           HAS_OWN=own is not None, HAS_RET=returned is not None, WIRE_OUT=wire_out, BLOCK=BLOCK,
-           num_warps=4)
+    tensors = (own.contiguous() if own is not None else dummy, o_starts, o_rows,
+               returned.contiguous() if returned is not None else dummy, r_starts, r_rows, dk, dv)
+    has_own, has_ret = own is not None, returned is not None
+    # bound once per configuration (launcher.cached_bound): every value the launch fixes besides
+    # the tensors, and their dtypes
+    key = (_add_returns_kernel, n_out, half, chunk * hk * d, has_own, has_ret, wire_out,
+           tuple(t.dtype for t in tensors), k.device)
+    cached_bound(key, lambda: (_add_returns_kernel, (n_out, cdiv(half, BLOCK), 2),
+                               (TENSOR,) * 8 + (half, chunk * hk * d, n_out * chunk * hk * d),
+                               dict(HAS_OWN=has_own, HAS_RET=has_ret, WIRE_OUT=wire_out, BLOCK=BLOCK,
+                                    num_warps=4)))(*tensors)

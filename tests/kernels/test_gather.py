@@ -45,6 +45,30 @@ def test_gather_keys_matches_the_torch_path(dtype, pos):
     assert torch.equal(got[:, :, untouched], dst[:, :, untouched])
 
 
+def test_bound_gathers_follow_every_value_they_fix():
+    """The gather's and the pack's launches are bound once per configuration
+    (launcher.cached_bound): calls of one shape in a row at another position, with another
+    index dtype, with and without rows each get their own launch (a key missing any of them
+    would replay the previous call's)."""
+    _interpreted()
+    from flashmask3.distributed.runtime import pack_wire_rows
+
+    src, rows, dst = _case(seed=7)
+    for pos, index_dtype in ((0, torch.int64), (2, torch.int64), (2, torch.int32), (0, torch.int64)):
+        want = dst.clone()
+        gather_stage_keys(src, rows, want, pos)
+        got = dst.clone()
+        gather.gather_keys(src, rows.to(index_dtype), got, pos)
+        assert torch.equal(got, want), (pos, index_dtype)
+    b, cs, hk, d = src.shape[2:]
+    k, v = (torch.randn(b, 4 * cs, hk, d) for _ in range(2))
+    for chunks in (torch.tensor([3, 1, 0, 2]), None, torch.tensor([0, 1, 2, 3]), torch.tensor([2, 2, 1, 0])):
+        want = pack_wire_rows(k, v, chunks, cs)
+        got = torch.empty_like(want)
+        gather.pack_wire(k, v, chunks, got)
+        assert torch.equal(got, want), chunks
+
+
 def test_gather_keys_rejects_other_layouts():
     src, rows, dst = _case()
     with pytest.raises(ValueError, match="src"):
@@ -62,14 +86,16 @@ def test_gather_keys_rejects_other_layouts():
 @pytest.mark.gpu
 def test_pack_wire_on_the_gpu_at_a_cp_128_shape():
     """The compiled pack at a cp-128 stage's dK/dV shape (100 chunks of 128 keys, 8 KV heads,
-    D=128, bf16), reordered, and a batch of two in order."""
+    D=128, bf16), reordered, and a batch of two in order; each twice with new tensors (the
+    second call takes the bound launch's fast path)."""
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA GPU")
     from flashmask3.distributed.runtime import pack_wire_rows
 
     g = torch.Generator(device="cuda").manual_seed(3)
-    for b, n, rows in ((1, 100, torch.randperm(100, device="cuda")), (2, 17, None)):
+    for b, n, rows in ((1, 100, torch.randperm(100, device="cuda")), (2, 17, None)) * 2:
         k, v = (torch.randn(b, n * 128, 8, 128, generator=g, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+        rows = None if rows is None else rows[torch.randperm(n, device="cuda")]
         want = pack_wire_rows(k, v, rows, 128)
         got = torch.empty_like(want)
         gather.pack_wire(k, v, rows, got)
@@ -79,11 +105,12 @@ def test_pack_wire_on_the_gpu_at_a_cp_128_shape():
 @pytest.mark.gpu
 def test_gather_keys_on_the_gpu_at_a_cp_128_shape():
     """The compiled kernel at a cp-128 stage's shape (100 chunks of 128 keys, 8 KV heads,
-    D=128, bf16) and a batch of two, into the middle of a key buffer."""
+    D=128, bf16) and a batch of two, into the middle of a key buffer; each twice with new
+    tensors (the second call takes the bound launch's fast path)."""
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA GPU")
-    for b, n in ((1, 100), (2, 17)):
-        src, rows, dst = _case(n_src=300, n_rows=n, keys=130, b=b, cs=128, hk=8, d=128, device="cuda", seed=b)
+    for seed, (b, n) in enumerate(((1, 100), (2, 17)) * 2):
+        src, rows, dst = _case(n_src=300, n_rows=n, keys=130, b=b, cs=128, hk=8, d=128, device="cuda", seed=seed)
         want = dst.clone()
         gather_stage_keys(src, rows, want, 20)
         got = dst.clone()

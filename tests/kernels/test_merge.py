@@ -89,8 +89,14 @@ def test_merge_rejects_mismatched_parts():
 @pytest.mark.parametrize("n_parts", [2, 5, 8])
 def test_merge_on_the_gpu_at_a_training_shape(n_parts):
     """The compiled kernel (not the interpreter) at a CP stage's shape: bf16, D=128, 16 heads,
-    2048 rows, against the float64 torch merge of the same partials."""
-    g = torch.Generator(device="cuda").manual_seed(n_parts)
+    2048 rows, against the float64 torch merge of the same partials; twice with new tensors
+    (the second call takes the bound launch's fast path)."""
+    for seed in (n_parts, n_parts + 100):
+        _gpu_merge_case(n_parts, seed)
+
+
+def _gpu_merge_case(n_parts: int, seed: int) -> None:
+    g = torch.Generator(device="cuda").manual_seed(seed)
     shape = (1, 2048, 16, 128)
     outs = [torch.randn(shape, generator=g, device="cuda").to(torch.bfloat16) for _ in range(n_parts)]
     lses = [torch.randn(1, 16, 2048, generator=g, device="cuda") * 3 for _ in range(n_parts)]
@@ -105,3 +111,16 @@ def test_merge_on_the_gpu_at_a_training_shape(n_parts):
     assert torch.equal(fin, torch.isfinite(lse))
     assert (lse[fin].double() - ref_lse[fin]).abs().max() < 1e-4
     assert (out.double() - ref_out).abs().max() < 2e-2
+
+
+def test_bound_merges_follow_the_part_count_and_dtypes():
+    """The merge's launch is bound once per configuration (launcher.cached_bound): calls of one
+    shape in a row with another part count, another output dtype or another part dtype each
+    get their own launch (a key missing any of them would replay the previous call's)."""
+    for n_parts, dtype, part_dtype in ((2, torch.float32, torch.float32), (3, torch.float32, torch.float32),
+                                       (2, torch.bfloat16, torch.float32), (2, torch.float32, torch.bfloat16),
+                                       (2, torch.float32, torch.float32)):
+        outs, lses, (want_out, want_lse) = _partials(n_parts, seed=10 + n_parts)
+        out, lse = merge.merge_stages([o.to(part_dtype) for o in outs], [l.float() for l in lses], dtype)
+        assert out.dtype == dtype
+        _check(out, lse, want_out, want_lse, 1e-5 if dtype == part_dtype == torch.float32 else 2e-2)
