@@ -31,7 +31,7 @@ import numpy as np
 
 from .calibrate import (MEASURED_FILE, RESULTS, AttentionCost, TileCounts, fit_rows, load_cost, measured_rows,
                         row_tiles, work_summary)
-from .layout import PlanView, RoundView, document_plan_view, file_tolerance, mask_sparsity
+from .layout import PlanView, RoundView, document_plan, document_plan_view, file_tolerance, mask_sparsity
 from .params import Cluster, Param, Runtime
 from .runtime_ops import RATE_CLASSES, bytes_by_rate, op_seconds, ops_seconds
 from .timeline import MERGED, AttnShape, backward_calls_of, merge_calls, simulate_layer
@@ -566,20 +566,18 @@ def _recorded_ranks(res: dict, cost: AttentionCost, shape: AttnShape, need: str 
     ``graph_seconds``: replayed from a CUDA graph) whose rebuilt plan reproduces its recorded
     work: ``(config name, cp, rank entry, view, recorded ops, attention seconds per attention
     op, backward calls, comm)``."""
-    import flashmask3.masks as M
     from benchmarks.cp_single_gpu import hidden_functions
-    from flashmask3.distributed import plan as make_plan
 
     from .runtime_ops import record_layer
 
     a, lens = res["args"], res["lengths"]
-    mask = M.causal_document_mask(lens)
     rows = []
     tol = file_tolerance(a)
     for cp, configs in res["cp"].items():
         for e in configs.values():
             view = document_plan_view(lens, int(cp), e["balance"], e["nodes"], tolerance=tol)
-            p = make_plan(mask, None, int(cp), balance=e["balance"], nodes=e["nodes"], tolerance=tol)
+            # (kept in memory by the view's build when it planned: one planning per layout)
+            p, _ = document_plan(lens, int(cp), e["balance"], e["nodes"], tol)
             comm, name = e["comm"], f"cp {cp} {e['config']}"
             for r in e["ranks"]:
                 if r.get(need) is None or view.works[r["rank"]] != r["work"]:
