@@ -16,7 +16,8 @@
 #      documents; FlashMask and raw columns; fwd and fwd+bwd) with the mask reused (a model's
 #      layers) and with the plans rebuilt every call (a fresh mask), and the A/B with every
 #      kernel through JITFunction.run; std/GPU ms and kernels per call; a cProfile per variant
-#      (profile_*.txt); the 4K/8K fwd+bwd table vs FlexAttention
+#      (profile_*.txt); the 4K/8K fwd+bwd table vs FlexAttention (eager on either autograd thread,
+#      torch.compile reduce-overhead, and captured by hand in a CUDA graph)
 #   3. benchmarks/host_path.py --floor (~20 s): this host's floor, host µs of torch.empty_like,
 #      a bare torch launch (x.add_(1)), autograd.Function.apply of an identity (and with its
 #      backward), a trivial Triton kernel via the launcher and via JITFunction.run, our
