@@ -14,7 +14,9 @@ Two tables, one JSON (``--out``/host_path.json) and a markdown summary:
   trivial Triton kernel through the package's launcher and through ``JITFunction.run``, and
   FlexAttention's forward at the host table's size.
 * **small**: fwd+bwd at 4K and 8K tokens (B=1, 16 heads, D=128; one and five causal documents):
-  flashmask3 vs FlexAttention, standard do_bench (wall time incl. host) and GPU time. Targets:
+  flashmask3 vs FlexAttention, standard do_bench (wall time incl. host) and GPU time, each
+  library eager (the backward on autograd's device thread and on the calling thread), under
+  ``torch.compile(mode="reduce-overhead")`` and captured by hand in a CUDA graph. Targets:
   flashmask3 std <= Flex std, and <= 1.3x flashmask3's GPU time.
 
     python benchmarks/host_path.py --out $OUT/host-path          # on the GPU
