@@ -30,7 +30,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import cProfile
-import importlib
 import json
 import os
 import pstats
@@ -46,14 +45,14 @@ import flashmask3.masks as M  # noqa: E402
 from benchmarks.corpus import document_spreads  # noqa: E402
 from flashmask3.distributed import EmulatedExchange, LaunchCounter, plan, prepare_rank, run_layer  # noqa: E402
 from flashmask3.distributed.runtime import to_wire  # noqa: E402
-from flashmask3.kernels import launcher, triton_backend as tb  # noqa: E402
+from flashmask3.kernels import gather, launcher, merge, returns, tl_kernels, triton_backend as tb  # noqa: E402
 
 SLEEP = 200_000_000  # cycles of torch.cuda._sleep: ~100 ms, longer than any host loop here
 
 
 VARIANTS = ("current", "no-memo", "no-merge-kernel", "before", "no-bound", "no-cached-bound")
 #: the modules whose small launches go through ``launcher.cached_bound``
-CACHED_BOUND_USERS = ("tl_kernels", "gather", "merge", "returns")
+CACHED_BOUND_USERS = (tl_kernels, gather, merge, returns)
 
 
 _bound_call = launcher.Bound.__call__
@@ -64,20 +63,10 @@ def _unbound_call(self, *tensors):
     return self._launch(tensors)
 
 
-class _Relaunch:
-    """A :func:`launcher.cached_bound` launch through ``launcher.launch`` on every call."""
-
-    def __init__(self, kernel, grid, args, kwargs):
-        self.kernel, self.grid, self.args, self.kwargs = kernel, grid, args, kwargs
-
-    def __call__(self, *tensors):
-        it = iter(tensors)
-        args = [next(it) if a is launcher.TENSOR else a for a in self.args]
-        return launcher.launch(self.kernel, self.grid, *args, **self.kwargs)
-
-
 def _relaunched(key, build):
-    return _Relaunch(*build())
+    """:func:`launcher.cached_bound` as before it: a launch through ``launcher.launch`` on every
+    call (``Bound.once``, which builds no fast path)."""
+    return launcher.Bound(*build()).once
 
 
 @contextlib.contextmanager
@@ -91,9 +80,8 @@ def variant(name: str):
         del tb.merge_stages
     if name == "no-bound":  # every Bound launch through launcher.launch (its key, descriptors)
         launcher.Bound.__call__ = _unbound_call
-    modules = [importlib.import_module(f"flashmask3.kernels.{m}") for m in CACHED_BOUND_USERS]
     if name == "no-cached-bound":
-        for m in modules:
+        for m in CACHED_BOUND_USERS:
             m.cached_bound = _relaunched
     try:
         yield
@@ -101,7 +89,7 @@ def variant(name: str):
         for key, val in saved.items():
             setattr(tb, key, val)
         launcher.Bound.__call__ = _bound_call
-        for m in modules:
+        for m in CACHED_BOUND_USERS:
             m.cached_bound = launcher.cached_bound
 
 

@@ -33,10 +33,14 @@ _WRITE_ONLY = {"fill_", "zero_", "zeros", "zeros_like", "new_zeros", "full", "fu
                "new_full", "new_ones"}
 
 
+#: An attention op's stage when it is the merged backward call (:attr:`Op.stage`).
+MERGED = "merged"
+
+
 @dataclass(frozen=True)
 class Op:
     """One device operation of a rank's layer: ``kind`` (:data:`KINDS`), ``name``, the bytes it
-    reads and writes, and for attention calls which stage (``"merged"``: the merged backward
+    reads and writes, and for attention calls which stage (:data:`MERGED`: the merged backward
     call) and function (``forward``, ``backward_prepare``, ``backward_stage``, ``backward_finish``,
     ``backward``)."""
 
@@ -139,7 +143,7 @@ class _Backend:
             if c is cols:
                 return s
         if prog.merged is not None and prog.merged.cols is cols:
-            return "merged"
+            return MERGED
         return None
 
     def _attention(self, name, cols=None):
@@ -339,5 +343,5 @@ def rank_device_work(doc_lens, cp: int, balance: str, nodes: int, comm: str, bac
     return cached_pickle("ops-" + key + ".pkl", build, cache)
 
 
-__all__ = ["KINDS", "Op", "RATE_CLASSES", "SMALL_INDEX_ROWS", "rate_class", "record_layer", "op_seconds", "ops_seconds",
+__all__ = ["KINDS", "MERGED", "Op", "RATE_CLASSES", "SMALL_INDEX_ROWS", "rate_class", "record_layer", "op_seconds", "ops_seconds",
            "rate_seconds", "bytes_by_rate", "rank_device_work"]

@@ -52,6 +52,7 @@ from flashmask3.distributed.program import BACKWARD_CALL_MODES, BACKWARD_CALLS, 
 from .calibrate import AttentionCost, ProgramWork, TileCounts
 from .layout import PlanView
 from .params import Cluster
+from .runtime_ops import MERGED
 
 COMMS = ("allgather", "overlap")
 
@@ -364,14 +365,10 @@ def resolve_bwd_calls(view: PlanView, bwd_calls: str) -> str:
     return resolve_backward_calls(bwd_calls, view, name="bwd_calls")
 
 
-#: The label of a merged backward call in :func:`backward_calls_of` (the runtime's ``"merged"`` op).
-MERGED = "merged"
-
-
 def backward_calls_of(stages: list, bwd_calls: str) -> list[tuple[object, list]]:
     """The overlapped backward's attention calls of one rank in call order, ``(label, stages)``:
     the stages' tiles each call covers, labelled with the stage's index for a call on one stage
-    and :data:`MERGED` for a call over several (``bwd_calls`` resolved: not ``"auto"``). The one
+    and ``runtime_ops.MERGED`` (the recorded op's stage) for a call over several (``bwd_calls`` resolved: not ``"auto"``). The one
     place the modes' calls are spelled out for the host count, the underfill and validation."""
     if bwd_calls == "stage":
         return [(i, [t]) for i, t in enumerate(stages)]
@@ -577,6 +574,6 @@ def simulate_layer(view: PlanView, cost: AttentionCost, cluster: Cluster, shape:
     return LayerResult(fwd, bwd, host, recompute, device)
 
 
-__all__ = ["BWD_CALLS", "MERGED", "resolve_bwd_calls", "backward_calls_of", "merge_calls", "AttnShape", "Links",
+__all__ = ["BWD_CALLS", "resolve_bwd_calls", "backward_calls_of", "merge_calls", "AttnShape", "Links",
            "PassResult", "LayerResult", "RankTimes", "ring_collective_time",
            "simulate_layer", "simulate_pass", "simulate_overlap", "simulate_allgather"]

@@ -33,7 +33,8 @@ import numpy as np
 from .calibrate import (EXPAND_HOST_S, SLOTS, AttentionCost, PassCost, TileCounts, filled, greedy_makespan,
                         variant)
 from .layout import PlanView
-from .timeline import MERGED, AttnShape, backward_calls_of, merge_calls, resolve_bwd_calls, simulate_layer
+from .runtime_ops import MERGED
+from .timeline import AttnShape, backward_calls_of, merge_calls, resolve_bwd_calls, simulate_layer
 
 
 @dataclass

@@ -33,8 +33,8 @@ from .calibrate import (MEASURED_FILE, RESULTS, AttentionCost, TileCounts, fit_r
                         row_tiles, work_summary)
 from .layout import PlanView, RoundView, document_plan, document_plan_view, file_tolerance, mask_sparsity
 from .params import Cluster, Param, Runtime
-from .runtime_ops import RATE_CLASSES, bytes_by_rate, op_seconds, ops_seconds
-from .timeline import MERGED, AttnShape, backward_calls_of, merge_calls, simulate_layer
+from .runtime_ops import MERGED, RATE_CLASSES, bytes_by_rate, op_seconds, ops_seconds
+from .timeline import AttnShape, backward_calls_of, merge_calls, simulate_layer
 
 SINGLE = os.path.join(RESULTS, "cp_single_gpu.json")
 MULTI = os.path.join(RESULTS, "cp_multigpu.json")
