@@ -153,8 +153,11 @@ def run_validate(args):
             single["measured"] = validate.validate_measured(calibrate.MEASURED_FILE)
         single["kv_expansion"] = validate.validate_kv_expansion()
         single["cp_runtime"] = validate.validate_cp_runtime()
-        fitted = (single["cp_runtime"] or {}).get("bandwidths")  # checked on the other runtime files
-        single["cp_ptrr"] = validate.validate_cp_runtime(validate.CP_PTRR, bandwidths=fitted)
+        fitted = (single["cp_runtime"] or {}).get("bandwidths")  # checked on the H200's graph file
+        # another GPU (an H100): its own fit, and the H200's fit carried over as a transfer check
+        single["cp_ptrr"] = validate.validate_cp_runtime(validate.CP_PTRR, fit_cp=validate.PTRR_FIT_CP)
+        if single["cp_ptrr"] and fitted:
+            single["cp_ptrr"]["transfer"] = validate.validate_cp_runtime(validate.CP_PTRR, bandwidths=fitted)
         single["cp_graph"] = validate.validate_cp_graph(bandwidths=fitted)
         bar.update(1)
         multi = validate.validate_multigpu(args.multigpu)

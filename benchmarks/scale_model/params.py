@@ -24,6 +24,32 @@ class Param:
         return Param(self.value * factor, f"{self.source} (x{factor:g})")
 
 
+#: The CP runtime's op bandwidths (bytes/s) by rate class (runtime_ops.RATE_CLASSES) on each GPU
+#: model it was profiled on: ``validate.validate_cp_runtime`` fits them (least squares over the
+#: profiled ranks of the fit cp sizes, 3 us a launch) and ``tests/benchmarks/scale_model`` checks
+#: that these constants are still that fit of the committed files. They differ by GPU because the
+#: copies and fills are bound by memory bandwidth (H100 3.35, H200 4.8 TB/s by the datasheets;
+#: measured, the H100's copies run at ~75% of the H200's); the small-index and scatter kernels are
+#: not, and run about as fast on both.
+RUNTIME_FITS = {
+    "H200": {"copy": 4.25e12, "small_index": 0.91e12, "scatter": 1.38e12, "fill": 3.14e12,
+             "source": "cp 8/32 ranks of cp_runtime_breakdown.json (one H200, 2026-12-04); held out: "
+                       "its cp 16/64/128 ranks and cp_graph.json"},
+    "H100": {"copy": 3.17e12, "small_index": 0.99e12, "scatter": 1.40e12, "fill": 2.52e12,
+             "source": "cp 32 ranks of cp_ptrr.json (one H100 80GB HBM3, 2026-12-05); held out: its "
+                       "cp 16/64/128 ranks"},
+}
+
+
+def runtime_fit_of(gpu_name: str) -> dict:
+    """The runtime op bandwidths by rate class fitted on ``gpu_name``'s model (``"NVIDIA H200"``,
+    ``"NVIDIA H100 80GB HBM3"``, ...); a GPU we have no fit for raises ``ValueError``."""
+    for model, fit in RUNTIME_FITS.items():
+        if model in (gpu_name or ""):
+            return {c: fit[c] for c in ("copy", "small_index", "scatter", "fill")}
+    raise ValueError(f"no runtime op bandwidths fitted for GPU {gpu_name!r} (have: {', '.join(RUNTIME_FITS)})")
+
+
 @dataclass(frozen=True)
 class Cluster:
     """Links, GPU and host of one cluster. Bandwidths in bytes/s, times in seconds."""
@@ -43,17 +69,17 @@ class Cluster:
                                 "bytes / bandwidth")
     comm_sm_share: Param = Param(0.08, "assumed: fraction of the GPU's SMs NCCL kernels occupy "
                                  "while a transfer is active (~8-16 of 132 SMs)")
-    runtime_copy_bw: Param = Param(4.09e12, "fitted: the CP runtime's own contiguous copies and gathers (torch's "
-                                   "vectorized gather, clone; the runtime's merge, key-gather, pack and "
-                                   "gradient-sum kernels), recorded from the real runtime, on the H200 "
-                                   "(validate_cp_runtime: cp 8/32 ranks of cp_runtime_breakdown.json, one fit "
-                                   "with the three classes below and 3 us a launch; held out, cp 16/64/128); "
-                                   "assumed the same on the H100 (HBM 3.35 vs 4.8 TB/s: up to 1.4x slower there)")
-    runtime_small_index_bw: Param = Param(0.90e12, "fitted (same fit): torch's index_select of <= 16 rows "
-                                          "(its small-index kernel, runtime_ops.SMALL_INDEX_ROWS)")
-    runtime_scatter_bw: Param = Param(1.39e12, "fitted (same fit): indexed writes and strided copies "
-                                      "(index_copy_, index_add_, stack)")
-    runtime_fill_bw: Param = Param(3.47e12, "fitted (same fit): write-only ops (zeros, fills), bytes written")
+    runtime_copy_bw: Param = Param(RUNTIME_FITS["H100"]["copy"], "fitted on the H100: the CP runtime's own contiguous copies and "
+                                   "gathers (torch's vectorized gather, clone; the runtime's merge, key-gather, "
+                                   "pack and gradient-sum kernels), recorded from the real runtime "
+                                   "(RUNTIME_FITS['H100']: cp 32 ranks of cp_ptrr.json, one fit with the three "
+                                   "classes below and 3 us a launch; held out, cp 16/64/128)")
+    runtime_small_index_bw: Param = Param(RUNTIME_FITS["H100"]["small_index"], "fitted on the H100 (same fit): torch's index_select of "
+                                          "<= 16 rows (its small-index kernel, runtime_ops.SMALL_INDEX_ROWS)")
+    runtime_scatter_bw: Param = Param(RUNTIME_FITS["H100"]["scatter"], "fitted on the H100 (same fit): indexed writes and strided "
+                                      "copies (index_copy_, index_add_, stack)")
+    runtime_fill_bw: Param = Param(RUNTIME_FITS["H100"]["fill"], "fitted on the H100 (same fit): write-only ops (zeros, fills), "
+                                   "bytes written")
     hbm_bw: Param = Param(4.3e12, "measured: device copy ~4.3 TB/s on the H200 "
                           "(benchmarks/NOTES.md 'Ceilings'); elementwise merges and casts")
     matmul_tflops: Param = Param(790.0, "measured: dense bf16 matmul ~790 TFLOP/s on the H200 "

@@ -160,10 +160,7 @@ def cp_runtime_section(v: dict, file: str = "cp_runtime_breakdown.json", what: s
              f"vs their profiled time; {held}. The classes are the kernels torch and the runtime run: "
              f"contiguous copies and gathers; `index_select` of at most {SMALL_INDEX_ROWS} rows (torch's small-index kernel); indexed writes and strided "
              "copies (`index_copy_`, `index_add_`, `stack`); fills."
-             + (f" The bandwidths were fitted on an {fit_gpu}; this file is from an {env.get('gpu')}, whose "
-                "memory bandwidth differs (H100 3.35, H200 4.8 TB/s), so its runtime ops are a transfer "
-                "check, expected off by up to that ratio."
-                if fit_gpu and env.get("gpu") and fit_gpu != env.get("gpu") else ""),
+             + _transfer_sentence(v, fit_gpu),
              "- **busy**: the two together vs the GPU's busy time in the profiled layer.",
              "- **layer**: host and GPU take the recorded ops in order (the host's µs per op from "
              "`host_breakdown.json`, scaled to the rank's measured host time; a GPU op starts when it is "
@@ -191,6 +188,25 @@ def cp_runtime_section(v: dict, file: str = "cp_runtime_breakdown.json", what: s
                      f"{held['points']} (worst {held['max_abs_error']:.1%}).")
     lines.append("")
     return lines
+
+
+def _transfer_sentence(v: dict, fit_gpu: Optional[str]) -> str:
+    """For a file from another GPU than ``fit_gpu``'s (the first runtime file's): that its
+    bandwidths are its own GPU's fit, and how the other GPU's fit did on it (``v['transfer']``)."""
+    gpu = v["env"].get("gpu")
+    if not (fit_gpu and gpu and fit_gpu != gpu):
+        return ""
+    text = (f" These bandwidths are this GPU's own (params.RUNTIME_FITS): the copies and fills are bound by "
+            f"memory bandwidth, which differs between an {gpu} and an {fit_gpu} (H100 3.35, H200 4.8 TB/s "
+            "by the datasheets).")
+    t = v.get("transfer")
+    if t and t.get("runtime"):
+        sm = summary(t["runtime"])
+        text += (f" With the {fit_gpu}'s fit ({bandwidths_text(t['bandwidths'])}) instead, the runtime ops "
+                 f"would be {sm['within_target']} of {sm['points']} ranks within {TARGET:.0%} (worst "
+                 f"{sm['max_abs_error']:.1%}, mean {sm['mean_abs_error']:.1%}): a transfer between GPUs "
+                 "needs the new GPU's profile.")
+    return text
 
 
 def bandwidths_text(bw: dict) -> str:

@@ -32,7 +32,7 @@ import numpy as np
 from .calibrate import (MEASURED_FILE, RESULTS, AttentionCost, TileCounts, fit_rows, load_cost, measured_rows,
                         row_tiles, work_summary)
 from .layout import PlanView, RoundView, document_plan, document_plan_view, file_tolerance, mask_sparsity
-from .params import Cluster, Param, Runtime
+from .params import Cluster, Param, Runtime, runtime_fit_of
 from .runtime_ops import MERGED, RATE_CLASSES, bytes_by_rate, op_seconds, ops_seconds
 from .timeline import AttnShape, backward_calls_of, merge_calls, simulate_layer
 
@@ -484,8 +484,10 @@ HOST_US = {"forward": 45.0, "backward_prepare": 35.0, "backward_stage": 105.0, "
 #: kernels in the profiles: 2-5 µs).
 LAUNCH_FLOOR = 3e-6
 
-#: cp sizes whose ranks fit the runtime ops' copy bandwidth; the others are held out.
+#: cp sizes whose ranks fit the runtime ops' bandwidths (params.RUNTIME_FITS), per file; the
+#: others are held out.
 COPY_FIT_CP = (8, 32)
+PTRR_FIT_CP = (32,)
 
 
 def _attention_op_seconds(op, view: PlanView, r: int, cost: AttentionCost, shape: AttnShape, comm: str,
@@ -537,16 +539,16 @@ def _measured_runtime_seconds(b: dict) -> float:
     return (b["torch_ms"] + sum(ms for n, ms in b["own"] if n in RUNTIME_KERNELS)) * 1e-3
 
 
-def fit_runtime_bandwidths(samples) -> dict:
+def fit_runtime_bandwidths(samples, prior: Optional[dict] = None) -> dict:
     """Bandwidths by rate class (runtime_ops.RATE_CLASSES) that make ``sum(bytes / bw) + launches
     x floor`` closest to the measured times in relative terms (least squares, one fit over all
     classes): ``samples`` = ``(bytes by rate class, launches, measured seconds)``. Where the
     samples cannot tell classes apart (their bytes move together), the fit is the one closest to
-    the cluster's defaults (the minimum-norm change of their times per byte); a class no sample
-    moves bytes of keeps its default."""
+    ``prior`` (the GPU's committed fit, params.RUNTIME_FITS; default the cluster's: the minimum-norm
+    change of their times per byte); a class no sample moves bytes of keeps its prior."""
     samples = [s for s in samples if s[2] > 0]
     seen = [c for c in RATE_CLASSES if any(b[c] for b, _, _ in samples)]
-    out = Cluster().runtime_bandwidths()
+    out = dict(prior or Cluster().runtime_bandwidths())
     if not seen:
         return out
     prior = np.array([1.0 / out[c] for c in seen])  # seconds per byte
@@ -591,6 +593,15 @@ def _recorded_ranks(res: dict, cost: AttentionCost, shape: AttnShape, need: str 
     return rows
 
 
+def _gpu_fit(res: dict) -> dict:
+    """The committed runtime op bandwidths of the GPU a results file was measured on
+    (params.RUNTIME_FITS), or the cluster's for a GPU without a fit."""
+    try:
+        return runtime_fit_of(res["env"].get("gpu", ""))
+    except ValueError:
+        return Cluster().runtime_bandwidths()
+
+
 def _runtime_file(path: str, cost: Optional[AttentionCost], need: str = "breakdown"):
     """``(file, its args, its attention shape, the attention cost, :func:`_recorded_ranks` of its
     ranks with the key ``need``)`` of a ``cp_single_gpu.py`` results file, or None for a missing file or one without
@@ -630,7 +641,8 @@ def validate_cp_runtime(path: str = CP_RUNTIME_BREAKDOWN, cost: Optional[Attenti
                  measurement: this VM's host speed drifts by tens of percent between runs).
 
     Each layer point keeps the measured composition (torch ops, GPU idle, host) in its note.
-    ``bandwidths``: use these (another file's fit) instead of fitting: every point held out."""
+    ``bandwidths``: use these (another file's fit) instead of fitting: every point held out. The
+    fit starts from the committed fit of the file's GPU (params.runtime_fit_of), where there is one."""
     loaded = _runtime_file(path, cost)
     if loaded is None:
         return {}
@@ -641,7 +653,7 @@ def validate_cp_runtime(path: str = CP_RUNTIME_BREAKDOWN, cost: Optional[Attenti
         bw = fit_runtime_bandwidths([(bytes_by_rate(o for o in ops if o.kind != "attention"),
                                       sum(o.kind != "attention" for o in ops),
                                       _measured_runtime_seconds(r["breakdown"]))
-                                     for _, cp, r, _, ops, _, _, _ in rows if cp in fit_cp])
+                                     for _, cp, r, _, ops, _, _, _ in rows if cp in fit_cp], _gpu_fit(res))
     checks = ("kernels", "runtime", "busy", "layer", "layer_host_model")
     by_config: dict = {}
     host_ratios: list = []  # measured host / HOST_US's, per rank
@@ -685,7 +697,7 @@ def validate_cp_graph(path: str = CP_GRAPH, bandwidths: Optional[dict] = None,
     if loaded is None:
         return {}
     res, a, _, cost, rows = loaded
-    bw = bandwidths or Cluster().runtime_bandwidths()
+    bw = bandwidths or _gpu_fit(res)
     points, eager, host_ratios, by_config = [], [], [], {}
     for name, cp, r, _, ops, attn, _, _ in rows:
         note = f"eager layer {r['seconds'] * 1e3:.2f} ms (host {r['host_seconds'] * 1e3:.2f} ms)"

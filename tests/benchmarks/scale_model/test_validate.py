@@ -296,6 +296,33 @@ def test_cp_graph_check_compares_the_gpu_only_layer_per_rank(tmp_path, comm):
     assert V.validate_cp_graph(str(tmp_path / "missing.json"), ALL_3TB, cost=cost) == {}
 
 
+@pytest.mark.parametrize("gpu,path,fit_cp", [("H200", V.CP_RUNTIME_BREAKDOWN, V.COPY_FIT_CP),
+                                              ("H100", V.CP_PTRR, V.PTRR_FIT_CP)])
+def test_committed_runtime_fits_are_the_fits_of_the_committed_profiles(gpu, path, fit_cp):
+    """params.RUNTIME_FITS (the runtime ops' bandwidths per GPU, the H100's the cluster's default)
+    is what the fit gives on the committed profiles of that GPU, to the constants' rounding, and
+    the file names that GPU: a new profile or a changed recording fails here until the constants
+    follow."""
+    from benchmarks.scale_model.params import RUNTIME_FITS, Cluster, runtime_fit_of
+
+    out = V.validate_cp_runtime(path, fit_cp=fit_cp)
+    assert gpu in out["env"]["gpu"] and runtime_fit_of(out["env"]["gpu"]) == {
+        c: RUNTIME_FITS[gpu][c] for c in out["bandwidths"]}
+    for c, x in out["bandwidths"].items():
+        assert x == pytest.approx(RUNTIME_FITS[gpu][c], rel=0.01), c
+    assert all(p.held_out == (int(p.name.split()[1]) not in fit_cp) for p in out["runtime"])
+    if gpu == "H100":  # the paper's cluster runs at the H100's fit
+        assert Cluster().runtime_bandwidths() == runtime_fit_of(out["env"]["gpu"])
+
+
+def test_runtime_fit_of_names_the_gpu_or_raises():
+    from benchmarks.scale_model.params import runtime_fit_of
+
+    assert runtime_fit_of("NVIDIA H100 80GB HBM3")["copy"] < runtime_fit_of("NVIDIA H200")["copy"]
+    with pytest.raises(ValueError, match="no runtime op bandwidths fitted for GPU 'NVIDIA A100'"):
+        runtime_fit_of("NVIDIA A100")
+
+
 def test_emulated_layer_is_host_or_gpu_bound():
     """The two-resource timeline: a GPU-bound op list ends at the host's first issue plus the GPU
     work; a host-bound one at the host's total plus its last op's GPU time."""
