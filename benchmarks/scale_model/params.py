@@ -69,17 +69,20 @@ class Cluster:
                                 "bytes / bandwidth")
     comm_sm_share: Param = Param(0.08, "assumed: fraction of the GPU's SMs NCCL kernels occupy "
                                  "while a transfer is active (~8-16 of 132 SMs)")
-    runtime_copy_bw: Param = Param(RUNTIME_FITS["H100"]["copy"], "fitted on the H100: the CP runtime's own contiguous copies and "
-                                   "gathers (torch's vectorized gather, clone; the runtime's merge, key-gather, "
-                                   "pack and gradient-sum kernels), recorded from the real runtime "
+    runtime_copy_bw: Param = Param(RUNTIME_FITS["H100"]["copy"],
+                                   "fitted on the H100: the CP runtime's own contiguous copies and gathers "
+                                   "(torch's vectorized gather, clone; the runtime's merge, key-gather, pack "
+                                   "and gradient-sum kernels), recorded from the real runtime "
                                    "(RUNTIME_FITS['H100']: cp 32 ranks of cp_ptrr.json, one fit with the three "
                                    "classes below and 3 us a launch; held out, cp 16/64/128)")
-    runtime_small_index_bw: Param = Param(RUNTIME_FITS["H100"]["small_index"], "fitted on the H100 (same fit): torch's index_select of "
-                                          "<= 16 rows (its small-index kernel, runtime_ops.SMALL_INDEX_ROWS)")
-    runtime_scatter_bw: Param = Param(RUNTIME_FITS["H100"]["scatter"], "fitted on the H100 (same fit): indexed writes and strided "
-                                      "copies (index_copy_, index_add_, stack)")
-    runtime_fill_bw: Param = Param(RUNTIME_FITS["H100"]["fill"], "fitted on the H100 (same fit): write-only ops (zeros, fills), "
-                                   "bytes written")
+    runtime_small_index_bw: Param = Param(RUNTIME_FITS["H100"]["small_index"],
+                                          "fitted on the H100 (same fit): torch's index_select of <= 16 rows "
+                                          "(its small-index kernel, runtime_ops.SMALL_INDEX_ROWS)")
+    runtime_scatter_bw: Param = Param(RUNTIME_FITS["H100"]["scatter"],
+                                      "fitted on the H100 (same fit): indexed writes and strided copies "
+                                      "(index_copy_, index_add_, stack)")
+    runtime_fill_bw: Param = Param(RUNTIME_FITS["H100"]["fill"],
+                                   "fitted on the H100 (same fit): write-only ops (zeros, fills), bytes written")
     hbm_bw: Param = Param(4.3e12, "measured: device copy ~4.3 TB/s on the H200 "
                           "(benchmarks/NOTES.md 'Ceilings'); elementwise merges and casts")
     matmul_tflops: Param = Param(790.0, "measured: dense bf16 matmul ~790 TFLOP/s on the H200 "
