@@ -24,6 +24,14 @@ for CP 8 (the work the loader takes off the step at cp > 1). Writes ``harness_<t
 
     python benchmarks/train.py --loader-ab --seq-lens 131072 --out $OUT/harness   # one H200
     python benchmarks/train.py --loader-ab --toy                                  # CPU
+
+``--graph-ab`` measures the harness's ``--cuda-graph`` mode (the whole step captured once and
+replayed per batch, :mod:`flashmask3.train.graphed`) against the eager loop, same batches, on a
+small model (``GRAPH_AB_MODEL``) at short sequences, where the step is host-bound: step time of
+each, the speed-up, and the largest loss difference between the two runs. Writes
+``graph_<tag>.json/.md``. Needs a GPU.
+
+    python benchmarks/train.py --graph-ab --seq-lens 2048 4096 8192 --out $OUT/graph
 """
 
 from __future__ import annotations
@@ -84,6 +92,8 @@ def parse_args(argv=None):
                         "--compile); attention is then not timed")
     p.add_argument("--loader-ab", action="store_true",
                    help="the harness's step time, batch prepared in the loader vs in the step")
+    p.add_argument("--graph-ab", action="store_true",
+                   help="the harness's step time, eager vs --cuda-graph (small model; a GPU)")
     args = p.parse_args(argv)
     for name in ("steps", "warmup"):
         if getattr(args, name) < (1 if name == "steps" else 0):
@@ -177,6 +187,11 @@ def main(argv=None) -> int:
         return 2
     seq_lens = args.seq_lens or ([512, 1024] if args.toy else [32768, 131072])
     tag = args.tag or ("cpu_toy" if args.toy else "h200")
+    if args.graph_ab:
+        if device.type != "cuda":
+            print("--graph-ab needs a CUDA GPU (CUDA graphs)", file=sys.stderr)
+            return 2
+        return graph_ab(args, device, args.seq_lens or [2048, 4096, 8192], args.tag or "h200")
     if args.loader_ab:
         if args.toy:  # 2 intra-op threads on a shared 2-core host spin ~10x slower (NOTES s17)
             torch.set_num_threads(1)
@@ -323,9 +338,25 @@ def host_batch_costs(cfg, repeats: int = 3, cp: int = 8) -> dict:
             **{f"plan_{b}_s": _median(v) for b, v in plans.items()}}
 
 
+def train_harness(cfg) -> dict:
+    """Train ``cfg`` with the harness (``flashmask3.train.train``) in a temporary directory: its
+    mean step time (after ``warmup_exclude``), tokens/s, every step's time and loss; an error is
+    reported, not raised (the other runs' numbers are kept)."""
+    import tempfile
+    with tempfile.TemporaryDirectory() as tmp:
+        try:
+            summary = train(cfg.replace(out_dir=tmp))
+            rows = [line.split(",") for line in (Path(tmp) / "losses.csv").read_text().splitlines()[1:]]
+        except Exception as exc:
+            traceback.print_exc()
+            return {"status": "error", "reason": f"{type(exc).__name__}: {exc}"[:300]}
+    return {"status": "ok", "step_time_s": summary["step_time_s"], "tokens_per_s": summary["tokens_per_s"],
+            "step_times_s": [float(r[4]) for r in rows], "losses": [float(r[1]) for r in rows],
+            "loss_last": summary["loss_last"]}
+
+
 def loader_ab(args, device, seq_lens, tag) -> int:
     """Train the harness (``flashmask3.train.train``) with ``prefetch`` off and on, per length."""
-    import tempfile
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
     env = run_environment(device)
@@ -344,17 +375,7 @@ def loader_ab(args, device, seq_lens, tag) -> int:
             if time.perf_counter() - t_start > args.budget_s:
                 row[key] = {"status": "skipped", "reason": "time budget used up"}
                 continue
-            with tempfile.TemporaryDirectory() as tmp:
-                try:
-                    summary = train(base.replace(prefetch=prefetch, out_dir=tmp))
-                    times = [float(line.split(",")[4]) for line in
-                             (Path(tmp) / "losses.csv").read_text().splitlines()[1:]]
-                    row[key] = {"status": "ok", "step_time_s": summary["step_time_s"],
-                                "tokens_per_s": summary["tokens_per_s"],
-                                "step_times_s": times, "loss_last": summary["loss_last"]}
-                except Exception as exc:  # keep the other numbers
-                    traceback.print_exc()
-                    row[key] = {"status": "error", "reason": f"{type(exc).__name__}: {exc}"[:300]}
+            row[key] = train_harness(base.replace(prefetch=prefetch))
             _cleanup(device)
         a, b = row.get("in_step", {}), row.get("in_loader", {})
         if a.get("status") == "ok" and b.get("status") == "ok":
@@ -386,6 +407,71 @@ def loader_markdown(report: dict) -> str:
                  if "saved_s_per_step" in r else "-")
         lines.append(f"| {r['seq_len']} | {fmt(a)} | {fmt(b)} | {saved} | {h['pack_s']:.4f} | "
                      f"{h['plan_sparse_s']:.4f} / {h['plan_dual_chunk_s']:.4f} |")
+    return "\n".join(lines) + "\n"
+
+
+# -- the harness's --cuda-graph mode vs its eager loop --------------------------------------------
+
+#: The model of --graph-ab: small enough that a short-sequence step is host-bound (8 blocks of
+#: D=128 attention, GQA 4:2, ~27M parameters with the byte vocabulary).
+GRAPH_AB_MODEL = dict(dim=512, n_layers=8, n_heads=4, n_kv_heads=2, ffn_dim=1408)
+
+
+def graph_ab(args, device, seq_lens, tag) -> int:
+    """Train the harness eager and with ``cuda_graph`` on the same batches, per length."""
+    out_dir = Path(args.out)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    env = run_environment(device)
+    report = {"date": env["date"], "device": env.get("gpu", "cpu"), "torch": env["torch"],
+              "triton": env["triton"] or "not installed", "command": env["command"],
+              "commit": env["commit"], "steps": args.steps, "warmup": args.warmup,
+              "model": GRAPH_AB_MODEL, "runs": []}
+    t_start = time.perf_counter()
+    for seq_len in seq_lens:
+        base = from_preset("tiny", **GRAPH_AB_MODEL).replace(
+            seq_len=seq_len, batch_size=1, steps=args.warmup + args.steps, warmup_exclude=args.warmup,
+            warmup_steps=2, checkpoint_every=0, resume=False, progress=False, plot=False,
+            log_every=10 ** 6, device="cuda", time_attention=False)
+        row = {"seq_len": seq_len}
+        for key, graphed in (("eager", False), ("graphed", True)):
+            if time.perf_counter() - t_start > args.budget_s:
+                row[key] = {"status": "skipped", "reason": "time budget used up"}
+                continue
+            row[key] = train_harness(base.replace(cuda_graph=graphed))
+            _cleanup(device)
+        a, b = row["eager"], row["graphed"]
+        if a.get("status") == "ok" and b.get("status") == "ok":
+            row["speedup"] = a["step_time_s"] / b["step_time_s"]
+            row["max_loss_rel_diff"] = max(abs(x / y - 1) for x, y in zip(b["losses"], a["losses"]))
+        report["runs"].append(row)
+        print(json.dumps({k: v for k, v in row.items() if k not in ("eager", "graphed")}), flush=True)
+        (out_dir / f"graph_{tag}.json").write_text(json.dumps(report, indent=2))
+    (out_dir / f"graph_{tag}.json").write_text(json.dumps(report, indent=2))
+    (out_dir / f"graph_{tag}.md").write_text(graph_markdown(report))
+    print(graph_markdown(report))
+    return 0
+
+
+def graph_markdown(report: dict) -> str:
+    m = report["model"]
+    lines = [f"# Harness step time: eager vs the step captured in a CUDA graph ({report['device']}, "
+             f"{report['date']})", "",
+             f"torch {report['torch']}, triton {report['triton']}; command: `{report['command']}` "
+             f"(commit {report['commit'] or '?'}). Model: dim {m['dim']}, {m['n_layers']} layers, "
+             f"{m['n_heads']}:{m['n_kv_heads']} heads of {m['dim'] // m['n_heads']}, SwiGLU {m['ffn_dim']}, "
+             f"byte vocabulary; batch 1, causal document masks of the default corpus (a new mask "
+             f"every step); flashmask3 attention, bf16 autocast, AdamW. Mean step time over "
+             f"{report['steps']} steps after {report['warmup']} (the graphed run's first step "
+             "captures), each step synchronised (the harness's timer).", "",
+             "| S | eager step (ms) | graphed step (ms) | speed-up | largest loss difference |",
+             "|---|---|---|---|---|"]
+    for r in report["runs"]:
+        a, b = r["eager"], r["graphed"]
+        fmt = lambda x: f"{1000 * x['step_time_s']:.2f}" if x.get("status") == "ok" else \
+            x.get("status", "-")  # noqa: E731
+        speed = f"{r['speedup']:.2f}x" if "speedup" in r else "-"
+        diff = f"{100 * r['max_loss_rel_diff']:.3f}%" if "max_loss_rel_diff" in r else "-"
+        lines.append(f"| {r['seq_len']} | {fmt(a)} | {fmt(b)} | {speed} | {diff} |")
     return "\n".join(lines) + "\n"
 
 

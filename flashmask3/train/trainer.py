@@ -38,6 +38,7 @@ from .checkpoint import (checkpoint_dir, latest_checkpoint, load_checkpoint, res
                          save_checkpoint)
 from .config import TrainConfig
 from .data import make_packer, mask_picture, mask_sparsity
+from .graphed import GraphedStep, check_graphable
 from .loader import BatchLoader, DeviceBatch
 from .model import (StepContext, Transformer, active_matmul_params, loss_terms,
                     model_flops_per_step, parameter_counts)
@@ -64,6 +65,8 @@ def train(cfg: TrainConfig) -> Optional[dict]:
     reason = attention_available(cfg.attention, device)
     if reason:
         raise ValueError(f"attention={cfg.attention!r} cannot run: {reason}")
+    if cfg.cuda_graph and (reason := check_graphable(cfg, layout.world, device)):
+        raise ValueError(f"cuda_graph cannot run: {reason}")
     packer = make_packer(cfg)  # fail here, not in N spawned ranks, on bad data or checkpoints
     if cfg.resume and (path := latest_checkpoint(cfg.out_dir)) is not None:
         ckpt = load_checkpoint(path, cfg.to_dict())
@@ -135,6 +138,8 @@ def build_optimizer(model: torch.nn.Module, cfg: TrainConfig) -> torch.optim.Ada
               {"params": no_decay, "weight_decay": 0.0}]
     on_gpu = decay[0].is_cuda
     impl = {"fused": True} if on_gpu else {"foreach": True}
+    if cfg.cuda_graph:  # its step state on the device, safe to capture (graphed.GraphedStep)
+        impl["capturable"] = True
     return torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), **impl)
 
 
@@ -146,8 +151,9 @@ def autocast_dtype(cfg: TrainConfig, device: torch.device) -> Optional[torch.dty
 
 
 def timed_attention(cfg: TrainConfig) -> bool:
-    """Whether the run times its attention: ``time_attention``, except under ``compile``."""
-    return cfg.time_attention and not cfg.compile
+    """Whether the run times its attention: ``time_attention``, except under ``compile`` and
+    ``cuda_graph`` (its marks cannot sit inside a compiled or captured graph)."""
+    return cfg.time_attention and not cfg.compile and not cfg.cuda_graph
 
 
 # -- one step ----------------------------------------------------------------------------------
@@ -156,13 +162,26 @@ def train_step(model, optimizer, batch: DeviceBatch, cfg: TrainConfig, env: Dist
                timer: AttentionTimer, lr: float) -> dict:
     """Forward, backward (FSDP2 sums the gradients over all ranks), clipping, optimiser step.
     Returns metrics (their ``float()`` is the step's one host synchronisation)."""
+    out = step_tensors(model, optimizer, batch, cfg, env, timer, lr)
+    plan = batch.plan
+    return {**{k: float(v) for k, v in out.items()},
+            "imbalance": float(plan.imbalance) if plan is not None else None}
+
+
+def step_tensors(model, optimizer, batch: DeviceBatch, cfg: TrainConfig, env: DistEnv,
+                 timer: AttentionTimer, lr) -> dict:
+    """The step itself, without a host synchronisation: its metrics as device tensors
+    (``loss``, ``total_loss``, ``grad_norm``). ``lr``: a number, or the device tensor a captured
+    step reads (:mod:`.graphed`)."""
     attention, window_attention = step_attention(batch, cfg, env)
     ctx = StepContext(timer.wrap(attention), num_tokens=batch.num_tokens,
                       all_reduce=env.all_reduce_sum,
                       window_attention=None if window_attention is None else timer.wrap(window_attention))
     targets = env.all_reduce_sum(batch.label_count)  # targets in the global batch (on device)
     amp = autocast_dtype(cfg, env.device)
-    autocast = torch.autocast(env.device.type, dtype=amp) if amp else contextlib.nullcontext()
+    # a captured step must not keep autocast's casts of the weights across the capture
+    autocast = (torch.autocast(env.device.type, dtype=amp, cache_enabled=not cfg.cuda_graph) if amp
+                else contextlib.nullcontext())
     with autocast:
         total, ce = loss_terms(model, batch.tokens, batch.labels, batch.position_ids, ctx,
                                targets, cfg.moe_aux_coef if cfg.moe_experts else 0.0)
@@ -178,9 +197,7 @@ def train_step(model, optimizer, batch: DeviceBatch, cfg: TrainConfig, env: Dist
         group["lr"] = lr
     optimizer.step()
     loss = env.all_reduce_sum(torch.stack([ce.detach().float(), total.detach().float()]))
-    plan = batch.plan
-    return {"loss": float(loss[0]), "total_loss": float(loss[1]), "grad_norm": float(grad_norm),
-            "imbalance": float(plan.imbalance) if plan is not None else None}
+    return {"loss": loss[0], "total_loss": loss[1], "grad_norm": grad_norm}
 
 
 def step_attention(batch: DeviceBatch, cfg: TrainConfig, env: DistEnv):
@@ -226,6 +243,9 @@ def run_rank(env: DistEnv, cfg: TrainConfig) -> dict:
         (out_dir / "config.json").write_text(cfg.to_json())
         _print_header(cfg, model, env, packer, start, _peek(packer))
     timer = AttentionTimer(env.device, timed_attention(cfg))
+    graphed = None
+    if cfg.cuda_graph:  # the whole step replayed from one CUDA graph (captured on the first batch)
+        graphed = GraphedStep(model, optimizer, lambda m, o, b, lr: step_tensors(m, o, b, cfg, env, timer, lr))
     bar = _progress(cfg, env, start)
     stats = RunStats(cfg, env)
     end = min(cfg.steps, cfg.stop_at) if cfg.stop_at else cfg.steps
@@ -235,7 +255,10 @@ def run_rank(env: DistEnv, cfg: TrainConfig) -> dict:
             t0 = time.perf_counter()  # with --no-prefetch the step also packs and plans
             batch = loader.next()
             lr = lr_at(step, cfg)
-            metrics = train_step(model, optimizer, batch, cfg, env, timer, lr)
+            if graphed is not None:
+                metrics = {**graphed(batch, lr), "imbalance": None}
+            else:
+                metrics = train_step(model, optimizer, batch, cfg, env, timer, lr)
             if env.device.type == "cuda":
                 torch.cuda.synchronize()
             step_time = time.perf_counter() - t0

@@ -38,3 +38,20 @@ def test_toy_benchmark_reports_all_backends(tmp_path):
     md = (tmp_path / "train_cpu_toy.md").read_text()
     assert "| 256 | sdpa |" in md
     assert report["commit"] and f"(commit {report['commit']})" in md  # this checkout's HEAD
+
+
+def test_graph_ab_needs_a_gpu_and_renders_its_table(tmp_path, capsys):
+    """``--graph-ab`` (eager vs --cuda-graph) refuses to run without CUDA, and its table shows
+    both step times, the speed-up and the loss difference of each length."""
+    bench = _load()
+    assert bench.main(["--graph-ab", "--toy", "--out", str(tmp_path)]) == 2
+    assert "needs a CUDA GPU" in capsys.readouterr().err
+    ok = {"status": "ok", "step_time_s": 0.012}
+    report = {"device": "GPU", "date": "today", "torch": "t", "triton": "3", "command": "cmd",
+              "commit": "abc", "steps": 5, "warmup": 2, "model": bench.GRAPH_AB_MODEL,
+              "runs": [{"seq_len": 2048, "eager": ok, "graphed": {**ok, "step_time_s": 0.004},
+                        "speedup": 3.0, "max_loss_rel_diff": 1.5e-4},
+                       {"seq_len": 4096, "eager": ok, "graphed": {"status": "error"}}]}
+    md = bench.graph_markdown(report)
+    assert "| 2048 | 12.00 | 4.00 | 3.00x | 0.015% |" in md
+    assert "| 4096 | 12.00 | error | - | - |" in md
