@@ -51,7 +51,20 @@ def check_graphable(cfg: TrainConfig, world_size: int, device: torch.device) -> 
         return "use either compile or cuda_graph, not both"
     if cfg.activation_checkpointing:
         return "activation checkpointing is not supported inside the captured step"
-    return None
+    return _backend_reason(cfg, device)
+
+
+def _backend_reason(cfg: TrainConfig, device: torch.device) -> Optional[str]:
+    """Why flashmask3 would not run its Triton kernels for this model's attention calls, or
+    None: its torch path (other head dims, no Triton) plans on the host, which a capture forbids."""
+    from flashmask3.kernels import choose_backend
+
+    dtype = torch.float32 if cfg.dtype == "float32" else torch.bfloat16
+    q = torch.empty((1, 1, cfg.n_heads, cfg.head_dim), dtype=dtype, device=device)
+    if choose_backend(q) == "triton":
+        return None
+    return (f"flashmask3 runs its torch path for these inputs (head dim {cfg.head_dim}, {dtype}, "
+            f"{device.type}), which plans on the host; the captured step needs its Triton kernels")
 
 
 def snapshot_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict:

@@ -12,6 +12,8 @@ from flashmask3.train.graphed import check_graphable, restore_state, snapshot_st
 from flashmask3.train.trainer import build_optimizer, train
 
 CUDA = torch.device("cuda")
+#: the tiny preset with a head dim the Triton kernels run (64; the preset's 8 takes the torch path)
+GPU_MODEL = dict(dim=256, n_heads=4, n_kv_heads=2)
 
 
 @pytest.mark.parametrize("overrides,world,device,reason", [
@@ -22,11 +24,21 @@ CUDA = torch.device("cuda")
     (dict(compile=True), 1, CUDA, "either compile or cuda_graph"),
     (dict(activation_checkpointing=True), 1, CUDA, "activation checkpointing"),
 ])
-def test_check_graphable_names_what_the_configuration_breaks(overrides, world, device, reason):
+def test_check_graphable_names_what_the_configuration_breaks(overrides, world, device, reason, monkeypatch):
+    from flashmask3.train import graphed as G
+
+    monkeypatch.setattr(G, "_backend_reason", lambda cfg, device: None)  # the kernels' check: below
     cfg = from_preset("tiny", cuda_graph=True, **overrides)
     assert reason in check_graphable(cfg, world, device)
-    if not overrides and world == 1:
-        assert check_graphable(cfg, 1, CUDA) is None
+    assert check_graphable(from_preset("tiny", cuda_graph=True), 1, CUDA) is None
+
+
+def test_a_step_on_flashmasks_torch_path_is_not_graphable():
+    """Where flashmask3 would run its torch path (here: CPU tensors), which plans on the host."""
+    from flashmask3.train import graphed as G
+
+    reason = G._backend_reason(from_preset("tiny"), torch.device("cpu"))
+    assert "runs its torch path for these inputs (head dim 8" in reason
 
 
 def test_train_refuses_cuda_graph_without_a_gpu_before_starting(tmp_path, jsonl_corpus):
@@ -83,7 +95,7 @@ def test_gpu_captured_steps_train_like_eager(tmp_path, jsonl_corpus):
     (every batch has its own document mask, copied into the captured columns), split backward
     (deterministic kernels)."""
     settings = dict(data=jsonl_corpus, steps=8, checkpoint_every=0, seq_len=512, batch_size=2,
-                    attention_backward="split", warmup_steps=3)
+                    attention_backward="split", warmup_steps=3, **GPU_MODEL)
     runs = {}
     for name, graphed in (("eager", False), ("graphed", True)):
         train(from_preset("tiny", out_dir=str(tmp_path / name), cuda_graph=graphed, **settings))
@@ -111,7 +123,7 @@ def test_gpu_a_replay_without_the_new_mask_would_be_caught(tmp_path, jsonl_corpu
         self.lr.fill_(lr)
 
     settings = dict(data=jsonl_corpus, steps=6, checkpoint_every=0, seq_len=512, batch_size=2,
-                    attention_backward="split", warmup_steps=3)
+                    attention_backward="split", warmup_steps=3, **GPU_MODEL)
     train(from_preset("tiny", out_dir=str(tmp_path / "eager"), **settings))
     monkeypatch.setattr(G.GraphedStep, "_load", load_all_but_the_mask)
     train(from_preset("tiny", out_dir=str(tmp_path / "stale"), cuda_graph=True, **settings))
