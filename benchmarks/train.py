@@ -355,39 +355,56 @@ def train_harness(cfg) -> dict:
             "loss_last": summary["loss_last"]}
 
 
-def loader_ab(args, device, seq_lens, tag) -> int:
-    """Train the harness (``flashmask3.train.train``) with ``prefetch`` off and on, per length."""
+def harness_ab(args, device, seq_lens, tag: str, name: str, base_of, variants: dict, compare, markdown,
+               **header) -> int:
+    """Train the harness (``flashmask3.train.train``) on ``base_of(seq_len)`` with each of
+    ``variants`` (key -> config changes) on the same batches, per length; ``compare(row)`` adds
+    the row's comparison. Writes ``<name>_<tag>.json/.md`` (after each length, so a cut-off run
+    keeps what it measured) and prints the table."""
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
     env = run_environment(device)
     report = {"date": env["date"], "device": env.get("gpu", "cpu"), "torch": env["torch"],
               "triton": env["triton"] or "not installed", "command": env["command"],
-              "commit": env["commit"], "steps": args.steps, "warmup": args.warmup, "runs": []}
+              "commit": env["commit"], "steps": args.steps, "warmup": args.warmup, **header, "runs": []}
+    path = out_dir / f"{name}_{tag}"
     t_start = time.perf_counter()
     for seq_len in seq_lens:
-        base = bench_config(seq_len, args.toy).replace(
+        base = base_of(seq_len).replace(
             steps=args.warmup + args.steps, warmup_exclude=args.warmup, checkpoint_every=0,
-            resume=False, progress=False, plot=False, log_every=10 ** 6, cp=1, dp=1,
-            time_attention=False, attention="flashmask3")
-        row = {"seq_len": seq_len, "host": host_batch_costs(base)}
-        for prefetch in (False, True):
-            key = "in_loader" if prefetch else "in_step"
+            resume=False, progress=False, plot=False, log_every=10 ** 6, time_attention=False)
+        row = {"seq_len": seq_len}
+        for key, changes in variants.items():
             if time.perf_counter() - t_start > args.budget_s:
                 row[key] = {"status": "skipped", "reason": "time budget used up"}
                 continue
-            row[key] = train_harness(base.replace(prefetch=prefetch))
+            row[key] = train_harness(base.replace(**changes))
             _cleanup(device)
-        a, b = row.get("in_step", {}), row.get("in_loader", {})
+        compare(row, base)
+        report["runs"].append(row)
+        print(json.dumps({k: v for k, v in row.items() if k not in variants}), flush=True)
+        path.with_suffix(".json").write_text(json.dumps(report, indent=2))
+    path.with_suffix(".json").write_text(json.dumps(report, indent=2))
+    path.with_suffix(".md").write_text(markdown(report))
+    print(markdown(report))
+    return 0
+
+
+def loader_ab(args, device, seq_lens, tag) -> int:
+    """The harness with ``prefetch`` off and on, per length, plus the host cost of one batch."""
+    def base_of(seq_len):
+        return bench_config(seq_len, args.toy).replace(cp=1, dp=1, attention="flashmask3")
+
+    def compare(row, base):
+        row["host"] = host_batch_costs(base)
+        a, b = row["in_step"], row["in_loader"]
         if a.get("status") == "ok" and b.get("status") == "ok":
             row["saved_s_per_step"] = a["step_time_s"] - b["step_time_s"]
             row["saved_fraction"] = row["saved_s_per_step"] / a["step_time_s"]
-        report["runs"].append(row)
-        print(json.dumps(row), flush=True)
-        (out_dir / f"harness_{tag}.json").write_text(json.dumps(report, indent=2))
-    (out_dir / f"harness_{tag}.json").write_text(json.dumps(report, indent=2))
-    (out_dir / f"harness_{tag}.md").write_text(loader_markdown(report))
-    print(loader_markdown(report))
-    return 0
+
+    return harness_ab(args, device, seq_lens, tag, "harness", base_of,
+                      {"in_step": {"prefetch": False}, "in_loader": {"prefetch": True}}, compare,
+                      loader_markdown)
 
 
 def loader_markdown(report: dict) -> str:
@@ -418,38 +435,20 @@ GRAPH_AB_MODEL = dict(dim=512, n_layers=8, n_heads=4, n_kv_heads=2, ffn_dim=1408
 
 
 def graph_ab(args, device, seq_lens, tag) -> int:
-    """Train the harness eager and with ``cuda_graph`` on the same batches, per length."""
-    out_dir = Path(args.out)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    env = run_environment(device)
-    report = {"date": env["date"], "device": env.get("gpu", "cpu"), "torch": env["torch"],
-              "triton": env["triton"] or "not installed", "command": env["command"],
-              "commit": env["commit"], "steps": args.steps, "warmup": args.warmup,
-              "model": GRAPH_AB_MODEL, "runs": []}
-    t_start = time.perf_counter()
-    for seq_len in seq_lens:
-        base = from_preset("tiny", **GRAPH_AB_MODEL).replace(
-            seq_len=seq_len, batch_size=1, steps=args.warmup + args.steps, warmup_exclude=args.warmup,
-            warmup_steps=2, checkpoint_every=0, resume=False, progress=False, plot=False,
-            log_every=10 ** 6, device="cuda", time_attention=False)
-        row = {"seq_len": seq_len}
-        for key, graphed in (("eager", False), ("graphed", True)):
-            if time.perf_counter() - t_start > args.budget_s:
-                row[key] = {"status": "skipped", "reason": "time budget used up"}
-                continue
-            row[key] = train_harness(base.replace(cuda_graph=graphed))
-            _cleanup(device)
+    """The harness eager and with ``cuda_graph`` on the same batches, per length."""
+    def base_of(seq_len):
+        return from_preset("tiny", **GRAPH_AB_MODEL, seq_len=seq_len, batch_size=1, warmup_steps=2,
+                           device="cuda")
+
+    def compare(row, base):
         a, b = row["eager"], row["graphed"]
         if a.get("status") == "ok" and b.get("status") == "ok":
             row["speedup"] = a["step_time_s"] / b["step_time_s"]
             row["max_loss_rel_diff"] = max(abs(x / y - 1) for x, y in zip(b["losses"], a["losses"]))
-        report["runs"].append(row)
-        print(json.dumps({k: v for k, v in row.items() if k not in ("eager", "graphed")}), flush=True)
-        (out_dir / f"graph_{tag}.json").write_text(json.dumps(report, indent=2))
-    (out_dir / f"graph_{tag}.json").write_text(json.dumps(report, indent=2))
-    (out_dir / f"graph_{tag}.md").write_text(graph_markdown(report))
-    print(graph_markdown(report))
-    return 0
+
+    return harness_ab(args, device, seq_lens, tag, "graph", base_of,
+                      {"eager": {"cuda_graph": False}, "graphed": {"cuda_graph": True}}, compare,
+                      graph_markdown, model=GRAPH_AB_MODEL)
 
 
 def graph_markdown(report: dict) -> str:
