@@ -131,3 +131,18 @@ def test_gpu_a_replay_without_the_new_mask_would_be_caught(tmp_path, jsonl_corpu
                     for n in ("eager", "stale"))
     assert stale[0] == pytest.approx(eager[0], rel=2e-3)  # the captured batch itself
     assert any(abs(s / e - 1) > 2e-3 for s, e in zip(stale[1:], eager[1:]))
+
+
+@pytest.mark.gpu
+def test_gpu_a_captured_run_resumes_from_its_checkpoint(tmp_path, jsonl_corpus):
+    """--cuda-graph with a checkpoint at step 3, stopped there and resumed (a new capture on the
+    restored weights and optimiser state): the losses of an uninterrupted eager run."""
+    settings = dict(data=jsonl_corpus, steps=6, seq_len=512, batch_size=2, attention_backward="split",
+                    warmup_steps=2, **GPU_MODEL)
+    train(from_preset("tiny", out_dir=str(tmp_path / "eager"), checkpoint_every=0, **settings))
+    run = dict(out_dir=str(tmp_path / "graphed"), cuda_graph=True, checkpoint_every=3, **settings)
+    train(from_preset("tiny", stop_at=3, **run))
+    train(from_preset("tiny", **run))  # resumes at step 4
+    eager, graphed = ([float(line.split(",")[1]) for line in (tmp_path / n / "losses.csv").read_text().splitlines()[1:]]
+                      for n in ("eager", "graphed"))
+    assert len(graphed) == 6 and graphed == pytest.approx(eager, rel=2e-3)
