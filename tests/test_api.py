@@ -399,6 +399,36 @@ def test_gpu_cuda_graph_replays_forward_and_backward_with_a_new_mask(raw):
 
 
 @pytest.mark.gpu
+def test_gpu_make_graphed_callables_with_the_mask_as_an_input():
+    """torch.cuda.make_graphed_callables of a function calling flashmask_attention, the mask's
+    columns one of its inputs: called with new q/k/v and a new mask of the same shape, its
+    output and gradients equal the eager call's (the graphs plan the new columns)."""
+    seqlen, heads, d = 2048, 4, 128
+
+    def attend(q, k, v, cols):
+        return flashmask3.flashmask_attention(q, k, v, cols, causal=True)
+
+    sample = [t.detach().requires_grad_() for t in _gpu_case(seqlen, heads, d)]
+    cols = M.causal_document_mask([1024, 1024], device="cuda").startend_row_indices
+    graphed = torch.cuda.make_graphed_callables(attend, (*sample, cols.clone()))
+    for seed, lens in ((1, [512, 1536]), (2, [256] * 8)):
+        new = M.causal_document_mask(lens, device="cuda").startend_row_indices
+        q, k, v = (t.detach() for t in _gpu_case(seqlen, heads, d, seed=seed))
+        dout = torch.randn_like(q)
+        got_in = [t.clone().requires_grad_() for t in (q, k, v)]
+        got = graphed(*got_in, new)
+        got_grads = torch.autograd.grad(got, got_in, dout)
+        want_in = [t.clone().requires_grad_() for t in (q, k, v)]
+        want = attend(*want_in, new)
+        want_grads = torch.autograd.grad(want, want_in, dout)
+        assert rel_err(got, want) < 1e-2
+        for g, w in zip(got_grads, want_grads):  # (the fused dQ is not bitwise)
+            assert rel_err(g, w) < 1e-2
+        stale = attend(*[t.detach() for t in want_in], cols)  # the sample's mask: another result
+        assert rel_err(got, stale) > 1e-1
+
+
+@pytest.mark.gpu
 def test_gpu_torch_compile_one_graph_for_every_mask_of_a_shape():
     """torch.compile(fullgraph=True) (inductor) on CUDA: FlashMasks and raw columns of one shape
     with spans in four half octaves build one graph each; forward and backward match eager."""
