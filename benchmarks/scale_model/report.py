@@ -163,8 +163,9 @@ def cp_runtime_section(v: dict, file: str = "cp_runtime_breakdown.json", what: s
              + _transfer_sentence(v, fit_gpu),
              "- **busy**: the two together vs the GPU's busy time in the profiled layer.",
              "- **layer**: host and GPU take the recorded ops in order (the host's µs per op from "
-             "`host_breakdown.json`, scaled to the rank's measured host time; a GPU op starts when it is "
-             "issued and the GPU is free) vs the measured layer (CUDA events).",
+             "`host_breakdown.json`, scaled to the rank's measured host time, the autograd engine's hand-off "
+             "as measured; a GPU op starts when it is issued and the GPU is free) vs the measured layer "
+             "(CUDA events).",
              "- **layer, host per op from host_breakdown**: the same without the scaling, a prediction of "
              "the host too (another day's host measurement; this VM's host speed drifts by tens of percent).",
              "", "| layout | ranks | " + " | ".join(f"{t}: max / mean abs error" for _, t in checks)

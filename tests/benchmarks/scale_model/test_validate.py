@@ -325,7 +325,8 @@ def test_runtime_fit_of_names_the_gpu_or_raises():
 
 def test_emulated_layer_is_host_or_gpu_bound():
     """The two-resource timeline: a GPU-bound op list ends at the host's first issue plus the GPU
-    work; a host-bound one at the host's total plus its last op's GPU time."""
+    work; a host-bound one at the host's total plus its last op's GPU time. The host scale
+    applies to the ops, not to the engine's hand-off."""
     from benchmarks.scale_model.runtime_ops import Op
 
     ops = [Op("attention", "forward", stage=0, pass_="fwd"), Op("torch", "stack", 0, pass_="fwd"),
@@ -335,8 +336,14 @@ def test_emulated_layer_is_host_or_gpu_bound():
     layer, h = V.emulated_layer_seconds(ops, [1e-2, 2e-2], ALL_3TB)
     assert h == pytest.approx(host)
     assert layer == pytest.approx(us["forward"] * 1e-6 + 1e-2 + V.LAUNCH_FLOOR + 2e-2)
+    # host-bound: every op's host x 10, the engine's hand-off as measured (not scaled)
     layer, h = V.emulated_layer_seconds(ops, [1e-6, 1e-6], ALL_3TB, host_scale=10)
-    assert h == pytest.approx(10 * host) and layer == pytest.approx(10 * host + 1e-6)
+    scaled = 10 * host - 9 * us["engine"] * 1e-6
+    assert h == pytest.approx(scaled) and layer == pytest.approx(scaled + 1e-6)
+    # the factor that gives a measured host time leaves the hand-off out; a forward alone has none
+    assert V.emulated_layer_seconds(ops, [1e-6, 1e-6], ALL_3TB, V.host_scale_of(ops, 2e-3))[1] == pytest.approx(2e-3)
+    fwd = ops[:2]
+    assert V.host_scale_of(fwd, 1e-3) == pytest.approx(1e-3 / ((us["forward"] + us["torch"]) * 1e-6))
 
 
 def test_committed_gqa_ab_rebuilds_from_its_shape_set():
