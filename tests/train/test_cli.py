@@ -97,6 +97,8 @@ def test_data_command_reports_sparsity(jsonl_corpus, capsys):
     (["train", "--preset", "tiny", "--attention", "flex", "--device", "cpu"],
      "FlexAttention has no backward on CPU"),
     (["train", "--preset", "tiny", "--moe-experts", "2", "--moe-top-k", "3"], "moe_top_k"),
+    (["train", "--preset", "tiny", "--cuda-graph", "--device", "cpu"],
+     "cuda_graph cannot run: it needs a CUDA device"),
 ])
 def test_bad_settings_exit_with_a_clear_message(argv, message, capsys, tmp_path):
     assert main(argv + ["--out-dir", str(tmp_path / "x")]) == 2
