@@ -32,6 +32,7 @@ from benchmarks.scale_model import calibrate  # noqa: E402
 from benchmarks.scale_model import experiment as X  # noqa: E402
 from benchmarks.scale_model import report, validate  # noqa: E402
 from benchmarks.scale_model.layout import LEGACY_TOLERANCE  # noqa: E402
+from benchmarks.scale_model.params import RUNTIME_FITS  # noqa: E402
 from benchmarks.scale_model.commands import (MODELS, _print_validation, _setup, _start_sweep,  # noqa: E402
                                              run_paper, run_sweep, run_validate)
 
@@ -55,6 +56,9 @@ def main(argv=None) -> int:
     g.add_argument("--recompute", action="store_true")
     g.add_argument("--seqlen", type=int, default=131072)
     g = ap.add_argument_group("cluster and runtime")
+    g.add_argument("--gpu", choices=sorted(RUNTIME_FITS), default=None,
+                   help="the GPU whose fitted runtime-op bandwidths the CP runtime's own device work "
+                        "runs at (default H100, the paper's cluster; params.RUNTIME_FITS)")
     g.add_argument("--gpus-per-node", type=int, default=None)
     g.add_argument("--nvlink-gbs", type=float, default=None, help="NVLink GB/s per direction per GPU (peak)")
     g.add_argument("--ib-gbs", type=float, default=None, help="InfiniBand GB/s per GPU (peak)")

@@ -30,6 +30,8 @@ def _model(args, default: str = "moe118b") -> ModelConfig:
 
 def _cluster(args) -> Cluster:
     c = Cluster()
+    if getattr(args, "gpu", None):
+        c = c.on_gpu(args.gpu)
     if args.gpus_per_node:
         c = c.with_(gpus_per_node=args.gpus_per_node)
     if args.nvlink_gbs:

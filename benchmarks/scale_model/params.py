@@ -115,6 +115,19 @@ class Cluster:
         return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)
                 if isinstance(getattr(self, f.name), Param)}
 
+    def on_gpu(self, model: str) -> "Cluster":
+        """A copy whose runtime-op bandwidths are those fitted on GPU ``model`` ("H100", "H200":
+        :data:`RUNTIME_FITS`); the links and the kernels' speed stay as they are."""
+        if model not in RUNTIME_FITS:
+            raise ValueError(f"gpu must be one of {sorted(RUNTIME_FITS)}, got {model!r}")
+        fit = RUNTIME_FITS[model]
+        src = f"fitted on the {model}: {fit['source']}"
+        name = self.name.replace("H100", model) if model != "H100" else self.name
+        return dataclasses.replace(
+            self, name=name, runtime_copy_bw=Param(fit["copy"], src),
+            runtime_small_index_bw=Param(fit["small_index"], src),
+            runtime_scatter_bw=Param(fit["scatter"], src), runtime_fill_bw=Param(fit["fill"], src))
+
     def runtime_bandwidths(self) -> dict:
         """The CP runtime's op bandwidths by rate class (runtime_ops.RATE_CLASSES)."""
         return {"copy": self.runtime_copy_bw.value, "small_index": self.runtime_small_index_bw.value,

@@ -353,3 +353,21 @@ def test_committed_gqa_ab_rebuilds_from_its_shape_set():
     points = V.validate_kv_expansion()
     assert points and len(points) % 2 == 0
     assert all(p.measured > 0 and p.predicted > 0 for p in points)
+
+
+def test_the_cli_cluster_takes_another_gpus_runtime_fit():
+    """``--gpu H200`` gives the cluster the H200's fitted runtime-op bandwidths (faster copies than
+    the default H100's), names it, and keeps the links; an unknown GPU is a clear error."""
+    from types import SimpleNamespace
+
+    from benchmarks.scale_model.commands import _cluster
+    from benchmarks.scale_model.params import RUNTIME_FITS, Cluster
+
+    args = SimpleNamespace(gpu="H200", gpus_per_node=None, nvlink_gbs=None, ib_gbs=None)
+    h200, h100 = _cluster(args), _cluster(SimpleNamespace(**{**vars(args), "gpu": None}))
+    assert h200.runtime_bandwidths() == {c: RUNTIME_FITS["H200"][c] for c in h200.runtime_bandwidths()}
+    assert h100.runtime_bandwidths() == Cluster().runtime_bandwidths()
+    assert h200.runtime_bandwidths()["copy"] > h100.runtime_bandwidths()["copy"]
+    assert h200.name.startswith("H200") and h200.nvlink_bw == h100.nvlink_bw
+    with pytest.raises(ValueError, match="gpu must be one of"):
+        Cluster().on_gpu("A100")
