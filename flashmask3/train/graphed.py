@@ -10,12 +10,14 @@ inside the graph instead of being cached (docs/host-path.md, "CUDA graphs"), so 
 the columns copied in for this batch.
 
 Scope: one GPU, no context or data parallelism (no collectives in the graph), flashmask3
-attention, dense FFN (MoE routing has data-dependent shapes), no ``torch.compile``, no activation
-checkpointing. :func:`check_graphable` says which of these a configuration breaks.
+attention on its Triton kernels (its torch path plans on the host), dense FFN (MoE routing has
+data-dependent shapes), no ``torch.compile``, no activation checkpointing.
+:func:`check_graphable` says which of these a configuration breaks.
 
 Warming up before the capture runs real steps on the first batch; the model's weights and the
 optimiser's state are put back afterwards (in place: the graph keeps their addresses), so the
-run trains on exactly the batches and learning rates an eager run does.
+run trains on exactly the batches and learning rates an eager run does. The copy they are put
+back from lives only during the capture (the weights and AdamW's two moments once more).
 """
 
 from __future__ import annotations
