@@ -90,12 +90,14 @@ def test_warm_up_steps_are_undone_in_place(steps_before):
 
 
 @pytest.mark.gpu
-def test_gpu_captured_steps_train_like_eager(tmp_path, jsonl_corpus):
+@pytest.mark.parametrize("extra", [{}, dict(sliding_window=64, full_every=2)])
+def test_gpu_captured_steps_train_like_eager(tmp_path, jsonl_corpus, extra):
     """The same run eager and with --cuda-graph: the same losses and gradient norms step by step
-    (every batch has its own document mask, copied into the captured columns), split backward
+    (every batch has its own document mask, copied into the captured columns; with sliding-window
+    layers their windowed mask is derived from it inside the graph), split backward
     (deterministic kernels)."""
     settings = dict(data=jsonl_corpus, steps=8, checkpoint_every=0, seq_len=512, batch_size=2,
-                    attention_backward="split", warmup_steps=3, **GPU_MODEL)
+                    attention_backward="split", warmup_steps=3, **GPU_MODEL, **extra)
     runs = {}
     for name, graphed in (("eager", False), ("graphed", True)):
         train(from_preset("tiny", out_dir=str(tmp_path / name), cuda_graph=graphed, **settings))
