@@ -82,8 +82,8 @@ class TrainConfig:
         "help": "capture the whole step (forward, backward, clipping, AdamW) in one CUDA graph on "
                 "the first batch and replay it with each new batch and mask copied in: the host's "
                 "launch work becomes one launch (small models, short sequences). One GPU, no "
-                "CP/DP, flashmask3 attention, dense FFN, no compile or activation checkpointing; "
-                "the attention timer is off with it"})
+                "CP/DP, flashmask3 attention, dense FFN, no compile; the attention timer is off "
+                "with it"})
 
     # -- attention / parallelism --------------------------------------------------------------
     attention: str = field(default="flashmask3", metadata={

@@ -11,8 +11,9 @@ the columns copied in for this batch.
 
 Scope: one GPU, no context or data parallelism (no collectives in the graph), flashmask3
 attention on its Triton kernels (its torch path plans on the host), dense FFN (MoE routing has
-data-dependent shapes), no ``torch.compile``, no activation checkpointing.
-:func:`check_graphable` says which of these a configuration breaks.
+data-dependent shapes), no ``torch.compile``. Activation checkpointing works (the recomputed
+blocks are captured with the backward). :func:`check_graphable` says which of these a
+configuration breaks.
 
 Warming up before the capture runs real steps on the first batch; the model's weights and the
 optimiser's state are put back afterwards (in place: the graph keeps their addresses), so the
@@ -51,8 +52,6 @@ def check_graphable(cfg: TrainConfig, world_size: int, device: torch.device) -> 
         return "MoE routing has data-dependent shapes (no capture): use a dense FFN (moe_experts=0)"
     if cfg.compile:
         return "use either compile or cuda_graph, not both"
-    if cfg.activation_checkpointing:
-        return "activation checkpointing is not supported inside the captured step"
     return _backend_reason(cfg, device)
 
 

@@ -198,7 +198,9 @@ class Transformer(nn.Module):
         aux = x.new_zeros((), dtype=torch.float32)
         for layer in self.layers:
             if self.activation_checkpointing and torch.is_grad_enabled():
-                x, a = checkpoint(layer, x, cos, sin, ctx, use_reentrant=False)
+                # no RNG state to stash and replay: the blocks draw no random numbers (no
+                # dropout), and a CUDA-graph capture may not read the RNG state (--cuda-graph)
+                x, a = checkpoint(layer, x, cos, sin, ctx, use_reentrant=False, preserve_rng_state=False)
             else:
                 x, a = layer(x, cos, sin, ctx)
             aux = aux + a
