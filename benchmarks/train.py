@@ -430,7 +430,7 @@ def loader_markdown(report: dict) -> str:
 # -- the harness's --cuda-graph mode vs its eager loop --------------------------------------------
 
 #: The model of --graph-ab: small enough that a short-sequence step is host-bound (8 blocks of
-#: D=128 attention, GQA 4:2, ~27M parameters with the byte vocabulary).
+#: D=128 attention, GQA 4:2, 23.9M parameters with the byte vocabulary).
 GRAPH_AB_MODEL = dict(dim=512, n_layers=8, n_heads=4, n_kv_heads=2, ffn_dim=1408)
 
 

@@ -104,3 +104,13 @@ def benchmark_on_cpu(monkeypatch, module, total_tokens: int) -> None:
     monkeypatch.setattr(module, "DEVICE", "cpu")
     monkeypatch.setattr(module, "TOTAL_TOKENS", total_tokens)
     monkeypatch.setattr(module, "bench", wall_ms)
+
+
+def logged(out_dir, column: str = "loss") -> list[float]:
+    """One column (``loss``, ``lr``, ``grad_norm``, ...) of the ``losses.csv`` a training run of
+    ``flashmask3.train`` wrote to ``out_dir``, one value per step."""
+    from pathlib import Path
+
+    header, *rows = (Path(out_dir) / "losses.csv").read_text().splitlines()
+    i = header.split(",").index(column)
+    return [float(row.split(",")[i]) for row in rows]

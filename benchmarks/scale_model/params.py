@@ -41,12 +41,17 @@ RUNTIME_FITS = {
 }
 
 
+#: The :class:`Cluster` field of each rate class's bandwidth.
+RUNTIME_BW_FIELDS = {"copy": "runtime_copy_bw", "small_index": "runtime_small_index_bw",
+                     "scatter": "runtime_scatter_bw", "fill": "runtime_fill_bw"}
+
+
 def runtime_fit_of(gpu_name: str) -> dict:
     """The runtime op bandwidths by rate class fitted on ``gpu_name``'s model (``"NVIDIA H200"``,
     ``"NVIDIA H100 80GB HBM3"``, ...); a GPU we have no fit for raises ``ValueError``."""
     for model, fit in RUNTIME_FITS.items():
         if model in (gpu_name or ""):
-            return {c: fit[c] for c in ("copy", "small_index", "scatter", "fill")}
+            return {c: fit[c] for c in RUNTIME_BW_FIELDS}
     raise ValueError(f"no runtime op bandwidths fitted for GPU {gpu_name!r} (have: {', '.join(RUNTIME_FITS)})")
 
 
@@ -122,16 +127,12 @@ class Cluster:
             raise ValueError(f"gpu must be one of {sorted(RUNTIME_FITS)}, got {model!r}")
         fit = RUNTIME_FITS[model]
         src = f"fitted on the {model}: {fit['source']}"
-        name = self.name.replace("H100", model) if model != "H100" else self.name
-        return dataclasses.replace(
-            self, name=name, runtime_copy_bw=Param(fit["copy"], src),
-            runtime_small_index_bw=Param(fit["small_index"], src),
-            runtime_scatter_bw=Param(fit["scatter"], src), runtime_fill_bw=Param(fit["fill"], src))
+        return dataclasses.replace(self, name=self.name.replace("H100", model),
+                                   **{f: Param(fit[c], src) for c, f in RUNTIME_BW_FIELDS.items()})
 
     def runtime_bandwidths(self) -> dict:
         """The CP runtime's op bandwidths by rate class (runtime_ops.RATE_CLASSES)."""
-        return {"copy": self.runtime_copy_bw.value, "small_index": self.runtime_small_index_bw.value,
-                "scatter": self.runtime_scatter_bw.value, "fill": self.runtime_fill_bw.value}
+        return {c: getattr(self, f).value for c, f in RUNTIME_BW_FIELDS.items()}
 
     def p2p_bw(self, same_node: bool) -> float:
         bw = self.nvlink_bw.value if same_node else self.ib_bw.value

@@ -19,6 +19,8 @@ from dataclasses import dataclass
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from .params import RUNTIME_BW_FIELDS
+
 #: Kinds of :class:`Op`: a backend attention function (its GPU time is the attention cost
 #: model's), one of the runtime's small kernels (merge, key gather, gradient sum), an aten
 #: operator of the runtime, a copy of the emulated exchange (what NCCL does in a real run).
@@ -59,7 +61,8 @@ class Op:
 #: ``small_index``  torch's ``index_select`` of at most :data:`SMALL_INDEX_ROWS` rows;
 #: ``scatter``  indexed writes and strided copies (``index_copy_``, ``index_add_``, ``stack``);
 #: ``fill``  write-only ops (zeros, fills).
-RATE_CLASSES = ("copy", "small_index", "scatter", "fill")
+#: (The cluster's bandwidth field of each: params.RUNTIME_BW_FIELDS, which defines them.)
+RATE_CLASSES = tuple(RUNTIME_BW_FIELDS)
 
 #: torch's CUDA ``index_select`` copies with ``indexSelectSmallIndex`` when it selects at most this
 #: many rows (``aten/src/ATen/native/cuda/Indexing.cu``, ``index_select_out_cuda_impl``), else with
@@ -343,5 +346,5 @@ def rank_device_work(doc_lens, cp: int, balance: str, nodes: int, comm: str, bac
     return cached_pickle("ops-" + key + ".pkl", build, cache)
 
 
-__all__ = ["KINDS", "MERGED", "Op", "RATE_CLASSES", "SMALL_INDEX_ROWS", "rate_class", "record_layer", "op_seconds", "ops_seconds",
-           "rate_seconds", "bytes_by_rate", "rank_device_work"]
+__all__ = ["KINDS", "MERGED", "Op", "RATE_CLASSES", "SMALL_INDEX_ROWS", "rate_class", "record_layer",
+           "op_seconds", "ops_seconds", "rate_seconds", "bytes_by_rate", "rank_device_work"]

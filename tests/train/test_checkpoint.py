@@ -8,6 +8,7 @@ import torch
 from flashmask3.train.checkpoint import latest_checkpoint, load_checkpoint
 from flashmask3.train.config import from_preset
 from flashmask3.train.trainer import train
+from tests.helpers import logged
 
 
 def _cfg(tmp_path, name, corpus, **kw):
@@ -19,16 +20,14 @@ def test_resume_reproduces_the_uninterrupted_losses_exactly(tmp_path, jsonl_corp
     full = train(_cfg(tmp_path, "full", jsonl_corpus))
     losses = json.loads((tmp_path / "full" / "summary.json").read_text())
     assert losses["final_step"] == 6
-    ref = [float(l.split(",")[1]) for l in
-           (tmp_path / "full" / "losses.csv").read_text().splitlines()[1:]]
+    ref = logged(tmp_path / "full")
 
     first = train(_cfg(tmp_path, "split", jsonl_corpus, stop_at=3))  # "interrupted" at step 3
     assert first["final_step"] == 3
     assert latest_checkpoint(tmp_path / "split").name == "step_00000003.pt"
     second = train(_cfg(tmp_path, "split", jsonl_corpus))
     assert second["final_step"] == 6 and second["steps_run"] == 3
-    got = [float(l.split(",")[1]) for l in
-           (tmp_path / "split" / "losses.csv").read_text().splitlines()[1:]]
+    got = logged(tmp_path / "split")
     assert got == ref, "resumed run must repeat the uninterrupted losses bit for bit"
     assert full["loss_last"] == second["loss_last"]
     a = load_checkpoint(tmp_path / "full" / "checkpoints" / "step_00000006.pt")

@@ -10,13 +10,9 @@ import torch
 from flashmask3.train.config import from_preset
 from flashmask3.train.model import StepContext, Transformer
 from flashmask3.train.trainer import train
+from tests.helpers import logged
 
 TOL = dict(rel=1e-5, abs=1e-5)
-
-
-def _losses(out_dir):
-    lines = (out_dir / "losses.csv").read_text().splitlines()[1:]
-    return [float(line.split(",")[1]) for line in lines]
 
 
 @pytest.mark.parametrize("cp,extra", [
@@ -31,7 +27,7 @@ def test_compiled_blocks_train_like_eager(tmp_path, jsonl_corpus, cp, extra):
                     dist_timeout=120.0, **extra)
     for name, compiled in (("eager", False), ("compiled", True)):
         train(from_preset("tiny", out_dir=str(tmp_path / name), compile=compiled, **settings))
-    want, got = _losses(tmp_path / "eager"), _losses(tmp_path / "compiled")
+    want, got = logged(tmp_path / "eager"), logged(tmp_path / "compiled")
     assert len(got) == 3 and got == pytest.approx(want, **TOL)
     summary = json.loads((tmp_path / "compiled" / "summary.json").read_text())
     assert summary["attention_share"] is None  # the timer's marks cannot sit in a compiled graph

@@ -12,14 +12,10 @@ import torch
 from flashmask3.train.config import from_preset
 from flashmask3.train.parallel import Layout, launch
 from flashmask3.train.trainer import train
+from tests.helpers import logged
 from tests.train.cp_worker import fail_on_rank, run_layouts
 
 TOL = dict(rel=2e-5, abs=2e-5)  # fp32: FSDP2 sums the gradients in another order
-
-
-def _losses(out_dir):
-    lines = (out_dir / "losses.csv").read_text().splitlines()[1:]
-    return [float(line.split(",")[1]) for line in lines]
 
 
 def _cfg(tmp_path, name, corpus, **kw):
@@ -52,16 +48,16 @@ def test_mesh_shapes_match_one_process(tmp_path, jsonl_corpus):
     ]
     summaries = launch(run_layouts, 4, torch.device("cpu"), jobs, timeout=120.0)
     assert len(summaries) == sum(len(cfgs) for _, cfgs in jobs)
-    want = _losses(tmp_path / "ref")
+    want = logged(tmp_path / "ref")
     assert len(want) == 4 and want[-1] < want[0]
     for name in ("m22_dual_allgather", "m22_dual_overlap", "m22_sparse_allgather",
                  "m22_sparse_overlap", "m14_sparse_overlap", "m14_dual_allgather", "m41"):
-        assert _losses(tmp_path / name) == pytest.approx(want, **TOL), name
-    assert _losses(tmp_path / "m22_moe") == pytest.approx(_losses(tmp_path / "ref_moe"), **TOL)
+        assert logged(tmp_path / name) == pytest.approx(want, **TOL), name
+    assert logged(tmp_path / "m22_moe") == pytest.approx(logged(tmp_path / "ref_moe"), **TOL)
     by_name = {s["final_step"]: s for s in summaries[5:7]}
     assert by_name[2]["steps_run"] == 2 and by_name[4]["steps_run"] == 2
-    assert _losses(tmp_path / "m22_resume") == _losses(tmp_path / "m22_sparse_overlap")
-    assert _losses(tmp_path / "from1") == pytest.approx(want, **TOL)
+    assert logged(tmp_path / "m22_resume") == logged(tmp_path / "m22_sparse_overlap")
+    assert logged(tmp_path / "from1") == pytest.approx(want, **TOL)
     assert summaries[7]["steps_run"] == 2
     assert [(s["dp"], s["cp"]) for s in (summaries[0], summaries[8], summaries[10])] == \
         [(2, 2), (1, 4), (4, 1)]

@@ -10,6 +10,7 @@ import torch
 from flashmask3.train.config import from_preset
 from flashmask3.train.graphed import check_graphable, restore_state, snapshot_state
 from flashmask3.train.trainer import build_optimizer, train
+from tests.helpers import logged
 
 CUDA = torch.device("cuda")
 #: the tiny preset with a head dim the Triton kernels run (64; the preset's 8 takes the torch path)
@@ -99,12 +100,10 @@ def test_gpu_captured_steps_train_like_eager(tmp_path, jsonl_corpus, extra):
     kernels)."""
     settings = dict(data=jsonl_corpus, steps=8, checkpoint_every=0, seq_len=512, batch_size=2,
                     attention_backward="split", warmup_steps=3, **GPU_MODEL, **extra)
-    runs = {}
     for name, graphed in (("eager", False), ("graphed", True)):
         train(from_preset("tiny", out_dir=str(tmp_path / name), cuda_graph=graphed, **settings))
-        runs[name] = (tmp_path / name / "losses.csv").read_text().splitlines()[1:]
-    eager = [[float(x) for x in line.split(",")[1:4]] for line in runs["eager"]]
-    graphed = [[float(x) for x in line.split(",")[1:4]] for line in runs["graphed"]]
+    eager, graphed = (list(zip(*(logged(tmp_path / name, c) for c in ("loss", "lr", "grad_norm"))))
+                      for name in ("eager", "graphed"))
     assert len(graphed) == 8 and len({round(row[0], 6) for row in eager}) == 8
     for e, g in zip(eager, graphed):
         assert g == pytest.approx(e, rel=2e-3, abs=1e-4)
@@ -130,8 +129,7 @@ def test_gpu_a_replay_without_the_new_mask_would_be_caught(tmp_path, jsonl_corpu
     train(from_preset("tiny", out_dir=str(tmp_path / "eager"), **settings))
     monkeypatch.setattr(G.GraphedStep, "_load", load_all_but_the_mask)
     train(from_preset("tiny", out_dir=str(tmp_path / "stale"), cuda_graph=True, **settings))
-    eager, stale = ([float(line.split(",")[1]) for line in (tmp_path / n / "losses.csv").read_text().splitlines()[1:]]
-                    for n in ("eager", "stale"))
+    eager, stale = logged(tmp_path / "eager"), logged(tmp_path / "stale")
     assert stale[0] == pytest.approx(eager[0], rel=2e-3)  # the captured batch itself
     assert any(abs(s / e - 1) > 2e-3 for s, e in zip(stale[1:], eager[1:]))
 
@@ -146,6 +144,5 @@ def test_gpu_a_captured_run_resumes_from_its_checkpoint(tmp_path, jsonl_corpus):
     run = dict(out_dir=str(tmp_path / "graphed"), cuda_graph=True, checkpoint_every=3, **settings)
     train(from_preset("tiny", stop_at=3, **run))
     train(from_preset("tiny", **run))  # resumes at step 4
-    eager, graphed = ([float(line.split(",")[1]) for line in (tmp_path / n / "losses.csv").read_text().splitlines()[1:]]
-                      for n in ("eager", "graphed"))
+    eager, graphed = logged(tmp_path / "eager"), logged(tmp_path / "graphed")
     assert len(graphed) == 6 and graphed == pytest.approx(eager, rel=2e-3)

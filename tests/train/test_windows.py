@@ -9,13 +9,9 @@ from flashmask3 import masks as M
 from flashmask3.train.config import from_preset
 from flashmask3.train.model import model_flops_per_step
 from flashmask3.train.trainer import train
+from tests.helpers import logged
 
 TOL = dict(rel=2e-5, abs=2e-5)
-
-
-def _losses(out_dir):
-    lines = (out_dir / "losses.csv").read_text().splitlines()[1:]
-    return [float(line.split(",")[1]) for line in lines]
 
 
 def test_window_layers_and_their_flops(jsonl_corpus):
@@ -44,8 +40,8 @@ def test_window_layers_train_the_same_under_context_parallelism(tmp_path, jsonl_
             "cp2_allgather": dict(cp=2, comm="allgather", **windows)}
     for name, extra in runs.items():
         train(from_preset("tiny", out_dir=str(tmp_path / name), **settings, **extra))
-    want = _losses(tmp_path / "one")
+    want = logged(tmp_path / "one")
     assert len(want) == 3
     for name in ("cp2", "cp2_allgather"):
-        assert _losses(tmp_path / name) == pytest.approx(want, **TOL), name
-    assert _losses(tmp_path / "full") != pytest.approx(want, rel=1e-4)  # the window changes the model
+        assert logged(tmp_path / name) == pytest.approx(want, **TOL), name
+    assert logged(tmp_path / "full") != pytest.approx(want, rel=1e-4)  # the window changes the model
