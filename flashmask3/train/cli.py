@@ -1,6 +1,6 @@
 """Command line: ``flashmask3 {demo,train,data}``.
 
-* ``flashmask3 demo`` — the README demo: a ~0.9M-parameter byte-level model for 300 steps on the
+* ``flashmask3 demo`` — the README demo: a ~0.85M-parameter byte-level model for 300 steps on the
   default corpus (stdlib sources + /usr/share/doc), context parallel over 2 gloo CPU ranks (all
   visible GPUs with NCCL where there are GPUs). Any training flag can be added to override it.
 * ``flashmask3 train [--preset NAME] [--flags]`` — any run; ``--attention`` swaps the kernel,
