@@ -514,9 +514,9 @@ def test_gluon_kernels_run_only_on_checked_triton_versions(checked, hopper_dispa
     its tl row (and the split backward: the fused one is Gluon only), at every head dim; on a
     checked one the table's Gluon rows stand (where Gluon itself imports)."""
     dispatch = hopper_dispatch
-    if checked and not dispatch.gluon_usable():
-        pytest.skip("needs triton.experimental.gluon (Triton >= 3.5) to import")
     monkeypatch.setattr(dispatch, "GLUON_CHECKED_HERE", checked)
+    if checked and not dispatch.gluon_usable():
+        pytest.skip("needs triton.experimental.gluon (Triton >= 3.5) and TMA descriptors to import")
     cuda = torch.device("cuda", 0)
     for d in (64, 128, 256):
         for span in (None, 900.0):

@@ -12,8 +12,8 @@ check, launch metadata). :func:`launch` does the same launch with a fraction of 
    needed and returns the ``CompiledKernel``) and keeps that compiled kernel for the key.
 3. On a hit it calls ``compiled.run(gx, gy, gz, stream, function, packed_metadata, None,
    None, None, *all_args)``, the call ``JITFunction.run`` ends with, on the CURRENT stream
-   (CUDA-graph capture records that stream); with Triton 3.6's ``CudaLauncher`` it goes one
-   step further and calls the C launcher inside it, with each host TMA descriptor expanded
+   (CUDA-graph capture records that stream); with Triton 3.6's ``CudaLauncher`` (only on
+   the versions in :data:`RAW_LAUNCH_TRITON`) it goes one step further and calls the C launcher inside it, with each host TMA descriptor expanded
    from a cache (the CUtensorMap of a descriptor template and base pointer is encoded once,
    not on every launch: :func:`_raw_launch_parts`) and each plain tensor passed as its data
    pointer (an int: the C launcher then skips its ``data_ptr()`` call and the driver's
@@ -43,14 +43,26 @@ import torch
 from .._env import UNSET_OR_OFF, env_reader
 
 try:
+    import triton as _triton
     from triton import knobs as _knobs
     from triton.runtime.driver import driver as _driver
 except ImportError:  # pragma: no cover - triton is a dependency of the kernels
-    _knobs = _driver = None
+    _triton = _knobs = _driver = None
 try:  # Triton 3.6's per-launch expansion of a host tensor descriptor (_raw_launch_parts)
     from triton.backends.nvidia.driver import make_tensordesc_arg as _make_tensordesc_arg
 except ImportError:  # pragma: no cover - another Triton layout: compiled.run is called
     _make_tensordesc_arg = None
+
+#: The Triton versions whose ``CudaLauncher`` layout the raw launch (:func:`_raw_launch_parts`)
+#: was built for and checked on: a CPU test against Triton's own wrappers and the GPU tests
+#: (H200, H100). The C function's argument list is Triton-internal and changes between
+#: releases (3.8 passes the kernel metadata, hooks and argument annotations to it, and the
+#: kernel arguments as one tuple), and a class of the same name says nothing about it: on any
+#: other version every warm launch calls ``compiled.run``, the call ``JITFunction.run`` ends with.
+RAW_LAUNCH_TRITON = ("3.6.0",)
+
+#: Whether this process's Triton is one of them (decided at import).
+RAW_LAUNCH_HERE = _triton is not None and _triton.__version__ in RAW_LAUNCH_TRITON
 
 #: Set to 0 to launch every kernel through ``kernel[grid](...)`` (the A/B switch of the GPU test).
 FAST_LAUNCH_ENV = "FLASHMASK3_FAST_LAUNCH"
@@ -92,9 +104,9 @@ def _raw_launch_parts(compiled):
     Triton 3.6's ``CudaLauncher`` expands per launch (``make_tensordesc_arg``: a CUtensorMap
     encoded on the host, then the shape and strides) and :func:`_expand_descriptor` expands
     from a cache instead. Never used when the kernel needs scratch memory (allocated per
-    launch by the wrapper)."""
+    launch by the wrapper), nor on a Triton outside :data:`RAW_LAUNCH_TRITON`."""
     run = getattr(compiled, "run", None)
-    if type(run).__name__ != "CudaLauncher" or _make_tensordesc_arg is None:
+    if not RAW_LAUNCH_HERE or type(run).__name__ != "CudaLauncher" or _make_tensordesc_arg is None:
         return None
     if getattr(run, "global_scratch_size", 1) or getattr(run, "profile_scratch_size", 1):
         return None

@@ -213,6 +213,67 @@ def test_keys_separate_whatever_triton_specialises_on_and_arguments_bind_as_trit
     assert len(seen) > 100
 
 
+#: The raw C launch is built for Triton 3.6's ``CudaLauncher`` (launcher.RAW_LAUNCH_TRITON);
+#: these tests run that launcher's own wrappers, so they belong to those versions.
+needs_raw_launch = pytest.mark.skipif(
+    not launcher.RAW_LAUNCH_HERE,
+    reason=f"the raw C launch is built for Triton {', '.join(launcher.RAW_LAUNCH_TRITON)}'s CudaLauncher; "
+           "on this Triton every warm launch calls compiled.run")
+
+
+class CudaLauncher:
+    """A launcher with the class name and attributes :func:`launcher._raw_launch_parts` looks
+    for, around a C-like function (a callable without ``__code__``: no descriptor wrapper)."""
+
+    launch_cooperative_grid, launch_pdl = False, False
+    global_scratch_size = profile_scratch_size = 0
+
+    def __init__(self, calls):
+        self.calls = calls
+        self.launch = type("CLaunch", (), {"__call__": lambda _, *a: calls.append(("raw", a))})()
+
+    def __call__(self, gx, gy, gz, stream, function, packed, metadata, enter, exit_, *args):
+        self.calls.append(("fast", (gx, gy, gz), stream, args, (metadata, enter, exit_)))
+
+
+class _RawKernel(_Kernel):
+    """A stand-in kernel whose compiled kernel has the :class:`CudaLauncher` above."""
+
+    def __init__(self):
+        super().__init__()
+        self.compiled = _Compiled(self.calls)
+        self.compiled.run = CudaLauncher(self.calls)
+
+    def __getitem__(self, grid):
+        def run(*args, **kwargs):
+            self.calls.append(("slow", grid, args, kwargs))
+            return self.compiled
+        return run
+
+
+@pytest.mark.parametrize("checked", [True, False])
+def test_raw_launch_only_on_the_triton_versions_it_was_checked_on(fast, monkeypatch, checked):
+    """The C launcher's argument list is Triton-internal (3.7-3.9 pass metadata, hooks and
+    annotations to it and the kernel arguments as one tuple, where 3.6 passes them flat), so a
+    launcher of the known class name on any other version is called through ``compiled.run``,
+    with the arguments ``JITFunction.run`` passes; on a checked version the C function itself."""
+    monkeypatch.setattr(launcher, "RAW_LAUNCH_HERE", checked)
+    k = _RawKernel()
+    x = torch.randn(64)
+    n = 1000 + int(torch.randint(0, 7, ()).item()) * 16
+    for _ in range(2):
+        launcher.launch(k, (3, 2), x, n, 0.5, BLOCK=32, num_warps=4)
+    assert k.calls[0][0] == "slow" and len(k.calls) == 2
+    assert (launcher._raw_launch_parts(k.compiled) is not None) == checked
+    if checked:  # Triton 3.6's flat layout: grid, stream, function, flags, 6 slots, then the arguments
+        kind, args = k.calls[1]
+        assert kind == "raw" and args[:3] == (3, 2, 1) and args[13:] == (x.data_ptr(), n, 0.5, None, 32, False)
+    else:
+        kind, grid, stream, args, hooks = k.calls[1]
+        assert kind == "fast" and grid == (3, 2, 1) and hooks == (None, None, None)
+        assert args[0] is x and args[1:] == (n, 0.5, None, 32, False)
+
+
 # -- GPU: the fast path against Triton's (gpu-marked: benchmarks/gpu/host-path.sh) ----------
 
 
@@ -272,6 +333,7 @@ def _fake_cuda_launcher(monkeypatch, recorded, fills):
     return Kernel(), compiled
 
 
+@needs_raw_launch
 def test_raw_launch_passes_the_c_launcher_what_tritons_wrappers_pass(fast, monkeypatch):
     """The hit path calls Triton 3.6's C launcher directly with the descriptors expanded from
     a cache: the same arguments as ``CudaLauncher.__call__`` + its descriptor wrapper pass,
@@ -330,6 +392,7 @@ def _bound_case(monkeypatch):
     return bound, kernel, recorded, fills, via_launch
 
 
+@needs_raw_launch
 def test_bound_launch_passes_the_c_launcher_what_launch_passes(fast, monkeypatch):
     """After its first (normal-path) launch, a Bound launch calls the C launcher with the same
     arguments as ``launch``'s raw path for the same tensors (itself checked against Triton's
@@ -359,6 +422,7 @@ def test_bound_launch_passes_the_c_launcher_what_launch_passes(fast, monkeypatch
     assert len(fills) == n_fills + 1 + 1  # a2 encoded once by the Bound, once by launch()
 
 
+@needs_raw_launch
 @pytest.mark.parametrize("change", ["misaligned", "dtype", "shape", "strided", "device",
                                     "hook", "off"])
 def test_bound_launch_takes_the_normal_path_whenever_the_first_calls_kernel_may_not_fit(
@@ -405,6 +469,7 @@ def test_bound_launch_takes_the_normal_path_whenever_the_first_calls_kernel_may_
     assert len(recorded) == 1
 
 
+@needs_raw_launch
 def test_bound_launch_without_a_raw_launcher_stops_trying_a_misaligned_first_call_retries(
         fast, monkeypatch):
     """Where the fast path can never be built (this Triton has no raw C launcher) a Bound goes
