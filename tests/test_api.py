@@ -539,8 +539,11 @@ def test_the_kernel_path_is_announced_once_per_import(monkeypatch, caplog):
     from flashmask3.kernels import dispatch
 
     monkeypatch.setattr(dispatch, "GLUON_CHECKED_HERE", False)
-    with pytest.warns(RuntimeWarning, match="portable tl kernels"):
-        dispatch.announce_kernel_path()
+    for raw in (True, False):  # the raw C launch's own version guard (launcher.RAW_LAUNCH_TRITON)
+        monkeypatch.setattr(dispatch.launcher, "RAW_LAUNCH_HERE", raw)
+        with pytest.warns(RuntimeWarning, match="portable tl kernels") as seen:
+            dispatch.announce_kernel_path()
+        assert (dispatch.THROUGH_TRITON in str(seen[0].message)) == (not raw)
     monkeypatch.setattr(dispatch, "GLUON_CHECKED_HERE", True)
     with caplog.at_level(logging.INFO, logger="flashmask3"):
         dispatch.announce_kernel_path()

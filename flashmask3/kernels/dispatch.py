@@ -33,7 +33,7 @@ from typing import NamedTuple, Optional
 import torch
 import triton
 
-from . import gluon_bwd, gluon_common, gluon_fwd
+from . import gluon_bwd, gluon_common, gluon_fwd, launcher
 from .tiles import Config
 from .tl_kernels import TensorDescriptor, _capability, interpreting
 
@@ -180,6 +180,10 @@ GLUON_CHECKED_TRITON = ("3.6.0",)
 GLUON_CHECKED_HERE = triton.__version__ in GLUON_CHECKED_TRITON
 
 
+#: What the warning adds where the raw C launch is off too (launcher.RAW_LAUNCH_TRITON).
+THROUGH_TRITON = " through Triton's own launch path"
+
+
 def announce_kernel_path() -> None:
     """Say once (at import) which kernels the Hopper path runs with this Triton: an INFO log
     line (logger "flashmask3") on a checked version, a RuntimeWarning on an unchecked one."""
@@ -191,7 +195,8 @@ def announce_kernel_path() -> None:
         warnings.warn(
             f"flashmask3: Triton {triton.__version__} is not a version the Gluon kernels were "
             f"checked on ({', '.join(GLUON_CHECKED_TRITON)}): every launch uses the portable tl "
-            "kernels (slower on Hopper; see docs/host-path.md)", RuntimeWarning, stacklevel=2)
+            f"kernels{'' if launcher.RAW_LAUNCH_HERE else THROUGH_TRITON} (slower on Hopper; see "
+            "docs/host-path.md)", RuntimeWarning, stacklevel=2)
 
 
 announce_kernel_path()

@@ -546,22 +546,31 @@ def _run(q, k, v, mask, dout):
 
 
 @pytest.mark.gpu
-def test_gpu_fast_launch_equals_the_triton_launch_path(monkeypatch):
+@pytest.mark.parametrize("raw", [True, False])
+def test_gpu_fast_launch_equals_the_triton_launch_path(monkeypatch, raw):
     """Forward bitwise, dK/dV bitwise, dQ within fp32-atomics tolerance (the fused backward
-    adds dQ in a varying order) between FLASHMASK3_FAST_LAUNCH=0 and the warm fast path."""
+    adds dQ in a varying order) between FLASHMASK3_FAST_LAUNCH=0 and the warm fast path: the
+    raw C launch (a checked Triton) and ``compiled.run`` (any other version's warm path)."""
     from tests.reference import rel_err
 
+    if raw and not launcher.RAW_LAUNCH_HERE:
+        pytest.skip(f"the raw C launch is built for Triton {launcher.RAW_LAUNCH_TRITON}")
+    import flashmask3
+
+    monkeypatch.setattr(launcher, "RAW_LAUNCH_HERE", raw)
     case = _case()
     monkeypatch.setenv(launcher.FAST_LAUNCH_ENV, "0")
     slow = _run(*case)
     monkeypatch.setenv(launcher.FAST_LAUNCH_ENV, "1")
     launcher.clear_cache()
+    flashmask3.api.clear_prepared()  # no bound launch built before (with the other path)
     _run(*case)  # fills the cache
     n = len(launcher._COMPILED)
     fast = _run(*case)
     assert len(launcher._COMPILED) == n > 0  # warm: nothing new was compiled or keyed
-    # the warm launches of the descriptor kernels went straight to Triton's C launcher
-    assert any(e.raw is not None and e.descs for e in launcher._COMPILED.values())
+    # raw: the warm launches of the descriptor kernels went straight to Triton's C launcher
+    assert any(e.raw is not None and e.descs for e in launcher._COMPILED.values()) == raw
+    assert raw or all(e.raw is None for e in launcher._COMPILED.values())
     torch.testing.assert_close(fast[0], slow[0], rtol=0, atol=0)
     torch.testing.assert_close(fast[2], slow[2], rtol=0, atol=0)
     torch.testing.assert_close(fast[3], slow[3], rtol=0, atol=0)
