@@ -1,4 +1,4 @@
-"""Command line: ``flashmask3 {demo,train,data}``.
+"""Command line: ``flashmask3 {demo,train,data,env}``.
 
 * ``flashmask3 demo`` — the README demo: a ~0.85M-parameter byte-level model for 300 steps on the
   default corpus (stdlib sources + /usr/share/doc), context parallel over 2 gloo CPU ranks (all
@@ -7,6 +7,8 @@
   ``--dp/--cp/--nodes`` shape the mesh, ``--balance/--comm`` the CP layer. Also works under
   ``torchrun`` (one node or several: see flashmask3/train/README.md).
 * ``flashmask3 data`` — inspect the packed data: documents, pieces per sequence, mask sparsity.
+* ``flashmask3 env`` — what runs an attention call here: versions, device, backend, the
+  version guards, a typical call's kernels (``--json`` for a bug report).
 """
 
 from __future__ import annotations
@@ -34,11 +36,15 @@ def build_parser() -> argparse.ArgumentParser:
     data = sub.add_parser("data", help="show packed batches and mask sparsity")
     add_config_arguments(data)
     data.add_argument("--batches", type=int, default=20, help="batches to inspect")
+    env = sub.add_parser("env", help="what runs an attention call here (versions, device, kernels)")
+    env.add_argument("--json", action="store_true", help="print the report as JSON")
     return parser
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     args = build_parser().parse_args(argv)
+    if args.command == "env":
+        return print_environment(args.json)
     try:
         cfg = config_from_args(args, default_preset="demo" if args.command == "demo" else None)
         if args.command == "data":
@@ -48,6 +54,19 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     except (ValueError, TypeError) as exc:
         print(f"flashmask3: error: {exc}", file=sys.stderr)
         return 2
+    return 0
+
+
+def print_environment(as_json: bool) -> int:
+    """``flashmask3 env``: :func:`flashmask3.kernels.environment.report`, as lines or JSON."""
+    from ..kernels.environment import format_report, report
+
+    rep = report()
+    if as_json:
+        import json
+        print(json.dumps(rep, indent=1))
+    else:
+        print(format_report(rep))
     return 0
 
 
