@@ -88,3 +88,19 @@ def test_gpu_report_names_the_device_and_its_kernels():
     assert props.name in rep["device"] and rep["backend for a bf16 call"] == "triton"
     kernels = rep["kernels (bf16, D=128, causal docs)"]
     assert kernels.startswith("fwd: ") and ("gluon" in kernels) == (props.major == 9 and dispatch.gluon_usable())
+
+
+def test_python_dash_m_flashmask3_runs_the_command():
+    """``python -m flashmask3 env --json`` (a checkout without the console script)."""
+    import os
+    import subprocess
+    import sys
+
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    env = {k: v for k, v in os.environ.items() if k not in environment.PATH_VARIABLES}
+    env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")
+    done = subprocess.run([sys.executable, "-m", "flashmask3", "env", "--json"], capture_output=True,
+                          text=True, env=env, cwd=root, timeout=300)
+    assert done.returncode == 0, done.stderr
+    rep = json.loads(done.stdout)
+    assert rep["flashmask3"] == flashmask3.__version__ and rep["torch"].startswith(torch.__version__)
