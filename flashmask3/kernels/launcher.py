@@ -13,8 +13,8 @@ check, launch metadata). :func:`launch` does the same launch with a fraction of 
 3. On a hit it calls ``compiled.run(gx, gy, gz, stream, function, packed_metadata, None,
    None, None, *all_args)``, the call ``JITFunction.run`` ends with, on the CURRENT stream
    (CUDA-graph capture records that stream); with Triton 3.6's ``CudaLauncher`` (only on
-   the versions in :data:`RAW_LAUNCH_TRITON`) it goes one step further and calls the C launcher inside it, with each host TMA descriptor expanded
-   from a cache (the CUtensorMap of a descriptor template and base pointer is encoded once,
+   the versions in :data:`RAW_LAUNCH_TRITON`) it goes one step further and calls the C
+   launcher inside it, with each host TMA descriptor expanded from a cache (the CUtensorMap of a descriptor template and base pointer is encoded once,
    not on every launch: :func:`_raw_launch_parts`) and each plain tensor passed as its data
    pointer (an int: the C launcher then skips its ``data_ptr()`` call and the driver's
    pointer query, ``cuPointerGetAttribute``; the library's tensors are CUDA device memory of
@@ -56,7 +56,7 @@ except ImportError:  # pragma: no cover - another Triton layout: compiled.run is
 #: The Triton versions whose ``CudaLauncher`` layout the raw launch (:func:`_raw_launch_parts`)
 #: was built for and checked on: a CPU test against Triton's own wrappers and the GPU tests
 #: (H200, H100). The C function's argument list is Triton-internal and changes between
-#: releases (3.8 passes the kernel metadata, hooks and argument annotations to it, and the
+#: releases (3.7-3.9 pass the kernel metadata, hooks and argument annotations to it, and the
 #: kernel arguments as one tuple), and a class of the same name says nothing about it: on any
 #: other version every warm launch calls ``compiled.run``, the call ``JITFunction.run`` ends with.
 RAW_LAUNCH_TRITON = ("3.6.0",)
