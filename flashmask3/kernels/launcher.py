@@ -14,9 +14,9 @@ check, launch metadata). :func:`launch` does the same launch with a fraction of 
    None, None, *all_args)``, the call ``JITFunction.run`` ends with, on the CURRENT stream
    (CUDA-graph capture records that stream); with Triton 3.6's ``CudaLauncher`` (only on
    the versions in :data:`RAW_LAUNCH_TRITON`) it goes one step further and calls the C
-   launcher inside it, with each host TMA descriptor expanded from a cache (the CUtensorMap of a descriptor template and base pointer is encoded once,
-   not on every launch: :func:`_raw_launch_parts`) and each plain tensor passed as its data
-   pointer (an int: the C launcher then skips its ``data_ptr()`` call and the driver's
+   launcher inside it, with each host TMA descriptor expanded from a cache (the CUtensorMap
+   of a descriptor template and base pointer is encoded once, not on every launch:
+   :func:`_raw_launch_parts`) and each plain tensor passed as its data pointer (an int: the C launcher then skips its ``data_ptr()`` call and the driver's
    pointer query, ``cuPointerGetAttribute``; the library's tensors are CUDA device memory of
    one device, for which that query returns the same pointer).
 
