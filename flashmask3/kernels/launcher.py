@@ -16,9 +16,10 @@ check, launch metadata). :func:`launch` does the same launch with a fraction of 
    the versions in :data:`RAW_LAUNCH_TRITON`) it goes one step further and calls the C
    launcher inside it, with each host TMA descriptor expanded from a cache (the CUtensorMap
    of a descriptor template and base pointer is encoded once, not on every launch:
-   :func:`_raw_launch_parts`) and each plain tensor passed as its data pointer (an int: the C launcher then skips its ``data_ptr()`` call and the driver's
-   pointer query, ``cuPointerGetAttribute``; the library's tensors are CUDA device memory of
-   one device, for which that query returns the same pointer).
+   :func:`_raw_launch_parts`) and each plain tensor passed as its data pointer (an int: the
+   C launcher then skips its ``data_ptr()`` call and the driver's pointer query,
+   ``cuPointerGetAttribute``; the library's tensors are CUDA device memory of one device, for
+   which that query returns the same pointer).
 
 Specialisation safety. Triton 3.6 specialises (``native_specialize_impl``) a tensor on its
 dtype and on its data pointer being 16-byte aligned; an integer on its type (i32 / i64 /
