@@ -64,8 +64,17 @@ def _inputs(s: int, heads: int, d: int, device, dtype, seed=0):
             for _ in range(3)]
 
 
+#: Calls per backward of the "chained" rows: a model's layers share one backward, so the
+#: autograd engine's cost around a backward (its hand-off to the device thread and back) is
+#: paid once per step, not once per attention call as in the one-call rows.
+CHAIN = 8
+CHAINED = f"fwd+bwd, {CHAIN} per backward"
+
+
 def _calls(q, k, v, mask, causal):
-    """(fwd, fwd_bwd) closures of one flashmask3 call."""
+    """(fwd, fwd_bwd, chained) closures of flashmask3 calls: one forward; one forward and its
+    backward; :data:`CHAIN` forwards each taking the previous output as its queries, then one
+    backward of the last (the chained closure returns how many attention calls it made)."""
     dout = torch.randn_like(q)
 
     def fwd():
@@ -74,7 +83,13 @@ def _calls(q, k, v, mask, causal):
     def fwd_bwd():
         fwd().backward(dout)
 
-    return fwd, fwd_bwd
+    def chained():
+        x = q
+        for _ in range(CHAIN):
+            x = flashmask3.flashmask_attention(x, k, v, mask, causal=causal)
+        x.backward(dout)
+
+    return fwd, fwd_bwd, chained
 
 
 def gpu_ms(fn, leaves, reps: int = 20) -> float:
@@ -208,37 +223,45 @@ def host_table(seqlen: int, heads: int, d: int, dtype, ndocs: int, out_dir=None)
     specs = []  # (row fields, fn, leaves, whether do_bench and GPU time are measured)
     for form, mask, causal in (("FlashMask", fm, False),
                                ("raw columns", fm.startend_row_indices, True)):
-        fwd0, fwd_bwd0 = _calls(q, k, v, mask, causal)
+        fwd0, fwd_bwd0, chained0 = _calls(q, k, v, mask, causal)
         for _ in range(3):
             fwd_bwd0()
+        chained0()
         for variant in HOST_VARIANTS:
             mask_mode, launch, thread = variant
             if launch == "triton" and form != "FlashMask":
                 continue
-            fwd, fwd_bwd = (_variant(f, *variant) for f in (fwd0, fwd_bwd0))
+            fwd, fwd_bwd, chained = (_variant(f, *variant) for f in (fwd0, fwd_bwd0, chained0))
             full = variant == HOST_VARIANTS[0]  # do_bench / GPU time once per form
             for mode, fn, target in (("fwd", fwd, HOST_FWD_US),
-                                     ("fwd+bwd", fwd_bwd, HOST_FWD_BWD_US)):
+                                     ("fwd+bwd", fwd_bwd, HOST_FWD_BWD_US),
+                                     (CHAINED, chained, HOST_FWD_BWD_US)):
                 if mode == "fwd" and thread != "device":
                     continue  # (the thread matters to the backward only)
+                if mode == CHAINED and (mask_mode, launch) != ("reused", "fast"):
+                    continue  # (a model's layers: one mask, the library's launcher)
                 fields = dict(form=form, mask=mask_mode, launch=launch, autograd=thread, mode=mode,
-                              S=seqlen, H=heads, D=d, docs=ndocs, target_us=target)
-                specs.append((fields, fn, [q, k, v] if mode != "fwd" else [], full))
+                              S=seqlen, H=heads, D=d, docs=ndocs, target_us=target,
+                              calls=CHAIN if mode == CHAINED else 1)
+                specs.append((fields, fn, [q, k, v] if mode != "fwd" else [],
+                              full and mode != CHAINED))
     torch.cuda.synchronize()
     samples = round_robin_host([(fn, leaves) for _, fn, leaves, _ in specs],
                                lambda fn, leaves: host_us(fn, leaves, samples=1))
     rows = []
     for (fields, fn, leaves, full), got in zip(specs, samples):
+        got = [x / fields["calls"] for x in got]  # host µs per attention call
         host = statistics.median(got)
         rows.append(dict(fields, host_us=host, host_p10_us=_percentile(got, 0.1),
                          host_p90_us=_percentile(got, 0.9), rounds=len(got),
                          std_ms=standard_ms(fn, leaves or None) if full else None,
                          gpu_ms=gpu_ms(fn, leaves) if full else None,
-                         kernels=kernels_per_call(fn), met=host <= fields["target_us"]))
+                         kernels=kernels_per_call(fn) / fields["calls"],
+                         met=host <= fields["target_us"]))
         print(json.dumps(rows[-1]), flush=True)
         if out_dir:
             name = (f"profile_{fields['form'].split()[0].lower()}_{fields['mask']}_{fields['launch']}_"
-                    f"{fields['mode'].replace('+', '_')}.txt")
+                    f"{fields['mode'].replace('+', '_').replace(', ', '_').replace(' ', '_')}.txt")
             with open(os.path.join(out_dir, name), "w") as f:
                 f.write(host_profile_text(fn))
     return rows
@@ -501,6 +524,10 @@ def markdown(meta: dict, host: list[dict], small: list[dict], floor=()) -> str:
               "autograd: the thread the engine runs the backward on, device = torch's default "
               "(its CUDA device thread), calling = `torch.autograd.set_multithreading_enabled("
               "False)`.", "",
+              f"mode `{CHAINED}`: {CHAIN} forwards, each taking the previous output as its "
+              "queries, and one backward of the last (a model's layers share a backward, so the "
+              "engine's cost around a backward is paid once a step); host µs and kernels are per "
+              f"attention call (the total over the chain / {CHAIN}).", "",
               f"host µs: the median of {HOST_ROUNDS} rounds in which every row takes one sample in "
               "turn (so the host's drift hits all rows alike); p10-p90: their spread.", "",
               "| form | mask | launch | autograd | mode | S | docs | host µs | p10-p90 | target | std ms "
@@ -513,7 +540,7 @@ def markdown(meta: dict, host: list[dict], small: list[dict], floor=()) -> str:
         lines.append(f"| {r['form']} | {r.get('mask', 'reused')} | {r.get('launch', 'fast')} | "
                      f"{r.get('autograd', 'device')} | {r['mode']} | {r['S'] // 1024}K | {r['docs']} | "
                      f"{r['host_us']:.0f} | {spread(r)} | <= {r['target_us']:.0f} "
-                     f"{'met' if r['met'] else 'MISSED'} | {ms(r['std_ms'])} | {ms(r['gpu_ms'])} | {r['kernels']} |")
+                     f"{'met' if r['met'] else 'MISSED'} | {ms(r['std_ms'])} | {ms(r['gpu_ms'])} | {r['kernels']:g} |")
     lines += ["", f"Small problems (fwd+bwd): each std cell is the median of {SMALL_ROUNDS} do_bench medians "
               "taken in turn with the other library and mode; fm std range: FlashMask's rounds. "
               f"autograd `{GRAPHS}`: each library's forward + backward under `torch.compile(mode="
@@ -545,8 +572,9 @@ def dry_run() -> int:
         return 1e6 * (time.perf_counter() - t0)
 
     for mask, causal in ((fm, False), (fm.startend_row_indices, True)):
-        fwd, fwd_bwd = _calls(q, k, v, mask, causal)
-        rows = [(_variant(fwd_bwd, *variant), [q, k, v]) for variant in HOST_VARIANTS] + [(fwd, [])]
+        fwd, fwd_bwd, chained = _calls(q, k, v, mask, causal)
+        rows = ([(_variant(fwd_bwd, *variant), [q, k, v]) for variant in HOST_VARIANTS]
+                + [(chained, [q, k, v]), (fwd, [])])
         fwd_us = statistics.median(round_robin_host(rows, cpu_us, rounds=3)[-1])
         print(f"dry run: {type(mask).__name__} fwd {fwd_us:.0f} µs (CPU, torch path)")
     print(markdown({"dry_run": True}, [dict(form="FlashMask", mode="fwd", S=256, docs=5, host_us=1.0,
