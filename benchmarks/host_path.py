@@ -462,7 +462,7 @@ def small_table(seqlens, heads: int, d: int, dtype, docs, graphs: bool = True) -
         for n in docs:
             q, k, v = _inputs(s, heads, d, "cuda", dtype, seed=s + n)
             mask = M.causal_document_mask(_docs(s, n), device="cuda")
-            _, fm_fb = _calls(q, k, v, mask, False)
+            _, fm_fb, _ = _calls(q, k, v, mask, False)
             ffwd, fleaves, _ = flex_impl(mask, True, q, k, v, 1 / math.sqrt(d))
             fdout = torch.randn_like(ffwd())
 
