@@ -544,6 +544,7 @@ def test_the_kernel_path_is_announced_once_per_import(monkeypatch, caplog):
         with pytest.warns(RuntimeWarning, match="portable tl kernels") as seen:
             dispatch.announce_kernel_path()
         assert (dispatch.THROUGH_TRITON in str(seen[0].message)) == (not raw)
+        assert dispatch.TL_PATH_COST in str(seen[0].message)
     monkeypatch.setattr(dispatch, "GLUON_CHECKED_HERE", True)
     with caplog.at_level(logging.INFO, logger="flashmask3"):
         dispatch.announce_kernel_path()

@@ -182,6 +182,10 @@ GLUON_CHECKED_HERE = triton.__version__ in GLUON_CHECKED_TRITON
 
 #: What the warning adds where the raw C launch is off too (launcher.RAW_LAUNCH_TRITON).
 THROUGH_TRITON = " through Triton's own launch path"
+#: What the tl path costs on Hopper, measured as a proxy on Triton 3.6 (benchmarks/results/
+#: newer_torch_path.md, one H100, 32K, D=128): the warning and ``flashmask3 env`` quote it.
+TL_PATH_COST = ("on Hopper ~1.35-1.4x slower than the Gluon path, about FlexAttention's speed: "
+                "docs/host-path.md#supported-versions")
 
 
 def announce_kernel_path() -> None:
@@ -195,8 +199,8 @@ def announce_kernel_path() -> None:
         warnings.warn(
             f"flashmask3: Triton {triton.__version__} is not a version the Gluon kernels were "
             f"checked on ({', '.join(GLUON_CHECKED_TRITON)}): every launch uses the portable tl "
-            f"kernels{'' if launcher.RAW_LAUNCH_HERE else THROUGH_TRITON} (slower on Hopper; see "
-            "docs/host-path.md)", RuntimeWarning, stacklevel=2)
+            f"kernels{'' if launcher.RAW_LAUNCH_HERE else THROUGH_TRITON} ({TL_PATH_COST})",
+            RuntimeWarning, stacklevel=2)
 
 
 announce_kernel_path()

@@ -65,7 +65,7 @@ def _triton_fields(device: torch.device) -> dict:
         "gluon kernels": (f"Triton {triton_version} is checked: they run on Hopper where the table picks them"
                           if dispatch.gluon_usable()
                           else f"off (checked on Triton {', '.join(dispatch.GLUON_CHECKED_TRITON)}; "
-                               "every pass takes its tl row)"),
+                               f"every pass takes its tl row, {dispatch.TL_PATH_COST})"),
         "raw C launch": (f"Triton {triton_version} is checked: warm launches call its C launcher"
                          if launcher.RAW_LAUNCH_HERE
                          else f"off (built for Triton {', '.join(launcher.RAW_LAUNCH_TRITON)}; "
