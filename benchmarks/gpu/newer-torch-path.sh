@@ -12,7 +12,8 @@
 #      and the standard do_bench columns (host work included)
 #   2. benchmarks/host_path.py under FLASHMASK3_KERNELS=portable, raw launch off: the host table
 #      and the small-problem table against FlexAttention
-# Outputs: $OUT/newer-torch-path/{kernel_newer_torch.json, host/host_path.{json,md}, *.log}
+# Outputs: $OUT/newer-torch-path/{kernel_newer_torch.json, host/host_path.{json,md},
+#          newer_torch_path.{json,md} (benchmarks/newer_torch_path.py's summary), *.log}
 set -uo pipefail
 DIR="${OUT:?set OUT}/newer-torch-path"; mkdir -p "$DIR/host"
 PY="${PYTHON:-python}"
@@ -43,3 +44,7 @@ FLASHMASK3_KERNELS=portable timeout $HOST_S bash -c "$(declare -f no_raw_launch)
   no_raw_launch benchmarks/host_path.py $HOST_ARGS --out '$DIR/host'" > "$DIR/host.log" 2>&1 \
   || echo "host_path.py failed or timed out (rc $?)"
 sed -n '/^| form/,$p' "$DIR/host/host_path.md" 2>/dev/null
+# the summary (commit it as benchmarks/results/newer_torch_path.{json,md})
+$PY benchmarks/newer_torch_path.py --kernels "$DIR"/kernel_newer_torch.json \
+  --host-path "$DIR/host/host_path.json" --out "$DIR/newer_torch_path" > "$DIR/summary.log" 2>&1 \
+  || echo "summary failed (see $DIR/summary.log)"
