@@ -53,6 +53,8 @@ from typing import Iterable, Optional
 
 import numpy as np
 
+from .params import MATMUL_EFFICIENCY
+
 RESULTS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "results")
 MEASURED_FILE = os.path.join(RESULTS, "scale_model_attention.json")
 TILE = 128
@@ -906,7 +908,10 @@ MATMUL_FILE = os.path.join(RESULTS, "scale_model_matmul.json")
 def matmul_tflops(cluster, shape_key: Optional[str] = None) -> tuple[float, str]:
     """Achieved bf16 TFLOP/s for the model's matmuls: measured at the shape (the nearest token
     count of the same model dims) if committed, else the measured dense ceiling x an assumed
-    efficiency. ``shape_key`` = ``"{tokens}x{hidden}x{ffn}"``."""
+    efficiency. ``shape_key`` = ``"{tokens}x{hidden}x{ffn}"``. A measured throughput is scaled
+    by ``cluster.matmul_efficiency`` over its default (:data:`params.MATMUL_EFFICIENCY`: x1 as
+    measured), so the sensitivity sweep of ``matmul_efficiency`` moves the non-attention time on
+    both paths."""
     if shape_key and os.path.exists(MATMUL_FILE):
         with open(MATMUL_FILE) as f:
             data = json.load(f)
@@ -914,7 +919,10 @@ def matmul_tflops(cluster, shape_key: Optional[str] = None) -> tuple[float, str]
         same = [r for r in data.get("matmul", []) if r.get("key", "").split("x", 1)[-1] == dims]
         if same:
             best = min(same, key=lambda r: abs(math.log(int(r["key"].split("x")[0]) / int(tokens))))
-            return best["tflops"], f"measured ({os.path.basename(MATMUL_FILE)}, {best['key']})"
+            scale = cluster.matmul_efficiency.value / MATMUL_EFFICIENCY
+            note = "" if scale == 1.0 else f" x{scale:g} (matmul_efficiency)"
+            return (best["tflops"] * scale,
+                    f"measured ({os.path.basename(MATMUL_FILE)}, {best['key']}){note}")
     eff = cluster.matmul_tflops.value * cluster.matmul_efficiency.value
     return eff, "measured dense ceiling x assumed efficiency"
 

@@ -24,6 +24,10 @@ class Param:
         return Param(self.value * factor, f"{self.source} (x{factor:g})")
 
 
+#: The default of :attr:`Cluster.matmul_efficiency`: the measured matmul throughput is used as
+#: measured at this value and scaled by ``matmul_efficiency / MATMUL_EFFICIENCY`` otherwise.
+MATMUL_EFFICIENCY = 0.75
+
 #: The CP runtime's op bandwidths (bytes/s) by rate class (runtime_ops.RATE_CLASSES) on each GPU
 #: model it was profiled on: ``validate.validate_cp_runtime`` fits them (least squares over the
 #: profiled ranks of the fit cp sizes, 3 us a launch) and ``tests/benchmarks/scale_model`` checks
@@ -92,9 +96,11 @@ class Cluster:
                           "(benchmarks/NOTES.md 'Ceilings'); elementwise merges and casts")
     matmul_tflops: Param = Param(790.0, "measured: dense bf16 matmul ~790 TFLOP/s on the H200 "
                                  "(benchmarks/NOTES.md 'Ceilings')")
-    matmul_efficiency: Param = Param(0.75, "assumed: achieved / dense-ceiling matmul throughput "
-                                     "at the model's MLP/expert shapes (grouped expert GEMMs) until "
-                                     "benchmarks/gpu/scale-model.sh has measured them")
+    matmul_efficiency: Param = Param(MATMUL_EFFICIENCY, "assumed: achieved / dense-ceiling matmul "
+                                     "throughput at the model's MLP/expert shapes (grouped expert GEMMs) "
+                                     "until benchmarks/gpu/scale-model.sh has measured them; with the "
+                                     "measurement, its ratio to this default scales the measured throughput "
+                                     "(the sensitivity sweep)")
     nonmatmul_share: Param = Param(0.15, "assumed: norms, activations, rotary, router, token "
                                    "permutation as a fraction of the matmul time")
     host_op: Param = Param(7e-6, "assumed: host time per eager PyTorch op that launches work "

@@ -114,6 +114,9 @@ def test_matmul_throughput_uses_the_nearest_measured_shape(tmp_path, monkeypatch
     assert C.matmul_tflops(Cluster(), "100x4096x14336")[0] == 700.0
     tf, src = C.matmul_tflops(Cluster(), "100x8192x1000")  # no such dims: ceiling x efficiency
     assert tf == Cluster().matmul_tflops.value * Cluster().matmul_efficiency.value and "assumed" in src
+    # the sensitivity sweep's matmul_efficiency moves a measured throughput too (x0.5: half)
+    half, src = C.matmul_tflops(Cluster().swept("matmul_efficiency", 0.5), "6000x4096x2048")
+    assert half == 300.0 and "x0.5" in src
 
 
 def test_fit_recovers_per_block_costs():
