@@ -74,7 +74,7 @@ CHAINED = f"fwd+bwd, {CHAIN} per backward"
 def _calls(q, k, v, mask, causal):
     """(fwd, fwd_bwd, chained) closures of flashmask3 calls: one forward; one forward and its
     backward; :data:`CHAIN` forwards each taking the previous output as its queries, then one
-    backward of the last (the chained closure returns how many attention calls it made)."""
+    backward of the last."""
     dout = torch.randn_like(q)
 
     def fwd():
