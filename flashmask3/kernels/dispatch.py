@@ -176,8 +176,15 @@ def mode() -> str:
 #: (docs/host-path.md: the supported matrix and what CI checks on the newest Triton).
 GLUON_CHECKED_TRITON = ("3.6.0",)
 
-#: Whether this process's Triton is one of them (decided at import).
-GLUON_CHECKED_HERE = triton.__version__ in GLUON_CHECKED_TRITON
+#: ``FLASHMASK3_GLUON_UNCHECKED=1`` runs the Gluon kernels on a Triton outside that list: the
+#: switch for checking a new release on a GPU (benchmarks/gpu/newer-triton.sh), never a default.
+#: Import warns that it is on.
+UNCHECKED_VAR = "FLASHMASK3_GLUON_UNCHECKED"
+GLUON_FORCED = (os.environ.get(UNCHECKED_VAR, "0") == "1"
+                and triton.__version__ not in GLUON_CHECKED_TRITON)
+
+#: Whether this process's Triton is one of them, or the switch above is on (decided at import).
+GLUON_CHECKED_HERE = triton.__version__ in GLUON_CHECKED_TRITON or GLUON_FORCED
 
 
 #: What the warning adds where the raw C launch is off too (launcher.RAW_LAUNCH_TRITON).
@@ -191,7 +198,12 @@ TL_PATH_COST = ("on Hopper ~1.35-1.4x slower than the Gluon path, about FlexAtte
 def announce_kernel_path() -> None:
     """Say once (at import) which kernels the Hopper path runs with this Triton: an INFO log
     line (logger "flashmask3") on a checked version, a RuntimeWarning on an unchecked one."""
-    if GLUON_CHECKED_HERE:
+    if GLUON_FORCED:
+        warnings.warn(
+            f"flashmask3: {UNCHECKED_VAR}=1: the Gluon kernels run on Triton {triton.__version__}, "
+            f"a version they were not checked on ({', '.join(GLUON_CHECKED_TRITON)}): for checking "
+            f"that release, not for training", RuntimeWarning, stacklevel=2)
+    elif GLUON_CHECKED_HERE:
         logging.getLogger("flashmask3").info(
             "flashmask3: Triton %s: the Gluon kernels (checked on this version) run on Hopper "
             "where the dispatch table picks them, the tl kernels elsewhere", triton.__version__)

@@ -23,7 +23,7 @@ SUPPORTED_TORCH = ((2, 11), (2, 15))
 
 #: Environment variables that change which kernels run or how (docs/host-path.md).
 PATH_VARIABLES = (ENV_VAR, "FLASHMASK3_KERNELS", "FLASHMASK3_FAST_LAUNCH",
-                  "FLASHMASK3_CHECK_MASK_VALUES", "TRITON_INTERPRET")
+                  "FLASHMASK3_CHECK_MASK_VALUES", "FLASHMASK3_GLUON_UNCHECKED", "TRITON_INTERPRET")
 
 
 def _release(version: str) -> tuple[int, int]:

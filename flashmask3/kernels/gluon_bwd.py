@@ -227,6 +227,8 @@ from .gluon_common import (  # noqa: F401  (the shared Gluon helpers)
     _needs_mask,
     _query_block_ranges,
     _smem_layout,
+    thread_barrier,
+    tma_load,
     unavailable_reason,
     ws_compute_regs,
     ws_maxnreg,
@@ -264,8 +266,8 @@ def _issue_tile(q_desc, do_desc, q_ring, do_ring, ready, slot, row, col, pred):
     """TMA loads of one Q tile and one dO tile into ring slot ``slot`` (skipped unless pred)."""
     bar = ready.index(slot)
     mbarrier.expect(bar, q_desc.block_type.nbytes + do_desc.block_type.nbytes, pred=pred)
-    tma.async_copy_global_to_shared(q_desc, [row, col], bar, q_ring.index(slot), pred=pred)
-    tma.async_copy_global_to_shared(do_desc, [row, col], bar, do_ring.index(slot), pred=pred)
+    tma_load(q_desc, [row, col], bar, q_ring.index(slot), pred=pred)
+    tma_load(do_desc, [row, col], bar, do_ring.index(slot), pred=pred)
 
 
 @_jit
@@ -290,7 +292,7 @@ def _fused_dq_tail(dv_tok, p16, dsT, dk, q_s, k_smem, ds_smem, dq_smem, dq_desc,
     ds_smem.store(ds_t)
     tma.store_wait(0)  # the previous tile's reduce has read dq_smem
     fence_async_shared()
-    gl.thread_barrier()  # B1
+    thread_barrier()  # B1
     dq_zero = gl.zeros([D, BLOCK_M], gl.float32, s_layout)
     dq_tok = warpgroup_mma(k_smem.permute((1, 0)), ds_smem, dq_zero, use_acc=False,
                            is_async=True)
@@ -298,7 +300,7 @@ def _fused_dq_tail(dv_tok, p16, dsT, dk, q_s, k_smem, ds_smem, dq_smem, dq_desc,
                                                 deps=(dv_tok, dk_tok, p16, ds16, dq_tok))
     dq_smem.store(dqT)
     fence_async_shared()
-    gl.thread_barrier()  # B2
+    thread_barrier()  # B2
     if dq_desc.block_type.shape[1] == BLOCK_M:  # one TMA message (BLOCK_M <= 32)
         _tma_reduce_add(dq_desc, [dq_row, dq_col], dq_smem)
     else:
@@ -359,7 +361,7 @@ def _fused_dq_tail_ds_shared(dv, pT, dsT, dk, q_s, do_s, k_smem, ds_s, p_s, dq_s
     ds_s.store(dsT.to(dtype))
     tma.store_wait(0)  # the previous tile's reduces have read dq_smem
     fence_async_shared()
-    gl.thread_barrier()  # B1
+    thread_barrier()  # B1
     dq_zero = gl.zeros([D, BLOCK_M], gl.float32, s_layout)
     dq_tok = warpgroup_mma(k_smem.permute((1, 0)), ds_s, dq_zero, use_acc=False,
                            is_async=True)
@@ -368,7 +370,7 @@ def _fused_dq_tail_ds_shared(dv, pT, dsT, dk, q_s, do_s, k_smem, ds_s, p_s, dq_s
     dqT = warpgroup_mma_wait(num_outstanding=2, deps=(dq_tok, ))
     dq_smem.store(dqT)
     fence_async_shared()
-    gl.thread_barrier()  # B2
+    thread_barrier()  # B2
     _reduce_dq_tile(dq_desc, dq_row, dq_col, dq_smem)
     dv, dk = warpgroup_mma_wait(num_outstanding=0, deps=(dv_tok, dk_tok))
     return dv, dk
@@ -442,7 +444,7 @@ def _tile(dk, dv, it, m, hi, k_smem, v_smem, q_ring, do_ring, ready, empty, q_de
         dk_tok = warpgroup_mma(ds16, q_s, dk, is_async=True)
         dv, dk, p16, ds16 = warpgroup_mma_wait(num_outstanding=0,
                                                deps=(dv_tok, dk_tok, p16, ds16))
-        gl.thread_barrier()  # every warpgroup is done with the slot before TMA overwrites it
+        thread_barrier()  # every warpgroup is done with the slot before TMA overwrites it
     if WARP_SPEC:
         _release_slot(empty, slot)
     else:
@@ -681,7 +683,7 @@ def _produce_range_stats(q_desc, do_desc, q_ring, do_ring, ready, empty, it, lo,
         delta = gl.load(delta_ptr + stat_row0 + rows, mask=rvalid, other=0.0)
         lse_ring.index(slot).store(lse2)
         delta_ring.index(slot).store(delta)
-        gl.thread_barrier()  # every lane's stores before the (one-thread) arrive
+        thread_barrier()  # every lane's stores before the (one-thread) arrive
         mbarrier.arrive(ready.index(slot))
         it += 1
     return it
@@ -857,8 +859,8 @@ def _dkdv_gluon_kernel(q_desc, do_desc, k_desc, v_desc, dk_ptr, dv_ptr, lse2_ptr
     fence_async_shared()
 
     mbarrier.expect(kv_bar, k_desc.block_type.nbytes + v_desc.block_type.nbytes)
-    tma.async_copy_global_to_shared(k_desc, [b * Sk + c0, kv_head * D], kv_bar, k_smem)
-    tma.async_copy_global_to_shared(v_desc, [b * Sk + c0, kv_head * D], kv_bar, v_smem)
+    tma_load(k_desc, [b * Sk + c0, kv_head * D], kv_bar, k_smem)
+    tma_load(v_desc, [b * Sk + c0, kv_head * D], kv_bar, v_smem)
 
     if WARP_SPEC:
         if not FUSE_DQ:  # placeholders: a None cannot travel in warp_specialize's arguments

@@ -24,8 +24,14 @@ try:  # gluon (triton >= 3.5); the module must import without it
     from triton._C.libtriton import ir as _triton_ir
     GLUON_IMPORT_ERROR: Optional[str] = None
     _jit = gluon.jit
+    # the TMA tile load: `async_load` from Triton 3.7 (3.9 removed the older name, which
+    # Triton 3.6 has alone); the arguments (descriptor, coordinates, barrier, destination)
+    # are the same in both
+    tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
+    # a CTA-wide barrier: `gl.barrier` from Triton 3.9 (`thread_barrier` before it)
+    thread_barrier = getattr(gl, "thread_barrier", None) or gl.barrier
 except Exception as exc:  # pragma: no cover - older triton
-    gluon = gl = GluonDescriptor = _triton_ir = None
+    gluon = gl = GluonDescriptor = _triton_ir = tma_load = thread_barrier = None
     GLUON_IMPORT_ERROR = f"{type(exc).__name__}: {exc}"
 
     def _gluon_builtin(fn):

@@ -35,7 +35,7 @@ import triton
 
 from . import gluon_common as _GD
 from .gluon_common import (_gl_dtype, _jit, _load_stats, _needs_mask,  # noqa: F401
-                           _query_block_ranges, _smem_layout, gl,
+                           _query_block_ranges, _smem_layout, gl, thread_barrier, tma_load,
                            unavailable_reason)
 from .launcher import TENSOR, Bound, Desc, cdiv
 from .tiles import _NO_SPEC, LOG2E
@@ -253,19 +253,17 @@ def _ws_produce_tiles(k_desc, v_desc, k_ring, v_ring, k_ready, k_empty, v_ready,
         row = kv_row0 + n * BLOCK_N
         mbarrier.wait(k_empty.index(slot), free)
         mbarrier.expect(k_ready.index(slot), k_desc.block_type.nbytes)
-        tma.async_copy_global_to_shared(k_desc, [row, kv_col], k_ready.index(slot),
-                                        k_ring.index(slot))
+        tma_load(k_desc, [row, kv_col], k_ready.index(slot), k_ring.index(slot))
         if COLS:
             f_lo = flo0 + second * (flo1 - flo0)
             f_hi = fhi0 + second * (fhi1 - fhi0)
             if (n < f_lo) | (n >= f_hi):
                 _ws_produce_columns(col_ring, slot, col_ptr, n, Sk, BLOCK_N, C)
-                gl.thread_barrier()  # every lane's stores before the (one-thread) arrive
+                thread_barrier()  # every lane's stores before the (one-thread) arrive
             mbarrier.arrive(k_ready.index(slot))
         mbarrier.wait(v_empty.index(slot), free)
         mbarrier.expect(v_ready.index(slot), v_desc.block_type.nbytes)
-        tma.async_copy_global_to_shared(v_desc, [row, kv_col], v_ready.index(slot),
-                                        v_ring.index(slot))
+        tma_load(v_desc, [row, kv_col], v_ready.index(slot), v_ring.index(slot))
         t += 1
     return t
 
@@ -278,8 +276,7 @@ def _ws_load_q(q_desc, q_smem, q_bar, q_row, q_col):
     WG_M: gl.constexpr = q_smem.shape[1]
     mbarrier.expect(q_bar, NC * q_desc.block_type.nbytes)
     for wg in gl.static_range(NC):
-        tma.async_copy_global_to_shared(q_desc, [q_row + wg * WG_M, q_col], q_bar,
-                                        q_smem.index(wg))
+        tma_load(q_desc, [q_row + wg * WG_M, q_col], q_bar, q_smem.index(wg))
 
 
 @_jit

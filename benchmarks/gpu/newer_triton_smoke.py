@@ -1,0 +1,26 @@
+"""One forward + backward per head dim on the GPU against the float64 dense reference, and
+which kernels the dispatch picked: the first check of a Triton newer than the GPU machine's
+(benchmarks/gpu/newer-triton.sh). Exits non-zero on any error above the test tolerance."""
+
+import torch
+import triton
+
+from flashmask3.masks import causal_document_mask
+from flashmask3.kernels import dispatch, launcher
+from tests.kernels.attention_checks import check_attention, make_qkv
+
+
+def main() -> None:
+    print(f"triton {triton.__version__}: Gluon checked here {dispatch.GLUON_CHECKED_HERE}, "
+          f"Gluon usable {dispatch.gluon_usable()}, raw launch {launcher.RAW_LAUNCH_HERE}")
+    device = "cuda" if torch.cuda.is_available() else "cpu"  # (cpu: a dry run of this script)
+    for d in (64, 128):
+        q, k, v = make_qkv(2, 2048, 2048, 4, 2, d, torch.bfloat16, device=device, seed=d)
+        mask = causal_document_mask([[700, 900, 448], [2048]], device=device)
+        errs = check_attention(q, k, v, mask)
+        print(f"D={d} causal documents, GQA 4:2: relative errors {errs}")
+    print("smoke passed")
+
+
+if __name__ == "__main__":
+    main()
