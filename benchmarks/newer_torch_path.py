@@ -56,6 +56,21 @@ def ratios(case: dict) -> dict:
                 flex_over_portable=ms[FLEX] / ms[PORTABLE])
 
 
+def kernel_table(cases: list[dict]) -> list[str]:
+    """The markdown table of kernel cases: fwd+bwd ms of the three implementations, the two
+    ratios, and the standard do_bench columns."""
+    lines = ["| mask | default GPU | portable GPU | Flex GPU | portable / default | Flex / portable "
+             "| default std | portable std | Flex std |", "|---|---|---|---|---|---|---|---|---|"]
+    fmt = lambda x: "-" if x is None else f"{x:.2f}"  # noqa: E731
+    for case in cases:
+        r = ratios(case)
+        lines.append(f"| {case['mask']} | {fmt(r['ms'][DEFAULT])} | {fmt(r['ms'][PORTABLE])} | "
+                     f"{fmt(r['ms'][FLEX])} | {r['portable_over_default']:.2f}x | "
+                     f"{r['flex_over_portable']:.2f}x | {fmt(r['std'][DEFAULT])} | "
+                     f"{fmt(r['std'][PORTABLE])} | {fmt(r['std'][FLEX])} |")
+    return lines
+
+
 def markdown(rec: dict) -> str:
     meta = rec["meta"]
     lines = ["# The path torch 2.12-2.15 users run, timed on torch 2.11 (proxy)", "",
@@ -76,15 +91,7 @@ def markdown(rec: dict) -> str:
               "the library's path on torch 2.11 (Gluon where the dispatch picks it; here also launched "
               "through compiled.run); portable = FLASHMASK3_KERNELS=portable (the tl kernels, split "
               "backward: what 2.12-2.15 get).", "",
-              "| mask | default GPU | portable GPU | Flex GPU | portable / default | Flex / portable "
-              "| default std | portable std | Flex std |", "|---|---|---|---|---|---|---|---|---|"]
-    fmt = lambda x: "-" if x is None else f"{x:.2f}"  # noqa: E731
-    for case in rec["kernels"]:
-        r = ratios(case)
-        lines.append(f"| {case['mask']} | {fmt(r['ms'][DEFAULT])} | {fmt(r['ms'][PORTABLE])} | "
-                     f"{fmt(r['ms'][FLEX])} | {r['portable_over_default']:.2f}x | "
-                     f"{r['flex_over_portable']:.2f}x | {fmt(r['std'][DEFAULT])} | "
-                     f"{fmt(r['std'][PORTABLE])} | {fmt(r['std'][FLEX])} |")
+              *kernel_table(rec["kernels"])]
     if rec["host"] or rec["small"]:
         body = host_path.markdown({"path": "FLASHMASK3_KERNELS=portable, raw launch off (compiled.run)"},
                                   rec["host"], rec["small"]).split("\n", 1)[1]

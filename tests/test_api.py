@@ -551,6 +551,21 @@ def test_the_kernel_path_is_announced_once_per_import(monkeypatch, caplog):
     assert "Gluon kernels (checked on this version)" in caplog.text
 
 
+@needs_triton
+def test_the_unchecked_gluon_switch_needs_its_value_and_an_unchecked_version(monkeypatch):
+    """FLASHMASK3_GLUON_UNCHECKED=1 (checking a new Triton on a GPU) turns Gluon on only for a
+    version outside GLUON_CHECKED_TRITON, only with the value 1, and warns at import."""
+    from flashmask3.kernels import dispatch
+
+    var, checked = dispatch.UNCHECKED_VAR, dispatch.GLUON_CHECKED_TRITON[0]
+    assert dispatch.gluon_forced("3.99.0", {var: "1"})
+    assert not dispatch.gluon_forced("3.99.0", {}) and not dispatch.gluon_forced("3.99.0", {var: "true"})
+    assert not dispatch.gluon_forced(checked, {var: "1"})
+    monkeypatch.setattr(dispatch, "GLUON_FORCED", True)
+    with pytest.warns(RuntimeWarning, match=f"{var}=1: the Gluon kernels run on Triton"):
+        dispatch.announce_kernel_path()
+
+
 def test_eager_calls_and_the_custom_op_agree(monkeypatch):
     """Eager calls on plain tensors run the autograd.Function (fewer host frames), traced ones
     the custom op; both give the same output and gradients, bit for bit (torch path)."""

@@ -16,7 +16,8 @@
 #   kernel  benchmarks/kernel.py, 32K D=128, the README's masks (NEWER_TRITON_MASKS), flashmask3
 #           (what this Triton selects) against FlexAttention, budget NEWER_TRITON_KERNEL_S
 #   host    benchmarks/host_path.py's host table (and small table unless NEWER_TRITON_SMALL=0)
-# Outputs: $OUT/newer-triton/{smoke.log, pytest.log, pytest.xml, kernel_*.json, host/*}
+# Outputs: $OUT/newer-triton/{smoke.log, pytest.log, pytest.xml, kernel_*.json, host/*,
+#          newer_triton.{json,md} (benchmarks/newer_triton.py's summary)}
 set -uo pipefail
 DIR="${OUT:?set OUT}/newer-triton"; mkdir -p "$DIR/host"
 PACK=${NEWER_TRITON:?name the tarball (scripts/pack_triton.sh)}
@@ -28,7 +29,10 @@ if [[ ! -d "$SITE/triton" ]]; then
   $PY -c "import sys, tarfile; tarfile.open(sys.argv[1]).extractall(sys.argv[2])" "$PACK" "$SITE" \
     || { echo "could not unpack $PACK"; exit 1; }
 fi
-export PYTHONPATH="$SITE:$PWD" FLASHMASK3_BACKEND=triton PYTHONUNBUFFERED=1
+# in-tree backends only: the pack has no dist-info, and the machine Triton's entry points name
+# the AMD backend the pack leaves out
+export PYTHONPATH="$SITE:$PWD" FLASHMASK3_BACKEND=triton PYTHONUNBUFFERED=1 TRITON_BACKENDS_IN_TREE=1
+chmod +x "$SITE"/triton/backends/nvidia/bin/* 2>/dev/null  # (a wheel unpacked by zipfile loses the bit)
 export TRITON_CACHE_DIR=${TRITON_CACHE_DIR:-/tmp/newer-triton-cache}
 IMPLS=flashmask3,flex
 if [[ "${NEWER_TRITON_GLUON:-0}" == 1 ]]; then
@@ -67,4 +71,12 @@ for step in $STEPS; do
   esac
   echo "== $step: $((SECONDS - t0)) s (status so far $status)"
 done
+# the summary (commit it as benchmarks/results/newer_triton_VERSION.{json,md})
+if [[ -f "$DIR/pytest.xml" && -f "$DIR/kernel_newer_triton.json" ]]; then
+  $PY -m pytest --collect-only -q -m gpu -k "${NEWER_TRITON_K:-not compile and not reduce_overhead and not inductor}" \
+    ${NEWER_TRITON_TEST_FILES:-tests} > "$DIR/selected.txt" 2>/dev/null
+  $PY benchmarks/newer_triton.py --kernels "$DIR/kernel_newer_triton.json" --junit "$DIR/pytest.xml" \
+    --selected "$DIR/selected.txt" --out "$DIR/newer_triton" > "$DIR/summary.log" 2>&1 \
+    || echo "summary failed (see $DIR/summary.log)"
+fi
 exit $status

@@ -170,18 +170,26 @@ def mode() -> str:
 
 
 #: The version guard of the table's "sm90" rows: the Triton versions on which the Gluon
-#: kernels were run and checked on a GPU (H200: the gpu tests and the kernel benchmark). Gluon
-#: is an experimental language whose API changes between releases (3.9 removed the TMA copy
-#: the kernels use), so on any other version every pass takes its portable tl row
-#: (docs/host-path.md: the supported matrix and what CI checks on the newest Triton).
+#: kernels were run and checked on a GPU (the gpu tests and the kernel benchmark). Gluon is an
+#: experimental language whose API and code generation change between releases (3.9 renamed the
+#: TMA load and the CTA barrier, and its backward spills where 3.6-3.8's does not), so on any
+#: other version every pass takes its portable tl row (docs/host-path.md: the supported matrix,
+#: what was checked how, and how a release joins this list).
 GLUON_CHECKED_TRITON = ("3.6.0",)
 
 #: ``FLASHMASK3_GLUON_UNCHECKED=1`` runs the Gluon kernels on a Triton outside that list: the
 #: switch for checking a new release on a GPU (benchmarks/gpu/newer-triton.sh), never a default.
 #: Import warns that it is on.
 UNCHECKED_VAR = "FLASHMASK3_GLUON_UNCHECKED"
-GLUON_FORCED = (os.environ.get(UNCHECKED_VAR, "0") == "1"
-                and triton.__version__ not in GLUON_CHECKED_TRITON)
+
+
+def gluon_forced(version: str = triton.__version__, environ=os.environ) -> bool:
+    """Whether ``FLASHMASK3_GLUON_UNCHECKED=1`` turns the Gluon kernels on for ``version``, a
+    Triton outside :data:`GLUON_CHECKED_TRITON` (on a checked one it changes nothing)."""
+    return environ.get(UNCHECKED_VAR, "0") == "1" and version not in GLUON_CHECKED_TRITON
+
+
+GLUON_FORCED = gluon_forced()
 
 #: Whether this process's Triton is one of them, or the switch above is on (decided at import).
 GLUON_CHECKED_HERE = triton.__version__ in GLUON_CHECKED_TRITON or GLUON_FORCED

@@ -85,7 +85,7 @@ def _default_config(d: int) -> tuple:
 def _offline_skip_reason():
     """Why the Gluon kernels' offline sm_90 checks cannot run here (None when they can). They
     belong to the Triton versions the dispatch runs Gluon on: Gluon's API changes between
-    releases (3.8 and 3.9 refuse these kernels), and on any other version every launch is tl
+    releases (3.9 spills in the backward's tile loops), and on any other version every launch is tl
     (.ci/compile_sm90.py still reports whether Gluon compiles there)."""
     if not dispatch.GLUON_CHECKED_HERE:
         return (f"the Gluon kernels are checked on Triton {', '.join(dispatch.GLUON_CHECKED_TRITON)} only "
