@@ -112,13 +112,17 @@ def main(argv=None) -> int:
         return 1
     load = lambda p: json.load(open(p))  # noqa: E731
     rec = summarise([load(p) for p in args.kernels], [load(p) for p in args.host_path])
-    with open(args.out + ".json", "w") as f:
+    write_summary(rec, markdown(rec), args.out)
+    return 0
+
+
+def write_summary(rec: dict, md: str, out: str) -> None:
+    """``out``.json (the record) and ``out``.md (its markdown), and the markdown printed."""
+    with open(out + ".json", "w") as f:
         json.dump(rec, f, indent=1)
-    md = markdown(rec)
-    with open(args.out + ".md", "w") as f:
+    with open(out + ".md", "w") as f:
         f.write(md)
     print(md)
-    return 0
 
 
 if __name__ == "__main__":

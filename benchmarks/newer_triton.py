@@ -21,7 +21,7 @@ import xml.etree.ElementTree as ET
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from benchmarks.newer_torch_path import kernel_table, ratios  # noqa: E402
+from benchmarks.newer_torch_path import kernel_table, ratios, write_summary  # noqa: E402
 
 
 def junit_outcomes(path: str) -> dict:
@@ -84,12 +84,7 @@ def main(argv=None) -> int:
     rec["meta"]["notes"] = args.note
     for case in rec["kernels"]:
         case["ratios"] = ratios(case)
-    with open(args.out + ".json", "w") as f:
-        json.dump(rec, f, indent=1)
-    md = markdown(rec, args.note)
-    with open(args.out + ".md", "w") as f:
-        f.write(md)
-    print(md)
+    write_summary(rec, markdown(rec, args.note), args.out)
     return 0
 
 
