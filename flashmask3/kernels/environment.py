@@ -62,7 +62,10 @@ def _triton_fields(device: torch.device) -> dict:
         device.type == "cuda" or interpreting) else None
     return {
         "triton": triton_version,
-        "gluon kernels": (f"Triton {triton_version} is checked: they run on Hopper where the table picks them"
+        "gluon kernels": (f"on by {dispatch.UNCHECKED_VAR}=1 on Triton {triton_version}, a version they were "
+                          f"not checked on ({', '.join(dispatch.GLUON_CHECKED_TRITON)})"
+                          if dispatch.GLUON_FORCED and dispatch.gluon_usable()
+                          else f"Triton {triton_version} is checked: they run on Hopper where the table picks them"
                           if dispatch.gluon_usable()
                           else f"off (checked on Triton {', '.join(dispatch.GLUON_CHECKED_TRITON)}; "
                                f"every pass takes its tl row, {dispatch.TL_PATH_COST})"),

@@ -47,6 +47,10 @@ def test_the_report_follows_the_version_guards_and_the_hardware(hopper, monkeypa
     fields = environment._triton_fields(cuda)
     assert "gluon" in fields["kernels (bf16, D=128, causal docs)"]
     assert "is checked" in fields["gluon kernels"]
+    monkeypatch.setattr(dispatch, "GLUON_FORCED", True)  # FLASHMASK3_GLUON_UNCHECKED=1, unchecked Triton
+    forced = environment._triton_fields(cuda)["gluon kernels"]
+    assert forced.startswith(f"on by {dispatch.UNCHECKED_VAR}=1") and "not checked" in forced
+    monkeypatch.setattr(dispatch, "GLUON_FORCED", False)
     monkeypatch.setattr(dispatch, "GLUON_CHECKED_HERE", False)
     monkeypatch.setattr(dispatch, "gluon_usable", lambda: False)
     monkeypatch.setattr(launcher, "RAW_LAUNCH_HERE", False)
