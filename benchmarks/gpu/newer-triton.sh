@@ -12,7 +12,7 @@
 # Steps (NEWER_TRITON_STEPS, default "smoke tests kernel host"):
 #   smoke   the version Python imports, `flashmask3 env`, one forward+backward against float64
 #   tests   the GPU tests (pytest -m gpu, minus torch.compile's) under that Triton, cap
-#           NEWER_TRITON_TEST_CAP s (default 200)
+#           NEWER_TRITON_TEST_CAP s (default 330; on Triton 3.8 the kernel and API ones, 321, did not finish in 200)
 #   kernel  benchmarks/kernel.py, 32K D=128, the README's masks (NEWER_TRITON_MASKS), flashmask3
 #           (what this Triton selects) against FlexAttention, budget NEWER_TRITON_KERNEL_S
 #   host    benchmarks/host_path.py's host table (and small table unless NEWER_TRITON_SMALL=0)
@@ -49,7 +49,7 @@ for step in $STEPS; do
         || status=1
       tail -n 30 "$DIR/smoke.log";;
     tests)
-      timeout -s INT --kill-after=20 "${NEWER_TRITON_TEST_CAP:-200}" $PY -m pytest -q -rfEs -m gpu \
+      timeout -s INT --kill-after=20 "${NEWER_TRITON_TEST_CAP:-330}" $PY -m pytest -q -rfEs -m gpu \
         -p no:cacheprovider -W ignore::DeprecationWarning -n "${NEWER_TRITON_WORKERS:-12}" \
         -k "${NEWER_TRITON_K:-not compile and not reduce_overhead and not inductor}" \
         --junitxml="$DIR/pytest.xml" ${NEWER_TRITON_TEST_FILES:-tests} > "$DIR/pytest.log" 2>&1 \
