@@ -197,9 +197,10 @@ GLUON_CHECKED_HERE = triton.__version__ in GLUON_CHECKED_TRITON or GLUON_FORCED
 
 #: What the warning adds where the raw C launch is off too (launcher.RAW_LAUNCH_TRITON).
 THROUGH_TRITON = " through Triton's own launch path"
-#: What the tl path costs on Hopper, measured as a proxy on Triton 3.6 (benchmarks/results/
-#: newer_torch_path.md, one H100, 32K, D=128): the warning and ``flashmask3 env`` quote it.
-TL_PATH_COST = ("on Hopper ~1.35-1.4x slower than the Gluon path, about FlexAttention's speed: "
+#: What the tl path costs on Hopper (fwd+bwd at 32K, D=128, one H100): a proxy on Triton 3.6
+#: (benchmarks/results/newer_torch_path.md) and Triton 3.8.0 itself (newer_triton_3.8.0.md).
+#: The warning and ``flashmask3 env`` quote it.
+TL_PATH_COST = ("on Hopper ~1.25-1.4x slower than the Gluon path, about FlexAttention's speed: "
                 "docs/host-path.md#supported-versions")
 
 
