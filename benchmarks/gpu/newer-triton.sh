@@ -24,6 +24,8 @@ PACK=${NEWER_TRITON:?name the tarball (scripts/pack_triton.sh)}
 SITE=${NEWER_TRITON_SITE:-/tmp/newer-triton-site}
 PY="${PYTHON:-python}"
 STEPS=${NEWER_TRITON_STEPS:-smoke tests kernel host}
+TEST_K=${NEWER_TRITON_K:-not compile and not reduce_overhead and not inductor}
+TEST_FILES=${NEWER_TRITON_TEST_FILES:-tests}
 if [[ ! -d "$SITE/triton" ]]; then
   mkdir -p "$SITE"
   $PY -c "import sys, tarfile; tarfile.open(sys.argv[1]).extractall(sys.argv[2])" "$PACK" "$SITE" \
@@ -32,7 +34,6 @@ fi
 # in-tree backends only: the pack has no dist-info, and the machine Triton's entry points name
 # the AMD backend the pack leaves out
 export PYTHONPATH="$SITE:$PWD" FLASHMASK3_BACKEND=triton PYTHONUNBUFFERED=1 TRITON_BACKENDS_IN_TREE=1
-chmod +x "$SITE"/triton/backends/nvidia/bin/* 2>/dev/null  # (a wheel unpacked by zipfile loses the bit)
 export TRITON_CACHE_DIR=${TRITON_CACHE_DIR:-/tmp/newer-triton-cache}
 IMPLS=flashmask3,flex
 if [[ "${NEWER_TRITON_GLUON:-0}" == 1 ]]; then
@@ -51,8 +52,8 @@ for step in $STEPS; do
     tests)
       timeout -s INT --kill-after=20 "${NEWER_TRITON_TEST_CAP:-330}" $PY -m pytest -q -rfEs -m gpu \
         -p no:cacheprovider -W ignore::DeprecationWarning -n "${NEWER_TRITON_WORKERS:-12}" \
-        -k "${NEWER_TRITON_K:-not compile and not reduce_overhead and not inductor}" \
-        --junitxml="$DIR/pytest.xml" ${NEWER_TRITON_TEST_FILES:-tests} > "$DIR/pytest.log" 2>&1 \
+        -k "$TEST_K" \
+        --junitxml="$DIR/pytest.xml" $TEST_FILES > "$DIR/pytest.log" 2>&1 \
         || status=1
       grep -E "^(FAILED|ERROR) " "$DIR/pytest.log" | head -n 30; tail -n 3 "$DIR/pytest.log";;
     kernel)
@@ -73,8 +74,8 @@ for step in $STEPS; do
 done
 # the summary (commit it as benchmarks/results/newer_triton_VERSION.{json,md})
 if [[ -f "$DIR/pytest.xml" && -f "$DIR/kernel_newer_triton.json" ]]; then
-  $PY -m pytest --collect-only -q -m gpu -k "${NEWER_TRITON_K:-not compile and not reduce_overhead and not inductor}" \
-    ${NEWER_TRITON_TEST_FILES:-tests} > "$DIR/selected.txt" 2>/dev/null
+  $PY -m pytest --collect-only -q -m gpu -k "$TEST_K" \
+    $TEST_FILES > "$DIR/selected.txt" 2>/dev/null
   $PY benchmarks/newer_triton.py --kernels "$DIR/kernel_newer_triton.json" --junit "$DIR/pytest.xml" \
     --selected "$DIR/selected.txt" --out "$DIR/newer_triton" > "$DIR/summary.log" 2>&1 \
     || echo "summary failed (see $DIR/summary.log)"

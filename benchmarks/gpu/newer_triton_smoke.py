@@ -1,6 +1,7 @@
-"""One forward + backward per head dim on the GPU against the float64 dense reference, and
-which kernels the dispatch picked: the first check of a Triton newer than the GPU machine's
-(benchmarks/gpu/newer-triton.sh). Exits non-zero on any error above the test tolerance."""
+"""One forward + backward per head dim on the GPU against the float64 dense reference, after
+the state of the two version guards (Gluon, raw launch): the first check of a Triton newer than
+the GPU machine's (benchmarks/gpu/newer-triton.sh prints ``flashmask3 env``, with the kernels
+of a typical call, before it). Exits non-zero on any error above the test tolerance."""
 
 import torch
 import triton
