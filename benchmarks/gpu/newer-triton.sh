@@ -21,7 +21,10 @@
 set -uo pipefail
 DIR="${OUT:?set OUT}/newer-triton"; mkdir -p "$DIR/host"
 PACK=${NEWER_TRITON:?name the tarball (scripts/pack_triton.sh)}
-SITE=${NEWER_TRITON_SITE:-/tmp/newer-triton-site}
+# one site (and one kernel cache) per pack: a warm machine keeps /tmp between calls, and a
+# second pack must not be served the first one's Triton
+NAME=$(basename "$PACK" .tar.xz)
+SITE=${NEWER_TRITON_SITE:-/tmp/newer-triton-site/$NAME}
 PY="${PYTHON:-python}"
 STEPS=${NEWER_TRITON_STEPS:-smoke tests kernel host}
 TEST_K=${NEWER_TRITON_K:-not compile and not reduce_overhead and not inductor}
@@ -34,13 +37,18 @@ fi
 # in-tree backends only: the pack has no dist-info, and the machine Triton's entry points name
 # the AMD backend the pack leaves out
 export PYTHONPATH="$SITE:$PWD" FLASHMASK3_BACKEND=triton PYTHONUNBUFFERED=1 TRITON_BACKENDS_IN_TREE=1
-export TRITON_CACHE_DIR=${TRITON_CACHE_DIR:-/tmp/newer-triton-cache}
+export TRITON_CACHE_DIR=${TRITON_CACHE_DIR:-/tmp/newer-triton-cache/$NAME}
 IMPLS=flashmask3,flex
 if [[ "${NEWER_TRITON_GLUON:-0}" == 1 ]]; then
   export FLASHMASK3_GLUON_UNCHECKED=1; IMPLS=flashmask3,flashmask3_portable,flex
 fi
 $PY -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__, triton.__file__)" \
   | tee "$DIR/versions.txt"
+# a pack named triton-VERSION must import as that VERSION (not the machine's, nor another pack's)
+WANT=${NAME#triton-}
+if [[ "$NAME" == triton-* ]] && ! grep -q " triton $WANT " "$DIR/versions.txt"; then
+  echo "the pack $PACK did not import as Triton $WANT: stopping"; exit 1
+fi
 status=0
 for step in $STEPS; do
   t0=$SECONDS
@@ -50,7 +58,9 @@ for step in $STEPS; do
         || status=1
       tail -n 30 "$DIR/smoke.log";;
     tests)
-      timeout -s INT --kill-after=20 "${NEWER_TRITON_TEST_CAP:-330}" $PY -m pytest -q -rfEs -m gpu \
+      # the tests pick their own backends (FLASHMASK3_BACKEND=triton would refuse the torch
+      # path's tiny shapes, e.g. the integration tests' head dim 8)
+      timeout -s INT --kill-after=20 "${NEWER_TRITON_TEST_CAP:-330}" env -u FLASHMASK3_BACKEND $PY -m pytest -q -rfEs -m gpu \
         -p no:cacheprovider -W ignore::DeprecationWarning -n "${NEWER_TRITON_WORKERS:-12}" \
         -k "$TEST_K" \
         --junitxml="$DIR/pytest.xml" $TEST_FILES > "$DIR/pytest.log" 2>&1 \
