@@ -190,6 +190,16 @@ main risk is the dQ reduce traffic, twice D=128's per FLOP ([64, 64] fp32 per 64
 ~1.6 TB/s); if that saturates, the fused backward may be slower than split. dK, dV should be
 bitwise equal to the tl kernel's and split's (same bf16 values, same 16-query k-steps).
 
+Triton 3.9 (:data:`OPAQUE_INVARIANTS`): its ptxas (CUDA 13) spilled loop invariants in the
+tile loops where Triton 3.6-3.8's did not: the per-thread query-row offsets and the hoisted wgmma
+descriptors of the shared operands (offline, D=128: DS_SHARED s2 0-108 LDL/STL per kernel in
+its tile loops, STATS_SMEM 64x128 0-115, D=256 15-119, fused 32x64 17-166). From 3.9 on, every
+tile rebuilds them from opaque values (an inline-asm ``mov`` LLVM cannot see through, as the
+DS_SHARED tile always did for its descriptors): K and V from one [2, BLOCK_N, D] buffer in
+every variant, the row offsets from one opaque per-thread base (:func:`_tile_rows`), lse2 read
+after the mask. Same values and wgmmas; before 3.9 the constexpr is False and the kernels are
+the code checked on the GPU, SASS unchanged.
+
 Not done: prefetching across live ranges / query heads (one TMA latency per range; the
 WARP_SPEC producer does run ahead across them), dK left in flight across tiles, two consumer
 warpgroups (ping-pong), a Gluon forward and dQ.
@@ -243,6 +253,24 @@ if GLUON_IMPORT_ERROR is None:
                                                                    warpgroup_mma_wait, warpgroup_mma_init)
 
 
+def _triton_at_least(major: int, minor: int, version: str = triton.__version__) -> bool:
+    """Whether ``version`` (a Triton version string, e.g. ``3.9.0`` or ``3.9.0+git1234``) is
+    ``major.minor`` or later."""
+    parts = version.split("+")[0].split(".")
+    return tuple(int(p) if p.isdigit() else 0 for p in parts[:2]) >= (major, minor)
+
+
+#: Triton >= 3.9 assembles sm_90 with CUDA 13's ptxas, which keeps loop invariants of the tile
+#: loops in local memory (LDL in every masked tile) where the ptxas of Triton 3.6-3.8 kept
+#: them in registers: the 16 query-row offsets of a thread (``offs_mb``, 64-query tiles) and
+#: the 64-bit wgmma descriptors of the shared operands that LLVM hoists out of the loops.
+#: When set, the tiles rebuild both per tile from opaque values (:func:`_opaque_i32`,
+#: :func:`_tile_rows`, :func:`_tile_operands`) and read lse2 after the element mask (same
+#: values, same wgmmas). A constexpr that older Triton traces as False, so their kernels
+#: are the code they were checked with, unchanged.
+OPAQUE_INVARIANTS = gl.constexpr(_triton_at_least(3, 9)) if gl is not None else False
+
+
 
 
 # ---------------------------------------------------------------------------------------------
@@ -259,6 +287,70 @@ def _tma_reduce_add(tensor_desc, coord, src, _semantic=None):
     coord = _semantic._convert_to_ir_values(coord, require_i64=False)
     _semantic.builder.create_async_tma_reduce(_triton_ir.DESCRIPTOR_REDUCE_KIND.ADD,
                                               tensor_desc.handle, coord, src.handle)
+
+
+@_jit
+def _opaque_i32(x, pure: gl.constexpr = False):
+    """``x`` (int32, scalar or tensor) through an inline-asm ``mov`` that LLVM cannot see
+    through (:data:`OPAQUE_INVARIANTS`). Not pure (the default): every call is a new value,
+    never hoisted out of a loop or merged with another call, so what is computed from it is
+    recomputed where it is used instead of being kept as a loop invariant. Pure: equal inputs
+    may share one mov, but LLVM still cannot reassociate what is added to the result with what
+    went into it."""
+    return gl.inline_asm_elementwise("mov.b32 $0, $1;", "=r,r", [x], dtype=gl.int32,
+                                     is_pure=pure, pack=1)
+
+
+@_jit
+def _tile_rows(m, offs_mb, BLOCK_M: gl.constexpr, s_layout: gl.constexpr):
+    """The query rows ``m * BLOCK_M + offs_mb`` of tile m (:data:`OPAQUE_INVARIANTS`), the same
+    values built per tile from one opaque per-thread base: ``offs_mb`` splits into a thread part
+    (the lane and warp bits of the wgmma layout's column index: bits 1-2, and those above the
+    instruction's N when warps split the queries) and a register part (the rest: a constant per
+    register of the thread), ``(x & T) + (x & R) == x`` for disjoint T, R covering x. Written
+    ``m * BLOCK_M + offs_mb`` LLVM reassociates it to ``m * BLOCK_M | (lane part | constant)``
+    and hoists the 16 ``lane part | constant`` values of a 64-query tile out of the loop, where
+    CUDA 13's ptxas keeps them in local memory (16 LDL per masked tile); behind the opaque
+    base each row is one add of a constant inside the tile (compare the rows with nothing but
+    loop-variant values: :func:`_element_masked_rows`). (The split is exact for any masks: a
+    wrong guess of the layout would only cost the optimisation.)"""
+    COL_N: gl.constexpr = s_layout.instr_shape[1]
+    REG_BITS: gl.constexpr = (COL_N - 1) - ((COL_N - 1) & 6)
+    THREAD_BITS: gl.constexpr = (BLOCK_M - 1) - REG_BITS
+    base = _opaque_i32(m * BLOCK_M + (offs_mb & THREAD_BITS), True)
+    return base + (offs_mb & REG_BITS)
+
+
+@_jit
+def _element_masked_rows(rows, cols, ivals, Sq, Sk, CAUSAL: gl.constexpr, C: gl.constexpr):
+    """:func:`_element_masked` (the same answer, :data:`OPAQUE_INVARIANTS`) with the causal
+    term written ``cols - (Sk - Sq) > rows`` instead of ``cols > rows + (Sk - Sq)`` (the same
+    integers, far from overflow): the shift goes to the thread's 2 key columns, not to its 16
+    query rows of :func:`_tile_rows`, whose sums ``constant + (Sk - Sq)`` LLVM would hoist out
+    of the tile loop as 16 invariants again."""
+    masked = cols >= Sk
+    if C > 0:
+        s0, e0, s1, e1 = ivals
+        masked = masked | ((rows >= s0) & (rows < e0))
+        if (not CAUSAL) or C == 4:
+            masked = masked | ((rows >= s1) & (rows < e1))
+    if CAUSAL:
+        masked = masked | (cols - (Sk - Sq) > rows)
+    return masked
+
+
+@_jit
+def _tile_operands(slot, q_ring, do_ring, kv_smem):
+    """(oz, q_s, do_s, k_s, v_s) of one tile (:data:`OPAQUE_INVARIANTS`): an opaque 0 and the
+    slot's Q and dO tiles and the K and V tiles of the kernel's [2, BLOCK_N, D] K/V buffer,
+    indexed with opaque copies of the ring slot and of 0 (:func:`_opaque_i32`), so the wgmma
+    descriptors of these operands are recomputed per tile (a few integer ops) instead of being
+    hoisted out of the tile loops as 64-bit invariants (the trick of :func:`_tile_ds_shared`);
+    ``oz`` indexes the caller's other shared operands the same way."""
+    oslot = _opaque_i32(slot)
+    oz = _opaque_i32(slot * 0)
+    return (oz, q_ring.index(oslot), do_ring.index(oslot), kv_smem.index(oz),
+            kv_smem.index(oz + 1))
 
 
 @_jit
@@ -395,17 +487,26 @@ def _tile(dk, dv, it, m, hi, k_smem, v_smem, q_ring, do_ring, ready, empty, q_de
     dtype: gl.constexpr = q_desc.dtype
     slot = it % NUM_STAGES
     mbarrier.wait(ready.index(slot), (it // NUM_STAGES) & 1)
-    q_s = q_ring.index(slot)
-    do_s = do_ring.index(slot)
+    if OPAQUE_INVARIANTS:  # k_smem = v_smem: the [2, BLOCK_N, D] K/V buffer
+        oz, q_s, do_s, k_smem, v_smem = _tile_operands(slot, q_ring, do_ring, k_smem)
+        if FUSE_DQ:  # the [1, BLOCK_N, BLOCK_M] dSᵀ buffer
+            ds_smem = ds_smem.index(oz)
+    else:
+        q_s = q_ring.index(slot)
+        do_s = do_ring.index(slot)
     zero = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, s_layout)
     s_tok = warpgroup_mma(k_smem, q_s.permute((1, 0)), zero, use_acc=False, is_async=True)
     dp_tok = warpgroup_mma(v_smem, do_s.permute((1, 0)), zero, use_acc=False, is_async=True)
-    rows = m * BLOCK_M + offs_mb
+    if OPAQUE_INVARIANTS:
+        rows = _tile_rows(m, offs_mb, BLOCK_M, s_layout)
+    else:
+        rows = m * BLOCK_M + offs_mb
     if isinstance(lse2_ptr, gl.shared_memory_descriptor):
         # STATS_SMEM: lse2/delta of this tile sit in ring slot ``slot`` (the producer loaded
         # them); read each where it is used, so neither is live across the wgmmas
         sT = warpgroup_mma_wait(num_outstanding=1, deps=(s_tok, ))
-        lse2 = lse2_ptr.index(slot).load(gl.SliceLayout(0, s_layout))
+        if not OPAQUE_INVARIANTS:
+            lse2 = lse2_ptr.index(slot).load(gl.SliceLayout(0, s_layout))
     else:
         rvalid = rows < Sq
         lse2 = gl.load(lse2_ptr + stat_row0 + rows, mask=rvalid, other=float("inf"))
@@ -418,8 +519,14 @@ def _tile(dk, dv, it, m, hi, k_smem, v_smem, q_ring, do_ring, ready, empty, q_de
                 iv = _column_intervals(ivals, cols, Sq, Sk, CAUSAL, C)
             else:
                 iv = ivals
-            masked = _element_masked(rows[None, :], cols[:, None], iv, Sq, Sk, CAUSAL, C)
+            if OPAQUE_INVARIANTS:
+                masked = _element_masked_rows(rows[None, :], cols[:, None], iv, Sq, Sk, CAUSAL,
+                                              C)
+            else:
+                masked = _element_masked(rows[None, :], cols[:, None], iv, Sq, Sk, CAUSAL, C)
             sT = gl.where(masked, float("-inf"), sT)
+    if OPAQUE_INVARIANTS and isinstance(lse2_ptr, gl.shared_memory_descriptor):
+        lse2 = lse2_ptr.index(slot).load(gl.SliceLayout(0, s_layout))  # not live in the mask
     pT = gl.exp2(sT * scale_log2 - lse2[None, :])
     if MASKED and not isinstance(lse2_ptr, gl.shared_memory_descriptor):
         if _needs_mask(m, n_blk, Sq, Sk, stats, BLOCK_M, BLOCK_N, CAUSAL, NI):
@@ -428,7 +535,11 @@ def _tile(dk, dv, it, m, hi, k_smem, v_smem, q_ring, do_ring, ready, empty, q_de
                 iv = _column_intervals(ivals, cols, Sq, Sk, CAUSAL, C)
             else:
                 iv = ivals
-            masked = _element_masked(rows[None, :], cols[:, None], iv, Sq, Sk, CAUSAL, C)
+            if OPAQUE_INVARIANTS:
+                masked = _element_masked_rows(rows[None, :], cols[:, None], iv, Sq, Sk, CAUSAL,
+                                              C)
+            else:
+                masked = _element_masked(rows[None, :], cols[:, None], iv, Sq, Sk, CAUSAL, C)
             pT = gl.where(masked, 0.0, pT)
     p16 = gl.convert_layout(pT.to(dtype), a_layout)
     dv_tok = warpgroup_mma(p16, do_s, dv, is_async=True)
@@ -498,16 +609,26 @@ def _tile_ds_shared(dk, dv, it, m, k_smem, v_smem, q_ring, do_ring, ready, empty
     s_tok = warpgroup_mma(k_smem, q_s.permute((1, 0)), zero, use_acc=False, is_async=True)
     dp_tok = warpgroup_mma(v_smem, do_s.permute((1, 0)), zero, use_acc=False, is_async=True)
     sT = warpgroup_mma_wait(num_outstanding=1, deps=(s_tok, ))
-    lse2 = lse_ring.index(slot).load(gl.SliceLayout(0, s_layout))
+    if not OPAQUE_INVARIANTS:
+        lse2 = lse_ring.index(slot).load(gl.SliceLayout(0, s_layout))
     if MASKED:
-        rows = m * BLOCK_M + offs_mb
+        if OPAQUE_INVARIANTS:
+            rows = _tile_rows(m, offs_mb, BLOCK_M, s_layout)
+        else:
+            rows = m * BLOCK_M + offs_mb
         if _needs_mask(m, n_blk, Sq, Sk, stats, BLOCK_M, BLOCK_N, CAUSAL, NI, True):
             if not CAUSAL:
                 iv = _column_intervals(ivals, cols, Sq, Sk, CAUSAL, C)
             else:
                 iv = ivals
-            masked = _element_masked(rows[None, :], cols[:, None], iv, Sq, Sk, CAUSAL, C)
+            if OPAQUE_INVARIANTS:
+                masked = _element_masked_rows(rows[None, :], cols[:, None], iv, Sq, Sk, CAUSAL,
+                                              C)
+            else:
+                masked = _element_masked(rows[None, :], cols[:, None], iv, Sq, Sk, CAUSAL, C)
             sT = gl.where(masked, float("-inf"), sT)
+    if OPAQUE_INVARIANTS:  # read after the mask: not live across it
+        lse2 = lse_ring.index(slot).load(gl.SliceLayout(0, s_layout))
     pT = gl.exp2(sT * scale_log2 - lse2[None, :])
     dpT = warpgroup_mma_wait(num_outstanding=0, deps=(dp_tok, ))
     delta = delta_ring.index(slot).load(gl.SliceLayout(0, s_layout))
@@ -816,7 +937,8 @@ def _dkdv_gluon_kernel(q_desc, do_desc, k_desc, v_desc, dk_ptr, dv_ptr, lse2_ptr
     group = Hq // (Hk * KV_SPLIT)
     c0 = n_blk * BLOCK_N
 
-    if DS_SHARED:  # K, V as one [2, BLOCK_N, D] buffer (see _tile_ds_shared: opaque index)
+    if DS_SHARED or OPAQUE_INVARIANTS:  # K, V as one [2, BLOCK_N, D] buffer (opaque index:
+        # _tile_ds_shared, _tile_operands)
         kv_smem = gl.allocate_shared_memory(dtype, [2, BLOCK_N, D], k_desc.layout)
         k_smem = kv_smem.index(0)
         v_smem = kv_smem.index(1)
@@ -848,6 +970,10 @@ def _dkdv_gluon_kernel(q_desc, do_desc, k_desc, v_desc, dk_ptr, dv_ptr, lse2_ptr
                 gl.allocate_shared_memory(
                 dtype, [1, BLOCK_N, BLOCK_M],
                 gl.NVMMASharedLayout.get_default_for([BLOCK_N, BLOCK_M], dtype)))
+        elif OPAQUE_INVARIANTS:  # dSᵀ as [1, BLOCK_N, BLOCK_M]: opaque index (_tile)
+            ds_smem = gl.allocate_shared_memory(
+                dtype, [1, BLOCK_N, BLOCK_M],
+                gl.NVMMASharedLayout.get_default_for([BLOCK_N, BLOCK_M], dtype))
         else:
             ds_smem = gl.allocate_shared_memory(
                 dtype, [BLOCK_N, BLOCK_M],
@@ -890,6 +1016,9 @@ def _dkdv_gluon_kernel(q_desc, do_desc, k_desc, v_desc, dk_ptr, dv_ptr, lse2_ptr
             delta_ring = 0
             lse_src = lse2_ptr
             delta_src = delta_ptr
+        if OPAQUE_INVARIANTS:  # the compute partition gets the [2, BLOCK_N, D] K/V buffer
+            k_smem = kv_smem
+            v_smem = kv_smem
         dk, dv = gl.warp_specialize([
             (_compute_partition,
              (n_blk, b, hk, b64, group, k_smem, v_smem, q_ring, do_ring, ready, empty, kv_bar,
@@ -909,6 +1038,9 @@ def _dkdv_gluon_kernel(q_desc, do_desc, k_desc, v_desc, dk_ptr, dv_ptr, lse2_ptr
         dk = gl.zeros([BLOCK_N, D], gl.float32, acc_layout)
         dv = gl.zeros([BLOCK_N, D], gl.float32, acc_layout)
         mbarrier.wait(kv_bar, 0)
+        if OPAQUE_INVARIANTS:  # the tiles get the [2, BLOCK_N, D] K/V buffer
+            k_smem = kv_smem
+            v_smem = kv_smem
         dk, dv, _ = _heads(dk, dv, n_blk * 0, n_blk, b, hk, b64, group, k_smem, v_smem, q_ring,
                            do_ring, ready, empty, q_desc, do_desc, lse2_ptr, delta_ptr, mask_ptr,
                            sum_ptr, rng_ptr, scale_log2, Sq, Sk, Hq, Hk, Hm, NQB, NKB,
