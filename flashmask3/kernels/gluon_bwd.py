@@ -312,31 +312,13 @@ def _tile_rows(m, offs_mb, BLOCK_M: gl.constexpr, s_layout: gl.constexpr):
     and hoists the 16 ``lane part | constant`` values of a 64-query tile out of the loop, where
     CUDA 13's ptxas keeps them in local memory (16 LDL per masked tile); behind the opaque
     base each row is one add of a constant inside the tile (compare the rows with nothing but
-    loop-variant values: :func:`_element_masked_rows`). (The split is exact for any masks: a
+    loop-variant values: ``_element_masked``'s SHIFT_COLS). (The split is exact for any masks: a
     wrong guess of the layout would only cost the optimisation.)"""
     COL_N: gl.constexpr = s_layout.instr_shape[1]
     REG_BITS: gl.constexpr = (COL_N - 1) - ((COL_N - 1) & 6)
     THREAD_BITS: gl.constexpr = (BLOCK_M - 1) - REG_BITS
     base = _opaque_i32(m * BLOCK_M + (offs_mb & THREAD_BITS), True)
     return base + (offs_mb & REG_BITS)
-
-
-@_jit
-def _element_masked_rows(rows, cols, ivals, Sq, Sk, CAUSAL: gl.constexpr, C: gl.constexpr):
-    """:func:`_element_masked` (the same answer, :data:`OPAQUE_INVARIANTS`) with the causal
-    term written ``cols - (Sk - Sq) > rows`` instead of ``cols > rows + (Sk - Sq)`` (the same
-    integers, far from overflow): the shift goes to the thread's 2 key columns, not to its 16
-    query rows of :func:`_tile_rows`, whose sums ``constant + (Sk - Sq)`` LLVM would hoist out
-    of the tile loop as 16 invariants again."""
-    masked = cols >= Sk
-    if C > 0:
-        s0, e0, s1, e1 = ivals
-        masked = masked | ((rows >= s0) & (rows < e0))
-        if (not CAUSAL) or C == 4:
-            masked = masked | ((rows >= s1) & (rows < e1))
-    if CAUSAL:
-        masked = masked | (cols - (Sk - Sq) > rows)
-    return masked
 
 
 @_jit
@@ -519,11 +501,8 @@ def _tile(dk, dv, it, m, hi, k_smem, v_smem, q_ring, do_ring, ready, empty, q_de
                 iv = _column_intervals(ivals, cols, Sq, Sk, CAUSAL, C)
             else:
                 iv = ivals
-            if OPAQUE_INVARIANTS:
-                masked = _element_masked_rows(rows[None, :], cols[:, None], iv, Sq, Sk, CAUSAL,
-                                              C)
-            else:
-                masked = _element_masked(rows[None, :], cols[:, None], iv, Sq, Sk, CAUSAL, C)
+            masked = _element_masked(rows[None, :], cols[:, None], iv, Sq, Sk, CAUSAL, C,
+                                     OPAQUE_INVARIANTS)
             sT = gl.where(masked, float("-inf"), sT)
     if OPAQUE_INVARIANTS and isinstance(lse2_ptr, gl.shared_memory_descriptor):
         lse2 = lse2_ptr.index(slot).load(gl.SliceLayout(0, s_layout))  # not live in the mask
@@ -535,11 +514,8 @@ def _tile(dk, dv, it, m, hi, k_smem, v_smem, q_ring, do_ring, ready, empty, q_de
                 iv = _column_intervals(ivals, cols, Sq, Sk, CAUSAL, C)
             else:
                 iv = ivals
-            if OPAQUE_INVARIANTS:
-                masked = _element_masked_rows(rows[None, :], cols[:, None], iv, Sq, Sk, CAUSAL,
-                                              C)
-            else:
-                masked = _element_masked(rows[None, :], cols[:, None], iv, Sq, Sk, CAUSAL, C)
+            masked = _element_masked(rows[None, :], cols[:, None], iv, Sq, Sk, CAUSAL, C,
+                                     OPAQUE_INVARIANTS)
             pT = gl.where(masked, 0.0, pT)
     p16 = gl.convert_layout(pT.to(dtype), a_layout)
     dv_tok = warpgroup_mma(p16, do_s, dv, is_async=True)
@@ -621,11 +597,8 @@ def _tile_ds_shared(dk, dv, it, m, k_smem, v_smem, q_ring, do_ring, ready, empty
                 iv = _column_intervals(ivals, cols, Sq, Sk, CAUSAL, C)
             else:
                 iv = ivals
-            if OPAQUE_INVARIANTS:
-                masked = _element_masked_rows(rows[None, :], cols[:, None], iv, Sq, Sk, CAUSAL,
-                                              C)
-            else:
-                masked = _element_masked(rows[None, :], cols[:, None], iv, Sq, Sk, CAUSAL, C)
+            masked = _element_masked(rows[None, :], cols[:, None], iv, Sq, Sk, CAUSAL, C,
+                                     OPAQUE_INVARIANTS)
             sT = gl.where(masked, float("-inf"), sT)
     if OPAQUE_INVARIANTS:  # read after the mask: not live across it
         lse2 = lse_ring.index(slot).load(gl.SliceLayout(0, s_layout))

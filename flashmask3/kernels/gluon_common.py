@@ -71,9 +71,16 @@ def _needs_mask(m, n_blk, Sq, Sk, stats, BLOCK_M: gl.constexpr, BLOCK_N: gl.cons
 
 
 @_jit
-def _element_masked(rows, cols, ivals, Sq, Sk, CAUSAL: gl.constexpr, C: gl.constexpr):
+def _element_masked(rows, cols, ivals, Sq, Sk, CAUSAL: gl.constexpr, C: gl.constexpr,
+                    SHIFT_COLS: gl.constexpr = False):
     """True where (row, col) is masked (docs/masks.md); rows ``[1, BM]``, cols ``[BN, 1]``, the
-    column intervals ``ivals`` = (s0, e0, s1, e1) ``[BN, 1]``. Columns >= Sk are masked."""
+    column intervals ``ivals`` = (s0, e0, s1, e1) ``[BN, 1]``. Columns >= Sk are masked.
+
+    SHIFT_COLS: the causal term written ``cols - (Sk - Sq) > rows`` instead of ``cols > rows +
+    (Sk - Sq)`` (the same integers, far from overflow), the shift on the columns: the backward's
+    tiles from Triton 3.9 on (``gluon_bwd.OPAQUE_INVARIANTS``), where a thread holds 2 key
+    columns and 16 query rows, and the sums ``row + (Sk - Sq)`` would be hoisted out of the tile
+    loop as 16 invariants (which CUDA 13's ptxas keeps in local memory)."""
     masked = cols >= Sk
     if C > 0:
         s0, e0, s1, e1 = ivals
@@ -81,7 +88,10 @@ def _element_masked(rows, cols, ivals, Sq, Sk, CAUSAL: gl.constexpr, C: gl.const
         if (not CAUSAL) or C == 4:
             masked = masked | ((rows >= s1) & (rows < e1))
     if CAUSAL:
-        masked = masked | (cols > rows + (Sk - Sq))
+        if SHIFT_COLS:
+            masked = masked | (cols - (Sk - Sq) > rows)
+        else:
+            masked = masked | (cols > rows + (Sk - Sq))
     return masked
 
 
