@@ -12,8 +12,8 @@ check, launch metadata). :func:`launch` does the same launch with a fraction of 
    needed and returns the ``CompiledKernel``) and keeps that compiled kernel for the key.
 3. On a hit it calls ``compiled.run(gx, gy, gz, stream, function, packed_metadata, None,
    None, None, *all_args)``, the call ``JITFunction.run`` ends with, on the CURRENT stream
-   (CUDA-graph capture records that stream); with Triton 3.6's ``CudaLauncher`` (only on
-   the versions in :data:`RAW_LAUNCH_TRITON`) it goes one step further and calls the C
+   (CUDA-graph capture records that stream); with Triton's ``CudaLauncher`` (only on the
+   versions in :data:`RAW_LAUNCH_TRITON`) it goes one step further and calls the C
    launcher inside it, with each host TMA descriptor expanded from a cache (the CUtensorMap
    of a descriptor template and base pointer is encoded once, not on every launch:
    :func:`_raw_launch_parts`) and each plain tensor passed as its data pointer (an int: the
@@ -49,21 +49,37 @@ try:
     from triton.runtime.driver import driver as _driver
 except ImportError:  # pragma: no cover - triton is a dependency of the kernels
     _triton = _knobs = _driver = None
-try:  # Triton 3.6's per-launch expansion of a host tensor descriptor (_raw_launch_parts)
-    from triton.backends.nvidia.driver import make_tensordesc_arg as _make_tensordesc_arg
+try:  # Triton's per-launch expansion of a host tensor descriptor (_raw_launch_parts)
+    from triton.backends.nvidia.driver import make_tensordesc_arg as _tritons_tensordesc_arg
 except ImportError:  # pragma: no cover - another Triton layout: compiled.run is called
-    _make_tensordesc_arg = None
+    _tritons_tensordesc_arg = None
 
-#: The Triton versions whose ``CudaLauncher`` layout the raw launch (:func:`_raw_launch_parts`)
-#: was built for and checked on: a CPU test against Triton's own wrappers and the GPU tests
-#: (H200, H100). The C function's argument list is Triton-internal and changes between
-#: releases (3.7-3.9 pass the kernel metadata, hooks and argument annotations to it, and the
-#: kernel arguments as one tuple), and a class of the same name says nothing about it: on any
-#: other version every warm launch calls ``compiled.run``, the call ``JITFunction.run`` ends with.
-RAW_LAUNCH_TRITON = ("3.6.0",)
+
+def _make_tensordesc_arg(desc, meta) -> list:
+    """Triton's ``make_tensordesc_arg(desc, meta)``: the CUtensorMap, shape and strides the C
+    launcher gets for a host descriptor (3.8 and 3.9 add a third, unused parameter)."""
+    if _tritons_tensordesc_arg.__code__.co_argcount == 3:
+        return _tritons_tensordesc_arg(desc, meta, None)
+    return _tritons_tensordesc_arg(desc, meta)
+
+#: The Triton versions whose ``CudaLauncher`` the raw launch (:func:`_raw_launch_parts`) was
+#: built for and checked on: a CPU test against Triton's own wrappers (every listed version)
+#: and the GPU tests (3.6.0 on the H200 and H100; 3.7.1, 3.8.0, 3.9.0 carried to the GPU
+#: machine; 3.7.0's launcher is 3.7.1's, Python and C). The C function's argument list is
+#: Triton-internal: 3.6 takes the kernel arguments flat, 3.7-3.9 take the kernel metadata,
+#: hooks and argument annotations and then the kernel arguments as one sequence; a class of
+#: the same name on another version says nothing about it, so there every warm launch calls
+#: ``compiled.run``, the call ``JITFunction.run`` ends with.
+RAW_LAUNCH_TRITON = ("3.6.0", "3.7.0", "3.7.1", "3.8.0", "3.9.0")
 
 #: Whether this process's Triton is one of them (decided at import).
 RAW_LAUNCH_HERE = _triton is not None and _triton.__version__ in RAW_LAUNCH_TRITON
+
+#: Compile options every compile of the package passes: FMA contraction on, the code every
+#: kernel was checked with. Triton <= 3.9 has it on by default (3.9 warns at each compile that
+#: the default is unset) and 3.10 turns it off: saying so keeps the kernels' code and numerics
+#: the same on every version (compile_tools' offline compiles pass it too).
+COMPILE_OPTIONS = {"enable_fp_fusion": True}
 
 #: Set to 0 to launch every kernel through ``kernel[grid](...)`` (the A/B switch of the GPU test).
 FAST_LAUNCH_ENV = "FLASHMASK3_FAST_LAUNCH"
@@ -100,31 +116,65 @@ class _Entry:
 def _raw_launch_parts(compiled):
     """``(head, descs)`` for calling the C launcher of ``compiled`` past Triton's Python
     wrappers, or None where this module does not know their shape (then ``compiled.run`` is
-    called). ``head`` = (C launch function, cooperative-grid flag, PDL flag, kernel metadata);
-    ``descs`` = ((position, TMA metadata), ...) of the tensor-descriptor arguments, which
-    Triton 3.6's ``CudaLauncher`` expands per launch (``make_tensordesc_arg``: a CUtensorMap
+    called). ``head`` = (C launch function, cooperative-grid flag, PDL flag, kernel metadata,
+    argument annotations, signature bytes; the last two None for Triton 3.6's flat layout,
+    :func:`_c_head`); ``descs`` = ((position, TMA metadata), ...) of the tensor-descriptor
+    arguments, which ``CudaLauncher`` expands per launch (``make_tensordesc_arg``: a CUtensorMap
     encoded on the host, then the shape and strides) and :func:`_expand_descriptor` expands
     from a cache instead. Never used when the kernel needs scratch memory (allocated per
-    launch by the wrapper), nor on a Triton outside :data:`RAW_LAUNCH_TRITON`."""
+    launch by the wrapper) or Triton's sanitizer, nor on a Triton outside
+    :data:`RAW_LAUNCH_TRITON`."""
     run = getattr(compiled, "run", None)
-    if not RAW_LAUNCH_HERE or type(run).__name__ != "CudaLauncher" or _make_tensordesc_arg is None:
+    if (not RAW_LAUNCH_HERE or type(run).__name__ != "CudaLauncher"
+            or _tritons_tensordesc_arg is None):
         return None
-    if getattr(run, "global_scratch_size", 1) or getattr(run, "profile_scratch_size", 1):
+    if (getattr(run, "global_scratch_size", 1) or getattr(run, "profile_scratch_size", 1)
+            or getattr(run, "gsan_enabled", False)):
         return None
     fn = getattr(run, "launch", None)
-    head = (fn, run.launch_cooperative_grid, run.launch_pdl, compiled.packed_metadata)
+    packed = hasattr(run, "arg_annotations")  # 3.7-3.9: the arguments go as one sequence
+    head = (fn, run.launch_cooperative_grid, run.launch_pdl, compiled.packed_metadata,
+            run.arg_annotations if packed else None, run.kernel_signature if packed else None)
     code = getattr(fn, "__code__", None)
     if code is None:  # no descriptor arguments: the C function itself
         return (head, ()) if callable(fn) else None
     cells = dict(zip(code.co_freevars, (c.cell_contents for c in fn.__closure__ or ())))
-    inner, indices, metas = (cells.get("launcher"), cells.get("tensordesc_indices"),
-                             cells.get("tensordesc_meta"))
+    inner, metas = cells.get("launcher"), cells.get("tensordesc_meta")
+    positions = _descriptor_positions(cells)
     if (fn.__name__ != "inner" or not callable(inner)
-            or getattr(inner, "__code__", None) is not None or not isinstance(indices, set)
-            or metas is None or len(metas) != len(indices)):
+            or getattr(inner, "__code__", None) is not None or positions is None
+            or not isinstance(metas, (list, tuple)) or len(metas) != len(positions)):
         return None
-    head = (inner,) + head[1:]
-    return head, tuple(zip(sorted(indices), metas))
+    return (inner,) + head[1:], tuple(zip(positions, metas))
+
+
+def _descriptor_positions(cells: dict):
+    """The sorted argument positions of the descriptors Triton's wrapper expands, from its
+    closure (``tensordesc_indices``, a set, up to 3.7; ``relevant_paths``, {position: {}} for
+    a top-level descriptor, from 3.8), or None for another shape (a descriptor in a tuple)."""
+    indices = cells.get("tensordesc_indices")
+    if isinstance(indices, set):
+        return sorted(indices)
+    paths = cells.get("relevant_paths")
+    if isinstance(paths, dict) and all(type(k) is int and v == {} for k, v in paths.items()):
+        return sorted(paths)
+    return None
+
+
+#: Arguments of the C launcher before the kernel's own in Triton 3.7-3.9 (:func:`_c_head`).
+_PACKED_HEAD = 15
+
+
+def _c_head(gx: int, gy: int, gz: int, stream, function, raw: tuple) -> list:
+    """The C launcher's arguments before the kernel's, in the order ``CudaLauncher`` passes
+    them (launch metadata, hooks and scratch buffers None: the raw path runs without hooks or
+    scratch). Triton 3.6 (``raw[4]`` None): the kernel's arguments follow in the same list.
+    3.7-3.9: :data:`_PACKED_HEAD` of them, then one sequence of the kernel's arguments."""
+    if raw[4] is None:
+        return [gx, gy, gz, stream, function, raw[1], raw[2], None, None, raw[3], None, None,
+                None]
+    return [gx, gy, gz, stream, function, raw[1], raw[2], raw[3], None, None, None, None, None,
+            raw[4], raw[5]]
 
 
 #: (id(entry), descriptor position, id(template), base pointer) -> the expanded arguments of a
@@ -229,15 +279,15 @@ def launch(kernel, grid: tuple, *args, **kwargs):
     """``kernel[grid](*args, **kwargs)`` (same arguments, same result), through the cached
     compiled kernel when the call's key was seen before (module docstring)."""
     if not fast_launch_enabled() or kernel.pre_run_hooks:
-        return kernel[grid](*args, **kwargs)
+        return kernel[grid](*args, **COMPILE_OPTIONS, **kwargs)
     device = _driver.active.get_current_device()
     try:
         key = _launch_key(kernel, device, args, kwargs)
         entry = _COMPILED.get(key)
     except TypeError:  # an unknown argument type, or an unhashable keyword value
-        return kernel[grid](*args, **kwargs)
+        return kernel[grid](*args, **COMPILE_OPTIONS, **kwargs)
     if entry is None:
-        compiled = kernel[grid](*args, **kwargs)
+        compiled = kernel[grid](*args, **COMPILE_OPTIONS, **kwargs)
         if compiled is not None:
             _COMPILED[key] = _Entry(compiled, kernel, args, kwargs)
         return compiled
@@ -256,7 +306,7 @@ def launch(kernel, grid: tuple, *args, **kwargs):
     for i in entry.tensors:  # a pointer as an int: no data_ptr() call or driver query in C
         full[i] = full[i].data_ptr()
     # the C launcher's own argument order (CudaLauncher.__call__ and its descriptor wrapper)
-    final = [gx, gy, gz, stream, c.function, raw[1], raw[2], None, None, raw[3], None, None, None]
+    final = _c_head(gx, gy, gz, stream, c.function, raw)
     prev = 0
     eid = id(entry)
     for pos, meta in entry.descs:
@@ -264,7 +314,10 @@ def launch(kernel, grid: tuple, *args, **kwargs):
         final += _expand_descriptor(eid, pos, full[pos], meta)
         prev = pos + 1
     final += full[prev:]
-    raw[0](*final)
+    if raw[4] is None:
+        raw[0](*final)
+    else:
+        raw[0](*final[:_PACKED_HEAD], final[_PACKED_HEAD:])
     return c
 
 
@@ -298,8 +351,8 @@ class Bound:
     with the per-call tensors in the order of the ``args`` marked :data:`TENSOR` or
     :class:`Desc`. The first call launches through :func:`launch` (which compiles); after it
     a call writes the tensors' pointers (and the cached expansion of each descriptor, per base
-    pointer) into the C launcher's argument list built then and calls Triton 3.6's C
-    launcher (module docstring): no key, no argument walk, no descriptor object.
+    pointer) into the C launcher's argument list built then and calls Triton's C launcher
+    (module docstring): no key, no argument walk, no descriptor object.
 
     Safety: the fast path runs only where :func:`launch` would take its warm raw path (fast
     launch enabled, no pre-run hooks, the device of the first call current) and only with
@@ -341,7 +394,11 @@ class Bound:
                 exp = cache[ptr] = _make_tensordesc_arg(slot.build(t), meta)
             final[pos:pos + len(exp)] = exp
         final[3] = _driver.active.get_current_stream(device)
-        entry.raw[0](*final)
+        raw = entry.raw
+        if raw[4] is None:
+            raw[0](*final)
+        else:
+            raw[0](*final[:_PACKED_HEAD], final[_PACKED_HEAD:])
         return entry.compiled
 
     def once(self, *tensors):
@@ -385,9 +442,8 @@ class Bound:
         raw, c = entry.raw, entry.compiled
         full = args + [self.kwargs.get(name, default) for name, default in entry.tail]
         metas = dict(entry.descs)
-        final = [self.grid[0], self.grid[1] if len(self.grid) > 1 else 1,
-                 self.grid[2] if len(self.grid) > 2 else 1, None, c.function, raw[1], raw[2],
-                 None, None, raw[3], None, None, None]
+        final = _c_head(self.grid[0], self.grid[1] if len(self.grid) > 1 else 1,
+                        self.grid[2] if len(self.grid) > 2 else 1, None, c.function, raw)
         parts = []
         slots = dict(zip(self.slots, tensors))  # position -> the call's tensor
         for i, x in enumerate(full):

@@ -288,19 +288,20 @@ def _fake_cuda_launcher(monkeypatch, recorded, fills):
         def __call__(self, *a):
             recorded.append(a)
 
-    class Utils:
-        @staticmethod
-        def fill_tma_descriptor(ptr, swizzle, elem_size, dtype, block, shape, strides, pad):
-            fills.append(ptr)
-            return ("CUtensorMap", ptr, swizzle, elem_size, dtype, tuple(block), tuple(shape),
-                    tuple(strides), pad)
+    def fill(ptr, swizzle, elem_size, dtype, block, shape, strides, pad):
+        fills.append(ptr)
+        return ("CUtensorMap", ptr, swizzle, elem_size, dtype, tuple(block), tuple(shape),
+                tuple(strides), pad)
+
+    class Utils:  # the encoder's name up to 3.6 / from 3.7
+        fill_tma_descriptor = fill_tma_descriptor_tiled = staticmethod(fill)
 
     class Driver:
         utils = Utils()
 
     monkeypatch.setattr(triton.runtime.driver, "_active", Driver())
     sig = {0: "tensordesc<bf16[64, 128]>", 1: "*fp32", 2: "i32", 3: "tensordesc<bf16[32, 128]>",
-           4: "fp32"}
+           4: "fp32", 5: "constexpr"}  # (BLOCK: every parameter has an entry)
     metas = [dict(swizzle=3, elem_size=2, elem_type=10, block_size=[64, 128], fp4_padded=False),
              dict(swizzle=2, elem_size=2, elem_type=10, block_size=[32, 128], fp4_padded=False)]
     run = object.__new__(nv.CudaLauncher)
@@ -308,6 +309,8 @@ def _fake_cuda_launcher(monkeypatch, recorded, fills):
     run.num_ctas, run.launch_cooperative_grid, run.launch_pdl = 1, False, True
     run.global_scratch_size = run.profile_scratch_size = 0
     run.global_scratch_align = run.profile_scratch_align = 1
+    if _PACKED:  # what 3.7-3.9's __init__ builds from the signature (passed through as is)
+        run.arg_annotations, run.kernel_signature, run.gsan_enabled = ("annotations",), b"sig", False
 
     class Compiled:
         function, packed_metadata = 1234, (4, 1, 0)
@@ -333,6 +336,27 @@ def _fake_cuda_launcher(monkeypatch, recorded, fills):
     return Kernel(), compiled
 
 
+def _packed_layout() -> bool:
+    """Whether this Triton's ``CudaLauncher`` passes the kernel's arguments to the C launcher
+    as one sequence after launcher._PACKED_HEAD others (3.7-3.9), not flat after 13 (3.6)."""
+    try:
+        from triton.backends.nvidia.driver import CudaLauncher
+    except ImportError:
+        return False
+    return "arg_annotations" in CudaLauncher.__init__.__code__.co_names
+
+
+_PACKED = _packed_layout()
+
+
+def _flat(call: tuple) -> tuple:
+    """A recorded C-launcher call as one flat tuple, each tensor as its data pointer."""
+    if _PACKED:
+        assert len(call) == launcher._PACKED_HEAD + 1, call
+        call = tuple(call[:-1]) + tuple(call[-1])
+    return tuple(t.data_ptr() if type(t) is torch.Tensor else t for t in call)
+
+
 @needs_raw_launch
 def test_raw_launch_passes_the_c_launcher_what_tritons_wrappers_pass(fast, monkeypatch):
     """The hit path calls Triton 3.6's C launcher directly with the descriptors expanded from
@@ -352,22 +376,26 @@ def test_raw_launch_passes_the_c_launcher_what_tritons_wrappers_pass(fast, monke
     def tritons_own(a, b):  # what JITFunction.run ends with on a warm kernel, with each
         c = compiled      # plain tensor as the pointer the C launcher's getPointer reads
         c.run(5, 3, 1, 77, c.function, c.packed_metadata, None, None, None, *args(a, b), 16)
-        return tuple(t.data_ptr() if type(t) is torch.Tensor else t for t in recorded.pop())
+        return _flat(recorded.pop())
 
     launcher.launch(kernel, (5, 3), *args(a, b), BLOCK=16)  # fills the cache (normal path)
     assert [c[0] for c in kernel.calls] == ["slow"] and not recorded
     expected = tritons_own(a, b)
     fills.clear()
     _Driver.active.stream = 77
+    x_at = (launcher._PACKED_HEAD if _PACKED else 13) + 5  # after a's map, shape, strides
     for _ in range(2):
         launcher.launch(kernel, (5, 3), *args(a, b), BLOCK=16)
-        got = recorded.pop()
-        assert got == expected and type(got[13 + 5]) is int and got[13 + 5] == x.data_ptr()
+        raw = recorded.pop()
+        got = _flat(raw)
+        assert got == expected and got[x_at] == x.data_ptr()
+        kernel_args = raw[-1] if _PACKED else raw[13:]
+        assert type(kernel_args[5]) is int  # x passed as its pointer, not the tensor
     assert [c[0] for c in kernel.calls] == ["slow"]  # both were raw launches
     assert len(fills) == 2  # one encoding per descriptor, reused by the second launch
     a2 = torch.randn(256, 128).bfloat16()  # a new pointer: a new encoding, as Triton does it
     launcher.launch(kernel, (5, 3), *args(a2, b), BLOCK=16)
-    got = recorded.pop()
+    got = _flat(recorded.pop())
     assert got == tritons_own(a2, b) and got != expected and len(fills) == 3 + 2
 
 
