@@ -35,6 +35,7 @@ from triton.compiler import ASTSource
 from . import dispatch
 from . import gluon_bwd as G
 from . import gluon_fwd as F
+from . import launcher
 from . import tl_kernels as TL
 from .tiles import Config, _num_intervals
 
@@ -80,7 +81,8 @@ def compile_sm90_source(src, num_warps: int, num_stages: int, **options):
     """``triton.compile`` of a tl or Gluon AST source for sm_90, in any process state."""
     restore_triton_language()
     return triton.compile(src, target=GPUTarget("cuda", 90, 32),
-                          options={"num_warps": num_warps, "num_stages": num_stages, **options})
+                          options={"num_warps": num_warps, "num_stages": num_stages,
+                                   **launcher.COMPILE_OPTIONS, **options})
 
 
 def compile_gluon_sm90(kernel, ptr_types: dict, desc_types: dict, constexprs: dict,
@@ -325,13 +327,17 @@ def sass_report(cubin: bytes) -> dict:
     values (USETMAXREG) for a warp-specialised one."""
     usage, sass = cuobjdump(cubin)
     loops, in_loops = tile_loop_spills(sass)
+    per_loop = [sum(lo <= a <= hi for a, _ in in_loops) for lo, hi in loops]
     setmaxnreg = sorted({int(x, 16) for x in
                          re.findall(r"USETMAXREG\.\S+\s+(?:UP\d, )?(0x[0-9a-f]+)", sass)})
     return dict(regs=usage["regs"], stack=usage["stack"], local=usage["local"],
                 regs_touched=_max_register(sass), setmaxnreg=setmaxnreg,
                 hgmma=sass.count("HGMMA"),
                 ldl_stl=sass.count("LDL") + sass.count("STL"), tile_loops=len(loops),
-                ldl_stl_in_tile_loops=len(in_loops), tma_reduce=sass.count("UTMAREDG"),
+                ldl_stl_in_tile_loops=len(in_loops),
+                max_ldl_stl_per_tile_loop=max(per_loop, default=0),
+                stl_in_tile_loops=sum("STL" in t for _, t in in_loops),
+                tma_reduce=sass.count("UTMAREDG"),
                 atomics=len(re.findall(r"\b(?:RED|ATOM|ATOMG)\.", sass)),
                 wgmma_wait=sass.count("WARPGROUP.DEPBAR"), warpgroup_arrive=sass.count("WARPGROUP.ARRIVE"),
                 bar_sync=sass.count("BAR.SYNC"), syncs_arrive=sass.count("SYNCS.ARRIVE"),

@@ -171,13 +171,14 @@ def mode() -> str:
 
 #: The version guard of the table's "sm90" rows: the Triton versions on which the Gluon
 #: kernels were run and checked on a GPU (the gpu tests and the kernel benchmark: 3.6.0 with
-#: torch 2.11; 3.7.1 and 3.8.0, torch 2.12.1-2.14's, carried to the GPU machine,
+#: torch 2.11; 3.7.1, 3.8.0 and 3.9.0, torch 2.12.1-2.15's, carried to the GPU machine,
 #: benchmarks/results/newer_triton_*.md; 3.7.0, torch 2.12.0's, compiles every kernel to the
 #: same SASS as 3.7.1). Gluon is an experimental language whose API and code generation change
-#: between releases (3.9 renamed the TMA load and the CTA barrier, and its backward spills where
-#: 3.6-3.8's does not), so on any other version every pass takes its portable tl row
-#: (docs/host-path.md: the supported matrix, what was checked how, and how a release joins).
-GLUON_CHECKED_TRITON = ("3.6.0", "3.7.0", "3.7.1", "3.8.0")
+#: between releases (3.9 renamed the TMA load and the CTA barrier, and its ptxas spills what
+#: 3.6-3.8's kept in registers: gluon_bwd.OPAQUE_INVARIANTS), so on any other version every
+#: pass takes its portable tl row (docs/host-path.md: the supported matrix, what was checked
+#: how, and how a release joins).
+GLUON_CHECKED_TRITON = ("3.6.0", "3.7.0", "3.7.1", "3.8.0", "3.9.0")
 
 #: ``FLASHMASK3_GLUON_UNCHECKED=1`` runs the Gluon kernels on a Triton outside that list: the
 #: switch for checking a new release on a GPU (benchmarks/gpu/newer-triton.sh), never a default.
@@ -199,8 +200,8 @@ GLUON_CHECKED_HERE = triton.__version__ in GLUON_CHECKED_TRITON or GLUON_FORCED
 
 #: What the warning adds where the raw C launch is off too (launcher.RAW_LAUNCH_TRITON).
 THROUGH_TRITON = " through Triton's own launch path"
-#: What the tl path costs on Hopper (fwd+bwd at 32K, D=128, one H100): a proxy on Triton 3.6
-#: (benchmarks/results/newer_torch_path.md) and Tritons 3.7.1 / 3.8.0 themselves
+#: What the tl path costs on Hopper (fwd+bwd at 32K, D=128, an H100 or H200): a proxy on Triton 3.6
+#: (benchmarks/results/newer_torch_path.md) and Tritons 3.7.1 / 3.8.0 / 3.9.0 themselves
 #: (newer_triton_*.md). The warning and ``flashmask3 env`` quote it.
 TL_PATH_COST = ("on Hopper ~1.2-1.4x slower than the Gluon path, within ~15% of FlexAttention's "
                 "speed: docs/host-path.md#supported-versions")

@@ -17,7 +17,7 @@ import torch
 
 from flashmask3.kernels import gluon_fwd as F
 from flashmask3.kernels import compile_tools as CT
-from flashmask3.kernels import dispatch, tiles
+from flashmask3.kernels import dispatch, gluon_bwd, tiles
 from flashmask3.kernels import tl_kernels as TL
 from tests.kernels.test_gluon_bwd import _offline_skip_reason
 from tests.reference import reference_attention, rel_err
@@ -28,6 +28,21 @@ _SKIP = _offline_skip_reason()
 #: D=64 (where the table keeps tl) the tile it was measured at.
 WS_TILES = {128: (tiles.Config(128, 128, 8, 2), False), 64: (tiles.Config(128, 128, 8, 3), True),
             256: (tiles.Config(128, 64, 8, 2), True)}
+
+
+#: LDL per tile loop the WS forward may keep: none up to Triton 3.8; from 3.9 on (CUDA 13's
+#: ptxas) one per masked tile loop of some layouts (the lane part of the key-column offsets,
+#: stored once before the loops and reloaded per tile; D=128 non-causal C=4: 8 of its 12 loops).
+#: Measured on an H200: the forward 0.4-1.3% slower under 3.9.0 than under 3.6.0
+#: (benchmarks/results/newer_triton_3.9.0.md). A store in a loop, or a second reload, fails.
+RELOADS_PER_TILE_LOOP = 1 if gluon_bwd._triton_at_least(3, 9) else 0
+
+
+def _assert_tile_loops_keep_registers(r: dict):
+    """No spill in the tile loops of a compile report (``compile_tools.sass_report``) beyond
+    :data:`RELOADS_PER_TILE_LOOP`."""
+    assert r["stl_in_tile_loops"] == 0, r
+    assert r["max_ldl_stl_per_tile_loop"] <= RELOADS_PER_TILE_LOOP, r
 
 
 #: (causal, C) layouts of the offline WS checks.
@@ -52,7 +67,7 @@ def test_ws_kernel_compiles_without_spills_in_tile_loops(d, causal, c):
     assert "error" not in r, r.get("error")
     assert r["hgmma"] > 0 and r["tma_load"] > 0 and r["overlap"], r
     assert 24 in r["setmaxnreg"] and F.ws_consumer_regs() in r["setmaxnreg"], r
-    assert r["ldl_stl_in_tile_loops"] == 0, r
+    _assert_tile_loops_keep_registers(r)
 
 
 @pytest.mark.skipif(_SKIP is not None, reason=str(_SKIP))
@@ -65,7 +80,7 @@ def test_ws_kernel_compiles_at_d256(causal, c):
                       causal=causal, c=c, warp_spec=True, pingpong=pingpong)
     assert "error" not in r, r.get("error")
     assert r["hgmma"] > 0 and r["shared"] <= F.SMEM_LIMIT + 1024, r
-    assert r["ldl_stl_in_tile_loops"] == 0, r
+    _assert_tile_loops_keep_registers(r)
 
 
 def test_ws_register_split():
@@ -88,7 +103,7 @@ def test_one_consumer_ws_kernel_fits_two_programs_per_sm(d, causal, c):
     assert "error" not in r, r.get("error")
     assert r["hgmma"] > 0 and r["tma_load"] > 0 and r["overlap"], r
     assert r["setmaxnreg"] == [24, 232] and r["regs"] <= 128, r
-    assert r["ldl_stl_in_tile_loops"] == 0, r
+    _assert_tile_loops_keep_registers(r)
     assert 2 * (r["shared"] + F.RESERVED_SHARED_PER_PROGRAM) <= F.SM_SHARED, r
     assert r["shared"] <= F.shared_bytes(d, 64, 64, 2, c) + F.WS_SHARED_SLACK, r
     assert F.ws_programs_per_sm(d, 64, 64, 4, 2, c) == 2
