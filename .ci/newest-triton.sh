@@ -53,8 +53,8 @@ TRITON_CACHE_DIR=$(mktemp -d)
 trap 'rm -rf "$TRITON_CACHE_DIR"' EXIT
 status=0
 "$PY" -W ignore .ci/compile_sm90.py --out ".ci/out/compile_sm90_triton$NEWEST_TRITON.json" || status=1
-# the CPU suite (make test's selection); the Gluon offline checks and the raw-launch tests skip
-# themselves off the Triton versions they belong to
+# the CPU suite (make test's selection); the Gluon offline checks and the raw-launch tests run
+# where this Triton is in GLUON_CHECKED_TRITON / RAW_LAUNCH_TRITON (3.9.0 is) and skip elsewhere
 "$PY" -m pytest -q -p no:cacheprovider -m "not slow" -n 2 tests || status=1
 # then, with TRITON_INTERPRET=1 for the whole run (the Triton backend for every CPU call): the
 # interpreter tests of the tl kernels (the preprocessing, forward/backward on every mask layout,
