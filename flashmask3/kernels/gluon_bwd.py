@@ -289,16 +289,16 @@ def _tma_reduce_add(tensor_desc, coord, src, _semantic=None):
                                               tensor_desc.handle, coord, src.handle)
 
 
-@_jit
-def _opaque_i32(x, pure: gl.constexpr = False):
+@_gluon_builtin
+def _opaque_i32(x, pure=False, _semantic=None):
     """``x`` (int32, scalar or tensor) through an inline-asm ``mov`` that LLVM cannot see
-    through (:data:`OPAQUE_INVARIANTS`). Not pure (the default): every call is a new value,
-    never hoisted out of a loop or merged with another call, so what is computed from it is
-    recomputed where it is used instead of being kept as a loop invariant. Pure: equal inputs
-    may share one mov, but LLVM still cannot reassociate what is added to the result with what
-    went into it."""
+    through (:func:`_tile_operands`, :data:`OPAQUE_INVARIANTS`). Not pure (the default): every
+    call is a new value, never hoisted out of a loop or merged with another call, so what is
+    computed from it is recomputed where it is used instead of being kept as a loop invariant.
+    Pure: equal inputs may share one mov, but LLVM still cannot reassociate what is added to
+    the result with what went into it. A builtin, as :func:`_tile_operands` (why: there)."""
     return gl.inline_asm_elementwise("mov.b32 $0, $1;", "=r,r", [x], dtype=gl.int32,
-                                     is_pure=pure, pack=1)
+                                     is_pure=pure, pack=1, _semantic=_semantic)
 
 
 @_jit
@@ -321,18 +321,36 @@ def _tile_rows(m, offs_mb, BLOCK_M: gl.constexpr, s_layout: gl.constexpr):
     return base + (offs_mb & REG_BITS)
 
 
-@_jit
-def _tile_operands(slot, q_ring, do_ring, kv_smem):
-    """(oz, q_s, do_s, k_s, v_s) of one tile (:data:`OPAQUE_INVARIANTS`): an opaque 0 and the
-    slot's Q and dO tiles and the K and V tiles of the kernel's [2, BLOCK_N, D] K/V buffer,
-    indexed with opaque copies of the ring slot and of 0 (:func:`_opaque_i32`), so the wgmma
-    descriptors of these operands are recomputed per tile (a few integer ops) instead of being
-    hoisted out of the tile loops as 64-bit invariants (the trick of :func:`_tile_ds_shared`);
-    ``oz`` indexes the caller's other shared operands the same way."""
-    oslot = _opaque_i32(slot)
-    oz = _opaque_i32(slot * 0)
-    return (oz, q_ring.index(oslot), do_ring.index(oslot), kv_smem.index(oz),
-            kv_smem.index(oz + 1))
+@_gluon_builtin
+def _opaque_zero(like, _semantic=None):
+    """0 (int32) through an inline-asm ``mov`` that LLVM cannot see through, as
+    :func:`_opaque_i32` (not pure: a new value per call); ``like`` (int32) is only the asm's
+    operand (the elementwise asm needs one)."""
+    return gl.inline_asm_elementwise("mov.b32 $0, 0;", "=r,r", [like], dtype=gl.int32,
+                                     is_pure=False, pack=1, _semantic=_semantic)
+
+
+@_gluon_builtin
+def _tile_operands(slot, q_ring, do_ring, kv_smem, _semantic=None):
+    """(oz, q_s, do_s, k_s, v_s) of one tile: an opaque 0 (:func:`_opaque_zero`) and the slot's
+    Q and dO tiles and the K and V tiles of the kernel's [2, BLOCK_N, D] K/V buffer, indexed
+    with it and an opaque copy of the ring slot (:func:`_opaque_i32`), so that their wgmma
+    descriptors are recomputed per tile (why: :func:`_tile_ds_shared`); ``oz`` indexes the
+    caller's other shared operands the same way. Used by :func:`_tile_ds_shared` always and by
+    :func:`_tile` under :data:`OPAQUE_INVARIANTS`.
+
+    A builtin (as the two above), not a jitted function, so that its ops land in the caller's
+    debug scope: a jitted helper is inlined with a scope of its own, which LLVM brackets with
+    labels in the PTX, and ptxas schedules across those labels differently (a jitted version
+    gave the DS_SHARED kernels other register assignments on Triton 3.6-3.8 for non-causal
+    masks; as builtins their SASS is that of these ops written out in the tile)."""
+    def index(buf, i):
+        return buf.index(i, _semantic=_semantic)
+
+    oslot = _opaque_i32(slot, _semantic=_semantic)
+    oz = _opaque_zero(slot, _semantic=_semantic)
+    return (oz, index(q_ring, oslot), index(do_ring, oslot), index(kv_smem, oz),
+            index(kv_smem, oz.__add__(1, _semantic=_semantic)))
 
 
 @_jit
@@ -557,8 +575,8 @@ def _tile_ds_shared(dk, dv, it, m, k_smem, v_smem, q_ring, do_ring, ready, empty
     dPᵀ runs under the Pᵀ arithmetic as in :func:`_tile`, but dV is issued only in the tail
     (with dK and dQ): no bf16 Pᵀ operand sits in registers while dSᵀ is computed.
 
-    Every shared operand is indexed with an opaque copy of the slot (``oslot``) or of 0
-    (``oz``; an inline-asm ``mov`` that LLVM cannot see through, so it is the kernel's K/V
+    Every shared operand is indexed with an opaque copy of the slot or of 0 (an inline-asm
+    ``mov`` that LLVM cannot see through: :func:`_tile_operands`; so it is the kernel's K/V
     buffer ``k_smem`` = [2, BLOCK_N, D] and the tuple ``ds_smem`` = ([1, BLOCK_N, BLOCK_M]
     for dSᵀ, [1, BLOCK_N, BLOCK_M] for Pᵀ) that come in here): the wgmma descriptors are then
     recomputed per tile (a few integer ops) instead of being hoisted out of the tile loops as
@@ -569,18 +587,7 @@ def _tile_ds_shared(dk, dv, it, m, k_smem, v_smem, q_ring, do_ring, ready, empty
     dtype: gl.constexpr = k_smem.dtype
     slot = it % NUM_STAGES
     mbarrier.wait(ready.index(slot), (it // NUM_STAGES) & 1)
-    # opaque copies of the slot and of 0 (an inline-asm mov LLVM cannot see through): the
-    # wgmma descriptors of every shared operand are recomputed per tile from them instead of
-    # being hoisted out of the loop as dozens of 64-bit invariants (which ptxas spilled)
-    oslot = gl.inline_asm_elementwise("mov.b32 $0, $1;", "=r,r", [slot], dtype=gl.int32,
-                                      is_pure=False, pack=1)
-    oz = gl.inline_asm_elementwise("mov.b32 $0, 0;", "=r,r", [slot], dtype=gl.int32,
-                                   is_pure=False, pack=1)
-    q_s = q_ring.index(oslot)
-    do_s = do_ring.index(oslot)
-    kv_smem = k_smem
-    k_smem = kv_smem.index(oz)
-    v_smem = kv_smem.index(oz + 1)
+    oz, q_s, do_s, k_smem, v_smem = _tile_operands(slot, q_ring, do_ring, k_smem)
     zero = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, s_layout)
     s_tok = warpgroup_mma(k_smem, q_s.permute((1, 0)), zero, use_acc=False, is_async=True)
     dp_tok = warpgroup_mma(v_smem, do_s.permute((1, 0)), zero, use_acc=False, is_async=True)
@@ -911,7 +918,7 @@ def _dkdv_gluon_kernel(q_desc, do_desc, k_desc, v_desc, dk_ptr, dv_ptr, lse2_ptr
     c0 = n_blk * BLOCK_N
 
     if DS_SHARED or OPAQUE_INVARIANTS:  # K, V as one [2, BLOCK_N, D] buffer (opaque index:
-        # _tile_ds_shared, _tile_operands)
+        # _tile_operands)
         kv_smem = gl.allocate_shared_memory(dtype, [2, BLOCK_N, D], k_desc.layout)
         k_smem = kv_smem.index(0)
         v_smem = kv_smem.index(1)
