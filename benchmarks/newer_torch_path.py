@@ -1,6 +1,7 @@
-"""The summary of ``benchmarks/gpu/newer-torch-path.sh``: what a torch 2.12-2.15 user runs on
-Hopper (every pass on its portable tl kernel, warm launches through ``compiled.run``), timed on
-torch 2.11 / Triton 3.6 as a proxy, against the library's default path and FlexAttention.
+"""The summary of ``benchmarks/gpu/newer-torch-path.sh``: what a Triton outside the checked
+lists runs on Hopper (every pass on its portable tl kernel, warm launches through
+``compiled.run``), timed on torch 2.11 / Triton 3.6 as a proxy, against the library's default
+path and FlexAttention.
 
 Reads the script's outputs (one or more ``kernel.py`` JSON files with the ``flashmask3``,
 ``flashmask3_portable`` and ``flex`` rows; ``host_path.py`` JSON files of the host and the
@@ -27,8 +28,9 @@ from benchmarks import host_path  # noqa: E402
 PRELUDE = ("each command run as `python - SCRIPT ARGS` with a stdin prelude that sets "
            "`flashmask3.kernels.launcher.RAW_LAUNCH_HERE = False` and then runs SCRIPT (runpy), "
            "as benchmarks/gpu/newer-torch-path.sh does")
-WHAT = ("The path a torch 2.12-2.15 user runs on Hopper (every pass on its portable tl kernel, "
-        "warm launches through compiled.run), emulated on torch 2.11 / Triton 3.6: "
+WHAT = ("The path a Triton outside the checked lists runs on Hopper (torch 2.12-2.15's until "
+        "sessions 44-45; every pass on its portable tl kernel, warm launches through "
+        "compiled.run), emulated on torch 2.11 / Triton 3.6: "
         "FLASHMASK3_KERNELS=portable gives the kernel choice and RAW_LAUNCH_HERE=False the launch "
         "path. A proxy: Triton 3.7-3.9 compile the same tl source with their own compiler.")
 DEFAULT, PORTABLE, FLEX = "flashmask3", "flashmask3_portable", "flex"
@@ -73,7 +75,7 @@ def kernel_table(cases: list[dict]) -> list[str]:
 
 def markdown(rec: dict) -> str:
     meta = rec["meta"]
-    lines = ["# The path torch 2.12-2.15 users run, timed on torch 2.11 (proxy)", "",
+    lines = ["# The portable path (tl kernels, compiled.run), timed on torch 2.11 (proxy)", "",
              f"- **gpu**: `{meta['gpu']}`",
              f"- **torch / triton / cuda**: `{meta['torch']}` / `{meta['triton']}` / `{meta['cuda']}`"]
     for run in meta["kernel_runs"]:
