@@ -55,10 +55,15 @@ except ImportError:  # pragma: no cover - another Triton layout: compiled.run is
     _tritons_tensordesc_arg = None
 
 
+#: Whether Triton's ``make_tensordesc_arg`` takes a third, unused parameter (3.8 and 3.9).
+_TENSORDESC_ARG3 = (_tritons_tensordesc_arg is not None
+                    and _tritons_tensordesc_arg.__code__.co_argcount == 3)
+
+
 def _make_tensordesc_arg(desc, meta) -> list:
     """Triton's ``make_tensordesc_arg(desc, meta)``: the CUtensorMap, shape and strides the C
-    launcher gets for a host descriptor (3.8 and 3.9 add a third, unused parameter)."""
-    if _tritons_tensordesc_arg.__code__.co_argcount == 3:
+    launcher gets for a host descriptor."""
+    if _TENSORDESC_ARG3:
         return _tritons_tensordesc_arg(desc, meta, None)
     return _tritons_tensordesc_arg(desc, meta)
 
@@ -175,6 +180,16 @@ def _c_head(gx: int, gy: int, gz: int, stream, function, raw: tuple) -> list:
                 None]
     return [gx, gy, gz, stream, function, raw[1], raw[2], raw[3], None, None, None, None, None,
             raw[4], raw[5]]
+
+
+def _call_c_launcher(raw: tuple, final: list) -> None:
+    """Call the C launcher ``raw[0]`` with ``final`` (:func:`_c_head`, then the kernel's
+    arguments): as one flat list for Triton 3.6, the kernel's arguments as one sequence after
+    :data:`_PACKED_HEAD` others for 3.7-3.9."""
+    if raw[4] is None:
+        raw[0](*final)
+    else:
+        raw[0](*final[:_PACKED_HEAD], final[_PACKED_HEAD:])
 
 
 #: (id(entry), descriptor position, id(template), base pointer) -> the expanded arguments of a
@@ -314,10 +329,7 @@ def launch(kernel, grid: tuple, *args, **kwargs):
         final += _expand_descriptor(eid, pos, full[pos], meta)
         prev = pos + 1
     final += full[prev:]
-    if raw[4] is None:
-        raw[0](*final)
-    else:
-        raw[0](*final[:_PACKED_HEAD], final[_PACKED_HEAD:])
+    _call_c_launcher(raw, final)
     return c
 
 
@@ -394,11 +406,7 @@ class Bound:
                 exp = cache[ptr] = _make_tensordesc_arg(slot.build(t), meta)
             final[pos:pos + len(exp)] = exp
         final[3] = _driver.active.get_current_stream(device)
-        raw = entry.raw
-        if raw[4] is None:
-            raw[0](*final)
-        else:
-            raw[0](*final[:_PACKED_HEAD], final[_PACKED_HEAD:])
+        _call_c_launcher(entry.raw, final)
         return entry.compiled
 
     def once(self, *tensors):

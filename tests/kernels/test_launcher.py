@@ -217,7 +217,7 @@ def test_keys_separate_whatever_triton_specialises_on_and_arguments_bind_as_trit
     assert len(seen) > 100
 
 
-#: The raw C launch is built for Triton 3.6's ``CudaLauncher`` (launcher.RAW_LAUNCH_TRITON);
+#: The raw C launch is built for the ``CudaLauncher`` of launcher.RAW_LAUNCH_TRITON's versions;
 #: these tests run that launcher's own wrappers, so they belong to those versions.
 needs_raw_launch = pytest.mark.skipif(
     not launcher.RAW_LAUNCH_HERE,
@@ -278,9 +278,10 @@ def test_raw_launch_only_on_the_triton_versions_it_was_checked_on(fast, monkeypa
 
 
 def _fake_cuda_launcher(monkeypatch, recorded, fills):
-    """A real Triton 3.6 ``CudaLauncher`` (its ``__call__`` and descriptor wrapper) around a
-    recording stand-in for the compiled C function, with ``fill_tma_descriptor`` mocked (no
-    GPU): what Triton's own path passes the C launcher, to compare the raw path with."""
+    """The installed Triton's real ``CudaLauncher`` (its ``__call__`` and descriptor wrapper)
+    around a recording stand-in for the compiled C function, with the CUtensorMap encoder
+    mocked (no GPU): what Triton's own path passes the C launcher, to compare the raw path
+    with."""
     import triton
     from triton.backends.nvidia import driver as nv
 
@@ -310,7 +311,8 @@ def _fake_cuda_launcher(monkeypatch, recorded, fills):
     run.global_scratch_size = run.profile_scratch_size = 0
     run.global_scratch_align = run.profile_scratch_align = 1
     if _PACKED:  # what 3.7-3.9's __init__ builds from the signature (passed through as is)
-        run.arg_annotations, run.kernel_signature, run.gsan_enabled = ("annotations",), b"sig", False
+        run.arg_annotations, run.kernel_signature = ("annotations",), b"sig"
+        run.gsan_enabled = False
 
     class Compiled:
         function, packed_metadata = 1234, (4, 1, 0)
@@ -359,7 +361,7 @@ def _flat(call: tuple) -> tuple:
 
 @needs_raw_launch
 def test_raw_launch_passes_the_c_launcher_what_tritons_wrappers_pass(fast, monkeypatch):
-    """The hit path calls Triton 3.6's C launcher directly with the descriptors expanded from
+    """The hit path calls Triton's C launcher directly with the descriptors expanded from
     a cache: the same arguments as ``CudaLauncher.__call__`` + its descriptor wrapper pass,
     one CUtensorMap encoding per (template, pointer), a new one for a new pointer."""
     from triton.tools.tensor_descriptor import TensorDescriptor
