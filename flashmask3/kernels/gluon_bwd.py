@@ -197,8 +197,11 @@ its tile loops, STATS_SMEM 64x128 0-115, D=256 15-119, fused 32x64 17-166). From
 tile rebuilds them from opaque values (an inline-asm ``mov`` LLVM cannot see through, as the
 DS_SHARED tile always did for its descriptors): K and V from one [2, BLOCK_N, D] buffer in
 every variant, the row offsets from one opaque per-thread base (:func:`_tile_rows`), lse2 read
-after the mask. Same values and wgmmas; before 3.9 the constexpr is False and the kernels are
-the code checked on the GPU, SASS unchanged.
+after the mask; and causal C=1 masks (causal documents, sliding windows: one unmasked row
+interval per column) test each element with one unsigned compare
+(``gluon_common._causal_c1_masked``), where three compares made CUDA 13's ptxas keep the
+predicates in general registers. Same values and wgmmas; before 3.9 the constexpr is False and
+the kernels are the code checked on the GPU, SASS unchanged.
 
 Not done: prefetching across live ranges / query heads (one TMA latency per range; the
 WARP_SPEC producer does run ahead across them), dK left in flight across tiles, two consumer
@@ -221,6 +224,7 @@ from .gluon_common import (  # noqa: F401  (the shared Gluon helpers)
     GluonDescriptor,
     _gluon_builtin,
     _jit,
+    _opaque_i32,
     _triton_ir,
     gl,
     gluon,
@@ -265,7 +269,8 @@ def _triton_at_least(major: int, minor: int, version: str = triton.__version__) 
 #: them in registers: the 16 query-row offsets of a thread (``offs_mb``, 64-query tiles) and
 #: the 64-bit wgmma descriptors of the shared operands that LLVM hoists out of the loops.
 #: When set, the tiles rebuild both per tile from opaque values (:func:`_opaque_i32`,
-#: :func:`_tile_rows`, :func:`_tile_operands`) and read lse2 after the element mask (same
+#: :func:`_tile_rows`, :func:`_tile_operands`), read lse2 after the element mask and mask
+#: causal C=1 tiles with one compare per element (``_element_masked``'s SHIFT_COLS; same
 #: values, same wgmmas). A constexpr that older Triton traces as False, so their kernels
 #: are the code they were checked with, unchanged.
 OPAQUE_INVARIANTS = gl.constexpr(_triton_at_least(3, 9)) if gl is not None else False
@@ -287,18 +292,6 @@ def _tma_reduce_add(tensor_desc, coord, src, _semantic=None):
     coord = _semantic._convert_to_ir_values(coord, require_i64=False)
     _semantic.builder.create_async_tma_reduce(_triton_ir.DESCRIPTOR_REDUCE_KIND.ADD,
                                               tensor_desc.handle, coord, src.handle)
-
-
-@_gluon_builtin
-def _opaque_i32(x, pure=False, _semantic=None):
-    """``x`` (int32, scalar or tensor) through an inline-asm ``mov`` that LLVM cannot see
-    through (:func:`_tile_operands`, :data:`OPAQUE_INVARIANTS`). Not pure (the default): every
-    call is a new value, never hoisted out of a loop or merged with another call, so what is
-    computed from it is recomputed where it is used instead of being kept as a loop invariant.
-    Pure: equal inputs may share one mov, but LLVM still cannot reassociate what is added to
-    the result with what went into it. A builtin, as :func:`_tile_operands` (why: there)."""
-    return gl.inline_asm_elementwise("mov.b32 $0, $1;", "=r,r", [x], dtype=gl.int32,
-                                     is_pure=pure, pack=1, _semantic=_semantic)
 
 
 @_jit

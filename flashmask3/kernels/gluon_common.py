@@ -70,17 +70,32 @@ def _needs_mask(m, n_blk, Sq, Sk, stats, BLOCK_M: gl.constexpr, BLOCK_N: gl.cons
     return need
 
 
+@_gluon_builtin
+def _opaque_i32(x, pure=False, _semantic=None):
+    """``x`` (int32, scalar or tensor) through an inline-asm ``mov`` that LLVM cannot see
+    through (``gluon_bwd._tile_operands``, ``gluon_bwd.OPAQUE_INVARIANTS``). Not pure (the
+    default): every call is a new value, never hoisted out of a loop or merged with another
+    call, so what is computed from it is recomputed where it is used instead of being kept as a
+    loop invariant. Pure: equal inputs may share one mov, but LLVM still cannot reassociate what
+    is added to the result with what went into it. A builtin, as ``gluon_bwd._tile_operands`` (why: there)."""
+    return gl.inline_asm_elementwise("mov.b32 $0, $1;", "=r,r", [x], dtype=gl.int32,
+                                     is_pure=pure, pack=1, _semantic=_semantic)
+
+
 @_jit
 def _element_masked(rows, cols, ivals, Sq, Sk, CAUSAL: gl.constexpr, C: gl.constexpr,
                     SHIFT_COLS: gl.constexpr = False):
     """True where (row, col) is masked (docs/masks.md); rows ``[1, BM]``, cols ``[BN, 1]``, the
     column intervals ``ivals`` = (s0, e0, s1, e1) ``[BN, 1]``. Columns >= Sk are masked.
 
-    SHIFT_COLS: the causal term written ``cols - (Sk - Sq) > rows`` instead of ``cols > rows +
-    (Sk - Sq)`` (the same integers, far from overflow), the shift on the columns: the backward's
-    tiles from Triton 3.9 on (``gluon_bwd.OPAQUE_INVARIANTS``), where a thread holds 2 key
-    columns and 16 query rows, and the sums ``row + (Sk - Sq)`` would be hoisted out of the tile
-    loop as 16 invariants (which CUDA 13's ptxas keeps in local memory)."""
+    SHIFT_COLS: the backward's tiles from Triton 3.9 on (``gluon_bwd.OPAQUE_INVARIANTS``), where
+    a thread holds 2 key columns and 16 query rows. The causal term is written ``cols - (Sk -
+    Sq) > rows`` instead of ``cols > rows + (Sk - Sq)`` (the same integers, far from overflow),
+    the shift on the columns: the sums ``row + (Sk - Sq)`` would be hoisted out of the tile loop
+    as 16 invariants (which CUDA 13's ptxas keeps in local memory); and causal C=1 masks take
+    :func:`_causal_c1_masked` (one compare per element)."""
+    if SHIFT_COLS and CAUSAL and C == 1:
+        return _causal_c1_masked(rows, cols, ivals, Sq, Sk)
     masked = cols >= Sk
     if C > 0:
         s0, e0, s1, e1 = ivals
@@ -93,6 +108,26 @@ def _element_masked(rows, cols, ivals, Sq, Sk, CAUSAL: gl.constexpr, C: gl.const
         else:
             masked = masked | (cols > rows + (Sk - Sq))
     return masked
+
+
+@_jit
+def _causal_c1_masked(rows, cols, ivals, Sq, Sk):
+    """:func:`_element_masked` of a causal C=1 mask (causal documents, sliding windows), whose
+    columns leave one unmasked row interval ``[lo, hi) = [cols - (Sk - Sq), s0)`` (s0 clamped to
+    [0, Sq]; empty for a column >= Sk), as one unsigned compare per element, ``rows - lo >=
+    hi - lo``. Equal to :func:`_element_masked` on rows in [0, Sq); rows past Sq (a tile's
+    padding, zero Q and dO rows) come out masked. The bounds are loop invariants: they go
+    through :func:`_opaque_i32` so that ``rows - lo`` is not split into invariant sums that
+    ptxas spills. Why (the backward from Triton 3.9 on): three compares per element made CUDA
+    13's ptxas keep the predicates of a thread's 32 elements in general registers (~170 LOP3
+    per masked tile of the fused D=128 backward); with one, its masked tile loops have 585
+    instructions instead of 741-831, and causal C=1 backwards ran 1-4% faster (H100; the same
+    form for non-causal C=2 ran 5-7% slower, benchmarks/NOTES.md session 46)."""
+    s0, _, _, _ = ivals
+    lo = cols - (Sk - Sq)
+    n = gl.where(cols < Sk, gl.maximum(gl.minimum(gl.maximum(s0, 0), Sq) - lo, 0), 0)
+    d = rows - _opaque_i32(lo)
+    return d.to(gl.uint32, bitcast=True) >= _opaque_i32(n).to(gl.uint32, bitcast=True)
 
 
 @_jit

@@ -99,6 +99,40 @@ def _offline_skip_reason():
     return None
 
 
+#: int32 column values the one-compare test below draws from besides random in-range rows:
+#: the bounds, just past them, and int32's extremes (out-of-range values act as clamped).
+EDGE_VALUES = (0, 1, -1, -(2 ** 31), 2 ** 31 - 1)
+
+
+@pytest.mark.parametrize("sq, sk", [(37, 37), (29, 53), (53, 29)])
+def test_causal_c1_one_compare_mask_is_the_column_mask(sq, sk):
+    """The backward tiles' one-compare mask of causal C=1 masks from Triton 3.9 on
+    (``gluon_common._causal_c1_masked``: each column leaves one unmasked row interval [lo, hi)):
+    masked where ``uint32(row - lo) >= uint32(max(hi - lo, 0))``, lo = col - (Sk - Sq), hi = the
+    column's start clamped to [0, Sq]. Derived here in 64-bit integers wrapped to 32 bits, as
+    the kernel computes it, and compared with ``masks.to_dense`` on every row in [0, Sq) for
+    random columns and int32's extremes. (Gluon does not run on a CPU: the GPU tests run the
+    kernel itself on causal C=1 masks.)"""
+    from flashmask3.masks import to_dense
+
+    g = torch.Generator().manual_seed(sq * 1000 + sk)
+    random_rows = torch.randint(-2, sq + 3, (sk, 1), generator=g)
+    edges = torch.tensor(EDGE_VALUES + (sq, sq + 1))[torch.randint(0, 7, (sk, 1), generator=g)]
+    cols = torch.where(torch.rand(sk, 1, generator=g) < 0.3, edges, random_rows).to(torch.int32)
+    allowed = to_dense(cols.view(1, 1, sk, 1), True, sq, sk)[0, 0]
+    rows = torch.arange(sq, dtype=torch.int64)[:, None]
+    lo = torch.arange(sk, dtype=torch.int64)[None, :] - (sk - sq)
+    hi = cols[:, 0].to(torch.int64).clamp(0, sq)[None, :]
+    n = _int32(hi - lo).clamp(min=0)  # int32 arithmetic, as in the kernel
+    masked = _int32(rows - lo) % 2 ** 32 >= n  # the unsigned compare
+    assert torch.equal(~masked, allowed)
+
+
+def _int32(x: torch.Tensor) -> torch.Tensor:
+    """``x`` (int64) wrapped to int32's range, as 32-bit integer arithmetic leaves it."""
+    return (x + 2 ** 31) % 2 ** 32 - 2 ** 31
+
+
 @pytest.mark.skipif(_offline_skip_reason() is not None, reason=str(_offline_skip_reason()))
 @pytest.mark.parametrize("causal, c", [(True, 1), (False, 2), (True, 0), (False, 4)])
 def test_compiles_for_sm90_with_overlapped_wgmma(causal, c):
