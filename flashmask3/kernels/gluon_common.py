@@ -77,7 +77,8 @@ def _opaque_i32(x, pure=False, _semantic=None):
     default): every call is a new value, never hoisted out of a loop or merged with another
     call, so what is computed from it is recomputed where it is used instead of being kept as a
     loop invariant. Pure: equal inputs may share one mov, but LLVM still cannot reassociate what
-    is added to the result with what went into it. A builtin, as ``gluon_bwd._tile_operands`` (why: there)."""
+    is added to the result with what went into it. A builtin, as ``gluon_bwd._tile_operands``
+    (why: there)."""
     return gl.inline_asm_elementwise("mov.b32 $0, $1;", "=r,r", [x], dtype=gl.int32,
                                      is_pure=pure, pack=1, _semantic=_semantic)
 
