@@ -10,11 +10,12 @@ the baseline tree's ``flashmask3/`` with this script; ``benchmarks/ab_trees.py``
 general A/B of two trees).
 
 Each process first checks one forward+backward per head dim against the float64 reference
-(an arm must be correct before it is timed), then times D=128 masks at 32K (batch 4, 32
-heads, bf16; ``benchmarks/kernel.py``'s masks and inputs): GPU ms of the forward and of
-forward+backward by CUDA events behind a GPU sleep (host hidden), medians of interleaved
-rounds, and the backward kernel the dispatch chose. Run the arms alternately, in separate
-processes, on one machine; ``--report`` turns the JSON files into a table (median over runs):
+(an arm must be correct before it is timed: ``newer_triton_smoke.reference_errors``), then
+times D=128 masks at 32K (batch 4, 32 heads, bf16; ``benchmarks/kernel.py``'s masks and
+inputs): GPU ms of the forward and of forward+backward by CUDA events behind a GPU sleep (host
+hidden), medians of interleaved rounds, and the backward kernel the dispatch chose. Run the
+arms alternately, in separate processes, on one machine; ``--report`` turns the JSON files
+into a table (median over runs):
 
     for i in 1 2; do for a in opaque plain; do python benchmarks/gluon_bwd_ab.py --arm $a --out $OUT/ab_${a}_$i.json; done; done
     python benchmarks/gluon_bwd_ab.py --report $OUT/ab_*.json
@@ -23,6 +24,7 @@ processes, on one machine; ``--report`` turns the JSON files into a table (media
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
 import os
@@ -46,20 +48,6 @@ def set_arm(arm: str) -> bool:
     return bool(getattr(value, "value", value))
 
 
-def check_arm() -> dict:
-    """Relative errors of one forward+backward per head dim against the float64 reference
-    (raises above the tests' tolerance)."""
-    from flashmask3.masks import causal_document_mask
-    from tests.kernels.attention_checks import check_attention, make_qkv
-
-    out = {}
-    for d in (64, 128):
-        q, k, v = make_qkv(2, 2048, 2048, 8, 8, d, torch.bfloat16, device="cuda", seed=d)
-        mask = causal_document_mask([[700, 900, 448], [2048]], device="cuda")
-        out[f"D={d}"] = check_attention(q, k, v, mask)
-    return out
-
-
 def time_masks(masks, seqlen: int, rounds: int) -> list[dict]:
     """GPU ms of forward and forward+backward per mask (interleaved rounds, host hidden)."""
     from benchmarks import kernel as K
@@ -81,7 +69,8 @@ def time_masks(masks, seqlen: int, rounds: int) -> list[dict]:
         def fwd_bwd():
             torch.autograd.backward(fwd(), dout)
 
-        calls = {"fwd": (lambda: fwd(), leaves, _null), "fwd_bwd": (fwd_bwd, leaves, _null)}
+        calls = {"fwd": (lambda: fwd(), leaves, contextlib.nullcontext),
+                 "fwd_bwd": (fwd_bwd, leaves, contextlib.nullcontext)}
         for c in calls.values():  # compile, warm
             K._event_timer(c)
         med = K.interleaved_medians(calls, K._event_timer, rounds)
@@ -97,14 +86,6 @@ def time_masks(masks, seqlen: int, rounds: int) -> list[dict]:
         del q, k, v, dout, leaves
         torch.cuda.empty_cache()
     return rows
-
-
-class _null:
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        return False
 
 
 def _arm_name(run: dict) -> str:
@@ -147,9 +128,10 @@ def main(argv=None) -> int:
     import triton
 
     from benchmarks.environment import run_environment
+    from benchmarks.gpu.newer_triton_smoke import reference_errors
 
     print(f"triton {triton.__version__}, arm {args.arm}: OPAQUE_INVARIANTS={opaque}", flush=True)
-    errors = check_arm()
+    errors = reference_errors("cuda")
     print(f"reference check: {errors}", flush=True)
     rows = time_masks(args.masks.split(","), args.seqlen, args.rounds)
     rec = dict(arm=args.arm, label=args.label, opaque=opaque, triton=triton.__version__, check=errors, rows=rows,
