@@ -9,13 +9,14 @@ this Triton. The flag is a constexpr global read at compile time (part of Triton
 the baseline tree's ``flashmask3/`` with this script; ``benchmarks/ab_trees.py`` is the
 general A/B of two trees).
 
-Each process first checks one forward+backward per head dim against the float64 reference
-(an arm must be correct before it is timed: ``newer_triton_smoke.reference_errors``), then
-times D=128 masks at 32K (batch 4, 32 heads, bf16; ``benchmarks/kernel.py``'s masks and
-inputs): GPU ms of the forward and of forward+backward by CUDA events behind a GPU sleep (host
-hidden), medians of interleaved rounds, and the backward kernel the dispatch chose. Run the
-arms alternately, in separate processes, on one machine; ``--report`` turns the JSON files
-into a table (median over runs):
+Each process first checks one forward+backward of causal and of bidirectional documents per
+timed head dim against the float64 reference (an arm must be correct before it is timed:
+``newer_triton_smoke.reference_errors``), then times masks at 32K per head dim (``--dims``,
+default 128; the model width 4096 split into heads of that dim, batch 4, bf16;
+``benchmarks/kernel.py``'s masks and inputs): GPU ms of the forward and of forward+backward by
+CUDA events behind a GPU sleep (host hidden), medians of interleaved rounds, and the backward
+kernel the dispatch chose. Run the arms alternately, in separate processes, on one machine;
+``--report`` turns the JSON files into a table (median over runs):
 
     for i in 1 2; do for a in opaque plain; do python benchmarks/gluon_bwd_ab.py --arm $a --out $OUT/ab_${a}_$i.json; done; done
     python benchmarks/gluon_bwd_ab.py --report $OUT/ab_*.json
@@ -48,13 +49,14 @@ def set_arm(arm: str) -> bool:
     return bool(getattr(value, "value", value))
 
 
-def time_masks(masks, seqlen: int, rounds: int) -> list[dict]:
-    """GPU ms of forward and forward+backward per mask (interleaved rounds, host hidden)."""
+def time_masks(masks, seqlen: int, rounds: int, d: int = 128) -> list[dict]:
+    """GPU ms of forward and forward+backward per mask at head dim ``d`` (interleaved rounds,
+    host hidden)."""
     from benchmarks import kernel as K
     from flashmask3.api import kernel_row_span
     from flashmask3.kernels import dispatch
 
-    d, hq = 128, K.HIDDEN // 128
+    hq = K.HIDDEN // d
     batch = K.TOTAL_TOKENS // seqlen
     rows = []
     for name in masks:
@@ -82,7 +84,7 @@ def time_masks(masks, seqlen: int, rounds: int) -> list[dict]:
                          backward=[f"{x.kernel} {x.tile}" for x in
                                    dispatch.choose(q.device, q.dtype, d, causal, c).backward],
                          forward=f"{choice.forward.kernel} {choice.forward.tile}"))
-        print(f"{name}: fwd {med['fwd']:.3f} ms, fwd+bwd {med['fwd_bwd']:.3f} ms", flush=True)
+        print(f"{name} D={d}: fwd {med['fwd']:.3f} ms, fwd+bwd {med['fwd_bwd']:.3f} ms", flush=True)
         del q, k, v, dout, leaves
         torch.cuda.empty_cache()
     return rows
@@ -99,14 +101,14 @@ def report(paths: list[str]) -> str:
     groups: dict = {}
     for r in runs:
         for row in r["rows"]:
-            key = (r["triton"], _arm_name(r), row["mask"])
+            key = (r["triton"], _arm_name(r), row["mask"], row.get("D", 128))
             groups.setdefault(key, []).append(row)
-    lines = ["| triton | arm (opaque) | mask | runs | fwd ms | bwd ms | fwd+bwd ms | backward kernel |",
-             "|---|---|---|---|---|---|---|---|"]
+    lines = ["| triton | arm (opaque) | mask | D | runs | fwd ms | bwd ms | fwd+bwd ms | backward kernel |",
+             "|---|---|---|---|---|---|---|---|---|"]
     opaque = {(r["triton"], _arm_name(r)): r["opaque"] for r in runs}
-    for (tv, arm, mask), rows in sorted(groups.items()):
+    for (tv, arm, mask, d), rows in sorted(groups.items()):
         med = {k: statistics.median(x[k] for x in rows) for k in ("fwd_ms", "bwd_ms", "fwd_bwd_ms")}
-        lines.append(f"| {tv} | {arm} ({opaque[(tv, arm)]}) | {mask} | {len(rows)} | {med['fwd_ms']:.2f} "
+        lines.append(f"| {tv} | {arm} ({opaque[(tv, arm)]}) | {mask} | {d} | {len(rows)} | {med['fwd_ms']:.2f} "
                      f"| {med['bwd_ms']:.2f} | {med['fwd_bwd_ms']:.2f} | {rows[0]['backward'][0]} |")
     return "\n".join(lines)
 
@@ -116,6 +118,7 @@ def main(argv=None) -> int:
     ap.add_argument("--arm", choices=("opaque", "plain", "default"), default="default")
     ap.add_argument("--masks", default=",".join(MASKS))
     ap.add_argument("--seqlen", type=int, default=32768)
+    ap.add_argument("--dims", default="128", help="head dims, comma-separated (each its own kernels)")
     ap.add_argument("--rounds", type=int, default=9)
     ap.add_argument("--label", default="", help="names this run in the report (e.g. its code tree)")
     ap.add_argument("--out", help="JSON file of this arm's run")
@@ -131,9 +134,10 @@ def main(argv=None) -> int:
     from benchmarks.gpu.newer_triton_smoke import reference_errors
 
     print(f"triton {triton.__version__}, arm {args.arm}: OPAQUE_INVARIANTS={opaque}", flush=True)
-    errors = reference_errors("cuda")
+    dims = tuple(map(int, args.dims.split(",")))
+    errors = reference_errors("cuda", dims, bidirectional=True)
     print(f"reference check: {errors}", flush=True)
-    rows = time_masks(args.masks.split(","), args.seqlen, args.rounds)
+    rows = [row for d in dims for row in time_masks(args.masks.split(","), args.seqlen, args.rounds, d)]
     rec = dict(arm=args.arm, label=args.label, opaque=opaque, triton=triton.__version__, check=errors, rows=rows,
                env=run_environment(torch.device("cuda")))
     if args.out:

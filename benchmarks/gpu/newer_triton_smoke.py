@@ -6,20 +6,23 @@ of a typical call, before it). Exits non-zero on any error above the test tolera
 import torch
 import triton
 
-from flashmask3.masks import causal_document_mask
+from flashmask3.masks import causal_document_mask, document_mask
 from flashmask3.kernels import dispatch, launcher
 from tests.kernels.attention_checks import check_attention, make_qkv
 
 
-def reference_errors(device) -> dict:
-    """``{"D=64": errors, "D=128": errors}``: one forward + backward per head dim (causal
-    documents, GQA 4:2, bf16) against the float64 reference; raises above the tests' tolerance.
-    (Also the pre-check of every arm of ``benchmarks/gluon_bwd_ab.py``.)"""
+def reference_errors(device, dims=(64, 128), bidirectional: bool = False) -> dict:
+    """``{"D=64": errors, ...}``: one forward + backward per head dim (causal documents, GQA
+    4:2, bf16) against the float64 reference, and with ``bidirectional`` the same documents
+    without the causal part (``"D=64 bidirectional"``: the non-causal kernels); raises above
+    the tests' tolerance. (Also the pre-check of every arm of ``benchmarks/gluon_bwd_ab.py``.)"""
     out = {}
-    for d in (64, 128):
+    kinds = [("", causal_document_mask)] + ([(" bidirectional", document_mask)] if bidirectional else [])
+    for d in dims:
         q, k, v = make_qkv(2, 2048, 2048, 4, 2, d, torch.bfloat16, device=device, seed=d)
-        mask = causal_document_mask([[700, 900, 448], [2048]], device=device)
-        out[f"D={d}"] = check_attention(q, k, v, mask)
+        for label, build in kinds:
+            mask = build([[700, 900, 448], [2048]], device=device)
+            out[f"D={d}{label}"] = check_attention(q, k, v, mask)
     return out
 
 

@@ -31,6 +31,17 @@ def test_report_takes_the_median_over_runs_per_triton_arm_and_mask(tmp_path):
     assert any("| head default (True) |" in x and "| 1 | 15.00 | 46.00 |" in x for x in table)
 
 
+def test_report_keeps_head_dims_apart(tmp_path):
+    run = _run("3.9.0", "default", True, "new", [("sliding_window", 10.0, 30.0)])
+    other = _run("3.9.0", "default", True, "new", [("sliding_window", 20.0, 60.0)])
+    other["rows"][0]["D"] = 256
+    for i, r in enumerate((run, other)):
+        (tmp_path / f"r{i}.json").write_text(json.dumps(r))
+    table = AB.report([str(tmp_path / f"r{i}.json") for i in range(2)]).splitlines()
+    assert any("| sliding_window | 128 | 1 | 10.00 | 30.00 |" in x for x in table)
+    assert any("| sliding_window | 256 | 1 | 20.00 | 60.00 |" in x for x in table)
+
+
 @pytest.mark.skipif(G.gl is None, reason="needs triton.experimental.gluon")
 @pytest.mark.parametrize("arm, want", [("opaque", True), ("plain", False)])
 def test_set_arm_sets_the_constexpr_the_kernels_read(arm, want, monkeypatch):
