@@ -554,7 +554,7 @@ def sweep_section(model, sweep: dict, cluster) -> list[str]:
             lines.append(f"| {cp} | " + " | ".join(cells) + f" | {extra} |")
         worst = max((v.get("plan_seconds", 0.0), cp, m) for cp, res in by_cp.items() for m, v in res.items())
         lines += ["", f"Planning (today's `plan()`, this 2-core machine, when the cached view was built): slowest "
-                  f"{worst[0]:.1f} s ({worst[2]}, cp {worst[1]}); the model caches plan views on disk, so reruns "
+                  f"{worst[0]:.2f} s ({worst[2]}, cp {worst[1]}); the model caches plan views on disk, so reruns "
                   "do not replan.", ""]
     return lines
 

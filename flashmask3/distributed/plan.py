@@ -18,15 +18,15 @@ before any data moves (docs/context-parallel.md):
   axis in arrival order.
 
 Planning costs O(B * Hm * S / tile) for the summaries, O(n^2) for the chunk liveness grid
-(``n`` chunks), the placement's swaps (see its module) and O(P * n) for the routing; every
-per-rank query is precomputed or cached.
+(``n`` chunks), the placement's swaps (see its module) and O(P * n) for the routing (numpy
+arrays, no per-transfer objects); every per-rank query is built on first use and cached.
 """
 
 from __future__ import annotations
 
 import hashlib
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Optional, Sequence, Union
 
 import numpy as np
@@ -79,7 +79,6 @@ class Transfer:
     chunks: tuple[int, ...]
 
 
-@dataclass(frozen=True)
 class Round:
     """One batch of point-to-point transfers, the same on every rank's copy of the plan.
 
@@ -87,39 +86,159 @@ class Round:
     may be issued at once at the start of a layer. ``relay=True``: the senders forward chunks
     they received in round ``source`` (an earlier round index), so a rank may issue it only
     after round ``source`` has arrived.
+
+    Kept as arrays of (src, dst, chunk) triples, one per chunk sent, ordered by (src, dst):
+    a flat plan over P ranks exchanges between nearly every pair (16K transfers at cp 128), and
+    a training rank reads only its own messages, so :class:`Transfer` objects are built on
+    demand (:meth:`sends` / :meth:`recvs` per rank, cached; :attr:`transfers` all of them).
+    Thousands of objects per plan made Python's full garbage collections (~0.2 s each on a
+    slow host) come every few plans (benchmarks/NOTES.md, session 47). Immutable; equal when
+    the transfers, ``relay`` and ``source`` are.
     """
 
-    transfers: tuple[Transfer, ...]
-    relay: bool = False
-    source: Optional[int] = None
-    _by_src: dict = field(default=None, init=False, repr=False, compare=False, hash=False)
-    _by_dst: dict = field(default=None, init=False, repr=False, compare=False, hash=False)
+    __slots__ = ("_relay", "_source", "_src", "_dst", "_chunk", "_dst_order", "_cache")
 
-    def __post_init__(self):
-        if self.relay != (self.source is not None):
-            raise ValueError("a relay round needs its source round index, a direct round none "
-                             f"(relay={self.relay}, source={self.source})")
-        by_src: dict[int, list[Transfer]] = {}
-        by_dst: dict[int, list[Transfer]] = {}
+    def __init__(self, transfers: Sequence[Transfer] = (), relay: bool = False,
+                 source: Optional[int] = None):
+        transfers = tuple(transfers)
         pairs = set()
-        for t in self.transfers:
+        for t in transfers:
             if (t.src, t.dst) in pairs:
                 raise ValueError(f"a round holds at most one transfer per (src, dst) pair; ({t.src}, {t.dst}) "
                                  "appears twice")
+            if not t.chunks:
+                raise ValueError(f"transfer ({t.src}, {t.dst}) carries no chunk")
             pairs.add((t.src, t.dst))
-            by_src.setdefault(t.src, []).append(t)
-            by_dst.setdefault(t.dst, []).append(t)
-        # each rank's messages in peer order: the exchange lays them out as one all-to-all
-        object.__setattr__(self, "_by_src", {r: tuple(sorted(v, key=lambda t: t.dst)) for r, v in by_src.items()})
-        object.__setattr__(self, "_by_dst", {r: tuple(sorted(v, key=lambda t: t.src)) for r, v in by_dst.items()})
+        counts = [len(t.chunks) for t in transfers]
+        src = np.repeat(np.array([t.src for t in transfers], dtype=np.int64), counts)
+        dst = np.repeat(np.array([t.dst for t in transfers], dtype=np.int64), counts)
+        chunk = np.array([c for t in transfers for c in t.chunks], dtype=np.int64)
+        order = np.lexsort((dst, src))  # stable: each transfer's chunks keep their order
+        self._set(src[order], dst[order], chunk[order], relay, source)
+
+    @classmethod
+    def _of_triples(cls, src: np.ndarray, dst: np.ndarray, chunk: np.ndarray, relay: bool = False,
+                    source: Optional[int] = None) -> "Round":
+        """A round of (src, dst, chunk) triples already ordered by (src, dst, chunk) (the
+        planner's; no per-transfer objects)."""
+        rnd = cls.__new__(cls)
+        rnd._set(src, dst, chunk, relay, source)
+        return rnd
+
+    def _set(self, src, dst, chunk, relay, source) -> None:
+        if bool(relay) != (source is not None):
+            raise ValueError("a relay round needs its source round index, a direct round none "
+                             f"(relay={relay}, source={source})")
+        object.__setattr__(self, "_relay", bool(relay))
+        object.__setattr__(self, "_source", None if source is None else int(source))
+        for name, a in (("_src", src), ("_dst", dst), ("_chunk", chunk)):
+            a = np.ascontiguousarray(a, dtype=np.int64)
+            a.flags.writeable = False
+            object.__setattr__(self, name, a)
+        object.__setattr__(self, "_dst_order", None)
+        object.__setattr__(self, "_cache", {})
+
+    def __setattr__(self, name, value):
+        raise AttributeError(f"Round is immutable (cannot set {name!r})")
+
+    def __getstate__(self):
+        return (self._src, self._dst, self._chunk, self._relay, self._source)
+
+    def __setstate__(self, state):
+        self._set(*state)
+
+    @property
+    def relay(self) -> bool:
+        return self._relay
+
+    @property
+    def source(self) -> Optional[int]:
+        return self._source
+
+    @property
+    def num_chunks_sent(self) -> int:
+        """Chunk copies this round moves (summed over its transfers)."""
+        return len(self._chunk)
+
+    def cross_node_chunks(self, gpus_per_node: int) -> int:
+        """Chunk copies of this round whose sender and receiver sit on different nodes."""
+        return int(np.count_nonzero(self._src // gpus_per_node != self._dst // gpus_per_node))
+
+    @property
+    def transfers(self) -> tuple[Transfer, ...]:
+        """Every transfer, ordered by (src, dst) (built on first use)."""
+        got = self._cache.get("all")
+        if got is None:
+            got = self._cache["all"] = _transfers_of(self._src, self._dst, self._chunk)
+        return got
 
     def sends(self, rank: int) -> list[Transfer]:
         """Transfers ``rank`` sends in this round, in increasing destination rank."""
-        return list(self._by_src.get(rank, ()))
+        key = ("send", int(rank))
+        got = self._cache.get(key)
+        if got is None:
+            lo, hi = np.searchsorted(self._src, [rank, rank + 1])
+            got = self._cache[key] = _transfers_of(self._src[lo:hi], self._dst[lo:hi], self._chunk[lo:hi])
+        return list(got)
+
+    def _by_dst(self) -> tuple[np.ndarray, np.ndarray]:
+        """(triple indices ordered by (dst, src), each transfer's chunks in order; their dst)."""
+        if self._dst_order is None:
+            order = np.lexsort((self._src, self._dst))
+            object.__setattr__(self, "_dst_order", (order, self._dst[order]))
+        return self._dst_order
 
     def recvs(self, rank: int) -> list[Transfer]:
         """Transfers ``rank`` receives in this round, in increasing source rank."""
-        return list(self._by_dst.get(rank, ()))
+        key = ("recv", int(rank))
+        got = self._cache.get(key)
+        if got is None:
+            idx = self._received(rank)
+            got = self._cache[key] = _transfers_of(self._src[idx], self._dst[idx], self._chunk[idx])
+        return list(got)
+
+    def _received(self, rank: int) -> np.ndarray:
+        """Indices of the triples ``rank`` receives, ordered by source."""
+        order, dst = self._by_dst()
+        lo, hi = np.searchsorted(dst, [rank, rank + 1])
+        return order[lo:hi]
+
+    def received_chunks(self, rank: int) -> np.ndarray:
+        """Chunk ids ``rank`` receives in this round (by source, then ascending)."""
+        return self._chunk[self._received(rank)]
+
+    def __eq__(self, other) -> bool:
+        if not isinstance(other, Round):
+            return NotImplemented
+        return (self._relay == other._relay and self._source == other._source
+                and np.array_equal(self._src, other._src) and np.array_equal(self._dst, other._dst)
+                and np.array_equal(self._chunk, other._chunk))
+
+    def __hash__(self) -> int:
+        return hash((self._relay, self._source, self._src.tobytes(), self._dst.tobytes(),
+                     self._chunk.tobytes()))
+
+    def __repr__(self) -> str:
+        n = len(_transfer_starts(self._src, self._dst)) if len(self._src) else 0
+        return (f"Round({n} transfers, {len(self._chunk)} chunks, relay={self._relay}, "
+                f"source={self._source})")
+
+
+def _transfer_starts(src: np.ndarray, dst: np.ndarray) -> np.ndarray:
+    """First triple of each (src, dst) run."""
+    cut = np.flatnonzero((src[1:] != src[:-1]) | (dst[1:] != dst[:-1])) + 1
+    return np.r_[0, cut]
+
+
+def _transfers_of(src: np.ndarray, dst: np.ndarray, chunk: np.ndarray) -> tuple[Transfer, ...]:
+    """:class:`Transfer` objects of (src, dst, chunk) triples grouped by (src, dst) runs."""
+    if not len(src):
+        return ()
+    starts = _transfer_starts(src, dst)
+    bounds = np.r_[starts, len(src)].tolist()
+    chunks = chunk.tolist()
+    return tuple(Transfer(s, d, tuple(chunks[i:j])) for s, d, i, j in
+                 zip(src[starts].tolist(), dst[starts].tolist(), bounds[:-1], bounds[1:]))
 
 
 # -- argument handling ------------------------------------------------------------------------
@@ -279,16 +398,11 @@ def _ptrr(chunk_work: np.ndarray, cp_size: int) -> np.ndarray:
 # -- routing ----------------------------------------------------------------------------------------
 
 
-def _group_transfers(src: np.ndarray, dst: np.ndarray, chunk: np.ndarray) -> tuple[Transfer, ...]:
-    """Transfers from (src, dst, chunk) triples: one per (src, dst), chunks ascending, sorted."""
-    if not len(src):
-        return ()
+def _ordered_triples(src: np.ndarray, dst: np.ndarray, chunk: np.ndarray) -> tuple[np.ndarray, ...]:
+    """(src, dst, chunk) triples ordered by (src, dst, chunk): one transfer per (src, dst),
+    chunks ascending (a :class:`Round`'s layout)."""
     order = np.lexsort((chunk, dst, src))
-    src, dst, chunk = src[order], dst[order], chunk[order]
-    cut = np.flatnonzero((src[1:] != src[:-1]) | (dst[1:] != dst[:-1])) + 1
-    bounds = np.r_[0, cut, len(src)].tolist()
-    chunks = chunk.tolist()
-    return tuple(Transfer(int(src[i]), int(dst[i]), tuple(chunks[i:j])) for i, j in zip(bounds[:-1], bounds[1:]))
+    return src[order], dst[order], chunk[order]
 
 
 def _remote_needs(owner: np.ndarray, need: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -311,7 +425,8 @@ def _flat_rounds(owner: np.ndarray, need: np.ndarray, n_rounds: int) -> list[Rou
     dst, chunk = _remote_needs(owner, need)
     src = owner[chunk]
     rnd = which[(dst - src) % p]
-    return [Round(_group_transfers(src[rnd == i], dst[rnd == i], chunk[rnd == i])) for i in range(len(groups))]
+    return [Round._of_triples(*_ordered_triples(src[rnd == i], dst[rnd == i], chunk[rnd == i]))
+            for i in range(len(groups))]
 
 
 def _hierarchical_rounds(owner: np.ndarray, need: np.ndarray, nodes: int) -> list[Round]:
@@ -326,23 +441,23 @@ def _hierarchical_rounds(owner: np.ndarray, need: np.ndarray, nodes: int) -> lis
     dst, chunk = _remote_needs(owner, need)
     src = owner[chunk]
     same = dst // g == src // g
-    intra = _group_transfers(src[same], dst[same], chunk[same])
+    intra = _ordered_triples(src[same], dst[same], chunk[same])
     # cross-node: (chunk, other node) pairs with some rank of that node needing the chunk
     far_dst, far_chunk = dst[~same], chunk[~same]
     far_src = owner[far_chunk]
     peer = (far_dst // g) * g + far_src % g
     key = np.unique(far_chunk * p + peer)
     x_chunk, x_peer = key // p, key % p
-    cross = _group_transfers(owner[x_chunk], x_peer, x_chunk)
+    cross = _ordered_triples(owner[x_chunk], x_peer, x_chunk)
     fan = far_dst != peer
-    relay = _group_transfers(peer[fan], far_dst[fan], far_chunk[fan])
+    relay = _ordered_triples(peer[fan], far_dst[fan], far_chunk[fan])
     rounds: list[Round] = []
-    if intra:
-        rounds.append(Round(intra))
-    if cross:
-        rounds.append(Round(cross))
-        if relay:
-            rounds.append(Round(relay, relay=True, source=len(rounds) - 1))
+    if len(intra[0]):
+        rounds.append(Round._of_triples(*intra))
+    if len(cross[0]):
+        rounds.append(Round._of_triples(*cross))
+        if len(relay[0]):
+            rounds.append(Round._of_triples(*relay, relay=True, source=len(rounds) - 1))
     return rounds
 
 
@@ -402,12 +517,8 @@ class CPPlan:
             self.rounds = _flat_rounds(self.owner, self.need, comm_rounds)
         self._works = np.bincount(self.owner, weights=self.chunk_work, minlength=cp_size).astype(np.int64)
         self._chunks = [tuple(o.tolist()) for o in self._owned]
-        self._stages = [self._build_stages(r) for r in range(cp_size)]
-        self._needed = {}
-        for r, st in enumerate(self._stages):
-            arrival = tuple(c for stage in st for c in stage)
-            self._needed[(r, "arrival")] = arrival
-            self._needed[(r, "sorted")] = tuple(sorted(arrival))
+        self._stages: dict[int, list[tuple[int, ...]]] = {}  # per rank, on first use
+        self._needed: dict[tuple[int, str], tuple[int, ...]] = {}
         self._index_cache: dict = {}
         self._local_masks: dict[tuple[int, str], FlashMask] = {}
         # names the plan to the traced layer's custom op (flashmask3::cp_attention_forward): a
@@ -457,13 +568,19 @@ class CPPlan:
             cache[window] = self.with_mask(with_window(full, window))
         return cache[window]
 
-    def _build_stages(self, rank: int) -> list[tuple[int, ...]]:
-        need = self.need[rank]
-        out = [tuple(int(c) for c in self._owned[rank] if need[c])]
-        for rnd in self.rounds:
-            got = sorted(c for t in rnd.recvs(rank) for c in t.chunks if need[c])
-            out.append(tuple(got))
-        return out
+    def _rank_stages(self, rank: int) -> list[tuple[int, ...]]:
+        """:meth:`stages` of a checked rank, built on first use (a training rank asks for its
+        own only)."""
+        got = self._stages.get(rank)
+        if got is None:
+            need = self.need[rank]
+            own = self._owned[rank]
+            got = [tuple(own[need[own]].tolist())]
+            for rnd in self.rounds:
+                c = rnd.received_chunks(rank)
+                got.append(tuple(np.sort(c[need[c]]).tolist()))
+            self._stages[rank] = got
+        return got
 
     # -- ownership ---------------------------------------------------------------------------
     def _check_rank(self, rank) -> int:
@@ -522,7 +639,7 @@ class CPPlan:
 
         Chunks that a rank only relays (needed by another rank of its node) are not listed.
         """
-        return list(self._stages[self._check_rank(rank)])
+        return list(self._rank_stages(self._check_rank(rank)))
 
     def needed_chunks(self, rank: int, order: str = "arrival") -> tuple[int, ...]:
         """KV chunks live for ``rank``'s rows: in arrival order (the local key axis of the
@@ -530,6 +647,10 @@ class CPPlan:
         rank = self._check_rank(rank)
         if order not in ("arrival", "sorted"):
             raise ValueError(f"order must be 'arrival' or 'sorted', got {order!r}")
+        if (rank, order) not in self._needed:
+            arrival = tuple(c for stage in self._rank_stages(rank) for c in stage)
+            self._needed[(rank, "arrival")] = arrival
+            self._needed[(rank, "sorted")] = tuple(sorted(arrival))
         return self._needed[(rank, order)]
 
     def key_index(self, rank: int, order: str = "arrival") -> torch.Tensor:
@@ -574,7 +695,7 @@ class CPPlan:
             return self.cp_size * (self.seqlen - self.local_seqlen)
         if comm != "overlap":
             raise ValueError(f"comm must be 'allgather' or 'overlap', got {comm!r}")
-        return sum(len(t.chunks) for rnd in self.rounds for t in rnd.transfers) * self.chunk_size
+        return sum(rnd.num_chunks_sent for rnd in self.rounds) * self.chunk_size
 
     def cross_node_transfers(self, comm: str = "overlap", gpus_per_node: Optional[int] = None) -> int:
         """Chunk transfers that cross a node boundary in one forward pass.
@@ -590,8 +711,7 @@ class CPPlan:
             return self.num_chunks * (self.cp_size - g)
         if comm != "overlap":
             raise ValueError(f"comm must be 'allgather' or 'overlap', got {comm!r}")
-        return sum(len(t.chunks) for rnd in self.rounds for t in rnd.transfers
-                   if t.src // g != t.dst // g)
+        return sum(rnd.cross_node_chunks(g) for rnd in self.rounds)
 
     # -- sharding ------------------------------------------------------------------------------
     def shard(self, x: torch.Tensor, rank: int, dim: int = 1) -> torch.Tensor:
@@ -637,8 +757,10 @@ class CPPlan:
         detect ranks that planned from different masks before their traffic mismatches."""
         if getattr(self, "_fingerprint", None) is None:
             h = hashlib.sha256(repr((self.seqlen, self.cp_size, self.chunk_size, self.nodes, self.causal,
-                                     [(r.relay, r.source, [(t.src, t.dst, t.chunks) for t in r.transfers])
-                                      for r in self.rounds])).encode())
+                                     [(r.relay, r.source, r.num_chunks_sent) for r in self.rounds])).encode())
+            for r in self.rounds:  # the routing, without building its Transfer objects
+                for a in (r._src, r._dst, r._chunk):
+                    h.update(a.tobytes())
             h.update(self.owner.tobytes())
             h.update(np.packbits(self.need).tobytes())
             self._fingerprint = int.from_bytes(h.digest()[:8], "little") >> 1

@@ -441,6 +441,47 @@ def test_round_lists_each_ranks_messages_in_peer_order_and_refuses_a_repeated_pa
         Round((Transfer(0, 1, (2,)), Transfer(0, 1, (3,))))
 
 
+def test_round_keeps_every_transfer_of_its_triples_and_builds_them_per_rank():
+    """A Round holds (src, dst, chunk) arrays and builds Transfers on demand: every view of it
+    (all transfers, each rank's sends and receives, its stages, the plan's K/V accounting)
+    must equal what the transfers themselves say, for flat and hierarchical plans."""
+    lens = document_spreads(16384, seed=5)["mixed"]
+    for nodes in (1, 2):
+        p = plan(M.causal_document_mask(lens), None, 8, nodes=nodes, chunk_size=256)
+        g = p.cp_size // p.nodes
+        for rnd in p.rounds:
+            ts = rnd.transfers
+            assert [(t.src, t.dst) for t in ts] == sorted({(t.src, t.dst) for t in ts})
+            assert all(list(t.chunks) == sorted(t.chunks) and t.chunks for t in ts)
+            assert rnd.num_chunks_sent == sum(len(t.chunks) for t in ts)
+            assert rnd.cross_node_chunks(g) == sum(len(t.chunks) for t in ts if t.src // g != t.dst // g)
+            for r in range(p.cp_size):
+                assert rnd.sends(r) == [t for t in ts if t.src == r]
+                assert rnd.recvs(r) == sorted((t for t in ts if t.dst == r), key=lambda t: t.src)
+                assert sorted(rnd.received_chunks(r).tolist()) == sorted(c for t in ts if t.dst == r for c in t.chunks)
+        for r in range(p.cp_size):  # the stages: own needed chunks, then each round's needed arrivals
+            need = p.need[r]
+            want = [tuple(c for c in p.chunks(r) if need[c])]
+            want += [tuple(sorted(c for t in rnd.recvs(r) for c in t.chunks if need[c])) for rnd in p.rounds]
+            assert p.stages(r) == want
+        moved = sum(len(t.chunks) for rnd in p.rounds for t in rnd.transfers)
+        assert p.kv_tokens_moved() == moved * p.chunk_size
+
+
+def test_round_is_immutable_pickles_and_refuses_an_empty_transfer():
+    import pickle
+
+    r = Round((Transfer(1, 0, (4, 6)), Transfer(0, 2, (3,))), relay=True, source=0)
+    with pytest.raises(AttributeError, match="immutable"):
+        r.relay = False
+    back = pickle.loads(pickle.dumps(r))
+    assert back == r and hash(back) == hash(r) and back.source == 0 and back.relay
+    assert back.transfers == (Transfer(0, 2, (3,)), Transfer(1, 0, (4, 6)))
+    assert r != Round((Transfer(1, 0, (4, 6)), Transfer(0, 2, (3,))), relay=True, source=1)
+    with pytest.raises(ValueError, match="carries no chunk"):
+        Round((Transfer(0, 1, ()),))
+
+
 def test_plans_are_deterministic_and_queries_are_cached():
     lens = document_spreads(16384, seed=2)["corpus"]
     a = plan(M.causal_document_mask(lens), None, 8, nodes=2)
