@@ -141,8 +141,13 @@ class Round:
     def __setattr__(self, name, value):
         raise AttributeError(f"Round is immutable (cannot set {name!r})")
 
+    def triples(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """The round's (src, dst, chunk) arrays (read-only), one entry per chunk sent, ordered by
+        (src, dst): what equality, hashing, pickling and the plan's fingerprint compare."""
+        return self._src, self._dst, self._chunk
+
     def __getstate__(self):
-        return (self._src, self._dst, self._chunk, self._relay, self._source)
+        return (*self.triples(), self._relay, self._source)
 
     def __setstate__(self, state):
         self._set(*state)
@@ -211,12 +216,10 @@ class Round:
         if not isinstance(other, Round):
             return NotImplemented
         return (self._relay == other._relay and self._source == other._source
-                and np.array_equal(self._src, other._src) and np.array_equal(self._dst, other._dst)
-                and np.array_equal(self._chunk, other._chunk))
+                and all(np.array_equal(a, b) for a, b in zip(self.triples(), other.triples())))
 
     def __hash__(self) -> int:
-        return hash((self._relay, self._source, self._src.tobytes(), self._dst.tobytes(),
-                     self._chunk.tobytes()))
+        return hash((self._relay, self._source, *(a.tobytes() for a in self.triples())))
 
     def __repr__(self) -> str:
         n = len(_transfer_starts(self._src, self._dst)) if len(self._src) else 0
@@ -759,7 +762,7 @@ class CPPlan:
             h = hashlib.sha256(repr((self.seqlen, self.cp_size, self.chunk_size, self.nodes, self.causal,
                                      [(r.relay, r.source, r.num_chunks_sent) for r in self.rounds])).encode())
             for r in self.rounds:  # the routing, without building its Transfer objects
-                for a in (r._src, r._dst, r._chunk):
+                for a in r.triples():
                     h.update(a.tobytes())
             h.update(self.owner.tobytes())
             h.update(np.packbits(self.need).tobytes())

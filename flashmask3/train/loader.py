@@ -102,9 +102,10 @@ class ProcessPlanner:
     cp_planner_contention.md``): 24 eager CP layers of a cp-128 rank took 62.1 ms alone, 134.1 ms
     while a thread planned the next 128K-token batch and 64.8 ms while this worker did. The
     plan comes back pickled (2-8 MB at cp 128 and 128K tokens, mostly the mask's columns;
-    unpickled in 1-2 ms on the development VM, since a plan's routing is arrays). An error ``plan()`` raises in the worker is
-    raised by the call, as the thread's would be; a worker that died is a RuntimeError with what
-    it printed. One caller at a time (the loader's thread)."""
+    unpickled in 1-2 ms on the development VM, since a plan's routing is arrays). An error
+    ``plan()`` raises in the worker is raised by the call, as the thread's would be; a worker
+    that died is a RuntimeError with what it printed. One caller at a time (the loader's
+    thread)."""
 
     def __init__(self):
         import subprocess
