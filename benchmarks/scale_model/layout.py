@@ -58,18 +58,44 @@ class PlanView:
         return self.seqlen // self.cp_size
 
 
-def _class_counts(cls, per: int, n: int, over_rows: bool):
-    """(full, partial) int32 counts of a ``[B, Hm, rows, cols]`` class tensor, summed over
-    batch and mask heads and over groups of ``per`` blocks along the other axis (its chunks).
-    In numpy on the bool maps, int32 sums and no sum at all for one block a chunk: the cold
-    sweep spent ~10 s here converting 16M-tile maps to int64."""
-    from flashmask3.masks import PARTIAL, UNMASKED
+def _tile_maps(startend_row_indices, causal: bool, seqlen: int, tile: tuple[int, int]) -> tuple:
+    """``(full, partial)`` maps ``[query blocks, key blocks]`` of the mask's ``tile``-sized tiles
+    (bool, or int32 counts summed over batch and mask heads): the mask layer's tile rule. The
+    last few masks' maps are kept in memory: the cp sweep views one mask at five cp sizes and
+    four balances, whose chunks differ but whose tiles do not (the cold sweep classified the
+    same 512K masks ~12 times each, ~10 s)."""
+    from flashmask3.masks import PARTIAL, UNMASKED, classify_tiles
 
-    classes = cls.to("cpu").flatten(0, 1).numpy()
+    cols = startend_row_indices
+    digest = None if cols is None else hashlib.blake2b(cols.to("cpu").contiguous().numpy().tobytes(),
+                                                       digest_size=16).digest()
+    key = (digest, None if cols is None else tuple(cols.shape), causal, seqlen, tuple(tile))
+    got = _TILE_MAPS.get(key)
+    if got is None:
+        classes = classify_tiles(cols, causal, seqlen, seqlen, *tile).to("cpu").flatten(0, 1).numpy()
+        got = []
+        for c in (UNMASKED, PARTIAL):
+            x = classes == c
+            got.append(x.sum(0, dtype=np.int32) if x.shape[0] > 1 else x[0])
+        got = _TILE_MAPS[key] = tuple(got)
+        while len(_TILE_MAPS) > _TILE_MAPS_KEPT:
+            _TILE_MAPS.popitem(last=False)
+    else:
+        _TILE_MAPS.move_to_end(key)
+    return got
+
+
+_TILE_MAPS: "OrderedDict[tuple, tuple]" = OrderedDict()
+_TILE_MAPS_KEPT = 6  # two tile shapes of the sweep's three masks per sequence length (~0.3 GB at 512K)
+
+
+def _class_counts(maps: tuple, per: int, n: int, over_rows: bool):
+    """(full, partial) int32 counts of :func:`_tile_maps`' ``[rows, cols]`` maps, summed over
+    groups of ``per`` blocks along the other axis (its chunks). In numpy, int32 sums and no sum
+    at all for one block a chunk: the cold sweep spent ~10 s here converting 16M-tile maps to
+    int64."""
     out = []
-    for c in (UNMASKED, PARTIAL):
-        x = classes == c
-        x = x.sum(0, dtype=np.int32) if x.shape[0] > 1 else x[0]  # [rows, cols]
+    for x in maps:
         if over_rows:  # sum query blocks per query chunk: [n, per, cols] -> [cols, n]
             x = (x.reshape(n, per, -1).sum(1, dtype=np.int32) if per > 1 else x).T
         else:  # sum key blocks per key chunk: [rows, n, per] -> [rows, n]
@@ -84,17 +110,15 @@ def program_chunk_matrices(startend_row_indices, causal: bool, seqlen: int, chun
     ``fwd_full`` / ``fwd_partial`` ``[query blocks, chunks]`` (a forward program's tiles against
     each key chunk), ``bwd_full`` / ``bwd_partial`` ``[key blocks, chunks]`` (a backward
     program's tiles against each query chunk)."""
-    from flashmask3.masks import classify_tiles
-
     if chunk_size % TILE:
         raise ValueError(f"chunk_size={chunk_size} must be a multiple of {TILE} for the tile model")
     n = seqlen // chunk_size
     fq, fk = FWD_TILE
     bq, bk = BWD_TILE
-    cls = classify_tiles(startend_row_indices, causal, seqlen, seqlen, fq, fk)
-    ff, fp = _class_counts(cls, chunk_size // fk, n, over_rows=False)
-    cls = classify_tiles(startend_row_indices, causal, seqlen, seqlen, bq, bk)
-    bf, bp = _class_counts(cls, chunk_size // bq, n, over_rows=True)
+    ff, fp = _class_counts(_tile_maps(startend_row_indices, causal, seqlen, FWD_TILE), chunk_size // fk, n,
+                           over_rows=False)
+    bf, bp = _class_counts(_tile_maps(startend_row_indices, causal, seqlen, BWD_TILE), chunk_size // bq, n,
+                           over_rows=True)
     return {"fwd_full": ff, "fwd_partial": fp, "bwd_full": bf, "bwd_partial": bp,
             "per_q": chunk_size // fq, "per_k": chunk_size // bk}
 
@@ -148,7 +172,7 @@ def view_plan(p, startend_row_indices, causal: bool, plan_seconds: float = 0.0) 
                                        rows, len(k) * p.chunk_size, work=call_work(m, q, k) if len(k) else None))
         stages.append(per_rank)
         stage_chunks.append(counts)
-    rounds = [RoundView(tuple((t.src, t.dst, len(t.chunks)) for t in rnd.transfers), bool(rnd.relay),
+    rounds = [RoundView(tuple(zip(*(a.tolist() for a in rnd.transfer_sizes()))), bool(rnd.relay),
                         _source(p.rounds, i)) for i, rnd in enumerate(p.rounds)]
     return PlanView(p.cp_size, p.nodes, p.seqlen, p.chunk_size, p.balance, float(p.imbalance),
                     [int(w) for w in p.works], stages, stage_chunks, sorted_tiles, rounds, plan_seconds)

@@ -216,7 +216,7 @@ class _Backend:
             return dk, torch.empty_like(dk)
 
 
-def _exchange(rec: _Recorder, wire, p, rank):
+def _exchange(rec: _Recorder, wire, p, rank, copies: bool = True):
     from flashmask3.distributed import EmulatedExchange
 
     class Exchange(EmulatedExchange):
@@ -236,14 +236,17 @@ def _exchange(rec: _Recorder, wire, p, rank):
             with rec.kind("emulated"):
                 return super().reduce_scatter(*a)
 
-    return Exchange(wire, p.cp_size, rank, plan=p)
+    return Exchange(wire, p.cp_size, rank, plan=p, copy=copies)
 
 
 def record_layer(p, rank: int, comm: str, backward_calls: str, heads: int, kv_heads: int, head_dim: int,
-                 dtype: torch.dtype = torch.bfloat16, keep_kv: bool = True, hide: tuple = ()) -> list[Op]:
+                 dtype: torch.dtype = torch.bfloat16, keep_kv: bool = True, hide: tuple = (),
+                 emulated: bool = True) -> list[Op]:
     """The device ops of rank ``rank``'s layer (forward then backward, issue order) under plan
     ``p`` (a :class:`flashmask3.distributed.CPPlan`), ``comm`` and ``backward_calls``, B=1;
-    ``hide``: backend functions the runtime does without (an A/B layout of cp_single_gpu.py)."""
+    ``hide``: backend functions the runtime does without (an A/B layout of cp_single_gpu.py);
+    ``emulated=False``: the emulated exchange moves nothing (no ``emulated`` ops; the runtime's
+    own ops are the same: what :func:`rank_device_work` keeps, a third faster)."""
     from flashmask3.distributed import prepare_rank, run_layer
     from flashmask3.distributed.runtime import to_wire
 
@@ -261,7 +264,7 @@ def record_layer(p, rank: int, comm: str, backward_calls: str, heads: int, kv_he
             for _ in range(2))
     wire = to_wire(*(torch.empty(1, s, kv_heads, head_dim, dtype=dtype, device=meta) for _ in range(2)),
                    p.chunk_size)
-    ex = _exchange(rec, wire, p, rank)
+    ex = _exchange(rec, wire, p, rank, emulated)
     with rec:
         out, _ = run_layer(q, k, v, prog, ex, head_dim ** -0.5, backend=backend, keep_kv=keep_kv)
         rec.pass_ = "bwd"
@@ -336,7 +339,7 @@ def rank_device_work(doc_lens, cp: int, balance: str, nodes: int, comm: str, bac
         p = document_plan(doc_lens, cp, balance, nodes)[0]
         out = []
         for r in range(cp):
-            ops = [o for o in record_layer(p, r, comm, backward_calls, heads, kv_heads, head_dim)
+            ops = [o for o in record_layer(p, r, comm, backward_calls, heads, kv_heads, head_dim, emulated=False)
                    if o.kind in ("kernel", "torch")]
             f = [o for o in ops if o.pass_ == "fwd"]
             b = [o for o in ops if o.pass_ == "bwd"]

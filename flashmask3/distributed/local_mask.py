@@ -23,35 +23,73 @@ from __future__ import annotations
 
 from typing import Optional
 
+import numpy as np
 import torch
 
 
-def count_below(rows: torch.Tensor, bounds: torch.Tensor) -> torch.Tensor:
-    """``#{i in rows : i < v}`` for every ``v`` in ``bounds`` (``rows`` sorted ascending)."""
+def count_below(rows: torch.Tensor, bounds: torch.Tensor, chunk_size: Optional[int] = None) -> torch.Tensor:
+    """``#{i in rows : i < v}`` for every ``v`` in ``bounds`` (``rows`` sorted ascending, int64).
+
+    ``chunk_size``: ``rows`` may be whole aligned chunks of that many tokens (a plan's rank
+    rows); then each bound is one table lookup (rows in the chunks before its chunk, plus its
+    offset if its own chunk is held) instead of a binary search: ~15x faster on the CPU for a
+    rank's 512K keys (benchmarks/NOTES.md, session 48). Other rows use the binary search."""
     n = rows.numel()
     if n and int(rows[-1]) - int(rows[0]) + 1 == n:  # one contiguous run: a clamp suffices
         return (bounds.to(torch.int64) - int(rows[0])).clamp(0, n)
+    if chunk_size and n and _whole_chunks(rows, chunk_size):
+        return _count_below_chunks(rows, bounds, chunk_size)
     return torch.searchsorted(rows, bounds.contiguous(), right=False)
 
 
+def _whole_chunks(rows: torch.Tensor, chunk_size: int) -> bool:
+    """Whether sorted unique ``rows`` are whole chunks ``[c * chunk_size, (c + 1) * chunk_size)``."""
+    if rows.numel() % chunk_size:
+        return False
+    runs = rows.view(-1, chunk_size)
+    return bool(((runs[:, 0] % chunk_size == 0) & (runs[:, -1] - runs[:, 0] == chunk_size - 1)).all())
+
+
+def _count_below_chunks(rows: torch.Tensor, bounds: torch.Tensor, chunk_size: int) -> torch.Tensor:
+    """:func:`count_below` of rows made of whole chunks: per bound ``v`` in chunk ``c = v //
+    chunk_size``, the rows held before chunk ``c`` plus ``v``'s offset in ``c`` if ``c`` is held
+    (numpy on the CPU, where torch's integer gathers are several times slower)."""
+    cpu = rows.device.type == "cpu"
+    lib = np if cpu else torch
+    held = rows.view(-1, chunk_size)[:, 0] // chunk_size
+    held = held.numpy() if cpu else held
+    last = int(held[-1])
+    own = (np.zeros(last + 2, dtype=np.int64) if cpu  # one past the last held chunk: nothing held
+           else torch.zeros(last + 2, dtype=torch.int64, device=rows.device))
+    own[held] = 1
+    before = lib.cumsum(own, 0) - own  # held chunks before each chunk
+    v = bounds.numpy().astype(np.int64) if cpu else bounds.to(torch.int64)
+    c = lib.clip(v // chunk_size, 0, last + 1)
+    off = lib.clip(v - c * chunk_size, 0, chunk_size)
+    out = before[c] * chunk_size + own[c] * off
+    return torch.from_numpy(out) if cpu else out
+
+
 def rank_local_columns(startend_row_indices: Optional[torch.Tensor], causal: bool,
-                       rows: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
+                       rows: torch.Tensor, keys: torch.Tensor,
+                       chunk_size: Optional[int] = None) -> torch.Tensor:
     """Local non-causal ``[B, Hm, len(keys), C']`` int32 columns for rows ``rows``.
 
     ``rows``: sorted global query rows of the rank; ``keys``: global key positions of the local
-    key axis, in local order. See the module table for the layouts.
+    key axis, in local order; ``chunk_size``: ``rows`` may be whole chunks of that size
+    (:func:`count_below`). See the module table for the layouts.
     """
     device = startend_row_indices.device if startend_row_indices is not None else rows.device
     rows = rows.to(device=device, dtype=torch.int64)
     keys = keys.to(device=device, dtype=torch.int64)
     n_rows, n_keys = rows.numel(), keys.numel()
-    diag = count_below(rows, keys)  # map(j): rows strictly before key j
+    diag = count_below(rows, keys, chunk_size)  # map(j): rows strictly before key j
     if startend_row_indices is None:
         lts = torch.full((n_keys,), n_rows, dtype=torch.int64, device=device)
         ute = diag if causal else torch.zeros(n_keys, dtype=torch.int64, device=device)
         return torch.stack([lts, ute], -1).view(1, 1, n_keys, 2).to(torch.int32)
     cols = startend_row_indices.index_select(2, keys).to(torch.int64)
-    mapped = count_below(rows, cols)
+    mapped = count_below(rows, cols, chunk_size)
     if not causal:
         return mapped.to(torch.int32)
     diag = diag.view(1, 1, n_keys).expand(cols.shape[:3])

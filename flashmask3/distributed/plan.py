@@ -169,6 +169,14 @@ class Round:
         """Chunk copies of this round whose sender and receiver sit on different nodes."""
         return int(np.count_nonzero(self._src // gpus_per_node != self._dst // gpus_per_node))
 
+    def transfer_sizes(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """``(src, dst, chunks)`` arrays, one entry per transfer ordered by (src, dst): who sends
+        how many chunks to whom, without building :class:`Transfer` objects."""
+        if not len(self._src):
+            return self._src, self._dst, self._src
+        starts = _transfer_starts(self._src, self._dst)
+        return self._src[starts], self._dst[starts], np.diff(np.r_[starts, len(self._src)])
+
     @property
     def transfers(self) -> tuple[Transfer, ...]:
         """Every transfer, ordered by (src, dst) (built on first use)."""
@@ -686,7 +694,7 @@ class CPPlan:
         key = (rank, order)
         if key not in self._local_masks:
             cols = rank_local_columns(self.startend_row_indices, self.causal, self.rows(rank),
-                                      self.key_index(rank, order))
+                                      self.key_index(rank, order), self.chunk_size)
             self._local_masks[key] = FlashMask(cols, False, self.local_seqlen)
         return self._local_masks[key]
 

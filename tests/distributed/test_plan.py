@@ -52,6 +52,28 @@ def _check_local_masks(mask, balance, cp, nodes):
     assert torch.equal(seen, torch.ones(96, dtype=torch.long))  # a partition of the tokens
 
 
+@pytest.mark.parametrize("seed", range(6))
+def test_count_below_of_whole_chunks_equals_the_binary_search(seed):
+    """The chunk-table count (a plan's rank rows) equals the binary search for every bound:
+    inside, before, after and at the edges of held chunks, out of range, in any shape."""
+    from flashmask3.distributed.local_mask import count_below
+
+    g = torch.Generator().manual_seed(seed)
+    cs = int(2 ** torch.randint(0, 6, (1,), generator=g))
+    n = int(torch.randint(1, 40, (1,), generator=g))
+    held = torch.randperm(n, generator=g)[:int(torch.randint(1, n + 1, (1,), generator=g))].sort().values
+    rows = (held[:, None] * cs + torch.arange(cs)).flatten()
+    bounds = torch.randint(-3, n * cs + 4, (2, 3, 50, 2), generator=g)
+    bounds[0, 0, :4, 0] = torch.tensor([0, n * cs, rows[0], rows[-1] + 1])
+    want = torch.searchsorted(rows, bounds.contiguous())
+    got = count_below(rows, bounds, cs)
+    assert got.dtype == torch.int64 and torch.equal(got, want)
+    assert torch.equal(count_below(rows, bounds.to(torch.int32), cs), want)
+    odd = rows[rows % cs != 0] if cs > 1 else rows[1:]  # not whole chunks: the binary search
+    if odd.numel() > 1:
+        assert torch.equal(count_below(odd, bounds, cs), torch.searchsorted(odd, bounds.contiguous()))
+
+
 def test_ownership_layouts_and_determinism():
     mask = M.causal_document_mask(M.random_document_lengths(4096, 300, seed=1))
     p = plan(mask, None, 4, balance="dual_chunk")
@@ -454,6 +476,7 @@ def test_round_keeps_every_transfer_of_its_triples_and_builds_them_per_rank():
             assert [(t.src, t.dst) for t in ts] == sorted({(t.src, t.dst) for t in ts})
             assert all(list(t.chunks) == sorted(t.chunks) and t.chunks for t in ts)
             assert rnd.num_chunks_sent == sum(len(t.chunks) for t in ts)
+            assert list(zip(*(a.tolist() for a in rnd.transfer_sizes()))) == [(t.src, t.dst, len(t.chunks)) for t in ts]
             assert rnd.cross_node_chunks(g) == sum(len(t.chunks) for t in ts if t.src // g != t.dst // g)
             for r in range(p.cp_size):
                 assert rnd.sends(r) == [t for t in ts if t.src == r]

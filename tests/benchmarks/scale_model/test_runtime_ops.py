@@ -48,6 +48,8 @@ def test_recorded_layer_matches_the_runtime(nodes, comm, calls):
         passes = 1 if comm == "overlap" else 2  # the overlapped backward keeps the forward's keys
         assert gathered == passes * 2 * prog.n_keys * row  # read + write
         assert any(o.kind == "emulated" for o in ops)
+        quiet = record_layer(p, rank, comm, calls, heads=4, kv_heads=2, head_dim=16, emulated=False)
+        assert quiet == [o for o in ops if o.kind != "emulated"]  # the runtime's own ops are the same
         if comm == "overlap":
             assert any(o.name == "merge" for o in ops) == (sum(bool(s) for s in prog.stage_chunks) > 1)
             assert any(o.name == "add_returns" for o in ops)
