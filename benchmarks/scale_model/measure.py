@@ -232,8 +232,60 @@ def _kv_expanded(q, k, fm, device) -> bool:
     return triton_backend.splits_kv_groups(launch, q.shape[0], q.shape[2], k.shape[2], k.shape[1], device)
 
 
-def measure_attention(args, device, dtype, deadline: float, log, save=None) -> list[dict]:
-    """Time every stage problem until ``deadline``; ``save(rows)`` after each (a kill keeps them)."""
+def host_relevant(row: dict) -> bool:
+    """Whether the host can set a row's stream time: its GPU time per call is under twice its
+    host time in either pass (the calls whose stream time follows the host's speed)."""
+    return any(k in row and row[k] < 2e-3 * row[h] for k, h in (("gpu_fwd_ms", "host_fwd_us"),
+                                                               ("gpu_fwd_bwd_ms", "host_fwd_bwd_us")))
+
+
+def repeat_streams(kept: list, device, rounds: int, deadline: float, log, save=None, rows=None) -> int:
+    """More stream samples of the host-relevant calls, interleaved: ``rounds`` rounds, one
+    sample of each pass of each kept call per round (every other round in reverse order), until
+    ``deadline``. Appends to ``stream_*_repeats`` of each row; returns the rounds completed.
+
+    One stream sample of a host-bound call follows the host's speed over its ~10 ms, which
+    drifts by tens of percent within a run (``stream_host_*`` of one file: 411-679 us per
+    fwd+bwd call, 10-90%, with no trend by shape); interleaving spreads each call's samples over
+    the whole run, so their median is the call's time at the run's typical host speed, the
+    quantity a shape-based model can predict (validate.py's ``stream, repeated`` check)."""
+    done = 0
+    for rnd in range(rounds):
+        order = kept if rnd % 2 == 0 else kept[::-1]
+        for row, fwd, step in order:
+            if time.perf_counter() > deadline:
+                log(f"stream repeats: time budget reached after {done} full rounds")
+                return done
+            for name, fn, gk, hk in (("fwd", fwd, "gpu_fwd_ms", "host_fwd_us"),
+                                     ("fwd_bwd", step, "gpu_fwd_bwd_ms", "host_fwd_bwd_us")):
+                ms, _, host = stream_times(fn, device, max(row[gk], row[hk] * 1e-3), samples=1)
+                row.setdefault(f"stream_{name}_ms_repeats", []).append(ms)
+                row.setdefault(f"stream_host_{name}_us_repeats", []).append(host)
+        done += 1
+        if save is not None and rows is not None:
+            save(rows)
+    return done
+
+
+def _calls(q, k, v, fm, do):
+    """``(fwd, step)``: one forward of ``flashmask_attention`` as training calls it (inputs that
+    require grad: an autograd node), and one forward + backward with the gradients cleared."""
+    qg, kg, vg = (x.detach().requires_grad_() for x in (q, k, v))
+
+    def fwd():
+        flashmask_attention(qg, kg, vg, fm)
+
+    def step():
+        flashmask_attention(qg, kg, vg, fm).backward(do)
+        qg.grad = kg.grad = vg.grad = None
+
+    return fwd, step
+
+
+def measure_attention(args, device, dtype, deadline: float, log, save=None, kept=None) -> list[dict]:
+    """Time every stage problem until ``deadline``; ``save(rows)`` after each (a kill keeps them).
+    ``kept``: a list that receives ``(row, fwd, step)`` of every host-relevant call
+    (:func:`host_relevant`), for :func:`repeat_streams`."""
     rows = []
     heads_sets = [(args.heads, args.heads // 8), (args.mha_heads, args.mha_heads)]
     for meta, fm, keys in stage_problems(args.doc_lens, args.cps, args.spreads):
@@ -256,26 +308,18 @@ def measure_attention(args, device, dtype, deadline: float, log, save=None) -> l
             row = dict(meta, q_rows=q_rows, keys=keys, heads=hq, kv_heads=hk, head_dim=args.head_dim,
                        full_tiles=t.full, partial_tiles=t.partial,
                        kv_expanded=_kv_expanded(q, k, fm, device))
-            qg, kg, vg = (x.detach().requires_grad_() for x in (q, k, v))
+            fwd, step = _calls(q, k, v, fm, do)
             try:
-                def fwd():  # as training calls it: inputs that require grad (an autograd node)
-                    flashmask_attention(qg, kg, vg, fm)
-
                 fwd()  # compile / warm
                 row["host_fwd_us"], row["gpu_fwd_ms"], row["fwd_hidden"] = overlap_times(fwd, device, key="fwd")
                 row["stream_fwd_ms"], row["stream_fwd_calls"], row["stream_host_fwd_us"] = stream_times(
                     fwd, device, max(row["gpu_fwd_ms"], row["host_fwd_us"] * 1e-3))
-                def clear():
-                    qg.grad = kg.grad = vg.grad = None
-
-                def step():
-                    flashmask_attention(qg, kg, vg, fm).backward(do)
-                    clear()
-
                 step()  # compile / warm
                 row["host_fwd_bwd_us"], row["gpu_fwd_bwd_ms"], row["fwd_bwd_hidden"] = overlap_times(step, device, key="fwd+bwd")
                 row["stream_fwd_bwd_ms"], row["stream_fwd_bwd_calls"], row["stream_host_fwd_bwd_us"] = stream_times(
                     step, device, max(row["gpu_fwd_bwd_ms"], row["host_fwd_bwd_us"] * 1e-3))
+                if kept is not None and host_relevant(row):
+                    kept.append((row, fwd, step))
             except Exception as e:  # keep going: one failing shape must not lose the others
                 row["error"] = f"{type(e).__name__}: {e}"[:300]
                 log(f"attention {meta} failed: {row['error']}")
@@ -346,12 +390,17 @@ def main(argv=None) -> int:
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--rep-ms", type=float, default=30.0)
     ap.add_argument("--max-shapes", type=int, default=10_000, help="stop after this many attention shapes")
+    ap.add_argument("--stream-repeats", type=int, default=16,
+                    help="rounds of extra stream samples of the host-relevant calls (repeat_streams)")
+    ap.add_argument("--repeat-s", type=float, default=40.0,
+                    help="seconds for those rounds, on top of --budget-s")
     ap.add_argument("--dry-run", action="store_true", help="tiny sizes (CPU smoke run)")
     args = ap.parse_args(argv)
     if args.dry_run:
         args.tokens, args.cps, args.spreads = 2048, [2, 16], ["long"]
         args.heads, args.mha_heads, args.head_dim = 8, 1, 16
         args.matmul_tokens, args.warmup, args.rep_ms, args.max_shapes = [64], 0, 0.0, 2
+        args.stream_repeats = min(args.stream_repeats, 3)
     lens = document_spreads(args.tokens, seed=0)
     args.doc_lens = {s: lens[s] for s in args.spreads}
     device = torch.device(args.device)
@@ -375,9 +424,16 @@ def main(argv=None) -> int:
                       indent=1)
         os.replace(tmp, os.path.join(args.out, "scale_model_attention.json"))
 
-    att = measure_attention(args, device, dtype, att_deadline, log, save)
+    kept: list = []
+    att = measure_attention(args, device, dtype, att_deadline, log, save, kept)
     save(att)
-    mm = measure_matmul(args, device, dtype, t0 + args.budget_s, log)
+    t_rep = time.perf_counter()
+    rounds = repeat_streams(kept, device, args.stream_repeats, t_rep + args.repeat_s, log, save, att)
+    kept.clear()  # free the kept calls' tensors before the matmuls
+    save(att)
+    log(f"stream repeats: {rounds} rounds of {sum(host_relevant(r) for r in att)} host-relevant calls in "
+        f"{time.perf_counter() - t_rep:.0f} s")
+    mm = measure_matmul(args, device, dtype, t0 + args.budget_s + args.repeat_s, log)
     with open(os.path.join(args.out, "scale_model_matmul.json"), "w") as f:
         json.dump({"env": env, "args": _args_dict(args), "matmul": mm}, f, indent=1)
     ok = sum("stream_fwd_bwd_ms" in r for r in att)

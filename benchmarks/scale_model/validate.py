@@ -172,6 +172,9 @@ def _predictions(cost: AttentionCost, r: dict, hidden: float) -> dict[str, float
     time measured for that row (checks how host and GPU combine, not the host's scatter);
     ``..., its own host``: with the host's CPU time for the very calls the stream timed (files
     from session 20 on: the combination rule alone, the host's drift between loops removed);
+    ``..., repeated``: the model's host and GPU as in ``stream``, against the median of the
+    row's stream samples where the host could set its time (``measure.repeat_streams``: samples
+    interleaved over the run, files from session 48 on; a GPU-bound row's one sample else);
     ``fwd do_bench`` / ``fwd+bwd do_bench``: ``max(GPU, host - memset)`` (``do_bench`` hides
     ``hidden`` seconds of host work behind its memset), with the model's and the row's host.
     Files without GPU times (do_bench only, floor fitted on it): ``fwd`` / ``fwd+bwd`` =
@@ -189,6 +192,8 @@ def _predictions(cost: AttentionCost, r: dict, hidden: float) -> dict[str, float
     rf, rfb = r["host_fwd_us"] * 1e-6, r["host_fwd_bwd_us"] * 1e-6
     if "stream_fwd_ms" in r:
         out["fwd stream"], out["fwd+bwd stream"] = max(hf, gf), max(hfb, gfb)
+        if "stream_fwd_ms_repeats" in r or "stream_fwd_bwd_ms_repeats" in r:
+            out["fwd stream, repeated"], out["fwd+bwd stream, repeated"] = max(hf, gf), max(hfb, gfb)
         out["fwd stream, row's host"], out["fwd+bwd stream, row's host"] = max(rf, gf), max(rfb, gfb)
         if "stream_host_fwd_us" in r:  # the host's CPU time for the very calls the stream timed
             sf, sfb = r["stream_host_fwd_us"] * 1e-6, r["stream_host_fwd_bwd_us"] * 1e-6
@@ -206,6 +211,14 @@ MEASURED_COLUMN = {"fwd": "fwd_ms", "fwd+bwd": "fwd_bwd_ms", "fwd GPU": "gpu_fwd
                    "fwd+bwd GPU": "gpu_fwd_bwd_ms", "fwd stream": "stream_fwd_ms",
                    "fwd+bwd stream": "stream_fwd_bwd_ms", "fwd do_bench": "fwd_ms",
                    "fwd+bwd do_bench": "fwd_bwd_ms"}
+
+
+def measured_ms(r: dict, col: str, check: str = "") -> float:
+    """The measured milliseconds of ``check`` in row ``r``: column ``col``, or for a
+    ``..., repeated`` check the median of that sample and the row's repeats (``col + "_repeats"``)."""
+    if check.endswith(", repeated"):
+        return float(np.median([r[col]] + list(r.get(col + "_repeats", []))))
+    return r[col]
 
 
 def call_name(r: dict) -> str:
@@ -227,7 +240,7 @@ def _shape_points(cost: AttentionCost, rows: list[dict], held_out: bool,
         for check, pred in _predictions(cost, r, hidden).items():
             col = MEASURED_COLUMN[check.split(",")[0]]
             if col in r:
-                out.setdefault(check, []).append(Point(name, r[col] * 1e-3, pred, held_out))
+                out.setdefault(check, []).append(Point(name, measured_ms(r, col, check) * 1e-3, pred, held_out))
     return out
 
 
