@@ -39,7 +39,7 @@ def count_below(rows: torch.Tensor, bounds: torch.Tensor, chunk_size: Optional[i
         return (bounds.to(torch.int64) - int(rows[0])).clamp(0, n)
     if chunk_size and n and _whole_chunks(rows, chunk_size):
         return _count_below_chunks(rows, bounds, chunk_size)
-    return torch.searchsorted(rows, bounds.contiguous(), right=False)
+    return torch.searchsorted(rows, bounds.to(rows.dtype).contiguous(), right=False)
 
 
 def _whole_chunks(rows: torch.Tensor, chunk_size: int) -> bool:
@@ -53,21 +53,30 @@ def _whole_chunks(rows: torch.Tensor, chunk_size: int) -> bool:
 def _count_below_chunks(rows: torch.Tensor, bounds: torch.Tensor, chunk_size: int) -> torch.Tensor:
     """:func:`count_below` of rows made of whole chunks: per bound ``v`` in chunk ``c = v //
     chunk_size``, the rows held before chunk ``c`` plus ``v``'s offset in ``c`` if ``c`` is held
-    (numpy on the CPU, where torch's integer gathers are several times slower)."""
-    cpu = rows.device.type == "cpu"
-    lib = np if cpu else torch
-    held = rows.view(-1, chunk_size)[:, 0] // chunk_size
-    held = held.numpy() if cpu else held
-    last = int(held[-1])
-    own = (np.zeros(last + 2, dtype=np.int64) if cpu  # one past the last held chunk: nothing held
-           else torch.zeros(last + 2, dtype=torch.int64, device=rows.device))
-    own[held] = 1
-    before = lib.cumsum(own, 0) - own  # held chunks before each chunk
-    v = bounds.numpy().astype(np.int64) if cpu else bounds.to(torch.int64)
-    c = lib.clip(v // chunk_size, 0, last + 1)
-    off = lib.clip(v - c * chunk_size, 0, chunk_size)
-    out = before[c] * chunk_size + own[c] * off
-    return torch.from_numpy(out) if cpu else out
+    (numpy on the CPU, where torch's integer gathers are several times slower; the bounds keep
+    their dtype until the last add, which is int64)."""
+    if rows.device.type != "cpu":
+        held = rows.view(-1, chunk_size)[:, 0] // chunk_size
+        own = torch.zeros(int(held[-1]) + 2, dtype=torch.int64, device=rows.device)
+        own[held] = chunk_size
+        before = torch.cumsum(own, 0) - own
+        v = bounds.to(torch.int64).clamp(0, (own.numel() - 1) * chunk_size)
+        c = torch.div(v, chunk_size, rounding_mode="floor")
+        return before[c] + torch.minimum(v - c * chunk_size, own[c])
+    held = rows.view(-1, chunk_size)[:, 0].numpy() // chunk_size
+    own = np.zeros(int(held[-1]) + 2, dtype=np.int64)  # one past the last held chunk: none held there
+    own[held] = chunk_size
+    before = np.cumsum(own) - own  # rows held before each chunk
+    v = np.clip(bounds.numpy(), 0, (len(own) - 1) * chunk_size)  # a copy: worked on in place below
+    if chunk_size & (chunk_size - 1) == 0:  # a power of two: shift and mask
+        c = v >> (chunk_size.bit_length() - 1)
+        np.bitwise_and(v, chunk_size - 1, out=v)
+    else:
+        c = v // chunk_size
+        v -= c * chunk_size
+    out = before[c]
+    out += np.minimum(v, own[c].astype(v.dtype, copy=False), out=v)
+    return torch.from_numpy(out)
 
 
 def rank_local_columns(startend_row_indices: Optional[torch.Tensor], causal: bool,
@@ -88,7 +97,7 @@ def rank_local_columns(startend_row_indices: Optional[torch.Tensor], causal: boo
         lts = torch.full((n_keys,), n_rows, dtype=torch.int64, device=device)
         ute = diag if causal else torch.zeros(n_keys, dtype=torch.int64, device=device)
         return torch.stack([lts, ute], -1).view(1, 1, n_keys, 2).to(torch.int32)
-    cols = startend_row_indices.index_select(2, keys).to(torch.int64)
+    cols = startend_row_indices.index_select(2, keys)
     mapped = count_below(rows, cols, chunk_size)
     if not causal:
         return mapped.to(torch.int32)
