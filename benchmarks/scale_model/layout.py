@@ -139,39 +139,43 @@ def _blocks(chunks: np.ndarray, per: int) -> np.ndarray:
     return (np.asarray(chunks, dtype=np.int64)[:, None] * per + np.arange(per)).ravel()
 
 
-def call_work(m: dict, q_chunks: np.ndarray, k_chunks: np.ndarray) -> ProgramWork:
-    """The :class:`ProgramWork` of one call: the rank's query chunks (local row order) against
-    ``k_chunks`` (local key order)."""
-    qb, kb = _blocks(q_chunks, m["per_q"]), _blocks(k_chunks, m["per_k"])
-    q_chunks, k_chunks = np.asarray(q_chunks, dtype=np.int64), np.asarray(k_chunks, dtype=np.int64)
-    return ProgramWork(*(m[f"fwd_{c}"][np.ix_(qb, k_chunks)].sum(1).astype(np.int32) for c in ("full", "partial")),
-                       *(m[f"bwd_{c}"][np.ix_(kb, q_chunks)].sum(1).astype(np.int32) for c in ("full", "partial")))
+def rank_call_work(m: dict, q_chunks: np.ndarray):
+    """``work(k_chunks)``: the :class:`ProgramWork` of one call of a rank whose query chunks
+    are ``q_chunks`` (local row order) against ``k_chunks`` (local key order). The rank's rows
+    of the forward maps and its backward sums over its query chunks (every key block's tiles
+    against them) are taken once for all of its calls."""
+    q_chunks = np.asarray(q_chunks, dtype=np.int64)
+    qb = _blocks(q_chunks, m["per_q"])
+    fwd = [m[f"fwd_{c}"][qb] for c in ("full", "partial")]  # [the rank's query blocks, chunks]
+    bwd = [m[f"bwd_{c}"][:, q_chunks].sum(1).astype(np.int32) for c in ("full", "partial")]  # [key blocks]
+
+    def work(k_chunks: np.ndarray) -> ProgramWork:
+        k_chunks = np.asarray(k_chunks, dtype=np.int64)
+        kb = _blocks(k_chunks, m["per_k"])
+        return ProgramWork(*(f[:, k_chunks].sum(1).astype(np.int32) for f in fwd), *(b[kb] for b in bwd))
+
+    return work
 
 
 def view_plan(p, startend_row_indices, causal: bool, plan_seconds: float = 0.0) -> PlanView:
     """Read a :class:`~flashmask3.distributed.plan.CPPlan` into a :class:`PlanView`: per rank
-    and stage the live tiles, and the tiles of every kernel program (:func:`call_work`)."""
+    and stage the live tiles, and the tiles of every kernel program (:func:`rank_call_work`)."""
     m = program_chunk_matrices(startend_row_indices, causal, p.seqlen, p.chunk_size)
-    full, part = _chunk_totals(m, p.seqlen // p.chunk_size)
     owner = np.asarray(p.owner)
     rows = p.seqlen // p.cp_size
+
+    def tiles(work_of, k: np.ndarray) -> TileCounts:
+        work = work_of(k) if len(k) else None
+        full, partial = work.totals() if work is not None else (0, 0)
+        return TileCounts(full, partial, rows, len(k) * p.chunk_size, work=work)
+
     stages, stage_chunks, sorted_tiles = [], [], []
     for r in range(p.cp_size):
-        q = np.flatnonzero(owner == r)
-        per_rank, counts, all_keys = [], [], []
-        for st in p.stages(r):
-            k = np.asarray(st, dtype=np.int64)
-            all_keys.append(k)
-            f = int(full[np.ix_(q, k)].sum()) if len(k) else 0
-            pa = int(part[np.ix_(q, k)].sum()) if len(k) else 0
-            work = call_work(m, q, k) if len(k) else None
-            per_rank.append(TileCounts(f, pa, rows, len(k) * p.chunk_size, work=work))
-            counts.append(len(k))
-        k = np.sort(np.concatenate(all_keys)) if all_keys else np.zeros(0, np.int64)
-        sorted_tiles.append(TileCounts(int(full[np.ix_(q, k)].sum()), int(part[np.ix_(q, k)].sum()),
-                                       rows, len(k) * p.chunk_size, work=call_work(m, q, k) if len(k) else None))
-        stages.append(per_rank)
-        stage_chunks.append(counts)
+        work_of = rank_call_work(m, np.flatnonzero(owner == r))
+        keys = [np.asarray(st, dtype=np.int64) for st in p.stages(r)]
+        stages.append([tiles(work_of, k) for k in keys])
+        stage_chunks.append([len(k) for k in keys])
+        sorted_tiles.append(tiles(work_of, np.sort(np.concatenate(keys)) if keys else np.zeros(0, np.int64)))
     rounds = [RoundView(tuple(zip(*(a.tolist() for a in rnd.transfer_sizes()))), bool(rnd.relay),
                         _source(p.rounds, i)) for i, rnd in enumerate(p.rounds)]
     return PlanView(p.cp_size, p.nodes, p.seqlen, p.chunk_size, p.balance, float(p.imbalance),
@@ -304,4 +308,4 @@ def mask_sparsity(doc_lens: Sequence[int]) -> float:
 
 __all__ = ["PlanView", "RoundView", "view_plan", "document_plan_view", "file_tolerance", "plan_tolerance",
            "LEGACY_TOLERANCE",
-           "chunk_tile_matrix", "program_chunk_matrices", "call_work", "mask_sparsity"]
+           "chunk_tile_matrix", "program_chunk_matrices", "rank_call_work", "mask_sparsity"]
