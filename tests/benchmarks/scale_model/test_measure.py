@@ -28,6 +28,31 @@ def test_stream_times_off_cuda_runs_twice_the_timed_calls():
     assert n == measure.STREAM_CALLS[0] and len(calls) == 2 * n  # long calls: one sample
 
 
+def test_repeat_streams_interleave_rounds_over_the_host_relevant_calls():
+    """Each round takes one stream sample of each pass of every kept call, every other round in
+    reverse order, and stops at the deadline; only calls the host can set are kept."""
+    import time
+
+    assert measure.host_relevant({"gpu_fwd_ms": 0.05, "host_fwd_us": 60.0})
+    assert measure.host_relevant({"gpu_fwd_ms": 5.0, "host_fwd_us": 60.0,
+                                  "gpu_fwd_bwd_ms": 0.5, "host_fwd_bwd_us": 400.0})
+    assert not measure.host_relevant({"gpu_fwd_ms": 0.2, "host_fwd_us": 60.0,
+                                      "gpu_fwd_bwd_ms": 1.0, "host_fwd_bwd_us": 400.0})
+    order, kept = [], []
+    for name in "ab":
+        row = {"gpu_fwd_ms": 1.0, "host_fwd_us": 1000.0, "gpu_fwd_bwd_ms": 2.0, "host_fwd_bwd_us": 2000.0}
+        kept.append((row, (lambda n=name: order.append(n)), (lambda n=name: order.append(n.upper()))))
+    done = measure.repeat_streams(kept, torch.device("cpu"), 3, time.perf_counter() + 60, print)
+    assert done == 3
+    firsts = [order[i] for i in range(0, len(order)) if i == 0 or order[i] != order[i - 1]]
+    assert firsts == ["a", "A", "b", "B", "b", "B", "a", "A", "a", "A", "b", "B"]
+    for row, _, _ in kept:
+        for k in ("stream_fwd_ms_repeats", "stream_host_fwd_us_repeats", "stream_fwd_bwd_ms_repeats",
+                  "stream_host_fwd_bwd_us_repeats"):
+            assert len(row[k]) == 3 and all(x > 0 for x in row[k])
+    assert measure.repeat_streams(kept, torch.device("cpu"), 3, time.perf_counter() - 1, print) == 0
+
+
 def test_stage_problems_take_one_call_of_each_plan_in_turn():
     from benchmarks.corpus import document_spreads
 
@@ -47,6 +72,8 @@ def test_dry_run_writes_gpu_host_and_stream_columns_and_rebuildable_calls(tmp_pa
                   "host_fwd_bwd_us", "stream_host_fwd_us", "stream_host_fwd_bwd_us"):
             assert r[k] > 0, k
     assert set(data["spreads"]) == {"long"} and sum(data["spreads"]["long"]) == data["args"]["tokens"]
+    reps = [r for r in rows if "stream_fwd_ms_repeats" in r]  # off CUDA every call is host-bound
+    assert reps == rows and all(len(r["stream_host_fwd_bwd_us_repeats"]) == 3 for r in rows)
     # calibrate rebuilds every measured call from the file alone, tile totals checked
     C.attach_program_work(rows, data)
     assert all(r["_work"] is not None and r["_work"].totals() == (r["full_tiles"], r["partial_tiles"])

@@ -182,6 +182,33 @@ def test_do_bench_hides_its_memset_behind_the_host():
     assert pred["fwd stream"] == pytest.approx(300e-6) and pred["fwd stream, row's host"] == pytest.approx(250e-6)
     assert pred["fwd+bwd stream"] == pytest.approx(1000e-6)
     assert V.do_bench_hidden() == pytest.approx(256 * 2 ** 20 / 4.3e12)
+    assert "fwd stream, repeated" not in pred  # a row without repeats has no repeated check
+
+
+def test_repeated_stream_check_takes_the_median_of_a_rows_samples():
+    """``stream, repeated``: the same prediction as ``stream``, measured as the median of the
+    row's first sample and its repeats; the calibration's host per call is the median over rows
+    of each row's median."""
+    from benchmarks.scale_model import calibrate as C
+
+    p = C.PassCost(0.0, 0.0, 10e-6, 0, 0, floor=300e-6, host_measured=True, schedule="greedy")
+    cost = C.AttentionCost(p, replace(p, floor=700e-6), "test", 128, True)
+    r = {"heads": 32, "kv_heads": 4, "q_rows": 1024, "keys": 1024, "full_tiles": 1, "partial_tiles": 0,
+         "gpu_fwd_ms": 0.01, "gpu_fwd_bwd_ms": 0.03, "host_fwd_us": 250.0, "host_fwd_bwd_us": 950.0,
+         "stream_fwd_ms": 0.5, "stream_fwd_ms_repeats": [0.29, 0.31, 0.9, 0.3],
+         "stream_fwd_bwd_ms": 1.0, "stream_fwd_bwd_ms_repeats": [1.0, 1.2]}
+    pred = V._predictions(cost, r, hidden=60e-6)
+    assert pred["fwd stream, repeated"] == pred["fwd stream"] == pytest.approx(300e-6)
+    assert V.measured_ms(r, "stream_fwd_ms", "fwd stream, repeated") == pytest.approx(0.31)
+    assert V.measured_ms(r, "stream_fwd_bwd_ms", "fwd+bwd stream, repeated") == pytest.approx(1.0)
+    assert V.measured_ms(r, "stream_fwd_ms", "fwd stream") == 0.5
+    rows = [{"stream_host_fwd_us": 100.0, "stream_host_fwd_us_repeats": [50.0, 60.0],
+             "stream_host_fwd_bwd_us": 500.0},
+            {"stream_host_fwd_us": 70.0, "stream_host_fwd_bwd_us": 400.0,
+             "stream_host_fwd_bwd_us_repeats": [300.0, 310.0]},
+            {"stream_host_fwd_us": 80.0, "stream_host_fwd_bwd_us": 450.0}]
+    fwd, bwd = C.measured_host(rows)  # row medians: fwd 60, 70, 80; fwd+bwd 500, 310, 450
+    assert fwd == pytest.approx(70e-6) and bwd == pytest.approx(450e-6 - 70e-6)
 
 
 #: Every runtime op class at 3 TB/s.
