@@ -173,8 +173,8 @@ def _predictions(cost: AttentionCost, r: dict, hidden: float) -> dict[str, float
     ``..., its own host``: with the host's CPU time for the very calls the stream timed (files
     from session 20 on: the combination rule alone, the host's drift between loops removed);
     ``..., repeated``: the model's host and GPU as in ``stream``, against the median of the
-    row's stream samples where the host could set its time (``measure.repeat_streams``: samples
-    interleaved over the run, files from session 48 on; a GPU-bound row's one sample else);
+    row's stream samples, for the rows the host could set (``measure.repeat_streams``: samples
+    interleaved over the run, files from session 48 on);
     ``fwd do_bench`` / ``fwd+bwd do_bench``: ``max(GPU, host - memset)`` (``do_bench`` hides
     ``hidden`` seconds of host work behind its memset), with the model's and the row's host.
     Files without GPU times (do_bench only, floor fitted on it): ``fwd`` / ``fwd+bwd`` =
