@@ -889,13 +889,13 @@ def measured_host(rows: list[dict]) -> tuple[float, float]:
     against 69 us per forward in the same file)."""
     stream = all("stream_host_fwd_us" in r and "stream_host_fwd_bwd_us" in r for r in rows)
     fk, fbk = ("stream_host_fwd_us", "stream_host_fwd_bwd_us") if stream else ("host_fwd_us", "host_fwd_bwd_us")
-    fwd = float(np.median([_row_host(r, fk) for r in rows])) * 1e-6
-    fb = float(np.median([_row_host(r, fbk) for r in rows])) * 1e-6
+    fwd = float(np.median([sample_median(r, fk) for r in rows])) * 1e-6
+    fb = float(np.median([sample_median(r, fbk) for r in rows])) * 1e-6
     return fwd, max(0.0, fb - fwd)
 
 
-def _row_host(r: dict, key: str) -> float:
-    """A row's host time per call: the median of its stream samples where it has repeats
+def sample_median(r: dict, key: str) -> float:
+    """A measured row's ``key``: the median of its sample and its repeats where it has them
     (``measure.repeat_streams``, ``key + "_repeats"``), else its one sample."""
     return float(np.median([r[key]] + list(r.get(key + "_repeats", []))))
 

@@ -429,9 +429,10 @@ def main(argv=None) -> int:
     save(att)
     t_rep = time.perf_counter()
     rounds = repeat_streams(kept, device, args.stream_repeats, t_rep + args.repeat_s, log, save, att)
+    n_kept = len(kept)
     kept.clear()  # free the kept calls' tensors before the matmuls
     save(att)
-    log(f"stream repeats: {rounds} rounds of {sum(host_relevant(r) for r in att)} host-relevant calls in "
+    log(f"stream repeats: {rounds} rounds of {n_kept} host-relevant calls in "
         f"{time.perf_counter() - t_rep:.0f} s")
     mm = measure_matmul(args, device, dtype, t0 + args.budget_s + args.repeat_s, log)
     with open(os.path.join(args.out, "scale_model_matmul.json"), "w") as f:

@@ -457,14 +457,11 @@ def _repeat_lines(rows: list[dict]) -> list[str]:
     """What the repeated stream samples (``measure.repeat_streams``) say about the host's speed."""
     import numpy as np
 
-    from .calibrate import EXPAND_HOST_S
+    from .calibrate import EXPAND_HOST_S, sample_median as med
 
     rep = [r for r in rows if "stream_host_fwd_bwd_us_repeats" in r]
     if not rep:
         return []
-
-    def med(r, k):
-        return float(np.median([r[k]] + list(r[k + "_repeats"])))
 
     n = int(np.median([1 + len(r["stream_host_fwd_bwd_us_repeats"]) for r in rep]))
     f = np.percentile([med(r, "stream_host_fwd_us") for r in rep], [0, 10, 50, 90, 100])

@@ -33,12 +33,12 @@ def count_below(rows: torch.Tensor, bounds: torch.Tensor, chunk_size: Optional[i
     ``chunk_size``: ``rows`` may be whole aligned chunks of that many tokens (a plan's rank
     rows); then each bound is one table lookup (rows in the chunks before its chunk, plus its
     offset if its own chunk is held) instead of a binary search: a rank's local columns 1.6-2.6x
-    faster on the CPU at 128K-512K tokens (benchmarks/NOTES.md, session 48). Other rows use the
-    binary search."""
+    faster on the CPU at 128K-512K tokens (benchmarks/NOTES.md, session 48). Other rows, and
+    rows on a GPU, use the binary search."""
     n = rows.numel()
     if n and int(rows[-1]) - int(rows[0]) + 1 == n:  # one contiguous run: a clamp suffices
         return (bounds.to(torch.int64) - int(rows[0])).clamp(0, n)
-    if chunk_size and n and _whole_chunks(rows, chunk_size):
+    if chunk_size and n and rows.device.type == "cpu" and _whole_chunks(rows, chunk_size):
         return _count_below_chunks(rows, bounds, chunk_size)
     return torch.searchsorted(rows, bounds.to(rows.dtype).contiguous(), right=False)
 
@@ -52,18 +52,10 @@ def _whole_chunks(rows: torch.Tensor, chunk_size: int) -> bool:
 
 
 def _count_below_chunks(rows: torch.Tensor, bounds: torch.Tensor, chunk_size: int) -> torch.Tensor:
-    """:func:`count_below` of rows made of whole chunks: per bound ``v`` in chunk ``c = v //
+    """:func:`count_below` of CPU rows made of whole chunks: per bound ``v`` in chunk ``c = v //
     chunk_size``, the rows held before chunk ``c`` plus ``v``'s offset in ``c`` if ``c`` is held
-    (numpy on the CPU, where torch's integer gathers are several times slower; the bounds keep
-    their dtype until the last add, which is int64)."""
-    if rows.device.type != "cpu":
-        held = rows.view(-1, chunk_size)[:, 0] // chunk_size
-        own = torch.zeros(int(held[-1]) + 2, dtype=torch.int64, device=rows.device)
-        own[held] = chunk_size
-        before = torch.cumsum(own, 0) - own
-        v = bounds.to(torch.int64).clamp(0, (own.numel() - 1) * chunk_size)
-        c = torch.div(v, chunk_size, rounding_mode="floor")
-        return before[c] + torch.minimum(v - c * chunk_size, own[c])
+    (in numpy, where torch's integer gathers are several times slower; the bounds keep their
+    dtype until the last add, which is int64). Rows on a GPU keep the binary search."""
     held = rows.view(-1, chunk_size)[:, 0].numpy() // chunk_size
     own = np.zeros(int(held[-1]) + 2, dtype=np.int64)  # one past the last held chunk: none held there
     own[held] = chunk_size
