@@ -21,55 +21,79 @@ False, 4               C=4  map of all four
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Callable, Optional
 
 import numpy as np
 import torch
 
+#: A CPU count uses a lookup table over every position up to the rank's last row when that
+#: table is at most this many times the bounds to look up (plus :data:`_TABLE_SLACK`): one
+#: gather per bound instead of a binary search (benchmarks/NOTES.md, session 49).
+_TABLE_PER_BOUND = 8
+_TABLE_SLACK = 1 << 16
+
 
 def count_below(rows: torch.Tensor, bounds: torch.Tensor, chunk_size: Optional[int] = None) -> torch.Tensor:
-    """``#{i in rows : i < v}`` for every ``v`` in ``bounds`` (``rows`` sorted ascending, int64).
+    """``#{i in rows : i < v}`` for every ``v`` in ``bounds`` (``rows`` sorted ascending), int64.
 
     ``chunk_size``: ``rows`` may be whole aligned chunks of that many tokens (a plan's rank
-    rows); then each bound is one table lookup (rows in the chunks before its chunk, plus its
-    offset if its own chunk is held) instead of a binary search: a rank's local columns 1.6-2.6x
-    faster on the CPU at 128K-512K tokens (benchmarks/NOTES.md, session 48). Other rows, and
-    rows on a GPU, use the binary search."""
+    rows), which builds the CPU lookup table faster (:func:`_below`)."""
+    return _below(rows, bounds.numel(), chunk_size)(bounds).to(torch.int64)
+
+
+def _below(rows: torch.Tensor, n_bounds: int, chunk_size: Optional[int] = None) -> Callable:
+    """``count(bounds) -> int32 #{i in rows : i < v}`` per bound, for about ``n_bounds`` bounds.
+
+    One contiguous run of rows is a clamp; CPU rows use a table ``t[v]`` over every position up
+    to the last row (bounds outside it clip to its ends, where the count is 0 or ``len(rows)``)
+    when it is small next to the bounds; otherwise, and on a GPU, a binary search."""
     n = rows.numel()
     if n and int(rows[-1]) - int(rows[0]) + 1 == n:  # one contiguous run: a clamp suffices
-        return (bounds.to(torch.int64) - int(rows[0])).clamp(0, n)
-    if chunk_size and n and rows.device.type == "cpu" and _whole_chunks(rows, chunk_size):
-        return _count_below_chunks(rows, bounds, chunk_size)
-    return torch.searchsorted(rows, bounds.to(rows.dtype).contiguous(), right=False)
+        first = int(rows[0])
+        return lambda b: (b.to(torch.int64) - first).clamp_(0, n).to(torch.int32)
+    if n and rows.device.type == "cpu" and int(rows[-1]) < _TABLE_PER_BOUND * n_bounds + _TABLE_SLACK:
+        table = _below_table(rows.numpy(), chunk_size)
+        return lambda b: torch.from_numpy(np.take(table, b.numpy(), mode="clip"))
+    rows = rows.contiguous()
+    return lambda b: torch.searchsorted(rows, b.to(rows.dtype).contiguous(), right=False, out_int32=True)
 
 
-def _whole_chunks(rows: torch.Tensor, chunk_size: int) -> bool:
+def _below_table(rows: np.ndarray, chunk_size: Optional[int]) -> np.ndarray:
+    """int32 ``t`` of ``len(rows[-1]) + 2`` with ``t[v] = #{i in rows : i < v}`` (rows sorted,
+    non-negative). Whole aligned chunks of ``chunk_size`` (a plan's rank rows) fill it chunk by
+    chunk, 2-3x faster than counting every row."""
+    last = int(rows[-1])
+    if chunk_size and _whole_chunks(rows, chunk_size):
+        held = np.zeros(last // chunk_size + 1, dtype=np.int32)
+        held[rows[::chunk_size] // chunk_size] = 1
+        before = np.cumsum(held, dtype=np.int32)
+        before -= held
+        before *= chunk_size
+        table = np.empty(held.size * chunk_size + 1, dtype=np.int32)
+        np.add(before[:, None], np.arange(chunk_size, dtype=np.int32)[None, :] * held[:, None],
+               out=table[:-1].reshape(held.size, chunk_size))
+        table[-1] = rows.size
+        return table
+    table = np.zeros(last + 2, dtype=np.int32)
+    np.cumsum(np.bincount(rows, minlength=last + 1), out=table[1:])
+    return table
+
+
+def _whole_chunks(rows: np.ndarray, chunk_size: int) -> bool:
     """Whether sorted unique ``rows`` are whole chunks ``[c * chunk_size, (c + 1) * chunk_size)``."""
-    if rows.numel() % chunk_size:
+    if rows.size % chunk_size:
         return False
-    runs = rows.view(-1, chunk_size)
+    runs = rows.reshape(-1, chunk_size)
     return bool(((runs[:, 0] % chunk_size == 0) & (runs[:, -1] - runs[:, 0] == chunk_size - 1)).all())
 
 
-def _count_below_chunks(rows: torch.Tensor, bounds: torch.Tensor, chunk_size: int) -> torch.Tensor:
-    """:func:`count_below` of CPU rows made of whole chunks: per bound ``v`` in chunk ``c = v //
-    chunk_size``, the rows held before chunk ``c`` plus ``v``'s offset in ``c`` if ``c`` is held
-    (in numpy, where torch's integer gathers are several times slower; the bounds keep their
-    dtype until the last add, which is int64). Rows on a GPU keep the binary search."""
-    held = rows.view(-1, chunk_size)[:, 0].numpy() // chunk_size
-    own = np.zeros(int(held[-1]) + 2, dtype=np.int64)  # one past the last held chunk: none held there
-    own[held] = chunk_size
-    before = np.cumsum(own) - own  # rows held before each chunk
-    v = np.clip(bounds.numpy(), 0, (len(own) - 1) * chunk_size)  # a copy: worked on in place below
-    if chunk_size & (chunk_size - 1) == 0:  # a power of two: shift and mask
-        c = v >> (chunk_size.bit_length() - 1)
-        np.bitwise_and(v, chunk_size - 1, out=v)
-    else:
-        c = v // chunk_size
-        v -= c * chunk_size
-    out = before[c]
-    out += np.minimum(v, own[c].astype(v.dtype, copy=False), out=v)
-    return torch.from_numpy(out)
+def local_columns_shape(startend_row_indices: Optional[torch.Tensor], causal: bool, n_keys: int) -> tuple:
+    """The shape of :func:`rank_local_columns`' result for ``n_keys`` local keys (the module
+    table: the causal diagonal adds an upper interval per lower one), without computing it."""
+    if startend_row_indices is None:
+        return (1, 1, n_keys, 2)
+    b, h, _, c = startend_row_indices.shape
+    return (b, h, n_keys, 2 * c if causal else c)
 
 
 def rank_local_columns(startend_row_indices: Optional[torch.Tensor], causal: bool,
@@ -85,19 +109,25 @@ def rank_local_columns(startend_row_indices: Optional[torch.Tensor], causal: boo
     rows = rows.to(device=device, dtype=torch.int64)
     keys = keys.to(device=device, dtype=torch.int64)
     n_rows, n_keys = rows.numel(), keys.numel()
-    diag = count_below(rows, keys, chunk_size)  # map(j): rows strictly before key j
+    bounds = n_keys if startend_row_indices is None else n_keys * (1 + startend_row_indices.shape[-1])
+    below = _below(rows, bounds, chunk_size)
+    diag = below(keys)  # map(j): rows strictly before key j
     if startend_row_indices is None:
-        lts = torch.full((n_keys,), n_rows, dtype=torch.int64, device=device)
-        ute = diag if causal else torch.zeros(n_keys, dtype=torch.int64, device=device)
-        return torch.stack([lts, ute], -1).view(1, 1, n_keys, 2).to(torch.int32)
-    cols = startend_row_indices.index_select(2, keys)
-    mapped = count_below(rows, cols, chunk_size)
+        lts = torch.full((n_keys,), n_rows, dtype=torch.int32, device=device)
+        ute = diag if causal else torch.zeros(n_keys, dtype=torch.int32, device=device)
+        return torch.stack([lts, ute], -1).view(1, 1, n_keys, 2)
+    mapped = below(_gather_keys(startend_row_indices, keys))
     if not causal:
-        return mapped.to(torch.int32)
-    diag = diag.view(1, 1, n_keys).expand(cols.shape[:3])
-    if cols.shape[-1] == 1:
-        out = torch.stack([mapped[..., 0], diag], -1)
-    else:
-        zero = torch.zeros_like(diag)
-        out = torch.stack([mapped[..., 0], mapped[..., 1], zero, diag], -1)
-    return out.to(torch.int32).contiguous()
+        return mapped
+    diag = diag.view(1, 1, n_keys).expand(mapped.shape[:3])
+    if mapped.shape[-1] == 1:
+        return torch.stack([mapped[..., 0], diag], -1)
+    zero = torch.zeros_like(diag)
+    return torch.stack([mapped[..., 0], mapped[..., 1], zero, diag], -1)
+
+
+def _gather_keys(startend_row_indices: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
+    """The columns of ``keys`` (numpy's gather on the CPU: ~5x torch's ``index_select`` there)."""
+    if startend_row_indices.device.type == "cpu":
+        return torch.from_numpy(np.take(startend_row_indices.numpy(), keys.numpy(), axis=2))
+    return startend_row_indices.index_select(2, keys)

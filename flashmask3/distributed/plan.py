@@ -34,7 +34,7 @@ import torch
 
 from ..masks import FlashMask, causal_mask, validate_startend_row_indices, with_window
 from .handles import name_object, named_object
-from .local_mask import rank_local_columns
+from .local_mask import local_columns_shape, rank_local_columns
 from .placement import DEFAULT_TOLERANCE, PlacementCost, sparse_placement
 from .summaries import chunk_pair_counts, chunk_summaries
 
@@ -697,6 +697,11 @@ class CPPlan:
                                       self.key_index(rank, order), self.chunk_size)
             self._local_masks[key] = FlashMask(cols, False, self.local_seqlen)
         return self._local_masks[key]
+
+    def local_columns_shape(self, rank: int, order: str = "arrival") -> tuple:
+        """The shape of :meth:`local_mask`'s columns, without building them."""
+        n_keys = len(self.needed_chunks(rank, order)) * self.chunk_size
+        return local_columns_shape(self.startend_row_indices, self.causal, n_keys)
 
     # -- accounting --------------------------------------------------------------------------
     def kv_tokens_moved(self, comm: str = "overlap") -> int:

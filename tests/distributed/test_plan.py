@@ -39,6 +39,7 @@ def _check_local_masks(mask, balance, cp, nodes):
             keys = p.key_index(r, order)
             local = p.local_mask(r, order)
             assert local.causal is False
+            assert p.local_columns_shape(r, order) == tuple(local.startend_row_indices.shape)
             want = dense[:, :, rows][:, :, :, keys]
             assert torch.equal(local.to_dense().expand_as(want), want)
             dropped = torch.ones(96, dtype=torch.bool)
@@ -53,25 +54,29 @@ def _check_local_masks(mask, balance, cp, nodes):
 
 
 @pytest.mark.parametrize("seed", range(6))
-def test_count_below_of_whole_chunks_equals_the_binary_search(seed):
-    """The chunk-table count (a plan's rank rows) equals the binary search for every bound:
-    inside, before, after and at the edges of held chunks, out of range, in any shape."""
+def test_count_below_equals_the_binary_search(seed):
+    """Every path of the count equals the binary search for every bound (inside, before,
+    after and at the edges of held rows, out of range, any shape): the table filled chunk by
+    chunk (a plan's rank rows), the table counted row by row (other rows), and rows far past
+    the bounds' count, which keep the binary search."""
     from flashmask3.distributed.local_mask import count_below
 
     g = torch.Generator().manual_seed(seed)
     cs = int(2 ** torch.randint(0, 6, (1,), generator=g))
-    n = int(torch.randint(1, 40, (1,), generator=g))
+    n = int(torch.randint(2, 40, (1,), generator=g))
     held = torch.randperm(n, generator=g)[:int(torch.randint(1, n + 1, (1,), generator=g))].sort().values
     rows = (held[:, None] * cs + torch.arange(cs)).flatten()
     bounds = torch.randint(-3, n * cs + 4, (2, 3, 50, 2), generator=g)
     bounds[0, 0, :4, 0] = torch.tensor([0, n * cs, rows[0], rows[-1] + 1])
-    want = torch.searchsorted(rows, bounds.contiguous())
-    got = count_below(rows, bounds, cs)
-    assert got.dtype == torch.int64 and torch.equal(got, want)
-    assert torch.equal(count_below(rows, bounds.to(torch.int32), cs), want)
-    odd = rows[rows % cs != 0] if cs > 1 else rows[1:]  # not whole chunks: the binary search
-    if odd.numel() > 1:
-        assert torch.equal(count_below(odd, bounds, cs), torch.searchsorted(odd, bounds.contiguous()))
+    odd = rows[rows % cs != 0] if cs > 1 else rows[1:]  # not whole chunks: the table counted row by row
+    far = rows + (1 << 20)  # past the bounds: the binary search
+    for r, b in ((rows, bounds), (odd, bounds), (far, bounds + (1 << 20)), (far, bounds)):
+        if r.numel():
+            want = torch.searchsorted(r, b.contiguous())
+            got = count_below(r, b, cs)
+            assert got.dtype == torch.int64 and torch.equal(got, want)
+            assert torch.equal(count_below(r, b.to(torch.int32), cs), want)
+            assert torch.equal(count_below(r, b[..., 1], cs), want[..., 1])  # a strided view
 
 
 def test_ownership_layouts_and_determinism():

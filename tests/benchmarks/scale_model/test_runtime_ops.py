@@ -43,6 +43,11 @@ def test_recorded_layer_matches_the_runtime(nodes, comm, calls):
         assert {o.pass_ for o in ops} == {"fwd", "bwd"}
         assert all(o.nbytes > 0 for o in ops if o.kind != "attention")
         prog = prepare_rank(p, rank, "meta", comm, calls)
+        real = prepare_rank(p, rank, "cpu", comm, calls)  # the meta program's columns are shapes only
+        assert [None if c is None else c.shape for c in prog.stage_cols] == \
+            [None if c is None else c.shape for c in real.stage_cols]
+        if real.merged is not None:
+            assert getattr(prog.merged.cols, "shape", None) == getattr(real.merged.cols, "shape", None)
         row = 2 * p.chunk_size * 2 * 16 * 2  # a wire row: K and V, chunk keys, 2 heads, D=16, bf16
         gathered = sum(o.nbytes for o in ops if o.name == "gather_keys")
         passes = 1 if comm == "overlap" else 2  # the overlapped backward keeps the forward's keys
