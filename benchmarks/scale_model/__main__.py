@@ -33,7 +33,7 @@ from benchmarks.scale_model import experiment as X  # noqa: E402
 from benchmarks.scale_model import report, validate  # noqa: E402
 from benchmarks.scale_model.layout import LEGACY_TOLERANCE  # noqa: E402
 from benchmarks.scale_model.params import RUNTIME_FITS  # noqa: E402
-from benchmarks.scale_model.commands import (MODELS, _print_validation, _setup, _start_sweep,  # noqa: E402
+from benchmarks.scale_model.commands import (MODELS, _print_validation, _setup, _start_worker,  # noqa: E402
                                              run_paper, run_sweep, run_validate)
 
 
@@ -119,7 +119,7 @@ def main(argv=None) -> int:
         return 0
 
     cluster, runtime, costs = _setup(args)
-    sweep_job = _start_sweep(args) if args.cmd == "all" else None
+    worker = _start_worker(args) if args.cmd == "all" else None
     out = {"label": "PREDICTIONS of the scale model (benchmarks/scale_model), not measurements",
            "command": "python -m benchmarks.scale_model " + " ".join(sys.argv[1:] if argv is None else argv),
            "calibration": {"flashmask3": costs.flashmask3.source, "flex": costs.flex.source},
@@ -140,20 +140,12 @@ def main(argv=None) -> int:
           "## Parameters", ""]
     md += report.params_table(cluster, costs, runtime) + [""]
     if args.cmd == "all":
-        single, multi = run_validate(args)
-        _print_validation(single, multi)
-        md += report.validation_section(single, multi, os.path.relpath(args.multigpu, os.getcwd()))
-        out["validation"] = {"single": {k: [dataclasses.asdict(p) for p in single[k]] for k in ("tables", "per_rank")},
-                             "k": single["k"], "c": single["c"],
-                             "measured_shapes": {cls: {chk: {kind: validate.summary(pts, held_only=False)
-                                                             for kind, pts in d[chk].items()}
-                                                       for chk in ("in_sample", "held_out")}
-                                                 for cls, d in single.get("measured", {}).items()},
-                             "multigpu": [dataclasses.asdict(p) for p in multi]}
+        out["validation"] = None  # the worker's, filled in below (the file keeps its order)
+    paper_md = []
     if args.cmd in ("all", "paper"):
         model, layout, datasets, results, sens = run_paper(args, costs, cluster, runtime)
         model_p = model
-        md += report.paper_section(model, layout, datasets, results, sens, cluster) + [""]
+        paper_md += report.paper_section(model, layout, datasets, results, sens, cluster) + [""]
         out["paper"] = {"model": dataclasses.asdict(model), "layout": dataclasses.asdict(layout),
                         "datasets": datasets, "sensitivity": sens,
                         "results": {d: {m: X._summ(e) for m, e in r.items()} for d, r in results.items()},
@@ -166,13 +158,26 @@ def main(argv=None) -> int:
                                         "dp": args.alt_dp, "micro_batches": max(1, args.micro_batches * args.dp // args.alt_dp),
                                         "sensitivity": False, "host_sweep": False})
             _, alayout, adatasets, aresults, _ = run_paper(alt, costs, cluster, runtime)
-            md += ["### The same at another plausible layout", ""]
-            md += report.paper_section(model, alayout, adatasets, aresults, [], cluster)[4:] + [""]
+            paper_md += ["### The same at another plausible layout", ""]
+            paper_md += report.paper_section(model, alayout, adatasets, aresults, [], cluster)[4:] + [""]
             out["paper_alt"] = {"layout": dataclasses.asdict(alayout),
                                 "gains": {d: X.gains(r) for d, r in aresults.items()},
                                 "results": {d: {m: X._summ(e) for m, e in r.items()} for d, r in aresults.items()}}
+    validation, swept = worker.result() if worker is not None else (None, None)
+    if args.cmd == "all":
+        single, multi = validation
+        _print_validation(single, multi)
+        md += report.validation_section(single, multi, os.path.relpath(args.multigpu, os.getcwd()))
+        out["validation"] = {"single": {k: [dataclasses.asdict(p) for p in single[k]] for k in ("tables", "per_rank")},
+                             "k": single["k"], "c": single["c"],
+                             "measured_shapes": {cls: {chk: {kind: validate.summary(pts, held_only=False)
+                                                             for kind, pts in d[chk].items()}
+                                                       for chk in ("in_sample", "held_out")}
+                                                 for cls, d in single.get("measured", {}).items()},
+                             "multigpu": [dataclasses.asdict(p) for p in multi]}
+    md += paper_md
     if args.cmd in ("all", "sweep"):
-        model, sweep, seqs = sweep_job.result() if sweep_job is not None else run_sweep(args, costs, cluster, runtime)
+        model, sweep, seqs = swept if swept is not None else run_sweep(args, costs, cluster, runtime)
         md += report.sweep_section(model, sweep, cluster)
         out["sweep"] = {"model": dataclasses.asdict(model), "results": sweep,
                         "sequences": {str(k): v for k, v in seqs.items()}}

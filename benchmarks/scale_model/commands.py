@@ -1,7 +1,7 @@
 """The scale model's commands (``python -m benchmarks.scale_model``, ``__main__.py`` parses
 the arguments): the paper experiment, the cp sweep, the validation, each from the parsed
 arguments. Kept out of ``__main__`` so that a worker process can import them (``all`` runs the
-sweep in a second process)."""
+validation and the sweep in a second process)."""
 
 from __future__ import annotations
 
@@ -113,29 +113,32 @@ def _setup(args):
     return cluster, runtime, costs
 
 
-def _sweep_job(args):
-    """The cp sweep of ``args`` on its own (a worker process's job: plain data comes back)."""
+def _worker_job(args):
+    """``all``'s second process: the validation, then the cp sweep, of ``args`` (plain data
+    comes back). Together about as long as the paper experiment and its second layout, which
+    the first process runs meanwhile."""
     import torch
 
     torch.set_num_threads(1)  # one core each: torch's worker threads would spin against the other process
     cluster, runtime, costs = _setup(args)
-    return run_sweep(args, costs, cluster, runtime, position=1)
+    return run_validate(args, position=1), run_sweep(args, costs, cluster, runtime, position=1)
 
 
-def _start_sweep(args):
-    """``all``: the cp sweep started in a second process while this one validates and runs the
-    paper experiment (they share nothing but the on-disk plan cache, whose writes are atomic);
-    on a one-core machine it runs here, after them. Returns something with ``.result()``."""
+def _start_worker(args):
+    """``all``: the validation and the cp sweep started in a second process while this one
+    runs the paper experiment (they share nothing but the on-disk plan cache, whose writes are
+    atomic); on a one-core machine they run here, after it. Returns something with
+    ``.result()``: ``((single, multi), (model, sweep, sequences))``."""
     if (os.cpu_count() or 1) < 2:
-        return _Lazy(lambda: _sweep_job(args))
+        return _Lazy(lambda: _worker_job(args))
     import concurrent.futures
     import multiprocessing
 
     import torch
 
-    torch.set_num_threads(1)  # this process keeps one core, the sweep's worker the other
+    torch.set_num_threads(1)  # this process keeps one core, the worker the other
     pool = concurrent.futures.ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn"))
-    job = pool.submit(_sweep_job, args)
+    job = pool.submit(_worker_job, args)
     pool.shutdown(wait=False)
     return job
 
@@ -148,8 +151,8 @@ class _Lazy:
         return self.run()
 
 
-def run_validate(args):
-    with tqdm(total=2, desc="validation", unit="file") as bar:
+def run_validate(args, position: int = 0):
+    with tqdm(total=2, desc="validation", unit="file", position=position) as bar:
         single = validate.validate_single(args.single)
         if os.path.exists(calibrate.MEASURED_FILE):
             single["measured"] = validate.validate_measured(calibrate.MEASURED_FILE)

@@ -91,13 +91,14 @@ _TILE_MAPS_KEPT = 6  # two tile shapes of the sweep's three masks per sequence l
 
 def _class_counts(maps: tuple, per: int, n: int, over_rows: bool):
     """(full, partial) int32 counts of :func:`_tile_maps`' ``[rows, cols]`` maps, summed over
-    groups of ``per`` blocks along the other axis (its chunks). In numpy, int32 sums and no sum
-    at all for one block a chunk: the cold sweep spent ~10 s here converting 16M-tile maps to
-    int64."""
+    groups of ``per`` blocks along the rows (``over_rows``: ``[n, cols]``) or the columns
+    (``[rows, n]``), ``n`` chunks. In numpy, int32 sums and no sum at all for one block a chunk:
+    the cold sweep spent ~10 s here converting 16M-tile maps to int64, and ~5 s more while the
+    row sums were stored transposed."""
     out = []
     for x in maps:
-        if over_rows:  # sum query blocks per query chunk: [n, per, cols] -> [cols, n]
-            x = (x.reshape(n, per, -1).sum(1, dtype=np.int32) if per > 1 else x).T
+        if over_rows:  # sum query blocks per query chunk: [n, per, cols] -> [n, cols]
+            x = x.reshape(n, per, -1).sum(1, dtype=np.int32) if per > 1 else x
         else:  # sum key blocks per key chunk: [rows, n, per] -> [rows, n]
             x = x.reshape(-1, n, per).sum(2, dtype=np.int32) if per > 1 else x
         out.append(np.ascontiguousarray(x, dtype=np.int32))
@@ -108,8 +109,8 @@ def program_chunk_matrices(startend_row_indices, causal: bool, seqlen: int, chun
     """Per-program live tiles against every chunk, the mask layer's tile rule at the kernels'
     tiles (:data:`~.calibrate.FWD_TILE`, :data:`~.calibrate.BWD_TILE`) on the global mask:
     ``fwd_full`` / ``fwd_partial`` ``[query blocks, chunks]`` (a forward program's tiles against
-    each key chunk), ``bwd_full`` / ``bwd_partial`` ``[key blocks, chunks]`` (a backward
-    program's tiles against each query chunk)."""
+    each key chunk), ``bwd_full`` / ``bwd_partial`` ``[chunks, key blocks]`` (each backward
+    program's tiles against a query chunk: a rank's query chunks are rows to add)."""
     if chunk_size % TILE:
         raise ValueError(f"chunk_size={chunk_size} must be a multiple of {TILE} for the tile model")
     n = seqlen // chunk_size
@@ -147,7 +148,7 @@ def rank_call_work(m: dict, q_chunks: np.ndarray):
     q_chunks = np.asarray(q_chunks, dtype=np.int64)
     qb = _blocks(q_chunks, m["per_q"])
     fwd = [m[f"fwd_{c}"][qb] for c in ("full", "partial")]  # [the rank's query blocks, chunks]
-    bwd = [m[f"bwd_{c}"][:, q_chunks].sum(1).astype(np.int32) for c in ("full", "partial")]  # [key blocks]
+    bwd = [m[f"bwd_{c}"][q_chunks].sum(0, dtype=np.int32) for c in ("full", "partial")]  # [key blocks]
 
     def work(k_chunks: np.ndarray) -> ProgramWork:
         k_chunks = np.asarray(k_chunks, dtype=np.int64)

@@ -43,7 +43,18 @@ def _load(name: str) -> Optional[ModuleType]:
     return mod
 
 
-@torch.compiler.assume_constant_result
+def _assume_constant_result(fn):
+    """``torch.compiler.assume_constant_result`` without importing ``torch._dynamo`` with the
+    package (1.5 of its 3.5 s import): that decorator only sets this marker, on torch 2.11-2.15
+    (``tests/kernels/test_dispatch.py`` checks that it still does); once dynamo is imported,
+    the real one."""
+    if "torch._dynamo" in sys.modules:
+        return torch.compiler.assume_constant_result(fn)
+    fn._dynamo_marked_constant = True
+    return fn
+
+
+@_assume_constant_result
 def triton_available() -> bool:
     """True when the Triton backend can be imported (Triton installed and kernels present).
     Decided on the first call and cached; under ``torch.compile`` a constant of the graph."""

@@ -207,3 +207,21 @@ def test_the_quoted_tl_path_cost_is_the_committed_measurement():
         assert 1.15 <= r["portable_over_default"] <= 1.45, case["mask"]
         assert 0.9 <= r["flex_over_portable"] <= 1.2, case["mask"]
     assert "1.2-1.4x" in dispatch.TL_PATH_COST and "FlexAttention" in dispatch.TL_PATH_COST
+
+
+def test_triton_available_is_a_constant_under_compile_without_importing_dynamo():
+    """The package marks ``triton_available`` as torch.compile's ``assume_constant_result``
+    does, without importing torch._dynamo: the marker is what that decorator sets (a torch
+    that changes it fails here), and importing the package leaves dynamo unloaded."""
+    import subprocess
+    import sys
+
+    import torch
+
+    from flashmask3.kernels import triton_available
+
+    assert torch.compiler.assume_constant_result(lambda: 0)._dynamo_marked_constant is True
+    assert triton_available._dynamo_marked_constant is True
+    code = "import sys, flashmask3, flashmask3.distributed; print('torch._dynamo' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "False"
