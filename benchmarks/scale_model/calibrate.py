@@ -883,21 +883,25 @@ def has_gpu_times(rows: list[dict]) -> bool:
 def measured_host(rows: list[dict]) -> tuple[float, float]:
     """Median host seconds per call: forward, and backward (= fwd+bwd - fwd). Where every row
     has it, the host's CPU time per call of the stream of back-to-back calls the row timed
-    (``stream_host_*``, per row the median of its samples where it has repeats: what a rank's
+    (``stream_host_*``, per row the mean of its samples where it has repeats: what a rank's
     stream of stage calls pays, the quantity the model predicts; session 20 on), else the
     separate host loop's (``host_*``: the call alone, whose Python runs colder: a median of 109
     against 69 us per forward in the same file)."""
     stream = all("stream_host_fwd_us" in r and "stream_host_fwd_bwd_us" in r for r in rows)
     fk, fbk = ("stream_host_fwd_us", "stream_host_fwd_bwd_us") if stream else ("host_fwd_us", "host_fwd_bwd_us")
-    fwd = float(np.median([sample_median(r, fk) for r in rows])) * 1e-6
-    fb = float(np.median([sample_median(r, fbk) for r in rows])) * 1e-6
+    fwd = float(np.median([sample_mean(r, fk) for r in rows])) * 1e-6
+    fb = float(np.median([sample_mean(r, fbk) for r in rows])) * 1e-6
     return fwd, max(0.0, fb - fwd)
 
 
-def sample_median(r: dict, key: str) -> float:
-    """A measured row's ``key``: the median of its sample and its repeats where it has them
-    (``measure.repeat_streams``, ``key + "_repeats"``), else its one sample."""
-    return float(np.median([r[key]] + list(r.get(key + "_repeats", []))))
+def sample_mean(r: dict, key: str) -> float:
+    """A measured row's ``key``: the mean of its sample and its repeats where it has them
+    (``measure.repeat_streams``, ``key + "_repeats"``), else its one sample. The mean, not the
+    median: the model predicts throughput, a time average, and the H200 host's time per call
+    switches between two levels from round to round (session 48's file: a forward's samples
+    near 40 us or near 55-78 us), so a median of 16 samples picks one level (with it the
+    repeated check was 508 of 522 within 15%, with the mean 518; benchmarks/NOTES.md, session 49)."""
+    return float(np.mean([r[key]] + list(r.get(key + "_repeats", []))))
 
 
 def fit_rows(rows: list[dict], source: str, head_dim: int = 128, gqa: bool = True,

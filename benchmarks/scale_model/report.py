@@ -340,7 +340,7 @@ def measured_section(measured: dict) -> list[str]:
                   "measured for that row instead of the median (tests how host and GPU combine, not the host's "
                   "scatter); `its own host` = the same with the CPU time the host took for the very calls the "
                   "stream timed (files from session 20 on: the host's drift between the two loops removed); "
-                  "`repeated` = the `stream` prediction vs the median of a call's stream samples, for the calls "
+                  "`repeated` = the `stream` prediction vs the mean of a call's stream samples, for the calls "
                   "whose host could set their time (GPU time under twice the host time: `measure.repeat_streams` "
                   "takes more samples of those calls in rounds over the whole run, files from session 48 on).", ""]
     header = ["| class | pass | check | points | max abs error | mean abs error | within 15% | GPU-bound calls (> 2x host): max / mean, n |",
@@ -405,7 +405,7 @@ def _target_lines(measured: dict) -> list[str]:
     out = []
     for kinds, label in ((("fwd GPU", "fwd+bwd GPU"), "GPU time"), (("fwd stream", "fwd+bwd stream"), "stream time"),
                          (("fwd stream, repeated", "fwd+bwd stream, repeated"),
-                          "stream time, median of the repeated samples"),
+                          "stream time, mean of the repeated samples"),
                          (("fwd stream, row's host", "fwd+bwd stream, row's host"), "stream time, row's host"),
                          (("fwd stream, its own host", "fwd+bwd stream, its own host"), "stream time, its own host"),
                          (("fwd do_bench", "fwd+bwd do_bench"), "do_bench time"),
@@ -457,29 +457,32 @@ def _repeat_lines(rows: list[dict]) -> list[str]:
     """What the repeated stream samples (``measure.repeat_streams``) say about the host's speed."""
     import numpy as np
 
-    from .calibrate import EXPAND_HOST_S, sample_median as med
+    from .calibrate import EXPAND_HOST_S, sample_mean as mean
 
     rep = [r for r in rows if "stream_host_fwd_bwd_us_repeats" in r]
     if not rep:
         return []
 
     n = int(np.median([1 + len(r["stream_host_fwd_bwd_us_repeats"]) for r in rep]))
-    f = np.percentile([med(r, "stream_host_fwd_us") for r in rep], [0, 10, 50, 90, 100])
-    b = np.percentile([med(r, "stream_host_fwd_bwd_us") for r in rep], [0, 10, 50, 90, 100])
+    f = np.percentile([mean(r, "stream_host_fwd_us") for r in rep], [0, 10, 50, 90, 100])
+    b = np.percentile([mean(r, "stream_host_fwd_bwd_us") for r in rep], [0, 10, 50, 90, 100])
     rounds = min(len(r["stream_host_fwd_bwd_us_repeats"]) for r in rep)
-    grouped = [med(r, "stream_host_fwd_bwd_us") for r in rep if not r.get("kv_expanded")]
-    split = [med(r, "stream_host_fwd_bwd_us") for r in rep if r.get("kv_expanded")]
+    grouped = [mean(r, "stream_host_fwd_bwd_us") for r in rep if not r.get("kv_expanded")]
+    split = [mean(r, "stream_host_fwd_bwd_us") for r in rep if r.get("kv_expanded")]
     expanded = (f"the calls whose GQA backward ran with K/V expanded ({len(split)}) take a median "
-                f"{np.median(split):.0f} us forward+backward against {np.median(grouped):.0f} us for the others "
+                f"{np.median(split):.0f} us forward+backward (their means' median) against {np.median(grouped):.0f} "
+                "us for the others "
                 f"({len(grouped)}), where the model adds {EXPAND_HOST_S * 1e6:.0f} us (`calibrate.EXPAND_HOST_S`, "
                 "from host_breakdown.json) to the median host" if split and grouped else "none")
     by_round = np.median([r["stream_host_fwd_bwd_us_repeats"][:rounds] for r in rep], axis=0)
     return [f"Repeated samples ({len(rep)} host-relevant calls, {n} stream samples each, {rounds} rounds over all "
-            f"of them): a call's median host time per call, min / 10% / median / 90% / max over the calls, is "
+            f"of them): a call's mean host time per call, min / 10% / median / 90% / max over the calls, is "
             f"{f[0]:.0f} / {f[1]:.0f} / {f[2]:.0f} / {f[3]:.0f} / {f[4]:.0f} us forward and {b[0]:.0f} / {b[1]:.0f} / "
             f"{b[2]:.0f} / {b[3]:.0f} / {b[4]:.0f} us forward+backward; the median over the calls of one round "
             f"drifted {by_round.min():.0f}-{by_round.max():.0f} us (forward+backward) from round to round. The "
-            "medians take out most of the drift (the `repeated` check); what remains is a spread between calls "
+            "means take out most of the drift and the host's switching between two speeds (a call's samples sit "
+            "near one level or the other from round to round, so a median of them picks a level; the `repeated` "
+            "check uses the mean, the time average a training step pays); what remains is a spread between calls "
             "of the same code path, and one pattern: " + expanded + ". Both bound a shape-based prediction "
             "of a host-bound call.", ""]
 

@@ -30,7 +30,7 @@ from typing import Optional
 import numpy as np
 
 from .calibrate import (MEASURED_FILE, RESULTS, AttentionCost, TileCounts, fit_rows, load_cost, measured_rows,
-                        row_tiles, sample_median, work_summary)
+                        row_tiles, sample_mean, work_summary)
 from .layout import PlanView, RoundView, document_plan, document_plan_view, file_tolerance, mask_sparsity
 from .params import Cluster, Param, Runtime, runtime_fit_of
 from .runtime_ops import MERGED, RATE_CLASSES, bytes_by_rate, op_seconds, ops_seconds
@@ -215,8 +215,8 @@ MEASURED_COLUMN = {"fwd": "fwd_ms", "fwd+bwd": "fwd_bwd_ms", "fwd GPU": "gpu_fwd
 
 def measured_ms(r: dict, col: str, check: str = "") -> float:
     """The measured milliseconds of ``check`` in row ``r``: column ``col``, or for a
-    ``..., repeated`` check the median of that sample and the row's repeats (``col + "_repeats"``)."""
-    return sample_median(r, col) if check.endswith(", repeated") else r[col]
+    ``..., repeated`` check the mean of that sample and the row's repeats (``col + "_repeats"``)."""
+    return sample_mean(r, col) if check.endswith(", repeated") else r[col]
 
 
 def call_name(r: dict) -> str:
