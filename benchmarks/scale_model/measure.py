@@ -247,7 +247,7 @@ def repeat_streams(kept: list, device, rounds: int, deadline: float, log, save=N
     One stream sample of a host-bound call follows the host's speed over its ~10 ms, which
     drifts by tens of percent within a run (``stream_host_*`` of one file: 411-679 us per
     fwd+bwd call, 10-90%, with no trend by shape); interleaving spreads each call's samples over
-    the whole run, so their median is the call's time at the run's typical host speed, the
+    the whole run, so their mean is the call's time averaged over the run's host speeds, the
     quantity a shape-based model can predict (validate.py's ``stream, repeated`` check)."""
     done = 0
     for rnd in range(rounds):

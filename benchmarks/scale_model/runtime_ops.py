@@ -109,13 +109,14 @@ def _empty_as(x: torch.Tensor, dtype=None) -> torch.Tensor:
 
 
 def _fast_alloc(name: str, args, kwargs) -> "torch.Tensor | None":
-    """The output of an allocation op (``empty_like`` of a contiguous tensor in its own format,
-    ``new_empty`` on its tensor's device) made by :func:`_empty_as`'s factory; None for any
+    """The output of an allocation op (``empty_like`` giving a contiguous tensor, ``new_empty``
+    on its tensor's device) made by the C++ factory as :func:`_empty_as` does; None for any
     other op or argument, which then runs as called."""
-    if name == "empty_like" and len(args) == 1 and \
-            set(kwargs) <= {"dtype", "memory_format"} and \
-            kwargs.get("memory_format", torch.preserve_format) in (torch.preserve_format, torch.contiguous_format):
-        return _empty_as(args[0], kwargs.get("dtype"))
+    if name == "empty_like" and len(args) == 1 and set(kwargs) <= {"dtype", "memory_format"}:
+        x, fmt = args[0], kwargs.get("memory_format", torch.preserve_format)
+        if fmt is torch.contiguous_format or (fmt is torch.preserve_format and x.is_contiguous()):
+            return torch.empty(x.shape, dtype=kwargs.get("dtype") or x.dtype, device=x.device)
+        return None
     if name == "new_empty" and len(args) == 2 and set(kwargs) <= {"dtype"}:
         return torch.empty(args[1], dtype=kwargs.get("dtype") or args[0].dtype, device=args[0].device)
     return None

@@ -59,7 +59,7 @@ def _below(rows: torch.Tensor, n_bounds: int, chunk_size: Optional[int] = None) 
 
 
 def _below_table(rows: np.ndarray, chunk_size: Optional[int]) -> np.ndarray:
-    """int32 ``t`` of ``len(rows[-1]) + 2`` with ``t[v] = #{i in rows : i < v}`` (rows sorted,
+    """int32 ``t`` of ``rows[-1] + 2`` entries with ``t[v] = #{i in rows : i < v}`` (rows sorted,
     non-negative). Whole aligned chunks of ``chunk_size`` (a plan's rank rows) fill it chunk by
     chunk, 2-3x faster than counting every row."""
     last = int(rows[-1])

@@ -159,3 +159,25 @@ def test_an_ab_layout_is_recorded_with_its_hidden_functions():
     names = lambda ops: {o.name for o in ops if o.kind != "emulated"}  # noqa: E731
     assert {"sum_wire_rows", "add_returns"} <= names(kernel) and "index_add_" not in names(kernel)
     assert not {"sum_wire_rows", "add_returns"} & names(torch_ops) and "index_add_" in names(torch_ops)
+
+
+def test_fast_allocations_match_the_real_ops():
+    """The recorder's shortcut for ``empty_like`` / ``new_empty`` gives the shape, strides,
+    dtype and device the real op gives, and leaves every other form to the real op."""
+    import torch
+
+    from benchmarks.scale_model.runtime_ops import _fast_alloc
+
+    x = torch.empty(2, 3, 4, dtype=torch.bfloat16, device="meta")
+    t = x.transpose(0, 2)  # dense, not contiguous: preserve_format keeps its strides
+    cases = [("empty_like", (x,), {}), ("empty_like", (x,), {"dtype": torch.float32}),
+             ("empty_like", (t,), {"memory_format": torch.contiguous_format}),
+             ("new_empty", (x, [5, 6]), {}), ("new_empty", (t, [7]), {"dtype": torch.int32})]
+    for name, args, kwargs in cases:
+        got = _fast_alloc(name, args, kwargs)
+        want = getattr(torch.ops.aten, name).default(*args, **kwargs)
+        assert (got.shape, got.stride(), got.dtype, got.device) == \
+            (want.shape, want.stride(), want.dtype, want.device), (name, kwargs)
+    assert _fast_alloc("empty_like", (t,), {}) is None  # preserve_format of a strided tensor
+    assert _fast_alloc("new_empty", (x, [2]), {"pin_memory": False}) is None
+    assert _fast_alloc("clone", (x,), {}) is None
