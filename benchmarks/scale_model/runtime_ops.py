@@ -99,25 +99,21 @@ def _moved_bytes(name: str, args, out) -> int:
     return written if name in _WRITE_ONLY else 2 * written
 
 
-def _empty_as(x: torch.Tensor, dtype=None) -> torch.Tensor:
-    """``torch.empty_like(x, dtype=dtype)``, for a contiguous ``x`` through the C++ factory:
-    the meta device's ``empty_like`` runs torch's Python reference, ~15x slower (63 vs 4 us a
-    call), and a recorded layer allocates dozens of outputs."""
-    if not x.is_contiguous():
-        return torch.empty_like(x, dtype=dtype)
-    return torch.empty(x.shape, dtype=dtype or x.dtype, device=x.device)
-
-
 def _fast_alloc(name: str, args, kwargs) -> "torch.Tensor | None":
     """The output of an allocation op (``empty_like`` giving a contiguous tensor, ``new_empty``
-    on its tensor's device) made by the C++ factory as :func:`_empty_as` does; None for any
-    other op or argument, which then runs as called."""
-    if name == "empty_like" and len(args) == 1 and set(kwargs) <= {"dtype", "memory_format"}:
+    on its tensor's device, unpinned as torch passes them) made by the C++ factory: the meta
+    device's ``empty_like`` runs torch's Python reference, ~15x slower (63 vs 4 us a call), and
+    a recorded layer allocates dozens of outputs. None for any other op or argument, which then
+    runs as called."""
+    if kwargs.get("pin_memory"):
+        return None
+    kw = set(kwargs) - {"pin_memory"}
+    if name == "empty_like" and len(args) == 1 and kw <= {"dtype", "memory_format"}:
         x, fmt = args[0], kwargs.get("memory_format", torch.preserve_format)
         if fmt is torch.contiguous_format or (fmt is torch.preserve_format and x.is_contiguous()):
             return torch.empty(x.shape, dtype=kwargs.get("dtype") or x.dtype, device=x.device)
         return None
-    if name == "new_empty" and len(args) == 2 and set(kwargs) <= {"dtype"}:
+    if name == "new_empty" and len(args) == 2 and kw <= {"dtype"}:
         return torch.empty(args[1], dtype=kwargs.get("dtype") or args[0].dtype, device=args[0].device)
     return None
 
@@ -191,17 +187,17 @@ class _Backend:
     def backward_stage(self, state, q, k, v, cols, causal, scale):
         self._attention("backward_stage", cols)
         with self.rec.paused():
-            return _empty_as(k), _empty_as(v)
+            return torch.empty_like(k), torch.empty_like(v)
 
     def backward_finish(self, state):
         self._attention("backward_finish")
         with self.rec.paused():
-            return _empty_as(state)
+            return torch.empty_like(state)
 
     def backward(self, dout, dlse, q, k, v, out, lse, cols, causal, scale):
         self._attention("backward", cols)
         with self.rec.paused():
-            return _empty_as(q), _empty_as(k), _empty_as(v)
+            return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
 
     def merge_usable(self, q):
         return True
@@ -210,7 +206,7 @@ class _Backend:
         moved = sum(_nbytes(o) + _nbytes(l) for o, l in zip(outs, lses)) + _nbytes(outs[0]) + _nbytes(lses[0])
         self.rec.ops.append(Op("kernel", "merge", moved, pass_=self.rec.pass_))
         with self.rec.paused():
-            return _empty_as(outs[0], dtype), _empty_as(lses[0])
+            return torch.empty_like(outs[0], dtype=dtype), torch.empty_like(lses[0])
 
     def wire_usable(self, t):
         return True
@@ -238,7 +234,7 @@ class _Backend:
         with self.rec.paused():
             b, _, h, d = k.shape
             dk = k.new_empty(b, n_own * chunk, h, d)
-            return dk, _empty_as(dk)
+            return dk, torch.empty_like(dk)
 
 
 def _exchange(rec: _Recorder, wire, p, rank, copies: bool = True):
@@ -293,7 +289,7 @@ def record_layer(p, rank: int, comm: str, backward_calls: str, heads: int, kv_he
         out, _ = run_layer(q, k, v, prog, ex, head_dim ** -0.5, backend=backend, keep_kv=keep_kv)
         rec.pass_ = "bwd"
         with rec.paused():
-            do = _empty_as(out)
+            do = torch.empty_like(out)
         out.backward(do)
     return rec.ops
 

@@ -63,7 +63,7 @@ def test_count_below_equals_the_binary_search(seed):
 
     g = torch.Generator().manual_seed(seed)
     cs = int(2 ** torch.randint(0, 6, (1,), generator=g))
-    n = int(torch.randint(2, 40, (1,), generator=g))
+    n = int(torch.randint(1, 40, (1,), generator=g))
     held = torch.randperm(n, generator=g)[:int(torch.randint(1, n + 1, (1,), generator=g))].sort().values
     rows = (held[:, None] * cs + torch.arange(cs)).flatten()
     bounds = torch.randint(-3, n * cs + 4, (2, 3, 50, 2), generator=g)

@@ -161,23 +161,31 @@ def test_an_ab_layout_is_recorded_with_its_hidden_functions():
     assert not {"sum_wire_rows", "add_returns"} & names(torch_ops) and "index_add_" in names(torch_ops)
 
 
-def test_fast_allocations_match_the_real_ops():
+def test_fast_allocations_match_the_real_ops(monkeypatch):
     """The recorder's shortcut for ``empty_like`` / ``new_empty`` gives the shape, strides,
-    dtype and device the real op gives, and leaves every other form to the real op."""
+    dtype and device the real op gives, in the form torch dispatches them (``pin_memory=False``
+    included), and leaves every other form to the real op; a recorded layer takes it."""
     import torch
 
     from benchmarks.scale_model.runtime_ops import _fast_alloc
 
     x = torch.empty(2, 3, 4, dtype=torch.bfloat16, device="meta")
     t = x.transpose(0, 2)  # dense, not contiguous: preserve_format keeps its strides
-    cases = [("empty_like", (x,), {}), ("empty_like", (x,), {"dtype": torch.float32}),
-             ("empty_like", (t,), {"memory_format": torch.contiguous_format}),
-             ("new_empty", (x, [5, 6]), {}), ("new_empty", (t, [7]), {"dtype": torch.int32})]
+    cases = [("empty_like", (x,), {"pin_memory": False}), ("empty_like", (x,), {"dtype": torch.float32}),
+             ("empty_like", (t,), {"memory_format": torch.contiguous_format, "pin_memory": False}),
+             ("new_empty", (x, [5, 6]), {"pin_memory": False}), ("new_empty", (t, [7]), {"dtype": torch.int32})]
     for name, args, kwargs in cases:
         got = _fast_alloc(name, args, kwargs)
         want = getattr(torch.ops.aten, name).default(*args, **kwargs)
         assert (got.shape, got.stride(), got.dtype, got.device) == \
             (want.shape, want.stride(), want.dtype, want.device), (name, kwargs)
     assert _fast_alloc("empty_like", (t,), {}) is None  # preserve_format of a strided tensor
-    assert _fast_alloc("new_empty", (x, [2]), {"pin_memory": False}) is None
+    assert _fast_alloc("new_empty", (x, [2]), {"pin_memory": True}) is None
+    assert _fast_alloc("new_empty", (x, [2]), {"device": "meta", "pin_memory": False}) is None
     assert _fast_alloc("clone", (x,), {}) is None
+    from benchmarks.scale_model import runtime_ops as R
+
+    taken = []
+    monkeypatch.setattr(R, "_fast_alloc", lambda *a: taken.append(_fast_alloc(*a)) or taken[-1])
+    R.record_layer(_plan(8), 3, "overlap", "stage", heads=4, kv_heads=2, head_dim=16)
+    assert sum(o is not None for o in taken) >= 10  # the layer's allocations take the shortcut
