@@ -192,6 +192,10 @@ def program_grid(t: "TileCounts", kind: str, heads: int, kv_heads: int, rule: st
 #: the stores too (grouped arms: +2.2%). Until session 26 the library copied K/V to the query
 #: heads and summed dK, dV with torch: four launches, 4 x keys x heads x D x 2 bytes.
 EXPAND_HOST_S = 1 * 22e-6
+#: A fit's expanded backward host: the measured difference between the expanded and the grouped
+#: host-relevant calls (:func:`measured_host`) where each side has at least this many rows, else
+#: :data:`EXPAND_HOST_S`.
+MIN_EXPAND_ROWS = 5
 EXPAND_BYTES_PER_KEY_HEAD = 2 * 128 * 4
 HBM_BYTES_S = 4.3e12
 
@@ -371,6 +375,9 @@ class PassCost:
     # (KV_RULES / KV_CHOSEN) and the programs' launch order ("launch" or "longest")
     kv_rule: str = "library"
     order: str = "launch"
+    # backward: the host time an expanded GQA backward adds to ``floor`` (measured by
+    # :func:`measured_host` where the file can tell, else the one launch of EXPAND_HOST_S)
+    expand_host: float = EXPAND_HOST_S
 
     def gpu_seconds(self, tiles: TileCounts, heads: int, programs: int) -> float:
         """GPU time of one call (host work hidden), ``"fill"`` schedule."""
@@ -453,14 +460,14 @@ class PassCost:
     def time(self, tiles: TileCounts, kind: str, heads: int, kv_heads: int,
              factor: Optional[int] = None) -> float:
         """Time of one call in a stream of calls: ``max(host, GPU)`` (an expanded backward's
-        host pays the partials' sum launch, :data:`EXPAND_HOST_S`)."""
+        host pays :attr:`expand_host` more: the partials' sum launch and its Python)."""
         if tiles.live == 0:
             return 0.0
         if kind != "fwd" and factor is None:
             factor = self.bwd_factor(tiles, heads, kv_heads)
         host = self.floor
         if kind != "fwd" and host and factor > 1:
-            host += EXPAND_HOST_S
+            host += self.expand_host
         return max(host, self.gpu_time(tiles, kind, heads, kv_heads, factor))
 
     def describe(self) -> str:
@@ -486,6 +493,7 @@ class AttentionCost:
     source: str
     head_dim: int
     gqa: bool
+    group: int = 1  # query heads per KV head of the calls it was fitted on (or interpolated to)
 
     def forward(self, tiles: TileCounts, heads: int, kv_heads: Optional[int] = None) -> float:
         return self.fwd.time(tiles, "fwd", heads, kv_heads or heads)
@@ -773,7 +781,16 @@ def fit_from_kernel_tables(impl: str = "flashmask3", head_dim: int = 128, gqa: b
         parts[kind] = fit_pass(pts, kind, call=ASSUMED_CALL[kind])
     src = label or (f"fitted from committed kernel tables ({impl}: fwd {fwd_file}, bwd {bwd_file}; "
                     "per-call overhead assumed)")
-    return AttentionCost(parts["fwd"], parts["bwd"], src, head_dim, gqa)
+    group = _table_group(os.path.join(RESULTS, fwd_file), head_dim) if gqa else 1
+    return AttentionCost(parts["fwd"], parts["bwd"], src, head_dim, gqa, group)
+
+
+def _table_group(path: str, head_dim: int) -> int:
+    """Query heads per KV head of a kernel table's GQA rows at ``head_dim`` (1 without any)."""
+    with open(path) as f:
+        groups = sorted(r["Hq"] // r["Hk"] for r in json.load(f)["results"]
+                        if r["D"] == head_dim and r["Hq"] != r["Hk"])
+    return groups[len(groups) // 2] if groups else 1
 
 
 def measured_rows(path: str = MEASURED_FILE, head_dim: int = 128, gqa: bool = True) -> tuple[list[dict], dict]:
@@ -880,18 +897,47 @@ def has_gpu_times(rows: list[dict]) -> bool:
                                                                "host_fwd_us", "host_fwd_bwd_us"))
 
 
-def measured_host(rows: list[dict]) -> tuple[float, float]:
-    """Median host seconds per call: forward, and backward (= fwd+bwd - fwd). Where every row
-    has it, the host's CPU time per call of the stream of back-to-back calls the row timed
-    (``stream_host_*``, per row the mean of its samples where it has repeats: what a rank's
-    stream of stage calls pays, the quantity the model predicts; session 20 on), else the
-    separate host loop's (``host_*``: the call alone, whose Python runs colder: a median of 109
-    against 69 us per forward in the same file)."""
+#: Fewest host-relevant rows (those with repeated stream samples) the host terms are taken from;
+#: a file with fewer (before session 48) gives every row's host.
+MIN_HOST_ROWS = 8
+
+
+def host_rows(rows: list[dict]) -> list[dict]:
+    """The rows whose host time sets the host terms: the host-relevant calls, which
+    ``measure.repeat_streams`` sampled again over the whole run (their GPU time under twice
+    their host time), where the file has at least :data:`MIN_HOST_ROWS`; else every row.
+
+    Why not every row: the model's host term only matters where it binds, and a GPU-bound
+    stream's host is measured while the GPU's queue is full: in the session-48 file its
+    forward+backward host per call is a median 490 us against 410-465 us for the host-relevant
+    calls (benchmarks/NOTES.md, session 50)."""
+    rep = [r for r in rows if "stream_host_fwd_bwd_us_repeats" in r]
+    return rep if len(rep) >= MIN_HOST_ROWS else rows
+
+
+def measured_host(rows: list[dict]) -> tuple[float, float, float]:
+    """``(forward, backward, expansion)`` host seconds per call from :func:`host_rows`: the
+    median over the rows of each row's host time (forward; backward = fwd+bwd - fwd of the
+    grouped calls) and what a GQA backward with K/V expanded adds (the median expanded call's
+    fwd+bwd minus the grouped one's; :data:`EXPAND_HOST_S` where either side has fewer than
+    :data:`MIN_EXPAND_ROWS` rows). A row's time: where every row has it, the host's CPU time per
+    call of the stream of back-to-back calls the row timed (``stream_host_*``, per row the mean
+    of its samples where it has repeats: what a rank's stream of stage calls pays, the quantity
+    the model predicts; session 20 on), else the separate host loop's (``host_*``: the call
+    alone, whose Python runs colder: a median of 109 against 69 us per forward in the same
+    file)."""
+    rows = host_rows(rows)
     stream = all("stream_host_fwd_us" in r and "stream_host_fwd_bwd_us" in r for r in rows)
     fk, fbk = ("stream_host_fwd_us", "stream_host_fwd_bwd_us") if stream else ("host_fwd_us", "host_fwd_bwd_us")
     fwd = float(np.median([sample_mean(r, fk) for r in rows])) * 1e-6
-    fb = float(np.median([sample_mean(r, fbk) for r in rows])) * 1e-6
-    return fwd, max(0.0, fb - fwd)
+    grouped = [sample_mean(r, fbk) for r in rows if not r.get("kv_expanded")]
+    expanded = [sample_mean(r, fbk) for r in rows if r.get("kv_expanded")]
+    if min(len(grouped), len(expanded)) >= MIN_EXPAND_ROWS:
+        fb = float(np.median(grouped)) * 1e-6
+        expand = max(0.0, float(np.median(expanded)) * 1e-6 - fb)
+    else:
+        fb, expand = float(np.median(grouped + expanded)) * 1e-6, EXPAND_HOST_S
+    return fwd, max(0.0, fb - fwd), expand
 
 
 def sample_mean(r: dict, key: str) -> float:
@@ -914,15 +960,17 @@ def fit_rows(rows: list[dict], source: str, head_dim: int = 128, gqa: bool = Tru
     (``"_work"``) the ``"greedy"`` schedule on those rows (``schedule="fill"`` forces the
     total-tiles model). Without GPU times: the do_bench time with a fitted host floor."""
     gpu = has_gpu_times(rows) if use_gpu_times is None else use_gpu_times
+    group = int(np.median([r["heads"] // r.get("kv_heads", r["heads"]) for r in rows])) if gqa and rows else 1
     fk, fbk = ("gpu_fwd_ms", "gpu_fwd_bwd_ms") if gpu else ("fwd_ms", "fwd_bwd_ms")
     with_work = [r for r in rows if r.get("_work") is not None]
     if gpu and with_work and schedule != "fill":
-        hf, hb = measured_host(rows)
+        hf, hb, he = measured_host(rows)
         fwd = [(row_tiles(r), r["heads"], r["kv_heads"], r[fk] * 1e-3) for r in with_work]
         bwd = [(row_tiles(r), r["heads"], r["kv_heads"], (r[fbk] - r[fk]) * 1e-3) for r in with_work]
         src = f"{source}; greedy schedule fitted on {len(with_work)} of {len(rows)} calls (per-program tiles rebuilt)"
-        return AttentionCost(fit_pass_greedy(fwd, "fwd", hf, blocks), fit_pass_greedy(bwd, "bwd", hb, blocks),
-                             src, head_dim, gqa)
+        return AttentionCost(fit_pass_greedy(fwd, "fwd", hf, blocks),
+                             replace(fit_pass_greedy(bwd, "bwd", hb, blocks), expand_host=he), src, head_dim, gqa,
+                             group)
     pts = {"fwd": [], "bwd": []}
     for r in rows:
         t = row_tiles(r)
@@ -930,11 +978,12 @@ def fit_rows(rows: list[dict], source: str, head_dim: int = 128, gqa: bool = Tru
         if fbk in r:
             pts["bwd"].append((t, r["heads"], (r[fbk] - r[fk]) * 1e-3))
     if gpu:
-        hf, hb = measured_host(rows)
+        hf, hb, he = measured_host(rows)
         return AttentionCost(fit_pass(pts["fwd"], "fwd", blocks=blocks, host=hf),
-                             fit_pass(pts["bwd"], "bwd", blocks=blocks, host=hb), source, head_dim, gqa)
+                             replace(fit_pass(pts["bwd"], "bwd", blocks=blocks, host=hb), expand_host=he),
+                             source, head_dim, gqa, group)
     return AttentionCost(fit_pass(pts["fwd"], "fwd", floor=True, blocks=blocks),
-                         fit_pass(pts["bwd"], "bwd", floor=True, blocks=blocks), source, head_dim, gqa)
+                         fit_pass(pts["bwd"], "bwd", floor=True, blocks=blocks), source, head_dim, gqa, group)
 
 
 def fit_from_measured(path: str = MEASURED_FILE, head_dim: int = 128, gqa: bool = True,
@@ -1040,7 +1089,8 @@ def build_calibration(path: str = CALIBRATION_FILE, progress=None) -> dict:
 
 
 def _from_dict(d: dict) -> AttentionCost:
-    return AttentionCost(PassCost(**d["fwd"]), PassCost(**d["bwd"]), d["source"], d["head_dim"], d["gqa"])
+    return AttentionCost(PassCost(**d["fwd"]), PassCost(**d["bwd"]), d["source"], d["head_dim"], d["gqa"],
+                         d.get("group", 1))
 
 
 def load_cost(name: str = "flashmask3", gqa: bool = True, path: str = CALIBRATION_FILE) -> AttentionCost:
@@ -1058,6 +1108,43 @@ def load_cost(name: str = "flashmask3", gqa: bool = True, path: str = CALIBRATIO
     if name not in FITS:
         raise ValueError(f"unknown kernel family {name!r}; choose from {sorted(FITS)}")
     return FITS[name](gqa)
+
+
+#: PassCost's fitted numbers, which :func:`between` interpolates (the rest comes from the GQA fit).
+FITTED_TERMS = ("a_full", "a_partial", "call", "floor", "a_qblock", "a_kblock", "a_program", "expand_host")
+
+
+def between(mha: AttentionCost, gqa: AttentionCost, group: int) -> AttentionCost:
+    """The cost of calls with ``group`` query heads per KV head, between the MHA fit (group 1)
+    and the GQA fit (its :attr:`AttentionCost.group`): every fitted term linear in log2(group)
+    between the two. An assumption of the model with two calibrated groups only; the CP runtime
+    checks on Hq=16 / Hk=8 (group 2, a layout neither fit saw) test it: with the GQA 8:1 fit
+    their kernels came out a mean +7.5% (H200) and +8.3% (H100) high, interpolated +4.6% and +5.5%
+    (benchmarks/NOTES.md, session 50). Groups at or beyond the GQA fit's take the GQA fit (no
+    extrapolation)."""
+    if group <= 1:
+        return mha
+    if group >= gqa.group or gqa.group <= 1:
+        return gqa
+    t = math.log2(group) / math.log2(gqa.group)
+
+    def mix(a: PassCost, b: PassCost) -> PassCost:
+        return replace(b, **{f: (1 - t) * getattr(a, f) + t * getattr(b, f) for f in FITTED_TERMS})
+
+    return replace(gqa, fwd=mix(mha.fwd, gqa.fwd), bwd=mix(mha.bwd, gqa.bwd), group=group,
+                   source=f"{gqa.source}; interpolated to {group}:1 GQA between the MHA and "
+                          f"{gqa.group}:1 fits (log2 of the group)")
+
+
+def cost_for(name: str, heads: int, kv_heads: int) -> AttentionCost:
+    """The kernel family's cost for calls of ``heads`` query and ``kv_heads`` KV heads: the MHA
+    or GQA fit, or :func:`between` them for a group neither was fitted on."""
+    if heads < 1 or kv_heads < 1 or heads % kv_heads:
+        raise ValueError(f"heads ({heads}) must be a positive multiple of kv_heads ({kv_heads})")
+    group = heads // kv_heads
+    if group == 1:
+        return load_cost(name, False)
+    return between(load_cost(name, False), load_cost(name, True), group)
 
 
 def filled(cost: AttentionCost) -> AttentionCost:

@@ -51,6 +51,7 @@ def _datasets(args, seqlen: int, sequences: int):
 
 def run_paper(args, costs, cluster, runtime, bar_total=None):
     model = _model(args)
+    costs = costs.for_heads(model.heads, model.kv_heads)
     layout = Layout(cp=args.cp, pp=args.pp, dp=args.dp, ep=args.ep, micro_batches=args.micro_batches,
                     recompute=args.recompute)
     datasets = _datasets(args, args.seqlen, args.sequences)
@@ -85,6 +86,7 @@ def run_paper(args, costs, cluster, runtime, bar_total=None):
 
 def run_sweep(args, costs, cluster, runtime, position: int = 0):
     model = MODELS[args.sweep_model] if args.cmd == "all" else _model(args, args.sweep_model)
+    costs = costs.for_heads(model.heads, model.kv_heads)
     mid = [args.targets[len(args.targets) // 2]]
     seqs = {}
     for s in args.seqlens:
@@ -109,7 +111,7 @@ def _setup(args):
     cluster, runtime = _cluster(args), Runtime(args.runtime, bwd_calls=args.bwd_calls, keep_kv=not args.refetch_kv)
     costs = X.default_costs(gqa=True, per_rank_factor=args.per_rank_factor)
     if args.kv_rule or args.order:
-        costs = dataclasses.replace(costs, flashmask3=calibrate.variant(costs.flashmask3, args.kv_rule, args.order))
+        costs = costs.mapped(lambda c: calibrate.variant(c, args.kv_rule, args.order))
     return cluster, runtime, costs
 
 

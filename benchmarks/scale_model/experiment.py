@@ -20,7 +20,7 @@ from typing import Optional, Sequence
 
 import numpy as np
 
-from .calibrate import RESULTS, AttentionCost, filled, load_cost, with_host
+from .calibrate import RESULTS, AttentionCost, between, filled, load_cost, with_host
 from .layout import document_plan_view, mask_sparsity
 from .model import Layout, ModelConfig, StepBreakdown, step_time
 from .params import SWEPT, Cluster, Runtime
@@ -109,9 +109,26 @@ class Costs:
     flashmask3: AttentionCost
     flex: AttentionCost
     k: float
+    # the MHA fits, for :meth:`for_heads` (None: every group takes the GQA fits as they are)
+    flashmask3_mha: Optional[AttentionCost] = None
+    flex_mha: Optional[AttentionCost] = None
 
     def of(self, kernel: str) -> AttentionCost:
         return self.flashmask3 if kernel == "flashmask3" else self.flex
+
+    def for_heads(self, heads: int, kv_heads: int) -> "Costs":
+        """These costs for a model of ``heads`` query / ``kv_heads`` KV heads: each family's
+        MHA fit, GQA fit or :func:`calibrate.between` them (its group)."""
+        if self.flashmask3_mha is None or self.flex_mha is None:
+            return self
+        group = heads // kv_heads
+        return dataclasses.replace(self, flashmask3=between(self.flashmask3_mha, self.flashmask3, group),
+                                   flex=between(self.flex_mha, self.flex, group))
+
+    def mapped(self, fn) -> "Costs":
+        """``fn`` applied to both of flashmask3's fits (a kernel variant, a scaled cost)."""
+        return dataclasses.replace(self, flashmask3=fn(self.flashmask3),
+                                   flashmask3_mha=None if self.flashmask3_mha is None else fn(self.flashmask3_mha))
 
 
 def old_kernel_per_rank_factor() -> float:
@@ -131,12 +148,15 @@ def default_costs(gqa: bool = True, per_rank_factor: float = 1.0) -> Costs:
     the kernel tables (``per_rank_factor`` scales their per-tile cost: 1.0 = the tables as they
     are; :func:`old_kernel_per_rank_factor` = the penalty the old kernel showed at per-rank
     shapes, a sensitivity case)."""
-    cur = load_cost("flashmask3", gqa)
-    if per_rank_factor != 1.0:
-        cur = scaled_cost(cur, per_rank_factor, cur.fwd.call, cur.bwd.call,
-                          f"{cur.source}; x{per_rank_factor:.3f} per-rank-shape factor (measured on the "
-                          "old kernel: cp_single_gpu.json vs its kernel tables; assumed to carry over)")
-    return Costs(cur, load_cost("flex", gqa), per_rank_factor)
+    def scaled(cur: AttentionCost) -> AttentionCost:
+        if per_rank_factor == 1.0:
+            return cur
+        return scaled_cost(cur, per_rank_factor, cur.fwd.call, cur.bwd.call,
+                           f"{cur.source}; x{per_rank_factor:.3f} per-rank-shape factor (measured on the "
+                           "old kernel: cp_single_gpu.json vs its kernel tables; assumed to carry over)")
+
+    return Costs(scaled(load_cost("flashmask3", gqa)), load_cost("flex", gqa), per_rank_factor,
+                 scaled(load_cost("flashmask3", False)), load_cost("flex", False))
 
 
 def runtime_device_seconds(lens: Sequence[int], cp: int, method: Method, nodes: int, view, model: ModelConfig,

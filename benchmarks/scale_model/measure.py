@@ -248,7 +248,7 @@ def repeat_streams(kept: list, device, rounds: int, deadline: float, log, save=N
     drifts by tens of percent within a run (``stream_host_*`` of one file: 411-679 us per
     fwd+bwd call, 10-90%, with no trend by shape); interleaving spreads each call's samples over
     the whole run, so their mean is the call's time averaged over the run's host speeds, the
-    quantity a shape-based model can predict (validate.py's ``stream, repeated`` check)."""
+    quantity a shape-based model can predict (validate.py's ``stream`` check)."""
     done = 0
     for rnd in range(rounds):
         order = kept if rnd % 2 == 0 else kept[::-1]

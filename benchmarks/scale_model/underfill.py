@@ -30,7 +30,7 @@ from typing import Optional, Sequence
 
 import numpy as np
 
-from .calibrate import (EXPAND_HOST_S, SLOTS, AttentionCost, PassCost, TileCounts, filled, greedy_makespan,
+from .calibrate import (SLOTS, AttentionCost, PassCost, TileCounts, filled, greedy_makespan,
                         variant)
 from .layout import PlanView
 from .runtime_ops import MERGED
@@ -85,7 +85,7 @@ def call_underfill(p: PassCost, tiles: TileCounts, kind: str, shape: AttnShape, 
     fill = dataclasses.replace(p, schedule="filled").gpu_time(tiles, kind, h, hk, factor)
     even = greedy_makespan(np.full(len(costs), costs.mean()), sweeps) - float(costs.sum()) * sweeps / SLOTS
     lpt = dataclasses.replace(p, order="longest").gpu_time(tiles, kind, h, hk, factor)
-    host = p.floor + (EXPAND_HOST_S if factor > 1 and p.floor else 0.0)
+    host = p.floor + (p.expand_host if factor > 1 and p.floor else 0.0)
     return CallUnderfill(kind, stage, tiles.keys, len(costs) * sweeps,
                          (h // hk) // factor if kind != "fwd" else 1, factor,
                          float(costs.max() / costs.mean()), gpu, fill, max(0.0, even), host, lpt)
@@ -303,7 +303,7 @@ def run(out_dir: str, cps=((16, 4, 2, 16), (64, 2, 1, 32)), sequences: int = 4, 
     from .params import Cluster, Runtime
 
     model, cluster, runtime = MOE_118B, Cluster(), Runtime("lean")
-    costs = X.default_costs(gqa=True)
+    costs = X.default_costs(gqa=True).for_heads(model.heads, model.kv_heads)
     shape = model.shape()
     datasets = X.make_datasets(131072, sequences=sequences)
     res = {"label": "PREDICTIONS of the scale model's per-program model (benchmarks/scale_model/underfill.py)",

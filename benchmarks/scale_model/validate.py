@@ -29,8 +29,8 @@ from typing import Optional
 
 import numpy as np
 
-from .calibrate import (MEASURED_FILE, RESULTS, AttentionCost, TileCounts, fit_rows, load_cost, measured_rows,
-                        row_tiles, sample_mean, work_summary)
+from .calibrate import (MEASURED_FILE, RESULTS, AttentionCost, TileCounts, cost_for, fit_rows, load_cost,
+                        measured_rows, row_tiles, sample_mean, work_summary)
 from .layout import PlanView, RoundView, document_plan, document_plan_view, file_tolerance, mask_sparsity
 from .params import Cluster, Param, Runtime, runtime_fit_of
 from .runtime_ops import MERGED, RATE_CLASSES, bytes_by_rate, op_seconds, ops_seconds
@@ -168,13 +168,15 @@ def _predictions(cost: AttentionCost, r: dict, hidden: float) -> dict[str, float
 
     ``fwd GPU`` / ``fwd+bwd GPU``: the GPU part alone (vs the GPU time, host hidden);
     ``fwd stream`` / ``fwd+bwd stream``: a stream of back-to-back calls, ``max(host, GPU)``
-    with the model's host (the measured median); ``..., row's host``: the same with the host
+    with the model's host (calibrate.measured_host: its median, plus ``expand_host`` for a
+    GQA backward that expanded K/V), against the mean of the row's stream samples
+    (calibrate.sample_mean: the host-relevant rows have ``measure.repeat_streams``' samples
+    spread over the run, files from session 48 on; a GPU-bound row has its one sample);
+    ``..., one sample``: the same against the row's first sample alone (what one ~10 ms sample
+    of a host-bound call says: the host's speed at that moment); ``..., row's host``: the same with the host
     time measured for that row (checks how host and GPU combine, not the host's scatter);
     ``..., its own host``: with the host's CPU time for the very calls the stream timed (files
     from session 20 on: the combination rule alone, the host's drift between loops removed);
-    ``..., repeated``: the model's host and GPU as in ``stream``, against the median of the
-    row's stream samples, for the rows the host could set (``measure.repeat_streams``: samples
-    interleaved over the run, files from session 48 on);
     ``fwd do_bench`` / ``fwd+bwd do_bench``: ``max(GPU, host - memset)`` (``do_bench`` hides
     ``hidden`` seconds of host work behind its memset), with the model's and the row's host.
     Files without GPU times (do_bench only, floor fitted on it): ``fwd`` / ``fwd+bwd`` =
@@ -183,6 +185,8 @@ def _predictions(cost: AttentionCost, r: dict, hidden: float) -> dict[str, float
     gf = cost.gpu_forward(t, h, hk)
     gfb = gf + cost.gpu_backward(t, h, hk)
     hf, hfb = cost.fwd.floor, cost.fwd.floor + cost.bwd.floor
+    if cost.bwd.bwd_factor(t, h, hk) > 1:  # the expanded backward's host, as PassCost.time adds it
+        hfb += cost.bwd.expand_host
     out = {}
     if "gpu_fwd_ms" not in r:
         out["fwd"] = cost.forward(t, h, hk)
@@ -192,8 +196,7 @@ def _predictions(cost: AttentionCost, r: dict, hidden: float) -> dict[str, float
     rf, rfb = r["host_fwd_us"] * 1e-6, r["host_fwd_bwd_us"] * 1e-6
     if "stream_fwd_ms" in r:
         out["fwd stream"], out["fwd+bwd stream"] = max(hf, gf), max(hfb, gfb)
-        if "stream_fwd_ms_repeats" in r or "stream_fwd_bwd_ms_repeats" in r:
-            out["fwd stream, repeated"], out["fwd+bwd stream, repeated"] = max(hf, gf), max(hfb, gfb)
+        out["fwd stream, one sample"], out["fwd+bwd stream, one sample"] = max(hf, gf), max(hfb, gfb)
         out["fwd stream, row's host"], out["fwd+bwd stream, row's host"] = max(rf, gf), max(rfb, gfb)
         if "stream_host_fwd_us" in r:  # the host's CPU time for the very calls the stream timed
             sf, sfb = r["stream_host_fwd_us"] * 1e-6, r["stream_host_fwd_bwd_us"] * 1e-6
@@ -213,10 +216,14 @@ MEASURED_COLUMN = {"fwd": "fwd_ms", "fwd+bwd": "fwd_bwd_ms", "fwd GPU": "gpu_fwd
                    "fwd+bwd do_bench": "fwd_bwd_ms"}
 
 
+#: Checks measured as the mean of a row's samples (calibrate.sample_mean) rather than its first.
+MEAN_OF_SAMPLES = ("fwd stream", "fwd+bwd stream")
+
+
 def measured_ms(r: dict, col: str, check: str = "") -> float:
-    """The measured milliseconds of ``check`` in row ``r``: column ``col``, or for a
-    ``..., repeated`` check the mean of that sample and the row's repeats (``col + "_repeats"``)."""
-    return sample_mean(r, col) if check.endswith(", repeated") else r[col]
+    """The measured milliseconds of ``check`` in row ``r``: for the ``stream`` checks the mean
+    of the row's sample and its repeats (``col + "_repeats"``), else column ``col``."""
+    return sample_mean(r, col) if check in MEAN_OF_SAMPLES else r[col]
 
 
 def call_name(r: dict) -> str:
@@ -382,7 +389,7 @@ def validate_multigpu(path: str = MULTI, cost: Optional[AttentionCost] = None,
     world = env.get("world_size", 2)
     shape = AttnShape(a["heads"], a["kv_heads"], a["head_dim"])
     cost = cost or per_rank_calibration()[0]
-    flex = flex or load_cost("flex", a["heads"] != a["kv_heads"])
+    flex = flex or cost_for("flex", a["heads"], a["kv_heads"])
     points = []
     for run in att["runs"]:
         if "seconds" not in run:
@@ -641,7 +648,7 @@ def _runtime_file(path: str, cost: Optional[AttentionCost], need: str = "breakdo
         return None
     a = res["args"]
     shape = AttnShape(a["heads"], a["kv_heads"], a["head_dim"])
-    cost = cost or load_cost("flashmask3", a["heads"] != a["kv_heads"])
+    cost = cost or cost_for("flashmask3", a["heads"], a["kv_heads"])
     return res, a, shape, cost, _recorded_ranks(res, cost, shape, need)
 
 

@@ -154,6 +154,35 @@ def _gpu_host_rows(rng, host_fwd_us, host_fb_us):
     return rows, fwd_c, bwd_c
 
 
+def _host_row(fwd: float, fwd_bwd: float, expanded: bool = False, repeats: bool = True) -> dict:
+    row = {"stream_host_fwd_us": fwd, "stream_host_fwd_bwd_us": fwd_bwd, "kv_expanded": expanded}
+    if repeats:  # a host-relevant call: measure.repeat_streams sampled it again
+        row["stream_host_fwd_us_repeats"], row["stream_host_fwd_bwd_us_repeats"] = [fwd], [fwd_bwd]
+    return row
+
+
+def test_measured_host_from_host_relevant_rows_and_expansion():
+    """The host terms come from the host-relevant rows (those with repeats) once there are
+    MIN_HOST_ROWS of them: a GPU-bound stream's slower host is left out. The backward is the
+    grouped calls' median, and an expanded GQA backward adds the measured difference of the
+    medians once both sides have MIN_EXPAND_ROWS rows (else EXPAND_HOST_S)."""
+    rng = random.Random(5)
+    n_rel = C.MIN_HOST_ROWS
+    relevant = [_host_row(60.0 + rng.uniform(-2, 2), 400.0 + rng.uniform(-5, 5)) for _ in range(n_rel)]
+    gpu_bound = [_host_row(90.0, 700.0, repeats=False) for _ in range(3 * n_rel)]
+    fwd, bwd, expand = C.measured_host(relevant + gpu_bound)
+    assert 58e-6 < fwd < 62e-6 and 330e-6 < bwd < 350e-6 and expand == C.EXPAND_HOST_S
+    # too few host-relevant rows (an older file): every row counts, so the GPU-bound ones dominate
+    assert C.measured_host(relevant[:n_rel - 1] + gpu_bound)[0] == pytest.approx(90e-6)
+    expanded = [_host_row(60.0, 470.0 + rng.uniform(-5, 5), expanded=True) for _ in range(C.MIN_EXPAND_ROWS)]
+    fwd, bwd, expand = C.measured_host(relevant + expanded + gpu_bound)
+    assert 330e-6 < bwd < 350e-6  # still the grouped calls' backward
+    assert 60e-6 < expand < 80e-6  # ~470 - ~400 us
+    # one expanded row short: the median of all rows and the one launch
+    _, bwd_all, expand = C.measured_host(relevant + expanded[1:] + gpu_bound)
+    assert expand == C.EXPAND_HOST_S and bwd_all > bwd
+
+
 def test_fit_on_gpu_time_with_measured_host():
     """Rows with GPU and host times: the GPU part is fitted on the GPU time (exact here, although
     most do_bench times are host-bound), the host term is the rows' median host time."""
@@ -162,8 +191,8 @@ def test_fit_on_gpu_time_with_measured_host():
     cost = C.fit_rows(rows, "test", 128, True)
     assert cost.fwd.host_measured and cost.fwd.fitted_on == "gpu"
     assert cost.fwd.a_full == pytest.approx(15e-9, rel=1e-4) and cost.bwd.a_qblock == pytest.approx(150e-9, rel=1e-3)
-    hf, hb = C.measured_host(rows)
-    assert cost.fwd.floor == hf and cost.bwd.floor == hb
+    hf, hb, he = C.measured_host(rows)
+    assert cost.fwd.floor == hf and cost.bwd.floor == hb and cost.bwd.expand_host == he
     assert 250e-6 < hf < 350e-6 and 1000e-6 < hb < 1250e-6
     t = TileCounts(5000, 300, 4096, 16384)
     assert cost.gpu_forward(t, 32) == pytest.approx(fwd_c.gpu_seconds(t, 32, C._programs("fwd", t, 32)), rel=1e-4)
@@ -271,6 +300,7 @@ def test_the_expanded_gqa_backward_runs_one_program_per_query_head():
     copies = 256 * 32 * C.EXPAND_BYTES_PER_KEY_HEAD / C.HBM_BYTES_S
     assert cost.gpu_time(t, "bwd", 32, 4) == pytest.approx(10e-6 + copies)
     assert cost.time(t, "bwd", 32, 4) == pytest.approx(100e-6 + C.EXPAND_HOST_S)
+    assert replace(cost, expand_host=50e-6).time(t, "bwd", 32, 4) == pytest.approx(150e-6)  # a fitted one
     assert cost.time(t, "fwd", 32, 4) == pytest.approx(100e-6)  # the forward is not expanded
     grouped = TileCounts(1, 0, 128, 256, work=w, kv_expanded=False)
     assert cost.gpu_time(grouped, "bwd", 32, 4) == pytest.approx(80e-6)
@@ -409,3 +439,38 @@ def test_greedy_fit_norm_trades_mean_for_worst_error():
     assert worst(lp) < worst(lsq) - 0.01
     with pytest.raises(ValueError, match="norms must be"):
         C.fit_pass_greedy(pts, "fwd", 0.0, norms=(1.0,))
+
+
+def test_between_interpolates_every_fitted_term_in_log2_group():
+    """A group between the MHA fit (1) and the GQA fit's group takes each fitted term linear in
+    log2(group); the ends and anything beyond the GQA fit's group are the fits themselves."""
+    rng = random.Random(3)
+
+    def fit(scale: float) -> C.PassCost:
+        return C.PassCost(**{f: scale * rng.uniform(0.5, 2.0) * 1e-6 for f in C.FITTED_TERMS},
+                          rms_rel_err=0.0, points=1, schedule="greedy")
+
+    mha = C.AttentionCost(fit(1.0), fit(1.0), "mha", 128, False)
+    gqa = C.AttentionCost(fit(3.0), fit(3.0), "gqa", 128, True, group=8)
+    assert C.between(mha, gqa, 1) is mha and C.between(mha, gqa, 8) is gqa and C.between(mha, gqa, 16) is gqa
+    mid = C.between(mha, gqa, 2)  # log2(2) / log2(8) = 1/3 of the way
+    assert mid.group == 2 and mid.gqa and "interpolated to 2:1" in mid.source
+    for part in ("fwd", "bwd"):
+        a, b, m = getattr(mha, part), getattr(gqa, part), getattr(mid, part)
+        for f in C.FITTED_TERMS:
+            assert getattr(m, f) == pytest.approx(getattr(a, f) * 2 / 3 + getattr(b, f) / 3)
+        assert m.schedule == b.schedule and m.kv_rule == b.kv_rule
+    four = C.between(mha, gqa, 4)
+    assert four.fwd.a_full == pytest.approx(mha.fwd.a_full / 3 + gqa.fwd.a_full * 2 / 3)
+
+
+def test_cost_for_picks_the_fit_by_group_and_rejects_bad_heads():
+    """cost_for: group 1 -> the MHA fit, the GQA fit's group -> the GQA fit, between -> the
+    interpolation; heads that are not a multiple of kv_heads are a ValueError."""
+    mha, gqa = C.load_cost("flashmask3", False), C.load_cost("flashmask3", True)
+    assert gqa.group == 8  # the measured calibration is 32/4
+    assert C.cost_for("flashmask3", 16, 16) == mha and C.cost_for("flashmask3", 32, 4) == gqa
+    assert C.cost_for("flashmask3", 16, 8) == C.between(mha, gqa, 2)
+    for heads, kv in ((16, 3), (0, 1), (8, 0)):
+        with pytest.raises(ValueError, match="kv_heads"):
+            C.cost_for("flashmask3", heads, kv)

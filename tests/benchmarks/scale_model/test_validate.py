@@ -182,13 +182,14 @@ def test_do_bench_hides_its_memset_behind_the_host():
     assert pred["fwd stream"] == pytest.approx(300e-6) and pred["fwd stream, row's host"] == pytest.approx(250e-6)
     assert pred["fwd+bwd stream"] == pytest.approx(1000e-6)
     assert V.do_bench_hidden() == pytest.approx(256 * 2 ** 20 / 4.3e12)
-    assert "fwd stream, repeated" not in pred  # a row without repeats has no repeated check
+    assert pred["fwd stream, one sample"] == pred["fwd stream"]
+    assert V.measured_ms(r, "stream_fwd_ms", "fwd stream") == r["stream_fwd_ms"]  # no repeats: its one sample
 
 
-def test_repeated_stream_check_takes_the_mean_of_a_rows_samples():
-    """``stream, repeated``: the same prediction as ``stream``, measured as the mean of the
-    row's first sample and its repeats; the calibration's host per call is the median over rows
-    of each row's mean."""
+def test_stream_check_takes_the_mean_of_a_rows_samples():
+    """``stream`` is measured as the mean of the row's first sample and its repeats, ``stream,
+    one sample`` as the first alone (same prediction); the calibration's host per call is the
+    median over rows of each row's mean."""
     from benchmarks.scale_model import calibrate as C
 
     p = C.PassCost(0.0, 0.0, 10e-6, 0, 0, floor=300e-6, host_measured=True, schedule="greedy")
@@ -198,17 +199,18 @@ def test_repeated_stream_check_takes_the_mean_of_a_rows_samples():
          "stream_fwd_ms": 0.5, "stream_fwd_ms_repeats": [0.29, 0.31, 0.9, 0.3],
          "stream_fwd_bwd_ms": 1.0, "stream_fwd_bwd_ms_repeats": [1.0, 1.2]}
     pred = V._predictions(cost, r, hidden=60e-6)
-    assert pred["fwd stream, repeated"] == pred["fwd stream"] == pytest.approx(300e-6)
-    assert V.measured_ms(r, "stream_fwd_ms", "fwd stream, repeated") == pytest.approx(0.46)
-    assert V.measured_ms(r, "stream_fwd_bwd_ms", "fwd+bwd stream, repeated") == pytest.approx(3.2 / 3)
-    assert V.measured_ms(r, "stream_fwd_ms", "fwd stream") == 0.5
+    assert pred["fwd stream, one sample"] == pred["fwd stream"] == pytest.approx(300e-6)
+    assert V.measured_ms(r, "stream_fwd_ms", "fwd stream") == pytest.approx(0.46)
+    assert V.measured_ms(r, "stream_fwd_bwd_ms", "fwd+bwd stream") == pytest.approx(3.2 / 3)
+    assert V.measured_ms(r, "stream_fwd_ms", "fwd stream, one sample") == 0.5
     rows = [{"stream_host_fwd_us": 100.0, "stream_host_fwd_us_repeats": [50.0, 60.0],
              "stream_host_fwd_bwd_us": 500.0},
             {"stream_host_fwd_us": 70.0, "stream_host_fwd_bwd_us": 400.0,
              "stream_host_fwd_bwd_us_repeats": [300.0, 310.0]},
             {"stream_host_fwd_us": 80.0, "stream_host_fwd_bwd_us": 450.0}]
-    fwd, bwd = C.measured_host(rows)  # row means: fwd 70, 70, 80; fwd+bwd 500, 336.7, 450
+    fwd, bwd, expand = C.measured_host(rows)  # row means: fwd 70, 70, 80; fwd+bwd 500, 336.7, 450
     assert fwd == pytest.approx(70e-6) and bwd == pytest.approx(450e-6 - 70e-6)
+    assert expand == C.EXPAND_HOST_S  # no expanded rows: the one launch
     rows[2]["stream_host_fwd_us_repeats"] = [20.0, 20.0, 200.0]  # mean 80, median 20: the mean counts
     assert C.measured_host(rows)[0] == pytest.approx(70e-6)
     rows[0]["stream_host_fwd_us_repeats"] = [140.0, 160.0]  # mean 133.3, median 140
