@@ -36,3 +36,23 @@ def test_ptrr_remote_kv_clause_ranges_over_multi_node_rows(tmp_path):
     path.write_text(json.dumps({"results": {"a": rows[:2], "b": rows[2:]}}))
     assert report._ptrr_remote_kv_clause(str(path)) == " (balance.md: 1.50-5.00x dual_chunk's remote K/V)"
     assert report._ptrr_remote_kv_clause(str(tmp_path / "none.json")) == ""
+
+
+def test_target_line_keeps_the_diagnostics_apart():
+    """The target line counts the model's predictions of the measured points (GPU, each call's
+    stream mean, its own host); one-sample and row's-host checks go to a Diagnostics line."""
+    from benchmarks.scale_model.validate import Point
+
+    def pts(*errors):
+        return [Point(f"c{i}", 1.0, 1.0 + e) for i, e in enumerate(errors)]
+
+    measured = {"GQA": {"in_sample": {"fwd GPU": pts(0.05, -0.1), "fwd stream": pts(0.2, 0.0),
+                                      "fwd stream, one sample": pts(0.4), "fwd stream, row's host": pts(0.01)},
+                        "held_out": {"fwd GPU": pts(0.12)}}}
+    target, _, diag, _ = report._target_lines(measured)
+    assert "GPU time met (worst 12.0%, 3 of 3 within)" in target
+    assert "stream time (each call's samples' mean) NOT met (worst 20.0%, 1 of 2 within)" in target
+    assert "one sample" not in target and "row's host" not in target
+    assert diag.startswith("Diagnostics") and "stream time, one sample NOT met (worst 40.0%, 0 of 1 within)" in diag
+    assert "stream time, row's host met (worst 1.0%, 1 of 1 within)" in diag
+    assert report._target_lines({"GQA": {"in_sample": {}, "held_out": {}}}) == []
