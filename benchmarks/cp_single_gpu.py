@@ -247,7 +247,8 @@ def measure_rank(p, rank, comm, full_wire, full_q, full_k, full_v, full_do, args
         errors.update(graph_layer(lambda: _grads_step(gq, gk, gv, prog, ex, scale, do, backend),
                                   lambda: _grads_step(q, k, v, prog, ex, scale, do, backend), timer, args.iters))
     return {**errors, "rank": rank, "seconds": statistics.median(t for t, _ in times),
-            "host_seconds": statistics.median(h for _, h in times), "launches": counter.launches,
+            "host_seconds": statistics.median(h for _, h in times),
+            "iterations": [[t, h] for t, h in times], "launches": counter.launches,
             "backend_aten_launches": counter.attention_launches,
             "attention_calls": counter.attention_calls, "syncs": counter.syncs,
             "stages": sum(1 for s in prog.stage_chunks if s), "own_stage": bool(prog.stage_chunks[0]),

@@ -568,6 +568,21 @@ def host_scale_of(ops, measured_host: float) -> float:
     return max(measured_host - engine, 0.0) / per_op if per_op > 0 else 1.0
 
 
+def median_iteration(r: dict) -> tuple[float, float]:
+    """``(layer, host)`` seconds of a timed rank for the layer check: its median iteration (the
+    one whose layer time is the median, lower of the two middle ones) with that iteration's own
+    host time, where the file records every iteration (``iterations``, cp_single_gpu.py from
+    session 50 on); else the two medians (``seconds``, ``host_seconds``), which may come from
+    different iterations. The model takes the host as an input, so pairing each layer with its
+    own host tests how host and GPU interleave, not the host's scatter between iterations (the
+    layer check's analogue of the stream's ``its own host``)."""
+    its = r.get("iterations")
+    if not its:
+        return r["seconds"], r["host_seconds"]
+    layer, host = sorted(its)[(len(its) - 1) // 2]
+    return float(layer), float(host)
+
+
 def _measured_runtime_seconds(b: dict) -> float:
     """A profiled layer's non-attention device time: torch ops plus the runtime's own kernels."""
     return (b["torch_ms"] + sum(ms for n, ms in b["own"] if n in RUNTIME_KERNELS)) * 1e-3
@@ -700,15 +715,16 @@ def validate_cp_runtime(path: str = CP_RUNTIME_BREAKDOWN, cost: Optional[Attenti
         runtime = ops_seconds(ops, bw, LAUNCH_FLOOR)
         _, host_model = emulated_layer_seconds(ops, attn, bw)
         host_ratios.append(r["host_seconds"] / host_model)
-        note = (f"measured layer {r['seconds'] * 1e3:.2f} ms, host {r['host_seconds'] * 1e3:.2f} ms: attention "
+        seconds, host = median_iteration(r)
+        note = (f"measured layer {seconds * 1e3:.2f} ms, host {host * 1e3:.2f} ms: attention "
                 f"kernels {measured_attn * 1e3:.2f}, runtime ops {_measured_runtime_seconds(b) * 1e3:.2f}, GPU "
                 f"idle inside {b['idle_ms']:.2f} (profiled step)")
         entry["kernels"].append(Point(label, measured_attn, rank_kernel_seconds(view, rank, cost, shape, comm, calls)))
         entry["runtime"].append(Point(label, _measured_runtime_seconds(b), runtime, held))
         entry["busy"].append(Point(label, b["busy_ms"] * 1e-3, sum(attn) + runtime, held))
-        layer, _ = emulated_layer_seconds(ops, attn, bw, host_scale_of(ops, r["host_seconds"]))
-        entry["layer"].append(Point(label, r["seconds"], layer, held, note))
-        entry["layer_host_model"].append(Point(label, r["seconds"], emulated_layer_seconds(ops, attn, bw)[0],
+        layer, _ = emulated_layer_seconds(ops, attn, bw, host_scale_of(ops, host))
+        entry["layer"].append(Point(label, seconds, layer, held, note))
+        entry["layer_host_model"].append(Point(label, seconds, emulated_layer_seconds(ops, attn, bw)[0],
                                                held, note))
         entry["torch"].append(b["torch_ms"] * 1e-3)
         entry["idle"].append(b["idle_ms"] * 1e-3)

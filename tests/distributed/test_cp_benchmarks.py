@@ -62,6 +62,8 @@ def test_cp_single_gpu_cpu_mode(tmp_path):
             assert entry["launches_max"] <= 64 and entry["syncs_max"] == 0
             assert all(r["attention_calls"] == _attention_calls(entry, r) for r in ranks)
             assert entry["max_err_out"] < 1e-5 and entry["max_err_dq"] < 1e-5
+            for r in ranks:  # every timed iteration, layer and host, behind the medians
+                assert len(r["iterations"]) == 1 and r["iterations"][0] == [r["seconds"], r["host_seconds"]]
     assert entry["sampled"] and "(sampled)" in (tmp_path / "cp_runtime.md").read_text()
 
 

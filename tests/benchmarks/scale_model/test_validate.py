@@ -289,6 +289,37 @@ def test_cp_runtime_check_compares_kernels_runtime_and_layers_per_rank(tmp_path,
     assert V.validate_cp_runtime(str(tmp_path / "old.json"), cost) == {}
 
 
+def test_layer_check_pairs_the_median_iteration_with_its_own_host(tmp_path):
+    """With every iteration recorded, the layer check takes the iteration whose layer is the
+    median and that iteration's host (not the two medians, which may come from different
+    iterations); without them, the medians."""
+    from benchmarks.scale_model.calibrate import load_cost
+
+    r = {"seconds": 5.0, "host_seconds": 3.5}
+    assert V.median_iteration(r) == (5.0, 3.5)
+    r["iterations"] = [[5.4, 3.5], [4.8, 1.9], [5.0, 3.6], [4.9, 2.0], [6.0, 4.0]]
+    assert V.median_iteration(r) == (5.0, 3.6)
+    r["iterations"] = [[5.0, 3.0], [4.0, 2.0]]  # even count: the lower middle one
+    assert V.median_iteration(r) == (4.0, 2.0)
+    cost = load_cost("flashmask3", True)
+    lens = [1500, 700, 1200, 300, 396]
+    res = json.loads(open(_breakdown_file(tmp_path, lens, 4, "overlap", cost)).read())
+    ranks = res["cp"]["4"]["overlap"]["ranks"]
+    for x in ranks:  # the medians' host is 3x the median iteration's own
+        x["iterations"] = [[x["seconds"], x["host_seconds"]], [x["seconds"] * 2, x["host_seconds"] * 3],
+                           [x["seconds"] * 0.5, x["host_seconds"] * 3]]
+    path = tmp_path / "iterations.json"
+    path.write_text(json.dumps(res))
+    paired = V.validate_cp_runtime(str(path), cost, fit_cp=(4,))
+    for x in ranks:
+        x["host_seconds"] = x["iterations"][0][1] * 3
+        del x["iterations"]
+    path.write_text(json.dumps(res))
+    medians = V.validate_cp_runtime(str(path), cost, fit_cp=(4,))
+    assert [p.measured for p in paired["layer"]] == [p.measured for p in medians["layer"]]
+    assert all(a.predicted < b.predicted for a, b in zip(paired["layer"], medians["layer"]))
+
+
 @pytest.mark.parametrize("comm", ["overlap", "allgather"])
 def test_cp_graph_check_compares_the_gpu_only_layer_per_rank(tmp_path, comm):
     """A ``--graph`` file: each replayed rank's point is the model's attention time plus its
