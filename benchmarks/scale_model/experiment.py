@@ -119,6 +119,8 @@ class Costs:
     def for_heads(self, heads: int, kv_heads: int) -> "Costs":
         """These costs for a model of ``heads`` query / ``kv_heads`` KV heads: each family's
         MHA fit, GQA fit or :func:`calibrate.between` them (its group)."""
+        if heads < 1 or kv_heads < 1 or heads % kv_heads:
+            raise ValueError(f"heads ({heads}) must be a positive multiple of kv_heads ({kv_heads})")
         if self.flashmask3_mha is None or self.flex_mha is None:
             return self
         group = heads // kv_heads

@@ -344,8 +344,8 @@ def measured_section(measured: dict) -> list[str]:
                   "time under twice the host time) have more samples, taken in rounds over the whole run "
                   "(`measure.repeat_streams`, files from session 48 on), the GPU-bound ones one; `one sample` = "
                   "the same against the call's first sample alone (one ~10 ms sample of a host-bound call follows "
-                  "the host's speed at that moment); `do_bench` = `max(GPU, host - memset)` vs triton's do_bench median (files before "
-                  "session 19), where the 256 MB buffer do_bench zeroes before each call (~62 us at 4.3 TB/s) "
+                  "the host's speed at that moment); `do_bench` = `max(GPU, host - memset)` vs triton's do_bench "
+                  "median (files before session 19), where the 256 MB buffer do_bench zeroes before each call (~62 us at 4.3 TB/s) "
                   "hides that much host work of a host-bound call; `row's host` = the same with the host time "
                   "measured for that row instead of the median (tests how host and GPU combine, not the host's "
                   "scatter); `its own host` = the same with the CPU time the host took for the very calls the "
@@ -375,7 +375,8 @@ def measured_section(measured: dict) -> list[str]:
 
 
 #: The checks whose misses :func:`_outlier_lines` lists one by one (the model's own quantities:
-#: the GPU part, and the stream with the host of the very calls it timed).
+#: the GPU part, the stream (each call's samples' mean) and the stream with the host of the very
+#: calls it timed).
 OUTLIER_CHECKS = ("fwd GPU", "fwd+bwd GPU", "fwd stream", "fwd+bwd stream", "fwd stream, its own host",
                   "fwd+bwd stream, its own host")
 

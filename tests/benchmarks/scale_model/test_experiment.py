@@ -1,5 +1,7 @@
 """The experiment's kernel costs per model (benchmarks/scale_model/experiment.py)."""
 
+import pytest
+
 from benchmarks.scale_model import experiment as X
 
 
@@ -17,3 +19,5 @@ def test_costs_for_heads_interpolates_both_families():
     longest = costs.mapped(lambda c: C.variant(c, order="longest"))
     assert longest.flashmask3.fwd.order == longest.flashmask3_mha.fwd.order == "longest"
     assert longest.for_heads(32, 8).flashmask3.bwd.order == "longest"
+    with pytest.raises(ValueError, match="kv_heads"):
+        costs.for_heads(32, 6)
