@@ -1136,15 +1136,17 @@ def between(mha: AttentionCost, gqa: AttentionCost, group: int) -> AttentionCost
                           f"{gqa.group}:1 fits (log2 of the group)")
 
 
+def gqa_group(heads: int, kv_heads: int) -> int:
+    """Query heads per KV head; a ValueError unless ``heads`` is a positive multiple of ``kv_heads``."""
+    if heads < 1 or kv_heads < 1 or heads % kv_heads:
+        raise ValueError(f"heads ({heads}) must be a positive multiple of kv_heads ({kv_heads})")
+    return heads // kv_heads
+
+
 def cost_for(name: str, heads: int, kv_heads: int) -> AttentionCost:
     """The kernel family's cost for calls of ``heads`` query and ``kv_heads`` KV heads: the MHA
     or GQA fit, or :func:`between` them for a group neither was fitted on."""
-    if heads < 1 or kv_heads < 1 or heads % kv_heads:
-        raise ValueError(f"heads ({heads}) must be a positive multiple of kv_heads ({kv_heads})")
-    group = heads // kv_heads
-    if group == 1:
-        return load_cost(name, False)
-    return between(load_cost(name, False), load_cost(name, True), group)
+    return between(load_cost(name, False), load_cost(name, True), gqa_group(heads, kv_heads))
 
 
 def filled(cost: AttentionCost) -> AttentionCost:

@@ -20,7 +20,7 @@ from typing import Optional, Sequence
 
 import numpy as np
 
-from .calibrate import RESULTS, AttentionCost, between, filled, load_cost, with_host
+from .calibrate import RESULTS, AttentionCost, between, filled, gqa_group, load_cost, with_host
 from .layout import document_plan_view, mask_sparsity
 from .model import Layout, ModelConfig, StepBreakdown, step_time
 from .params import SWEPT, Cluster, Runtime
@@ -119,11 +119,9 @@ class Costs:
     def for_heads(self, heads: int, kv_heads: int) -> "Costs":
         """These costs for a model of ``heads`` query / ``kv_heads`` KV heads: each family's
         MHA fit, GQA fit or :func:`calibrate.between` them (its group)."""
-        if heads < 1 or kv_heads < 1 or heads % kv_heads:
-            raise ValueError(f"heads ({heads}) must be a positive multiple of kv_heads ({kv_heads})")
+        group = gqa_group(heads, kv_heads)
         if self.flashmask3_mha is None or self.flex_mha is None:
             return self
-        group = heads // kv_heads
         return dataclasses.replace(self, flashmask3=between(self.flashmask3_mha, self.flashmask3, group),
                                    flex=between(self.flex_mha, self.flex, group))
 
