@@ -5,6 +5,7 @@
 # the repo root; <= 190 s (BUDGET_S=115 + REPEAT_S of measurement + start-up, killed at
 # BUDGET_S + REPEAT_S + 30). Writes $OUT/scale-model/.
 #   OUT=/root/out bash benchmarks/gpu/scale-model.sh
+#   OUT=/root/out LOAD_MS=20 bash benchmarks/gpu/scale-model.sh   # matmul load, not a sleep (GpuLoad)
 #   OUT=/tmp/sm DRY_RUN=1 bash benchmarks/gpu/scale-model.sh      # CPU smoke run (tiny sizes)
 # Then commit $OUT/scale-model/scale_model_{attention,matmul}.json to benchmarks/results/ and run
 #   python -m benchmarks.scale_model calibrate && python -m benchmarks.scale_model all
@@ -14,8 +15,8 @@ DIR="$OUT/scale-model"
 PY="${PYTHON:-python3}"
 BUDGET_S="${BUDGET_S:-115}"
 REPEAT_S="${REPEAT_S:-40}"
-EXTRA=()
-if [[ "${DRY_RUN:-0}" == "1" ]]; then EXTRA=(--dry-run --device cpu); fi
+EXTRA=(--load-ms "${LOAD_MS:-0}")
+if [[ "${DRY_RUN:-0}" == "1" ]]; then EXTRA+=(--dry-run --device cpu); fi
 mkdir -p "$DIR"
 LOG="$DIR/log.txt"
 echo "scale-model.sh start $(date -u +%FT%TZ) budget ${BUDGET_S}s + ${REPEAT_S}s" | tee -a "$LOG"

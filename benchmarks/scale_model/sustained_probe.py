@@ -1,0 +1,146 @@
+"""Probe: does a GPU-bound attention call run slower under sustained load than right after idle?
+
+The calibration's GPU time per call (``measure.overlap_times``) is timed over 5 calls behind a
+sleep kernel, from an idle GPU; its stream time (``measure.stream_times``) over the last 3 of 6
+back-to-back calls. Long GPU-bound calls run up to ~12% slower in the stream (NOTES, session
+50). This probe takes calls of the committed calibration file (by index), rebuilds them exactly
+(``measure.plan_calls``) and times, per pass:
+
+* ``overlap``: ``measure.overlap_times`` as the calibration runs it;
+* ``overlap_loaded``: the same with ``measure.GpuLoad`` (``--load-ms`` of bf16 matmuls) in
+  place of the sleep kernel: the GPU under sustained load when the timed calls start;
+* ``stream`` and ``stream_loaded``: ``measure.stream_times`` (3 samples), without and with the
+  load before each sample;
+* ``curve``: ``--curve-ms`` of back-to-back calls after 100 ms of idle GPU, CUDA events between
+  calls: the time of every call, so the transient (if any) shows call by call.
+
+``nvidia-smi`` samples SM clock, power and throttle reasons every 20 ms beside it; each phase's
+wall-clock span is recorded, so the clock of every phase can be read off the samples.
+
+    python benchmarks/scale_model/sustained_probe.py --out $OUT/probe
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+
+import torch  # noqa: E402
+
+from benchmarks.corpus import document_spreads  # noqa: E402
+from benchmarks.environment import run_environment  # noqa: E402
+from benchmarks.scale_model import measure  # noqa: E402
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+FILE = os.path.join(HERE, "..", "results", "scale_model_attention.json")
+#: Calls of the committed file: fwd stream misses / 12-13% slow (81, 101, 100), fwd+bwd 7-9%
+#: slow (0, 273), one under 1 ms (1).
+ROWS = (81, 101, 100, 0, 273, 1)
+
+
+def rebuild(row: dict, spreads: dict, tolerance: float):
+    """``(FlashMask, keys)`` of a committed row: the same plan call ``measure.py`` timed."""
+    for meta, fm, keys in measure.plan_calls(spreads[row["spread"]], row["spread"], row["cp"],
+                                             row["balance"], ranks={row["rank"]}, nodes=row["nodes"],
+                                             tolerance=tolerance):
+        if meta["stage"] == row["stage"]:
+            return fm, keys
+    raise LookupError(f"no call {row['spread']} cp {row['cp']} rank {row['rank']} stage {row['stage']}")
+
+
+def curve(fn, per_call_ms: float, total_ms: float, idle_s: float = 0.1) -> list[float]:
+    """Per-call GPU times of ~``total_ms`` of back-to-back calls after ``idle_s`` of idle GPU."""
+    n = max(10, min(200, round(total_ms / max(per_call_ms, 1e-3))))
+    torch.cuda.synchronize()
+    time.sleep(idle_s)
+    ev = [torch.cuda.Event(enable_timing=True) for _ in range(n + 1)]
+    ev[0].record()
+    for i in range(n):
+        fn()
+        ev[i + 1].record()
+    torch.cuda.synchronize()
+    return [ev[i].elapsed_time(ev[i + 1]) for i in range(n)]
+
+
+def start_sampler(path: str):
+    """``nvidia-smi`` sampling clocks / power / throttle reasons every 20 ms into ``path``."""
+    q = "timestamp,clocks.sm,clocks.mem,power.draw,temperature.gpu,clocks_throttle_reasons.active"
+    try:
+        return subprocess.Popen(["nvidia-smi", f"--query-gpu={q}", "--format=csv,noheader", "-lms", "20"],
+                                stdout=open(path, "w"), stderr=subprocess.STDOUT)
+    except OSError:
+        return None
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--rows", type=int, nargs="+", default=list(ROWS))
+    ap.add_argument("--load-ms", type=float, default=20.0)
+    ap.add_argument("--curve-ms", type=float, default=300.0)
+    args = ap.parse_args(argv)
+    os.makedirs(args.out, exist_ok=True)
+    device = torch.device("cuda")
+    committed = json.load(open(FILE))
+    spreads = committed["spreads"]
+    tol = committed["args"]["tolerance"]
+    sampler = start_sampler(os.path.join(args.out, "clocks.csv"))
+    load = measure.GpuLoad(args.load_ms, device)
+    out = {"env": run_environment(device), "args": vars(args), "rows": []}
+    for idx in args.rows:
+        row = committed["attention"][idx]
+        fm, keys = rebuild(row, spreads, tol)
+        fm = fm.to(device)
+        g = torch.Generator(device=device).manual_seed(idx)
+        shape = lambda n, h: torch.randn(1, n, h, row["head_dim"], device=device,  # noqa: E731
+                                          dtype=torch.bfloat16, generator=g)
+        q, k, v = shape(row["q_rows"], row["heads"]), shape(keys, row["kv_heads"]), shape(keys, row["kv_heads"])
+        fwd, step = measure._calls(q, k, v, fm, torch.randn_like(q))
+        rec = {"index": idx, **{k_: row[k_] for k_ in ("spread", "cp", "balance", "rank", "stage", "heads",
+                                                      "kv_heads", "q_rows", "keys")}}
+        for name, fn in (("fwd", fwd), ("fwd_bwd", step)):
+            fn()
+            spans = {}
+            t = time.time()
+            host, gpu, hidden = measure.overlap_times(fn, device, key=name)
+            spans["overlap"] = (t, time.time())
+            t = time.time()
+            lhost, lgpu, lhidden = measure.overlap_times(fn, device, key=name + "_loaded", load=load)
+            spans["overlap_loaded"] = (t, time.time())
+            t = time.time()
+            sms, scalls, shost = measure.stream_times(fn, device, gpu, samples=3)
+            spans["stream"] = (t, time.time())
+            t = time.time()
+            lsms, _, _ = measure.stream_times(fn, device, gpu, samples=3, load=load)
+            spans["stream_loaded"] = (t, time.time())
+            t = time.time()
+            c = curve(fn, gpu, args.curve_ms)
+            spans["curve"] = (t, time.time())
+            rec[name] = dict(committed_gpu_ms=row[f"gpu_{name}_ms"], committed_stream_ms=row[f"stream_{name}_ms"],
+                             overlap_ms=gpu, overlap_hidden=hidden, overlap_loaded_ms=lgpu,
+                             overlap_loaded_hidden=lhidden, stream_ms=sms, stream_calls=scalls,
+                             stream_loaded_ms=lsms,
+                             curve_ms=c, spans=spans)
+            third = max(1, len(c) // 3)
+            print(f"row {idx} {name}: committed GPU {row[f'gpu_{name}_ms']:.3f} stream {row[f'stream_{name}_ms']:.3f}"
+                  f" | now overlap {gpu:.3f} loaded {lgpu:.3f} stream {sms:.3f} loaded {lsms:.3f} | curve first "
+                  f"{statistics.median(c[:3]):.3f} mid {statistics.median(c[third:2 * third]):.3f} last "
+                  f"{statistics.median(c[-third:]):.3f} ({len(c)} calls)", flush=True)
+        out["rows"].append(rec)
+        with open(os.path.join(args.out, "sustained_probe.json"), "w") as f:
+            json.dump(out, f, indent=1)
+        del q, k, v, fwd, step
+    if sampler is not None:
+        sampler.terminate()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
