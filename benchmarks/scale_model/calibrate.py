@@ -494,6 +494,7 @@ class AttentionCost:
     head_dim: int
     gqa: bool
     group: int = 1  # query heads per KV head of the calls it was fitted on (or interpolated to)
+    interpolated: bool = False  # made by :func:`between` from two fits, not fitted itself
 
     def forward(self, tiles: TileCounts, heads: int, kv_heads: Optional[int] = None) -> float:
         return self.fwd.time(tiles, "fwd", heads, kv_heads or heads)
@@ -1131,7 +1132,7 @@ def between(mha: AttentionCost, gqa: AttentionCost, group: int) -> AttentionCost
     def mix(a: PassCost, b: PassCost) -> PassCost:
         return replace(b, **{f: (1 - t) * getattr(a, f) + t * getattr(b, f) for f in FITTED_TERMS})
 
-    return replace(gqa, fwd=mix(mha.fwd, gqa.fwd), bwd=mix(mha.bwd, gqa.bwd), group=group,
+    return replace(gqa, fwd=mix(mha.fwd, gqa.fwd), bwd=mix(mha.bwd, gqa.bwd), group=group, interpolated=True,
                    source=f"{gqa.source}; interpolated to {group}:1 GQA between the MHA and "
                           f"{gqa.group}:1 fits (log2 of the group)")
 

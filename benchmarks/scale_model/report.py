@@ -7,7 +7,7 @@ import os
 from typing import Optional
 
 from .experiment import BASELINE, COMBINED, METHODS, ON_MAIN, PAPER_GAINS, _summ, attribution, gains
-from .calibrate import RESULTS, SLOTS, gqa_group, measured_env
+from .calibrate import RESULTS, SLOTS, cost_for, measured_env
 from .validate import LAUNCH_FLOOR, TARGET, call_name, summary
 from .runtime_ops import SMALL_INDEX_ROWS
 
@@ -156,8 +156,9 @@ def cp_runtime_section(v: dict, file: str = "cp_runtime_breakdown.json", what: s
              "(`scale_model/runtime_ops.py`: every attention call, torch op, small kernel and emulated "
              "copy, in issue order, with the bytes it moves). The attention calibration never saw this "
              f"head layout ({a['heads']}/{a['kv_heads']}) nor the runtime"
-             + (f": its cost is interpolated between the MHA and {g}:1 GQA fits (`calibrate.between`)"
-                if 1 < gqa_group(a['heads'], a['kv_heads']) < (g := _gqa_fit_group()) else "") + ".", "",
+             + (f": its cost is interpolated between the MHA and {_gqa_fit_group()}:1 GQA fits "
+                "(`calibrate.between`)" if cost_for("flashmask3", a['heads'], a['kv_heads']).interpolated
+                else "") + ".", "",
              "- **kernels**: the model's GPU time of the rank's attention calls vs flashmask3's attention "
              "kernels in the profile (all ranks held out).",
              f"- **runtime ops**: the recorded non-attention ops (torch ops, the merge / key-gather / pack / "

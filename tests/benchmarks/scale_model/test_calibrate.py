@@ -454,7 +454,8 @@ def test_between_interpolates_every_fitted_term_in_log2_group():
     gqa = C.AttentionCost(fit(3.0), fit(3.0), "gqa", 128, True, group=8)
     assert C.between(mha, gqa, 1) is mha and C.between(mha, gqa, 8) is gqa and C.between(mha, gqa, 16) is gqa
     mid = C.between(mha, gqa, 2)  # log2(2) / log2(8) = 1/3 of the way
-    assert mid.group == 2 and mid.gqa and "interpolated to 2:1" in mid.source
+    assert mid.group == 2 and mid.gqa and mid.interpolated and "interpolated to 2:1" in mid.source
+    assert not (mha.interpolated or gqa.interpolated)
     for part in ("fwd", "bwd"):
         a, b, m = getattr(mha, part), getattr(gqa, part), getattr(mid, part)
         for f in C.FITTED_TERMS:
