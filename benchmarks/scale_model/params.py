@@ -39,8 +39,8 @@ RUNTIME_FITS = {
     "H200": {"copy": 4.25e12, "small_index": 0.91e12, "scatter": 1.38e12, "fill": 3.14e12,
              "source": "cp 8/32 ranks of cp_runtime_breakdown.json (one H200, 2026-12-04); held out: "
                        "its cp 16/64/128 ranks and cp_graph.json"},
-    "H100": {"copy": 3.17e12, "small_index": 0.99e12, "scatter": 1.40e12, "fill": 2.52e12,
-             "source": "cp 32 ranks of cp_ptrr.json (one H100 80GB HBM3, 2026-12-05); held out: its "
+    "H100": {"copy": 3.18e12, "small_index": 0.97e12, "scatter": 1.41e12, "fill": 2.46e12,
+             "source": "cp 32 ranks of cp_ptrr.json (one H100 80GB HBM3, 2026-12-07); held out: its "
                        "cp 16/64/128 ranks"},
 }
 
