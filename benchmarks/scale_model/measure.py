@@ -77,7 +77,7 @@ def timer(fn, device, warmup: int, rep_ms: float) -> float:
 OVERLAP_CALLS, OVERLAP_SAMPLES, OVERLAP_SLEEP_CYCLES = 5, 3, 20_000_000
 #: Default ``--load-ms``: milliseconds of :class:`GpuLoad` per overlap sample (doubled like the
 #: sleep where it does not hide the host) and before a GPU-bound stream sample; 0 keeps the sleep
-#: kernel, the protocol of every committed file, until ``sustained_probe.py`` has been run.
+#: kernel, the protocol of every committed file (an H200 calibration under load is still to run).
 LOAD_MS = 0.0
 #: The longest sleep tried (~40 ms): a call that synchronises never hides, so stop doubling there.
 OVERLAP_SLEEP_MAX = 8 * OVERLAP_SLEEP_CYCLES // 2
@@ -89,10 +89,10 @@ class GpuLoad:
     """``load(factor)`` enqueues about ``factor x ms`` of bf16 4096^3 matmuls: sustained
     tensor-core load that costs the host a few microseconds a matmul. With ``--load-ms`` the
     calibration enqueues it in place of the sleep kernel before timed calls, so that they start
-    on a GPU already under load, as every call of a training step does. The question it answers
-    (benchmarks/NOTES.md, sessions 50-51): long GPU-bound calls run 3-13% slower in a stream
-    than behind a sleep, likely the clock under sustained load; ``sustained_probe.py`` measures
-    whether this load closes that gap before a calibration run uses it."""
+    on a GPU already under load, as every call of a training step does: on an H100, ~50-70 ms
+    of back-to-back calls bring in the software power cap and every call runs 5-16% slower;
+    this load reproduces that state, overshooting attention's own by up to 11%
+    (``sustained_probe.py``, benchmarks/NOTES.md, session 51)."""
 
     def __init__(self, ms: float, device):
         self.ms = ms

@@ -18,11 +18,14 @@ back-to-back calls. Long GPU-bound calls run up to ~12% slower in the stream (NO
 wall-clock span is recorded, so the clock of every phase can be read off the samples.
 
     python benchmarks/scale_model/sustained_probe.py --out $OUT/probe
+
+Session 51's run (one H100, 2026-12-07): benchmarks/results/sustained_probe_h100.json.
 """
 
 from __future__ import annotations
 
 import argparse
+import datetime
 import json
 import os
 import statistics
@@ -77,6 +80,37 @@ def start_sampler(path: str):
                                 stdout=open(path, "w"), stderr=subprocess.STDOUT)
     except OSError:
         return None
+
+
+def clock_summary(path: str, span: tuple[float, float]) -> dict | None:
+    """Median SM clock (MHz) and power (W) of the ``nvidia-smi`` samples in ``path`` within
+    ``span`` (wall-clock seconds, UTC), and the throttle reasons seen (0x4: software power cap)."""
+    rows = []
+    for line in open(path):
+        f = [x.strip() for x in line.split(",")]
+        try:
+            t = datetime.datetime.strptime(f[0], "%Y/%m/%d %H:%M:%S.%f").replace(
+                tzinfo=datetime.timezone.utc).timestamp()
+            rows.append((t, float(f[1].split()[0]), float(f[3].split()[0]), f[5]))
+        except (ValueError, IndexError):
+            continue
+    inside = [r for r in rows if span[0] <= r[0] <= span[1]]
+    if not inside:
+        return None
+    return {"sm_mhz": statistics.median(r[1] for r in inside), "power_w": statistics.median(r[2] for r in inside),
+            "throttle": sorted({r[3] for r in inside}), "samples": len(inside)}
+
+
+def add_clocks(out_dir: str) -> None:
+    """Write each phase's :func:`clock_summary` into ``sustained_probe.json`` of ``out_dir``."""
+    path = os.path.join(out_dir, "sustained_probe.json")
+    data = json.load(open(path))
+    for rec in data["rows"]:
+        for name in ("fwd", "fwd_bwd"):
+            rec[name]["clocks"] = {k: clock_summary(os.path.join(out_dir, "clocks.csv"), tuple(v))
+                                   for k, v in rec[name]["spans"].items()}
+    with open(path, "w") as f:
+        json.dump(data, f, indent=1)
 
 
 def main(argv=None) -> int:
@@ -139,6 +173,7 @@ def main(argv=None) -> int:
         del q, k, v, fwd, step
     if sampler is not None:
         sampler.terminate()
+        add_clocks(args.out)
     return 0
 
 
