@@ -37,7 +37,6 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspa
 
 import torch  # noqa: E402
 
-from benchmarks.corpus import document_spreads  # noqa: E402
 from benchmarks.environment import run_environment  # noqa: E402
 from benchmarks.scale_model import measure  # noqa: E402
 
