@@ -15,7 +15,8 @@ DIR="$OUT/scale-model"
 PY="${PYTHON:-python3}"
 BUDGET_S="${BUDGET_S:-115}"
 REPEAT_S="${REPEAT_S:-40}"
-EXTRA=(--load-ms "${LOAD_MS:-0}")
+EXTRA=()
+if [[ -n "${LOAD_MS:-}" ]]; then EXTRA+=(--load-ms "$LOAD_MS"); fi  # else measure.py's LOAD_MS
 if [[ "${DRY_RUN:-0}" == "1" ]]; then EXTRA+=(--dry-run --device cpu); fi
 mkdir -p "$DIR"
 LOG="$DIR/log.txt"

@@ -303,10 +303,9 @@ def repeat_streams(kept: list, device, rounds: int, deadline: float, log, save=N
             if time.perf_counter() > deadline:
                 log(f"stream repeats: time budget reached after {done} full rounds")
                 return done
-            for name, fn, gk, hk in (("fwd", fwd, "gpu_fwd_ms", "host_fwd_us"),
-                                     ("fwd_bwd", step, "gpu_fwd_bwd_ms", "host_fwd_bwd_us")):
-                ms, _, host = stream_times(fn, device, max(row[gk], row[hk] * 1e-3), samples=1,
-                                           load=stream_load(row, name, load))
+            for name, fn in (("fwd", fwd), ("fwd_bwd", step)):
+                ms, _, host = stream_times(fn, device, max(row[f"gpu_{name}_ms"], row[f"host_{name}_us"] * 1e-3),
+                                           samples=1, load=stream_load(row, name, load))
                 row.setdefault(f"stream_{name}_ms_repeats", []).append(ms)
                 row.setdefault(f"stream_host_{name}_us_repeats", []).append(host)
         done += 1
@@ -373,10 +372,11 @@ def measure_attention(args, device, dtype, deadline: float, log, save=None, kept
                     fn()  # compile / warm
                     row[f"host_{name}_us"], row[f"gpu_{name}_ms"], row[f"{name}_hidden"] = overlap_times(
                         fn, device, key=name, load=load)
-                    row[f"stream_{name}_loaded"] = stream_load(row, name, load) is not None
+                    loaded = stream_load(row, name, load)
+                    row[f"stream_{name}_loaded"] = loaded is not None
                     row[f"stream_{name}_ms"], row[f"stream_{name}_calls"], row[f"stream_host_{name}_us"] = \
                         stream_times(fn, device, max(row[f"gpu_{name}_ms"], row[f"host_{name}_us"] * 1e-3),
-                                     load=stream_load(row, name, load))
+                                     load=loaded)
                 if kept is not None and host_relevant(row):
                     kept.append((row, fwd, step))
             except Exception as e:  # keep going: one failing shape must not lose the others

@@ -81,9 +81,9 @@ def start_sampler(path: str):
         return None
 
 
-def clock_summary(path: str, span: tuple[float, float]) -> dict | None:
-    """Median SM clock (MHz) and power (W) of the ``nvidia-smi`` samples in ``path`` within
-    ``span`` (wall-clock seconds, UTC), and the throttle reasons seen (0x4: software power cap)."""
+def read_clocks(path: str) -> list[tuple[float, float, float, str]]:
+    """The ``nvidia-smi`` samples in ``path`` as ``(UTC seconds, SM MHz, W, throttle reasons)``;
+    lines that are not samples are skipped."""
     rows = []
     for line in open(path):
         f = [x.strip() for x in line.split(",")]
@@ -93,7 +93,13 @@ def clock_summary(path: str, span: tuple[float, float]) -> dict | None:
             rows.append((t, float(f[1].split()[0]), float(f[3].split()[0]), f[5]))
         except (ValueError, IndexError):
             continue
-    inside = [r for r in rows if span[0] <= r[0] <= span[1]]
+    return rows
+
+
+def clock_summary(samples: list, span: tuple[float, float]) -> dict | None:
+    """Median SM clock (MHz) and power (W) of the :func:`read_clocks` ``samples`` within ``span``
+    (wall-clock seconds, UTC), and the throttle reasons seen (0x4: software power cap)."""
+    inside = [r for r in samples if span[0] <= r[0] <= span[1]]
     if not inside:
         return None
     return {"sm_mhz": statistics.median(r[1] for r in inside), "power_w": statistics.median(r[2] for r in inside),
@@ -104,10 +110,10 @@ def add_clocks(out_dir: str) -> None:
     """Write each phase's :func:`clock_summary` into ``sustained_probe.json`` of ``out_dir``."""
     path = os.path.join(out_dir, "sustained_probe.json")
     data = json.load(open(path))
+    samples = read_clocks(os.path.join(out_dir, "clocks.csv"))
     for rec in data["rows"]:
         for name in ("fwd", "fwd_bwd"):
-            rec[name]["clocks"] = {k: clock_summary(os.path.join(out_dir, "clocks.csv"), tuple(v))
-                                   for k, v in rec[name]["spans"].items()}
+            rec[name]["clocks"] = {k: clock_summary(samples, tuple(v)) for k, v in rec[name]["spans"].items()}
     with open(path, "w") as f:
         json.dump(data, f, indent=1)
 
@@ -142,13 +148,13 @@ def main(argv=None) -> int:
             fn()
             spans = {}
             t = time.time()
-            host, gpu, hidden = measure.overlap_times(fn, device, key=name)
+            _, gpu, hidden = measure.overlap_times(fn, device, key=name)
             spans["overlap"] = (t, time.time())
             t = time.time()
-            lhost, lgpu, lhidden = measure.overlap_times(fn, device, key=name + "_loaded", load=load)
+            _, lgpu, lhidden = measure.overlap_times(fn, device, key=name + "_loaded", load=load)
             spans["overlap_loaded"] = (t, time.time())
             t = time.time()
-            sms, scalls, shost = measure.stream_times(fn, device, gpu, samples=3)
+            sms, scalls, _ = measure.stream_times(fn, device, gpu, samples=3)
             spans["stream"] = (t, time.time())
             t = time.time()
             lsms, _, _ = measure.stream_times(fn, device, gpu, samples=3, load=load)

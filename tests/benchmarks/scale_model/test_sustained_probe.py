@@ -23,6 +23,8 @@ def test_clock_summary_takes_the_samples_inside_the_span(tmp_path):
                     "2026/12/07 07:00:00.040, 1600 MHz, 2619 MHz, 700.0 W, 41, 0x0000000000000004\n"
                     "not a sample line\n")
     t0 = 1796626800.0  # 2026-12-07 07:00:00 UTC
-    out = sp.clock_summary(str(path), (t0 + 0.01, t0 + 0.05))
+    samples = sp.read_clocks(str(path))
+    assert len(samples) == 3
+    out = sp.clock_summary(samples, (t0 + 0.01, t0 + 0.05))
     assert out == {"sm_mhz": 1650.0, "power_w": 695.0, "throttle": ["0x0000000000000004"], "samples": 2}
-    assert sp.clock_summary(str(path), (t0 + 10, t0 + 11)) is None
+    assert sp.clock_summary(samples, (t0 + 10, t0 + 11)) is None
