@@ -5,7 +5,6 @@
 # the repo root; <= 190 s (BUDGET_S=115 + REPEAT_S of measurement + start-up, killed at
 # BUDGET_S + REPEAT_S + 30). Writes $OUT/scale-model/.
 #   OUT=/root/out bash benchmarks/gpu/scale-model.sh
-#   OUT=/root/out LOAD_MS=20 bash benchmarks/gpu/scale-model.sh   # matmul load, not a sleep (GpuLoad)
 #   OUT=/tmp/sm DRY_RUN=1 bash benchmarks/gpu/scale-model.sh      # CPU smoke run (tiny sizes)
 # Then commit $OUT/scale-model/scale_model_{attention,matmul}.json to benchmarks/results/ and run
 #   python -m benchmarks.scale_model calibrate && python -m benchmarks.scale_model all
@@ -16,8 +15,7 @@ PY="${PYTHON:-python3}"
 BUDGET_S="${BUDGET_S:-115}"
 REPEAT_S="${REPEAT_S:-40}"
 EXTRA=()
-if [[ -n "${LOAD_MS:-}" ]]; then EXTRA+=(--load-ms "$LOAD_MS"); fi  # else measure.py's LOAD_MS
-if [[ "${DRY_RUN:-0}" == "1" ]]; then EXTRA+=(--dry-run --device cpu); fi
+if [[ "${DRY_RUN:-0}" == "1" ]]; then EXTRA=(--dry-run --device cpu); fi
 mkdir -p "$DIR"
 LOG="$DIR/log.txt"
 echo "scale-model.sh start $(date -u +%FT%TZ) budget ${BUDGET_S}s + ${REPEAT_S}s" | tee -a "$LOG"

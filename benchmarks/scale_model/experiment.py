@@ -130,10 +130,34 @@ class Costs:
         return dataclasses.replace(self, flashmask3=fn(self.flashmask3),
                                    flashmask3_mha=None if self.flashmask3_mha is None else fn(self.flashmask3_mha))
 
+    def gpu_slowed(self, f: float) -> "Costs":
+        """Every kernel family's GPU time x ``f``, host terms as they are (:func:`gpu_slowed`)."""
+        def opt(c):
+            return None if c is None else gpu_slowed(c, f)
+        return dataclasses.replace(self, flashmask3=gpu_slowed(self.flashmask3, f), flex=gpu_slowed(self.flex, f),
+                                   flashmask3_mha=opt(self.flashmask3_mha), flex_mha=opt(self.flex_mha))
+
 
 def old_kernel_per_rank_factor() -> float:
     """The per-rank-shape factor measured on the old kernel (cp_single_gpu.json vs its tables)."""
     return per_rank_calibration()[1]
+
+
+def gpu_slowed(cost: AttentionCost, f: float) -> AttentionCost:
+    """``cost`` with every GPU term x ``f`` (per tile, per program, per query/key block, per call)
+    and its host terms unchanged: the same kernels at a lower clock."""
+    def pas(p):
+        return dataclasses.replace(p, a_full=p.a_full * f, a_partial=p.a_partial * f, call=p.call * f,
+                                   a_qblock=p.a_qblock * f, a_kblock=p.a_kblock * f, a_program=p.a_program * f)
+    return dataclasses.replace(cost, fwd=pas(cost.fwd), bwd=pas(cost.bwd), source=f"{cost.source}; GPU time x{f:g}")
+
+
+#: The GPU's compute slowed by the software power cap under sustained load (the sensitivity
+#: table's "power cap" rows): the calibration's kernel and matmul times are taken from an idle
+#: GPU; sustained_probe_h100.json (one H100) saw back-to-back attention calls slow 7-13%
+#: (forward) and 0-4% (forward+backward, 200 ms) once the SM clock fell from 1980 to 1560-1800
+#: MHz, i.e. up to 1.27x by the clock alone.
+POWER_CAP_FACTORS = (1.1, 1.2)
 
 
 def scaled_per_call(cost, f: float):
@@ -342,6 +366,9 @@ def sensitivity(seqs, model, layout, cluster, runtime, costs, factors=(0.5, 2.0)
                          dataclasses.replace(costs, flashmask3=scaled_per_call(cur, f))))
     for f in (0.5, 2.0):
         variants.append(("comm_bytes(kv_heads)", f, cluster, costs))
+    for f in (1.0,) + POWER_CAP_FACTORS:  # compute-bound work slower (kernels, matmuls); links and copies not
+        variants.append(("power cap (GPU compute)", f, cluster.swept("matmul_efficiency", 1.0 / f),
+                         costs.gpu_slowed(f)))
     variants.append(("runtime=current", 1.0, cluster, costs))
     for name, f, cl, co in variants:
         rt = Runtime("current") if name == "runtime=current" else runtime
@@ -350,7 +377,8 @@ def sensitivity(seqs, model, layout, cluster, runtime, costs, factors=(0.5, 2.0)
             m = dataclasses.replace(model, kv_heads=max(1, int(model.kv_heads * f)))
         res = simulate_dataset(seqs, m, layout, cl, rt, co, progress=progress)
         gs = gains(res)
-        rows.append({"param": name, "factor": f, **{k: gs[k] for k in gs if k != BASELINE}})
+        rows.append({"param": name, "factor": f, **{k: gs[k] for k in gs if k != BASELINE},
+                     "baseline_tokens_per_s": res[BASELINE]["step"].tokens_per_s})
     return rows
 
 
@@ -417,5 +445,5 @@ def write_json(obj, path: str) -> None:
 
 
 __all__ = ["METHODS", "BASELINE", "COMBINED", "PAPER_LAYOUT", "PAPER_GAINS", "make_datasets",
-           "default_costs", "scaled_per_call", "host_points", "host_sweep", "NO_CALL", "per_call_free", "NO_UNDERFILL", "sm_filled", "simulate_dataset", "gains", "attribution", "sensitivity", "cp_sweep",
+           "default_costs", "gpu_slowed", "POWER_CAP_FACTORS", "scaled_per_call", "host_points", "host_sweep", "NO_CALL", "per_call_free", "NO_UNDERFILL", "sm_filled", "simulate_dataset", "gains", "attribution", "sensitivity", "cp_sweep",
            "plot_sweep", "write_json"]

@@ -2,10 +2,9 @@
 
 1. ``flashmask_attention`` forward and forward+backward at the per-rank shapes of real plans,
    three numbers per pass: the GPU time per call (``gpu_fwd_ms``, ``gpu_fwd_bwd_ms``: CUDA
-   events around back-to-back calls enqueued behind a GPU sleep, so the host's work is hidden;
-   with ``--load-ms``, behind matmul load instead, :class:`GpuLoad`) and the host time per call
-   (``host_fwd_us``, ``host_fwd_bwd_us``: CPU time to enqueue those calls meanwhile), from one
-   loop (:func:`overlap_times`), and the steady-state time
+   events around back-to-back calls enqueued behind a GPU sleep, so the host's work is hidden)
+   and the host time per call (``host_fwd_us``, ``host_fwd_bwd_us``: CPU time to enqueue those
+   calls while the GPU sleeps), from one loop (:func:`overlap_times`), and the steady-state time
    per call of a stream of back-to-back calls (``stream_fwd_ms``, ``stream_fwd_bwd_ms``:
    :func:`stream_times`), the quantity the scale model predicts as ``max(host, GPU)``, with the
    host's CPU time for those same calls (``stream_host_fwd_us``, ``stream_host_fwd_bwd_us``;
@@ -75,47 +74,14 @@ def timer(fn, device, warmup: int, rep_ms: float) -> float:
 #: Back-to-back calls per host/GPU sample, samples per pass, and the first GPU sleep (cycles,
 #: ~2 GHz: 20M ~ 10 ms) that must outlast the host's enqueueing of those calls (doubled until it does).
 OVERLAP_CALLS, OVERLAP_SAMPLES, OVERLAP_SLEEP_CYCLES = 5, 3, 20_000_000
-#: Default ``--load-ms``: milliseconds of :class:`GpuLoad` per overlap sample (doubled like the
-#: sleep where it does not hide the host) and before a GPU-bound stream sample; 0 keeps the sleep
-#: kernel, the protocol of every committed file (an H200 calibration under load is still to run).
-LOAD_MS = 0.0
 #: The longest sleep tried (~40 ms): a call that synchronises never hides, so stop doubling there.
 OVERLAP_SLEEP_MAX = 8 * OVERLAP_SLEEP_CYCLES // 2
 #: The sleep that last sufficed, per pass (kept between shapes, so a slow host path is found once).
 _sleep_cycles: dict = {}
 
 
-class GpuLoad:
-    """``load(factor)`` enqueues about ``factor x ms`` of bf16 4096^3 matmuls: sustained
-    tensor-core load that costs the host a few microseconds a matmul. With ``--load-ms`` the
-    calibration enqueues it in place of the sleep kernel before timed calls, so that they start
-    on a GPU already under load, as every call of a training step does: on an H100, ~50-70 ms
-    of back-to-back calls bring in the software power cap and every call runs 5-16% slower;
-    this load reproduces that state, overshooting attention's own by up to 11%
-    (``sustained_probe.py``, benchmarks/NOTES.md, session 51)."""
-
-    def __init__(self, ms: float, device):
-        self.ms = ms
-        self.a = torch.randn(4096, 4096, device=device, dtype=torch.bfloat16)
-        self.b = torch.randn(4096, 4096, device=device, dtype=torch.bfloat16)
-        for _ in range(3):
-            self.a @ self.b
-        torch.cuda.synchronize()
-        e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        e0.record()
-        for _ in range(20):
-            self.a @ self.b
-        e1.record()
-        torch.cuda.synchronize()
-        self.per_matmul_ms = e0.elapsed_time(e1) / 20
-
-    def __call__(self, factor: float = 1.0) -> None:
-        for _ in range(max(1, round(factor * self.ms / self.per_matmul_ms))):
-            self.a @ self.b
-
-
 def overlap_times(fn, device, reset=None, calls: int = OVERLAP_CALLS,
-                  samples: int = OVERLAP_SAMPLES, key: str = "", load: GpuLoad | None = None
+                  samples: int = OVERLAP_SAMPLES, key: str = "", fill=None
                   ) -> tuple[float, float, bool]:
     """``(host_us, gpu_ms, hidden)`` per call of ``fn``, medians over ``samples``.
 
@@ -125,9 +91,9 @@ def overlap_times(fn, device, reset=None, calls: int = OVERLAP_CALLS,
     host_path.py, but for a stream of calls, as a CP rank runs its stages). ``hidden`` says the
     sleep outlasted the enqueueing (the start event had not run when the host finished); if it
     did not, the sleep is doubled and the sample retaken (a call that synchronises never hides:
-    ``hidden=False`` and its GPU time includes host gaps). With ``load`` the GPU runs that
-    (:class:`GpuLoad`, doubled the same way) instead of sleeping. Off CUDA both are wall time
-    per call."""
+    ``hidden=False`` and its GPU time includes host gaps). ``fill(factor)``, if given, enqueues
+    other GPU work in place of the sleep (``factor`` = the sleep's multiple of the first one;
+    ``sustained_probe.py`` puts matmul load there). Off CUDA both are wall time per call."""
     host, gpu, all_hidden = [], [], True
     for _ in range(samples):
         if device.type != "cuda":
@@ -144,10 +110,10 @@ def overlap_times(fn, device, reset=None, calls: int = OVERLAP_CALLS,
         while True:
             torch.cuda.synchronize()
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            if load is None:
+            if fill is None:
                 torch.cuda._sleep(cycles)
             else:
-                load(cycles / OVERLAP_SLEEP_CYCLES)
+                fill(cycles / OVERLAP_SLEEP_CYCLES)
             start.record()
             t0 = time.perf_counter()
             for _ in range(calls):
@@ -174,7 +140,7 @@ STREAM_MS, STREAM_CALLS = 5.0, (3, 30)
 
 
 def stream_times(fn, device, per_call_ms: float, samples: int = OVERLAP_SAMPLES,
-                 load: GpuLoad | None = None) -> tuple[float, int, float]:
+                 before=None) -> tuple[float, int, float]:
     """``(ms per call, calls, host us per call)``: the steady-state time per call of a stream of
     back-to-back calls and the CPU time the host took to enqueue the same calls (medians of
     ``samples``). Each sample enqueues ``2 x calls`` calls with no synchronisation between them
@@ -188,9 +154,9 @@ def stream_times(fn, device, per_call_ms: float, samples: int = OVERLAP_SAMPLES,
     predicts, ``max(host, GPU)``. (``do_bench`` zeroes 256 MB before each call and times each
     call apart, which hides part of a host-bound call's host work behind the memset.)
     ``per_call_ms`` (a first estimate) sets ``calls`` (and one sample for calls of >= STREAM_MS,
-    to keep the run within its budget). ``load`` (a :class:`GpuLoad`, for GPU-bound calls only:
-    a host-bound stream must start from an idle GPU, or the load would hide the host it
-    measures) runs before each sample's calls. Off CUDA: wall time of the second half (both)."""
+    to keep the run within its budget). ``before()``, if given, enqueues GPU work ahead of each
+    sample's calls (``sustained_probe.py``'s matmul load). Off CUDA: wall time of the second
+    half (both)."""
     lo, hi = STREAM_CALLS
     calls = max(lo, min(hi, math.ceil(STREAM_MS / max(per_call_ms, 1e-3))))
     if per_call_ms >= STREAM_MS:  # GPU-bound milliseconds a call: one sample of 2 x calls is plenty
@@ -201,8 +167,8 @@ def stream_times(fn, device, per_call_ms: float, samples: int = OVERLAP_SAMPLES,
         if cuda:
             torch.cuda.synchronize()
             e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            if load is not None:
-                load()
+            if before is not None:
+                before()
         for i in range(2 * calls):
             fn()
             if i == calls - 1:
@@ -284,8 +250,7 @@ def host_relevant(row: dict) -> bool:
                                                                ("gpu_fwd_bwd_ms", "host_fwd_bwd_us")))
 
 
-def repeat_streams(kept: list, device, rounds: int, deadline: float, log, save=None, rows=None,
-                   load: GpuLoad | None = None) -> int:
+def repeat_streams(kept: list, device, rounds: int, deadline: float, log, save=None, rows=None) -> int:
     """More stream samples of the host-relevant calls, interleaved: ``rounds`` rounds, one
     sample of each pass of each kept call per round (every other round in reverse order), until
     ``deadline``. Appends to ``stream_*_repeats`` of each row; returns the rounds completed.
@@ -294,8 +259,7 @@ def repeat_streams(kept: list, device, rounds: int, deadline: float, log, save=N
     drifts by tens of percent within a run (``stream_host_*`` of one file: 411-679 us per
     fwd+bwd call, 10-90%, with no trend by shape); interleaving spreads each call's samples over
     the whole run, so their mean is the call's time averaged over the run's host speeds, the
-    quantity a shape-based model can predict (validate.py's ``stream`` check). ``load``: as
-    :func:`measure_attention` gives it to the GPU-bound passes (:func:`stream_load`)."""
+    quantity a shape-based model can predict (validate.py's ``stream`` check)."""
     done = 0
     for rnd in range(rounds):
         order = kept if rnd % 2 == 0 else kept[::-1]
@@ -305,7 +269,7 @@ def repeat_streams(kept: list, device, rounds: int, deadline: float, log, save=N
                 return done
             for name, fn in (("fwd", fwd), ("fwd_bwd", step)):
                 ms, _, host = stream_times(fn, device, max(row[f"gpu_{name}_ms"], row[f"host_{name}_us"] * 1e-3),
-                                           samples=1, load=stream_load(row, name, load))
+                                           samples=1)
                 row.setdefault(f"stream_{name}_ms_repeats", []).append(ms)
                 row.setdefault(f"stream_host_{name}_us_repeats", []).append(host)
         done += 1
@@ -329,20 +293,10 @@ def _calls(q, k, v, fm, do):
     return fwd, step
 
 
-def stream_load(row: dict, name: str, load: GpuLoad | None) -> GpuLoad | None:
-    """``load`` where pass ``name`` of ``row`` is GPU-bound (GPU time per call at least its host
-    time): its stream then starts under load too. ``None`` for a host-bound pass."""
-    if load is None or row[f"gpu_{name}_ms"] < 1e-3 * row[f"host_{name}_us"]:
-        return None
-    return load
-
-
-def measure_attention(args, device, dtype, deadline: float, log, save=None, kept=None,
-                      load: GpuLoad | None = None) -> list[dict]:
+def measure_attention(args, device, dtype, deadline: float, log, save=None, kept=None) -> list[dict]:
     """Time every stage problem until ``deadline``; ``save(rows)`` after each (a kill keeps them).
     ``kept``: a list that receives ``(row, fwd, step)`` of every host-relevant call
-    (:func:`host_relevant`), for :func:`repeat_streams`. ``load``: a :class:`GpuLoad` the GPU
-    runs in place of the overlap loop's sleep and before a GPU-bound pass's stream samples."""
+    (:func:`host_relevant`), for :func:`repeat_streams`."""
     rows = []
     heads_sets = [(args.heads, args.heads // 8), (args.mha_heads, args.mha_heads)]
     for meta, fm, keys in stage_problems(args.doc_lens, args.cps, args.spreads):
@@ -367,16 +321,12 @@ def measure_attention(args, device, dtype, deadline: float, log, save=None, kept
                        kv_expanded=_kv_expanded(q, k, fm, device))
             fwd, step = _calls(q, k, v, fm, do)
             try:
-                fwd()  # compile / warm
                 for name, fn in (("fwd", fwd), ("fwd_bwd", step)):
                     fn()  # compile / warm
                     row[f"host_{name}_us"], row[f"gpu_{name}_ms"], row[f"{name}_hidden"] = overlap_times(
-                        fn, device, key=name, load=load)
-                    loaded = stream_load(row, name, load)
-                    row[f"stream_{name}_loaded"] = loaded is not None
+                        fn, device, key=name)
                     row[f"stream_{name}_ms"], row[f"stream_{name}_calls"], row[f"stream_host_{name}_us"] = \
-                        stream_times(fn, device, max(row[f"gpu_{name}_ms"], row[f"host_{name}_us"] * 1e-3),
-                                     load=loaded)
+                        stream_times(fn, device, max(row[f"gpu_{name}_ms"], row[f"host_{name}_us"] * 1e-3))
                 if kept is not None and host_relevant(row):
                     kept.append((row, fwd, step))
             except Exception as e:  # keep going: one failing shape must not lose the others
@@ -453,9 +403,6 @@ def main(argv=None) -> int:
                     help="rounds of extra stream samples of the host-relevant calls (repeat_streams)")
     ap.add_argument("--repeat-s", type=float, default=40.0,
                     help="seconds for those rounds, on top of --budget-s")
-    ap.add_argument("--load-ms", type=float, default=LOAD_MS,
-                    help="milliseconds of matmul load in place of the overlap loop's sleep and before "
-                         "a GPU-bound stream (GpuLoad; 0: the sleep kernel)")
     ap.add_argument("--dry-run", action="store_true", help="tiny sizes (CPU smoke run)")
     args = ap.parse_args(argv)
     if args.dry_run:
@@ -487,11 +434,10 @@ def main(argv=None) -> int:
         os.replace(tmp, os.path.join(args.out, "scale_model_attention.json"))
 
     kept: list = []
-    load = GpuLoad(args.load_ms, device) if args.load_ms > 0 and device.type == "cuda" else None
-    att = measure_attention(args, device, dtype, att_deadline, log, save, kept, load)
+    att = measure_attention(args, device, dtype, att_deadline, log, save, kept)
     save(att)
     t_rep = time.perf_counter()
-    rounds = repeat_streams(kept, device, args.stream_repeats, t_rep + args.repeat_s, log, save, att, load)
+    rounds = repeat_streams(kept, device, args.stream_repeats, t_rep + args.repeat_s, log, save, att)
     n_kept = len(kept)
     kept.clear()  # free the kept calls' tensors before the matmuls
     save(att)

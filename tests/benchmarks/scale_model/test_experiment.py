@@ -21,3 +21,23 @@ def test_costs_for_heads_interpolates_both_families():
     assert longest.for_heads(32, 8).flashmask3.bwd.order == "longest"
     with pytest.raises(ValueError, match="kv_heads"):
         costs.for_heads(32, 6)
+
+
+def test_gpu_slowed_scales_gpu_time_and_keeps_the_host():
+    """The power-cap variant: every fit's GPU time x f exactly (tiles, programs, blocks, call),
+    the host floor as it was, so a host-bound call keeps its time."""
+    from benchmarks.scale_model.layout import TileCounts
+
+    costs = X.default_costs(gqa=True)
+    slow = costs.gpu_slowed(1.2)
+    big, tiny = TileCounts(40_000, 600, 8192, 65536), TileCounts(20, 4, 256, 512)
+    for name in ("flashmask3", "flex", "flashmask3_mha", "flex_mha"):
+        c, s = getattr(costs, name), getattr(slow, name)
+        assert s.fwd.floor == c.fwd.floor and s.bwd.floor == c.bwd.floor
+        for heads, kv in ((32, 4), (16, 16)):
+            assert s.gpu_forward(big, heads, kv) == pytest.approx(1.2 * c.gpu_forward(big, heads, kv), rel=1e-12)
+            assert s.gpu_backward(big, heads, kv) == pytest.approx(1.2 * c.gpu_backward(big, heads, kv), rel=1e-12)
+    fm = costs.flashmask3
+    assert fm.forward(tiny, 32, 4) == fm.fwd.floor  # host-bound: the floor sets its time ...
+    assert slow.flashmask3.forward(tiny, 32, 4) == fm.fwd.floor  # ... and still does
+    assert "GPU time x1.2" in slow.flashmask3.source

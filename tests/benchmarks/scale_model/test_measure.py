@@ -80,21 +80,12 @@ def test_dry_run_writes_gpu_host_and_stream_columns_and_rebuildable_calls(tmp_pa
                for r in rows)
 
 
-def test_stream_load_only_for_gpu_bound_passes():
-    """A GPU-bound pass's stream starts under load; a host-bound one from an idle GPU (a load
-    would hide the host its stream measures); no load given, none used."""
-    load = object()
-    row = {"gpu_fwd_ms": 2.0, "host_fwd_us": 60.0, "gpu_fwd_bwd_ms": 0.3, "host_fwd_bwd_us": 400.0}
-    assert measure.stream_load(row, "fwd", load) is load
-    assert measure.stream_load(row, "fwd_bwd", load) is None
-    assert measure.stream_load(row, "fwd", None) is None
-
-
-def test_overlap_and_stream_take_a_load_off_cuda_without_running_it():
-    """Off CUDA the load is never called (wall time only); the call counts are unchanged."""
+def test_overlap_and_stream_take_gpu_fill_off_cuda_without_running_it():
+    """Off CUDA the GPU fill (the probe's matmul load) is never called (wall time only); the call
+    counts are unchanged."""
     ran, calls = [], []
     measure.overlap_times(lambda: calls.append(1), torch.device("cpu"), calls=2, samples=2,
-                          load=lambda factor=1.0: ran.append(factor))
+                          fill=lambda factor=1.0: ran.append(factor))
     measure.stream_times(lambda: calls.append(1), torch.device("cpu"), per_call_ms=100.0,
-                         load=lambda factor=1.0: ran.append(factor))
+                         before=lambda: ran.append(1.0))
     assert ran == [] and len(calls) == 4 + 2 * measure.STREAM_CALLS[0]
