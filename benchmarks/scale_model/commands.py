@@ -158,6 +158,7 @@ def run_validate(args, position: int = 0):
         single = validate.validate_single(args.single)
         if os.path.exists(calibrate.MEASURED_FILE):
             single["measured"] = validate.validate_measured(calibrate.MEASURED_FILE)
+        single["transfer"] = validate.validate_transfer()
         single["kv_expansion"] = validate.validate_kv_expansion()
         single["cp_runtime"] = validate.validate_cp_runtime()
         fitted = (single["cp_runtime"] or {}).get("bandwidths")  # checked on the H200's graph file
@@ -182,6 +183,9 @@ def _print_validation(single, multi):
             print(f"current kernels, measured shapes, {cls} {kind}: in-sample "
                   f"{validate.summary(d['in_sample'][kind], held_only=False)}; held out "
                   f"{validate.summary(d['held_out'][kind])}")
+    for cls, checks in (single.get("transfer") or {}).get("classes", {}).items():
+        for check, pts in checks.items():
+            print(f"H200 fits on the H100's calls, {cls} {check}: {validate.summary(pts)}")
     for p in multi:
         print(f"  {p.name}: measured {p.measured * 1e3:.2f} ms, PREDICTED {p.predicted * 1e3:.2f} ms "
               f"({100 * p.error:+.1f}%)")

@@ -26,7 +26,7 @@ from .model import Layout, ModelConfig, StepBreakdown, step_time
 from .params import SWEPT, Cluster, Runtime
 from .runtime_ops import rank_device_work, rate_seconds
 from .timeline import LayerResult, resolve_bwd_calls, simulate_layer
-from .validate import LAUNCH_FLOOR, per_rank_calibration, scaled_cost
+from .validate import LAUNCH_FLOOR, memory_factor, memory_scaled, per_rank_calibration, scaled_cost
 
 BASELINE = "dual_chunk+allgather"
 
@@ -143,6 +143,14 @@ def old_kernel_per_rank_factor() -> float:
     return per_rank_calibration()[1]
 
 
+def cost_on(cost: AttentionCost, cluster: Cluster) -> AttentionCost:
+    """``cost`` (calibrated on one H200) on ``cluster``'s GPU: its memory-bound per-query-block
+    passes at the GPU's copy bandwidth (``runtime_copy_bw``; calibrate.memory_scaled), the rest
+    x1 (``gpu_scale``, applied by the timeline). On an H100 the same calls' GPU times back this
+    (validate.validate_transfer: the H200's fit predicts the H100's 331 calls)."""
+    return memory_scaled(cost, memory_factor(cluster.runtime_copy_bw.value))
+
+
 def gpu_slowed(cost: AttentionCost, f: float) -> AttentionCost:
     """``cost`` with every GPU term x ``f`` (per tile, per program, per query/key block, per call)
     and its host terms unchanged: the same kernels at a lower clock."""
@@ -206,7 +214,7 @@ def layer_for(lens: Sequence[int], cp: int, method: Method, model: ModelConfig, 
     nodes = max(1, cp // cluster.gpus_per_node) if method.hierarchical else 1
     v = document_plan_view(lens, cp, method.balance, nodes)
     device = runtime_device_seconds(lens, cp, method, nodes, v, model, cluster, runtime)
-    lr = simulate_layer(v, costs.of(method.kernel), cluster, model.shape(), method.comm, runtime,
+    lr = simulate_layer(v, cost_on(costs.of(method.kernel), cluster), cluster, model.shape(), method.comm, runtime,
                         recompute, device)
     lr.plan_seconds = v.plan_seconds  # planning time when the view was built (cached after)
     return lr
@@ -445,5 +453,5 @@ def write_json(obj, path: str) -> None:
 
 
 __all__ = ["METHODS", "BASELINE", "COMBINED", "PAPER_LAYOUT", "PAPER_GAINS", "make_datasets",
-           "default_costs", "gpu_slowed", "POWER_CAP_FACTORS", "scaled_per_call", "host_points", "host_sweep", "NO_CALL", "per_call_free", "NO_UNDERFILL", "sm_filled", "simulate_dataset", "gains", "attribution", "sensitivity", "cp_sweep",
+           "default_costs", "cost_on", "gpu_slowed", "POWER_CAP_FACTORS", "scaled_per_call", "host_points", "host_sweep", "NO_CALL", "per_call_free", "NO_UNDERFILL", "sm_filled", "simulate_dataset", "gains", "attribution", "sensitivity", "cp_sweep",
            "plot_sweep", "write_json"]

@@ -322,7 +322,8 @@ def run(out_dir: str, cps=((16, 4, 2, 16), (64, 2, 1, 32)), sequences: int = 4, 
             for lens in ds["sequences"]:
                 v = document_plan_view(lens, cp, "sparse", nodes)
                 device = X.runtime_device_seconds(lens, cp, X.METHODS[X.COMBINED], nodes, v, model, cluster, runtime)
-                lays.append(layer_breakdown(v, costs.flashmask3, cluster, shape, "overlap", runtime, device))
+                lays.append(layer_breakdown(v, X.cost_on(costs.flashmask3, cluster), cluster, shape, "overlap",
+                                            runtime, device))
             rows = summarise(lays)
             res["breakdown"][f"cp{cp}:{d}"] = rows
             md += [f"## cp {cp}, {d}", ""] + breakdown_table(rows) + [""]

@@ -20,6 +20,7 @@ Two calibrations are checked:
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import os
@@ -29,7 +30,7 @@ from typing import Optional
 
 import numpy as np
 
-from .calibrate import (MEASURED_FILE, RESULTS, AttentionCost, TileCounts, cost_for, fit_rows, load_cost,
+from .calibrate import (MATMUL_FILE, MEASURED_FILE, RESULTS, AttentionCost, TileCounts, cost_for, fit_rows, load_cost,
                         measured_rows, row_tiles, sample_mean, work_summary)
 from .layout import PlanView, RoundView, document_plan, document_plan_view, file_tolerance, mask_sparsity
 from .params import Cluster, Param, Runtime, runtime_fit_of
@@ -64,6 +65,37 @@ def scaled_cost(cost: AttentionCost, k: float, call_fwd: float, call_bwd: float,
     f = replace(cost.fwd, a_full=cost.fwd.a_full * k, a_partial=cost.fwd.a_partial * k, call=call_fwd)
     b = replace(cost.bwd, a_full=cost.bwd.a_full * k, a_partial=cost.bwd.a_partial * k, call=call_bwd)
     return AttentionCost(f, b, label, cost.head_dim, cost.gqa)
+
+
+def memory_scaled(cost: AttentionCost, f: float) -> AttentionCost:
+    """``cost`` with its per-query-block terms x ``f``: the backward's whole-GPU passes over the
+    query rows (delta pre-pass, dQ zeroing and scaling) move a few bytes per FLOP, so they run at
+    the GPU's memory bandwidth, not its tensor-core speed. ``f`` = the calibration GPU's copy
+    bandwidth over the target GPU's (:func:`memory_factor`); 1 leaves ``cost`` as it is."""
+    if f == 1.0:
+        return cost
+    return replace(cost, fwd=replace(cost.fwd, a_qblock=cost.fwd.a_qblock * f),
+                   bwd=replace(cost.bwd, a_qblock=cost.bwd.a_qblock * f),
+                   source=f"{cost.source}; per-query-block passes x{f:.3f} (memory bandwidth)")
+
+
+def memory_factor(copy_bw: float, path: str = MEASURED_FILE) -> float:
+    """How much slower memory-bound kernel work runs on a GPU whose copies run at ``copy_bw``
+    bytes/s than on the GPU the kernel calibration was measured on (``path``'s GPU): the ratio
+    of the two GPUs' fitted copy bandwidths (``params.RUNTIME_FITS``: measured on the CP
+    runtime's own copies, a different workload). 1 where the calibration's GPU has no fit."""
+    base = _calibration_copy_bw(os.path.abspath(path))
+    return 1.0 if base is None else base / copy_bw
+
+
+@functools.lru_cache(maxsize=None)
+def _calibration_copy_bw(path: str) -> Optional[float]:
+    """The fitted copy bandwidth of the GPU ``path`` was measured on (None: no file or no fit)."""
+    try:
+        with open(path) as f:
+            return runtime_fit_of(json.load(f).get("env", {}).get("gpu", ""))["copy"]
+    except (OSError, ValueError):
+        return None
 
 
 def _spread_lengths(name: str, tokens: int, seed: int = 0) -> Optional[list[int]]:
@@ -279,6 +311,60 @@ def validate_measured(path: str = MEASURED_FILE) -> dict:
             out[cls]["fill"] = {"in_sample": _shape_points(f_every, same, False),
                                 "held_out": _shape_points(f_dual, [r for r in same if r["balance"] != "dual_chunk"],
                                                           True)}
+    return out
+
+
+#: The calibration's calls timed again on an H100 (scale-model.sh, session 52): is the H200's fit
+#: the H100 cluster's kernel speed (``Cluster.gpu_scale``)?
+H100_MEASURED = os.path.join(RESULTS, "scale_model_attention_h100.json")
+H100_MATMUL = os.path.join(RESULTS, "scale_model_matmul_h100.json")
+#: The GPU checks of a measurement file (the others pair a GPU with its machine's host).
+GPU_CHECKS = ("fwd GPU", "fwd+bwd GPU")
+
+
+def _call_key(r: dict) -> tuple:
+    return (r["spread"], r["cp"], r["balance"], r["nodes"], r["rank"], r["stage"], r["heads"], r["kv_heads"])
+
+
+def paired_calls(path: str = H100_MEASURED, base: str = MEASURED_FILE) -> list[tuple[dict, dict]]:
+    """``(row of base, row of path)`` of every call both measurement files timed (same plan call
+    and heads), in ``base``'s order."""
+    def rows(f):
+        with open(f) as fh:
+            return [r for r in json.load(fh)["attention"] if "error" not in r and "gpu_fwd_ms" in r]
+    other = {_call_key(r): r for r in rows(path)}
+    return [(r, other[_call_key(r)]) for r in rows(base) if _call_key(r) in other]
+
+
+def matmul_ratios(path: str = H100_MATMUL, base: str = MATMUL_FILE) -> list[tuple[str, str, float]]:
+    """``(model, shape key, throughput in path / in base)`` of every matmul set both files timed."""
+    def sets(f):
+        with open(f) as fh:
+            return {r["key"]: r for r in json.load(fh)["matmul"]}
+    other = sets(path)
+    return [(r["model"], k, other[k]["tflops"] / r["tflops"]) for k, r in sets(base).items() if k in other]
+
+
+def validate_transfer(path: str = H100_MEASURED, cluster: Optional[Cluster] = None) -> Optional[dict]:
+    """The cached (H200) fits on another GPU (:func:`on_file_gpu`: the memory-bound passes at its
+    copy bandwidth; the rest x ``cluster.gpu_scale``) predicting its GPU time per call
+    (:data:`GPU_CHECKS`) on a measurement file of the same calls: per class, the points of each
+    check, and the file's environment. None without the file."""
+    if not os.path.exists(path):
+        return None
+    scale = (cluster or Cluster()).gpu_scale.value
+    out: dict = {"classes": {}, "without_memory_term": []}
+    for gqa in (True, False):
+        rows, env = measured_rows(path, 128, gqa)
+        if not rows:
+            continue
+        cost = load_cost("flashmask3", gqa)
+        pts = _shape_points(on_file_gpu(cost, env), rows, True)
+        out["classes"]["GQA" if gqa else "MHA"] = {
+            c: [replace(p, predicted=p.predicted * scale) for p in pts[c]] for c in GPU_CHECKS if c in pts}
+        out["without_memory_term"] += [replace(p, predicted=p.predicted * scale)
+                                       for p in _shape_points(cost, rows, True).get("fwd+bwd GPU", [])]
+        out["env"] = env
     return out
 
 
@@ -642,6 +728,17 @@ def _recorded_ranks(res: dict, cost: AttentionCost, shape: AttnShape, need: str 
     return rows
 
 
+def on_file_gpu(cost: AttentionCost, env: dict) -> AttentionCost:
+    """``cost`` on the GPU a results file was measured on (its ``env``): the memory-bound
+    per-query-block passes at that GPU's fitted copy bandwidth (calibrate.memory_scaled; x1 on
+    the calibration's own GPU and on a GPU without a fit)."""
+    try:
+        copy_bw = runtime_fit_of(env.get("gpu", ""))["copy"]
+    except ValueError:
+        return cost
+    return memory_scaled(cost, memory_factor(copy_bw))
+
+
 def _gpu_fit(res: dict) -> dict:
     """The committed runtime op bandwidths of the GPU a results file was measured on
     (params.RUNTIME_FITS), or the cluster's for a GPU without a fit."""
@@ -663,7 +760,7 @@ def _runtime_file(path: str, cost: Optional[AttentionCost], need: str = "breakdo
         return None
     a = res["args"]
     shape = AttnShape(a["heads"], a["kv_heads"], a["head_dim"])
-    cost = cost or cost_for("flashmask3", a["heads"], a["kv_heads"])
+    cost = cost or on_file_gpu(cost_for("flashmask3", a["heads"], a["kv_heads"]), res["env"])
     return res, a, shape, cost, _recorded_ranks(res, cost, shape, need)
 
 

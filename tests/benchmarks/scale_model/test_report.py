@@ -56,3 +56,21 @@ def test_target_line_keeps_the_diagnostics_apart():
     assert diag.startswith("Diagnostics") and "stream time, one sample NOT met (worst 40.0%, 0 of 1 within)" in diag
     assert "stream time, row's host met (worst 1.0%, 1 of 1 within)" in diag
     assert report._target_lines({"GQA": {"in_sample": {}, "held_out": {}}}) == []
+
+
+def test_transfer_section_tabulates_every_check_and_the_ratios():
+    """The H100 section: one row per class and GPU check with the summary's numbers, the pairs'
+    time ratios and the target line computed from the same points."""
+    from benchmarks.scale_model import validate as V
+
+    t = V.validate_transfer()
+    lines = report.transfer_section(t)
+    text = "\n".join(lines)
+    assert f"over the {len(V.paired_calls())} calls" in text
+    for cls, checks in t["classes"].items():
+        for check, pts in checks.items():
+            s = V.summary(pts)
+            assert f"| {cls} | {check} | {s['points']} | {s['max_abs_error']:.1%} |" in text
+    every = [p for c in t["classes"].values() for ps in c.values() for p in ps]
+    s = V.summary(every)
+    assert f"({s['within_target']} of {s['points']} within, worst {s['max_abs_error']:.1%})" in text

@@ -435,3 +435,51 @@ def test_the_cli_cluster_takes_another_gpus_runtime_fit():
     assert h200.name.startswith("H200") and h200.nvlink_bw == h100.nvlink_bw
     with pytest.raises(ValueError, match="gpu must be one of"):
         Cluster().on_gpu("A100")
+
+
+def test_memory_scaled_moves_only_the_per_query_block_passes():
+    """The H100 variant of a cost: the backward's per-query-block term x f, so a call's GPU time
+    grows by exactly (f - 1) x a_q x heads x query blocks; forward and tiles untouched; x1 is
+    the cost itself. The factor is the ratio of the GPUs' fitted copy bandwidths."""
+    from benchmarks.scale_model.calibrate import MEASURED_FILE, load_cost
+    from benchmarks.scale_model.layout import TileCounts
+    from benchmarks.scale_model.params import RUNTIME_FITS
+
+    cost = load_cost("flashmask3", True)
+    assert cost.bwd.a_qblock > 0
+    f = V.memory_factor(RUNTIME_FITS["H100"]["copy"])
+    assert f == pytest.approx(RUNTIME_FITS["H200"]["copy"] / RUNTIME_FITS["H100"]["copy"])
+    assert V.memory_factor(RUNTIME_FITS["H200"]["copy"]) == pytest.approx(1.0)
+    assert V.memory_scaled(cost, 1.0) is cost
+    slow = V.memory_scaled(cost, f)
+    t = TileCounts(3000, 200, 4096, 16384)
+    extra = (f - 1) * cost.bwd.a_qblock * 32 * t.q_blocks
+    assert slow.gpu_backward(t, 32, 4) == pytest.approx(cost.gpu_backward(t, 32, 4) + extra, rel=1e-12)
+    assert slow.gpu_forward(t, 32, 4) == cost.gpu_forward(t, 32, 4)
+    assert V.on_file_gpu(cost, {"gpu": "NVIDIA H200"}) is cost
+    assert V.on_file_gpu(cost, {"gpu": "some other GPU"}) is cost
+    assert V.on_file_gpu(cost, {"gpu": "NVIDIA H100 80GB HBM3"}) == slow
+    assert V._calibration_copy_bw(MEASURED_FILE) == RUNTIME_FITS["H200"]["copy"]
+
+
+def test_transfer_check_predicts_every_h100_call_with_the_h100_cost():
+    """The H100 file's calls pair with the calibration's by plan call and heads; every timed H100
+    row of each class gets both GPU checks, predicted by the H200 fit on the H100 (memory term
+    scaled), and the unscaled fit's points are kept beside them."""
+    from benchmarks.scale_model.calibrate import load_cost, measured_rows
+
+    pairs = V.paired_calls()
+    assert len(pairs) >= 300 and all(V._call_key(a) == V._call_key(b) for a, b in pairs)
+    t = V.validate_transfer()
+    assert "H100" in t["env"]["gpu"]
+    for cls, gqa in (("GQA", True), ("MHA", False)):
+        rows, env = measured_rows(V.H100_MEASURED, 128, gqa)
+        cost = V.on_file_gpu(load_cost("flashmask3", gqa), env)
+        pts = t["classes"][cls]["fwd+bwd GPU"]
+        assert len(pts) == len(t["classes"][cls]["fwd GPU"]) == len(rows)
+        r, p = rows[0], pts[0]
+        tiles = V.row_tiles(r)
+        assert p.measured == pytest.approx(r["gpu_fwd_bwd_ms"] * 1e-3)
+        assert p.predicted == pytest.approx(cost.gpu_forward(tiles, r["heads"], r["kv_heads"])
+                                            + cost.gpu_backward(tiles, r["heads"], r["kv_heads"]))
+    assert len(t["without_memory_term"]) == sum(len(c["fwd+bwd GPU"]) for c in t["classes"].values())
