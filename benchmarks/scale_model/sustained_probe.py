@@ -18,6 +18,11 @@ back-to-back calls. Long GPU-bound calls run up to ~12% slower in the stream (NO
 wall-clock span is recorded, so the clock of every phase can be read off the samples.
 
     python benchmarks/scale_model/sustained_probe.py --out $OUT/probe
+    python benchmarks/scale_model/sustained_probe.py --out $OUT/probe --replay 78 79 80 81 82 83
+
+``--replay``: the calibration's own sequence (per row: forward overlap loop, its stream, then the
+same for forward+backward) over committed rows, once per ``--idle-s`` (seconds of idle GPU before
+every stream): does a stream run slow because of the calls before it?
 
 Session 51's run (one H100, 2026-12-07): benchmarks/results/sustained_probe_h100.json.
 """
@@ -98,6 +103,44 @@ def curve(fn, per_call_ms: float, total_ms: float, idle_s: float = 0.1) -> list[
     return [ev[i].elapsed_time(ev[i + 1]) for i in range(n)]
 
 
+def replay(rows: list[int], committed: dict, device, idle_s: float) -> list[dict]:
+    """The calibration's own sequence over committed ``rows`` (``measure.measure_attention``: per
+    row, the forward's overlap loop then its stream, then the same for forward+backward), each
+    phase's wall-clock span kept; ``idle_s`` of idle GPU (host asleep) before every stream."""
+    out = []
+    for idx in rows:
+        row = committed["attention"][idx]
+        fm, keys = rebuild(row, committed["spreads"], committed["args"]["tolerance"])
+        fwd, step = _row_calls(row, fm.to(device), keys, device, idx)
+        rec = {"index": idx, "heads": row["heads"]}
+        for name, fn in (("fwd", fwd), ("fwd_bwd", step)):
+            fn()
+            t = time.time()
+            host, gpu, _ = measure.overlap_times(fn, device, key=name)
+            spans = {"overlap": (t, time.time())}
+            torch.cuda.synchronize()
+            time.sleep(idle_s)
+            t = time.time()
+            sms, _, _ = measure.stream_times(fn, device, max(gpu, host * 1e-3))
+            spans["stream"] = (t, time.time())
+            rec[name] = dict(committed_gpu_ms=row[f"gpu_{name}_ms"], committed_stream_ms=row[f"stream_{name}_ms"],
+                             gpu_ms=gpu, stream_ms=sms, spans=spans)
+        print(f"replay idle {idle_s:g} s row {idx}: fwd GPU {rec['fwd']['gpu_ms']:.3f} stream "
+              f"{rec['fwd']['stream_ms']:.3f} (committed {row['gpu_fwd_ms']:.3f} / {row['stream_fwd_ms']:.3f}); "
+              f"fwd+bwd {rec['fwd_bwd']['gpu_ms']:.3f} / {rec['fwd_bwd']['stream_ms']:.3f}", flush=True)
+        out.append(rec)
+    return out
+
+
+def _row_calls(row: dict, fm, keys: int, device, seed: int):
+    """``measure._calls`` of a committed row's shapes on fresh random inputs."""
+    g = torch.Generator(device=device).manual_seed(seed)
+    shape = lambda n, h: torch.randn(1, n, h, row["head_dim"], device=device,  # noqa: E731
+                                      dtype=torch.bfloat16, generator=g)
+    q, k, v = shape(row["q_rows"], row["heads"]), shape(keys, row["kv_heads"]), shape(keys, row["kv_heads"])
+    return measure._calls(q, k, v, fm, torch.randn_like(q))
+
+
 def start_sampler(path: str):
     """``nvidia-smi`` sampling clocks / power / throttle reasons every 20 ms into ``path``."""
     q = "timestamp,clocks.sm,clocks.mem,power.draw,temperature.gpu,clocks_throttle_reasons.active"
@@ -138,7 +181,7 @@ def add_clocks(out_dir: str) -> None:
     path = os.path.join(out_dir, "sustained_probe.json")
     data = json.load(open(path))
     samples = read_clocks(os.path.join(out_dir, "clocks.csv"))
-    for rec in data["rows"]:
+    for rec in data["rows"] + [r for rep in data.get("replays", []) for r in rep["rows"]]:
         for name in ("fwd", "fwd_bwd"):
             rec[name]["clocks"] = {k: clock_summary(samples, tuple(v)) for k, v in rec[name]["spans"].items()}
     with open(path, "w") as f:
@@ -151,6 +194,9 @@ def main(argv=None) -> int:
     ap.add_argument("--rows", type=int, nargs="+", default=list(ROWS))
     ap.add_argument("--load-ms", type=float, default=20.0)
     ap.add_argument("--curve-ms", type=float, default=300.0)
+    ap.add_argument("--replay", type=int, nargs="+", default=None,
+                    help="instead: replay the calibration's sequence over these rows, once per --idle-s")
+    ap.add_argument("--idle-s", type=float, nargs="+", default=[0.0, 0.3, 0.0])
     args = ap.parse_args(argv)
     os.makedirs(args.out, exist_ok=True)
     device = torch.device("cuda")
@@ -158,17 +204,15 @@ def main(argv=None) -> int:
     spreads = committed["spreads"]
     tol = committed["args"]["tolerance"]
     sampler = start_sampler(os.path.join(args.out, "clocks.csv"))
-    load = GpuLoad(args.load_ms, device)
     out = {"env": run_environment(device), "args": vars(args), "rows": []}
+    if args.replay:
+        out["replays"] = [{"idle_s": s, "rows": replay(args.replay, committed, device, s)} for s in args.idle_s]
+        return _finish(out, args.out, sampler)
+    load = GpuLoad(args.load_ms, device)
     for idx in args.rows:
         row = committed["attention"][idx]
         fm, keys = rebuild(row, spreads, tol)
-        fm = fm.to(device)
-        g = torch.Generator(device=device).manual_seed(idx)
-        shape = lambda n, h: torch.randn(1, n, h, row["head_dim"], device=device,  # noqa: E731
-                                          dtype=torch.bfloat16, generator=g)
-        q, k, v = shape(row["q_rows"], row["heads"]), shape(keys, row["kv_heads"]), shape(keys, row["kv_heads"])
-        fwd, step = measure._calls(q, k, v, fm, torch.randn_like(q))
+        fwd, step = _row_calls(row, fm.to(device), keys, device, idx)
         rec = {"index": idx, **{k_: row[k_] for k_ in ("spread", "cp", "balance", "rank", "stage", "heads",
                                                       "kv_heads", "q_rows", "keys")}}
         for name, fn in (("fwd", fwd), ("fwd_bwd", step)):
@@ -200,12 +244,22 @@ def main(argv=None) -> int:
                   f"{statistics.median(c[:3]):.3f} mid {statistics.median(c[third:2 * third]):.3f} last "
                   f"{statistics.median(c[-third:]):.3f} ({len(c)} calls)", flush=True)
         out["rows"].append(rec)
-        with open(os.path.join(args.out, "sustained_probe.json"), "w") as f:
-            json.dump(out, f, indent=1)
-        del q, k, v, fwd, step
+        _save(out, args.out)
+        del fwd, step
+    return _finish(out, args.out, sampler)
+
+
+def _save(out: dict, out_dir: str) -> None:
+    with open(os.path.join(out_dir, "sustained_probe.json"), "w") as f:
+        json.dump(out, f, indent=1)
+
+
+def _finish(out: dict, out_dir: str, sampler) -> int:
+    """Save ``out``, stop the clock sampler and add each phase's clock summary."""
+    _save(out, out_dir)
     if sampler is not None:
         sampler.terminate()
-        add_clocks(args.out)
+        add_clocks(out_dir)
     return 0
 
 

@@ -89,3 +89,15 @@ def test_overlap_and_stream_take_gpu_fill_off_cuda_without_running_it():
     measure.stream_times(lambda: calls.append(1), torch.device("cpu"), per_call_ms=100.0,
                          before=lambda: ran.append(1.0))
     assert ran == [] and len(calls) == 4 + 2 * measure.STREAM_CALLS[0]
+
+
+def test_a_long_passs_stream_starts_after_idle_on_cuda_only():
+    """The GPU rests before the stream of a pass of >= STREAM_IDLE_MIN_MS per call (the power
+    state the work before it left), not before shorter ones, and never off CUDA."""
+    cuda, cpu = torch.device("cuda"), torch.device("cpu")  # a device object needs no GPU
+    row = {"gpu_fwd_ms": measure.STREAM_IDLE_MIN_MS, "gpu_fwd_bwd_ms": 0.5}
+    assert measure.stream_idle_s(row, "fwd", cuda) == measure.STREAM_IDLE_S > 0
+    assert measure.stream_idle_s(row, "fwd_bwd", cuda) == 0.0
+    assert measure.stream_idle_s(row, "fwd", cpu) == 0.0
+    measure.rest_before_stream(row, "fwd", cpu)
+    assert row["stream_fwd_idle_s"] == 0.0
