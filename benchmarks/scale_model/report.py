@@ -291,7 +291,8 @@ def transfer_section(t: dict) -> list[str]:
              f"{bare['within_target']} of {bare['points']} points within 15% (worst {bare['max_abs_error']:.1%}). "
              f"Matmul throughput at the model's shapes, H100 / H200: {_quantiles(mm)}, {min(mm):.2f}-{max(mm):.2f} "
              "in all (the step model keeps the H200's, scale_model_matmul.json). The H200's fits predicting the "
-             "H100's GPU times (every point held out):", "",
+             "H100's GPU times, and its streams with the host time the H100 machine took for those very calls "
+             "(every point held out):", "",
              "| class | check | points | max abs error | mean abs error | within 15% |", "|---|---|---|---|---|---|"]
     every = []
     for cls, checks in t["classes"].items():

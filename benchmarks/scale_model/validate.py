@@ -318,8 +318,10 @@ def validate_measured(path: str = MEASURED_FILE) -> dict:
 #: the H100 cluster's kernel speed (``Cluster.gpu_scale``)?
 H100_MEASURED = os.path.join(RESULTS, "scale_model_attention_h100.json")
 H100_MATMUL = os.path.join(RESULTS, "scale_model_matmul_h100.json")
-#: The GPU checks of a measurement file (the others pair a GPU with its machine's host).
-GPU_CHECKS = ("fwd GPU", "fwd+bwd GPU")
+#: The checks of another GPU's measurement file: its GPU time, and its stream against
+#: ``max(GPU, the host time of the very calls the stream timed)`` (that machine's own host: the
+#: combination rule; the model's host term is the calibration machine's).
+TRANSFER_CHECKS = ("fwd GPU", "fwd+bwd GPU", "fwd stream, its own host", "fwd+bwd stream, its own host")
 
 
 def _call_key(r: dict) -> tuple:
@@ -345,14 +347,14 @@ def matmul_ratios(path: str = H100_MATMUL, base: str = MATMUL_FILE) -> list[tupl
     return [(r["model"], k, other[k]["tflops"] / r["tflops"]) for k, r in sets(base).items() if k in other]
 
 
-def validate_transfer(path: str = H100_MEASURED, cluster: Optional[Cluster] = None) -> Optional[dict]:
+def validate_transfer(path: str = H100_MEASURED) -> Optional[dict]:
     """The cached (H200) fits on another GPU (:func:`on_file_gpu`: the memory-bound passes at its
-    copy bandwidth; the rest x ``cluster.gpu_scale``) predicting its GPU time per call
-    (:data:`GPU_CHECKS`) on a measurement file of the same calls: per class, the points of each
-    check, and the file's environment. None without the file."""
+    copy bandwidth, the rest as calibrated: ``gpu_scale`` 1) against a measurement file of the
+    same calls, :data:`TRANSFER_CHECKS`: per class, the points of each check;
+    ``without_memory_term``: the fwd+bwd GPU points with the per-query-block passes at the
+    calibration GPU's speed; the file's environment. None without the file."""
     if not os.path.exists(path):
         return None
-    scale = (cluster or Cluster()).gpu_scale.value
     out: dict = {"classes": {}, "without_memory_term": []}
     for gqa in (True, False):
         rows, env = measured_rows(path, 128, gqa)
@@ -360,10 +362,8 @@ def validate_transfer(path: str = H100_MEASURED, cluster: Optional[Cluster] = No
             continue
         cost = load_cost("flashmask3", gqa)
         pts = _shape_points(on_file_gpu(cost, env), rows, True)
-        out["classes"]["GQA" if gqa else "MHA"] = {
-            c: [replace(p, predicted=p.predicted * scale) for p in pts[c]] for c in GPU_CHECKS if c in pts}
-        out["without_memory_term"] += [replace(p, predicted=p.predicted * scale)
-                                       for p in _shape_points(cost, rows, True).get("fwd+bwd GPU", [])]
+        out["classes"]["GQA" if gqa else "MHA"] = {c: pts[c] for c in TRANSFER_CHECKS if c in pts}
+        out["without_memory_term"] += _shape_points(cost, rows, True).get("fwd+bwd GPU", [])
         out["env"] = env
     return out
 
