@@ -16,6 +16,11 @@ Two calibrations are checked:
              run are held out.
 
 ``validate_multigpu(path)`` takes any result file in the ``cp_multigpu.json`` format.
+
+The current kernels' calibration is checked on its own measurements (``validate_measured``), on
+the same calls timed on an H100 (``validate_transfer``), and against the CP runtime on one GPU
+(``validate_cp_runtime``, ``validate_cp_graph``); a file from another GPU is predicted with the
+cost on that GPU (``on_file_gpu``: the memory-bound passes at its copy bandwidth).
 """
 
 from __future__ import annotations
@@ -86,6 +91,17 @@ def memory_factor(copy_bw: float, path: str = MEASURED_FILE) -> float:
     runtime's own copies, a different workload). 1 where the calibration's GPU has no fit."""
     base = _calibration_copy_bw(os.path.abspath(path))
     return 1.0 if base is None else base / copy_bw
+
+
+def on_file_gpu(cost: AttentionCost, env: dict) -> AttentionCost:
+    """``cost`` on the GPU a results file was measured on (its ``env``): the memory-bound
+    per-query-block passes at that GPU's fitted copy bandwidth (:func:`memory_scaled`; x1 on
+    the calibration's own GPU and on a GPU without a fit)."""
+    try:
+        copy_bw = runtime_fit_of(env.get("gpu", ""))["copy"]
+    except ValueError:
+        return cost
+    return memory_scaled(cost, memory_factor(copy_bw))
 
 
 @functools.lru_cache(maxsize=None)
@@ -726,17 +742,6 @@ def _recorded_ranks(res: dict, cost: AttentionCost, shape: AttnShape, need: str 
                         for o in ops if o.kind == "attention"]
                 rows.append((name, int(cp), r, view, ops, attn, calls, comm))
     return rows
-
-
-def on_file_gpu(cost: AttentionCost, env: dict) -> AttentionCost:
-    """``cost`` on the GPU a results file was measured on (its ``env``): the memory-bound
-    per-query-block passes at that GPU's fitted copy bandwidth (calibrate.memory_scaled; x1 on
-    the calibration's own GPU and on a GPU without a fit)."""
-    try:
-        copy_bw = runtime_fit_of(env.get("gpu", ""))["copy"]
-    except ValueError:
-        return cost
-    return memory_scaled(cost, memory_factor(copy_bw))
 
 
 def _gpu_fit(res: dict) -> dict:
