@@ -24,7 +24,8 @@ wall-clock span is recorded, so the clock of every phase can be read off the sam
 same for forward+backward) over committed rows, once per ``--idle-s`` (seconds of idle GPU before
 every stream): does a stream run slow because of the calls before it?
 
-Session 51's run (one H100, 2026-12-07): benchmarks/results/sustained_probe_h100.json.
+Session 51's run (one H100, 2026-12-07): benchmarks/results/sustained_probe_h100.json; session
+52's replay of rows 76-83: benchmarks/results/sustained_probe_replay_h100.json.
 """
 
 from __future__ import annotations
