@@ -260,7 +260,9 @@ def cp_graph_section(v: dict, breakdown_host_ratio=None) -> list[str]:
 
 
 def _quantiles(xs: list[float]) -> str:
-    """``median (10-90%: a-b)`` of ratios, two decimals."""
+    """``median (10-90%: a-b)`` of ratios, two decimals ("-" for none)."""
+    if not xs:
+        return "-"
     xs = sorted(xs)
     q = lambda p: xs[round(p * (len(xs) - 1))]  # noqa: E731
     return f"{q(0.5):.2f} (10-90%: {q(0.1):.2f}-{q(0.9):.2f})"
