@@ -8,8 +8,7 @@ from typing import Optional
 
 from .experiment import BASELINE, COMBINED, METHODS, ON_MAIN, PAPER_GAINS, _summ, attribution, gains
 from .calibrate import RESULTS, SLOTS, cost_for, measured_env
-from .params import runtime_fit_of
-from .validate import LAUNCH_FLOOR, TARGET, call_name, matmul_ratios, memory_factor, paired_calls, summary
+from .validate import LAUNCH_FLOOR, TARGET, call_name, summary
 from .runtime_ops import SMALL_INDEX_ROWS
 
 
@@ -270,18 +269,14 @@ def _quantiles(xs: list[float]) -> str:
 
 def transfer_section(t: dict) -> list[str]:
     """The H200's kernel fits on an H100: the same calls' GPU times, predicted and compared."""
-    env = t.get("env", {})
-    pairs = paired_calls()
-    ratio = {n: [o[f"gpu_{n}_ms"] / r[f"gpu_{n}_ms"] for r, o in pairs] for n in ("fwd", "fwd_bwd")}
-    small = [o["gpu_fwd_bwd_ms"] / r["gpu_fwd_bwd_ms"] for r, o in pairs if r["gpu_fwd_bwd_ms"] < 0.3]
-    mm = [x for *_, x in matmul_ratios()]
-    factor = memory_factor(runtime_fit_of(env.get("gpu", ""))["copy"])
+    env, ratio, mm, factor = t.get("env", {}), t["ratios"], t["matmul"], t["memory_factor"]
+    small = ratio["fwd_bwd_small"]
     bare = summary(t["without_memory_term"])
     lines = ["### The same calls on an H100 (scale_model_attention_h100.json)", "",
              f"The paper's cluster is H100s; the kernel fits come from an H200. benchmarks/gpu/scale-model.sh timed "
              f"the calibration's calls again on one {env.get('gpu', '?')} ({env.get('date', '?')}, torch "
              f"{env.get('torch', '?')}, triton {env.get('triton', '?')}). GPU time per call, H100 / H200, over the "
-             f"{len(pairs)} calls both files timed: forward {_quantiles(ratio['fwd'])}, forward+backward "
+             f"{len(ratio['fwd'])} calls both files timed: forward {_quantiles(ratio['fwd'])}, forward+backward "
              f"{_quantiles(ratio['fwd_bwd'])}; forward+backward calls under 0.3 ms {_quantiles(small)} "
              f"({len(small)} calls). The tensor-core work runs at the same speed (`gpu_scale` 1); what the H100 "
              "lacks is memory bandwidth, which the backward's per-query-block passes (the delta pre-pass, dQ "

@@ -345,13 +345,22 @@ def _call_key(r: dict) -> tuple:
 
 
 def paired_calls(path: str = H100_MEASURED, base: str = MEASURED_FILE) -> list[tuple[dict, dict]]:
-    """``(row of base, row of path)`` of every call both measurement files timed (same plan call
-    and heads), in ``base``'s order."""
+    """``(row of base, row of path)`` of every call both measurement files timed with GPU times
+    (same plan call and heads), GQA calls first, each class in ``base``'s order; the rows come
+    from :func:`calibrate.measured_rows`, loaded once per file."""
     def rows(f):
-        with open(f) as fh:
-            return [r for r in json.load(fh)["attention"] if "error" not in r and "gpu_fwd_ms" in r]
+        return [r for gqa in (True, False) for r in measured_rows(f, 128, gqa)[0] if "gpu_fwd_ms" in r]
     other = {_call_key(r): r for r in rows(path)}
     return [(r, other[_call_key(r)]) for r in rows(base) if _call_key(r) in other]
+
+
+def gpu_time_ratios(pairs: list[tuple[dict, dict]]) -> dict[str, list[float]]:
+    """GPU time per call, other file over base, of :func:`paired_calls` ``pairs``: per pass
+    (``"fwd"``, ``"fwd_bwd"``), and ``"fwd_bwd_small"`` for the calls whose base forward+backward
+    took under 0.3 ms (where the backward's memory-bound passes weigh most)."""
+    out = {n: [o[f"gpu_{n}_ms"] / r[f"gpu_{n}_ms"] for r, o in pairs] for n in ("fwd", "fwd_bwd")}
+    out["fwd_bwd_small"] = [o["gpu_fwd_bwd_ms"] / r["gpu_fwd_bwd_ms"] for r, o in pairs if r["gpu_fwd_bwd_ms"] < 0.3]
+    return out
 
 
 def matmul_ratios(path: str = H100_MATMUL, base: str = MATMUL_FILE) -> list[tuple[str, str, float]]:
@@ -368,10 +377,13 @@ def validate_transfer(path: str = H100_MEASURED) -> Optional[dict]:
     copy bandwidth, the rest as calibrated: ``gpu_scale`` 1) against a measurement file of the
     same calls, :data:`TRANSFER_CHECKS`: per class, the points of each check;
     ``without_memory_term``: the fwd+bwd GPU points with the per-query-block passes at the
-    calibration GPU's speed; the file's environment. None without the file."""
+    calibration GPU's speed; the file's environment; ``ratios`` (:func:`gpu_time_ratios` against
+    the calibration's own file), ``matmul`` (:func:`matmul_ratios`) and ``memory_factor`` (the
+    per-query-block term's factor on that GPU). None without the file."""
     if not os.path.exists(path):
         return None
-    out: dict = {"classes": {}, "without_memory_term": []}
+    out: dict = {"classes": {}, "without_memory_term": [], "ratios": gpu_time_ratios(paired_calls(path)),
+                 "matmul": [x for *_, x in matmul_ratios()]}
     for gqa in (True, False):
         rows, env = measured_rows(path, 128, gqa)
         if not rows:
@@ -381,6 +393,7 @@ def validate_transfer(path: str = H100_MEASURED) -> Optional[dict]:
         out["classes"]["GQA" if gqa else "MHA"] = {c: pts[c] for c in TRANSFER_CHECKS if c in pts}
         out["without_memory_term"] += _shape_points(cost, rows, True).get("fwd+bwd GPU", [])
         out["env"] = env
+    out["memory_factor"] = memory_factor(runtime_fit_of(out["env"].get("gpu", ""))["copy"])
     return out
 
 
