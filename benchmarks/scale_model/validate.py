@@ -93,15 +93,21 @@ def memory_factor(copy_bw: float, path: str = MEASURED_FILE) -> float:
     return 1.0 if base is None else base / copy_bw
 
 
-def on_file_gpu(cost: AttentionCost, env: dict) -> AttentionCost:
-    """``cost`` on the GPU a results file was measured on (its ``env``): the memory-bound
-    per-query-block passes at that GPU's fitted copy bandwidth (:func:`memory_scaled`; x1 on
-    the calibration's own GPU and on a GPU without a fit)."""
+def file_memory_factor(env: dict) -> float:
+    """:func:`memory_factor` on the GPU a results file was measured on (its ``env``): 1 on the
+    calibration's own GPU and on a GPU without a fit."""
     try:
         copy_bw = runtime_fit_of(env.get("gpu", ""))["copy"]
     except ValueError:
-        return cost
-    return memory_scaled(cost, memory_factor(copy_bw))
+        return 1.0
+    return memory_factor(copy_bw)
+
+
+def on_file_gpu(cost: AttentionCost, env: dict) -> AttentionCost:
+    """``cost`` on the GPU a results file was measured on (its ``env``): the memory-bound
+    per-query-block passes at that GPU's fitted copy bandwidth (:func:`memory_scaled` by
+    :func:`file_memory_factor`)."""
+    return memory_scaled(cost, file_memory_factor(env))
 
 
 @functools.lru_cache(maxsize=None)
@@ -382,8 +388,8 @@ def validate_transfer(path: str = H100_MEASURED) -> Optional[dict]:
     per-query-block term's factor on that GPU). None without the file."""
     if not os.path.exists(path):
         return None
-    out: dict = {"classes": {}, "without_memory_term": [], "ratios": gpu_time_ratios(paired_calls(path)),
-                 "matmul": [x for *_, x in matmul_ratios()]}
+    out: dict = {"classes": {}, "without_memory_term": [], "env": {},
+                 "ratios": gpu_time_ratios(paired_calls(path)), "matmul": [x for *_, x in matmul_ratios()]}
     for gqa in (True, False):
         rows, env = measured_rows(path, 128, gqa)
         if not rows:
@@ -393,7 +399,7 @@ def validate_transfer(path: str = H100_MEASURED) -> Optional[dict]:
         out["classes"]["GQA" if gqa else "MHA"] = {c: pts[c] for c in TRANSFER_CHECKS if c in pts}
         out["without_memory_term"] += _shape_points(cost, rows, True).get("fwd+bwd GPU", [])
         out["env"] = env
-    out["memory_factor"] = memory_factor(runtime_fit_of(out["env"].get("gpu", ""))["copy"])
+    out["memory_factor"] = file_memory_factor(out["env"])
     return out
 
 
