@@ -1,6 +1,5 @@
 """The README's promises that can be checked without a GPU: its CPU quick start runs as written,
-no line is longer than 120 characters, it stays under 150 lines and links only files that exist
-(docs pages of other branches excepted while they land)."""
+no line is longer than 120 characters, it stays under 150 lines and links only files that exist."""
 
 import os
 import re
@@ -24,8 +23,20 @@ def test_shape_of_the_readme():
 
 
 def test_local_links_exist():
-    pending = {"docs/host-path.md", "docs/context-parallel.md", "docs/cp-runtime.md",
-               "docs/scale-model.md", "docs/transformers.md", "docs/cpu.md"}  # other branches' pages
     for target in re.findall(r"\]\(([^)#]+)(?:#[^)]*)?\)", README):
-        if not target.startswith("http") and target not in pending:
+        if not target.startswith("http"):
             assert os.path.exists(os.path.join(ROOT, target)), target
+
+
+def _anchors(path: str) -> set:
+    """GitHub's anchors of a Markdown file's headings: lower case, punctuation dropped, spaces
+    to hyphens."""
+    text = open(os.path.join(ROOT, path)).read()
+    return {re.sub(r"[^\w\- ]", "", h.strip().lower()).replace(" ", "-")
+            for h in re.findall(r"^#+ (.+)$", text, re.M)}
+
+
+def test_local_anchors_exist():
+    for target, anchor in re.findall(r"\]\(([^)#]+\.md)#([^)]+)\)", README):
+        if not target.startswith("http"):
+            assert anchor in _anchors(target), f"{target}#{anchor}"
