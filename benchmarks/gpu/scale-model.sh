@@ -1,10 +1,10 @@
 #!/usr/bin/env bash
 # Scale-model calibration on one H200 (issue 23): per-rank attention shapes (GPU time with the
 # host hidden, host time per call, steady-state time per call of a back-to-back stream) + matmul
-# throughput, and more stream samples of the host-bound calls, interleaved (REPEAT_S=40). Runs from
-# the repo root; <= 245 s (BUDGET_S=175 + REPEAT_S of measurement + start-up, killed at
-# BUDGET_S + REPEAT_S + 30; since session 52 ~50 s of it is idle GPU before the long calls' streams,
-# measure.STREAM_IDLE_S). Writes $OUT/scale-model/.
+# throughput, and more stream samples of the host-bound calls, interleaved (REPEAT_S=125: ~48
+# rounds, measure.STREAM_REPEATS). Runs from the repo root; <= 330 s (BUDGET_S=175 + REPEAT_S of
+# measurement + start-up, killed at BUDGET_S + REPEAT_S + 30; ~50 s of it is idle GPU before the
+# long calls' streams, measure.STREAM_IDLE_S). Writes $OUT/scale-model/.
 #   OUT=/root/out bash benchmarks/gpu/scale-model.sh
 #   OUT=/tmp/sm DRY_RUN=1 bash benchmarks/gpu/scale-model.sh      # CPU smoke run (tiny sizes)
 # Then commit $OUT/scale-model/scale_model_{attention,matmul}.json to benchmarks/results/ and run
@@ -14,7 +14,7 @@ OUT="${OUT:?set OUT}"
 DIR="$OUT/scale-model"
 PY="${PYTHON:-python3}"
 BUDGET_S="${BUDGET_S:-175}"
-REPEAT_S="${REPEAT_S:-40}"
+REPEAT_S="${REPEAT_S:-125}"
 EXTRA=()
 if [[ "${DRY_RUN:-0}" == "1" ]]; then EXTRA=(--dry-run --device cpu); fi
 mkdir -p "$DIR"

@@ -259,6 +259,15 @@ def host_relevant(row: dict) -> bool:
                                                                ("gpu_fwd_bwd_ms", "host_fwd_bwd_us")))
 
 
+#: Rounds of :func:`repeat_streams` and the seconds they may take (~2.6 s a round for the ~160
+#: host-relevant calls of a full run). One ~5 ms sample of a host-bound call lies -35% to +40% of
+#: the call's mean (5-95%) with the host's speed, so 16 samples left each call's mean a relative
+#: standard error of ~5-9%, as large as the whole spread between the calls' means, and the
+#: target's 15% only ~2.5 of them: a few host-bound points of a few hundred missed by sampling
+#: alone (the files of 2026-12-06/07, benchmarks/NOTES.md). 48 samples bring it to ~3-5%.
+STREAM_REPEATS, REPEAT_S = 48, 125.0
+
+
 def repeat_streams(kept: list, device, rounds: int, deadline: float, log, save=None, rows=None) -> int:
     """More stream samples of the host-relevant calls, interleaved: ``rounds`` rounds, one
     sample of each pass of each kept call per round (every other round in reverse order), until
@@ -424,9 +433,9 @@ def main(argv=None) -> int:
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--rep-ms", type=float, default=30.0)
     ap.add_argument("--max-shapes", type=int, default=10_000, help="stop after this many attention shapes")
-    ap.add_argument("--stream-repeats", type=int, default=16,
+    ap.add_argument("--stream-repeats", type=int, default=STREAM_REPEATS,
                     help="rounds of extra stream samples of the host-relevant calls (repeat_streams)")
-    ap.add_argument("--repeat-s", type=float, default=40.0,
+    ap.add_argument("--repeat-s", type=float, default=REPEAT_S,
                     help="seconds for those rounds, on top of --budget-s")
     ap.add_argument("--dry-run", action="store_true", help="tiny sizes (CPU smoke run)")
     args = ap.parse_args(argv)

@@ -430,6 +430,19 @@ OUTLIER_CHECKS = ("fwd GPU", "fwd+bwd GPU", "fwd stream", "fwd+bwd stream", "fwd
                   "fwd+bwd stream, its own host")
 
 
+def standard_error(samples) -> float:
+    """The standard error of the mean of ``samples`` (sample standard deviation / sqrt(n))."""
+    import numpy as np
+
+    return float(np.std(samples, ddof=1) / np.sqrt(len(samples)))
+
+
+def _standard_error_text(ms: list) -> str:
+    """``"0.342 +- 0.022 ms (one standard error)"``: a call's mean stream time and how well its
+    samples pin it down, so a reader can tell a model miss from the measurement's own noise."""
+    return f"{sum(ms) / len(ms):.3f} +- {standard_error(ms):.3f} ms (one standard error)"
+
+
 def _outlier_lines(measured: dict) -> list[str]:
     """Every point of :data:`OUTLIER_CHECKS` outside the target, with what else was measured for
     the same call (its GPU time in the overlap loop vs its stream time): a reader sees whether a
@@ -451,8 +464,9 @@ def _outlier_lines(measured: dict) -> list[str]:
                         ms = [r[f"stream_{pas}_ms"]] + list(r.get(f"stream_{pas}_ms_repeats", []))
                         host = [r[f"stream_host_{pas}_us"]] + list(r.get(f"stream_host_{pas}_us_repeats", []))
                         extra = (f"; its GPU time {r[f'gpu_{pas}_ms']:.3f} ms in the overlap loop; "
-                                 + (f"{len(ms)} stream samples {min(ms):.3f}-{max(ms):.3f} ms, host "
-                                    f"{sum(host) / len(host):.0f} us a call (mean)" if len(ms) > 1 else
+                                 + (f"{len(ms)} stream samples {min(ms):.3f}-{max(ms):.3f} ms, their mean "
+                                    f"{_standard_error_text(ms)}, host {sum(host) / len(host):.0f} us a call (mean)"
+                                    if len(ms) > 1 else
                                     f"one stream sample {ms[0]:.3f} ms, host {host[0]:.0f} us a call"))
                     out.append(f"| {cls} | {c.replace('_', ' ')} | {check} | {p.name} | "
                                f"{p.measured * 1e3:.3f} | {p.predicted * 1e3:.3f} | {p.error:+.1%}{extra} |")
@@ -574,6 +588,7 @@ def _repeat_lines(rows: list[dict], expand_host: Optional[float] = None) -> list
               + (f": the GPU-bound calls' single samples, taken while the GPU's queue is full, ran a median "
                  f"{np.median(bound):.0f} us forward+backward" if bound else "") + ".")
     by_round = np.median([r["stream_host_fwd_bwd_us_repeats"][:rounds] for r in rep], axis=0)
+    noise = _host_noise_text(rep)
     return [f"Repeated samples ({len(rep)} host-relevant calls, {n} stream samples each, {rounds} rounds over all "
             f"of them): a call's mean host time per call, min / 10% / median / 90% / max over the calls, is "
             f"{f[0]:.0f} / {f[1]:.0f} / {f[2]:.0f} / {f[3]:.0f} / {f[4]:.0f} us forward and {b[0]:.0f} / {b[1]:.0f} / "
@@ -582,8 +597,34 @@ def _repeat_lines(rows: list[dict], expand_host: Optional[float] = None) -> list
             "means take out most of the drift and the host's switching between two speeds (a call's samples sit "
             "near one level or the other from round to round, so a median of them picks a level; the `stream` "
             "check uses the mean, the time average a training step pays); what remains is a spread between calls "
-            "of the same code path, and one pattern: " + expanded + ". " + source + " The spread between calls "
-            "bounds a shape-based prediction of a host-bound call.", ""]
+            "of the same code path, and one pattern: " + expanded + ". " + source + " " + noise, ""]
+
+
+def _host_noise_text(rep: list[dict]) -> str:
+    """How much of the spread between the host-relevant calls' mean host times is the sampling
+    noise of those means: each call's relative standard error against the spread of the means of
+    the calls with one code path (backward without K/V expansion). Where the two agree, the data
+    show no host difference between those calls' shapes, and a check of a host-bound call's mean
+    at 15% is a test of its few-sample mean's noise as much as of the model."""
+    import numpy as np
+
+    key = "stream_host_fwd_bwd_us"
+    grouped = [[r[key]] + list(r[key + "_repeats"]) for r in rep if not r.get("kv_expanded")]
+    if len(grouped) < 3:
+        return ""
+    means = np.array([np.mean(s) for s in grouped])
+    se = np.array([standard_error(s) for s in grouped]) / means
+    spread = float(np.std(means, ddof=1) / np.median(means))
+    n = int(np.median([len(s) for s in grouped]))
+    return (f"How much of the spread between calls is the samples' own noise: the {len(grouped)} calls without "
+            f"K/V expansion have forward+backward means that scatter by {spread:.1%} (standard deviation / "
+            f"median), while each mean, of {n} samples, has a relative standard error of {np.median(se):.1%} "
+            f"(median; 90%: {np.percentile(se, 90):.1%}). "
+            + ("The spread is no larger than the noise: these measurements show no host difference between "
+               f"the calls' shapes, and the target's {TARGET:.0%} is only {TARGET / np.median(se):.1f} standard "
+               "errors of a median call, so among a few hundred host-bound points a few can miss by sampling "
+               "alone; more samples per call shrink that." if spread <= 1.1 * np.median(se) else
+               "The spread exceeds the noise: part of it is a host difference between the calls."))
 
 
 def paper_section(model, layout, datasets, results: dict, sens: list, cluster) -> list[str]:

@@ -74,3 +74,30 @@ def test_transfer_section_tabulates_every_check_and_the_ratios():
     every = [p for c in t["classes"].values() for ps in c.values() for p in ps]
     s = V.summary(every)
     assert f"({s['within_target']} of {s['points']} within, worst {s['max_abs_error']:.1%})" in text
+
+
+def test_standard_error_is_the_sample_deviation_over_root_n():
+    assert abs(report.standard_error([1.0, 2.0, 3.0]) - 1.0 / 3 ** 0.5) < 1e-12
+
+
+def _host_rows(means, noise, n=16, seed=0):
+    """Rows of host-relevant calls: call i's samples scatter by ``noise`` around ``means[i]``."""
+    import numpy as np
+
+    rng = np.random.default_rng(seed)
+    rows = []
+    for m in means:
+        s = (m * (1 + noise * rng.standard_normal(n))).tolist()
+        rows.append({"stream_host_fwd_bwd_us": s[0], "stream_host_fwd_bwd_us_repeats": s[1:],
+                     "kv_expanded": False})
+    return rows
+
+
+def test_host_noise_text_tells_sampling_noise_from_a_host_difference():
+    import numpy as np
+
+    same = _host_rows([400.0] * 40, noise=0.25)  # one host time, noisy samples: spread = noise
+    assert "no larger than the noise" in report._host_noise_text(same)
+    apart = _host_rows(np.linspace(300.0, 500.0, 40), noise=0.02)  # real differences, quiet samples
+    assert "exceeds the noise" in report._host_noise_text(apart)
+    assert report._host_noise_text(same[:2]) == ""
