@@ -130,9 +130,9 @@ class DistExchange:
     message lists.
 
     Why a collective and not one ``P2POp`` per message: issuing a message of a
-    ``batch_isend_irecv`` costs 12-56 µs of host time (session 32,
-    benchmarks/cp_exchange_host.py), and a rank of a flat cp-128 plan has ~250 messages a pass,
-    milliseconds a layer. One
+    ``batch_isend_irecv`` costs 46-69 µs of host time on the H200 machine
+    (benchmarks/results/cp_exchange_host.md), and a rank of a flat cp-128 plan has ~250
+    messages a pass, milliseconds a layer. One
     ``all_to_all_single`` with per-peer row counts is one call whatever the count (NCCL runs it
     as the same grouped sends and receives, in C++). Every rank takes part in every round, with
     zero rows for peers it does not talk to; the runtime issues the rounds in the same order on

@@ -8,14 +8,15 @@ that does not grow with the cp size or the number of chunks; see docs/cp-runtime
 schedule, the buffers and the launch budget.
 
 Layouts. K and V travel together in *wire rows*: ``[rows, 2, B, chunk, Hk, D]``, one row per
-chunk, so that one message is one contiguous slice of a buffer. A direct message whose chunks
-are consecutive own chunks is a view of the rank's own wire rows; the others are packed by one
-``index_select`` per pass. Each pass keeps one *key buffer* ``[2, B, keys, Hk, D]`` whose halves
-hold the K and V of every stage it computes, in stage order: a stage's keys are gathered into
-its slice once, as its round arrives (one launch, :func:`gather_stage_keys`), the stage calls
-read slices of it and the merged backward call reads all of it; with ``keep_kv`` the backward
-reuses the forward's buffer and gathers nothing. Gradients travel back in the same wire rows
-and are summed into the rank's own dK/dV by one launch (kernels/returns.py) or ``index_add_``.
+chunk, so that one message is one contiguous slice of a buffer. A direct message whose chunks are
+consecutive own chunks is a view of the rank's own wire rows; the others are packed straight from
+K and V by one launch per pass (:func:`pack_wire_rows`). Each pass keeps one *key buffer*
+``[2, B, keys, Hk, D]`` whose halves hold the K and V of every stage it computes, in stage order:
+a stage's keys are gathered into its slice once, as its round arrives (one launch,
+:func:`gather_stage_keys`), the stage calls read slices of it and the merged backward call reads
+all of it; with ``keep_kv`` the backward reuses the forward's buffer and gathers nothing.
+Gradients travel back in the same wire rows and are summed into the rank's own dK/dV by one launch
+(kernels/returns.py) or ``index_add_``.
 
 Backward calls. :func:`backward_overlap` calls the staged backward once per stage (``"stage"``),
 once over every stage after all K/V arrived (``"one"``), or once over the remote stages first and

@@ -5,9 +5,9 @@ dK/dV that the receiving rank computed for it: one wire row ``[2, B, chunk, Hk, 
 (chunk, destination), so a chunk sent to 70 ranks comes back 70 times. Their sum, plus the
 rank's own stage's dK/dV, is the chunk's gradient. In torch that is a cast of every returned
 row to fp32 (a buffer twice their size), an ``index_add_`` of it into an fp32 accumulator
-(atomics: the order of the additions changes from run to run), and the casts back, about
-1 ms of device time per layer for the heaviest ranks of a cp-128 plan at 128K tokens
-(``benchmarks/results/cp_runtime_breakdown.md``). :func:`add_returns` reads every row once,
+(atomics: the order of the additions changes from run to run), and the casts back, 0.6-1 ms
+of device time per layer for the heaviest ranks of a cp-128 plan at 128K tokens
+(benchmarks/NOTES.md, session 28). :func:`add_returns` reads every row once,
 sums in fp32 registers in a fixed order (the rank's own rows, then the returned ones in
 buffer order) and writes dK and dV in the key layout ``[B, n_own * chunk, Hk, D]``: one
 launch, bitwise reproducible. ``distributed.runtime._Returns.own_grads`` keeps the torch path
