@@ -290,7 +290,10 @@ def transfer_section(t: dict) -> list[str]:
              f"Matmul throughput at the model's shapes, H100 / H200: {_quantiles(mm)}, {min(mm):.2f}-{max(mm):.2f} "
              "in all (the step model keeps the H200's, scale_model_matmul.json). The H200's fits predicting the "
              "H100's GPU times, and its streams with the host time the H100 machine took for those very calls "
-             "(every point held out):", "",
+             "(`its own host`) and with the H100 machine's host terms, taken from this file's host-relevant "
+             "calls as the calibration takes its own (`its machine's host`: "
+             + ", ".join(f"{cls} {h}" for cls, h in t.get("machine_host", {}).items())
+             + "; the GPU part held out on every point):", "",
              "| class | check | points | max abs error | mean abs error | within 15% |", "|---|---|---|---|---|---|"]
     every = []
     for cls, checks in t["classes"].items():

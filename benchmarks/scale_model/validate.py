@@ -36,7 +36,7 @@ from typing import Optional
 import numpy as np
 
 from .calibrate import (MATMUL_FILE, MEASURED_FILE, RESULTS, AttentionCost, TileCounts, cost_for, fit_rows, load_cost,
-                        measured_rows, row_tiles, sample_mean, work_summary)
+                        measured_host, measured_rows, row_tiles, sample_mean, work_summary)
 from .layout import PlanView, RoundView, document_plan, document_plan_view, file_tolerance, mask_sparsity
 from .params import Cluster, Param, Runtime, runtime_fit_of
 from .runtime_ops import MERGED, RATE_CLASSES, bytes_by_rate, op_seconds, ops_seconds
@@ -101,6 +101,16 @@ def file_memory_factor(env: dict) -> float:
     except ValueError:
         return 1.0
     return memory_factor(copy_bw)
+
+
+def with_machine_host(cost: AttentionCost, rows: list[dict]) -> AttentionCost:
+    """``cost`` with the host terms of the machine that measured ``rows`` (a results file's rows
+    of one class): :func:`calibrate.measured_host`, taken from them as the calibration takes its
+    own. The host per call is a parameter of the machine (its CPU, its Python), so a file from
+    another machine is predicted with that machine's host, the GPU part as calibrated."""
+    fwd, bwd, expand = measured_host(rows)
+    return replace(cost, fwd=replace(cost.fwd, floor=fwd), bwd=replace(cost.bwd, floor=bwd, expand_host=expand),
+                   source=f"{cost.source}; host {fwd * 1e6:.0f} / {bwd * 1e6:.0f} us (that machine's)")
 
 
 def on_file_gpu(cost: AttentionCost, env: dict) -> AttentionCost:
@@ -343,7 +353,12 @@ H100_MATMUL = os.path.join(RESULTS, "scale_model_matmul_h100.json")
 #: The checks of another GPU's measurement file: its GPU time, and its stream against
 #: ``max(GPU, the host time of the very calls the stream timed)`` (that machine's own host: the
 #: combination rule; the model's host term is the calibration machine's).
-TRANSFER_CHECKS = ("fwd GPU", "fwd+bwd GPU", "fwd stream, its own host", "fwd+bwd stream, its own host")
+TRANSFER_CHECKS = ("fwd GPU", "fwd+bwd GPU", "fwd stream, its own host", "fwd+bwd stream, its own host",
+                   "fwd stream, its machine's host", "fwd+bwd stream, its machine's host")
+#: The stream checks predicted with the measuring machine's host terms (:func:`with_machine_host`),
+#: under the names :data:`TRANSFER_CHECKS` gives them.
+MACHINE_HOST_CHECKS = {"fwd stream": "fwd stream, its machine's host",
+                       "fwd+bwd stream": "fwd+bwd stream, its machine's host"}
 
 
 def _call_key(r: dict) -> tuple:
@@ -381,14 +396,15 @@ def matmul_ratios(path: str = H100_MATMUL, base: str = MATMUL_FILE) -> list[tupl
 def validate_transfer(path: str = H100_MEASURED) -> Optional[dict]:
     """The cached (H200) fits on another GPU (:func:`on_file_gpu`: the memory-bound passes at its
     copy bandwidth, the rest as calibrated: ``gpu_scale`` 1) against a measurement file of the
-    same calls, :data:`TRANSFER_CHECKS`: per class, the points of each check;
+    same calls, :data:`TRANSFER_CHECKS` (the streams with the host of the very calls timed, and
+    with that machine's host terms, :func:`with_machine_host`): per class, the points of each check;
     ``without_memory_term``: the fwd+bwd GPU points with the per-query-block passes at the
     calibration GPU's speed; the file's environment; ``ratios`` (:func:`gpu_time_ratios` against
     the calibration's own file), ``matmul`` (:func:`matmul_ratios`) and ``memory_factor`` (the
     per-query-block term's factor on that GPU). None without the file."""
     if not os.path.exists(path):
         return None
-    out: dict = {"classes": {}, "without_memory_term": [], "env": {},
+    out: dict = {"classes": {}, "without_memory_term": [], "env": {}, "machine_host": {},
                  "ratios": gpu_time_ratios(paired_calls(path)), "matmul": [x for *_, x in matmul_ratios()]}
     for gqa in (True, False):
         rows, env = measured_rows(path, 128, gqa)
@@ -396,6 +412,10 @@ def validate_transfer(path: str = H100_MEASURED) -> Optional[dict]:
             continue
         cost = load_cost("flashmask3", gqa)
         pts = _shape_points(on_file_gpu(cost, env), rows, True)
+        machine = _shape_points(with_machine_host(on_file_gpu(cost, env), rows), rows, True)
+        pts.update({name: machine[c] for c, name in MACHINE_HOST_CHECKS.items() if c in machine})
+        fwd, bwd, _ = measured_host(rows)
+        out["machine_host"]["GQA" if gqa else "MHA"] = f"{fwd * 1e6:.0f} / {bwd * 1e6:.0f} us forward / backward"
         out["classes"]["GQA" if gqa else "MHA"] = {c: pts[c] for c in TRANSFER_CHECKS if c in pts}
         out["without_memory_term"] += _shape_points(cost, rows, True).get("fwd+bwd GPU", [])
         out["env"] = env

@@ -483,3 +483,22 @@ def test_transfer_check_predicts_every_h100_call_with_the_h100_cost():
         assert p.predicted == pytest.approx(cost.gpu_forward(tiles, r["heads"], r["kv_heads"])
                                             + cost.gpu_backward(tiles, r["heads"], r["kv_heads"]))
     assert len(t["without_memory_term"]) == sum(len(c["fwd+bwd GPU"]) for c in t["classes"].values())
+
+
+def test_transfer_streams_take_the_measuring_machines_host():
+    """The transfer's `its machine's host` checks predict each stream with the host terms taken
+    from that file's own host-relevant calls, the GPU part as for the GPU checks."""
+    from benchmarks.scale_model.calibrate import load_cost, measured_host, measured_rows
+
+    t = V.validate_transfer()
+    rows, env = measured_rows(V.H100_MEASURED, 128, False)
+    fwd, bwd, _ = measured_host(rows)
+    cost = V.with_machine_host(V.on_file_gpu(load_cost("flashmask3", False), env), rows)
+    assert (cost.fwd.floor, cost.bwd.floor) == (fwd, bwd)
+    pts = t["classes"]["MHA"]["fwd+bwd stream, its machine's host"]
+    assert len(pts) == sum("stream_fwd_bwd_ms" in r for r in rows)
+    r = next(r for r in rows if "stream_fwd_bwd_ms" in r)
+    tiles = V.row_tiles(r)
+    gpu = cost.gpu_forward(tiles, r["heads"], r["kv_heads"]) + cost.gpu_backward(tiles, r["heads"], r["kv_heads"])
+    assert pts[0].predicted == pytest.approx(max(fwd + bwd, gpu))
+    assert pts[0].measured == pytest.approx(V.measured_ms(r, "stream_fwd_bwd_ms", "fwd+bwd stream") * 1e-3)
