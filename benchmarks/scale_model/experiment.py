@@ -147,7 +147,7 @@ def cost_on(cost: AttentionCost, cluster: Cluster) -> AttentionCost:
     """``cost`` (calibrated on one H200) on ``cluster``'s GPU: its memory-bound per-query-block
     passes at the GPU's copy bandwidth (``runtime_copy_bw``; validate.memory_scaled), the rest
     x1 (``gpu_scale``, applied by the timeline). On an H100 the same calls' GPU times back this
-    (validate.validate_transfer: the H200's fit predicts the H100's 331 calls)."""
+    (validate.validate_transfer: the H200's fit predicts the H100's calls)."""
     return memory_scaled(cost, memory_factor(cluster.runtime_copy_bw.value))
 
 

@@ -105,9 +105,9 @@ class Cluster:
                                    "permutation as a fraction of the matmul time")
     host_op: Param = Param(7e-6, "assumed: host time per eager PyTorch op that launches work "
                            "(dispatch + launch, 5-10 us on a server CPU)")
-    gpu_scale: Param = Param(1.0, "measured: one H100 ran the H200 calibration's 331 calls at a median "
+    gpu_scale: Param = Param(1.0, "measured: one H100 ran 299 of the H200 calibration's calls at a median "
                              "0.99x (forward) / 1.02x (forward+backward) their H200 GPU time "
-                             "(scale_model_attention_h100.json, 2026-12-07 09:53); the backward's memory-bound "
+                             "(scale_model_attention_h100.json, 2026-12-07 16:30); the backward's memory-bound "
                              "per-query-block passes run at the GPU's copy bandwidth instead "
                              "(validate.memory_scaled, x1.34 on an H100)")
     dp_overlap: Param = Param(0.8, "assumed: share of the data-parallel gradient reduction that "

@@ -283,7 +283,7 @@ def transfer_section(t: dict) -> list[str]:
              "zeroing and scaling: `a_q`) need. The model runs those at the target GPU's copy bandwidth "
              f"(`params.RUNTIME_FITS`, fitted on the CP runtime's own copies: x{factor:.3f} on the H100) and "
              "everything else as calibrated. That term was added after the first H100 file (2026-12-07 09:27, "
-             "replaced by this one) showed the small GQA backward calls slower than predicted; its factor comes "
+             "since replaced) showed the small GQA backward calls slower than predicted; its factor comes "
              "from the runtime's copies, not from either file. With those passes at the H200's speed this file's "
              "forward+backward check would have "
              f"{bare['within_target']} of {bare['points']} points within 15% (worst {bare['max_abs_error']:.1%}). "
@@ -303,8 +303,18 @@ def transfer_section(t: dict) -> list[str]:
                          f"{sm['mean_abs_error']:.1%} | {sm['within_target']} |")
             every += pts
     sm = summary(every)
-    return lines + ["", f"Target (<= {TARGET:.0%} on every point): {'met' if sm['max_abs_error'] <= TARGET else 'NOT met'} "
-                    f"({sm['within_target']} of {sm['points']} within, worst {sm['max_abs_error']:.1%}).", ""]
+    lines += ["", f"Target (<= {TARGET:.0%} on every point): {'met' if sm['max_abs_error'] <= TARGET else 'NOT met'} "
+              f"({sm['within_target']} of {sm['points']} within, worst {sm['max_abs_error']:.1%}).", ""]
+    noise = _host_noise_text(_repeated_rows(t["path"])) if t.get("path") else ""
+    return lines + ([f"This file's stream samples (`measure.repeat_streams`): {noise}", ""] if noise else [])
+
+
+def _repeated_rows(path: str) -> list[dict]:
+    """The rows of a measurement file that have repeated stream samples (both head layouts)."""
+    from .calibrate import measured_rows
+
+    return [r for gqa in (True, False) for r in measured_rows(path, 128, gqa)[0]
+            if "stream_host_fwd_bwd_us_repeats" in r]
 
 
 def kv_expansion_section(points) -> list[str]:
@@ -624,9 +634,11 @@ def _host_noise_text(rep: list[dict]) -> str:
             f"median), while each mean, of {n} samples, has a relative standard error of {np.median(se):.1%} "
             f"(median; 90%: {np.percentile(se, 90):.1%}). "
             + ("The spread is no larger than the noise: these measurements show no host difference between "
-               f"the calls' shapes, and the target's {TARGET:.0%} is only {TARGET / np.median(se):.1f} standard "
-               "errors of a median call, so among a few hundred host-bound points a few can miss by sampling "
-               "alone; more samples per call shrink that." if spread <= 1.1 * np.median(se) else
+               f"the calls' shapes, and the target's {TARGET:.0%} is {TARGET / np.median(se):.1f} standard "
+               "errors of a median call, "
+               + ("so among a few hundred host-bound points a few can miss by sampling alone; more samples "
+                  "per call shrink that." if TARGET / np.median(se) < 3.5 else
+                  "so a miss by sampling alone is unlikely.") if spread <= 1.1 * np.median(se) else
                "The spread exceeds the noise: part of it is a host difference between the calls."))
 
 

@@ -404,7 +404,7 @@ def validate_transfer(path: str = H100_MEASURED) -> Optional[dict]:
     per-query-block term's factor on that GPU). None without the file."""
     if not os.path.exists(path):
         return None
-    out: dict = {"classes": {}, "without_memory_term": [], "env": {}, "machine_host": {},
+    out: dict = {"classes": {}, "without_memory_term": [], "env": {}, "machine_host": {}, "path": path,
                  "ratios": gpu_time_ratios(paired_calls(path)), "matmul": [x for *_, x in matmul_ratios()]}
     for gqa in (True, False):
         rows, env = measured_rows(path, 128, gqa)
