@@ -305,16 +305,8 @@ def transfer_section(t: dict) -> list[str]:
     sm = summary(every)
     lines += ["", f"Target (<= {TARGET:.0%} on every point): {'met' if sm['max_abs_error'] <= TARGET else 'NOT met'} "
               f"({sm['within_target']} of {sm['points']} within, worst {sm['max_abs_error']:.1%}).", ""]
-    noise = _host_noise_text(_repeated_rows(t["path"])) if t.get("path") else ""
+    noise = _host_noise_text(t.get("repeated", []))
     return lines + ([f"This file's stream samples (`measure.repeat_streams`): {noise}", ""] if noise else [])
-
-
-def _repeated_rows(path: str) -> list[dict]:
-    """The rows of a measurement file that have repeated stream samples (both head layouts)."""
-    from .calibrate import measured_rows
-
-    return [r for gqa in (True, False) for r in measured_rows(path, 128, gqa)[0]
-            if "stream_host_fwd_bwd_us_repeats" in r]
 
 
 def kv_expansion_section(points) -> list[str]:

@@ -400,23 +400,28 @@ def validate_transfer(path: str = H100_MEASURED) -> Optional[dict]:
     with that machine's host terms, :func:`with_machine_host`): per class, the points of each check;
     ``without_memory_term``: the fwd+bwd GPU points with the per-query-block passes at the
     calibration GPU's speed; the file's environment; ``ratios`` (:func:`gpu_time_ratios` against
-    the calibration's own file), ``matmul`` (:func:`matmul_ratios`) and ``memory_factor`` (the
-    per-query-block term's factor on that GPU). None without the file."""
+    the calibration's own file), ``matmul`` (:func:`matmul_ratios`), ``memory_factor`` (the
+    per-query-block term's factor on that GPU), ``machine_host`` (per class, that machine's host
+    terms, as text) and ``repeated`` (the rows with repeated stream samples). None without the file."""
     if not os.path.exists(path):
         return None
-    out: dict = {"classes": {}, "without_memory_term": [], "env": {}, "machine_host": {}, "path": path,
+    out: dict = {"classes": {}, "without_memory_term": [], "env": {}, "machine_host": {}, "repeated": [],
                  "ratios": gpu_time_ratios(paired_calls(path)), "matmul": [x for *_, x in matmul_ratios()]}
     for gqa in (True, False):
         rows, env = measured_rows(path, 128, gqa)
         if not rows:
             continue
+        cls = "GQA" if gqa else "MHA"
         cost = load_cost("flashmask3", gqa)
-        pts = _shape_points(on_file_gpu(cost, env), rows, True)
-        machine = _shape_points(with_machine_host(on_file_gpu(cost, env), rows), rows, True)
+        on_gpu = on_file_gpu(cost, env)
+        machine_cost = with_machine_host(on_gpu, rows)
+        pts = _shape_points(on_gpu, rows, True)
+        machine = _shape_points(machine_cost, rows, True)
         pts.update({name: machine[c] for c, name in MACHINE_HOST_CHECKS.items() if c in machine})
-        fwd, bwd, _ = measured_host(rows)
-        out["machine_host"]["GQA" if gqa else "MHA"] = f"{fwd * 1e6:.0f} / {bwd * 1e6:.0f} us forward / backward"
-        out["classes"]["GQA" if gqa else "MHA"] = {c: pts[c] for c in TRANSFER_CHECKS if c in pts}
+        out["machine_host"][cls] = (f"{machine_cost.fwd.floor * 1e6:.0f} / {machine_cost.bwd.floor * 1e6:.0f} us "
+                                    "forward / backward")
+        out["repeated"] += [r for r in rows if "stream_host_fwd_bwd_us_repeats" in r]
+        out["classes"][cls] = {c: pts[c] for c in TRANSFER_CHECKS if c in pts}
         out["without_memory_term"] += _shape_points(cost, rows, True).get("fwd+bwd GPU", [])
         out["env"] = env
     out["memory_factor"] = file_memory_factor(out["env"])
