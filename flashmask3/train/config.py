@@ -157,7 +157,7 @@ class TrainConfig:
         "help": "first steps left out of the throughput summary"})
     time_attention: bool = field(default=True, metadata={
         "help": "time attention forward+backward to report its share of step time"})
-    progress: bool = field(default=True, metadata={"help": "show a progress bar"})
+    progress: bool = field(default=True, metadata={"help": "show a progress bar (on a terminal only)"})
     plot: bool = field(default=True, metadata={"help": "write loss.png"})
 
     def __post_init__(self):

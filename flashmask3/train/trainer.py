@@ -330,20 +330,22 @@ def _checkpoint(cfg, env, step, model, optimizer, data_state, history) -> None:
 # -- reporting ----------------------------------------------------------------------------------
 
 def _progress(cfg, env, start):
+    """The main rank's progress bar, drawn only on a terminal (``disable=None``): in a log file
+    or a pipe the periodic step lines of :func:`_report` say the same without carriage returns."""
     if not (env.is_main and cfg.progress):
         return None
     from tqdm import tqdm
     return tqdm(total=cfg.steps, initial=start, desc="train", unit="step", dynamic_ncols=True,
-                mininterval=1.0,
-                file=sys.stderr)
+                mininterval=1.0, disable=None, file=sys.stderr)
 
 
 def _report(bar, env, cfg, step, metrics, tokens_per_s) -> None:
     if not env.is_main:
         return
     if bar is not None:
+        # refresh=False: the bar redraws at most once a second (mininterval), not every step
+        bar.set_postfix(loss=f"{metrics['loss']:.3f}", tok_s=f"{tokens_per_s:,.0f}", refresh=False)
         bar.update(1)
-        bar.set_postfix(loss=f"{metrics['loss']:.3f}", tok_s=f"{tokens_per_s:,.0f}")
     if step % cfg.log_every == 0 or step == 1:
         line = (f"step {step:5d}/{cfg.steps}  loss {metrics['loss']:.4f}  "
                 f"grad_norm {metrics['grad_norm']:.3f}  tokens/s {tokens_per_s:,.0f}")

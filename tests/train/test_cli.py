@@ -26,6 +26,18 @@ def test_train_command_writes_summary_curve_and_checkpoints(tmp_path, jsonl_corp
     assert "% of (query, key) pairs skipped" in text
 
 
+def test_progress_bar_stays_out_of_a_log_file(tmp_path, jsonl_corpus, capsys):
+    """With --progress but no terminal (pytest captures the streams), the bar draws nothing:
+    no carriage-return frames in the log, and the periodic step lines still arrive."""
+    rc = main(["train", "--preset", "tiny", "--data", jsonl_corpus, "--steps", "3", "--no-plot",
+               "--log-every", "1", "--progress", "--out-dir", str(tmp_path / "run")])
+    assert rc == 0
+    captured = capsys.readouterr()
+    assert "\r" not in captured.err and "step/s" not in captured.err
+    assert [line.split()[1] for line in captured.out.splitlines()
+            if line.startswith("step ")] == ["1/3", "2/3", "3/3"]
+
+
 def test_attention_backward_flag_selects_the_triton_backward(tmp_path, jsonl_corpus, monkeypatch):
     """--attention-backward reaches the kernel's switch (FLASHMASK3_KERNELS) while the ranks
     are launched, and the caller's environment is restored afterwards; auto leaves it alone."""
