@@ -123,7 +123,7 @@ def train(args) -> dict:
         optim.zero_grad(set_to_none=True)
         losses.append(float(loss.detach()))
         docs_seen += len(packed.doc_lens[0])
-        bar.set_postfix(loss=f"{losses[-1]:.3f}", docs=docs_seen)
+        bar.set_postfix(loss=f"{losses[-1]:.3f}", docs=docs_seen, refresh=False)  # redraw per mininterval
     seconds = time.perf_counter() - t0
     return {"preset": args.preset, "device": str(device), "tokens_per_step": args.tokens,
             "steps": args.steps, "losses": losses, "documents": docs_seen, "seconds": seconds,
